@@ -1,0 +1,413 @@
+"""Run configuration: frozen dataclasses, presets, key=value overrides and validation.
+
+A config is built in three layers: the dataclass defaults, a base (a preset module under
+`jaxlm/configs/` or a YAML/JSON file), then dotted `key=value` overrides from the command line.
+Every mistake a user can make here ends in a `ConfigError` whose message is one line naming the
+key, the bad value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib
+import json
+import pkgutil
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+
+class ConfigError(ValueError):
+    """A user-fixable configuration mistake; its message is a single line."""
+
+
+def _f(default, help: str, **kw):
+    """A dataclass field with a help string shown by `jaxlm train --help`."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help}, **kw)
+    return field(default=default, metadata={"help": help}, **kw)
+
+
+DType = Literal["float32", "bfloat16"]
+RematPolicy = Literal["none", "full", "minimal", "save_dots"]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int | None = _f(None, "vocabulary size; None takes it from the data's meta.json")
+    block_size: int = _f(256, "context length in tokens")
+    n_layers: int = _f(6, "number of transformer blocks")
+    n_heads: int = _f(6, "query heads per block")
+    n_kv_heads: int | None = _f(None, "key/value heads (grouped-query attention); None = n_heads")
+    d_model: int = _f(384, "residual stream width")
+    head_dim: int | None = _f(None, "width of one attention head; None = d_model / n_heads")
+    d_ff: int | None = _f(None, "MLP hidden width; None = 4 * d_model")
+    dropout: float = _f(0.0, "dropout rate on attention probabilities and residual branches")
+    bias: bool = _f(False, "biases in linear layers and LayerNorm")
+    norm: Literal["rmsnorm", "layernorm"] = _f("rmsnorm", "normalization layer")
+    norm_eps: float = _f(1e-5, "epsilon of the normalization layers")
+    position: Literal["rotary", "learned"] = _f("rotary", "position encoding")
+    rope_theta: float = _f(10000.0, "rotary embedding base")
+    qk_norm: bool = _f(True, "normalize queries and keys per head before attention (QK-LayerNorm)")
+    activation: Literal["gelu", "gelu_tanh", "silu", "relu"] = _f("gelu", "MLP activation")
+    glu: bool = _f(False, "gated MLP (SwiGLU/GeGLU) instead of a plain two-layer MLP")
+    tie_embeddings: bool = _f(True, "share the token embedding with the output projection")
+    init_std: float = _f(0.02, "standard deviation of the normal weight initializer")
+    param_dtype: DType = _f("float32", "dtype the weights are stored and updated in")
+    compute_dtype: DType = _f("float32", "dtype of activations and matmul operands (softmax and loss stay float32)")
+    remat: RematPolicy = _f("none", "activation rematerialization: none, full, minimal (save matmuls without a batch dim), save_dots")
+    scan_layers: bool = _f(True, "run the stacked layers with lax.scan (fast compile) instead of a Python loop")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def hd(self) -> int:
+        return self.head_dim or self.d_model // self.n_heads
+
+    @property
+    def ff(self) -> int:
+        return self.d_ff or 4 * self.d_model
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    dataset: str = _f("shakespeare_char", "dataset name: shakespeare_char, python_stdlib, openwebtext, or a prepared folder's name")
+    dir: str | None = _f(None, "folder with train.bin, val.bin and meta.json; None = data/<dataset>")
+    input: str | None = _f(None, "local text file to prepare the dataset from when the folder is missing (no download)")
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    lr: float = _f(1e-3, "peak learning rate")
+    min_lr: float = _f(1e-4, "learning rate at the end of the decay")
+    warmup_steps: int = _f(100, "linear warmup steps from 0 to lr")
+    decay_steps: int | None = _f(None, "step at which the decay reaches min_lr; None = training.steps")
+    schedule: Literal["cosine", "linear", "constant"] = _f("cosine", "decay shape after warmup")
+    beta1: float = _f(0.9, "AdamW beta1")
+    beta2: float = _f(0.95, "AdamW beta2")
+    eps: float = _f(1e-8, "AdamW epsilon")
+    weight_decay: float = _f(0.1, "weight decay (see weight_decay_mode)")
+    weight_decay_mode: Literal["coupled", "independent"] = _f(
+        "coupled",
+        "coupled: decay multiplied by the scheduled lr (torch AdamW); independent: decay follows the "
+        "schedule's shape but not the peak lr (midGPT)",
+    )
+    decay_embeddings: bool = _f(True, "apply weight decay to embedding tables (norms and biases never decay)")
+    grad_clip: float = _f(1.0, "global gradient-norm clipping threshold; 0 disables")
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    steps: int = _f(5000, "optimizer steps to train for")
+    batch_size: int = _f(64, "sequences per micro-batch, across all devices")
+    grad_accum: int = _f(1, "micro-batches accumulated per optimizer step")
+    eval_interval: int = _f(250, "evaluate train/val loss every this many steps (and at the end); 0 = only at the end")
+    eval_batches: int = _f(20, "fixed held-out batches per split in each evaluation")
+    log_interval: int = _f(10, "steps between metric flushes (every step is still recorded)")
+    sample_tokens: int = _f(200, "tokens sampled at the end of training; 0 = no sample")
+    sample_prompt: str = _f("\n", "prompt for the end-of-training sample")
+    sample_temperature: float = _f(0.8, "sampling temperature for the end-of-training sample")
+    sample_top_k: int = _f(200, "top-k for the end-of-training sample; 0 = off")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    interval: int = _f(1000, "save every this many steps (and at the end); 0 = only at the end")
+    keep: int = _f(3, "checkpoints kept on disk")
+    enabled: bool = _f(True, "write checkpoints at all")
+    async_save: bool = _f(True, "write checkpoints in the background while training continues")
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    tensorboard: bool = _f(True, "write TensorBoard event files to the run directory")
+    progress: bool = _f(True, "show a progress bar")
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    ici_data: int = _f(-1, "devices on the data-parallel axis; -1 = all that remain")
+    ici_fsdp: int = _f(1, "devices on the FSDP axis (shards params, grads and optimizer state); -1 = all that remain")
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    run_dir: str | None = _f(None, "run directory; None = outputs/<timestamp>. A folder holding a checkpoint is resumed")
+    seed: int = _f(1337, "seed for initialization, data order and dropout")
+    debug: bool = _f(False, "write a profiler trace of a few steps and skip checkpoints")
+
+    def replace(self, **kw) -> "Config":
+        return dataclasses.replace(self, **kw)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+
+def _section_classes() -> dict[str, type]:
+    hints = typing.get_type_hints(Config)
+    return {name: t for name, t in hints.items() if dataclasses.is_dataclass(t)}
+
+
+def all_keys() -> list[tuple[str, Any, Any, str]]:
+    """(dotted key, type, default, help) for every setting, in declaration order."""
+    rows = []
+    sections = _section_classes()
+    defaults = Config()
+    for f in dataclasses.fields(Config):
+        if f.name in sections:
+            hints = typing.get_type_hints(sections[f.name])
+            for sf in dataclasses.fields(sections[f.name]):
+                rows.append((f"{f.name}.{sf.name}", hints[sf.name],
+                             getattr(getattr(defaults, f.name), sf.name), sf.metadata.get("help", "")))
+        else:
+            rows.append((f.name, typing.get_type_hints(Config)[f.name], getattr(defaults, f.name),
+                         f.metadata.get("help", "")))
+    return rows
+
+
+def type_name(t) -> str:
+    origin = typing.get_origin(t)
+    if origin is Literal:
+        return "|".join(str(a) for a in typing.get_args(t))
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(t) if a is not type(None)]
+        return f"{type_name(args[0])} or None" if len(args) == 1 else " or ".join(map(type_name, args))
+    return getattr(t, "__name__", str(t))
+
+
+def _coerce(key: str, value: Any, t) -> Any:
+    """Convert `value` (a string from the command line, or a YAML/JSON scalar) to type `t`."""
+    origin = typing.get_origin(t)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(t)
+        if type(None) in args and (value is None or (isinstance(value, str) and value.lower() in ("none", "null"))):
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _coerce(key, value, inner)
+    if origin is Literal:
+        choices = typing.get_args(t)
+        if value in choices:
+            return value
+        hint = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+        extra = f" (did you mean '{hint[0]}'?)" if hint else ""
+        raise ConfigError(f"{key}={value!r} is not allowed{extra}; choose one of: {', '.join(map(str, choices))}")
+    try:
+        if t is bool:
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on"):
+                return True
+            if isinstance(value, str) and value.lower() in ("false", "0", "no", "off"):
+                return False
+            raise ValueError
+        if t is int:
+            if isinstance(value, bool):
+                raise ValueError
+            if isinstance(value, float):
+                if not value.is_integer():
+                    raise ValueError
+                return int(value)
+            if isinstance(value, str):
+                v = float(value.replace("_", ""))
+                if not v.is_integer():
+                    raise ValueError
+                return int(v)
+            if isinstance(value, int):
+                return value
+            raise ValueError
+        if t is float:
+            if isinstance(value, bool):
+                raise ValueError
+            if isinstance(value, (int, float)):
+                return float(value)
+            if isinstance(value, str):
+                return float(value)
+            raise ValueError
+        if t is str:
+            if isinstance(value, (dict, list)):
+                raise ValueError
+            return str(value)
+    except ValueError:
+        raise ConfigError(f"{key}={value!r} is not a valid {type_name(t)}") from None
+    raise ConfigError(f"{key}: unsupported setting type {t}")
+
+
+def _unknown(key: str, candidates: list[str]) -> ConfigError:
+    hint = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
+    extra = f" (did you mean '{hint[0]}'?)" if hint else ""
+    return ConfigError(f"unknown setting '{key}'{extra}; `jaxlm train --help` lists them all")
+
+
+def apply_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:
+    """Return `cfg` with dotted-key overrides applied, type-checked; does not validate ranges."""
+    sections = _section_classes()
+    keys = [k for k, *_ in all_keys()]
+    top_hints = typing.get_type_hints(Config)
+    changes: dict[str, dict[str, Any]] = {}
+    top: dict[str, Any] = {}
+    for key, value in overrides.items():
+        parts = key.split(".")
+        if len(parts) == 1 and parts[0] in top_hints and parts[0] not in sections:
+            top[parts[0]] = _coerce(key, value, top_hints[parts[0]])
+        elif len(parts) == 2 and parts[0] in sections:
+            hints = typing.get_type_hints(sections[parts[0]])
+            if parts[1] not in hints:
+                raise _unknown(key, keys)
+            changes.setdefault(parts[0], {})[parts[1]] = _coerce(key, value, hints[parts[1]])
+        else:
+            raise _unknown(key, keys)
+    for section, kv in changes.items():
+        top[section] = dataclasses.replace(getattr(cfg, section), **kv)
+    return dataclasses.replace(cfg, **top)
+
+
+def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    """{'model': {'n_layers': 4}} -> {'model.n_layers': 4}."""
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and k in _section_classes() and not prefix:
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def parse_overrides(args: list[str]) -> dict[str, str]:
+    out = {}
+    for a in args:
+        if "=" not in a:
+            raise ConfigError(f"expected key=value, got {a!r} (e.g. training.steps=100)")
+        k, v = a.split("=", 1)
+        out[k.strip()] = v
+    return out
+
+
+def preset_names() -> list[str]:
+    from jaxlm import configs
+
+    return sorted(m.name for m in pkgutil.iter_modules(configs.__path__) if not m.name.startswith("_"))
+
+
+def load_base(name_or_file: str) -> Config:
+    """A preset by name (`shakespeare_char`) or a YAML/JSON file of nested settings."""
+    path = Path(name_or_file)
+    if path.suffix in (".yaml", ".yml", ".json") or path.is_file():
+        if not path.is_file():
+            raise ConfigError(f"config file {name_or_file} does not exist")
+        text = path.read_text()
+        try:
+            if path.suffix == ".json":
+                data = json.loads(text)
+            else:
+                import yaml
+
+                data = yaml.safe_load(text)
+        except Exception as e:  # noqa: BLE001 - parser errors vary; report the first line
+            raise ConfigError(f"cannot parse {name_or_file}: {str(e).splitlines()[0]}") from None
+        data = data or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{name_or_file} must hold a mapping of settings, not {type(data).__name__}")
+        base = load_base(data.pop("base")) if "base" in data else Config()
+        return apply_overrides(base, flatten(data))
+    name = name_or_file.replace("-", "_")
+    names = preset_names()
+    if name not in names:
+        hint = difflib.get_close_matches(name, names, n=1)
+        extra = f" (did you mean '{hint[0]}'?)" if hint else ""
+        raise ConfigError(f"unknown preset or file '{name_or_file}'{extra}; presets: {', '.join(names)}")
+    return importlib.import_module(f"jaxlm.configs.{name}").config()
+
+
+def load(name_or_file: str, overrides: dict[str, Any] | list[str] | None = None) -> Config:
+    """Base + overrides, validated."""
+    if isinstance(overrides, list):
+        overrides = parse_overrides(overrides)
+    cfg = apply_overrides(load_base(name_or_file), overrides or {})
+    validate(cfg)
+    return cfg
+
+
+def _divisors(n: int) -> str:
+    ds = [d for d in range(1, n + 1) if n % d == 0]
+    return ", ".join(map(str, ds[:12])) + (", ..." if len(ds) > 12 else "")
+
+
+def validate(cfg: Config) -> None:
+    """Range and consistency checks that need no data or devices."""
+    m, o, t, c = cfg.model, cfg.optimizer, cfg.training, cfg.checkpoint
+
+    def positive(key, v):
+        if v <= 0:
+            raise ConfigError(f"{key}={v} must be > 0")
+
+    for key in ("block_size", "n_layers", "n_heads", "d_model"):
+        positive(f"model.{key}", getattr(m, key))
+    for key in ("vocab_size", "n_kv_heads", "head_dim", "d_ff"):
+        v = getattr(m, key)
+        if v is not None:
+            positive(f"model.{key}", v)
+    if m.head_dim is None and m.d_model % m.n_heads:
+        raise ConfigError(f"model.n_heads={m.n_heads} must divide model.d_model={m.d_model} "
+                          f"(allowed: {_divisors(m.d_model)}), or set model.head_dim")
+    if m.n_heads % m.kv_heads:
+        raise ConfigError(f"model.n_kv_heads={m.kv_heads} must divide model.n_heads={m.n_heads} "
+                          f"(allowed: {_divisors(m.n_heads)})")
+    if m.position == "rotary" and m.hd % 2:
+        raise ConfigError(f"rotary embeddings need an even head width, got {m.hd} (model.d_model / model.n_heads)")
+    if not 0.0 <= m.dropout < 1.0:
+        raise ConfigError(f"model.dropout={m.dropout} must be in [0, 1)")
+    for key in ("norm_eps", "init_std", "rope_theta"):
+        positive(f"model.{key}", getattr(m, key))
+    positive("optimizer.lr", o.lr)
+    if not 0.0 <= o.min_lr <= o.lr:
+        raise ConfigError(f"optimizer.min_lr={o.min_lr} must be in [0, optimizer.lr={o.lr}]")
+    for key in ("beta1", "beta2"):
+        if not 0.0 <= getattr(o, key) < 1.0:
+            raise ConfigError(f"optimizer.{key}={getattr(o, key)} must be in [0, 1)")
+    positive("optimizer.eps", o.eps)
+    for key in ("weight_decay", "grad_clip"):
+        if getattr(o, key) < 0:
+            raise ConfigError(f"optimizer.{key}={getattr(o, key)} must be >= 0")
+    if o.warmup_steps < 0:
+        raise ConfigError(f"optimizer.warmup_steps={o.warmup_steps} must be >= 0")
+    decay = o.decay_steps if o.decay_steps is not None else t.steps
+    if o.schedule != "constant" and decay < o.warmup_steps:
+        raise ConfigError(f"optimizer.decay_steps={decay} must be >= optimizer.warmup_steps={o.warmup_steps}")
+    for key in ("steps", "batch_size", "grad_accum", "eval_batches", "log_interval"):
+        positive(f"training.{key}", getattr(t, key))
+    for key in ("eval_interval", "sample_tokens", "sample_top_k"):
+        if getattr(t, key) < 0:
+            raise ConfigError(f"training.{key}={getattr(t, key)} must be >= 0")
+    if t.sample_temperature < 0:
+        raise ConfigError(f"training.sample_temperature={t.sample_temperature} must be >= 0")
+    if c.interval < 0:
+        raise ConfigError(f"checkpoint.interval={c.interval} must be >= 0")
+    positive("checkpoint.keep", c.keep)
+    for key in ("ici_data", "ici_fsdp"):
+        v = getattr(cfg.mesh, key)
+        if v == 0 or v < -1:
+            raise ConfigError(f"mesh.{key}={v} must be a positive device count or -1 (fill)")
+    if cfg.mesh.ici_data == -1 and cfg.mesh.ici_fsdp == -1:
+        raise ConfigError("mesh.ici_data and mesh.ici_fsdp are both -1; at most one axis may fill the remaining devices")
+
+
+def to_json(cfg: Config) -> str:
+    return json.dumps(cfg.to_dict(), indent=2)
+
+
+def from_dict(d: dict) -> Config:
+    return apply_overrides(Config(), flatten(d))

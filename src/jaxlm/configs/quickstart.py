@@ -1,0 +1,14 @@
+"""Quickstart: a small byte-level GPT on the Python standard library's own source, offline, about two minutes on 2 CPU cores."""
+
+from jaxlm.config import CheckpointConfig, Config, DataConfig, ModelConfig, OptimizerConfig, TrainingConfig
+
+
+def config() -> Config:
+    return Config(
+        model=ModelConfig(block_size=128, n_layers=4, n_heads=4, d_model=128, dropout=0.0),
+        data=DataConfig(dataset="python_stdlib"),
+        optimizer=OptimizerConfig(lr=2e-3, min_lr=2e-4, warmup_steps=50, beta2=0.99, weight_decay=0.1),
+        training=TrainingConfig(steps=1000, batch_size=16, eval_interval=250, eval_batches=10,
+                                sample_tokens=300, sample_prompt="def ", sample_temperature=0.7),
+        checkpoint=CheckpointConfig(interval=0),
+    )

@@ -1,0 +1,15 @@
+"""nanoGPT's documented CPU run of character-level Shakespeare: 4 layers, 4 heads, 128 wide, block 64,
+batch 12, 2000 iterations with the decay over 2000, no dropout (nanoGPT reports val loss about 1.88)."""
+
+from jaxlm.config import CheckpointConfig, Config, DataConfig, ModelConfig, OptimizerConfig, TrainingConfig
+
+
+def config() -> Config:
+    return Config(
+        model=ModelConfig(block_size=64, n_layers=4, n_heads=4, d_model=128, dropout=0.0),
+        data=DataConfig(dataset="shakespeare_char"),
+        optimizer=OptimizerConfig(lr=1e-3, min_lr=1e-4, warmup_steps=100, decay_steps=2000, schedule="cosine",
+                                  beta2=0.99, weight_decay=0.1),
+        training=TrainingConfig(steps=2000, batch_size=12, eval_interval=250, eval_batches=20),
+        checkpoint=CheckpointConfig(interval=250),
+    )

@@ -1,0 +1,145 @@
+"""The one forward pass shared by every family: embed, a scanned stack of pre-norm blocks, norm, logits.
+
+Shape legend: B batch, T length, D model width, V vocab, L layers, N heads, K kv heads, H head width,
+F MLP hidden width.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxlm.config import ModelConfig
+from jaxlm.model import attention, layers
+from jaxlm.params import ParamSpec, normal, ones, zeros
+from jaxlm.sharding import constrain
+
+
+def _norm_specs(cfg: ModelConfig, shape, axes) -> dict:
+    p = {"scale": ParamSpec(shape, axes, ones, cfg.param_dtype)}
+    if cfg.norm == "layernorm" and cfg.bias:
+        p["bias"] = ParamSpec(shape, axes, zeros, cfg.param_dtype)
+    return p
+
+
+def param_specs(cfg: ModelConfig) -> dict:
+    """Every weight of the model, declared once. Layer weights are stacked along a leading `layers` axis."""
+    assert cfg.vocab_size is not None, "vocab_size must be resolved before building the model"
+    L, D, N, K, H, F, V = cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.hd, cfg.ff, cfg.vocab_size
+    dt = cfg.param_dtype
+    w = normal(cfg.init_std)
+    w_out = normal(cfg.init_std / (2 * L) ** 0.5)  # residual-branch outputs, as in GPT-2
+    attn = {
+        "q": ParamSpec((L, D, N, H), ("layers", "embed", "heads", "head_dim"), w, dt),
+        "k": ParamSpec((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim"), w, dt),
+        "v": ParamSpec((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim"), w, dt),
+        "o": ParamSpec((L, N, H, D), ("layers", "heads", "head_dim", "embed"), w_out, dt),
+    }
+    mlp = {
+        "up": ParamSpec((L, D, F), ("layers", "embed", "mlp"), w, dt),
+        "down": ParamSpec((L, F, D), ("layers", "mlp", "embed"), w_out, dt),
+    }
+    if cfg.glu:
+        mlp["gate"] = ParamSpec((L, D, F), ("layers", "embed", "mlp"), w, dt)
+    if cfg.bias:
+        attn["q_bias"] = ParamSpec((L, N, H), ("layers", "heads", "head_dim"), zeros, dt)
+        attn["k_bias"] = ParamSpec((L, K, H), ("layers", "kv_heads", "head_dim"), zeros, dt)
+        attn["v_bias"] = ParamSpec((L, K, H), ("layers", "kv_heads", "head_dim"), zeros, dt)
+        attn["o_bias"] = ParamSpec((L, D), ("layers", "embed"), zeros, dt)
+        mlp["up_bias"] = ParamSpec((L, F), ("layers", "mlp"), zeros, dt)
+        mlp["down_bias"] = ParamSpec((L, D), ("layers", "embed"), zeros, dt)
+    if cfg.qk_norm:
+        attn["q_norm"] = _norm_specs(cfg, (L, H), ("layers", "head_dim"))
+        attn["k_norm"] = _norm_specs(cfg, (L, H), ("layers", "head_dim"))
+    specs = {
+        "embed": {"tokens": ParamSpec((V, D), ("vocab", "embed"), w, dt)},
+        "layers": {
+            "attn_norm": _norm_specs(cfg, (L, D), ("layers", "embed")),
+            "attn": attn,
+            "mlp_norm": _norm_specs(cfg, (L, D), ("layers", "embed")),
+            "mlp": mlp,
+        },
+        "final_norm": _norm_specs(cfg, (D,), ("embed",)),
+    }
+    if cfg.position == "learned":
+        specs["embed"]["positions"] = ParamSpec((cfg.block_size, D), (None, "embed"), w, dt)
+    if not cfg.tie_embeddings:
+        specs["lm_head"] = ParamSpec((D, V), ("embed", "vocab"), w, dt)
+    return specs
+
+
+REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "minimal": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "save_dots": jax.checkpoint_policies.checkpoint_dots,
+}
+
+
+def block(x_BTD: jax.Array, p: dict, cfg: ModelConfig, positions_BT: jax.Array, key: jax.Array | None):
+    keys = jax.random.split(key, 3) if key is not None else (None, None, None)
+    with jax.named_scope("attn_block"):
+        h_BTD = layers.norm(x_BTD, p["attn_norm"], cfg.norm, cfg.norm_eps)
+        h_BTD = attention.attention(h_BTD, p["attn"], cfg, positions_BT, keys[0])
+        x_BTD = x_BTD + layers.dropout(h_BTD, cfg.dropout, keys[1])
+    with jax.named_scope("mlp_block"):
+        h_BTD = layers.norm(x_BTD, p["mlp_norm"], cfg.norm, cfg.norm_eps)
+        h_BTD = layers.mlp(h_BTD, p["mlp"], cfg.activation, cfg.glu)
+        x_BTD = x_BTD + layers.dropout(h_BTD, cfg.dropout, keys[2])
+    return constrain(x_BTD, ("batch", "length", "embed"))
+
+
+def forward(params: dict, tokens_BT: jax.Array, cfg: ModelConfig, key: jax.Array | None = None,
+            positions_BT: jax.Array | None = None) -> jax.Array:
+    """Logits [B, T, V] in float32. `key` enables dropout (training); None is deterministic."""
+    B, T = tokens_BT.shape
+    cdt = jnp.dtype(cfg.compute_dtype)
+    if positions_BT is None:
+        positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    if cfg.dropout == 0.0:
+        key = None
+    with jax.named_scope("embed"):
+        x_BTD = jnp.take(params["embed"]["tokens"], tokens_BT, axis=0).astype(cdt)
+        if cfg.position == "learned":
+            x_BTD = x_BTD + jnp.take(params["embed"]["positions"], positions_BT, axis=0).astype(cdt)
+        if key is not None:
+            key, sub = jax.random.split(key)
+            x_BTD = layers.dropout(x_BTD, cfg.dropout, sub)
+        x_BTD = constrain(x_BTD, ("batch", "length", "embed"))
+
+    body = lambda x, p, k: block(x, p, cfg, positions_BT, k)  # noqa: E731
+    if cfg.remat != "none":
+        body = jax.checkpoint(body, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
+    layer_keys = jax.random.split(key, cfg.n_layers) if key is not None else None
+    if cfg.scan_layers:
+        def step(x, inputs):
+            p, k = inputs
+            return body(x, p, k), None
+
+        x_BTD, _ = jax.lax.scan(step, x_BTD, (params["layers"], layer_keys))
+    else:
+        for i in range(cfg.n_layers):
+            p = jax.tree.map(lambda a: a[i], params["layers"])
+            x_BTD = body(x_BTD, p, None if layer_keys is None else layer_keys[i])
+
+    with jax.named_scope("logits"):
+        x_BTD = layers.norm(x_BTD, params["final_norm"], cfg.norm, cfg.norm_eps)
+        if cfg.tie_embeddings:
+            logits_BTV = jnp.einsum("BTD,VD->BTV", x_BTD, params["embed"]["tokens"].astype(cdt),
+                                    preferred_element_type=jnp.float32)
+        else:
+            logits_BTV = jnp.einsum("BTD,DV->BTV", x_BTD, params["lm_head"].astype(cdt),
+                                    preferred_element_type=jnp.float32)
+    return logits_BTV
+
+
+def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
+    """Mean next-token cross-entropy in float32."""
+    logits_BTV = logits_BTV.astype(jnp.float32)
+    lse_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
+    target_logit_BT = jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)[..., 0]
+    return jnp.mean(lse_BT - target_logit_BT)
+
+
+def loss_fn(params: dict, tokens_BT: jax.Array, targets_BT: jax.Array, cfg: ModelConfig,
+            key: jax.Array | None = None) -> jax.Array:
+    return cross_entropy(forward(params, tokens_BT, cfg, key), targets_BT)
