@@ -12,7 +12,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 quickstart: $(VENV)/.installed
-	$(VENV)/bin/jaxlm train quickstart run_dir=outputs/quickstart
+	$(VENV)/bin/jaxlm train quickstart
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q

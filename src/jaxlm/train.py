@@ -118,7 +118,7 @@ def make_train_step(cfg: Config, optimizer, mesh, abstract_state) -> Callable:
         updates, opt_state = optimizer.update(grads, state["opt_state"], params)
         new_state = {"params": optax.apply_updates(params, updates), "opt_state": opt_state,
                      "step": state["step"] + 1}
-        return new_state, {"loss": loss, "grad_norm": optax.global_norm(grads), "lr": lr_at(state["step"])}
+        return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": lr_at(state["step"])}
 
     state_sh = shardings_of(abstract_state)
     return jax.jit(step_fn, donate_argnums=0, out_shardings=(state_sh, None))

@@ -1,0 +1,43 @@
+"""Shared fixtures: 8 fake CPU devices, tiny configs and a small prepared corpus."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+from jaxlm import config as config_lib  # noqa: E402
+from jaxlm.data import prepare  # noqa: E402
+
+SHAKESPEARE = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
+
+
+@pytest.fixture(scope="session")
+def shakespeare_file() -> Path:
+    if not SHAKESPEARE.is_file():
+        pytest.skip(f"{SHAKESPEARE} not found")
+    return SHAKESPEARE
+
+
+@pytest.fixture(scope="session")
+def char_data(tmp_path_factory, shakespeare_file) -> Path:
+    out = tmp_path_factory.mktemp("shakespeare_char")
+    prepare.prepare_shakespeare_char(out, shakespeare_file)
+    return out
+
+
+def tiny_config(data_dir: Path, run_dir: Path | None = None, **overrides) -> config_lib.Config:
+    base = {
+        "model.block_size": 32, "model.n_layers": 2, "model.n_heads": 4, "model.d_model": 32,
+        "training.steps": 20, "training.batch_size": 8, "training.eval_interval": 10, "training.eval_batches": 2,
+        "training.log_interval": 5, "training.sample_tokens": 0, "optimizer.warmup_steps": 5,
+        "checkpoint.interval": 10, "logging.progress": False, "logging.tensorboard": False,
+        "data.dir": str(data_dir), "run_dir": str(run_dir) if run_dir else None,
+    }
+    base.update(overrides)
+    cfg = config_lib.apply_overrides(config_lib.Config(), base)
+    config_lib.validate(cfg)
+    return cfg

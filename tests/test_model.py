@@ -1,0 +1,142 @@
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxlm import params as P, sharding
+from jaxlm.config import MeshConfig, ModelConfig
+from jaxlm.model import forward, layers, loss_fn, param_specs
+
+TINY = ModelConfig(vocab_size=50, block_size=16, n_layers=3, n_heads=4, d_model=32)
+GPT2_LIKE = dataclasses.replace(TINY, position="learned", norm="layernorm", bias=True, qk_norm=False,
+                                activation="gelu_tanh")
+
+
+def init(cfg, seed=0):
+    mesh = sharding.make_mesh(MeshConfig(), jax.devices()[:1])
+    return P.init(param_specs(cfg), jax.random.key(seed), mesh)
+
+
+def tokens(cfg, B=2, seed=1):
+    return jax.random.randint(jax.random.key(seed), (B, cfg.block_size), 0, cfg.vocab_size)
+
+
+def test_rotary_matches_naive_complex_rotation():
+    B, T, N, H, theta = 2, 7, 3, 8, 10000.0
+    x = np.random.default_rng(0).normal(size=(B, T, N, H)).astype(np.float32)
+    pos = np.tile(np.arange(T), (B, 1)) + 3
+    got = np.asarray(layers.rotary(jnp.asarray(x), jnp.asarray(pos), theta))
+    want = np.empty_like(x)
+    for b in range(B):
+        for t in range(T):
+            for i in range(H // 2):
+                angle = pos[b, t] * theta ** (-2 * i / H)
+                re, im = x[b, t, :, i], x[b, t, :, i + H // 2]
+                want[b, t, :, i] = re * np.cos(angle) - im * np.sin(angle)
+                want[b, t, :, i + H // 2] = im * np.cos(angle) + re * np.sin(angle)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_rotary_scores_depend_only_on_relative_position():
+    H = 16
+    q = jax.random.normal(jax.random.key(0), (1, 1, 1, H))
+    k = jax.random.normal(jax.random.key(1), (1, 1, 1, H))
+    def score(pq, pk):
+        rq = layers.rotary(q, jnp.array([[pq]]), 10000.0)
+        rk = layers.rotary(k, jnp.array([[pk]]), 10000.0)
+        return float(jnp.sum(rq * rk))
+    assert score(5, 2) == pytest.approx(score(13, 10), rel=1e-4)
+
+
+@pytest.mark.parametrize("cfg", [TINY, GPT2_LIKE], ids=["gpt", "gpt2"])
+def test_causality_future_tokens_do_not_affect_past(cfg):
+    cfg = dataclasses.replace(cfg, tie_embeddings=False)  # a tied output layer reads every embedding row
+    params = init(cfg)
+    emb = params["embed"]["tokens"]
+    toks = tokens(cfg, B=1)
+
+    def out_at(t, x_emb):
+        p = dict(params, embed=dict(params["embed"], tokens=x_emb))
+        return forward(p, toks, cfg)[0, t].sum()
+
+    # Gradient of the output at position t with respect to the embedding rows used at t+1.. must be zero.
+    t = 5
+    g = jax.grad(out_at, argnums=1)(t, emb)
+    later = set(np.asarray(toks[0, t + 1:]).tolist()) - set(np.asarray(toks[0, : t + 1]).tolist())
+    assert later, "pick a seed where later positions use fresh tokens"
+    for tok in later:
+        assert float(jnp.abs(g[tok]).max()) == 0.0
+    assert float(jnp.abs(g[toks[0, t]]).max()) > 0.0
+    if cfg.position == "learned":
+        def out_pos(pos_emb):
+            return forward(dict(params, embed=dict(params["embed"], positions=pos_emb)), toks, cfg)[0, t].sum()
+        gp = jax.grad(out_pos)(params["embed"]["positions"])
+        assert float(jnp.abs(gp[t + 1:]).max()) == 0.0 and float(jnp.abs(gp[t]).max()) > 0.0
+    # And directly: changing tokens after t leaves logits up to t unchanged.
+    changed = toks.at[0, t + 1:].set((toks[0, t + 1:] + 1) % cfg.vocab_size)
+    a, b = forward(params, toks, cfg), forward(params, changed, cfg)
+    np.testing.assert_array_equal(np.asarray(a[0, : t + 1]), np.asarray(b[0, : t + 1]))
+    assert not np.allclose(np.asarray(a[0, t + 1:]), np.asarray(b[0, t + 1:]))
+
+
+@pytest.mark.parametrize("cfg", [TINY, GPT2_LIKE], ids=["gpt", "gpt2"])
+def test_scan_equals_python_loop(cfg):
+    params, toks = init(cfg), tokens(cfg)
+    scanned = forward(params, toks, cfg)
+    looped = forward(params, toks, dataclasses.replace(cfg, scan_layers=False))
+    np.testing.assert_allclose(np.asarray(scanned), np.asarray(looped), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("policy", ["full", "minimal", "save_dots"])
+def test_remat_does_not_change_gradients(policy):
+    params, toks = init(TINY), tokens(TINY)
+    g0 = jax.grad(loss_fn)(params, toks, toks, TINY)
+    g1 = jax.grad(loss_fn)(params, toks, toks, dataclasses.replace(TINY, remat=policy))
+    for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-5)
+
+
+def test_grouped_query_attention_equals_repeated_kv_heads():
+    gqa = dataclasses.replace(TINY, n_kv_heads=2)
+    params, toks = init(gqa), tokens(gqa)
+    mha_params = jax.tree.map(lambda a: a, params)
+    for name in ("k", "v"):
+        mha_params["layers"]["attn"][name] = jnp.repeat(params["layers"]["attn"][name], 2, axis=2)
+    mha_params["layers"]["attn"]["k_norm"] = params["layers"]["attn"]["k_norm"]
+    np.testing.assert_allclose(np.asarray(forward(params, toks, gqa)),
+                               np.asarray(forward(mha_params, toks, TINY)), atol=1e-5)
+
+
+def test_bfloat16_compute_keeps_float32_logits_and_close_loss():
+    params, toks = init(TINY), tokens(TINY)
+    bf = dataclasses.replace(TINY, compute_dtype="bfloat16")
+    logits = forward(params, toks, bf)
+    assert logits.dtype == jnp.float32
+    assert abs(float(loss_fn(params, toks, toks, bf)) - float(loss_fn(params, toks, toks, TINY))) < 0.02
+
+
+def test_dropout_is_active_only_with_a_key():
+    cfg = dataclasses.replace(TINY, dropout=0.5)
+    params, toks = init(cfg), tokens(cfg)
+    det = forward(params, toks, cfg)
+    np.testing.assert_array_equal(np.asarray(det), np.asarray(forward(params, toks, cfg)))
+    a = forward(params, toks, cfg, key=jax.random.key(1))
+    b = forward(params, toks, cfg, key=jax.random.key(2))
+    assert not np.allclose(np.asarray(a), np.asarray(b))
+
+
+def test_initial_loss_is_near_uniform():
+    params, toks, targets = init(TINY), tokens(TINY, B=4), tokens(TINY, B=4, seed=7)
+    assert float(loss_fn(params, toks, targets, TINY)) == pytest.approx(np.log(TINY.vocab_size), rel=0.05)
+
+
+def test_param_count_matches_hand_count():
+    L, D, V, F = TINY.n_layers, TINY.d_model, TINY.vocab_size, 4 * TINY.d_model
+    hd = D // TINY.n_heads
+    per_layer = 4 * D * D + 2 * D * F + 2 * D + 2 * hd
+    assert P.count(param_specs(TINY)) == V * D + L * per_layer + D
+    L2 = GPT2_LIKE
+    per_layer2 = 4 * D * D + 4 * D + 2 * D * F + F + D + 4 * D
+    assert P.count(param_specs(L2)) == V * D + L2.block_size * D + L * per_layer2 + 2 * D

@@ -1,0 +1,106 @@
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import tiny_config
+from jaxlm import train
+
+
+def test_loss_falls_on_a_fixed_batch(char_data, tmp_path):
+    cfg = tiny_config(char_data, tmp_path / "run", **{"optimizer.lr": 1e-2, "optimizer.schedule": "constant",
+                                                             "checkpoint.enabled": False})
+    run = train.setup(cfg, jax.devices()[:1])
+    state = train.init_state(run, 0)
+    step = train.make_train_step(run.cfg, run.optimizer, run.mesh, run.abstract_state)
+    x = np.random.default_rng(0).integers(0, 65, (1, 8, 32)).astype(np.int32)
+    y = np.roll(x, -1, axis=-1)
+    losses = []
+    for _ in range(40):
+        state, m = step(state, x, y)
+        losses.append(float(m["loss"]))
+    assert losses[0] == pytest.approx(np.log(65), rel=0.1)
+    assert losses[-1] < 0.5 * losses[0]
+
+
+def test_one_and_eight_devices_give_equal_losses(char_data, tmp_path):
+    runs = {}
+    for name, devices, mesh in [("1", jax.devices()[:1], {}), ("dp8", jax.devices(), {"mesh.ici_data": 8}),
+                                ("fsdp8", jax.devices(), {"mesh.ici_data": 1, "mesh.ici_fsdp": 8})]:
+        cfg = tiny_config(char_data, tmp_path / name, **mesh, **{"checkpoint.enabled": False,
+                                                                  "training.grad_accum": 2})
+        train.train(cfg, devices=devices, log=lambda s: None)
+        runs[name] = train.losses_by_step(tmp_path / name)
+    ref = np.array([runs["1"][s] for s in sorted(runs["1"])])
+    assert len(ref) == 20 and ref[-1] < ref[0]
+    for name in ("dp8", "fsdp8"):
+        got = np.array([runs[name][s] for s in sorted(runs[name])])
+        np.testing.assert_allclose(got, ref, rtol=1e-5)
+
+
+def test_resume_continues_exactly(char_data, tmp_path):
+    same_schedule = {"optimizer.decay_steps": 20}
+    train.train(tiny_config(char_data, tmp_path / "full", **same_schedule), log=lambda s: None)
+    train.train(tiny_config(char_data, tmp_path / "part", **same_schedule, **{"training.steps": 10}),
+                log=lambda s: None)
+    resumed = tiny_config(char_data, tmp_path / "part", **same_schedule)
+    summary = train.train(resumed, log=lambda s: None)
+    assert summary["start_step"] == 10
+    a, b = train.losses_by_step(tmp_path / "full"), train.losses_by_step(tmp_path / "part")
+    assert sorted(a) == sorted(b) == list(range(1, 21))
+    assert [a[s] for s in range(11, 21)] == [b[s] for s in range(11, 21)]
+    assert summary["val_loss"] == train.read_metrics(tmp_path / "full")[-1]["val_loss"]
+
+
+def test_resume_with_a_different_model_fails_clearly(char_data, tmp_path):
+    train.train(tiny_config(char_data, tmp_path / "r", **{"training.steps": 2, "optimizer.warmup_steps": 1}), log=lambda s: None)
+    with pytest.raises(train.ConfigError, match="different model"):
+        train.train(tiny_config(char_data, tmp_path / "r", **{"model.n_layers": 3, "optimizer.warmup_steps": 1}), log=lambda s: None)
+
+
+def test_batch_that_does_not_split_over_devices_fails_before_compiling(char_data, tmp_path):
+    cfg = tiny_config(char_data, tmp_path / "r", **{"training.batch_size": 12, "mesh.ici_data": 8})
+    with pytest.raises(train.ConfigError, match="training.batch_size=12 must be a multiple of the 8 devices"):
+        train.setup(cfg, jax.devices())
+    cfg = tiny_config(char_data, tmp_path / "r", **{"mesh.ici_data": 3})
+    with pytest.raises(train.ConfigError, match="multiply to 3 devices but 8 are available"):
+        train.setup(cfg, jax.devices())
+
+
+def _cli(args, cwd, **kw):
+    env = dict(os.environ, XLA_FLAGS="", PYTHONUNBUFFERED="1")
+    return subprocess.Popen([sys.executable, "-m", "jaxlm.cli", "train", *args], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+
+
+@pytest.mark.slow
+def test_sigkill_after_checkpoint_then_rerun_resumes_exactly(char_data, tmp_path):
+    args = ["shakespeare_char_cpu", f"data.dir={char_data}", "model.n_layers=2", "model.d_model=64",
+            "training.steps=60", "checkpoint.interval=20", "training.eval_interval=30", "training.sample_tokens=0",
+            "logging.progress=false", "training.log_interval=1"]
+    ref = _cli(args + [f"run_dir={tmp_path / 'ref'}"], tmp_path)
+    assert ref.wait(timeout=600) == 0, ref.stdout.read()
+    run_dir = tmp_path / "killed"
+    p = _cli(args + [f"run_dir={run_dir}"], tmp_path)
+    deadline = time.time() + 300
+    while time.time() < deadline and not any((run_dir / "checkpoints").glob("2[0-9]")):
+        time.sleep(0.05)
+    # Let training move past the committed checkpoint, then kill without warning.
+    while time.time() < deadline and not any(json.loads(l)["step"] >= 25 for l in
+                                             (run_dir / "metrics.jsonl").read_text().splitlines()):
+        time.sleep(0.05)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    again = _cli(args + [f"run_dir={run_dir}"], tmp_path)
+    out = again.communicate(timeout=600)[0]
+    assert again.returncode == 0, out
+    assert "resumed from" in out
+    a, b = train.losses_by_step(tmp_path / "ref"), train.losses_by_step(run_dir)
+    assert sorted(b) == list(range(1, 61))
+    assert [a[s] for s in range(1, 61)] == [b[s] for s in range(1, 61)]
