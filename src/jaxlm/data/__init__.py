@@ -1,0 +1,1 @@
+"""Data: corpora prepared into memory-mapped token files, tokenizers, and checkpointable loaders."""
