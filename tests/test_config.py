@@ -42,7 +42,7 @@ def test_overrides_are_typed():
     (["optimizer.lr=-1"], ["optimizer.lr=-1.0", "> 0"]),
     (["optimizer.min_lr=1"], ["optimizer.min_lr=1.0"]),
     (["training.batch_size=0"], ["training.batch_size=0", "> 0"]),
-    (["mesh.ici_data=-1", "mesh.ici_fsdp=-1"], ["at most one axis"]),
+    (["mesh.ici_data=-1", "mesh.ici_fsdp=-1"], ["at most one ici axis"]),
     (["model.bias=maybe"], ["model.bias='maybe'", "bool"]),
     (["steps=100"], ["unknown setting 'steps'"]),
     (["training.steps"], ["expected key=value"]),

@@ -25,11 +25,43 @@ def cmd_train(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(_train_help())
         return 0
+    print_params = "--print-params" in argv
+    argv = [a for a in argv if a != "--print-params"]
     cfg = config_lib.load(argv[0], argv[1:])
+    if print_params:
+        from jaxlm import metrics, params
+        from jaxlm.model import param_specs
+
+        model = config_lib.apply_parameter_scale(cfg.model)
+        if model.vocab_size is None:
+            raise config_lib.ConfigError("--print-params needs model.vocab_size (it is otherwise read from the data)")
+        print(f"parameters {params.count(param_specs(model)):,} (non-embedding "
+              f"{metrics.non_embedding_params(model):,}): {model.n_layers} layers, width {model.d_model}, "
+              f"{model.n_heads} heads of {model.hd}, MLP {model.ff}")
+        return 0
     from jaxlm import train
 
     train.train(cfg)
     return 0
+
+
+def cmd_launch(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="jaxlm launch", description="Run a jaxlm command in several local processes "
+                                "that form one JAX job (coordinator on 127.0.0.1).")
+    p.add_argument("--processes", type=int, required=True)
+    p.add_argument("--devices-per-process", type=int, help="fake CPU devices per process (testing)")
+    p.add_argument("--gpus-per-process", type=int, help="GPUs per process on a multi-GPU node")
+    p.add_argument("--port", type=int, help="coordinator port (default: a free one)")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- train PRESET key=value ...")
+    a = p.parse_args(argv)
+    command = a.command[1:] if a.command[:1] == ["--"] else a.command
+    if not command:
+        p.error("give the command after --, e.g. jaxlm launch --processes 2 -- train quickstart")
+    if a.processes < 1:
+        p.error("--processes must be >= 1")
+    from jaxlm.launch import launch
+
+    return launch(command, a.processes, a.devices_per_process, a.port, a.gpus_per_process)
 
 
 def cmd_prepare(argv: list[str]) -> int:
@@ -57,7 +89,7 @@ def cmd_prepare(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "prepare": cmd_prepare}
+COMMANDS = {"train": cmd_train, "prepare": cmd_prepare, "launch": cmd_launch}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         print("usage: jaxlm {" + ",".join(COMMANDS) + "} ...\n\n"
               "  train PRESET_OR_FILE [key=value ...]   train or resume a model (jaxlm train --help)\n"
-              "  prepare DATASET [...]                  corpus -> token files (jaxlm prepare --help)")
+              "  prepare DATASET [...]                  corpus -> token files (jaxlm prepare --help)\n"
+              "  launch --processes N -- train ...      one job in N local processes (jaxlm launch --help)")
         return 0 if not argv or argv[0] in ("-h", "--help") else 2
     from jaxlm.checkpoint import CheckpointError
     from jaxlm.data.prepare import DataError

@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import importlib
 import json
+import math
 import pkgutil
 import types
 import typing
@@ -60,6 +61,8 @@ class ModelConfig:
     compute_dtype: DType = _f("float32", "dtype of activations and matmul operands (softmax and loss stay float32)")
     remat: RematPolicy = _f("none", "activation rematerialization: none, full, minimal (save matmuls without a batch dim), save_dots")
     scan_layers: bool = _f(True, "run the stacked layers with lax.scan (fast compile) instead of a Python loop")
+    global_parameter_scale: int = _f(1, "multiply the non-embedding parameters by about this power of 2, "
+                                        "growing width, heads, MLP width (and layers every third doubling)")
 
     @property
     def kv_heads(self) -> int:
@@ -104,7 +107,11 @@ class OptimizerConfig:
 @dataclass(frozen=True)
 class TrainingConfig:
     steps: int = _f(5000, "optimizer steps to train for")
-    batch_size: int = _f(64, "sequences per micro-batch, across all devices")
+    batch_size: int = _f(64, "sequences per micro-batch across all devices (the global batch); "
+                             "ignored when per_device_batch_size is set")
+    per_device_batch_size: float | None = _f(None, "sequences per device per micro-batch; the global batch is this "
+                                                   "times the device count (may be fractional when some mesh axes "
+                                                   "do not split the batch)")
     grad_accum: int = _f(1, "micro-batches accumulated per optimizer step")
     eval_interval: int = _f(250, "evaluate train/val loss every this many steps (and at the end); 0 = only at the end")
     eval_batches: int = _f(20, "fixed held-out batches per split in each evaluation")
@@ -129,10 +136,34 @@ class LoggingConfig:
     progress: bool = _f(True, "show a progress bar")
 
 
+MESH_AXES = ("data", "stage", "fsdp", "expert", "sequence", "tensor")
+
+
 @dataclass(frozen=True)
 class MeshConfig:
-    ici_data: int = _f(-1, "devices on the data-parallel axis; -1 = all that remain")
-    ici_fsdp: int = _f(1, "devices on the FSDP axis (shards params, grads and optimizer state); -1 = all that remain")
+    ici_data: int = _f(-1, "data-parallel devices within a slice (or a host); -1 = all that remain")
+    ici_fsdp: int = _f(1, "FSDP devices within a slice: shard params, grads and optimizer state; -1 = fill")
+    ici_tensor: int = _f(1, "tensor-parallel devices within a slice: shard heads and MLP width; -1 = fill")
+    ici_sequence: int = _f(1, "sequence-parallel devices within a slice: shard activations along length; -1 = fill")
+    ici_expert: int = _f(1, "expert-parallel devices within a slice: shard MoE experts; -1 = fill")
+    ici_stage: int = _f(1, "stage devices within a slice: shard the stacked layers; -1 = fill")
+    dcn_data: int = _f(1, "data-parallel slices (or hosts) across the data-center network; -1 = fill")
+    dcn_fsdp: int = _f(1, "FSDP across slices; -1 = fill")
+    dcn_tensor: int = _f(1, "tensor parallelism across slices (rarely useful); -1 = fill")
+    dcn_sequence: int = _f(1, "sequence parallelism across slices; -1 = fill")
+    dcn_expert: int = _f(1, "expert parallelism across slices; -1 = fill")
+    dcn_stage: int = _f(1, "stages across slices; -1 = fill")
+    rules: str = _f("", "overrides of the logical-axis rules, e.g. 'param.embed=fsdp+sequence;act.length=' "
+                        "(param./act. + logical axis = mesh axes joined by +, empty = replicated)")
+
+
+@dataclass(frozen=True)
+class DistributedConfig:
+    coordinator_address: str | None = _f(None, "host:port of process 0 for jax.distributed; None = single process "
+                                              "unless JAXLM_COORDINATOR is set (by `jaxlm launch`)")
+    num_processes: int | None = _f(None, "processes in the job (with coordinator_address)")
+    process_id: int | None = _f(None, "this process's index (with coordinator_address)")
+    auto: bool = _f(False, "let JAX detect the cluster (TPU pods, Slurm, Open MPI, Kubernetes)")
 
 
 @dataclass(frozen=True)
@@ -144,6 +175,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
     run_dir: str | None = _f(None, "run directory; None = outputs/<timestamp>. A folder holding a checkpoint is resumed")
     seed: int = _f(1337, "seed for initialization, data order and dropout")
     debug: bool = _f(False, "write a profiler trace of a few steps and skip checkpoints")
@@ -397,12 +429,42 @@ def validate(cfg: Config) -> None:
     if c.interval < 0:
         raise ConfigError(f"checkpoint.interval={c.interval} must be >= 0")
     positive("checkpoint.keep", c.keep)
-    for key in ("ici_data", "ici_fsdp"):
-        v = getattr(cfg.mesh, key)
-        if v == 0 or v < -1:
-            raise ConfigError(f"mesh.{key}={v} must be a positive device count or -1 (fill)")
-    if cfg.mesh.ici_data == -1 and cfg.mesh.ici_fsdp == -1:
-        raise ConfigError("mesh.ici_data and mesh.ici_fsdp are both -1; at most one axis may fill the remaining devices")
+    for level in ("ici", "dcn"):
+        fill = []
+        for axis in MESH_AXES:
+            v = getattr(cfg.mesh, f"{level}_{axis}")
+            if v == 0 or v < -1:
+                raise ConfigError(f"mesh.{level}_{axis}={v} must be a positive device count or -1 (fill)")
+            if v == -1:
+                fill.append(f"mesh.{level}_{axis}")
+        if len(fill) > 1:
+            raise ConfigError(f"{' and '.join(fill)} are all -1; at most one {level} axis may fill the remaining devices")
+    d = cfg.distributed
+    if d.coordinator_address is not None and (d.num_processes is None or d.process_id is None):
+        raise ConfigError("distributed.coordinator_address needs distributed.num_processes and distributed.process_id")
+    if d.num_processes is not None and d.num_processes <= 0:
+        raise ConfigError(f"distributed.num_processes={d.num_processes} must be > 0")
+    if d.process_id is not None and d.num_processes is not None and not 0 <= d.process_id < d.num_processes:
+        raise ConfigError(f"distributed.process_id={d.process_id} must be in [0, {d.num_processes})")
+    if t.per_device_batch_size is not None and t.per_device_batch_size <= 0:
+        raise ConfigError(f"training.per_device_batch_size={t.per_device_batch_size} must be > 0")
+    if m.global_parameter_scale < 1 or m.global_parameter_scale & (m.global_parameter_scale - 1):
+        raise ConfigError(f"model.global_parameter_scale={m.global_parameter_scale} must be a power of 2 (1, 2, 4, ...)")
+
+
+def apply_parameter_scale(m: ModelConfig) -> ModelConfig:
+    """Grow a model by `global_parameter_scale` (a power of 2) the way MaxText does: each doubling in turn
+    doubles the heads and MLP width, then the width, then the layers, so the non-embedding parameters grow
+    about in proportion. The head width stays fixed."""
+    if m.global_parameter_scale == 1:
+        return m
+    base, rem = divmod(int(math.log2(m.global_parameter_scale)), 3)
+    heads = base + (rem > 0)
+    width = base + (rem > 1)
+    return dataclasses.replace(
+        m, n_heads=m.n_heads << heads, n_kv_heads=None if m.n_kv_heads is None else m.n_kv_heads << heads,
+        d_model=m.d_model << width, head_dim=m.hd, d_ff=m.ff << heads, n_layers=m.n_layers << base,
+        global_parameter_scale=1)
 
 
 def to_json(cfg: Config) -> str:

@@ -1,7 +1,13 @@
 """Device meshes and the logical-axis rules that place weights and activations on them.
 
-Model code names logical axes only (`batch`, `embed`, `heads`, ...). The rules below map each logical
-axis to zero or more mesh axes; parallelism strategies are edits of these tables, not of model code.
+Model code names logical axes only (`batch`, `length`, `embed`, `heads`, ...). The tables below map each
+logical axis to zero or more mesh axes; data, FSDP, tensor, sequence and expert parallelism are all edits
+of these tables (or of `mesh.rules`), never of model code.
+
+The mesh has the axes of `config.MESH_AXES`. Each axis has an ICI size (devices within a slice or host,
+connected by the fast interconnect) and a DCN size (slices or hosts, across the data-center network);
+the device grid is built with DCN outer and ICI inner so that collectives on an axis stay on ICI where
+they can.
 """
 
 from __future__ import annotations
@@ -16,53 +22,108 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxlm.config import ConfigError, MeshConfig
+from jaxlm.config import MESH_AXES, ConfigError, MeshConfig
 
-MESH_AXES = ("data", "fsdp")
+Rules = dict[str, tuple[str, ...]]
 
-# Weights: FSDP shards the model width, so every matrix is split across the fsdp axis.
-PARAM_RULES: dict[str, tuple[str, ...]] = {
-    "embed": ("fsdp",),
+# Weights. FSDP (and the sequence axis, whose devices also hold different data) shard the model width;
+# tensor parallelism splits heads, MLP width and vocabulary (Megatron-style); experts and stacked layers
+# have axes of their own.
+PARAM_RULES: Rules = {
+    "embed": ("fsdp", "sequence"),
+    "heads": ("tensor",),
+    "kv_heads": ("tensor",),
+    "mlp": ("tensor",),
+    "vocab": ("tensor",),
+    "experts": ("expert",),
+    "layers": ("stage",),
 }
-# Activations: the batch is split over every data-like axis.
-ACTIVATION_RULES: dict[str, tuple[str, ...]] = {
-    "batch": ("data", "fsdp"),
+# Activations. The batch is split over every data-like axis, the length over the sequence axis, and the
+# tensor-parallel dimensions as their weights are.
+ACTIVATION_RULES: Rules = {
+    "batch": ("data", "fsdp", "expert"),
+    "length": ("sequence",),
+    "heads": ("tensor",),
+    "kv_heads": ("tensor",),
+    "mlp": ("tensor",),
+    "vocab": ("tensor",),
 }
 
 
-def mesh_shape(cfg: MeshConfig, n_devices: int) -> dict[str, int]:
-    """Resolve -1 (fill) and check that the axes multiply to the device count."""
-    sizes = {"data": cfg.ici_data, "fsdp": cfg.ici_fsdp}
+def rules_from_config(cfg: MeshConfig) -> tuple[Rules, Rules]:
+    """The default tables with `mesh.rules` applied ('param.embed=fsdp+sequence;act.length=')."""
+    param, act = dict(PARAM_RULES), dict(ACTIVATION_RULES)
+    for entry in filter(None, (e.strip() for e in cfg.rules.replace(",", ";").split(";"))):
+        key, sep, value = entry.partition("=")
+        kind, dot, logical = key.strip().partition(".")
+        if not sep or not dot or kind not in ("param", "act") or not logical:
+            raise ConfigError(f"mesh.rules entry {entry!r} must look like 'param.embed=fsdp+sequence' or 'act.length='")
+        axes = tuple(a.strip() for a in value.split("+") if a.strip())
+        bad = [a for a in axes if a not in MESH_AXES]
+        if bad:
+            raise ConfigError(f"mesh.rules entry {entry!r}: unknown mesh axis {bad[0]!r}; mesh axes: {', '.join(MESH_AXES)}")
+        (param if kind == "param" else act)[logical] = axes
+    return param, act
+
+
+def _resolve(sizes: dict[str, int], total: int, level: str) -> dict[str, int]:
     known = math.prod(v for v in sizes.values() if v != -1)
     fill = [k for k, v in sizes.items() if v == -1]
     if fill:
-        if n_devices % known:
-            raise ConfigError(f"mesh: the fixed axes ({_fmt(sizes)}) multiply to {known}, which does not divide "
-                              f"the {n_devices} devices")
-        sizes[fill[0]] = n_devices // known
-    if math.prod(sizes.values()) != n_devices:
-        raise ConfigError(f"mesh: {_fmt(sizes)} multiply to {math.prod(sizes.values())} devices but "
-                          f"{n_devices} are available; set mesh.ici_* so that the product is {n_devices}")
+        if total % known:
+            raise ConfigError(f"mesh: the fixed {level} axes ({_fmt(sizes, level)}) multiply to {known}, which does "
+                              f"not divide the {total} devices available at that level")
+        sizes[fill[0]] = total // known
+    if math.prod(sizes.values()) != total:
+        raise ConfigError(f"mesh: {_fmt(sizes, level)} multiply to {math.prod(sizes.values())} devices but "
+                          f"{total} are available; set mesh.{level}_* so that the product is {total}")
     return sizes
 
 
-def _fmt(sizes: dict[str, int]) -> str:
-    return " x ".join(f"mesh.ici_{k}={v}" for k, v in sizes.items())
+def _fmt(sizes: dict[str, int], level: str) -> str:
+    shown = {k: v for k, v in sizes.items() if v != 1} or {"data": 1}
+    return " x ".join(f"mesh.{level}_{k}={v}" for k, v in shown.items())
+
+
+def mesh_shape(cfg: MeshConfig, n_devices: int) -> tuple[dict[str, int], dict[str, int]]:
+    """(ici sizes, dcn sizes) with -1 resolved; the DCN level is sized first, ICI fills each slice."""
+    dcn = {a: getattr(cfg, f"dcn_{a}") for a in MESH_AXES}
+    ici = {a: getattr(cfg, f"ici_{a}") for a in MESH_AXES}
+    n_dcn = math.prod(v for v in dcn.values() if v != -1)
+    if -1 in dcn.values():
+        n_slices = _slice_count(n_devices)
+        dcn = _resolve(dcn, n_slices, "dcn")
+        n_dcn = n_slices
+    if n_devices % n_dcn:
+        raise ConfigError(f"mesh: the dcn axes multiply to {n_dcn}, which does not divide the {n_devices} devices")
+    return _resolve(ici, n_devices // n_dcn, "ici"), dcn
+
+
+def _slice_count(n_devices: int) -> int:
+    slices = {getattr(d, "slice_index", 0) for d in jax.devices()}
+    return len(slices) if len(slices) > 1 else jax.process_count()
 
 
 def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
     devices = list(devices if devices is not None else jax.devices())
-    sizes = mesh_shape(cfg, len(devices))
-    shape = tuple(sizes[a] for a in MESH_AXES)
-    try:
-        grid = mesh_utils.create_device_mesh(shape, devices)
-    except (AssertionError, NotImplementedError, ValueError):
-        grid = np.array(devices).reshape(shape)
+    ici, dcn = mesh_shape(cfg, len(devices))
+    ici_shape = tuple(ici[a] for a in MESH_AXES)
+    dcn_shape = tuple(dcn[a] for a in MESH_AXES)
+    if math.prod(dcn_shape) > 1:
+        # Slices on TPU; elsewhere each process is one granule (a host's GPUs, or a CPU process).
+        granule_is_process = len({getattr(d, "slice_index", 0) for d in devices}) == 1
+        grid = mesh_utils.create_hybrid_device_mesh(ici_shape, dcn_shape, devices,
+                                                    process_is_granule=granule_is_process)
+    else:
+        try:
+            grid = mesh_utils.create_device_mesh(ici_shape, devices)
+        except (AssertionError, NotImplementedError, ValueError):
+            grid = np.array(devices).reshape(ici_shape)
     return Mesh(grid, MESH_AXES)
 
 
-def spec(axes: Sequence[str | None], rules: dict[str, tuple[str, ...]]) -> PartitionSpec:
-    """PartitionSpec for a tensor whose dimensions carry these logical axis names."""
+def spec(axes: Sequence[str | None], rules: Rules) -> PartitionSpec:
+    """PartitionSpec for a tensor whose dimensions carry these logical axis names; a mesh axis is used once."""
     used: set[str] = set()
     out = []
     for name in axes:
@@ -72,24 +133,28 @@ def spec(axes: Sequence[str | None], rules: dict[str, tuple[str, ...]]) -> Parti
     return PartitionSpec(*out)
 
 
-def check_divisible(name: str, shape: Sequence[int], axes: Sequence[str | None], mesh: Mesh,
-                    rules: dict[str, tuple[str, ...]]) -> None:
+def shard_count(mesh: Mesh, entry) -> int:
+    if entry is None:
+        return 1
+    return math.prod(mesh.shape[a] for a in ((entry,) if isinstance(entry, str) else entry))
+
+
+def check_divisible(name: str, shape: Sequence[int], axes: Sequence[str | None], mesh: Mesh, rules: Rules) -> None:
     """Fail with one line when a sharded dimension does not split evenly over its mesh axes."""
-    for dim, entry in zip(shape, spec(axes, rules)):
-        if entry is None:
-            continue
-        names = (entry,) if isinstance(entry, str) else entry
-        n = math.prod(mesh.shape[a] for a in names)
+    for dim, logical, entry in zip(shape, axes, spec(axes, rules)):
+        n = shard_count(mesh, entry)
         if dim % n:
-            raise ConfigError(f"{name}: dimension of size {dim} is sharded over mesh axes {names} of total size {n}, "
-                              f"which does not divide it; change the mesh.ici_* sizes or the model size")
+            names = (entry,) if isinstance(entry, str) else entry
+            raise ConfigError(f"{name}: its '{logical}' dimension of size {dim} is sharded over mesh axes "
+                              f"{'x'.join(names)} ({n} devices), which does not divide it; change mesh.ici_*/dcn_* "
+                              f"or the model size")
 
 
-_CTX: contextvars.ContextVar[tuple[Mesh, dict] | None] = contextvars.ContextVar("jaxlm_sharding", default=None)
+_CTX: contextvars.ContextVar[tuple[Mesh, Rules] | None] = contextvars.ContextVar("jaxlm_sharding", default=None)
 
 
 @contextlib.contextmanager
-def activation_sharding(mesh: Mesh, rules: dict[str, tuple[str, ...]] = ACTIVATION_RULES):
+def activation_sharding(mesh: Mesh, rules: Rules = ACTIVATION_RULES):
     """Within this block (while tracing), `constrain` pins activations to the mesh."""
     token = _CTX.set((mesh, rules))
     try:
@@ -107,7 +172,11 @@ def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec(axes, rules)))
 
 
-def batch_sharding(mesh: Mesh, ndim: int, leading: int = 0) -> NamedSharding:
-    """Sharding of a [..., batch, length] token array: `leading` unsharded dims, then the batch."""
-    return NamedSharding(mesh, spec((None,) * leading + ("batch",) + (None,) * (ndim - leading - 1),
-                                    ACTIVATION_RULES))
+def batch_sharding(mesh: Mesh, ndim: int, leading: int = 0, rules: Rules = ACTIVATION_RULES) -> NamedSharding:
+    """Sharding of a token array [(leading dims,) batch, length]."""
+    return NamedSharding(mesh, spec((None,) * leading + ("batch", "length")[: ndim - leading], rules))
+
+
+def batch_split(mesh: Mesh, rules: Rules = ACTIVATION_RULES) -> int:
+    """How many ways the global batch is split (the product of the mesh axes the `batch` axis maps to)."""
+    return shard_count(mesh, spec(("batch",), rules)[0])

@@ -21,7 +21,7 @@ import optax
 
 from jaxlm import checkpoint as ckpt
 from jaxlm import config as config_lib
-from jaxlm import generate, metrics, optim, params as P, sharding
+from jaxlm import distributed, generate, metrics, optim, params as P, sharding
 from jaxlm.config import Config, ConfigError
 from jaxlm.data import loader as loader_lib, prepare, tokenizer as tokenizer_lib
 from jaxlm.model import loss_fn, param_specs
@@ -35,6 +35,8 @@ class Run:
     run_dir: Path
     dataset: loader_lib.Dataset
     mesh: jax.sharding.Mesh
+    param_rules: sharding.Rules
+    act_rules: sharding.Rules
     specs: dict
     optimizer: optax.GradientTransformation
     abstract_state: dict
@@ -55,31 +57,56 @@ def setup(cfg: Config, devices=None) -> Run:
     elif vocab < dataset.vocab_size:
         raise ConfigError(f"model.vocab_size={vocab} is smaller than the data's vocabulary "
                           f"({dataset.vocab_size}, from {data_dir / 'meta.json'})")
+    cfg = cfg.replace(model=config_lib.apply_parameter_scale(cfg.model))
     mesh = sharding.make_mesh(cfg.mesh, devices)
-    n_batch = mesh.shape["data"] * mesh.shape["fsdp"]
-    if cfg.training.batch_size % n_batch:
-        raise ConfigError(f"training.batch_size={cfg.training.batch_size} must be a multiple of the "
-                          f"{n_batch} devices that split the batch (mesh data x fsdp)")
+    param_rules, act_rules = sharding.rules_from_config(cfg.mesh)
+    cfg = cfg.replace(training=resolve_batch(cfg.training, mesh, act_rules))
     specs = param_specs(cfg.model)
     optimizer = optim.make(cfg.optimizer, cfg.training.steps)
-    abstract_state = make_abstract_state(specs, mesh, optimizer)
+    abstract_state = make_abstract_state(specs, mesh, optimizer, param_rules)
     run_dir = Path(cfg.run_dir) if cfg.run_dir else Path("outputs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    return Run(cfg, run_dir, dataset, mesh, specs, optimizer, abstract_state)
+    return Run(cfg, run_dir, dataset, mesh, param_rules, act_rules, specs, optimizer, abstract_state)
+
+
+def resolve_batch(t: config_lib.TrainingConfig, mesh, act_rules) -> config_lib.TrainingConfig:
+    """Global batch from per_device_batch_size (if set) and a check that the batch splits over the mesh."""
+    n_dev = mesh.devices.size
+    if t.per_device_batch_size is not None:
+        global_batch = t.per_device_batch_size * n_dev
+        if abs(global_batch - round(global_batch)) > 1e-9:
+            raise ConfigError(f"training.per_device_batch_size={t.per_device_batch_size} times {n_dev} devices is "
+                              f"{global_batch:g}, not a whole number of sequences")
+        t = dataclasses.replace(t, batch_size=int(round(global_batch)))
+    split = sharding.batch_split(mesh, act_rules)
+    if t.batch_size % split:
+        raise ConfigError(f"training.batch_size={t.batch_size} must be a multiple of the {split} devices that split "
+                          f"the batch (mesh axes {sharding.spec(('batch',), act_rules)[0]})")
+    return dataclasses.replace(t, per_device_batch_size=t.batch_size / n_dev)
 
 
 def _init_state_fn(optimizer):
     return lambda params: {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), jnp.int32)}
 
 
-def make_abstract_state(specs, mesh, optimizer) -> dict:
-    """Shapes, dtypes and shardings of the full train state, derived without allocating it."""
-    p_shardings = P.shardings(specs, mesh)
+def make_abstract_state(specs, mesh, optimizer, param_rules=sharding.PARAM_RULES) -> dict:
+    """Shapes, dtypes and shardings of the full train state, derived without allocating it. Optimizer
+    moments take the sharding of the parameter they belong to (found by tree path), so FSDP and tensor
+    parallelism shard them too; scalars such as step counts are replicated."""
+    p_shardings = P.shardings(specs, mesh, param_rules)
     p_abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                               P.abstract(specs), p_shardings)
-    init = jax.jit(_init_state_fn(optimizer))
-    out_shardings = init.lower(p_abstract).compile().output_shardings
-    shapes = jax.eval_shape(init, p_abstract)
-    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, out_shardings)
+    by_path = {jax.tree_util.keystr(path): a for path, a in jax.tree_util.tree_flatten_with_path(p_abstract)[0]}
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+    def place(path, leaf):
+        key = jax.tree_util.keystr(path)
+        for p_key, p in by_path.items():
+            if key.endswith(p_key) and leaf.shape == p.shape:
+                return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=p.sharding)
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=replicated)
+
+    shapes = jax.eval_shape(_init_state_fn(optimizer), p_abstract)
+    return jax.tree_util.tree_map_with_path(place, shapes)
 
 
 def shardings_of(abstract_tree):
@@ -87,12 +114,12 @@ def shardings_of(abstract_tree):
 
 
 def init_state(run: Run, seed: int) -> dict:
-    params = P.init(run.specs, jax.random.key(seed), run.mesh)
+    params = P.init(run.specs, jax.random.key(seed), run.mesh, run.param_rules)
     init = jax.jit(_init_state_fn(run.optimizer), out_shardings=shardings_of(run.abstract_state))
     return init(params)
 
 
-def make_train_step(cfg: Config, optimizer, mesh, abstract_state) -> Callable:
+def make_train_step(cfg: Config, optimizer, mesh, abstract_state, act_rules=sharding.ACTIVATION_RULES) -> Callable:
     """(state, x[A,B,T], y[A,B,T]) -> (state, {loss, grad_norm, lr}); A micro-batches are accumulated."""
     model_cfg = cfg.model
     lr_at = optim.schedule(cfg.optimizer, cfg.training.steps)
@@ -103,7 +130,7 @@ def make_train_step(cfg: Config, optimizer, mesh, abstract_state) -> Callable:
         params = state["params"]
         key = jax.random.fold_in(base_key, state["step"])
         A = x_ABT.shape[0]
-        with sharding.activation_sharding(mesh):
+        with sharding.activation_sharding(mesh, act_rules):
             if A == 1:
                 loss, grads = grad_fn(params, x_ABT[0], y_ABT[0], model_cfg, key)
             else:
@@ -124,22 +151,43 @@ def make_train_step(cfg: Config, optimizer, mesh, abstract_state) -> Callable:
     return jax.jit(step_fn, donate_argnums=0, out_shardings=(state_sh, None))
 
 
-def make_eval_step(cfg: Config, mesh) -> Callable:
+def make_eval_step(cfg: Config, mesh, act_rules=sharding.ACTIVATION_RULES) -> Callable:
     def eval_fn(params, x_BT, y_BT):
-        with sharding.activation_sharding(mesh):
+        with sharding.activation_sharding(mesh, act_rules):
             return loss_fn(params, x_BT, y_BT, cfg.model)
 
     return jax.jit(eval_fn)
 
 
-def put_batch(mesh, x: np.ndarray, leading: int) -> jax.Array:
-    return jax.device_put(x, sharding.batch_sharding(mesh, x.ndim, leading))
+def put_batch(mesh, x: np.ndarray, leading: int, act_rules=sharding.ACTIVATION_RULES) -> jax.Array:
+    """A host array that every process holds in full -> a global array on the mesh."""
+    return jax.device_put(x, sharding.batch_sharding(mesh, x.ndim, leading, act_rules))
 
 
-def evaluate(eval_step, params, mesh, batches: dict) -> dict:
+def device_batch(run: Run, split: str, starts: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    """Inputs and targets for the windows of `split` starting at `starts` ([A, B] or [B]) as global arrays
+    on the mesh. Every process reads from the token file only the rows (and, with sequence parallelism,
+    the columns) of its own devices' shards."""
+    sh = sharding.batch_sharding(run.mesh, starts.ndim + 1, starts.ndim - 1, run.act_rules)
+    data, T = run.dataset.splits[split], run.cfg.model.block_size
+    shape = starts.shape + (T,)
+
+    def make(offset: int) -> jax.Array:
+        def shard(index) -> np.ndarray:
+            s = starts[index[:-1]]
+            t = np.arange(T)[index[-1]] + offset
+            return np.asarray(data[s[..., None] + t], dtype=np.int32)
+
+        return jax.make_array_from_callback(shape, sh, shard)
+
+    return make(0), make(1)
+
+
+def evaluate(eval_step, params, run: Run, batches: dict) -> dict:
+    """Mean loss over each split's fixed batches (`batches`: split -> window starts [n, B])."""
     out = {}
-    for split, (xs, ys) in batches.items():
-        losses = [eval_step(params, put_batch(mesh, x, 0), put_batch(mesh, y, 0)) for x, y in zip(xs, ys)]
+    for split, starts_NB in batches.items():
+        losses = [eval_step(params, *device_batch(run, split, starts_B)) for starts_B in starts_NB]
         out[split] = float(np.mean(jax.device_get(losses)))
     return out
 
@@ -159,18 +207,26 @@ def check_resume_config(run_dir: Path, cfg: Config) -> None:
 def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict:
     """Train (or resume) a run; returns a summary with the final losses and throughput."""
     t_start = time.perf_counter()
+    distributed.initialize(cfg.distributed)
+    main_process = distributed.is_main()
+    if not main_process:
+        log = lambda s: None  # noqa: E731 - only process 0 speaks
     run = setup(cfg, devices)
     cfg, run_dir, mesh = run.cfg, run.run_dir, run.mesh
     t_cfg, m_cfg = cfg.training, cfg.model
     run_dir.mkdir(parents=True, exist_ok=True)
     check_resume_config(run_dir, cfg)
-    (run_dir / "config.json").write_text(config_lib.to_json(cfg))
+    if main_process:
+        (run_dir / "config.json").write_text(config_lib.to_json(cfg))
 
     n_params = P.count(run.specs)
     tokens_per_step = t_cfg.batch_size * t_cfg.grad_accum * m_cfg.block_size
     flops_per_step = metrics.flops_per_token(m_cfg) * tokens_per_step
-    log(f"run_dir {run_dir} | {n_params:,} parameters | mesh {dict(mesh.shape)} on {mesh.devices.size} "
-        f"{jax.devices()[0].platform} devices | {tokens_per_step:,} tokens/step")
+    shape = {k: v for k, v in mesh.shape.items() if v > 1} or {"data": 1}
+    log(f"run_dir {run_dir} | {n_params:,} parameters | mesh {shape} on {mesh.devices.size} "
+        f"{jax.devices()[0].platform} devices in {jax.process_count()} process(es)")
+    log(f"batch: {t_cfg.batch_size} sequences global ({t_cfg.per_device_batch_size:g} per device) x "
+        f"{t_cfg.grad_accum} accumulation = {tokens_per_step:,} tokens/step")
     log(f"data {run.dataset.dir}: {prepare.describe(run.dataset.meta)}")
 
     use_ckpt = cfg.checkpoint.enabled and not cfg.debug
@@ -186,13 +242,14 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
         state = init_state(run, cfg.seed)
     start = int(jax.device_get(state["step"]))
 
-    train_step = make_train_step(cfg, run.optimizer, mesh, run.abstract_state)
-    eval_step = make_eval_step(cfg, mesh)
-    eval_batches = {split: loader_lib.fixed_batches(run.dataset.splits[split], m_cfg.block_size, t_cfg.batch_size,
+    train_step = make_train_step(cfg, run.optimizer, mesh, run.abstract_state, run.act_rules)
+    eval_step = make_eval_step(cfg, mesh, run.act_rules)
+    eval_batches = {split: loader_lib.fixed_starts(run.dataset.splits[split], m_cfg.block_size, t_cfg.batch_size,
                                                     t_cfg.eval_batches, cfg.seed + 2)
                     for split in ("train", "val")}
-    writer = metrics.MetricWriter(run_dir, tensorboard=cfg.logging.tensorboard)
-    progress = metrics.Progress(t_cfg.steps, start, cfg.logging.progress)
+    writer = metrics.MetricWriter(run_dir, tensorboard=cfg.logging.tensorboard, enabled=main_process)
+    progress = metrics.Progress(t_cfg.steps, start, cfg.logging.progress and main_process)
+    say = progress.write if main_process else log
     profile_window = (start + 3, min(start + 8, t_cfg.steps)) if cfg.debug else None
 
     pending: list[tuple[int, dict]] = []
@@ -202,8 +259,7 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
     for step in range(start, t_cfg.steps):
         if profile_window and step == profile_window[0]:
             jax.profiler.start_trace(str(run_dir / "profile"))
-        x, y = loader.next()
-        state, step_metrics = train_step(state, put_batch(mesh, x, 1), put_batch(mesh, y, 1))
+        state, step_metrics = train_step(state, *device_batch(run, "train", loader.next_starts()))
         done = step + 1
         pending.append((done, step_metrics))
         window_steps += 1
@@ -228,10 +284,9 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
                 if s == done:
                     record.update(tokens_per_s=tok_s, tflops_per_s=flops_per_step * window_steps / elapsed / 1e12)
                     if is_eval:
-                        last_eval = evaluate(eval_step, state["params"], mesh, eval_batches)
+                        last_eval = evaluate(eval_step, state["params"], run, eval_batches)
                         record.update(train_loss=last_eval["train"], val_loss=last_eval["val"])
-                        progress.write(f"step {s}: train loss {last_eval['train']:.4f}, val loss "
-                                       f"{last_eval['val']:.4f}")
+                        say(f"step {s}: train loss {last_eval['train']:.4f}, val loss {last_eval['val']:.4f}")
                 writer.write(record)
             writer.flush()
             last = fetched[-1]

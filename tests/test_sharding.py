@@ -1,0 +1,191 @@
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import tiny_config
+from jaxlm import config as config_lib, sharding, train
+from jaxlm.config import ConfigError, MeshConfig
+
+STRATEGIES = {
+    "data8": {"mesh.ici_data": 8},
+    "fsdp8": {"mesh.ici_data": 1, "mesh.ici_fsdp": 8},
+    "tensor4_data2": {"mesh.ici_data": 2, "mesh.ici_tensor": 4},
+    "sequence2_fsdp4": {"mesh.ici_data": 1, "mesh.ici_sequence": 2, "mesh.ici_fsdp": 4},
+    "data2_fsdp2_tensor2": {"mesh.ici_data": 2, "mesh.ici_fsdp": 2, "mesh.ici_tensor": 2},
+}
+
+
+def step_losses(char_data, tmp_path, devices, steps=20, **overrides):
+    cfg = tiny_config(char_data, tmp_path, **{"model.vocab_size": 128, **overrides})
+    run = train.setup(cfg, devices)
+    state = train.init_state(run, cfg.seed)
+    step = train.make_train_step(run.cfg, run.optimizer, run.mesh, run.abstract_state, run.act_rules)
+    rng = np.random.default_rng(0)
+    losses = []
+    for _ in range(steps):
+        starts = rng.integers(0, 100_000, size=(1, run.cfg.training.batch_size))
+        state, m = step(state, *train.device_batch(run, "train", starts))
+        losses.append(m["loss"])
+    return np.array(jax.device_get(losses)), state
+
+
+@pytest.fixture(scope="module")
+def reference(char_data, tmp_path_factory):
+    return step_losses(char_data, tmp_path_factory.mktemp("ref"), jax.devices()[:1])
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_strategy_matches_one_device(name, char_data, tmp_path, reference):
+    ref_losses, ref_state = reference
+    losses, state = step_losses(char_data, tmp_path, jax.devices(), **STRATEGIES[name])
+    assert ref_losses[-1] < ref_losses[0]
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(jax.device_get(state["params"])), jax.tree.leaves(jax.device_get(ref_state["params"]))):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def _argument_bytes(cfg, devices):
+    run = train.setup(cfg, devices)
+    step = train.make_train_step(run.cfg, run.optimizer, run.mesh, run.abstract_state, run.act_rules)
+    tok = jax.ShapeDtypeStruct((1, run.cfg.training.batch_size, run.cfg.model.block_size), np.int32,
+                               sharding=sharding.batch_sharding(run.mesh, 3, 1, run.act_rules))
+    compiled = step.lower(run.abstract_state, tok, tok).compile()
+    state_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(run.abstract_state))
+    return compiled.memory_analysis().argument_size_in_bytes, state_bytes
+
+
+@pytest.mark.parametrize("mesh", [{"mesh.ici_data": 1, "mesh.ici_fsdp": 8}, {"mesh.ici_data": 1, "mesh.ici_tensor": 8}])
+def test_sharded_state_bytes_per_device(mesh, char_data, tmp_path):
+    big = {"model.vocab_size": 256, "model.d_model": 256, "model.n_heads": 8}
+    unsharded, total = _argument_bytes(tiny_config(char_data, tmp_path, **big), jax.devices()[:1])
+    sharded, _ = _argument_bytes(tiny_config(char_data, tmp_path, **big, **mesh), jax.devices())
+    assert unsharded >= total  # params + optimizer state + the token batch
+    # Only norm scales (and, for tensor parallelism, width-sized vectors) stay replicated.
+    assert sharded <= unsharded / 8 * 1.05, (sharded, unsharded)
+
+
+def test_mesh_errors_are_clear(char_data, tmp_path):
+    with pytest.raises(ConfigError, match=r"mesh.ici_data=3 multiply to 3 devices but 8 are available"):
+        train.setup(tiny_config(char_data, tmp_path, **{"mesh.ici_data": 3}), jax.devices())
+    with pytest.raises(ConfigError, match=r"heads' dimension of size 4 is sharded over mesh axes tensor \(8 devices\)"):
+        train.setup(tiny_config(char_data, tmp_path, **{"mesh.ici_data": 1, "mesh.ici_tensor": 8,
+                                                         "model.vocab_size": 128}), jax.devices())
+    with pytest.raises(ConfigError, match="training.per_device_batch_size=0.3 times 8 devices is 2.4"):
+        train.setup(tiny_config(char_data, tmp_path, **{"training.per_device_batch_size": 0.3}), jax.devices())
+    with pytest.raises(ConfigError, match="unknown mesh axis 'tensr'"):
+        sharding.rules_from_config(MeshConfig(rules="param.mlp=tensr"))
+
+
+def test_per_device_batch_size_may_be_fractional(char_data, tmp_path):
+    cfg = tiny_config(char_data, tmp_path, **{"mesh.ici_data": 1, "mesh.ici_sequence": 2, "mesh.ici_fsdp": 4,
+                                              "training.per_device_batch_size": 0.5})
+    run = train.setup(cfg, jax.devices())
+    assert run.cfg.training.batch_size == 4 and run.cfg.training.per_device_batch_size == 0.5
+
+
+def test_rules_override_and_hybrid_mesh_shape():
+    param, act = sharding.rules_from_config(MeshConfig(rules="param.embed=fsdp; act.length="))
+    assert param["embed"] == ("fsdp",) and act["length"] == ()
+    ici, dcn = sharding.mesh_shape(MeshConfig(ici_data=1, ici_fsdp=-1, dcn_data=2), 8)
+    assert ici["fsdp"] == 4 and dcn["data"] == 2
+
+
+def test_global_parameter_scale_multiplies_non_embedding_params():
+    from jaxlm import metrics
+
+    base = config_lib.load("openwebtext").model
+    n = metrics.non_embedding_params(base)
+    for scale in (2, 4, 8, 16):
+        m = config_lib.apply_parameter_scale(config_lib.ModelConfig(**{**base.__dict__, "global_parameter_scale": scale}))
+        assert metrics.non_embedding_params(m) / n == pytest.approx(scale, rel=0.02)
+        assert m.hd == base.hd
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _launch(args, cwd):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return subprocess.run([sys.executable, "-m", "jaxlm.cli", "launch", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=900)
+
+
+@pytest.mark.slow
+def test_two_processes_match_one_and_resume_exactly(char_data, tmp_path):
+    common = ["shakespeare_char_cpu", f"data.dir={char_data}", "model.n_layers=2", "model.d_model=32",
+              "model.block_size=32", "training.batch_size=8", "training.steps=12", "optimizer.warmup_steps=2",
+              "optimizer.decay_steps=12", "checkpoint.interval=6", "training.eval_interval=6",
+              "training.eval_batches=2", "training.sample_tokens=0", "logging.progress=false", "training.log_interval=1"]
+    one = _launch(["--processes", "1", "--devices-per-process", "8", "--", "train", *common,
+                   f"run_dir={tmp_path / 'one'}"], tmp_path)
+    assert one.returncode == 0, one.stdout + one.stderr
+    two = _launch(["--processes", "2", "--devices-per-process", "4", "--", "train", *common,
+                   f"run_dir={tmp_path / 'two'}"], tmp_path)
+    assert two.returncode == 0, two.stdout + two.stderr
+    assert "in 2 process(es)" in two.stdout
+    a, b = train.losses_by_step(tmp_path / "one"), train.losses_by_step(tmp_path / "two")
+    assert sorted(a) == sorted(b) == list(range(1, 13))
+    np.testing.assert_allclose([b[s] for s in range(1, 13)], [a[s] for s in range(1, 13)], rtol=1e-6)
+    # Resume the two-process run from its step-6 checkpoint: steps 7..12 repeat exactly.
+    part = _launch(["--processes", "2", "--devices-per-process", "4", "--", "train", *common,
+                    "training.steps=6", f"run_dir={tmp_path / 'part'}"], tmp_path)
+    assert part.returncode == 0, part.stdout + part.stderr
+    rest = _launch(["--processes", "2", "--devices-per-process", "4", "--", "train", *common,
+                    f"run_dir={tmp_path / 'part'}"], tmp_path)
+    assert rest.returncode == 0 and "resumed from" in rest.stdout, rest.stdout + rest.stderr
+    c = train.losses_by_step(tmp_path / "part")
+    assert [c[s] for s in range(7, 13)] == [b[s] for s in range(7, 13)]
+
+
+READER = """
+import json, sys
+import numpy as np
+from jaxlm import distributed, train
+from jaxlm.config import DistributedConfig, apply_overrides, Config
+distributed.initialize(DistributedConfig())
+cfg = apply_overrides(Config(), {"data.dir": sys.argv[1], "model.block_size": 16, "model.n_layers": 1,
+                                 "model.d_model": 16, "model.n_heads": 2, "training.batch_size": 8,
+                                 "run_dir": sys.argv[2]})
+run = train.setup(cfg)
+
+class Recording:
+    def __init__(self, data):
+        self.data, self.rows = data, set()
+    def __len__(self):
+        return len(self.data)
+    def __getitem__(self, idx):
+        self.rows.update(int(v) // 1000 for v in np.asarray(idx)[..., 0].ravel())
+        return self.data[idx]
+
+rec = run.dataset.splits["train"] = Recording(run.dataset.splits["train"])
+x, y = train.device_batch(run, "train", np.arange(8).reshape(1, 8) * 1000)
+assert x.shape == (1, 8, 16)
+print("ROWS", json.dumps(sorted(rec.rows)))
+"""
+
+
+@pytest.mark.slow
+def test_processes_read_disjoint_examples(char_data, tmp_path):
+    script = tmp_path / "reader.py"
+    script.write_text(READER)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    from jaxlm.launch import free_port
+
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, str(script), str(char_data), str(tmp_path / "r")],
+                              env=dict(env, JAXLM_COORDINATOR=f"127.0.0.1:{port}", JAXLM_NUM_PROCESSES="2",
+                                       JAXLM_PROCESS_ID=str(i), JAX_PLATFORMS="cpu",
+                                       XLA_FLAGS="--xla_force_host_platform_device_count=4"),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    rows = [json.loads(next(l for l in o.splitlines() if l.startswith("ROWS"))[5:]) for o in outs]
+    # Each process read 4 of the 8 rows of the global batch; none was read by both.
+    assert len(rows[0]) == len(rows[1]) == 4, outs
+    assert not set(rows[0]) & set(rows[1])
+    assert sorted(rows[0] + rows[1]) == list(range(8))
