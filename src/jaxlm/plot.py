@@ -61,10 +61,10 @@ def plot(run_dirs: list[str | Path], out: str | Path) -> Path:
             ax_loss.plot(vs, [s["val_loss"][k] for k in vs], "o--", color=color, label=f"{label} val")
         if "tokens_per_s" in s:
             ts = sorted(s["tokens_per_s"])
-            ax_tok.plot(ts, [s["tokens_per_s"][k] for k in ts], color=color, label=label)
+            ax_tok.plot(ts, [s["tokens_per_s"][k] for k in ts], ".-", color=color, label=label)
         if "mfu" in s:
             ms = sorted(s["mfu"])
-            ax_mfu.plot(ms, [100 * s["mfu"][k] for k in ms], color=color, label=label)
+            ax_mfu.plot(ms, [100 * s["mfu"][k] for k in ms], ".-", color=color, label=label)
     for ax, title, ylabel in ((ax_loss, "loss (smoothed; faint: every step)", "cross-entropy (nats)"),
                               (ax_tok, "throughput", "tokens/s (all devices)"),
                               (ax_mfu, "model FLOPs utilization", "MFU (%)")):
