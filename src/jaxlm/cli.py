@@ -1,4 +1,4 @@
-"""`jaxlm train | prepare`: parse the command line and call the library. Errors a user can cause end in
+"""`jaxlm train | prepare | plot`: parse the command line and call the library. Errors a user can cause end in
 one line on stderr (exit status 2), not a traceback."""
 
 from __future__ import annotations
@@ -89,7 +89,19 @@ def cmd_prepare(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "prepare": cmd_prepare, "launch": cmd_launch}
+def cmd_plot(argv: list[str]) -> int:
+    from jaxlm import plot
+
+    p = argparse.ArgumentParser(prog="jaxlm plot", description="Plot loss, val loss, tokens/s and MFU of runs.")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories holding metrics.jsonl")
+    p.add_argument("--out", help="PNG to write (default RUN_DIR/metrics.png for one run, runs.png for several)")
+    a = p.parse_args(argv)
+    out = a.out or (f"{a.run_dirs[0]}/metrics.png" if len(a.run_dirs) == 1 else "runs.png")
+    print(f"wrote {plot.plot(a.run_dirs, out)}")
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "prepare": cmd_prepare, "launch": cmd_launch, "plot": cmd_plot}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: jaxlm {" + ",".join(COMMANDS) + "} ...\n\n"
               "  train PRESET_OR_FILE [key=value ...]   train or resume a model (jaxlm train --help)\n"
               "  prepare DATASET [...]                  corpus -> token files (jaxlm prepare --help)\n"
-              "  launch --processes N -- train ...      one job in N local processes (jaxlm launch --help)")
+              "  launch --processes N -- train ...      one job in N local processes (jaxlm launch --help)\n"
+              "  plot RUN_DIR [RUN_DIR ...]             loss and throughput curves -> PNG (jaxlm plot --help)")
         return 0 if not argv or argv[0] in ("-h", "--help") else 2
     from jaxlm.checkpoint import CheckpointError
     from jaxlm.data.prepare import DataError

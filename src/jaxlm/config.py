@@ -134,6 +134,10 @@ class CheckpointConfig:
 class LoggingConfig:
     tensorboard: bool = _f(True, "write TensorBoard event files to the run directory")
     progress: bool = _f(True, "show a progress bar")
+    wandb: bool = _f(False, "log metrics to Weights & Biases (pip install 'jaxlm[wandb]'; WANDB_MODE=offline works)")
+    wandb_project: str = _f("jaxlm", "W&B project")
+    wandb_entity: str | None = _f(None, "W&B entity (team or user); None = your default")
+    wandb_run_name: str | None = _f(None, "W&B run name; None = the run directory's name")
 
 
 MESH_AXES = ("data", "stage", "fsdp", "expert", "sequence", "tensor")
@@ -167,6 +171,23 @@ class DistributedConfig:
 
 
 @dataclass(frozen=True)
+class DiagnosticsConfig:
+    collect_stack_trace: bool = _f(False, "dump every thread's Python stack every stack_trace_interval_seconds")
+    stack_trace_interval_seconds: float = _f(600.0, "seconds between stack dumps")
+    stack_trace_to_file: bool = _f(False, "append the dumps to <run_dir>/debugging/stack_trace_<process>.txt instead of the console")
+    hang_timeout_seconds: float = _f(0.0, "report a hang (stacks + a log line) when no step finishes for this long after the first; 0 = off")
+    hang_exit: bool = _f(False, "after reporting a hang, exit with status 75 so a scheduler restarts the job from its last checkpoint")
+
+
+@dataclass(frozen=True)
+class ProfilerConfig:
+    mode: Literal["none", "xplane"] = _f("none", "xplane: trace profiler.steps steps to <run_dir>/profile (TensorBoard/xprof); `profiler=xplane` for short")
+    skip_steps: int = _f(3, "steps run after the (re)start before tracing begins; the first one compiles")
+    steps: int = _f(5, "steps traced")
+    port: int = _f(0, "serve jax.profiler on this port for on-demand capture from TensorBoard/xprof; 0 = off")
+
+
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -176,9 +197,11 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
+    profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
     run_dir: str | None = _f(None, "run directory; None = outputs/<timestamp>. A folder holding a checkpoint is resumed")
     seed: int = _f(1337, "seed for initialization, data order and dropout")
-    debug: bool = _f(False, "write a profiler trace of a few steps and skip checkpoints")
+    debug: bool = _f(False, "shortcut for profiler=xplane that also skips checkpoints")
 
     def replace(self, **kw) -> "Config":
         return dataclasses.replace(self, **kw)
@@ -283,6 +306,10 @@ def _unknown(key: str, candidates: list[str]) -> ConfigError:
     return ConfigError(f"unknown setting '{key}'{extra}; `jaxlm train --help` lists them all")
 
 
+# Short spellings accepted on the command line and in files.
+ALIASES = {"profiler": "profiler.mode"}
+
+
 def apply_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:
     """Return `cfg` with dotted-key overrides applied, type-checked; does not validate ranges."""
     sections = _section_classes()
@@ -291,6 +318,7 @@ def apply_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:
     changes: dict[str, dict[str, Any]] = {}
     top: dict[str, Any] = {}
     for key, value in overrides.items():
+        key = ALIASES.get(key, key)
         parts = key.split(".")
         if len(parts) == 1 and parts[0] in top_hints and parts[0] not in sections:
             top[parts[0]] = _coerce(key, value, top_hints[parts[0]])
@@ -450,6 +478,23 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"training.per_device_batch_size={t.per_device_batch_size} must be > 0")
     if m.global_parameter_scale < 1 or m.global_parameter_scale & (m.global_parameter_scale - 1):
         raise ConfigError(f"model.global_parameter_scale={m.global_parameter_scale} must be a power of 2 (1, 2, 4, ...)")
+
+    dg, pr = cfg.diagnostics, cfg.profiler
+    positive("diagnostics.stack_trace_interval_seconds", dg.stack_trace_interval_seconds)
+    if dg.hang_timeout_seconds < 0:
+        raise ConfigError(f"diagnostics.hang_timeout_seconds={dg.hang_timeout_seconds} must be >= 0 (0 = off)")
+    if dg.hang_exit and not dg.hang_timeout_seconds:
+        raise ConfigError("diagnostics.hang_exit=true needs diagnostics.hang_timeout_seconds > 0")
+    if pr.skip_steps < 0:
+        raise ConfigError(f"profiler.skip_steps={pr.skip_steps} must be >= 0")
+    positive("profiler.steps", pr.steps)
+    if (pr.mode == "xplane" or cfg.debug) and pr.skip_steps >= t.steps:
+        raise ConfigError(f"profiler.skip_steps={pr.skip_steps} leaves no step to trace in training.steps={t.steps}; "
+                          f"use at most {t.steps - 1}")
+    if not 0 <= pr.port <= 65535:
+        raise ConfigError(f"profiler.port={pr.port} must be a TCP port in 1-65535, or 0 (off)")
+    if not cfg.logging.wandb_project:
+        raise ConfigError("logging.wandb_project must not be empty")
 
 
 def apply_parameter_scale(m: ModelConfig) -> ModelConfig:

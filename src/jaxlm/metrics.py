@@ -1,13 +1,19 @@
-"""Model FLOPs, the machine's measured matmul peak, and metric writers (JSONL, TensorBoard, progress bar).
+"""Model FLOPs, peak FLOP/s of the chip (a table, or a matmul measured here), throughput and goodput
+accounting, and the metric writers (metrics.jsonl, TensorBoard, Weights & Biases, progress bar).
 
-Model FLOPs per token follow the convention of nanoGPT and the PaLM paper: 6 * N for the weights' forward
-and backward matmuls, where N counts every parameter except the token and position embedding tables
-(an untied output projection counts, a tied one does not), plus 12 * layers * width * block for the
-attention scores and weighted sums (forward and backward, full square, as nanoGPT counts them).
+Model FLOPs per token (forward + backward, the figure MFU is computed from) are counted from the config:
+6 FLOPs per weight of every matmul (attention projections, MLP, and the output projection, tied to the
+token embedding or not; norms, biases and the embedding lookup are not matmuls) plus the attention scores
+and the weighted sum of values, 12 * layers * heads * head_dim * block_size for the full square as nanoGPT
+counts it, or half that when only the causal triangle is counted (`causal=True`, what jaxlm prints).
+
+Shape legend: T block length, L layers, D model width, N query heads, K key/value heads, H head width,
+F MLP hidden width, V vocabulary.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -15,24 +21,31 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from jaxlm import params as P
-from jaxlm.config import ModelConfig
+from jaxlm.config import Config, ConfigError, ModelConfig
 
 
-def non_embedding_params(cfg: ModelConfig) -> int:
-    from jaxlm.model import param_specs
+def matmul_weights(cfg: ModelConfig) -> int:
+    """Weights that take part in a matmul for every token: per layer q, k, v, o and the MLP, plus the
+    output projection (counted whether or not it shares its table with the token embedding)."""
+    L, D, N, K, H, F, V = cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.hd, cfg.ff, cfg.vocab_size
+    attn = D * N * H + 2 * D * K * H + N * H * D
+    mlp = (3 if cfg.glu else 2) * D * F
+    return L * (attn + mlp) + D * V
 
-    return P.count(param_specs(cfg), exclude=lambda path: path.startswith("['embed']"))
 
-
-def flops_per_token(cfg: ModelConfig) -> float:
-    return 6.0 * non_embedding_params(cfg) + 12.0 * cfg.n_layers * cfg.n_heads * cfg.hd * cfg.block_size
+def flops_per_token(cfg: ModelConfig, causal: bool = False) -> float:
+    """Training FLOPs (forward + backward) per token. The default counts full-square attention, as
+    nanoGPT's estimate_mfu does (comparable with its figures); `causal=True` counts half the attention
+    score and value matmuls, the work a causal model needs, and is what `jaxlm train` reports."""
+    attention = 12.0 * cfg.n_layers * cfg.n_heads * cfg.hd * cfg.block_size
+    return 6.0 * matmul_weights(cfg) + (attention / 2 if causal else attention)
 
 
 def matmul_flops_per_second(n: int = 1024, dtype=jnp.float32, repeats: int = 10) -> float:
-    """This machine's jitted n^3 matmul rate (best of `repeats`), the yardstick for model FLOP/s."""
+    """This machine's jitted n^3 matmul rate (best of `repeats`) for operands of `dtype` accumulated in
+    float32, the way every model matmul runs (layers.dot): the yardstick for model FLOP/s on a CPU."""
     a = jax.random.normal(jax.random.key(0), (n, n), dtype)
-    f = jax.jit(lambda x: x @ x)
+    f = jax.jit(lambda x: jnp.matmul(x, x, preferred_element_type=jnp.float32).astype(dtype))
     f(a).block_until_ready()
     best = float("inf")
     for _ in range(repeats):
@@ -42,13 +55,127 @@ def matmul_flops_per_second(n: int = 1024, dtype=jnp.float32, repeats: int = 10)
     return 2.0 * n ** 3 / best
 
 
-class MetricWriter:
-    """Appends one JSON record per step to metrics.jsonl and mirrors scalars to TensorBoard."""
+# Dense (not sparse) peak FLOP/s per chip from the vendors' spec sheets: (device_kind substring, bf16, fp32).
+# The fp32 figure is what JAX's default matmul precision runs float32 at: one bf16 pass on TPU, TF32 on
+# NVIDIA GPUs since Ampere. First match wins, so "v5 lite" must precede "v5".
+PEAK_FLOPS = [
+    ("TPU v6 lite", 918e12, 918e12),  # v6e (Trillium)
+    ("TPU v6e", 918e12, 918e12),
+    ("TPU v5 lite", 197e12, 197e12),  # v5e
+    ("TPU v5e", 197e12, 197e12),
+    ("TPU v5p", 459e12, 459e12),
+    ("TPU v5", 459e12, 459e12),
+    ("TPU v4", 275e12, 275e12),
+    ("B200", 2250e12, 1100e12),
+    ("H200", 989e12, 494.5e12),
+    ("H100", 989e12, 494.5e12),  # SXM; the PCIe card is slower, so its MFU reads low
+    ("A100", 312e12, 156e12),
+]
 
-    def __init__(self, run_dir: Path, tensorboard: bool = True, enabled: bool = True):
+
+def peak_flops_per_device(device: jax.Device, compute_dtype: str, n_local_devices: int) -> tuple[float, str]:
+    """(peak FLOP/s of one device for `compute_dtype` matmuls, where the figure comes from). Chips not in
+    PEAK_FLOPS, and every CPU, are measured once with a jitted matmul; fake CPU devices share one host's
+    cores, so each is given an equal share of the host's rate."""
+    kind = device.device_kind
+    for name, bf16, fp32 in PEAK_FLOPS:
+        if device.platform != "cpu" and name.lower() in kind.lower():
+            return (bf16 if compute_dtype == "bfloat16" else fp32), f"{kind}, {compute_dtype} spec sheet"
+    measured = matmul_flops_per_second(dtype=jnp.dtype(compute_dtype))
+    share = n_local_devices if device.platform == "cpu" else 1
+    where = f"{kind}: jitted {compute_dtype} matmul measured here" + (f", / {share} devices" if share > 1 else "")
+    return measured / share, where
+
+
+class Throughput:
+    """Turns (steps, seconds) of a timing window into the figures each logged step records."""
+
+    def __init__(self, tokens_per_step: int, flops_per_step: float, n_devices: int, peak_per_device: float):
+        self.tokens_per_step, self.flops_per_step = tokens_per_step, flops_per_step
+        self.n_devices, self.peak_per_device = n_devices, peak_per_device
+
+    def window(self, steps: int, seconds: float) -> dict:
+        tokens_per_s = self.tokens_per_step * steps / seconds
+        flops_per_device = self.flops_per_step * steps / seconds / self.n_devices
+        return {"step_time_s": seconds / steps, "tokens_per_s": tokens_per_s,
+                "tokens_per_s_per_device": tokens_per_s / self.n_devices,
+                "tflops_per_s": flops_per_device * self.n_devices / 1e12,
+                "tflops_per_s_per_device": flops_per_device / 1e12,
+                "mfu": flops_per_device / self.peak_per_device}
+
+
+class Goodput:
+    """Splits this process's wall time into buckets that sum to it: init (setup, state init or restore),
+    compile (the first step), data (loading and transferring batches), compute (train steps, including
+    waiting for their results), checkpoint, eval (evaluation and the final sample), and other (logging,
+    host overhead: whatever no bucket claimed)."""
+
+    BUCKETS = ("init", "compile", "data", "compute", "checkpoint", "eval")
+
+    def __init__(self):
+        self.start = time.perf_counter()
+        self.seconds = dict.fromkeys(self.BUCKETS, 0.0)
+
+    @contextlib.contextmanager
+    def phase(self, bucket: str):
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[bucket] += time.perf_counter() - t
+
+    def charge_unaccounted(self, bucket: str) -> None:
+        """Give `bucket` all the wall time so far that no phase claimed (for init, which spans many calls)."""
+        self.seconds[bucket] += time.perf_counter() - self.start - sum(self.seconds.values())
+
+    def summary(self) -> dict:
+        wall = time.perf_counter() - self.start
+        out = {f"goodput_{b}_s": s for b, s in self.seconds.items()}
+        out["goodput_other_s"] = wall - sum(self.seconds.values())
+        out["goodput_wall_s"] = wall
+        out["goodput"] = self.seconds["compute"] / wall
+        return out
+
+    @staticmethod
+    def describe(summary: dict) -> str:
+        wall = summary["goodput_wall_s"]
+        parts = [f"{b} {summary[f'goodput_{b}_s']:.1f} s ({100 * summary[f'goodput_{b}_s'] / wall:.0f}%)"
+                 for b in (*Goodput.BUCKETS, "other")]
+        return f"time {wall:.1f} s: " + ", ".join(parts)
+
+
+def require_wandb() -> None:
+    try:
+        import wandb  # noqa: F401 - only whether it imports matters here
+    except ImportError:
+        raise ConfigError("logging.wandb=true needs the wandb package: pip install 'jaxlm[wandb]' "
+                          "(or set logging.wandb=false)") from None
+
+
+def start_wandb(cfg: Config, run_dir: Path):
+    """Start the run's Weights & Biases run, or continue it: its id is kept in <run_dir>/wandb_id, so a
+    resumed run directory logs into the same W&B run. WANDB_MODE=offline works as usual."""
+    import secrets
+
+    import wandb
+
+    id_file = run_dir / "wandb_id"
+    run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(6)
+    id_file.write_text(run_id + "\n")
+    lc = cfg.logging
+    return wandb.init(project=lc.wandb_project, entity=lc.wandb_entity, name=lc.wandb_run_name or run_dir.name,
+                      id=run_id, resume="allow", dir=str(run_dir), config=cfg.to_dict())
+
+
+class MetricWriter:
+    """Appends one JSON record per step to metrics.jsonl and mirrors its numbers to TensorBoard and,
+    when given a started run, to Weights & Biases."""
+
+    def __init__(self, run_dir: Path, tensorboard: bool = True, enabled: bool = True, wandb_run=None):
         self.enabled = enabled
         self._jsonl = open(run_dir / "metrics.jsonl", "a") if enabled else None
         self._tb = None
+        self._wandb = wandb_run if enabled else None
         if enabled and tensorboard:
             from tensorboardX import SummaryWriter
 
@@ -58,11 +185,13 @@ class MetricWriter:
         if not self.enabled:
             return
         self._jsonl.write(json.dumps(record) + "\n")
+        step = record["step"]
+        scalars = {k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float))}
         if self._tb is not None:
-            step = record["step"]
-            for k, v in record.items():
-                if k != "step" and isinstance(v, (int, float)):
-                    self._tb.add_scalar(k, v, step)
+            for k, v in scalars.items():
+                self._tb.add_scalar(k, v, step)
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=step)
 
     def flush(self) -> None:
         if self.enabled:
@@ -75,6 +204,8 @@ class MetricWriter:
             self._jsonl.close()
             if self._tb is not None:
                 self._tb.close()
+            if self._wandb is not None:
+                self._wandb.finish()
 
 
 class Progress:

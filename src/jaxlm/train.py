@@ -21,7 +21,7 @@ import optax
 
 from jaxlm import checkpoint as ckpt
 from jaxlm import config as config_lib
-from jaxlm import distributed, generate, metrics, optim, params as P, sharding
+from jaxlm import diagnostics, distributed, generate, metrics, optim, params as P, sharding
 from jaxlm.config import Config, ConfigError
 from jaxlm.data import loader as loader_lib, prepare, tokenizer as tokenizer_lib
 from jaxlm.model import loss_fn, param_specs
@@ -61,6 +61,8 @@ def setup(cfg: Config, devices=None) -> Run:
     mesh = sharding.make_mesh(cfg.mesh, devices)
     param_rules, act_rules = sharding.rules_from_config(cfg.mesh)
     cfg = cfg.replace(training=resolve_batch(cfg.training, mesh, act_rules))
+    if cfg.logging.wandb:
+        metrics.require_wandb()
     specs = param_specs(cfg.model)
     optimizer = optim.make(cfg.optimizer, cfg.training.steps)
     abstract_state = make_abstract_state(specs, mesh, optimizer, param_rules)
@@ -206,7 +208,7 @@ def check_resume_config(run_dir: Path, cfg: Config) -> None:
 
 def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict:
     """Train (or resume) a run; returns a summary with the final losses and throughput."""
-    t_start = time.perf_counter()
+    goodput = metrics.Goodput()
     distributed.initialize(cfg.distributed)
     main_process = distributed.is_main()
     if not main_process:
@@ -221,12 +223,19 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
 
     n_params = P.count(run.specs)
     tokens_per_step = t_cfg.batch_size * t_cfg.grad_accum * m_cfg.block_size
-    flops_per_step = metrics.flops_per_token(m_cfg) * tokens_per_step
+    flops_per_token = metrics.flops_per_token(m_cfg, causal=True)
+    flops_per_step = flops_per_token * tokens_per_step
+    n_devices = mesh.devices.size
+    local_devices = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
+    peak, peak_source = metrics.peak_flops_per_device(mesh.devices.flat[0], m_cfg.compute_dtype, local_devices)
+    meter = metrics.Throughput(tokens_per_step, flops_per_step, n_devices, peak)
     shape = {k: v for k, v in mesh.shape.items() if v > 1} or {"data": 1}
-    log(f"run_dir {run_dir} | {n_params:,} parameters | mesh {shape} on {mesh.devices.size} "
+    log(f"run_dir {run_dir} | {n_params:,} parameters | mesh {shape} on {n_devices} "
         f"{jax.devices()[0].platform} devices in {jax.process_count()} process(es)")
     log(f"batch: {t_cfg.batch_size} sequences global ({t_cfg.per_device_batch_size:g} per device) x "
         f"{t_cfg.grad_accum} accumulation = {tokens_per_step:,} tokens/step")
+    log(f"model FLOPs {flops_per_token:,.0f} per token (causal attention counted as half) | peak "
+        f"{peak / 1e12:.3f} TFLOP/s per device ({peak_source})")
     log(f"data {run.dataset.dir}: {prepare.describe(run.dataset.meta)}")
 
     use_ckpt = cfg.checkpoint.enabled and not cfg.debug
@@ -247,82 +256,103 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
     eval_batches = {split: loader_lib.fixed_starts(run.dataset.splits[split], m_cfg.block_size, t_cfg.batch_size,
                                                     t_cfg.eval_batches, cfg.seed + 2)
                     for split in ("train", "val")}
-    writer = metrics.MetricWriter(run_dir, tensorboard=cfg.logging.tensorboard, enabled=main_process)
+    writer = metrics.MetricWriter(run_dir, tensorboard=cfg.logging.tensorboard, enabled=main_process,
+                                  wandb_run=metrics.start_wandb(cfg, run_dir) if cfg.logging.wandb and main_process
+                                  else None)
     progress = metrics.Progress(t_cfg.steps, start, cfg.logging.progress and main_process)
     say = progress.write if main_process else log
-    profile_window = (start + 3, min(start + 8, t_cfg.steps)) if cfg.debug else None
+    profiler = diagnostics.Profiler(cfg, run_dir, start, log)
+    monitor = diagnostics.Monitor(cfg, run_dir, progress.write)
+    goodput.charge_unaccounted("init")
 
     pending: list[tuple[int, dict]] = []
     last_eval: dict = {}
     window_start, window_steps, timed_steps, timed_seconds = time.perf_counter(), 0, 0, 0.0
     compile_seconds = 0.0
     for step in range(start, t_cfg.steps):
-        if profile_window and step == profile_window[0]:
-            jax.profiler.start_trace(str(run_dir / "profile"))
-        state, step_metrics = train_step(state, *device_batch(run, "train", loader.next_starts()))
+        profiler.before(step)
+        with jax.profiler.StepTraceAnnotation("train", step_num=step):
+            with goodput.phase("data"):
+                x, y = device_batch(run, "train", loader.next_starts())
+            with goodput.phase("compile" if step == start else "compute"):
+                state, step_metrics = train_step(state, x, y)
+                if step == start:
+                    jax.block_until_ready(step_metrics)  # the first call compiles; keep that out of compute
         done = step + 1
+        profiler.after(done, state)
         pending.append((done, step_metrics))
         window_steps += 1
-        if profile_window and done == profile_window[1]:
-            jax.block_until_ready(state)
-            jax.profiler.stop_trace()
-            log(f"profiler trace of steps {profile_window[0] + 1}-{done} written to {run_dir / 'profile'}")
         is_eval = done == t_cfg.steps or (t_cfg.eval_interval and done % t_cfg.eval_interval == 0)
         is_ckpt = use_ckpt and (done == t_cfg.steps or (cfg.checkpoint.interval and done % cfg.checkpoint.interval == 0))
         if done == start + 1 or done % t_cfg.log_interval == 0 or is_eval or is_ckpt:
-            fetched = jax.device_get([m for _, m in pending])
+            with goodput.phase("compute"):
+                fetched = jax.device_get([m for _, m in pending])
             elapsed = time.perf_counter() - window_start
             if done == start + 1:
                 compile_seconds = elapsed  # the first step includes compilation; keep it out of throughput
             else:
                 timed_steps += window_steps
                 timed_seconds += elapsed
-            tok_s = tokens_per_step * window_steps / elapsed
+            window = meter.window(window_steps, elapsed)
             for (s, _), m in zip(pending, fetched):
                 record = {"step": s, "loss": float(m["loss"]), "lr": float(m["lr"]),
                           "grad_norm": float(m["grad_norm"])}
                 if s == done:
-                    record.update(tokens_per_s=tok_s, tflops_per_s=flops_per_step * window_steps / elapsed / 1e12)
+                    record.update({"compile_s": elapsed} if done == start + 1 else window)
                     if is_eval:
-                        last_eval = evaluate(eval_step, state["params"], run, eval_batches)
+                        with goodput.phase("eval"):
+                            last_eval = evaluate(eval_step, state["params"], run, eval_batches)
                         record.update(train_loss=last_eval["train"], val_loss=last_eval["val"])
                         say(f"step {s}: train loss {last_eval['train']:.4f}, val loss {last_eval['val']:.4f}")
                 writer.write(record)
             writer.flush()
             last = fetched[-1]
             progress.update(window_steps, {"loss": f"{float(last['loss']):.4f}", "lr": f"{float(last['lr']):.2e}",
-                                           "tok/s": f"{tok_s:,.0f}",
-                                           "TFLOP/s": f"{flops_per_step * window_steps / elapsed / 1e12:.3f}"})
+                                           "tok/s": f"{window['tokens_per_s']:,.0f}",
+                                           "MFU": f"{100 * window['mfu']:.1f}%"})
             if is_ckpt:
-                checkpointer.save(done, state, loader.state())
+                with goodput.phase("checkpoint"):
+                    checkpointer.save(done, state, loader.state())
             pending.clear()
             window_steps = 0
             window_start = time.perf_counter()  # evaluation and checkpointing stay out of the throughput
+        monitor.beat(done)
+    monitor.close()
+    profiler.close()
     progress.close()
     if checkpointer:
-        checkpointer.close()
-    writer.close()
+        with goodput.phase("checkpoint"):
+            checkpointer.close()
 
     summary = {"run_dir": str(run_dir), "steps": t_cfg.steps, "start_step": start,
-               "wall_seconds": time.perf_counter() - t_start, "compile_seconds": compile_seconds,
+               "wall_seconds": time.perf_counter() - goodput.start, "compile_seconds": compile_seconds,
                "train_loss": last_eval.get("train"), "val_loss": last_eval.get("val"),
                "unigram_entropy": run.dataset.meta.get("unigram_entropy")}
+    summary.update(peak_flops_per_device=peak, peak_source=peak_source, flops_per_token=flops_per_token)
     if timed_steps:
-        summary["tokens_per_s"] = tokens_per_step * timed_steps / timed_seconds
-        summary["model_tflops_per_s"] = flops_per_step * timed_steps / timed_seconds / 1e12
+        overall = meter.window(timed_steps, timed_seconds)
+        summary.update(tokens_per_s=overall["tokens_per_s"], tokens_per_s_per_device=overall["tokens_per_s_per_device"],
+                       model_tflops_per_s=overall["tflops_per_s"],
+                       model_tflops_per_s_per_device=overall["tflops_per_s_per_device"], mfu=overall["mfu"])
     if start < t_cfg.steps:
         log(f"trained steps {start + 1}-{t_cfg.steps} in {summary['wall_seconds']:.1f} s "
             f"(first step with compile {compile_seconds:.1f} s); "
-            + (f"{summary['tokens_per_s']:,.0f} tokens/s, {summary['model_tflops_per_s']:.4f} model TFLOP/s"
-               if timed_steps else ""))
+            + (f"{summary['tokens_per_s']:,.0f} tokens/s ({summary['tokens_per_s_per_device']:,.0f} per device), "
+               f"{summary['model_tflops_per_s_per_device']:.4f} model TFLOP/s per device, "
+               f"MFU {100 * summary['mfu']:.2f}%" if timed_steps else ""))
     if last_eval:
         ent = summary["unigram_entropy"]
         log(f"final train loss {last_eval['train']:.4f}, val loss {last_eval['val']:.4f}"
             + (f" (unigram entropy of the corpus: {ent:.4f})" if ent else ""))
     if t_cfg.sample_tokens:
-        summary["sample"] = sample_text(state["params"], cfg, run.dataset.meta, t_cfg.sample_prompt,
-                                        t_cfg.sample_tokens, t_cfg.sample_temperature, t_cfg.sample_top_k)
+        with goodput.phase("eval"):
+            summary["sample"] = sample_text(state["params"], cfg, run.dataset.meta, t_cfg.sample_prompt,
+                                            t_cfg.sample_tokens, t_cfg.sample_temperature, t_cfg.sample_top_k)
         log("sample:\n" + t_cfg.sample_prompt + summary["sample"])
+    summary["goodput"] = goodput.summary()
+    writer.write({"step": t_cfg.steps, **summary["goodput"]})
+    writer.close()
+    log(metrics.Goodput.describe(summary["goodput"]))
     return summary
 
 
@@ -341,4 +371,4 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
 
 def losses_by_step(run_dir: str | Path) -> dict[int, float]:
     """Last recorded training loss of each step (a resumed run re-records the steps after its checkpoint)."""
-    return {r["step"]: r["loss"] for r in read_metrics(run_dir)}
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
