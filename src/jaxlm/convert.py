@@ -198,6 +198,8 @@ def from_hf(src: str, out: str | Path, param_dtype: str = "float32", log: Callab
                            + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
 
     out.mkdir(parents=True, exist_ok=True)
+    for path in list(arrays):  # hand each array to JAX and drop the numpy copy before the next one
+        arrays[path] = jax.device_put(arrays.pop(path))
     save_params(out / "params", unflatten(arrays))
     del arrays
     (out / "config.json").write_text(config_lib.to_json(cfg))
