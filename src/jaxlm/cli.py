@@ -89,6 +89,30 @@ def cmd_prepare(argv: list[str]) -> int:
     return 0
 
 
+def cmd_convert(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="jaxlm convert", description="Hugging Face checkpoints in and out.")
+    sub = p.add_subparsers(dest="direction", required=True)
+    a = sub.add_parser("from-hf", help="HF folder or hub id -> jaxlm checkpoint folder (fine-tune with "
+                                       "`jaxlm train OUT/config.json`)")
+    a.add_argument("src", help="folder with config.json + *.safetensors, or a hub id such as meta-llama/Llama-3.1-8B")
+    a.add_argument("out", help="output folder")
+    a.add_argument("--param-dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="dtype the weights are stored and trained in (default float32)")
+    b = sub.add_parser("to-hf", help="jaxlm run directory or converted checkpoint -> HF folder")
+    b.add_argument("path", help="run directory (its latest checkpoint) or converted checkpoint folder")
+    b.add_argument("out", help="output folder")
+    b.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="tensor dtype (default: the weights')")
+    b.add_argument("--shard-gb", type=float, default=5.0, help="largest safetensors file, in GiB")
+    args = p.parse_args(argv)
+    from jaxlm import convert
+
+    if args.direction == "from-hf":
+        convert.from_hf(args.src, args.out, args.param_dtype)
+    else:
+        convert.to_hf(args.path, args.out, args.dtype, int(args.shard_gb * 2**30))
+    return 0
+
+
 def cmd_plot(argv: list[str]) -> int:
     from jaxlm import plot
 
@@ -101,7 +125,8 @@ def cmd_plot(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "prepare": cmd_prepare, "launch": cmd_launch, "plot": cmd_plot}
+COMMANDS = {"train": cmd_train, "prepare": cmd_prepare, "launch": cmd_launch, "plot": cmd_plot,
+            "convert": cmd_convert}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
               "  train PRESET_OR_FILE [key=value ...]   train or resume a model (jaxlm train --help)\n"
               "  prepare DATASET [...]                  corpus -> token files (jaxlm prepare --help)\n"
               "  launch --processes N -- train ...      one job in N local processes (jaxlm launch --help)\n"
-              "  plot RUN_DIR [RUN_DIR ...]             loss and throughput curves -> PNG (jaxlm plot --help)")
+              "  plot RUN_DIR [RUN_DIR ...]             loss and throughput curves -> PNG (jaxlm plot --help)\n"
+              "  convert from-hf|to-hf SRC OUT          Hugging Face checkpoints in and out (jaxlm convert --help)")
         return 0 if not argv or argv[0] in ("-h", "--help") else 2
     from jaxlm.checkpoint import CheckpointError
     from jaxlm.data.prepare import DataError

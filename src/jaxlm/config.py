@@ -63,6 +63,26 @@ class ModelConfig:
     scan_layers: bool = _f(True, "run the stacked layers with lax.scan (fast compile) instead of a Python loop")
     global_parameter_scale: int = _f(1, "multiply the non-embedding parameters by about this power of 2, "
                                         "growing width, heads, MLP width (and layers every third doubling)")
+    # Family options (GPT-2, Llama, Mistral, Mixtral, Gemma, Gemma 2, Qwen): each is one named switch in the one
+    # forward pass; docs/families.md maps every family to its values.
+    qkv_bias: bool = _f(False, "biases on the query/key/value projections only (Qwen 2); `bias` turns on every bias")
+    norm_plus_one: bool = _f(False, "RMSNorm multiplies by (1 + scale) with scale initialized to 0 (Gemma)")
+    embed_scale: bool = _f(False, "multiply token embeddings by sqrt(d_model) (Gemma)")
+    post_norms: bool = _f(False, "also normalize each block's attention and MLP output before the residual add (Gemma 2)")
+    attn_scale: float | None = _f(None, "attention logits are multiplied by attn_scale ** -0.5; None = head_dim (Gemma 2 query_pre_attn_scalar)")
+    attn_logit_softcap: float | None = _f(None, "cap * tanh(logits / cap) on attention logits; None = off (Gemma 2: 50)")
+    final_logit_softcap: float | None = _f(None, "cap * tanh(logits / cap) on output logits; None = off (Gemma 2: 30)")
+    sliding_window: int | None = _f(None, "keys a `local` layer attends to, itself included (Mistral, Gemma 2)")
+    layer_pattern: str = _f("global", "comma-separated attention kinds (global|local) repeated over the layers, "
+                            "e.g. local,global for Gemma 2; layers are scanned in groups of this length")
+    rope_scaling: Literal["none", "llama3"] = _f("none", "rotary frequency scaling for long context (Llama 3.1)")
+    rope_scaling_factor: float = _f(8.0, "llama3 rope scaling: factor the low frequencies are divided by")
+    rope_low_freq_factor: float = _f(1.0, "llama3 rope scaling: low_freq_factor")
+    rope_high_freq_factor: float = _f(4.0, "llama3 rope scaling: high_freq_factor")
+    rope_original_context: int = _f(8192, "llama3 rope scaling: context length the model was pretrained with")
+    n_experts: int = _f(0, "experts per mixture-of-experts MLP; 0 = dense MLP (Mixtral: 8)")
+    experts_per_token: int = _f(2, "experts each token is routed to (top-k)")
+    router_aux_loss_coef: float = _f(0.02, "weight of the load-balancing loss added to the training loss")
 
     @property
     def kv_heads(self) -> int:
@@ -75,6 +95,10 @@ class ModelConfig:
     @property
     def ff(self) -> int:
         return self.d_ff or 4 * self.d_model
+
+    @property
+    def pattern(self) -> tuple[str, ...]:
+        return tuple(k.strip() for k in self.layer_pattern.split(","))
 
 
 @dataclass(frozen=True)
@@ -128,6 +152,8 @@ class CheckpointConfig:
     keep: int = _f(3, "checkpoints kept on disk")
     enabled: bool = _f(True, "write checkpoints at all")
     async_save: bool = _f(True, "write checkpoints in the background while training continues")
+    init_from: str | None = _f(None, "start from these weights (a `jaxlm convert from-hf` folder or a run directory) "
+                                     "with a fresh optimizer, when run_dir holds no checkpoint yet")
 
 
 @dataclass(frozen=True)
@@ -383,7 +409,7 @@ def load_base(name_or_file: str) -> Config:
             raise ConfigError(f"{name_or_file} must hold a mapping of settings, not {type(data).__name__}")
         base = load_base(data.pop("base")) if "base" in data else Config()
         return apply_overrides(base, flatten(data))
-    name = name_or_file.replace("-", "_")
+    name = name_or_file.replace("-", "_").replace(".", "_")
     names = preset_names()
     if name not in names:
         hint = difflib.get_close_matches(name, names, n=1)
@@ -432,6 +458,28 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"model.dropout={m.dropout} must be in [0, 1)")
     for key in ("norm_eps", "init_std", "rope_theta"):
         positive(f"model.{key}", getattr(m, key))
+    for key in ("attn_scale", "attn_logit_softcap", "final_logit_softcap", "sliding_window"):
+        v = getattr(m, key)
+        if v is not None:
+            positive(f"model.{key}", v)
+    bad = [k for k in m.pattern if k not in ("global", "local")]
+    if bad:
+        raise ConfigError(f"model.layer_pattern={m.layer_pattern!r} has {bad[0]!r}; allowed kinds: global, local "
+                          "(comma-separated, e.g. local,global)")
+    if m.n_layers % len(m.pattern):
+        raise ConfigError(f"model.layer_pattern={m.layer_pattern!r} repeats every {len(m.pattern)} layers, which "
+                          f"does not divide model.n_layers={m.n_layers}")
+    if "local" in m.pattern and m.sliding_window is None:
+        raise ConfigError(f"model.layer_pattern={m.layer_pattern!r} has local layers; set model.sliding_window")
+    if m.n_experts < 0 or (m.n_experts and not 1 <= m.experts_per_token <= m.n_experts):
+        raise ConfigError(f"model.experts_per_token={m.experts_per_token} must be in [1, model.n_experts="
+                          f"{m.n_experts}] (n_experts >= 0; 0 = dense MLP)")
+    if m.rope_scaling == "llama3":
+        for key in ("rope_scaling_factor", "rope_original_context"):
+            positive(f"model.{key}", getattr(m, key))
+        if not 0 < m.rope_low_freq_factor < m.rope_high_freq_factor:
+            raise ConfigError(f"model.rope_low_freq_factor={m.rope_low_freq_factor} must be > 0 and < "
+                              f"model.rope_high_freq_factor={m.rope_high_freq_factor}")
     positive("optimizer.lr", o.lr)
     if not 0.0 <= o.min_lr <= o.lr:
         raise ConfigError(f"optimizer.min_lr={o.min_lr} must be in [0, optimizer.lr={o.lr}]")

@@ -121,6 +121,15 @@ def init_state(run: Run, seed: int) -> dict:
     return init(params)
 
 
+def init_state_from(run: Run, path: str) -> dict:
+    """Weights from a converted checkpoint or another run (fine-tuning), fresh optimizer state, step 0."""
+    from jaxlm import convert
+
+    params = convert.restore_params(path, run.abstract_state["params"])
+    init = jax.jit(_init_state_fn(run.optimizer), out_shardings=shardings_of(run.abstract_state))
+    return init(params)
+
+
 def make_train_step(cfg: Config, optimizer, mesh, abstract_state, act_rules=sharding.ACTIVATION_RULES) -> Callable:
     """(state, x[A,B,T], y[A,B,T]) -> (state, {loss, grad_norm, lr}); A micro-batches are accumulated."""
     model_cfg = cfg.model
@@ -247,6 +256,9 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
         state, loader_state = checkpointer.restore(latest, run.abstract_state)
         loader.restore(loader_state)
         log(f"resumed from {checkpointer.dir / str(latest)} at step {latest}")
+    elif cfg.checkpoint.init_from:
+        state = init_state_from(run, cfg.checkpoint.init_from)
+        log(f"initialized the weights from {cfg.checkpoint.init_from}")
     else:
         state = init_state(run, cfg.seed)
     start = int(jax.device_get(state["step"]))

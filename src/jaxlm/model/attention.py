@@ -1,4 +1,5 @@
-"""Causal multi-head attention with grouped-query heads, rotary embeddings and QK normalization.
+"""Causal multi-head attention with grouped-query heads, rotary embeddings, QK normalization, sliding
+windows and logit soft-capping.
 
 Shape legend: B batch, T query length, S key length, D model width, N query heads, K kv heads,
 G query heads per kv head (N = K * G), H head width.
@@ -22,21 +23,27 @@ def project_qkv(x_BTD, p, cfg, positions_BT):
         k_BTKH = k_BTKH + p["k_bias"].astype(k_BTKH.dtype)
         v_BTKH = v_BTKH + p["v_bias"].astype(v_BTKH.dtype)
     if cfg.qk_norm:
-        q_BTNH = layers.norm(q_BTNH, p["q_norm"], cfg.norm, cfg.norm_eps)
-        k_BTKH = layers.norm(k_BTKH, p["k_norm"], cfg.norm, cfg.norm_eps)
+        q_BTNH = layers.norm(q_BTNH, p["q_norm"], cfg.norm, cfg.norm_eps, cfg.norm_plus_one)
+        k_BTKH = layers.norm(k_BTKH, p["k_norm"], cfg.norm, cfg.norm_eps, cfg.norm_plus_one)
     if cfg.position == "rotary":
-        q_BTNH = layers.rotary(q_BTNH, positions_BT, cfg.rope_theta)
-        k_BTKH = layers.rotary(k_BTKH, positions_BT, cfg.rope_theta)
+        scaling = None
+        if cfg.rope_scaling == "llama3":
+            scaling = (cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
+                       cfg.rope_original_context)
+        q_BTNH = layers.rotary(q_BTNH, positions_BT, cfg.rope_theta, scaling)
+        k_BTKH = layers.rotary(k_BTKH, positions_BT, cfg.rope_theta, scaling)
     return q_BTNH, k_BTKH, v_BTKH
 
 
-def attend(q_BTNH, k_BSKH, v_BSKH, mask_BTS, dropout_rate=0.0, key=None):
-    """softmax(q k^T / sqrt(H)) v with the softmax in float32; mask_BTS is True where attention is allowed."""
+def attend(q_BTNH, k_BSKH, v_BSKH, mask_BTS, dropout_rate=0.0, key=None, scale=None, softcap=None):
+    """softmax(softcap(q k^T * scale)) v with the softmax in float32; mask_BTS is True where attention is
+    allowed. `scale` defaults to 1/sqrt(H)."""
     B, T, N, H = q_BTNH.shape
     K = k_BSKH.shape[2]
     q_BTKGH = q_BTNH.reshape(B, T, K, N // K, H)
     logits_BKGTS = jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32)
-    logits_BKGTS = logits_BKGTS * (H ** -0.5)
+    logits_BKGTS = logits_BKGTS * (H ** -0.5 if scale is None else scale)
+    logits_BKGTS = layers.softcap(logits_BKGTS, softcap)
     logits_BKGTS = jnp.where(mask_BTS[:, None, None], logits_BKGTS, jnp.finfo(jnp.float32).min)
     probs_BKGTS = jax.nn.softmax(logits_BKGTS, axis=-1)
     probs_BKGTS = layers.dropout(probs_BKGTS, dropout_rate, key).astype(v_BSKH.dtype)
@@ -44,15 +51,25 @@ def attend(q_BTNH, k_BSKH, v_BSKH, mask_BTS, dropout_rate=0.0, key=None):
     return out_BTKGH.reshape(B, T, N, H).astype(q_BTNH.dtype)
 
 
-def causal_mask(T: int) -> jax.Array:
-    return jnp.tril(jnp.ones((T, T), dtype=bool))[None]
+def mask(q_positions_BT: jax.Array, k_positions_BS: jax.Array, window: int | None = None) -> jax.Array:
+    """[B, T, S], True where query t may attend to key s: causal, and within the last `window` positions
+    (the query's own included) when a window is given. A function of positions, not of array offsets, so a
+    decoder attending from new tokens into a cache of old ones uses the same rule."""
+    q_BT1, k_B1S = q_positions_BT[:, :, None], k_positions_BS[:, None, :]
+    allowed_BTS = k_B1S <= q_BT1
+    if window is not None:
+        allowed_BTS &= k_B1S > q_BT1 - window
+    return allowed_BTS
 
 
-def attention(x_BTD, p, cfg, positions_BT, key=None):
+def attention(x_BTD, p, cfg, positions_BT, key=None, local=False):
+    """Self-attention over x; `local` layers see only the last cfg.sliding_window positions."""
     with jax.named_scope("attention"):
         q_BTNH, k_BTKH, v_BTKH = project_qkv(x_BTD, p, cfg, positions_BT)
         q_BTNH = constrain(q_BTNH, ("batch", "length", "heads", "head_dim"))
-        out_BTNH = attend(q_BTNH, k_BTKH, v_BTKH, causal_mask(x_BTD.shape[1]), cfg.dropout, key)
+        mask_BTS = mask(positions_BT, positions_BT, cfg.sliding_window if local else None)
+        scale = None if cfg.attn_scale is None else cfg.attn_scale ** -0.5
+        out_BTNH = attend(q_BTNH, k_BTKH, v_BTKH, mask_BTS, cfg.dropout, key, scale, cfg.attn_logit_softcap)
         out_BTD = layers.dot("BTNH,NHD->BTD", out_BTNH, p["o"])
         if "o_bias" in p:
             out_BTD = out_BTD + p["o_bias"].astype(out_BTD.dtype)

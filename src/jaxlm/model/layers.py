@@ -15,10 +15,18 @@ def dot(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.einsum(spec, x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
 
 
-def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+def ragged_dot(x_MD: jax.Array, w_EDF: jax.Array, group_sizes_E: jax.Array) -> jax.Array:
+    """Grouped matmul for mixture-of-experts: rows of x, sorted by expert, meet their expert's matrix.
+    Same dtype policy as `dot`; no work is spent on padding or on experts that received no tokens."""
+    return jax.lax.ragged_dot(x_MD, w_EDF.astype(x_MD.dtype), group_sizes_E,
+                              preferred_element_type=jnp.float32).astype(x_MD.dtype)
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float, plus_one: bool = False) -> jax.Array:
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
-    return (y * scale.astype(jnp.float32)).astype(x.dtype)
+    scale = scale.astype(jnp.float32)
+    return (y * (1.0 + scale if plus_one else scale)).astype(x.dtype)
 
 
 def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array | None, eps: float) -> jax.Array:
@@ -31,16 +39,37 @@ def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array | None, eps: floa
     return y.astype(x.dtype)
 
 
-def norm(x: jax.Array, p: dict, kind: str, eps: float) -> jax.Array:
+def norm(x: jax.Array, p: dict, kind: str, eps: float, plus_one: bool = False) -> jax.Array:
     if kind == "rmsnorm":
-        return rms_norm(x, p["scale"], eps)
+        return rms_norm(x, p["scale"], eps, plus_one)
     return layer_norm(x, p["scale"], p.get("bias"), eps)
 
 
-def rotary(x_BTNH: jax.Array, positions_BT: jax.Array, theta: float) -> jax.Array:
+def softcap(x: jax.Array, cap: float | None) -> jax.Array:
+    """cap * tanh(x / cap): bounds logits smoothly (Gemma 2); None leaves x unchanged."""
+    return x if cap is None else cap * jnp.tanh(x / cap)
+
+
+def rope_frequencies(H: int, theta: float, llama3_scaling: tuple[float, float, float, int] | None = None):
+    """Inverse frequencies of the H/2 rotary pairs. `llama3_scaling` = (factor, low_freq_factor,
+    high_freq_factor, original_context): long wavelengths are slowed by `factor`, short ones kept, and the
+    band between interpolated smoothly, as Llama 3.1 was trained."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, H, 2, dtype=jnp.float32) / H))
+    if llama3_scaling is None:
+        return inv_freq
+    factor, low, high, original = llama3_scaling
+    wavelen = 2 * jnp.pi / inv_freq
+    smooth = (original / wavelen - low) / (high - low)
+    mid = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    return jnp.where(wavelen > original / low, inv_freq / factor,
+                     jnp.where(wavelen < original / high, inv_freq, mid))
+
+
+def rotary(x_BTNH: jax.Array, positions_BT: jax.Array, theta: float,
+           llama3_scaling: tuple[float, float, float, int] | None = None) -> jax.Array:
     """Rotary position embedding in the rotate-half layout (the one Hugging Face Llama weights use)."""
     H = x_BTNH.shape[-1]
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, H, 2, dtype=jnp.float32) / H))
+    inv_freq = rope_frequencies(H, theta, llama3_scaling)
     angle_BTh = positions_BT[..., None].astype(jnp.float32) * inv_freq
     sin, cos = jnp.sin(angle_BTh)[:, :, None, :], jnp.cos(angle_BTh)[:, :, None, :]
     x = x_BTNH.astype(jnp.float32)

@@ -1,7 +1,10 @@
 """The one forward pass shared by every family: embed, a scanned stack of pre-norm blocks, norm, logits.
 
+Families differ only through named ModelConfig options (norm kind, biases, post-norms, soft-caps, local or
+global attention per layer, dense or mixture-of-experts MLP); there is no per-family code path.
+
 Shape legend: B batch, T length, D model width, V vocab, L layers, N heads, K kv heads, H head width,
-F MLP hidden width.
+F MLP hidden width, E experts, P layers per repeat of cfg.layer_pattern.
 """
 
 from __future__ import annotations
@@ -10,13 +13,13 @@ import jax
 import jax.numpy as jnp
 
 from jaxlm.config import ModelConfig
-from jaxlm.model import attention, layers
+from jaxlm.model import attention, layers, moe
 from jaxlm.params import ParamSpec, normal, ones, zeros
 from jaxlm.sharding import constrain
 
 
 def _norm_specs(cfg: ModelConfig, shape, axes) -> dict:
-    p = {"scale": ParamSpec(shape, axes, ones, cfg.param_dtype)}
+    p = {"scale": ParamSpec(shape, axes, zeros if cfg.norm_plus_one else ones, cfg.param_dtype)}
     if cfg.norm == "layernorm" and cfg.bias:
         p["bias"] = ParamSpec(shape, axes, zeros, cfg.param_dtype)
     return p
@@ -35,16 +38,27 @@ def param_specs(cfg: ModelConfig) -> dict:
         "v": ParamSpec((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim"), w, dt),
         "o": ParamSpec((L, N, H, D), ("layers", "heads", "head_dim", "embed"), w_out, dt),
     }
-    mlp = {
-        "up": ParamSpec((L, D, F), ("layers", "embed", "mlp"), w, dt),
-        "down": ParamSpec((L, F, D), ("layers", "mlp", "embed"), w_out, dt),
-    }
-    if cfg.glu:
-        mlp["gate"] = ParamSpec((L, D, F), ("layers", "embed", "mlp"), w, dt)
-    if cfg.bias:
+    if cfg.n_experts:
+        E = cfg.n_experts
+        mlp = {
+            "router": ParamSpec((L, D, E), ("layers", "embed", None), w, dt),
+            "up": ParamSpec((L, E, D, F), ("layers", "experts", "embed", "mlp"), w, dt),
+            "down": ParamSpec((L, E, F, D), ("layers", "experts", "mlp", "embed"), w_out, dt),
+        }
+        if cfg.glu:
+            mlp["gate"] = ParamSpec((L, E, D, F), ("layers", "experts", "embed", "mlp"), w, dt)
+    else:
+        mlp = {
+            "up": ParamSpec((L, D, F), ("layers", "embed", "mlp"), w, dt),
+            "down": ParamSpec((L, F, D), ("layers", "mlp", "embed"), w_out, dt),
+        }
+        if cfg.glu:
+            mlp["gate"] = ParamSpec((L, D, F), ("layers", "embed", "mlp"), w, dt)
+    if cfg.bias or cfg.qkv_bias:
         attn["q_bias"] = ParamSpec((L, N, H), ("layers", "heads", "head_dim"), zeros, dt)
         attn["k_bias"] = ParamSpec((L, K, H), ("layers", "kv_heads", "head_dim"), zeros, dt)
         attn["v_bias"] = ParamSpec((L, K, H), ("layers", "kv_heads", "head_dim"), zeros, dt)
+    if cfg.bias:
         attn["o_bias"] = ParamSpec((L, D), ("layers", "embed"), zeros, dt)
         mlp["up_bias"] = ParamSpec((L, F), ("layers", "mlp"), zeros, dt)
         mlp["down_bias"] = ParamSpec((L, D), ("layers", "embed"), zeros, dt)
@@ -61,6 +75,9 @@ def param_specs(cfg: ModelConfig) -> dict:
         },
         "final_norm": _norm_specs(cfg, (D,), ("embed",)),
     }
+    if cfg.post_norms:
+        specs["layers"]["attn_post_norm"] = _norm_specs(cfg, (L, D), ("layers", "embed"))
+        specs["layers"]["mlp_post_norm"] = _norm_specs(cfg, (L, D), ("layers", "embed"))
     if cfg.position == "learned":
         specs["embed"]["positions"] = ParamSpec((cfg.block_size, D), (None, "embed"), w, dt)
     if not cfg.tie_embeddings:
@@ -75,22 +92,33 @@ REMAT_POLICIES = {
 }
 
 
-def block(x_BTD: jax.Array, p: dict, cfg: ModelConfig, positions_BT: jax.Array, key: jax.Array | None):
+def block(x_BTD: jax.Array, p: dict, cfg: ModelConfig, positions_BT: jax.Array, key: jax.Array | None,
+          local: bool = False):
+    """One pre-norm block; returns the new residual stream and the MoE routing statistics [2, E] (an empty
+    [2, 0] array for a dense MLP)."""
     keys = jax.random.split(key, 3) if key is not None else (None, None, None)
+    norm = lambda x, q: layers.norm(x, q, cfg.norm, cfg.norm_eps, cfg.norm_plus_one)  # noqa: E731
     with jax.named_scope("attn_block"):
-        h_BTD = layers.norm(x_BTD, p["attn_norm"], cfg.norm, cfg.norm_eps)
-        h_BTD = attention.attention(h_BTD, p["attn"], cfg, positions_BT, keys[0])
+        h_BTD = norm(x_BTD, p["attn_norm"])
+        h_BTD = attention.attention(h_BTD, p["attn"], cfg, positions_BT, keys[0], local)
+        if cfg.post_norms:
+            h_BTD = norm(h_BTD, p["attn_post_norm"])
         x_BTD = x_BTD + layers.dropout(h_BTD, cfg.dropout, keys[1])
     with jax.named_scope("mlp_block"):
-        h_BTD = layers.norm(x_BTD, p["mlp_norm"], cfg.norm, cfg.norm_eps)
-        h_BTD = layers.mlp(h_BTD, p["mlp"], cfg.activation, cfg.glu)
+        h_BTD = norm(x_BTD, p["mlp_norm"])
+        if cfg.n_experts:
+            h_BTD, stats_2E = moe.moe(h_BTD, p["mlp"], cfg.activation, cfg.glu, cfg.experts_per_token)
+        else:
+            h_BTD, stats_2E = layers.mlp(h_BTD, p["mlp"], cfg.activation, cfg.glu), jnp.zeros((2, 0), jnp.float32)
+        if cfg.post_norms:
+            h_BTD = norm(h_BTD, p["mlp_post_norm"])
         x_BTD = x_BTD + layers.dropout(h_BTD, cfg.dropout, keys[2])
-    return constrain(x_BTD, ("batch", "length", "embed"))
+    return constrain(x_BTD, ("batch", "length", "embed")), stats_2E
 
 
-def forward(params: dict, tokens_BT: jax.Array, cfg: ModelConfig, key: jax.Array | None = None,
-            positions_BT: jax.Array | None = None) -> jax.Array:
-    """Logits [B, T, V] in float32. `key` enables dropout (training); None is deterministic."""
+def forward_with_aux(params: dict, tokens_BT: jax.Array, cfg: ModelConfig, key: jax.Array | None = None,
+                     positions_BT: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """Logits [B, T, V] in float32 and the auxiliary (load-balancing) loss, 0 for dense models."""
     B, T = tokens_BT.shape
     cdt = jnp.dtype(cfg.compute_dtype)
     if positions_BT is None:
@@ -99,6 +127,8 @@ def forward(params: dict, tokens_BT: jax.Array, cfg: ModelConfig, key: jax.Array
         key = None
     with jax.named_scope("embed"):
         x_BTD = jnp.take(params["embed"]["tokens"], tokens_BT, axis=0).astype(cdt)
+        if cfg.embed_scale:
+            x_BTD = x_BTD * jnp.asarray(cfg.d_model ** 0.5, cdt)  # rounded to the compute dtype, as Gemma does
         if cfg.position == "learned":
             x_BTD = x_BTD + jnp.take(params["embed"]["positions"], positions_BT, axis=0).astype(cdt)
         if key is not None:
@@ -106,30 +136,55 @@ def forward(params: dict, tokens_BT: jax.Array, cfg: ModelConfig, key: jax.Array
             x_BTD = layers.dropout(x_BTD, cfg.dropout, sub)
         x_BTD = constrain(x_BTD, ("batch", "length", "embed"))
 
-    body = lambda x, p, k: block(x, p, cfg, positions_BT, k)  # noqa: E731
-    if cfg.remat != "none":
-        body = jax.checkpoint(body, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
+    # Layers repeat cfg.layer_pattern (e.g. local, global); a scan step runs one repeat, so alternating
+    # layer kinds still compile once per kind, not once per layer.
+    pattern = cfg.pattern
+    P = len(pattern)
+    bodies = []
+    for kind in pattern:
+        body = lambda x, p, k, local=(kind == "local"): block(x, p, cfg, positions_BT, k, local)  # noqa: E731
+        if cfg.remat != "none":
+            body = jax.checkpoint(body, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
+        bodies.append(body)
     layer_keys = jax.random.split(key, cfg.n_layers) if key is not None else None
     if cfg.scan_layers:
         def step(x, inputs):
-            p, k = inputs
-            return body(x, p, k), None
+            p_group, k_group = inputs
+            stats = []
+            for j, body in enumerate(bodies):
+                x, s = body(x, jax.tree.map(lambda a: a[j], p_group), None if k_group is None else k_group[j])
+                stats.append(s)
+            return x, jnp.stack(stats)
 
-        x_BTD, _ = jax.lax.scan(step, x_BTD, (params["layers"], layer_keys))
+        grouped = jax.tree.map(lambda a: a.reshape(cfg.n_layers // P, P, *a.shape[1:]),
+                               (params["layers"], layer_keys))
+        x_BTD, stats_L2E = jax.lax.scan(step, x_BTD, grouped)
+        stats_L2E = stats_L2E.reshape(cfg.n_layers, *stats_L2E.shape[2:])
     else:
+        stats = []
         for i in range(cfg.n_layers):
             p = jax.tree.map(lambda a: a[i], params["layers"])
-            x_BTD = body(x_BTD, p, None if layer_keys is None else layer_keys[i])
+            x_BTD, s = bodies[i % P](x_BTD, p, None if layer_keys is None else layer_keys[i])
+            stats.append(s)
+        stats_L2E = jnp.stack(stats)
 
     with jax.named_scope("logits"):
-        x_BTD = layers.norm(x_BTD, params["final_norm"], cfg.norm, cfg.norm_eps)
+        x_BTD = layers.norm(x_BTD, params["final_norm"], cfg.norm, cfg.norm_eps, cfg.norm_plus_one)
         if cfg.tie_embeddings:
             logits_BTV = jnp.einsum("BTD,VD->BTV", x_BTD, params["embed"]["tokens"].astype(cdt),
                                     preferred_element_type=jnp.float32)
         else:
             logits_BTV = jnp.einsum("BTD,DV->BTV", x_BTD, params["lm_head"].astype(cdt),
                                     preferred_element_type=jnp.float32)
-    return logits_BTV
+        logits_BTV = layers.softcap(logits_BTV, cfg.final_logit_softcap)
+    aux = moe.load_balancing_loss(stats_L2E) if cfg.n_experts else jnp.zeros((), jnp.float32)
+    return logits_BTV, aux
+
+
+def forward(params: dict, tokens_BT: jax.Array, cfg: ModelConfig, key: jax.Array | None = None,
+            positions_BT: jax.Array | None = None) -> jax.Array:
+    """Logits [B, T, V] in float32. `key` enables dropout (training); None is deterministic."""
+    return forward_with_aux(params, tokens_BT, cfg, key, positions_BT)[0]
 
 
 def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
@@ -142,4 +197,7 @@ def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
 
 def loss_fn(params: dict, tokens_BT: jax.Array, targets_BT: jax.Array, cfg: ModelConfig,
             key: jax.Array | None = None) -> jax.Array:
-    return cross_entropy(forward(params, tokens_BT, cfg, key), targets_BT)
+    """Cross-entropy, plus the weighted load-balancing loss for mixture-of-experts models."""
+    logits_BTV, aux = forward_with_aux(params, tokens_BT, cfg, key)
+    loss = cross_entropy(logits_BTV, targets_BT)
+    return loss + cfg.router_aux_loss_coef * aux if cfg.n_experts else loss

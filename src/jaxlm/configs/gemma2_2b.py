@@ -1,0 +1,7 @@
+"""gemma2-2b: the published architecture and size (jaxlm train gemma2-2b checkpoint.init_from=CONVERTED)."""
+
+from jaxlm.configs._models import preset
+
+
+def config():
+    return preset("gemma2_2b")

@@ -1,0 +1,7 @@
+"""gpt2-medium: the published architecture and size (jaxlm train gpt2-medium checkpoint.init_from=CONVERTED)."""
+
+from jaxlm.configs._models import preset
+
+
+def config():
+    return preset("gpt2_medium")

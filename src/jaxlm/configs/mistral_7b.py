@@ -1,0 +1,7 @@
+"""mistral-7b: the published architecture and size (jaxlm train mistral-7b checkpoint.init_from=CONVERTED)."""
+
+from jaxlm.configs._models import preset
+
+
+def config():
+    return preset("mistral_7b")

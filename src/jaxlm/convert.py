@@ -1,0 +1,353 @@
+"""Hugging Face checkpoints in and out: `jaxlm convert from-hf SRC OUT` and `jaxlm convert to-hf PATH OUT`.
+
+Import streams: the output arrays are allocated once in their final stacked layout, and each safetensors
+tensor is read on its own (seek + read, no memory map kept), transformed by its family `Rule` and copied into
+its slice, so peak host memory stays near one copy of the model. Export writes safetensors shards the same
+way, one tensor at a time. No torch is needed for either direction.
+
+A converted checkpoint is a folder: config.json (a jaxlm config whose checkpoint.init_from points back at
+the folder, so `jaxlm train OUT/config.json` fine-tunes it), params/ (Orbax), hf_config.json (the source's
+config.json) and tokenizer/ (the source's tokenizer files, copied back out on export).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import shutil
+import struct
+from pathlib import Path
+from typing import Callable, Iterator
+
+import jax
+import ml_dtypes
+import numpy as np
+
+from jaxlm import config as config_lib, families, params as P
+from jaxlm.config import Config, ModelConfig
+from jaxlm.families import ConvertError, Rule
+from jaxlm.model import param_specs
+
+SAFETENSORS_DTYPES = {"F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
+                      "BF16": np.dtype(ml_dtypes.bfloat16)}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+                   "vocab.json", "merges.txt", "generation_config.json", "added_tokens.json")
+ARCH_IGNORED = ("dropout", "init_std", "param_dtype", "compute_dtype", "remat", "scan_layers", "block_size")
+
+
+# ---- safetensors, read and written a tensor at a time -------------------------------------------------------
+
+def read_header(path: Path) -> tuple[dict, int]:
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return header, 8 + n
+
+
+def read_tensor(f, info: dict, data_start: int, name: str) -> np.ndarray:
+    if info["dtype"] not in SAFETENSORS_DTYPES:
+        raise ConvertError(f"tensor {name} has dtype {info['dtype']}; supported: {', '.join(SAFETENSORS_DTYPES)}")
+    dtype = SAFETENSORS_DTYPES[info["dtype"]]
+    begin, end = info["data_offsets"]
+    f.seek(data_start + begin)
+    return np.frombuffer(f.read(end - begin), dtype).reshape(info["shape"])
+
+
+def write_safetensors(path: Path, entries: list[tuple[str, tuple[int, ...], np.dtype]],
+                      produce: Callable[[str], np.ndarray]) -> None:
+    """Write the tensors named in `entries` (name, shape, dtype), calling produce(name) for each in turn."""
+    names = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+    header, offset = {}, 0
+    for name, shape, dtype in entries:
+        size = int(np.prod(shape)) * dtype.itemsize
+        header[name] = {"dtype": names[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    header["__metadata__"] = {"format": "pt"}
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)) + blob)
+        for name, shape, dtype in entries:
+            a = np.ascontiguousarray(produce(name), dtype=dtype)
+            assert a.shape == tuple(shape), (name, a.shape, shape)
+            f.write(a.tobytes())
+
+
+def safetensors_files(src: Path) -> list[Path]:
+    index = src / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [f for f in files if not (src / f).is_file()]
+        if missing:
+            raise ConvertError(f"{index} names {missing[0]}, which is missing from {src}")
+        return [src / f for f in files]
+    files = sorted(src.glob("*.safetensors"))
+    if not files:
+        extra = " (only PyTorch .bin weights: re-save them with safe_serialization)" if list(src.glob("*.bin")) else ""
+        raise ConvertError(f"no *.safetensors files in {src}{extra}")
+    return files
+
+
+def resolve_source(src: str) -> Path:
+    """A local folder, or a hub id downloaded (config, safetensors, tokenizer) into the local HF cache."""
+    path = Path(src)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ConvertError(f"{src} has no config.json; expected a Hugging Face model folder")
+        return path
+    if path.exists() or src.count("/") != 1:
+        raise ConvertError(f"{src} is neither a Hugging Face model folder nor a hub id like org/name")
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise ConvertError(f"{src} is not a local folder, and downloading it needs huggingface_hub "
+                           "(pip install 'jaxlm[hf]')") from None
+    try:
+        return Path(snapshot_download(src, allow_patterns=["*.json", "*.safetensors", *TOKENIZER_FILES]))
+    except Exception as e:  # noqa: BLE001 - network, auth and missing-repo errors vary
+        raise ConvertError(f"cannot download {src} from the hub: {str(e).splitlines()[0]}") from None
+
+
+# ---- our weights, addressed by dotted path and (layer, expert) slot ------------------------------------------
+
+def flat_specs(cfg: ModelConfig) -> dict[str, P.ParamSpec]:
+    flat = jax.tree_util.tree_flatten_with_path(param_specs(cfg), is_leaf=P.is_spec)[0]
+    return {".".join(k.key for k in path): spec for path, spec in flat}
+
+
+def slots(rule: Rule, cfg: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """(HF tensor name, index into our stacked arrays) for every tensor a rule covers."""
+    layers = range(cfg.n_layers) if "{i}" in rule.hf else [None]
+    experts = range(cfg.n_experts) if "{e}" in rule.hf else [None]
+    for i in layers:
+        for e in experts:
+            yield rule.hf.format(i=i, e=e), tuple(x for x in (i, e) if x is not None)
+
+
+def _family_of(cfg: ModelConfig):
+    fam, model_type = families.for_config(cfg)
+    back = fam.config_from_hf(fam.config_to_hf(cfg, model_type))
+    for f in dataclasses.fields(ModelConfig):
+        if f.name in ARCH_IGNORED or (f.name == "router_aux_loss_coef" and not cfg.n_experts):
+            continue
+        if f.name == "sliding_window" and "local" not in cfg.pattern:
+            continue
+        mine, theirs = getattr(cfg, f.name), getattr(back, f.name)
+        resolved = {"n_kv_heads": "kv_heads", "head_dim": "hd", "d_ff": "ff"}.get(f.name)
+        if resolved and getattr(cfg, resolved) == getattr(back, resolved):
+            continue
+        if mine != theirs:
+            raise ConvertError(f"model.{f.name}={mine!r} cannot be expressed as a Hugging Face {model_type} model "
+                               f"(it would load as {theirs!r}); only models of a supported family can be exported")
+    return fam, model_type
+
+
+# ---- import ---------------------------------------------------------------------------------------------------
+
+def from_hf(src: str, out: str | Path, param_dtype: str = "float32", log: Callable[[str], None] = print) -> Path:
+    """Convert a Hugging Face model folder (or hub id) into a jaxlm checkpoint folder; returns its path."""
+    src_path = resolve_source(src)
+    out = Path(out)
+    if (out / "params").exists():
+        raise ConvertError(f"{out} already holds a converted checkpoint; choose another OUT or delete it")
+    hf_cfg = json.loads((src_path / "config.json").read_text())
+    fam = families.for_model_type(hf_cfg.get("model_type"))
+    try:
+        model_cfg = dataclasses.replace(fam.config_from_hf(hf_cfg), param_dtype=param_dtype)
+    except KeyError as e:
+        raise ConvertError(f"{src_path / 'config.json'} lacks {e.args[0]!r}") from None
+    cfg = Config(model=model_cfg, run_dir=None).replace(
+        checkpoint=dataclasses.replace(Config().checkpoint, init_from=str(out.resolve())))
+    config_lib.validate(cfg)
+
+    specs = flat_specs(model_cfg)
+    dtype = np.dtype(jax.numpy.dtype(param_dtype))
+    arrays = {path: np.empty(s.shape, dtype) for path, s in specs.items()}
+    expected: dict[str, tuple[Rule, tuple[int, ...]]] = {}
+    for rule in fam.rules(model_cfg):
+        for name, idx in slots(rule, model_cfg):
+            expected[name] = (rule, idx)
+    ignored = [re.compile(p) for p in fam.ignored(model_cfg)]
+    normalize = getattr(fam, "normalize_name", lambda n: n)
+    done: set[str] = set()
+    files = safetensors_files(src_path)
+    for file in files:
+        header, start = read_header(file)
+        with open(file, "rb") as f:
+            for raw_name, info in header.items():
+                name = normalize(raw_name)
+                if name not in expected:
+                    if any(p.fullmatch(name) for p in ignored):
+                        continue
+                    raise ConvertError(f"{file.name}: tensor {raw_name} {tuple(info['shape'])} is not part of a "
+                                       f"{hf_cfg['model_type']} model with this config.json")
+                rule, idx = expected[name]
+                want = hf_shape(rule, idx, specs)
+                if tuple(info["shape"]) != want:
+                    raise ConvertError(f"{file.name}: tensor {raw_name} has shape {tuple(info['shape'])}, expected "
+                                       f"{want} from config.json")
+                for path, part in zip(rule.ours, rule.to_ours(read_tensor(f, info, start, raw_name))):
+                    arrays[path][idx] = part
+                done.add(name)
+    missing = [n for n in expected if n not in done]
+    if missing:
+        rule, idx = expected[missing[0]]
+        raise ConvertError(f"{src_path} lacks tensor {missing[0]} (expected shape {hf_shape(rule, idx, specs)})"
+                           + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
+
+    out.mkdir(parents=True, exist_ok=True)
+    for path in list(arrays):  # hand each array to JAX and drop the numpy copy before the next one
+        arrays[path] = jax.device_put(arrays.pop(path))
+    save_params(out / "params", unflatten(arrays))
+    del arrays
+    (out / "config.json").write_text(config_lib.to_json(cfg))
+    (out / "hf_config.json").write_text(json.dumps(hf_cfg, indent=2))
+    copied = copy_tokenizer(src_path, out / "tokenizer")
+    n = sum(int(np.prod(s.shape)) for s in specs.values())
+    log(f"converted {src} ({hf_cfg['model_type']}, {n:,} parameters, {len(files)} safetensors file(s)) -> {out}"
+        + (f"; tokenizer files: {', '.join(copied)}" if copied else ""))
+    return out
+
+
+def hf_shape(rule: Rule, idx: tuple[int, ...], specs: dict[str, P.ParamSpec]) -> tuple[int, ...]:
+    """The HF tensor shape a rule expects, from our shapes (np.zeros of one slice: pages are never touched)."""
+    parts = [np.zeros(specs[p].shape[len(idx):], np.float32) for p in rule.ours]
+    return tuple(rule.to_hf(*parts).shape)
+
+
+def unflatten(flat: dict[str, object]) -> dict:
+    tree: dict = {}
+    for path, v in flat.items():
+        node = tree
+        *parents, last = path.split(".")
+        for k in parents:
+            node = node.setdefault(k, {})
+        node[last] = v
+    return tree
+
+
+def copy_tokenizer(src: Path, dst: Path) -> list[str]:
+    names = [n for n in TOKENIZER_FILES if (src / n).is_file()]
+    if names:
+        dst.mkdir(parents=True, exist_ok=True)
+        for n in names:
+            shutil.copyfile(src / n, dst / n)
+    return names
+
+
+# ---- jaxlm checkpoints: converted folders and run directories -------------------------------------------------
+
+def save_params(path: Path, params: dict) -> None:
+    import orbax.checkpoint as ocp
+
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(path.absolute(), params)
+
+
+def load_config(path: str | Path) -> Config:
+    file = Path(path) / "config.json"
+    if not file.is_file():
+        raise ConvertError(f"{path} has no config.json; expected a jaxlm run directory or converted checkpoint")
+    return config_lib.from_dict(json.loads(file.read_text()))
+
+
+def params_location(path: str | Path) -> tuple[Path, bool]:
+    """Where a folder keeps its weights: (folder, is_train_state). A converted checkpoint has params/, a run
+    directory has checkpoints/<step>/state holding params next to the optimizer state."""
+    path = Path(path).absolute()
+    if (path / "params").is_dir():
+        return path / "params", False
+    steps = sorted(int(p.name) for p in (path / "checkpoints").glob("*") if p.name.isdigit() and (p / "state").is_dir())
+    if not steps:
+        raise ConvertError(f"{path} holds no weights (no params/ and no checkpoints/<step>/state)")
+    return path / "checkpoints" / str(steps[-1]) / "state", True
+
+
+def restore_params(path: str | Path, abstract_params: dict) -> dict:
+    """Weights of a converted checkpoint or of a run's latest checkpoint, in the shapes and shardings of
+    `abstract_params` (a tree of ShapeDtypeStruct with shardings); the optimizer state is not read."""
+    import orbax.checkpoint as ocp
+
+    location, is_state = params_location(path)
+    try:
+        if not is_state:
+            with ocp.StandardCheckpointer() as ckptr:
+                return ckptr.restore(location, abstract_params)
+        item = {"params": abstract_params}
+        with ocp.PyTreeCheckpointer() as ckptr:
+            out = ckptr.restore(location, args=ocp.args.PyTreeRestore(
+                item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True))
+        return out["params"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConvertError(f"cannot load weights from {location} into this model (different model settings?): "
+                           f"{str(e).splitlines()[0]}") from None
+
+
+def load_params(path: str | Path, device: jax.Device | None = None) -> tuple[Config, dict]:
+    cfg = load_config(path)
+    sh = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                            P.abstract(param_specs(cfg.model)))
+    return cfg, restore_params(path, abstract)
+
+
+# ---- export ---------------------------------------------------------------------------------------------------
+
+def to_hf(path: str | Path, out: str | Path, dtype: str | None = None, shard_bytes: int = 5 * 2**30,
+          log: Callable[[str], None] = print) -> Path:
+    """Write config.json + safetensors (+ tokenizer files when known) that transformers loads."""
+    cfg, params = load_params(path)
+    fam, model_type = _family_of(cfg.model)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    out_dtype = np.dtype(jax.numpy.dtype(dtype or cfg.model.param_dtype))
+    flat = {".".join(k.key for k in p): v for p, v in jax.tree_util.tree_flatten_with_path(params)[0]}
+    specs = flat_specs(cfg.model)
+    producers: dict[str, Callable[[], np.ndarray]] = {}
+    entries = []
+    for rule in fam.rules(cfg.model):
+        for name, idx in slots(rule, cfg.model):
+            producers[name] = (lambda rule=rule, idx=idx: rule.to_hf(*[np.asarray(flat[p][idx], np.float32)
+                                                                         for p in rule.ours]))
+            entries.append((name, hf_shape(rule, idx, specs), out_dtype))
+    shards: list[list] = [[]]
+    size = 0
+    for e in entries:
+        nbytes = int(np.prod(e[1])) * out_dtype.itemsize
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(e)
+        size += nbytes
+    if len(shards) == 1:
+        write_safetensors(out / "model.safetensors", shards[0], lambda n: producers[n]())
+    else:
+        weight_map = {}
+        for k, shard in enumerate(shards):
+            fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+            write_safetensors(out / fname, shard, lambda n: producers[n]())
+            weight_map.update({name: fname for name, *_ in shard})
+        total = sum(int(np.prod(s)) * out_dtype.itemsize for _, s, _ in entries)
+        (out / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    hf_cfg = fam.config_to_hf(cfg.model, model_type)
+    hf_cfg["dtype"] = hf_cfg["torch_dtype"] = out_dtype.name
+    tok = tokenizer_source(Path(path), cfg)
+    copied = copy_tokenizer(tok, out) if tok else []
+    if tok and (tok.parent / "hf_config.json").is_file():
+        src_cfg = json.loads((tok.parent / "hf_config.json").read_text())
+        hf_cfg.update({k: src_cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in src_cfg})
+    (out / "config.json").write_text(json.dumps(hf_cfg, indent=2))
+    log(f"exported {path} as a Hugging Face {model_type} model ({len(entries)} tensors, {len(shards)} file(s), "
+        f"{out_dtype}) -> {out}" + (f"; tokenizer files: {', '.join(copied)}" if copied else ""))
+    return out
+
+
+def tokenizer_source(path: Path, cfg: Config) -> Path | None:
+    """The tokenizer/ folder of this checkpoint, or of the converted checkpoint a run was fine-tuned from."""
+    for base in (path, Path(cfg.checkpoint.init_from) if cfg.checkpoint.init_from else None):
+        if base is not None and (base / "tokenizer").is_dir():
+            return base / "tokenizer"
+    return None

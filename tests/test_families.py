@@ -1,0 +1,105 @@
+"""Family options and presets: published parameter counts from abstract shapes, sliding-window masks,
+the mixture-of-experts dispatch against a dense reference, and layer patterns that still scan."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxlm import config as config_lib, params as P, sharding
+from jaxlm.config import ConfigError, MeshConfig, ModelConfig
+from jaxlm.model import attention, forward, forward_with_aux, moe, param_specs
+
+# Parameter counts of the released checkpoints (the figures their model cards and safetensors report).
+PUBLISHED = {
+    "gpt2": 124_439_808, "gpt2-medium": 354_823_168, "gpt2-large": 774_030_080, "gpt2-xl": 1_557_611_200,
+    "llama2-7b": 6_738_415_616, "llama2-13b": 13_015_864_320, "llama2-70b": 68_976_648_192,
+    "llama3-8b": 8_030_261_248, "llama3-70b": 70_553_706_496, "llama3.1-8b": 8_030_261_248,
+    "mistral-7b": 7_241_732_096, "mixtral-8x7b": 46_702_792_704, "gemma-2b": 2_506_172_416,
+    "gemma-7b": 8_537_680_896, "gemma2-2b": 2_614_341_888, "gemma2-9b": 9_241_705_984,
+    "gemma2-27b": 27_227_128_320, "qwen3-0.6b": 596_049_920, "qwen3-8b": 8_190_735_360,
+}
+
+
+@pytest.mark.parametrize("name", PUBLISHED)
+def test_preset_parameter_count_matches_published_figure(name):
+    cfg = config_lib.load(name)
+    assert P.count(param_specs(cfg.model)) == PUBLISHED[name]  # shapes only: nothing is allocated
+
+
+def test_layer_pattern_errors_are_one_line():
+    with pytest.raises(ConfigError, match="set model.sliding_window"):
+        config_lib.load("quickstart", ["model.layer_pattern=local,global", "model.n_layers=4"])
+    with pytest.raises(ConfigError, match="does not divide model.n_layers=3"):
+        config_lib.load("quickstart", ["model.layer_pattern=local,global", "model.n_layers=3",
+                                       "model.sliding_window=4"])
+    with pytest.raises(ConfigError, match="'loca'"):
+        config_lib.load("quickstart", ["model.layer_pattern=loca"])
+
+
+def test_mask_is_causal_and_windowed_by_positions():
+    q = jnp.array([[5, 6, 7]])
+    k = jnp.arange(8)[None]
+    got = np.asarray(attention.mask(q, k, window=3))[0]
+    want = np.array([[qp - 3 < kp <= qp for kp in range(8)] for qp in (5, 6, 7)])
+    np.testing.assert_array_equal(got, want)
+    assert np.asarray(attention.mask(q, k))[0].sum() == 6 + 7 + 8
+
+
+def init(cfg, seed=0):
+    mesh = sharding.make_mesh(MeshConfig(), jax.devices()[:1])
+    return P.init(param_specs(cfg), jax.random.key(seed), mesh)
+
+
+def test_moe_dispatch_matches_dense_loop_over_tokens():
+    E, K, D, F, M = 5, 2, 8, 12, 40
+    ks = jax.random.split(jax.random.key(0), 5)
+    p = {"router": jax.random.normal(ks[0], (D, E)), "gate": jax.random.normal(ks[1], (E, D, F)) * 0.3,
+         "up": jax.random.normal(ks[2], (E, D, F)) * 0.3, "down": jax.random.normal(ks[3], (E, F, D)) * 0.3}
+    # Route unevenly: a constant input feature pushes every token to expert 0 and away from expert 3.
+    p["router"] = p["router"].at[0, 0].set(3.0).at[0, 3].set(-10.0)
+    x = jax.random.normal(ks[4], (2, M // 2, D)).at[..., 0].set(3.0)
+    y, stats = moe.moe(x, p, "silu", True, K)
+    x_MD, y_MD = np.asarray(x, np.float64).reshape(M, D), np.zeros((M, D))
+    w = {k: np.asarray(v, np.float64) for k, v in p.items()}
+    for m in range(M):
+        logits = x_MD[m] @ w["router"]
+        probs = np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
+        top = np.argsort(-probs)[:K]
+        for e in top:
+            g = x_MD[m] @ w["gate"][e]
+            h = g / (1 + np.exp(-g)) * (x_MD[m] @ w["up"][e])
+            y_MD[m] += probs[e] / probs[top].sum() * (h @ w["down"][e])
+    np.testing.assert_allclose(np.asarray(y).reshape(M, D), y_MD, atol=1e-4)
+    counts = np.asarray(stats[0]) * M
+    assert counts.sum() == M * K and counts[0] == M and counts[3] == 0  # uneven, with an idle expert
+    g = jax.grad(lambda p: jnp.sum(moe.moe(x, p, "silu", True, K)[0] ** 2))(p)
+    assert all(float(jnp.abs(v).sum()) > 0 for v in jax.tree.leaves(g))
+
+
+def test_load_balancing_loss_is_one_when_uniform_and_grows_when_skewed():
+    E = 4
+    uniform = jnp.tile(jnp.array([[2 / E] * E, [1 / E] * E]), (3, 1, 1))  # K=2 copies, equal probabilities
+    assert float(moe.load_balancing_loss(uniform)) == pytest.approx(2.0)
+    skewed = jnp.tile(jnp.array([[1.5, 0.5, 0.0, 0.0], [0.7, 0.1, 0.1, 0.1]]), (3, 1, 1))
+    assert float(moe.load_balancing_loss(skewed)) == pytest.approx(E * (1.5 * 0.7 + 0.5 * 0.1))
+
+
+MIXED = ModelConfig(vocab_size=40, block_size=12, n_layers=4, n_heads=4, n_kv_heads=2, d_model=32, qk_norm=False,
+                    glu=True, activation="gelu_tanh", norm_plus_one=True, embed_scale=True, post_norms=True,
+                    attn_logit_softcap=5.0, final_logit_softcap=3.0, sliding_window=3, layer_pattern="local,global",
+                    n_experts=4, experts_per_token=2, tie_embeddings=True)
+
+
+def test_alternating_layers_scan_equals_python_loop():
+    params = init(MIXED)
+    toks = jax.random.randint(jax.random.key(1), (2, 12), 0, 40)
+    scanned, aux_s = forward_with_aux(params, toks, MIXED)
+    looped, aux_l = forward_with_aux(params, toks, dataclasses.replace(MIXED, scan_layers=False))
+    np.testing.assert_allclose(np.asarray(scanned), np.asarray(looped), atol=1e-5)
+    assert float(aux_s) == pytest.approx(float(aux_l), rel=1e-5) and float(aux_s) >= 2.0 - 1e-5
+    assert float(jnp.max(jnp.abs(scanned))) < 3.0  # the final soft-cap bounds the logits
+    global_only = forward(params, toks, dataclasses.replace(MIXED, layer_pattern="global"))
+    assert float(jnp.max(jnp.abs(global_only - scanned))) > 1e-3  # the window really changes the local layers
