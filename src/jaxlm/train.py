@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import os
 import time
 from pathlib import Path
 from typing import Callable
@@ -227,8 +228,10 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
     t_cfg, m_cfg = cfg.training, cfg.model
     run_dir.mkdir(parents=True, exist_ok=True)
     check_resume_config(run_dir, cfg)
-    if main_process:
-        (run_dir / "config.json").write_text(config_lib.to_json(cfg))
+    if main_process:  # atomically: the other processes may be reading it in check_resume_config
+        tmp = run_dir / f"config.json.tmp{os.getpid()}"
+        tmp.write_text(config_lib.to_json(cfg))
+        os.replace(tmp, run_dir / "config.json")
 
     n_params = P.count(run.specs)
     tokens_per_step = t_cfg.batch_size * t_cfg.grad_accum * m_cfg.block_size
