@@ -1,23 +1,32 @@
 # `make quickstart` and `make test` each create .venv and install jaxlm into it on first use.
+# quickstart installs the package alone; test adds the test tools and the `hf` extra (transformers and a
+# CPU build of torch) for the Hugging Face parity tests.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# XLA:CPU mallocs a large scratch buffer every step; transparent huge pages avoid most of its page faults
+# (the jaxlm command sets this itself; scripts and tests started from here get it too).
+export GLIBC_TUNABLES := glibc.malloc.hugetlb=1
 
 .PHONY: quickstart test test-fast bench clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e .
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
 	$(PY) -m pip install -q -e ".[dev,hf]"
 	touch $@
 
 quickstart: $(VENV)/.installed
 	$(VENV)/bin/jaxlm train quickstart
 
-test: $(VENV)/.installed
+test: $(VENV)/.installed-test
 	$(PY) -m pytest -q
 
-test-fast: $(VENV)/.installed
+test-fast: $(VENV)/.installed-test
 	$(PY) -m pytest -q -m "not slow"
 
 bench: $(VENV)/.installed

@@ -37,18 +37,25 @@ def project_qkv(x_BTD, p, cfg, positions_BT):
 
 def attend(q_BTNH, k_BSKH, v_BSKH, mask_BTS, dropout_rate=0.0, key=None, scale=None, softcap=None):
     """softmax(softcap(q k^T * scale)) v with the softmax in float32; mask_BTS is True where attention is
-    allowed. `scale` defaults to 1/sqrt(H)."""
+    allowed. `scale` defaults to 1/sqrt(H).
+
+    Computed heads-major: with (B, K) as leading batch dims both products are plain batched matmuls, and
+    the G query heads that share a kv head are folded into the query length (M = G * T)."""
     B, T, N, H = q_BTNH.shape
-    K = k_BSKH.shape[2]
-    q_BTKGH = q_BTNH.reshape(B, T, K, N // K, H)
-    logits_BKGTS = jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32)
-    logits_BKGTS = logits_BKGTS * (H ** -0.5 if scale is None else scale)
-    logits_BKGTS = layers.softcap(logits_BKGTS, softcap)
-    logits_BKGTS = jnp.where(mask_BTS[:, None, None], logits_BKGTS, jnp.finfo(jnp.float32).min)
-    probs_BKGTS = jax.nn.softmax(logits_BKGTS, axis=-1)
-    probs_BKGTS = layers.dropout(probs_BKGTS, dropout_rate, key).astype(v_BSKH.dtype)
-    out_BTKGH = jnp.einsum("BKGTS,BSKH->BTKGH", probs_BKGTS, v_BSKH, preferred_element_type=jnp.float32)
-    return out_BTKGH.reshape(B, T, N, H).astype(q_BTNH.dtype)
+    K, S = k_BSKH.shape[2], k_BSKH.shape[1]
+    G = N // K
+    q_BKMH = q_BTNH.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, H)
+    k_BKSH, v_BKSH = k_BSKH.transpose(0, 2, 1, 3), v_BSKH.transpose(0, 2, 1, 3)
+    logits_BKMS = jnp.einsum("BKMH,BKSH->BKMS", q_BKMH, k_BKSH, preferred_element_type=jnp.float32)
+    logits_BKMS = logits_BKMS * (H ** -0.5 if scale is None else scale)
+    logits_BKMS = layers.softcap(logits_BKMS, softcap)
+    mask_BMS = jnp.tile(mask_BTS, (1, G, 1)) if G > 1 else mask_BTS
+    logits_BKMS = jnp.where(mask_BMS[:, None], logits_BKMS, jnp.finfo(jnp.float32).min)
+    probs_BKMS = jax.nn.softmax(logits_BKMS, axis=-1)
+    probs_BKMS = layers.dropout(probs_BKMS, dropout_rate, key).astype(v_BSKH.dtype)
+    out_BKMH = jnp.einsum("BKMS,BKSH->BKMH", probs_BKMS, v_BKSH, preferred_element_type=jnp.float32)
+    out_BTNH = out_BKMH.reshape(B, K, G, T, H).transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
+    return out_BTNH.astype(q_BTNH.dtype)
 
 
 def mask(q_positions_BT: jax.Array, k_positions_BS: jax.Array, window: int | None = None) -> jax.Array:

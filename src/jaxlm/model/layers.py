@@ -5,13 +5,27 @@ Shape legend: B batch, T length, D model width, N heads, H head width, F MLP hid
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
 
 def dot(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
     """Every dense matmul of the model goes through here: operands in x's dtype, float32 accumulation,
-    result back in x's dtype (bf16 x bf16 -> f32 is the fast path on CPUs with AVX-512 BF16 and on TPU/GPU)."""
+    result back in x's dtype (bf16 x bf16 -> f32 is the fast path on TPU/GPU).
+
+    A weight contraction `x[..., *in] @ w[*in, *out]` runs as one 2-D matmul over flattened dims: XLA:CPU
+    then picks fast GEMM layouts in both passes, where the N-D einsum's weight gradient (contracting batch
+    and length at once) goes through a slow transposing copy."""
+    lhs, rest = spec.split(",")
+    rhs, out = rest.split("->")
+    contracted = "".join(c for c in lhs if c in rhs and c not in out)
+    n_in = len(contracted)
+    if n_in and lhs.endswith(contracted) and rhs.startswith(contracted) and out == lhs[:-n_in] + rhs[n_in:]:
+        lead, k = x.shape[: x.ndim - n_in], math.prod(x.shape[x.ndim - n_in:])
+        y = jnp.dot(x.reshape(-1, k), w.astype(x.dtype).reshape(k, -1), preferred_element_type=jnp.float32)
+        return y.astype(x.dtype).reshape(*lead, *w.shape[n_in:])
     return jnp.einsum(spec, x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
 
 
