@@ -60,6 +60,13 @@ class ModelConfig:
     compute_dtype: DType = _f("float32", "dtype of activations and matmul operands (softmax and loss stay float32)")
     remat: RematPolicy = _f("none", "activation rematerialization: none, full, minimal (save matmuls without a batch dim), save_dots")
     scan_layers: bool = _f(True, "run the stacked layers with lax.scan (fast compile) instead of a Python loop")
+    quantization: Literal["none", "int8", "fp8", "int8_weights"] = _f(
+        "none",
+        "matmul quantization: int8 (int8 x int8 -> int32 forward and backward), fp8 (e4m3 forward, e5m2 "
+        "gradients; NVIDIA compute capability 8.9+), int8_weights (inference: weights stored in int8)",
+    )
+    quant_logits: bool = _f(False, "also quantize the output (logits) projection")
+    quant_stochastic_rounding: bool = _f(True, "round int8 gradients stochastically (unbiased) instead of to nearest")
 
     @property
     def kv_heads(self) -> int:

@@ -8,10 +8,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxlm import quant
+
 
 def dot(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
     """Every dense matmul of the model goes through here: operands in x's dtype, float32 accumulation,
     result back in x's dtype (bf16 x bf16 -> f32 is the fast path on CPUs with AVX-512 BF16 and on TPU/GPU)."""
+    if quant.applies(w):
+        return quant.dot(spec, x, w).astype(x.dtype)
     return jnp.einsum(spec, x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
 
 

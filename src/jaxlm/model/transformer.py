@@ -9,6 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxlm import quant
 from jaxlm.config import ModelConfig
 from jaxlm.model import attention, layers
 from jaxlm.params import ParamSpec, normal, ones, zeros
@@ -88,6 +89,7 @@ def block(x_BTD: jax.Array, p: dict, cfg: ModelConfig, positions_BT: jax.Array, 
     return constrain(x_BTD, ("batch", "length", "embed"))
 
 
+@quant.scoped
 def forward(params: dict, tokens_BT: jax.Array, cfg: ModelConfig, key: jax.Array | None = None,
             positions_BT: jax.Array | None = None) -> jax.Array:
     """Logits [B, T, V] in float32. `key` enables dropout (training); None is deterministic."""
@@ -98,7 +100,7 @@ def forward(params: dict, tokens_BT: jax.Array, cfg: ModelConfig, key: jax.Array
     if cfg.dropout == 0.0:
         key = None
     with jax.named_scope("embed"):
-        x_BTD = jnp.take(params["embed"]["tokens"], tokens_BT, axis=0).astype(cdt)
+        x_BTD = quant.take(params["embed"]["tokens"], tokens_BT).astype(cdt)
         if cfg.position == "learned":
             x_BTD = x_BTD + jnp.take(params["embed"]["positions"], positions_BT, axis=0).astype(cdt)
         if key is not None:
@@ -123,12 +125,12 @@ def forward(params: dict, tokens_BT: jax.Array, cfg: ModelConfig, key: jax.Array
 
     with jax.named_scope("logits"):
         x_BTD = layers.norm(x_BTD, params["final_norm"], cfg.norm, cfg.norm_eps)
-        if cfg.tie_embeddings:
-            logits_BTV = jnp.einsum("BTD,VD->BTV", x_BTD, params["embed"]["tokens"].astype(cdt),
-                                    preferred_element_type=jnp.float32)
+        w = params["embed"]["tokens"] if cfg.tie_embeddings else params["lm_head"]
+        spec = "BTD,VD->BTV" if cfg.tie_embeddings else "BTD,DV->BTV"
+        if quant.applies(w, logits=True):
+            logits_BTV = quant.dot(spec, x_BTD, w)
         else:
-            logits_BTV = jnp.einsum("BTD,DV->BTV", x_BTD, params["lm_head"].astype(cdt),
-                                    preferred_element_type=jnp.float32)
+            logits_BTV = jnp.einsum(spec, x_BTD, w.astype(cdt), preferred_element_type=jnp.float32)
     return logits_BTV
 
 
