@@ -57,7 +57,21 @@ def cmd_prepare(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "prepare": cmd_prepare}
+def cmd_eval(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: jaxlm eval RUN_DIR [key=value ...]\n\n"
+              "Restore the latest checkpoint of a training run, print its train/val loss on the batches training\n"
+              "evaluated on, and a sample (training.sample_tokens=0 skips it). Settings override the run's\n"
+              "config.json, e.g. model.quantization=int8_weights evaluates and samples with int8-stored weights\n"
+              "and prints the float figures beside them.")
+        return 0 if argv else 2
+    from jaxlm import evaluate
+
+    evaluate.evaluate_run(argv[0], config_lib.parse_overrides(argv[1:]))
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "prepare": cmd_prepare, "eval": cmd_eval}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         print("usage: jaxlm {" + ",".join(COMMANDS) + "} ...\n\n"
               "  train PRESET_OR_FILE [key=value ...]   train or resume a model (jaxlm train --help)\n"
-              "  prepare DATASET [...]                  corpus -> token files (jaxlm prepare --help)")
+              "  prepare DATASET [...]                  corpus -> token files (jaxlm prepare --help)\n"
+              "  eval RUN_DIR [key=value ...]           losses and a sample of a trained run (jaxlm eval --help)")
         return 0 if not argv or argv[0] in ("-h", "--help") else 2
     from jaxlm.checkpoint import CheckpointError
     from jaxlm.data.prepare import DataError
