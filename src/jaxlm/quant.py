@@ -32,8 +32,6 @@ import threading
 import jax
 import jax.numpy as jnp
 
-MODES = ("none", "int8", "fp8", "int8_weights")
-
 INT8_MAX = 127.0
 # Largest finite values: float8_e4m3fn has no infinities, so its range reaches 448; e5m2 keeps them.
 FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
@@ -103,13 +101,6 @@ class QWeight:
 
     value: jax.Array
     scale: jax.Array
-
-    @property
-    def shape(self):
-        return self.value.shape
-
-    def dequantize(self, dtype=jnp.float32) -> jax.Array:
-        return (self.value.astype(jnp.float32) * self.scale).astype(dtype)
 
 
 # Axes each stored weight is contracted over in the forward pass, counted after the leading `layers` axis of
