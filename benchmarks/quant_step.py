@@ -39,13 +39,14 @@ def train_runner(cfg: config_lib.Config, batches):
     abstract = train.make_abstract_state(specs, mesh, optimizer)
     state = train.init_state(train.Run(cfg, None, None, mesh, specs, optimizer, abstract), cfg.seed)
     step = train.make_train_step(cfg, optimizer, mesh, abstract)
+    params = jax.tree.map(jnp.copy, state["params"])  # the step donates the state it is given
     holder = {"state": state}
 
     def run_once():
         holder["state"], m = step(holder["state"], batches[0], batches[1])
         jax.block_until_ready(m)
 
-    return run_once, state["params"]
+    return run_once, params
 
 
 def timed(fn, repeats: int) -> list[float]:
