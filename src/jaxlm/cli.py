@@ -126,8 +126,22 @@ def cmd_plot(argv: list[str]) -> int:
     return 0
 
 
+def cmd_eval(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: jaxlm eval RUN_DIR [key=value ...]\n\n"
+              "Restore the latest checkpoint of a training run, print its train/val loss on the batches training\n"
+              "evaluated on, and a sample (training.sample_tokens=0 skips it). Settings override the run's\n"
+              "config.json, e.g. model.quantization=int8_weights evaluates and samples with int8-stored weights\n"
+              "and prints the float figures beside them.")
+        return 0 if argv else 2
+    from jaxlm import evaluate
+
+    evaluate.evaluate_run(argv[0], config_lib.parse_overrides(argv[1:]))
+    return 0
+
+
 COMMANDS = {"train": cmd_train, "prepare": cmd_prepare, "launch": cmd_launch, "plot": cmd_plot,
-            "convert": cmd_convert}
+            "convert": cmd_convert, "eval": cmd_eval}
 
 
 def use_huge_pages() -> None:
@@ -153,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
               "  prepare DATASET [...]                  corpus -> token files (jaxlm prepare --help)\n"
               "  launch --processes N -- train ...      one job in N local processes (jaxlm launch --help)\n"
               "  plot RUN_DIR [RUN_DIR ...]             loss and throughput curves -> PNG (jaxlm plot --help)\n"
-              "  convert from-hf|to-hf SRC OUT          Hugging Face checkpoints in and out (jaxlm convert --help)")
+              "  convert from-hf|to-hf SRC OUT          Hugging Face checkpoints in and out (jaxlm convert --help)\n"
+              "  eval RUN_DIR [key=value ...]           losses and a sample of a trained run (jaxlm eval --help)")
         return 0 if not argv or argv[0] in ("-h", "--help") else 2
     from jaxlm.checkpoint import CheckpointError
     from jaxlm.data.prepare import DataError

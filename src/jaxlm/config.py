@@ -83,6 +83,13 @@ class ModelConfig:
     n_experts: int = _f(0, "experts per mixture-of-experts MLP; 0 = dense MLP (Mixtral: 8)")
     experts_per_token: int = _f(2, "experts each token is routed to (top-k)")
     router_aux_loss_coef: float = _f(0.02, "weight of the load-balancing loss added to the training loss")
+    quantization: Literal["none", "int8", "fp8", "int8_weights"] = _f(
+        "none",
+        "matmul quantization: int8 (int8 x int8 -> int32 forward and backward), fp8 (e4m3 forward, e5m2 "
+        "gradients; NVIDIA compute capability 8.9+), int8_weights (inference: weights stored in int8)",
+    )
+    quant_logits: bool = _f(False, "also quantize the output (logits) projection")
+    quant_stochastic_rounding: bool = _f(True, "round int8 gradients stochastically (unbiased) instead of to nearest")
 
     @property
     def kv_heads(self) -> int:

@@ -22,7 +22,7 @@ import optax
 
 from jaxlm import checkpoint as ckpt
 from jaxlm import config as config_lib
-from jaxlm import diagnostics, distributed, generate, metrics, optim, params as P, sharding
+from jaxlm import diagnostics, distributed, generate, metrics, optim, params as P, quant, sharding
 from jaxlm.config import Config, ConfigError
 from jaxlm.data import loader as loader_lib, prepare, tokenizer as tokenizer_lib
 from jaxlm.model import loss_fn, param_specs
@@ -211,7 +211,8 @@ def check_resume_config(run_dir: Path, cfg: Config) -> None:
         return
     saved = json.loads(path.read_text()).get("model", {})
     for k, v in dataclasses.asdict(cfg.model).items():
-        if k in saved and saved[k] != v and k not in ("dropout", "remat", "scan_layers", "compute_dtype"):
+        if k in saved and saved[k] != v and k not in ("dropout", "remat", "scan_layers", "compute_dtype",
+                                                      "quantization", "quant_logits", "quant_stochastic_rounding"):
             raise ConfigError(f"run_dir {run_dir} holds a checkpoint of a different model (model.{k}={saved[k]!r} "
                               f"there, {v!r} here); use another run_dir or the same model settings")
 
@@ -223,6 +224,9 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
     main_process = distributed.is_main()
     if not main_process:
         log = lambda s: None  # noqa: E731 - only process 0 speaks
+    if cfg.model.quantization == "int8_weights":
+        raise ConfigError("model.quantization=int8_weights is for inference and cannot be trained; train with "
+                          "none, int8 or fp8, then `jaxlm eval RUN_DIR model.quantization=int8_weights`")
     run = setup(cfg, devices)
     cfg, run_dir, mesh = run.cfg, run.run_dir, run.mesh
     t_cfg, m_cfg = cfg.training, cfg.model
@@ -249,6 +253,8 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
     log(f"model FLOPs {flops_per_token:,.0f} per token (causal attention counted as half) | peak "
         f"{peak / 1e12:.3f} TFLOP/s per device ({peak_source})")
     log(f"data {run.dataset.dir}: {prepare.describe(run.dataset.meta)}")
+    if m_cfg.quantization == "fp8" and (note := quant.fp8_fallback_message(mesh.devices.flat[0])):
+        log(note)
 
     use_ckpt = cfg.checkpoint.enabled and not cfg.debug
     checkpointer = ckpt.Checkpointer(run_dir, cfg.checkpoint) if use_ckpt else None

@@ -10,6 +10,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jaxlm import quant
+
 
 def dot(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
     """Every dense matmul of the model goes through here: operands in x's dtype, float32 accumulation,
@@ -18,6 +20,8 @@ def dot(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
     A weight contraction `x[..., *in] @ w[*in, *out]` runs as one 2-D matmul over flattened dims: XLA:CPU
     then picks fast GEMM layouts in both passes, where the N-D einsum's weight gradient (contracting batch
     and length at once) goes through a slow transposing copy."""
+    if quant.applies(w):
+        return quant.dot(spec, x, w).astype(x.dtype)
     lhs, rest = spec.split(",")
     rhs, out = rest.split("->")
     contracted = "".join(c for c in lhs if c in rhs and c not in out)

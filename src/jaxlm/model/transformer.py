@@ -12,6 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxlm import quant
 from jaxlm.config import ModelConfig
 from jaxlm.model import attention, layers, moe
 from jaxlm.params import ParamSpec, normal, ones, zeros
@@ -116,6 +117,7 @@ def block(x_BTD: jax.Array, p: dict, cfg: ModelConfig, positions_BT: jax.Array, 
     return constrain(x_BTD, ("batch", "length", "embed")), stats_2E
 
 
+@quant.scoped
 def forward_with_aux(params: dict, tokens_BT: jax.Array, cfg: ModelConfig, key: jax.Array | None = None,
                      positions_BT: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Logits [B, T, V] in float32 and the auxiliary (load-balancing) loss, 0 for dense models."""
@@ -126,7 +128,7 @@ def forward_with_aux(params: dict, tokens_BT: jax.Array, cfg: ModelConfig, key: 
     if cfg.dropout == 0.0:
         key = None
     with jax.named_scope("embed"):
-        x_BTD = jnp.take(params["embed"]["tokens"], tokens_BT, axis=0).astype(cdt)
+        x_BTD = quant.take(params["embed"]["tokens"], tokens_BT).astype(cdt)
         if cfg.embed_scale:
             x_BTD = x_BTD * jnp.asarray(cfg.d_model ** 0.5, cdt)  # rounded to the compute dtype, as Gemma does
         if cfg.position == "learned":
@@ -170,12 +172,12 @@ def forward_with_aux(params: dict, tokens_BT: jax.Array, cfg: ModelConfig, key: 
 
     with jax.named_scope("logits"):
         x_BTD = layers.norm(x_BTD, params["final_norm"], cfg.norm, cfg.norm_eps, cfg.norm_plus_one)
-        if cfg.tie_embeddings:
-            logits_BTV = jnp.einsum("BTD,VD->BTV", x_BTD, params["embed"]["tokens"].astype(cdt),
-                                    preferred_element_type=jnp.float32)
+        w = params["embed"]["tokens"] if cfg.tie_embeddings else params["lm_head"]
+        spec = "BTD,VD->BTV" if cfg.tie_embeddings else "BTD,DV->BTV"
+        if quant.applies(w, logits=True):
+            logits_BTV = quant.dot(spec, x_BTD, w)
         else:
-            logits_BTV = jnp.einsum("BTD,DV->BTV", x_BTD, params["lm_head"].astype(cdt),
-                                    preferred_element_type=jnp.float32)
+            logits_BTV = jnp.einsum(spec, x_BTD, w.astype(cdt), preferred_element_type=jnp.float32)
         logits_BTV = layers.softcap(logits_BTV, cfg.final_logit_softcap)
     aux = moe.load_balancing_loss(stats_L2E) if cfg.n_experts else jnp.zeros((), jnp.float32)
     return logits_BTV, aux

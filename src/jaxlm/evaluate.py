@@ -1,0 +1,69 @@
+"""Evaluate a trained run: restore its latest checkpoint, measure the loss on the fixed held-out batches that
+training evaluated on, and sample text, optionally with quantized matmuls or int8-stored weights
+(`model.quantization=int8_weights`), reporting the float figures beside them."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Callable
+
+from jaxlm import checkpoint as ckpt
+from jaxlm import config as config_lib
+from jaxlm import quant, train
+from jaxlm.config import ConfigError
+from jaxlm.data import loader as loader_lib
+
+
+def load_run_config(run_dir: Path, overrides: dict) -> config_lib.Config:
+    path = run_dir / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"{run_dir} holds no config.json; pass the run_dir of a training run")
+    cfg = config_lib.apply_overrides(config_lib.from_dict(json.loads(path.read_text())), overrides)
+    config_lib.validate(cfg)
+    return cfg.replace(run_dir=str(run_dir))
+
+
+def evaluate_run(run_dir: str | Path, overrides: dict | None = None, devices=None,
+                 log: Callable[[str], None] = print) -> dict:
+    """Losses (and a sample) of the run's latest checkpoint under the given overrides; with a quantization
+    setting, the float losses of the same weights too."""
+    run_dir = Path(run_dir)
+    cfg = load_run_config(run_dir, overrides or {})
+    run = train.setup(cfg, devices)
+    cfg, t_cfg = run.cfg, run.cfg.training
+    checkpointer = ckpt.Checkpointer(run_dir, cfg.checkpoint)
+    step = checkpointer.latest_step()
+    if step is None:
+        checkpointer.close()
+        raise ckpt.CheckpointError(f"{checkpointer.dir} holds no checkpoint to evaluate")
+    state, _ = checkpointer.restore(step, run.abstract_state)
+    checkpointer.close()
+    float_params = state["params"]
+    params = float_params
+    if cfg.model.quantization == "int8_weights":
+        params = quant.quantize_params(float_params, cfg.model)
+
+    # The same batches (same seed) that training evaluated on, so the numbers compare with metrics.jsonl.
+    batches = {split: loader_lib.fixed_batches(run.dataset.splits[split], cfg.model.block_size, t_cfg.batch_size,
+                                               t_cfg.eval_batches, cfg.seed + 2)
+               for split in ("train", "val")}
+    losses = train.evaluate(train.make_eval_step(cfg, run.mesh), params, run.mesh, batches)
+    summary = {"step": step, "quantization": cfg.model.quantization, "train_loss": losses["train"],
+               "val_loss": losses["val"], "param_bytes": quant.nbytes(params)}
+    line = f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}"
+    if cfg.model.quantization != "none":
+        float_cfg = cfg.replace(model=dataclasses.replace(cfg.model, quantization="none"))
+        float_losses = train.evaluate(train.make_eval_step(float_cfg, run.mesh), float_params, run.mesh, batches)
+        summary.update(float_train_loss=float_losses["train"], float_val_loss=float_losses["val"],
+                       float_param_bytes=quant.nbytes(float_params))
+        line += (f" with model.quantization={cfg.model.quantization} (float: val loss {float_losses['val']:.4f}, "
+                 f"difference {losses['val'] - float_losses['val']:+.4f}); weights "
+                 f"{summary['param_bytes'] / 2**20:.2f} MiB (float {summary['float_param_bytes'] / 2**20:.2f} MiB)")
+    log(line)
+    if t_cfg.sample_tokens:
+        summary["sample"] = train.sample_text(params, cfg, run.dataset.meta, t_cfg.sample_prompt,
+                                              t_cfg.sample_tokens, t_cfg.sample_temperature, t_cfg.sample_top_k)
+        log("sample:\n" + t_cfg.sample_prompt + summary["sample"])
+    return summary

@@ -1,0 +1,281 @@
+"""Quantized matmuls: int8 and fp8 training (forward and both backward matmuls) and int8 weight storage
+for inference, all entered through `layers.dot` (the one place the model multiplies by a weight).
+
+Modes (`model.quantization`):
+  none          float matmuls; `layers.dot` keeps its own path.
+  int8          y = x w as int8 x int8 -> int32 with absmax scales along the contracted axes: per token for
+                activations, per output channel for weights. The backward pass requantizes: dx = g w^T and
+                dw = x^T g are int8 x int8 -> int32 too, each operand scaled along its own contracted axes;
+                the incoming gradient g may be rounded stochastically (unbiased).
+  fp8           e4m3 operands forward, e5m2 gradients backward, per-tensor current scaling (the scale comes
+                from this step's absmax, so no amax history has to live in the train state).
+  int8_weights  inference: each weight is stored as int8 values plus one float32 scale per output channel
+                (`quantize_params`); activations stay in the compute dtype, and the scale is applied to the
+                matmul's output, where it factors out exactly.
+
+Why not AQT (aqtp) or Qwix: with JAX 0.10.2, aqtp's DotGeneral is unhashable and `jnp.einsum(_dot_general=)`
+takes it as a static argument, so it cannot be injected into an einsum; Qwix's public API intercepts Flax
+modules, and its pure dot_general lives under a private `_src` path with Flax-struct noise functions. Both
+pull in Flax, which a model of plain pytrees has no use for. The module here is one custom_vjp.
+
+Einsum letters come from the caller's spec. Scales keep their operand's rank, with size 1 on the
+contracted axes, so the scale of x has shape x.shape with the contracted axes set to 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import threading
+
+import jax
+import jax.numpy as jnp
+
+INT8_MAX = 127.0
+# Largest finite values: float8_e4m3fn has no infinities, so its range reaches 448; e5m2 keeps them.
+FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
+FP8_DTYPE = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """How one model quantizes its matmuls; hashable, so it rides through custom_vjp as a static argument."""
+
+    mode: str = "none"
+    logits: bool = False
+    stochastic_rounding: bool = True
+
+    @property
+    def fwd(self) -> str:
+        return "int8" if self.mode == "int8" else "e4m3"
+
+    @property
+    def grad(self) -> str:
+        return "int8" if self.mode == "int8" else "e5m2"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The recipe in force while a forward pass is traced. `forward` enters it (see `scoped`); `layers.dot` reads
+# it at trace time. The backward rule never reads it: the recipe is a static argument of the custom_vjp.
+
+_local = threading.local()
+
+
+def current() -> Recipe:
+    return getattr(_local, "recipe", Recipe())
+
+
+@contextlib.contextmanager
+def recipe_scope(recipe: Recipe):
+    previous = current()
+    _local.recipe = recipe
+    try:
+        yield
+    finally:
+        _local.recipe = previous
+
+
+def recipe_of(model_cfg) -> Recipe:
+    return Recipe(model_cfg.quantization, model_cfg.quant_logits, model_cfg.quant_stochastic_rounding)
+
+
+def scoped(forward_fn):
+    """Wrap `forward(params, tokens, cfg, ...)` so that the matmuls it traces follow cfg's quantization."""
+
+    @functools.wraps(forward_fn)
+    def wrapped(params, tokens, cfg, *args, **kwargs):
+        with recipe_scope(recipe_of(cfg)):
+            return forward_fn(params, tokens, cfg, *args, **kwargs)
+
+    return wrapped
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Int8 weights for inference.
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class QWeight:
+    """A weight stored as int8 values and float32 scales; value * scale is the dequantized weight."""
+
+    value: jax.Array
+    scale: jax.Array
+
+
+# Axes each stored weight is contracted over in the forward pass, counted after the leading `layers` axis of
+# the stacked block weights; the scale is per remaining axis (per output channel).
+BLOCK_WEIGHT_CONTRACTED = {"q": (0,), "k": (0,), "v": (0,), "o": (0, 1), "up": (0,), "gate": (0,), "down": (0,)}
+
+
+def quantize_params(params: dict, model_cfg) -> dict:
+    """A copy of `params` with every block matmul weight (and, with model.quant_logits, the output projection)
+    stored as a QWeight. Norms, biases and, unless it is the output projection, the embedding stay float."""
+
+    def q(w, axes):
+        value, scale = quantize(w, axes, "int8")
+        return QWeight(value, scale)
+
+    out = jax.tree.map(lambda a: a, params)
+    for group in ("attn", "mlp"):
+        for name, w in params["layers"][group].items():
+            if name in BLOCK_WEIGHT_CONTRACTED:
+                out["layers"][group][name] = q(w, tuple(a + 1 for a in BLOCK_WEIGHT_CONTRACTED[name]))
+    if model_cfg.quant_logits:
+        if "lm_head" in params:
+            out["lm_head"] = q(params["lm_head"], (0,))
+        else:
+            out["embed"]["tokens"] = q(params["embed"]["tokens"], (1,))
+    return out
+
+
+def take(table, ids):
+    """Rows of an embedding table, float or QWeight (one scale per row, so only the taken rows dequantize)."""
+    if isinstance(table, QWeight):
+        return jnp.take(table.value, ids, axis=0).astype(jnp.float32) * jnp.take(table.scale, ids, axis=0)
+    return jnp.take(table, ids, axis=0)
+
+
+def nbytes(params) -> int:
+    return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(params))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Quantizers.
+
+def uniform_noise(x: jax.Array, salt: int = 0) -> jax.Array:
+    """Uniform [0, 1) noise per element, hashed from the element's bits, its position and `salt`.
+
+    A hash instead of a PRNG key keeps `layers.dot` free of key plumbing and the run reproducible (same inputs,
+    same noise), while the draws still change whenever the gradient does, i.e. every step and every layer.
+    The mixer is the `lowbias32` integer finalizer (avalanches every input bit into every output bit)."""
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    index = jax.lax.broadcasted_iota(jnp.uint32, x.shape, 0)
+    for axis in range(1, x.ndim):
+        index = index * jnp.uint32(x.shape[axis]) + jax.lax.broadcasted_iota(jnp.uint32, x.shape, axis)
+    h = bits ^ (index * jnp.uint32(0x9E3779B9)) ^ jnp.uint32((salt * 0x85EBCA6B) & 0xFFFFFFFF)
+    h = h ^ (h >> 16)
+    h = h * jnp.uint32(0x7FEB352D)
+    h = h ^ (h >> 15)
+    h = h * jnp.uint32(0x846CA68B)
+    h = h ^ (h >> 16)
+    return (h >> 8).astype(jnp.float32) * (1.0 / (1 << 24))
+
+
+def quantize(x: jax.Array, axes: tuple[int, ...], fmt: str, noise: jax.Array | None = None):
+    """(values, scale) with x ~= values * scale. int8: symmetric absmax along `axes` (one scale per slice
+    over the other axes), rounded to nearest or, given uniform `noise`, stochastically (floor(x/s + u) is
+    unbiased). e4m3/e5m2: one scale for the whole tensor, rounded to nearest by the cast."""
+    x32 = x.astype(jnp.float32)
+    if fmt == "int8":
+        amax = jnp.max(jnp.abs(x32), axis=axes, keepdims=True)
+        scale = jnp.where(amax > 0, amax / INT8_MAX, 1.0)
+        y = x32 / scale
+        y = jnp.round(y) if noise is None else jnp.floor(y + noise)
+        return jnp.clip(y, -INT8_MAX, INT8_MAX).astype(jnp.int8), scale
+    amax = jnp.max(jnp.abs(x32), keepdims=True)
+    scale = jnp.where(amax > 0, amax / FP8_MAX[fmt], 1.0)
+    return (x32 / scale).astype(FP8_DTYPE[fmt]), scale
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The quantized einsum and its custom VJP.
+
+def parse(spec: str) -> tuple[str, str, str, str]:
+    """'BTD,DF->BTF' -> ('BTD', 'DF', 'BTF', 'D'): the operands, the result and the contracted letters."""
+    inputs, y_s = spec.replace(" ", "").split("->")
+    x_s, w_s = inputs.split(",")
+    contracted = "".join(c for c in x_s if c in w_s and c not in y_s)
+    for c in x_s + w_s:
+        if c not in contracted and c not in y_s:
+            raise ValueError(f"quantized einsum {spec!r}: letter {c!r} is summed in one operand only")
+    return x_s, w_s, y_s, contracted
+
+
+def _axes(operand_s: str, letters: str) -> tuple[int, ...]:
+    return tuple(i for i, c in enumerate(operand_s) if c in letters)
+
+
+def _scale_to_output(scale, operand_s: str, y_s: str, contracted: str):
+    """An operand's scale (size 1 on the contracted axes) laid out to broadcast against the einsum result."""
+    kept = sorted((i for i, c in enumerate(operand_s) if c not in contracted), key=lambda i: y_s.index(operand_s[i]))
+    sizes = {operand_s[i]: scale.shape[i] for i in kept}
+    dropped = [i for i in range(len(operand_s)) if i not in kept]  # the contracted axes, all of size 1
+    return jnp.transpose(scale, kept + dropped).reshape([sizes.get(c, 1) for c in y_s])
+
+
+def quantized_einsum(spec: str, x, w, x_fmt: str, w_fmt: str, x_noise=None, w_noise=None) -> jax.Array:
+    """einsum(spec, x, w) in float32, computed from int8 (int32 accumulation) or fp8 (float32 accumulation)
+    operands scaled along the contracted axes, so the scales factor out of the sum onto the result."""
+    x_s, w_s, y_s, contracted = parse(spec)
+    qx, sx = quantize(x, _axes(x_s, contracted), x_fmt, x_noise)
+    qw, sw = quantize(w, _axes(w_s, contracted), w_fmt, w_noise)
+    acc = jnp.einsum(spec, qx, qw, preferred_element_type=jnp.int32 if x_fmt == "int8" else jnp.float32)
+    return (acc.astype(jnp.float32) * _scale_to_output(sx, x_s, y_s, contracted)
+            * _scale_to_output(sw, w_s, y_s, contracted))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
+def qdot(spec: str, x, w, recipe: Recipe) -> jax.Array:
+    """Quantized einsum(spec, x, w) for training (float32 result); the backward matmuls are quantized too."""
+    return quantized_einsum(spec, x, w, recipe.fwd, recipe.fwd)
+
+
+def _qdot_fwd(spec, x, w, recipe):
+    # Keep the float operands: each backward matmul contracts other axes and so needs its own scales.
+    return qdot(spec, x, w, recipe), (x, w)
+
+
+def _qdot_bwd(spec, recipe, residuals, g):
+    x, w = residuals
+    x_s, w_s, y_s, _ = parse(spec)
+    stochastic = recipe.stochastic_rounding and recipe.grad == "int8"
+    dx = quantized_einsum(f"{y_s},{w_s}->{x_s}", g, w, recipe.grad, recipe.fwd,
+                          x_noise=uniform_noise(g, salt=1) if stochastic else None)
+    dw = quantized_einsum(f"{x_s},{y_s}->{w_s}", x, g, recipe.fwd, recipe.grad,
+                          w_noise=uniform_noise(g, salt=2) if stochastic else None)
+    return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+qdot.defvjp(_qdot_fwd, _qdot_bwd)
+
+
+def applies(w, logits: bool = False) -> bool:
+    """Whether a matmul with weight `w` takes the quantized path under the recipe being traced."""
+    recipe = current()
+    return isinstance(w, QWeight) or (recipe.mode != "none" and (recipe.logits or not logits))
+
+
+def dot(spec: str, x, w) -> jax.Array:
+    """The quantized counterpart of `layers.dot` (float32 result) for the recipe being traced."""
+    recipe = current()
+    if isinstance(w, QWeight) or recipe.mode == "int8_weights":
+        # A float weight under int8_weights is rounded the way quantize_params stores it, so evaluating float
+        # params in this mode gives the numbers the int8 copy gives.
+        x_s, w_s, y_s, contracted = parse(spec)
+        value, scale = (w.value, w.scale) if isinstance(w, QWeight) else quantize(w, _axes(w_s, contracted), "int8")
+        if any(scale.shape[i] != 1 for i in _axes(w_s, contracted)):
+            raise ValueError(f"weight scale of shape {scale.shape} is not per output channel for {spec!r}")
+        y = jnp.einsum(spec, x, value.astype(x.dtype), preferred_element_type=jnp.float32)
+        return y * _scale_to_output(scale, w_s, y_s, contracted)
+    return qdot(spec, x, w, recipe)
+
+
+def fp8_native(device) -> bool:
+    """NVIDIA GPUs from compute capability 8.9 (Ada, Hopper and newer) multiply fp8 in hardware."""
+    if device.platform != "gpu":
+        return False
+    try:
+        return float(getattr(device, "compute_capability", "0")) >= 8.9
+    except ValueError:
+        return False
+
+
+def fp8_fallback_message(device) -> str | None:
+    """One line for runs asking for fp8 on hardware without it (None where fp8 is native)."""
+    if fp8_native(device):
+        return None
+    kind = getattr(device, "device_kind", device.platform)
+    return (f"model.quantization=fp8: {device.platform} device '{kind}' has no fp8 matmul units; XLA upcasts "
+            "the e4m3/e5m2 operands and multiplies in float32 (same rounding of the operands, no speed-up). "
+            "fp8 is fast on NVIDIA GPUs with compute capability 8.9+ (Ada, Hopper); on CPU use int8.")
