@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxlm import params as P, sharding
-from jaxlm.config import MeshConfig
+from jaxlm import config as config_lib, generate, params as P, sharding
+from jaxlm.config import ConfigError, DecodeConfig, MeshConfig
 from jaxlm.configs._models import MODELS
 from jaxlm.model import forward, kvcache, param_specs, transformer
 
@@ -71,3 +71,77 @@ def test_cached_decoding_equals_full_forward(name):
         assert len(got[b]) == len(want) == T - n + 1
         np.testing.assert_allclose(np.stack(got[b]), want, atol=1e-5, rtol=0)
     assert np.abs(np.diff(full, axis=1)).max() > 0.1  # positions differ: the check above is not vacuous
+
+
+@pytest.mark.slow
+def test_int8_cache_stays_close_to_full_forward():
+    cfg = tiny("gemma2_2b")
+    params = init(cfg)
+    tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 10)).astype(np.int32)
+    full = np.asarray(jax.jit(forward, static_argnums=2)(params, jnp.asarray(tokens), cfg))
+    got = cached_logits(params, cfg, tokens, [4, 6], quantize=True)
+    err = max(np.abs(np.stack(got[b]) - full[b, n - 1:]).max() for b, n in enumerate([4, 6]))
+    assert 0 < err < 0.05 * np.abs(full).max()  # int8 rounding shows, but stays small
+
+
+# ---- sampling ----------------------------------------------------------------------------------------------------
+
+def draws(logits_V, n=2000, **kw):
+    settings = dict(temperature=1.0, top_k=0, top_p=1.0) | kw
+    logits_BV = jnp.broadcast_to(jnp.asarray(logits_V, jnp.float32), (n, len(logits_V)))
+    fn = jax.jit(generate.sample_tokens)
+    return np.asarray(fn(logits_BV, jax.random.key(0), settings["temperature"], settings["top_k"], settings["top_p"]))
+
+
+LOGITS = np.log(np.array([0.3, 0.05, 0.2, 0.15, 0.01, 0.1, 0.04, 0.12, 0.03]))
+
+
+def test_top_k_samples_only_the_k_most_likely():
+    assert set(draws(LOGITS, top_k=3).tolist()) == {0, 2, 3}
+    assert set(draws(LOGITS, top_k=1).tolist()) == {0}
+
+
+def test_top_p_samples_only_the_nucleus():
+    order = np.argsort(-LOGITS, kind="stable")
+    probs = np.exp(LOGITS)[order]
+    for top_p in (0.3, 0.5, 0.62, 0.9):
+        n = int(np.searchsorted(np.cumsum(probs), top_p - 1e-9) + 1)  # smallest prefix with mass >= top_p
+        assert set(draws(LOGITS, top_p=top_p).tolist()) == set(order[:n].tolist())
+    assert len(set(draws(LOGITS, top_p=0.7).tolist())) == 4
+    assert set(draws(LOGITS, top_p=0.7, top_k=2).tolist()) == {0, 2}  # combined: top-k, then top-p of the rest
+
+
+def test_zero_temperature_is_greedy_and_seeds_reproduce():
+    logits = jax.random.normal(jax.random.key(1), (16, 50))
+    greedy = np.argmax(np.asarray(logits), -1)
+    fn = jax.jit(generate.sample_tokens)
+    np.testing.assert_array_equal(fn(logits, jax.random.key(0), 0.0, 0, 1.0), greedy)
+    np.testing.assert_array_equal(fn(logits, jax.random.key(0), 1e-6, 0, 1.0), greedy)
+    hot = [np.asarray(fn(logits, jax.random.key(s), 1.0, 0, 1.0)) for s in (0, 0, 1)]
+    np.testing.assert_array_equal(hot[0], hot[1])
+    assert (hot[0] != greedy).any() and (hot[0] != hot[2]).any()
+
+
+@pytest.mark.parametrize("bad, match", [(dict(temperature=-1.0), "temperature=-1.0 must be >= 0"),
+                                        (dict(top_p=0.0), r"top_p=0.0 must be in \(0, 1\]"),
+                                        (dict(top_p=1.5), "top_p=1.5"), (dict(top_k=-2), "top_k=-2 must be >= 0")])
+def test_bad_sampling_settings_fail_with_one_line(bad, match):
+    with pytest.raises(ConfigError, match=match):
+        config_lib.validate_decode(DecodeConfig(**bad))
+
+
+def test_generate_stops_per_sequence_and_reproduces():
+    cfg = tiny("llama3_1_8b")
+    params = init(cfg)
+    prompts = [[1, 2, 3], [5], [7, 8, 9, 10, 11]]
+    d = DecodeConfig(max_new_tokens=12, temperature=1.0, seed=3)
+    a = generate.generate(params, cfg, prompts, d)
+    assert a.tokens == generate.generate(params, cfg, prompts, d).tokens
+    assert [len(t) for t in a.tokens] == [12, 12, 12]
+    stop = a.tokens[1][4]
+    b = generate.generate(params, cfg, prompts, d, stop_ids=[stop])
+    for got, full in zip(b.tokens, a.tokens):
+        n = full.index(stop) + 1 if stop in full else len(full)
+        assert got == full[:n]  # each sequence ends at its own stop token, the others go on
+    with pytest.raises(ConfigError, match="longer than decode.cache_length=4"):
+        generate.generate(params, cfg, prompts, dataclasses.replace(d, cache_length=4))
