@@ -145,3 +145,39 @@ def test_generate_stops_per_sequence_and_reproduces():
         assert got == full[:n]  # each sequence ends at its own stop token, the others go on
     with pytest.raises(ConfigError, match="longer than decode.cache_length=4"):
         generate.generate(params, cfg, prompts, dataclasses.replace(d, cache_length=4))
+
+
+# ---- against transformers, and the command line ------------------------------------------------------------------
+
+def test_greedy_generation_matches_transformers(tmp_path):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    import jaxlm
+    from jaxlm import convert
+
+    hf_cfg = transformers.LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      hidden_size=64, intermediate_size=96, vocab_size=128, eos_token_id=2)
+    model = transformers.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="eager").eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g) if p.ndim == 1 else 0.3 * torch.randn(p.shape, generator=g))
+    model.save_pretrained(tmp_path / "hf")
+    convert.from_hf(str(tmp_path / "hf"), tmp_path / "jx", log=lambda s: None)
+    ours = jaxlm.load(tmp_path / "jx")
+    for prompt in ([5, 17, 99, 3], [42]):
+        with torch.no_grad():
+            want = model.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False,
+                                  pad_token_id=0)[0, len(prompt):].tolist()
+        got = ours.generate(prompt, 20, temperature=0.0, stop_ids=(2,))
+        assert got == want and len(set(got)) > 3
+
+
+def test_cli_errors_are_one_line(tmp_path, capsys):
+    from jaxlm import cli
+
+    assert cli.main(["generate", str(tmp_path / "missing"), "--prompt", "x"]) == 2
+    assert capsys.readouterr().err.strip().count("\n") == 0
+    assert cli.main(["generate", str(tmp_path), "--prompt", "x", "temperature=-1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: decode.temperature=-1.0 must be >= 0") and err.count("\n") == 1

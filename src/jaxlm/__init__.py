@@ -10,11 +10,3 @@ def load(path):
 
     return _load(path)
 
-
-def generate(src, prompt, **settings):
-    """Sampled text after `prompt` (a string or a list of strings) from a model: `src` is a run directory, a
-    `jaxlm convert from-hf` folder or a loaded model; settings are decode keys (max_new_tokens=100,
-    temperature=0.7, top_k, top_p, seed, num_samples, ...). See docs/generate.md."""
-    from jaxlm.api import generate_text
-
-    return generate_text(src, prompt, **settings)

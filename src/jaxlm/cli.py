@@ -136,10 +136,12 @@ def cmd_generate(argv: list[str]) -> int:
     p.add_argument("--prompt-file", action="append", help="file whose text is a prompt (repeatable)")
     p.add_argument("--num-samples", type=int, help="samples per prompt (decode.num_samples)")
     p.add_argument("settings", nargs="*", metavar="key=value")
-    a = p.parse_args(argv)
+    a, rest = p.parse_known_args(argv)
     from pathlib import Path
 
     from jaxlm import api, generate
+
+    a.settings += rest  # key=value settings may come before or after the options
 
     settings = config_lib.parse_overrides(a.settings)
     if a.num_samples is not None:

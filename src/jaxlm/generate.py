@@ -14,7 +14,9 @@ from __future__ import annotations
 from functools import partial
 
 import contextlib
+import sys
 import time
+import types
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -204,3 +206,17 @@ def generate(params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], d: Deco
     out_BN, count_B = np.asarray(out_BN), np.asarray(count_B)
     return Generation([out_BN[b, :count_B[b]].tolist() for b in range(B)], t1 - t0, t2 - t1, t3 - t2)
 
+
+
+class _CallableModule(types.ModuleType):
+    """`jaxlm.generate` is this module, and calling it is the notebook API: jaxlm.generate(PATH, "def ",
+    temperature=0.7) returns the sampled text (see jaxlm.api.generate_text). A function of the same name in the
+    package would be replaced by the module as soon as the module is imported."""
+
+    def __call__(self, src, prompt, **settings):
+        from jaxlm.api import generate_text
+
+        return generate_text(src, prompt, **settings)
+
+
+sys.modules[__name__].__class__ = _CallableModule
