@@ -9,3 +9,4 @@ def load(path):
     from jaxlm.api import load as _load
 
     return _load(path)
+

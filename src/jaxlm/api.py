@@ -1,19 +1,23 @@
-"""The Python API for notebooks and scripts: `model = jaxlm.load(PATH)`, then `model.logits(tokens)` and
-`model.generate(prompt_ids, ...)`. PATH is a run directory (its latest checkpoint) or a folder written by
-`jaxlm convert from-hf`."""
+"""The Python API for notebooks and scripts: `model = jaxlm.load(PATH)`, then `model.logits(tokens)`,
+`model.generate(prompt_ids, ...)` and `model.generate_text(prompt, ...)`, or in one call
+`jaxlm.generate(PATH, "def ", temperature=0.7)`. PATH is a run directory (its latest checkpoint) or a folder
+written by `jaxlm convert from-hf`."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlm import convert, generate
-from jaxlm.config import Config, ModelConfig
+from jaxlm import config as config_lib, convert, generate
+from jaxlm.config import Config, ConfigError, DecodeConfig, ModelConfig
+from jaxlm.data import tokenizer as tokenizer_lib
 from jaxlm.model import forward
 
 
@@ -39,13 +43,74 @@ class Model:
             raise ValueError(f"token ids must be in [0, {V}), got [{tokens_BT.min()}, {tokens_BT.max()}]")
         return np.asarray(_logits(self.params, jnp.asarray(tokens_BT, jnp.int32), self.config.model))
 
-    def generate(self, prompt_ids: list[int], new_tokens: int, temperature: float = 0.8, top_k: int = 0,
-                 seed: int = 0) -> list[int]:
-        """Sample `new_tokens` ids after the prompt (temperature 0 = greedy)."""
-        return generate.sample(self.params, self.config.model, list(prompt_ids), new_tokens,
-                               jax.random.key(seed), temperature, top_k)
+    def generate(self, prompt_ids: list[int], new_tokens: int = 200, temperature: float = 0.8, top_k: int = 0,
+                 top_p: float = 1.0, seed: int = 0, stop_ids: tuple[int, ...] = ()) -> list[int]:
+        """Sample up to `new_tokens` ids after the prompt with the KV cache (temperature 0 = greedy); stops
+        after any of `stop_ids`."""
+        d = DecodeConfig(max_new_tokens=new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        return generate.generate(self.params, self.config.model, [list(prompt_ids)], d, stop_ids).tokens[0]
+
+    def tokenizer(self) -> "Tokenizer":
+        """The tokenizer the model was trained with: the run's prepared data (meta.json), or the tokenizer
+        files copied from Hugging Face by `jaxlm convert from-hf`."""
+        tok_dir = convert.tokenizer_source(self.path, self.config)
+        if tok_dir is not None:
+            hf_cfg = tok_dir.parent / "hf_config.json"
+            eos = json.loads(hf_cfg.read_text()).get("eos_token_id") if hf_cfg.is_file() else None
+            eos_ids = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
+            if (tok_dir / "tokenizer.json").is_file():
+                try:
+                    from tokenizers import Tokenizer as HFTokenizer
+                except ImportError:
+                    raise tokenizer_lib.TokenizerError("this model's tokenizer needs the `tokenizers` package "
+                                                       "(pip install 'jaxlm[hf]')") from None
+                hf = HFTokenizer.from_file(str(tok_dir / "tokenizer.json"))
+                return Tokenizer(lambda text: hf.encode(text, add_special_tokens=False).ids, hf.decode, eos_ids)
+        data = self.config.data
+        meta_file = Path(data.dir or f"data/{data.dataset}") / "meta.json"
+        if not meta_file.is_file():
+            raise tokenizer_lib.TokenizerError(f"no tokenizer for {self.path}: no tokenizer/tokenizer.json and no "
+                                               f"{meta_file} (run from the folder the model was trained in, or set "
+                                               "data.dir in its config.json)")
+        tok = tokenizer_lib.from_meta(json.loads(meta_file.read_text()))
+        return Tokenizer(tok.encode, tok.decode, ())
+
+    def generate_text(self, prompt: str | list[str], **settings) -> str | list[str]:
+        """Text after the prompt (or after each of a list of prompts); `settings` are decode.* keys
+        (max_new_tokens, temperature, top_k, top_p, seed, num_samples, stop_tokens, ...)."""
+        d = decode_config(settings)
+        tok = self.tokenizer()
+        prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+        ids = [tok.encode(p) for p in prompts for _ in range(d.num_samples)]
+        stop = config_lib.stop_token_ids(d) + (tok.eos_ids if d.stop_at_eos else ())
+        out = generate.generate(self.params, self.config.model, ids, d, stop)
+        texts = [tok.decode(t) for t in out.tokens]
+        return texts[0] if isinstance(prompt, str) and d.num_samples == 1 else texts
+
+
+@dataclass(frozen=True)
+class Tokenizer:
+    encode: Callable[[str], list[int]]
+    decode: Callable[[list[int]], str]
+    eos_ids: tuple[int, ...]
+
+
+def decode_config(settings: dict) -> DecodeConfig:
+    """DecodeConfig from `key=value` settings; keys may omit the `decode.` prefix."""
+    overrides = {k if k.startswith("decode.") else f"decode.{k}": v for k, v in settings.items()}
+    d = config_lib.apply_overrides(Config(), overrides).decode
+    config_lib.validate_decode(d)
+    return d
 
 
 def load(path: str | Path) -> Model:
+    if not Path(path).exists():
+        raise ConfigError(f"{path} does not exist; give a run directory or a `jaxlm convert from-hf` folder")
     cfg, params = convert.load_params(path)
     return Model(cfg, params, Path(path))
+
+
+def generate_text(src: str | Path | Model, prompt: str | list[str], **settings) -> str | list[str]:
+    """`jaxlm.generate(PATH_OR_MODEL, prompt, **decode settings)`: the sampled continuation(s) as text."""
+    model = src if isinstance(src, Model) else load(src)
+    return model.generate_text(prompt, **settings)

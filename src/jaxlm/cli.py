@@ -1,4 +1,4 @@
-"""`jaxlm train | prepare | plot`: parse the command line and call the library. Errors a user can cause end in
+"""`jaxlm train | prepare | plot | convert | generate`: parse the command line and call the library. Errors a user can cause end in
 one line on stderr (exit status 2), not a traceback."""
 
 from __future__ import annotations
@@ -140,8 +140,65 @@ def cmd_eval(argv: list[str]) -> int:
     return 0
 
 
+def cmd_generate(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="jaxlm generate", description="Sample text from a run directory (its latest "
+                                "checkpoint) or a `jaxlm convert from-hf` folder, with a KV cache; the first "
+                                "sample streams as it is generated. Settings are decode.* keys (the prefix may be "
+                                "left out): max_new_tokens, temperature, top_k, top_p, seed, cache_length, "
+                                "quantize_kv_cache, stop_tokens, stop_at_eos (docs/generate.md).")
+    p.add_argument("src", help="run directory or converted checkpoint folder")
+    p.add_argument("--prompt", action="append", help="prompt text (repeat for a batch of prompts)")
+    p.add_argument("--prompt-file", action="append", help="file whose text is a prompt (repeatable)")
+    p.add_argument("--num-samples", type=int, help="samples per prompt (decode.num_samples)")
+    p.add_argument("settings", nargs="*", metavar="key=value")
+    a, rest = p.parse_known_args(argv)
+    from pathlib import Path
+
+    from jaxlm import api, generate
+
+    a.settings += rest  # key=value settings may come before or after the options
+
+    settings = config_lib.parse_overrides(a.settings)
+    if a.num_samples is not None:
+        settings["num_samples"] = a.num_samples
+    d = api.decode_config(settings)
+    prompts = list(a.prompt or [])
+    for f in a.prompt_file or []:
+        if not Path(f).is_file():
+            raise config_lib.ConfigError(f"--prompt-file {f} does not exist")
+        prompts.append(Path(f).read_text())
+    if not prompts:
+        p.error("give a prompt with --prompt TEXT or --prompt-file FILE")
+    model = api.load(a.src)
+    tok = model.tokenizer()
+    ids = [tok.encode(text) for text in prompts for _ in range(d.num_samples)]
+    stop = config_lib.stop_token_ids(d) + (tok.eos_ids if d.stop_at_eos else ())
+    streamed: list[int] = []
+    shown = [""]
+
+    def on_tokens(tokens_B, live_B):  # stream the first sample, decoding the whole tail so UTF-8 stays whole
+        if live_B[0]:
+            streamed.append(int(tokens_B[0]))
+            text = tok.decode(streamed)
+            sys.stdout.write(text[len(shown[0]):])
+            sys.stdout.flush()
+            shown[0] = text
+
+    print(f"--- sample 1{' of ' + str(len(ids)) if len(ids) > 1 else ''}\n{prompts[0]}", end="", flush=True)
+    out = generate.generate(model.params, model.config.model, ids, d, stop, on_tokens)
+    print()
+    for i, new in enumerate(out.tokens[1:], start=2):
+        print(f"--- sample {i} of {len(ids)}\n{prompts[(i - 1) // d.num_samples]}{tok.decode(new)}")
+    n = sum(map(len, out.tokens))
+    print(f"--- compile {out.compile_s:.2f} s | prefill {out.prefill_s * 1e3:.1f} ms ({len(ids)} x "
+          f"{max(map(len, ids))} tokens) | decode {n} tokens in {out.decode_s:.2f} s = "
+          f"{out.decode_tokens_per_s:,.1f} tokens/s", file=sys.stderr)
+    return 0
+
+
 COMMANDS = {"train": cmd_train, "prepare": cmd_prepare, "launch": cmd_launch, "plot": cmd_plot,
-            "convert": cmd_convert, "eval": cmd_eval}
+            "convert": cmd_convert, "eval": cmd_eval,
+            "generate": cmd_generate}
 
 
 def use_huge_pages() -> None:
@@ -168,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
               "  launch --processes N -- train ...      one job in N local processes (jaxlm launch --help)\n"
               "  plot RUN_DIR [RUN_DIR ...]             loss and throughput curves -> PNG (jaxlm plot --help)\n"
               "  convert from-hf|to-hf SRC OUT          Hugging Face checkpoints in and out (jaxlm convert --help)\n"
-              "  eval RUN_DIR [key=value ...]           losses and a sample of a trained run (jaxlm eval --help)")
+              "  eval RUN_DIR [key=value ...]           losses and a sample of a trained run (jaxlm eval --help)\n"
+              "  generate SRC --prompt TEXT [k=v ...]   sample text with a KV cache (jaxlm generate --help)")
         return 0 if not argv or argv[0] in ("-h", "--help") else 2
     from jaxlm.checkpoint import CheckpointError
     from jaxlm.data.prepare import DataError

@@ -221,6 +221,20 @@ class ProfilerConfig:
 
 
 @dataclass(frozen=True)
+class DecodeConfig:
+    max_new_tokens: int = _f(200, "tokens generated per sample at most (fewer when a stop token comes first)")
+    temperature: float = _f(0.8, "softmax temperature; 0 = greedy")
+    top_k: int = _f(0, "sample only among the k most likely tokens; 0 = off")
+    top_p: float = _f(1.0, "sample only from the smallest set of tokens whose probability reaches top_p (nucleus); 1 = off")
+    seed: int = _f(0, "sampling seed: the same seed, prompt and settings give the same text")
+    num_samples: int = _f(1, "samples generated for each prompt, decoded together as one batch")
+    cache_length: int | None = _f(None, "positions the KV cache holds per sequence; None = longest prompt + max_new_tokens")
+    quantize_kv_cache: bool = _f(False, "store cached keys and values as int8 with a float32 scale per position and kv head")
+    stop_tokens: str = _f("", "comma-separated token ids that end a sample (it is kept in the output)")
+    stop_at_eos: bool = _f(True, "also stop at the model's end-of-sequence token, when its tokenizer names one")
+
+
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -232,6 +246,7 @@ class Config:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
     profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
     run_dir: str | None = _f(None, "run directory; None = outputs/<timestamp>. A folder holding a checkpoint is resumed")
     seed: int = _f(1337, "seed for initialization, data order and dropout")
     debug: bool = _f(False, "shortcut for profiler=xplane that also skips checkpoints")
@@ -550,6 +565,32 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"profiler.port={pr.port} must be a TCP port in 1-65535, or 0 (off)")
     if not cfg.logging.wandb_project:
         raise ConfigError("logging.wandb_project must not be empty")
+    validate_decode(cfg.decode)
+
+
+def stop_token_ids(d: DecodeConfig) -> tuple[int, ...]:
+    try:
+        ids = tuple(int(t) for t in d.stop_tokens.replace(" ", "").split(",") if t)
+    except ValueError:
+        raise ConfigError(f"decode.stop_tokens={d.stop_tokens!r} must be comma-separated token ids, e.g. 0,2") from None
+    if any(i < 0 for i in ids):
+        raise ConfigError(f"decode.stop_tokens={d.stop_tokens!r} must hold ids >= 0")
+    return ids
+
+
+def validate_decode(d: DecodeConfig) -> None:
+    if not (d.temperature >= 0 and math.isfinite(d.temperature)):
+        raise ConfigError(f"decode.temperature={d.temperature} must be >= 0 (0 = greedy)")
+    if d.top_k < 0:
+        raise ConfigError(f"decode.top_k={d.top_k} must be >= 0 (0 = off)")
+    if not 0 < d.top_p <= 1:
+        raise ConfigError(f"decode.top_p={d.top_p} must be in (0, 1] (1 = off)")
+    for key in ("max_new_tokens", "num_samples"):
+        if getattr(d, key) <= 0:
+            raise ConfigError(f"decode.{key}={getattr(d, key)} must be > 0")
+    if d.cache_length is not None and d.cache_length <= 0:
+        raise ConfigError(f"decode.cache_length={d.cache_length} must be > 0 (or None)")
+    stop_token_ids(d)
 
 
 def apply_parameter_scale(m: ModelConfig) -> ModelConfig:

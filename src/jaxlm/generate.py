@@ -1,15 +1,32 @@
-"""Sampling from a trained model. This version re-runs the forward pass over a sliding window for each new
-token (no KV cache); it is jitted end to end with the loop on device."""
+"""Generation: sampling rules, and two decoders with the loop on device.
+
+`generate` prefills a batch of prompts into a KV cache (model/kvcache.py), then runs one-token decode steps in a
+lax.while_loop that stops each sequence at a stop token or after max_new_tokens and ends when all have
+stopped; new tokens can be streamed to the host as they come. `sample` is the plain decoder without a cache
+(it re-runs the forward pass over a sliding window for every token), used for the end-of-training sample and
+as the baseline of benchmarks/decode.py.
+
+Shape legend: B batch, T prompt length, V vocab, N new tokens.
+"""
 
 from __future__ import annotations
 
 from functools import partial
 
+import contextlib
+import sys
+import time
+import types
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from jaxlm.config import ModelConfig
-from jaxlm.model import forward
+from jaxlm import sharding
+from jaxlm.config import ConfigError, DecodeConfig, ModelConfig, validate_decode
+from jaxlm.model import forward, transformer
 
 
 def sample_logits(logits_V: jax.Array, key: jax.Array, temperature: float, top_k: int) -> jax.Array:
@@ -52,3 +69,154 @@ def sample(params, cfg: ModelConfig, prompt_ids: list[int], new_tokens: int, key
     out = _sample(params, jnp.asarray(prompt_ids, jnp.int32), key, cfg, len(prompt_ids), new_tokens,
                   float(temperature), int(top_k))
     return [int(t) for t in jax.device_get(out)]
+
+
+# ---- sampling rules ---------------------------------------------------------------------------------------------
+
+def sample_tokens(logits_BV: jax.Array, key: jax.Array, temperature, top_k, top_p) -> jax.Array:
+    """One token per row from float32 logits, in the order transformers applies them: temperature, then top-k
+    (the k largest logits; 0 = off), then top-p (the most likely tokens until their probability reaches top_p,
+    at least one; 1 = off). Temperature 0 is greedy. The settings may be traced, so changing them does not
+    recompile."""
+    V = logits_BV.shape[-1]
+    greedy_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    scaled_BV = logits_BV / jnp.maximum(temperature, jnp.finfo(jnp.float32).tiny)
+    sorted_BV = -jnp.sort(-scaled_BV, axis=-1)
+    rank_V = jnp.arange(V)
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
+    probs_BV = jax.nn.softmax(jnp.where(rank_V < k, sorted_BV, -jnp.inf), axis=-1)
+    mass_before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
+    keep_B = jnp.maximum(jnp.sum((rank_V < k) & (mass_before_BV < top_p), axis=-1), 1)
+    cutoff_B1 = jnp.take_along_axis(sorted_BV, keep_B[:, None] - 1, axis=-1)
+    sampled_B = jax.random.categorical(key, jnp.where(scaled_BV >= cutoff_B1, scaled_BV, -jnp.inf), axis=-1)
+    return jnp.where(temperature == 0, greedy_B, sampled_B.astype(jnp.int32))
+
+
+# ---- cached generation ------------------------------------------------------------------------------------------
+
+_STREAM: list[Callable[[np.ndarray, np.ndarray], None]] = []  # the host callback of the running `generate`
+
+
+def _emit(tokens_B, live_B):
+    _STREAM[-1](np.asarray(tokens_B), np.asarray(live_B))
+
+
+@partial(jax.jit, static_argnames=("cfg", "cache_length", "quantize"))
+def _prefill(params, prompts_BT, lengths_B, cfg: ModelConfig, cache_length: int, quantize: bool):
+    return transformer.prefill(params, prompts_BT, lengths_B, cfg, cache_length, quantize)
+
+
+@partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "stream"))
+def _decode(params, logits_BV, cache, key, temperature, top_k, top_p, stop_S, cfg: ModelConfig,
+            max_new_tokens: int, stream: bool):
+    """Sample up to max_new_tokens per sequence: [B, N] tokens (0 after a sequence stopped) and counts [B]."""
+    B = logits_BV.shape[0]
+
+    def cond(c):
+        return (c["i"] < max_new_tokens) & ~jnp.all(c["done_B"])
+
+    def body(c):
+        key, sub = jax.random.split(c["key"])
+        tok_B = jnp.where(c["done_B"], 0, sample_tokens(c["logits_BV"], sub, temperature, top_k, top_p))
+        if stream:
+            jax.debug.callback(_emit, tok_B, ~c["done_B"], ordered=True)
+        out_BN = c["out_BN"].at[:, c["i"]].set(tok_B)
+        count_B = c["count_B"] + (~c["done_B"]).astype(jnp.int32)
+        done_B = c["done_B"] | jnp.any(tok_B[:, None] == stop_S[None, :], axis=-1)
+        logits_BV, cache = transformer.decode_step(params, tok_B, c["cache"], cfg)
+        return dict(i=c["i"] + 1, key=key, logits_BV=logits_BV, cache=cache, out_BN=out_BN, count_B=count_B,
+                    done_B=done_B)
+
+    init = dict(i=jnp.int32(0), key=key, logits_BV=logits_BV, cache=cache,
+                out_BN=jnp.zeros((B, max_new_tokens), jnp.int32), count_B=jnp.zeros((B,), jnp.int32),
+                done_B=jnp.zeros((B,), bool))
+    final = jax.lax.while_loop(cond, body, init)
+    return final["out_BN"], final["count_B"]
+
+
+@dataclass
+class Generation:
+    tokens: list[list[int]]  # new tokens of each sequence, up to and including its stop token
+    compile_s: float
+    prefill_s: float
+    decode_s: float
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return sum(map(len, self.tokens)) / max(self.decode_s, 1e-9)
+
+
+def check_prompts(prompts: Sequence[Sequence[int]], cfg: ModelConfig, d: DecodeConfig) -> int:
+    """Validate the prompts against the model and the cache; returns the cache length."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ConfigError("every prompt must hold at least one token")
+    longest = max(map(len, prompts))
+    lo, hi = min(min(p) for p in prompts), max(max(p) for p in prompts)
+    if lo < 0 or hi >= cfg.vocab_size:
+        raise ConfigError(f"prompt token ids must be in [0, {cfg.vocab_size}), got [{lo}, {hi}]")
+    length = d.cache_length or longest + d.max_new_tokens
+    if longest > length:
+        raise ConfigError(f"the prompt of {longest} tokens is longer than decode.cache_length={length}; "
+                          "shorten it or raise decode.cache_length")
+    if longest + d.max_new_tokens > length:
+        raise ConfigError(f"the prompt of {longest} tokens + decode.max_new_tokens={d.max_new_tokens} do not fit "
+                          f"in decode.cache_length={length}; lower max_new_tokens or raise cache_length")
+    if cfg.position == "learned" and length > cfg.block_size:
+        raise ConfigError(f"this model has learned positions up to model.block_size={cfg.block_size}, but the "
+                          f"prompt of {longest} tokens + decode.max_new_tokens={d.max_new_tokens} need {length}; "
+                          "shorten the prompt or lower decode.max_new_tokens")
+    return length
+
+
+def generate(params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], d: DecodeConfig,
+             stop_ids: Sequence[int] = (), on_tokens: Callable[[np.ndarray, np.ndarray], None] | None = None,
+             mesh: jax.sharding.Mesh | None = None) -> Generation:
+    """Sample d.max_new_tokens (at most) after each prompt, all prompts decoded as one batch. `on_tokens(tokens,
+    live)` is called on the host after every step with the new token of each sequence and whether it is still
+    generating. With a mesh, activations and the cache are sharded by the logical-axis rules (batch, kv_heads)."""
+    validate_decode(d)
+    length = check_prompts(prompts, cfg, d)
+    B, T = len(prompts), max(map(len, prompts))
+    prompts_BT = np.zeros((B, T), np.int32)
+    for b, p in enumerate(prompts):
+        prompts_BT[b, :len(p)] = p
+    lengths_B = np.asarray([len(p) for p in prompts], np.int32)
+    sampling = (jnp.float32(d.temperature), jnp.int32(d.top_k), jnp.float32(d.top_p))
+    stop_S = jnp.asarray(list(stop_ids), jnp.int32).reshape(-1)
+    key = jax.random.key(d.seed)
+    ctx = sharding.activation_sharding(mesh) if mesh is not None else contextlib.nullcontext()
+    t0 = time.perf_counter()
+    with ctx:
+        prefill = _prefill.lower(params, prompts_BT, lengths_B, cfg, length, d.quantize_kv_cache).compile()
+        logits_shape, cache_shape = jax.eval_shape(partial(transformer.prefill, cfg=cfg, cache_length=length,
+                                                           quantize=d.quantize_kv_cache),
+                                                   params, prompts_BT, lengths_B)
+        decode = _decode.lower(params, logits_shape, cache_shape, key, *sampling, stop_S, cfg, d.max_new_tokens,
+                               on_tokens is not None).compile()
+    t1 = time.perf_counter()
+    logits_BV, cache = jax.block_until_ready(prefill(params, prompts_BT, lengths_B))
+    t2 = time.perf_counter()
+    _STREAM.append(on_tokens)
+    try:
+        out_BN, count_B = jax.block_until_ready(decode(params, logits_BV, cache, key, *sampling, stop_S))
+        jax.effects_barrier()
+    finally:
+        _STREAM.pop()
+    t3 = time.perf_counter()
+    out_BN, count_B = np.asarray(out_BN), np.asarray(count_B)
+    return Generation([out_BN[b, :count_B[b]].tolist() for b in range(B)], t1 - t0, t2 - t1, t3 - t2)
+
+
+
+class _CallableModule(types.ModuleType):
+    """`jaxlm.generate` is this module, and calling it is the notebook API: jaxlm.generate(PATH, "def ",
+    temperature=0.7) returns the sampled text (see jaxlm.api.generate_text). A function of the same name in the
+    package would be replaced by the module as soon as the module is imported."""
+
+    def __call__(self, src, prompt, **settings):
+        from jaxlm.api import generate_text
+
+        return generate_text(src, prompt, **settings)
+
+
+sys.modules[__name__].__class__ = _CallableModule

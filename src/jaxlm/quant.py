@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import threading
 
 import jax
@@ -80,13 +81,16 @@ def recipe_of(model_cfg) -> Recipe:
     return Recipe(model_cfg.quantization, model_cfg.quant_logits, model_cfg.quant_stochastic_rounding)
 
 
-def scoped(forward_fn):
-    """Wrap `forward(params, tokens, cfg, ...)` so that the matmuls it traces follow cfg's quantization."""
+def scoped(fn):
+    """Wrap a model function with a `cfg` argument (forward, prefill, decode_step) so that the matmuls it
+    traces follow cfg's quantization."""
+    signature = inspect.signature(fn)
 
-    @functools.wraps(forward_fn)
-    def wrapped(params, tokens, cfg, *args, **kwargs):
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        cfg = signature.bind_partial(*args, **kwargs).arguments["cfg"]
         with recipe_scope(recipe_of(cfg)):
-            return forward_fn(params, tokens, cfg, *args, **kwargs)
+            return fn(*args, **kwargs)
 
     return wrapped
 

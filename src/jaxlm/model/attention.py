@@ -1,8 +1,8 @@
 """Causal multi-head attention with grouped-query heads, rotary embeddings, QK normalization, sliding
-windows and logit soft-capping.
+windows and logit soft-capping; one-token decoding over a KV cache.
 
-Shape legend: B batch, T query length, S key length, D model width, N query heads, K kv heads,
-G query heads per kv head (N = K * G), H head width.
+Shape legend: B batch, T query length, S key length (cache slots when decoding), D model width, N query
+heads, K kv heads, G query heads per kv head (N = K * G), H head width.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxlm.model import layers
+from jaxlm.model import kvcache, layers
 from jaxlm.sharding import constrain
 
 
@@ -69,15 +69,51 @@ def mask(q_positions_BT: jax.Array, k_positions_BS: jax.Array, window: int | Non
     return allowed_BTS
 
 
-def attention(x_BTD, p, cfg, positions_BT, key=None, local=False):
-    """Self-attention over x; `local` layers see only the last cfg.sliding_window positions."""
+def _scale(cfg):
+    return None if cfg.attn_scale is None else cfg.attn_scale ** -0.5
+
+
+def _project_out(out_BTNH, p):
+    out_BTD = layers.dot("BTNH,NHD->BTD", out_BTNH, p["o"])
+    if "o_bias" in p:
+        out_BTD = out_BTD + p["o_bias"].astype(out_BTD.dtype)
+    return out_BTD
+
+
+def attention_with_kv(x_BTD, p, cfg, positions_BT, key=None, local=False):
+    """Self-attention over x; `local` layers see only the last cfg.sliding_window positions. Also returns the
+    keys and values [B, T, K, H], which prefill stores in the cache."""
     with jax.named_scope("attention"):
         q_BTNH, k_BTKH, v_BTKH = project_qkv(x_BTD, p, cfg, positions_BT)
         q_BTNH = constrain(q_BTNH, ("batch", "length", "heads", "head_dim"))
         mask_BTS = mask(positions_BT, positions_BT, cfg.sliding_window if local else None)
-        scale = None if cfg.attn_scale is None else cfg.attn_scale ** -0.5
-        out_BTNH = attend(q_BTNH, k_BTKH, v_BTKH, mask_BTS, cfg.dropout, key, scale, cfg.attn_logit_softcap)
-        out_BTD = layers.dot("BTNH,NHD->BTD", out_BTNH, p["o"])
-        if "o_bias" in p:
-            out_BTD = out_BTD + p["o_bias"].astype(out_BTD.dtype)
-        return out_BTD
+        out_BTNH = attend(q_BTNH, k_BTKH, v_BTKH, mask_BTS, cfg.dropout, key, _scale(cfg), cfg.attn_logit_softcap)
+        return _project_out(out_BTNH, p), k_BTKH, v_BTKH
+
+
+def attention(x_BTD, p, cfg, positions_BT, key=None, local=False):
+    """Self-attention over x; `local` layers see only the last cfg.sliding_window positions."""
+    return attention_with_kv(x_BTD, p, cfg, positions_BT, key, local)[0]
+
+
+def attention_decode(x_B1D, p, cfg, positions_B1, cache: dict, slot_B, k_positions_BS, local=False):
+    """Attention of one new token per sequence over the cache. `cache` holds this layer's k, v [B, S, K, H]
+    and k_scale, v_scale [B, S, K] (None unless int8); the new key and value are written at slot_B first, and
+    k_positions_BS already names the positions every slot holds after that write, so the mask is the same
+    function of positions as in the uncached pass. Returns the output and the updated layer cache."""
+    with jax.named_scope("attention"):
+        q_B1NH, k_B1KH, v_B1KH = project_qkv(x_B1D, p, cfg, positions_B1)
+        quantized = cache["k_scale"] is not None
+        new = {}
+        for name, x_B1KH in (("k", k_B1KH), ("v", v_B1KH)):
+            x_BKH, scale_BK = kvcache.store(x_B1KH, quantized)
+            x_BKH = x_BKH[:, 0]
+            new[name] = kvcache.write_one(cache[name], x_BKH, slot_B)
+            new[f"{name}_scale"] = None if not quantized else kvcache.write_one(cache[f"{name}_scale"],
+                                                                                scale_BK[:, 0], slot_B)
+            new[name] = constrain(new[name], kvcache.CACHE_AXES)
+        k_BSKH = kvcache.read(new["k"], new["k_scale"], q_B1NH.dtype)
+        v_BSKH = kvcache.read(new["v"], new["v_scale"], q_B1NH.dtype)
+        mask_B1S = mask(positions_B1, k_positions_BS, cfg.sliding_window if local else None)
+        out_B1NH = attend(q_B1NH, k_BSKH, v_BSKH, mask_B1S, scale=_scale(cfg), softcap=cfg.attn_logit_softcap)
+        return _project_out(out_B1NH, p), new

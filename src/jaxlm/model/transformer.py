@@ -1,10 +1,11 @@
 """The one forward pass shared by every family: embed, a scanned stack of pre-norm blocks, norm, logits.
 
 Families differ only through named ModelConfig options (norm kind, biases, post-norms, soft-caps, local or
-global attention per layer, dense or mixture-of-experts MLP); there is no per-family code path.
+global attention per layer, dense or mixture-of-experts MLP); there is no per-family code path. `prefill` and
+`decode_step` are the same blocks run over a KV cache (model/kvcache.py) for generation.
 
 Shape legend: B batch, T length, D model width, V vocab, L layers, N heads, K kv heads, H head width,
-F MLP hidden width, E experts, P layers per repeat of cfg.layer_pattern.
+F MLP hidden width, E experts, P layers per repeat of cfg.layer_pattern, S cache slots.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import jax.numpy as jnp
 
 from jaxlm import quant
 from jaxlm.config import ModelConfig
-from jaxlm.model import attention, layers, moe
+from jaxlm.model import attention, kvcache, layers, moe
 from jaxlm.params import ParamSpec, normal, ones, zeros
 from jaxlm.sharding import constrain
 
@@ -98,13 +99,20 @@ def block(x_BTD: jax.Array, p: dict, cfg: ModelConfig, positions_BT: jax.Array, 
     """One pre-norm block; returns the new residual stream and the MoE routing statistics [2, E] (an empty
     [2, 0] array for a dense MLP)."""
     keys = jax.random.split(key, 3) if key is not None else (None, None, None)
+    attn = lambda h, q: (attention.attention(h, q, cfg, positions_BT, keys[0], local), None)  # noqa: E731
+    x_BTD, stats_2E, _ = _block(x_BTD, p, cfg, attn, keys[1:])
+    return x_BTD, stats_2E
+
+
+def _block(x_BTD, p, cfg: ModelConfig, attn, keys=(None, None)):
+    """The block around an attention function attn(h_BTD, p_attn) -> (out_BTD, extra); also returns extra
+    (what a cached attention hands back: keys and values, or the updated layer cache)."""
     norm = lambda x, q: layers.norm(x, q, cfg.norm, cfg.norm_eps, cfg.norm_plus_one)  # noqa: E731
     with jax.named_scope("attn_block"):
-        h_BTD = norm(x_BTD, p["attn_norm"])
-        h_BTD = attention.attention(h_BTD, p["attn"], cfg, positions_BT, keys[0], local)
+        h_BTD, extra = attn(norm(x_BTD, p["attn_norm"]), p["attn"])
         if cfg.post_norms:
             h_BTD = norm(h_BTD, p["attn_post_norm"])
-        x_BTD = x_BTD + layers.dropout(h_BTD, cfg.dropout, keys[1])
+        x_BTD = x_BTD + layers.dropout(h_BTD, cfg.dropout, keys[0])
     with jax.named_scope("mlp_block"):
         h_BTD = norm(x_BTD, p["mlp_norm"])
         if cfg.n_experts:
@@ -113,8 +121,33 @@ def block(x_BTD: jax.Array, p: dict, cfg: ModelConfig, positions_BT: jax.Array, 
             h_BTD, stats_2E = layers.mlp(h_BTD, p["mlp"], cfg.activation, cfg.glu), jnp.zeros((2, 0), jnp.float32)
         if cfg.post_norms:
             h_BTD = norm(h_BTD, p["mlp_post_norm"])
-        x_BTD = x_BTD + layers.dropout(h_BTD, cfg.dropout, keys[2])
-    return constrain(x_BTD, ("batch", "length", "embed")), stats_2E
+        x_BTD = x_BTD + layers.dropout(h_BTD, cfg.dropout, keys[1])
+    return constrain(x_BTD, ("batch", "length", "embed")), stats_2E, extra
+
+
+def embed(params: dict, tokens_BT: jax.Array, cfg: ModelConfig, positions_BT: jax.Array) -> jax.Array:
+    cdt = jnp.dtype(cfg.compute_dtype)
+    with jax.named_scope("embed"):
+        x_BTD = quant.take(params["embed"]["tokens"], tokens_BT).astype(cdt)
+        if cfg.embed_scale:
+            x_BTD = x_BTD * jnp.asarray(cfg.d_model ** 0.5, cdt)  # rounded to the compute dtype, as Gemma does
+        if cfg.position == "learned":
+            x_BTD = x_BTD + jnp.take(params["embed"]["positions"], positions_BT, axis=0).astype(cdt)
+        return x_BTD
+
+
+def unembed(params: dict, x_BTD: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Final norm and output projection: float32 logits [B, T, V]."""
+    cdt = jnp.dtype(cfg.compute_dtype)
+    with jax.named_scope("logits"):
+        x_BTD = layers.norm(x_BTD, params["final_norm"], cfg.norm, cfg.norm_eps, cfg.norm_plus_one)
+        w = params["embed"]["tokens"] if cfg.tie_embeddings else params["lm_head"]
+        spec = "BTD,VD->BTV" if cfg.tie_embeddings else "BTD,DV->BTV"
+        if quant.applies(w, logits=True):
+            logits_BTV = quant.dot(spec, x_BTD, w)
+        else:
+            logits_BTV = jnp.einsum(spec, x_BTD, w.astype(cdt), preferred_element_type=jnp.float32)
+        return layers.softcap(logits_BTV, cfg.final_logit_softcap)
 
 
 @quant.scoped
@@ -122,21 +155,15 @@ def forward_with_aux(params: dict, tokens_BT: jax.Array, cfg: ModelConfig, key: 
                      positions_BT: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Logits [B, T, V] in float32 and the auxiliary (load-balancing) loss, 0 for dense models."""
     B, T = tokens_BT.shape
-    cdt = jnp.dtype(cfg.compute_dtype)
     if positions_BT is None:
         positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     if cfg.dropout == 0.0:
         key = None
-    with jax.named_scope("embed"):
-        x_BTD = quant.take(params["embed"]["tokens"], tokens_BT).astype(cdt)
-        if cfg.embed_scale:
-            x_BTD = x_BTD * jnp.asarray(cfg.d_model ** 0.5, cdt)  # rounded to the compute dtype, as Gemma does
-        if cfg.position == "learned":
-            x_BTD = x_BTD + jnp.take(params["embed"]["positions"], positions_BT, axis=0).astype(cdt)
-        if key is not None:
-            key, sub = jax.random.split(key)
-            x_BTD = layers.dropout(x_BTD, cfg.dropout, sub)
-        x_BTD = constrain(x_BTD, ("batch", "length", "embed"))
+    x_BTD = embed(params, tokens_BT, cfg, positions_BT)
+    if key is not None:
+        key, sub = jax.random.split(key)
+        x_BTD = layers.dropout(x_BTD, cfg.dropout, sub)
+    x_BTD = constrain(x_BTD, ("batch", "length", "embed"))
 
     # Layers repeat cfg.layer_pattern (e.g. local, global); a scan step runs one repeat, so alternating
     # layer kinds still compile once per kind, not once per layer.
@@ -170,15 +197,7 @@ def forward_with_aux(params: dict, tokens_BT: jax.Array, cfg: ModelConfig, key: 
             stats.append(s)
         stats_L2E = jnp.stack(stats)
 
-    with jax.named_scope("logits"):
-        x_BTD = layers.norm(x_BTD, params["final_norm"], cfg.norm, cfg.norm_eps, cfg.norm_plus_one)
-        w = params["embed"]["tokens"] if cfg.tie_embeddings else params["lm_head"]
-        spec = "BTD,VD->BTV" if cfg.tie_embeddings else "BTD,DV->BTV"
-        if quant.applies(w, logits=True):
-            logits_BTV = quant.dot(spec, x_BTD, w)
-        else:
-            logits_BTV = jnp.einsum(spec, x_BTD, w.astype(cdt), preferred_element_type=jnp.float32)
-        logits_BTV = layers.softcap(logits_BTV, cfg.final_logit_softcap)
+    logits_BTV = unembed(params, x_BTD, cfg)
     aux = moe.load_balancing_loss(stats_L2E) if cfg.n_experts else jnp.zeros((), jnp.float32)
     return logits_BTV, aux
 
@@ -187,6 +206,79 @@ def forward(params: dict, tokens_BT: jax.Array, cfg: ModelConfig, key: jax.Array
             positions_BT: jax.Array | None = None) -> jax.Array:
     """Logits [B, T, V] in float32. `key` enables dropout (training); None is deterministic."""
     return forward_with_aux(params, tokens_BT, cfg, key, positions_BT)[0]
+
+
+def _grouped(cfg: ModelConfig, layer_params: dict) -> dict:
+    """Stacked layer weights [L, ...] -> [L / P, P, ...], one scan step per repeat of cfg.layer_pattern."""
+    P = len(cfg.pattern)
+    return jax.tree.map(lambda a: a.reshape(cfg.n_layers // P, P, *a.shape[1:]), layer_params)
+
+
+@quant.scoped
+def prefill(params: dict, tokens_BT: jax.Array, lengths_B: jax.Array, cfg: ModelConfig, cache_length: int,
+            quantize: bool = False) -> tuple[jax.Array, kvcache.KVCache]:
+    """Run a batch of prompts, right-padded to T (sequence b has lengths_B[b] real tokens, 1 <= length <=
+    cache_length), and fill a fresh cache for sequences of up to `cache_length` tokens. Returns the float32
+    logits after each prompt's last real token [B, V] and the cache. Padding sits after the real tokens, so
+    causality alone keeps it out of their attention, and prefill_layout leaves it out of the cache."""
+    B, T = tokens_BT.shape
+    positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    x_BTD = constrain(embed(params, tokens_BT, cfg, positions_BT), ("batch", "length", "embed"))
+    layouts = [kvcache.prefill_layout(lengths_B, T, kvcache.slots(cfg, kind, cache_length)) for kind in cfg.pattern]
+
+    def step(x_BTD, p_group):
+        entries = []
+        for j, kind in enumerate(cfg.pattern):
+            def attn(h_BTD, p_attn, local=(kind == "local")):
+                out_BTD, k_BTKH, v_BTKH = attention.attention_with_kv(h_BTD, p_attn, cfg, positions_BT, None, local)
+                return out_BTD, (k_BTKH, v_BTKH)
+
+            x_BTD, _, kv = _block(x_BTD, jax.tree.map(lambda a: a[j], p_group), cfg, attn)
+            entry = {}
+            for name, x_BTKH in zip(("k", "v"), kv):
+                x_BSKH = jnp.take_along_axis(x_BTKH, layouts[j][0][:, :, None, None], axis=1)
+                entry[name], entry[f"{name}_scale"] = kvcache.store(x_BSKH, quantize)
+            entries.append(entry)
+        return x_BTD, tuple(entries)
+
+    with jax.named_scope("prefill"):
+        x_BTD, entries = jax.lax.scan(step, x_BTD, _grouped(cfg, params["layers"]))
+        last_B1D = jnp.take_along_axis(x_BTD, (lengths_B - 1)[:, None, None], axis=1)
+        logits_BV = unembed(params, last_B1D, cfg)[:, 0]
+    kinds = tuple(kvcache.KindCache(pos=layout[1], **e) for layout, e in zip(layouts, entries))
+    return logits_BV, kvcache.KVCache(kinds, lengths_B.astype(jnp.int32))
+
+
+@quant.scoped
+def decode_step(params: dict, tokens_B: jax.Array, cache: kvcache.KVCache, cfg: ModelConfig
+                ) -> tuple[jax.Array, kvcache.KVCache]:
+    """Append one token per sequence at position cache.length: float32 logits of the next token [B, V] and
+    the cache holding the new keys and values."""
+    B = tokens_B.shape[0]
+    pos_B = cache.length
+    positions_B1 = pos_B[:, None]
+    x_B1D = constrain(embed(params, tokens_B[:, None], cfg, positions_B1), ("batch", "length", "embed"))
+    slots = [pos_B % c.pos.shape[1] for c in cache.kinds]
+    k_positions = [c.pos.at[jnp.arange(B), slot_B].set(pos_B) for c, slot_B in zip(cache.kinds, slots)]
+
+    def step(x_B1D, inputs):
+        p_group, layer_caches = inputs
+        new = []
+        for j, kind in enumerate(cfg.pattern):
+            def attn(h_B1D, p_attn, j=j, local=(kind == "local")):
+                return attention.attention_decode(h_B1D, p_attn, cfg, positions_B1, layer_caches[j], slots[j],
+                                                  k_positions[j], local)
+
+            x_B1D, _, layer_cache = _block(x_B1D, jax.tree.map(lambda a: a[j], p_group), cfg, attn)
+            new.append(layer_cache)
+        return x_B1D, tuple(new)
+
+    layer_caches = tuple({"k": c.k, "v": c.v, "k_scale": c.k_scale, "v_scale": c.v_scale} for c in cache.kinds)
+    with jax.named_scope("decode"):
+        x_B1D, new = jax.lax.scan(step, x_B1D, (_grouped(cfg, params["layers"]), layer_caches))
+        logits_BV = unembed(params, x_B1D, cfg)[:, 0]
+    kinds = tuple(kvcache.KindCache(pos=k_pos, **c) for k_pos, c in zip(k_positions, new))
+    return logits_BV, kvcache.KVCache(kinds, pos_B + 1)
 
 
 def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:

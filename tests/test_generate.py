@@ -1,0 +1,183 @@
+"""Generation: cached prefill + decode against the full forward pass for every family, sampling rules against
+numpy references, greedy generation against transformers' `generate`, and the `jaxlm generate` command."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxlm import config as config_lib, generate, params as P, sharding
+from jaxlm.config import ConfigError, DecodeConfig, MeshConfig
+from jaxlm.configs._models import MODELS
+from jaxlm.model import forward, kvcache, param_specs, transformer
+
+TINY = dict(vocab_size=64, block_size=64, n_heads=4, n_kv_heads=2, d_model=32, head_dim=8, d_ff=48,
+            sliding_window=5, compute_dtype="float32", param_dtype="float32", init_std=0.2)
+FAMILIES = {"gpt2": 2, "llama3_1_8b": 2, "mistral_7b": 2, "mixtral_8x7b": 2, "gemma_2b": 2, "gemma2_2b": 4,
+            "qwen3_0_6b": 2}  # preset -> layers (Gemma 2 alternates local and global, twice)
+
+
+def tiny(name: str, **kw):
+    kw = {**TINY, "n_layers": FAMILIES[name], **kw}
+    if MODELS[name].rope_scaling == "llama3":
+        kw["rope_original_context"] = 8
+    return dataclasses.replace(MODELS[name], **kw)
+
+
+def init(cfg, seed=0):
+    mesh = sharding.make_mesh(MeshConfig(), jax.devices()[:1])
+    return P.init(param_specs(cfg), jax.random.key(seed), mesh)
+
+
+def cached_logits(params, cfg, tokens_BT, prompt_lengths, quantize=False):
+    """Logits at every position after the prompt, by prefill of the prompts then one decode step per token."""
+    B, T = tokens_BT.shape
+    P0 = max(prompt_lengths)
+    prompts = np.zeros((B, P0), np.int32)
+    for b, n in enumerate(prompt_lengths):
+        prompts[b, :n] = tokens_BT[b, :n]
+    lengths = jnp.asarray(prompt_lengths, jnp.int32)
+    logits, cache = jax.jit(transformer.prefill, static_argnums=(3, 4, 5))(
+        params, jnp.asarray(prompts), lengths, cfg, T, quantize)
+    step = jax.jit(transformer.decode_step, static_argnums=3)
+    out = [[] for _ in range(B)]
+    for i in range(T - min(prompt_lengths) + 1):
+        for b, n in enumerate(prompt_lengths):
+            if n + i <= T:
+                out[b].append(np.asarray(logits[b]))
+        if i == T - min(prompt_lengths):
+            break
+        pos = np.minimum(np.asarray(prompt_lengths) + i, T - 1)
+        logits, cache = step(params, jnp.asarray(tokens_BT[np.arange(B), pos]), cache, cfg)
+    return out
+
+
+# Gemma 2 (local and global layers, soft-caps, post-norms) runs by default; the rest compile for a minute each
+# on a shared 2-core CPU, so they are slow tests.
+@pytest.mark.parametrize("name", [n if n == "gemma2_2b" else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in FAMILIES])
+def test_cached_decoding_equals_full_forward(name):
+    cfg = tiny(name)
+    params = init(cfg)
+    T = 12  # longer than the window of 5: the ring buffer wraps
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (3, T)).astype(np.int32)
+    full = np.asarray(jax.jit(forward, static_argnums=2)(params, jnp.asarray(tokens), cfg))
+    lengths = [3, 7, 1]  # prompts of different lengths in one batch, one of them a single token
+    got = cached_logits(params, cfg, tokens, lengths)
+    for b, n in enumerate(lengths):
+        want = full[b, n - 1:]
+        assert len(got[b]) == len(want) == T - n + 1
+        np.testing.assert_allclose(np.stack(got[b]), want, atol=1e-5, rtol=0)
+    assert np.abs(np.diff(full, axis=1)).max() > 0.1  # positions differ: the check above is not vacuous
+
+
+@pytest.mark.slow
+def test_int8_cache_stays_close_to_full_forward():
+    cfg = tiny("gemma2_2b")
+    params = init(cfg)
+    tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 10)).astype(np.int32)
+    full = np.asarray(jax.jit(forward, static_argnums=2)(params, jnp.asarray(tokens), cfg))
+    got = cached_logits(params, cfg, tokens, [4, 6], quantize=True)
+    err = max(np.abs(np.stack(got[b]) - full[b, n - 1:]).max() for b, n in enumerate([4, 6]))
+    assert 0 < err < 0.05 * np.abs(full).max()  # int8 rounding shows, but stays small
+
+
+# ---- sampling ----------------------------------------------------------------------------------------------------
+
+def draws(logits_V, n=2000, **kw):
+    settings = dict(temperature=1.0, top_k=0, top_p=1.0) | kw
+    logits_BV = jnp.broadcast_to(jnp.asarray(logits_V, jnp.float32), (n, len(logits_V)))
+    fn = jax.jit(generate.sample_tokens)
+    return np.asarray(fn(logits_BV, jax.random.key(0), settings["temperature"], settings["top_k"], settings["top_p"]))
+
+
+LOGITS = np.log(np.array([0.3, 0.05, 0.2, 0.15, 0.01, 0.1, 0.04, 0.12, 0.03]))
+
+
+def test_top_k_samples_only_the_k_most_likely():
+    assert set(draws(LOGITS, top_k=3).tolist()) == {0, 2, 3}
+    assert set(draws(LOGITS, top_k=1).tolist()) == {0}
+
+
+def test_top_p_samples_only_the_nucleus():
+    order = np.argsort(-LOGITS, kind="stable")
+    probs = np.exp(LOGITS)[order]
+    for top_p in (0.3, 0.5, 0.62, 0.9):
+        n = int(np.searchsorted(np.cumsum(probs), top_p - 1e-9) + 1)  # smallest prefix with mass >= top_p
+        assert set(draws(LOGITS, top_p=top_p).tolist()) == set(order[:n].tolist())
+    assert len(set(draws(LOGITS, top_p=0.7).tolist())) == 4
+    assert set(draws(LOGITS, top_p=0.7, top_k=2).tolist()) == {0, 2}  # combined: top-k, then top-p of the rest
+
+
+def test_zero_temperature_is_greedy_and_seeds_reproduce():
+    logits = jax.random.normal(jax.random.key(1), (16, 50))
+    greedy = np.argmax(np.asarray(logits), -1)
+    fn = jax.jit(generate.sample_tokens)
+    np.testing.assert_array_equal(fn(logits, jax.random.key(0), 0.0, 0, 1.0), greedy)
+    np.testing.assert_array_equal(fn(logits, jax.random.key(0), 1e-6, 0, 1.0), greedy)
+    hot = [np.asarray(fn(logits, jax.random.key(s), 1.0, 0, 1.0)) for s in (0, 0, 1)]
+    np.testing.assert_array_equal(hot[0], hot[1])
+    assert (hot[0] != greedy).any() and (hot[0] != hot[2]).any()
+
+
+@pytest.mark.parametrize("bad, match", [(dict(temperature=-1.0), "temperature=-1.0 must be >= 0"),
+                                        (dict(top_p=0.0), r"top_p=0.0 must be in \(0, 1\]"),
+                                        (dict(top_p=1.5), "top_p=1.5"), (dict(top_k=-2), "top_k=-2 must be >= 0")])
+def test_bad_sampling_settings_fail_with_one_line(bad, match):
+    with pytest.raises(ConfigError, match=match):
+        config_lib.validate_decode(DecodeConfig(**bad))
+
+
+def test_generate_stops_per_sequence_and_reproduces():
+    cfg = tiny("llama3_1_8b")
+    params = init(cfg)
+    prompts = [[1, 2, 3], [5], [7, 8, 9, 10, 11]]
+    d = DecodeConfig(max_new_tokens=12, temperature=1.0, seed=3)
+    a = generate.generate(params, cfg, prompts, d)
+    assert a.tokens == generate.generate(params, cfg, prompts, d).tokens
+    assert [len(t) for t in a.tokens] == [12, 12, 12]
+    stop = a.tokens[1][4]
+    b = generate.generate(params, cfg, prompts, d, stop_ids=[stop])
+    for got, full in zip(b.tokens, a.tokens):
+        n = full.index(stop) + 1 if stop in full else len(full)
+        assert got == full[:n]  # each sequence ends at its own stop token, the others go on
+    with pytest.raises(ConfigError, match="longer than decode.cache_length=4"):
+        generate.generate(params, cfg, prompts, dataclasses.replace(d, cache_length=4))
+
+
+# ---- against transformers, and the command line ------------------------------------------------------------------
+
+def test_greedy_generation_matches_transformers(tmp_path):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    import jaxlm
+    from jaxlm import convert
+
+    hf_cfg = transformers.LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      hidden_size=64, intermediate_size=96, vocab_size=128, eos_token_id=2)
+    model = transformers.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="eager").eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g) if p.ndim == 1 else 0.3 * torch.randn(p.shape, generator=g))
+    model.save_pretrained(tmp_path / "hf")
+    convert.from_hf(str(tmp_path / "hf"), tmp_path / "jx", log=lambda s: None)
+    ours = jaxlm.load(tmp_path / "jx")
+    for prompt in ([5, 17, 99, 3], [42]):
+        with torch.no_grad():
+            want = model.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False,
+                                  pad_token_id=0)[0, len(prompt):].tolist()
+        got = ours.generate(prompt, 20, temperature=0.0, stop_ids=(2,))
+        assert got == want and len(set(got)) > 3
+
+
+def test_cli_errors_are_one_line(tmp_path, capsys):
+    from jaxlm import cli
+
+    assert cli.main(["generate", str(tmp_path / "missing"), "--prompt", "x"]) == 2
+    assert capsys.readouterr().err.strip().count("\n") == 0
+    assert cli.main(["generate", str(tmp_path), "--prompt", "x", "temperature=-1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: decode.temperature=-1.0 must be >= 0") and err.count("\n") == 1
