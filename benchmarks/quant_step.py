@@ -37,7 +37,8 @@ def train_runner(cfg: config_lib.Config, batches):
     specs = param_specs(cfg.model)
     optimizer = optim.make(cfg.optimizer, cfg.training.steps)
     abstract = train.make_abstract_state(specs, mesh, optimizer)
-    state = train.init_state(train.Run(cfg, None, None, mesh, specs, optimizer, abstract), cfg.seed)
+    run = train.Run(cfg, None, None, mesh, sharding.PARAM_RULES, sharding.ACTIVATION_RULES, specs, optimizer, abstract)
+    state = train.init_state(run, cfg.seed)
     step = train.make_train_step(cfg, optimizer, mesh, abstract)
     params = jax.tree.map(jnp.copy, state["params"])  # the step donates the state it is given
     holder = {"state": state}

@@ -46,16 +46,17 @@ def evaluate_run(run_dir: str | Path, overrides: dict | None = None, devices=Non
         params = quant.quantize_params(float_params, cfg.model)
 
     # The same batches (same seed) that training evaluated on, so the numbers compare with metrics.jsonl.
-    batches = {split: loader_lib.fixed_batches(run.dataset.splits[split], cfg.model.block_size, t_cfg.batch_size,
-                                               t_cfg.eval_batches, cfg.seed + 2)
+    batches = {split: loader_lib.fixed_starts(run.dataset.splits[split], cfg.model.block_size, t_cfg.batch_size,
+                                              t_cfg.eval_batches, cfg.seed + 2)
                for split in ("train", "val")}
-    losses = train.evaluate(train.make_eval_step(cfg, run.mesh), params, run.mesh, batches)
+    losses = train.evaluate(train.make_eval_step(cfg, run.mesh, run.act_rules), params, run, batches)
     summary = {"step": step, "quantization": cfg.model.quantization, "train_loss": losses["train"],
                "val_loss": losses["val"], "param_bytes": quant.nbytes(params)}
     line = f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}"
     if cfg.model.quantization != "none":
         float_cfg = cfg.replace(model=dataclasses.replace(cfg.model, quantization="none"))
-        float_losses = train.evaluate(train.make_eval_step(float_cfg, run.mesh), float_params, run.mesh, batches)
+        float_losses = train.evaluate(train.make_eval_step(float_cfg, run.mesh, run.act_rules), float_params, run,
+                                      batches)
         summary.update(float_train_loss=float_losses["train"], float_val_loss=float_losses["val"],
                        float_param_bytes=quant.nbytes(float_params))
         line += (f" with model.quantization={cfg.model.quantization} (float: val loss {float_losses['val']:.4f}, "
