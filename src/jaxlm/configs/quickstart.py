@@ -5,7 +5,8 @@ from jaxlm.config import CheckpointConfig, Config, DataConfig, ModelConfig, Opti
 
 def config() -> Config:
     return Config(
-        model=ModelConfig(block_size=128, n_layers=4, n_heads=4, d_model=128, dropout=0.0),
+        model=ModelConfig(block_size=128, n_layers=4, n_heads=4, d_model=128, dropout=0.0,
+                          scan_layers=False),  # 4 small layers: unrolled steps run ~10% faster on CPU
         data=DataConfig(dataset="python_stdlib"),
         optimizer=OptimizerConfig(lr=2e-3, min_lr=2e-4, warmup_steps=50, beta2=0.99, weight_decay=0.1),
         training=TrainingConfig(steps=1000, batch_size=16, eval_interval=250, eval_batches=10,
