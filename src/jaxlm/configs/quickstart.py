@@ -9,7 +9,7 @@ def config() -> Config:
                           scan_layers=False),  # 4 small layers: unrolled steps run ~10% faster on CPU
         data=DataConfig(dataset="python_stdlib"),
         optimizer=OptimizerConfig(lr=2e-3, min_lr=2e-4, warmup_steps=50, beta2=0.99, weight_decay=0.1),
-        training=TrainingConfig(steps=1000, batch_size=16, eval_interval=250, eval_batches=10,
+        training=TrainingConfig(steps=600, batch_size=16, eval_interval=200, eval_batches=10,
                                 sample_tokens=300, sample_prompt="def ", sample_temperature=0.7),
         checkpoint=CheckpointConfig(interval=0),
     )
