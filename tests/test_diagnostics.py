@@ -66,7 +66,7 @@ from jaxlm import config as config_lib, train
 from jaxlm.data import loader as loader_lib
 
 marker = Path(sys.argv[2])
-original_next = loader_lib.Loader.next
+original_next = loader_lib.Loader.next_starts
 calls = []
 
 def next_that_hangs(self):
@@ -76,7 +76,7 @@ def next_that_hangs(self):
         time.sleep(600)  # HANG HERE
     return original_next(self)
 
-loader_lib.Loader.next = next_that_hangs
+loader_lib.Loader.next_starts = next_that_hangs
 train.train(config_lib.load(sys.argv[1]))
 """
 
