@@ -24,6 +24,14 @@ import jax.numpy as jnp
 from jaxlm.config import Config, ConfigError, ModelConfig
 
 
+def non_embedding_params(cfg: ModelConfig) -> int:
+    """Parameters other than the token and position embedding tables (`--print-params`, model scaling)."""
+    from jaxlm import params as P
+    from jaxlm.model import param_specs
+
+    return P.count(param_specs(cfg), exclude=lambda path: path.startswith("['embed']"))
+
+
 def matmul_weights(cfg: ModelConfig) -> int:
     """Weights that take part in a matmul for every token: per layer q, k, v, o and the MLP, plus the
     output projection (counted whether or not it shares its table with the token embedding)."""
