@@ -85,13 +85,15 @@ def _fmt(sizes: dict[str, int], level: str) -> str:
     return " x ".join(f"mesh.{level}_{k}={v}" for k, v in shown.items())
 
 
-def mesh_shape(cfg: MeshConfig, n_devices: int) -> tuple[dict[str, int], dict[str, int]]:
-    """(ici sizes, dcn sizes) with -1 resolved; the DCN level is sized first, ICI fills each slice."""
+def mesh_shape(cfg: MeshConfig, n_devices: int, devices: Sequence[jax.Device] | None = None
+               ) -> tuple[dict[str, int], dict[str, int]]:
+    """(ici sizes, dcn sizes) with -1 resolved; the DCN level is sized first, ICI fills each slice. A dcn
+    axis of -1 fills the slices of `devices` (default: this job's devices)."""
     dcn = {a: getattr(cfg, f"dcn_{a}") for a in MESH_AXES}
     ici = {a: getattr(cfg, f"ici_{a}") for a in MESH_AXES}
     n_dcn = math.prod(v for v in dcn.values() if v != -1)
     if -1 in dcn.values():
-        n_slices = _slice_count(n_devices)
+        n_slices = _slice_count(devices if devices is not None else jax.devices())
         dcn = _resolve(dcn, n_slices, "dcn")
         n_dcn = n_slices
     if n_devices % n_dcn:
@@ -99,14 +101,15 @@ def mesh_shape(cfg: MeshConfig, n_devices: int) -> tuple[dict[str, int], dict[st
     return _resolve(ici, n_devices // n_dcn, "ici"), dcn
 
 
-def _slice_count(n_devices: int) -> int:
-    slices = {getattr(d, "slice_index", 0) for d in jax.devices()}
+def _slice_count(devices: Sequence[jax.Device]) -> int:
+    # The devices may be another machine's (an ahead-of-time compile for a TPU topology), so count their slices.
+    slices = {getattr(d, "slice_index", 0) for d in devices}
     return len(slices) if len(slices) > 1 else jax.process_count()
 
 
 def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
     devices = list(devices if devices is not None else jax.devices())
-    ici, dcn = mesh_shape(cfg, len(devices))
+    ici, dcn = mesh_shape(cfg, len(devices), devices)
     ici_shape = tuple(ici[a] for a in MESH_AXES)
     dcn_shape = tuple(dcn[a] for a in MESH_AXES)
     if math.prod(dcn_shape) > 1:
