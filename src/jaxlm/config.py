@@ -235,6 +235,22 @@ class DecodeConfig:
 
 
 @dataclass(frozen=True)
+class CompileConfig:
+    topology: str = _f("", "target of `jaxlm compile`: a TPU slice such as v4-8, v5e-16, v5e-256, v5p-128, v6e-256 "
+                           "(or v5e:4x4 / v5p:4x4x12; needs the tpu extra), cpu-N (N CPU devices), or a3 (8 x H100 "
+                           "per host; compile on a GPU host)")
+    num_slices: int = _f(1, "TPU slices (or a3 hosts) the step is compiled for; mesh.dcn_* axes span them")
+    output: str | None = _f(None, "`jaxlm compile`: save the compiled train step and its signature to this file")
+    load: str | None = _f(None, "`jaxlm train`: run the train step saved by `jaxlm compile compile.output=FILE` "
+                                "instead of compiling one; the run must match the settings it was compiled with")
+    find_batch_size: bool = _f(False, "`jaxlm compile`: search the largest whole training.per_device_batch_size "
+                                      "that fits the target by compiling candidates")
+    max_batch_size: int = _f(1024, "largest per_device_batch_size the search tries")
+    hbm_gib: float | None = _f(None, "memory per device the step must fit in, GiB; None = the chip's HBM "
+                                     "(aot.HBM_GIB), or host memory / devices for cpu-N")
+
+
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -247,6 +263,7 @@ class Config:
     diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
     profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
     run_dir: str | None = _f(None, "run directory; None = outputs/<timestamp>. A folder holding a checkpoint is resumed")
     seed: int = _f(1337, "seed for initialization, data order and dropout")
     debug: bool = _f(False, "shortcut for profiler=xplane that also skips checkpoints")
@@ -566,6 +583,7 @@ def validate(cfg: Config) -> None:
     if not cfg.logging.wandb_project:
         raise ConfigError("logging.wandb_project must not be empty")
     validate_decode(cfg.decode)
+    validate_compile(cfg.compile)
 
 
 def stop_token_ids(d: DecodeConfig) -> tuple[int, ...]:
@@ -591,6 +609,15 @@ def validate_decode(d: DecodeConfig) -> None:
     if d.cache_length is not None and d.cache_length <= 0:
         raise ConfigError(f"decode.cache_length={d.cache_length} must be > 0 (or None)")
     stop_token_ids(d)
+
+
+def validate_compile(c: CompileConfig) -> None:
+    if c.num_slices < 1:
+        raise ConfigError(f"compile.num_slices={c.num_slices} must be >= 1")
+    if c.max_batch_size < 1:
+        raise ConfigError(f"compile.max_batch_size={c.max_batch_size} must be >= 1")
+    if c.hbm_gib is not None and not (c.hbm_gib > 0 and math.isfinite(c.hbm_gib)):
+        raise ConfigError(f"compile.hbm_gib={c.hbm_gib} must be > 0 (or None: the chip's HBM)")
 
 
 def apply_parameter_scale(m: ModelConfig) -> ModelConfig:
