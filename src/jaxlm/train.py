@@ -34,7 +34,7 @@ class Run:
 
     cfg: Config
     run_dir: Path
-    dataset: loader_lib.Dataset
+    dataset: loader_lib.Dataset | None  # None only for an ahead-of-time compile that needs no data
     mesh: jax.sharding.Mesh
     param_rules: sharding.Rules
     act_rules: sharding.Rules
@@ -47,17 +47,20 @@ def resolve_data_dir(cfg: Config) -> Path:
     return Path(cfg.data.dir) if cfg.data.dir else Path("data") / cfg.data.dataset
 
 
-def setup(cfg: Config, devices=None) -> Run:
-    """Check data, vocabulary, mesh and shardings; fails with a ConfigError/DataError before compiling."""
-    data_dir = prepare.ensure_prepared(cfg.data.dataset, resolve_data_dir(cfg), cfg.data.input)
-    dataset = loader_lib.Dataset(data_dir)
-    dataset.check_block_size(cfg.model.block_size)
-    vocab = cfg.model.vocab_size
-    if vocab is None:
-        cfg = cfg.replace(model=dataclasses.replace(cfg.model, vocab_size=dataset.vocab_size))
-    elif vocab < dataset.vocab_size:
-        raise ConfigError(f"model.vocab_size={vocab} is smaller than the data's vocabulary "
-                          f"({dataset.vocab_size}, from {data_dir / 'meta.json'})")
+def setup(cfg: Config, devices=None, data: bool = True) -> Run:
+    """Check data, vocabulary, mesh and shardings; fails with a ConfigError/DataError before compiling.
+    data=False (`jaxlm compile`) leaves the corpus alone unless the vocabulary size must come from it."""
+    dataset = None
+    if data or cfg.model.vocab_size is None:
+        data_dir = prepare.ensure_prepared(cfg.data.dataset, resolve_data_dir(cfg), cfg.data.input)
+        dataset = loader_lib.Dataset(data_dir)
+        dataset.check_block_size(cfg.model.block_size)
+        vocab = cfg.model.vocab_size
+        if vocab is None:
+            cfg = cfg.replace(model=dataclasses.replace(cfg.model, vocab_size=dataset.vocab_size))
+        elif vocab < dataset.vocab_size:
+            raise ConfigError(f"model.vocab_size={vocab} is smaller than the data's vocabulary "
+                              f"({dataset.vocab_size}, from {data_dir / 'meta.json'})")
     cfg = cfg.replace(model=config_lib.apply_parameter_scale(cfg.model))
     mesh = sharding.make_mesh(cfg.mesh, devices)
     param_rules, act_rules = sharding.rules_from_config(cfg.mesh)
@@ -163,6 +166,21 @@ def make_train_step(cfg: Config, optimizer, mesh, abstract_state, act_rules=shar
     return jax.jit(step_fn, donate_argnums=0, out_shardings=(state_sh, None))
 
 
+def abstract_batch(run: Run) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
+    """Shape, dtype and sharding of a train step's inputs and targets [A, B, T], as device_batch makes them."""
+    t = run.cfg.training
+    shape = (t.grad_accum, t.batch_size, run.cfg.model.block_size)
+    x = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding.batch_sharding(run.mesh, 3, 1, run.act_rules))
+    return x, x
+
+
+def lower_train_step(run: Run) -> jax.stages.Lowered:
+    """The train step lowered from abstract shapes, nothing allocated: what `jaxlm compile` compiles for a
+    target, and what a step saved by it must match to replace make_train_step's jit in `train`."""
+    step = make_train_step(run.cfg, run.optimizer, run.mesh, run.abstract_state, run.act_rules)
+    return step.lower(run.abstract_state, *abstract_batch(run))
+
+
 def make_eval_step(cfg: Config, mesh, act_rules=sharding.ACTIVATION_RULES) -> Callable:
     def eval_fn(params, x_BT, y_BT):
         with sharding.activation_sharding(mesh, act_rules):
@@ -229,6 +247,11 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
                           "none, int8 or fp8, then `jaxlm eval RUN_DIR model.quantization=int8_weights`")
     run = setup(cfg, devices)
     cfg, run_dir, mesh = run.cfg, run.run_dir, run.mesh
+    loaded_step = None
+    if cfg.compile.load:  # checked before any state exists, so a mismatch costs nothing
+        from jaxlm import aot
+
+        loaded_step = aot.load_step(cfg.compile.load, run)
     t_cfg, m_cfg = cfg.training, cfg.model
     run_dir.mkdir(parents=True, exist_ok=True)
     check_resume_config(run_dir, cfg)
@@ -272,7 +295,11 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
         state = init_state(run, cfg.seed)
     start = int(jax.device_get(state["step"]))
 
-    train_step = make_train_step(cfg, run.optimizer, mesh, run.abstract_state, run.act_rules)
+    if loaded_step is not None:
+        train_step = loaded_step
+        log(f"train step loaded from {cfg.compile.load} (compiled ahead of time; not compiled here)")
+    else:
+        train_step = make_train_step(cfg, run.optimizer, mesh, run.abstract_state, run.act_rules)
     eval_step = make_eval_step(cfg, mesh, run.act_rules)
     eval_batches = {split: loader_lib.fixed_starts(run.dataset.splits[split], m_cfg.block_size, t_cfg.batch_size,
                                                     t_cfg.eval_batches, cfg.seed + 2)
