@@ -1,4 +1,4 @@
-"""`jaxlm train | prepare | plot | convert | generate`: parse the command line and call the library. Errors a user can cause end in
+"""`jaxlm train | compile | prepare | plot | convert | generate`: parse the command line and call the library. Errors a user can cause end in
 one line on stderr (exit status 2), not a traceback."""
 
 from __future__ import annotations
@@ -44,6 +44,25 @@ def cmd_train(argv: list[str]) -> int:
 
     train.train(cfg)
     return 0
+
+
+def cmd_compile(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: jaxlm compile PRESET_OR_FILE compile.topology=NAME [compile.num_slices=N] [key=value ...]\n\n"
+              "Compile the train step ahead of time for a target from abstract shapes (nothing is allocated) and\n"
+              "report its memory per device against the target's HBM. NAME: a TPU slice such as v4-8, v5e-16,\n"
+              "v5e-256, v5p-128, v6e-256 (needs pip install 'jaxlm[tpu]'; runs on a CPU-only host), cpu-N (N CPU\n"
+              "devices), or a3 (8 x H100 per host, compiled on such a host). compile.output=FILE saves the step for\n"
+              "`jaxlm train ... compile.load=FILE`; compile.find_batch_size=true searches the largest\n"
+              "training.per_device_batch_size that fits. The report ends with bytes_per_device=N, hbm_bytes=N and\n"
+              "fits=true|false; the exit status is 1 when the step does not fit. Settings: `jaxlm train --help`;\n"
+              "guide: docs/aot.md.")
+        return 0 if argv else 2
+    cfg = config_lib.load(argv[0], argv[1:])
+    from jaxlm import aot
+
+    aot.prepare_process(cfg.compile)
+    return 0 if aot.compile_command(cfg)["fits"] else 1
 
 
 def cmd_launch(argv: list[str]) -> int:
@@ -196,7 +215,7 @@ def cmd_generate(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "prepare": cmd_prepare, "launch": cmd_launch, "plot": cmd_plot,
+COMMANDS = {"train": cmd_train, "compile": cmd_compile, "prepare": cmd_prepare, "launch": cmd_launch, "plot": cmd_plot,
             "convert": cmd_convert, "eval": cmd_eval,
             "generate": cmd_generate}
 
@@ -221,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         print("usage: jaxlm {" + ",".join(COMMANDS) + "} ...\n\n"
               "  train PRESET_OR_FILE [key=value ...]   train or resume a model (jaxlm train --help)\n"
+              "  compile PRESET_OR_FILE compile.topology=NAME [...]  compile the train step ahead of time for a\n"
+              "                                         TPU/GPU/CPU target; memory report (jaxlm compile --help)\n"
               "  prepare DATASET [...]                  corpus -> token files (jaxlm prepare --help)\n"
               "  launch --processes N -- train ...      one job in N local processes (jaxlm launch --help)\n"
               "  plot RUN_DIR [RUN_DIR ...]             loss and throughput curves -> PNG (jaxlm plot --help)\n"

@@ -1,0 +1,546 @@
+"""Ahead-of-time compilation: the train step compiled for a target (a TPU slice, fake CPU devices, or a GPU
+host's devices) from abstract shapes, its memory per device against the target's HBM, a search for the
+largest batch that fits, and saved steps that `jaxlm train ... compile.load=FILE` runs without compiling.
+
+Flow: compile.topology -> the target's devices (compile-only TPU devices from libtpu's topology
+description need no TPU) -> train.setup on them (mesh, shardings, abstract state; nothing allocated)
+-> train.lower_train_step, the very lowering `train` jits -> compile -> memory report -> saved file.
+
+A saved step is one file: a header line, its signature as one JSON line (devices, versions, the shape,
+dtype and sharding of every argument, and the settings compiled into it), then the pickled executable.
+Loading checks the signature against the run before anything is unpickled, so a mismatch is one line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import importlib.util
+import json
+import math
+import os
+import pickle
+import re
+import time
+from pathlib import Path
+from typing import Callable
+
+import jax
+from jax.experimental import serialize_executable
+
+from jaxlm import sharding, train
+from jaxlm.config import MESH_AXES, CompileConfig, Config, ConfigError
+
+GiB = 2**30
+HEADER = b"jaxlm-compiled-step 1\n"
+
+# name prefix -> (generation in libtpu's topology names, chip config, grid rank, TensorCores per chip).
+# v4 and v5p slice names count TensorCores and run one JAX device per chip (megacore); v5e and v6e chips
+# have one core each.
+TPU_GENERATIONS = {"v4": ("v4", "megacore", 3, 2), "v5p": ("v5", "megacore", 3, 2),
+                   "v5e": ("v5e", "default", 2, 1), "v6e": ("v6e", "default", 2, 1)}
+# GPU targets: name -> (device kind substring, GPUs per host).
+GPU_TARGETS = {"a3": ("H100", 8)}
+# HBM per device from the vendors' spec sheets, GiB: (substrings the device kind must all contain, GiB).
+# First match wins, so "TPU v5 lite" (v5e) precedes "TPU v5" (v5p) and the 80 GB A100 precedes the 40 GB one.
+HBM_GIB = [
+    (("TPU v6 lite",), 32),
+    (("TPU v5 lite",), 16),
+    (("TPU v5",), 95),
+    (("TPU v4",), 32),
+    (("H200",), 141),
+    (("H100",), 80),
+    (("A100", "80GB"), 80),
+    (("A100",), 40),
+]
+KNOWN = "v4-8, v5e-16, v5e-256, v5p-128, v6e-256 (TPU slices; or GEN:AxB[xC] such as v5p:4x4x12), cpu-N, a3"
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """What the step is compiled for: its devices (compile-only for TPU topologies) and memory budget."""
+
+    name: str
+    devices: tuple
+    num_slices: int
+    hbm_bytes: int
+    hbm_source: str
+
+    @property
+    def platform(self) -> str:
+        return self.devices[0].platform
+
+    @property
+    def device_kind(self) -> str:
+        return self.devices[0].device_kind
+
+
+def prepare_process(c: CompileConfig) -> None:
+    """Settings that must be in place before JAX starts its backends (the `jaxlm compile` command calls this
+    first): N host devices for cpu-N, N mocked hosts for a GPU target. A TPU topology needs no TPU here, so
+    this process keeps to its CPU unless told otherwise."""
+    name = c.topology.strip().lower()
+    if m := re.fullmatch(r"cpu-(\d+)", name):
+        flags = os.environ.get("XLA_FLAGS", "")
+        if "xla_force_host_platform_device_count" not in flags:
+            os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={m[1]}".strip()
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    elif name in GPU_TARGETS:
+        if c.num_slices > 1:
+            jax.config.update("mock_num_gpu_processes", c.num_slices)
+    elif name:
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def tpu_grid(rank: int, chips: int) -> tuple[int, ...]:
+    """Chip grid of a slice as Cloud TPU builds them: 1x1, 1x2, 2x2, 2x4, 4x4, ... 16x16 (v5e, v6e) and
+    2x2x1, 2x2x2, 2x2x4, 2x4x4, 4x4x4, ... (v4, v5p): each doubling doubles the smallest dimension, the
+    last of equals first."""
+    grid = [1, 1] if rank == 2 else [2, 2, 1]
+    if chips < math.prod(grid) or chips & (chips - 1) or (rank == 2 and chips > 256):
+        raise ValueError
+    while math.prod(grid) < chips:
+        i = max(i for i, d in enumerate(grid) if d == min(grid))
+        grid[i] *= 2
+    return tuple(grid)
+
+
+def _unknown_topology(name: str) -> ConfigError:
+    return ConfigError(f"compile.topology={name!r} is not a known target; use {KNOWN}")
+
+
+def tpu_topology(name: str, num_slices: int) -> tuple:
+    """Compile-only devices of `num_slices` TPU slices named like v5e-256 or v5e:16x16."""
+    if m := re.fullmatch(r"(v\d+[a-z]?)-(\d+)", name):
+        gen, count = m[1], int(m[2])
+        if gen not in TPU_GENERATIONS:
+            raise _unknown_topology(name)
+        topo_gen, chip_config, rank, cores = TPU_GENERATIONS[gen]
+        try:
+            if count % cores:
+                raise ValueError
+            grid = tpu_grid(rank, count // cores)
+        except ValueError:
+            raise ConfigError(f"compile.topology={name!r}: {gen} slices with a power-of-two chip grid are "
+                              f"named like {gen}-{8 * cores if rank == 3 else 16}; give other shapes as "
+                              f"{gen}:{'4x4x12' if rank == 3 else '4x8'}") from None
+    elif m := re.fullmatch(r"(v\d+[a-z]?):(\d+(?:x\d+)+)", name):
+        gen = m[1]
+        if gen not in TPU_GENERATIONS:
+            raise _unknown_topology(name)
+        topo_gen, chip_config, rank, _ = TPU_GENERATIONS[gen]
+        grid = tuple(int(d) for d in m[2].split("x"))
+        if len(grid) != rank or 0 in grid:
+            raise ConfigError(f"compile.topology={name!r}: a {gen} chip grid has {rank} dimensions")
+    else:
+        raise _unknown_topology(name)
+    if importlib.util.find_spec("libtpu") is None:
+        raise ConfigError(f"compile.topology={name} needs libtpu for TPU topologies: pip install 'jaxlm[tpu]' "
+                          "(works on a CPU-only host)")
+    # Slices of 4x4x4 chips and up (v4, v5p) and 16-chip rows (v5e, v6e) close into a torus.
+    wrap = (all(d >= 4 for d in grid),) * 3 if rank == 3 else tuple(d == 16 for d in grid) + (False,)
+    host_bounds = (min(grid[0], 2), min(grid[1], 2), 1)
+    # The lockfile keeps two processes off the same TPU chips; compile-only devices use no chip.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    from jax.experimental import topologies
+
+    try:
+        topo = topologies.get_topology_desc(topology_name=f"{topo_gen}:{'x'.join(map(str, grid))}", platform="tpu",
+                                            chip_config_name=chip_config, chips_per_host_bounds=host_bounds,
+                                            num_slices=num_slices, wrap=wrap)
+    except jax.errors.JaxRuntimeError as e:
+        raise ConfigError(f"compile.topology={name}: libtpu cannot describe it ({str(e).splitlines()[0]})") from None
+    return tuple(topo.devices)
+
+
+def host_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def hbm_gib(device_kind: str) -> float | None:
+    for needles, gib in HBM_GIB:
+        if all(n.lower() in device_kind.lower() for n in needles):
+            return gib
+    return None
+
+
+def target(c: CompileConfig) -> Target:
+    """Resolve compile.topology and compile.num_slices to devices and a memory budget per device."""
+    name = c.topology.strip().lower()
+    if not name:
+        raise ConfigError(f"compile.topology is not set; choose one of: {KNOWN}")
+    if m := re.fullmatch(r"cpu-(\d+)", name):
+        n = int(m[1])
+        if c.num_slices != 1:
+            raise ConfigError(f"compile.num_slices={c.num_slices}: cpu-N targets are one host; use cpu-{n * c.num_slices}")
+        cpus = jax.devices("cpu")
+        if n < 1 or len(cpus) < n:
+            raise ConfigError(f"compile.topology={name} needs {n} CPU devices and this process has {len(cpus)}: set "
+                              f"XLA_FLAGS=--xla_force_host_platform_device_count={n} before JAX starts "
+                              "(`jaxlm compile` does)")
+        devices = tuple(cpus[:n])
+        hbm, source = host_memory_bytes() // n, f"host memory / {n} devices"
+    elif name in GPU_TARGETS:
+        kind, per_host = GPU_TARGETS[name]
+        try:
+            gpus = jax.devices("gpu")
+        except RuntimeError:
+            gpus = []
+        if not gpus or kind.lower() not in gpus[0].device_kind.lower():
+            have = gpus[0].device_kind if gpus else "no GPU"
+            raise ConfigError(f"compile.topology={name} ({per_host} x {kind} per host) compiles on a host with "
+                              f"those GPUs; this one has {have}")
+        if len(gpus) != per_host * c.num_slices:
+            raise ConfigError(f"compile.topology={name} compile.num_slices={c.num_slices} needs "
+                              f"{per_host * c.num_slices} GPUs and this process sees {len(gpus)}: run `jaxlm compile`, "
+                              "which mocks the other hosts before JAX starts")
+        devices = tuple(gpus)
+        hbm, source = None, None
+    else:
+        devices = tpu_topology(name, c.num_slices)
+        hbm, source = None, None
+    if c.hbm_gib is not None:
+        hbm, source = int(c.hbm_gib * GiB), "compile.hbm_gib"
+    elif hbm is None:
+        gib = hbm_gib(devices[0].device_kind)
+        if gib is None:
+            raise ConfigError(f"no HBM figure for {devices[0].device_kind} devices; set compile.hbm_gib")
+        hbm, source = int(gib * GiB), f"{devices[0].device_kind} HBM"
+    return Target(name, devices, c.num_slices, hbm, source)
+
+
+@dataclasses.dataclass(frozen=True)
+class Memory:
+    """Bytes per device from compiled.memory_analysis(). The total a step needs is its arguments (train
+    state and batch), outputs, temporaries and generated code, less the outputs written in place of
+    donated arguments (aliased), which would otherwise be counted twice."""
+
+    arguments: int
+    outputs: int
+    temporaries: int
+    generated_code: int
+    aliased: int
+
+    @property
+    def total(self) -> int:
+        return self.arguments + self.outputs + self.temporaries + self.generated_code - self.aliased
+
+
+@dataclasses.dataclass
+class Result:
+    """One compile for a target: the executable, or the compiler's out-of-memory message when it refused."""
+
+    run: train.Run
+    target: Target
+    seconds: float
+    executable: jax.stages.Compiled | None
+    memory: Memory | None
+    argument_bytes: int  # per device, counted from the abstract arguments' shardings
+    oom: str | None = None
+    oom_bytes: int | None = None  # what the compiler said the step needs, when it said so
+
+    @property
+    def bytes_per_device(self) -> int:
+        if self.memory is not None:
+            return self.memory.total
+        return max(self.oom_bytes or 0, self.argument_bytes)
+
+    @property
+    def fits(self) -> bool:
+        return self.executable is not None and self.bytes_per_device <= self.target.hbm_bytes
+
+
+def _step_args(run: train.Run) -> dict:
+    x, y = train.abstract_batch(run)
+    return {"state": run.abstract_state, "x": x, "y": y}
+
+
+def _shard_bytes(a: jax.ShapeDtypeStruct) -> int:
+    return math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
+
+
+_SIZE = r"([\d.]+)\s*([KMGT]i?B?|B)?"
+_UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def _parse_bytes(number: str, unit: str | None) -> int:
+    return int(float(number) * _UNITS[(unit or "")[:1]])
+
+
+def oom_bytes(message: str, argument_bytes: int) -> int | None:
+    """Bytes per device an out-of-memory compile error says the step needs: XLA:TPU either reports the total
+    ("Used 40.5G of 15.75G hbm") or only the temporaries, to which the arguments are added."""
+    if m := re.search(r"Used " + _SIZE + r" of", message):
+        return _parse_bytes(m[1], m[2])
+    if m := re.search(r"temporaries \(" + _SIZE + r"\)", message):
+        return argument_bytes + _parse_bytes(m[1], m[2])
+    return None
+
+
+def compile_for(cfg: Config, tgt: Target) -> Result:
+    """Lower the train step for the target's devices exactly as `train` does and compile it."""
+    if tgt.num_slices > 1 and all(getattr(cfg.mesh, f"dcn_{a}") == 1 for a in MESH_AXES):
+        raise ConfigError(f"compile.num_slices={tgt.num_slices}: set the mesh axes that span the slices, e.g. "
+                          f"mesh.dcn_data={tgt.num_slices} (or mesh.dcn_fsdp)")
+    run = train.setup(cfg, list(tgt.devices), data=False)
+    argument_bytes = sum(_shard_bytes(a) for a in jax.tree.leaves(_step_args(run)))
+    start = time.perf_counter()
+    lowered = train.lower_train_step(run)
+    try:
+        executable = lowered.compile()
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        message = str(e).strip().splitlines()[0]
+        return Result(run, tgt, time.perf_counter() - start, None, None, argument_bytes, message,
+                      oom_bytes(message, argument_bytes))
+    seconds = time.perf_counter() - start
+    m = executable.memory_analysis()
+    memory = Memory(m.argument_size_in_bytes, m.output_size_in_bytes, m.temp_size_in_bytes,
+                    m.generated_code_size_in_bytes, m.alias_size_in_bytes)
+    return Result(run, tgt, seconds, executable, memory, argument_bytes)
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.2f} GiB" if abs(n) >= GiB else f"{n / 2**20:.2f} MiB"
+
+
+def remedies(run: train.Run, tgt: Target) -> list[str]:
+    """Settings that lower a step's memory per device, from what this run uses."""
+    cfg, mesh = run.cfg, run.mesh
+    out = []
+    pdb = cfg.training.per_device_batch_size
+    if pdb > 1:
+        out.append(f"training.per_device_batch_size={max(1, math.floor(pdb / 2))} (now {pdb:g}; raise "
+                   "training.grad_accum to keep the global batch, or compile.find_batch_size=true)")
+    if cfg.model.remat != "full":
+        out.append(f"model.remat=full (now {cfg.model.remat})")
+    per_slice = mesh.devices.size // tgt.num_slices
+    if mesh.shape["fsdp"] < per_slice:
+        out.append(f"mesh.ici_data=1 mesh.ici_fsdp=-1 (FSDP over all {per_slice} devices of a slice; now "
+                   f"{mesh.shape['fsdp']})")
+    return out
+
+
+def report(r: Result) -> list[str]:
+    """The memory report: one figure a line, then the verdict, then machine-readable lines."""
+    run, tgt = r.run, r.target
+    t, m_cfg = run.cfg.training, run.cfg.model
+    shape = {k: v for k, v in run.mesh.shape.items() if v > 1} or {"data": 1}
+    slices = f", {tgt.num_slices} slices" if tgt.num_slices > 1 else ""
+    lines = [f"train step for {tgt.name} ({len(tgt.devices)} x {tgt.device_kind}{slices}): "
+             f"lowered and compiled in {r.seconds:.1f} s",
+             f"mesh {shape} | batch {t.batch_size} sequences ({t.per_device_batch_size:g} per device) x "
+             f"{t.grad_accum} accumulation x {m_cfg.block_size} tokens | remat {m_cfg.remat}"]
+    if r.memory is not None:
+        mem = r.memory
+        lines += ["memory per device (compiled.memory_analysis()):",
+                  f"  arguments       {_gib(mem.arguments):>12}   train state and batch",
+                  f"  outputs         {_gib(mem.outputs):>12}   new train state and metrics",
+                  f"  temporaries     {_gib(mem.temporaries):>12}   activations, gradients, scratch",
+                  f"  generated code  {_gib(mem.generated_code):>12}",
+                  f"  aliased         {_gib(-mem.aliased):>12}   outputs written over donated arguments",
+                  f"  total           {_gib(mem.total):>12}   of {_gib(tgt.hbm_bytes)} ({tgt.hbm_source})"]
+    else:
+        lines += [f"the compiler ran out of memory: {r.oom}",
+                  f"  arguments       {_gib(r.argument_bytes):>12}   train state and batch (from their shardings)"]
+    if r.fits:
+        lines.append(f"fits: {_gib(tgt.hbm_bytes - r.bytes_per_device)} of {_gib(tgt.hbm_bytes)} free per device")
+    else:
+        over = r.bytes_per_device - tgt.hbm_bytes
+        need = (f"needs {_gib(r.bytes_per_device)} per device, {_gib(over)} over"
+                if over > 0 else f"needs more than the {_gib(tgt.hbm_bytes)}")
+        fixes = remedies(run, tgt)
+        if r.argument_bytes > tgt.hbm_bytes:
+            fixes.append(f"more devices (a larger topology or compile.num_slices): the train state alone is "
+                         f"{_gib(r.argument_bytes)} per device"
+                         + (", or model.param_dtype=bfloat16" if m_cfg.param_dtype == "float32" else ""))
+        lines.append(f"does not fit: {need} the {_gib(tgt.hbm_bytes)} of {tgt.hbm_source}; reduce it with "
+                     + "; ".join(fixes or ["more devices"]))
+    return lines
+
+
+def machine_lines(r: Result) -> list[str]:
+    return [f"bytes_per_device={r.bytes_per_device}", f"hbm_bytes={r.target.hbm_bytes}",
+            f"fits={'true' if r.fits else 'false'}"]
+
+
+def find_batch_size(cfg: Config, tgt: Target, log: Callable[[str], None] = print) -> tuple[Result | None, list]:
+    """The largest whole per_device_batch_size (up to compile.max_batch_size) whose step fits: double from 1
+    until a candidate does not fit, then bisect between the last that fits and the first that does not.
+    Returns (the best compile, or None when even 1 does not fit; every compile tried, in order)."""
+    tried: list[Result] = []
+
+    def fits(b: int) -> bool:
+        r = compile_for(cfg.replace(training=dataclasses.replace(cfg.training, per_device_batch_size=float(b))), tgt)
+        tried.append(r)
+        log(f"  {b:>21}  {r.run.cfg.training.batch_size:>12}  {_gib(r.bytes_per_device):>16}  "
+            f"{'yes' if r.fits else 'no':>4}  {r.seconds:>9.1f}")
+        return r.fits
+
+    log(f"largest per_device_batch_size that fits {_gib(tgt.hbm_bytes)} ({tgt.hbm_source}):")
+    log("  per_device_batch_size  global_batch  bytes_per_device  fits  compile_s")
+    top = cfg.compile.max_batch_size
+    lo, hi, b = 0, None, 1  # lo fits (0: none yet), hi does not
+    while hi is None and lo < top:
+        if fits(b):
+            lo, b = b, min(2 * b, top)
+        else:
+            hi = b
+    while hi is not None and lo and hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    best = next((r for r in tried if r.fits and r.run.cfg.training.per_device_batch_size == lo), None)
+    return best, tried
+
+
+# --- saved steps ------------------------------------------------------------------------------------------
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def baked_settings(cfg: Config) -> dict:
+    """Settings a compiled step holds as constants or shapes: the model, the optimizer and its learning-rate
+    schedule (its length included), the batch, the dropout seed and the mesh. The data, evaluation,
+    checkpoints, logging and the number of steps run are read at run time."""
+    out = {f"model.{k}": v for k, v in dataclasses.asdict(cfg.model).items()}
+    out.update({f"optimizer.{k}": v for k, v in dataclasses.asdict(cfg.optimizer).items()})
+    if cfg.optimizer.decay_steps is None:  # the schedule decays over training.steps
+        out["training.steps"] = cfg.training.steps
+    out.update({"training.batch_size": cfg.training.batch_size, "training.grad_accum": cfg.training.grad_accum,
+                "seed": cfg.seed})
+    out.update({f"mesh.{k}": v for k, v in dataclasses.asdict(cfg.mesh).items()})
+    return out
+
+
+def signature(run: train.Run, topology: str = "", num_slices: int = 1) -> dict:
+    """What a saved step was compiled for; a run must have the same to use it."""
+    device = run.mesh.devices.flat[0]
+    args = [[jax.tree_util.keystr(path), list(a.shape), str(a.dtype), str(a.sharding.spec)]
+            for path, a in jax.tree_util.tree_flatten_with_path(_step_args(run))[0]]
+    return {"topology": topology, "num_slices": num_slices, "platform": device.platform,
+            "device_kind": device.device_kind, "n_devices": int(run.mesh.devices.size), "mesh": dict(run.mesh.shape),
+            "jax": jax.__version__, "jaxlib": _version("jaxlib"),
+            "libtpu": _version("libtpu") if device.platform == "tpu" else None,
+            "args": args, "settings": baked_settings(run.cfg)}
+
+
+def save(path: str | Path, r: Result) -> Path:
+    """Write the compiled step and its signature, atomically (a reader never sees half a file)."""
+    payload, in_tree, out_tree = serialize_executable.serialize(r.executable)
+    sig = signature(r.run, r.target.name, r.target.num_slices)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(HEADER)
+        f.write(json.dumps(sig).encode() + b"\n")
+        pickle.dump((payload, in_tree, out_tree), f, protocol=pickle.HIGHEST_PROTOCOL)
+    os.replace(tmp, path)
+    return path
+
+
+def read_signature(path: str | Path) -> tuple[dict, int]:
+    """(signature, offset of the executable) of a saved step; nothing is unpickled."""
+    try:
+        with open(path, "rb") as f:
+            header = f.readline()
+            line = f.readline()
+            offset = f.tell()
+    except OSError as e:
+        raise ConfigError(f"compile.load={path}: cannot read it ({e.strerror})") from None
+    if header != HEADER:
+        raise ConfigError(f"compile.load={path} is not a step saved by `jaxlm compile compile.output=FILE`")
+    try:
+        return json.loads(line), offset
+    except ValueError:
+        raise ConfigError(f"compile.load={path}: its signature is damaged; compile it again") from None
+
+
+def _describe(sig: dict) -> str:
+    where = f" ({sig['topology']})" if sig.get("topology") else ""
+    return f"{sig['n_devices']} {sig['device_kind']} devices{where}"
+
+
+def check_signature(saved: dict, here: dict, path) -> None:
+    """One line naming the first difference that stops `here`'s run from using the saved step."""
+    if (saved["platform"], saved["device_kind"], saved["n_devices"]) != (here["platform"], here["device_kind"],
+                                                                          here["n_devices"]):
+        raise ConfigError(f"compile.load={path} was compiled for {_describe(saved)} but this run has "
+                          f"{_describe(here)}: run it there, or compile for these devices")
+    for key in ("jax", "jaxlib", "libtpu"):
+        if saved.get(key) != here.get(key):
+            raise ConfigError(f"compile.load={path} was compiled with {key} {saved.get(key)} and this process has "
+                              f"{here.get(key)}; compile it again with this installation")
+    saved_args, here_args = {a[0]: a for a in saved["args"]}, {a[0]: a for a in here["args"]}
+    for name in list(saved_args) + [n for n in here_args if n not in saved_args]:
+        if name not in here_args or name not in saved_args:
+            raise ConfigError(f"compile.load={path}: the train state differs from the compiled one at {name} "
+                              "(model settings changed); compile again for these settings")
+        (_, s_shape, s_dtype, s_spec), (_, h_shape, h_dtype, h_spec) = saved_args[name], here_args[name]
+        if (s_shape, s_dtype) != (h_shape, h_dtype):
+            what = ("training.batch_size/per_device_batch_size, training.grad_accum and model.block_size"
+                    if name in ("['x']", "['y']") else "the model settings")
+            raise ConfigError(f"compile.load={path} expects {name} of shape {tuple(s_shape)} {s_dtype}, given "
+                              f"{tuple(h_shape)} {h_dtype}: {what} must be as compiled")
+    for key, value in saved["settings"].items():
+        if here["settings"].get(key, value) != value:
+            raise ConfigError(f"compile.load={path} was compiled with {key}={value!r} and this run has "
+                              f"{here['settings'][key]!r}; the step holds it fixed (docs/aot.md): use that value "
+                              "or compile again")
+    for name, (_, _, _, s_spec) in saved_args.items():
+        if here_args[name][3] != s_spec:
+            raise ConfigError(f"compile.load={path} expects {name} sharded as {s_spec}, this run places it as "
+                              f"{here_args[name][3]}; compile again for this mesh")
+
+
+def load_step(path: str | Path, run: train.Run) -> jax.stages.Compiled:
+    """The saved train step, after checking that it was compiled for this run's devices and shapes."""
+    saved, offset = read_signature(path)
+    check_signature(saved, signature(run), path)
+    with open(path, "rb") as f:
+        f.seek(offset)
+        payload, in_tree, out_tree = pickle.load(f)
+    return serialize_executable.deserialize_and_load(payload, in_tree, out_tree,
+                                                     backend=run.mesh.devices.flat[0].platform)
+
+
+def compile_command(cfg: Config, log: Callable[[str], None] = print) -> dict:
+    """`jaxlm compile`: compile (or search the batch size) for compile.topology, print the report, save the
+    step to compile.output when it fits. Returns a summary."""
+    tgt = target(cfg.compile)
+    tried = []
+    if cfg.compile.find_batch_size:
+        best, tried = find_batch_size(cfg, tgt, log)
+        r = best or tried[0]
+    else:
+        r = compile_for(cfg, tgt)
+    lines = report(r)
+    for line in lines[:-1]:
+        log(line)
+    saved = None
+    if cfg.compile.output:
+        if r.fits:
+            saved = save(cfg.compile.output, r)
+            log(f"saved the compiled step to {saved} ({saved.stat().st_size / 2**20:.1f} MiB); train with "
+                f"compile.load={saved}")
+        else:
+            log(f"not saved to {cfg.compile.output}: the step does not fit")
+    log(lines[-1])
+    if cfg.compile.find_batch_size:
+        log(f"per_device_batch_size={r.run.cfg.training.per_device_batch_size:g}" if r.fits else
+            "per_device_batch_size=none")
+    for line in machine_lines(r):
+        log(line)
+    return {"fits": r.fits, "bytes_per_device": r.bytes_per_device, "hbm_bytes": tgt.hbm_bytes,
+            "compile_seconds": r.seconds, "per_device_batch_size": r.run.cfg.training.per_device_batch_size,
+            "tried": [(x.run.cfg.training.per_device_batch_size, x.bytes_per_device, x.fits) for x in tried],
+            "output": str(saved) if saved else None}
