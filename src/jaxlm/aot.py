@@ -343,18 +343,22 @@ def report(r: Result) -> list[str]:
                   f"  total           {_gib(mem.total):>12}   of {_gib(tgt.hbm_bytes)} ({tgt.hbm_source})"]
     else:
         lines += [f"the compiler ran out of memory: {r.oom}",
-                  f"  arguments       {_gib(r.argument_bytes):>12}   train state and batch (from their shardings)"]
+                  f"  arguments       {_gib(r.argument_bytes):>12}   train state and batch (from their shardings)",
+                  f"  total, about   {_gib(r.bytes_per_device):>12}   "
+                  + ("no figure from the compiler: the arguments alone" if r.oom_bytes is None else
+                     "the compiler's total" if "Used " in r.oom else "arguments + the compiler's temporaries")]
     if r.fits:
         lines.append(f"fits: {_gib(tgt.hbm_bytes - r.bytes_per_device)} of {_gib(tgt.hbm_bytes)} free per device")
     else:
         over = r.bytes_per_device - tgt.hbm_bytes
-        need = (f"needs {_gib(r.bytes_per_device)} per device, {_gib(over)} over"
-                if over > 0 else f"needs more than the {_gib(tgt.hbm_bytes)}")
+        about = "" if r.memory is not None else "about "
+        need = (f"needs {about}{_gib(r.bytes_per_device)} per device, {_gib(over)} over"
+                if over > 0 else "needs more than")
         fixes = remedies(run, tgt)
-        if r.argument_bytes > tgt.hbm_bytes:
-            fixes.append(f"more devices (a larger topology or compile.num_slices): the train state alone is "
-                         f"{_gib(r.argument_bytes)} per device"
-                         + (", or model.param_dtype=bfloat16" if m_cfg.param_dtype == "float32" else ""))
+        if r.argument_bytes > tgt.hbm_bytes:  # no batch or remat setting helps while the state alone is too big
+            fixes.insert(0, f"more devices (a larger topology or compile.num_slices): the train state alone is "
+                            f"{_gib(r.argument_bytes)} per device"
+                            + (", or model.param_dtype=bfloat16" if m_cfg.param_dtype == "float32" else ""))
         lines.append(f"does not fit: {need} the {_gib(tgt.hbm_bytes)} of {tgt.hbm_source}; reduce it with "
                      + "; ".join(fixes or ["more devices"]))
     return lines
