@@ -33,6 +33,11 @@ def test_tpu_slice_names_map_to_chip_grids():
         aot.target(config_lib.CompileConfig(topology="v9-8"))
     with pytest.raises(ConfigError, match="v4 slices with a power-of-two chip grid"):
         aot.target(config_lib.CompileConfig(topology="v4-6"))
+    with pytest.raises(ConfigError, match="cpu-64 needs 64 CPU devices and this process has 8"):
+        aot.target(config_lib.CompileConfig(topology="cpu-64"))
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        with pytest.raises(ConfigError, match=r"a3 \(8 x H100 per host\) compiles on a host with those GPUs"):
+            aot.target(config_lib.CompileConfig(topology="a3"))
     assert aot.hbm_gib("TPU v5 lite") == 16 and aot.hbm_gib("TPU v5") == 95 and aot.hbm_gib("TPU v6 lite") == 32
     assert aot.hbm_gib("NVIDIA A100-SXM4-80GB") == 80 and aot.hbm_gib("NVIDIA A100-SXM4-40GB") == 40
     # The two forms XLA:TPU reports an out-of-memory compile in: the total, or the temporaries alone.

@@ -323,7 +323,7 @@ def remedies(run: train.Run, tgt: Target) -> list[str]:
 
 
 def report(r: Result) -> list[str]:
-    """The memory report: one figure a line, then the verdict, then machine-readable lines."""
+    """The memory report, one figure a line, ending with the verdict (machine_lines follow it)."""
     run, tgt = r.run, r.target
     t, m_cfg = run.cfg.training, run.cfg.model
     shape = {k: v for k, v in run.mesh.shape.items() if v > 1} or {"data": 1}
