@@ -92,6 +92,7 @@ def test_saved_step_trains_like_the_jitted_step_and_refuses_other_runs(char_data
     fails("is not a step saved by `jaxlm compile", **{"compile.load": str(tmp_path / "junk")})
 
 
+@pytest.mark.slow
 def test_fit_search_returns_the_largest_batch_that_fits(char_data):
     cfg = _cfg(char_data, **{"compile.topology": "cpu-1", "model.n_layers": 1, "training.per_device_batch_size": 1})
     # Activations grow with the batch and the state does not: room for a few sequences per device.

@@ -80,16 +80,16 @@ def prepare_process(c: CompileConfig) -> None:
     first): N host devices for cpu-N, N mocked hosts for a GPU target. A TPU topology needs no TPU here, so
     this process keeps to its CPU unless told otherwise."""
     name = c.topology.strip().lower()
-    if m := re.fullmatch(r"cpu-(\d+)", name):
-        flags = os.environ.get("XLA_FLAGS", "")
-        if "xla_force_host_platform_device_count" not in flags:
-            os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={m[1]}".strip()
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    elif name in GPU_TARGETS:
+    if name in GPU_TARGETS:
         if c.num_slices > 1:
             jax.config.update("mock_num_gpu_processes", c.num_slices)
-    elif name:
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        return
+    if m := re.fullmatch(r"cpu-(\d+)", name):
+        flags = os.environ.get("XLA_FLAGS", "")  # read when the CPU backend starts
+        if "xla_force_host_platform_device_count" not in flags:
+            os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={m[1]}".strip()
+    if name and "JAX_PLATFORMS" not in os.environ:  # JAX read the variable on import; set its config instead
+        jax.config.update("jax_platforms", "cpu")
 
 
 def tpu_grid(rank: int, chips: int) -> tuple[int, ...]:
@@ -471,7 +471,7 @@ def read_signature(path: str | Path) -> tuple[dict, int]:
 
 def _describe(sig: dict) -> str:
     where = f" ({sig['topology']})" if sig.get("topology") else ""
-    return f"{sig['n_devices']} {sig['device_kind']} devices{where}"
+    return f"{sig['n_devices']} {sig['device_kind']} device{'s' if sig['n_devices'] != 1 else ''}{where}"
 
 
 def check_signature(saved: dict, here: dict, path) -> None:
