@@ -28,7 +28,7 @@ from typing import Callable
 import jax
 from jax.experimental import serialize_executable
 
-from jaxlm import sharding, train
+from jaxlm import train
 from jaxlm.config import MESH_AXES, CompileConfig, Config, ConfigError
 
 GiB = 2**30
@@ -172,7 +172,8 @@ def target(c: CompileConfig) -> Target:
     if m := re.fullmatch(r"cpu-(\d+)", name):
         n = int(m[1])
         if c.num_slices != 1:
-            raise ConfigError(f"compile.num_slices={c.num_slices}: cpu-N targets are one host; use cpu-{n * c.num_slices}")
+            raise ConfigError(f"compile.num_slices={c.num_slices}: cpu-N targets are one host; "
+                              f"use cpu-{n * c.num_slices}")
         cpus = jax.devices("cpu")
         if n < 1 or len(cpus) < n:
             raise ConfigError(f"compile.topology={name} needs {n} CPU devices and this process has {len(cpus)}: set "

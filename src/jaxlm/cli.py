@@ -1,5 +1,5 @@
-"""`jaxlm train | compile | prepare | plot | convert | generate`: parse the command line and call the library. Errors a user can cause end in
-one line on stderr (exit status 2), not a traceback."""
+"""`jaxlm train | compile | prepare | plot | convert | generate`: parse the command line and call the library.
+Errors a user can cause end in one line on stderr (exit status 2), not a traceback."""
 
 from __future__ import annotations
 
@@ -215,8 +215,8 @@ def cmd_generate(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "compile": cmd_compile, "prepare": cmd_prepare, "launch": cmd_launch, "plot": cmd_plot,
-            "convert": cmd_convert, "eval": cmd_eval,
+COMMANDS = {"train": cmd_train, "compile": cmd_compile, "prepare": cmd_prepare, "launch": cmd_launch,
+            "plot": cmd_plot, "convert": cmd_convert, "eval": cmd_eval,
             "generate": cmd_generate}
 
 
