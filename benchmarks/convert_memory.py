@@ -8,6 +8,7 @@ compared with the model's size. Prints one JSON line: model_bytes, peak_rss_byte
 import argparse
 import json
 import resource
+import shutil
 import subprocess
 import sys
 import time
@@ -50,6 +51,7 @@ def main():
     ap.add_argument("--dir", default="/tmp/jaxlm_convert_memory")
     a = ap.parse_args()
     folder = Path(a.dir)
+    shutil.rmtree(folder / "jaxlm", ignore_errors=True)  # from_hf refuses to overwrite an earlier import
     size = write_model(folder / "hf", a.gb)
     t = time.perf_counter()
     subprocess.run([sys.executable, "-c", "import sys; from jaxlm import convert; "

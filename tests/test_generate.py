@@ -181,3 +181,22 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     assert cli.main(["generate", str(tmp_path), "--prompt", "x", "temperature=-1"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: decode.temperature=-1.0 must be >= 0") and err.count("\n") == 1
+
+
+def test_generation_on_a_mesh_shards_the_cache_and_matches_one_device():
+    """Batch over `data`, kv heads over `tensor` (8 fake devices): the cache is laid out by the logical rules
+    and greedy tokens equal those of the one-device run."""
+    cfg = tiny("llama3_1_8b")
+    prompts = [[1, 2, 3], [5], [7, 8, 9, 10, 11], [4, 4]]
+    d = DecodeConfig(max_new_tokens=10, temperature=0.0)
+    want = generate.generate(init(cfg), cfg, prompts, d).tokens
+    mesh = sharding.make_mesh(MeshConfig(ici_data=4, ici_tensor=2), jax.devices())
+    params = P.init(param_specs(cfg), jax.random.key(0), mesh)
+    assert generate.generate(params, cfg, prompts, d, mesh=mesh).tokens == want
+    with sharding.activation_sharding(mesh):
+        _, cache = generate._prefill(params, np.array([[1, 2], [3, 4], [5, 6], [7, 8]], np.int32),
+                                     np.array([2, 2, 1, 2], np.int32), cfg, 16, False)
+    k = cache.kinds[0].k  # [R, B, S, K, H]
+    assert k.sharding.spec[1:4] == ("data", None, "tensor")
+    assert len(k.sharding.device_set) == 8
+    assert k.addressable_shards[0].data.shape == (k.shape[0], 1, 16, 1, k.shape[4])

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 import shutil
 import struct
@@ -240,10 +241,16 @@ def copy_tokenizer(src: Path, dst: Path) -> list[str]:
 # ---- jaxlm checkpoints: converted folders and run directories -------------------------------------------------
 
 def save_params(path: Path, params: dict) -> None:
+    """Write the weights as one Orbax checkpoint. Orbax stages every array it writes in host memory, all at once
+    by default (a second copy of the model); capping the bytes in flight at the largest array (or 256 MB) keeps
+    the import near one copy at little cost in speed."""
     import orbax.checkpoint as ocp
 
-    with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(path.absolute(), params)
+    largest = max((a.nbytes for a in jax.tree.leaves(params)), default=0)
+    limit_gb = math.ceil(max(largest, 2**28) / 1e6 + 1) / 1e3  # a MB of slack: Orbax compares as floats
+    handler = ocp.StandardCheckpointHandler(save_concurrent_gb=limit_gb)
+    with ocp.Checkpointer(handler) as ckptr:
+        ckptr.save(path.absolute(), args=ocp.args.StandardSave(params))
 
 
 def load_config(path: str | Path) -> Config:
