@@ -1,6 +1,7 @@
 # `make quickstart` and `make test` each create .venv and install jaxlm into it on first use.
-# quickstart installs the package alone; test adds the test tools and the `hf` extra (transformers and a
-# CPU build of torch) for the Hugging Face parity tests.
+# quickstart installs the package alone; test adds the test tools, the `tpu` extra (libtpu, so that train steps
+# compile for TPU topologies on this CPU host) and the `hf` extra (transformers and a CPU build of torch) for
+# the Hugging Face parity tests.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -17,7 +18,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(PY) -m pip install -q -e ".[dev,hf]"
+	$(PY) -m pip install -q -e ".[dev,hf,tpu]"
 	touch $@
 
 quickstart: $(VENV)/.installed
