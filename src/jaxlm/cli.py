@@ -138,9 +138,15 @@ def cmd_plot(argv: list[str]) -> int:
 
     p = argparse.ArgumentParser(prog="jaxlm plot", description="Plot loss, val loss, tokens/s and MFU of runs.")
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories holding metrics.jsonl")
-    p.add_argument("--out", help="PNG to write (default RUN_DIR/metrics.png for one run, runs.png for several)")
+    p.add_argument("--out", help="PNG to write (default RUN_DIR/metrics.png for one local run, ./metrics.png for a "
+                   "URL, runs.png for several)")
     a = p.parse_args(argv)
-    out = a.out or (f"{a.run_dirs[0]}/metrics.png" if len(a.run_dirs) == 1 else "runs.png")
+    if a.out:
+        out = a.out
+    elif len(a.run_dirs) == 1:  # beside the metrics of a local run; in the working directory for a URL
+        out = "metrics.png" if "://" in a.run_dirs[0] else f"{a.run_dirs[0]}/metrics.png"
+    else:
+        out = "runs.png"
     print(f"wrote {plot.plot(a.run_dirs, out)}")
     return 0
 

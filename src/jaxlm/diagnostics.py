@@ -19,6 +19,7 @@ from typing import Callable
 
 import jax
 
+from jaxlm import storage
 from jaxlm.config import Config
 
 # EX_TEMPFAIL from sysexits.h: "try again later". Schedulers and wrapper scripts can restart on it alone,
@@ -40,8 +41,9 @@ def dump_stacks() -> str:
 class StackSink:
     """Where dumps go: appended to <run_dir>/debugging/stack_trace_<process>.txt, or to stderr."""
 
-    def __init__(self, run_dir: Path, to_file: bool):
-        self.path = run_dir / "debugging" / f"stack_trace_{jax.process_index()}.txt" if to_file else None
+    def __init__(self, run_dir: str | Path, to_file: bool):
+        self._mirror = storage.Mirror(run_dir, download=()) if to_file else None  # uploads to a URL run_dir
+        self.path = (self._mirror.dir / "debugging" / f"stack_trace_{jax.process_index()}.txt") if to_file else None
         self._lock = threading.Lock()
 
     def write(self, text: str) -> None:
@@ -53,6 +55,12 @@ class StackSink:
             with open(self.path, "a") as f:
                 f.write(text)
                 f.flush()
+            self._mirror.sync()
+
+
+    def close(self) -> None:
+        if self._mirror is not None:
+            self._mirror.close()
 
 
 class StackTraceCollector:
@@ -115,9 +123,12 @@ class Profiler:
     """Traces steps [start + skip_steps, start + skip_steps + steps) of this process to <run_dir>/profile
     (TensorBoard's profile plugin and xprof read it), and serves on-demand capture on profiler.port."""
 
-    def __init__(self, cfg: Config, run_dir: Path, start_step: int, log: Callable[[str], None]):
+    def __init__(self, cfg: Config, run_dir: str | Path, start_step: int, log: Callable[[str], None]):
         p = cfg.profiler
-        self.dir, self.log = run_dir / "profile", log
+        self.log = log
+        self._mirror = storage.Mirror(run_dir, download=())  # traces of a URL run_dir are written here, then uploaded
+        self.dir = self._mirror.dir / "profile"
+        self.shown = storage.join(run_dir, "profile")
         self.window = None
         first = start_step + p.skip_steps
         if (p.mode == "xplane" or cfg.debug) and first < cfg.training.steps:
@@ -138,12 +149,14 @@ class Profiler:
         if self.window and done == self.window[1]:
             jax.block_until_ready(outputs)
             jax.profiler.stop_trace()
-            self.log(f"profiler trace of steps {self.window[0] + 1}-{done} written to {self.dir} "
-                     f"(tensorboard --logdir {self.dir}, or xprof)")
+            self._mirror.sync()
+            self.log(f"profiler trace of steps {self.window[0] + 1}-{done} written to {self.shown} "
+                     f"(tensorboard --logdir {self.shown}, or xprof)")
 
     def close(self) -> None:
         if self.server:
             jax.profiler.stop_server()
+        self._mirror.close()
 
 
 class Monitor:
@@ -151,7 +164,7 @@ class Monitor:
 
     def __init__(self, cfg: Config, run_dir: Path, log: Callable[[str], None]):
         d = cfg.diagnostics
-        sink = StackSink(run_dir, d.stack_trace_to_file)
+        self.sink = sink = StackSink(run_dir, d.stack_trace_to_file)
         self.collector = StackTraceCollector(sink, d.stack_trace_interval_seconds) if d.collect_stack_trace else None
         self.watchdog = Watchdog(sink, d.hang_timeout_seconds, d.hang_exit, log) if d.hang_timeout_seconds else None
 
@@ -163,3 +176,4 @@ class Monitor:
         for helper in (self.collector, self.watchdog):
             if helper:
                 helper.close()
+        self.sink.close()

@@ -21,6 +21,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from jaxlm import storage
 from jaxlm.config import Config, ConfigError, ModelConfig
 
 
@@ -179,15 +180,16 @@ class MetricWriter:
     """Appends one JSON record per step to metrics.jsonl and mirrors its numbers to TensorBoard and,
     when given a started run, to Weights & Biases."""
 
-    def __init__(self, run_dir: Path, tensorboard: bool = True, enabled: bool = True, wandb_run=None):
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True, enabled: bool = True, wandb_run=None):
         self.enabled = enabled
-        self._jsonl = open(run_dir / "metrics.jsonl", "a") if enabled else None
+        self._mirror = storage.Mirror(run_dir) if enabled else None  # run_dir itself, or a cache of a URL's files
+        self._jsonl = open(self._mirror.dir / "metrics.jsonl", "a") if enabled else None
         self._tb = None
         self._wandb = wandb_run if enabled else None
         if enabled and tensorboard:
             from tensorboardX import SummaryWriter
 
-            self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+            self._tb = SummaryWriter(str(self._mirror.dir / "tensorboard"))
 
     def write(self, record: dict) -> None:
         if not self.enabled:
@@ -206,6 +208,7 @@ class MetricWriter:
             self._jsonl.flush()
             if self._tb is not None:
                 self._tb.flush()
+            self._mirror.sync()
 
     def close(self) -> None:
         if self.enabled:
@@ -214,6 +217,7 @@ class MetricWriter:
                 self._tb.close()
             if self._wandb is not None:
                 self._wandb.finish()
+            self._mirror.close()
 
 
 class Progress:

@@ -6,16 +6,18 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from jaxlm import storage
 from jaxlm.data.prepare import DataError
 
 
-def read_run(run_dir: Path) -> dict[str, dict[int, float]]:
-    """{metric: {step: value}} for every numeric metric of a run, the last record of a step winning."""
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
+def read_run(run_dir: str | Path) -> dict[str, dict[int, float]]:
+    """{metric: {step: value}} for every numeric metric of a run (a path or URL), the last record of a step
+    winning."""
+    path = storage.join(run_dir, "metrics.jsonl")
+    if not storage.exists(path):
         raise DataError(f"{path} not found; is {run_dir} a jaxlm run directory?")
     series: dict[str, dict[int, float]] = {}
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    for n, line in enumerate(storage.read_text(path).splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -48,10 +50,10 @@ def plot(run_dirs: list[str | Path], out: str | Path) -> Path:
     matplotlib.use("Agg")  # files only; never open a window
     import matplotlib.pyplot as plt
 
-    runs = [(Path(d), read_run(Path(d))) for d in run_dirs]
+    runs = [(str(d), read_run(d)) for d in run_dirs]
     fig, (ax_loss, ax_tok, ax_mfu) = plt.subplots(1, 3, figsize=(16, 4.5))
     for i, (run_dir, s) in enumerate(runs):
-        color, label = f"C{i % 10}", run_dir.name or str(run_dir)
+        color, label = f"C{i % 10}", run_dir.rstrip("/").rsplit("/", 1)[-1] or run_dir
         steps = sorted(s["loss"])
         loss = [s["loss"][k] for k in steps]
         ax_loss.plot(steps, loss, color=color, alpha=0.25, linewidth=0.8)

@@ -10,6 +10,7 @@ written to a local mirror folder and uploaded whole at every flush (`Mirror`).
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -134,3 +135,9 @@ class Mirror:
                 fs.makedirs(f"{root}/{rel}".rsplit("/", 1)[0], exist_ok=True)
                 fs.put_file(str(f), f"{root}/{rel}")
                 self._sent[rel] = (st.st_size, st.st_mtime_ns)
+
+    def close(self) -> None:
+        """Upload what is left and remove a URL run's cache folder."""
+        if self.remote:
+            self.sync()
+            shutil.rmtree(self.dir, ignore_errors=True)
