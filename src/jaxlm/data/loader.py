@@ -30,9 +30,13 @@ class Dataset:
             raise DataError(f"{meta_path} is not a valid meta.json ({e.__class__.__name__}: {e})") from None
         if dtype not in (np.uint16, np.uint32):
             raise DataError(f"{meta_path}: dtype {dtype} is not supported (uint16 or uint32)")
+        if self.vocab_size <= 0:
+            raise DataError(f"{meta_path}: vocab_size {self.vocab_size} must be > 0")
         if self.vocab_size > np.iinfo(dtype).max + 1:
             raise DataError(f"{meta_path}: vocab_size {self.vocab_size} does not fit in {dtype}")
         self.splits = {name: self._open(name, dtype) for name in ("train", "val")}
+        for name, data in self.splits.items():
+            self._check_ids(name, data)
 
     def _open(self, name: str, dtype: np.dtype) -> np.ndarray:
         path = self.dir / f"{name}.bin"
@@ -48,6 +52,18 @@ class Dataset:
         if n == 0:
             raise DataError(f"{path} is empty")
         return np.memmap(path, dtype=dtype, mode="r", shape=(n,))
+
+    def _check_ids(self, name: str, data: np.ndarray) -> None:
+        """Every token id must index the embedding table: out of range, a lookup yields NaN (or another
+        row), never an error. One pass over the file in 64M-token chunks (about a second per 10 GB)."""
+        chunk = 1 << 26
+        for i in range(0, len(data), chunk):
+            part = data[i:i + chunk]
+            if int(part.max()) >= self.vocab_size:
+                at = i + int(np.argmax(part >= self.vocab_size))
+                raise DataError(f"{self.dir / (name + '.bin')} holds token id {int(data[at])} at position {at}, but "
+                                f"meta.json's vocab_size is {self.vocab_size}; the files do not belong together, "
+                                f"re-run `jaxlm prepare`")
 
     def check_block_size(self, block_size: int) -> None:
         for name, data in self.splits.items():
