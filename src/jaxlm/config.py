@@ -159,6 +159,8 @@ class CheckpointConfig:
     keep: int = _f(3, "checkpoints kept on disk")
     enabled: bool = _f(True, "write checkpoints at all")
     async_save: bool = _f(True, "write checkpoints in the background while training continues")
+    on_error: Literal["stop", "continue"] = _f("stop", "when a save fails (read-only or full disk): stop the run "
+                                                       "with an error, or warn and try again at the next interval")
     init_from: str | None = _f(None, "start from these weights (a `jaxlm convert from-hf` folder or a run directory) "
                                      "with a fresh optimizer, when run_dir holds no checkpoint yet")
 

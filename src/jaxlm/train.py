@@ -280,10 +280,10 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
         log(note)
 
     use_ckpt = cfg.checkpoint.enabled and not cfg.debug
-    checkpointer = ckpt.Checkpointer(run_dir, cfg.checkpoint) if use_ckpt else None
+    checkpointer = ckpt.Checkpointer(run_dir, cfg.checkpoint, log) if use_ckpt else None
     loader = loader_lib.Loader(run.dataset.splits["train"], m_cfg.block_size, t_cfg.batch_size, t_cfg.grad_accum,
                                cfg.seed)
-    latest = checkpointer.latest_step() if checkpointer else None
+    latest = checkpointer.latest if checkpointer else None
     if latest is not None:
         state, loader_state = checkpointer.restore(latest, run.abstract_state)
         loader.restore(loader_state)
@@ -317,54 +317,70 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
     last_eval: dict = {}
     window_start, window_steps, timed_steps, timed_seconds = time.perf_counter(), 0, 0, 0.0
     compile_seconds = 0.0
-    for step in range(start, t_cfg.steps):
-        profiler.before(step)
-        with jax.profiler.StepTraceAnnotation("train", step_num=step):
-            with goodput.phase("data"):
-                x, y = device_batch(run, "train", loader.next_starts())
-            with goodput.phase("compile" if step == start else "compute"):
-                state, step_metrics = train_step(state, x, y)
-                if step == start:
-                    jax.block_until_ready(step_metrics)  # the first call compiles; keep that out of compute
-        done = step + 1
-        profiler.after(done, state)
-        pending.append((done, step_metrics))
-        window_steps += 1
-        is_eval = done == t_cfg.steps or (t_cfg.eval_interval and done % t_cfg.eval_interval == 0)
-        is_ckpt = use_ckpt and (done == t_cfg.steps or (cfg.checkpoint.interval and done % cfg.checkpoint.interval == 0))
-        if done == start + 1 or done % t_cfg.log_interval == 0 or is_eval or is_ckpt:
-            with goodput.phase("compute"):
-                fetched = jax.device_get([m for _, m in pending])
-            elapsed = time.perf_counter() - window_start
-            if done == start + 1:
-                compile_seconds = elapsed  # the first step includes compilation; keep it out of throughput
-            else:
-                timed_steps += window_steps
-                timed_seconds += elapsed
-            window = meter.window(window_steps, elapsed)
-            for (s, _), m in zip(pending, fetched):
-                record = {"step": s, "loss": float(m["loss"]), "lr": float(m["lr"]),
-                          "grad_norm": float(m["grad_norm"])}
-                if s == done:
-                    record.update({"compile_s": elapsed} if done == start + 1 else window)
-                    if is_eval:
-                        with goodput.phase("eval"):
-                            last_eval = evaluate(eval_step, state["params"], run, eval_batches)
-                        record.update(train_loss=last_eval["train"], val_loss=last_eval["val"])
-                        say(f"step {s}: train loss {last_eval['train']:.4f}, val loss {last_eval['val']:.4f}")
-                writer.write(record)
-            writer.flush()
-            last = fetched[-1]
-            progress.update(window_steps, {"loss": f"{float(last['loss']):.4f}", "lr": f"{float(last['lr']):.2e}",
-                                           "tok/s": f"{window['tokens_per_s']:,.0f}",
-                                           "MFU": f"{100 * window['mfu']:.1f}%"})
-            if is_ckpt:
-                with goodput.phase("checkpoint"):
-                    checkpointer.save(done, state, loader.state())
-            pending.clear()
-            window_steps = 0
-            window_start = time.perf_counter()  # evaluation and checkpointing stay out of the throughput
-        monitor.beat(done)
+    try:
+        for step in range(start, t_cfg.steps):
+            profiler.before(step)
+            with jax.profiler.StepTraceAnnotation("train", step_num=step):
+                with goodput.phase("data"):
+                    x, y = device_batch(run, "train", loader.next_starts())
+                with goodput.phase("compile" if step == start else "compute"):
+                    state, step_metrics = train_step(state, x, y)
+                    if step == start:
+                        jax.block_until_ready(step_metrics)  # the first call compiles; keep that out of compute
+            done = step + 1
+            profiler.after(done, state)
+            pending.append((done, step_metrics))
+            window_steps += 1
+            is_eval = done == t_cfg.steps or (t_cfg.eval_interval and done % t_cfg.eval_interval == 0)
+            is_ckpt = use_ckpt and (done == t_cfg.steps
+                                    or (cfg.checkpoint.interval and done % cfg.checkpoint.interval == 0))
+            if done == start + 1 or done % t_cfg.log_interval == 0 or is_eval or is_ckpt:
+                with goodput.phase("compute"):
+                    fetched = jax.device_get([m for _, m in pending])
+                elapsed = time.perf_counter() - window_start
+                if done == start + 1:
+                    compile_seconds = elapsed  # the first step includes compilation; keep it out of throughput
+                else:
+                    timed_steps += window_steps
+                    timed_seconds += elapsed
+                window = meter.window(window_steps, elapsed)
+                for (s, _), m in zip(pending, fetched):
+                    record = {"step": s, "loss": float(m["loss"]), "lr": float(m["lr"]),
+                              "grad_norm": float(m["grad_norm"])}
+                    if s == done:
+                        record.update({"compile_s": elapsed} if done == start + 1 else window)
+                        if is_eval:
+                            with goodput.phase("eval"):
+                                last_eval = evaluate(eval_step, state["params"], run, eval_batches)
+                            record.update(train_loss=last_eval["train"], val_loss=last_eval["val"])
+                            say(f"step {s}: train loss {last_eval['train']:.4f}, val loss {last_eval['val']:.4f}")
+                    writer.write(record)
+                writer.flush()
+                last = fetched[-1]
+                progress.update(window_steps, {"loss": f"{float(last['loss']):.4f}",
+                                               "lr": f"{float(last['lr']):.2e}",
+                                               "tok/s": f"{window['tokens_per_s']:,.0f}",
+                                               "MFU": f"{100 * window['mfu']:.1f}%"})
+                if checkpointer:
+                    checkpointer.check()
+                if is_ckpt:
+                    with goodput.phase("checkpoint"):
+                        checkpointer.save(done, state, loader.state())
+                pending.clear()
+                window_steps = 0
+                window_start = time.perf_counter()  # evaluation and checkpointing stay out of the throughput
+            monitor.beat(done)
+    except BaseException:
+        # Whatever ends the loop, a save already under way is committed (it holds a good state) and the
+        # metrics recorded so far reach the disk.
+        for close in (monitor.close, profiler.close, progress.close, writer.close):
+            close()
+        if checkpointer:
+            try:
+                checkpointer.close()
+            except ckpt.CheckpointError as e:
+                log(f"warning: {e}")
+        raise
     monitor.close()
     profiler.close()
     progress.close()
