@@ -1,4 +1,5 @@
-"""Reliability: exact resume, sealed checkpoints and their corruption, kills mid-save, failing saves."""
+"""Reliability: exact resume, sealed checkpoints and their corruption, kills mid-save, restore on other
+meshes, failing saves."""
 
 import errno
 import hashlib
@@ -302,6 +303,53 @@ def test_a_state_with_nan_is_never_saved(tmp_path):
         ck.save(2, {"w": jnp.array([1.0, jnp.nan, 0, 0]), "step": jnp.int32(2)}, {"pos": 2})
     ck.close()
     assert ckpt.step_numbers(tmp_path / "checkpoints") == [1] and ckpt.verify(tmp_path / "checkpoints" / "1") is None
+
+
+# ---- restore on another mesh ------------------------------------------------------------------------------------
+
+def test_restore_on_other_meshes_is_bit_equal_and_the_loader_continues(char_data, tmp_path):
+    base = {"model.vocab_size": 128}
+    meshes = {"fsdp8": ({"mesh.ici_data": 1, "mesh.ici_fsdp": 8}, 8),
+              "fsdp4_tensor2": ({"mesh.ici_data": 1, "mesh.ici_fsdp": 4, "mesh.ici_tensor": 2}, 8),
+              "fsdp4_on_4": ({"mesh.ici_data": 1, "mesh.ici_fsdp": 4}, 4),
+              "one_device": ({}, 1)}
+    runs = {name: train.setup(tiny_config(char_data, tmp_path, **base, **mesh), jax.devices()[:n])
+            for name, (mesh, n) in meshes.items()}
+    saved = runs["fsdp8"]
+    # Random values in every leaf (init would leave the Adam moments all zero), placed on the fsdp8 shardings.
+    leaves, treedef = jax.tree.flatten(saved.abstract_state)
+    rng = np.random.default_rng(0)
+    values = [rng.standard_normal(a.shape).astype(a.dtype) if np.issubdtype(a.dtype, np.floating)
+              else np.asarray(rng.integers(0, 1000), a.dtype) for a in leaves]
+    state = jax.tree.unflatten(treedef, [jax.device_put(v, a.sharding) for v, a in zip(values, leaves)])
+    assert any(len(a.sharding.device_set) == 8 and not a.sharding.is_fully_replicated for a in leaves)
+    loader = loader_lib.Loader(saved.dataset.splits["train"], 32, saved.cfg.training.batch_size, 1, seed=5)
+    for _ in range(3):
+        loader.next_starts()
+    ck = ckpt.Checkpointer(tmp_path / "run", saved.cfg.checkpoint, log=quiet)
+    ck.save(7, state, loader.state())
+    ck.close()
+    expected_starts = [loader.next_starts() for _ in range(3)]
+
+    for name, run in runs.items():
+        ck = ckpt.Checkpointer(tmp_path / "run", run.cfg.checkpoint, log=quiet)
+        assert ck.latest == 7
+        restored, loader_state = ck.restore(7, run.abstract_state)
+        ck.close()
+        got = jax.tree.leaves(restored)
+        for r, a, v in zip(got, jax.tree.leaves(run.abstract_state), values):
+            assert r.sharding == a.sharding, name
+            assert np.asarray(r).tobytes() == v.tobytes(), name
+        resumed = loader_lib.Loader(run.dataset.splits["train"], 32, run.cfg.training.batch_size, 1, seed=0)
+        resumed.restore(loader_state)
+        assert all((resumed.next_starts() == s).all() for s in expected_starts), name
+
+    # A global batch that follows the device count cannot continue the same data order: say why.
+    per_device = train.setup(tiny_config(char_data, tmp_path, **base, **{"training.per_device_batch_size": 1}),
+                             jax.devices()[:4])
+    other = loader_lib.Loader(per_device.dataset.splits["train"], 32, per_device.cfg.training.batch_size, 1, seed=0)
+    with pytest.raises(loader_lib.DataError, match=r"training.batch_size \(global\) 8 there, 4 here"):
+        other.restore(loader_state)
 
 
 # ---- failing saves ----------------------------------------------------------------------------------------------

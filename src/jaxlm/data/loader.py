@@ -95,10 +95,27 @@ class Loader:
     def next(self) -> tuple[np.ndarray, np.ndarray]:
         return windows(self.data, self.next_starts(), self.block_size)
 
+    def _layout(self) -> dict:
+        """What the drawn windows depend on besides the generator: the same state continues the same data
+        order only over the same token count with the same batch shape and window length. The number of
+        devices and processes does not matter (every process draws the global batch)."""
+        return {"grad_accum": self.shape[0], "batch_size": self.shape[1], "block_size": self.block_size,
+                "tokens": len(self.data)}
+
     def state(self) -> dict:
-        return {"bit_generator": self.rng.bit_generator.state}
+        return {"bit_generator": self.rng.bit_generator.state, **self._layout()}
 
     def restore(self, state: dict) -> None:
+        """Continue exactly where the checkpoint's loader stopped, or fail saying why that is impossible."""
+        here = self._layout()
+        differ = [k for k in here if k in state and state[k] != here[k]]
+        if differ:
+            names = {"grad_accum": "training.grad_accum", "batch_size": "training.batch_size (global)",
+                     "block_size": "model.block_size", "tokens": "training tokens in train.bin"}
+            diffs = ", ".join(f"{names[k]} {state[k]} there, {here[k]} here" for k in differ)
+            raise DataError(f"the checkpoint's data position cannot continue in this run ({diffs}): the same "
+                            f"generator state would draw different windows. Resume with the saved settings, or "
+                            f"start a new run_dir with checkpoint.init_from=<this run> to keep the weights")
         try:
             self.rng.bit_generator.state = state["bit_generator"]
         except (KeyError, TypeError, ValueError) as e:
