@@ -1,5 +1,5 @@
-"""Reliability: exact resume, sealed checkpoints and their corruption, kills mid-save, restore on other
-meshes, failing saves."""
+"""Reliability: exact resume, sealed checkpoints and their corruption, kills mid-save, steps that are not
+finite, restore on other meshes, failing saves."""
 
 import errno
 import hashlib
@@ -293,6 +293,108 @@ def test_no_usable_checkpoint_fails_clearly_and_unfinished_saves_are_not_errors(
     assert ck.latest is None and not tmp_dirs(tmp_path / "run") and ckpt.step_numbers(ckpt_dir) == []
     assert any("skipping checkpoint" in line and "did not finish" in line for line in lines)
     ck.close()
+
+
+# ---- non-finite steps and loss spikes ---------------------------------------------------------------------------
+
+def poison_steps(monkeypatch, steps: set[int]):
+    """Token ids past the vocabulary in the batches of these steps: the embedding lookup yields NaN."""
+    real, n = train.device_batch, [0]
+
+    def batch(run, split, starts):
+        x, y = real(run, split, starts)
+        if starts.ndim == 2:
+            n[0] += 1
+            if n[0] in steps:
+                x = x + run.cfg.model.vocab_size
+        return x, y
+
+    monkeypatch.setattr(train, "device_batch", batch)
+
+
+def test_train_step_leaves_state_unchanged_on_nan_and_on_spikes(char_data, tmp_path):
+    cfg = tiny_config(char_data, tmp_path, **RUN, **{"training.spike_threshold": 1.5})
+    run = train.setup(cfg)
+    step = train.make_train_step(run.cfg, run.optimizer, run.mesh, run.abstract_state, run.act_rules)
+    starts = np.random.default_rng(0).integers(0, 100_000, (4, 1, 8))
+    batches = [train.device_batch(run, "train", s) for s in starts]
+    state = train.init_state(run, 0)
+    for x, y in batches[:2]:
+        state, m = step(state, x, y)
+    assert int(m["nonfinite_skips"]) == int(m["spike_skips"]) == 0 and float(m["loss_avg"]) > 0
+    before = jax.device_get(state)
+
+    x, y = batches[2]
+    state, m = step(state, x + run.cfg.model.vocab_size, y)  # ids past the vocabulary: NaN embeddings
+    after = jax.device_get(state)
+    assert not np.isfinite(float(m["loss"]))
+    assert (int(m["nonfinite_skips"]), int(m["skips_in_a_row"]), int(after["step"])) == (1, 1, 3)
+    assert tree_hash(after["params"]) == tree_hash(before["params"])
+    assert tree_hash(after["opt_state"]) == tree_hash(before["opt_state"])
+    assert float(after["guard"]["loss_avg"]) == float(before["guard"]["loss_avg"])
+
+    # A loss over 1.5x the running average: an average of 1.0 makes this batch's loss (about ln 65) a spike.
+    state = dict(state, guard=dict(state["guard"], loss_avg=jnp.float32(1.0)))
+    before = jax.device_get(state)
+    state, m = step(state, *batches[3])
+    after = jax.device_get(state)
+    assert float(m["loss"]) > 1.5 and (int(m["spike_skips"]), int(m["skips_in_a_row"])) == (1, 0)
+    assert tree_hash(after["params"]) == tree_hash(before["params"])
+    assert tree_hash(after["opt_state"]) == tree_hash(before["opt_state"])
+    # The spike enters the average only up to the threshold, and `lr` is the rate of the next applied update.
+    assert float(after["guard"]["loss_avg"]) == pytest.approx(0.99 * 1.0 + 0.01 * 1.5, rel=1e-6)
+    assert float(m["lr"]) == pytest.approx(float(train.optim.schedule(cfg.optimizer, cfg.training.steps)(2)))
+
+    state = dict(state, guard=dict(state["guard"], loss_avg=jnp.float32(4.0)))
+    state, m = step(state, *batches[3])
+    assert int(m["spike_skips"]) == 1 and tree_hash(jax.device_get(state["params"])) != tree_hash(after["params"])
+
+
+def test_nan_step_is_skipped_and_no_checkpoint_holds_nan(reference, char_data, tmp_path, monkeypatch):
+    cfg, _, ref = reference
+    run_dir = tmp_path / "skip"
+    poison_steps(monkeypatch, {5})
+    lines = []
+    settings = {**RUN, "training.steps": 8, "checkpoint.interval": 1, "checkpoint.keep": 20}
+    summary = train.train(tiny_config(char_data, run_dir, **settings), log=lines.append)
+    assert summary["nonfinite_skips"] == 1
+    assert any(line.startswith("step 5: the loss (nan)") and "update skipped" in line for line in lines)
+    losses = train.losses_by_step(run_dir)
+    assert np.isnan(losses[5]) and all(np.isfinite(losses[s]) for s in (1, 2, 3, 4, 6, 7, 8))
+    assert [losses[s] for s in range(1, 5)] == [ref[s] for s in range(1, 5)]
+    states = {s: restore_step(cfg, run_dir, s) for s in ckpt.step_numbers(run_dir / "checkpoints")}
+    assert sorted(states) == list(range(1, 9))
+    assert all(np.isfinite(leaf).all() for st in states.values() for leaf in jax.tree.leaves(st)
+               if np.issubdtype(np.asarray(leaf).dtype, np.floating))
+    assert tree_hash(states[5]["params"]) == tree_hash(states[4]["params"])
+    assert tree_hash(states[5]["opt_state"]) == tree_hash(states[4]["opt_state"])
+    assert tree_hash(states[6]["params"]) != tree_hash(states[5]["params"])
+
+    # on_nonfinite=stop: the run ends at that step with one line; the checkpoints before it are committed.
+    monkeypatch.undo()
+    poison_steps(monkeypatch, {5})
+    stop_dir = tmp_path / "stop"
+    with pytest.raises(train.TrainingError, match=r"^step 5: the loss \(nan\) .* training.on_nonfinite=stop") as e:
+        train.train(tiny_config(char_data, stop_dir, **settings, **{"training.on_nonfinite": "stop"}), log=quiet)
+    assert "\n" not in str(e.value)
+    assert ckpt.step_numbers(stop_dir / "checkpoints") == [1, 2, 3, 4]
+    assert all(ckpt.verify(stop_dir / "checkpoints" / str(s)) is None for s in range(1, 5))
+
+
+def test_consecutive_nonfinite_steps_stop_the_run():
+    t = config_lib.TrainingConfig(max_consecutive_skips=2)
+    seen = {"nonfinite_skips": 0, "spike_skips": 0}
+    said = []
+    nan = {"loss": float("nan"), "grad_norm": float("nan"), "loss_avg": 3.0, "spike_skips": 0}
+    for step, total in ((7, 1), (8, 2)):
+        assert train._report_skips(step, dict(nan, nonfinite_skips=total, skips_in_a_row=total), seen, t,
+                                   said.append) is None
+    failure = train._report_skips(9, dict(nan, nonfinite_skips=3, skips_in_a_row=3), seen, t, said.append)
+    assert failure.startswith("step 9:") and "3 steps in a row" in failure and "max_consecutive_skips=2" in failure
+    assert len(said) == 2 and "(2 in a row)" in said[1]
+    # A finite step in between starts the count again.
+    assert train._report_skips(10, dict(nan, loss=2.0, grad_norm=1.0, nonfinite_skips=3, skips_in_a_row=0), seen, t,
+                               said.append) is None
 
 
 def test_a_state_with_nan_is_never_saved(tmp_path):

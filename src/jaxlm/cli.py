@@ -263,6 +263,12 @@ def main(argv: list[str] | None = None) -> int:
     except (config_lib.ConfigError, DataError, TokenizerError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:
+        train = sys.modules.get("jaxlm.train")  # imported only by the commands that train
+        if train is None or not isinstance(e, train.TrainingError):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

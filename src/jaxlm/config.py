@@ -151,6 +151,13 @@ class TrainingConfig:
     sample_prompt: str = _f("\n", "prompt for the end-of-training sample")
     sample_temperature: float = _f(0.8, "sampling temperature for the end-of-training sample")
     sample_top_k: int = _f(200, "top-k for the end-of-training sample; 0 = off")
+    on_nonfinite: Literal["skip", "stop"] = _f(
+        "skip", "a step whose loss or gradient norm is NaN/inf is never applied; skip: go on with the next batch "
+                "(up to max_consecutive_skips in a row), stop: end the run with an error")
+    max_consecutive_skips: int = _f(20, "with on_nonfinite=skip, end the run when more steps than this in a row "
+                                        "are not finite")
+    spike_threshold: float = _f(0.0, "skip the update of a step whose loss exceeds this multiple of the running "
+                                     "average loss (about the last 100 steps); 0 = off, else > 1")
 
 
 @dataclass(frozen=True)
@@ -543,6 +550,10 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"training.{key}={getattr(t, key)} must be >= 0")
     if t.sample_temperature < 0:
         raise ConfigError(f"training.sample_temperature={t.sample_temperature} must be >= 0")
+    if t.max_consecutive_skips < 0:
+        raise ConfigError(f"training.max_consecutive_skips={t.max_consecutive_skips} must be >= 0")
+    if t.spike_threshold != 0 and not 1 < t.spike_threshold < math.inf:
+        raise ConfigError(f"training.spike_threshold={t.spike_threshold} must be 0 (off) or a finite ratio > 1")
     if c.interval < 0:
         raise ConfigError(f"checkpoint.interval={c.interval} must be >= 0")
     positive("checkpoint.keep", c.keep)
