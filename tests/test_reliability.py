@@ -1,5 +1,5 @@
-"""Reliability: exact resume, sealed checkpoints and their corruption, kills mid-save, steps that are not
-finite, restore on other meshes, failing saves."""
+"""Reliability: exact resume, sealed checkpoints and their corruption, kills mid-save, preemption, steps that
+are not finite, restore on other meshes, failing saves, and bad configs and input data."""
 
 import errno
 import hashlib
@@ -293,6 +293,42 @@ def test_no_usable_checkpoint_fails_clearly_and_unfinished_saves_are_not_errors(
     assert ck.latest is None and not tmp_dirs(tmp_path / "run") and ckpt.step_numbers(ckpt_dir) == []
     assert any("skipping checkpoint" in line and "did not finish" in line for line in lines)
     ck.close()
+
+
+# ---- preemption -------------------------------------------------------------------------------------------------
+
+def signal_at_step(monkeypatch, step: int, sig=signal.SIGTERM):
+    """Send `sig` to this process while the loop fetches the batch of `step` (1-based)."""
+    real, n = train.device_batch, [0]
+
+    def batch(run, split, starts):
+        if starts.ndim == 2:  # the loop's [grad_accum, batch]; evaluation passes [batch]
+            n[0] += 1
+            if n[0] == step:
+                os.kill(os.getpid(), sig)
+        return real(run, split, starts)
+
+    monkeypatch.setattr(train, "device_batch", batch)
+
+
+def test_sigterm_saves_that_step_and_returns_then_resume_is_exact(reference, char_data, tmp_path, monkeypatch):
+    cfg, ref_dir, ref = reference
+    run_dir = tmp_path / "run"
+    signal_at_step(monkeypatch, 13)
+    lines = []
+    summary = train.train(tiny_config(char_data, run_dir, **RUN), log=lines.append)
+    monkeypatch.undo()
+    assert summary["preempted_at"] == 13 and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    assert any("received SIGTERM" in line for line in lines) and any("stopped for preemption after step 13" in line
+                                                                      for line in lines)
+    assert ckpt.step_numbers(run_dir / "checkpoints") == [10, 13]
+    assert ckpt.verify(run_dir / "checkpoints" / "13") is None
+    assert max(train.losses_by_step(run_dir)) == 13  # every step's metrics reached the disk
+    summary = train.train(tiny_config(char_data, run_dir, **RUN), log=quiet)
+    assert summary["start_step"] == 13
+    got = train.losses_by_step(run_dir)
+    assert [got[s] for s in range(1, 41)] == [ref[s] for s in range(1, 41)]
+    assert tree_hash(restore_step(cfg, run_dir, 40)) == tree_hash(restore_step(cfg, ref_dir, 40))
 
 
 # ---- non-finite steps and loss spikes ---------------------------------------------------------------------------

@@ -168,6 +168,8 @@ class CheckpointConfig:
     async_save: bool = _f(True, "write checkpoints in the background while training continues")
     on_error: Literal["stop", "continue"] = _f("stop", "when a save fails (read-only or full disk): stop the run "
                                                        "with an error, or warn and try again at the next interval")
+    save_on_preemption: bool = _f(True, "on SIGTERM or SIGINT, all processes agree on a step, save it, flush "
+                                        "the logs and exit 0 (a second SIGINT aborts)")
     init_from: str | None = _f(None, "start from these weights (a `jaxlm convert from-hf` folder or a run directory) "
                                      "with a fresh optimizer, when run_dir holds no checkpoint yet")
 

@@ -381,10 +381,12 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
     say = progress.write if cfg.logging.progress and main_process else log
     profiler = diagnostics.Profiler(cfg, run_dir, start, log)
     monitor = diagnostics.Monitor(cfg, run_dir, progress.write)
+    preemption = distributed.Preemption(use_ckpt and cfg.checkpoint.save_on_preemption, say)
     goodput.charge_unaccounted("init")
 
     pending: list[tuple[int, dict]] = []
     last_eval: dict = {}
+    preempted_at = None
     window_start, window_steps, timed_steps, timed_seconds = time.perf_counter(), 0, 0, 0.0
     compile_seconds = 0.0
     try:
@@ -401,8 +403,9 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
             profiler.after(done, state)
             pending.append((done, step_metrics))
             window_steps += 1
-            is_eval = done == t_cfg.steps or (t_cfg.eval_interval and done % t_cfg.eval_interval == 0)
-            is_ckpt = use_ckpt and (done == t_cfg.steps
+            stop = preemption.reached(done)
+            is_eval = not stop and (done == t_cfg.steps or (t_cfg.eval_interval and done % t_cfg.eval_interval == 0))
+            is_ckpt = use_ckpt and (stop or done == t_cfg.steps
                                     or (cfg.checkpoint.interval and done % cfg.checkpoint.interval == 0))
             if done == start + 1 or done % t_cfg.log_interval == 0 or is_eval or is_ckpt:
                 with goodput.phase("compute"):
@@ -446,10 +449,13 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
                 window_steps = 0
                 window_start = time.perf_counter()  # evaluation and checkpointing stay out of the throughput
             monitor.beat(done)
+            if stop:
+                preempted_at = done
+                break
     except BaseException:
         # Whatever ends the loop, a save already under way is committed (it holds a good state) and the
         # metrics recorded so far reach the disk.
-        for close in (monitor.close, profiler.close, progress.close, writer.close):
+        for close in (preemption.close, monitor.close, profiler.close, progress.close, writer.close):
             close()
         if checkpointer:
             try:
@@ -457,14 +463,20 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
             except ckpt.CheckpointError as e:
                 log(f"warning: {e}")
         raise
+    preemption.close()
     monitor.close()
     profiler.close()
     progress.close()
     if checkpointer:
         with goodput.phase("checkpoint"):
             checkpointer.close()
+    if preempted_at is not None:
+        # Every process says it: in a multi-host job the logs show that all of them stopped at one step.
+        (log if main_process else print)(
+            f"process {jax.process_index()}: stopped for preemption after step {preempted_at}; its checkpoint "
+            f"is committed in {checkpointer.dir / str(preempted_at)}")
 
-    summary = {"run_dir": str(run_dir), "steps": t_cfg.steps, "start_step": start,
+    summary = {"run_dir": str(run_dir), "steps": t_cfg.steps, "start_step": start, "preempted_at": preempted_at,
                "nonfinite_skips": skips["nonfinite_skips"], "spike_skips": skips["spike_skips"],
                "wall_seconds": time.perf_counter() - goodput.start, "compile_seconds": compile_seconds,
                "train_loss": last_eval.get("train"), "val_loss": last_eval.get("val"),
@@ -479,7 +491,7 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
         log(f"updates skipped: {skips['nonfinite_skips']} for a non-finite loss or gradient norm, "
             f"{skips['spike_skips']} for a loss spike")
     if start < t_cfg.steps:
-        log(f"trained steps {start + 1}-{t_cfg.steps} in {summary['wall_seconds']:.1f} s "
+        log(f"trained steps {start + 1}-{preempted_at or t_cfg.steps} in {summary['wall_seconds']:.1f} s "
             f"(first step with compile {compile_seconds:.1f} s); "
             + (f"{summary['tokens_per_s']:,.0f} tokens/s ({summary['tokens_per_s_per_device']:,.0f} per device), "
                f"{summary['model_tflops_per_s_per_device']:.4f} model TFLOP/s per device, "
@@ -488,7 +500,7 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
         ent = summary["unigram_entropy"]
         log(f"final train loss {last_eval['train']:.4f}, val loss {last_eval['val']:.4f}"
             + (f" (unigram entropy of the corpus: {ent:.4f})" if ent else ""))
-    if t_cfg.sample_tokens:
+    if t_cfg.sample_tokens and preempted_at is None:
         with goodput.phase("eval"):
             summary["sample"] = sample_text(state["params"], cfg, run.dataset.meta, t_cfg.sample_prompt,
                                             t_cfg.sample_tokens, t_cfg.sample_temperature, t_cfg.sample_top_k)
