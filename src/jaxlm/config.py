@@ -490,6 +490,19 @@ def validate(cfg: Config) -> None:
         if v <= 0:
             raise ConfigError(f"{key}={v} must be > 0")
 
+    # NaN passes every `v <= 0` test below and infinity most of them; no setting means either.
+    for key, *_ in all_keys():
+        section, _, name = key.rpartition(".")
+        v = getattr(getattr(cfg, section), name) if section else getattr(cfg, name)
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ConfigError(f"{key}={v} must be a finite number")
+    for key in ("seed", "decode.seed"):
+        v = cfg.seed if key == "seed" else cfg.decode.seed
+        if v < 0:
+            raise ConfigError(f"{key}={v} must be >= 0")
+    if cfg.run_dir == "":
+        raise ConfigError("run_dir='' is empty; give a folder, or None for outputs/<timestamp>")
+
     for key in ("block_size", "n_layers", "n_heads", "d_model"):
         positive(f"model.{key}", getattr(m, key))
     for key in ("vocab_size", "n_kv_heads", "head_dim", "d_ff"):
@@ -521,15 +534,20 @@ def validate(cfg: Config) -> None:
                           f"does not divide model.n_layers={m.n_layers}")
     if "local" in m.pattern and m.sliding_window is None:
         raise ConfigError(f"model.layer_pattern={m.layer_pattern!r} has local layers; set model.sliding_window")
-    if m.n_experts < 0 or (m.n_experts and not 1 <= m.experts_per_token <= m.n_experts):
+    if m.n_experts < 0:
+        raise ConfigError(f"model.n_experts={m.n_experts} must be >= 0 (0 = dense MLP)")
+    if m.experts_per_token < 1 or (m.n_experts and m.experts_per_token > m.n_experts):
         raise ConfigError(f"model.experts_per_token={m.experts_per_token} must be in [1, model.n_experts="
-                          f"{m.n_experts}] (n_experts >= 0; 0 = dense MLP)")
-    if m.rope_scaling == "llama3":
-        for key in ("rope_scaling_factor", "rope_original_context"):
-            positive(f"model.{key}", getattr(m, key))
-        if not 0 < m.rope_low_freq_factor < m.rope_high_freq_factor:
-            raise ConfigError(f"model.rope_low_freq_factor={m.rope_low_freq_factor} must be > 0 and < "
-                              f"model.rope_high_freq_factor={m.rope_high_freq_factor}")
+                          f"{m.n_experts}]" if m.n_experts else f"model.experts_per_token={m.experts_per_token} "
+                          f"must be >= 1")
+    if m.router_aux_loss_coef < 0:
+        raise ConfigError(f"model.router_aux_loss_coef={m.router_aux_loss_coef} must be >= 0")
+    # Checked whether or not rope_scaling uses them: a nonsensical value is a mistake either way.
+    for key in ("rope_scaling_factor", "rope_original_context"):
+        positive(f"model.{key}", getattr(m, key))
+    if not 0 < m.rope_low_freq_factor < m.rope_high_freq_factor:
+        raise ConfigError(f"model.rope_low_freq_factor={m.rope_low_freq_factor} must be > 0 and < "
+                          f"model.rope_high_freq_factor={m.rope_high_freq_factor}")
     positive("optimizer.lr", o.lr)
     if not 0.0 <= o.min_lr <= o.lr:
         raise ConfigError(f"optimizer.min_lr={o.min_lr} must be in [0, optimizer.lr={o.lr}]")
@@ -572,6 +590,8 @@ def validate(cfg: Config) -> None:
     d = cfg.distributed
     if d.coordinator_address is not None and (d.num_processes is None or d.process_id is None):
         raise ConfigError("distributed.coordinator_address needs distributed.num_processes and distributed.process_id")
+    if d.process_id is not None and d.process_id < 0:
+        raise ConfigError(f"distributed.process_id={d.process_id} must be >= 0")
     if d.num_processes is not None and d.num_processes <= 0:
         raise ConfigError(f"distributed.num_processes={d.num_processes} must be > 0")
     if d.process_id is not None and d.num_processes is not None and not 0 <= d.process_id < d.num_processes:

@@ -61,6 +61,15 @@ def setup(cfg: Config, devices=None, data: bool = True) -> Run:
         elif vocab < dataset.vocab_size:
             raise ConfigError(f"model.vocab_size={vocab} is smaller than the data's vocabulary "
                               f"({dataset.vocab_size}, from {data_dir / 'meta.json'})")
+        if data and cfg.training.sample_tokens:  # the end-of-training sample would fail hours from now
+            try:
+                tokenizer_lib.from_meta(dataset.meta).encode(cfg.training.sample_prompt)
+            except tokenizer_lib.TokenizerError as e:
+                raise ConfigError(f"training.sample_prompt={cfg.training.sample_prompt!r} cannot be encoded: "
+                                  f"{e}") from None
+    if data and cfg.checkpoint.init_from and not Path(cfg.checkpoint.init_from).is_dir():
+        raise ConfigError(f"checkpoint.init_from={cfg.checkpoint.init_from!r} is not a folder; give a run "
+                          f"directory or a `jaxlm convert from-hf` output")
     cfg = cfg.replace(model=config_lib.apply_parameter_scale(cfg.model))
     mesh = sharding.make_mesh(cfg.mesh, devices)
     param_rules, act_rules = sharding.rules_from_config(cfg.mesh)

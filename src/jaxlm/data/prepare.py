@@ -214,17 +214,20 @@ def ensure_prepared(name: str, out_dir: str | Path, input: str | None = None) ->
     out_dir = Path(out_dir)
     if (out_dir / "meta.json").exists() and (out_dir / "train.bin").exists():
         return out_dir
-    if name == "shakespeare_char":
-        prepare_shakespeare_char(out_dir, input)
-    elif name == "python_stdlib":
-        prepare_python_stdlib(out_dir)
-    elif input is not None:
-        prepare_text([input], out_dir, vocab="char")
-    elif name == "openwebtext":
-        raise DataError(f"{out_dir} has no prepared openwebtext; run `jaxlm prepare openwebtext --out {out_dir}` first")
-    else:
-        raise DataError(f"no prepared data in {out_dir} (train.bin, val.bin, meta.json); run `jaxlm prepare` "
-                        f"or set data.input=FILE")
+    try:
+        if name == "shakespeare_char":
+            prepare_shakespeare_char(out_dir, input)
+        elif name == "python_stdlib":
+            prepare_python_stdlib(out_dir)
+        elif input is not None:
+            prepare_text([input], out_dir, vocab="char")
+        elif name == "openwebtext":
+            raise DataError(f"no prepared openwebtext; run `jaxlm prepare openwebtext --out {out_dir}` first")
+        else:
+            raise DataError("no prepared data (train.bin, val.bin, meta.json); run `jaxlm prepare` or set "
+                            "data.input=FILE")
+    except DataError as e:  # say which setting led here: the folder may be a default the user never typed
+        raise DataError(f"data.dir={out_dir} (data.dataset={name}): {e}") from None
     return out_dir
 
 
