@@ -1,6 +1,9 @@
 import json
+import random
 import subprocess
 import sys
+import types
+import typing
 
 import pytest
 
@@ -94,3 +97,85 @@ def test_cli_error_is_one_line_without_traceback():
     assert r.returncode == 2
     assert r.stderr.strip().count("\n") == 0 and "Traceback" not in r.stderr
     assert "did you mean 'model.n_layers'" in r.stderr
+
+
+BAD_VALUES = {bool: ["maybe", "2"], int: ["four", "2.5", "-7"], float: ["abc", "nan", "inf", "-3.5"],
+              "literal": ["bogus"]}
+BAD_STRINGS = {"model.layer_pattern": ["sideways", "global,,local"], "mesh.rules": ["param.embed=tensr", "garbage"],
+               "decode.stop_tokens": ["a,b", "-1"], "logging.wandb_project": [""], "run_dir": [""],
+               "checkpoint.init_from": ["/nonexistent/run"], "data.dir": ["/nonexistent/data"],
+               "distributed.coordinator_address": ["127.0.0.1:1234"], "training.sample_prompt": ["\u65e5\u672c"],
+               "compile.load": ["/nonexistent/step.jaxlm"]}
+# Settings that are each fine but impossible together (or with this data and 8 devices); the key to name.
+COMBOS = [
+    (["model.n_heads=5"], "model.n_heads"), (["model.n_kv_heads=3"], "model.n_kv_heads"),
+    (["mesh.ici_data=3"], "mesh.ici_data"), (["training.batch_size=12", "mesh.ici_data=8"], "training.batch_size"),
+    (["optimizer.warmup_steps=50", "optimizer.decay_steps=10"], "optimizer.decay_steps"),
+    (["model.layer_pattern=local,global"], "model.sliding_window"),
+    (["model.layer_pattern=local,global", "model.sliding_window=8", "model.n_layers=3"], "model.n_layers"),
+    (["diagnostics.hang_exit=true"], "diagnostics.hang_exit"),
+    (["profiler.mode=xplane", "profiler.skip_steps=100"], "profiler.skip_steps"),
+    (["distributed.num_processes=2", "distributed.process_id=2", "distributed.coordinator_address=127.0.0.1:1"],
+     "distributed.process_id"),
+    (["model.n_experts=4", "model.experts_per_token=5"], "model.experts_per_token"),
+    (["model.quantization=int8_weights"], "model.quantization"),
+    (["training.per_device_batch_size=0.3"], "training.per_device_batch_size"),
+    (["model.global_parameter_scale=3"], "model.global_parameter_scale"),
+    (["model.rope_scaling=llama3", "model.rope_low_freq_factor=5"], "model.rope_low_freq_factor"),
+    (["optimizer.min_lr=0.1", "optimizer.lr=0.01"], "optimizer.min_lr"),
+    (["model.block_size=2000000"], "model.block_size"), (["model.vocab_size=10"], "model.vocab_size"),
+    (["mesh.ici_data=1", "mesh.ici_tensor=8"], "mesh.ici_tensor"),
+    (["mesh.ici_data=-1", "mesh.ici_fsdp=-1"], "mesh.ici_fsdp"),
+    (["model.d_model=36", "model.n_heads=4"], "model.d_model"),
+    (["training.spike_threshold=0.5"], "training.spike_threshold"),
+    (["model.dropout=1.0"], "model.dropout"), (["decode.top_p=0"], "decode.top_p"),
+]
+
+
+def _kind(t):
+    args = [a for a in typing.get_args(t) if a is not type(None)]
+    if typing.get_origin(t) in (typing.Union, types.UnionType):
+        return _kind(args[0])
+    return "literal" if typing.get_origin(t) is typing.Literal else t
+
+
+def config_mutations(seed: int = 0) -> list[tuple[list[str], str]]:
+    """Invalid settings, one per case, with the key each error must name: every key with values of the wrong
+    type or out of range, typos of keys, and impossible combinations."""
+    rng = random.Random(seed)
+    keys = [k for k, *_ in config_lib.all_keys()]
+    cases = []
+    for key, t, _, _ in config_lib.all_keys():
+        for value in BAD_VALUES.get(_kind(t), []) + BAD_STRINGS.get(key, []):
+            cases.append(([f"{key}={value}"], key))
+    for key in rng.sample(keys, 40):
+        i = rng.randrange(len(key))
+        typo = rng.choice([key[:i] + key[i + 1:], key[:i] + "x" + key[i:], key + "s"])
+        if typo not in keys:
+            cases.append(([f"{typo}=1"], typo))
+    cases += COMBOS
+    rng.shuffle(cases)
+    return cases
+
+
+def test_config_fuzz_fails_before_compiling_with_one_line_naming_the_key(char_data, tmp_path, monkeypatch, capsys):
+    from jaxlm import cli, train
+
+    def compiled(*args, **kwargs):
+        raise AssertionError("a bad config got as far as compiling")
+
+    for name in ("init_state", "init_state_from", "make_train_step", "make_eval_step"):
+        monkeypatch.setattr(train, name, compiled)
+    base = ["shakespeare_char_cpu", f"data.dir={char_data}", "model.n_layers=2", "model.d_model=32",
+            "model.n_heads=4", "model.block_size=32", "training.batch_size=8", "training.steps=20",
+            "optimizer.warmup_steps=5", "logging.progress=false", "logging.tensorboard=false"]
+    cases = config_mutations()
+    assert len(cases) >= 200
+    for i, (args, key) in enumerate(cases):
+        run_dir = f"run_dir={tmp_path / str(i)}"
+        code = cli.main(["train", *base, run_dir, *args] if not args[0].startswith("run_dir=") else
+                        ["train", *base, *args])
+        err = capsys.readouterr().err
+        assert code == 2, (args, err)
+        assert err.count("\n") == 1 and err.startswith("error: ") and "Traceback" not in err, (args, err)
+        assert key in err, (args, err)

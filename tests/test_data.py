@@ -1,4 +1,6 @@
 import json
+import random
+import shutil
 
 import numpy as np
 import pytest
@@ -90,3 +92,117 @@ def test_char_tokenizer_rejects_unknown_characters(char_data):
     tok = tokenizer.from_meta(json.loads((char_data / "meta.json").read_text()))
     with pytest.raises(tokenizer.TokenizerError, match="not in this char-level vocabulary"):
         tok.encode("日本")
+
+
+def reference_invalid_utf8(data: bytes) -> int:
+    """Invalid sequences as Python's decoder reports them, counted through an error handler."""
+    import codecs
+
+    count = [0]
+
+    def handler(e):
+        count[0] += 1
+        return "", e.end
+
+    codecs.register_error("test_reliability.count", handler)
+    data.decode("utf-8", errors="test_reliability.count")
+    return count[0]
+
+
+def bad_inputs(rng: random.Random) -> list[bytes]:
+    text = "To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n".encode()
+    invalid = [b"\xff", b"\xc3", b"\xed\xa0\x80", b"\xc0\xaf", b"\xf0\x9f", b"\x80\x80", b"\xfe\xfe\xff"]
+    out = [b"", b"\n", b"\xff", b"a", "\ufffd".encode() + b"\xff" + "\ufffd".encode(), b"\x00" * 100,
+           b"x" * (3 << 20), b"\xef\xbb\xbf" + text, bytes(rng.randrange(256) for _ in range(5000))]
+    for _ in range(25):
+        pieces = [text[rng.randrange(len(text)):] for _ in range(rng.randrange(1, 6))]
+        for _ in range(rng.randrange(4)):
+            pieces.insert(rng.randrange(len(pieces) + 1), rng.choice(invalid + [b"\x00"]))
+        out.append(b"".join(pieces))
+    return out
+
+
+def test_prepare_survives_bad_input_and_reports_counts(tmp_path, capsys):
+    from jaxlm import cli
+
+    rng = random.Random(0)
+    tried = clear = 0
+    for i, data in enumerate(bad_inputs(rng)):
+        src = tmp_path / f"in{i}.txt"
+        src.write_bytes(data)
+        invalid = reference_invalid_utf8(data)
+        for errors in prepare.UTF8_ERRORS:
+            vocab = rng.choice(["char", "byte"])
+            text = data.decode("utf-8", errors={"skip": "ignore"}.get(errors, errors)) if errors != "strict" or \
+                not invalid else None
+            out = tmp_path / f"out{i}_{errors}"
+            tried += 1
+            try:
+                meta = prepare.prepare_text([src], out, vocab, errors)
+            except DataError as e:
+                msg = str(e)
+                assert "\n" not in msg, msg
+                if errors == "strict" and invalid:
+                    assert "invalid UTF-8 at byte" in msg and str(src) in msg
+                else:
+                    assert ("no text" in msg and not text) or ("at least 2" in msg and len(text) < 2), msg
+                clear += 1
+                continue
+            n_tokens = len(text) if vocab == "char" else len(text.encode())
+            stats = meta["input"]
+            assert (stats["bytes"], stats["invalid_utf8"], stats["nul_bytes"]) == (len(data), invalid, data.count(0))
+            assert stats["longest_line"] == max(len(line) for line in data.split(b"\n"))
+            assert meta["train_tokens"] + meta["val_tokens"] == n_tokens
+            ds = loader_lib.Dataset(out)  # the files agree with their meta (sizes, ids within the vocabulary)
+            tokens = np.concatenate([ds.splits["train"], ds.splits["val"]])
+            if vocab == "byte":
+                assert tokens.tobytes() == np.frombuffer(text.encode(), np.uint8).astype(np.uint16).tobytes()
+    assert tried >= 100 and clear >= 5
+
+    # The command line prints the counts; several files, one of them empty.
+    (tmp_path / "empty.txt").write_bytes(b"")
+    code = cli.main(["prepare", "text", str(tmp_path / "in4.txt"), str(tmp_path / "empty.txt"), "--errors", "skip",
+                     "--out", str(tmp_path / "cli")])
+    out = capsys.readouterr().out
+    assert code == 0 and "read 2 file(s) (1 empty)" in out and "1 invalid UTF-8 sequences dropped" in out, out
+    code = cli.main(["prepare", "text", str(tmp_path / "in4.txt"), "--errors", "strict", "--out", str(tmp_path / "x")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "invalid UTF-8 at byte 3" in err, err
+
+
+def test_data_files_that_do_not_match_their_meta_fail_clearly(char_data, tmp_path):
+    meta = json.loads((char_data / "meta.json").read_text())
+    train_bin = (char_data / "train.bin").read_bytes()
+
+    def broken(meta_changes=None, train=None, meta_text=None, drop=()):
+        d = tmp_path / f"case{len(list(tmp_path.iterdir()))}"
+        d.mkdir()
+        text = meta_text if meta_text is not None else json.dumps({**meta, **(meta_changes or {})})
+        (d / "meta.json").write_text(text)
+        (d / "train.bin").write_bytes(train if train is not None else train_bin)
+        shutil.copy(char_data / "val.bin", d / "val.bin")
+        for name in drop:
+            (d / name).unlink()
+        return d
+
+    poisoned = bytearray(train_bin)
+    poisoned[2 * 1234: 2 * 1235] = np.uint16(65).tobytes()
+    cases = [
+        (broken({"vocab_size": 10}), "holds token id"),
+        (broken(train=bytes(poisoned)), "holds token id 65 at position 1234, but meta.json's vocab_size is 65"),
+        (broken({"vocab_size": 0}), "vocab_size 0 must be > 0"),
+        (broken({"vocab_size": 70_000}), "does not fit in uint16"),
+        (broken({"dtype": "float32"}), "dtype float32 is not supported"),
+        (broken({"train_tokens": meta["train_tokens"] + 1}), "meta.json says 1003855"),
+        (broken(train=train_bin[:-1]), "not a whole number of uint16 tokens"),
+        (broken(meta_text="{not json"), "not a valid meta.json"),
+        (broken(meta_text=json.dumps({"dtype": "uint16"})), "not a valid meta.json"),
+        (broken(drop=["val.bin"]), "val.bin is missing"),
+        (broken({"train_tokens": 0}, train=b""), "train.bin is empty"),
+    ]
+    for d, fragment in cases:
+        with pytest.raises(DataError) as e:
+            loader_lib.Dataset(d)
+        assert fragment in str(e.value) and "\n" not in str(e.value), (fragment, str(e.value))
+    with pytest.raises(DataError, match="does not fit in uint32"):
+        prepare.write_split(tmp_path / "huge", np.arange(3), 2**32 + 1, {"kind": "byte"}, "test")

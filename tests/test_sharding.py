@@ -1,7 +1,10 @@
+import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -9,7 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config
-from jaxlm import config as config_lib, sharding, train
+from jaxlm import checkpoint as ckpt, config as config_lib, sharding, train
 from jaxlm.config import ConfigError, MeshConfig
 
 STRATEGIES = {
@@ -116,31 +119,79 @@ def _launch(args, cwd):
                           capture_output=True, text=True, timeout=900)
 
 
+def _recorded_step(run_dir) -> int:
+    path = run_dir / "metrics.jsonl"
+    steps = [0]
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            steps.append(json.loads(line)["step"])
+        except ValueError:  # a line being written
+            pass
+    return max(steps)
+
+
+def _sigterm_one_process(args, cwd, run_dir):
+    """Launch 2 processes and SIGTERM the second once step 3 is recorded: (exit status, output, seconds from
+    the signal to the exit of all processes)."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    p = subprocess.Popen([sys.executable, "-m", "jaxlm.cli", "launch", *args], cwd=cwd, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 600
+    while time.time() < deadline and p.poll() is None and _recorded_step(run_dir) < 3:
+        time.sleep(0.05)
+    children = [int(c) for c in Path(f"/proc/{p.pid}/task/{p.pid}/children").read_text().split()]
+    assert len(children) == 2, children
+    sent = time.time()
+    os.kill(children[1], signal.SIGTERM)
+    out = p.communicate(timeout=120)[0]
+    return p.returncode, out, time.time() - sent
+
+
 @pytest.mark.slow
-def test_two_processes_match_one_and_resume_exactly(char_data, tmp_path):
+def test_two_processes_match_one_and_resume_exactly_after_sigterm_to_one(char_data, tmp_path):
     common = ["shakespeare_char_cpu", f"data.dir={char_data}", "model.n_layers=2", "model.d_model=32",
-              "model.block_size=32", "training.batch_size=8", "training.steps=12", "optimizer.warmup_steps=2",
+              "model.block_size=32", "model.vocab_size=128", "training.batch_size=8", "optimizer.warmup_steps=2",
               "optimizer.decay_steps=12", "checkpoint.interval=6", "training.eval_interval=6",
-              "training.eval_batches=2", "training.sample_tokens=0", "logging.progress=false", "training.log_interval=1"]
-    one = _launch(["--processes", "1", "--devices-per-process", "8", "--", "train", *common,
+              "training.eval_batches=2", "training.sample_tokens=0", "logging.progress=false", "training.log_interval=1",
+              "mesh.ici_data=1", "mesh.ici_fsdp=8"]
+    two_procs = ["--processes", "2", "--devices-per-process", "4", "--", "train", *common]
+    # SIGTERM to one of two processes: both stop after the same step S, save it and exit 0.
+    code, out, seconds = _sigterm_one_process([*two_procs, "training.steps=100000", f"run_dir={tmp_path / 'part'}"],
+                                              tmp_path, tmp_path / "part")
+    assert code == 0 and seconds < 30, out
+    stops = {line[1]: int(line.split("after step ")[1].split(";")[0]) for line in out.splitlines()
+             if "stopped for preemption after step" in line}
+    assert set(stops) == {"0", "1"} and len(set(stops.values())) == 1, out
+    S = stops["0"]
+    assert ckpt.step_numbers(tmp_path / "part" / "checkpoints")[-1] == S
+    assert ckpt.verify(tmp_path / "part" / "checkpoints" / str(S)) is None
+    T = max(12, S + 4)
+    one = _launch(["--processes", "1", "--devices-per-process", "8", "--", "train", *common, "training.steps=12",
                    f"run_dir={tmp_path / 'one'}"], tmp_path)
     assert one.returncode == 0, one.stdout + one.stderr
-    two = _launch(["--processes", "2", "--devices-per-process", "4", "--", "train", *common,
-                   f"run_dir={tmp_path / 'two'}"], tmp_path)
+    two = _launch([*two_procs, f"training.steps={T}", f"run_dir={tmp_path / 'two'}"], tmp_path)
     assert two.returncode == 0, two.stdout + two.stderr
     assert "in 2 process(es)" in two.stdout
     a, b = train.losses_by_step(tmp_path / "one"), train.losses_by_step(tmp_path / "two")
-    assert sorted(a) == sorted(b) == list(range(1, 13))
+    assert sorted(a) == list(range(1, 13)) and sorted(b) == list(range(1, T + 1))
     np.testing.assert_allclose([b[s] for s in range(1, 13)], [a[s] for s in range(1, 13)], rtol=1e-6)
-    # Resume the two-process run from its step-6 checkpoint: steps 7..12 repeat exactly.
-    part = _launch(["--processes", "2", "--devices-per-process", "4", "--", "train", *common,
-                    "training.steps=6", f"run_dir={tmp_path / 'part'}"], tmp_path)
-    assert part.returncode == 0, part.stdout + part.stderr
-    rest = _launch(["--processes", "2", "--devices-per-process", "4", "--", "train", *common,
-                    f"run_dir={tmp_path / 'part'}"], tmp_path)
-    assert rest.returncode == 0 and "resumed from" in rest.stdout, rest.stdout + rest.stderr
+    # Resume the preempted run: steps S+1..T repeat the uninterrupted two-process run exactly.
+    rest = _launch([*two_procs, f"training.steps={T}", f"run_dir={tmp_path / 'part'}"], tmp_path)
+    assert rest.returncode == 0 and f"at step {S}" in rest.stdout, rest.stdout + rest.stderr
     c = train.losses_by_step(tmp_path / "part")
-    assert [c[s] for s in range(7, 13)] == [b[s] for s in range(7, 13)]
+    assert [c[s] for s in range(1, T + 1)] == [b[s] for s in range(1, T + 1)]
+
+    # Both runs' final checkpoints, written by 2 processes, restore in this one (8 devices) on the saving
+    # mesh, on fsdp4 x tensor2 and on 4 devices: the same bits every time, and the same in both runs.
+    hashes = set()
+    for mesh, devices in ((["mesh.ici_fsdp=8"], 8), (["mesh.ici_fsdp=4", "mesh.ici_tensor=2"], 8),
+                          (["mesh.ici_fsdp=4"], 4)):
+        run = train.setup(config_lib.load(common[0], common[1:] + mesh), jax.devices()[:devices])
+        for name in ("two", "part"):
+            state = ckpt.restore_newest(tmp_path / name, run.abstract_state, log=lambda s: None)[1]
+            hashes.add(hashlib.sha256(b"".join(np.asarray(x).tobytes()
+                                               for x in jax.tree.leaves(jax.device_get(state)))).hexdigest())
+    assert len(hashes) == 1
 
 
 READER = """

@@ -44,20 +44,6 @@ def test_one_and_eight_devices_give_equal_losses(char_data, tmp_path):
         np.testing.assert_allclose(got, ref, rtol=1e-5)
 
 
-def test_resume_continues_exactly(char_data, tmp_path):
-    same_schedule = {"optimizer.decay_steps": 20}
-    train.train(tiny_config(char_data, tmp_path / "full", **same_schedule), log=lambda s: None)
-    train.train(tiny_config(char_data, tmp_path / "part", **same_schedule, **{"training.steps": 10}),
-                log=lambda s: None)
-    resumed = tiny_config(char_data, tmp_path / "part", **same_schedule)
-    summary = train.train(resumed, log=lambda s: None)
-    assert summary["start_step"] == 10
-    a, b = train.losses_by_step(tmp_path / "full"), train.losses_by_step(tmp_path / "part")
-    assert sorted(a) == sorted(b) == list(range(1, 21))
-    assert [a[s] for s in range(11, 21)] == [b[s] for s in range(11, 21)]
-    assert summary["val_loss"] == [r for r in train.read_metrics(tmp_path / "full") if "val_loss" in r][-1]["val_loss"]
-
-
 def test_resume_with_a_different_model_fails_clearly(char_data, tmp_path):
     train.train(tiny_config(char_data, tmp_path / "r", **{"training.steps": 2, "optimizer.warmup_steps": 1}), log=lambda s: None)
     with pytest.raises(train.ConfigError, match="different model"):

@@ -414,14 +414,14 @@ def _version(package: str) -> str | None:
 
 def baked_settings(cfg: Config) -> dict:
     """Settings a compiled step holds as constants or shapes: the model, the optimizer and its learning-rate
-    schedule (its length included), the batch, the dropout seed and the mesh. The data, evaluation,
+    schedule (its length included), the batch, the loss-spike threshold, the dropout seed and the mesh. The data, evaluation,
     checkpoints, logging and the number of steps run are read at run time."""
     out = {f"model.{k}": v for k, v in dataclasses.asdict(cfg.model).items()}
     out.update({f"optimizer.{k}": v for k, v in dataclasses.asdict(cfg.optimizer).items()})
     if cfg.optimizer.decay_steps is None:  # the schedule decays over training.steps
         out["training.steps"] = cfg.training.steps
     out.update({"training.batch_size": cfg.training.batch_size, "training.grad_accum": cfg.training.grad_accum,
-                "seed": cfg.seed})
+                "training.spike_threshold": cfg.training.spike_threshold, "seed": cfg.seed})
     out.update({f"mesh.{k}": v for k, v in dataclasses.asdict(cfg.mesh).items()})
     return out
 

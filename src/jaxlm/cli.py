@@ -93,10 +93,13 @@ def cmd_prepare(argv: list[str]) -> int:
     p.add_argument("--input", help="local copy of the corpus (shakespeare_char); no download")
     p.add_argument("--out", help="output folder (default data/<dataset>)")
     p.add_argument("--vocab", choices=["char", "byte"], default="char", help="vocabulary for `text`")
+    p.add_argument("--errors", choices=prepare.UTF8_ERRORS, default="replace",
+                   help="invalid UTF-8 in `text` or shakespeare_char input: replace by U+FFFD (default), skip "
+                        "(drop the bytes) or strict (fail); the counts are printed either way")
     a = p.parse_args(argv)
     out = a.out or f"data/{a.dataset}"
     if a.dataset == "shakespeare_char":
-        meta = prepare.prepare_shakespeare_char(out, a.input)
+        meta = prepare.prepare_shakespeare_char(out, a.input, a.errors)
     elif a.dataset == "python_stdlib":
         meta = prepare.prepare_python_stdlib(out)
     elif a.dataset == "openwebtext":
@@ -104,7 +107,9 @@ def cmd_prepare(argv: list[str]) -> int:
     else:
         if not a.files:
             p.error("`text` needs at least one input file")
-        meta = prepare.prepare_text(a.files, out, a.vocab)
+        meta = prepare.prepare_text(a.files, out, a.vocab, a.errors)
+    if "input" in meta:
+        print(prepare.describe_input(meta["input"], meta["input"]["utf8_errors"]))
     print(f"wrote {out}: {prepare.describe(meta)}")
     return 0
 
@@ -264,6 +269,12 @@ def main(argv: list[str] | None = None) -> int:
     except (config_lib.ConfigError, DataError, TokenizerError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:
+        train = sys.modules.get("jaxlm.train")  # imported only by the commands that train
+        if train is None or not isinstance(e, train.TrainingError):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -151,6 +151,13 @@ class TrainingConfig:
     sample_prompt: str = _f("\n", "prompt for the end-of-training sample")
     sample_temperature: float = _f(0.8, "sampling temperature for the end-of-training sample")
     sample_top_k: int = _f(200, "top-k for the end-of-training sample; 0 = off")
+    on_nonfinite: Literal["skip", "stop"] = _f(
+        "skip", "a step whose loss or gradient norm is NaN/inf is never applied; skip: go on with the next batch "
+                "(up to max_consecutive_skips in a row), stop: end the run with an error")
+    max_consecutive_skips: int = _f(20, "with on_nonfinite=skip, end the run when more steps than this in a row "
+                                        "are not finite")
+    spike_threshold: float = _f(0.0, "skip the update of a step whose loss exceeds this multiple of the running "
+                                     "average loss (about the last 100 steps); 0 = off, else > 1")
 
 
 @dataclass(frozen=True)
@@ -159,6 +166,10 @@ class CheckpointConfig:
     keep: int = _f(3, "checkpoints kept on disk")
     enabled: bool = _f(True, "write checkpoints at all")
     async_save: bool = _f(True, "write checkpoints in the background while training continues")
+    on_error: Literal["stop", "continue"] = _f("stop", "when a save fails (read-only or full disk): stop the run "
+                                                       "with an error, or warn and try again at the next interval")
+    save_on_preemption: bool = _f(True, "on SIGTERM or SIGINT, all processes agree on a step, save it, flush "
+                                        "the logs and exit 0 (a second SIGINT aborts)")
     init_from: str | None = _f(None, "start from these weights (a `jaxlm convert from-hf` folder or a run directory) "
                                      "with a fresh optimizer, when run_dir holds no checkpoint yet")
 
@@ -479,6 +490,19 @@ def validate(cfg: Config) -> None:
         if v <= 0:
             raise ConfigError(f"{key}={v} must be > 0")
 
+    # NaN passes every `v <= 0` test below and infinity most of them; no setting means either.
+    for key, *_ in all_keys():
+        section, _, name = key.rpartition(".")
+        v = getattr(getattr(cfg, section), name) if section else getattr(cfg, name)
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ConfigError(f"{key}={v} must be a finite number")
+    for key in ("seed", "decode.seed"):
+        v = cfg.seed if key == "seed" else cfg.decode.seed
+        if v < 0:
+            raise ConfigError(f"{key}={v} must be >= 0")
+    if cfg.run_dir == "":
+        raise ConfigError("run_dir='' is empty; give a folder, or None for outputs/<timestamp>")
+
     for key in ("block_size", "n_layers", "n_heads", "d_model"):
         positive(f"model.{key}", getattr(m, key))
     for key in ("vocab_size", "n_kv_heads", "head_dim", "d_ff"):
@@ -510,15 +534,20 @@ def validate(cfg: Config) -> None:
                           f"does not divide model.n_layers={m.n_layers}")
     if "local" in m.pattern and m.sliding_window is None:
         raise ConfigError(f"model.layer_pattern={m.layer_pattern!r} has local layers; set model.sliding_window")
-    if m.n_experts < 0 or (m.n_experts and not 1 <= m.experts_per_token <= m.n_experts):
+    if m.n_experts < 0:
+        raise ConfigError(f"model.n_experts={m.n_experts} must be >= 0 (0 = dense MLP)")
+    if m.experts_per_token < 1 or (m.n_experts and m.experts_per_token > m.n_experts):
         raise ConfigError(f"model.experts_per_token={m.experts_per_token} must be in [1, model.n_experts="
-                          f"{m.n_experts}] (n_experts >= 0; 0 = dense MLP)")
-    if m.rope_scaling == "llama3":
-        for key in ("rope_scaling_factor", "rope_original_context"):
-            positive(f"model.{key}", getattr(m, key))
-        if not 0 < m.rope_low_freq_factor < m.rope_high_freq_factor:
-            raise ConfigError(f"model.rope_low_freq_factor={m.rope_low_freq_factor} must be > 0 and < "
-                              f"model.rope_high_freq_factor={m.rope_high_freq_factor}")
+                          f"{m.n_experts}]" if m.n_experts else f"model.experts_per_token={m.experts_per_token} "
+                          f"must be >= 1")
+    if m.router_aux_loss_coef < 0:
+        raise ConfigError(f"model.router_aux_loss_coef={m.router_aux_loss_coef} must be >= 0")
+    # Checked whether or not rope_scaling uses them: a nonsensical value is a mistake either way.
+    for key in ("rope_scaling_factor", "rope_original_context"):
+        positive(f"model.{key}", getattr(m, key))
+    if not 0 < m.rope_low_freq_factor < m.rope_high_freq_factor:
+        raise ConfigError(f"model.rope_low_freq_factor={m.rope_low_freq_factor} must be > 0 and < "
+                          f"model.rope_high_freq_factor={m.rope_high_freq_factor}")
     positive("optimizer.lr", o.lr)
     if not 0.0 <= o.min_lr <= o.lr:
         raise ConfigError(f"optimizer.min_lr={o.min_lr} must be in [0, optimizer.lr={o.lr}]")
@@ -541,6 +570,10 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"training.{key}={getattr(t, key)} must be >= 0")
     if t.sample_temperature < 0:
         raise ConfigError(f"training.sample_temperature={t.sample_temperature} must be >= 0")
+    if t.max_consecutive_skips < 0:
+        raise ConfigError(f"training.max_consecutive_skips={t.max_consecutive_skips} must be >= 0")
+    if t.spike_threshold != 0 and not 1 < t.spike_threshold < math.inf:
+        raise ConfigError(f"training.spike_threshold={t.spike_threshold} must be 0 (off) or a finite ratio > 1")
     if c.interval < 0:
         raise ConfigError(f"checkpoint.interval={c.interval} must be >= 0")
     positive("checkpoint.keep", c.keep)
@@ -557,6 +590,8 @@ def validate(cfg: Config) -> None:
     d = cfg.distributed
     if d.coordinator_address is not None and (d.num_processes is None or d.process_id is None):
         raise ConfigError("distributed.coordinator_address needs distributed.num_processes and distributed.process_id")
+    if d.process_id is not None and d.process_id < 0:
+        raise ConfigError(f"distributed.process_id={d.process_id} must be >= 0")
     if d.num_processes is not None and d.num_processes <= 0:
         raise ConfigError(f"distributed.num_processes={d.num_processes} must be > 0")
     if d.process_id is not None and d.num_processes is not None and not 0 <= d.process_id < d.num_processes:

@@ -263,13 +263,18 @@ def load_config(path: str | Path) -> Config:
 def params_location(path: str | Path) -> tuple[Path, bool]:
     """Where a folder keeps its weights: (folder, is_train_state). A converted checkpoint has params/, a run
     directory has checkpoints/<step>/state holding params next to the optimizer state."""
+    from jaxlm import checkpoint
+
     path = Path(path).absolute()
     if (path / "params").is_dir():
         return path / "params", False
-    steps = sorted(int(p.name) for p in (path / "checkpoints").glob("*") if p.name.isdigit() and (p / "state").is_dir())
-    if not steps:
-        raise ConvertError(f"{path} holds no weights (no params/ and no checkpoints/<step>/state)")
-    return path / "checkpoints" / str(steps[-1]) / "state", True
+    try:
+        step = checkpoint.select(path / "checkpoints", print)
+    except checkpoint.CheckpointError as e:
+        raise ConvertError(str(e)) from None
+    if step is None:
+        raise ConvertError(f"{path} holds no weights (no params/ and no committed checkpoints/<step>)")
+    return path / "checkpoints" / str(step) / "state", True
 
 
 def restore_params(path: str | Path, abstract_params: dict) -> dict:

@@ -1,4 +1,5 @@
-"""Multi-process runs through JAX's own distributed runtime (`jax.distributed`).
+"""Multi-process runs through JAX's own distributed runtime (`jax.distributed`), and preemption notices
+(SIGTERM/SIGINT) turned into one step at which every process stops.
 
 A run is multi-process when `distributed.coordinator_address` is set, when `jaxlm launch` exported
 JAXLM_COORDINATOR / JAXLM_NUM_PROCESSES / JAXLM_PROCESS_ID, or when `distributed.auto=true` lets JAX
@@ -8,6 +9,9 @@ detect the cluster (TPU pods, Slurm, Open MPI, Kubernetes). CPU processes exchan
 from __future__ import annotations
 
 import os
+import signal
+import threading
+from typing import Callable
 
 import jax
 
@@ -45,3 +49,54 @@ def initialize(cfg: DistributedConfig) -> None:
 def is_main() -> bool:
     """Only process 0 writes logs, metrics and progress; every process writes its checkpoint shards."""
     return jax.process_index() == 0
+
+
+class Preemption:
+    """SIGTERM (a scheduler's preemption notice) or SIGINT -> every process stops after the same step.
+
+    One process: Python handlers note the signal; `reached(step)` is then True after the current step.
+    Several processes: JAX's preemption service already catches SIGTERM (it installs its own handler in
+    `jax.distributed.initialize`) and tells the coordinator, and `reached_preemption_sync_point(step)` turns
+    True on every process at the same step, whichever process got the signal. SIGINT is passed on to it as
+    a SIGTERM to this process. A second SIGINT raises KeyboardInterrupt, for a user who will not wait.
+    """
+
+    def __init__(self, enabled: bool, log: Callable[[str], None] = print):
+        self.signal_name: str | None = None
+        self._log = log
+        self._old: dict = {}
+        self._service = enabled and _initialized and jax.config.jax_enable_preemption_service
+        if not enabled or threading.current_thread() is not threading.main_thread():
+            return
+        handlers = {signal.SIGINT: self._forward} if self._service else {signal.SIGTERM: self._note,
+                                                                         signal.SIGINT: self._note}
+        for sig, handler in handlers.items():
+            self._old[sig] = signal.signal(sig, handler)
+
+    def _note(self, signum, frame) -> None:
+        if self.signal_name is not None:
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            return  # schedulers may repeat SIGTERM; the save is already on its way
+        self.signal_name = signal.Signals(signum).name
+        self._log(f"received {self.signal_name}: saving a checkpoint after this step, then exiting "
+                  f"(Ctrl-C again aborts without saving)")
+
+    def _forward(self, signum, frame) -> None:
+        if self.signal_name is not None:
+            raise KeyboardInterrupt
+        self.signal_name = "SIGINT"
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def reached(self, step: int) -> bool:
+        """True on every process at the same step once any of them was asked to stop. Call it every step."""
+        if self._service:
+            from jax.experimental import multihost_utils
+
+            return multihost_utils.reached_preemption_sync_point(step)
+        return self.signal_name is not None
+
+    def close(self) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        self._old = {}

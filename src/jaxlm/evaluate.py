@@ -33,13 +33,10 @@ def evaluate_run(run_dir: str | Path, overrides: dict | None = None, devices=Non
     cfg = load_run_config(run_dir, overrides or {})
     run = train.setup(cfg, devices)
     cfg, t_cfg = run.cfg, run.cfg.training
-    checkpointer = ckpt.Checkpointer(run_dir, cfg.checkpoint)
-    step = checkpointer.latest_step()
-    if step is None:
-        checkpointer.close()
-        raise ckpt.CheckpointError(f"{checkpointer.dir} holds no checkpoint to evaluate")
-    state, _ = checkpointer.restore(step, run.abstract_state)
-    checkpointer.close()
+    restored = ckpt.restore_newest(run_dir, run.abstract_state, log)
+    if restored is None:
+        raise ckpt.CheckpointError(f"{run_dir / 'checkpoints'} holds no committed checkpoint to evaluate")
+    step, state, _ = restored
     float_params = state["params"]
     params = float_params
     if cfg.model.quantization == "int8_weights":

@@ -5,10 +5,15 @@ fake CPU devices each) and for one node with several GPUs (one process per GPU g
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
+
+# After one process fails, the others get SIGTERM and this long to exit before they are killed.
+FAILED_GRACE_S = 30.0
 
 
 def free_port() -> int:
@@ -43,6 +48,16 @@ def launch(command: list[str], processes: int, devices_per_process: int | None =
                          daemon=True).start()
         procs.append(p)
     status = 0
+    deadline = None
+
+    def forward(signum, frame):
+        # A preemption notice for the job: every process gets SIGTERM, which JAX's preemption service turns
+        # into one agreed step to save at (SIGINT too, since a terminal's Ctrl-C may reach only this process).
+        for q in procs:
+            if q.poll() is None:
+                q.send_signal(signal.SIGTERM)
+
+    old = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         remaining = list(procs)
         while remaining:
@@ -56,10 +71,14 @@ def launch(command: list[str], processes: int, devices_per_process: int | None =
                     status = code
                     for q in remaining:  # one failed process would leave the others waiting on collectives
                         q.terminate()
-    except KeyboardInterrupt:
-        for p in procs:
-            p.terminate()
-        status = 130
+                    deadline = time.monotonic() + FAILED_GRACE_S
+            if deadline is not None and time.monotonic() > deadline:
+                for q in remaining:  # they cannot finish a collective with a dead peer
+                    q.kill()
+                deadline = None
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
     for p in procs:
         p.wait()
     return status

@@ -149,8 +149,8 @@ def check_divisible(name: str, shape: Sequence[int], axes: Sequence[str | None],
         if dim % n:
             names = (entry,) if isinstance(entry, str) else entry
             raise ConfigError(f"{name}: its '{logical}' dimension of size {dim} is sharded over mesh axes "
-                              f"{'x'.join(names)} ({n} devices), which does not divide it; change mesh.ici_*/dcn_* "
-                              f"or the model size")
+                              f"{'x'.join(names)} ({n} devices), which does not divide it; change "
+                              f"{' or '.join(f'mesh.ici_{a} / mesh.dcn_{a}' for a in names)} or the model size")
 
 
 _CTX: contextvars.ContextVar[tuple[Mesh, Rules] | None] = contextvars.ContextVar("jaxlm_sharding", default=None)

@@ -61,6 +61,15 @@ def setup(cfg: Config, devices=None, data: bool = True) -> Run:
         elif vocab < dataset.vocab_size:
             raise ConfigError(f"model.vocab_size={vocab} is smaller than the data's vocabulary "
                               f"({dataset.vocab_size}, from {data_dir / 'meta.json'})")
+        if data and cfg.training.sample_tokens:  # the end-of-training sample would fail hours from now
+            try:
+                tokenizer_lib.from_meta(dataset.meta).encode(cfg.training.sample_prompt)
+            except tokenizer_lib.TokenizerError as e:
+                raise ConfigError(f"training.sample_prompt={cfg.training.sample_prompt!r} cannot be encoded: "
+                                  f"{e}") from None
+    if data and cfg.checkpoint.init_from and not Path(cfg.checkpoint.init_from).is_dir():
+        raise ConfigError(f"checkpoint.init_from={cfg.checkpoint.init_from!r} is not a folder; give a run "
+                          f"directory or a `jaxlm convert from-hf` output")
     cfg = cfg.replace(model=config_lib.apply_parameter_scale(cfg.model))
     mesh = sharding.make_mesh(cfg.mesh, devices)
     param_rules, act_rules = sharding.rules_from_config(cfg.mesh)
@@ -90,8 +99,22 @@ def resolve_batch(t: config_lib.TrainingConfig, mesh, act_rules) -> config_lib.T
     return dataclasses.replace(t, per_device_batch_size=t.batch_size / n_dev)
 
 
+# Running average of the loss for spike detection: an exponential average over about the last 100 steps.
+LOSS_AVG_DECAY = 0.99
+
+
+def _init_guard() -> dict:
+    """Scalars the train step keeps about updates it refused: the running loss average (0 = none yet), how
+    many steps were skipped for a NaN/inf loss or gradient norm or for a loss spike, and the current run of
+    non-finite steps. They live in the state so a resumed run continues them exactly."""
+    i32 = lambda: jnp.zeros((), jnp.int32)  # noqa: E731
+    return {"loss_avg": jnp.zeros((), jnp.float32), "nonfinite_skips": i32(), "spike_skips": i32(),
+            "skips_in_a_row": i32()}
+
+
 def _init_state_fn(optimizer):
-    return lambda params: {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), jnp.int32)}
+    return lambda params: {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), jnp.int32),
+                           "guard": _init_guard()}
 
 
 def make_abstract_state(specs, mesh, optimizer, param_rules=sharding.PARAM_RULES) -> dict:
@@ -135,9 +158,17 @@ def init_state_from(run: Run, path: str) -> dict:
 
 
 def make_train_step(cfg: Config, optimizer, mesh, abstract_state, act_rules=sharding.ACTIVATION_RULES) -> Callable:
-    """(state, x[A,B,T], y[A,B,T]) -> (state, {loss, grad_norm, lr}); A micro-batches are accumulated."""
+    """(state, x[A,B,T], y[A,B,T]) -> (state, metrics); A micro-batches are accumulated.
+
+    A step whose loss or gradient norm is NaN/inf, or (with training.spike_threshold) whose loss exceeds
+    that multiple of the running average, is not applied: params and optimizer state come out bit-for-bit
+    as they went in. `step` still advances (the batch was consumed, and data order and dropout keys follow
+    `step`); the optimizer's own count does not, so its schedule runs one step behind `step` per skip, and
+    the `lr` metric reports the rate the optimizer used. Metrics: loss, grad_norm, lr, loss_avg and the
+    guard counters nonfinite_skips, spike_skips, skips_in_a_row (totals after this step)."""
     model_cfg = cfg.model
     lr_at = optim.schedule(cfg.optimizer, cfg.training.steps)
+    spike = cfg.training.spike_threshold
     base_key = jax.random.key(cfg.seed + 1)
     grad_fn = jax.value_and_grad(loss_fn)
 
@@ -157,10 +188,31 @@ def make_train_step(cfg: Config, optimizer, mesh, abstract_state, act_rules=shar
                 zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
                 (loss, grads), _ = jax.lax.scan(micro, zeros, (x_ABT, y_ABT, jnp.arange(A)))
                 loss, grads = jax.tree.map(lambda g: g / A, (loss, grads))
+        grad_norm = optax.tree.norm(grads)
+        guard = state["guard"]
+        avg = guard["loss_avg"]
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        spiked = finite & (avg > 0) & (loss > spike * avg) if spike else jnp.zeros((), bool)
+        apply = finite & ~spiked
         updates, opt_state = optimizer.update(grads, state["opt_state"], params)
-        new_state = {"params": optax.apply_updates(params, updates), "opt_state": opt_state,
-                     "step": state["step"] + 1}
-        return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": lr_at(state["step"])}
+        keep = lambda new, old: jnp.where(apply, new, old)  # noqa: E731 - a select, fused into the update
+        # A spike enters the average only up to the threshold, so a lasting rise in the loss is followed
+        # within some tens of steps instead of being skipped for ever.
+        seen = jnp.minimum(loss, spike * avg) if spike else loss
+        new_guard = {
+            "loss_avg": jnp.where(finite, jnp.where(avg > 0, LOSS_AVG_DECAY * avg + (1 - LOSS_AVG_DECAY) * seen, loss),
+                                  avg),
+            "nonfinite_skips": guard["nonfinite_skips"] + (~finite).astype(jnp.int32),
+            "spike_skips": guard["spike_skips"] + spiked.astype(jnp.int32),
+            "skips_in_a_row": jnp.where(finite, 0, guard["skips_in_a_row"] + 1),
+        }
+        new_state = {"params": jax.tree.map(keep, optax.apply_updates(params, updates), params),
+                     "opt_state": jax.tree.map(keep, opt_state, state["opt_state"]),
+                     "step": state["step"] + 1, "guard": new_guard}
+        applied_before = state["step"] - guard["nonfinite_skips"] - guard["spike_skips"]
+        return new_state, {"loss": loss, "grad_norm": grad_norm, "lr": lr_at(applied_before),
+                           "loss_avg": avg, **{k: new_guard[k] for k in ("nonfinite_skips", "spike_skips",
+                                                                         "skips_in_a_row")}}
 
     state_sh = shardings_of(abstract_state)
     return jax.jit(step_fn, donate_argnums=0, out_shardings=(state_sh, None))
@@ -179,6 +231,32 @@ def lower_train_step(run: Run) -> jax.stages.Lowered:
     target, and what a step saved by it must match to replace make_train_step's jit in `train`."""
     step = make_train_step(run.cfg, run.optimizer, run.mesh, run.abstract_state, run.act_rules)
     return step.lower(run.abstract_state, *abstract_batch(run))
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (e.g. the loss stays NaN); the message says at which step and why."""
+
+
+def _report_skips(step: int, m: dict, seen: dict, t_cfg: config_lib.TrainingConfig, say) -> str | None:
+    """Say which steps were not applied; return why the run must stop, if it must. `seen` holds the
+    counters as of the previous step and is brought up to date."""
+    failure = None
+    row = int(m["skips_in_a_row"])
+    if int(m["nonfinite_skips"]) > seen["nonfinite_skips"]:
+        what = (f"step {step}: the loss ({float(m['loss']):.6g}) or gradient norm ({float(m['grad_norm']):.6g}) "
+                f"is not finite")
+        if t_cfg.on_nonfinite == "stop":
+            failure = f"{what}; the update was not applied and training.on_nonfinite=stop ends the run"
+        elif row > t_cfg.max_consecutive_skips:
+            failure = (f"{what}, {row} steps in a row (more than training.max_consecutive_skips="
+                       f"{t_cfg.max_consecutive_skips}); lower optimizer.lr or check the data")
+        else:
+            say(f"{what}; update skipped ({row} in a row)")
+    if int(m["spike_skips"]) > seen["spike_skips"]:
+        say(f"step {step}: loss {float(m['loss']):.4f} is over {t_cfg.spike_threshold:g}x the running average "
+            f"{float(m['loss_avg']):.4f}; update skipped ({int(m['spike_skips'])} so far)")
+    seen.update(nonfinite_skips=int(m["nonfinite_skips"]), spike_skips=int(m["spike_skips"]))
+    return failure
 
 
 def make_eval_step(cfg: Config, mesh, act_rules=sharding.ACTIVATION_RULES) -> Callable:
@@ -280,10 +358,10 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
         log(note)
 
     use_ckpt = cfg.checkpoint.enabled and not cfg.debug
-    checkpointer = ckpt.Checkpointer(run_dir, cfg.checkpoint) if use_ckpt else None
+    checkpointer = ckpt.Checkpointer(run_dir, cfg.checkpoint, log) if use_ckpt else None
     loader = loader_lib.Loader(run.dataset.splits["train"], m_cfg.block_size, t_cfg.batch_size, t_cfg.grad_accum,
                                cfg.seed)
-    latest = checkpointer.latest_step() if checkpointer else None
+    latest = checkpointer.latest if checkpointer else None
     if latest is not None:
         state, loader_state = checkpointer.restore(latest, run.abstract_state)
         loader.restore(loader_state)
@@ -294,6 +372,7 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
     else:
         state = init_state(run, cfg.seed)
     start = int(jax.device_get(state["step"]))
+    skips = {k: int(v) for k, v in jax.device_get(state["guard"]).items()}
 
     if loaded_step is not None:
         train_step = loaded_step
@@ -308,71 +387,106 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
                                   wandb_run=metrics.start_wandb(cfg, run_dir) if cfg.logging.wandb and main_process
                                   else None)
     progress = metrics.Progress(t_cfg.steps, start, cfg.logging.progress and main_process)
-    say = progress.write if main_process else log
+    say = progress.write if cfg.logging.progress and main_process else log
     profiler = diagnostics.Profiler(cfg, run_dir, start, log)
     monitor = diagnostics.Monitor(cfg, run_dir, progress.write)
+    preemption = distributed.Preemption(use_ckpt and cfg.checkpoint.save_on_preemption, say)
     goodput.charge_unaccounted("init")
 
     pending: list[tuple[int, dict]] = []
     last_eval: dict = {}
+    preempted_at = None
     window_start, window_steps, timed_steps, timed_seconds = time.perf_counter(), 0, 0, 0.0
     compile_seconds = 0.0
-    for step in range(start, t_cfg.steps):
-        profiler.before(step)
-        with jax.profiler.StepTraceAnnotation("train", step_num=step):
-            with goodput.phase("data"):
-                x, y = device_batch(run, "train", loader.next_starts())
-            with goodput.phase("compile" if step == start else "compute"):
-                state, step_metrics = train_step(state, x, y)
-                if step == start:
-                    jax.block_until_ready(step_metrics)  # the first call compiles; keep that out of compute
-        done = step + 1
-        profiler.after(done, state)
-        pending.append((done, step_metrics))
-        window_steps += 1
-        is_eval = done == t_cfg.steps or (t_cfg.eval_interval and done % t_cfg.eval_interval == 0)
-        is_ckpt = use_ckpt and (done == t_cfg.steps or (cfg.checkpoint.interval and done % cfg.checkpoint.interval == 0))
-        if done == start + 1 or done % t_cfg.log_interval == 0 or is_eval or is_ckpt:
-            with goodput.phase("compute"):
-                fetched = jax.device_get([m for _, m in pending])
-            elapsed = time.perf_counter() - window_start
-            if done == start + 1:
-                compile_seconds = elapsed  # the first step includes compilation; keep it out of throughput
-            else:
-                timed_steps += window_steps
-                timed_seconds += elapsed
-            window = meter.window(window_steps, elapsed)
-            for (s, _), m in zip(pending, fetched):
-                record = {"step": s, "loss": float(m["loss"]), "lr": float(m["lr"]),
-                          "grad_norm": float(m["grad_norm"])}
-                if s == done:
-                    record.update({"compile_s": elapsed} if done == start + 1 else window)
-                    if is_eval:
-                        with goodput.phase("eval"):
-                            last_eval = evaluate(eval_step, state["params"], run, eval_batches)
-                        record.update(train_loss=last_eval["train"], val_loss=last_eval["val"])
-                        say(f"step {s}: train loss {last_eval['train']:.4f}, val loss {last_eval['val']:.4f}")
-                writer.write(record)
-            writer.flush()
-            last = fetched[-1]
-            progress.update(window_steps, {"loss": f"{float(last['loss']):.4f}", "lr": f"{float(last['lr']):.2e}",
-                                           "tok/s": f"{window['tokens_per_s']:,.0f}",
-                                           "MFU": f"{100 * window['mfu']:.1f}%"})
-            if is_ckpt:
-                with goodput.phase("checkpoint"):
-                    checkpointer.save(done, state, loader.state())
-            pending.clear()
-            window_steps = 0
-            window_start = time.perf_counter()  # evaluation and checkpointing stay out of the throughput
-        monitor.beat(done)
+    try:
+        for step in range(start, t_cfg.steps):
+            profiler.before(step)
+            with jax.profiler.StepTraceAnnotation("train", step_num=step):
+                with goodput.phase("data"):
+                    x, y = device_batch(run, "train", loader.next_starts())
+                with goodput.phase("compile" if step == start else "compute"):
+                    state, step_metrics = train_step(state, x, y)
+                    if step == start:
+                        jax.block_until_ready(step_metrics)  # the first call compiles; keep that out of compute
+            done = step + 1
+            profiler.after(done, state)
+            pending.append((done, step_metrics))
+            window_steps += 1
+            stop = preemption.reached(done)
+            is_eval = not stop and (done == t_cfg.steps or (t_cfg.eval_interval and done % t_cfg.eval_interval == 0))
+            is_ckpt = use_ckpt and (stop or done == t_cfg.steps
+                                    or (cfg.checkpoint.interval and done % cfg.checkpoint.interval == 0))
+            if done == start + 1 or done % t_cfg.log_interval == 0 or is_eval or is_ckpt:
+                with goodput.phase("compute"):
+                    fetched = jax.device_get([m for _, m in pending])
+                elapsed = time.perf_counter() - window_start
+                if done == start + 1:
+                    compile_seconds = elapsed  # the first step includes compilation; keep it out of throughput
+                else:
+                    timed_steps += window_steps
+                    timed_seconds += elapsed
+                window = meter.window(window_steps, elapsed)
+                failure = None
+                for (s, _), m in zip(pending, fetched):
+                    record = {"step": s, "loss": float(m["loss"]), "lr": float(m["lr"]),
+                              "grad_norm": float(m["grad_norm"]), "nonfinite_skips": int(m["nonfinite_skips"]),
+                              "spike_skips": int(m["spike_skips"])}
+                    failure = failure or _report_skips(s, m, skips, t_cfg, say)
+                    if s == done:
+                        record.update({"compile_s": elapsed} if done == start + 1 else window)
+                        if is_eval and not failure:
+                            with goodput.phase("eval"):
+                                last_eval = evaluate(eval_step, state["params"], run, eval_batches)
+                            record.update(train_loss=last_eval["train"], val_loss=last_eval["val"])
+                            say(f"step {s}: train loss {last_eval['train']:.4f}, val loss {last_eval['val']:.4f}")
+                    writer.write(record)
+                writer.flush()
+                if failure:
+                    raise TrainingError(failure + (f"; the newest checkpoint is in {checkpointer.dir}"
+                                                   if checkpointer else ""))
+                last = fetched[-1]
+                progress.update(window_steps, {"loss": f"{float(last['loss']):.4f}",
+                                               "lr": f"{float(last['lr']):.2e}",
+                                               "tok/s": f"{window['tokens_per_s']:,.0f}",
+                                               "MFU": f"{100 * window['mfu']:.1f}%"})
+                if checkpointer:
+                    checkpointer.check()
+                if is_ckpt:
+                    with goodput.phase("checkpoint"):
+                        checkpointer.save(done, state, loader.state())
+                pending.clear()
+                window_steps = 0
+                window_start = time.perf_counter()  # evaluation and checkpointing stay out of the throughput
+            monitor.beat(done)
+            if stop:
+                preempted_at = done
+                break
+    except BaseException:
+        # Whatever ends the loop, a save already under way is committed (it holds a good state) and the
+        # metrics recorded so far reach the disk.
+        for close in (preemption.close, monitor.close, profiler.close, progress.close, writer.close):
+            close()
+        if checkpointer:
+            try:
+                checkpointer.close()
+            except ckpt.CheckpointError as e:
+                log(f"warning: {e}")
+        raise
+    preemption.close()
     monitor.close()
     profiler.close()
     progress.close()
     if checkpointer:
         with goodput.phase("checkpoint"):
             checkpointer.close()
+    if preempted_at is not None:
+        # Every process says it: in a multi-host job the logs show that all of them stopped at one step.
+        (log if main_process else print)(
+            f"process {jax.process_index()}: stopped for preemption after step {preempted_at}; its checkpoint "
+            f"is committed in {checkpointer.dir / str(preempted_at)}")
 
-    summary = {"run_dir": str(run_dir), "steps": t_cfg.steps, "start_step": start,
+    summary = {"run_dir": str(run_dir), "steps": t_cfg.steps, "start_step": start, "preempted_at": preempted_at,
+               "nonfinite_skips": skips["nonfinite_skips"], "spike_skips": skips["spike_skips"],
                "wall_seconds": time.perf_counter() - goodput.start, "compile_seconds": compile_seconds,
                "train_loss": last_eval.get("train"), "val_loss": last_eval.get("val"),
                "unigram_entropy": run.dataset.meta.get("unigram_entropy")}
@@ -382,8 +496,11 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
         summary.update(tokens_per_s=overall["tokens_per_s"], tokens_per_s_per_device=overall["tokens_per_s_per_device"],
                        model_tflops_per_s=overall["tflops_per_s"],
                        model_tflops_per_s_per_device=overall["tflops_per_s_per_device"], mfu=overall["mfu"])
+    if skips["nonfinite_skips"] or skips["spike_skips"]:
+        log(f"updates skipped: {skips['nonfinite_skips']} for a non-finite loss or gradient norm, "
+            f"{skips['spike_skips']} for a loss spike")
     if start < t_cfg.steps:
-        log(f"trained steps {start + 1}-{t_cfg.steps} in {summary['wall_seconds']:.1f} s "
+        log(f"trained steps {start + 1}-{preempted_at or t_cfg.steps} in {summary['wall_seconds']:.1f} s "
             f"(first step with compile {compile_seconds:.1f} s); "
             + (f"{summary['tokens_per_s']:,.0f} tokens/s ({summary['tokens_per_s_per_device']:,.0f} per device), "
                f"{summary['model_tflops_per_s_per_device']:.4f} model TFLOP/s per device, "
@@ -392,7 +509,7 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
         ent = summary["unigram_entropy"]
         log(f"final train loss {last_eval['train']:.4f}, val loss {last_eval['val']:.4f}"
             + (f" (unigram entropy of the corpus: {ent:.4f})" if ent else ""))
-    if t_cfg.sample_tokens:
+    if t_cfg.sample_tokens and preempted_at is None:
         with goodput.phase("eval"):
             summary["sample"] = sample_text(state["params"], cfg, run.dataset.meta, t_cfg.sample_prompt,
                                             t_cfg.sample_tokens, t_cfg.sample_temperature, t_cfg.sample_top_k)

@@ -30,9 +30,13 @@ class Dataset:
             raise DataError(f"{meta_path} is not a valid meta.json ({e.__class__.__name__}: {e})") from None
         if dtype not in (np.uint16, np.uint32):
             raise DataError(f"{meta_path}: dtype {dtype} is not supported (uint16 or uint32)")
+        if self.vocab_size <= 0:
+            raise DataError(f"{meta_path}: vocab_size {self.vocab_size} must be > 0")
         if self.vocab_size > np.iinfo(dtype).max + 1:
             raise DataError(f"{meta_path}: vocab_size {self.vocab_size} does not fit in {dtype}")
         self.splits = {name: self._open(name, dtype) for name in ("train", "val")}
+        for name, data in self.splits.items():
+            self._check_ids(name, data)
 
     def _open(self, name: str, dtype: np.dtype) -> np.ndarray:
         path = self.dir / f"{name}.bin"
@@ -48,6 +52,18 @@ class Dataset:
         if n == 0:
             raise DataError(f"{path} is empty")
         return np.memmap(path, dtype=dtype, mode="r", shape=(n,))
+
+    def _check_ids(self, name: str, data: np.ndarray) -> None:
+        """Every token id must index the embedding table: out of range, a lookup yields NaN (or another
+        row), never an error. One pass over the file in 64M-token chunks (about a second per 10 GB)."""
+        chunk = 1 << 26
+        for i in range(0, len(data), chunk):
+            part = data[i:i + chunk]
+            if int(part.max()) >= self.vocab_size:
+                at = i + int(np.argmax(part >= self.vocab_size))
+                raise DataError(f"{self.dir / (name + '.bin')} holds token id {int(data[at])} at position {at}, but "
+                                f"meta.json's vocab_size is {self.vocab_size}; the files do not belong together, "
+                                f"re-run `jaxlm prepare`")
 
     def check_block_size(self, block_size: int) -> None:
         for name, data in self.splits.items():
@@ -79,10 +95,27 @@ class Loader:
     def next(self) -> tuple[np.ndarray, np.ndarray]:
         return windows(self.data, self.next_starts(), self.block_size)
 
+    def _layout(self) -> dict:
+        """What the drawn windows depend on besides the generator: the same state continues the same data
+        order only over the same token count with the same batch shape and window length. The number of
+        devices and processes does not matter (every process draws the global batch)."""
+        return {"grad_accum": self.shape[0], "batch_size": self.shape[1], "block_size": self.block_size,
+                "tokens": len(self.data)}
+
     def state(self) -> dict:
-        return {"bit_generator": self.rng.bit_generator.state}
+        return {"bit_generator": self.rng.bit_generator.state, **self._layout()}
 
     def restore(self, state: dict) -> None:
+        """Continue exactly where the checkpoint's loader stopped, or fail saying why that is impossible."""
+        here = self._layout()
+        differ = [k for k in here if k in state and state[k] != here[k]]
+        if differ:
+            names = {"grad_accum": "training.grad_accum", "batch_size": "training.batch_size (global)",
+                     "block_size": "model.block_size", "tokens": "training tokens in train.bin"}
+            diffs = ", ".join(f"{names[k]} {state[k]} there, {here[k]} here" for k in differ)
+            raise DataError(f"the checkpoint's data position cannot continue in this run ({diffs}): the same "
+                            f"generator state would draw different windows. Resume with the saved settings, or "
+                            f"start a new run_dir with checkpoint.init_from=<this run> to keep the weights")
         try:
             self.rng.bit_generator.state = state["bit_generator"]
         except (KeyError, TypeError, ValueError) as e:

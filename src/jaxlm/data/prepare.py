@@ -25,14 +25,17 @@ def unigram_entropy(ids: np.ndarray, vocab_size: int) -> float:
     """Entropy in nats of the token frequencies: the loss of a model that ignores context."""
     counts = np.bincount(ids, minlength=vocab_size).astype(np.float64)
     p = counts[counts > 0] / counts.sum()
-    return float(-(p * np.log(p)).sum())
+    return max(0.0, float(-(p * np.log(p)).sum()))  # not -0.0 for a one-token corpus
 
 
 def write_split(out_dir: Path, ids: np.ndarray, vocab_size: int, tokenizer: dict, source: str,
-                val_fraction: float = 0.1) -> dict:
-    """Write train.bin/val.bin (first 1 - val_fraction for training) and meta.json; return the meta."""
+                val_fraction: float = 0.1, extra: dict | None = None) -> dict:
+    """Write train.bin/val.bin (first 1 - val_fraction for training) and meta.json (with `extra` merged in);
+    return the meta."""
     if len(ids) < 2:
         raise DataError(f"the corpus from {source} has {len(ids)} tokens; at least 2 are needed")
+    if vocab_size > np.iinfo(np.uint32).max + 1:
+        raise DataError(f"a vocabulary of {vocab_size:,} tokens does not fit in uint32 token files (at most 2**32)")
     dtype = np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32
     n_train = int(len(ids) * (1 - val_fraction))
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -47,36 +50,80 @@ def write_split(out_dir: Path, ids: np.ndarray, vocab_size: int, tokenizer: dict
         "unigram_entropy": unigram_entropy(ids.astype(np.int64), vocab_size),
         "tokenizer": tokenizer,
         "source": source,
+        **(extra or {}),
     }
     (out_dir / "meta.json").write_text(json.dumps(meta, indent=2))
     return meta
 
 
-def read_text(path: str | Path) -> str:
+UTF8_ERRORS = ("replace", "skip", "strict")
+_REPLACEMENT = "\ufffd".encode()
+
+
+def read_text(path: str | Path, errors: str = "replace", stats: dict | None = None) -> str:
+    """A file's text. Invalid UTF-8 is replaced by U+FFFD (`replace`), dropped (`skip`) or an error
+    (`strict`); `stats` (if given) accumulates counts of files, empty files, bytes, invalid sequences,
+    NUL bytes, lines and the longest line in bytes."""
+    if errors not in UTF8_ERRORS:
+        raise DataError(f"errors={errors!r} is not allowed; choose one of: {', '.join(UTF8_ERRORS)}")
     p = Path(path)
     if not p.is_file():
         raise DataError(f"input file {path} does not exist")
-    return p.read_bytes().decode("utf-8", errors="replace")
+    data = p.read_bytes()
+    try:
+        text = data.decode("utf-8")
+        invalid = 0
+    except UnicodeDecodeError as e:
+        if errors == "strict":
+            raise DataError(f"{path}: invalid UTF-8 at byte {e.start} ({e.reason}); prepare with --errors replace "
+                            f"or --errors skip to replace or drop such bytes") from None
+        text = data.decode("utf-8", errors="replace")
+        # Each maximal invalid subsequence becomes one U+FFFD; valid sequences decode on their own, so the
+        # U+FFFD characters the file itself holds are exactly its encoded replacement characters.
+        invalid = text.count("\ufffd") - data.count(_REPLACEMENT)
+        if errors == "skip":
+            text = data.decode("utf-8", errors="ignore")
+    if stats is not None:
+        newlines = np.flatnonzero(np.frombuffer(data, np.uint8) == ord("\n"))
+        bounds = np.concatenate([[-1], newlines, [len(data)]])
+        for key, n in (("files", 1), ("empty_files", int(not data)), ("bytes", len(data)),
+                       ("invalid_utf8", invalid), ("nul_bytes", data.count(b"\0")),
+                       ("lines", len(newlines) + (bool(data) and not data.endswith(b"\n")))):
+            stats[key] = stats.get(key, 0) + n
+        stats["longest_line"] = max(stats.get("longest_line", 0), int(np.diff(bounds).max()) - 1 if data else 0)
+    return text
 
 
-def prepare_text(files: list[str | Path], out_dir: str | Path, vocab: str = "char") -> dict:
-    """Any text files -> a char-level (distinct characters) or byte-level (256) dataset."""
-    text = "".join(read_text(f) for f in files)
+def describe_input(stats: dict, errors: str) -> str:
+    done = {"replace": "replaced by U+FFFD", "skip": "dropped", "strict": "rejected"}[errors]
+    return (f"read {stats['files']} file(s) ({stats['empty_files']} empty), {stats['bytes']:,} bytes, "
+            f"{stats['lines']:,} lines (longest {stats['longest_line']:,} bytes), {stats['invalid_utf8']:,} invalid "
+            f"UTF-8 sequences {done}, {stats['nul_bytes']:,} NUL bytes")
+
+
+def prepare_text(files: list[str | Path], out_dir: str | Path, vocab: str = "char", errors: str = "replace") -> dict:
+    """Any text files -> a char-level (distinct characters) or byte-level (256) dataset. The input counts
+    (see read_text) go into meta.json under "input"."""
+    stats: dict = {}
+    text = "".join(read_text(f, errors, stats) for f in files)
     source = ", ".join(str(f) for f in files) if len(files) <= 3 else f"{len(files)} files"
     if not text:
-        raise DataError(f"no text in {source}")
+        raise DataError(f"no text in {source} ({describe_input(stats, errors)})")
+    extra = {"input": dict(stats, utf8_errors=errors)}
     if vocab == "char":
-        chars = "".join(sorted(set(text)))
-        index = {c: i for i, c in enumerate(chars)}
-        ids = np.fromiter((index[c] for c in text), dtype=np.int64, count=len(text))
-        return write_split(Path(out_dir), ids, len(chars), {"kind": "char", "chars": chars}, source)
+        # Code points as one array: sorting and indexing stay in numpy however long the text or its lines.
+        points = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+        alphabet, ids = np.unique(points, return_inverse=True)
+        chars = "".join(map(chr, alphabet))
+        return write_split(Path(out_dir), ids.astype(np.int64), len(chars), {"kind": "char", "chars": chars}, source,
+                           extra=extra)
     if vocab == "byte":
         ids = np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
-        return write_split(Path(out_dir), ids, 256, {"kind": "byte"}, source)
+        return write_split(Path(out_dir), ids, 256, {"kind": "byte"}, source, extra=extra)
     raise DataError(f"unknown vocabulary {vocab!r}; choose char or byte")
 
 
-def prepare_shakespeare_char(out_dir: str | Path, input: str | Path | None = None) -> dict:
+def prepare_shakespeare_char(out_dir: str | Path, input: str | Path | None = None, errors: str = "replace") -> dict:
     """Tiny Shakespeare, char-level. Uses `input` if given, else downloads it."""
     out_dir = Path(out_dir)
     if input is None:
@@ -89,7 +136,7 @@ def prepare_shakespeare_char(out_dir: str | Path, input: str | Path | None = Non
             except OSError as e:
                 raise DataError(f"cannot download tiny Shakespeare ({e.__class__.__name__}); pass a local copy "
                                 f"with --input FILE (or data.input=FILE when training)") from None
-    return prepare_text([input], out_dir, vocab="char")
+    return prepare_text([input], out_dir, vocab="char", errors=errors)
 
 
 def stdlib_sources(max_bytes: int = 8_000_000) -> list[Path]:
@@ -167,17 +214,20 @@ def ensure_prepared(name: str, out_dir: str | Path, input: str | None = None) ->
     out_dir = Path(out_dir)
     if (out_dir / "meta.json").exists() and (out_dir / "train.bin").exists():
         return out_dir
-    if name == "shakespeare_char":
-        prepare_shakespeare_char(out_dir, input)
-    elif name == "python_stdlib":
-        prepare_python_stdlib(out_dir)
-    elif input is not None:
-        prepare_text([input], out_dir, vocab="char")
-    elif name == "openwebtext":
-        raise DataError(f"{out_dir} has no prepared openwebtext; run `jaxlm prepare openwebtext --out {out_dir}` first")
-    else:
-        raise DataError(f"no prepared data in {out_dir} (train.bin, val.bin, meta.json); run `jaxlm prepare` "
-                        f"or set data.input=FILE")
+    try:
+        if name == "shakespeare_char":
+            prepare_shakespeare_char(out_dir, input)
+        elif name == "python_stdlib":
+            prepare_python_stdlib(out_dir)
+        elif input is not None:
+            prepare_text([input], out_dir, vocab="char")
+        elif name == "openwebtext":
+            raise DataError(f"no prepared openwebtext; run `jaxlm prepare openwebtext --out {out_dir}` first")
+        else:
+            raise DataError("no prepared data (train.bin, val.bin, meta.json); run `jaxlm prepare` or set "
+                            "data.input=FILE")
+    except DataError as e:  # say which setting led here: the folder may be a default the user never typed
+        raise DataError(f"data.dir={out_dir} (data.dataset={name}): {e}") from None
     return out_dir
 
 
