@@ -51,3 +51,26 @@ def test_mirror_uploads_changes_and_resumes_appending():
     assert fs.cat("/jaxlm-test-mirror/run/metrics.jsonl").count(b"step") == 2
     again = storage.Mirror(url)  # a resumed run starts from the file already there
     assert (again.dir / "metrics.jsonl").read_text().count("step") == 2
+
+
+def test_training_into_file_and_memory_urls(char_data, tmp_path):
+    """A file:// run directory is a local one (checkpoints, resume); an fsspec URL receives config.json, metrics
+    and TensorBoard events; checkpoints on a URL Orbax and the manifest cannot serve fail before compiling."""
+    from conftest import tiny_config
+    from jaxlm import train
+
+    url = f"file://{tmp_path}/run"
+    train.train(tiny_config(char_data, url, **{"training.steps": 10}), log=lambda s: None)
+    assert (tmp_path / "run" / "checkpoints" / "10").is_dir()
+    summary = train.train(tiny_config(char_data, url), log=lambda s: None)
+    assert summary["start_step"] == 10 and sorted(train.losses_by_step(url)) == list(range(1, 21))
+
+    mem = "memory://jaxlm-test-train/run"
+    cfg = tiny_config(char_data, mem, **{"checkpoint.enabled": False, "logging.tensorboard": True})
+    train.train(cfg, log=lambda s: None)
+    fs = fsspec.filesystem("memory")
+    assert fs.exists("/jaxlm-test-train/run/config.json")
+    assert sorted(train.losses_by_step(mem)) == list(range(1, 21))
+    assert fs.glob("/jaxlm-test-train/run/tensorboard/events.out.tfevents.*")
+    with pytest.raises(ConfigError, match="checkpoints .* need a local or mounted folder"):
+        train.train(tiny_config(char_data, "memory://jaxlm-test-train/other"), log=lambda s: None)

@@ -133,7 +133,7 @@ def select(ckpt_dir: Path, log: Callable[[str], None]) -> int | None:
         log(f"warning: skipping checkpoint {ckpt_dir / str(s)}: {reason}")
     if step is None and any(_is_corrupt(r) for _, r in skipped):
         raise CheckpointError(f"no usable checkpoint in {ckpt_dir}: " + "; ".join(f"{s}: {r}" for s, r in skipped)
-                              + f"; move the folder away to start over")
+                              + "; move the folder away to start over")
     return step
 
 

@@ -275,7 +275,9 @@ class Config:
     profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
-    run_dir: str | None = _f(None, "run directory; None = outputs/<timestamp>. A folder holding a checkpoint is resumed")
+    run_dir: str | None = _f(None, "run directory (a path, a file:// URL, or an fsspec URL such as gs://... for "
+                                         "metrics only, docs/scaling.md); None = outputs/<timestamp>. A folder "
+                                         "holding a checkpoint is resumed")
     seed: int = _f(1337, "seed for initialization, data order and dropout")
     debug: bool = _f(False, "shortcut for profiler=xplane that also skips checkpoints")
 

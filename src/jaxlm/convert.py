@@ -25,7 +25,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from jaxlm import config as config_lib, families, params as P
+from jaxlm import config as config_lib, families, params as P, storage
 from jaxlm.config import Config, ModelConfig
 from jaxlm.families import ConvertError, Rule
 from jaxlm.model import param_specs
@@ -254,7 +254,7 @@ def save_params(path: Path, params: dict) -> None:
 
 
 def load_config(path: str | Path) -> Config:
-    file = Path(path) / "config.json"
+    file = storage.local_folder(path, "loading weights") / "config.json"
     if not file.is_file():
         raise ConvertError(f"{path} has no config.json; expected a jaxlm run directory or converted checkpoint")
     return config_lib.from_dict(json.loads(file.read_text()))
@@ -265,7 +265,7 @@ def params_location(path: str | Path) -> tuple[Path, bool]:
     directory has checkpoints/<step>/state holding params next to the optimizer state."""
     from jaxlm import checkpoint
 
-    path = Path(path).absolute()
+    path = storage.local_folder(path, "loading weights").absolute()
     if (path / "params").is_dir():
         return path / "params", False
     try:

@@ -11,7 +11,7 @@ from typing import Callable
 
 from jaxlm import checkpoint as ckpt
 from jaxlm import config as config_lib
-from jaxlm import quant, train
+from jaxlm import quant, storage, train
 from jaxlm.config import ConfigError
 from jaxlm.data import loader as loader_lib
 
@@ -29,7 +29,7 @@ def evaluate_run(run_dir: str | Path, overrides: dict | None = None, devices=Non
                  log: Callable[[str], None] = print) -> dict:
     """Losses (and a sample) of the run's latest checkpoint under the given overrides; with a quantization
     setting, the float losses of the same weights too."""
-    run_dir = Path(run_dir)
+    run_dir = storage.local_folder(run_dir, "jaxlm eval")
     cfg = load_run_config(run_dir, overrides or {})
     run = train.setup(cfg, devices)
     cfg, t_cfg = run.cfg, run.cfg.training

@@ -33,6 +33,15 @@ def local_path(path: str | Path) -> Path | None:
     return None if scheme(s) else Path(s)
 
 
+def local_folder(path: str | Path, what: str) -> Path:
+    """A plain path or file:// URL as a Path; other URLs fail in one line (`what` names the command)."""
+    local = local_path(path)
+    if local is None:
+        raise ConfigError(f"{what} reads a local folder or a file:// URL, not {path}; copy the run directory "
+                          "here or mount its bucket")
+    return local
+
+
 def join(base: str | Path, *parts: str) -> str:
     if local_path(base) is not None and not scheme(base):
         return str(Path(base, *parts))

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
-import os
 import time
 from pathlib import Path
 from typing import Callable
@@ -22,7 +21,7 @@ import optax
 
 from jaxlm import checkpoint as ckpt
 from jaxlm import config as config_lib
-from jaxlm import diagnostics, distributed, generate, metrics, optim, params as P, quant, sharding
+from jaxlm import diagnostics, distributed, generate, metrics, optim, params as P, quant, sharding, storage
 from jaxlm.config import Config, ConfigError
 from jaxlm.data import loader as loader_lib, prepare, tokenizer as tokenizer_lib
 from jaxlm.model import loss_fn, param_specs
@@ -33,7 +32,7 @@ class Run:
     """Everything a training run needs, resolved from the config before anything is compiled."""
 
     cfg: Config
-    run_dir: Path
+    run_dir: Path | str  # a local path, or a URL (storage.py) for storage every host sees
     dataset: loader_lib.Dataset | None  # None only for an ahead-of-time compile that needs no data
     mesh: jax.sharding.Mesh
     param_rules: sharding.Rules
@@ -79,8 +78,23 @@ def setup(cfg: Config, devices=None, data: bool = True) -> Run:
     specs = param_specs(cfg.model)
     optimizer = optim.make(cfg.optimizer, cfg.training.steps)
     abstract_state = make_abstract_state(specs, mesh, optimizer, param_rules)
-    run_dir = Path(cfg.run_dir) if cfg.run_dir else Path("outputs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    run_dir = resolve_run_dir(cfg)
     return Run(cfg, run_dir, dataset, mesh, param_rules, act_rules, specs, optimizer, abstract_state)
+
+
+def resolve_run_dir(cfg: Config) -> Path | str:
+    """A local Path (file:// URLs included), or the URL of another filesystem, checked to be usable."""
+    if not cfg.run_dir:
+        return Path("outputs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    local = storage.local_path(cfg.run_dir)
+    if local is not None:
+        return local
+    storage.filesystem(cfg.run_dir)  # a scheme no filesystem serves fails here, in one line
+    if cfg.checkpoint.enabled and not cfg.debug:
+        raise ConfigError(f"run_dir={cfg.run_dir}: checkpoints (verified by jaxlm's manifest) need a local or mounted "
+                          "folder, e.g. a bucket mounted with gcsfuse, or a file:// URL; set checkpoint.enabled=false "
+                          "to keep only metrics and config on this URL")
+    return cfg.run_dir
 
 
 def resolve_batch(t: config_lib.TrainingConfig, mesh, act_rules) -> config_lib.TrainingConfig:
@@ -300,12 +314,12 @@ def evaluate(eval_step, params, run: Run, batches: dict) -> dict:
     return out
 
 
-def check_resume_config(run_dir: Path, cfg: Config) -> None:
+def check_resume_config(run_dir: Path | str, cfg: Config) -> None:
     """A run directory's checkpoint only fits a model with the same settings."""
-    path = run_dir / "config.json"
-    if not path.exists():
+    path = storage.join(run_dir, "config.json")
+    if not storage.exists(path):
         return
-    saved = json.loads(path.read_text()).get("model", {})
+    saved = json.loads(storage.read_text(path)).get("model", {})
     for k, v in dataclasses.asdict(cfg.model).items():
         if k in saved and saved[k] != v and k not in ("dropout", "remat", "scan_layers", "compute_dtype",
                                                       "quantization", "quant_logits", "quant_stochastic_rounding"):
@@ -331,12 +345,10 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
 
         loaded_step = aot.load_step(cfg.compile.load, run)
     t_cfg, m_cfg = cfg.training, cfg.model
-    run_dir.mkdir(parents=True, exist_ok=True)
+    storage.makedirs(run_dir)
     check_resume_config(run_dir, cfg)
     if main_process:  # atomically: the other processes may be reading it in check_resume_config
-        tmp = run_dir / f"config.json.tmp{os.getpid()}"
-        tmp.write_text(config_lib.to_json(cfg))
-        os.replace(tmp, run_dir / "config.json")
+        storage.write_text(storage.join(run_dir, "config.json"), config_lib.to_json(cfg))
 
     n_params = P.count(run.specs)
     tokens_per_step = t_cfg.batch_size * t_cfg.grad_accum * m_cfg.block_size
@@ -530,8 +542,8 @@ def sample_text(params, cfg: Config, meta: dict, prompt: str, new_tokens: int, t
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
-    path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    text = storage.read_text(storage.join(run_dir, "metrics.jsonl"))
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
 def losses_by_step(run_dir: str | Path) -> dict[int, float]:

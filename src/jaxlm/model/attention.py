@@ -42,7 +42,7 @@ def attend(q_BTNH, k_BSKH, v_BSKH, mask_BTS, dropout_rate=0.0, key=None, scale=N
     Computed heads-major: with (B, K) as leading batch dims both products are plain batched matmuls, and
     the G query heads that share a kv head are folded into the query length (M = G * T)."""
     B, T, N, H = q_BTNH.shape
-    K, S = k_BSKH.shape[2], k_BSKH.shape[1]
+    K = k_BSKH.shape[2]
     G = N // K
     q_BKMH = q_BTNH.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, H)
     k_BKSH, v_BKSH = k_BSKH.transpose(0, 2, 1, 3), v_BSKH.transpose(0, 2, 1, 3)
