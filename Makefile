@@ -25,7 +25,7 @@ quickstart: $(VENV)/.installed
 	$(VENV)/bin/jaxlm train quickstart
 
 test: $(VENV)/.installed-test
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 test-fast: $(VENV)/.installed-test
 	$(PY) -m pytest -q -m "not slow"
