@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlm import config as config_lib, optim, quant, sharding, train
-from jaxlm.model import forward, param_specs
+from jaxlm import config as config_lib, quant, train
+from jaxlm.model import forward
 
 
 def base_config(args) -> config_lib.Config:
@@ -33,13 +33,10 @@ def base_config(args) -> config_lib.Config:
 
 
 def train_runner(cfg: config_lib.Config, batches):
-    mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
-    specs = param_specs(cfg.model)
-    optimizer = optim.make(cfg.optimizer, cfg.training.steps)
-    abstract = train.make_abstract_state(specs, mesh, optimizer)
-    run = train.Run(cfg, None, None, mesh, sharding.PARAM_RULES, sharding.ACTIVATION_RULES, specs, optimizer, abstract)
+    run = train.setup(cfg, jax.devices()[:1], data=False)  # the vocabulary is set, so no corpus is read
+    cfg, mesh = run.cfg, run.mesh
     state = train.init_state(run, cfg.seed)
-    step = train.make_train_step(cfg, optimizer, mesh, abstract)
+    step = train.make_train_step(cfg, run.optimizer, mesh, run.abstract_state, run.act_rules)
     params = jax.tree.map(jnp.copy, state["params"])  # the step donates the state it is given
     holder = {"state": state}
 

@@ -30,7 +30,6 @@ import io
 import json
 import os
 import random
-import resource
 import shutil
 import signal
 import subprocess
@@ -144,17 +143,8 @@ def nan_batches(data: Path, work: Path) -> dict:
     """Three NaN batches in one run: survived when each leaves params and optimizer state as they were and
     no committed checkpoint holds a non-finite value."""
     poisoned = {4, 9, 10}
-    real, n = train.device_batch, [0]
-
-    def batch(run, split, starts):
-        x, y = real(run, split, starts)
-        if starts.ndim == 2:
-            n[0] += 1
-            if n[0] in poisoned:
-                x = x + run.cfg.model.vocab_size
-        return x, y
-
-    train.device_batch = batch
+    real = train.device_batch
+    train.device_batch = T.poisoned(real, poisoned)
     try:
         settings = {**T.RUN, "training.steps": 12, "checkpoint.interval": 1, "checkpoint.keep": 20}
         cfg = tiny_config(data, work / "nan", **settings)
@@ -180,14 +170,10 @@ def failing_saves(work: Path, n: int) -> dict:
     survived, step = 0, 1
     ck.save(step, state, {"pos": step})
     ck.wait()
-    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
     for _ in range(n):
-        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 18, limit[1]))
-        try:
+        with T.file_size_limit(1 << 18):
             ck.save(step + 1, state, {"pos": step + 1})
             ck.wait()
-        finally:
-            resource.setrlimit(resource.RLIMIT_FSIZE, limit)
         try:
             ck.check()
             reported = False

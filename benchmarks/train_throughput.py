@@ -18,8 +18,7 @@ import time
 import jax
 import numpy as np
 
-from jaxlm import config as config_lib, metrics, optim, sharding, train
-from jaxlm.model import param_specs
+from jaxlm import config as config_lib, metrics, train
 
 
 def configs() -> dict[str, config_lib.Config]:
@@ -33,13 +32,10 @@ def configs() -> dict[str, config_lib.Config]:
 
 def measure(cfg: config_lib.Config, steps: int, warmup: int = 3) -> float:
     """Tokens per second of the jitted, donated train step over `steps` steps after `warmup`."""
-    mesh = sharding.make_mesh(cfg.mesh)
-    specs = param_specs(cfg.model)
-    optimizer = optim.make(cfg.optimizer, cfg.training.steps)
-    abstract = train.make_abstract_state(specs, mesh, optimizer)
-    run = train.Run(cfg, None, None, mesh, sharding.PARAM_RULES, sharding.ACTIVATION_RULES, specs, optimizer, abstract)
+    run = train.setup(cfg, None, data=False)  # the vocabulary is set, so no corpus is read
+    cfg, mesh = run.cfg, run.mesh
     state = train.init_state(run, cfg.seed)
-    step = train.make_train_step(cfg, optimizer, mesh, abstract)
+    step = train.make_train_step(cfg, run.optimizer, mesh, run.abstract_state, run.act_rules)
     t = cfg.training
     rng = np.random.default_rng(0)
     shape = (t.grad_accum, t.batch_size, cfg.model.block_size)

@@ -1,6 +1,7 @@
 """Reliability: exact resume, sealed checkpoints and their corruption, kills mid-save, preemption, steps that
 are not finite, restore on other meshes, failing saves, and bad configs and input data."""
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -333,19 +334,35 @@ def test_sigterm_saves_that_step_and_returns_then_resume_is_exact(reference, cha
 
 # ---- non-finite steps and loss spikes ---------------------------------------------------------------------------
 
-def poison_steps(monkeypatch, steps: set[int]):
-    """Token ids past the vocabulary in the batches of these steps: the embedding lookup yields NaN."""
-    real, n = train.device_batch, [0]
+def poisoned(real, steps: set[int]):
+    """device_batch with token ids past the vocabulary in the batches of these steps (1-based): the embedding
+    lookup yields NaN."""
+    n = [0]
 
     def batch(run, split, starts):
         x, y = real(run, split, starts)
-        if starts.ndim == 2:
+        if starts.ndim == 2:  # the loop's [grad_accum, batch]; evaluation passes [batch]
             n[0] += 1
             if n[0] in steps:
                 x = x + run.cfg.model.vocab_size
         return x, y
 
-    monkeypatch.setattr(train, "device_batch", batch)
+    return batch
+
+
+def poison_steps(monkeypatch, steps: set[int]):
+    monkeypatch.setattr(train, "device_batch", poisoned(train.device_batch, steps))
+
+
+@contextlib.contextmanager
+def file_size_limit(nbytes: int):
+    """Writes past nbytes fail with EFBIG, a real write error that root cannot override either."""
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, limit[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
 
 
 def test_train_step_leaves_state_unchanged_on_nan_and_on_spikes(char_data, tmp_path):
@@ -500,13 +517,9 @@ def test_a_save_that_fails_in_the_background_is_reported_and_loses_nothing(tmp_p
     ck = ckpt.Checkpointer(tmp_path, CheckpointConfig(keep=1, on_error="stop"), log=quiet)
     ck.save(1, state, {"pos": 1})
     ck.wait()
-    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 18, limit[1]))
-    try:
+    with file_size_limit(1 << 18):
         ck.save(2, state, {"pos": 2})
         ck.wait()
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
     with pytest.raises(ckpt.CheckpointError, match=r"step 2 .* failed .*File too large.*on_error=stop") as e:
         ck.check()
     assert "\n" not in str(e.value)
@@ -516,12 +529,9 @@ def test_a_save_that_fails_in_the_background_is_reported_and_loses_nothing(tmp_p
     ck.wait()
     assert ckpt.step_numbers(ckpt_dir) == [3] and ckpt.verify(ckpt_dir / "3") is None
     # The last save of a run failing is an error whatever checkpoint.on_error says.
-    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 18, limit[1]))
-    try:
+    with file_size_limit(1 << 18):
         ck.save(4, state, {"pos": 4})
         ck.wait()
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
     with pytest.raises(ckpt.CheckpointError, match="step 4 .* the run's last state is not saved"):
         ck.close()
     assert ckpt.step_numbers(ckpt_dir) == [3] and ckpt.verify(ckpt_dir / "3") is None

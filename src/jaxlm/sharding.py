@@ -121,6 +121,8 @@ def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> M
         try:
             grid = mesh_utils.create_device_mesh(ici_shape, devices)
         except (AssertionError, NotImplementedError, ValueError):
+            # No physical layout is known for these devices (CPU, a device subset, shapes the TPU mesh helper
+            # does not map): take them in order, which is what the ring of fake or host devices is.
             grid = np.array(devices).reshape(ici_shape)
     return Mesh(grid, MESH_AXES)
 
