@@ -75,7 +75,8 @@ def test_sigkill_after_checkpoint_then_rerun_resumes_exactly(char_data, tmp_path
     run_dir = tmp_path / "killed"
     p = _cli(args + [f"run_dir={run_dir}"], tmp_path)
     deadline = time.time() + 300
-    while time.time() < deadline and not any((run_dir / "checkpoints").glob("2[0-9]")):
+    # A checkpoint counts once its manifest is written (after Orbax's asynchronous commit), so wait for that.
+    while time.time() < deadline and not (run_dir / "checkpoints" / "20" / "jaxlm_manifest.json").exists():
         time.sleep(0.05)
     # Let training move past the committed checkpoint, then kill without warning.
     while time.time() < deadline and not any(json.loads(l)["step"] >= 25 for l in
