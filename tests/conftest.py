@@ -1,9 +1,16 @@
 """Shared fixtures: 8 fake CPU devices, tiny configs and a small prepared corpus."""
 
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One persistent compilation cache for the session and the processes its tests start (the CLI's default,
+# ~/.cache/jaxlm/xla, is left alone): repeated runs of the same tiny configs load instead of compiling.
+_XLA_CACHE = None
+if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    _XLA_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxlm-test-xla-cache-")
 
 from pathlib import Path  # noqa: E402
 
@@ -41,3 +48,8 @@ def tiny_config(data_dir: Path, run_dir: Path | None = None, **overrides) -> con
     cfg = config_lib.apply_overrides(config_lib.Config(), base)
     config_lib.validate(cfg)
     return cfg
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _XLA_CACHE:
+        shutil.rmtree(_XLA_CACHE, ignore_errors=True)

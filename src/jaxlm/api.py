@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlm import config as config_lib, convert, generate
+from jaxlm import config as config_lib, convert, generate, runtime
 from jaxlm.config import Config, ConfigError, DecodeConfig, ModelConfig
 from jaxlm.data import tokenizer as tokenizer_lib
 from jaxlm.model import forward
@@ -106,6 +106,9 @@ def decode_config(settings: dict) -> DecodeConfig:
 def load(path: str | Path) -> Model:
     if not Path(path).exists():
         raise ConfigError(f"{path} does not exist; give a run directory or a `jaxlm convert from-hf` folder")
+    if jax.default_backend() == "cpu":
+        runtime.tune_for_xla_cpu()
+    runtime.use_compilation_cache(Config().compile.cache_dir)
     cfg, params = convert.load_params(path)
     return Model(cfg, params, Path(path))
 

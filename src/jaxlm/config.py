@@ -259,6 +259,9 @@ class CompileConfig:
     max_batch_size: int = _f(1024, "largest per_device_batch_size the search tries")
     hbm_gib: float | None = _f(None, "memory per device the step must fit in, GiB; None = the chip's HBM "
                                      "(aot.HBM_GIB), or host memory / devices for cpu-N")
+    cache_dir: str = _f("~/.cache/jaxlm/xla", "persistent XLA compilation cache: a rerun of the same step on the same "
+                                                "devices loads it instead of compiling; '' = off. JAX's own "
+                                                "JAX_COMPILATION_CACHE_DIR, when set, takes precedence")
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ import optax
 
 from jaxlm import checkpoint as ckpt
 from jaxlm import config as config_lib
-from jaxlm import diagnostics, distributed, generate, metrics, optim, params as P, quant, sharding, storage
+from jaxlm import diagnostics, distributed, generate, runtime, metrics, optim, params as P, quant, sharding, storage
 from jaxlm.config import Config, ConfigError
 from jaxlm.data import loader as loader_lib, prepare, tokenizer as tokenizer_lib
 from jaxlm.model import loss_fn, param_specs
@@ -44,6 +44,12 @@ class Run:
 
 def resolve_data_dir(cfg: Config) -> Path:
     return Path(cfg.data.dir) if cfg.data.dir else Path("data") / cfg.data.dataset
+
+
+# Steps dispatched ahead of the host before it waits for the oldest: enough to keep any device busy, few
+# enough to bound the memory of queued batches (and XLA:CPU's in-process collectives can stall when many
+# multi-device steps are queued at once).
+MAX_STEPS_IN_FLIGHT = 8
 
 
 def setup(cfg: Config, devices=None, data: bool = True) -> Run:
@@ -71,6 +77,9 @@ def setup(cfg: Config, devices=None, data: bool = True) -> Run:
                           f"directory or a `jaxlm convert from-hf` output")
     cfg = cfg.replace(model=config_lib.apply_parameter_scale(cfg.model))
     mesh = sharding.make_mesh(cfg.mesh, devices)
+    if mesh.devices.flat[0].platform == "cpu":
+        runtime.tune_for_xla_cpu()  # keep each step's scratch memory mapped between steps
+    runtime.use_compilation_cache(cfg.compile.cache_dir)
     param_rules, act_rules = sharding.rules_from_config(cfg.mesh)
     cfg = cfg.replace(training=resolve_batch(cfg.training, mesh, act_rules))
     if cfg.logging.wandb:
@@ -423,6 +432,9 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
             done = step + 1
             profiler.after(done, state)
             pending.append((done, step_metrics))
+            if len(pending) > MAX_STEPS_IN_FLIGHT:
+                with goodput.phase("compute"):
+                    jax.block_until_ready(pending[-MAX_STEPS_IN_FLIGHT][1])
             window_steps += 1
             stop = preemption.reached(done)
             is_eval = not stop and (done == t_cfg.steps or (t_cfg.eval_interval and done % t_cfg.eval_interval == 0))
