@@ -490,7 +490,7 @@ def check_signature(saved: dict, here: dict, path) -> None:
         if name not in here_args or name not in saved_args:
             raise ConfigError(f"compile.load={path}: the train state differs from the compiled one at {name} "
                               "(model settings changed); compile again for these settings")
-        (_, s_shape, s_dtype, s_spec), (_, h_shape, h_dtype, h_spec) = saved_args[name], here_args[name]
+        (_, s_shape, s_dtype, s_spec), (_, h_shape, h_dtype, _) = saved_args[name], here_args[name]
         if (s_shape, s_dtype) != (h_shape, h_dtype):
             what = ("training.batch_size/per_device_batch_size, training.grad_accum and model.block_size"
                     if name in ("['x']", "['y']") else "the model settings")

@@ -96,8 +96,15 @@ def rotary(x_BTNH: jax.Array, positions_BT: jax.Array, theta: float,
     return out.astype(x_BTNH.dtype)
 
 
+def gelu(x: jax.Array) -> jax.Array:
+    """Exact GELU, x * Phi(x), written with erf as PyTorch computes it. jax.nn.gelu's exact form goes
+    through erfc, which is more precise far into the negative tail (where GELU is ~0 anyway) and on XLA:CPU
+    about twice as slow, a few percent of a small model's step."""
+    return 0.5 * x * (1.0 + jax.lax.erf(x * jnp.asarray(2 ** -0.5, x.dtype)))
+
+
 ACTIVATIONS = {
-    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "gelu": gelu,
     "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
     "silu": jax.nn.silu,
     "relu": jax.nn.relu,
