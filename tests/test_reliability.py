@@ -139,7 +139,7 @@ def child(last):
     import jax, jax.numpy as jnp, numpy as np
     said = []
     ck = checkpoint.Checkpointer(run_dir, CheckpointConfig(keep=2), log=said.append)
-    rec = {"restored": ck.latest, "tmp_left": [p.name for p in ck.dir.iterdir() if "tmp" in p.name],
+    rec = {"restored": ck.latest, "tmp_left": [p.name for p in Path(ck.dir).iterdir() if "tmp" in p.name],
            "interrupted_save": any("unfinished save" in s or "did not finish" in s for s in said)}
     if ck.latest is not None:
         dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
