@@ -1,10 +1,10 @@
 """Run directories on local disk or on storage that every host sees.
 
 `run_dir` may be a path or a URL: `gs://bucket/runs/a`, `s3://...`, `file:///shared/runs/a`, or any other
-filesystem fsspec knows (`memory://` in tests). Every file operation of jaxlm goes through fsspec, which serves
-local paths too, so one code path covers both: the small files of a run (config.json, metrics.jsonl,
-TensorBoard events, stack dumps) and everything jaxlm does to a checkpoint folder (its manifest, verification,
-listing, rejection, deletion). Object stores cannot append to a file, so a URL run's append-only files are written
+filesystem fsspec knows (`memory://` in tests). jaxlm's file operations on a run directory go through fsspec,
+which serves local paths too, so one code path covers both: the small files of a run (config.json,
+metrics.jsonl, TensorBoard events, stack dumps) and everything jaxlm does to a checkpoint folder (its manifest,
+verification, listing, rejection, deletion). Object stores cannot append to a file, so a URL run's append-only files are written
 to a local mirror folder and uploaded whole at every flush (`Mirror`); nor can they rename, so a folder moves
 there by copy and delete (`move`).
 
@@ -201,11 +201,12 @@ def _orbax_writes_s3() -> None:
     def build_kvstore_tspec(directory, *args, **kwargs):
         if not str(directory).startswith("s3://"):
             return build(directory, *args, **kwargs)
-        spec, swapped = _gcs_to_s3(build("gs://" + str(directory)[len("s3://"):], *args, **kwargs), s3_endpoint())
-        if not swapped:
+        gcs = build("gs://" + str(directory)[len("s3://"):], *args, **kwargs)
+        s3 = _gcs_to_s3(gcs, s3_endpoint())
+        if s3 == gcs:
             raise ConfigError(f"this Orbax version lays out gs:// buckets differently; jaxlm cannot write s3:// "
-                              f"checkpoints with it (install orbax-checkpoint 0.12.x, or mount the bucket): {spec}")
-        return spec
+                              f"checkpoints with it (install orbax-checkpoint 0.12.x, or mount the bucket): {gcs}")
+        return s3
 
     build_kvstore_tspec.serves_s3 = True
     ts_utils.build_kvstore_tspec = build_kvstore_tspec
@@ -218,16 +219,14 @@ def s3_endpoint() -> dict:
 
 
 def _gcs_to_s3(spec, endpoint: dict):
-    """(spec with each gcs kvstore replaced by the s3 one of the same bucket and path, whether any was)."""
+    """The tensorstore spec with each gcs kvstore replaced by the s3 one of the same bucket and path."""
     if isinstance(spec, dict):
         if spec.get("driver") in ("gcs", "gcs_grpc"):
-            return {**spec, "driver": "s3", **endpoint}, True
-        pairs = {k: _gcs_to_s3(v, endpoint) for k, v in spec.items()}
-        return {k: v for k, (v, _) in pairs.items()}, any(s for _, s in pairs.values())
+            return {**spec, "driver": "s3", **endpoint}
+        return {k: _gcs_to_s3(v, endpoint) for k, v in spec.items()}
     if isinstance(spec, list):
-        pairs = [_gcs_to_s3(v, endpoint) for v in spec]
-        return [v for v, _ in pairs], any(s for _, s in pairs)
-    return spec, False
+        return [_gcs_to_s3(v, endpoint) for v in spec]
+    return spec
 
 
 class Mirror:
