@@ -132,6 +132,8 @@ def test_checkpoints_on_s3_resume_exactly_and_a_corrupted_one_is_rejected(s3, ch
     train.train(tiny_config(char_data, tmp_path / "reference", **run), log=lambda s: None)
     ref = train.losses_by_step(tmp_path / "reference")
 
+    with pytest.raises(ConfigError, match=r"^run_dir s3://no-such-bucket/run: bucket no-such-bucket does not exist"):
+        train.setup(tiny_config(char_data, "s3://no-such-bucket/run"))  # fsspec would create the bucket
     url, bucket_dir = "s3://jaxlm-test/run", "jaxlm-test/run"
     train.train(tiny_config(char_data, url, **{**run, "training.steps": 10}), log=lambda s: None)
     assert ckpt.step_numbers(f"{url}/checkpoints") == [5, 10]
