@@ -4,9 +4,9 @@
 filesystem fsspec knows (`memory://` in tests). jaxlm's file operations on a run directory go through fsspec,
 which serves local paths too, so one code path covers both: the small files of a run (config.json,
 metrics.jsonl, TensorBoard events, stack dumps) and everything jaxlm does to a checkpoint folder (its manifest,
-verification, listing, rejection, deletion). Object stores cannot append to a file, so a URL run's append-only files are written
-to a local mirror folder and uploaded whole at every flush (`Mirror`); nor can they rename, so a folder moves
-there by copy and delete (`move`).
+verification, listing, rejection, deletion). Object stores cannot append to a file, so a URL run's
+append-only files are written to a local mirror folder and uploaded whole at every flush (`Mirror`); nor can
+they rename, so a folder moves there by copy and delete (`move`).
 
 Checkpoints themselves go through Orbax and tensorstore, which write local paths, gs:// and s3:// URLs
 (`orbax_dir`). S3-compatible servers other than AWS are reached by setting `AWS_ENDPOINT_URL` (or
