@@ -26,6 +26,8 @@ from jaxlm.config import CheckpointConfig
 from jaxlm.data import loader as loader_lib
 
 TESTS = Path(__file__).resolve().parent
+pytestmark = pytest.mark.usefixtures("compilation_cache")  # most tests here train the same tiny model again
+
 # One schedule for runs of 20 and 40 steps, so that a run stopped at 20 and resumed continues the 40-step one.
 RUN = {"training.steps": 40, "optimizer.decay_steps": 40, "checkpoint.interval": 10, "checkpoint.keep": 10,
        "training.eval_interval": 0}
@@ -55,34 +57,6 @@ def tree_hash(tree) -> str:
 
 def tmp_dirs(run_dir: Path) -> list[str]:
     return [p.name for p in (run_dir / "checkpoints").iterdir() if "tmp" in p.name]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def compilation_cache(tmp_path_factory):
-    """Most tests here train the same tiny model again (one train() call or subprocess each), and every call
-    compiles its step anew. A persistent compilation cache for this module turns those compiles into loads
-    (a run: about 30 s -> 6 s on 2 cores); the executables, and so the losses, are the same."""
-    from jax.experimental.compilation_cache import compilation_cache as cc
-
-    path = str(tmp_path_factory.mktemp("jax_cache"))
-    settings = {"jax_compilation_cache_dir": path, "jax_persistent_cache_min_compile_time_secs": 0,
-                "jax_persistent_cache_min_entry_size_bytes": 0}
-    old = {k: getattr(jax.config, k) for k in settings}
-    env = {k.upper(): str(v) for k, v in settings.items()}
-    old_env = {k: os.environ.get(k) for k in env}
-    for k, v in settings.items():
-        jax.config.update(k, v)
-    os.environ.update(env)  # for the subprocesses
-    cc.reset_cache()
-    yield
-    for k, v in old.items():
-        jax.config.update(k, v)
-    for k, v in old_env.items():
-        if v is None:
-            os.environ.pop(k)
-        else:
-            os.environ[k] = v
-    cc.reset_cache()
 
 
 @pytest.fixture(scope="module")
@@ -165,7 +139,7 @@ def child(last):
     import jax, jax.numpy as jnp, numpy as np
     said = []
     ck = checkpoint.Checkpointer(run_dir, CheckpointConfig(keep=2), log=said.append)
-    rec = {"restored": ck.latest, "tmp_left": [p.name for p in ck.dir.iterdir() if "tmp" in p.name],
+    rec = {"restored": ck.latest, "tmp_left": [p.name for p in Path(ck.dir).iterdir() if "tmp" in p.name],
            "interrupted_save": any("unfinished save" in s or "did not finish" in s for s in said)}
     if ck.latest is not None:
         dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])

@@ -1,5 +1,10 @@
 """Run directories as URLs: paths and file:// map to local disk, other schemes go through fsspec (an
-in-memory filesystem here), and a URL run's append-only files reach it through a local mirror."""
+in-memory filesystem, and a local S3-compatible server: moto), a URL run's append-only files reach it through a
+local mirror, and checkpoints on s3:// are written, verified, rejected and restored there."""
+
+import json
+import logging
+import sys
 
 import fsspec
 import pytest
@@ -15,7 +20,7 @@ def test_paths_and_file_urls_are_local(tmp_path):
     assert storage.join(str(tmp_path), "a", "b") == str(tmp_path / "a" / "b")
     assert storage.join("gs://bucket/runs/", "config.json") == "gs://bucket/runs/config.json"
     assert storage.orbax_dir(f"file://{tmp_path}/run") == tmp_path / "run"
-    assert str(storage.orbax_dir("gs://bucket/run")) == "gs://bucket/run"
+    assert str(storage.orbax_dir("s3://bucket/run")) == "s3://bucket/run"
 
 
 def test_text_files_on_an_fsspec_filesystem():
@@ -55,7 +60,7 @@ def test_mirror_uploads_changes_and_resumes_appending():
 
 def test_training_into_file_and_memory_urls(char_data, tmp_path):
     """A file:// run directory is a local one (checkpoints, resume); an fsspec URL receives config.json, metrics
-    and TensorBoard events; checkpoints on a URL Orbax and the manifest cannot serve fail before compiling."""
+    and TensorBoard events; checkpoints on a URL Orbax cannot write to fail before compiling."""
     from conftest import tiny_config
     from jaxlm import train
 
@@ -72,5 +77,117 @@ def test_training_into_file_and_memory_urls(char_data, tmp_path):
     assert fs.exists("/jaxlm-test-train/run/config.json")
     assert sorted(train.losses_by_step(mem)) == list(range(1, 21))
     assert fs.glob("/jaxlm-test-train/run/tensorboard/events.out.tfevents.*")
-    with pytest.raises(ConfigError, match="checkpoints .* need a local or mounted folder"):
+    with pytest.raises(ConfigError, match="checkpoints cannot be written to memory://jaxlm-test-train/other"):
         train.train(tiny_config(char_data, "memory://jaxlm-test-train/other"), log=lambda s: None)
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """A local S3-compatible server (moto, in a thread) holding the bucket jaxlm-test, and the environment a user
+    sets for one: AWS_ENDPOINT_URL (botocore reads it for s3fs; jaxlm hands it to tensorstore) and credentials.
+    One per module: Orbax keeps the s3fs filesystem it opens, and with it the endpoint, for the process.
+    Yields the s3fs filesystem, to look at and damage objects on the server directly."""
+    import s3fs
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one log line per request otherwise
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    with pytest.MonkeyPatch.context() as env:
+        for name in ("AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_REGION"):
+            env.delenv(name, raising=False)
+        env.setenv("AWS_ENDPOINT_URL", f"http://{host}:{port}")
+        env.setenv("AWS_ACCESS_KEY_ID", "testing")
+        env.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+        env.setenv("AWS_DEFAULT_REGION", "us-east-1")
+        s3fs.S3FileSystem.clear_instance_cache()  # an instance made for another endpoint would be reused
+        fs = s3fs.S3FileSystem(use_listings_cache=False)  # it sees what jaxlm and Orbax write
+        fs.mkdir("jaxlm-test")
+        yield fs
+        s3fs.S3FileSystem.clear_instance_cache()
+    server.stop()
+
+
+def flip_a_bit_on_the_server(fs, step_dir: str) -> tuple[str, bytes]:
+    """Flip one bit in the middle of the largest object of a checkpoint (array data): (its path, its bytes)."""
+    files = {k: v["size"] for k, v in fs.find(step_dir, detail=True).items()}
+    path = max(files, key=files.get)
+    data = bytearray(fs.cat_file(path))
+    data[len(data) // 2] ^= 0x10
+    fs.pipe_file(path, bytes(data))
+    return path, bytes(data)
+
+
+@pytest.mark.slow  # about 60 s on 2 cores: four trainings and an evaluation of the same tiny model
+@pytest.mark.usefixtures("compilation_cache")
+def test_checkpoints_on_s3_resume_exactly_and_a_corrupted_one_is_rejected(s3, char_data, tmp_path):
+    """Orbax writes the checkpoints to the S3 server itself, jaxlm seals, verifies, lists, rejects and deletes
+    them there: a resumed run's losses equal an uninterrupted run's, and a checkpoint damaged on the server is
+    set aside (copied to rejected/, then deleted) for the previous one."""
+    from conftest import tiny_config
+    from jaxlm import checkpoint as ckpt, evaluate, train
+
+    run = {"training.steps": 20, "optimizer.decay_steps": 20, "checkpoint.interval": 5, "training.eval_interval": 0}
+    train.train(tiny_config(char_data, tmp_path / "reference", **run), log=lambda s: None)
+    ref = train.losses_by_step(tmp_path / "reference")
+
+    with pytest.raises(ConfigError, match=r"^run_dir s3://no-such-bucket/run: bucket no-such-bucket does not exist"):
+        train.setup(tiny_config(char_data, "s3://no-such-bucket/run"))  # fsspec would create the bucket
+    url, bucket_dir = "s3://jaxlm-test/run", "jaxlm-test/run"
+    train.train(tiny_config(char_data, url, **{**run, "training.steps": 10}), log=lambda s: None)
+    assert ckpt.step_numbers(f"{url}/checkpoints") == [5, 10]
+    assert s3.exists(f"{bucket_dir}/checkpoints/10/jaxlm_manifest.json")
+    assert any("ocdbt.process_0" in p for p in s3.find(f"{bucket_dir}/checkpoints/10"))
+    lines = []
+    summary = train.train(tiny_config(char_data, url, **run), log=lines.append)
+    assert summary["start_step"] == 10 and f"resumed from {url}/checkpoints/10 at step 10" in lines
+    got = train.losses_by_step(url)
+    assert sorted(got) == list(range(1, 21)) and [got[s] for s in range(1, 21)] == [ref[s] for s in range(1, 21)]
+    assert ckpt.step_numbers(f"{url}/checkpoints") == [10, 15, 20]  # checkpoint.keep=3: 5 was deleted
+
+    damaged, damaged_bytes = flip_a_bit_on_the_server(s3, f"{bucket_dir}/checkpoints/20")
+    lines = []
+    summary = train.train(tiny_config(char_data, url, **run), log=lines.append)
+    warning = next(line for line in lines if line.startswith("warning: skipping checkpoint"))
+    assert f"{url}/checkpoints/20:" in warning and "checksum" in warning
+    assert summary["start_step"] == 15
+    # Set aside as it was (a copy, then the original deleted); step 20 was saved anew, with new data files.
+    assert s3.cat_file(damaged.replace("/checkpoints/20/", "/checkpoints/rejected/20/")) == damaged_bytes
+    assert not s3.exists(damaged)
+    note = json.loads(s3.cat_file(f"{bucket_dir}/checkpoints/rejected/20/{ckpt.REJECTED_NOTE}"))
+    assert "checksum" in note["reason"]
+    assert ckpt.verify(f"{url}/checkpoints/20") is None
+    got = train.losses_by_step(url)
+    assert [got[s] for s in range(16, 21)] == [ref[s] for s in range(16, 21)]
+
+    evaluated = evaluate.evaluate_run(url, {"training.sample_tokens": 0}, log=lambda s: None)
+    assert evaluated["step"] == 20 and evaluated["val_loss"] == pytest.approx(summary["val_loss"], rel=1e-6)
+
+
+def test_object_store_urls_that_cannot_work_fail_with_one_line(monkeypatch, char_data):
+    """A missing filesystem package names what to install; an endpoint nothing listens on fails before
+    compiling, in one line."""
+    import s3fs
+    from conftest import tiny_config
+    from fsspec.registry import _registry
+    from jaxlm import train
+
+    monkeypatch.delitem(_registry, "s3", raising=False)
+    monkeypatch.setitem(sys.modules, "s3fs", None)  # as if not installed
+    with pytest.raises(ConfigError, match=r"^run_dir s3://jaxlm-test/run: no filesystem for s3:// URLs "
+                                          r"\(pip install s3fs\)$"):
+        train.setup(tiny_config(char_data, "s3://jaxlm-test/run"))
+    monkeypatch.undo()
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # the discard port: nothing listens there
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    s3fs.S3FileSystem.clear_instance_cache()
+    try:
+        with pytest.raises(ConfigError) as e:
+            train.setup(tiny_config(char_data, "s3://jaxlm-test/run"))
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
+    assert "\n" not in str(e.value) and "cannot be reached" in str(e.value) and "127.0.0.1:9" in str(e.value)

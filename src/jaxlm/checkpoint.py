@@ -2,24 +2,26 @@
 position, written by Orbax and sealed by a jaxlm manifest.
 
 Layout: <run_dir>/checkpoints/<step>/{state/, loader/, jaxlm_manifest.json}. A checkpoint counts only once
-it is committed, in two stages: Orbax writes every process's files into `<step>.orbax-checkpoint-tmp` and
-renames it to `<step>` when all of them are done; then process 0 writes `jaxlm_manifest.json`, the size and
-CRC32 of every file in the folder (to a temporary name, then renamed). A run killed at any moment leaves
-either a committed checkpoint or one that restore recognizes as incomplete.
+it is committed, in two stages: Orbax writes every process's files and marks them done, on a local disk by
+writing into `<step>.orbax-checkpoint-tmp` and renaming it to `<step>`, on an object store (which cannot
+rename) by writing `<step>/commit_success.txt` last; then process 0 writes `jaxlm_manifest.json`, the size and
+CRC32 of every file in the folder (locally to a temporary name, then renamed). A run killed at any moment
+leaves either a committed checkpoint or one that restore recognizes as incomplete.
 
 Restore takes the newest checkpoint whose manifest verifies (every listed file present, same size, same
 CRC32: a truncated, emptied or bit-flipped file fails). Newer ones that do not verify are skipped with a
-warning naming the folder and moved to checkpoints/rejected/, so the resumed run can save those steps
-again; leftover temporary folders are deleted. Old checkpoints are deleted only after a newer one is
-committed, and a state holding NaN or infinity is never saved.
+warning naming the folder and moved to checkpoints/rejected/ (with a note saying when and why), so the
+resumed run can save those steps again; leftover temporary folders are deleted. Old checkpoints are deleted
+only after a newer one is committed, and a state holding NaN or infinity is never saved.
+
+The folder may be local or a gs:// or s3:// URL: every file operation here goes through `storage`.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import threading
+import time
 import zlib
 from pathlib import Path
 from typing import Callable
@@ -29,11 +31,13 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from jaxlm import storage
 from jaxlm.config import CheckpointConfig
 
 MANIFEST = "jaxlm_manifest.json"
 MANIFEST_FORMAT = 1
 REJECTED = "rejected"
+REJECTED_NOTE = "jaxlm_rejected.json"  # in a rejected folder: when and why
 _TMP_MARK = ".orbax-checkpoint-tmp"
 _CHUNK = 16 << 20
 
@@ -44,55 +48,55 @@ class CheckpointError(RuntimeError):
 
 # ---- manifests ------------------------------------------------------------------------------------------------
 
-def file_crc32(path: Path) -> tuple[int, int]:
+def file_crc32(path: str | Path) -> tuple[int, int]:
     """(size, CRC32) of a file's bytes. CRC32 catches every single-bit flip and every burst of up to 32 bits;
     it runs at about 2 GB/s here, so sealing or checking a checkpoint costs a fraction of writing it."""
     crc, size = 0, 0
-    with open(path, "rb") as f:
+    with storage.open_file(path, "rb") as f:
         while chunk := f.read(_CHUNK):
             crc = zlib.crc32(chunk, crc)
             size += len(chunk)
     return size, crc
 
 
-def _files(step_dir: Path) -> list[str]:
-    return sorted(str(p.relative_to(step_dir)) for p in step_dir.rglob("*")
-                  if p.is_file() and not p.name.startswith(MANIFEST))
+def _files(step_dir: str | Path) -> dict[str, int]:
+    return {rel: size for rel, size in sorted(storage.files(step_dir).items()) if not rel.startswith(MANIFEST)}
 
 
-def write_manifest(step_dir: Path, step: int) -> dict:
+def write_manifest(step_dir: str | Path, step: int) -> dict:
     """Seal a committed Orbax step folder: size and CRC32 of every file, written last and atomically."""
     files = {}
     for rel in _files(step_dir):
-        size, crc = file_crc32(step_dir / rel)
+        size, crc = file_crc32(storage.join(step_dir, rel))
         files[rel] = {"size": size, "crc32": f"{crc:08x}"}
     manifest = {"format": MANIFEST_FORMAT, "step": step, "files": files}
-    tmp = step_dir / f"{MANIFEST}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(manifest, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, step_dir / MANIFEST)
+    storage.write_text(storage.join(step_dir, MANIFEST), json.dumps(manifest, indent=1))
     return manifest
 
 
-def verify(step_dir: Path) -> str | None:
+def verify(step_dir: str | Path) -> str | None:
     """None if the folder's manifest verifies, else the reason it does not (one line)."""
-    path = step_dir / MANIFEST
-    if not path.is_file():
-        return f"no {MANIFEST} (the save did not finish)"
     try:
-        manifest = json.loads(path.read_text())
+        manifest = json.loads(storage.read_text(storage.join(step_dir, MANIFEST)))
+    except FileNotFoundError:
+        return f"no {MANIFEST} (the save did not finish)"
+    except (OSError, ValueError) as e:
+        return f"{MANIFEST} is unreadable ({e.__class__.__name__})"
+    try:
         files = manifest["files"]
         if manifest.get("format") != MANIFEST_FORMAT or not isinstance(files, dict) or not files:
             raise ValueError("unknown format")
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
         return f"{MANIFEST} is unreadable ({e.__class__.__name__})"
+    sizes = _files(step_dir)  # one listing: a size that differs fails before any byte is read
+    for rel, want in files.items():
+        if rel not in sizes:
+            return f"{rel} is missing"
+        if sizes[rel] != want["size"]:
+            return f"{rel} has {sizes[rel]} bytes, the manifest says {want['size']}"
     for rel, want in files.items():
         try:
-            if (step_dir / rel).stat().st_size != want["size"]:
-                return f"{rel} has {(step_dir / rel).stat().st_size} bytes, the manifest says {want['size']}"
-            size, crc = file_crc32(step_dir / rel)
+            size, crc = file_crc32(storage.join(step_dir, rel))
         except FileNotFoundError:
             return f"{rel} is missing"
         except OSError as e:
@@ -102,18 +106,16 @@ def verify(step_dir: Path) -> str | None:
     return None
 
 
-def step_numbers(ckpt_dir: Path) -> list[int]:
-    """Steps of the (Orbax-committed) step folders, oldest first."""
-    if not ckpt_dir.is_dir():
-        return []
-    return sorted(int(p.name) for p in ckpt_dir.iterdir() if p.name.isdigit() and p.is_dir())
+def step_numbers(ckpt_dir: str | Path) -> list[int]:
+    """Steps of the step folders, oldest first."""
+    return sorted(int(name) for name in storage.folders(ckpt_dir) if name.isdigit())
 
 
-def newest_verified(ckpt_dir: Path) -> tuple[int | None, list[tuple[int, str]]]:
+def newest_verified(ckpt_dir: str | Path) -> tuple[int | None, list[tuple[int, str]]]:
     """(newest step whose manifest verifies or None, [(step, reason)] for the newer ones that do not)."""
     skipped = []
     for step in reversed(step_numbers(ckpt_dir)):
-        reason = verify(ckpt_dir / str(step))
+        reason = verify(storage.join(ckpt_dir, str(step)))
         if reason is None:
             return step, skipped
         skipped.append((step, reason))
@@ -125,16 +127,28 @@ def _is_corrupt(reason: str) -> bool:
     return not reason.startswith("no " + MANIFEST)
 
 
-def select(ckpt_dir: Path, log: Callable[[str], None]) -> int | None:
+def select(ckpt_dir: str | Path, log: Callable[[str], None]) -> int | None:
     """Newest usable step, warning about each newer one skipped. Fails when checkpoints were committed
     but none verifies: starting over silently would throw a run away."""
+    return _select(ckpt_dir, log)[0]
+
+
+def _select(ckpt_dir: str | Path, log: Callable[[str], None]) -> tuple[int | None, list[tuple[int, str]]]:
     step, skipped = newest_verified(ckpt_dir)
     for s, reason in skipped:
-        log(f"warning: skipping checkpoint {ckpt_dir / str(s)}: {reason}")
+        log(f"warning: skipping checkpoint {storage.join(ckpt_dir, str(s))}: {reason}")
     if step is None and any(_is_corrupt(r) for _, r in skipped):
         raise CheckpointError(f"no usable checkpoint in {ckpt_dir}: " + "; ".join(f"{s}: {r}" for s, r in skipped)
                               + "; move the folder away to start over")
-    return step
+    return step, skipped
+
+
+def _manager(ckpt_dir: str, **options) -> ocp.CheckpointManager:
+    """Orbax's manager of a checkpoint folder. Object stores cannot rename a folder, so there Orbax marks a
+    finished step with a commit file (its own choice for gs://, made explicit for s3://)."""
+    if storage.local_path(ckpt_dir) is None:
+        options["atomicity_options"] = ocp.options.AtomicityOptions(mode=ocp.options.AtomicityMode.COMMIT_FILE)
+    return ocp.CheckpointManager(storage.orbax_dir(ckpt_dir), options=ocp.CheckpointManagerOptions(**options))
 
 
 def _all_finite_fn():
@@ -145,7 +159,7 @@ def _all_finite_fn():
     return jax.jit(all_finite)
 
 
-def _restore(mngr: ocp.CheckpointManager, path: Path, step: int, abstract_state: dict) -> tuple[dict, dict]:
+def _restore(mngr: ocp.CheckpointManager, path: str, step: int, abstract_state: dict) -> tuple[dict, dict]:
     try:
         out = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state),
                                                          loader=ocp.args.JsonRestore()))
@@ -155,16 +169,20 @@ def _restore(mngr: ocp.CheckpointManager, path: Path, step: int, abstract_state:
     return out["state"], out["loader"]
 
 
-def restore_newest(run_dir: Path, abstract_state: dict, log: Callable[[str], None] = print):
+def checkpoints_dir(run_dir: str | Path) -> str:
+    """A run's checkpoint folder: an absolute path, or a URL."""
+    return str(storage.orbax_dir(storage.join(run_dir, "checkpoints")))
+
+
+def restore_newest(run_dir: str | Path, abstract_state: dict, log: Callable[[str], None] = print):
     """(step, state, loader state) of a run's newest verified checkpoint, read-only (for eval and export);
     None when it has none."""
-    ckpt_dir = (Path(run_dir) / "checkpoints").absolute()
+    ckpt_dir = checkpoints_dir(run_dir)
     step = select(ckpt_dir, log)
     if step is None:
         return None
-    options = ocp.CheckpointManagerOptions(read_only=True, create=False, enable_async_checkpointing=False)
-    with ocp.CheckpointManager(ckpt_dir, options=options) as mngr:
-        return (step, *_restore(mngr, ckpt_dir / str(step), step, abstract_state))
+    with _manager(ckpt_dir, read_only=True, create=False, enable_async_checkpointing=False) as mngr:
+        return (step, *_restore(mngr, storage.join(ckpt_dir, str(step)), step, abstract_state))
 
 
 def _broadcast_from_main(value: int) -> int:
@@ -186,22 +204,22 @@ class Checkpointer:
     there is kept and reported by `check` (the loop calls it at every metrics flush), `save` and `close`.
     """
 
-    def __init__(self, run_dir: Path, cfg: CheckpointConfig, log: Callable[[str], None] = print):
-        self.dir = (Path(run_dir) / "checkpoints").absolute()
+    def __init__(self, run_dir: str | Path, cfg: CheckpointConfig, log: Callable[[str], None] = print):
+        self.dir = checkpoints_dir(run_dir)
         self.keep, self.on_error, self._log = cfg.keep, cfg.on_error, log
         self._main = jax.process_index() == 0
         latest, error = -1, None
         if self._main:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            for tmp in self.dir.glob(f"*{_TMP_MARK}*"):
-                shutil.rmtree(tmp, ignore_errors=True)
-                log(f"removed the unfinished save {tmp}")
+            storage.makedirs(self.dir)
+            for name in storage.folders(self.dir):
+                if _TMP_MARK in name:
+                    storage.remove(self._path(name))
+                    log(f"removed the unfinished save {self._path(name)}")
             try:
-                step = select(self.dir, log)
+                step, skipped = _select(self.dir, log)  # skipped: every step newer than the one chosen
                 latest = -1 if step is None else step
-                for s in step_numbers(self.dir):
-                    if s > latest:
-                        self._reject(s)
+                for s, reason in skipped:
+                    self._reject(s, reason)
             except CheckpointError as e:
                 latest, error = -2, e
         # Every process restores what process 0 chose (or fails with it); this also waits for its clean-up.
@@ -209,33 +227,44 @@ class Checkpointer:
         if latest == -2:
             raise error or CheckpointError(f"process 0 found no usable checkpoint in {self.dir}")
         self.latest = None if latest < 0 else latest
-        options = ocp.CheckpointManagerOptions(max_to_keep=None, enable_async_checkpointing=cfg.async_save,
-                                               cleanup_tmp_directories=True, create=True)
-        self._mngr = ocp.CheckpointManager(self.dir, options=options)
+        # Unfinished saves were removed or set aside above. Orbax's own clean-up would, on an object store, also
+        # delete every folder without its commit file: rejected/ too.
+        self._mngr = _manager(self.dir, max_to_keep=None, enable_async_checkpointing=cfg.async_save,
+                              cleanup_tmp_directories=False, create=True)
         self._all_finite = _all_finite_fn()
         self._async = cfg.async_save
         self._thread: threading.Thread | None = None
         self._errors: list[tuple[int, str]] = []
         self._last_step: int | None = None
 
-    def _reject(self, step: int) -> None:
+    def _path(self, *parts: str) -> str:
+        return storage.join(self.dir, *parts)
+
+    def _reject(self, step: int, reason: str) -> None:
         """Move a step folder that does not verify out of the way (not deleted: it may be the only copy of
-        a run someone wants to inspect), keeping at most `keep` rejected folders."""
-        rejected = self.dir / REJECTED
-        rejected.mkdir(exist_ok=True)
+        a run someone wants to inspect), keeping at most `keep` rejected folders, the newest by their notes."""
+        taken = set(storage.folders(self._path(REJECTED)))
         n = 0
-        while (target := rejected / (f"{step}" if n == 0 else f"{step}.{n}")).exists():
+        while (name := f"{step}" if n == 0 else f"{step}.{n}") in taken:
             n += 1
-        os.replace(self.dir / str(step), target)
-        os.utime(target)
-        self._log(f"moved {self.dir / str(step)} to {target}")
-        old = sorted(rejected.iterdir(), key=lambda p: p.stat().st_mtime)
-        for p in old[:-self.keep]:
-            shutil.rmtree(p, ignore_errors=True)
+        target = self._path(REJECTED, name)
+        storage.makedirs(self._path(REJECTED))
+        storage.move(self._path(str(step)), target)
+        storage.write_text(storage.join(target, REJECTED_NOTE), json.dumps({"time": time.time(), "reason": reason}))
+        self._log(f"moved {self._path(str(step))} to {target}")
+        for old in sorted(taken | {name}, key=self._rejected_at)[:-self.keep]:
+            storage.remove(self._path(REJECTED, old))
+
+    def _rejected_at(self, name: str) -> float:
+        """When a rejected folder was set aside (0 for one without a readable note)."""
+        try:
+            return float(json.loads(storage.read_text(self._path(REJECTED, name, REJECTED_NOTE)))["time"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return 0.0
 
     def restore(self, step: int, abstract_state: dict) -> tuple[dict, dict]:
         """Restore into the shapes and shardings of `abstract_state` (a tree of ShapeDtypeStruct)."""
-        return _restore(self._mngr, self.dir / str(step), step, abstract_state)
+        return _restore(self._mngr, self._path(str(step)), step, abstract_state)
 
     def save(self, step: int, state: dict, loader_state: dict) -> None:
         """Start saving `state` at `step`. Raises CheckpointError when the previous save failed and
@@ -268,9 +297,9 @@ class Checkpointer:
     def _commit(self, step: int) -> None:
         try:
             self._mngr.wait_until_finished()
-            step_dir = self.dir / str(step)
+            step_dir = self._path(str(step))
             if self._main:
-                if not step_dir.is_dir():
+                if not storage.isdir(step_dir):
                     raise FileNotFoundError(f"Orbax did not commit {step_dir}")
                 write_manifest(step_dir, step)
                 self._collect_garbage()
@@ -279,24 +308,27 @@ class Checkpointer:
 
     def _fail(self, step: int, e: BaseException) -> None:
         if self._main:  # free what the failed save wrote (a full disk needs the space back)
-            for tmp in self.dir.glob(f"{step}{_TMP_MARK}*"):
-                shutil.rmtree(tmp, ignore_errors=True)
+            for name in storage.folders(self.dir):
+                # Orbax writes into <step>.orbax-checkpoint-tmp locally, into <step> itself on an object store.
+                unsealed = name == str(step) and not storage.exists(self._path(name, MANIFEST))
+                if name.startswith(f"{step}{_TMP_MARK}") or unsealed:
+                    storage.remove(self._path(name))
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        self._errors.append((step, f"saving the checkpoint of step {step} to {self.dir / str(step)} failed "
+        self._errors.append((step, f"saving the checkpoint of step {step} to {self._path(str(step))} failed "
                             f"({e.__class__.__name__}: {first})"))
 
     def _collect_garbage(self) -> None:
         """Delete checkpoints older than the newest `keep` committed ones; runs only after a commit, so the
         previous checkpoint outlives every save that fails."""
         steps = step_numbers(self.dir)
-        committed = [s for s in steps if (self.dir / str(s) / MANIFEST).is_file()]
+        committed = [s for s in steps if storage.exists(self._path(str(s), MANIFEST))]
         if len(committed) <= self.keep:
             return
         oldest_kept = committed[-self.keep]
         for s in steps:
             if s < oldest_kept:
-                (self.dir / str(s) / MANIFEST).unlink(missing_ok=True)  # uncommitted first, then gone
-                shutil.rmtree(self.dir / str(s), ignore_errors=True)
+                storage.remove(self._path(str(s), MANIFEST))  # uncommitted first, then gone
+                storage.remove(self._path(str(s)))
 
     def check(self) -> None:
         """Report failed saves: raise with checkpoint.on_error=stop, log and go on with continue."""

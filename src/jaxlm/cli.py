@@ -158,10 +158,10 @@ def cmd_plot(argv: list[str]) -> int:
 def cmd_eval(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: jaxlm eval RUN_DIR [key=value ...]\n\n"
-              "Restore the latest checkpoint of a training run, print its train/val loss on the batches training\n"
-              "evaluated on, and a sample (training.sample_tokens=0 skips it). Settings override the run's\n"
-              "config.json, e.g. model.quantization=int8_weights evaluates and samples with int8-stored weights\n"
-              "and prints the float figures beside them.")
+              "Restore the latest checkpoint of a training run (a folder, or an s3:// or gs:// URL), print its\n"
+              "train/val loss on the batches training evaluated on, and a sample (training.sample_tokens=0 skips\n"
+              "it). Settings override the run's config.json, e.g. model.quantization=int8_weights evaluates and\n"
+              "samples with int8-stored weights and prints the float figures beside them.")
         return 0 if argv else 2
     from jaxlm import evaluate
 

@@ -16,11 +16,11 @@ from jaxlm.config import ConfigError
 from jaxlm.data import loader as loader_lib
 
 
-def load_run_config(run_dir: Path, overrides: dict) -> config_lib.Config:
-    path = run_dir / "config.json"
-    if not path.is_file():
+def load_run_config(run_dir: str | Path, overrides: dict) -> config_lib.Config:
+    path = storage.join(run_dir, "config.json")
+    if not storage.exists(path):
         raise ConfigError(f"{run_dir} holds no config.json; pass the run_dir of a training run")
-    cfg = config_lib.apply_overrides(config_lib.from_dict(json.loads(path.read_text())), overrides)
+    cfg = config_lib.apply_overrides(config_lib.from_dict(json.loads(storage.read_text(path))), overrides)
     config_lib.validate(cfg)
     return cfg.replace(run_dir=str(run_dir))
 
@@ -28,14 +28,15 @@ def load_run_config(run_dir: Path, overrides: dict) -> config_lib.Config:
 def evaluate_run(run_dir: str | Path, overrides: dict | None = None, devices=None,
                  log: Callable[[str], None] = print) -> dict:
     """Losses (and a sample) of the run's latest checkpoint under the given overrides; with a quantization
-    setting, the float losses of the same weights too."""
-    run_dir = storage.local_folder(run_dir, "jaxlm eval")
+    setting, the float losses of the same weights too. `run_dir` may be a URL (storage.py)."""
+    if storage.local_path(run_dir) is None:
+        storage.check_reachable(run_dir)
     cfg = load_run_config(run_dir, overrides or {})
     run = train.setup(cfg, devices)
     cfg, t_cfg = run.cfg, run.cfg.training
     restored = ckpt.restore_newest(run_dir, run.abstract_state, log)
     if restored is None:
-        raise ckpt.CheckpointError(f"{run_dir / 'checkpoints'} holds no committed checkpoint to evaluate")
+        raise ckpt.CheckpointError(f"{storage.join(run_dir, 'checkpoints')} holds no committed checkpoint to evaluate")
     step, state, _ = restored
     float_params = state["params"]
     params = float_params

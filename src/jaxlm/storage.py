@@ -1,10 +1,18 @@
 """Run directories on local disk or on storage that every host sees.
 
 `run_dir` may be a path or a URL: `gs://bucket/runs/a`, `s3://...`, `file:///shared/runs/a`, or any other
-filesystem fsspec knows (`memory://` in tests). Checkpoints go through Orbax, which writes local paths, gs://
-and s3:// itself (with tensorstore); the small files of a run (config.json, metrics.jsonl, TensorBoard events,
-stack dumps) go through fsspec. Object stores cannot append to a file, so a URL run's append-only files are
-written to a local mirror folder and uploaded whole at every flush (`Mirror`).
+filesystem fsspec knows (`memory://` in tests). jaxlm's file operations on a run directory go through fsspec,
+which serves local paths too, so one code path covers both: the small files of a run (config.json,
+metrics.jsonl, TensorBoard events, stack dumps) and everything jaxlm does to a checkpoint folder (its manifest,
+verification, listing, rejection, deletion). Object stores cannot append to a file, so a URL run's
+append-only files are written to a local mirror folder and uploaded whole at every flush (`Mirror`); nor can
+they rename, so a folder moves there by copy and delete (`move`).
+
+Checkpoints themselves go through Orbax and tensorstore, which write local paths, gs:// and s3:// URLs
+(`orbax_dir`). S3-compatible servers other than AWS are reached by setting `AWS_ENDPOINT_URL` (or
+`AWS_ENDPOINT_URL_S3`): botocore reads it for s3fs, and jaxlm hands it to tensorstore, which does not read it.
+Credentials come from the usual AWS variables or files (`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`,
+~/.aws/credentials), which both read themselves; gs:// uses Google's default credentials.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from pathlib import Path
 from jaxlm.config import ConfigError
 
 ORBAX_SCHEMES = ("gs", "s3")  # the URL schemes Orbax (tensorstore) writes checkpoints to
+PIP_HINTS = {"gs": "pip install gcsfs", "s3": "pip install s3fs", "az": "pip install adlfs"}
 
 
 def scheme(path: str | Path) -> str:
@@ -49,55 +58,117 @@ def join(base: str | Path, *parts: str) -> str:
 
 
 def filesystem(path: str | Path):
-    """(fsspec filesystem, path within it) for a URL; a one-line error when no filesystem serves its scheme."""
+    """(fsspec filesystem, path within it) for a path or URL; a one-line error when no filesystem serves its
+    scheme. A URL's filesystem caches no listings, and neither does the one Orbax opens for it (fsspec shares
+    its settings): other processes, and tensorstore beside fsspec, write the same folders, and a stale listing
+    shows deleted files (a rejected checkpoint) or hides new ones."""
     import fsspec
 
+    if local_path(path) is None:
+        fsspec.config.conf.setdefault(scheme(path), {})["use_listings_cache"] = False
     try:
         return fsspec.core.url_to_fs(str(path))
     except (ImportError, ValueError) as e:
-        hint = {"gs": "pip install gcsfs", "s3": "pip install s3fs", "az": "pip install adlfs"}.get(scheme(path))
+        hint = PIP_HINTS.get(scheme(path))
         raise ConfigError(f"run_dir {path}: no filesystem for {scheme(path)}:// URLs"
                           + (f" ({hint})" if hint else f" ({str(e).splitlines()[0]})")) from None
 
 
+def check_reachable(path: str | Path) -> None:
+    """Fail in one line, before anything is compiled, when a URL's storage cannot be reached (a wrong endpoint,
+    no credentials) or its bucket does not exist (fsspec would create it)."""
+    fs, p = filesystem(path)
+    probe = p.split("/", 1)[0] if scheme(path) in ORBAX_SCHEMES else p
+    try:
+        fs.info(probe)
+    except FileNotFoundError:
+        if probe != p:
+            raise ConfigError(f"run_dir {path}: bucket {probe} does not exist; create it or fix the URL") from None
+    except Exception as e:  # noqa: BLE001 - each filesystem and SDK raises its own types
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ConfigError(f"run_dir {path}: its storage cannot be reached ({e.__class__.__name__}: {first}); check "
+                          "the endpoint (AWS_ENDPOINT_URL for an S3-compatible server), credentials and network"
+                          ) from None
+
+
 def exists(path: str | Path) -> bool:
-    local = local_path(path)
-    if local is not None:
-        return local.exists()
     fs, p = filesystem(path)
     return fs.exists(p)
 
 
+def isdir(path: str | Path) -> bool:
+    fs, p = filesystem(path)
+    return fs.isdir(p)
+
+
 def makedirs(path: str | Path) -> None:
-    local = local_path(path)
-    if local is not None:
-        local.mkdir(parents=True, exist_ok=True)
-    else:
-        fs, p = filesystem(path)
-        fs.makedirs(p, exist_ok=True)
+    fs, p = filesystem(path)
+    fs.makedirs(p, exist_ok=True)
+
+
+def open_file(path: str | Path, mode: str = "rb"):
+    fs, p = filesystem(path)
+    return fs.open(p, mode)
 
 
 def read_text(path: str | Path) -> str:
-    local = local_path(path)
-    if local is not None:
-        return local.read_text()
-    fs, p = filesystem(path)
-    with fs.open(p, "r") as f:
+    with open_file(path, "r") as f:
         return f.read()
 
 
 def write_text(path: str | Path, text: str) -> None:
-    """Write a whole file so that readers see the old or the new text, never a part: a local file through a
-    temporary name and a rename; an object store replaces an object in one step."""
+    """Write a whole file so that readers see the old or the new text, never a part, even after a crash: a
+    local file through a temporary name, fsync and a rename; an object store replaces an object in one step."""
     local = local_path(path)
     if local is not None:
         tmp = local.with_name(f"{local.name}.tmp{os.getpid()}")
-        tmp.write_text(text)
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, local)
         return
-    fs, p = filesystem(path)
-    with fs.open(p, "w") as f:
+    with open_file(path, "w") as f:
         f.write(text)
+
+
+def folders(path: str | Path) -> list[str]:
+    """Names of the folders in a folder ([] when it does not exist)."""
+    fs, p = filesystem(path)
+    try:
+        entries = fs.ls(p, detail=True)
+    except FileNotFoundError:
+        return []
+    return sorted(e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e["type"] == "directory")
+
+
+def files(path: str | Path) -> dict[str, int]:
+    """{path relative to the folder (with /): size in bytes} of every file under a folder, in one listing."""
+    fs, p = filesystem(path)
+    root = p.rstrip("/") + "/"
+    return {name[len(root):]: info["size"] for name, info in fs.find(p, detail=True).items()
+            if name.startswith(root) and info["type"] == "file"}
+
+
+def remove(path: str | Path) -> None:
+    """Delete a file or a folder with everything in it; nothing when it does not exist."""
+    fs, p = filesystem(path)
+    try:
+        fs.rm(p, recursive=True)
+    except FileNotFoundError:
+        pass
+
+
+def move(src: str | Path, dst: str | Path) -> None:
+    """Move a folder to a path that does not exist yet: one rename on a local disk; on an object store, which
+    has no rename, a copy of every object (done by the server) and then the deletion of the originals."""
+    fs, s = filesystem(src)
+    d = filesystem(dst)[1]
+    if local_path(src) is not None:
+        os.replace(s, d)
+    else:
+        fs.copy(s, d, recursive=True)
+        fs.rm(s, recursive=True)
 
 
 def orbax_dir(path: str | Path):
@@ -105,12 +176,57 @@ def orbax_dir(path: str | Path):
     local = local_path(path)
     if local is not None:
         return local.absolute()
-    if scheme(path) in ORBAX_SCHEMES:
-        from etils import epath
+    if scheme(path) not in ORBAX_SCHEMES:
+        raise ConfigError(f"checkpoints cannot be written to {path}: Orbax writes local paths, file://, gs:// and "
+                          "s3:// URLs; use one of those for run_dir or set checkpoint.enabled=false")
+    filesystem(path)  # Orbax writes its small files through the same fsspec filesystem (gcsfs, s3fs)
+    if scheme(path) == "s3":
+        _orbax_writes_s3()
+    from etils import epath
 
-        return epath.Path(str(path))
-    raise ConfigError(f"checkpoints cannot be written to {path}: Orbax writes local paths, file://, gs:// and s3:// "
-                      "URLs; use one of those for run_dir or set checkpoint.enabled=false")
+    return epath.Path(str(path))
+
+
+def _orbax_writes_s3() -> None:
+    """Orbax (through 0.12.8) builds tensorstore specs for local paths and gs:// only: an s3:// folder became
+    the relative file path 's3:/bucket/...' and every save failed. Orbax lays out a bucket the same way for
+    both, so this builds the gs:// spec and swaps tensorstore's s3 driver in, with the endpoint of an
+    S3-compatible server. Installed once, on the first s3:// checkpoint folder."""
+    from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
+
+    build = ts_utils.build_kvstore_tspec
+    if getattr(build, "serves_s3", False):
+        return
+
+    def build_kvstore_tspec(directory, *args, **kwargs):
+        if not str(directory).startswith("s3://"):
+            return build(directory, *args, **kwargs)
+        gcs = build("gs://" + str(directory)[len("s3://"):], *args, **kwargs)
+        s3 = _gcs_to_s3(gcs, s3_endpoint())
+        if s3 == gcs:
+            raise ConfigError(f"this Orbax version lays out gs:// buckets differently; jaxlm cannot write s3:// "
+                              f"checkpoints with it (install orbax-checkpoint 0.12.x, or mount the bucket): {gcs}")
+        return s3
+
+    build_kvstore_tspec.serves_s3 = True
+    ts_utils.build_kvstore_tspec = build_kvstore_tspec
+
+
+def s3_endpoint() -> dict:
+    """The tensorstore spec members that point its s3 driver at the server botocore (s3fs) uses."""
+    url = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    return {"endpoint": url} if url else {}
+
+
+def _gcs_to_s3(spec, endpoint: dict):
+    """The tensorstore spec with each gcs kvstore replaced by the s3 one of the same bucket and path."""
+    if isinstance(spec, dict):
+        if spec.get("driver") in ("gcs", "gcs_grpc"):
+            return {**spec, "driver": "s3", **endpoint}
+        return {k: _gcs_to_s3(v, endpoint) for k, v in spec.items()}
+    if isinstance(spec, list):
+        return [_gcs_to_s3(v, endpoint) for v in spec]
+    return spec
 
 
 class Mirror:

@@ -98,11 +98,9 @@ def resolve_run_dir(cfg: Config) -> Path | str:
     local = storage.local_path(cfg.run_dir)
     if local is not None:
         return local
-    storage.filesystem(cfg.run_dir)  # a scheme no filesystem serves fails here, in one line
+    storage.check_reachable(cfg.run_dir)  # no filesystem for the scheme, or no way to reach it: one line, here
     if cfg.checkpoint.enabled and not cfg.debug:
-        raise ConfigError(f"run_dir={cfg.run_dir}: checkpoints (verified by jaxlm's manifest) need a local or mounted "
-                          "folder, e.g. a bucket mounted with gcsfuse, or a file:// URL; set checkpoint.enabled=false "
-                          "to keep only metrics and config on this URL")
+        storage.orbax_dir(storage.join(cfg.run_dir, "checkpoints"))  # a URL Orbax cannot write to fails here too
     return cfg.run_dir
 
 
@@ -386,7 +384,7 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
     if latest is not None:
         state, loader_state = checkpointer.restore(latest, run.abstract_state)
         loader.restore(loader_state)
-        log(f"resumed from {checkpointer.dir / str(latest)} at step {latest}")
+        log(f"resumed from {storage.join(checkpointer.dir, str(latest))} at step {latest}")
     elif cfg.checkpoint.init_from:
         state = init_state_from(run, cfg.checkpoint.init_from)
         log(f"initialized the weights from {cfg.checkpoint.init_from}")
@@ -507,7 +505,7 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
         # Every process says it: in a multi-host job the logs show that all of them stopped at one step.
         (log if main_process else print)(
             f"process {jax.process_index()}: stopped for preemption after step {preempted_at}; its checkpoint "
-            f"is committed in {checkpointer.dir / str(preempted_at)}")
+            f"is committed in {storage.join(checkpointer.dir, str(preempted_at))}")
 
     summary = {"run_dir": str(run_dir), "steps": t_cfg.steps, "start_step": start, "preempted_at": preempted_at,
                "nonfinite_skips": skips["nonfinite_skips"], "spike_skips": skips["spike_skips"],
