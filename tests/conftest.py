@@ -8,9 +8,14 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache for the session and the processes its tests start (the CLI's default,
 # ~/.cache/jaxlm/xla, is left alone): repeated runs of the same tiny configs load instead of compiling.
+# Every program is cached, however quick its compile: most tests train the same tiny models again (in this
+# process or in the ones they start), and a load is faster than any compile; the executables, and so the
+# losses, are the same.
 _XLA_CACHE = None
 if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
     _XLA_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxlm-test-xla-cache-")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 from pathlib import Path  # noqa: E402
 
@@ -27,35 +32,6 @@ def shakespeare_file() -> Path:
     if not SHAKESPEARE.is_file():
         pytest.skip(f"{SHAKESPEARE} not found")
     return SHAKESPEARE
-
-
-@pytest.fixture(scope="module")
-def compilation_cache(tmp_path_factory):
-    """For a module whose tests train the same tiny model again (one train() call or subprocess each): every
-    call compiles its step anew, and a persistent compilation cache for the module turns those compiles into
-    loads (a run: about 30 s -> 6 s on 2 cores); the executables, and so the losses, are the same."""
-    import jax
-    from jax.experimental.compilation_cache import compilation_cache as cc
-
-    path = str(tmp_path_factory.mktemp("jax_cache"))
-    settings = {"jax_compilation_cache_dir": path, "jax_persistent_cache_min_compile_time_secs": 0,
-                "jax_persistent_cache_min_entry_size_bytes": 0}
-    old = {k: getattr(jax.config, k) for k in settings}
-    env = {k.upper(): str(v) for k, v in settings.items()}
-    old_env = {k: os.environ.get(k) for k in env}
-    for k, v in settings.items():
-        jax.config.update(k, v)
-    os.environ.update(env)  # for the subprocesses
-    cc.reset_cache()
-    yield
-    for k, v in old.items():
-        jax.config.update(k, v)
-    for k, v in old_env.items():
-        if v is None:
-            os.environ.pop(k)
-        else:
-            os.environ[k] = v
-    cc.reset_cache()
 
 
 @pytest.fixture(scope="session")

@@ -26,7 +26,6 @@ from jaxlm.config import CheckpointConfig
 from jaxlm.data import loader as loader_lib
 
 TESTS = Path(__file__).resolve().parent
-pytestmark = pytest.mark.usefixtures("compilation_cache")  # most tests here train the same tiny model again
 
 # One schedule for runs of 20 and 40 steps, so that a run stopped at 20 and resumed continues the 40-step one.
 RUN = {"training.steps": 40, "optimizer.decay_steps": 40, "checkpoint.interval": 10, "checkpoint.keep": 10,

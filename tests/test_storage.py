@@ -120,7 +120,6 @@ def flip_a_bit_on_the_server(fs, step_dir: str) -> tuple[str, bytes]:
 
 
 @pytest.mark.slow  # about 60 s on 2 cores: four trainings and an evaluation of the same tiny model
-@pytest.mark.usefixtures("compilation_cache")
 def test_checkpoints_on_s3_resume_exactly_and_a_corrupted_one_is_rejected(s3, char_data, tmp_path):
     """Orbax writes the checkpoints to the S3 server itself, jaxlm seals, verifies, lists, rejects and deletes
     them there: a resumed run's losses equal an uninterrupted run's, and a checkpoint damaged on the server is
