@@ -4,7 +4,7 @@ Allocator. XLA:CPU takes the scratch memory of a whole step (every intermediate 
 update) as one allocation from malloc and frees it when the step ends. That block is usually larger than
 glibc's mmap threshold, so glibc maps it fresh from the kernel on every step and unmaps it afterwards: each
 step page-faults its whole working set in again and the kernel zero-fills it. On small models that costs
-as much as the arithmetic (shakespeare_char_cpu on a 2-core machine: about 6,600 tokens/s with glibc's
+as much as the arithmetic (shakespeare_char_cpu on a 2-core machine: 6,300 to 7,200 tokens/s with glibc's
 defaults, about 10,000 with the settings below). `tune_for_xla_cpu()` raises the mmap threshold so that
 such blocks come from the heap, and raises the trim threshold so that the heap keeps them between steps
 instead of returning them to the kernel. The price is that up to TRIM_BYTES of freed memory stays in the
