@@ -5,6 +5,9 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# XLA:CPU mallocs a large scratch buffer every step; transparent huge pages avoid most of its page faults
+# (the jaxlm command sets this itself; scripts and tests started from here get it too).
+export GLIBC_TUNABLES := glibc.malloc.hugetlb=1
 
 .PHONY: quickstart test test-fast bench clean
 
