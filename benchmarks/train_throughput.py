@@ -19,7 +19,7 @@ import time
 import jax
 import numpy as np
 
-from jaxlm import config as config_lib, runtime, metrics, train
+from jaxlm import config as config_lib, metrics, runtime, train
 
 
 def configs() -> dict[str, config_lib.Config]:

@@ -21,7 +21,7 @@ import optax
 
 from jaxlm import checkpoint as ckpt
 from jaxlm import config as config_lib
-from jaxlm import diagnostics, distributed, generate, runtime, metrics, optim, params as P, quant, sharding, storage
+from jaxlm import diagnostics, distributed, generate, metrics, optim, params as P, quant, runtime, sharding, storage
 from jaxlm.config import Config, ConfigError
 from jaxlm.data import loader as loader_lib, prepare, tokenizer as tokenizer_lib
 from jaxlm.model import loss_fn, param_specs
