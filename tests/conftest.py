@@ -4,7 +4,21 @@ import os
 import shutil
 import tempfile
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+# The tests compile hundreds of tiny programs and run each for a few steps: LLVM's optimizations cost more there
+# than they save (tests/test_model.py: 94 s with XLA's default, 56 s without). Every program of the suite, in this
+# process and in the processes its tests start (`xla_flags`), is compiled this way, so results that tests compare
+# bit for bit come from the same code. Runs outside the tests keep XLA's default.
+TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
+
+
+def xla_flags(devices: int | None = None) -> str:
+    """XLA_FLAGS for a process a test starts: the suite's flags, with `devices` fake CPU devices if given
+    (else one; `jaxlm launch` adds its own count)."""
+    count = f" --xla_force_host_platform_device_count={devices}" if devices else ""
+    return TEST_XLA_FLAGS + count
+
+
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {xla_flags(8)}".strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache for the session and the processes its tests start (the CLI's default,
 # ~/.cache/jaxlm/xla, is left alone): repeated runs of the same tiny configs load instead of compiling.

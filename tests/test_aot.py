@@ -7,7 +7,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from conftest import tiny_config
+from conftest import tiny_config, xla_flags
 from jaxlm import aot, config as config_lib, train
 from jaxlm.config import ConfigError
 
@@ -110,7 +110,7 @@ def test_fit_search_returns_the_largest_batch_that_fits(char_data):
 
 
 def _cli(args, cwd):
-    env = dict(os.environ, XLA_FLAGS="", PYTHONPATH=os.pathsep.join(filter(None, [SRC, os.environ.get("PYTHONPATH")])))
+    env = dict(os.environ, XLA_FLAGS=xla_flags(), PYTHONPATH=os.pathsep.join(filter(None, [SRC, os.environ.get("PYTHONPATH")])))
     return subprocess.run([sys.executable, "-m", "jaxlm.cli", "compile", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=300)
 

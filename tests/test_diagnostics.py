@@ -9,7 +9,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from conftest import tiny_config
+from conftest import tiny_config, xla_flags
 from jaxlm import config as config_lib, diagnostics, train
 
 
@@ -95,7 +95,7 @@ def test_hang_is_shown_in_the_stack_trace_file_and_the_watchdog_exits(char_data,
     cfg_file = tmp_path / "cfg.json"
     cfg_file.write_text(config_lib.to_json(cfg))
     marker = tmp_path / "sleeping"
-    env = dict(os.environ, XLA_FLAGS="", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, XLA_FLAGS=xla_flags(), PYTHONUNBUFFERED="1")
     p = subprocess.Popen([sys.executable, str(script), str(cfg_file), str(marker)], env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

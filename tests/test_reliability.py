@@ -20,7 +20,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from conftest import tiny_config
+from conftest import tiny_config, xla_flags
 from jaxlm import checkpoint as ckpt, config as config_lib, train
 from jaxlm.config import CheckpointConfig
 from jaxlm.data import loader as loader_lib
@@ -175,7 +175,7 @@ def kill_during_saves(tmp_path: Path, kills: int, seed: int) -> list[dict]:
     """A process that saves checkpoint after checkpoint of known values, SIGKILLed at random moments and
     restarted each time (forked, so a restart costs no import); one record per restart."""
     results = tmp_path / "restores.jsonl"
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags())
     p = subprocess.run([sys.executable, "-c", SAVE_AND_KILL, str(tmp_path / "run"), str(results), str(kills),
                         str(seed)], env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]

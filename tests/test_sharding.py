@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import tiny_config
+from conftest import tiny_config, xla_flags
 from jaxlm import checkpoint as ckpt, config as config_lib, sharding, train
 from jaxlm.config import ConfigError, MeshConfig
 
@@ -114,7 +114,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _launch(args, cwd):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = dict(os.environ, XLA_FLAGS=xla_flags())
     return subprocess.run([sys.executable, "-m", "jaxlm.cli", "launch", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=900)
 
@@ -133,7 +133,7 @@ def _recorded_step(run_dir) -> int:
 def _sigterm_one_process(args, cwd, run_dir):
     """Launch 2 processes and SIGTERM the second once step 3 is recorded: (exit status, output, seconds from
     the signal to the exit of all processes)."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = dict(os.environ, XLA_FLAGS=xla_flags())
     p = subprocess.Popen([sys.executable, "-m", "jaxlm.cli", "launch", *args], cwd=cwd, env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 600
@@ -166,9 +166,9 @@ def test_two_processes_match_one_and_resume_exactly_after_sigterm_to_one(char_da
     assert ckpt.step_numbers(tmp_path / "part" / "checkpoints")[-1] == S
     assert ckpt.verify(tmp_path / "part" / "checkpoints" / str(S)) is None
     T = max(12, S + 4)
-    one = _launch(["--processes", "1", "--devices-per-process", "8", "--", "train", *common, "training.steps=12",
-                   f"run_dir={tmp_path / 'one'}"], tmp_path)
-    assert one.returncode == 0, one.stdout + one.stderr
+    # One process with 8 devices: this one (the launch of another costs the start-up of JAX).
+    train.train(config_lib.load(common[0], [*common[1:], "training.steps=12", f"run_dir={tmp_path / 'one'}"]),
+                jax.devices(), log=lambda s: None)
     two = _launch([*two_procs, f"training.steps={T}", f"run_dir={tmp_path / 'two'}"], tmp_path)
     assert two.returncode == 0, two.stdout + two.stderr
     assert "in 2 process(es)" in two.stdout
@@ -225,14 +225,14 @@ print("ROWS", json.dumps(sorted(rec.rows)))
 def test_processes_read_disjoint_examples(char_data, tmp_path):
     script = tmp_path / "reader.py"
     script.write_text(READER)
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = dict(os.environ, XLA_FLAGS=xla_flags())
     from jaxlm.launch import free_port
 
     port = free_port()
     procs = [subprocess.Popen([sys.executable, str(script), str(char_data), str(tmp_path / "r")],
                               env=dict(env, JAXLM_COORDINATOR=f"127.0.0.1:{port}", JAXLM_NUM_PROCESSES="2",
                                        JAXLM_PROCESS_ID=str(i), JAX_PLATFORMS="cpu",
-                                       XLA_FLAGS="--xla_force_host_platform_device_count=4"),
+                                       XLA_FLAGS=xla_flags(4)),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
     outs = [p.communicate(timeout=300)[0] for p in procs]
     rows = [json.loads(next(l for l in o.splitlines() if l.startswith("ROWS"))[5:]) for o in outs]

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import tiny_config
+from conftest import tiny_config, xla_flags
 from jaxlm import train
 
 
@@ -60,7 +60,7 @@ def test_batch_that_does_not_split_over_devices_fails_before_compiling(char_data
 
 
 def _cli(args, cwd, **kw):
-    env = dict(os.environ, XLA_FLAGS="", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, XLA_FLAGS=xla_flags(), PYTHONUNBUFFERED="1")
     return subprocess.Popen([sys.executable, "-m", "jaxlm.cli", "train", *args], cwd=cwd, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
 

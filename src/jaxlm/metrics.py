@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -176,6 +177,21 @@ def start_wandb(cfg: Config, run_dir: Path):
                       id=run_id, resume="allow", dir=str(run_dir), config=cfg.to_dict())
 
 
+def _summary_writer_class():
+    """tensorboardX's SummaryWriter, imported without torch: tensorboardX imports torch on import when it is
+    installed (about 3 s here) only to accept torch tensors, and jaxlm writes Python numbers. Once torch is loaded
+    (by the caller), tensorboardX sees it as usual."""
+    if "tensorboardX" in sys.modules or "torch" in sys.modules:
+        from tensorboardX import SummaryWriter
+        return SummaryWriter
+    sys.modules["torch"] = None  # `import torch` raises ImportError, which tensorboardX handles
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        del sys.modules["torch"]
+    return SummaryWriter
+
+
 class MetricWriter:
     """Appends one JSON record per step to metrics.jsonl and mirrors its numbers to TensorBoard and,
     when given a started run, to Weights & Biases."""
@@ -187,9 +203,7 @@ class MetricWriter:
         self._tb = None
         self._wandb = wandb_run if enabled else None
         if enabled and tensorboard:
-            from tensorboardX import SummaryWriter
-
-            self._tb = SummaryWriter(str(self._mirror.dir / "tensorboard"))
+            self._tb = _summary_writer_class()(str(self._mirror.dir / "tensorboard"))
 
     def write(self, record: dict) -> None:
         if not self.enabled:
