@@ -173,6 +173,44 @@ def test_greedy_generation_matches_transformers(tmp_path):
         assert got == want and len(set(got)) > 3
 
 
+def test_cli_generates_from_a_run_streams_and_matches_the_python_api(char_data, tmp_path, capsys):
+    """`jaxlm generate RUN --prompt ... --prompt-file ... --num-samples 2`: the first sample streams, the others
+    follow, timings go to stderr; the texts equal `jaxlm.generate(...)`'s, which works after a bare `import jaxlm`."""
+    import subprocess
+    import sys
+
+    import jaxlm
+    from conftest import tiny_config
+    from jaxlm import cli, train
+
+    run = tmp_path / "run"
+    train.train(tiny_config(char_data, run, **{"training.steps": 10}), log=lambda s: None)
+    (tmp_path / "prompt.txt").write_text("KING:\n")
+    settings = ["max_new_tokens=12", "temperature=0.8", "seed=3"]
+    assert cli.main(["generate", str(run), "--prompt", "To be", "--prompt-file", str(tmp_path / "prompt.txt"),
+                     "--num-samples", "2", *settings]) == 0
+    out, err = capsys.readouterr()
+    want = jaxlm.generate(run, ["To be", "KING:\n"], num_samples=2, max_new_tokens=12, temperature=0.8, seed=3)
+    assert len(want) == 4 and all(len(t) == 12 for t in want)  # a char vocabulary has no EOS: 12 tokens each
+    assert out == "".join(f"--- sample {i + 1} of 4\n{prompt}{text}\n"
+                          for i, (prompt, text) in enumerate(zip(["To be"] * 2 + ["KING:\n"] * 2, want)))
+    assert len(set(want[:2])) == 2  # two different samples of the same prompt
+    assert "prefill" in err and "ms (4 x 6 tokens)" in err and "tokens/s" in err
+    bare = subprocess.run([sys.executable, "-c", "import jaxlm; assert callable(jaxlm.generate)"],
+                          capture_output=True, text=True)
+    assert bare.returncode == 0, bare.stderr
+    # mesh.* keys shard the weights (here FSDP over 4 devices); greedy text equals the one-device text.
+    greedy = ["--prompt", "To be", "--prompt", "KING", "max_new_tokens=12", "temperature=0"]
+    assert cli.main(["generate", str(run), *greedy]) == 0
+    one = capsys.readouterr().out
+    assert cli.main(["generate", str(run), *greedy, "mesh.ici_data=1", "mesh.ici_fsdp=4"]) == 0
+    assert capsys.readouterr().out == one
+    model = jaxlm.load(run, config_lib.MeshConfig(ici_data=1, ici_fsdp=4))
+    assert len(model.params["embed"]["tokens"].sharding.device_set) == 4
+    assert cli.main(["generate", str(run), *greedy, "mesh.ici_data=1", "mesh.ici_fsdp=16"]) == 2
+    assert capsys.readouterr().err.startswith("error: the mesh.* axes multiply to 16 devices but 8 are available")
+
+
 def test_cli_errors_are_one_line(tmp_path, capsys):
     from jaxlm import cli
 
@@ -192,7 +230,11 @@ def test_generation_on_a_mesh_shards_the_cache_and_matches_one_device():
     want = generate.generate(init(cfg), cfg, prompts, d).tokens
     mesh = sharding.make_mesh(MeshConfig(ici_data=4, ici_tensor=2), jax.devices())
     params = P.init(param_specs(cfg), jax.random.key(0), mesh)
-    assert generate.generate(params, cfg, prompts, d, mesh=mesh).tokens == want
+    streamed = []  # tokens streamed to the host step by step, as `jaxlm generate` prints them
+    got = generate.generate(params, cfg, prompts, d, mesh=mesh,
+                            on_tokens=lambda tok, live: streamed.append(np.where(live, tok, -1))).tokens
+    assert got == want
+    assert [[int(t) for t in col if t >= 0] for col in np.array(streamed).T] == want
     with sharding.activation_sharding(mesh):
         _, cache = generate._prefill(params, np.array([[1, 2], [3, 4], [5, 6], [7, 8]], np.int32),
                                      np.array([2, 2, 1, 2], np.int32), cfg, 16, False)

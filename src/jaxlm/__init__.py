@@ -3,10 +3,20 @@
 __version__ = "0.1.0"
 
 
-def load(path):
+def load(path, mesh=None):
     """A trained or converted model for notebooks and scripts: `jaxlm.load(PATH).logits(tokens)`.
-    PATH is a run directory or a `jaxlm convert from-hf` folder (see jaxlm.api.Model)."""
+    PATH is a run directory or a `jaxlm convert from-hf` folder; `mesh` (a jax Mesh or a config.MeshConfig)
+    shards it over devices (see jaxlm.api.load and jaxlm.api.Model)."""
     from jaxlm.api import load as _load
 
-    return _load(path)
+    return _load(path, mesh)
 
+
+def __getattr__(name):
+    # `jaxlm.generate(PATH, "def ")`: the jaxlm.generate module is callable (see its _CallableModule). Imported on
+    # first use so that `import jaxlm` stays light; importing it makes it an attribute of the package.
+    if name == "generate":
+        import importlib
+
+        return importlib.import_module("jaxlm.generate")
+    raise AttributeError(f"module 'jaxlm' has no attribute {name!r}")

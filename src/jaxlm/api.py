@@ -5,7 +5,9 @@ written by `jaxlm convert from-hf`."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -15,8 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlm import config as config_lib, convert, generate, runtime
-from jaxlm.config import Config, ConfigError, DecodeConfig, ModelConfig
+from jaxlm import config as config_lib, convert, generate, runtime, sharding
+from jaxlm.config import Config, ConfigError, DecodeConfig, MeshConfig, ModelConfig
 from jaxlm.data import tokenizer as tokenizer_lib
 from jaxlm.model import forward
 
@@ -31,6 +33,7 @@ class Model:
     config: Config
     params: dict
     path: Path
+    mesh: jax.sharding.Mesh | None = None  # weights, activations and the KV cache sharded over it (None: one device)
 
     def logits(self, tokens) -> np.ndarray:
         """int tokens [batch, length] -> float32 logits [batch, length, vocab] (a numpy array)."""
@@ -41,23 +44,32 @@ class Model:
         V = self.config.model.vocab_size
         if tokens_BT.size and (tokens_BT.min() < 0 or tokens_BT.max() >= V):
             raise ValueError(f"token ids must be in [0, {V}), got [{tokens_BT.min()}, {tokens_BT.max()}]")
-        return np.asarray(_logits(self.params, jnp.asarray(tokens_BT, jnp.int32), self.config.model))
+        with sharding.activation_sharding(self.mesh) if self.mesh is not None else contextlib.nullcontext():
+            return np.asarray(_logits(self.params, jnp.asarray(tokens_BT, jnp.int32), self.config.model))
 
     def generate(self, prompt_ids: list[int], new_tokens: int = 200, temperature: float = 0.8, top_k: int = 0,
-                 top_p: float = 1.0, seed: int = 0, stop_ids: tuple[int, ...] = ()) -> list[int]:
+                 top_p: float = 1.0, seed: int = 0, stop_ids: tuple[int, ...] | None = None) -> list[int]:
         """Sample up to `new_tokens` ids after the prompt with the KV cache (temperature 0 = greedy); stops
-        after any of `stop_ids`."""
+        after any of `stop_ids` (by default the model's end-of-sequence ids, as `jaxlm generate` does)."""
         d = DecodeConfig(max_new_tokens=new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-        return generate.generate(self.params, self.config.model, [list(prompt_ids)], d, stop_ids).tokens[0]
+        stop = self.eos_ids() if stop_ids is None else tuple(stop_ids)
+        return generate.generate(self.params, self.config.model, [list(prompt_ids)], d, stop,
+                                 mesh=self.mesh).tokens[0]
+
+    def eos_ids(self) -> tuple[int, ...]:
+        """End-of-sequence ids: a converted model's (from its hf_config.json); none for jaxlm's own
+        char/byte vocabularies."""
+        tok_dir = convert.tokenizer_source(self.path, self.config)
+        hf_cfg = tok_dir.parent / "hf_config.json" if tok_dir is not None else None
+        eos = json.loads(hf_cfg.read_text()).get("eos_token_id") if hf_cfg and hf_cfg.is_file() else None
+        return tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
 
     def tokenizer(self) -> "Tokenizer":
         """The tokenizer the model was trained with: the run's prepared data (meta.json), or the tokenizer
         files copied from Hugging Face by `jaxlm convert from-hf`."""
         tok_dir = convert.tokenizer_source(self.path, self.config)
         if tok_dir is not None:
-            hf_cfg = tok_dir.parent / "hf_config.json"
-            eos = json.loads(hf_cfg.read_text()).get("eos_token_id") if hf_cfg.is_file() else None
-            eos_ids = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
+            eos_ids = self.eos_ids()
             if (tok_dir / "tokenizer.json").is_file():
                 try:
                     from tokenizers import Tokenizer as HFTokenizer
@@ -83,7 +95,7 @@ class Model:
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
         ids = [tok.encode(p) for p in prompts for _ in range(d.num_samples)]
         stop = config_lib.stop_token_ids(d) + (tok.eos_ids if d.stop_at_eos else ())
-        out = generate.generate(self.params, self.config.model, ids, d, stop)
+        out = generate.generate(self.params, self.config.model, ids, d, stop, mesh=self.mesh)
         texts = [tok.decode(t) for t in out.tokens]
         return texts[0] if isinstance(prompt, str) and d.num_samples == 1 else texts
 
@@ -103,14 +115,33 @@ def decode_config(settings: dict) -> DecodeConfig:
     return d
 
 
-def load(path: str | Path) -> Model:
+def serving_mesh(mesh_cfg: MeshConfig, devices=None) -> jax.sharding.Mesh:
+    """A mesh for inference from mesh.* settings: all devices when an axis is -1 (fill), else the first
+    devices that the axes multiply to (`mesh.ici_data=1 mesh.ici_tensor=4`: tensor parallel on 4 devices)."""
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = [getattr(mesh_cfg, f"{level}_{a}") for level in ("ici", "dcn") for a in sharding.MESH_AXES]
+    if -1 not in sizes:
+        n = math.prod(sizes)
+        if n > len(devices):
+            raise ConfigError(f"the mesh.* axes multiply to {n} devices but {len(devices)} are available")
+        devices = devices[:n]
+    return sharding.make_mesh(mesh_cfg, devices)
+
+
+def load(path: str | Path, mesh: jax.sharding.Mesh | MeshConfig | None = None) -> Model:
+    """`mesh` (a Mesh, or mesh.* settings as a MeshConfig) shards the weights by the parameter rules and runs
+    logits and generation on it; None keeps everything on one device."""
     if not Path(path).exists():
         raise ConfigError(f"{path} does not exist; give a run directory or a `jaxlm convert from-hf` folder")
     if jax.default_backend() == "cpu":
         runtime.tune_for_xla_cpu()
     runtime.use_compilation_cache(Config().compile.cache_dir)
-    cfg, params = convert.load_params(path)
-    return Model(cfg, params, Path(path))
+    rules = None
+    if isinstance(mesh, MeshConfig):
+        rules = sharding.rules_from_config(mesh)[0]
+        mesh = serving_mesh(mesh)
+    cfg, params = convert.load_params(path, mesh=mesh, rules=rules)
+    return Model(cfg, params, Path(path), mesh)
 
 
 def generate_text(src: str | Path | Model, prompt: str | list[str], **settings) -> str | list[str]:

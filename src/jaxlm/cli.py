@@ -175,7 +175,8 @@ def cmd_generate(argv: list[str]) -> int:
                                 "checkpoint) or a `jaxlm convert from-hf` folder, with a KV cache; the first "
                                 "sample streams as it is generated. Settings are decode.* keys (the prefix may be "
                                 "left out): max_new_tokens, temperature, top_k, top_p, seed, cache_length, "
-                                "quantize_kv_cache, stop_tokens, stop_at_eos (docs/generate.md).")
+                                "quantize_kv_cache, stop_tokens, stop_at_eos (docs/generate.md). mesh.* keys shard the model "
+                                "over devices (mesh.ici_data=1 mesh.ici_tensor=4: tensor parallel on 4).")
     p.add_argument("src", help="run directory or converted checkpoint folder")
     p.add_argument("--prompt", action="append", help="prompt text (repeat for a batch of prompts)")
     p.add_argument("--prompt-file", action="append", help="file whose text is a prompt (repeatable)")
@@ -189,9 +190,11 @@ def cmd_generate(argv: list[str]) -> int:
     a.settings += rest  # key=value settings may come before or after the options
 
     settings = config_lib.parse_overrides(a.settings)
+    mesh_settings = {k: settings.pop(k) for k in list(settings) if k.startswith("mesh.")}
     if a.num_samples is not None:
         settings["num_samples"] = a.num_samples
     d = api.decode_config(settings)
+    mesh_cfg = config_lib.apply_overrides(config_lib.Config(), mesh_settings).mesh if mesh_settings else None
     prompts = list(a.prompt or [])
     for f in a.prompt_file or []:
         if not Path(f).is_file():
@@ -199,10 +202,14 @@ def cmd_generate(argv: list[str]) -> int:
         prompts.append(Path(f).read_text())
     if not prompts:
         p.error("give a prompt with --prompt TEXT or --prompt-file FILE")
-    model = api.load(a.src)
+    model = api.load(a.src, mesh_cfg)
     tok = model.tokenizer()
     ids = [tok.encode(text) for text in prompts for _ in range(d.num_samples)]
     stop = config_lib.stop_token_ids(d) + (tok.eos_ids if d.stop_at_eos else ())
+    m_cfg = model.config.model
+    if m_cfg.position != "learned" and max(map(len, ids)) + d.max_new_tokens > m_cfg.block_size:
+        print(f"note: prompt + max_new_tokens={d.max_new_tokens} run past the {m_cfg.block_size} positions this "
+              "model was trained on; text there may degrade", file=sys.stderr)
     streamed: list[int] = []
     shown = [""]
 
@@ -215,7 +222,7 @@ def cmd_generate(argv: list[str]) -> int:
             shown[0] = text
 
     print(f"--- sample 1{' of ' + str(len(ids)) if len(ids) > 1 else ''}\n{prompts[0]}", end="", flush=True)
-    out = generate.generate(model.params, model.config.model, ids, d, stop, on_tokens)
+    out = generate.generate(model.params, model.config.model, ids, d, stop, on_tokens, mesh=model.mesh)
     print()
     for i, new in enumerate(out.tokens[1:], start=2):
         print(f"--- sample {i} of {len(ids)}\n{prompts[(i - 1) // d.num_samples]}{tok.decode(new)}")

@@ -25,7 +25,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from jaxlm import config as config_lib, families, params as P, storage
+from jaxlm import config as config_lib, families, params as P, sharding, storage
 from jaxlm.config import Config, ModelConfig
 from jaxlm.families import ConvertError, Rule
 from jaxlm.model import param_specs
@@ -98,7 +98,7 @@ def resolve_source(src: str) -> Path:
         if not (path / "config.json").is_file():
             raise ConvertError(f"{src} has no config.json; expected a Hugging Face model folder")
         return path
-    if path.exists() or src.count("/") != 1:
+    if path.exists() or not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", src):  # hub ids: gpt2, org/name
         raise ConvertError(f"{src} is neither a Hugging Face model folder nor a hub id like org/name")
     try:
         from huggingface_hub import snapshot_download
@@ -108,7 +108,8 @@ def resolve_source(src: str) -> Path:
     try:
         return Path(snapshot_download(src, allow_patterns=["*.json", "*.safetensors", *TOKENIZER_FILES]))
     except Exception as e:  # noqa: BLE001 - network, auth and missing-repo errors vary
-        raise ConvertError(f"cannot download {src} from the hub: {str(e).splitlines()[0]}") from None
+        raise ConvertError(f"{src} is not a local folder, and downloading it from the hub failed: "
+                           f"{str(e).splitlines()[0]}") from None
 
 
 # ---- our weights, addressed by dotted path and (layer, expert) slot ------------------------------------------
@@ -167,9 +168,14 @@ def from_hf(src: str, out: str | Path, param_dtype: str = "float32", log: Callab
     dtype = np.dtype(jax.numpy.dtype(param_dtype))
     arrays = {path: np.empty(s.shape, dtype) for path, s in specs.items()}
     expected: dict[str, tuple[Rule, tuple[int, ...]]] = {}
-    for rule in fam.rules(model_cfg):
+    rules = fam.rules(model_cfg)
+    for rule in rules:
         for name, idx in slots(rule, model_cfg):
             expected[name] = (rule, idx)
+    unfilled = sorted(set(specs) - {path for rule in rules for path in rule.ours})
+    if unfilled:  # a family's rules must fill every weight: np.empty below would save whatever memory held
+        raise ConvertError(f"no {hf_cfg['model_type']} tensor maps to the weight(s) {', '.join(unfilled)} of this "
+                           "config; the conversion rules of this family do not cover it")
     ignored = [re.compile(p) for p in fam.ignored(model_cfg)]
     normalize = getattr(fam, "normalize_name", lambda n: n)
     done: set[str] = set()
@@ -297,11 +303,19 @@ def restore_params(path: str | Path, abstract_params: dict) -> dict:
                            f"{str(e).splitlines()[0]}") from None
 
 
-def load_params(path: str | Path, device: jax.Device | None = None) -> tuple[Config, dict]:
+def load_params(path: str | Path, device: jax.Device | None = None, mesh: jax.sharding.Mesh | None = None,
+                rules=None) -> tuple[Config, dict]:
+    """The config and weights of a run directory (newest checkpoint) or converted folder, on one device or
+    sharded over `mesh` by the parameter rules (default sharding.PARAM_RULES)."""
     cfg = load_config(path)
-    sh = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
-    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
-                            P.abstract(param_specs(cfg.model)))
+    specs = param_specs(cfg.model)
+    if mesh is not None:
+        shardings = P.shardings(specs, mesh, rules or sharding.PARAM_RULES)
+    else:
+        sh = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
+        shardings = jax.tree.map(lambda _: sh, P.abstract(specs))
+    abstract = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), P.abstract(specs),
+                            shardings)
     return cfg, restore_params(path, abstract)
 
 

@@ -15,6 +15,7 @@ from functools import partial
 
 import contextlib
 import sys
+import threading
 import time
 import types
 from dataclasses import dataclass
@@ -94,11 +95,27 @@ def sample_tokens(logits_BV: jax.Array, key: jax.Array, temperature, top_k, top_
 
 # ---- cached generation ------------------------------------------------------------------------------------------
 
-_STREAM: list[Callable[[np.ndarray, np.ndarray], None]] = []  # the host callback of the running `generate`
+class _InOrder:
+    """Calls `fn(tokens, live)` step after step. The decode loop's host callback is unordered (JAX orders
+    callbacks only on one device, and decoding may run on a mesh), so a step that arrives early waits here for
+    the steps before it."""
+
+    def __init__(self, fn: Callable[[np.ndarray, np.ndarray], None]):
+        self.fn, self.next, self.held, self.lock = fn, 0, {}, threading.Lock()
+
+    def __call__(self, i, tokens_B, live_B) -> None:
+        with self.lock:
+            self.held[int(i)] = (np.asarray(tokens_B), np.asarray(live_B))
+            while self.next in self.held:
+                self.fn(*self.held.pop(self.next))
+                self.next += 1
 
 
-def _emit(tokens_B, live_B):
-    _STREAM[-1](np.asarray(tokens_B), np.asarray(live_B))
+_STREAM: list[_InOrder | None] = []  # the host callback of the running `generate`
+
+
+def _emit(i, tokens_B, live_B):
+    _STREAM[-1](i, tokens_B, live_B)
 
 
 @partial(jax.jit, static_argnames=("cfg", "cache_length", "quantize"))
@@ -119,7 +136,9 @@ def _decode(params, logits_BV, cache, key, temperature, top_k, top_p, stop_S, cf
         key, sub = jax.random.split(c["key"])
         tok_B = jnp.where(c["done_B"], 0, sample_tokens(c["logits_BV"], sub, temperature, top_k, top_p))
         if stream:
-            jax.debug.callback(_emit, tok_B, ~c["done_B"], ordered=True)
+            # Replicated first (a few ints a step): the callback reads its operands on one device.
+            jax.debug.callback(_emit, c["i"], sharding.constrain(tok_B, (None,)),
+                               sharding.constrain(~c["done_B"], (None,)))
         out_BN = c["out_BN"].at[:, c["i"]].set(tok_B)
         count_B = c["count_B"] + (~c["done_B"]).astype(jnp.int32)
         done_B = c["done_B"] | jnp.any(tok_B[:, None] == stop_S[None, :], axis=-1)
@@ -196,7 +215,7 @@ def generate(params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], d: Deco
     t1 = time.perf_counter()
     logits_BV, cache = jax.block_until_ready(prefill(params, prompts_BT, lengths_B))
     t2 = time.perf_counter()
-    _STREAM.append(on_tokens)
+    _STREAM.append(_InOrder(on_tokens) if on_tokens is not None else None)
     try:
         out_BN, count_B = jax.block_until_ready(decode(params, logits_BV, cache, key, *sampling, stop_S))
         jax.effects_barrier()
