@@ -1,6 +1,7 @@
 """Hugging Face import/export, checked against transformers itself: tiny random models built with each
 family's own config class, imported, compared logit by logit, exported, reloaded by transformers, compared
-again. Also: one-line errors for bad checkpoints, fine-tuning an imported model, streaming memory."""
+again. Also: one-line errors for bad checkpoints, fine-tuning an imported model, tokenizer files and hub ids.
+(The import's peak memory is measured by benchmarks/convert_memory.py.)"""
 
 import json
 import subprocess
@@ -21,6 +22,8 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "lo
                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
 CASES = {  # GQA ratios: llama 1 (4 kv heads), mistral 2, llama3 4
     "gpt2": lambda: transformers.GPT2Config(n_layer=2, n_head=4, n_embd=64, vocab_size=128, n_positions=64),
+    "gpt2-untied": lambda: transformers.GPT2Config(n_layer=2, n_head=4, n_embd=64, vocab_size=128, n_positions=64,
+                                                   tie_word_embeddings=False),
     "llama": lambda: transformers.LlamaConfig(**C, num_key_value_heads=4),
     "llama3-rope-scaling": lambda: transformers.LlamaConfig(**C, num_key_value_heads=1, rope_parameters=LLAMA3_ROPE),
     "mistral-window-5": lambda: transformers.MistralConfig(**C, num_key_value_heads=2, sliding_window=5),
@@ -121,6 +124,44 @@ def test_missing_and_mismatched_tensors_are_one_line(tmp_path, capsys):
 
     code, err = run_cli(["convert", "to-hf", str(tmp_path / "nothing"), str(tmp_path / "o3")], capsys)
     assert code == 2 and len(err) == 1 and "no config.json" in err[0]
+
+
+def test_hub_id_download_and_tokenizer_files_travel_both_ways(tmp_path, monkeypatch):
+    """A hub id is fetched with huggingface_hub (replaced here by a local folder: no network in tests); the
+    tokenizer files come along on import, serve `jaxlm.load(...).tokenizer()` and go back out on export."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    hf_dir = tmp_path / "hub-snapshot"
+    save_random(CASES["gpt2"](), hf_dir)
+    words = ["<unk>", "<eos>", "to", "be", "or", "not"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>").save_pretrained(hf_dir)
+    asked = []
+
+    def snapshot_download(repo_id, allow_patterns):
+        asked.append((repo_id, allow_patterns))
+        return str(hf_dir)
+
+    import huggingface_hub
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    convert.from_hf("gpt2", tmp_path / "jx", log=lambda s: None)  # an id without an organisation
+    assert asked[0][0] == "gpt2" and "tokenizer.json" in asked[0][1] and "*.safetensors" in asked[0][1]
+    assert (tmp_path / "jx" / "tokenizer" / "tokenizer.json").is_file()
+    assert jaxlm.load(tmp_path / "jx").tokenizer().encode("to be or not") == [2, 3, 4, 5]
+    convert.to_hf(tmp_path / "jx", tmp_path / "back", log=lambda s: None)
+    back = transformers.AutoTokenizer.from_pretrained(tmp_path / "back")
+    assert back("to be or not", add_special_tokens=False).input_ids == [2, 3, 4, 5]
+
+    def offline(repo_id, allow_patterns):
+        raise OSError("We couldn't connect to 'https://huggingface.co'\nmore detail")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    with pytest.raises(convert.ConvertError, match=r"^org/missing is not a local folder, and downloading it from "
+                                                   r"the hub failed: We couldn't connect"):
+        convert.from_hf("org/missing", tmp_path / "jx2", log=lambda s: None)
+    with pytest.raises(convert.ConvertError, match="neither a Hugging Face model folder nor a hub id"):
+        convert.from_hf("not/a/hub/id", tmp_path / "jx3", log=lambda s: None)
 
 
 def test_sharded_export_reimports_identically(tmp_path):

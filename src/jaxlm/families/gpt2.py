@@ -9,11 +9,11 @@ from __future__ import annotations
 import numpy as np
 
 from jaxlm.config import ModelConfig
-from jaxlm.families import ACTIVATIONS_TO_HF, ConvertError, Rule, activation
+from jaxlm.families import ACTIVATIONS_TO_HF, ConvertError, Rule, activation, linear
 
 MODEL_TYPES = ("gpt2",)
 # Causal-mask buffers that older checkpoints saved with the weights.
-IGNORED = (r"transformer\.h\.\d+\.attn\.(masked_)?bias", r"lm_head\.weight")
+IGNORED = (r"transformer\.h\.\d+\.attn\.(masked_)?bias",)
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
@@ -80,11 +80,11 @@ def rules(cfg: ModelConfig) -> list[Rule]:
         Rule(h + "mlp.c_fc.bias", ("layers.mlp.up_bias",)),
         Rule(h + "mlp.c_proj.weight", ("layers.mlp.down",)),
         Rule(h + "mlp.c_proj.bias", ("layers.mlp.down_bias",)),
-    ]
+    ] + ([] if cfg.tie_embeddings else [Rule("lm_head.weight", ("lm_head",), **linear())])  # a torch Linear
 
 
 def ignored(cfg: ModelConfig) -> tuple[str, ...]:
-    return IGNORED
+    return IGNORED + ((r"lm_head\.weight",) if cfg.tie_embeddings else ())  # tied: a copy of wte
 
 
 def normalize_name(name: str) -> str:
