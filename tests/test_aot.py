@@ -117,13 +117,16 @@ def _cli(args, cwd):
 
 def test_compile_command_prints_the_report(tmp_path):
     tiny = ["model.vocab_size=65", "model.block_size=32", "model.n_layers=1", "model.n_heads=2", "model.d_model=32",
-            "training.per_device_batch_size=1", "compile.topology=cpu-1"]
+            "training.per_device_batch_size=1", "compile.topology=cpu-4"]
+    # The test process has 8 CPU devices; the command starts with one and makes the 4 of its target itself.
     p = _cli(["shakespeare_char", *tiny, "compile.hbm_gib=0.0001"], tmp_path)
     out = p.stdout.splitlines()
     assert p.returncode == 1, p.stdout + p.stderr
-    assert out[0].startswith("train step for cpu-1 (1 x cpu): lowered and compiled in")
+    assert out[0].startswith("train step for cpu-4 (4 x cpu): lowered and compiled in")
+    assert out[1].startswith("mesh {'data': 4} | batch 4 sequences (1 per device)")
     assert out[-4].startswith("does not fit: needs ") and "over the 0.10 MiB of compile.hbm_gib" in out[-4]
     assert "training.per_device_batch_size" not in out[-4] and "model.remat=full (now none)" in out[-4]
+    assert "mesh.ici_data=1 mesh.ici_fsdp=-1 (FSDP over all 4 devices of a slice; now 1)" in out[-4]
     fields = dict(line.split("=", 1) for line in out[-3:])
     assert fields["hbm_bytes"] == str(int(0.0001 * 2**30)) and fields["fits"] == "false"
     assert int(fields["bytes_per_device"]) > int(fields["hbm_bytes"])
@@ -146,6 +149,18 @@ def test_compile_for_a_tpu_slice_on_this_host(char_data):
     assert lines[0].startswith("train step for v5e-8 (8 x TPU v5 lite)")
     assert lines[1].startswith("mesh {'data': 2, 'fsdp': 2, 'tensor': 2} | batch 8 sequences (1 per device)")
     assert lines[-3:] == [f"bytes_per_device={r.bytes_per_device}", f"hbm_bytes={16 * 2**30}", "fits=true"]
+    # Two such slices joined by the data-center network: the data axis spans them.
+    two = _cfg(char_data, **small, **{"compile.num_slices": 2})
+    with pytest.raises(ConfigError, match=r"compile.num_slices=2: set the mesh axes that span the slices"):
+        aot.compile_for(two, aot.target(two.compile))
+    two = _cfg(char_data, **small, **{"compile.num_slices": 2, "mesh.dcn_data": 2})
+    tgt2 = aot.target(two.compile)
+    assert len(tgt2.devices) == 16 and len({d.slice_index for d in tgt2.devices}) == 2
+    r2 = aot.compile_for(two, tgt2)
+    assert r2.fits and r2.run.mesh.shape["data"] == 4
+    lines = aot.report(r2)
+    assert lines[0].startswith("train step for v5e-8 (16 x TPU v5 lite, 2 slices)")
+    assert lines[1].startswith("mesh {'data': 4, 'fsdp': 2, 'tensor': 2} | batch 16 sequences (1 per device)")
     # A batch the chip cannot hold: the compiler refuses it and the report says by how much and what to change.
     big = _cfg(char_data, **{**small, "training.per_device_batch_size": 4096, "model.block_size": 512,
                              "model.vocab_size": 32768, "model.remat": "none"})
