@@ -16,7 +16,8 @@ Prints key=value lines, the totals last:
     bad_inputs_clear_errors steps_lost samples_repeated_or_skipped
 steps_lost counts steps trained after the last committed checkpoint and so trained again after a SIGKILL
 (a SIGTERM loses none); samples_repeated_or_skipped counts training windows of the finished run that differ
-from the uninterrupted run's, which must be 0.
+from the uninterrupted run's, which must be 0. Exits with status 1 when a fault was not survived, a
+corruption not detected, a bad input not refused clearly or a window repeated or skipped.
 
     python benchmarks/reliability.py [--kills 60] [--train-faults 6] [--seed 0]
 """
@@ -343,6 +344,12 @@ def main() -> None:
              "bad_inputs_clear_errors", "steps_lost", "samples_repeated_or_skipped"]
     for k in [k for k in results if k not in order] + order:
         print(f"{k}={results[k]}")
+    failed = [k for k, ok in (("faults_survived", results["faults_survived"] == results["faults_injected"]),
+                              ("corruptions_detected", results["corruptions_detected"] == results["corruptions_tried"]),
+                              ("bad_inputs_clear_errors", results["bad_inputs_clear_errors"] == results["bad_inputs_tried"]),
+                              ("samples_repeated_or_skipped", results["samples_repeated_or_skipped"] == 0)) if not ok]
+    if failed:
+        raise SystemExit(f"reliability check failed: {', '.join(failed)}")
 
 
 if __name__ == "__main__":

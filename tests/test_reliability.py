@@ -285,16 +285,18 @@ def signal_at_step(monkeypatch, step: int, sig=signal.SIGTERM):
     monkeypatch.setattr(train, "device_batch", batch)
 
 
-def test_sigterm_saves_that_step_and_returns_then_resume_is_exact(reference, char_data, tmp_path, monkeypatch):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_signal_saves_that_step_and_returns_then_resume_is_exact(sig, reference, char_data, tmp_path, monkeypatch):
     cfg, ref_dir, ref = reference
     run_dir = tmp_path / "run"
-    signal_at_step(monkeypatch, 13)
+    handler = signal.getsignal(sig)
+    signal_at_step(monkeypatch, 13, sig)
     lines = []
     summary = train.train(tiny_config(char_data, run_dir, **RUN), log=lines.append)
     monkeypatch.undo()
-    assert summary["preempted_at"] == 13 and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
-    assert any("received SIGTERM" in line for line in lines) and any("stopped for preemption after step 13" in line
-                                                                      for line in lines)
+    assert summary["preempted_at"] == 13 and signal.getsignal(sig) == handler  # the handler is put back
+    assert any(f"received {sig.name}" in line for line in lines) and any(
+        "stopped for preemption after step 13" in line for line in lines)
     assert ckpt.step_numbers(run_dir / "checkpoints") == [10, 13]
     assert ckpt.verify(run_dir / "checkpoints" / "13") is None
     assert max(train.losses_by_step(run_dir)) == 13  # every step's metrics reached the disk

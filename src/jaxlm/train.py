@@ -537,7 +537,7 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
                                             t_cfg.sample_tokens, t_cfg.sample_temperature, t_cfg.sample_top_k)
         log("sample:\n" + t_cfg.sample_prompt + summary["sample"])
     summary["goodput"] = goodput.summary()
-    writer.write({"step": t_cfg.steps, **summary["goodput"]})
+    writer.write({"step": preempted_at or t_cfg.steps, **summary["goodput"]})  # the last step run
     writer.close()
     log(metrics.Goodput.describe(summary["goodput"]))
     return summary
