@@ -4,10 +4,11 @@ with `jaxlm convert from-hf`, so both libraries run the same weights), all measu
 
 For batch 1 and 16 and NEW new tokens after a 16-token prompt, prints one line
     batch=B cached_tok_per_s=X uncached_tok_per_s=Y hf_tok_per_s=Z cache_speedup=X/Y vs_transformers=X/Z
-`cached` is jaxlm.generate.generate (prefill + on-device decode loop over the cache; compile time excluded);
-`uncached` is generate.sample, which re-runs the forward pass over the whole context window (prompt + NEW
-tokens) for every token; `hf` is transformers' greedy generate with its own cache, fp32, eager attention.
-Tokens/s count new tokens of all sequences; greedy decoding throughout.
+`cached` is jaxlm.generate.generate: prefill + the on-device decode loop over the cache, both timed (compile
+excluded). `uncached` recomputes the forward pass over the whole prefix (prompt + tokens so far) for every new
+token, as a decoder without a cache must: the prefix is padded up to a multiple of 16 tokens so that 17 compiled
+programs cover every length, all compiled before timing. `hf` is transformers' greedy generate with its own
+cache, fp32, eager attention, prefill included. Tokens/s count new tokens of all sequences; greedy throughout.
 
     python benchmarks/decode.py [--new-tokens 256]
 """
@@ -18,6 +19,7 @@ import argparse
 import dataclasses
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import jax
@@ -26,6 +28,7 @@ import numpy as np
 
 from jaxlm import api, convert, generate
 from jaxlm.config import DecodeConfig, ModelConfig
+from jaxlm.model import forward
 
 PROMPT = 16
 HF = dict(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, hidden_size=128,
@@ -64,16 +67,38 @@ def cached(params, cfg, prompts, new_tokens) -> float:
     d = DecodeConfig(max_new_tokens=new_tokens, temperature=0.0)
     out = generate.generate(params, cfg, prompts.tolist(), d)
     assert all(len(t) == new_tokens for t in out.tokens)
-    return out.decode_tokens_per_s
+    return len(prompts) * new_tokens / (out.prefill_s + out.decode_s)
+
+
+BUCKET = 16
+
+
+@partial(jax.jit, static_argnames=("cfg", "length"), donate_argnums=1)
+def _recompute_step(params, buf_BS, n, cfg, length: int):
+    """Forward over the first `length` positions (the prefix, padded); the greedy token after position n - 1
+    goes to position n."""
+    logits_BTV = forward(params, buf_BS[:, :length], cfg)
+    tok_B = jnp.argmax(jax.lax.dynamic_index_in_dim(logits_BTV, n - 1, axis=1, keepdims=False), axis=-1)
+    return buf_BS.at[:, n].set(tok_B.astype(jnp.int32))
 
 
 def uncached(params, cfg, prompts, new_tokens) -> float:
-    run = jax.jit(jax.vmap(lambda p: generate._sample(params, p, jax.random.key(0), cfg, PROMPT, new_tokens, 0.0, 0)))
-    x = jnp.asarray(prompts)
-    jax.block_until_ready(run(x))  # compile
+    B, total = len(prompts), PROMPT + new_tokens
+    lengths = [min(-(-n // BUCKET) * BUCKET, total) for n in range(PROMPT, total)]  # prefix n, padded
+
+    def run():
+        buf = jnp.zeros((B, total), jnp.int32).at[:, :PROMPT].set(jnp.asarray(prompts))
+        for n, length in zip(range(PROMPT, total), lengths):
+            buf = _recompute_step(params, buf, n, cfg, length)
+        return jax.block_until_ready(buf)
+
+    run()  # compile every prefix length
     t0 = time.perf_counter()
-    jax.block_until_ready(run(x))
-    return prompts.size // PROMPT * new_tokens / (time.perf_counter() - t0)
+    out = run()
+    seconds = time.perf_counter() - t0
+    want = generate.generate(params, cfg, prompts.tolist(), DecodeConfig(max_new_tokens=4, temperature=0.0))
+    assert np.asarray(out)[:, PROMPT:PROMPT + 4].tolist() == want.tokens, "the two decoders disagree"
+    return B * new_tokens / seconds
 
 
 def with_transformers(hf, prompts, new_tokens) -> float:
