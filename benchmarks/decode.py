@@ -4,11 +4,12 @@ with `jaxlm convert from-hf`, so both libraries run the same weights), all measu
 
 For batch 1 and 16 and NEW new tokens after a 16-token prompt, prints one line
     batch=B cached_tok_per_s=X uncached_tok_per_s=Y hf_tok_per_s=Z cache_speedup=X/Y vs_transformers=X/Z
-`cached` is jaxlm.generate.generate: prefill + the on-device decode loop over the cache, both timed (compile
-excluded). `uncached` recomputes the forward pass over the whole prefix (prompt + tokens so far) for every new
-token, as a decoder without a cache must: the prefix is padded up to a multiple of 16 tokens so that 17 compiled
-programs cover every length, all compiled before timing. `hf` is transformers' greedy generate with its own
-cache, fp32, eager attention, prefill included. Tokens/s count new tokens of all sequences; greedy throughout.
+`cached` is jaxlm.generate.generate: prefill + the on-device decode loop over the cache, both timed (a first
+call compiles and warms up). `uncached` recomputes the forward pass over the whole prefix (prompt + tokens so
+far) for every new token, as a decoder without a cache must: the prefix is padded up to a multiple of 16 tokens
+so that 17 compiled programs cover every length, all compiled before timing. `hf` is transformers' greedy
+generate with its own cache, fp32, eager attention, prefill included. Tokens/s count new tokens of all
+sequences; greedy throughout.
 
     python benchmarks/decode.py [--new-tokens 256]
 """
@@ -65,6 +66,7 @@ def build(folder: Path, new_tokens: int):
 
 def cached(params, cfg, prompts, new_tokens) -> float:
     d = DecodeConfig(max_new_tokens=new_tokens, temperature=0.0)
+    generate.generate(params, cfg, prompts.tolist(), d)  # compile and warm up, as for the other two
     out = generate.generate(params, cfg, prompts.tolist(), d)
     assert all(len(t) == new_tokens for t in out.tokens)
     return len(prompts) * new_tokens / (out.prefill_s + out.decode_s)

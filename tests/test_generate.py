@@ -238,7 +238,7 @@ def test_generation_on_a_mesh_shards_the_cache_and_matches_one_device():
     with sharding.activation_sharding(mesh):
         _, cache = generate._prefill(params, np.array([[1, 2], [3, 4], [5, 6], [7, 8]], np.int32),
                                      np.array([2, 2, 1, 2], np.int32), cfg, 16, False)
-    k = cache.kinds[0].k  # [R, B, S, K, H]
-    assert k.sharding.spec[1:4] == ("data", None, "tensor")
+    k = cache.kinds[0].k  # [R, B, K, S, H]
+    assert k.sharding.spec[1:3] == ("data", "tensor")  # slots and head width whole
     assert len(k.sharding.device_set) == 8
-    assert k.addressable_shards[0].data.shape == (k.shape[0], 1, 16, 1, k.shape[4])
+    assert k.addressable_shards[0].data.shape == (k.shape[0], 1, 1, 16, k.shape[4])

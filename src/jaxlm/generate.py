@@ -187,6 +187,40 @@ def check_prompts(prompts: Sequence[Sequence[int]], cfg: ModelConfig, d: DecodeC
     return length
 
 
+PAD = 16
+
+
+def _round_up(n: int) -> int:
+    return -(-n // PAD) * PAD
+
+
+_EXECUTABLES: dict = {}  # (prefill, decode) compiled for a key of shapes, shardings and static settings
+_MAX_EXECUTABLES = 32
+
+
+def _compiled(params, prompts_BT, lengths_B, key, sampling, stop_S, cfg: ModelConfig, length: int,
+              d: DecodeConfig, mesh, stream: bool):
+    """The prefill and decode executables for these shapes, compiled once per process and reused by later calls
+    with the same shapes (a server or notebook calling generate again compiles nothing)."""
+    args = (params, prompts_BT, lengths_B, stop_S)
+    k = (jax.tree.structure(args), tuple((np.shape(a), np.dtype(a.dtype), getattr(a, "sharding", None))
+                                         for a in jax.tree.leaves(args)),
+         cfg, length, d.quantize_kv_cache, d.max_new_tokens, mesh, stream)
+    if k not in _EXECUTABLES:
+        ctx = sharding.activation_sharding(mesh) if mesh is not None else contextlib.nullcontext()
+        with ctx:
+            prefill = _prefill.lower(params, prompts_BT, lengths_B, cfg, length, d.quantize_kv_cache).compile()
+            logits_shape, cache_shape = jax.eval_shape(partial(transformer.prefill, cfg=cfg, cache_length=length,
+                                                               quantize=d.quantize_kv_cache),
+                                                       params, prompts_BT, lengths_B)
+            decode = _decode.lower(params, logits_shape, cache_shape, key, *sampling, stop_S, cfg,
+                                   d.max_new_tokens, stream).compile()
+        if len(_EXECUTABLES) >= _MAX_EXECUTABLES:
+            _EXECUTABLES.pop(next(iter(_EXECUTABLES)))  # the oldest
+        _EXECUTABLES[k] = (prefill, decode)
+    return _EXECUTABLES[k]
+
+
 def generate(params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], d: DecodeConfig,
              stop_ids: Sequence[int] = (), on_tokens: Callable[[np.ndarray, np.ndarray], None] | None = None,
              mesh: jax.sharding.Mesh | None = None) -> Generation:
@@ -195,7 +229,14 @@ def generate(params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], d: Deco
     generating. With a mesh, activations and the cache are sharded by the logical-axis rules (batch, kv_heads)."""
     validate_decode(d)
     length = check_prompts(prompts, cfg, d)
-    B, T = len(prompts), max(map(len, prompts))
+    # Prompt and cache lengths are rounded up to a multiple of PAD (padding is masked), so that prompts of
+    # similar lengths share compiled programs; learned positions stop at block_size.
+    longest = max(map(len, prompts))
+    limit = cfg.block_size if cfg.position == "learned" else None
+    T = max(longest, min(_round_up(longest), limit or _round_up(longest)))
+    if d.cache_length is None:
+        length = max(length, min(_round_up(longest) + d.max_new_tokens, limit or 2**31))
+    B = len(prompts)
     prompts_BT = np.zeros((B, T), np.int32)
     for b, p in enumerate(prompts):
         prompts_BT[b, :len(p)] = p
@@ -203,15 +244,9 @@ def generate(params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], d: Deco
     sampling = (jnp.float32(d.temperature), jnp.int32(d.top_k), jnp.float32(d.top_p))
     stop_S = jnp.asarray(list(stop_ids), jnp.int32).reshape(-1)
     key = jax.random.key(d.seed)
-    ctx = sharding.activation_sharding(mesh) if mesh is not None else contextlib.nullcontext()
     t0 = time.perf_counter()
-    with ctx:
-        prefill = _prefill.lower(params, prompts_BT, lengths_B, cfg, length, d.quantize_kv_cache).compile()
-        logits_shape, cache_shape = jax.eval_shape(partial(transformer.prefill, cfg=cfg, cache_length=length,
-                                                           quantize=d.quantize_kv_cache),
-                                                   params, prompts_BT, lengths_B)
-        decode = _decode.lower(params, logits_shape, cache_shape, key, *sampling, stop_S, cfg, d.max_new_tokens,
-                               on_tokens is not None).compile()
+    prefill, decode = _compiled(params, prompts_BT, lengths_B, key, sampling, stop_S, cfg, length, d, mesh,
+                                on_tokens is not None)
     t1 = time.perf_counter()
     logits_BV, cache = jax.block_until_ready(prefill(params, prompts_BT, lengths_B))
     t2 = time.perf_counter()

@@ -41,18 +41,23 @@ def attend(q_BTNH, k_BSKH, v_BSKH, mask_BTS, dropout_rate=0.0, key=None, scale=N
 
     Computed heads-major: with (B, K) as leading batch dims both products are plain batched matmuls, and
     the G query heads that share a kv head are folded into the query length (M = G * T)."""
+    return attend_heads_major(q_BTNH, k_BSKH.transpose(0, 2, 1, 3), v_BSKH.transpose(0, 2, 1, 3), mask_BTS,
+                              dropout_rate, key, scale, softcap)
+
+
+def attend_heads_major(q_BTNH, k_BKSH, v_BKSH, mask_BTS, dropout_rate=0.0, key=None, scale=None, softcap=None):
+    """`attend` with keys and values already heads-major [B, K, S, H] (the KV cache's layout)."""
     B, T, N, H = q_BTNH.shape
-    K = k_BSKH.shape[2]
+    K = k_BKSH.shape[1]
     G = N // K
     q_BKMH = q_BTNH.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, H)
-    k_BKSH, v_BKSH = k_BSKH.transpose(0, 2, 1, 3), v_BSKH.transpose(0, 2, 1, 3)
     logits_BKMS = jnp.einsum("BKMH,BKSH->BKMS", q_BKMH, k_BKSH, preferred_element_type=jnp.float32)
     logits_BKMS = logits_BKMS * (H ** -0.5 if scale is None else scale)
     logits_BKMS = layers.softcap(logits_BKMS, softcap)
     mask_BMS = jnp.tile(mask_BTS, (1, G, 1)) if G > 1 else mask_BTS
     logits_BKMS = jnp.where(mask_BMS[:, None], logits_BKMS, jnp.finfo(jnp.float32).min)
     probs_BKMS = jax.nn.softmax(logits_BKMS, axis=-1)
-    probs_BKMS = layers.dropout(probs_BKMS, dropout_rate, key).astype(v_BSKH.dtype)
+    probs_BKMS = layers.dropout(probs_BKMS, dropout_rate, key).astype(v_BKSH.dtype)
     out_BKMH = jnp.einsum("BKMS,BKSH->BKMH", probs_BKMS, v_BKSH, preferred_element_type=jnp.float32)
     out_BTNH = out_BKMH.reshape(B, K, G, T, H).transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
     return out_BTNH.astype(q_BTNH.dtype)
@@ -96,24 +101,27 @@ def attention(x_BTD, p, cfg, positions_BT, key=None, local=False):
     return attention_with_kv(x_BTD, p, cfg, positions_BT, key, local)[0]
 
 
-def attention_decode(x_B1D, p, cfg, positions_B1, cache: dict, slot_B, k_positions_BS, local=False):
-    """Attention of one new token per sequence over the cache. `cache` holds this layer's k, v [B, S, K, H]
-    and k_scale, v_scale [B, S, K] (None unless int8); the new key and value are written at slot_B first, and
+def attention_decode(x_B1D, p, cfg, positions_B1, cache: dict, r, slot_B, k_positions_BS, local=False):
+    """Attention of one new token per sequence over the cache. `cache` holds the k, v [R, B, K, S, H] and
+    k_scale, v_scale [R, B, K, S] (None unless int8) of every repeat of this layer's pattern entry; this layer
+    is repeat `r`. The new key and value are written at [r, b, slot_B[b]] first, in place (the stacked arrays
+    are a loop carry, so a step writes one entry per sequence instead of copying the cache), and
     k_positions_BS already names the positions every slot holds after that write, so the mask is the same
-    function of positions as in the uncached pass. Returns the output and the updated layer cache."""
+    function of positions as in the uncached pass. Returns the output and the updated stacked cache."""
     with jax.named_scope("attention"):
         q_B1NH, k_B1KH, v_B1KH = project_qkv(x_B1D, p, cfg, positions_B1)
         quantized = cache["k_scale"] is not None
         new = {}
         for name, x_B1KH in (("k", k_B1KH), ("v", v_B1KH)):
-            x_BKH, scale_BK = kvcache.store(x_B1KH, quantized)
-            x_BKH = x_BKH[:, 0]
-            new[name] = kvcache.write_one(cache[name], x_BKH, slot_B)
+            x_BK1H, scale_BK1 = kvcache.store(x_B1KH.transpose(0, 2, 1, 3), quantized)
+            new[name] = kvcache.write_one(cache[name], x_BK1H[:, :, 0], r, slot_B)
             new[f"{name}_scale"] = None if not quantized else kvcache.write_one(cache[f"{name}_scale"],
-                                                                                scale_BK[:, 0], slot_B)
-            new[name] = constrain(new[name], kvcache.CACHE_AXES)
-        k_BSKH = kvcache.read(new["k"], new["k_scale"], q_B1NH.dtype)
-        v_BSKH = kvcache.read(new["v"], new["v_scale"], q_B1NH.dtype)
+                                                                                scale_BK1[:, :, 0], r, slot_B)
+        layer = {k: None if v is None else constrain(v[r], kvcache.CACHE_AXES[:v.ndim - 1])
+                 for k, v in new.items()}
+        k_BKSH = kvcache.read(layer["k"], layer["k_scale"], q_B1NH.dtype)
+        v_BKSH = kvcache.read(layer["v"], layer["v_scale"], q_B1NH.dtype)
         mask_B1S = mask(positions_B1, k_positions_BS, cfg.sliding_window if local else None)
-        out_B1NH = attend(q_B1NH, k_BSKH, v_BSKH, mask_B1S, scale=_scale(cfg), softcap=cfg.attn_logit_softcap)
+        out_B1NH = attend_heads_major(q_B1NH, k_BKSH, v_BKSH, mask_B1S, scale=_scale(cfg),
+                                      softcap=cfg.attn_logit_softcap)
         return _project_out(out_B1NH, p), new

@@ -23,14 +23,16 @@ from jaxlm.config import ModelConfig
 from jaxlm.sharding import constrain
 
 EMPTY = 2**30  # position of an empty slot: larger than any query position, so causality masks it out
-CACHE_AXES = ("batch", None, "kv_heads", "head_dim")  # of one layer's keys or values [B, S, K, H]
+# Of one layer's keys or values [B, K, S, H]: heads-major, the layout attention multiplies in, so a decode
+# step reads the cache as it lies instead of transposing a copy of it every layer.
+CACHE_AXES = ("batch", "kv_heads", None, "head_dim")
 
 
 @jax.tree_util.register_dataclass
 @dataclass
 class KindCache:
-    """Keys and values of the layers of one pattern entry: k/v [R, B, S, K, H] (int8 when quantized, with
-    scales [R, B, S, K]), and the position held by each slot, pos [B, S], shared by those layers."""
+    """Keys and values of the layers of one pattern entry: k/v [R, B, K, S, H] (int8 when quantized, with
+    scales [R, B, K, S]), and the position held by each slot, pos [B, S], shared by those layers."""
     k: jax.Array
     v: jax.Array
     k_scale: jax.Array | None
@@ -57,28 +59,28 @@ def init(cfg: ModelConfig, batch: int, length: int, quantize: bool = False) -> K
     for kind in cfg.pattern:
         S = slots(cfg, kind, length)
         dt = jnp.int8 if quantize else jnp.dtype(cfg.compute_dtype)
-        scale = (lambda: jnp.ones((R, batch, S, K), jnp.float32)) if quantize else (lambda: None)
-        kinds.append(KindCache(jnp.zeros((R, batch, S, K, H), dt), jnp.zeros((R, batch, S, K, H), dt),
+        scale = (lambda: jnp.ones((R, batch, K, S), jnp.float32)) if quantize else (lambda: None)
+        kinds.append(KindCache(jnp.zeros((R, batch, K, S, H), dt), jnp.zeros((R, batch, K, S, H), dt),
                                scale(), scale(), jnp.full((batch, S), EMPTY, jnp.int32)))
     return KVCache(tuple(kinds), jnp.zeros((batch,), jnp.int32))
 
 
-def quantize(x_BSKH: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Symmetric int8 with one scale per (position, head): the largest magnitude maps to 127."""
-    x = x_BSKH.astype(jnp.float32)
-    scale_BSK = jnp.maximum(jnp.max(jnp.abs(x), axis=-1), 1e-30) / 127.0
-    return jnp.round(x / scale_BSK[..., None]).astype(jnp.int8), scale_BSK
+def quantize(x_BKSH: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Symmetric int8 with one scale per (head, position): the largest magnitude maps to 127."""
+    x = x_BKSH.astype(jnp.float32)
+    scale_BKS = jnp.maximum(jnp.max(jnp.abs(x), axis=-1), 1e-30) / 127.0
+    return jnp.round(x / scale_BKS[..., None]).astype(jnp.int8), scale_BKS
 
 
-def read(x_BSKH: jax.Array, scale_BSK: jax.Array | None, dtype) -> jax.Array:
-    if scale_BSK is None:
-        return x_BSKH
-    return (x_BSKH.astype(jnp.float32) * scale_BSK[..., None]).astype(dtype)
+def read(x_BKSH: jax.Array, scale_BKS: jax.Array | None, dtype) -> jax.Array:
+    if scale_BKS is None:
+        return x_BKSH
+    return (x_BKSH.astype(jnp.float32) * scale_BKS[..., None]).astype(dtype)
 
 
-def store(x_BSKH: jax.Array, quantized: bool) -> tuple[jax.Array, jax.Array | None]:
-    x_BSKH = constrain(x_BSKH, CACHE_AXES)
-    return quantize(x_BSKH) if quantized else (x_BSKH, None)
+def store(x_BKSH: jax.Array, quantized: bool) -> tuple[jax.Array, jax.Array | None]:
+    x_BKSH = constrain(x_BKSH, CACHE_AXES)
+    return quantize(x_BKSH) if quantized else (x_BKSH, None)
 
 
 def prefill_layout(lengths_B: jax.Array, T: int, S: int) -> tuple[jax.Array, jax.Array]:
@@ -92,6 +94,7 @@ def prefill_layout(lengths_B: jax.Array, T: int, S: int) -> tuple[jax.Array, jax
     return jnp.clip(pos_BS, 0, T - 1), jnp.where(valid_BS, pos_BS, EMPTY)
 
 
-def write_one(x_BSKH: jax.Array, new_BKH: jax.Array, slot_B: jax.Array) -> jax.Array:
-    """x with each sequence's slot replaced by its new entry (one token per sequence)."""
-    return x_BSKH.at[jnp.arange(x_BSKH.shape[0]), slot_B].set(new_BKH.astype(x_BSKH.dtype))
+def write_one(x_RBKSH: jax.Array, new_BKH: jax.Array, r, slot_B: jax.Array) -> jax.Array:
+    """x with each sequence's slot of repeat r replaced by its new entry (one token per sequence, every kv
+    head; scales [R, B, K, S] take new [B, K])."""
+    return x_RBKSH.at[r, jnp.arange(x_RBKSH.shape[1]), :, slot_B].set(new_BKH.astype(x_RBKSH.dtype))

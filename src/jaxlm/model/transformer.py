@@ -237,7 +237,7 @@ def prefill(params: dict, tokens_BT: jax.Array, lengths_B: jax.Array, cfg: Model
             entry = {}
             for name, x_BTKH in zip(("k", "v"), kv):
                 x_BSKH = jnp.take_along_axis(x_BTKH, layouts[j][0][:, :, None, None], axis=1)
-                entry[name], entry[f"{name}_scale"] = kvcache.store(x_BSKH, quantize)
+                entry[name], entry[f"{name}_scale"] = kvcache.store(x_BSKH.transpose(0, 2, 1, 3), quantize)
             entries.append(entry)
         return x_BTD, tuple(entries)
 
@@ -261,21 +261,22 @@ def decode_step(params: dict, tokens_B: jax.Array, cache: kvcache.KVCache, cfg: 
     slots = [pos_B % c.pos.shape[1] for c in cache.kinds]
     k_positions = [c.pos.at[jnp.arange(B), slot_B].set(pos_B) for c, slot_B in zip(cache.kinds, slots)]
 
-    def step(x_B1D, inputs):
-        p_group, layer_caches = inputs
-        new = []
+    def step(carry, inputs):  # the stacked caches ride in the carry: each layer writes its entries in place
+        x_B1D, stacks = carry
+        p_group, r = inputs
+        stacks = list(stacks)
         for j, kind in enumerate(cfg.pattern):
             def attn(h_B1D, p_attn, j=j, local=(kind == "local")):
-                return attention.attention_decode(h_B1D, p_attn, cfg, positions_B1, layer_caches[j], slots[j],
+                return attention.attention_decode(h_B1D, p_attn, cfg, positions_B1, stacks[j], r, slots[j],
                                                   k_positions[j], local)
 
-            x_B1D, _, layer_cache = _block(x_B1D, jax.tree.map(lambda a: a[j], p_group), cfg, attn)
-            new.append(layer_cache)
-        return x_B1D, tuple(new)
+            x_B1D, _, stacks[j] = _block(x_B1D, jax.tree.map(lambda a: a[j], p_group), cfg, attn)
+        return (x_B1D, tuple(stacks)), None
 
-    layer_caches = tuple({"k": c.k, "v": c.v, "k_scale": c.k_scale, "v_scale": c.v_scale} for c in cache.kinds)
+    stacks = tuple({"k": c.k, "v": c.v, "k_scale": c.k_scale, "v_scale": c.v_scale} for c in cache.kinds)
+    R = cfg.n_layers // len(cfg.pattern)
     with jax.named_scope("decode"):
-        x_B1D, new = jax.lax.scan(step, x_B1D, (_grouped(cfg, params["layers"]), layer_caches))
+        (x_B1D, new), _ = jax.lax.scan(step, (x_B1D, stacks), (_grouped(cfg, params["layers"]), jnp.arange(R)))
         logits_BV = unembed(params, x_B1D, cfg)[:, 0]
     kinds = tuple(kvcache.KindCache(pos=k_pos, **c) for k_pos, c in zip(k_positions, new))
     return logits_BV, kvcache.KVCache(kinds, pos_B + 1)
