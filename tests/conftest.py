@@ -69,6 +69,15 @@ def tiny_config(data_dir: Path, run_dir: Path | None = None, **overrides) -> con
     return cfg
 
 
+# Modules that hold the longest tests (two-process runs, an S3 server) run first, so that with two workers
+# (`make test`) the long ones do not start last while the other worker has nothing left to do.
+FIRST = ("test_sharding", "test_storage")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    items.sort(key=lambda item: 0 if item.module.__name__ in FIRST else 1)  # stable: modules stay in order
+
+
 def pytest_sessionfinish(session, exitstatus):
     if _XLA_CACHE:
         shutil.rmtree(_XLA_CACHE, ignore_errors=True)

@@ -199,8 +199,10 @@ def test_cli_generates_from_a_run_streams_and_matches_the_python_api(char_data, 
     bare = subprocess.run([sys.executable, "-c", "import jaxlm; assert callable(jaxlm.generate)"],
                           capture_output=True, text=True)
     assert bare.returncode == 0, bare.stderr
-    # mesh.* keys shard the weights (here FSDP over 4 devices); greedy text equals the one-device text.
-    greedy = ["--prompt", "To be", "--prompt", "KING", "max_new_tokens=12", "temperature=0"]
+    # mesh.* keys shard the weights (here FSDP over 4 devices); greedy text equals the one-device text (the
+    # one-device programs are those compiled above: the temperature is not compiled in).
+    greedy = ["--prompt", "To be", "--prompt-file", str(tmp_path / "prompt.txt"), "--num-samples", "2",
+              "max_new_tokens=12", "temperature=0"]
     assert cli.main(["generate", str(run), *greedy]) == 0
     one = capsys.readouterr().out
     assert cli.main(["generate", str(run), *greedy, "mesh.ici_data=1", "mesh.ici_fsdp=4"]) == 0
