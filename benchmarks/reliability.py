@@ -344,10 +344,11 @@ def main() -> None:
              "bad_inputs_clear_errors", "steps_lost", "samples_repeated_or_skipped"]
     for k in [k for k in results if k not in order] + order:
         print(f"{k}={results[k]}")
-    failed = [k for k, ok in (("faults_survived", results["faults_survived"] == results["faults_injected"]),
-                              ("corruptions_detected", results["corruptions_detected"] == results["corruptions_tried"]),
-                              ("bad_inputs_clear_errors", results["bad_inputs_clear_errors"] == results["bad_inputs_tried"]),
-                              ("samples_repeated_or_skipped", results["samples_repeated_or_skipped"] == 0)) if not ok]
+    checks = {"faults_survived": results["faults_survived"] == results["faults_injected"],
+              "corruptions_detected": results["corruptions_detected"] == results["corruptions_tried"],
+              "bad_inputs_clear_errors": results["bad_inputs_clear_errors"] == results["bad_inputs_tried"],
+              "samples_repeated_or_skipped": results["samples_repeated_or_skipped"] == 0}
+    failed = [k for k, ok in checks.items() if not ok]
     if failed:
         raise SystemExit(f"reliability check failed: {', '.join(failed)}")
 

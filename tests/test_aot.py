@@ -110,7 +110,8 @@ def test_fit_search_returns_the_largest_batch_that_fits(char_data):
 
 
 def _cli(args, cwd):
-    env = dict(os.environ, XLA_FLAGS=xla_flags(), PYTHONPATH=os.pathsep.join(filter(None, [SRC, os.environ.get("PYTHONPATH")])))
+    env = dict(os.environ, XLA_FLAGS=xla_flags(),
+               PYTHONPATH=os.pathsep.join(filter(None, [SRC, os.environ.get("PYTHONPATH")])))
     return subprocess.run([sys.executable, "-m", "jaxlm.cli", "compile", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=300)
 

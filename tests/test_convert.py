@@ -4,8 +4,6 @@ again. Also: one-line errors for bad checkpoints, fine-tuning an imported model,
 (The import's peak memory is measured by benchmarks/convert_memory.py.)"""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -136,7 +134,8 @@ def test_hub_id_download_and_tokenizer_files_travel_both_ways(tmp_path, monkeypa
     words = ["<unk>", "<eos>", "to", "be", "or", "not"]
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>").save_pretrained(hf_dir)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>")
+    fast.save_pretrained(hf_dir)
     asked = []
 
     def snapshot_download(repo_id, allow_patterns):

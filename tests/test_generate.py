@@ -11,7 +11,7 @@ import pytest
 from jaxlm import config as config_lib, generate, params as P, sharding
 from jaxlm.config import ConfigError, DecodeConfig, MeshConfig
 from jaxlm.configs._models import MODELS
-from jaxlm.model import forward, kvcache, param_specs, transformer
+from jaxlm.model import forward, param_specs, transformer
 
 TINY = dict(vocab_size=64, block_size=64, n_heads=4, n_kv_heads=2, d_model=32, head_dim=8, d_ff=48,
             sliding_window=5, compute_dtype="float32", param_dtype="float32", init_std=0.2)

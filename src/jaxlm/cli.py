@@ -175,8 +175,9 @@ def cmd_generate(argv: list[str]) -> int:
                                 "checkpoint) or a `jaxlm convert from-hf` folder, with a KV cache; the first "
                                 "sample streams as it is generated. Settings are decode.* keys (the prefix may be "
                                 "left out): max_new_tokens, temperature, top_k, top_p, seed, cache_length, "
-                                "quantize_kv_cache, stop_tokens, stop_at_eos (docs/generate.md). mesh.* keys shard the model "
-                                "over devices (mesh.ici_data=1 mesh.ici_tensor=4: tensor parallel on 4).")
+                                "quantize_kv_cache, stop_tokens, stop_at_eos (docs/generate.md). mesh.* keys "
+                                "shard the model over devices (mesh.ici_data=1 mesh.ici_tensor=4: tensor parallel "
+                                "on 4).")
     p.add_argument("src", help="run directory or converted checkpoint folder")
     p.add_argument("--prompt", action="append", help="prompt text (repeat for a batch of prompts)")
     p.add_argument("--prompt-file", action="append", help="file whose text is a prompt (repeatable)")

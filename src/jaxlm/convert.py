@@ -309,12 +309,10 @@ def load_params(path: str | Path, device: jax.Device | None = None, mesh: jax.sh
     sharded over `mesh` by the parameter rules (default sharding.PARAM_RULES)."""
     cfg = load_config(path)
     specs = param_specs(cfg.model)
-    if mesh is not None:
-        shardings = P.shardings(specs, mesh, rules or sharding.PARAM_RULES)
-    else:
-        sh = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
-        shardings = jax.tree.map(lambda _: sh, P.abstract(specs))
-    abstract = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), P.abstract(specs),
+    one = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
+    shardings = (P.shardings(specs, mesh, rules or sharding.PARAM_RULES) if mesh is not None
+                 else jax.tree.map(lambda _: one, P.abstract(specs)))
+    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), P.abstract(specs),
                             shardings)
     return cfg, restore_params(path, abstract)
 

@@ -230,13 +230,13 @@ def generate(params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], d: Deco
     validate_decode(d)
     length = check_prompts(prompts, cfg, d)
     # Prompt and cache lengths are rounded up to a multiple of PAD (padding is masked), so that prompts of
-    # similar lengths share compiled programs; learned positions stop at block_size.
-    longest = max(map(len, prompts))
-    limit = cfg.block_size if cfg.position == "learned" else None
-    T = max(longest, min(_round_up(longest), limit or _round_up(longest)))
+    # similar lengths share compiled programs. Learned positions stop at block_size, which check_prompts has
+    # already found long enough for the unpadded lengths.
+    B, T = len(prompts), _round_up(max(map(len, prompts)))
     if d.cache_length is None:
-        length = max(length, min(_round_up(longest) + d.max_new_tokens, limit or 2**31))
-    B = len(prompts)
+        length = T + d.max_new_tokens
+    if cfg.position == "learned":
+        T, length = min(T, cfg.block_size), min(length, cfg.block_size)
     prompts_BT = np.zeros((B, T), np.int32)
     for b, p in enumerate(prompts):
         prompts_BT[b, :len(p)] = p
