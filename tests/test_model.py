@@ -140,3 +140,36 @@ def test_param_count_matches_hand_count():
     L2 = GPT2_LIKE
     per_layer2 = 4 * D * D + 4 * D + 2 * D * F + F + D + 4 * D
     assert P.count(param_specs(L2)) == V * D + L2.block_size * D + L * per_layer2 + 2 * D
+
+
+def test_packed_documents_give_each_document_its_own_logits():
+    """Documents packed into one row (positions restarting, segment ids 1, 2, 3) get the logits each document
+    gets alone, and a row's tokens never see another document (a sliding-window layer included)."""
+    cfg = dataclasses.replace(TINY, layer_pattern="local,global,global", sliding_window=4)
+    params = init(cfg)
+    lengths = [5, 8, 3]
+    toks = np.asarray(tokens(cfg, B=1, seed=3))[0]
+    positions = np.concatenate([np.arange(n) for n in lengths])[None]
+    segments = np.concatenate([np.full(n, i + 1) for i, n in enumerate(lengths)])[None]
+    packed = np.asarray(forward(params, jnp.asarray(toks[None]), cfg, positions_BT=jnp.asarray(positions),
+                                segment_ids_BT=jnp.asarray(segments, jnp.int32)))[0]
+    start = 0
+    for n in lengths:
+        alone = np.asarray(forward(params, jnp.asarray(toks[None, start:start + n]), cfg))[0]
+        np.testing.assert_allclose(packed[start:start + n], alone, atol=1e-5)
+        start += n
+
+
+def test_loss_weights_count_only_weighted_tokens():
+    params = init(TINY)
+    toks = tokens(TINY)
+    weights = jnp.zeros(toks.shape).at[:, 5:9].set(1.0)
+    weighted = loss_fn(params, toks, toks, TINY, weights_BT=weights)
+    logits = forward(params, toks, TINY)[:, 5:9]
+    want = jnp.mean(jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, toks[:, 5:9, None], -1)[..., 0])
+    assert float(weighted) == pytest.approx(float(want), rel=1e-6)
+    # A masked token's target changes nothing.
+    other = toks.at[:, 2].set((toks[:, 2] + 1) % TINY.vocab_size)
+    g0 = jax.grad(loss_fn)(params, toks, toks, TINY, weights_BT=weights)
+    g1 = jax.grad(loss_fn)(params, toks, other, TINY, weights_BT=weights)
+    assert all(bool(jnp.array_equal(a, b)) for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)))

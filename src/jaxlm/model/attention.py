@@ -63,15 +63,29 @@ def attend_heads_major(q_BTNH, k_BKSH, v_BKSH, mask_BTS, dropout_rate=0.0, key=N
     return out_BTNH.astype(q_BTNH.dtype)
 
 
-def mask(q_positions_BT: jax.Array, k_positions_BS: jax.Array, window: int | None = None) -> jax.Array:
-    """[B, T, S], True where query t may attend to key s: causal, and within the last `window` positions
-    (the query's own included) when a window is given. A function of positions, not of array offsets, so a
-    decoder attending from new tokens into a cache of old ones uses the same rule."""
+def mask(q_positions_BT: jax.Array, k_positions_BS: jax.Array, window: int | None = None,
+         q_segment_ids_BT: jax.Array | None = None, k_segment_ids_BS: jax.Array | None = None) -> jax.Array:
+    """[B, T, S], True where query t may attend to key s: causal, within the last `window` positions (the
+    query's own included) when a window is given, and in the same segment (packed document) when segment ids
+    are given. A function of positions and segment ids, not of array offsets, so a decoder attending from new
+    tokens into a cache of old ones uses the same rule, and positions may restart at each packed document."""
     q_BT1, k_B1S = q_positions_BT[:, :, None], k_positions_BS[:, None, :]
     allowed_BTS = k_B1S <= q_BT1
     if window is not None:
         allowed_BTS &= k_B1S > q_BT1 - window
+    if q_segment_ids_BT is not None:
+        allowed_BTS &= q_segment_ids_BT[:, :, None] == k_segment_ids_BS[:, None, :]
     return allowed_BTS
+
+
+def self_attention(q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, cfg, local=False, key=None):
+    """The one attention interface of the uncached pass: queries [B, T, N, H], keys and values [B, T, K, H]
+    of the same tokens, their positions [B, T] and segment ids [B, T] (int32; tokens attend only within their
+    own segment; None = one segment per row). Every implementation takes these arguments; masks are causal by
+    position, windowed for `local` layers, and never cross a segment."""
+    mask_BTS = mask(positions_BT, positions_BT, cfg.sliding_window if local else None, segment_ids_BT,
+                    segment_ids_BT)
+    return attend(q_BTNH, k_BTKH, v_BTKH, mask_BTS, cfg.dropout, key, _scale(cfg), cfg.attn_logit_softcap)
 
 
 def _scale(cfg):
@@ -85,20 +99,19 @@ def _project_out(out_BTNH, p):
     return out_BTD
 
 
-def attention_with_kv(x_BTD, p, cfg, positions_BT, key=None, local=False):
-    """Self-attention over x; `local` layers see only the last cfg.sliding_window positions. Also returns the
-    keys and values [B, T, K, H], which prefill stores in the cache."""
+def attention_with_kv(x_BTD, p, cfg, positions_BT, key=None, local=False, segment_ids_BT=None):
+    """Self-attention over x; `local` layers see only the last cfg.sliding_window positions, and tokens see
+    only their own segment. Also returns the keys and values [B, T, K, H], which prefill stores in the cache."""
     with jax.named_scope("attention"):
         q_BTNH, k_BTKH, v_BTKH = project_qkv(x_BTD, p, cfg, positions_BT)
         q_BTNH = constrain(q_BTNH, ("batch", "length", "heads", "head_dim"))
-        mask_BTS = mask(positions_BT, positions_BT, cfg.sliding_window if local else None)
-        out_BTNH = attend(q_BTNH, k_BTKH, v_BTKH, mask_BTS, cfg.dropout, key, _scale(cfg), cfg.attn_logit_softcap)
+        out_BTNH = self_attention(q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, cfg, local, key)
         return _project_out(out_BTNH, p), k_BTKH, v_BTKH
 
 
-def attention(x_BTD, p, cfg, positions_BT, key=None, local=False):
+def attention(x_BTD, p, cfg, positions_BT, key=None, local=False, segment_ids_BT=None):
     """Self-attention over x; `local` layers see only the last cfg.sliding_window positions."""
-    return attention_with_kv(x_BTD, p, cfg, positions_BT, key, local)[0]
+    return attention_with_kv(x_BTD, p, cfg, positions_BT, key, local, segment_ids_BT)[0]
 
 
 def attention_decode(x_B1D, p, cfg, positions_B1, cache: dict, r, slot_B, k_positions_BS, local=False):

@@ -95,11 +95,12 @@ REMAT_POLICIES = {
 
 
 def block(x_BTD: jax.Array, p: dict, cfg: ModelConfig, positions_BT: jax.Array, key: jax.Array | None,
-          local: bool = False):
+          local: bool = False, segment_ids_BT: jax.Array | None = None):
     """One pre-norm block; returns the new residual stream and the MoE routing statistics [2, E] (an empty
     [2, 0] array for a dense MLP)."""
     keys = jax.random.split(key, 3) if key is not None else (None, None, None)
-    attn = lambda h, q: (attention.attention(h, q, cfg, positions_BT, keys[0], local), None)  # noqa: E731
+    attn = lambda h, q: (attention.attention(h, q, cfg, positions_BT, keys[0], local, segment_ids_BT),  # noqa: E731
+                         None)
     x_BTD, stats_2E, _ = _block(x_BTD, p, cfg, attn, keys[1:])
     return x_BTD, stats_2E
 
@@ -152,8 +153,12 @@ def unembed(params: dict, x_BTD: jax.Array, cfg: ModelConfig) -> jax.Array:
 
 @quant.scoped
 def forward_with_aux(params: dict, tokens_BT: jax.Array, cfg: ModelConfig, key: jax.Array | None = None,
-                     positions_BT: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    """Logits [B, T, V] in float32 and the auxiliary (load-balancing) loss, 0 for dense models."""
+                     positions_BT: jax.Array | None = None, segment_ids_BT: jax.Array | None = None
+                     ) -> tuple[jax.Array, jax.Array]:
+    """Logits [B, T, V] in float32 and the auxiliary (load-balancing) loss, 0 for dense models.
+
+    positions_BT default to 0..T-1 in every row; segment_ids_BT (int32, None = one segment per row) mark the
+    documents packed into a row: attention never crosses a segment, and positions restart at each one."""
     B, T = tokens_BT.shape
     if positions_BT is None:
         positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
@@ -171,7 +176,8 @@ def forward_with_aux(params: dict, tokens_BT: jax.Array, cfg: ModelConfig, key: 
     P = len(pattern)
     bodies = []
     for kind in pattern:
-        body = lambda x, p, k, local=(kind == "local"): block(x, p, cfg, positions_BT, k, local)  # noqa: E731
+        body = lambda x, p, k, local=(kind == "local"): block(x, p, cfg, positions_BT, k, local,  # noqa: E731
+                                                                segment_ids_BT)
         if cfg.remat != "none":
             body = jax.checkpoint(body, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
         bodies.append(body)
@@ -203,9 +209,9 @@ def forward_with_aux(params: dict, tokens_BT: jax.Array, cfg: ModelConfig, key: 
 
 
 def forward(params: dict, tokens_BT: jax.Array, cfg: ModelConfig, key: jax.Array | None = None,
-            positions_BT: jax.Array | None = None) -> jax.Array:
+            positions_BT: jax.Array | None = None, segment_ids_BT: jax.Array | None = None) -> jax.Array:
     """Logits [B, T, V] in float32. `key` enables dropout (training); None is deterministic."""
-    return forward_with_aux(params, tokens_BT, cfg, key, positions_BT)[0]
+    return forward_with_aux(params, tokens_BT, cfg, key, positions_BT, segment_ids_BT)[0]
 
 
 def _grouped(cfg: ModelConfig, layer_params: dict) -> dict:
@@ -282,17 +288,32 @@ def decode_step(params: dict, tokens_B: jax.Array, cache: kvcache.KVCache, cfg: 
     return logits_BV, kvcache.KVCache(kinds, pos_B + 1)
 
 
-def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
-    """Mean next-token cross-entropy in float32."""
+def cross_entropy_sum(logits_BTV: jax.Array, targets_BT: jax.Array, weights_BT: jax.Array | None = None) -> jax.Array:
+    """Sum over tokens of the next-token cross-entropy in float32, each token's term times its weight."""
     logits_BTV = logits_BTV.astype(jnp.float32)
     lse_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
     target_logit_BT = jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)[..., 0]
-    return jnp.mean(lse_BT - target_logit_BT)
+    losses_BT = lse_BT - target_logit_BT
+    return jnp.sum(losses_BT if weights_BT is None else losses_BT * weights_BT)
+
+
+def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
+    """Mean next-token cross-entropy in float32."""
+    return cross_entropy_sum(logits_BTV, targets_BT) / targets_BT.size
 
 
 def loss_fn(params: dict, tokens_BT: jax.Array, targets_BT: jax.Array, cfg: ModelConfig,
-            key: jax.Array | None = None) -> jax.Array:
-    """Cross-entropy, plus the weighted load-balancing loss for mixture-of-experts models."""
-    logits_BTV, aux = forward_with_aux(params, tokens_BT, cfg, key)
-    loss = cross_entropy(logits_BTV, targets_BT)
+            key: jax.Array | None = None, positions_BT: jax.Array | None = None,
+            segment_ids_BT: jax.Array | None = None, weights_BT: jax.Array | None = None,
+            normalizer: jax.Array | None = None) -> jax.Array:
+    """Cross-entropy, plus the weighted load-balancing loss for mixture-of-experts models.
+
+    Each token's loss counts with its weight (weights_BT: 1 trained, 0 masked such as prompts or padding; None =
+    all 1) and the weighted sum is divided by `normalizer` (default: the sum of the weights here). A step that
+    accumulates micro-batches passes the weight of the whole step over the number of micro-batches, so that
+    the mean over micro-batches is exactly the mean over every counted token of the step."""
+    logits_BTV, aux = forward_with_aux(params, tokens_BT, cfg, key, positions_BT, segment_ids_BT)
+    if normalizer is None:
+        normalizer = targets_BT.size if weights_BT is None else jnp.maximum(jnp.sum(weights_BT), 1e-9)
+    loss = cross_entropy_sum(logits_BTV, targets_BT, weights_BT) / normalizer
     return loss + cfg.router_aux_loss_coef * aux if cfg.n_experts else loss
