@@ -1,0 +1,208 @@
+"""The prepared-dataset format: token shards of bounded size, an index of document boundaries per shard and,
+for chat data, a loss mask; written so that an interrupted prepare never leaves a folder that looks finished.
+
+A prepared folder (format 2):
+
+    meta.json                 written last, by an atomic rename: vocab_size, dtype, tokenizer, format=2 and
+                              splits = {name: {"tokens": n, "documents": d, "shards": [{"name", "tokens",
+                              "documents"}, ...]}}, plus has_loss_mask and whatever prepare adds
+    {split}-{k:05d}.bin       token ids (meta's dtype), whole documents back to back
+    {split}-{k:05d}.idx.npy   int64 [documents + 1]: where each document starts in the shard, then the shard's length
+    {split}-{k:05d}.mask.bin  uint8, one per token (only with has_loss_mask): 1 where the token is a trained target
+
+A shard is closed at the first document boundary past `shard_tokens`, so documents never span shards (a single
+document longer than a shard gets a shard of its own). nanoGPT's layout (train.bin and val.bin, a meta.json
+without `splits`) is format 1 and stays readable: one shard per split, document boundaries unknown.
+
+Legend: N tokens of a split (all shards), D documents, S shards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+FORMAT = 2
+DEFAULT_SHARD_TOKENS = 1 << 28  # 512 MiB of uint16 ids; a shard is memory-mapped, never read whole
+
+
+class FormatError(ValueError):
+    """A prepared folder whose files do not match its meta.json; the message names the file."""
+
+
+def dtype_for(vocab_size: int) -> np.dtype:
+    if vocab_size > np.iinfo(np.uint32).max + 1:
+        raise FormatError(f"a vocabulary of {vocab_size:,} tokens does not fit in uint32 token files (at most 2**32)")
+    return np.dtype(np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32)
+
+
+def shard_name(split: str, k: int) -> str:
+    return f"{split}-{k:05d}"
+
+
+def begin(out_dir: str | Path) -> Path:
+    """Make the folder and take away its meta.json first: until the new one is written, the folder reads as
+    unprepared rather than as the old corpus with half-rewritten shards."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "meta.json").unlink(missing_ok=True)
+    return out
+
+
+def write_meta(out_dir: str | Path, meta: dict) -> None:
+    """The last step of a prepare: meta.json appears whole or not at all."""
+    path = Path(out_dir) / "meta.json"
+    tmp = path.with_name(f".meta.json.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(meta, indent=2))
+    os.replace(tmp, path)
+
+
+class ShardWriter:
+    """Appends documents of one split to shards of about `shard_tokens` tokens. Each shard is written under a
+    temporary name and renamed when closed; `close()` returns the split's entry for meta.json."""
+
+    def __init__(self, out_dir: str | Path, split: str, dtype, shard_tokens: int = DEFAULT_SHARD_TOKENS,
+                 loss_mask: bool = False):
+        if shard_tokens < 1:
+            raise ValueError(f"shard_tokens={shard_tokens} must be >= 1")
+        self.dir, self.split, self.dtype = Path(out_dir), split, np.dtype(dtype)
+        self.shard_tokens, self.loss_mask = shard_tokens, loss_mask
+        self.shards: list[dict] = []
+        self._open = None
+
+    def _start(self) -> None:
+        name = shard_name(self.split, len(self.shards))
+        self._name = name
+        self._tokens = open(self.dir / f".{name}.bin.tmp", "wb")
+        self._mask = open(self.dir / f".{name}.mask.bin.tmp", "wb") if self.loss_mask else None
+        self._starts: list[int] = []
+        self._n = 0
+        self._open = True
+
+    def add(self, ids: np.ndarray, mask: np.ndarray | None = None) -> None:
+        """One document's token ids (BOS/EOS included as the tokenizer uses them) and, with a loss mask, its
+        per-token 0/1 targets mask of the same length."""
+        ids = np.asarray(ids)
+        if ids.ndim != 1 or len(ids) == 0:
+            raise ValueError("a document is a non-empty 1-D array of token ids")
+        if self.loss_mask:
+            if mask is None or len(mask) != len(ids):
+                raise ValueError("with a loss mask, every document needs a mask of its own length")
+        if not self._open:
+            self._start()
+        self._starts.append(self._n)
+        self._tokens.write(ids.astype(self.dtype, copy=False).tobytes())
+        if self._mask is not None:
+            self._mask.write(np.asarray(mask, dtype=np.uint8).tobytes())
+        self._n += len(ids)
+        if self._n >= self.shard_tokens:
+            self._finish()
+
+    def _finish(self) -> None:
+        self._tokens.close()
+        if self._mask is not None:
+            self._mask.close()
+        name = self._name
+        np.save(self.dir / f".{name}.idx.tmp.npy", np.asarray(self._starts + [self._n], dtype=np.int64))
+        os.replace(self.dir / f".{name}.idx.tmp.npy", self.dir / f"{name}.idx.npy")
+        if self._mask is not None:
+            os.replace(self.dir / f".{name}.mask.bin.tmp", self.dir / f"{name}.mask.bin")
+        os.replace(self.dir / f".{name}.bin.tmp", self.dir / f"{name}.bin")
+        self.shards.append({"name": name, "tokens": self._n, "documents": len(self._starts)})
+        self._open = False
+
+    def close(self) -> dict:
+        if self._open:
+            self._finish()
+        return {"tokens": sum(s["tokens"] for s in self.shards),
+                "documents": sum(s["documents"] for s in self.shards), "shards": self.shards}
+
+    def abort(self) -> None:
+        """Remove the shard being written (an interrupted prepare leaves only what `begin` said is unprepared)."""
+        if self._open:
+            self._tokens.close()
+            if self._mask is not None:
+                self._mask.close()
+            for suffix in (".bin.tmp", ".mask.bin.tmp"):
+                (self.dir / f".{self._name}{suffix}").unlink(missing_ok=True)
+            self._open = False
+
+
+class Split:
+    """One split of a prepared folder read through memory maps: its shards as one sequence of N tokens
+    (`take` reads any global offsets), the documents' global start offsets [D + 1] (None for format 1), and
+    the loss mask (None without one)."""
+
+    def __init__(self, directory: str | Path, meta: dict, split: str):
+        self.dir, self.name = Path(directory), split
+        dtype = np.dtype(meta.get("dtype", "uint16"))
+        entry = meta.get("splits", {}).get(split) if "splits" in meta else None
+        if entry is None and "splits" in meta:
+            raise FormatError(f"{self.dir / 'meta.json'} has no split {split!r}")
+        if entry is None:  # format 1
+            shards = [{"name": split, "tokens": meta.get(f"{split}_tokens"), "documents": None}]
+        else:
+            shards = entry["shards"]
+        self.tokens_S = [self._memmap(s["name"] + ".bin", dtype, s["tokens"]) for s in shards]
+        sizes_S = np.array([len(t) for t in self.tokens_S], dtype=np.int64)
+        self.offsets_S1 = np.concatenate([[0], np.cumsum(sizes_S)])  # where each shard starts, then N
+        self.n_tokens = int(self.offsets_S1[-1])
+        self.has_mask = bool(meta.get("has_loss_mask")) and entry is not None
+        self.mask_S = ([self._memmap(s["name"] + ".mask.bin", np.dtype(np.uint8), s["tokens"]) for s in shards]
+                       if self.has_mask else None)
+        self.doc_starts_D1 = None
+        if entry is not None:
+            starts = []
+            for k, s in enumerate(shards):
+                path = self.dir / f"{s['name']}.idx.npy"
+                if not path.is_file():
+                    raise FormatError(f"{path} is missing; re-run `jaxlm prepare`")
+                idx = np.load(path)
+                if len(idx) != s["documents"] + 1 or idx[-1] != s["tokens"]:
+                    raise FormatError(f"{path} does not match meta.json ({len(idx) - 1} documents, "
+                                      f"{int(idx[-1])} tokens; meta.json says {s['documents']}, {s['tokens']})")
+                starts.append(idx[:-1] + self.offsets_S1[k])
+            self.doc_starts_D1 = np.concatenate(starts + [[self.n_tokens]]).astype(np.int64)
+
+    def _memmap(self, file: str, dtype: np.dtype, expected) -> np.ndarray:
+        path = self.dir / file
+        if not path.is_file():
+            raise FormatError(f"{path} is missing; prepare the data first (`jaxlm prepare ...`)")
+        size = path.stat().st_size
+        if size % dtype.itemsize:
+            raise FormatError(f"{path}: {size} bytes is not a whole number of {dtype} tokens (truncated file?)")
+        n = size // dtype.itemsize
+        if expected is not None and int(expected) != n:
+            raise FormatError(f"{path} holds {n} tokens but meta.json says {expected}; re-run `jaxlm prepare`")
+        if n == 0:
+            raise FormatError(f"{path} is empty")
+        return np.memmap(path, dtype=dtype, mode="r", shape=(n,))
+
+    @property
+    def n_documents(self) -> int | None:
+        return None if self.doc_starts_D1 is None else len(self.doc_starts_D1) - 1
+
+    def __len__(self) -> int:
+        return self.n_tokens
+
+    def take(self, idx: np.ndarray, mask: bool = False) -> np.ndarray:
+        """Tokens (or, with mask=True, loss-mask values) at global offsets `idx` (any shape), across shards."""
+        arrays = self.mask_S if mask else self.tokens_S
+        if len(arrays) == 1:
+            return np.asarray(arrays[0][idx])
+        idx = np.asarray(idx)
+        shard = np.searchsorted(self.offsets_S1, idx, side="right") - 1
+        out = np.empty(idx.shape, dtype=arrays[0].dtype)
+        for k in np.unique(shard):
+            sel = shard == k
+            out[sel] = arrays[k][idx[sel] - self.offsets_S1[k]]
+        return out
+
+    def document(self, i: int) -> np.ndarray:
+        """Token ids of document i (documents never span shards)."""
+        start, end = int(self.doc_starts_D1[i]), int(self.doc_starts_D1[i + 1])
+        k = int(np.searchsorted(self.offsets_S1, start, side="right") - 1)
+        return np.asarray(self.tokens_S[k][start - self.offsets_S1[k]:end - self.offsets_S1[k]])
