@@ -124,14 +124,9 @@ def test_saved_step_at_default_compiler_settings_trains_like_the_jitted_run(char
     assert aot_losses == jitted  # bit for bit
 
 
-def test_saving_compiles_the_step_here_not_from_the_cache(char_data, tmp_path):
-    # The suite's persistent cache is on in this process: a step compiled here may have been read back from
-    # it, so save() compiles it again without the cache; compile.output compiles with the cache off.
-    assert jax.config.jax_compilation_cache_dir and jax.config.jax_enable_compilation_cache
-    with aot.persistent_cache_off():
-        assert not jax.config.jax_enable_compilation_cache
-    assert jax.config.jax_enable_compilation_cache
-    # A step saved by format 1 on a CPU may lack its code: it is refused in one line, before anything runs.
+def test_cpu_steps_saved_in_format_1_are_refused(tmp_path):
+    # Format 1 could hold a CPU step read back from the compilation cache, without its code (issue 18): it is
+    # refused in one line before anything is unpickled; a TPU step of that format still loads.
     old = tmp_path / "old.jaxlm"
     old.write_bytes(aot.HEADER_1 + b'{"platform": "cpu"}\n')
     with pytest.raises(ConfigError, match="saved by an earlier jaxlm that could save a CPU step without its "
