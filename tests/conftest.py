@@ -126,6 +126,8 @@ def pytest_pyfunc_call(pyfuncitem):
     base = tempfile.mkdtemp(prefix="jaxlm-default-settings-")
     env = users_environment(JAXLM_TEST_DEFAULT_SETTINGS="1", PYTHONPATH=os.pathsep.join(
         filter(None, [str(Path(root) / "src"), os.environ.get("PYTHONPATH")])))
+    for name in [k for k in env if k.startswith("PYTEST_")]:  # this session's (an xdist worker's) own
+        del env[name]
     try:
         p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-p", "no:xdist",
                             f"--basetemp={base}/t", pyfuncitem.nodeid], cwd=root, env=env, capture_output=True,
