@@ -95,6 +95,7 @@ def test_saved_step_trains_like_the_jitted_step_and_refuses_other_runs(char_data
     fails("is not a step saved by `jaxlm compile", **{"compile.load": str(tmp_path / "junk")})
 
 
+@pytest.mark.slow
 def test_saved_step_at_default_compiler_settings_trains_like_the_jitted_run(char_data, tmp_path):
     # The commands of issue 18 as a user runs them: XLA's default compiler settings, the CLI's own compilation
     # cache (empty at first, as on a new machine), the `jaxlm` command's huge-page restart. The jitted run caches
