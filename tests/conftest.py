@@ -9,25 +9,28 @@ import tempfile
 # The tests compile hundreds of tiny programs and run each for a few steps: LLVM's optimizations cost more there
 # than they save (tests/test_model.py: 94 s with XLA's default, 56 s without). Every program of the suite, in this
 # process and in the processes its tests start (`xla_flags`), is compiled this way, so results that tests compare
-# bit for bit come from the same code. Users' runs keep XLA's default, and a compiler setting can hide a failure
-# (issue 18: a saved CPU step that crashed users' runs passed here), so the tests that compare what users run
-# against a reference run at least one case at XLA's default settings: those marked `default_settings` (a saved
-# step against the jitted run, a resumed run, several processes, generation, the CLI end to end) run in a fresh
-# pytest process as users' runs do (DEFAULT_SETTINGS below), and tests/test_aot.py runs the saved-step commands
-# of the issue at the default settings itself. The fast flag stays on everywhere else: the tests there compare
-# programs compiled alike, or check errors, shapes and settings, and what they assert does not depend on how
-# LLVM optimizes the code.
+# bit for bit come from the same code. Users' runs keep XLA's default, so the kinds of test that compare what
+# users run against a reference run at least one case at XLA's default settings and with the users' environment:
+# those marked `default_settings` run in a fresh pytest process (DEFAULT_SETTINGS below): a resumed run and the
+# CLI end to end (test_train), several processes (test_sharding), generation (test_generate); and test_aot runs
+# the saved-step commands of issue 18 at the default settings itself. The fast flag stays on for every other
+# test: they compare programs compiled with the same flags with each other, or with references within
+# tolerances, or check errors, shapes and settings; the optimization level changes how XLA:CPU schedules and
+# vectorizes a program, and the default_settings cases check that what users run still agrees. (Issue 18 blamed
+# this flag; the cause was the persistent cache below: a saved step read back from the cache crashed at either
+# optimization level, and the flag only gave the reporter's second try a cache key with nothing stored under it.)
 # What else differs from users' runs, and where it is covered:
 # - The persistent compilation cache: the suite shares one temporary cache and caches every program (users'
 #   cache is compile.cache_dir and JAX caches programs that took a second or more to compile). A cache hit
-#   yields the executable the compile would; the one difference found is that a step read back from the cache
-#   cannot be saved whole (issue 18), which the saved-step test of tests/test_aot.py takes through the CLI's
+#   runs the executable the compile would make; the one difference found is that a step read back from the
+#   cache could not be saved whole (issue 18): test_aot takes that path in this process and through the CLI's
 #   own cache (compile.cache_dir). A default_settings test starts with an empty cache, as a first run does.
 # - The huge-page restart of the `jaxlm` command: `make test` exports GLIBC_TUNABLES (Makefile), so the
-#   commands the tests start do not restart; default_settings tests and the saved-step test start with the
-#   users' environment (no GLIBC_TUNABLES, no JAXLM_NO_REEXEC), so their `jaxlm` commands restart as users' do.
-# - The allocator settings (src/jaxlm/runtime.py): the suite leaves them on, as users' runs do
-#   (tests/test_runtime.py checks JAXLM_TUNE_MALLOC=0 turns them off).
+#   commands the tests start do not restart; default_settings tests and test_aot's saved-step commands start
+#   with the users' environment (no GLIBC_TUNABLES, no JAXLM_NO_REEXEC), so their `jaxlm` commands restart as
+#   users' do.
+# - The allocator settings (src/jaxlm/runtime.py): the suite leaves them on, as users' runs have them
+#   (tests/test_runtime.py checks that JAXLM_TUNE_MALLOC=0 turns them off).
 DEFAULT_SETTINGS = os.environ.get("JAXLM_TEST_DEFAULT_SETTINGS") == "1"
 TEST_XLA_FLAGS = "" if DEFAULT_SETTINGS else "--xla_backend_optimization_level=0"
 
