@@ -7,7 +7,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from conftest import tiny_config, xla_flags
+from conftest import tiny_config, users_environment, xla_flags
 from jaxlm import aot, config as config_lib, train
 from jaxlm.config import ConfigError
 
@@ -65,7 +65,10 @@ def test_saved_step_trains_like_the_jitted_step_and_refuses_other_runs(char_data
     assert r.bytes_per_device == (r.memory.arguments + r.memory.outputs + r.memory.temporaries
                                   + r.memory.generated_code - r.memory.aliased)
     assert r.memory.aliased > 0.9 * r.memory.arguments  # the donated state is updated in place
-    path = aot.save(tmp_path / "step.jaxlm", r)
+    # The suite's persistent cache holds the step now: compiled again, it is read back from the cache, and
+    # save() must compile it afresh to write its code (issue 18).
+    jax.clear_caches()
+    path = aot.save(tmp_path / "step.jaxlm", aot.compile_for(cfg, aot.target(cfg.compile)))
 
     train.train(cfg, log=lambda s: None)
     loaded = cfg.replace(run_dir=str(tmp_path / "aot"), compile=config_lib.CompileConfig(load=str(path)))
@@ -90,6 +93,48 @@ def test_saved_step_trains_like_the_jitted_step_and_refuses_other_runs(char_data
     fails(r"was compiled with training.steps=6 and this run has 7", **{"training.steps": 7})
     (tmp_path / "junk").write_bytes(b"not a step\n")
     fails("is not a step saved by `jaxlm compile", **{"compile.load": str(tmp_path / "junk")})
+
+
+@pytest.mark.slow
+def test_saved_step_at_default_compiler_settings_trains_like_the_jitted_run(char_data, tmp_path):
+    # The commands of issue 18 as a user runs them: XLA's default compiler settings, the CLI's own compilation
+    # cache (empty at first, as on a new machine), the `jaxlm` command's huge-page restart. The jitted run caches
+    # its step, so `jaxlm compile` finds the same program in the cache: the saved step must still hold its code.
+    # JAX caches only programs that took a second to compile; this tiny step is cached as users' larger ones are.
+    tiny = ["model.n_layers=2", "model.d_model=32", "model.n_heads=4", "model.block_size=32", "training.batch_size=8",
+            f"data.dir={char_data}", f"compile.cache_dir={tmp_path / 'xla'}"]
+    run = ["training.steps=8", "training.eval_interval=0", "training.sample_tokens=0", "checkpoint.enabled=false",
+           "logging.progress=false", "logging.tensorboard=false"]
+    env = users_environment(XLA_FLAGS="--xla_force_host_platform_device_count=8",
+                            JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                            PYTHONPATH=os.pathsep.join(filter(None, [SRC, os.environ.get("PYTHONPATH")])))
+
+    def jaxlm(*args):
+        p = subprocess.run([sys.executable, "-m", "jaxlm.cli", *args], cwd=tmp_path, env=env, capture_output=True,
+                           text=True, timeout=300)
+        assert p.returncode == 0, p.stdout + p.stderr
+        return p.stdout
+
+    jaxlm("train", "shakespeare_char_cpu", *tiny, *run, f"run_dir={tmp_path / 'jit'}")
+    assert "saved the compiled step to step.jaxlm" in jaxlm("compile", "shakespeare_char_cpu", *tiny,
+                                                            "compile.topology=cpu-8", "compile.output=step.jaxlm")
+    out = jaxlm("train", "shakespeare_char_cpu", *tiny, *run, "compile.load=step.jaxlm", f"run_dir={tmp_path / 'aot'}")
+    assert "train step loaded from step.jaxlm" in out
+    jitted, aot_losses = train.losses_by_step(tmp_path / "jit"), train.losses_by_step(tmp_path / "aot")
+    assert sorted(jitted) == list(range(1, 9)) and jitted[8] < jitted[1]
+    assert aot_losses == jitted  # bit for bit
+
+
+def test_cpu_steps_saved_in_format_1_are_refused(tmp_path):
+    # Format 1 could hold a CPU step read back from the compilation cache, without its code (issue 18): it is
+    # refused in one line before anything is unpickled; a TPU step of that format still loads.
+    old = tmp_path / "old.jaxlm"
+    old.write_bytes(aot.HEADER_1 + b'{"platform": "cpu"}\n')
+    with pytest.raises(ConfigError, match="saved by an earlier jaxlm that could save a CPU step without its "
+                                          "compiled code; compile it again"):
+        aot.read_signature(old)
+    old.write_bytes(aot.HEADER_1 + b'{"platform": "tpu"}\n')
+    assert aot.read_signature(old) == ({"platform": "tpu"}, len(aot.HEADER_1) + 20)
 
 
 @pytest.mark.slow

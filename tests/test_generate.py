@@ -56,8 +56,8 @@ def cached_logits(params, cfg, tokens_BT, prompt_lengths, quantize=False):
 
 # Gemma 2 (local and global layers, soft-caps, post-norms) runs by default; the rest compile for a minute each
 # on a shared 2-core CPU, so they are slow tests.
-@pytest.mark.parametrize("name", [n if n == "gemma2_2b" else pytest.param(n, marks=pytest.mark.slow)
-                                  for n in FAMILIES])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.default_settings) if n == "gemma2_2b" else
+                                  pytest.param(n, marks=pytest.mark.slow) for n in FAMILIES])
 def test_cached_decoding_equals_full_forward(name):
     cfg = tiny(name)
     params = init(cfg)

@@ -148,6 +148,7 @@ def _sigterm_one_process(args, cwd, run_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.default_settings  # several processes, compiled as users' runs are
 def test_two_processes_match_one_and_resume_exactly_after_sigterm_to_one(char_data, tmp_path):
     common = ["shakespeare_char_cpu", f"data.dir={char_data}", "model.n_layers=2", "model.d_model=32",
               "model.block_size=32", "model.vocab_size=128", "training.batch_size=8", "optimizer.warmup_steps=2",

@@ -66,6 +66,7 @@ def _cli(args, cwd, **kw):
 
 
 @pytest.mark.slow
+@pytest.mark.default_settings  # the CLI end to end and a resumed run, compiled as users' runs are
 def test_sigkill_after_checkpoint_then_rerun_resumes_exactly(char_data, tmp_path):
     args = ["shakespeare_char_cpu", f"data.dir={char_data}", "model.n_layers=2", "model.d_model=64",
             "training.steps=60", "checkpoint.interval=20", "training.eval_interval=30", "training.sample_tokens=0",

@@ -9,10 +9,15 @@ description need no TPU) -> train.setup on them (mesh, shardings, abstract state
 A saved step is one file: a header line, its signature as one JSON line (devices, versions, the shape,
 dtype and sharding of every argument, and the settings compiled into it), then the pickled executable.
 Loading checks the signature against the run before anything is unpickled, so a mismatch is one line.
+A saved step is always compiled in the saving process, never read back from JAX's persistent compilation
+cache: an XLA:CPU executable loaded from its serialized form (which is what a cache hit is) keeps its
+functions but not their object code, so serializing it again writes a file whose first step fails with
+"NOT_FOUND: Function ... not found" (jaxlib 0.10.2).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.metadata
 import importlib.util
@@ -32,7 +37,9 @@ from jaxlm import train
 from jaxlm.config import MESH_AXES, CompileConfig, Config, ConfigError
 
 GiB = 2**30
-HEADER = b"jaxlm-compiled-step 1\n"
+HEADER = b"jaxlm-compiled-step 2\n"
+# Format 1 was written without the precaution above: a CPU step in it may lack its code.
+HEADER_1 = b"jaxlm-compiled-step 1\n"
 
 # name prefix -> (generation in libtpu's topology names, chip config, grid rank, TensorCores per chip).
 # v4 and v5p slice names count TensorCores and run one JAX device per chip (megacore); v5e and v6e chips
@@ -438,9 +445,37 @@ def signature(run: train.Run, topology: str = "", num_slices: int = 1) -> dict:
             "args": args, "settings": baked_settings(run.cfg)}
 
 
+@contextlib.contextmanager
+def persistent_cache_off():
+    """JAX's persistent compilation cache off in this process while the block runs: what it compiles is
+    compiled here, not read back from the cache, and so can be serialized whole (see the module docstring)."""
+    from jax.experimental.compilation_cache import compilation_cache
+
+    was = jax.config.jax_enable_compilation_cache
+    if _persistent_cache_on():  # executables read from the cache may sit in JAX's in-memory caches: drop them
+        jax.clear_caches()
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()  # JAX decides once whether to use the cache (on its next compile): again
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", was)
+        compilation_cache.reset_cache()
+
+
+def _persistent_cache_on() -> bool:
+    return bool(jax.config.jax_enable_compilation_cache and jax.config.jax_compilation_cache_dir)
+
+
 def save(path: str | Path, r: Result) -> Path:
-    """Write the compiled step and its signature, atomically (a reader never sees half a file)."""
-    payload, in_tree, out_tree = serialize_executable.serialize(r.executable)
+    """Write the compiled step and its signature, atomically (a reader never sees half a file). A step
+    compiled while the persistent compilation cache was on may have been read back from it and is compiled
+    again without the cache first; `compile_command` compiles with the cache off when it saves."""
+    executable = r.executable
+    if _persistent_cache_on():
+        with persistent_cache_off():
+            executable = train.lower_train_step(r.run).compile()
+    payload, in_tree, out_tree = serialize_executable.serialize(executable)
     sig = signature(r.run, r.target.name, r.target.num_slices)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -462,12 +497,16 @@ def read_signature(path: str | Path) -> tuple[dict, int]:
             offset = f.tell()
     except OSError as e:
         raise ConfigError(f"compile.load={path}: cannot read it ({e.strerror})") from None
-    if header != HEADER:
+    if header not in (HEADER, HEADER_1):
         raise ConfigError(f"compile.load={path} is not a step saved by `jaxlm compile compile.output=FILE`")
     try:
-        return json.loads(line), offset
+        sig = json.loads(line)
     except ValueError:
         raise ConfigError(f"compile.load={path}: its signature is damaged; compile it again") from None
+    if header == HEADER_1 and sig.get("platform") == "cpu":
+        raise ConfigError(f"compile.load={path} was saved by an earlier jaxlm that could save a CPU step without "
+                          "its compiled code; compile it again")
+    return sig, offset
 
 
 def _describe(sig: dict) -> str:
@@ -520,7 +559,13 @@ def load_step(path: str | Path, run: train.Run) -> jax.stages.Compiled:
 
 def compile_command(cfg: Config, log: Callable[[str], None] = print) -> dict:
     """`jaxlm compile`: compile (or search the batch size) for compile.topology, print the report, save the
-    step to compile.output when it fits. Returns a summary."""
+    step to compile.output when it fits. Returns a summary. A step to be saved is compiled with the persistent
+    compilation cache off, so that it is compiled here and save() need not compile it again."""
+    with persistent_cache_off() if cfg.compile.output else contextlib.nullcontext():
+        return _compile_and_report(cfg, log)
+
+
+def _compile_and_report(cfg: Config, log: Callable[[str], None]) -> dict:
     tgt = target(cfg.compile)
     tried = []
     if cfg.compile.find_batch_size:
