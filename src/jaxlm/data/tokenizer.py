@@ -504,6 +504,7 @@ def render_chat(template: str, messages: list[dict], add_generation_prompt: bool
 
     try:
         import jinja2
+        import jinja2.ext
         from jinja2.sandbox import ImmutableSandboxedEnvironment
     except ImportError:
         raise TokenizerError("chat templates need the jinja2 package: pip install jinja2") from None

@@ -1,0 +1,218 @@
+"""`jaxlm prepare corpus|chat`: every input kind yields the same documents, chat records get a loss mask on the
+assistant's tokens, and each kind of bad input is a one-line error naming file and line or a counted skip, with
+nothing complete-looking left behind."""
+
+import gzip
+import json
+import re
+
+import numpy as np
+import pytest
+
+from jaxlm import cli
+from jaxlm.data import loader, prepare, shards, tokenizer
+from jaxlm.data.prepare import DataError
+
+DOCS = ["First Citizen: Before we proceed", "héllo wörld, twice\nover", "All: Speak, speak."]
+TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def documents(out, split="train") -> list[bytes]:
+    meta = json.loads((out / "meta.json").read_text())
+    s = shards.Split(out, meta, split)
+    return [bytes(s.document(i).astype(np.uint8)) for i in range(s.n_documents)]
+
+
+def corpus(inputs, out, **kw) -> dict:
+    return prepare.prepare_corpus([str(i) for i in inputs], out, "byte", val_fraction=0, workers=0, progress=False,
+                                  **kw)
+
+
+def test_every_input_kind_gives_the_same_documents(tmp_path):
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zstandard
+
+    src = tmp_path / "src"
+    src.mkdir()
+    jsonl = "".join(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(DOCS)).encode()
+    (src / "a.jsonl").write_bytes(jsonl)
+    (src / "b.json").write_text(json.dumps([{"body": d} for d in DOCS]))
+    (src / "c.jsonl.gz").write_bytes(gzip.compress(jsonl))
+    (src / "d.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(jsonl))
+    pq.write_table(pa.table({"text": DOCS}), src / "e.parquet")
+    datasets.Dataset.from_dict({"text": DOCS}).save_to_disk(str(tmp_path / "hfds"))
+    expected = [d.encode() for d in DOCS]
+    for inputs, kw in [([src / "a.jsonl"], {}), ([src / "b.json"], {"field": "body"}), ([src / "c.jsonl.gz"], {}),
+                       ([src / "d.jsonl.zst"], {}), ([src / "e.parquet"], {}), ([f"datasets:{tmp_path / 'hfds'}"], {}),
+                       ([f"{src}/*.jsonl*"], {})]:
+        out = tmp_path / "out"
+        corpus(inputs, out, **kw)
+        got = documents(out)
+        assert got == expected * (3 if "*" in str(inputs[0]) else 1), inputs
+    # a folder: its files in sorted order (a, c, d, e; b.json has no `text` field and is named in the error)
+    with pytest.raises(DataError, match=r"b.json:record 1: the record has no field 'text' \(fields: body\)"):
+        corpus([src], tmp_path / "out")
+    # text files: one document per file, or one per line; a memory:// URL goes through fsspec like s3:// and gs://
+    import fsspec
+
+    with fsspec.open("memory://corpus/t.txt", "w") as f:
+        f.write("\n".join(DOCS[:1] + ["", "second line"]))
+    corpus(["memory://corpus/t.txt"], tmp_path / "out", per_line=True)
+    assert documents(tmp_path / "out") == [DOCS[0].encode(), b"second line"]
+    meta = corpus(["memory://corpus/"], tmp_path / "out")
+    assert documents(tmp_path / "out") == [f"{DOCS[0]}\n\nsecond line".encode()]
+    assert meta["skipped"]["files"] == 1
+
+
+def test_shards_split_and_workers(tmp_path):
+    f = tmp_path / "lines.txt"
+    f.write_text("".join(f"line {i} " * (i % 7 + 1) + "\n" for i in range(400)))
+    a = prepare.prepare_corpus([str(f)], tmp_path / "a", "byte", per_line=True, val_fraction=0.1, workers=0,
+                               shard_tokens=1000, progress=False)
+    b = prepare.prepare_corpus([str(f)], tmp_path / "b", "byte", per_line=True, val_fraction=0.1, workers=2,
+                               shard_tokens=1000, progress=False)
+    assert a["splits"] == b["splits"] and (a["splits"]["train"]["documents"], a["splits"]["val"]["documents"]) == \
+        (360, 40)
+    assert len(a["splits"]["train"]["shards"]) > 5
+    assert all(s["tokens"] < 1000 + 60 for s in a["splits"]["train"]["shards"])  # closed at the first boundary past
+    lines = f.read_text().splitlines()
+    assert documents(tmp_path / "b", "val") == [lines[i].encode() for i in range(9, 400, 10)]
+    assert documents(tmp_path / "a") == documents(tmp_path / "b")
+
+
+@pytest.fixture
+def chat_tok(tmp_path):
+    """A byte-level BPE saved with a tokenizer_config.json and this file's chat template."""
+    text = tmp_path / "t.txt"
+    text.write_text("the user asks and the assistant answers\n" * 50)
+    d = tokenizer.train_bpe([str(text)], 300, tmp_path / "tok", special_tokens=("</s>",))
+    cfg = json.loads((d / "tokenizer_config.json").read_text()) | {"chat_template": TEMPLATE}
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def test_chat_mask_is_one_on_assistant_tokens_only(tmp_path, chat_tok):
+    f = tmp_path / "chat.jsonl"
+    recs = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "the answer"},
+                          {"role": "user", "content": "and?"}, {"role": "assistant", "content": "more"}]},
+            {"prompt": "ask", "completion": "answers", "system": "be brief"}]
+    f.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    meta = prepare.prepare_chat([str(f)], tmp_path / "out", str(chat_tok), max_tokens=512, val_fraction=0,
+                                workers=0, progress=False)
+    assert meta["has_loss_mask"] and meta["splits"]["train"]["documents"] == 2
+    tok = tokenizer.load(chat_tok)
+    s = shards.Split(tmp_path / "out", meta, "train")
+    starts = s.doc_starts_D1
+    trained = []
+    for i in range(2):
+        ids = s.document(i)
+        mask = s.take(np.arange(starts[i], starts[i + 1]), mask=True)
+        # the masked runs, decoded, are exactly the assistant turns with their end-of-turn token
+        runs = np.split(np.arange(len(ids)), np.flatnonzero(np.diff(mask.astype(int))) + 1)
+        trained.append([tok.decode(ids[r].tolist()) for r in runs if mask[r[0]]])
+        assert tok.decode(ids.tolist()) == tok.apply_chat_template(
+            recs[0]["messages"] if i == 0 else [{"role": "system", "content": "be brief"},
+                                                {"role": "user", "content": "ask"},
+                                                {"role": "assistant", "content": "answers"}], False)
+    assert trained == [["the answer</s>", "more</s>"], ["answers</s>"]]
+
+
+def run_cli(args, capsys) -> tuple[int, str]:
+    code = cli.main(args)
+    err = capsys.readouterr().err.strip()
+    return code, err
+
+
+def test_chat_without_template_fails_in_one_line(tmp_path, capsys):
+    f = tmp_path / "c.jsonl"
+    f.write_text(json.dumps({"prompt": "a", "completion": "b"}) + "\n")
+    code, err = run_cli(["prepare", "chat", str(f), "--tokenizer", "byte", "--max-tokens", "64", "--out",
+                         str(tmp_path / "o")], capsys)
+    assert code == 2 and err == ("error: the tokenizer byte has no chat template; give one with --chat-template FILE "
+                                 "(a Jinja template as in tokenizer_config.json)")
+    t = tmp_path / "t.jinja"
+    t.write_text(TEMPLATE)
+    code, err = run_cli(["prepare", "chat", str(f), "--tokenizer", "byte", "--max-tokens", "64", "--val-fraction",
+                         "0", "--chat-template", str(t), "--out", str(tmp_path / "o"), "--workers", "0"], capsys)
+    assert code == 0 and json.loads((tmp_path / "o" / "meta.json").read_text())["tokenizer"]["chat_template"] == TEMPLATE
+
+
+BAD = {  # file name -> (content, extra CLI arguments, the error's location and text)
+    "broken.jsonl": (b'{"text": "ok"}\n{"text": "cut\n', [], r"broken.jsonl:2: broken JSON line"),
+    "missing.jsonl": (b'{"text": "ok"}\n\n{"body": "x"}\n', [], r"missing.jsonl:3: the record has no field 'text'"),
+    "utf8.jsonl": (b'{"text": "ok"}\n{"text": "bad \xff byte"}\n', ["--errors", "strict"],
+                   r"utf8.jsonl:2: invalid UTF-8 at byte 14"),
+    "vocab.jsonl": (b'{"text": "abc"}\n{"text": "z"}\n', ["--vocab-size", "110"],
+                    r"vocab.jsonl:2: token id 122 is at or above the vocabulary size 110"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_bad_corpus_input_names_file_and_line(tmp_path, capsys, name):
+    content, extra, message = BAD[name]
+    f = tmp_path / name
+    f.write_bytes(content)
+    out = tmp_path / "out"
+    code, err = run_cli(["prepare", "corpus", str(f), "--tokenizer", "byte", "--out", str(out), "--workers", "0",
+                         "--val-fraction", "0", "--no-progress", *extra], capsys)
+    assert code == 2 and len(err.splitlines()) == 1
+    assert re.search(message, err), err
+    assert str(f) in err
+    assert not (out / "meta.json").exists() and not list(out.glob("*.bin"))  # nothing that looks finished
+
+
+def test_skips_are_counted(tmp_path, capsys):
+    f = tmp_path / "c.jsonl"
+    f.write_bytes(b'{"text": "ok"}\n{"text": ""}\n{"text": "  \\n"}\n{"text": "bad \xff\xfe"}\n')
+    code, _ = run_cli(["prepare", "corpus", str(f), "--tokenizer", "byte", "--out", str(tmp_path / "o"),
+                       "--workers", "0", "--val-fraction", "0"], capsys)
+    meta = json.loads((tmp_path / "o" / "meta.json").read_text())
+    assert code == 0 and meta["skipped"]["empty_documents"] == 2 and meta["skipped"]["invalid_utf8"] == 2
+    assert documents(tmp_path / "o") == [b"ok", "bad \ufffd\ufffd".encode()]
+
+
+def test_bad_chat_input(tmp_path, capsys, chat_tok):
+    f = tmp_path / "c.jsonl"
+    good = json.dumps({"prompt": "ask", "completion": "answers"})
+    f.write_text(good + "\n" + json.dumps({"messages": [{"role": "wizard", "content": "x"}]}) + "\n")
+    args = ["prepare", "chat", str(f), "--tokenizer", str(chat_tok), "--out", str(tmp_path / "o"), "--workers", "0",
+            "--val-fraction", "0"]
+    code, err = run_cli(args + ["--max-tokens", "512"], capsys)
+    assert code == 2 and err == (f"error: {f}:2: message 1 has the unknown role 'wizard' (allowed: system, user, "
+                                 "assistant, tool)")
+    long = json.dumps({"prompt": "ask " * 40, "completion": "answers"})
+    f.write_text(good + "\n" + long + "\n" + good + "\n")
+    code = cli.main(args + ["--max-tokens", "40"])
+    meta = json.loads((tmp_path / "o" / "meta.json").read_text())
+    assert code == 0 and meta["splits"]["train"]["documents"] == 2
+    assert meta["skipped"]["too_long_dropped"] == 1 and meta["skipped"]["first_too_long"].startswith(f"{f}:2 (")
+    assert "1 chat documents over --max-tokens dropped" in capsys.readouterr().out
+
+
+def test_interrupted_prepare_leaves_nothing_that_looks_finished(tmp_path):
+    out = tmp_path / "o"
+    corpus([_write(tmp_path / "ok.jsonl", 50)], out)  # an earlier, finished prepare in the same folder
+    assert (out / "meta.json").exists()
+
+    def items():
+        for i in range(5000):
+            if i == 3000:
+                raise KeyboardInterrupt
+            yield f"document {i}", f"x:{i}", 12
+
+    with pytest.raises(KeyboardInterrupt):
+        prepare.write_dataset(out, tokenizer.ByteTokenizer(), {"train": items()}, workers=0, shard_tokens=4096,
+                              progress=False)
+    left = sorted(p.name for p in out.iterdir())
+    # closed shards of the interrupted run may stay, but without meta.json the folder reads as unprepared
+    assert "meta.json" not in left and not [n for n in left if n.endswith(".tmp") or ".tmp." in n]
+    with pytest.raises(DataError, match="meta.json is missing"):
+        loader.Dataset(out)
+
+
+def _write(path, n):
+    path.write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(n)))
+    return path
