@@ -166,3 +166,17 @@ def test_precedence_and_mismatch_are_refused_in_one_line(hf_dir, sp_model, tmp_p
         tokenizer.load("nope.txt")
     with pytest.raises(TokenizerError, match="has no chat template; give one with --chat-template"):
         tokenizer.load(sp_model).apply_chat_template(CONVERSATION)
+
+
+def test_prompts_follow_the_document_rule(hf_dir, sp_model):
+    """generate and the Python API encode a prompt as prepare starts a document (BOS when the tokenizer uses one);
+    a prompt rendered by the chat template keeps its special tokens."""
+    from jaxlm import api
+
+    sp = tokenizer.load(sp_model)
+    assert api.encode_prompt(sp, "Hark") == sp.encode_document("Hark")[:-1] == [1] + sp.encode("Hark")
+    hf = tokenizer.load(hf_dir)
+    rendered = hf.apply_chat_template([{"role": "user", "content": "Hark"}])
+    ids = api.encode_prompt(hf, rendered)
+    assert ids == hf.encode_rendered(rendered) and ids[0] == hf.special_tokens["<|im_start|>"]
+    assert hf.decode(ids) == rendered == "<|im_start|>user\nHark<|im_end|>\n<|im_start|>assistant\n"

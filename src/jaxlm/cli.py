@@ -4,6 +4,7 @@ Errors a user can cause end in one line on stderr (exit status 2), not a traceba
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import textwrap
@@ -269,6 +270,9 @@ def cmd_generate(argv: list[str]) -> int:
     p.add_argument("--prompt", action="append", help="prompt text (repeat for a batch of prompts)")
     p.add_argument("--prompt-file", action="append", help="file whose text is a prompt (repeatable)")
     p.add_argument("--num-samples", type=int, help="samples per prompt (decode.num_samples)")
+    p.add_argument("--chat", action="store_true", help="each prompt is a user message: render it with the model's "
+                   "chat template (as `jaxlm prepare chat` renders training data) and generate the reply")
+    p.add_argument("--tokenizer", help="tokenizer to use instead of the model's (data.tokenizer; docs/data.md)")
     p.add_argument("settings", nargs="*", metavar="key=value")
     a, rest = p.parse_known_args(argv)
     from pathlib import Path
@@ -291,8 +295,12 @@ def cmd_generate(argv: list[str]) -> int:
     if not prompts:
         p.error("give a prompt with --prompt TEXT or --prompt-file FILE")
     model = api.load(a.src, mesh_cfg)
+    if a.tokenizer:
+        model.config = model.config.replace(data=dataclasses.replace(model.config.data, tokenizer=a.tokenizer))
     tok = model.tokenizer()
-    ids = [tok.encode(text) for text in prompts for _ in range(d.num_samples)]
+    if a.chat:
+        prompts = [tok.apply_chat_template([{"role": "user", "content": text}]) for text in prompts]
+    ids = [api.encode_prompt(tok, text) for text in prompts for _ in range(d.num_samples)]
     stop = config_lib.stop_token_ids(d) + (tok.eos_ids if d.stop_at_eos else ())
     m_cfg = model.config.model
     if m_cfg.position != "learned" and max(map(len, ids)) + d.max_new_tokens > m_cfg.block_size:
