@@ -179,4 +179,4 @@ def test_prompts_follow_the_document_rule(hf_dir, sp_model):
     rendered = hf.apply_chat_template([{"role": "user", "content": "Hark"}])
     ids = api.encode_prompt(hf, rendered)
     assert ids == hf.encode_rendered(rendered) and ids[0] == hf.special_tokens["<|im_start|>"]
-    assert hf.decode(ids) == rendered == "<|im_start|>user\nHark<|im_end|>\n<|im_start|>assistant\n"
+    assert hf.decode(ids) == rendered == "<|im_start|>user\nHark<|im_end|><|im_start|>assistant\n"  # trim_blocks
