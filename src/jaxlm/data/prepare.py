@@ -259,21 +259,25 @@ def _worker_init(spec: dict, chat_template: str | None) -> None:
     _WORKER["tok"] = tok
 
 
-def _work(job: tuple[str, list]) -> list:
-    """Encode one batch: ('text', texts) -> [(ids, None)], ('chat', conversations) -> [(ids, mask) or error]."""
+def _work(job: tuple[str, list]) -> tuple[list, np.ndarray]:
+    """Encode one batch of documents: ('text', texts) or ('chat', conversations) -> (per document (ids, mask
+    or None), or for a chat the error text; the batch's token counts per id)."""
     kind, payloads = job
     tok = _WORKER["tok"]
     if kind == "text":
-        return [(np.asarray(ids, np.int64), None) for ids in tok.encode_documents(payloads)]
-    from jaxlm.data import chat
+        docs = [(np.asarray(ids, np.int64), None) for ids in tok.encode_documents(payloads)]
+    else:
+        from jaxlm.data import chat
 
-    out = []
-    for messages in payloads:
-        try:
-            out.append(chat.encode_chat(tok, messages))
-        except ValueError as e:  # TokenizerError included: a template that refuses this conversation
-            out.append(str(e))
-    return out
+        docs = []
+        for messages in payloads:
+            try:
+                docs.append(chat.encode_chat(tok, messages))
+            except ValueError as e:  # TokenizerError included: a template that refuses this conversation
+                docs.append(str(e))
+    arrays = [d[0] for d in docs if not isinstance(d, str)]
+    flat = np.concatenate(arrays) if arrays else np.zeros(0, np.int64)
+    return docs, np.bincount(flat[flat >= 0], minlength=tok.vocab_size)
 
 
 def _batches(items, kind: str):
@@ -291,14 +295,14 @@ def _batches(items, kind: str):
 
 
 def _encoded(items, kind: str, workers: int, tok, chat_template: str | None):
-    """(result, where, nbytes) per document in input order, encoded by `workers` processes (0: this one).
-    At most a few batches per worker are in flight, so memory stays bounded however large the corpus."""
+    """(documents, counts, wheres, nbytes) per batch in input order (see _work), encoded by `workers` processes
+    (0: this one). At most a few batches per worker are in flight, so memory stays bounded however large the
+    corpus."""
     jobs = _batches(items, kind)
     if workers == 0:
         _WORKER["tok"] = tok
         for job, wheres, size in jobs:
-            for i, (res, where) in enumerate(zip(_work(job), wheres)):
-                yield res, where, size if i == 0 else 0
+            yield *_work(job), wheres, size
         return
     import multiprocessing
 
@@ -308,15 +312,11 @@ def _encoded(items, kind: str, workers: int, tok, chat_template: str | None):
         for job, wheres, size in jobs:
             pending.append((pool.apply_async(_work, (job,)), wheres, size))
             if len(pending) >= 2 * workers + 1:
-                yield from _drain(pending.popleft())
+                result, wheres, size = pending.popleft()
+                yield *result.get(), wheres, size
         while pending:
-            yield from _drain(pending.popleft())
-
-
-def _drain(entry):
-    result, wheres, size = entry
-    for i, (res, where) in enumerate(zip(result.get(), wheres)):
-        yield res, where, size if i == 0 else 0
+            result, wheres, size = pending.popleft()
+            yield *result.get(), wheres, size
 
 
 def _clear_shards(out: Path) -> None:
@@ -332,58 +332,58 @@ def write_dataset(out_dir: str | Path, tok, splits: dict, kind: str = "text", wo
                   stats: collections.Counter | None = None, extra: dict | None = None) -> dict:
     """Encode documents into a format-2 folder. `splits` maps a split name to an iterable of (payload, where,
     nbytes), payload a text (kind='text') or a conversation (kind='chat'); with val_fraction > 0 and no 'val'
-    entry, every round(1/val_fraction)-th document of 'train' goes to 'val' (spread evenly, deterministic).
-    Token ids at or above `vocab_size` (default: the tokenizer's) are refused naming the document; chat
-    documents longer than `max_tokens` are dropped and counted. Returns the meta.json written."""
+    entry, a val_fraction of the 'train' documents, spread evenly (document n when floor((n + 1) f) >
+    floor(n f)), goes to 'val'. Token ids at or above `vocab_size` (default: the tokenizer's) are refused
+    naming the document; chat documents longer than `max_tokens` are dropped and counted. Returns the meta.json
+    written."""
     from tqdm import tqdm
 
     from jaxlm.data import shards
 
     stats = collections.Counter() if stats is None else stats
     limit = int(vocab_size or tok.vocab_size)
-    if limit < tok.vocab_size and vocab_size is None:
-        limit = tok.vocab_size
-    dtype = shards.dtype_for(max(limit, tok.vocab_size))
+    dtype = shards.dtype_for(limit)
     workers = (os.cpu_count() or 1) if workers is None else workers
     out = shards.begin(out_dir)
     _clear_shards(out)
     mask = kind == "chat"
     shard_tokens = shard_tokens or shards.DEFAULT_SHARD_TOKENS
     writers = {name: shards.ShardWriter(out, name, dtype, shard_tokens, loss_mask=mask) for name in ("train", "val")}
-    counts = np.zeros(max(limit, tok.vocab_size), np.int64)
+    counts = np.zeros(tok.vocab_size, np.int64)
     bar = tqdm(unit="B", unit_scale=True, unit_divisor=1024, disable=None if progress else True, mininterval=0.5,
                desc="prepare", file=sys.stderr)
     n_doc = 0
     try:
         for split, items in splits.items():
-            for res, where, nbytes in _encoded(items, kind, workers, tok, chat_template):
+            for docs, batch_counts, wheres, nbytes in _encoded(items, kind, workers, tok, chat_template):
                 bar.update(nbytes)
-                if isinstance(res, str):
-                    raise DataError(f"{where}: {res}")
-                ids, doc_mask = res
-                if max_tokens is not None and len(ids) > max_tokens:
-                    stats["too_long_dropped"] += 1
-                    stats.setdefault("first_too_long", f"{where} ({len(ids)} tokens > {max_tokens})")
-                    continue
-                if len(ids) == 0:
-                    stats["empty_documents"] += 1
-                    continue
-                top = int(ids.max())
-                if top >= limit:
-                    raise DataError(f"{where}: token id {top} is at or above the vocabulary size {limit}; the "
-                                    "tokenizer does not match the model (check --tokenizer and --vocab-size)")
-                name = split
-                if split == "train" and "val" not in splits and val_fraction > 0:
-                    name = "val" if math.floor((n_doc + 1) * val_fraction) > math.floor(n_doc * val_fraction) \
-                        else "train"
-                    n_doc += 1
-                writers[name].add(ids, doc_mask)
-                counts += np.bincount(ids, minlength=len(counts))
-                stats[f"{name}_documents"] += 1
-                stats[f"{name}_tokens"] += len(ids)
-                if bar.n and stats["train_documents"] % 256 == 0:
-                    bar.set_postfix(docs=stats["train_documents"] + stats["val_documents"],
-                                    tokens=stats["train_tokens"] + stats["val_tokens"], refresh=False)
+                if len(batch_counts) > len(counts):
+                    counts = np.concatenate([counts, np.zeros(len(batch_counts) - len(counts), np.int64)])
+                counts[:len(batch_counts)] += batch_counts
+                if len(batch_counts) > limit and batch_counts[limit:].any():
+                    bad = next(i for i, d in enumerate(docs) if not isinstance(d, str) and d[0].max() >= limit)
+                    raise DataError(f"{wheres[bad]}: token id {int(docs[bad][0].max())} is at or above the vocabulary "
+                                    f"size {limit}; the tokenizer does not match the model (check --tokenizer and "
+                                    "--vocab-size)")
+                for doc, where in zip(docs, wheres):
+                    if isinstance(doc, str):
+                        raise DataError(f"{where}: {doc}")
+                    ids, doc_mask = doc
+                    if max_tokens is not None and len(ids) > max_tokens:
+                        stats["too_long_dropped"] += 1
+                        stats.setdefault("first_too_long", f"{where} ({len(ids)} tokens > {max_tokens})")
+                        counts[:len(batch_counts)] -= np.bincount(ids, minlength=len(batch_counts))
+                        continue
+                    name = split
+                    if split == "train" and "val" not in splits and val_fraction > 0:
+                        val = math.floor((n_doc + 1) * val_fraction) > math.floor(n_doc * val_fraction)
+                        name = "val" if val else "train"
+                        n_doc += 1
+                    writers[name].add(ids, doc_mask)
+                    stats[f"{name}_documents"] += 1
+                    stats[f"{name}_tokens"] += len(ids)
+                bar.set_postfix(docs=stats["train_documents"] + stats["val_documents"],
+                                tokens=stats["train_tokens"] + stats["val_tokens"], refresh=False)
         entries = {name: w.close() for name, w in writers.items()}
     except BaseException:
         for w in writers.values():
@@ -399,7 +399,7 @@ def write_dataset(out_dir: str | Path, tok, splits: dict, kind: str = "text", wo
                         "larger --val-fraction, or a separate --val input")
     p = counts[counts > 0] / counts.sum()
     spec = dict(tok.spec) | ({"chat_template": chat_template} if chat_template else {})
-    meta = {"format": shards.FORMAT, "vocab_size": max(limit, tok.vocab_size), "dtype": dtype.name,
+    meta = {"format": shards.FORMAT, "vocab_size": limit, "dtype": dtype.name,
             "tokenizer": spec, "bos_id": tok.bos_id, "eos_id": tok.eos_id, "has_loss_mask": mask,
             "splits": entries, "train_tokens": entries["train"]["tokens"], "val_tokens": entries["val"]["tokens"],
             "unigram_entropy": max(0.0, float(-(p * np.log(p)).sum())),
