@@ -78,7 +78,7 @@ class Model:
                                                "data.dir in its config.json, or give --tokenizer)")
         tok = tokenizer_lib.resolve(explicit, tok_dir, meta)
         if tok_dir is not None:
-            tok._extra_stop = [i for i in self.eos_ids() + tok.eos_ids if i != tok.eos_id]
+            tok.add_stop_ids(self.eos_ids())
         return tok
 
     def chat_prompt(self, messages: list[dict]) -> str:

@@ -216,8 +216,9 @@ PREPARERS = {"shakespeare_char", "python_stdlib", "openwebtext"}
 def ensure_prepared(name: str, out_dir: str | Path, input: str | None = None) -> Path:
     """Prepare a known dataset into out_dir unless its files are already there; return out_dir."""
     out_dir = Path(out_dir)
-    if (out_dir / "meta.json").exists() and (out_dir / "train.bin").exists():
-        return out_dir
+    meta = out_dir / "meta.json"
+    if meta.exists() and ((out_dir / "train.bin").exists() or '"splits"' in meta.read_text()):
+        return out_dir  # format 1, or format 2 (`jaxlm prepare corpus|chat`)
     try:
         if name == "shakespeare_char":
             prepare_shakespeare_char(out_dir, input)
@@ -265,7 +266,15 @@ def _work(job: tuple[str, list]) -> tuple[list, np.ndarray]:
     kind, payloads = job
     tok = _WORKER["tok"]
     if kind == "text":
-        docs = [(np.asarray(ids, np.int64), None) for ids in tok.encode_documents(payloads)]
+        try:
+            docs = [(np.asarray(ids, np.int64), None) for ids in tok.encode_documents(payloads)]
+        except ValueError:  # a text this tokenizer cannot encode (a char vocabulary): find it, say where
+            docs = []
+            for text in payloads:
+                try:
+                    docs.append((np.asarray(tok.encode_document(text), np.int64), None))
+                except ValueError as e:
+                    docs.append(str(e))
     else:
         from jaxlm.data import chat
 

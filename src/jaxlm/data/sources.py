@@ -21,7 +21,6 @@ import glob as glob_lib
 import gzip
 import io
 import json
-import os
 from collections import Counter
 from pathlib import Path
 from typing import Iterator
@@ -93,17 +92,13 @@ def _walk(folder: Path) -> list[str]:
     return sorted(str(p) for p in folder.rglob("*") if p.is_file() and not p.name.startswith("."))
 
 
-def size_of(path: str) -> int | None:
-    """Bytes of a local file (compressed size for compressed files); None where unknown."""
-    local = storage.local_path(path) if not path.startswith(DATASETS_PREFIX) else None
-    return os.path.getsize(local) if local is not None and local.is_file() else None
-
-
 def _open(path: str):
     """A binary stream of a file's decompressed bytes."""
     comp = kind_of(path)[1]
-    raw = storage.open_file(path, "rb") if storage.scheme(path) not in ("", "file") else \
-        open(storage.local_path(path), "rb")
+    if storage.scheme(path) in ("", "file"):
+        raw = open(storage.local_path(path), "rb")
+    else:  # buffered, so that a .json file's first bytes can be peeked at
+        raw = io.BufferedReader(storage.open_file(path, "rb"))
     if comp == ".gz":
         return gzip.GzipFile(fileobj=raw)
     if comp in (".zst", ".zstd"):
@@ -157,8 +152,7 @@ def records(path: str, field: str = "text", errors: str = "replace", per_line: b
 
 
 def _json(f, path: str, errors: str, stats: Counter) -> Iterator[tuple[dict, str]]:
-    head = f.peek(64)[:64] if hasattr(f, "peek") else b""
-    if head.lstrip()[:1] == b"[":  # one JSON list of records
+    if f.peek(64)[:64].lstrip()[:1] == b"[":  # one JSON list of records
         text = _decode(f.read(), path, errors, stats)
         try:
             items = json.loads(text)

@@ -25,6 +25,7 @@ model's is refused in one line.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -80,12 +81,17 @@ class Tokenizer:
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
-        """The ids that end a generation: EOS and the end-of-turn ids the tokenizer's files name."""
+        """The ids that end a generation: EOS, the end-of-turn ids the tokenizer's files name, and those added
+        by add_stop_ids."""
         return tuple(dict.fromkeys(([self.eos_id] if self.eos_id is not None else []) + self._extra_stop))
 
     _extra_stop: list[int] = []
 
-    @property
+    def add_stop_ids(self, ids) -> None:
+        """More ids that end a generation (a converted model's eos_token_id list)."""
+        self._extra_stop = list(dict.fromkeys([*self._extra_stop, *map(int, ids)]))
+
+    @functools.cached_property
     def special_tokens(self) -> dict[str, int]:
         """Special-token strings a chat template may write, and their ids."""
         return {}
@@ -218,7 +224,7 @@ class TiktokenTokenizer(Tokenizer):
     def decode(self, ids) -> str:
         return self._enc.decode([int(i) for i in ids if 0 <= i < self.vocab_size])
 
-    @property
+    @functools.cached_property
     def special_tokens(self) -> dict[str, int]:
         return {s: self._enc.encode_single_token(s) for s in self._enc.special_tokens_set}
 
@@ -257,7 +263,7 @@ class SentencePieceTokenizer(Tokenizer):
     def decode(self, ids) -> str:
         return self._sp.decode([int(i) for i in ids if 0 <= i < self.vocab_size])
 
-    @property
+    @functools.cached_property
     def special_tokens(self) -> dict[str, int]:
         return {self._sp.id_to_piece(i): i for i in range(self.vocab_size)
                 if self._sp.is_control(i) and i != self._sp.unk_id()}
@@ -288,9 +294,9 @@ class HFTokenizer(Tokenizer):
         config = config or {}
         self.vocab_size = self._hf.get_vocab_size(with_added_tokens=True)
         self.eos_id = self._id(_token_text(config.get("eos_token")))
-        bos = self._hf.encode("", add_special_tokens=True).ids
-        self.bos_id = bos[0] if bos and bos[0] == self._id(_token_text(config.get("bos_token"))) else None
-        self._post_bos = bool(bos)
+        # The post-processor's BOS, if it adds one: the first id it puts before a text's own ids.
+        plain, framed = self._hf.encode("a", add_special_tokens=False).ids, self._hf.encode("a").ids
+        self.bos_id = framed[0] if len(framed) > len(plain) and framed[:1] != plain[:1] else None
         self.chat_template = chat_template_of(config)
         self._config = config
         self._extra_stop = [i for i in (stop_ids or []) if i != self.eos_id]
@@ -328,7 +334,7 @@ class HFTokenizer(Tokenizer):
     def decode(self, ids) -> str:
         return self._hf.decode([int(i) for i in ids if 0 <= i < self.vocab_size], skip_special_tokens=False)
 
-    @property
+    @functools.cached_property
     def special_tokens(self) -> dict[str, int]:
         return {t.content: i for i, t in self._hf.get_added_tokens_decoder().items() if t.special}
 
