@@ -273,3 +273,11 @@ def test_end_to_end_prepare_half_with_a_converted_models_tokenizer(tmp_path, sha
     assert hf_tok.decode(ids.tolist()) == rendered
     mask = chats.take(np.arange(int(chats.doc_starts_D1[0]), int(chats.doc_starts_D1[1])), mask=True)
     assert hf_tok.decode(ids[mask == 1].tolist()) == f"{lines[1]}<|im_end|>\n"
+
+
+def test_text_a_char_vocabulary_cannot_encode_names_its_line(char_data, tmp_path, capsys):
+    f = tmp_path / "new.jsonl"
+    f.write_text(json.dumps({"text": "To be"}) + "\n" + json.dumps({"text": "or ~not~"}) + "\n")
+    code, err = run_cli(["prepare", "corpus", str(f), "--tokenizer", str(char_data), "--out", str(tmp_path / "o"),
+                         "--workers", "0", "--val-fraction", "0"], capsys)
+    assert code == 2 and err == f"error: {f}:2: characters not in this char-level vocabulary: '~'"

@@ -180,3 +180,29 @@ def test_prompts_follow_the_document_rule(hf_dir, sp_model):
     ids = api.encode_prompt(hf, rendered)
     assert ids == hf.encode_rendered(rendered) and ids[0] == hf.special_tokens["<|im_start|>"]
     assert hf.decode(ids) == rendered == "<|im_start|>user\nHark<|im_end|><|im_start|>assistant\n"  # trim_blocks
+
+
+def test_a_post_processor_bos_is_the_bos(hf_dir, tmp_path):
+    """A tokenizer whose post-processor puts a BOS before each text (as Llama 3's does): documents and prompts start
+    with it, as transformers' encode(add_special_tokens=True) does."""
+    from tokenizers import Tokenizer as RustTokenizer, processors
+    from transformers import AutoTokenizer
+
+    rust = RustTokenizer.from_file(str(hf_dir / "tokenizer.json"))
+    bos = rust.token_to_id("<|im_start|>")
+    rust.post_processor = processors.TemplateProcessing(single="<|im_start|> $A", special_tokens=[("<|im_start|>", bos)])
+    out = tmp_path / "with_bos"
+    out.mkdir()
+    rust.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
+                                                           "bos_token": "<|im_start|>", "eos_token": "<|endoftext|>"}))
+    ref = AutoTokenizer.from_pretrained(out)
+    tok = tokenizer.load(out)
+    text = "Before we proceed any further"
+    assert tok.bos_id == bos and tok.encode(text) == ref(text, add_special_tokens=False)["input_ids"]
+    assert tok.encode_document(text) == ref(text)["input_ids"] + [ref.eos_token_id] == \
+        tok.encode_documents([text])[0]
+    assert ref(text)["input_ids"][0] == bos
+    from jaxlm import api
+
+    assert api.encode_prompt(tok, text) == ref(text)["input_ids"]
