@@ -81,6 +81,11 @@ def test_shards_split_and_workers(tmp_path):
     lines = f.read_text().splitlines()
     assert documents(tmp_path / "b", "val") == [lines[i].encode() for i in range(9, 400, 10)]
     assert documents(tmp_path / "a") == documents(tmp_path / "b")
+    held_out = tmp_path / "held_out.jsonl"
+    held_out.write_text(json.dumps({"text": "held out"}) + "\n")
+    c = prepare.prepare_corpus([str(f)], tmp_path / "c", "byte", val=[str(held_out)], per_line=True, workers=0,
+                               progress=False)
+    assert c["splits"]["train"]["documents"] == 400 and documents(tmp_path / "c", "val") == [b"held out"]
 
 
 @pytest.fixture
@@ -222,7 +227,7 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def test_end_to_end_prepare_half_with_a_converted_models_tokenizer(tmp_path, shakespeare_file):
+def test_end_to_end_prepare_half_with_a_converted_models_tokenizer(tmp_path, shakespeare_file, capsys):
     """The first half of the issue's end-to-end check: a tiny random Llama built with transformers plus a tokenizer
     trained here -> `jaxlm convert from-hf` -> prepare a text corpus and a chat jsonl with `--tokenizer` set to the
     converted folder. The second half (`jaxlm train` on these folders with loss falling, `convert to-hf`,
@@ -273,6 +278,13 @@ def test_end_to_end_prepare_half_with_a_converted_models_tokenizer(tmp_path, sha
     assert hf_tok.decode(ids.tolist()) == rendered
     mask = chats.take(np.arange(int(chats.doc_starts_D1[0]), int(chats.doc_starts_D1[1])), mask=True)
     assert hf_tok.decode(ids[mask == 1].tolist()) == f"{lines[1]}<|im_end|>\n"
+
+    # `jaxlm generate --chat` renders the prompt with the same template and stops at the model's EOS
+    capsys.readouterr()
+    assert cli.main(["generate", str(model), "--chat", "--prompt", lines[0], "max_new_tokens=4", "temperature=0"]) == 0
+    shown = capsys.readouterr().out.split("\n", 1)[1]
+    assert shown.startswith(hf_tok.apply_chat_template([{"role": "user", "content": lines[0]}], tokenize=False,
+                                                       add_generation_prompt=True))
 
 
 def test_text_a_char_vocabulary_cannot_encode_names_its_line(char_data, tmp_path, capsys):
