@@ -89,7 +89,8 @@ def main() -> None:
         their_cpu = cpu_seconds() - c
     if their_tokens != tokens:  # both count each document's ids plus its EOS
         sys.exit(f"the two tokenizations differ: {tokens} tokens against {their_tokens}")
-    print(f"corpus {mb:.1f} MB in {len(files)} jsonl files, {meta['splits']['train']['documents'] + meta['splits']['val']['documents']:,} "
+    docs = meta["splits"]["train"]["documents"] + meta["splits"]["val"]["documents"]
+    print(f"corpus {mb:.1f} MB in {len(files)} jsonl files, {docs:,} "
           f"documents, {tokens:,} tokens, workers={a.workers}")
     print(f"ours {ours:.2f} s | datasets load_dataset {load_s:.2f} s + map {map_s:.2f} s = {load_s + map_s:.2f} s "
           f"(map alone: ratio {map_s / ours:.2f})")

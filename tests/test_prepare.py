@@ -142,7 +142,8 @@ def test_chat_without_template_fails_in_one_line(tmp_path, capsys):
     t.write_text(TEMPLATE)
     code, err = run_cli(["prepare", "chat", str(f), "--tokenizer", "byte", "--max-tokens", "64", "--val-fraction",
                          "0", "--chat-template", str(t), "--out", str(tmp_path / "o"), "--workers", "0"], capsys)
-    assert code == 0 and json.loads((tmp_path / "o" / "meta.json").read_text())["tokenizer"]["chat_template"] == TEMPLATE
+    meta = json.loads((tmp_path / "o" / "meta.json").read_text())
+    assert code == 0 and meta["tokenizer"]["chat_template"] == TEMPLATE
 
 
 BAD = {  # file name -> (content, extra CLI arguments, the error's location and text)

@@ -190,7 +190,8 @@ def test_a_post_processor_bos_is_the_bos(hf_dir, tmp_path):
 
     rust = RustTokenizer.from_file(str(hf_dir / "tokenizer.json"))
     bos = rust.token_to_id("<|im_start|>")
-    rust.post_processor = processors.TemplateProcessing(single="<|im_start|> $A", special_tokens=[("<|im_start|>", bos)])
+    rust.post_processor = processors.TemplateProcessing(single="<|im_start|> $A",
+                                                        special_tokens=[("<|im_start|>", bos)])
     out = tmp_path / "with_bos"
     out.mkdir()
     rust.save(str(out / "tokenizer.json"))

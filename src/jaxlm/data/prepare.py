@@ -1,7 +1,13 @@
-"""Corpora -> train.bin / val.bin (flat token ids, uint16 or uint32) + meta.json, as nanoGPT lays them out.
+"""Corpora -> prepared folders.
 
-`jaxlm prepare shakespeare_char [--input FILE]`, `jaxlm prepare text FILE... --out DIR`,
+Format 1 (nanoGPT's train.bin / val.bin of flat token ids + meta.json), written by the presets:
+`jaxlm prepare shakespeare_char [--input FILE]`, `jaxlm prepare text FILE... --vocab char|byte`,
 `jaxlm prepare python_stdlib` (the offline quickstart corpus) and `jaxlm prepare openwebtext`.
+
+Format 2 (data/shards.py), written by `jaxlm prepare corpus INPUT... --tokenizer T` (`prepare_corpus`: any input
+of data/sources.py through any tokenizer of data/tokenizer.py) and `jaxlm prepare chat FILE --tokenizer T`
+(`prepare_chat`: conversations with a loss mask, data/chat.py). Documents are tokenized in worker processes a
+batch at a time, in input order, and written to shards as they come back (`write_dataset`).
 """
 
 from __future__ import annotations
@@ -243,7 +249,6 @@ def describe(meta: dict) -> str:
             f"{ent_s}")
 
 
-
 # ---- format 2: any corpus through any tokenizer, in worker processes ------------------------------------------
 
 _WORKER: dict = {}  # the tokenizer of a worker process (or of this process when workers=0)
@@ -330,8 +335,9 @@ def _encoded(items, kind: str, workers: int, tok, chat_template: str | None):
 
 def _clear_shards(out: Path) -> None:
     """Remove the shards of an earlier prepare into the same folder (its meta.json is already gone)."""
+    shard_file = re.compile(r"\.?(train|val)-\d{5}\.(bin|mask\.bin|idx\.npy|bin\.tmp|mask\.bin\.tmp|idx\.tmp\.npy)")
     for p in out.iterdir():
-        if re.fullmatch(r"\.?(train|val)-\d{5}\.(bin|mask\.bin|idx\.npy|bin\.tmp|mask\.bin\.tmp|idx\.tmp\.npy)", p.name):
+        if shard_file.fullmatch(p.name):
             p.unlink()
 
 

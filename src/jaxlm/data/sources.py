@@ -157,7 +157,8 @@ def _json(f, path: str, errors: str, stats: Counter) -> Iterator[tuple[dict, str
         try:
             items = json.loads(text)
         except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{e.lineno}: broken JSON ({e.msg.removesuffix(' at')} at column {e.colno})") from None
+            raise DataError(f"{path}:{e.lineno}: broken JSON ({e.msg.removesuffix(' at')} at column {e.colno})"
+                            ) from None
         for i, rec in enumerate(items):
             yield _record(rec, f"{path}:record {i + 1}"), f"{path}:record {i + 1}"
         return
