@@ -58,6 +58,7 @@ class Tokenizer:
     eos_id: int | None = None
     chat_template: str | None = None
     spec: dict
+    _extra_stop: list[int] = []
 
     def encode(self, text: str) -> list[int]:
         raise NotImplementedError
@@ -75,17 +76,14 @@ class Tokenizer:
         return [self._frame(ids) for ids in self.encode_batch(texts)]
 
     def _frame(self, ids: list[int]) -> list[int]:
-        bos = [self.bos_id] if self.bos_id is not None and (not ids or ids[0] != self.bos_id) else []
-        eos = [self.eos_id] if self.eos_id is not None and (not ids or ids[-1] != self.eos_id) else []
-        return bos + ids + eos
+        return ([self.bos_id] if self.bos_id is not None else []) + ids + \
+            ([self.eos_id] if self.eos_id is not None else [])
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
         """The ids that end a generation: EOS, the end-of-turn ids the tokenizer's files name, and those added
         by add_stop_ids."""
         return tuple(dict.fromkeys(([self.eos_id] if self.eos_id is not None else []) + self._extra_stop))
-
-    _extra_stop: list[int] = []
 
     def add_stop_ids(self, ids) -> None:
         """More ids that end a generation (a converted model's eos_token_id list)."""
@@ -96,14 +94,12 @@ class Tokenizer:
         """Special-token strings a chat template may write, and their ids."""
         return {}
 
-    def token_strings(self) -> dict[str, str | None]:
-        """Variables a chat template reads besides the messages (bos_token, eos_token)."""
+    def token_strings(self) -> dict[str, str]:
+        """Variables a chat template reads besides the messages: bos_token and eos_token ('' when none)."""
         return {"bos_token": self._piece(self.bos_id), "eos_token": self._piece(self.eos_id)}
 
-    def _piece(self, i: int | None) -> str | None:
-        if i is None:
-            return None
-        return next((s for s, j in self.special_tokens.items() if j == i), None)
+    def _piece(self, i: int | None) -> str:
+        return next((s for s, j in self.special_tokens.items() if j == i), "")
 
     def encode_rendered(self, text: str) -> list[int]:
         """Text a chat template rendered: its special-token strings become their ids, the rest is plain text."""
@@ -319,6 +315,7 @@ class HFTokenizer(Tokenizer):
         return [self._frame(e.ids) for e in self._hf.encode_batch(texts, add_special_tokens=True)]
 
     def _frame(self, ids: list[int]) -> list[int]:
+        # `ids` come with the post-processor's special tokens, which end some tokenizers' texts with their EOS
         return ids + [self.eos_id] if self.eos_id is not None and (not ids or ids[-1] != self.eos_id) else ids
 
     def encode_document(self, text: str) -> list[int]:
@@ -338,10 +335,9 @@ class HFTokenizer(Tokenizer):
     def special_tokens(self) -> dict[str, int]:
         return {t.content: i for i, t in self._hf.get_added_tokens_decoder().items() if t.special}
 
-    def token_strings(self) -> dict[str, str | None]:
+    def token_strings(self) -> dict[str, str]:
         out = {k: _token_text(self._config.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
-        return {k: v for k, v in out.items() if v is not None} | {"bos_token": out["bos_token"] or "",
-                                                                  "eos_token": out["eos_token"] or ""}
+        return {k: v or "" for k, v in out.items()}
 
     def describe(self) -> str:
         return f"huggingface:{self.spec['path']}"
