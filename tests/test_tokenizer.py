@@ -207,3 +207,27 @@ def test_a_post_processor_bos_is_the_bos(hf_dir, tmp_path):
     from jaxlm import api
 
     assert api.encode_prompt(tok, text) == ref(text)["input_ids"]
+
+
+def test_hub_ids_download_the_tokenizer_files(hf_dir, monkeypatch):
+    """A hub id is fetched with huggingface_hub (replaced here by a local folder: no network in tests)."""
+    import huggingface_hub
+
+    asked = []
+
+    def snapshot_download(repo_id, allow_patterns):
+        asked.append((repo_id, allow_patterns))
+        return str(hf_dir)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    tok = tokenizer.load("org/shakespeare-bpe")
+    assert asked[0][0] == "org/shakespeare-bpe" and "tokenizer.json" in asked[0][1]
+    assert tok.spec["path"] == "org/shakespeare-bpe" and tok.fingerprint == tokenizer.load(hf_dir).fingerprint
+
+    def offline(repo_id, allow_patterns):
+        raise OSError("We couldn't connect to 'https://huggingface.co'\nmore detail")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    with pytest.raises(TokenizerError, match=r"^cannot fetch the tokenizer of org/missing from the Hugging Face hub "
+                                             r"\(offline\? give a local folder\): We couldn't connect[^\n]*$"):
+        tokenizer.load("org/missing")

@@ -387,22 +387,19 @@ def _from_folder(folder: Path, source: str | None = None) -> Tokenizer:
 
 
 def _from_hub(repo_id: str) -> Tokenizer:
+    """The tokenizer files of a hub repository, downloaded once into the Hugging Face cache."""
     try:
-        from huggingface_hub import hf_hub_download
+        from huggingface_hub import snapshot_download
     except ImportError:
         raise TokenizerError(f"--tokenizer {repo_id} is a hub id; that needs huggingface_hub "
                              "(pip install 'jaxlm[hf]')") from None
-    folder = None
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                 "generation_config.json", "tokenizer.model"):
-        try:
-            folder = Path(hf_hub_download(repo_id, name)).parent
-        except Exception as e:  # noqa: BLE001 - missing optional files and network errors vary
-            if name == "tokenizer.json" and "404" not in str(e) and "Entry Not Found" not in str(e):
-                raise TokenizerError(f"cannot fetch the tokenizer of {repo_id} from the Hugging Face hub (offline? "
-                                     f"give a local folder): {str(e).splitlines()[0]}") from None
-    if folder is None:
-        raise TokenizerError(f"the hub repository {repo_id} has no tokenizer files")
+    files = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+             "chat_template.json", "generation_config.json", "tokenizer.model"]
+    try:
+        folder = Path(snapshot_download(repo_id, allow_patterns=files))
+    except Exception as e:  # noqa: BLE001 - network, auth and missing-repo errors vary
+        raise TokenizerError(f"cannot fetch the tokenizer of {repo_id} from the Hugging Face hub (offline? give a "
+                             f"local folder): {str(e).splitlines()[0]}") from None
     return _from_folder(folder, source=repo_id)
 
 
