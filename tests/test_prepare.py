@@ -44,10 +44,12 @@ def test_every_input_kind_gives_the_same_documents(tmp_path):
     (src / "d.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(jsonl))
     pq.write_table(pa.table({"text": DOCS}), src / "e.parquet")
     datasets.Dataset.from_dict({"text": DOCS}).save_to_disk(str(tmp_path / "hfds"))
+    (tmp_path / "files").mkdir()
+    (tmp_path / "files" / "train.jsonl").write_bytes(jsonl)
     expected = [d.encode() for d in DOCS]
     for inputs, kw in [([src / "a.jsonl"], {}), ([src / "b.json"], {"field": "body"}), ([src / "c.jsonl.gz"], {}),
                        ([src / "d.jsonl.zst"], {}), ([src / "e.parquet"], {}), ([f"datasets:{tmp_path / 'hfds'}"], {}),
-                       ([f"{src}/*.jsonl*"], {})]:
+                       ([f"datasets:{tmp_path / 'files'}"], {"streaming": True}), ([f"{src}/*.jsonl*"], {})]:
         out = tmp_path / "out"
         corpus(inputs, out, **kw)
         got = documents(out)
