@@ -177,8 +177,9 @@ def test_prompts_follow_the_document_rule(hf_dir, sp_model):
     assert api.encode_prompt(sp, "Hark") == sp.encode_document("Hark")[:-1] == [1] + sp.encode("Hark")
     hf = tokenizer.load(hf_dir)
     rendered = hf.apply_chat_template([{"role": "user", "content": "Hark"}])
-    ids = api.encode_prompt(hf, rendered)
+    ids = api.encode_prompt(hf, rendered, rendered=True)
     assert ids == hf.encode_rendered(rendered) and ids[0] == hf.special_tokens["<|im_start|>"]
+    assert api.encode_prompt(hf, rendered) == hf.encode(rendered) != ids  # typed text: special strings stay text
     assert hf.decode(ids) == rendered == "<|im_start|>user\nHark<|im_end|><|im_start|>assistant\n"  # trim_blocks
 
 

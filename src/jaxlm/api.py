@@ -90,22 +90,23 @@ class Model:
         """Text after the prompt (or after each of a list of prompts); `settings` are decode.* keys
         (max_new_tokens, temperature, top_k, top_p, seed, num_samples, stop_tokens, ...). A prompt that is a list
         of {role, content} messages is rendered with the chat template first (chat_prompt)."""
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+        chat = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
+        if chat:
             prompt = self.chat_prompt(prompt)
         d = decode_config(settings)
         tok = self.tokenizer()
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
-        ids = [encode_prompt(tok, p) for p in prompts for _ in range(d.num_samples)]
+        ids = [encode_prompt(tok, p, rendered=chat) for p in prompts for _ in range(d.num_samples)]
         stop = config_lib.stop_token_ids(d) + (tok.eos_ids if d.stop_at_eos else ())
         out = generate.generate(self.params, self.config.model, ids, d, stop, mesh=self.mesh)
         texts = [tok.decode(t) for t in out.tokens]
         return texts[0] if isinstance(prompt, str) and d.num_samples == 1 else texts
 
 
-def encode_prompt(tok: tokenizer_lib.Tokenizer, text: str) -> list[int]:
-    """Prompt ids by the same rule as prepared documents: the tokenizer's BOS first when it uses one. Text
-    a chat template rendered keeps its special tokens (the template writes the BOS itself)."""
-    if tok.chat_template and any(s in text for s in tok.special_tokens):
+def encode_prompt(tok: tokenizer_lib.Tokenizer, text: str, rendered: bool = False) -> list[int]:
+    """Prompt ids by the same rule as prepared documents: the tokenizer's BOS first when it uses one. A prompt
+    the chat template `rendered` keeps its special tokens (the template writes any BOS itself)."""
+    if rendered:
         return tok.encode_rendered(text)
     ids = tok.encode(text)
     return [tok.bos_id] + ids if tok.bos_id is not None else ids

@@ -300,7 +300,7 @@ def cmd_generate(argv: list[str]) -> int:
     tok = model.tokenizer()
     if a.chat:
         prompts = [tok.apply_chat_template([{"role": "user", "content": text}]) for text in prompts]
-    ids = [api.encode_prompt(tok, text) for text in prompts for _ in range(d.num_samples)]
+    ids = [api.encode_prompt(tok, text, rendered=a.chat) for text in prompts for _ in range(d.num_samples)]
     stop = config_lib.stop_token_ids(d) + (tok.eos_ids if d.stop_at_eos else ())
     m_cfg = model.config.model
     if m_cfg.position != "learned" and max(map(len, ids)) + d.max_new_tokens > m_cfg.block_size:
