@@ -296,3 +296,16 @@ def test_text_a_char_vocabulary_cannot_encode_names_its_line(char_data, tmp_path
     code, err = run_cli(["prepare", "corpus", str(f), "--tokenizer", str(char_data), "--out", str(tmp_path / "o"),
                          "--workers", "0", "--val-fraction", "0"], capsys)
     assert code == 2 and err == f"error: {f}:2: characters not in this char-level vocabulary: '~'"
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused_naming_the_record(tmp_path, capsys):
+    """Assistant tokens are found by rendering prefixes; a template whose output for earlier turns depends on later
+    ones (here: it writes the number of messages first) cannot be split so, and says where."""
+    f = tmp_path / "c.jsonl"
+    f.write_text(json.dumps({"prompt": "ask", "completion": "answers"}) + "\n")
+    t = tmp_path / "t.jinja"
+    t.write_text("{{ messages | length }}" + TEMPLATE)
+    code, err = run_cli(["prepare", "chat", str(f), "--tokenizer", "byte", "--max-tokens", "64", "--chat-template",
+                         str(t), "--out", str(tmp_path / "o"), "--workers", "0", "--val-fraction", "0"], capsys)
+    assert code == 2 and err == (f"error: {f}:1: the chat template does not render this conversation prefix by "
+                                 "prefix (at message 2), so its assistant tokens cannot be found exactly")
