@@ -307,5 +307,5 @@ def test_a_template_that_rewrites_earlier_turns_is_refused_naming_the_record(tmp
     t.write_text("{{ messages | length }}" + TEMPLATE)
     code, err = run_cli(["prepare", "chat", str(f), "--tokenizer", "byte", "--max-tokens", "64", "--chat-template",
                          str(t), "--out", str(tmp_path / "o"), "--workers", "0", "--val-fraction", "0"], capsys)
-    assert code == 2 and err == (f"error: {f}:1: the chat template does not render this conversation prefix by "
-                                 "prefix (at message 2), so its assistant tokens cannot be found exactly")
+    assert code == 2 and err == (f"error: {f}:1: the chat template's rendering up to message 2 does not tokenize to "
+                                 "a prefix of the whole conversation, so its assistant tokens cannot be found exactly")

@@ -6,8 +6,8 @@ conversation is rendered with the tokenizer's chat template (tokenizer.apply_cha
 its special tokens. The assistant spans are found exactly, by token ids rather than by searching the text:
 the ids of the conversation up to each assistant turn, rendered with the generation prompt, are a prefix of the
 whole conversation's ids, and the ids up to the end of that turn are a longer prefix; the tokens between the
-two are that turn's, end-of-turn token included. A template that does not render conversations prefix by
-prefix (one that rewrites earlier turns) is refused in one line.
+two are that turn's, end-of-turn token included. A conversation where this does not hold (a template that
+rewrites earlier turns, or tokens that merge across the end of a prefix) is refused in one line.
 
 Legend: L tokens of one conversation.
 """
@@ -50,15 +50,15 @@ def messages_of(rec: dict, where: str) -> list[dict]:
 def encode_chat(tok: Tokenizer, messages: list[dict]) -> tuple[np.ndarray, np.ndarray]:
     """(ids_L, mask_L): the rendered conversation's token ids, and 1 on the tokens of assistant turns.
     Raises ValueError when the template does not render the conversation prefix by prefix."""
-    ids = tok.encode_rendered(tok.apply_chat_template(messages, add_generation_prompt=False))
-    mask = np.zeros(len(ids), np.uint8)
+    ids_L = tok.encode_rendered(tok.apply_chat_template(messages, add_generation_prompt=False))
+    mask_L = np.zeros(len(ids_L), np.uint8)
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
         start = tok.encode_rendered(tok.apply_chat_template(messages[:i], add_generation_prompt=True)) if i else []
         end = tok.encode_rendered(tok.apply_chat_template(messages[:i + 1], add_generation_prompt=False))
-        if ids[:len(start)] != start or ids[:len(end)] != end or len(end) <= len(start):
-            raise ValueError(f"the chat template does not render this conversation prefix by prefix (at message "
-                             f"{i + 1}), so its assistant tokens cannot be found exactly")
-        mask[len(start):len(end)] = 1
-    return np.asarray(ids, np.int64), mask
+        if ids_L[:len(start)] != start or ids_L[:len(end)] != end or len(end) <= len(start):
+            raise ValueError(f"the chat template's rendering up to message {i + 1} does not tokenize to a prefix of "
+                             "the whole conversation, so its assistant tokens cannot be found exactly")
+        mask_L[len(start):len(end)] = 1
+    return np.asarray(ids_L, np.int64), mask_L
