@@ -113,8 +113,16 @@ def test_sentencepiece_prepare_adds_bos_and_eos_and_round_trips(sp_model, shakes
 
     sp = spm.SentencePieceProcessor(model_file=str(sp_model))
     out = tmp_path / "ds"
-    meta = prepare.prepare_corpus([str(shakespeare_file)], out, str(sp_model), per_line=True, val_fraction=0,
+    model = tmp_path / "elsewhere" / sp_model.name
+    model.parent.mkdir()
+    model.write_bytes(sp_model.read_bytes())
+    meta = prepare.prepare_corpus([str(shakespeare_file)], out, str(model), per_line=True, val_fraction=0,
                                   workers=0, progress=False)
+    model.unlink()  # the dataset keeps a copy of the tokenizer it was prepared with
+    assert meta["tokenizer"]["copy"] == f"tokenizer/{sp_model.name}"
+    assert tokenizer.load(out).encode("Before we proceed") == sp.encode("Before we proceed")
+    with pytest.raises(TokenizerError, match="does not exist"):
+        tokenizer.from_meta(meta)  # without the folder, only the original path is known
     assert (meta["bos_id"], meta["eos_id"]) == (1, 2) and meta["tokenizer"]["kind"] == "sentencepiece"
     split = shards.Split(out, meta, "train")
     docs = lines(shakespeare_file)

@@ -353,7 +353,7 @@ def write_dataset(out_dir: str | Path, tok, splits: dict, kind: str = "text", wo
     written."""
     from tqdm import tqdm
 
-    from jaxlm.data import shards
+    from jaxlm.data import shards, tokenizer as tokenizer_lib
 
     stats = collections.Counter() if stats is None else stats
     limit = int(vocab_size or tok.vocab_size)
@@ -413,7 +413,7 @@ def write_dataset(out_dir: str | Path, tok, splits: dict, kind: str = "text", wo
                         f"val_fraction={val_fraction}); give more documents (--per-line for one text file), a "
                         "larger --val-fraction, or a separate --val input")
     p = counts[counts > 0] / counts.sum()
-    spec = dict(tok.spec) | ({"chat_template": chat_template} if chat_template else {})
+    spec = tokenizer_lib.save_copy(tok, out) | ({"chat_template": chat_template} if chat_template else {})
     meta = {"format": shards.FORMAT, "vocab_size": limit, "dtype": dtype.name,
             "tokenizer": spec, "bos_id": tok.bos_id, "eos_id": tok.eos_id, "has_loss_mask": mask,
             "splits": entries, "train_tokens": entries["train"]["tokens"], "val_tokens": entries["val"]["tokens"],

@@ -58,6 +58,7 @@ class Tokenizer:
     eos_id: int | None = None
     chat_template: str | None = None
     spec: dict
+    files: tuple[Path, ...] = ()  # the files it was loaded from, which a prepared dataset keeps a copy of
     _extra_stop: list[int] = []
 
     def encode(self, text: str) -> list[int]:
@@ -198,6 +199,7 @@ class TiktokenTokenizer(Tokenizer):
                 self._enc = tiktoken.Encoding(**params)
                 self.spec = {"kind": "tiktoken", "file": str(path.resolve()), "encoding": name,
                              "fingerprint": _sha256(path.read_bytes())}
+                self.files = (path,)
             else:
                 self._enc = tiktoken.get_encoding(name_or_file)
                 self.spec = {"kind": "tiktoken", "encoding": name_or_file,
@@ -249,6 +251,7 @@ class SentencePieceTokenizer(Tokenizer):
         self.eos_id = self._sp.eos_id() if self._sp.eos_id() >= 0 else None
         self.chat_template = chat_template_of(config or {})
         self.spec = {"kind": "sentencepiece", "file": str(path.resolve()), "fingerprint": _sha256(path.read_bytes())}
+        self.files = (path, *_config_files(path.parent))
 
     def encode(self, text: str) -> list[int]:
         return self._sp.encode(text)
@@ -301,6 +304,7 @@ class HFTokenizer(Tokenizer):
                                 "normalizer": parsed.get("normalizer"), "pre_tokenizer": parsed.get("pre_tokenizer")},
                                sort_keys=True)
         self.spec = {"kind": "huggingface", "path": source or str(path.resolve()), "fingerprint": _sha256(canonical)}
+        self.files = (path, *_config_files(path.parent))
 
     def _id(self, token: str | None) -> int | None:
         return None if token is None else self._hf.token_to_id(token)
@@ -349,6 +353,29 @@ def chat_template_of(config: dict) -> str | None:
     if isinstance(t, list):
         t = next((x.get("template") for x in t if x.get("name") == "default"), None)
     return t if isinstance(t, str) and t else None
+
+
+CONFIG_FILES = ("special_tokens_map.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json",
+                "generation_config.json")
+
+
+def _config_files(folder: Path) -> list[Path]:
+    return [folder / n for n in CONFIG_FILES if (folder / n).is_file()]
+
+
+def save_copy(tok: Tokenizer, directory: str | Path) -> dict:
+    """Copy the files `tok` was loaded from into directory/tokenizer/ (a prepared dataset keeps the tokenizer it
+    was made with, wherever the original goes) and return its spec naming the copy."""
+    import shutil
+
+    folder = Path(directory) / "tokenizer"
+    shutil.rmtree(folder, ignore_errors=True)
+    if not tok.files:
+        return dict(tok.spec)
+    folder.mkdir(parents=True)
+    for f in tok.files:
+        shutil.copyfile(f, folder / f.name)
+    return dict(tok.spec) | {"copy": f"tokenizer/{tok.files[0].name}"}
 
 
 def _read_config(folder: Path) -> dict:
@@ -423,11 +450,11 @@ def load(spec: str | Path | dict) -> Tokenizer:
         return HFTokenizer(path, _read_config(path.parent), _stop_ids(path.parent))
     if path.is_dir():
         if (path / "meta.json").is_file() and not any((path / n).exists() for n in
-                                                      ("tokenizer", "tokenizer.json", "tokenizer.model")):
-            return from_meta(json.loads((path / "meta.json").read_text()))
+                                                      ("tokenizer.json", "tokenizer.model")):
+            return from_meta(json.loads((path / "meta.json").read_text()), path)  # a prepared dataset
         return _from_folder(path)
     if path.name == "meta.json" and path.is_file():
-        return from_meta(json.loads(path.read_text()))
+        return from_meta(json.loads(path.read_text()), path.parent)
     if re.fullmatch(r"[\w.-]+/[\w.-]+", s) and not path.exists():
         return _from_hub(s)
     raise TokenizerError(f"unknown tokenizer {s!r}: give byte, a tiktoken encoding ({', '.join(TIKTOKEN_NAMES)}), "
@@ -435,17 +462,21 @@ def load(spec: str | Path | dict) -> Tokenizer:
                          "`jaxlm convert from-hf` folder works), a prepared dataset folder, or a hub id org/name")
 
 
-def from_spec(spec: dict) -> Tokenizer:
-    """Rebuild a tokenizer from the description `spec` gives (a meta.json `tokenizer` entry)."""
+def from_spec(spec: dict, directory: str | Path | None = None) -> Tokenizer:
+    """Rebuild a tokenizer from the description `spec` gives (a meta.json `tokenizer` entry); with the prepared
+    folder `directory`, from the copy of its files kept there."""
     kind = spec.get("kind")
+    copy = Path(directory) / spec["copy"] if directory is not None and spec.get("copy") else None
+    if copy is not None and not copy.is_file():
+        copy = None
     if kind == "char":
         return CharTokenizer(spec["chars"])
     if kind == "byte":
         return ByteTokenizer()
     if kind == "tiktoken":
-        return TiktokenTokenizer(spec.get("file") or spec["encoding"])
+        return TiktokenTokenizer(str(copy or spec.get("file") or spec["encoding"]))
     if kind in ("sentencepiece", "huggingface"):
-        source = spec.get("file") or spec.get("path")
+        source = str(copy or spec.get("file") or spec.get("path"))
         tok = load(source)
         if spec.get("fingerprint") and tok.fingerprint != spec["fingerprint"]:
             raise TokenizerError(f"the tokenizer at {source} has changed since the data was prepared with it "
@@ -457,8 +488,9 @@ def from_spec(spec: dict) -> Tokenizer:
                          "(known: char, byte, tiktoken, sentencepiece, huggingface)")
 
 
-def from_meta(meta: dict) -> Tokenizer:
-    return from_spec(meta.get("tokenizer", {}))
+def from_meta(meta: dict, directory: str | Path | None = None) -> Tokenizer:
+    """The tokenizer a prepared folder's meta.json records (from its kept copy when `directory` is given)."""
+    return from_spec(meta.get("tokenizer", {}), directory)
 
 
 def check_same(dataset_spec: dict | None, tok: Tokenizer, dataset: str = "the dataset", model: str = "the model"
