@@ -11,7 +11,6 @@ import math
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -64,47 +63,53 @@ class Model:
         eos = json.loads(hf_cfg.read_text()).get("eos_token_id") if hf_cfg and hf_cfg.is_file() else None
         return tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
 
-    def tokenizer(self) -> "Tokenizer":
-        """The tokenizer the model was trained with: the run's prepared data (meta.json), or the tokenizer
-        files copied from Hugging Face by `jaxlm convert from-hf`."""
+    def tokenizer(self) -> tokenizer_lib.Tokenizer:
+        """The tokenizer of this model, by the precedence of data/tokenizer.py: data.tokenizer if set, else the
+        tokenizer files copied from Hugging Face by `jaxlm convert from-hf`, else the run's prepared data
+        (meta.json). Its eos_ids include the model's end-of-sequence ids (hf_config.json)."""
+        explicit = self.config.data.tokenizer
         tok_dir = convert.tokenizer_source(self.path, self.config)
-        if tok_dir is not None:
-            eos_ids = self.eos_ids()
-            if (tok_dir / "tokenizer.json").is_file():
-                try:
-                    from tokenizers import Tokenizer as HFTokenizer
-                except ImportError:
-                    raise tokenizer_lib.TokenizerError("this model's tokenizer needs the `tokenizers` package "
-                                                       "(pip install 'jaxlm[hf]')") from None
-                hf = HFTokenizer.from_file(str(tok_dir / "tokenizer.json"))
-                return Tokenizer(lambda text: hf.encode(text, add_special_tokens=False).ids, hf.decode, eos_ids)
         data = self.config.data
         meta_file = Path(data.dir or f"data/{data.dataset}") / "meta.json"
-        if not meta_file.is_file():
-            raise tokenizer_lib.TokenizerError(f"no tokenizer for {self.path}: no tokenizer/tokenizer.json and no "
-                                               f"{meta_file} (run from the folder the model was trained in, or set "
-                                               "data.dir in its config.json)")
-        tok = tokenizer_lib.from_meta(json.loads(meta_file.read_text()))
-        return Tokenizer(tok.encode, tok.decode, ())
+        meta = json.loads(meta_file.read_text()) if meta_file.is_file() and not explicit and tok_dir is None else None
+        if not explicit and tok_dir is None and meta is None:
+            raise tokenizer_lib.TokenizerError(f"no tokenizer for {self.path}: no tokenizer/ folder and no "
+                                               f"{meta_file} (run from the folder the model was trained in, set "
+                                               "data.dir in its config.json, or give --tokenizer)")
+        tok = tokenizer_lib.resolve(explicit, tok_dir, meta)
+        if tok_dir is not None:
+            tok.add_stop_ids(self.eos_ids())
+        return tok
 
-    def generate_text(self, prompt: str | list[str], **settings) -> str | list[str]:
+    def chat_prompt(self, messages: list[dict]) -> str:
+        """The model's chat template applied to `messages` with the generation prompt, as `jaxlm prepare chat`
+        renders training conversations."""
+        return self.tokenizer().apply_chat_template(messages, add_generation_prompt=True)
+
+    def generate_text(self, prompt: str | list[str] | list[dict], **settings) -> str | list[str]:
         """Text after the prompt (or after each of a list of prompts); `settings` are decode.* keys
-        (max_new_tokens, temperature, top_k, top_p, seed, num_samples, stop_tokens, ...)."""
+        (max_new_tokens, temperature, top_k, top_p, seed, num_samples, stop_tokens, ...). A prompt that is a list
+        of {role, content} messages is rendered with the chat template first (chat_prompt)."""
+        chat = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
+        if chat:
+            prompt = self.chat_prompt(prompt)
         d = decode_config(settings)
         tok = self.tokenizer()
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
-        ids = [tok.encode(p) for p in prompts for _ in range(d.num_samples)]
+        ids = [encode_prompt(tok, p, rendered=chat) for p in prompts for _ in range(d.num_samples)]
         stop = config_lib.stop_token_ids(d) + (tok.eos_ids if d.stop_at_eos else ())
         out = generate.generate(self.params, self.config.model, ids, d, stop, mesh=self.mesh)
         texts = [tok.decode(t) for t in out.tokens]
         return texts[0] if isinstance(prompt, str) and d.num_samples == 1 else texts
 
 
-@dataclass(frozen=True)
-class Tokenizer:
-    encode: Callable[[str], list[int]]
-    decode: Callable[[list[int]], str]
-    eos_ids: tuple[int, ...]
+def encode_prompt(tok: tokenizer_lib.Tokenizer, text: str, rendered: bool = False) -> list[int]:
+    """Prompt ids by the same rule as prepared documents: the tokenizer's BOS first when it uses one. A prompt
+    the chat template `rendered` keeps its special tokens (the template writes any BOS itself)."""
+    if rendered:
+        return tok.encode_rendered(text)
+    ids = tok.encode(text)
+    return [tok.bos_id] + ids if tok.bos_id is not None else ids
 
 
 def decode_config(settings: dict) -> DecodeConfig:

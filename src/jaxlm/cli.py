@@ -4,6 +4,7 @@ Errors a user can cause end in one line on stderr (exit status 2), not a traceba
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import textwrap
@@ -84,10 +85,76 @@ def cmd_launch(argv: list[str]) -> int:
     return launch(command, a.processes, a.devices_per_process, a.port, a.gpus_per_process)
 
 
+def _prepare_common(p: argparse.ArgumentParser) -> None:
+    from jaxlm.data import prepare
+
+    p.add_argument("--out", required=True, help="output folder (format 2: shards, index, meta.json written last)")
+    p.add_argument("--tokenizer", required=True, help="byte, a tiktoken encoding or .tiktoken file, a "
+                   "SentencePiece .model, a tokenizer.json, a folder holding one (a `jaxlm convert from-hf` "
+                   "folder works), or a hub id (docs/data.md)")
+    p.add_argument("--val", nargs="+", metavar="INPUT", help="separate validation inputs (default: a fraction of "
+                   "the documents, --val-fraction)")
+    p.add_argument("--split", default="train", help="split of a datasets: input (default train)")
+    p.add_argument("--streaming", action="store_true", help="stream a datasets: input instead of downloading it")
+    p.add_argument("--workers", type=int, help="tokenizer processes (default: all cores; 0 = this process)")
+    p.add_argument("--shard-tokens", type=int, help="tokens per shard before it is closed at a document boundary")
+    p.add_argument("--vocab-size", type=int, help="the model's vocabulary: ids at or above it are refused "
+                   "(default: the tokenizer's, or the converted model's when --tokenizer is its folder)")
+    p.add_argument("--errors", choices=prepare.UTF8_ERRORS, default="replace",
+                   help="invalid UTF-8: replace by U+FFFD (default), skip (drop the bytes) or strict (fail at the "
+                        "first, naming file and line); the counts are printed either way")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _report(out: str, meta: dict) -> None:
+    from jaxlm.data import prepare
+
+    s = meta["splits"]
+    print(f"read {prepare.describe_stats(meta['skipped'])}")
+    print(f"wrote {out}: train {s['train']['documents']:,} documents / {s['train']['tokens']:,} tokens in "
+          f"{len(s['train']['shards'])} shard(s), val {s['val']['documents']:,} documents / {s['val']['tokens']:,} "
+          f"tokens; vocab {meta['vocab_size']:,} ({meta['tokenizer']['kind']})")
+
+
 def cmd_prepare(argv: list[str]) -> int:
     from jaxlm.data import prepare
 
-    p = argparse.ArgumentParser(prog="jaxlm prepare", description="Prepare a corpus into train.bin/val.bin/meta.json.")
+    if argv[:1] in (["corpus"], ["chat"]):
+        chat = argv[0] == "chat"
+        p = argparse.ArgumentParser(
+            prog=f"jaxlm prepare {argv[0]}",
+            description="Chat records (`messages` or prompt/completion) -> tokens + a loss mask on assistant tokens."
+            if chat else "Any corpus through any tokenizer -> format-2 token shards (docs/data.md).")
+        p.add_argument("inputs", nargs="+", metavar="INPUT", help="files (.txt .jsonl .json .parquet, optionally "
+                       ".gz/.zst), folders, globs, s3:// or gs:// URLs, or datasets:NAME")
+        _prepare_common(p)
+        if chat:
+            p.add_argument("--max-tokens", type=int, required=True, help="the training block size: longer "
+                           "conversations are dropped and counted, never cut")
+            p.add_argument("--chat-template", help="Jinja chat template file (default: the tokenizer's)")
+            p.add_argument("--val-fraction", type=float, default=0.01, help="fraction of the records for val")
+        else:
+            p.add_argument("--field", default="text", help="record field holding the text (default text)")
+            p.add_argument("--per-line", action="store_true", help="each line of a .txt file is a document "
+                           "(default: the whole file is one)")
+            p.add_argument("--val-fraction", type=float, default=0.0005, help="fraction of the documents for val")
+        a = p.parse_args(argv[1:])
+        if not 0 <= a.val_fraction < 1:
+            p.error(f"--val-fraction {a.val_fraction} must be in [0, 1)")
+        common = dict(val=a.val, val_fraction=a.val_fraction, errors=a.errors, split=a.split, streaming=a.streaming,
+                      workers=a.workers, shard_tokens=a.shard_tokens, vocab_size=a.vocab_size,
+                      progress=not a.no_progress)
+        if chat:
+            meta = prepare.prepare_chat(a.inputs, a.out, a.tokenizer, a.max_tokens, a.chat_template, **common)
+        else:
+            meta = prepare.prepare_corpus(a.inputs, a.out, a.tokenizer, field=a.field, per_line=a.per_line,
+                                          **common)
+        _report(a.out, meta)
+        return 0
+    p = argparse.ArgumentParser(prog="jaxlm prepare", description="Prepare a corpus. `jaxlm prepare corpus "
+                                "INPUT... --tokenizer T --out DIR` takes any inputs and tokenizer, `jaxlm prepare "
+                                "chat FILE.jsonl --tokenizer T --max-tokens N --out DIR` chat data (see their "
+                                "--help); the presets below write nanoGPT's train.bin/val.bin/meta.json.")
     p.add_argument("dataset", choices=["shakespeare_char", "python_stdlib", "openwebtext", "text"])
     p.add_argument("files", nargs="*", help="input text files (for `text`)")
     p.add_argument("--input", help="local copy of the corpus (shakespeare_char); no download")
@@ -111,6 +178,27 @@ def cmd_prepare(argv: list[str]) -> int:
     if "input" in meta:
         print(prepare.describe_input(meta["input"], meta["input"]["utf8_errors"]))
     print(f"wrote {out}: {prepare.describe(meta)}")
+    return 0
+
+
+def cmd_tokenizer(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="jaxlm tokenizer", description="Train a tokenizer.")
+    sub = p.add_subparsers(dest="action", required=True)
+    t = sub.add_parser("train", help="byte-level BPE (Hugging Face tokenizers) -> DIR/tokenizer.json")
+    t.add_argument("inputs", nargs="+", metavar="INPUT", help="inputs as for `jaxlm prepare corpus`")
+    t.add_argument("--vocab-size", type=int, required=True, help="tokens in the vocabulary (>= 257)")
+    t.add_argument("--out", required=True, help="output folder")
+    t.add_argument("--field", default="text", help="record field holding the text (default text)")
+    t.add_argument("--per-line", action="store_true", help="each line of a .txt file is a document")
+    t.add_argument("--special-token", action="append", help="special tokens (default <|endoftext|>, the EOS)")
+    a = p.parse_args(argv)
+    from jaxlm.data import tokenizer
+
+    out = tokenizer.train_bpe(a.inputs, a.vocab_size, a.out, a.field, tuple(a.special_token or ["<|endoftext|>"]),
+                              a.per_line)
+    tok = tokenizer.load(out)
+    print(f"wrote {out / 'tokenizer.json'}: byte-level BPE, vocab {tok.vocab_size:,}, EOS id {tok.eos_id}; use "
+          f"it with --tokenizer {out}")
     return 0
 
 
@@ -182,6 +270,9 @@ def cmd_generate(argv: list[str]) -> int:
     p.add_argument("--prompt", action="append", help="prompt text (repeat for a batch of prompts)")
     p.add_argument("--prompt-file", action="append", help="file whose text is a prompt (repeatable)")
     p.add_argument("--num-samples", type=int, help="samples per prompt (decode.num_samples)")
+    p.add_argument("--chat", action="store_true", help="each prompt is a user message: render it with the model's "
+                   "chat template (as `jaxlm prepare chat` renders training data) and generate the reply")
+    p.add_argument("--tokenizer", help="tokenizer to use instead of the model's (data.tokenizer; docs/data.md)")
     p.add_argument("settings", nargs="*", metavar="key=value")
     a, rest = p.parse_known_args(argv)
     from pathlib import Path
@@ -204,8 +295,12 @@ def cmd_generate(argv: list[str]) -> int:
     if not prompts:
         p.error("give a prompt with --prompt TEXT or --prompt-file FILE")
     model = api.load(a.src, mesh_cfg)
+    if a.tokenizer:
+        model.config = model.config.replace(data=dataclasses.replace(model.config.data, tokenizer=a.tokenizer))
     tok = model.tokenizer()
-    ids = [tok.encode(text) for text in prompts for _ in range(d.num_samples)]
+    if a.chat:
+        prompts = [tok.apply_chat_template([{"role": "user", "content": text}]) for text in prompts]
+    ids = [api.encode_prompt(tok, text, rendered=a.chat) for text in prompts for _ in range(d.num_samples)]
     stop = config_lib.stop_token_ids(d) + (tok.eos_ids if d.stop_at_eos else ())
     m_cfg = model.config.model
     if m_cfg.position != "learned" and max(map(len, ids)) + d.max_new_tokens > m_cfg.block_size:
@@ -236,7 +331,7 @@ def cmd_generate(argv: list[str]) -> int:
 
 COMMANDS = {"train": cmd_train, "compile": cmd_compile, "prepare": cmd_prepare, "launch": cmd_launch,
             "plot": cmd_plot, "convert": cmd_convert, "eval": cmd_eval,
-            "generate": cmd_generate}
+            "generate": cmd_generate, "tokenizer": cmd_tokenizer}
 
 
 def use_huge_pages() -> None:
@@ -262,6 +357,8 @@ def main(argv: list[str] | None = None) -> int:
               "  compile PRESET_OR_FILE compile.topology=NAME [...]  compile the train step ahead of time for a\n"
               "                                         TPU/GPU/CPU target; memory report (jaxlm compile --help)\n"
               "  prepare DATASET [...]                  corpus -> token files (jaxlm prepare --help)\n"
+              "  prepare corpus|chat INPUT... --tokenizer T --out DIR   any corpus or chat data -> token shards\n"
+              "  tokenizer train INPUT... --vocab-size N --out DIR   train a byte-level BPE tokenizer\n"
               "  launch --processes N -- train ...      one job in N local processes (jaxlm launch --help)\n"
               "  plot RUN_DIR [RUN_DIR ...]             loss and throughput curves -> PNG (jaxlm plot --help)\n"
               "  convert from-hf|to-hf SRC OUT          Hugging Face checkpoints in and out (jaxlm convert --help)\n"

@@ -113,6 +113,10 @@ class DataConfig:
     dataset: str = _f("shakespeare_char", "dataset name: shakespeare_char, python_stdlib, openwebtext, or a prepared folder's name")
     dir: str | None = _f(None, "folder with train.bin, val.bin and meta.json; None = data/<dataset>")
     input: str | None = _f(None, "local text file to prepare the dataset from when the folder is missing (no download)")
+    tokenizer: str | None = _f(None, "tokenizer for text in and out (byte, a tiktoken encoding or .tiktoken file, a "
+                                     "SentencePiece .model, a tokenizer.json or a folder holding one, a hub id); "
+                                     "None = the model's tokenizer/ folder, else the dataset's meta.json "
+                                     "(docs/data.md); a dataset prepared with another tokenizer is refused")
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,8 @@ from jaxlm.model import param_specs
 SAFETENSORS_DTYPES = {"F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
                       "BF16": np.dtype(ml_dtypes.bfloat16)}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
-                   "vocab.json", "merges.txt", "generation_config.json", "added_tokens.json")
+                   "vocab.json", "merges.txt", "generation_config.json", "added_tokens.json", "chat_template.jinja",
+                   "chat_template.json")
 ARCH_IGNORED = ("dropout", "init_std", "param_dtype", "compute_dtype", "remat", "scan_layers", "block_size")
 
 

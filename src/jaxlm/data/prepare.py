@@ -1,13 +1,23 @@
-"""Corpora -> train.bin / val.bin (flat token ids, uint16 or uint32) + meta.json, as nanoGPT lays them out.
+"""Corpora -> prepared folders.
 
-`jaxlm prepare shakespeare_char [--input FILE]`, `jaxlm prepare text FILE... --out DIR`,
+Format 1 (nanoGPT's train.bin / val.bin of flat token ids + meta.json), written by the presets:
+`jaxlm prepare shakespeare_char [--input FILE]`, `jaxlm prepare text FILE... --vocab char|byte`,
 `jaxlm prepare python_stdlib` (the offline quickstart corpus) and `jaxlm prepare openwebtext`.
+
+Format 2 (data/shards.py), written by `jaxlm prepare corpus INPUT... --tokenizer T` (`prepare_corpus`: any input
+of data/sources.py through any tokenizer of data/tokenizer.py) and `jaxlm prepare chat FILE --tokenizer T`
+(`prepare_chat`: conversations with a loss mask, data/chat.py). Documents are tokenized in worker processes a
+batch at a time, in input order, and written to shards as they come back (`write_dataset`).
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import math
+import os
+import re
+import sys
 import sysconfig
 import urllib.request
 from pathlib import Path
@@ -212,8 +222,9 @@ PREPARERS = {"shakespeare_char", "python_stdlib", "openwebtext"}
 def ensure_prepared(name: str, out_dir: str | Path, input: str | None = None) -> Path:
     """Prepare a known dataset into out_dir unless its files are already there; return out_dir."""
     out_dir = Path(out_dir)
-    if (out_dir / "meta.json").exists() and (out_dir / "train.bin").exists():
-        return out_dir
+    meta = out_dir / "meta.json"
+    if meta.exists() and ((out_dir / "train.bin").exists() or '"splits"' in meta.read_text()):
+        return out_dir  # format 1, or format 2 (`jaxlm prepare corpus|chat`)
     try:
         if name == "shakespeare_char":
             prepare_shakespeare_char(out_dir, input)
@@ -237,3 +248,273 @@ def describe(meta: dict) -> str:
     return (f"{meta['train_tokens']:,} train / {meta['val_tokens']:,} val tokens, vocab {meta['vocab_size']}"
             f"{ent_s}")
 
+
+# ---- format 2: any corpus through any tokenizer, in worker processes ------------------------------------------
+
+_WORKER: dict = {}  # the tokenizer of a worker process (or of this process when workers=0)
+BATCH_DOCUMENTS, BATCH_BYTES = 512, 1 << 21  # documents handed to a worker at a time
+
+
+def _worker_init(spec: dict, chat_template: str | None) -> None:
+    os.environ["RAYON_NUM_THREADS"] = "1"  # one tokenizer thread per worker: the workers fill the cores
+    from jaxlm.data import tokenizer as tokenizer_lib
+
+    tok = tokenizer_lib.from_spec(spec)
+    if chat_template:
+        tok.chat_template = chat_template
+    _WORKER["tok"] = tok
+
+
+def _work(job: tuple[str, list]) -> tuple[list, np.ndarray]:
+    """Encode one batch of documents: ('text', texts) or ('chat', conversations) -> (per document (ids, mask
+    or None), or for a chat the error text; the batch's token counts per id)."""
+    kind, payloads = job
+    tok = _WORKER["tok"]
+    if kind == "text":
+        try:
+            docs = [(np.asarray(ids, np.int64), None) for ids in tok.encode_documents(payloads)]
+        except ValueError:  # a text this tokenizer cannot encode (a char vocabulary): find it, say where
+            docs = []
+            for text in payloads:
+                try:
+                    docs.append((np.asarray(tok.encode_document(text), np.int64), None))
+                except ValueError as e:
+                    docs.append(str(e))
+    else:
+        from jaxlm.data import chat
+
+        docs = []
+        for messages in payloads:
+            try:
+                docs.append(chat.encode_chat(tok, messages))
+            except ValueError as e:  # TokenizerError included: a template that refuses this conversation
+                docs.append(str(e))
+    arrays = [d[0] for d in docs if not isinstance(d, str)]
+    flat = np.concatenate(arrays) if arrays else np.zeros(0, np.int64)
+    return docs, np.bincount(flat[flat >= 0], minlength=tok.vocab_size)
+
+
+def _batches(items, kind: str):
+    """Group (payload, where, nbytes) items into jobs of about BATCH_DOCUMENTS documents or BATCH_BYTES."""
+    payloads, wheres, size = [], [], 0
+    for payload, where, nbytes in items:
+        payloads.append(payload)
+        wheres.append(where)
+        size += nbytes
+        if len(payloads) >= BATCH_DOCUMENTS or size >= BATCH_BYTES:
+            yield (kind, payloads), wheres, size
+            payloads, wheres, size = [], [], 0
+    if payloads:
+        yield (kind, payloads), wheres, size
+
+
+def _encoded(items, kind: str, workers: int, tok, chat_template: str | None):
+    """(documents, counts, wheres, nbytes) per batch in input order (see _work), encoded by `workers` processes
+    (0: this one). At most a few batches per worker are in flight, so memory stays bounded however large the
+    corpus."""
+    jobs = _batches(items, kind)
+    if workers == 0:
+        _WORKER["tok"] = tok
+        for job, wheres, size in jobs:
+            yield *_work(job), wheres, size
+        return
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")  # no fork of a process that may hold threads
+    with ctx.Pool(workers, initializer=_worker_init, initargs=(tok.spec, chat_template)) as pool:
+        pending: collections.deque = collections.deque()
+        for job, wheres, size in jobs:
+            pending.append((pool.apply_async(_work, (job,)), wheres, size))
+            if len(pending) >= 2 * workers + 1:
+                result, wheres, size = pending.popleft()
+                yield *result.get(), wheres, size
+        while pending:
+            result, wheres, size = pending.popleft()
+            yield *result.get(), wheres, size
+
+
+def _clear_shards(out: Path) -> None:
+    """Remove the shards of an earlier prepare into the same folder (its meta.json is already gone)."""
+    shard_file = re.compile(r"\.?(train|val)-\d{5}\.(bin|mask\.bin|idx\.npy|bin\.tmp|mask\.bin\.tmp|idx\.tmp\.npy)")
+    for p in out.iterdir():
+        if shard_file.fullmatch(p.name):
+            p.unlink()
+
+
+def write_dataset(out_dir: str | Path, tok, splits: dict, kind: str = "text", workers: int | None = None,
+                  shard_tokens: int | None = None, vocab_size: int | None = None, max_tokens: int | None = None,
+                  val_fraction: float = 0.0, chat_template: str | None = None, progress: bool = True,
+                  stats: collections.Counter | None = None, extra: dict | None = None) -> dict:
+    """Encode documents into a format-2 folder. `splits` maps a split name to an iterable of (payload, where,
+    nbytes), payload a text (kind='text') or a conversation (kind='chat'); with val_fraction > 0 and no 'val'
+    entry, a val_fraction of the 'train' documents, spread evenly (document n when floor((n + 1) f) >
+    floor(n f)), goes to 'val'. Token ids at or above `vocab_size` (default: the tokenizer's) are refused
+    naming the document; chat documents longer than `max_tokens` are dropped and counted. Returns the meta.json
+    written."""
+    from tqdm import tqdm
+
+    from jaxlm.data import shards, tokenizer as tokenizer_lib
+
+    stats = collections.Counter() if stats is None else stats
+    limit = int(vocab_size or tok.vocab_size)
+    dtype = shards.dtype_for(limit)
+    workers = (os.cpu_count() or 1) if workers is None else workers
+    out = shards.begin(out_dir)
+    _clear_shards(out)
+    mask = kind == "chat"
+    shard_tokens = shard_tokens or shards.DEFAULT_SHARD_TOKENS
+    writers = {name: shards.ShardWriter(out, name, dtype, shard_tokens, loss_mask=mask) for name in ("train", "val")}
+    counts = np.zeros(tok.vocab_size, np.int64)
+    bar = tqdm(unit="B", unit_scale=True, unit_divisor=1024, disable=None if progress else True, mininterval=0.5,
+               desc="prepare", file=sys.stderr)
+    n_doc = 0
+    try:
+        for split, items in splits.items():
+            for docs, batch_counts, wheres, nbytes in _encoded(items, kind, workers, tok, chat_template):
+                bar.update(nbytes)
+                if len(batch_counts) > len(counts):
+                    counts = np.concatenate([counts, np.zeros(len(batch_counts) - len(counts), np.int64)])
+                counts[:len(batch_counts)] += batch_counts
+                if len(batch_counts) > limit and batch_counts[limit:].any():
+                    bad = next(i for i, d in enumerate(docs) if not isinstance(d, str) and d[0].max() >= limit)
+                    raise DataError(f"{wheres[bad]}: token id {int(docs[bad][0].max())} is at or above the vocabulary "
+                                    f"size {limit}; the tokenizer does not match the model (check --tokenizer and "
+                                    "--vocab-size)")
+                for doc, where in zip(docs, wheres):
+                    if isinstance(doc, str):
+                        raise DataError(f"{where}: {doc}")
+                    ids, doc_mask = doc
+                    if max_tokens is not None and len(ids) > max_tokens:
+                        stats["too_long_dropped"] += 1
+                        stats.setdefault("first_too_long", f"{where} ({len(ids)} tokens > {max_tokens})")
+                        counts[:len(batch_counts)] -= np.bincount(ids, minlength=len(batch_counts))
+                        continue
+                    name = split
+                    if split == "train" and "val" not in splits and val_fraction > 0:
+                        val = math.floor((n_doc + 1) * val_fraction) > math.floor(n_doc * val_fraction)
+                        name = "val" if val else "train"
+                        n_doc += 1
+                    writers[name].add(ids, doc_mask)
+                    stats[f"{name}_documents"] += 1
+                    stats[f"{name}_tokens"] += len(ids)
+                bar.set_postfix(docs=stats["train_documents"] + stats["val_documents"],
+                                tokens=stats["train_tokens"] + stats["val_tokens"], refresh=False)
+        entries = {name: w.close() for name, w in writers.items()}
+    except BaseException:
+        for w in writers.values():
+            w.abort()
+        raise
+    finally:
+        bar.close()
+    if not entries["train"]["documents"]:
+        raise DataError(f"no documents to write ({describe_stats(stats)}); check the inputs")
+    if not entries["val"]["documents"] and (val_fraction > 0 or "val" in splits):
+        raise DataError(f"the validation split got no documents ({entries['train']['documents']} in all, "
+                        f"val_fraction={val_fraction}); give more documents (--per-line for one text file), a "
+                        "larger --val-fraction, or a separate --val input")
+    p = counts[counts > 0] / counts.sum()
+    spec = tokenizer_lib.save_copy(tok, out) | ({"chat_template": chat_template} if chat_template else {})
+    meta = {"format": shards.FORMAT, "vocab_size": limit, "dtype": dtype.name,
+            "tokenizer": spec, "bos_id": tok.bos_id, "eos_id": tok.eos_id, "has_loss_mask": mask,
+            "splits": entries, "train_tokens": entries["train"]["tokens"], "val_tokens": entries["val"]["tokens"],
+            "unigram_entropy": max(0.0, float(-(p * np.log(p)).sum())),
+            "skipped": {k: v for k, v in stats.items() if not k.startswith(("train_", "val_"))},
+            **(extra or {})}
+    shards.write_meta(out, meta)
+    return meta
+
+
+def describe_stats(stats) -> str:
+    parts = [f"{stats.get('files', 0)} file(s)"]
+    for key, what in (("empty_documents", "empty documents skipped"),
+                      ("too_long_dropped", "chat documents over --max-tokens dropped"),
+                      ("invalid_utf8", "invalid UTF-8 sequences replaced or dropped")):
+        if stats.get(key):
+            parts.append(f"{stats[key]:,} {what}")
+    if stats.get("first_too_long"):
+        parts.append(f"first dropped: {stats['first_too_long']}")
+    return ", ".join(parts)
+
+
+def _text_items(inputs, field, errors, per_line, split, streaming, stats):
+    from jaxlm.data import sources
+
+    for text, where in sources.texts(inputs, field, errors, per_line, split, streaming, stats):
+        yield text, where, len(text.encode("utf-8", errors="surrogatepass"))
+
+
+def prepare_corpus(inputs: list[str], out_dir: str | Path, tokenizer: str, val: list[str] | None = None,
+                   val_fraction: float = 0.0005, field: str = "text", errors: str = "replace",
+                   per_line: bool = False, split: str = "train", streaming: bool = False,
+                   workers: int | None = None, shard_tokens: int | None = None, vocab_size: int | None = None,
+                   progress: bool = True) -> dict:
+    """Text from any inputs (see sources.py) -> a format-2 folder: each document encoded as the tokenizer's
+    encode_document (BOS/EOS by its conventions), shards of about shard_tokens tokens, the validation split a
+    fraction of the documents or the separate `val` inputs."""
+    from jaxlm.data import tokenizer as tokenizer_lib
+
+    tok = tokenizer_lib.load(tokenizer)
+    vocab_size = vocab_size or model_vocab_size(tokenizer)
+    stats = collections.Counter()
+    splits = {"train": _text_items(inputs, field, errors, per_line, split, streaming, stats)}
+    if val:
+        splits["val"] = _text_items(val, field, errors, per_line, split, streaming, stats)
+    meta = write_dataset(out_dir, tok, splits, "text", workers, shard_tokens, vocab_size,
+                         val_fraction=0.0 if val else val_fraction, progress=progress, stats=stats,
+                         extra={"source": _source(inputs), "utf8_errors": errors})
+    return meta
+
+
+def _chat_items(inputs, errors, split, streaming, stats):
+    from jaxlm.data import chat, sources
+
+    for path in sources.expand(inputs):
+        stats["files"] += 1
+        for rec, where in sources.records(path, "messages", errors, False, split, streaming, stats):
+            messages = chat.messages_of(rec, where)
+            yield messages, where, sum(len(m["content"]) for m in messages)
+
+
+def prepare_chat(inputs: list[str], out_dir: str | Path, tokenizer: str, max_tokens: int | None = None,
+                 chat_template: str | Path | None = None, val: list[str] | None = None, val_fraction: float = 0.01,
+                 errors: str = "replace", split: str = "train", streaming: bool = False, workers: int | None = None,
+                 shard_tokens: int | None = None, vocab_size: int | None = None, progress: bool = True) -> dict:
+    """Chat records (see chat.py) -> a format-2 folder with a loss mask that is 1 on assistant tokens only.
+    Conversations longer than max_tokens (the training block size) are dropped and counted, never cut."""
+    from jaxlm.data import tokenizer as tokenizer_lib
+
+    tok = tokenizer_lib.load(tokenizer)
+    template = None
+    if chat_template is not None:
+        if not Path(chat_template).is_file():
+            raise DataError(f"--chat-template {chat_template} does not exist")
+        template = tok.chat_template = Path(chat_template).read_text()
+    elif not tok.chat_template:
+        raise DataError(f"the tokenizer {tok.describe()} has no chat template; give one with --chat-template FILE "
+                        "(a Jinja template as in tokenizer_config.json)")
+    if max_tokens is not None and max_tokens < 2:
+        raise DataError(f"--max-tokens {max_tokens} must be >= 2 (the training block size)")
+    vocab_size = vocab_size or model_vocab_size(tokenizer)
+    stats = collections.Counter()
+    splits = {"train": _chat_items(inputs, errors, split, streaming, stats)}
+    if val:
+        splits["val"] = _chat_items(val, errors, split, streaming, stats)
+    return write_dataset(out_dir, tok, splits, "chat", workers, shard_tokens, vocab_size, max_tokens,
+                         0.0 if val else val_fraction, template, progress, stats,
+                         extra={"source": _source(inputs), "max_tokens": max_tokens})
+
+
+def model_vocab_size(tokenizer: str) -> int | None:
+    """The vocabulary of the model in a `jaxlm convert from-hf` folder named as the tokenizer (its embedding
+    rows), else None."""
+    cfg = Path(tokenizer) / "config.json"
+    if Path(tokenizer).is_dir() and (Path(tokenizer) / "tokenizer").is_dir() and cfg.is_file():
+        try:
+            return int(json.loads(cfg.read_text())["model"]["vocab_size"])
+        except (ValueError, KeyError, TypeError):
+            return None
+    return None
+
+
+def _source(inputs: list[str]) -> str:
+    return ", ".join(map(str, inputs)) if len(inputs) <= 3 else f"{len(inputs)} inputs"

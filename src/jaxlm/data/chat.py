@@ -1,0 +1,64 @@
+"""Chat records -> token ids and a loss mask that trains on the assistant's tokens only (SFT).
+
+A record holds `messages` ([{"role", "content"}, ...], the OpenAI / Hugging Face chat format) or a
+`prompt`/`completion` pair (with an optional `system`), which becomes a user turn and an assistant turn. The
+conversation is rendered with the tokenizer's chat template (tokenizer.apply_chat_template) and tokenized with
+its special tokens. The assistant spans are found exactly, by token ids rather than by searching the text:
+the ids of the conversation up to each assistant turn, rendered with the generation prompt, are a prefix of the
+whole conversation's ids, and the ids up to the end of that turn are a longer prefix; the tokens between the
+two are that turn's, end-of-turn token included. A conversation where this does not hold (a template that
+rewrites earlier turns, or tokens that merge across the end of a prefix) is refused in one line.
+
+Legend: L tokens of one conversation.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxlm.data.prepare import DataError
+from jaxlm.data.tokenizer import ROLES, Tokenizer
+
+
+def messages_of(rec: dict, where: str) -> list[dict]:
+    """The conversation of one record, checked: roles known, contents strings, at least one assistant turn."""
+    if "messages" in rec and rec["messages"] is not None:
+        msgs = rec["messages"]
+        if not isinstance(msgs, list) or not msgs:
+            raise DataError(f"{where}: `messages` must be a non-empty list of {{role, content}} objects")
+    elif "prompt" in rec and "completion" in rec:
+        msgs = ([{"role": "system", "content": rec["system"]}] if rec.get("system") else []) + [
+            {"role": "user", "content": rec["prompt"]}, {"role": "assistant", "content": rec["completion"]}]
+    else:
+        raise DataError(f"{where}: a chat record needs `messages` or `prompt` and `completion` (fields: "
+                        f"{', '.join(map(str, rec)) or 'none'})")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise DataError(f"{where}: message {i + 1} must be an object with `role` and `content`")
+        if m["role"] not in ROLES:
+            raise DataError(f"{where}: message {i + 1} has the unknown role {m['role']!r} (allowed: "
+                            f"{', '.join(ROLES)})")
+        if not isinstance(m["content"], str):
+            raise DataError(f"{where}: message {i + 1} content is a {type(m['content']).__name__}, not a string")
+        out.append({"role": m["role"], "content": m["content"]})
+    if not any(m["role"] == "assistant" for m in out):
+        raise DataError(f"{where}: the conversation has no assistant message, so nothing to train on")
+    return out
+
+
+def encode_chat(tok: Tokenizer, messages: list[dict]) -> tuple[np.ndarray, np.ndarray]:
+    """(ids_L, mask_L): the rendered conversation's token ids, and 1 on the tokens of assistant turns.
+    Raises ValueError when the template does not render the conversation prefix by prefix."""
+    ids_L = tok.encode_rendered(tok.apply_chat_template(messages, add_generation_prompt=False))
+    mask_L = np.zeros(len(ids_L), np.uint8)
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        start = tok.encode_rendered(tok.apply_chat_template(messages[:i], add_generation_prompt=True)) if i else []
+        end = tok.encode_rendered(tok.apply_chat_template(messages[:i + 1], add_generation_prompt=False))
+        if ids_L[:len(start)] != start or ids_L[:len(end)] != end or len(end) <= len(start):
+            raise ValueError(f"the chat template's rendering up to message {i + 1} does not tokenize to a prefix of "
+                             "the whole conversation, so its assistant tokens cannot be found exactly")
+        mask_L[len(start):len(end)] = 1
+    return np.asarray(ids_L, np.int64), mask_L

@@ -1,0 +1,310 @@
+"""`jaxlm prepare corpus|chat`: every input kind yields the same documents, chat records get a loss mask on the
+assistant's tokens, and each kind of bad input is a one-line error naming file and line or a counted skip, with
+nothing complete-looking left behind."""
+
+import gzip
+import json
+import re
+
+import numpy as np
+import pytest
+
+from jaxlm import cli
+from jaxlm.data import prepare, shards, tokenizer
+from jaxlm.data.prepare import DataError
+
+DOCS = ["First Citizen: Before we proceed", "héllo wörld, twice\nover", "All: Speak, speak."]
+TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def documents(out, split="train") -> list[bytes]:
+    meta = json.loads((out / "meta.json").read_text())
+    s = shards.Split(out, meta, split)
+    return [bytes(s.document(i).astype(np.uint8)) for i in range(s.n_documents)]
+
+
+def corpus(inputs, out, **kw) -> dict:
+    return prepare.prepare_corpus([str(i) for i in inputs], out, "byte", val_fraction=0, workers=0, progress=False,
+                                  **kw)
+
+
+def test_every_input_kind_gives_the_same_documents(tmp_path):
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zstandard
+
+    src = tmp_path / "src"
+    src.mkdir()
+    jsonl = "".join(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(DOCS)).encode()
+    (src / "a.jsonl").write_bytes(jsonl)
+    (src / "b.json").write_text(json.dumps([{"body": d} for d in DOCS]))
+    (src / "c.jsonl.gz").write_bytes(gzip.compress(jsonl))
+    (src / "d.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(jsonl))
+    pq.write_table(pa.table({"text": DOCS}), src / "e.parquet")
+    datasets.Dataset.from_dict({"text": DOCS}).save_to_disk(str(tmp_path / "hfds"))
+    (tmp_path / "files").mkdir()
+    (tmp_path / "files" / "train.jsonl").write_bytes(jsonl)
+    expected = [d.encode() for d in DOCS]
+    for inputs, kw in [([src / "a.jsonl"], {}), ([src / "b.json"], {"field": "body"}), ([src / "c.jsonl.gz"], {}),
+                       ([src / "d.jsonl.zst"], {}), ([src / "e.parquet"], {}), ([f"datasets:{tmp_path / 'hfds'}"], {}),
+                       ([f"datasets:{tmp_path / 'files'}"], {"streaming": True}), ([f"{src}/*.jsonl*"], {})]:
+        out = tmp_path / "out"
+        corpus(inputs, out, **kw)
+        got = documents(out)
+        assert got == expected * (3 if "*" in str(inputs[0]) else 1), inputs
+    # a folder: its files in sorted order (a, c, d, e; b.json has no `text` field and is named in the error)
+    with pytest.raises(DataError, match=r"b.json:record 1: the record has no field 'text' \(fields: body\)"):
+        corpus([src], tmp_path / "out")
+    # text files: one document per file, or one per line; a memory:// URL goes through fsspec like s3:// and gs://
+    import fsspec
+
+    with fsspec.open("memory://corpus/t.txt", "w") as f:
+        f.write("\n".join(DOCS[:1] + ["", "second line"]))
+    corpus(["memory://corpus/t.txt"], tmp_path / "out", per_line=True)
+    assert documents(tmp_path / "out") == [DOCS[0].encode(), b"second line"]
+    meta = corpus(["memory://corpus/"], tmp_path / "out")
+    assert documents(tmp_path / "out") == [f"{DOCS[0]}\n\nsecond line".encode()]
+    assert meta["skipped"]["files"] == 1
+
+
+def test_shards_split_and_workers(tmp_path):
+    f = tmp_path / "lines.txt"
+    f.write_text("".join(f"line {i} " * (i % 7 + 1) + "\n" for i in range(400)))
+    a = prepare.prepare_corpus([str(f)], tmp_path / "a", "byte", per_line=True, val_fraction=0.1, workers=0,
+                               shard_tokens=1000, progress=False)
+    b = prepare.prepare_corpus([str(f)], tmp_path / "b", "byte", per_line=True, val_fraction=0.1, workers=2,
+                               shard_tokens=1000, progress=False)
+    assert a["splits"] == b["splits"] and (a["splits"]["train"]["documents"], a["splits"]["val"]["documents"]) == \
+        (360, 40)
+    assert len(a["splits"]["train"]["shards"]) > 5
+    assert all(s["tokens"] < 1000 + 60 for s in a["splits"]["train"]["shards"])  # closed at the first boundary past
+    lines = f.read_text().splitlines()
+    assert documents(tmp_path / "b", "val") == [lines[i].encode() for i in range(9, 400, 10)]
+    assert documents(tmp_path / "a") == documents(tmp_path / "b")
+    held_out = tmp_path / "held_out.jsonl"
+    held_out.write_text(json.dumps({"text": "held out"}) + "\n")
+    c = prepare.prepare_corpus([str(f)], tmp_path / "c", "byte", val=[str(held_out)], per_line=True, workers=0,
+                               progress=False)
+    assert c["splits"]["train"]["documents"] == 400 and documents(tmp_path / "c", "val") == [b"held out"]
+
+
+@pytest.fixture
+def chat_tok(tmp_path):
+    """A byte-level BPE saved with a tokenizer_config.json and this file's chat template."""
+    text = tmp_path / "t.txt"
+    text.write_text("the user asks and the assistant answers\n" * 50)
+    d = tokenizer.train_bpe([str(text)], 300, tmp_path / "tok", special_tokens=("</s>",))
+    cfg = json.loads((d / "tokenizer_config.json").read_text()) | {"chat_template": TEMPLATE}
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def test_chat_mask_is_one_on_assistant_tokens_only(tmp_path, chat_tok):
+    f = tmp_path / "chat.jsonl"
+    recs = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "the answer"},
+                          {"role": "user", "content": "and?"}, {"role": "assistant", "content": "more"}]},
+            {"prompt": "ask", "completion": "answers", "system": "be brief"}]
+    f.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    meta = prepare.prepare_chat([str(f)], tmp_path / "out", str(chat_tok), max_tokens=512, val_fraction=0,
+                                workers=0, progress=False)
+    assert meta["has_loss_mask"] and meta["splits"]["train"]["documents"] == 2
+    tok = tokenizer.load(chat_tok)
+    s = shards.Split(tmp_path / "out", meta, "train")
+    starts = s.doc_starts_D1
+    trained = []
+    for i in range(2):
+        ids = s.document(i)
+        mask = s.take(np.arange(starts[i], starts[i + 1]), mask=True)
+        # the masked runs, decoded, are exactly the assistant turns with their end-of-turn token
+        runs = np.split(np.arange(len(ids)), np.flatnonzero(np.diff(mask.astype(int))) + 1)
+        trained.append([tok.decode(ids[r].tolist()) for r in runs if mask[r[0]]])
+        assert tok.decode(ids.tolist()) == tok.apply_chat_template(
+            recs[0]["messages"] if i == 0 else [{"role": "system", "content": "be brief"},
+                                                {"role": "user", "content": "ask"},
+                                                {"role": "assistant", "content": "answers"}], False)
+    assert trained == [["the answer</s>", "more</s>"], ["answers</s>"]]
+
+
+def run_cli(args, capsys) -> tuple[int, str]:
+    code = cli.main(args)
+    err = capsys.readouterr().err.strip()
+    return code, err
+
+
+def test_chat_without_template_fails_in_one_line(tmp_path, capsys):
+    f = tmp_path / "c.jsonl"
+    f.write_text(json.dumps({"prompt": "a", "completion": "b"}) + "\n")
+    code, err = run_cli(["prepare", "chat", str(f), "--tokenizer", "byte", "--max-tokens", "64", "--out",
+                         str(tmp_path / "o")], capsys)
+    assert code == 2 and err == ("error: the tokenizer byte has no chat template; give one with --chat-template FILE "
+                                 "(a Jinja template as in tokenizer_config.json)")
+    t = tmp_path / "t.jinja"
+    t.write_text(TEMPLATE)
+    code, err = run_cli(["prepare", "chat", str(f), "--tokenizer", "byte", "--max-tokens", "64", "--val-fraction",
+                         "0", "--chat-template", str(t), "--out", str(tmp_path / "o"), "--workers", "0"], capsys)
+    meta = json.loads((tmp_path / "o" / "meta.json").read_text())
+    assert code == 0 and meta["tokenizer"]["chat_template"] == TEMPLATE
+
+
+BAD = {  # file name -> (content, extra CLI arguments, the error's location and text)
+    "broken.jsonl": (b'{"text": "ok"}\n{"text": "cut\n', [], r"broken.jsonl:2: broken JSON line"),
+    "missing.jsonl": (b'{"text": "ok"}\n\n{"body": "x"}\n', [], r"missing.jsonl:3: the record has no field 'text'"),
+    "utf8.jsonl": (b'{"text": "ok"}\n{"text": "bad \xff byte"}\n', ["--errors", "strict"],
+                   r"utf8.jsonl:2: invalid UTF-8 at byte 14"),
+    "vocab.jsonl": (b'{"text": "abc"}\n{"text": "z"}\n', ["--vocab-size", "110"],
+                    r"vocab.jsonl:2: token id 122 is at or above the vocabulary size 110"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_bad_corpus_input_names_file_and_line(tmp_path, capsys, name):
+    content, extra, message = BAD[name]
+    f = tmp_path / name
+    f.write_bytes(content)
+    out = tmp_path / "out"
+    code, err = run_cli(["prepare", "corpus", str(f), "--tokenizer", "byte", "--out", str(out), "--workers", "0",
+                         "--val-fraction", "0", "--no-progress", *extra], capsys)
+    assert code == 2 and len(err.splitlines()) == 1
+    assert re.search(message, err), err
+    assert str(f) in err
+    assert not (out / "meta.json").exists() and not list(out.glob("*.bin"))  # nothing that looks finished
+
+
+def test_skips_are_counted(tmp_path, capsys):
+    f = tmp_path / "c.jsonl"
+    f.write_bytes(b'{"text": "ok"}\n{"text": ""}\n{"text": "  \\n"}\n{"text": "bad \xff\xfe"}\n')
+    code, _ = run_cli(["prepare", "corpus", str(f), "--tokenizer", "byte", "--out", str(tmp_path / "o"),
+                       "--workers", "0", "--val-fraction", "0"], capsys)
+    meta = json.loads((tmp_path / "o" / "meta.json").read_text())
+    assert code == 0 and meta["skipped"]["empty_documents"] == 2 and meta["skipped"]["invalid_utf8"] == 2
+    assert documents(tmp_path / "o") == [b"ok", "bad \ufffd\ufffd".encode()]
+
+
+def test_bad_chat_input(tmp_path, capsys, chat_tok):
+    f = tmp_path / "c.jsonl"
+    good = json.dumps({"prompt": "ask", "completion": "answers"})
+    f.write_text(good + "\n" + json.dumps({"messages": [{"role": "wizard", "content": "x"}]}) + "\n")
+    args = ["prepare", "chat", str(f), "--tokenizer", str(chat_tok), "--out", str(tmp_path / "o"), "--workers", "0",
+            "--val-fraction", "0"]
+    code, err = run_cli(args + ["--max-tokens", "512"], capsys)
+    assert code == 2 and err == (f"error: {f}:2: message 1 has the unknown role 'wizard' (allowed: system, user, "
+                                 "assistant, tool)")
+    long = json.dumps({"prompt": "ask " * 40, "completion": "answers"})
+    f.write_text(good + "\n" + long + "\n" + good + "\n")
+    code = cli.main(args + ["--max-tokens", "40"])
+    meta = json.loads((tmp_path / "o" / "meta.json").read_text())
+    assert code == 0 and meta["splits"]["train"]["documents"] == 2
+    assert meta["skipped"]["too_long_dropped"] == 1 and meta["skipped"]["first_too_long"].startswith(f"{f}:2 (")
+    assert "1 chat documents over --max-tokens dropped" in capsys.readouterr().out
+
+
+def test_interrupted_prepare_leaves_nothing_that_looks_finished(tmp_path):
+    out = tmp_path / "o"
+    corpus([_write(tmp_path / "ok.jsonl", 50)], out)  # an earlier, finished prepare in the same folder
+    assert (out / "meta.json").exists()
+
+    def items():
+        for i in range(5000):
+            if i == 3000:
+                raise KeyboardInterrupt
+            yield f"document {i}", f"x:{i}", 12
+
+    with pytest.raises(KeyboardInterrupt):
+        prepare.write_dataset(out, tokenizer.ByteTokenizer(), {"train": items()}, workers=0, shard_tokens=4096,
+                              progress=False)
+    left = sorted(p.name for p in out.iterdir())
+    # closed shards of the interrupted run may stay, but without meta.json the folder reads as unprepared
+    assert "meta.json" not in left and not [n for n in left if n.endswith(".tmp") or ".tmp." in n]
+    assert len([n for n in left if n.endswith(".bin")]) >= 5  # it was interrupted after several shards closed
+
+
+def _write(path, n):
+    path.write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(n)))
+    return path
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_end_to_end_prepare_half_with_a_converted_models_tokenizer(tmp_path, shakespeare_file, capsys):
+    """The first half of the issue's end-to-end check: a tiny random Llama built with transformers plus a tokenizer
+    trained here -> `jaxlm convert from-hf` -> prepare a text corpus and a chat jsonl with `--tokenizer` set to the
+    converted folder. The second half (`jaxlm train` on these folders with loss falling, `convert to-hf`,
+    transformers generating) needs the format-2 loader of branch i14b and is finished after both are merged."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("torch")
+    from jaxlm import convert
+
+    raw = tokenizer.train_bpe([str(shakespeare_file)], 384, tmp_path / "bpe",
+                              special_tokens=("<|endoftext|>", "<|im_start|>", "<|im_end|>"), per_line=True)
+    hf_tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(raw / "tokenizer.json"),
+                                                  eos_token="<|endoftext|>", chat_template=CHATML)
+    hf_dir = tmp_path / "hf"
+    cfg = transformers.LlamaConfig(num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, hidden_size=32,
+                                   intermediate_size=64, vocab_size=len(hf_tok), eos_token_id=hf_tok.eos_token_id)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(hf_dir)
+    hf_tok.save_pretrained(hf_dir)
+    model = tmp_path / "jx"
+    convert.from_hf(str(hf_dir), model, log=lambda s: None)
+    assert (model / "tokenizer" / "chat_template.jinja").is_file()
+
+    corpus_file = tmp_path / "corpus.txt"
+    corpus_file.write_text("\n".join(shakespeare_file.read_text().splitlines()[:3000]))
+    text_dir, chat_dir = tmp_path / "text", tmp_path / "chat"
+    assert cli.main(["prepare", "corpus", str(corpus_file), "--per-line", "--tokenizer", str(model), "--out",
+                     str(text_dir), "--val-fraction", "0.05", "--workers", "0"]) == 0
+    chat_file = tmp_path / "chat.jsonl"
+    lines = [t for t in corpus_file.read_text().splitlines() if t.strip()]
+    chat_file.write_text("".join(json.dumps({"prompt": a, "completion": b}) + "\n" for a, b in zip(lines, lines[1:])))
+    assert cli.main(["prepare", "chat", str(chat_file), "--tokenizer", str(model), "--max-tokens", "64", "--out",
+                     str(chat_dir), "--val-fraction", "0.05", "--workers", "0"]) == 0
+
+    text_meta = json.loads((text_dir / "meta.json").read_text())
+    chat_meta = json.loads((chat_dir / "meta.json").read_text())
+    for meta in (text_meta, chat_meta):  # the model's tokenizer and the datasets' agree (else resolve refuses)
+        assert tokenizer.resolve(None, model, meta).fingerprint == meta["tokenizer"]["fingerprint"]
+        assert meta["vocab_size"] == len(hf_tok) == prepare.model_vocab_size(str(model))
+    train = shards.Split(text_dir, text_meta, "train")
+    expected = [i for i, _ in enumerate(lines) if (i + 1) // 20 == i // 20]  # every 20th document went to val
+    for k in (0, 1, len(expected) - 1):
+        assert train.document(k).tolist() == hf_tok(lines[expected[k]])["input_ids"] + [hf_tok.eos_token_id]
+    chats = shards.Split(chat_dir, chat_meta, "train")
+    assert chats.has_mask and chats.n_documents + chat_meta["splits"]["val"]["documents"] + \
+        chat_meta["skipped"].get("too_long_dropped", 0) == len(lines) - 1
+    ids = chats.document(0)
+    rendered = hf_tok.apply_chat_template([{"role": "user", "content": lines[0]},
+                                           {"role": "assistant", "content": lines[1]}], tokenize=False)
+    assert hf_tok.decode(ids.tolist()) == rendered
+    mask = chats.take(np.arange(int(chats.doc_starts_D1[0]), int(chats.doc_starts_D1[1])), mask=True)
+    assert hf_tok.decode(ids[mask == 1].tolist()) == f"{lines[1]}<|im_end|>\n"
+
+    # `jaxlm generate --chat` renders the prompt with the same template and stops at the model's EOS
+    capsys.readouterr()
+    assert cli.main(["generate", str(model), "--chat", "--prompt", lines[0], "max_new_tokens=4", "temperature=0"]) == 0
+    shown = capsys.readouterr().out.split("\n", 1)[1]
+    assert shown.startswith(hf_tok.apply_chat_template([{"role": "user", "content": lines[0]}], tokenize=False,
+                                                       add_generation_prompt=True))
+
+
+def test_text_a_char_vocabulary_cannot_encode_names_its_line(char_data, tmp_path, capsys):
+    f = tmp_path / "new.jsonl"
+    f.write_text(json.dumps({"text": "To be"}) + "\n" + json.dumps({"text": "or ~not~"}) + "\n")
+    code, err = run_cli(["prepare", "corpus", str(f), "--tokenizer", str(char_data), "--out", str(tmp_path / "o"),
+                         "--workers", "0", "--val-fraction", "0"], capsys)
+    assert code == 2 and err == f"error: {f}:2: characters not in this char-level vocabulary: '~'"
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused_naming_the_record(tmp_path, capsys):
+    """Assistant tokens are found by rendering prefixes; a template whose output for earlier turns depends on later
+    ones (here: it writes the number of messages first) cannot be split so, and says where."""
+    f = tmp_path / "c.jsonl"
+    f.write_text(json.dumps({"prompt": "ask", "completion": "answers"}) + "\n")
+    t = tmp_path / "t.jinja"
+    t.write_text("{{ messages | length }}" + TEMPLATE)
+    code, err = run_cli(["prepare", "chat", str(f), "--tokenizer", "byte", "--max-tokens", "64", "--chat-template",
+                         str(t), "--out", str(tmp_path / "o"), "--workers", "0", "--val-fraction", "0"], capsys)
+    assert code == 2 and err == (f"error: {f}:1: the chat template's rendering up to message 2 does not tokenize to "
+                                 "a prefix of the whole conversation, so its assistant tokens cannot be found exactly")
