@@ -113,6 +113,12 @@ class DataConfig:
     dataset: str = _f("shakespeare_char", "dataset name: shakespeare_char, python_stdlib, openwebtext, or a prepared folder's name")
     dir: str | None = _f(None, "folder with train.bin, val.bin and meta.json; None = data/<dataset>")
     input: str | None = _f(None, "local text file to prepare the dataset from when the folder is missing (no download)")
+    packing: bool = _f(False, "rows of whole documents back to back, each with its own segment id and positions "
+                              "from 0 (attention never crosses a document); false = random windows of the corpus. "
+                              "Needs a dataset with document boundaries (`jaxlm prepare`, format 2)")
+    loss_mask: Literal["auto", "on", "off"] = _f(
+        "auto", "train only on the targets the dataset's loss mask marks (chat data: the assistant's tokens): "
+                "auto = when the dataset has a mask, on = require one, off = train on every token")
 
 
 @dataclass(frozen=True)

@@ -212,7 +212,8 @@ PREPARERS = {"shakespeare_char", "python_stdlib", "openwebtext"}
 def ensure_prepared(name: str, out_dir: str | Path, input: str | None = None) -> Path:
     """Prepare a known dataset into out_dir unless its files are already there; return out_dir."""
     out_dir = Path(out_dir)
-    if (out_dir / "meta.json").exists() and (out_dir / "train.bin").exists():
+    if (out_dir / "meta.json").exists() and ((out_dir / "train.bin").exists()  # format 1
+                                             or (out_dir / "train-00000.bin").exists()):  # format 2 (shards.py)
         return out_dir
     try:
         if name == "shakespeare_char":
