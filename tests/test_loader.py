@@ -1,14 +1,19 @@
 """The reading side: format-2 datasets, packed rows, loss weights, exact averaging and resumable positions."""
 
 import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import tiny_config
-from jaxlm import aot, sharding, train
+from conftest import tiny_config, xla_flags
+from jaxlm import aot, config as config_lib, sharding, train
 from jaxlm.config import ConfigError
 from jaxlm.data import loader as loader_lib, packing, shards
 from jaxlm.data.prepare import DataError
@@ -269,3 +274,99 @@ def test_a_saved_step_records_the_batch_arrays_and_refuses_others(docs_data, tmp
     with pytest.raises(ConfigError) as e:
         aot.check_signature(sig, aot.signature(windows), "step.bin")
     assert "compiled with the batch array ['batch']['positions']" in str(e.value) and "\n" not in str(e.value)
+
+
+KILL_DURING_PACKED_RUN = """
+import json, os, signal, sys, time
+from pathlib import Path
+from jaxlm import config as config_lib, train
+
+cfg = config_lib.from_dict(json.loads(sys.argv[1]))
+run_dir, real, n = Path(cfg.run_dir), train.device_batch, [0]
+
+def batch(run, split, plan):
+    if len(plan.shape) == 2:  # the loop's batches; evaluation's are [B]
+        n[0] += 1
+        if n[0] == 14:  # checkpoint 10 committed, steps 11-13 done and not saved: die without warning
+            while not (run_dir / "checkpoints" / "10" / "jaxlm_manifest.json").exists():
+                time.sleep(0.05)
+            os.kill(os.getpid(), signal.SIGKILL)
+    return real(run, split, plan)
+
+train.device_batch = batch
+train.train(cfg, log=lambda s: None)
+"""
+
+PACKED_RUN = {"data.packing": True, "model.block_size": 16, "model.n_layers": 1, "training.steps": 20,
+              "checkpoint.interval": 10, "training.grad_accum": 2, "training.eval_interval": 0,
+              "training.eval_batches": 1, "training.log_interval": 1}
+
+
+@pytest.mark.slow
+def test_sigkill_during_a_packed_shuffled_run_then_rerun_continues_exactly(docs_data, tmp_path):
+    """20 steps of 2 x 8 packed rows go through the 120 documents about 2.5 times (new shuffles included).
+    One device in both processes (the killed run is a process of its own)."""
+    _, _, _, masked = docs_data
+    one = jax.devices()[:1]
+    train.train(tiny_config(masked, tmp_path / "ref", **PACKED_RUN), devices=one, log=lambda s: None)
+    ref = train.losses_by_step(tmp_path / "ref")
+    cfg = tiny_config(masked, tmp_path / "killed", **PACKED_RUN)
+    p = subprocess.run([sys.executable, "-c", KILL_DURING_PACKED_RUN, config_lib.to_json(cfg)], capture_output=True,
+                       text=True, timeout=600, env=dict(os.environ, XLA_FLAGS=xla_flags()))
+    assert p.returncode == -signal.SIGKILL, p.stdout + p.stderr
+    assert max(train.losses_by_step(cfg.run_dir)) >= 13  # steps past the checkpoint were run, and are lost
+    summary = train.train(cfg, devices=one, log=lambda s: None)
+    assert summary["start_step"] == 10
+    got = train.losses_by_step(cfg.run_dir)
+    assert [got[s] for s in range(1, 21)] == [ref[s] for s in range(1, 21)]
+    assert len(set(ref.values())) == 20 and ref[20] < ref[1]
+
+
+PACKED_READER = """
+import json, sys
+import numpy as np
+from jaxlm import distributed, train
+from jaxlm.config import DistributedConfig, apply_overrides, Config
+distributed.initialize(DistributedConfig())
+cfg = apply_overrides(Config(), {"data.dir": sys.argv[1], "data.packing": True, "model.block_size": 16,
+                                 "model.n_layers": 1, "model.d_model": 16, "model.n_heads": 2, "model.vocab_size": 64,
+                                 "training.batch_size": 8, "run_dir": sys.argv[2]})
+run = train.setup(cfg)
+split = run.dataset.splits["train"]
+read = set()
+
+class Recording:
+    def __init__(self, data):
+        self.data = data
+    def __getattr__(self, name):
+        return getattr(self.data, name)
+    def take(self, idx, mask=False):
+        read.update(np.searchsorted(split.doc_starts_D1, np.ravel(idx), side="right") - 1)
+        return self.data.take(idx, mask)
+
+run.dataset.splits["train"] = Recording(split)
+loader = train.make_loader(run)
+for _ in range(3):
+    batch = train.device_batch(run, "train", loader.next())
+    assert batch["inputs"].shape == (1, 8, 16)
+print("DOCS", json.dumps(sorted(int(d) for d in read)))
+"""
+
+
+@pytest.mark.slow
+def test_two_processes_read_disjoint_documents(docs_data, tmp_path):
+    _, _, plain, _ = docs_data
+    script = tmp_path / "reader.py"
+    script.write_text(PACKED_READER)
+    from jaxlm.launch import free_port
+
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, str(script), str(plain), str(tmp_path / "r")],
+                              env=dict(os.environ, JAXLM_COORDINATOR=f"127.0.0.1:{port}", JAXLM_NUM_PROCESSES="2",
+                                       JAXLM_PROCESS_ID=str(i), JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(4)),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    docs = [set(json.loads(next(line for line in o.splitlines() if line.startswith("DOCS"))[5:])) for o in outs]
+    # 3 batches of 8 rows of 17 tokens (documents of 2-29 tokens): each process reads its 4 rows' documents,
+    # none read by both.
+    assert len(docs[0]) > 5 and len(docs[1]) > 5 and not docs[0] & docs[1], outs
