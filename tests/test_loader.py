@@ -370,3 +370,45 @@ def test_two_processes_read_disjoint_documents(docs_data, tmp_path):
     # 3 batches of 8 rows of 17 tokens (documents of 2-29 tokens): each process reads its 4 rows' documents,
     # none read by both.
     assert len(docs[0]) > 5 and len(docs[1]) > 5 and not docs[0] & docs[1], outs
+
+
+def test_a_mixture_draws_rows_by_weight_and_resumes_exactly(docs_data, tmp_path):
+    docs, _, plain, _ = docs_data
+    rng = np.random.default_rng(5)
+    other_docs = {"train": [rng.integers(1, VOCAB, 20) for _ in range(30)], "val": [rng.integers(1, VOCAB, 20)] * 3}
+    other = write_dataset(tmp_path / "other", other_docs)
+    run = _run(plain, tmp_path, **{"data.mixture": f"{plain}:3,{other}:1", "training.grad_accum": 2})
+    loader = train.make_loader(run)
+    plans = [loader.next() for _ in range(40)]
+    sources = np.array([s for p in plans for s, _ in p.items])
+    assert 0.68 < np.mean(sources == 0) < 0.82  # 640 rows drawn 3:1
+    # Rows of the second source hold its documents, read from its own shards.
+    plan = plans[0]
+    b = jax.device_get(train.device_batch(run, "train", plan))
+    tokens = [np.concatenate(docs["train"]), np.concatenate(other_docs["train"])]
+    assert set(s for s, _ in plan.items) == {0, 1}
+    for flat, (s, pieces) in enumerate(plan.items):
+        row, col = b["inputs"].reshape(-1, 16)[flat], 0
+        for start, length in pieces:
+            n = min(length, 16 - col)
+            np.testing.assert_array_equal(row[col:col + n], tokens[s][start:start + n])
+            col += length
+    windows = _run(plain, tmp_path, **{"data.mixture": f"{plain}:3,{other}:1", "data.packing": False})
+    plan = train.make_loader(windows).next()
+    b = jax.device_get(train.device_batch(windows, "train", plan))
+    for flat, (s, start) in enumerate(plan.items):
+        np.testing.assert_array_equal(b["targets"].reshape(-1, 16)[flat], tokens[s][start + 1:start + 17])
+    state = json.loads(json.dumps(loader.state()))
+    expected = [loader.next().items for _ in range(5)]
+    again = train.make_loader(run)
+    again.restore(state)
+    assert [again.next().items for _ in range(5)] == expected
+    with pytest.raises(DataError, match="data.mixture's weights"):
+        train.make_loader(_run(plain, tmp_path, **{"data.mixture": f"{plain}:1,{other}:1",
+                                                   "training.grad_accum": 2})).restore(state)
+    meta = json.loads((other / "meta.json").read_text())
+    shards.write_meta(other, dict(meta, tokenizer={"kind": "char", "chars": "ab"}))
+    with pytest.raises(DataError, match="different tokenizers"):
+        _run(plain, tmp_path, **{"data.mixture": f"{plain}:3,{other}:1"})
+    with pytest.raises(ConfigError, match="is not PATH:WEIGHT with a weight > 0"):
+        tiny_config(plain, tmp_path, **{"data.mixture": f"{plain}:0"})

@@ -23,7 +23,7 @@ from jaxlm import checkpoint as ckpt
 from jaxlm import config as config_lib
 from jaxlm import diagnostics, distributed, generate, metrics, optim, params as P, quant, runtime, sharding, storage
 from jaxlm.config import Config, ConfigError
-from jaxlm.data import loader as loader_lib, packing, prepare, tokenizer as tokenizer_lib
+from jaxlm.data import loader as loader_lib, mixture, packing, prepare, tokenizer as tokenizer_lib
 from jaxlm.model import loss_fn, param_specs
 
 
@@ -33,7 +33,7 @@ class Run:
 
     cfg: Config
     run_dir: Path | str  # a local path, or a URL (storage.py) for storage every host sees
-    dataset: loader_lib.Dataset | None  # None only for an ahead-of-time compile that needs no data
+    dataset: loader_lib.Dataset | mixture.MixtureDataset | None  # None only for an ahead-of-time compile that needs no data
     mesh: jax.sharding.Mesh
     param_rules: sharding.Rules
     act_rules: sharding.Rules
@@ -57,8 +57,12 @@ def setup(cfg: Config, devices=None, data: bool = True) -> Run:
     data=False (`jaxlm compile`) leaves the corpus alone unless the vocabulary size must come from it."""
     dataset = None
     if data or cfg.model.vocab_size is None:
-        data_dir = prepare.ensure_prepared(cfg.data.dataset, resolve_data_dir(cfg), cfg.data.input)
-        dataset = loader_lib.Dataset(data_dir)
+        if cfg.data.mixture:
+            dataset = mixture.MixtureDataset(config_lib.parse_mixture(cfg.data.mixture))
+            data_dir = dataset.dir
+        else:
+            data_dir = prepare.ensure_prepared(cfg.data.dataset, resolve_data_dir(cfg), cfg.data.input)
+            dataset = loader_lib.Dataset(data_dir)
         dataset.check_block_size(cfg.model.block_size)
         vocab = cfg.model.vocab_size
         if vocab is None:
@@ -66,8 +70,8 @@ def setup(cfg: Config, devices=None, data: bool = True) -> Run:
         elif vocab < dataset.vocab_size:
             raise ConfigError(f"model.vocab_size={vocab} is smaller than the data's vocabulary "
                               f"({dataset.vocab_size}, from {data_dir / 'meta.json'})")
-        if cfg.data.packing and dataset.splits["train"].doc_starts_D1 is None:
-            raise loader_lib.DataError(f"data.packing=true needs document boundaries, and {data_dir} has none (a "
+        if cfg.data.packing and (flat := dataset.without_documents()) is not None:
+            raise loader_lib.DataError(f"data.packing=true needs document boundaries, and {flat} has none (a "
                                        f"format-1 train.bin/val.bin); prepare it again with `jaxlm prepare`, or "
                                        f"set data.packing=false")
         if data and cfg.training.sample_tokens:  # the end-of-training sample would fail hours from now
@@ -105,8 +109,10 @@ def resolve_loss_mask(cfg: Config, dataset: loader_lib.Dataset | None) -> str:
     if dataset is not None:
         has, where = dataset.has_loss_mask, dataset.dir
     else:
-        where = resolve_data_dir(cfg)
-        has = (where / "meta.json").is_file() and bool(loader_lib.read_meta(where).get("has_loss_mask"))
+        folders = ([Path(p) for p, _ in config_lib.parse_mixture(cfg.data.mixture)] if cfg.data.mixture
+                   else [resolve_data_dir(cfg)])
+        where = folders[0]
+        has = all((d / "meta.json").is_file() and bool(loader_lib.read_meta(d).get("has_loss_mask")) for d in folders)
     if setting == "on" and not has:
         raise loader_lib.DataError(f"data.loss_mask=on but {where} has no loss mask; prepare chat data with "
                                    f"`jaxlm prepare chat`, or set data.loss_mask=auto")
@@ -362,28 +368,32 @@ def device_batch(run: Run, split: str, plan) -> dict[str, jax.Array]:
     return {k: make(k) for k in keys}
 
 
-def make_loader(run: Run) -> loader_lib.Loader | packing.PackedLoader:
+def make_loader(run: Run, split: str = "train", grad_accum: int | None = None, seed: int | None = None):
+    """The loader of a split: random windows, packed rows, or a mixture of either over several datasets."""
     cfg, t = run.cfg, run.cfg.training
-    if cfg.data.packing:
-        return packing.PackedLoader(run.dataset.splits["train"], cfg.model.block_size, t.batch_size, t.grad_accum,
-                                    cfg.seed, cfg.data.loss_mask == "on")
-    return loader_lib.Loader(run.dataset.splits["train"], cfg.model.block_size, t.batch_size, t.grad_accum,
-                             cfg.seed)
+    A = t.grad_accum if grad_accum is None else grad_accum
+    seed = cfg.seed if seed is None else seed
+    mask = cfg.data.loss_mask == "on"
+
+    def one(data):
+        if cfg.data.packing:
+            return packing.PackedLoader(data, cfg.model.block_size, t.batch_size, A, seed, mask)
+        return loader_lib.Loader(data, cfg.model.block_size, t.batch_size, A, seed)
+
+    data = run.dataset.splits[split]
+    if isinstance(data, mixture.MixedSplit):
+        return mixture.MixtureLoader([one(s) for s in data.sources], run.dataset.weights,
+                                     [str(ds.dir) for ds in run.dataset.datasets], seed, cfg.data.packing, mask)
+    return one(data)
 
 
 def eval_plans(run: Run) -> dict[str, list]:
-    """Each split's held-out batches: the same at every evaluation, resume and `jaxlm eval` (seed + 2)."""
-    cfg, t, T = run.cfg, run.cfg.training, run.cfg.model.block_size
+    """Each split's held-out batches [B]: the same at every evaluation, resume and `jaxlm eval` (seed + 2)."""
+    t = run.cfg.training
     out = {}
     for split in ("train", "val"):
-        data = run.dataset.splits[split]
-        if cfg.data.packing:
-            mask = cfg.data.loss_mask == "on"
-            loader = packing.PackedLoader(data, T, t.batch_size, 1, cfg.seed + 2, mask)
-            out[split] = [packing.Packed(loader.next().pieces, (t.batch_size,), mask) for _ in range(t.eval_batches)]
-        else:
-            out[split] = [loader_lib.Windows(s) for s in
-                          loader_lib.fixed_starts(data, T, t.batch_size, t.eval_batches, cfg.seed + 2)]
+        loader = make_loader(run, split, grad_accum=1, seed=run.cfg.seed + 2)
+        out[split] = [loader.next().only_micro_batch() for _ in range(t.eval_batches)]
     return out
 
 

@@ -83,6 +83,10 @@ class Dataset:
                 raise DataError(f"model.block_size={block_size} is too large for the {name} split of {self.dir} "
                                 f"({len(split)} tokens); use at most {len(split) - 1}")
 
+    def without_documents(self):
+        """This folder if its splits have no document boundaries (format 1), else None."""
+        return self.dir if self.splits["train"].doc_starts_D1 is None else None
+
     def describe(self) -> str:
         def one(s: shards.Split) -> str:
             docs = f" in {s.n_documents:,} documents" if s.n_documents is not None else ""
@@ -119,6 +123,10 @@ class Windows:
         self.starts = starts
         self.shape = starts.shape
 
+    def only_micro_batch(self) -> Windows:
+        """A plan of [1, B] rows as a plan of [B] rows (what an evaluation step takes)."""
+        return Windows(self.starts[0])
+
     def read(self, split: shards.Split, lead_index: tuple, cols: slice, keys: tuple[str, ...], T: int) -> dict:
         """The arrays named in `keys` for the rows `lead_index` and columns `cols` of the batch. Only the
         tokens of these rows and columns are read from the shards."""
@@ -144,6 +152,10 @@ class Loader:
 
     def next(self) -> Windows:
         return Windows(self.next_starts())
+
+    def row(self, b: int) -> int:
+        """The start of one window (for a mixture, which draws rows one at a time)."""
+        return int(self.rng.integers(0, len(self.data) - self.block_size))
 
     def _layout(self) -> dict:
         """What the drawn windows depend on besides the generator: the same state continues the same data
@@ -189,8 +201,3 @@ def mode_changed(saved, here: str) -> str:
             f"{name[here]}; resume with the saved data settings, or start a new run_dir with "
             f"checkpoint.init_from=<this run> to keep the weights")
 
-
-def fixed_starts(split: shards.Split, block_size: int, batch_size: int, n: int, seed: int) -> np.ndarray:
-    """Start offsets [n, batch] of held-out batches that are the same at every evaluation and resume."""
-    rng = np.random.Generator(np.random.PCG64(seed))
-    return rng.integers(0, len(split) - block_size, size=(n, batch_size))

@@ -38,6 +38,10 @@ class Packed:
         self.pieces, self.shape, self.loss_mask = pieces, shape, loss_mask
         self._cache: dict = {}
 
+    def only_micro_batch(self) -> Packed:
+        """A plan of [1, B] rows as a plan of [B] rows (what an evaluation step takes)."""
+        return Packed(self.pieces, self.shape[1:], self.loss_mask)
+
     def rows(self, split: shards.Split, flat_rows: np.ndarray, T: int) -> dict[str, np.ndarray]:
         """Tokens, segment ids, positions (int32 [n, R]) and, with a loss mask, mask (uint8) of these rows."""
         R = T + 1
@@ -112,7 +116,7 @@ class PackedLoader:
             self._perms[epoch] = rng.permutation(self.n_docs)
         return int(self._perms[epoch][k])
 
-    def _row(self, b: int) -> list[tuple[int, int]]:
+    def row(self, b: int) -> list[tuple[int, int]]:
         """Fill one row from stream b; advance the stream past what it placed."""
         R = self.T + 1
         room, pieces = R, []
@@ -138,7 +142,7 @@ class PackedLoader:
         pieces: list = [None] * (A * B)
         for b in range(B):
             for a in range(A):
-                pieces[a * B + b] = self._row(b)
+                pieces[a * B + b] = self.row(b)
         return Packed(pieces, self.shape, self.loss_mask)
 
     def _layout(self) -> dict:
