@@ -5,10 +5,8 @@ import os
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -186,6 +184,7 @@ def test_each_document_in_a_packed_row_gets_its_own_logits(docs_data, tmp_path):
     alone = np.asarray(forward(params, alone_PT, run.cfg.model))
     worst = max(float(np.abs(alone[i, :len(cols)] - logits[r, cols]).max()) for i, (r, cols) in enumerate(where))
     assert len(where) > len(b["inputs"]) and any(cols[0] > 0 for _, cols in where)  # several documents a row
+    print(f"packed_vs_alone_max_abs_logit_diff={worst:.3g} over {len(where)} documents")
     assert worst <= 1e-5, worst
 
 
@@ -244,6 +243,8 @@ def test_accumulation_and_devices_average_exactly_over_counted_tokens(docs_data,
     on_eight = sharding.batch_sharding(eight.mesh, 3, 1, eight.act_rules)
     dev_loss, dev = result(eight, {k: jax.device_put(v, on_eight) for k, v in flat.items()})
     norm = np.linalg.norm(ref)
+    print(f"grad_accum4_rel_diff={np.linalg.norm(acc - ref) / norm:.3g} "
+          f"devices8_rel_diff={np.linalg.norm(dev - ref) / norm:.3g} loss {ref_loss:.7f} {acc_loss:.7f} {dev_loss:.7f} counted per micro-batch {counts.tolist()}")
     assert acc_loss == pytest.approx(ref_loss, rel=1e-6) and dev_loss == pytest.approx(ref_loss, rel=1e-6)
     assert np.linalg.norm(acc - ref) <= 1e-6 * norm, np.linalg.norm(acc - ref) / norm
     assert np.linalg.norm(dev - ref) <= 1e-6 * norm, np.linalg.norm(dev - ref) / norm
@@ -278,7 +279,6 @@ def test_a_saved_step_records_the_batch_arrays_and_refuses_others(docs_data, tmp
 
 KILL_DURING_PACKED_RUN = """
 import json, os, signal, sys, time
-from pathlib import Path
 from jaxlm import config as config_lib, train
 
 cfg = config_lib.from_dict(json.loads(sys.argv[1]))

@@ -353,7 +353,8 @@ def test_train_step_leaves_state_unchanged_on_nan_and_on_spikes(char_data, tmp_p
     before = jax.device_get(state)
 
     b = batches[2]
-    state, m = step(state, dict(b, inputs=b["inputs"] + run.cfg.model.vocab_size))  # ids past the vocabulary: NaN embeddings
+    # Ids past the vocabulary: NaN embeddings.
+    state, m = step(state, dict(b, inputs=b["inputs"] + run.cfg.model.vocab_size))
     after = jax.device_get(state)
     assert not np.isfinite(float(m["loss"]))
     assert (int(m["nonfinite_skips"]), int(m["skips_in_a_row"]), int(after["step"])) == (1, 1, 3)

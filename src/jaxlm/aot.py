@@ -490,9 +490,10 @@ def check_signature(saved: dict, here: dict, path) -> None:
     for name in list(saved_args) + [n for n in here_args if n not in saved_args]:
         if name not in here_args or name not in saved_args:
             if name.startswith("['batch']"):
-                raise ConfigError(f"compile.load={path}: the step was compiled {'with' if name in saved_args else 'without'}"
-                                  f" the batch array {name} (data.packing / data.loss_mask differ); use the saved data "
-                                  "settings or compile again")
+                had = "with" if name in saved_args else "without"
+                raise ConfigError(f"compile.load={path}: the step was compiled {had} the batch array {name} "
+                                  "(data.packing / data.loss_mask differ); use the saved data settings or compile "
+                                  "again")
             raise ConfigError(f"compile.load={path}: the train state differs from the compiled one at {name} "
                               "(model settings changed); compile again for these settings")
         (_, s_shape, s_dtype, s_spec), (_, h_shape, h_dtype, _) = saved_args[name], here_args[name]

@@ -33,7 +33,8 @@ class Run:
 
     cfg: Config
     run_dir: Path | str  # a local path, or a URL (storage.py) for storage every host sees
-    dataset: loader_lib.Dataset | mixture.MixtureDataset | None  # None only for an ahead-of-time compile that needs no data
+    # None only for an ahead-of-time compile that needs no data
+    dataset: loader_lib.Dataset | mixture.MixtureDataset | None
     mesh: jax.sharding.Mesh
     param_rules: sharding.Rules
     act_rules: sharding.Rules

@@ -88,12 +88,13 @@ class Dataset:
         return self.dir if self.splits["train"].doc_starts_D1 is None else None
 
     def describe(self) -> str:
-        def one(s: shards.Split) -> str:
+        def one(name: str) -> str:
+            s = self.splits[name]
             docs = f" in {s.n_documents:,} documents" if s.n_documents is not None else ""
-            return f"{s.n_tokens:,}{docs}"
+            return f"{name} {s.n_tokens:,} tokens{docs}"
 
         ent = self.meta.get("unigram_entropy")
-        return (f"{one(self.splits['train'])} train / {one(self.splits['val'])} val tokens, vocab {self.vocab_size}"
+        return (f"{one('train')}, {one('val')}, vocab {self.vocab_size}"
                 + (", loss mask" if self.has_loss_mask else "")
                 + (f", unigram entropy {ent:.3f} nats" if ent is not None else ""))
 
