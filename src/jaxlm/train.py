@@ -349,8 +349,8 @@ def put_batch(mesh, x: np.ndarray, leading: int, act_rules=sharding.ACTIVATION_R
 
 
 def device_batch(run: Run, split: str, plan) -> dict[str, jax.Array]:
-    """The batch a loader planned (loader.Windows or packing.Packed, [A, B] or [B] rows) as global arrays on
-    the mesh. Every process reads from the shards only the rows (and, for random windows with sequence
+    """The batch a loader planned (loader.Windows, packing.Packed or mixture.MixedPlan; [A, B] or [B] rows) as
+    global arrays on the mesh. Every process reads from the shards only the rows (and, for random windows with sequence
     parallelism, the columns) of its own devices."""
     lead = plan.shape
     sh = sharding.batch_sharding(run.mesh, len(lead) + 1, len(lead) - 1, run.act_rules)
