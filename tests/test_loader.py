@@ -279,6 +279,7 @@ def test_a_saved_step_records_the_batch_arrays_and_refuses_others(docs_data, tmp
 
 KILL_DURING_PACKED_RUN = """
 import json, os, signal, sys, time
+from pathlib import Path
 from jaxlm import config as config_lib, train
 
 cfg = config_lib.from_dict(json.loads(sys.argv[1]))
