@@ -41,7 +41,7 @@ def train_runner(cfg: config_lib.Config, batches):
     holder = {"state": state}
 
     def run_once():
-        holder["state"], m = step(holder["state"], batches[0], batches[1])
+        holder["state"], m = step(holder["state"], {"inputs": batches[0], "targets": batches[1]})
         jax.block_until_ready(m)
 
     return run_once, params

@@ -43,11 +43,11 @@ def measure(cfg: config_lib.Config, steps: int, warmup: int = 3) -> float:
     batches = [train.put_batch(mesh, rng.integers(0, cfg.model.vocab_size, shape).astype(np.int32), 1)
                for _ in range(4)]
     for i in range(warmup):
-        state, m = step(state, batches[i % 4], batches[(i + 1) % 4])
+        state, m = step(state, {"inputs": batches[i % 4], "targets": batches[(i + 1) % 4]})
     jax.block_until_ready(m)
     start = time.perf_counter()
     for i in range(steps):
-        state, m = step(state, batches[i % 4], batches[(i + 1) % 4])
+        state, m = step(state, {"inputs": batches[i % 4], "targets": batches[(i + 1) % 4]})
     jax.block_until_ready(m)
     return steps * int(np.prod(shape)) / (time.perf_counter() - start)
 

@@ -84,7 +84,7 @@ def test_saved_step_trains_like_the_jitted_step_and_refuses_other_runs(char_data
         with pytest.raises(ConfigError, match=message):
             train.train(bad, devices=devices, log=lambda s: None)
 
-    fails(r"expects \['x'\] of shape \(1, 8, 32\) int32, given \(1, 16, 32\) int32: training.batch_size",
+    fails(r"expects \['batch'\]\['inputs'\] of shape \(1, 8, 32\) int32, given \(1, 16, 32\) int32: training.batch_size",
           **{"training.per_device_batch_size": 2})
     fails(r"was compiled for 8 cpu devices \(cpu-8\) but this run has 4 cpu devices",
           devices=jax.devices()[:4], **{"mesh.ici_fsdp": 2})

@@ -45,22 +45,27 @@ def test_large_vocab_uses_uint32(tmp_path):
     meta = prepare.write_split(tmp_path, ids, 70_000, {"kind": "byte"}, "test")
     assert meta["dtype"] == "uint32"
     ds = loader_lib.Dataset(tmp_path)
-    assert int(ds.splits["train"].max()) == 62_999
+    assert int(ds.splits["train"].tokens_S[0].max()) == 62_999
 
 
 def test_loader_windows_are_shifted_and_resumable(char_data):
     ds = loader_lib.Dataset(char_data)
     data = ds.splits["train"]
     a = loader_lib.Loader(data, 16, 4, 2, seed=3)
-    x, y = a.next()
+
+    def read(plan):
+        b = plan.read(data, (slice(None), slice(None)), slice(None), ("inputs", "targets"), 16)
+        return b["inputs"], b["targets"]
+
+    x, y = read(a.next())
     assert x.shape == y.shape == (2, 4, 16) and x.dtype == np.int32
     np.testing.assert_array_equal(x[..., 1:], y[..., :-1])
     state = a.state()
     json.dumps(state)  # the state goes into a JSON checkpoint item
-    expected = [a.next() for _ in range(3)]
+    expected = [read(a.next()) for _ in range(3)]
     b = loader_lib.Loader(data, 16, 4, 2, seed=999)
     b.restore(json.loads(json.dumps(state)))
-    for (ex, ey), (gx, gy) in zip(expected, [b.next() for _ in range(3)]):
+    for (ex, ey), (gx, gy) in zip(expected, [read(b.next()) for _ in range(3)]):
         np.testing.assert_array_equal(ex, gx)
         np.testing.assert_array_equal(ey, gy)
 
@@ -154,7 +159,7 @@ def test_prepare_survives_bad_input_and_reports_counts(tmp_path, capsys):
             assert stats["longest_line"] == max(len(line) for line in data.split(b"\n"))
             assert meta["train_tokens"] + meta["val_tokens"] == n_tokens
             ds = loader_lib.Dataset(out)  # the files agree with their meta (sizes, ids within the vocabulary)
-            tokens = np.concatenate([ds.splits["train"], ds.splits["val"]])
+            tokens = np.concatenate([ds.splits["train"].tokens_S[0], ds.splits["val"].tokens_S[0]])
             if vocab == "byte":
                 assert tokens.tobytes() == np.frombuffer(text.encode(), np.uint8).astype(np.uint16).tobytes()
     assert tried >= 100 and clear >= 5

@@ -150,7 +150,7 @@ def test_int8_train_step_hlo_has_integer_dots(char_data):
     run = train.setup(cfg, jax.devices()[:1])
     step = train.make_train_step(run.cfg, run.optimizer, run.mesh, run.abstract_state)
     xs = jax.ShapeDtypeStruct((1, 8, 32), jnp.int32)
-    lowered = step.lower(run.abstract_state, xs, xs)
+    lowered = step.lower(run.abstract_state, {"inputs": xs, "targets": xs})
     int_dots = re.findall(r"stablehlo\.dot_general.*\(tensor<[0-9x]+xi8>, tensor<[0-9x]+xi8>\) -> tensor<[0-9x]+xi32>",
                           lowered.as_text())
     # q, k, v, o, up, down in the scanned block: one forward and two backward matmuls each.

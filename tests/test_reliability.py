@@ -275,12 +275,12 @@ def signal_at_step(monkeypatch, step: int, sig=signal.SIGTERM):
     """Send `sig` to this process while the loop fetches the batch of `step` (1-based)."""
     real, n = train.device_batch, [0]
 
-    def batch(run, split, starts):
-        if starts.ndim == 2:  # the loop's [grad_accum, batch]; evaluation passes [batch]
+    def batch(run, split, plan):
+        if len(plan.shape) == 2:  # the loop's [grad_accum, batch]; evaluation passes [batch]
             n[0] += 1
             if n[0] == step:
                 os.kill(os.getpid(), sig)
-        return real(run, split, starts)
+        return real(run, split, plan)
 
     monkeypatch.setattr(train, "device_batch", batch)
 
@@ -314,13 +314,13 @@ def poisoned(real, steps: set[int]):
     lookup yields NaN."""
     n = [0]
 
-    def batch(run, split, starts):
-        x, y = real(run, split, starts)
-        if starts.ndim == 2:  # the loop's [grad_accum, batch]; evaluation passes [batch]
+    def batch(run, split, plan):
+        b = real(run, split, plan)
+        if len(plan.shape) == 2:  # the loop's [grad_accum, batch]; evaluation passes [batch]
             n[0] += 1
             if n[0] in steps:
-                x = x + run.cfg.model.vocab_size
-        return x, y
+                b = dict(b, inputs=b["inputs"] + run.cfg.model.vocab_size)
+        return b
 
     return batch
 
@@ -345,15 +345,16 @@ def test_train_step_leaves_state_unchanged_on_nan_and_on_spikes(char_data, tmp_p
     run = train.setup(cfg)
     step = train.make_train_step(run.cfg, run.optimizer, run.mesh, run.abstract_state, run.act_rules)
     starts = np.random.default_rng(0).integers(0, 100_000, (4, 1, 8))
-    batches = [train.device_batch(run, "train", s) for s in starts]
+    batches = [train.device_batch(run, "train", loader_lib.Windows(s)) for s in starts]
     state = train.init_state(run, 0)
-    for x, y in batches[:2]:
-        state, m = step(state, x, y)
+    for b in batches[:2]:
+        state, m = step(state, b)
     assert int(m["nonfinite_skips"]) == int(m["spike_skips"]) == 0 and float(m["loss_avg"]) > 0
     before = jax.device_get(state)
 
-    x, y = batches[2]
-    state, m = step(state, x + run.cfg.model.vocab_size, y)  # ids past the vocabulary: NaN embeddings
+    b = batches[2]
+    # Ids past the vocabulary: NaN embeddings.
+    state, m = step(state, dict(b, inputs=b["inputs"] + run.cfg.model.vocab_size))
     after = jax.device_get(state)
     assert not np.isfinite(float(m["loss"]))
     assert (int(m["nonfinite_skips"]), int(m["skips_in_a_row"]), int(after["step"])) == (1, 1, 3)
@@ -364,7 +365,7 @@ def test_train_step_leaves_state_unchanged_on_nan_and_on_spikes(char_data, tmp_p
     # A loss over 1.5x the running average: an average of 1.0 makes this batch's loss (about ln 65) a spike.
     state = dict(state, guard=dict(state["guard"], loss_avg=jnp.float32(1.0)))
     before = jax.device_get(state)
-    state, m = step(state, *batches[3])
+    state, m = step(state, batches[3])
     after = jax.device_get(state)
     assert float(m["loss"]) > 1.5 and (int(m["spike_skips"]), int(m["skips_in_a_row"])) == (1, 0)
     assert tree_hash(after["params"]) == tree_hash(before["params"])
@@ -374,7 +375,7 @@ def test_train_step_leaves_state_unchanged_on_nan_and_on_spikes(char_data, tmp_p
     assert float(m["lr"]) == pytest.approx(float(train.optim.schedule(cfg.optimizer, cfg.training.steps)(2)))
 
     state = dict(state, guard=dict(state["guard"], loss_avg=jnp.float32(4.0)))
-    state, m = step(state, *batches[3])
+    state, m = step(state, batches[3])
     assert int(m["spike_skips"]) == 1 and tree_hash(jax.device_get(state["params"])) != tree_hash(after["params"])
 
 

@@ -14,6 +14,7 @@ import pytest
 from conftest import tiny_config, xla_flags
 from jaxlm import checkpoint as ckpt, config as config_lib, sharding, train
 from jaxlm.config import ConfigError, MeshConfig
+from jaxlm.data import loader as loader_lib
 
 STRATEGIES = {
     "data8": {"mesh.ici_data": 8},
@@ -33,7 +34,7 @@ def step_losses(char_data, tmp_path, devices, steps=20, **overrides):
     losses = []
     for _ in range(steps):
         starts = rng.integers(0, 100_000, size=(1, run.cfg.training.batch_size))
-        state, m = step(state, *train.device_batch(run, "train", starts))
+        state, m = step(state, train.device_batch(run, "train", loader_lib.Windows(starts)))
         losses.append(m["loss"])
     return np.array(jax.device_get(losses)), state
 
@@ -58,7 +59,7 @@ def _argument_bytes(cfg, devices):
     step = train.make_train_step(run.cfg, run.optimizer, run.mesh, run.abstract_state, run.act_rules)
     tok = jax.ShapeDtypeStruct((1, run.cfg.training.batch_size, run.cfg.model.block_size), np.int32,
                                sharding=sharding.batch_sharding(run.mesh, 3, 1, run.act_rules))
-    compiled = step.lower(run.abstract_state, tok, tok).compile()
+    compiled = step.lower(run.abstract_state, {"inputs": tok, "targets": tok}).compile()
     state_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(run.abstract_state))
     return compiled.memory_analysis().argument_size_in_bytes, state_bytes
 
@@ -199,6 +200,7 @@ READER = """
 import json, sys
 import numpy as np
 from jaxlm import distributed, train
+from jaxlm.data import loader
 from jaxlm.config import DistributedConfig, apply_overrides, Config
 distributed.initialize(DistributedConfig())
 cfg = apply_overrides(Config(), {"data.dir": sys.argv[1], "model.block_size": 16, "model.n_layers": 1,
@@ -211,13 +213,13 @@ class Recording:
         self.data, self.rows = data, set()
     def __len__(self):
         return len(self.data)
-    def __getitem__(self, idx):
+    def take(self, idx, mask=False):
         self.rows.update(int(v) // 1000 for v in np.asarray(idx)[..., 0].ravel())
-        return self.data[idx]
+        return self.data.take(idx, mask)
 
 rec = run.dataset.splits["train"] = Recording(run.dataset.splits["train"])
-x, y = train.device_batch(run, "train", np.arange(8).reshape(1, 8) * 1000)
-assert x.shape == (1, 8, 16)
+batch = train.device_batch(run, "train", loader.Windows(np.arange(8).reshape(1, 8) * 1000))
+assert batch["inputs"].shape == (1, 8, 16)
 print("ROWS", json.dumps(sorted(rec.rows)))
 """
 

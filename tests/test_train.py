@@ -23,7 +23,7 @@ def test_loss_falls_on_a_fixed_batch(char_data, tmp_path):
     y = np.roll(x, -1, axis=-1)
     losses = []
     for _ in range(40):
-        state, m = step(state, x, y)
+        state, m = step(state, {"inputs": x, "targets": y})
         losses.append(float(m["loss"]))
     assert losses[0] == pytest.approx(np.log(65), rel=0.1)
     assert losses[-1] < 0.5 * losses[0]

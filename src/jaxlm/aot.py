@@ -259,8 +259,7 @@ class Result:
 
 
 def _step_args(run: train.Run) -> dict:
-    x, y = train.abstract_batch(run)
-    return {"state": run.abstract_state, "x": x, "y": y}
+    return {"state": run.abstract_state, "batch": train.abstract_batch(run)}
 
 
 def _shard_bytes(a: jax.ShapeDtypeStruct) -> int:
@@ -421,8 +420,9 @@ def _version(package: str) -> str | None:
 
 def baked_settings(cfg: Config) -> dict:
     """Settings a compiled step holds as constants or shapes: the model, the optimizer and its learning-rate
-    schedule (its length included), the batch, the loss-spike threshold, the dropout seed and the mesh. The data, evaluation,
-    checkpoints, logging and the number of steps run are read at run time."""
+    schedule (its length included), the batch (with data.packing and data.loss_mask, which decide its arrays),
+    the loss-spike threshold, the dropout seed and the mesh. The data, evaluation, checkpoints, logging and the
+    number of steps run are read at run time."""
     out = {f"model.{k}": v for k, v in dataclasses.asdict(cfg.model).items()}
     out.update({f"optimizer.{k}": v for k, v in dataclasses.asdict(cfg.optimizer).items()})
     if cfg.optimizer.decay_steps is None:  # the schedule decays over training.steps
@@ -430,6 +430,7 @@ def baked_settings(cfg: Config) -> dict:
     out.update({"training.batch_size": cfg.training.batch_size, "training.grad_accum": cfg.training.grad_accum,
                 "training.spike_threshold": cfg.training.spike_threshold, "seed": cfg.seed})
     out.update({f"mesh.{k}": v for k, v in dataclasses.asdict(cfg.mesh).items()})
+    out.update({"data.packing": cfg.data.packing, "data.loss_mask": cfg.data.loss_mask})  # the batch's arrays
     return out
 
 
@@ -527,12 +528,17 @@ def check_signature(saved: dict, here: dict, path) -> None:
     saved_args, here_args = {a[0]: a for a in saved["args"]}, {a[0]: a for a in here["args"]}
     for name in list(saved_args) + [n for n in here_args if n not in saved_args]:
         if name not in here_args or name not in saved_args:
+            if name.startswith("['batch']"):
+                had = "with" if name in saved_args else "without"
+                raise ConfigError(f"compile.load={path}: the step was compiled {had} the batch array {name} "
+                                  "(data.packing / data.loss_mask differ); use the saved data settings or compile "
+                                  "again")
             raise ConfigError(f"compile.load={path}: the train state differs from the compiled one at {name} "
                               "(model settings changed); compile again for these settings")
         (_, s_shape, s_dtype, s_spec), (_, h_shape, h_dtype, _) = saved_args[name], here_args[name]
         if (s_shape, s_dtype) != (h_shape, h_dtype):
             what = ("training.batch_size/per_device_batch_size, training.grad_accum and model.block_size"
-                    if name in ("['x']", "['y']") else "the model settings")
+                    if name.startswith("['batch']") else "the model settings")
             raise ConfigError(f"compile.load={path} expects {name} of shape {tuple(s_shape)} {s_dtype}, given "
                               f"{tuple(h_shape)} {h_dtype}: {what} must be as compiled")
     for key, value in saved["settings"].items():

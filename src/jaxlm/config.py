@@ -117,6 +117,14 @@ class DataConfig:
                                      "SentencePiece .model, a tokenizer.json or a folder holding one, a hub id); "
                                      "None = the model's tokenizer/ folder, else the dataset's meta.json "
                                      "(docs/data.md); a dataset prepared with another tokenizer is refused")
+    packing: bool = _f(False, "rows of whole documents back to back, each with its own segment id and positions "
+                              "from 0 (attention never crosses a document); false = random windows of the corpus. "
+                              "Needs a dataset with document boundaries (`jaxlm prepare`, format 2)")
+    mixture: str | None = _f(None, "train on several prepared folders sharing one tokenizer, each row drawn from one "
+                                   "of them by weight: 'dirA:0.7,dirB:0.3' (replaces data.dir/data.dataset)")
+    loss_mask: Literal["auto", "on", "off"] = _f(
+        "auto", "train only on the targets the dataset's loss mask marks (chat data: the assistant's tokens): "
+                "auto = when the dataset has a mask, on = require one, off = train on every token")
 
 
 @dataclass(frozen=True)
@@ -491,9 +499,27 @@ def _divisors(n: int) -> str:
     return ", ".join(map(str, ds[:12])) + (", ..." if len(ds) > 12 else "")
 
 
+def parse_mixture(spec: str) -> list[tuple[str, float]]:
+    """data.mixture's 'path:weight,path:weight' -> [(path, weight)]; weights > 0 (they need not sum to 1)."""
+    out = []
+    for part in spec.split(","):
+        path, _, weight = part.strip().rpartition(":")
+        try:
+            w = float(weight)
+        except ValueError:
+            w = float("nan")
+        if not path or not math.isfinite(w) or w <= 0:
+            raise ConfigError(f"data.mixture={spec!r}: {part.strip()!r} is not PATH:WEIGHT with a weight > 0; "
+                              "write e.g. data.mixture=data/web:0.7,data/code:0.3")
+        out.append((path, w))
+    return out
+
+
 def validate(cfg: Config) -> None:
     """Range and consistency checks that need no data or devices."""
     m, o, t, c = cfg.model, cfg.optimizer, cfg.training, cfg.checkpoint
+    if cfg.data.mixture is not None:
+        parse_mixture(cfg.data.mixture)
 
     def positive(key, v):
         if v <= 0:

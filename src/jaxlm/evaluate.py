@@ -13,7 +13,6 @@ from jaxlm import checkpoint as ckpt
 from jaxlm import config as config_lib
 from jaxlm import quant, storage, train
 from jaxlm.config import ConfigError
-from jaxlm.data import loader as loader_lib
 
 
 def load_run_config(run_dir: str | Path, overrides: dict) -> config_lib.Config:
@@ -44,9 +43,7 @@ def evaluate_run(run_dir: str | Path, overrides: dict | None = None, devices=Non
         params = quant.quantize_params(float_params, cfg.model)
 
     # The same batches (same seed) that training evaluated on, so the numbers compare with metrics.jsonl.
-    batches = {split: loader_lib.fixed_starts(run.dataset.splits[split], cfg.model.block_size, t_cfg.batch_size,
-                                              t_cfg.eval_batches, cfg.seed + 2)
-               for split in ("train", "val")}
+    batches = train.eval_plans(run)
     losses = train.evaluate(train.make_eval_step(cfg, run.mesh, run.act_rules), params, run, batches)
     summary = {"step": step, "quantization": cfg.model.quantization, "train_loss": losses["train"],
                "val_loss": losses["val"], "param_bytes": quant.nbytes(params)}

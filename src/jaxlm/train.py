@@ -23,7 +23,7 @@ from jaxlm import checkpoint as ckpt
 from jaxlm import config as config_lib
 from jaxlm import diagnostics, distributed, generate, metrics, optim, params as P, quant, runtime, sharding, storage
 from jaxlm.config import Config, ConfigError
-from jaxlm.data import loader as loader_lib, prepare, tokenizer as tokenizer_lib
+from jaxlm.data import loader as loader_lib, mixture, packing, prepare, tokenizer as tokenizer_lib
 from jaxlm.model import loss_fn, param_specs
 
 
@@ -33,7 +33,8 @@ class Run:
 
     cfg: Config
     run_dir: Path | str  # a local path, or a URL (storage.py) for storage every host sees
-    dataset: loader_lib.Dataset | None  # None only for an ahead-of-time compile that needs no data
+    # None only for an ahead-of-time compile that needs no data
+    dataset: loader_lib.Dataset | mixture.MixtureDataset | None
     mesh: jax.sharding.Mesh
     param_rules: sharding.Rules
     act_rules: sharding.Rules
@@ -57,8 +58,12 @@ def setup(cfg: Config, devices=None, data: bool = True) -> Run:
     data=False (`jaxlm compile`) leaves the corpus alone unless the vocabulary size must come from it."""
     dataset = None
     if data or cfg.model.vocab_size is None:
-        data_dir = prepare.ensure_prepared(cfg.data.dataset, resolve_data_dir(cfg), cfg.data.input)
-        dataset = loader_lib.Dataset(data_dir)
+        if cfg.data.mixture:
+            dataset = mixture.MixtureDataset(config_lib.parse_mixture(cfg.data.mixture))
+            data_dir = dataset.dir
+        else:
+            data_dir = prepare.ensure_prepared(cfg.data.dataset, resolve_data_dir(cfg), cfg.data.input)
+            dataset = loader_lib.Dataset(data_dir)
         dataset.check_block_size(cfg.model.block_size)
         vocab = cfg.model.vocab_size
         if vocab is None:
@@ -66,6 +71,10 @@ def setup(cfg: Config, devices=None, data: bool = True) -> Run:
         elif vocab < dataset.vocab_size:
             raise ConfigError(f"model.vocab_size={vocab} is smaller than the data's vocabulary "
                               f"({dataset.vocab_size}, from {data_dir / 'meta.json'})")
+        if cfg.data.packing and (flat := dataset.without_documents()) is not None:
+            raise loader_lib.DataError(f"data.packing=true needs document boundaries, and {flat} has none (a "
+                                       f"format-1 train.bin/val.bin); prepare it again with `jaxlm prepare`, or "
+                                       f"set data.packing=false")
         if data and cfg.training.sample_tokens:  # the end-of-training sample would fail hours from now
             try:
                 tokenizer_lib.from_meta(dataset.meta).encode(cfg.training.sample_prompt)
@@ -75,7 +84,8 @@ def setup(cfg: Config, devices=None, data: bool = True) -> Run:
     if data and cfg.checkpoint.init_from and not Path(cfg.checkpoint.init_from).is_dir():
         raise ConfigError(f"checkpoint.init_from={cfg.checkpoint.init_from!r} is not a folder; give a run "
                           f"directory or a `jaxlm convert from-hf` output")
-    cfg = cfg.replace(model=config_lib.apply_parameter_scale(cfg.model))
+    cfg = cfg.replace(model=config_lib.apply_parameter_scale(cfg.model),
+                      data=dataclasses.replace(cfg.data, loss_mask=resolve_loss_mask(cfg, dataset)))
     mesh = sharding.make_mesh(cfg.mesh, devices)
     if mesh.devices.flat[0].platform == "cpu":
         runtime.tune_for_xla_cpu()  # keep each step's scratch memory mapped between steps
@@ -89,6 +99,30 @@ def setup(cfg: Config, devices=None, data: bool = True) -> Run:
     abstract_state = make_abstract_state(specs, mesh, optimizer, param_rules)
     run_dir = resolve_run_dir(cfg)
     return Run(cfg, run_dir, dataset, mesh, param_rules, act_rules, specs, optimizer, abstract_state)
+
+
+def resolve_loss_mask(cfg: Config, dataset: loader_lib.Dataset | None) -> str:
+    """data.loss_mask as the step will use it, "on" or "off": auto follows the dataset (its meta.json alone
+    when the corpus is not opened, as for `jaxlm compile`; no dataset at all reads as none)."""
+    setting = cfg.data.loss_mask
+    if setting == "off":
+        return "off"
+    if dataset is not None:
+        has, where = dataset.has_loss_mask, dataset.dir
+    else:
+        folders = ([Path(p) for p, _ in config_lib.parse_mixture(cfg.data.mixture)] if cfg.data.mixture
+                   else [resolve_data_dir(cfg)])
+        where = folders[0]
+        has = all((d / "meta.json").is_file() and bool(loader_lib.read_meta(d).get("has_loss_mask")) for d in folders)
+    if setting == "on" and not has:
+        raise loader_lib.DataError(f"data.loss_mask=on but {where} has no loss mask; prepare chat data with "
+                                   f"`jaxlm prepare chat`, or set data.loss_mask=auto")
+    return "on" if has else "off"
+
+
+def batch_keys(cfg: Config) -> tuple[str, ...]:
+    """The arrays of this run's batches (loader.batch_keys); the plain path takes inputs and targets only."""
+    return loader_lib.batch_keys(cfg.data.packing, cfg.data.loss_mask == "on")
 
 
 def resolve_run_dir(cfg: Config) -> Path | str:
@@ -178,8 +212,36 @@ def init_state_from(run: Run, path: str) -> dict:
     return init(params)
 
 
+def loss_and_grads(params, batch: dict, model_cfg, key) -> tuple[jax.Array, dict]:
+    """The step's loss and gradient from a batch of [A, B, T] arrays, accumulating A micro-batches by scan.
+
+    With weights, each micro-batch's loss is its weighted sum over the whole step's total weight / A, so the
+    mean over micro-batches is exactly the mean over the step's counted tokens, however unevenly they fall
+    (a micro-batch with few counted tokens weighs no more than its tokens). The sums run over the global
+    batch, so the same holds across devices."""
+    A = batch["inputs"].shape[0]
+    normalizer = None if "weights" not in batch else jnp.maximum(jnp.sum(batch["weights"]), 1e-9) / A
+    grad_fn = jax.value_and_grad(loss_fn)
+
+    def micro_grads(b, k):
+        return grad_fn(params, b["inputs"], b["targets"], model_cfg, k, b.get("positions"), b.get("segment_ids"),
+                       b.get("weights"), normalizer)
+
+    if A == 1:
+        return micro_grads(jax.tree.map(lambda v: v[0], batch), key)
+
+    def micro(acc, inputs):
+        b, i = inputs
+        return jax.tree.map(jnp.add, acc, micro_grads(b, jax.random.fold_in(key, i))), None
+
+    zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+    (loss, grads), _ = jax.lax.scan(micro, zeros, (batch, jnp.arange(A)))
+    return jax.tree.map(lambda g: g / A, (loss, grads))
+
+
 def make_train_step(cfg: Config, optimizer, mesh, abstract_state, act_rules=sharding.ACTIVATION_RULES) -> Callable:
-    """(state, x[A,B,T], y[A,B,T]) -> (state, metrics); A micro-batches are accumulated.
+    """(state, batch) -> (state, metrics); batch: dict of [A, B, T] arrays (batch_keys), A micro-batches
+    accumulated (loss_and_grads).
 
     A step whose loss or gradient norm is NaN/inf, or (with training.spike_threshold) whose loss exceeds
     that multiple of the running average, is not applied: params and optimizer state come out bit-for-bit
@@ -191,24 +253,12 @@ def make_train_step(cfg: Config, optimizer, mesh, abstract_state, act_rules=shar
     lr_at = optim.schedule(cfg.optimizer, cfg.training.steps)
     spike = cfg.training.spike_threshold
     base_key = jax.random.key(cfg.seed + 1)
-    grad_fn = jax.value_and_grad(loss_fn)
 
-    def step_fn(state, x_ABT, y_ABT):
+    def step_fn(state, batch):
         params = state["params"]
         key = jax.random.fold_in(base_key, state["step"])
-        A = x_ABT.shape[0]
         with sharding.activation_sharding(mesh, act_rules):
-            if A == 1:
-                loss, grads = grad_fn(params, x_ABT[0], y_ABT[0], model_cfg, key)
-            else:
-                def micro(acc, inputs):
-                    x_BT, y_BT, i = inputs
-                    loss, grads = grad_fn(params, x_BT, y_BT, model_cfg, jax.random.fold_in(key, i))
-                    return jax.tree.map(jnp.add, acc, (loss, grads)), None
-
-                zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-                (loss, grads), _ = jax.lax.scan(micro, zeros, (x_ABT, y_ABT, jnp.arange(A)))
-                loss, grads = jax.tree.map(lambda g: g / A, (loss, grads))
+            loss, grads = loss_and_grads(params, batch, model_cfg, key)
         grad_norm = optax.tree.norm(grads)
         guard = state["guard"]
         avg = guard["loss_avg"]
@@ -239,19 +289,20 @@ def make_train_step(cfg: Config, optimizer, mesh, abstract_state, act_rules=shar
     return jax.jit(step_fn, donate_argnums=0, out_shardings=(state_sh, None))
 
 
-def abstract_batch(run: Run) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
-    """Shape, dtype and sharding of a train step's inputs and targets [A, B, T], as device_batch makes them."""
+def abstract_batch(run: Run) -> dict[str, jax.ShapeDtypeStruct]:
+    """Shape, dtype and sharding of a train step's batch arrays [A, B, T], as device_batch makes them."""
     t = run.cfg.training
     shape = (t.grad_accum, t.batch_size, run.cfg.model.block_size)
-    x = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding.batch_sharding(run.mesh, 3, 1, run.act_rules))
-    return x, x
+    sh = sharding.batch_sharding(run.mesh, 3, 1, run.act_rules)
+    return {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "weights" else jnp.int32, sharding=sh)
+            for k in batch_keys(run.cfg)}
 
 
 def lower_train_step(run: Run) -> jax.stages.Lowered:
     """The train step lowered from abstract shapes, nothing allocated: what `jaxlm compile` compiles for a
     target, and what a step saved by it must match to replace make_train_step's jit in `train`."""
     step = make_train_step(run.cfg, run.optimizer, run.mesh, run.abstract_state, run.act_rules)
-    return step.lower(run.abstract_state, *abstract_batch(run))
+    return step.lower(run.abstract_state, abstract_batch(run))
 
 
 class TrainingError(RuntimeError):
@@ -281,9 +332,13 @@ def _report_skips(step: int, m: dict, seen: dict, t_cfg: config_lib.TrainingConf
 
 
 def make_eval_step(cfg: Config, mesh, act_rules=sharding.ACTIVATION_RULES) -> Callable:
-    def eval_fn(params, x_BT, y_BT):
+    """(params, batch of [B, T] arrays) -> (mean loss over the batch's counted tokens, their count)."""
+    def eval_fn(params, batch):
+        weights = batch.get("weights")
         with sharding.activation_sharding(mesh, act_rules):
-            return loss_fn(params, x_BT, y_BT, cfg.model)
+            loss = loss_fn(params, batch["inputs"], batch["targets"], cfg.model, None, batch.get("positions"),
+                           batch.get("segment_ids"), weights)
+        return loss, (jnp.float32(batch["inputs"].size) if weights is None else jnp.sum(weights))
 
     return jax.jit(eval_fn)
 
@@ -293,31 +348,63 @@ def put_batch(mesh, x: np.ndarray, leading: int, act_rules=sharding.ACTIVATION_R
     return jax.device_put(x, sharding.batch_sharding(mesh, x.ndim, leading, act_rules))
 
 
-def device_batch(run: Run, split: str, starts: np.ndarray) -> tuple[jax.Array, jax.Array]:
-    """Inputs and targets for the windows of `split` starting at `starts` ([A, B] or [B]) as global arrays
-    on the mesh. Every process reads from the token file only the rows (and, with sequence parallelism,
-    the columns) of its own devices' shards."""
-    sh = sharding.batch_sharding(run.mesh, starts.ndim + 1, starts.ndim - 1, run.act_rules)
-    data, T = run.dataset.splits[split], run.cfg.model.block_size
-    shape = starts.shape + (T,)
+def device_batch(run: Run, split: str, plan) -> dict[str, jax.Array]:
+    """The batch a loader planned (loader.Windows, packing.Packed or mixture.MixedPlan; [A, B] or [B] rows) as
+    global arrays on the mesh. Every process reads from the shards only the rows (and, for random windows with sequence
+    parallelism, the columns) of its own devices."""
+    lead = plan.shape
+    sh = sharding.batch_sharding(run.mesh, len(lead) + 1, len(lead) - 1, run.act_rules)
+    data, T, keys = run.dataset.splits[split], run.cfg.model.block_size, batch_keys(run.cfg)
+    read: dict = {}
 
-    def make(offset: int) -> jax.Array:
+    def make(key: str) -> jax.Array:
         def shard(index) -> np.ndarray:
-            s = starts[index[:-1]]
-            t = np.arange(T)[index[-1]] + offset
-            return np.asarray(data[s[..., None] + t], dtype=np.int32)
+            at = (tuple((s.start, s.stop) for s in index[:-1]), index[-1].start, index[-1].stop)
+            if at not in read:  # one read per device shard serves all the batch's arrays
+                read[at] = plan.read(data, index[:-1], index[-1], keys, T)
+            return read[at][key]
 
-        return jax.make_array_from_callback(shape, sh, shard)
+        return jax.make_array_from_callback(lead + (T,), sh, shard)
 
-    return make(0), make(1)
+    return {k: make(k) for k in keys}
 
 
-def evaluate(eval_step, params, run: Run, batches: dict) -> dict:
-    """Mean loss over each split's fixed batches (`batches`: split -> window starts [n, B])."""
+def make_loader(run: Run, split: str = "train", grad_accum: int | None = None, seed: int | None = None):
+    """The loader of a split: random windows, packed rows, or a mixture of either over several datasets."""
+    cfg, t = run.cfg, run.cfg.training
+    A = t.grad_accum if grad_accum is None else grad_accum
+    seed = cfg.seed if seed is None else seed
+    mask = cfg.data.loss_mask == "on"
+
+    def one(data):
+        if cfg.data.packing:
+            return packing.PackedLoader(data, cfg.model.block_size, t.batch_size, A, seed, mask)
+        return loader_lib.Loader(data, cfg.model.block_size, t.batch_size, A, seed)
+
+    data = run.dataset.splits[split]
+    if isinstance(data, mixture.MixedSplit):
+        return mixture.MixtureLoader([one(s) for s in data.sources], run.dataset.weights,
+                                     [str(ds.dir) for ds in run.dataset.datasets], seed, cfg.data.packing, mask)
+    return one(data)
+
+
+def eval_plans(run: Run) -> dict[str, list]:
+    """Each split's held-out batches [B]: the same at every evaluation, resume and `jaxlm eval` (seed + 2)."""
+    t = run.cfg.training
     out = {}
-    for split, starts_NB in batches.items():
-        losses = [eval_step(params, *device_batch(run, split, starts_B)) for starts_B in starts_NB]
-        out[split] = float(np.mean(jax.device_get(losses)))
+    for split in ("train", "val"):
+        loader = make_loader(run, split, grad_accum=1, seed=run.cfg.seed + 2)
+        out[split] = [loader.next().only_micro_batch() for _ in range(t.eval_batches)]
+    return out
+
+
+def evaluate(eval_step, params, run: Run, plans: dict) -> dict:
+    """Each split's loss over its held-out batches (eval_plans): the mean over all their counted tokens."""
+    out = {}
+    for split, batches in plans.items():
+        results = jax.device_get([eval_step(params, device_batch(run, split, plan)) for plan in batches])
+        losses, counts = np.array([r[0] for r in results], np.float64), np.array([r[1] for r in results], np.float64)
+        out[split] = float(np.sum(losses * counts) / max(np.sum(counts), 1e-9))
     return out
 
 
@@ -372,14 +459,14 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
         f"{t_cfg.grad_accum} accumulation = {tokens_per_step:,} tokens/step")
     log(f"model FLOPs {flops_per_token:,.0f} per token (causal attention counted as half) | peak "
         f"{peak / 1e12:.3f} TFLOP/s per device ({peak_source})")
-    log(f"data {run.dataset.dir}: {prepare.describe(run.dataset.meta)}")
+    log(f"data {run.dataset.dir}: {run.dataset.describe()}"
+        + (" | packed rows" if cfg.data.packing else "") + (" | loss mask on" if cfg.data.loss_mask == "on" else ""))
     if m_cfg.quantization == "fp8" and (note := quant.fp8_fallback_message(mesh.devices.flat[0])):
         log(note)
 
     use_ckpt = cfg.checkpoint.enabled and not cfg.debug
     checkpointer = ckpt.Checkpointer(run_dir, cfg.checkpoint, log) if use_ckpt else None
-    loader = loader_lib.Loader(run.dataset.splits["train"], m_cfg.block_size, t_cfg.batch_size, t_cfg.grad_accum,
-                               cfg.seed)
+    loader = make_loader(run)
     latest = checkpointer.latest if checkpointer else None
     if latest is not None:
         state, loader_state = checkpointer.restore(latest, run.abstract_state)
@@ -399,9 +486,7 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
     else:
         train_step = make_train_step(cfg, run.optimizer, mesh, run.abstract_state, run.act_rules)
     eval_step = make_eval_step(cfg, mesh, run.act_rules)
-    eval_batches = {split: loader_lib.fixed_starts(run.dataset.splits[split], m_cfg.block_size, t_cfg.batch_size,
-                                                    t_cfg.eval_batches, cfg.seed + 2)
-                    for split in ("train", "val")}
+    eval_batches = eval_plans(run)
     writer = metrics.MetricWriter(run_dir, tensorboard=cfg.logging.tensorboard, enabled=main_process,
                                   wandb_run=metrics.start_wandb(cfg, run_dir) if cfg.logging.wandb and main_process
                                   else None)
@@ -422,9 +507,9 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
             profiler.before(step)
             with jax.profiler.StepTraceAnnotation("train", step_num=step):
                 with goodput.phase("data"):
-                    x, y = device_batch(run, "train", loader.next_starts())
+                    batch = device_batch(run, "train", loader.next())
                 with goodput.phase("compile" if step == start else "compute"):
-                    state, step_metrics = train_step(state, x, y)
+                    state, step_metrics = train_step(state, batch)
                     if step == start:
                         jax.block_until_ready(step_metrics)  # the first call compiles; keep that out of compute
             done = step + 1

@@ -1,7 +1,18 @@
-"""Token files and a nanoGPT-style loader of random windows whose position can be saved and restored.
+"""The reading side of a prepared dataset: its checks, and the loaders that turn it into training batches
+whose position can be saved in a checkpoint and restored exactly.
 
-Every batch is drawn from one seeded numpy generator, so the data order depends only on the seed and
-the number of batches drawn; the generator's state goes into each checkpoint for an exact resume.
+Two ways to cut rows out of a split (shards.Split, formats 1 and 2):
+- random windows (`Loader`, nanoGPT's way): block_size + 1 consecutive tokens from a random offset, drawn
+  from one seeded generator whose state is the loader's position;
+- packing (`data.packing=true`, `packing.PackedLoader`): whole documents back to back, each with its own
+  segment id and positions from 0, so attention never crosses a document.
+
+A loader's `next()` returns a plan of the global batch (which tokens go in which row), which every process
+makes in full and cheaply, so the data order never depends on the number of processes; `read` then fetches
+only the rows a process's devices hold. Batches are dicts of int32 "inputs", "targets" and, when a run needs
+them, int32 "positions", "segment_ids" and float32 "weights" (1 = the target is trained, 0 = not).
+
+Legend: A micro-batches per step, B rows per micro-batch, T block_size, R = T + 1 tokens per row.
 """
 
 from __future__ import annotations
@@ -11,19 +22,29 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxlm.data import shards
 from jaxlm.data.prepare import DataError
+
+PACKED_KEYS = ("positions", "segment_ids", "weights")
+
+
+def batch_keys(packing: bool, loss_mask: bool) -> tuple[str, ...]:
+    """The arrays a train step takes: inputs and targets always; packing adds positions, segment ids and
+    weights (padding and targets across a document boundary are not trained); a loss mask adds weights."""
+    keys = ("inputs", "targets")
+    if packing:
+        return keys + PACKED_KEYS
+    return keys + ("weights",) if loss_mask else keys
 
 
 class Dataset:
-    """train.bin / val.bin / meta.json of one prepared corpus, memory-mapped."""
+    """One prepared folder: meta.json and the train and val splits, memory-mapped through shards.Split."""
 
     def __init__(self, directory: str | Path):
         self.dir = Path(directory)
+        self.meta = read_meta(self.dir)
         meta_path = self.dir / "meta.json"
-        if not meta_path.is_file():
-            raise DataError(f"{meta_path} is missing; prepare the data first (`jaxlm prepare ...`)")
         try:
-            self.meta = json.loads(meta_path.read_text())
             self.vocab_size = int(self.meta["vocab_size"])
             dtype = np.dtype(self.meta.get("dtype", "uint16"))
         except (ValueError, KeyError, TypeError) as e:
@@ -34,56 +55,94 @@ class Dataset:
             raise DataError(f"{meta_path}: vocab_size {self.vocab_size} must be > 0")
         if self.vocab_size > np.iinfo(dtype).max + 1:
             raise DataError(f"{meta_path}: vocab_size {self.vocab_size} does not fit in {dtype}")
-        self.splits = {name: self._open(name, dtype) for name in ("train", "val")}
-        for name, data in self.splits.items():
-            self._check_ids(name, data)
+        try:
+            self.splits = {name: shards.Split(self.dir, self.meta, name) for name in ("train", "val")}
+        except (shards.FormatError, KeyError, TypeError) as e:
+            raise DataError(str(e) if isinstance(e, shards.FormatError) else
+                            f"{meta_path} is not a valid meta.json ({e.__class__.__name__}: {e})") from None
+        for split in self.splits.values():
+            self._check_ids(split)
+        self.has_loss_mask = all(s.has_mask for s in self.splits.values())
 
-    def _open(self, name: str, dtype: np.dtype) -> np.ndarray:
-        path = self.dir / f"{name}.bin"
-        if not path.is_file():
-            raise DataError(f"{path} is missing; prepare the data first (`jaxlm prepare ...`)")
-        size = path.stat().st_size
-        if size % dtype.itemsize:
-            raise DataError(f"{path}: {size} bytes is not a whole number of {dtype} tokens (truncated file?)")
-        n = size // dtype.itemsize
-        expected = self.meta.get(f"{name}_tokens")
-        if expected is not None and int(expected) != n:
-            raise DataError(f"{path} holds {n} tokens but meta.json says {expected}; re-run `jaxlm prepare`")
-        if n == 0:
-            raise DataError(f"{path} is empty")
-        return np.memmap(path, dtype=dtype, mode="r", shape=(n,))
-
-    def _check_ids(self, name: str, data: np.ndarray) -> None:
+    def _check_ids(self, split: shards.Split) -> None:
         """Every token id must index the embedding table: out of range, a lookup yields NaN (or another
-        row), never an error. One pass over the file in 64M-token chunks (about a second per 10 GB)."""
+        row), never an error. One pass over each shard in 64M-token chunks (about a second per 10 GB)."""
         chunk = 1 << 26
-        for i in range(0, len(data), chunk):
-            part = data[i:i + chunk]
-            if int(part.max()) >= self.vocab_size:
-                at = i + int(np.argmax(part >= self.vocab_size))
-                raise DataError(f"{self.dir / (name + '.bin')} holds token id {int(data[at])} at position {at}, but "
-                                f"meta.json's vocab_size is {self.vocab_size}; the files do not belong together, "
-                                f"re-run `jaxlm prepare`")
+        for k, data in enumerate(split.tokens_S):
+            for i in range(0, len(data), chunk):
+                part = data[i:i + chunk]
+                if int(part.max()) >= self.vocab_size:
+                    at = i + int(np.argmax(part >= self.vocab_size))
+                    raise DataError(f"{data.filename} holds token id {int(data[at])} at position {at}, but "
+                                    f"meta.json's vocab_size is {self.vocab_size}; the files do not belong "
+                                    f"together, re-run `jaxlm prepare`")
 
     def check_block_size(self, block_size: int) -> None:
-        for name, data in self.splits.items():
-            if len(data) <= block_size:
-                raise DataError(f"model.block_size={block_size} is too large for {self.dir / (name + '.bin')} "
-                                f"({len(data)} tokens); use at most {len(data) - 1}")
+        for name, split in self.splits.items():
+            if len(split) <= block_size:
+                raise DataError(f"model.block_size={block_size} is too large for the {name} split of {self.dir} "
+                                f"({len(split)} tokens); use at most {len(split) - 1}")
+
+    def without_documents(self):
+        """This folder if its splits have no document boundaries (format 1), else None."""
+        return self.dir if self.splits["train"].doc_starts_D1 is None else None
+
+    def describe(self) -> str:
+        def one(name: str) -> str:
+            s = self.splits[name]
+            docs = f" in {s.n_documents:,} documents" if s.n_documents is not None else ""
+            return f"{name} {s.n_tokens:,} tokens{docs}"
+
+        ent = self.meta.get("unigram_entropy")
+        return (f"{one('train')}, {one('val')}, vocab {self.vocab_size}"
+                + (", loss mask" if self.has_loss_mask else "")
+                + (f", unigram entropy {ent:.3f} nats" if ent is not None else ""))
 
 
-def windows(data: np.ndarray, starts: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """Inputs and next-token targets for windows beginning at `starts`: int32 [..., block_size] each."""
-    idx = starts[..., None] + np.arange(block_size + 1)
-    w = np.asarray(data[idx], dtype=np.int32)
-    return w[..., :-1], w[..., 1:]
+def read_meta(directory: Path) -> dict:
+    meta_path = directory / "meta.json"
+    if not meta_path.is_file():
+        raise DataError(f"{meta_path} is missing; prepare the data first (`jaxlm prepare ...`)")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except ValueError as e:
+        raise DataError(f"{meta_path} is not a valid meta.json ({e.__class__.__name__}: {e})") from None
+    if not isinstance(meta, dict):
+        raise DataError(f"{meta_path} is not a valid meta.json (not a JSON object)")
+    return meta
+
+
+def rows_of(shape: tuple[int, ...], lead_index: tuple) -> np.ndarray:
+    """Flat row numbers of the rows `lead_index` (slices over the leading dims of a batch) selects."""
+    return np.arange(int(np.prod(shape))).reshape(shape)[lead_index]
+
+
+class Windows:
+    """The plan of a batch of random windows: their start offsets [A, B] (or [B])."""
+
+    def __init__(self, starts: np.ndarray):
+        self.starts = starts
+        self.shape = starts.shape
+
+    def only_micro_batch(self) -> Windows:
+        """A plan of [1, B] rows as a plan of [B] rows (what an evaluation step takes)."""
+        return Windows(self.starts[0])
+
+    def read(self, split: shards.Split, lead_index: tuple, cols: slice, keys: tuple[str, ...], T: int) -> dict:
+        """The arrays named in `keys` for the rows `lead_index` and columns `cols` of the batch. Only the
+        tokens of these rows and columns are read from the shards."""
+        idx = self.starts[lead_index][..., None] + np.arange(T)[cols]
+        out = {"inputs": split.take(idx).astype(np.int32), "targets": split.take(idx + 1).astype(np.int32)}
+        if "weights" in keys:
+            out["weights"] = split.take(idx + 1, mask=True).astype(np.float32)
+        return out
 
 
 class Loader:
     """Random windows of one split, [grad_accum, batch, block] per call, from a resumable generator."""
 
-    def __init__(self, data: np.ndarray, block_size: int, batch_size: int, grad_accum: int, seed: int):
-        self.data, self.block_size = data, block_size
+    def __init__(self, split: shards.Split, block_size: int, batch_size: int, grad_accum: int, seed: int):
+        self.data, self.block_size = split, block_size
         self.shape = (grad_accum, batch_size)
         self.rng = np.random.Generator(np.random.PCG64(seed))
 
@@ -92,8 +151,12 @@ class Loader:
         and then reads only its own rows, so the data order does not depend on the number of processes."""
         return self.rng.integers(0, len(self.data) - self.block_size, size=self.shape)
 
-    def next(self) -> tuple[np.ndarray, np.ndarray]:
-        return windows(self.data, self.next_starts(), self.block_size)
+    def next(self) -> Windows:
+        return Windows(self.next_starts())
+
+    def row(self, b: int) -> int:
+        """The start of one window (for a mixture, which draws rows one at a time)."""
+        return int(self.rng.integers(0, len(self.data) - self.block_size))
 
     def _layout(self) -> dict:
         """What the drawn windows depend on besides the generator: the same state continues the same data
@@ -107,15 +170,9 @@ class Loader:
 
     def restore(self, state: dict) -> None:
         """Continue exactly where the checkpoint's loader stopped, or fail saying why that is impossible."""
-        here = self._layout()
-        differ = [k for k in here if k in state and state[k] != here[k]]
-        if differ:
-            names = {"grad_accum": "training.grad_accum", "batch_size": "training.batch_size (global)",
-                     "block_size": "model.block_size", "tokens": "training tokens in train.bin"}
-            diffs = ", ".join(f"{names[k]} {state[k]} there, {here[k]} here" for k in differ)
-            raise DataError(f"the checkpoint's data position cannot continue in this run ({diffs}): the same "
-                            f"generator state would draw different windows. Resume with the saved settings, or "
-                            f"start a new run_dir with checkpoint.init_from=<this run> to keep the weights")
+        if state.get("kind", "windows") != "windows":
+            raise DataError(mode_changed(state.get("kind"), "windows"))
+        check_layout(state, self._layout())
         try:
             self.rng.bit_generator.state = state["bit_generator"]
         except (KeyError, TypeError, ValueError) as e:
@@ -123,7 +180,25 @@ class Loader:
                             f"it was written by an incompatible loader") from None
 
 
-def fixed_starts(data: np.ndarray, block_size: int, batch_size: int, n: int, seed: int) -> np.ndarray:
-    """Start offsets [n, batch] of held-out batches that are the same at every evaluation and resume."""
-    rng = np.random.Generator(np.random.PCG64(seed))
-    return rng.integers(0, len(data) - block_size, size=(n, batch_size))
+LAYOUT_NAMES = {"grad_accum": "training.grad_accum", "batch_size": "training.batch_size (global)",
+                "block_size": "model.block_size", "tokens": "training tokens in the train split",
+                "documents": "training documents in the train split", "sources": "data.mixture's datasets",
+                "weights": "data.mixture's weights", "loss_mask": "data.loss_mask"}
+
+
+def check_layout(state: dict, here: dict) -> None:
+    differ = [k for k in here if k in state and state[k] != here[k]]
+    if differ:
+        diffs = ", ".join(f"{LAYOUT_NAMES[k]} {state[k]} there, {here[k]} here" for k in differ)
+        raise DataError(f"the checkpoint's data position cannot continue in this run ({diffs}): the same "
+                        f"state would read different rows. Resume with the saved settings, or "
+                        f"start a new run_dir with checkpoint.init_from=<this run> to keep the weights")
+
+
+def mode_changed(saved, here: str) -> str:
+    name = {"windows": "random windows (data.packing=false)", "packed": "packing (data.packing=true)",
+            "mixture": "a mixture (data.mixture)"}
+    return (f"the checkpoint's data position was saved by {name.get(saved, repr(saved))} and this run reads "
+            f"{name[here]}; resume with the saved data settings, or start a new run_dir with "
+            f"checkpoint.init_from=<this run> to keep the weights")
+

@@ -1,0 +1,167 @@
+"""Packing (`data.packing=true`): whole documents back to back in rows of R = block_size + 1 tokens, each
+with its own segment id (1, 2, ... within a row; 0 = padding) and positions restarting at 0, so the model's
+attention never crosses a document (model/attention.py masks by segment).
+
+Where the documents come from: each epoch is a permutation of the split's documents drawn from
+(seed, epoch); the infinite sequence epoch 0, epoch 1, ... is dealt round-robin to B streams, one per row of
+the global batch (stream b takes documents b, b + B, b + 2B, ...). Stream b fills row b of each of the A
+micro-batches in turn. So rows read disjoint documents within an epoch, the order does not depend on the
+number of devices or processes, and the position of the whole loader is two integers per stream (documents
+consumed, tokens consumed of the current one), which go into checkpoints for an exact resume.
+
+How a row is filled: documents in stream order while they fit; a document that fits in a row but not in
+what is left of this one starts the next row (the rest is padding). A document longer than a row is split:
+it fills what is left of the current row and continues in the next rows, each piece overlapping the previous
+by one token so that no target is lost.
+
+Inputs are a row's first T tokens and targets its last T. A target is trained (weight 1) only when it is in
+the same document piece as its input, and, with a loss mask (chat data), only where the mask marks it.
+
+Legend: A micro-batches per step, B rows per micro-batch, T block_size, R = T + 1, D documents.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxlm.data import shards
+from jaxlm.data.loader import DataError, check_layout, mode_changed, rows_of
+
+PAD_ID = 0  # the token id of padding: any id in the vocabulary does, it is never attended to or trained
+
+
+class Packed:
+    """The plan of a packed batch: for each row (flat row number over the leading dims `shape`), its pieces
+    as (global token offset, length) pairs."""
+
+    def __init__(self, pieces: list[list[tuple[int, int]]], shape: tuple[int, ...], loss_mask: bool):
+        self.pieces, self.shape, self.loss_mask = pieces, shape, loss_mask
+        self._cache: dict = {}
+
+    def only_micro_batch(self) -> Packed:
+        """A plan of [1, B] rows as a plan of [B] rows (what an evaluation step takes)."""
+        return Packed(self.pieces, self.shape[1:], self.loss_mask)
+
+    def rows(self, split: shards.Split, flat_rows: np.ndarray, T: int) -> dict[str, np.ndarray]:
+        """Tokens, segment ids, positions (int32 [n, R]) and, with a loss mask, mask (uint8) of these rows."""
+        R = T + 1
+        starts, lengths, row_of, col_of, seg_of = [], [], [], [], []
+        for r, flat in enumerate(flat_rows.ravel()):
+            col = 0
+            for k, (start, length) in enumerate(self.pieces[flat]):
+                starts.append(start), lengths.append(length), row_of.append(r), col_of.append(col)
+                seg_of.append(k + 1)
+                col += length
+        lengths_P = np.asarray(lengths, dtype=np.int64)
+        piece_N = np.repeat(np.arange(len(lengths_P)), lengths_P)  # which piece each token belongs to
+        within_N = np.arange(len(piece_N)) - np.repeat(np.cumsum(lengths_P) - lengths_P, lengths_P)
+        src_N = np.asarray(starts, dtype=np.int64)[piece_N] + within_N
+        r_N, c_N = np.asarray(row_of)[piece_N], np.asarray(col_of)[piece_N] + within_N
+        n = flat_rows.size
+        out = {"tokens": np.full((n, R), PAD_ID, np.int32), "segment_ids": np.zeros((n, R), np.int32),
+               "positions": np.zeros((n, R), np.int32)}
+        out["tokens"][r_N, c_N] = split.take(src_N)
+        out["segment_ids"][r_N, c_N] = np.asarray(seg_of, dtype=np.int32)[piece_N]
+        out["positions"][r_N, c_N] = within_N
+        if self.loss_mask:
+            out["mask"] = np.zeros((n, R), np.uint8)
+            out["mask"][r_N, c_N] = split.take(src_N, mask=True)
+        return out
+
+    def read(self, split: shards.Split, lead_index: tuple, cols: slice, keys: tuple[str, ...], T: int) -> dict:
+        """The batch arrays of the rows `lead_index` selects (columns `cols`), reading only those rows'
+        tokens. Whole rows are assembled once per row selection (devices that split a row's columns share it)."""
+        flat = rows_of(self.shape, lead_index)
+        key = (flat.shape, flat.ravel().tobytes())
+        if key not in self._cache:
+            rows = self.rows(split, flat, T)
+            seg_NR = rows["segment_ids"]
+            counted = (seg_NR[:, 1:] == seg_NR[:, :-1]) & (seg_NR[:, 1:] > 0)
+            if self.loss_mask:
+                counted &= rows["mask"][:, 1:] > 0
+            lead = flat.shape
+            full = {"inputs": rows["tokens"][:, :-1], "targets": rows["tokens"][:, 1:],
+                    "positions": rows["positions"][:, :-1], "segment_ids": seg_NR[:, :-1],
+                    "weights": counted.astype(np.float32)}
+            self._cache[key] = {k: v.reshape(lead + (T,)) for k, v in full.items() if k in keys}
+        return {k: v[..., cols] for k, v in self._cache[key].items()}
+
+
+class PackedLoader:
+    """Packed rows of one split, a plan of [grad_accum, batch] rows per `next()`, resumable exactly."""
+
+    def __init__(self, split: shards.Split, block_size: int, batch_size: int, grad_accum: int, seed: int,
+                 loss_mask: bool = False):
+        if split.doc_starts_D1 is None:
+            raise DataError(f"data.packing=true needs document boundaries, and the {split.name} split of "
+                            f"{split.dir} has none (a format-1 train.bin/val.bin); prepare the corpus again with "
+                            f"`jaxlm prepare`, or set data.packing=false")
+        self.split, self.T, self.seed, self.loss_mask = split, block_size, seed, loss_mask
+        self.shape = (grad_accum, batch_size)
+        self.starts_D = split.doc_starts_D1[:-1]
+        self.lengths_D = np.diff(split.doc_starts_D1)
+        self.n_docs = len(self.lengths_D)
+        self.consumed_B = np.zeros(batch_size, np.int64)  # documents each stream has finished
+        self.offset_B = np.zeros(batch_size, np.int64)  # tokens of its current document already placed
+        self._perms: dict[int, np.ndarray] = {}
+
+    def _document(self, b: int) -> int:
+        """The document stream b is on: number b + consumed * B of the sequence of epochs."""
+        i = b + int(self.consumed_B[b]) * self.shape[1]
+        epoch, k = divmod(i, self.n_docs)
+        if epoch not in self._perms:
+            if len(self._perms) > 1:  # streams stay within an epoch of each other: two are enough
+                self._perms.pop(min(self._perms))
+            rng = np.random.Generator(np.random.PCG64([self.seed, epoch]))
+            self._perms[epoch] = rng.permutation(self.n_docs)
+        return int(self._perms[epoch][k])
+
+    def row(self, b: int) -> list[tuple[int, int]]:
+        """Fill one row from stream b; advance the stream past what it placed."""
+        R = self.T + 1
+        room, pieces = R, []
+        while room > 1:
+            d = self._document(b)
+            offset = int(self.offset_B[b])
+            left = int(self.lengths_D[d]) - offset
+            if left <= room:  # the document (or the rest of a split one) fits
+                pieces.append((int(self.starts_D[d]) + offset, left))
+                room -= left
+                self.consumed_B[b] += 1
+                self.offset_B[b] = 0
+            elif offset == 0 and left <= R:  # fits a row, but not this one's remaining room
+                break
+            else:  # longer than a row: fill the room, continue one token back in the next row
+                pieces.append((int(self.starts_D[d]) + offset, room))
+                self.offset_B[b] += room - 1
+                room = 0
+        return pieces
+
+    def next(self) -> Packed:
+        A, B = self.shape
+        pieces: list = [None] * (A * B)
+        for b in range(B):
+            for a in range(A):
+                pieces[a * B + b] = self.row(b)
+        return Packed(pieces, self.shape, self.loss_mask)
+
+    def _layout(self) -> dict:
+        return {"grad_accum": self.shape[0], "batch_size": self.shape[1], "block_size": self.T,
+                "tokens": self.split.n_tokens, "documents": self.n_docs, "loss_mask": self.loss_mask}
+
+    def state(self) -> dict:
+        return {"kind": "packed", "seed": self.seed, "consumed": self.consumed_B.tolist(),
+                "offset": self.offset_B.tolist(), **self._layout()}
+
+    def restore(self, state: dict) -> None:
+        if state.get("kind", "windows") != "packed":
+            raise DataError(mode_changed(state.get("kind", "windows"), "packed"))
+        check_layout(state, self._layout())
+        try:
+            self.seed = int(state["seed"])
+            self.consumed_B = np.asarray(state["consumed"], np.int64).reshape(self.shape[1])
+            self.offset_B = np.asarray(state["offset"], np.int64).reshape(self.shape[1])
+        except (KeyError, TypeError, ValueError) as e:
+            raise DataError(f"the checkpoint's data-loader state cannot be restored ({e}); "
+                            f"it was written by an incompatible loader") from None
+        self._perms.clear()
