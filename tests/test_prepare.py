@@ -9,6 +9,7 @@ import re
 import numpy as np
 import pytest
 
+import jaxlm
 from jaxlm import cli
 from jaxlm.data import prepare, shards, tokenizer
 from jaxlm.data.prepare import DataError
@@ -229,11 +230,11 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def test_end_to_end_prepare_half_with_a_converted_models_tokenizer(tmp_path, shakespeare_file, capsys):
-    """The first half of the issue's end-to-end check: a tiny random Llama built with transformers plus a tokenizer
-    trained here -> `jaxlm convert from-hf` -> prepare a text corpus and a chat jsonl with `--tokenizer` set to the
-    converted folder. The second half (`jaxlm train` on these folders with loss falling, `convert to-hf`,
-    transformers generating) needs the format-2 loader of branch i14b and is finished after both are merged."""
+@pytest.mark.slow
+def test_end_to_end_convert_prepare_train_export_with_the_models_tokenizer(tmp_path, shakespeare_file, capsys):
+    """A tiny random Llama built with transformers plus a tokenizer trained here -> `jaxlm convert from-hf` ->
+    prepare a text corpus and a chat jsonl with `--tokenizer` set to the converted folder -> `jaxlm train` on each
+    (loss falls) -> `jaxlm convert to-hf` -> transformers loads it and generates through the same tokenizer."""
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("torch")
     from jaxlm import convert
@@ -287,6 +288,43 @@ def test_end_to_end_prepare_half_with_a_converted_models_tokenizer(tmp_path, sha
     shown = capsys.readouterr().out.split("\n", 1)[1]
     assert shown.startswith(hf_tok.apply_chat_template([{"role": "user", "content": lines[0]}], tokenize=False,
                                                        add_generation_prompt=True))
+
+    # The second half: train on both folders (packed text, then packed chat from the text run's weights), the loss
+    # falls each time; `jaxlm convert to-hf` and transformers loads the result and generates through the tokenizer.
+    from jaxlm import train as train_lib
+
+    common = ["model.block_size=64", "training.batch_size=8", "training.eval_batches=2", "training.sample_tokens=0",
+              "optimizer.lr=3e-3", "optimizer.warmup_steps=5", "logging.progress=false", "logging.tensorboard=false",
+              "data.packing=true"]
+    byte_dir = tmp_path / "bytes"  # the same corpus through another tokenizer: training refuses it before compiling
+    assert cli.main(["prepare", "corpus", str(corpus_file), "--per-line", "--tokenizer", "byte", "--out", str(byte_dir),
+                     "--val-fraction", "0.05", "--workers", "0"]) == 0
+    capsys.readouterr()
+    assert cli.main(["train", str(model / "config.json"), f"data.dir={byte_dir}", f"run_dir={tmp_path / 'no'}",
+                     *common]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "prepared with the tokenizer byte" in err and str(model / "tokenizer") in err
+    text_run, chat_run = tmp_path / "text_run", tmp_path / "chat_run"
+    assert cli.main(["train", str(model / "config.json"), f"data.dir={text_dir}", f"run_dir={text_run}",
+                     "training.steps=40", "training.eval_interval=40", "checkpoint.interval=40", *common]) == 0
+    assert cli.main(["train", str(model / "config.json"), f"data.dir={chat_dir}", f"run_dir={chat_run}",
+                     f"checkpoint.init_from={text_run}", "training.steps=30", "training.eval_interval=30",
+                     "checkpoint.interval=30", *common]) == 0
+    assert json.loads((chat_run / "config.json").read_text())["data"]["loss_mask"] == "on"  # assistant tokens only
+    for run in (text_run, chat_run):
+        by_step = train_lib.losses_by_step(run)
+        losses = [by_step[s] for s in sorted(by_step)]
+        assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 0.3, (run, losses)
+    assert cli.main(["convert", "to-hf", str(chat_run), str(tmp_path / "tuned")]) == 0
+    tuned = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "tuned").eval()
+    back_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "tuned")
+    prompt = back_tok.apply_chat_template([{"role": "user", "content": lines[0]}], tokenize=False,
+                                          add_generation_prompt=True)
+    assert prompt == hf_tok.apply_chat_template([{"role": "user", "content": lines[0]}], tokenize=False,
+                                                add_generation_prompt=True)
+    ids = back_tok(prompt, return_tensors="pt")["input_ids"]
+    out = tuned.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1]:].tolist()
+    assert out and out == jaxlm.load(chat_run).generate(ids[0].tolist(), new_tokens=8, temperature=0.0)
 
 
 def test_text_a_char_vocabulary_cannot_encode_names_its_line(char_data, tmp_path, capsys):

@@ -371,8 +371,17 @@ def to_hf(path: str | Path, out: str | Path, dtype: str | None = None, shard_byt
 
 
 def tokenizer_source(path: Path, cfg: Config) -> Path | None:
-    """The tokenizer/ folder of this checkpoint, or of the converted checkpoint a run was fine-tuned from."""
-    for base in (path, Path(cfg.checkpoint.init_from) if cfg.checkpoint.init_from else None):
-        if base is not None and (base / "tokenizer").is_dir():
+    """The tokenizer/ folder of this checkpoint, or of the converted checkpoint it descends from: a run fine-tuned
+    from a converted model (checkpoint.init_from), or from a run that was, and so on back."""
+    seen: set[Path] = set()
+    base = Path(path)
+    while base not in seen:
+        seen.add(base)
+        if (base / "tokenizer").is_dir():
             return base / "tokenizer"
+        if cfg is None or not cfg.checkpoint.init_from:
+            return None
+        base = Path(cfg.checkpoint.init_from)
+        cfg_file = base / "config.json"
+        cfg = config_lib.load(str(cfg_file)) if cfg_file.is_file() else None
     return None

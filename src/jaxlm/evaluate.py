@@ -59,7 +59,7 @@ def evaluate_run(run_dir: str | Path, overrides: dict | None = None, devices=Non
                  f"{summary['param_bytes'] / 2**20:.2f} MiB (float {summary['float_param_bytes'] / 2**20:.2f} MiB)")
     log(line)
     if t_cfg.sample_tokens:
-        summary["sample"] = train.sample_text(params, cfg, run.dataset.meta, t_cfg.sample_prompt,
+        summary["sample"] = train.sample_text(params, cfg, run.tokenizer, t_cfg.sample_prompt,
                                               t_cfg.sample_tokens, t_cfg.sample_temperature, t_cfg.sample_top_k)
         log("sample:\n" + t_cfg.sample_prompt + summary["sample"])
     return summary

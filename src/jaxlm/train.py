@@ -41,6 +41,7 @@ class Run:
     specs: dict
     optimizer: optax.GradientTransformation
     abstract_state: dict
+    tokenizer: tokenizer_lib.Tokenizer | None = None  # None only where there is no dataset (a compile)
 
 
 def resolve_data_dir(cfg: Config) -> Path:
@@ -56,7 +57,7 @@ MAX_STEPS_IN_FLIGHT = 8
 def setup(cfg: Config, devices=None, data: bool = True) -> Run:
     """Check data, vocabulary, mesh and shardings; fails with a ConfigError/DataError before compiling.
     data=False (`jaxlm compile`) leaves the corpus alone unless the vocabulary size must come from it."""
-    dataset = None
+    dataset, tokenizer = None, None
     if data or cfg.model.vocab_size is None:
         if cfg.data.mixture:
             dataset = mixture.MixtureDataset(config_lib.parse_mixture(cfg.data.mixture))
@@ -75,12 +76,14 @@ def setup(cfg: Config, devices=None, data: bool = True) -> Run:
             raise loader_lib.DataError(f"data.packing=true needs document boundaries, and {flat} has none (a "
                                        f"format-1 train.bin/val.bin); prepare it again with `jaxlm prepare`, or "
                                        f"set data.packing=false")
-        if data and cfg.training.sample_tokens:  # the end-of-training sample would fail hours from now
-            try:
-                tokenizer_lib.from_meta(dataset.meta).encode(cfg.training.sample_prompt)
-            except tokenizer_lib.TokenizerError as e:
-                raise ConfigError(f"training.sample_prompt={cfg.training.sample_prompt!r} cannot be encoded: "
-                                  f"{e}") from None
+        if data:
+            tokenizer = run_tokenizer(cfg, dataset)  # a dataset prepared with another tokenizer stops here
+            if cfg.training.sample_tokens:  # the end-of-training sample would fail hours from now
+                try:
+                    tokenizer.encode(cfg.training.sample_prompt)
+                except tokenizer_lib.TokenizerError as e:
+                    raise ConfigError(f"training.sample_prompt={cfg.training.sample_prompt!r} cannot be encoded: "
+                                      f"{e}") from None
     if data and cfg.checkpoint.init_from and not Path(cfg.checkpoint.init_from).is_dir():
         raise ConfigError(f"checkpoint.init_from={cfg.checkpoint.init_from!r} is not a folder; give a run "
                           f"directory or a `jaxlm convert from-hf` output")
@@ -98,7 +101,21 @@ def setup(cfg: Config, devices=None, data: bool = True) -> Run:
     optimizer = optim.make(cfg.optimizer, cfg.training.steps)
     abstract_state = make_abstract_state(specs, mesh, optimizer, param_rules)
     run_dir = resolve_run_dir(cfg)
-    return Run(cfg, run_dir, dataset, mesh, param_rules, act_rules, specs, optimizer, abstract_state)
+    return Run(cfg, run_dir, dataset, mesh, param_rules, act_rules, specs, optimizer, abstract_state, tokenizer)
+
+
+def run_tokenizer(cfg: Config, dataset) -> tokenizer_lib.Tokenizer:
+    """The run's tokenizer by the precedence of data/tokenizer.py: data.tokenizer, else the tokenizer/ folder of
+    the converted model the run starts from (checkpoint.init_from, followed back through runs fine-tuned from
+    it), else the dataset's meta.json. The dataset must have been prepared with it: one line otherwise."""
+    from jaxlm import convert
+
+    init = cfg.checkpoint.init_from
+    model_tok = convert.tokenizer_source(Path(init), cfg) if init and Path(init).is_dir() else None
+    try:
+        return tokenizer_lib.resolve(cfg.data.tokenizer, model_tok, dataset.meta, dataset=f"the dataset {dataset.dir}")
+    except tokenizer_lib.TokenizerError as e:
+        raise ConfigError(str(e)) from None
 
 
 def resolve_loss_mask(cfg: Config, dataset: loader_lib.Dataset | None) -> str:
@@ -618,7 +635,7 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
             + (f" (unigram entropy of the corpus: {ent:.4f})" if ent else ""))
     if t_cfg.sample_tokens and preempted_at is None:
         with goodput.phase("eval"):
-            summary["sample"] = sample_text(state["params"], cfg, run.dataset.meta, t_cfg.sample_prompt,
+            summary["sample"] = sample_text(state["params"], cfg, run.tokenizer, t_cfg.sample_prompt,
                                             t_cfg.sample_tokens, t_cfg.sample_temperature, t_cfg.sample_top_k)
         log("sample:\n" + t_cfg.sample_prompt + summary["sample"])
     summary["goodput"] = goodput.summary()
@@ -628,9 +645,8 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
     return summary
 
 
-def sample_text(params, cfg: Config, meta: dict, prompt: str, new_tokens: int, temperature: float,
-                top_k: int) -> str:
-    tok = tokenizer_lib.from_meta(meta)
+def sample_text(params, cfg: Config, tok: tokenizer_lib.Tokenizer, prompt: str, new_tokens: int,
+                temperature: float, top_k: int) -> str:
     ids = tok.encode(prompt) or [0]
     out = generate.sample(params, cfg.model, ids, new_tokens, jax.random.key(cfg.seed), temperature, top_k)
     return tok.decode(out)
