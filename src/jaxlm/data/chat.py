@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxlm.data.prepare import DataError
+from jaxlm.data.errors import DataError
 from jaxlm.data.tokenizer import ROLES, Tokenizer
 
 

@@ -24,11 +24,9 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxlm.data.errors import UTF8_ERRORS, DataError  # noqa: F401 - prepare.DataError is the public name
+
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
-
-
-class DataError(ValueError):
-    """Missing, unreadable or inconsistent data; the message says how to fix it."""
 
 
 def unigram_entropy(ids: np.ndarray, vocab_size: int) -> float:
@@ -66,7 +64,6 @@ def write_split(out_dir: Path, ids: np.ndarray, vocab_size: int, tokenizer: dict
     return meta
 
 
-UTF8_ERRORS = ("replace", "skip", "strict")
 _REPLACEMENT = "\ufffd".encode()
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Iterator
 
 from jaxlm import storage
-from jaxlm.data.prepare import UTF8_ERRORS, DataError
+from jaxlm.data.errors import UTF8_ERRORS, DataError
 
 TEXT_KINDS = (".txt", ".text", ".md")
 JSON_KINDS = (".jsonl", ".json", ".ndjson")

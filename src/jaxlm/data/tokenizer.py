@@ -25,6 +25,7 @@ model's is refused in one line.
 
 from __future__ import annotations
 
+import abc
 import functools
 import hashlib
 import json
@@ -50,7 +51,7 @@ def _token_text(value) -> str | None:
     return value if isinstance(value, str) else None
 
 
-class Tokenizer:
+class Tokenizer(abc.ABC):
     """The common interface. Subclasses set vocab_size, bos_id, eos_id, spec and implement encode/decode."""
 
     vocab_size: int
@@ -61,11 +62,11 @@ class Tokenizer:
     files: tuple[Path, ...] = ()  # the files it was loaded from, which a prepared dataset keeps a copy of
     _extra_stop: list[int] = []
 
-    def encode(self, text: str) -> list[int]:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def encode(self, text: str) -> list[int]: ...
 
-    def decode(self, ids) -> str:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def decode(self, ids) -> str: ...
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [self.encode(t) for t in texts]
