@@ -2,14 +2,20 @@
 layouts, and the collectives in the compiled step."""
 
 import hashlib
+import os
 import re
 import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 
-from conftest import tiny_config
+from conftest import tiny_config, xla_flags
 from jaxlm import checkpoint as ckpt, config as config_lib, sharding, train
 from jaxlm.config import ConfigError
 from jaxlm.model import pipeline
@@ -185,3 +191,68 @@ def test_pipeline_setting_errors_are_one_line(char_data, tmp_path):
                                                                 "mesh.ici_stage": 4, "training.pipeline_repeats": 3})
     with pytest.raises(config_lib.ConfigError, match="training.pipeline_repeats=0 must be > 0"):
         tiny_config(char_data, tmp_path, **{"training.pipeline_repeats": 0})
+
+
+@pytest.mark.slow
+def test_two_processes_with_stages_across_them_match_one(char_data, tmp_path):
+    """2 processes x 4 devices with the two pipeline stages across the processes (mesh.dcn_stage=2) train as
+    1 process x 8 devices with both stages in it."""
+    common = ["shakespeare_char_cpu", f"data.dir={char_data}", "model.n_layers=4", "model.d_model=32",
+              "model.block_size=32", "model.vocab_size=128", "training.batch_size=8", "training.steps=6",
+              "optimizer.warmup_steps=2", "checkpoint.enabled=false", "training.eval_interval=0",
+              "training.eval_batches=1", "training.sample_tokens=0", "logging.progress=false",
+              "training.log_interval=1", "mesh.ici_data=4"]
+    env = dict(os.environ, XLA_FLAGS=xla_flags())
+    two = subprocess.run([sys.executable, "-m", "jaxlm.cli", "launch", "--processes", "2", "--devices-per-process",
+                          "4", "--", "train", *common, "mesh.dcn_stage=2", f"run_dir={tmp_path / 'two'}"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert two.returncode == 0 and "in 2 process(es)" in two.stdout, two.stdout + two.stderr
+    train.train(config_lib.load(common[0], [*common[1:], "mesh.ici_stage=2", f"run_dir={tmp_path / 'one'}"]),
+                jax.devices(), log=lambda s: None)
+    a, b = train.losses_by_step(tmp_path / "one"), train.losses_by_step(tmp_path / "two")
+    assert sorted(a) == sorted(b) == list(range(1, 7))
+    np.testing.assert_allclose([b[s] for s in a], [a[s] for s in a], rtol=1e-5)
+
+
+def _steps_recorded(run_dir: Path) -> int:
+    try:
+        return len(train.losses_by_step(run_dir))
+    except (OSError, ValueError):  # not written yet, or a line being written
+        return 0
+
+
+@pytest.mark.slow
+def test_a_killed_process_is_named_and_the_rerun_resumes_exactly(char_data, tmp_path):
+    """kill -9 of one of two processes (a pipeline stage on each): the survivor says in one line which process
+    it lost, the launcher exits 137 naming it, and the same command run again resumes from the last checkpoint
+    and repeats the lost steps' losses exactly."""
+    run_dir = tmp_path / "run"
+    args = [sys.executable, "-m", "jaxlm.cli", "launch", "--processes", "2", "--devices-per-process", "4", "--",
+            "train", "shakespeare_char_cpu", f"data.dir={char_data}", "model.n_layers=4", "model.d_model=32",
+            "model.block_size=32", "model.vocab_size=128", "training.batch_size=8", "training.steps=24",
+            "optimizer.warmup_steps=2", "checkpoint.interval=5", "training.eval_interval=0",
+            "training.eval_batches=1", "training.sample_tokens=0", "logging.progress=false",
+            "training.log_interval=1", "mesh.ici_data=4", "mesh.dcn_stage=2", f"run_dir={run_dir}"]
+    env = dict(os.environ, XLA_FLAGS=xla_flags())
+    p = subprocess.Popen(args, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 600
+    while time.time() < deadline and p.poll() is None and _steps_recorded(run_dir) < 12:
+        time.sleep(0.05)
+    children = [int(c) for c in Path(f"/proc/{p.pid}/task/{p.pid}/children").read_text().split()]
+    assert len(children) == 2, children
+    os.kill(children[1], signal.SIGKILL)
+    out = p.communicate(timeout=120)[0]
+    assert p.returncode == 137, out
+    assert f"jaxlm launch: process 1 (pid {children[1]}) was killed by SIGKILL; exit status 137" in out, out
+    lines = [line for line in out.splitlines() if line.startswith("[0] error:")]
+    assert len(lines) == 1 and f"process 0 stopped: process 1 (pid {children[1]}) was killed by SIGKILL" in lines[0], out
+    assert "Traceback" not in out, out
+    before = train.losses_by_step(run_dir)
+    saved = max(ckpt.step_numbers(run_dir / "checkpoints"))
+    assert saved >= 10 and max(before) > saved
+    rerun = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    assert f"at step {saved}" in rerun.stdout, rerun.stdout
+    after = train.losses_by_step(run_dir)
+    assert sorted(after) == list(range(1, 25))
+    assert [after[s] for s in range(saved + 1, max(before) + 1)] == [before[s] for s in range(saved + 1, max(before) + 1)]
