@@ -163,15 +163,17 @@ class Pipeline(NamedTuple):
     repeats: int
 
 
-_CTX: contextvars.ContextVar[tuple[Mesh, Rules, tuple[int, int]] | None] = contextvars.ContextVar(
+_CTX: contextvars.ContextVar[tuple[Mesh, Rules, tuple[int, int], Rules] | None] = contextvars.ContextVar(
     "jaxlm_sharding", default=None)
 
 
 @contextlib.contextmanager
-def activation_sharding(mesh: Mesh, rules: Rules = ACTIVATION_RULES, pipeline: tuple[int, int] = (0, 1)):
+def activation_sharding(mesh: Mesh, rules: Rules = ACTIVATION_RULES, pipeline: tuple[int, int] = (0, 1),
+                        param_rules: Rules = PARAM_RULES):
     """Within this block (while tracing), `constrain` pins activations to the mesh, and a mesh with a `stage`
-    axis over 1 runs the layers as a pipeline of (micro-batches, repeats) = `pipeline` (training.pipeline_*)."""
-    token = _CTX.set((mesh, rules, pipeline))
+    axis over 1 runs the layers as a pipeline of (micro-batches, repeats) = `pipeline` (training.pipeline_*)
+    whose weights `constrain_param` pins by `param_rules`."""
+    token = _CTX.set((mesh, rules, pipeline, param_rules))
     try:
         yield
     finally:
@@ -191,19 +193,17 @@ def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
     ctx = _CTX.get()
     if ctx is None:
         return x
-    mesh, rules, _ = ctx
+    mesh, rules = ctx[:2]
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec(axes, rules)))
 
 
-def constrain_leading(x: jax.Array, axis: str) -> jax.Array:
-    """Pin only the leading dimension of x to the mesh axes of logical `axis`, leaving the others to the
-    compiler; a no-op outside `activation_sharding`."""
+def constrain_param(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
+    """Pin a weight (or its gradient) by logical axes and the weight rules; a no-op outside
+    `activation_sharding`."""
     ctx = _CTX.get()
     if ctx is None:
         return x
-    mesh, rules, _ = ctx
-    rest = (PartitionSpec.UNCONSTRAINED,) * (x.ndim - 1)
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(spec((axis,), rules)[0], *rest)))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(ctx[0], spec(axes, ctx[3])))
 
 
 def batch_sharding(mesh: Mesh, ndim: int, leading: int = 0, rules: Rules = ACTIVATION_RULES) -> NamedSharding:

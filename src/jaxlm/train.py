@@ -193,12 +193,13 @@ def make_train_step(cfg: Config, optimizer, mesh, abstract_state, act_rules=shar
     base_key = jax.random.key(cfg.seed + 1)
     grad_fn = jax.value_and_grad(loss_fn)
     pipeline = (cfg.training.pipeline_microbatches, cfg.training.pipeline_repeats)
+    param_rules = sharding.rules_from_config(cfg.mesh)[0]
 
     def step_fn(state, x_ABT, y_ABT):
         params = state["params"]
         key = jax.random.fold_in(base_key, state["step"])
         A = x_ABT.shape[0]
-        with sharding.activation_sharding(mesh, act_rules, pipeline):
+        with sharding.activation_sharding(mesh, act_rules, pipeline, param_rules):
             if A == 1:
                 loss, grads = grad_fn(params, x_ABT[0], y_ABT[0], model_cfg, key)
             else:
@@ -284,7 +285,8 @@ def _report_skips(step: int, m: dict, seen: dict, t_cfg: config_lib.TrainingConf
 def make_eval_step(cfg: Config, mesh, act_rules=sharding.ACTIVATION_RULES) -> Callable:
     def eval_fn(params, x_BT, y_BT):
         with sharding.activation_sharding(mesh, act_rules, (cfg.training.pipeline_microbatches,
-                                                            cfg.training.pipeline_repeats)):
+                                                            cfg.training.pipeline_repeats),
+                                          sharding.rules_from_config(cfg.mesh)[0]):
             return loss_fn(params, x_BT, y_BT, cfg.model)
 
     return jax.jit(eval_fn)

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlm.config import ConfigError
-from jaxlm.sharding import Pipeline, constrain, constrain_leading
+from jaxlm.sharding import Pipeline, constrain, constrain_param
 
 
 def schedule(stages: int, microbatches: int, repeats: int) -> np.ndarray:
@@ -67,11 +67,12 @@ def resolve(pipe: Pipeline, batch: int, n_layers: int, pattern: int) -> tuple[in
     return S, M, R
 
 
-def run(stack: Callable, x_BTD: jax.Array, layer_params: dict, positions_BT: jax.Array,
+def run(stack: Callable, x_BTD: jax.Array, layer_params: dict, layer_axes: dict, positions_BT: jax.Array,
         segment_ids_BT: jax.Array | None, layer_keys: jax.Array | None, pipe: Pipeline, pattern: int
         ) -> tuple[jax.Array, jax.Array]:
     """stack(x_bTD, chunk_params, positions_bT, segment_ids_bT, chunk_keys) -> (x_bTD, stats_C2E) run over
-    the layers as a pipeline; returns what stack would over all L layers at once: x_BTD and stats [L, 2, E]."""
+    the layers as a pipeline; returns what stack would over all L layers at once: x_BTD and stats [L, 2, E].
+    layer_axes: the logical axes of each weight of layer_params (a tuple per leaf, "layers" first)."""
     B, T, D = x_BTD.shape
     L = jax.tree.leaves(layer_params)[0].shape[0]
     S, M, R = resolve(pipe, B, L, pattern)
@@ -108,8 +109,10 @@ def run(stack: Callable, x_BTD: jax.Array, layer_params: dict, positions_BT: jax
         def iteration(carry, table_S2):
             state_SbTD, io_MbTD, stats_SR = carry
             m_S, r_S = table_S2[:, 0], table_S2[:, 1]
-            # Pinned in the loop so that the weights' gradients, summed over iterations, stay on their stage.
-            p_SRC = jax.tree.map(lambda a: constrain_leading(a, "stages"), params_SRC)
+            # Pinned in the loop so that the weights' gradients, summed over iterations, stay sharded as the
+            # weights are (on their stage, and over FSDP and tensor axes).
+            p_SRC = jax.tree.map(lambda a, axes: constrain_param(a, ("layers", None, None, *axes[1:])),
+                                 params_SRC, layer_axes)
             state_SbTD = state_SbTD.at[0].set(io_MbTD[jnp.maximum(m_S[0], 0)])  # a new or looped micro-batch
             out_SbTD, stats_SC2E = stages(constrain(state_SbTD, sharded), p_SRC, keys_SRC, m_S, r_S)
             out_SbTD = constrain(out_SbTD, sharded)

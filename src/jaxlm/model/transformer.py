@@ -210,8 +210,10 @@ def forward_with_aux(params: dict, tokens_BT: jax.Array, cfg: ModelConfig, key: 
     layer_keys = jax.random.split(key, cfg.n_layers) if key is not None else None
     run = lambda x, p, pos, seg, keys: layer_stack(x, p, cfg, pos, seg, keys)  # noqa: E731
     if (pipe := pipeline_settings()) is not None:
-        x_BTD, stats_L2E = pipeline.run(run, x_BTD, params["layers"], positions_BT, segment_ids_BT, layer_keys,
-                                        pipe, len(cfg.pattern))
+        axes = jax.tree.map(lambda spec: spec.axes, param_specs(cfg)["layers"],
+                            is_leaf=lambda v: isinstance(v, ParamSpec))
+        x_BTD, stats_L2E = pipeline.run(run, x_BTD, params["layers"], axes, positions_BT, segment_ids_BT,
+                                        layer_keys, pipe, len(cfg.pattern))
     else:
         x_BTD, stats_L2E = run(x_BTD, params["layers"], positions_BT, segment_ids_BT, layer_keys)
 
