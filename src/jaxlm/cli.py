@@ -375,6 +375,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except RuntimeError as e:
+        from jaxlm import distributed
+        if (lost := distributed.lost_peer(e)) is not None:
+            # Shutting down the distributed runtime would wait for the lost process: leave at once.
+            print(f"error: {lost}", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(1)
         train = sys.modules.get("jaxlm.train")  # imported only by the commands that train
         if train is None or not isinstance(e, train.TrainingError):
             raise

@@ -156,6 +156,11 @@ class TrainingConfig:
                                                    "times the device count (may be fractional when some mesh axes "
                                                    "do not split the batch)")
     grad_accum: int = _f(1, "micro-batches accumulated per optimizer step")
+    pipeline_microbatches: int = _f(0, "with mesh stages (mesh.ici_stage x mesh.dcn_stage > 1): pieces each "
+                                       "accumulated micro-batch is cut into to flow through the pipeline; "
+                                       "0 = the number of stages (docs/scaling.md)")
+    pipeline_repeats: int = _f(1, "circular pipeline: times each micro-batch loops through the stages, each "
+                                  "stage running 1/(stages x repeats) of the layers per pass; 1 = GPipe")
     eval_interval: int = _f(250, "evaluate train/val loss every this many steps (and at the end); 0 = only at the end")
     eval_batches: int = _f(20, "fixed held-out batches per split in each evaluation")
     log_interval: int = _f(10, "steps between metric flushes (every step is still recorded)")
@@ -600,7 +605,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"optimizer.decay_steps={decay} must be >= optimizer.warmup_steps={o.warmup_steps}")
     for key in ("steps", "batch_size", "grad_accum", "eval_batches", "log_interval"):
         positive(f"training.{key}", getattr(t, key))
-    for key in ("eval_interval", "sample_tokens", "sample_top_k"):
+    positive("training.pipeline_repeats", t.pipeline_repeats)
+    for key in ("eval_interval", "sample_tokens", "sample_top_k", "pipeline_microbatches"):
         if getattr(t, key) < 0:
             raise ConfigError(f"training.{key}={getattr(t, key)} must be >= 0")
     if t.sample_temperature < 0:

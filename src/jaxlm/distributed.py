@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
+from pathlib import Path
 from typing import Callable
 
 import jax
@@ -44,6 +46,33 @@ def initialize(cfg: DistributedConfig) -> None:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(**args)
     _initialized = True
+
+
+# What a collective's error says when the process at the other end is gone (gloo on CPU; the coordination
+# service elsewhere).
+_PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "heartbeat",
+              "task has been shut down", "Connection refused")
+
+
+def lost_peer(error: BaseException, wait_s: float = 5.0) -> str | None:
+    """One line for an error raised because another process of this job is gone, else None. Under `jaxlm
+    launch` it names that process and how it ended (the launcher writes it within a second of noticing)."""
+    if not _initialized or jax.process_count() == 1 or not isinstance(error, jax.errors.JaxRuntimeError):
+        return None
+    text = str(error)
+    if not any(marker in text for marker in _PEER_GONE):
+        return None
+    events = os.environ.get("JAXLM_LAUNCH_EVENTS")
+    lost = "another process of the job is gone"
+    deadline = time.monotonic() + wait_s
+    while events and time.monotonic() < deadline:
+        if Path(events).is_file() and (line := Path(events).read_text().strip()):
+            lost = line
+            break
+        time.sleep(0.1)
+    detail = text.strip().splitlines()[0]
+    return (f"process {jax.process_index()} stopped: {lost} ({detail[:160]}); rerun the same command to resume from "
+            f"the last checkpoint")
 
 
 def is_main() -> bool:

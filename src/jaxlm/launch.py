@@ -9,8 +9,10 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 # After one process fails, the others get SIGTERM and this long to exit before they are killed.
 FAILED_GRACE_S = 30.0
@@ -28,14 +30,33 @@ def _pump(stream, prefix: str, out) -> None:
         out.flush()
 
 
+def how_it_ended(index: int, pid: int, code: int) -> str:
+    """'process 1 (pid 4242) was killed by SIGKILL' or 'process 1 (pid 4242) exited with status 2'."""
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"process {index} (pid {pid}) was killed by {name}"
+    return f"process {index} (pid {pid}) exited with status {code}"
+
+
 def launch(command: list[str], processes: int, devices_per_process: int | None = None,
            port: int | None = None, gpus_per_process: int | None = None) -> int:
-    """Run `jaxlm <command>` in `processes` processes; return the first non-zero exit status, else 0."""
+    """Run `jaxlm <command>` in `processes` processes. Returns 0, or for the first process that failed its
+    exit status, 128 + N for one killed by signal N (as a shell reports it); says which one and how on stderr,
+    and writes it to the file named by JAXLM_LAUNCH_EVENTS in the processes' environment, where the survivors
+    read it to name the process they lost (distributed.lost_peer)."""
+    with tempfile.TemporaryDirectory(prefix="jaxlm-launch-") as tmp:
+        return _launch(command, processes, devices_per_process, port, gpus_per_process, Path(tmp) / "events")
+
+
+def _launch(command, processes, devices_per_process, port, gpus_per_process, events: Path) -> int:
     port = port or free_port()
     procs = []
     for i in range(processes):
         env = dict(os.environ, JAXLM_COORDINATOR=f"127.0.0.1:{port}", JAXLM_NUM_PROCESSES=str(processes),
-                   JAXLM_PROCESS_ID=str(i), PYTHONUNBUFFERED="1")
+                   JAXLM_PROCESS_ID=str(i), JAXLM_LAUNCH_EVENTS=str(events), PYTHONUNBUFFERED="1")
         if devices_per_process:
             env["JAX_PLATFORMS"] = "cpu"
             flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
@@ -47,7 +68,7 @@ def launch(command: list[str], processes: int, devices_per_process: int | None =
         threading.Thread(target=_pump, args=(p.stdout, f"[{i}] " if processes > 1 else "", sys.stdout),
                          daemon=True).start()
         procs.append(p)
-    status = 0
+    status, failure = 0, None
     deadline = None
 
     def forward(signum, frame):
@@ -68,7 +89,11 @@ def launch(command: list[str], processes: int, devices_per_process: int | None =
                     continue
                 remaining.remove(p)
                 if code != 0 and status == 0:
-                    status = code
+                    status = 128 - code if code < 0 else code
+                    failure = how_it_ended(procs.index(p), p.pid, code)
+                    events.write_text(failure + "\n")
+                    if remaining:
+                        print(f"jaxlm launch: {failure}; stopping the other processes", file=sys.stderr, flush=True)
                     for q in remaining:  # one failed process would leave the others waiting on collectives
                         q.terminate()
                     deadline = time.monotonic() + FAILED_GRACE_S
@@ -81,4 +106,7 @@ def launch(command: list[str], processes: int, devices_per_process: int | None =
             signal.signal(sig, handler)
     for p in procs:
         p.wait()
+    if failure:
+        print(f"jaxlm launch: {failure}; exit status {status}. Rerun the same command to resume from the last "
+              f"checkpoint", file=sys.stderr, flush=True)
     return status

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import jax
 import numpy as np
@@ -47,6 +47,7 @@ ACTIVATION_RULES: Rules = {
     "kv_heads": ("tensor",),
     "mlp": ("tensor",),
     "vocab": ("tensor",),
+    "stages": ("stage",),
 }
 
 
@@ -155,17 +156,36 @@ def check_divisible(name: str, shape: Sequence[int], axes: Sequence[str | None],
                               f"{' or '.join(f'mesh.ici_{a} / mesh.dcn_{a}' for a in names)} or the model size")
 
 
-_CTX: contextvars.ContextVar[tuple[Mesh, Rules] | None] = contextvars.ContextVar("jaxlm_sharding", default=None)
+class Pipeline(NamedTuple):
+    """How the forward pass runs its layers over the `stage` mesh axis (model/pipeline.py)."""
+    stages: int
+    microbatches: int  # 0 = as many as stages
+    repeats: int
+
+
+_CTX: contextvars.ContextVar[tuple[Mesh, Rules, tuple[int, int], Rules] | None] = contextvars.ContextVar(
+    "jaxlm_sharding", default=None)
 
 
 @contextlib.contextmanager
-def activation_sharding(mesh: Mesh, rules: Rules = ACTIVATION_RULES):
-    """Within this block (while tracing), `constrain` pins activations to the mesh."""
-    token = _CTX.set((mesh, rules))
+def activation_sharding(mesh: Mesh, rules: Rules = ACTIVATION_RULES, pipeline: tuple[int, int] = (0, 1),
+                        param_rules: Rules = PARAM_RULES):
+    """Within this block (while tracing), `constrain` pins activations to the mesh, and a mesh with a `stage`
+    axis over 1 runs the layers as a pipeline of (micro-batches, repeats) = `pipeline` (training.pipeline_*)
+    whose weights `constrain_param` pins by `param_rules`."""
+    token = _CTX.set((mesh, rules, pipeline, param_rules))
     try:
         yield
     finally:
         _CTX.reset(token)
+
+
+def pipeline() -> Pipeline | None:
+    """The pipeline the forward pass runs in this block, or None (no mesh, or one stage)."""
+    ctx = _CTX.get()
+    if ctx is None or ctx[0].shape.get("stage", 1) == 1:
+        return None
+    return Pipeline(ctx[0].shape["stage"], *ctx[2])
 
 
 def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
@@ -173,8 +193,17 @@ def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
     ctx = _CTX.get()
     if ctx is None:
         return x
-    mesh, rules = ctx
+    mesh, rules = ctx[:2]
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec(axes, rules)))
+
+
+def constrain_param(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
+    """Pin a weight (or its gradient) by logical axes and the weight rules; a no-op outside
+    `activation_sharding`."""
+    ctx = _CTX.get()
+    if ctx is None:
+        return x
+    return jax.lax.with_sharding_constraint(x, NamedSharding(ctx[0], spec(axes, ctx[3])))
 
 
 def batch_sharding(mesh: Mesh, ndim: int, leading: int = 0, rules: Rules = ACTIVATION_RULES) -> NamedSharding:

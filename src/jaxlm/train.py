@@ -270,11 +270,13 @@ def make_train_step(cfg: Config, optimizer, mesh, abstract_state, act_rules=shar
     lr_at = optim.schedule(cfg.optimizer, cfg.training.steps)
     spike = cfg.training.spike_threshold
     base_key = jax.random.key(cfg.seed + 1)
+    pipeline = (cfg.training.pipeline_microbatches, cfg.training.pipeline_repeats)
+    param_rules = sharding.rules_from_config(cfg.mesh)[0]
 
     def step_fn(state, batch):
         params = state["params"]
         key = jax.random.fold_in(base_key, state["step"])
-        with sharding.activation_sharding(mesh, act_rules):
+        with sharding.activation_sharding(mesh, act_rules, pipeline, param_rules):
             loss, grads = loss_and_grads(params, batch, model_cfg, key)
         grad_norm = optax.tree.norm(grads)
         guard = state["guard"]
@@ -350,9 +352,12 @@ def _report_skips(step: int, m: dict, seen: dict, t_cfg: config_lib.TrainingConf
 
 def make_eval_step(cfg: Config, mesh, act_rules=sharding.ACTIVATION_RULES) -> Callable:
     """(params, batch of [B, T] arrays) -> (mean loss over the batch's counted tokens, their count)."""
+    pipeline = (cfg.training.pipeline_microbatches, cfg.training.pipeline_repeats)
+    param_rules = sharding.rules_from_config(cfg.mesh)[0]
+
     def eval_fn(params, batch):
         weights = batch.get("weights")
-        with sharding.activation_sharding(mesh, act_rules):
+        with sharding.activation_sharding(mesh, act_rules, pipeline, param_rules):
             loss = loss_fn(params, batch["inputs"], batch["targets"], cfg.model, None, batch.get("positions"),
                            batch.get("segment_ids"), weights)
         return loss, (jnp.float32(batch["inputs"].size) if weights is None else jnp.sum(weights))

@@ -15,9 +15,10 @@ import jax.numpy as jnp
 
 from jaxlm import quant
 from jaxlm.config import ModelConfig
-from jaxlm.model import attention, kvcache, layers, moe
+from jaxlm.model import attention, kvcache, layers, moe, pipeline
 from jaxlm.params import ParamSpec, normal, ones, zeros
 from jaxlm.sharding import constrain
+from jaxlm.sharding import pipeline as pipeline_settings
 
 
 def _norm_specs(cfg: ModelConfig, shape, axes) -> dict:
@@ -151,6 +152,42 @@ def unembed(params: dict, x_BTD: jax.Array, cfg: ModelConfig) -> jax.Array:
         return layers.softcap(logits_BTV, cfg.final_logit_softcap)
 
 
+def layer_stack(x_BTD: jax.Array, layer_params: dict, cfg: ModelConfig, positions_BT: jax.Array,
+                segment_ids_BT: jax.Array | None, layer_keys: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """Run the n layers stacked in layer_params (n a multiple of len(cfg.pattern); the first is a layer of the
+    pattern's first kind): the new residual stream and the layers' routing statistics [n, 2, E]."""
+    # Layers repeat cfg.layer_pattern (e.g. local, global); a scan step runs one repeat, so alternating
+    # layer kinds still compile once per kind, not once per layer.
+    pattern = cfg.pattern
+    P = len(pattern)
+    n = jax.tree.leaves(layer_params)[0].shape[0]
+    bodies = []
+    for kind in pattern:
+        body = lambda x, p, k, local=(kind == "local"): block(x, p, cfg, positions_BT, k, local,  # noqa: E731
+                                                                segment_ids_BT)
+        if cfg.remat != "none":
+            body = jax.checkpoint(body, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
+        bodies.append(body)
+    if cfg.scan_layers:
+        def step(x, inputs):
+            p_group, k_group = inputs
+            stats = []
+            for j, body in enumerate(bodies):
+                x, s = body(x, jax.tree.map(lambda a: a[j], p_group), None if k_group is None else k_group[j])
+                stats.append(s)
+            return x, jnp.stack(stats)
+
+        grouped = jax.tree.map(lambda a: a.reshape(n // P, P, *a.shape[1:]), (layer_params, layer_keys))
+        x_BTD, stats_n2E = jax.lax.scan(step, x_BTD, grouped)
+        return x_BTD, stats_n2E.reshape(n, *stats_n2E.shape[2:])
+    stats = []
+    for i in range(n):
+        p = jax.tree.map(lambda a: a[i], layer_params)
+        x_BTD, s = bodies[i % P](x_BTD, p, None if layer_keys is None else layer_keys[i])
+        stats.append(s)
+    return x_BTD, jnp.stack(stats)
+
+
 @quant.scoped
 def forward_with_aux(params: dict, tokens_BT: jax.Array, cfg: ModelConfig, key: jax.Array | None = None,
                      positions_BT: jax.Array | None = None, segment_ids_BT: jax.Array | None = None
@@ -170,38 +207,15 @@ def forward_with_aux(params: dict, tokens_BT: jax.Array, cfg: ModelConfig, key: 
         x_BTD = layers.dropout(x_BTD, cfg.dropout, sub)
     x_BTD = constrain(x_BTD, ("batch", "length", "embed"))
 
-    # Layers repeat cfg.layer_pattern (e.g. local, global); a scan step runs one repeat, so alternating
-    # layer kinds still compile once per kind, not once per layer.
-    pattern = cfg.pattern
-    P = len(pattern)
-    bodies = []
-    for kind in pattern:
-        body = lambda x, p, k, local=(kind == "local"): block(x, p, cfg, positions_BT, k, local,  # noqa: E731
-                                                                segment_ids_BT)
-        if cfg.remat != "none":
-            body = jax.checkpoint(body, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
-        bodies.append(body)
     layer_keys = jax.random.split(key, cfg.n_layers) if key is not None else None
-    if cfg.scan_layers:
-        def step(x, inputs):
-            p_group, k_group = inputs
-            stats = []
-            for j, body in enumerate(bodies):
-                x, s = body(x, jax.tree.map(lambda a: a[j], p_group), None if k_group is None else k_group[j])
-                stats.append(s)
-            return x, jnp.stack(stats)
-
-        grouped = jax.tree.map(lambda a: a.reshape(cfg.n_layers // P, P, *a.shape[1:]),
-                               (params["layers"], layer_keys))
-        x_BTD, stats_L2E = jax.lax.scan(step, x_BTD, grouped)
-        stats_L2E = stats_L2E.reshape(cfg.n_layers, *stats_L2E.shape[2:])
+    run = lambda x, p, pos, seg, keys: layer_stack(x, p, cfg, pos, seg, keys)  # noqa: E731
+    if (pipe := pipeline_settings()) is not None:
+        axes = jax.tree.map(lambda spec: spec.axes, param_specs(cfg)["layers"],
+                            is_leaf=lambda v: isinstance(v, ParamSpec))
+        x_BTD, stats_L2E = pipeline.run(run, x_BTD, params["layers"], axes, positions_BT, segment_ids_BT,
+                                        layer_keys, pipe, len(cfg.pattern))
     else:
-        stats = []
-        for i in range(cfg.n_layers):
-            p = jax.tree.map(lambda a: a[i], params["layers"])
-            x_BTD, s = bodies[i % P](x_BTD, p, None if layer_keys is None else layer_keys[i])
-            stats.append(s)
-        stats_L2E = jnp.stack(stats)
+        x_BTD, stats_L2E = run(x_BTD, params["layers"], positions_BT, segment_ids_BT, layer_keys)
 
     logits_BTV = unembed(params, x_BTD, cfg)
     aux = moe.load_balancing_loss(stats_L2E) if cfg.n_experts else jnp.zeros((), jnp.float32)

@@ -1,0 +1,39 @@
+"""Ahead-of-time compiles of the parallel layouts for TPU targets on this CPU host (needs the `tpu` extra):
+memory per device against the chip's HBM, from the compiler itself. Minutes per case; not part of the tests.
+
+Prints one line per case:  case=NAME bytes_per_device=N hbm_bytes=N fits=true|false compile_s=S
+
+    python benchmarks/aot_parallelism.py [--only NAME]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from jaxlm import aot, config as config_lib
+
+LLAMA2_70B = ["compile.topology=v5e-256", "compile.num_slices=2", "mesh.ici_data=1", "mesh.ici_fsdp=-1",
+              "model.block_size=2048", "training.per_device_batch_size=4", "model.remat=full"]
+CASES = {
+    # two v5e-256 slices, one pipeline stage per slice, FSDP inside each, 4 x 2048 tokens per chip
+    "llama2-70b_2xv5e-256_dcn_stage2": ("llama2-70b", [*LLAMA2_70B, "mesh.dcn_stage=2"]),
+    # the same slices and batch with data parallelism across them, for comparison
+    "llama2-70b_2xv5e-256_dcn_data2": ("llama2-70b", [*LLAMA2_70B, "mesh.dcn_data=2"]),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", choices=list(CASES))
+    args = parser.parse_args()
+    for name, (preset, overrides) in CASES.items():
+        if args.only and name != args.only:
+            continue
+        cfg = config_lib.load(preset, overrides)
+        r = aot.compile_for(cfg, aot.target(cfg.compile))
+        print(f"case={name} bytes_per_device={r.bytes_per_device} hbm_bytes={r.target.hbm_bytes} "
+              f"fits={str(r.fits).lower()} compile_s={r.seconds:.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

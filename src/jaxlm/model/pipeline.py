@@ -1,0 +1,135 @@
+"""Pipeline parallelism: the layer stack split into stages over the `stage` mesh axis, with micro-batches
+flowing through the stages on a circular schedule. It runs inside the forward pass (transformer.py calls
+`run` when the mesh has more than one stage), so the train step, gradient accumulation, remat and every
+family need no change, and the weights keep their one layout [L, ...]: a checkpoint written with or without
+a pipeline restores into the other.
+
+The schedule ("circular GPipe", the one MaxText runs). S stages, M micro-batches, R repeats. The L layers
+form R * S chunks of C = L / (R * S) consecutive layers; chunk r * S + s runs on stage s, so a micro-batch
+goes through stages 0..S-1 R times. At iteration t (0 <= t < R * M + S - 1) stage s runs micro-batch
+m = (t - s) mod M in repeat r = (t - s) // M when 0 <= t - s < R * M, and idles otherwise (the bubble).
+After each iteration every stage's output moves one stage on (a collective permute over `stage`); stage 0
+takes a new micro-batch while there is one and then, in the next repeat, the output of the last stage, which
+waits for it in the same buffer (so R > 1 needs M >= S). The bubble is S (S - 1) of the S (R M + S - 1)
+stage-steps: (S - 1) / (R M + S - 1), R times less than GPipe's (S - 1) / (M + S - 1), each stage-step
+being R times shorter. `schedule` is the table the loop runs, and benchmarks/pipeline.py counts its bubble.
+
+The backward pass is autodiff of the loop: all forward iterations, then all backward ones in reverse, so
+activation memory is GPipe's (every micro-batch's stage inputs are kept, or recomputed with model.remat).
+
+Weights: with R = 1, stage s holds layers [s L / S, (s + 1) L / S), exactly the block the `layers` ->
+`stage` rule already puts on it: no weight moves. With R > 1 a stage needs the chunks s, S + s, 2 S + s, ...,
+which the contiguous layout spreads over all stages: the step regathers them round-robin with one all-to-all
+over `stage` (and its transpose for the gradients), which suits ICI, not a slow DCN link.
+
+Shape legend: B batch, T length, D model width, E experts, S stages, R repeats, C layers per chunk, M
+micro-batches, b rows per micro-batch (B / M), I iterations of the schedule.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxlm.config import ConfigError
+from jaxlm.sharding import Pipeline, constrain, constrain_param
+
+
+def schedule(stages: int, microbatches: int, repeats: int) -> np.ndarray:
+    """What each stage runs at each iteration, [I, S, 2] int32: (micro-batch, repeat), (-1, -1) in a bubble."""
+    t_IS = np.arange(repeats * microbatches + stages - 1)[:, None] - np.arange(stages)[None, :]
+    busy_IS = (t_IS >= 0) & (t_IS < repeats * microbatches)
+    return np.stack([np.where(busy_IS, t_IS % microbatches, -1), np.where(busy_IS, t_IS // microbatches, -1)],
+                    axis=-1).astype(np.int32)
+
+
+def bubble_fraction(table_IS2: np.ndarray) -> float:
+    """The fraction of stage-steps of a schedule that hold no micro-batch."""
+    return float(np.mean(table_IS2[..., 0] < 0))
+
+
+def resolve(pipe: Pipeline, batch: int, n_layers: int, pattern: int) -> tuple[int, int, int]:
+    """(S, M, R) with M resolved, or a ConfigError naming the setting to change."""
+    S, R = pipe.stages, pipe.repeats
+    M = pipe.microbatches or S
+    if batch % M:
+        raise ConfigError(f"training.pipeline_microbatches={M} must divide the batch of {batch} sequences "
+                          f"that each forward pass sees (training.batch_size)")
+    if n_layers % (S * R) or (n_layers // (S * R)) % pattern:
+        raise ConfigError(f"{S} pipeline stages x training.pipeline_repeats={R} must split model.n_layers="
+                          f"{n_layers} into chunks of whole model.layer_pattern repeats ({pattern} layers)")
+    if R > 1 and M < S:
+        raise ConfigError(f"training.pipeline_microbatches={M} must be >= the {S} stages when "
+                          f"training.pipeline_repeats={R} > 1 (a circular pipeline)")
+    return S, M, R
+
+
+def run(stack: Callable, x_BTD: jax.Array, layer_params: dict, layer_axes: dict, positions_BT: jax.Array,
+        segment_ids_BT: jax.Array | None, layer_keys: jax.Array | None, pipe: Pipeline, pattern: int
+        ) -> tuple[jax.Array, jax.Array]:
+    """stack(x_bTD, chunk_params, positions_bT, segment_ids_bT, chunk_keys) -> (x_bTD, stats_C2E) run over
+    the layers as a pipeline; returns what stack would over all L layers at once: x_BTD and stats [L, 2, E].
+    layer_axes: the logical axes of each weight of layer_params (a tuple per leaf, "layers" first)."""
+    B, T, D = x_BTD.shape
+    L = jax.tree.leaves(layer_params)[0].shape[0]
+    S, M, R = resolve(pipe, B, L, pattern)
+    C, b = L // (S * R), B // M
+    table_IS2 = jnp.asarray(schedule(S, M, R))
+
+    def microbatches(a_B):  # micro-batch m = rows m, M + m, 2M + m, ...: each data shard keeps its own rows
+        return jnp.asarray(a_B).reshape(b, M, *a_B.shape[1:]).swapaxes(0, 1)
+
+    def chunks(a_L):  # [L, ...] -> [S, R, C, ...], chunk r * S + s at [s, r]
+        return a_L.reshape(R, S, C, *a_L.shape[1:]).swapaxes(0, 1)
+
+    with jax.named_scope("pipeline"):
+        io_MbTD = constrain(microbatches(x_BTD), (None, "batch", "length", "embed"))
+        positions_MbT = microbatches(positions_BT)
+        segments_MbT = None if segment_ids_BT is None else microbatches(segment_ids_BT)
+        params_SRC = jax.tree.map(chunks, layer_params)
+        keys_SRC = None if layer_keys is None else chunks(layer_keys)
+
+        def stage(x_bTD, p_RC, keys_RC, m, r):
+            """One stage's work at one iteration: chunk (r, stage) on micro-batch m (clipped to 0 in a bubble,
+            whose result is never used)."""
+            m, r = jnp.maximum(m, 0), jnp.maximum(r, 0)
+            # A select rather than a gather: its transpose keeps each repeat's gradient on its stage, where a
+            # gather's scatter-add would be all-gathered over `stage`.
+            p_C = jax.tree.map(lambda a: jax.lax.select_n(r, *a) if R > 1 else a[0], p_RC)
+            keys_C = None if keys_RC is None else jax.vmap(jax.random.fold_in, (0, None))(keys_RC[r], m)
+            seg_bT = None if segments_MbT is None else segments_MbT[m]
+            return stack(x_bTD, p_C, positions_MbT[m], seg_bT, keys_C)
+
+        stages = jax.vmap(stage, spmd_axis_name="stage")
+        sharded = ("stages", "batch", "length", "embed")
+
+        def iteration(carry, table_S2):
+            state_SbTD, io_MbTD, stats_SR = carry
+            m_S, r_S = table_S2[:, 0], table_S2[:, 1]
+            # Pinned in the loop so that the weights' gradients, summed over iterations, stay sharded as the
+            # weights are (on their stage, and over FSDP and tensor axes).
+            p_SRC = jax.tree.map(lambda a, axes: constrain_param(a, ("layers", None, None, *axes[1:])),
+                                 params_SRC, layer_axes)
+            state_SbTD = state_SbTD.at[0].set(io_MbTD[jnp.maximum(m_S[0], 0)])  # a new or looped micro-batch
+            out_SbTD, stats_SC2E = stages(constrain(state_SbTD, sharded), p_SRC, keys_SRC, m_S, r_S)
+            out_SbTD = constrain(out_SbTD, sharded)
+            busy_S = (m_S >= 0).astype(stats_SC2E.dtype)
+            stats_SR = stats_SR + jax.nn.one_hot(r_S, R, dtype=stats_SC2E.dtype)[:, :, None, None, None] * (
+                busy_S[:, None, None, None] * stats_SC2E)[:, None]
+            m_last = jnp.maximum(m_S[-1], 0)
+            done_bTD = jnp.where(m_S[-1] >= 0, out_SbTD[-1], io_MbTD[m_last])
+            io_MbTD = jax.lax.dynamic_update_index_in_dim(io_MbTD, done_bTD, m_last, 0)
+            return (jnp.roll(out_SbTD, 1, axis=0), io_MbTD, stats_SR), None
+
+        state_SbTD = constrain(jnp.zeros((S, b, T, D), x_BTD.dtype), sharded)
+        stats_shape = jax.eval_shape(lambda: stages(state_SbTD, params_SRC, keys_SRC, table_IS2[0, :, 0],
+                                                    table_IS2[0, :, 1])[1])
+        stats_SR = jnp.zeros((S, R, *stats_shape.shape[1:]), stats_shape.dtype)
+        (_, io_MbTD, stats_SRC2E), _ = jax.lax.scan(iteration, (state_SbTD, io_MbTD, stats_SR), table_IS2)
+        x_BTD = constrain(io_MbTD.swapaxes(0, 1).reshape(B, T, D), ("batch", "length", "embed"))
+        # Statistics are means over tokens: the mean over equal micro-batches is the whole batch's.
+        stats_L2E = stats_SRC2E.swapaxes(0, 1).reshape(L, *stats_SRC2E.shape[3:]) / M
+    return x_BTD, stats_L2E
