@@ -1,4 +1,4 @@
-"""`jaxlm train | compile | prepare | plot | convert | generate`: parse the command line and call the library.
+"""`jaxlm train | compile | prepare | plot | convert | generate | serve | eval`: parse the command line and call the library.
 Errors a user can cause end in one line on stderr (exit status 2), not a traceback."""
 
 from __future__ import annotations
@@ -234,9 +234,23 @@ def cmd_generate(argv: list[str]) -> int:
     return 0
 
 
+def cmd_serve(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: jaxlm serve RUN_DIR_OR_CONVERTED [key=value ...]\n\n"
+              "Serve the model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions,\n"
+              "/v1/models, /tokenize, /health, /metrics) with continuous batching. Settings: serve.host\n"
+              "(127.0.0.1), serve.port (8000), serve.max_slots, serve.max_queue, serve.model_name, serve.api_key\n"
+              "(or JAXLM_API_KEY), serve.chat_template; decode.* give the sampling defaults and the cache length\n"
+              "(decode.cache_length, default model.block_size); mesh.* shard the model (docs/serve.md).")
+        return 0 if argv else 2
+    from jaxlm import serve
+
+    return serve.run(argv[0], config_lib.parse_overrides(argv[1:]))
+
+
 COMMANDS = {"train": cmd_train, "compile": cmd_compile, "prepare": cmd_prepare, "launch": cmd_launch,
             "plot": cmd_plot, "convert": cmd_convert, "eval": cmd_eval,
-            "generate": cmd_generate}
+            "generate": cmd_generate, "serve": cmd_serve}
 
 
 def use_huge_pages() -> None:
@@ -266,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
               "  plot RUN_DIR [RUN_DIR ...]             loss and throughput curves -> PNG (jaxlm plot --help)\n"
               "  convert from-hf|to-hf SRC OUT          Hugging Face checkpoints in and out (jaxlm convert --help)\n"
               "  eval RUN_DIR [key=value ...]           losses and a sample of a trained run (jaxlm eval --help)\n"
-              "  generate SRC --prompt TEXT [k=v ...]   sample text with a KV cache (jaxlm generate --help)")
+              "  generate SRC --prompt TEXT [k=v ...]   sample text with a KV cache (jaxlm generate --help)\n"
+              "  serve SRC [key=value ...]              OpenAI-compatible HTTP server (jaxlm serve --help)")
         return 0 if not argv or argv[0] in ("-h", "--help") else 2
     from jaxlm.checkpoint import CheckpointError
     from jaxlm.data.prepare import DataError
