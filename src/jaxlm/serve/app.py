@@ -95,21 +95,37 @@ def _json_error(status: int, message: str, param: str | None = None, code: str |
     return JSONResponse(error_body(message, kind, param, code), status_code=status, headers=headers)
 
 
+class Guard:
+    """ASGI middleware: the API key check (every path but /health) and the count of error answers. Plain ASGI
+    rather than Starlette's BaseHTTPMiddleware, which would hide a client's disconnect from streaming answers."""
+
+    def __init__(self, app, served: Served):
+        self.app, self.s = app, served
+
+    async def __call__(self, scope, receive, send):
+        s = self.s
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if s.api_key and scope["path"] != "/health":
+            got = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(got, f"Bearer {s.api_key}".encode()):
+                s.errors[401] = s.errors.get(401, 0) + 1
+                response = _json_error(401, "missing or wrong API key: send the header Authorization: Bearer KEY",
+                                       code="invalid_api_key")
+                return await response(scope, receive, send)
+
+        async def counting_send(message):
+            if message["type"] == "http.response.start" and message["status"] >= 400:
+                s.errors[message["status"]] = s.errors.get(message["status"], 0) + 1
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
+
+
 def create_app(s: Served) -> FastAPI:
     app = FastAPI(title="jaxlm", docs_url=None, redoc_url=None, openapi_url=None)
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        if s.api_key and request.url.path not in ("/health",):
-            got = request.headers.get("authorization", "")
-            if not hmac.compare_digest(got.encode(), f"Bearer {s.api_key}".encode()):
-                s.errors[401] = s.errors.get(401, 0) + 1
-                return _json_error(401, "missing or wrong API key: send the header Authorization: Bearer KEY",
-                                   code="invalid_api_key")
-        response = await call_next(request)
-        if response.status_code >= 400:
-            s.errors[response.status_code] = s.errors.get(response.status_code, 0) + 1
-        return response
+    app.add_middleware(Guard, served=s)
 
     @app.exception_handler(RequestError)
     async def request_error(request: Request, e: RequestError):
@@ -363,7 +379,7 @@ def _apply(s: Served, c: Choice, ev) -> tuple[str, list, str | None]:
 
 async def _watch(request: Request, choices: list[Choice], s: Served) -> None:
     while True:
-        await asyncio.sleep(0.25)
+        await asyncio.sleep(0.1)
         if await request.is_disconnected():
             for c in choices:
                 s.engine.cancel(c.seq)
@@ -387,6 +403,7 @@ async def _stream(s: Served, choices: list[Choice], request: Request):
     """(index, choice, text, logprobs, finish) as events arrive, over all choices; cancels on disconnect (the
     response generator is closed then)."""
     pending = {asyncio.ensure_future(c.events.get()): k for k, c in enumerate(choices)}
+    watcher = asyncio.create_task(_watch(request, choices, s))  # the server may keep writing to a closed socket
     try:
         while pending:
             done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -399,6 +416,7 @@ async def _stream(s: Served, choices: list[Choice], request: Request):
                 if finish is None:
                     pending[asyncio.ensure_future(c.events.get())] = k
     finally:
+        watcher.cancel()
         for fut in pending:
             fut.cancel()
         for c in choices:

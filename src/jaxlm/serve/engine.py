@@ -263,6 +263,9 @@ class Engine:
         return tokens_1T
 
     def _prefill(self, seq: Sequence, slot: int) -> None:
+        if len(seq.prompt) + seq.max_tokens > self.S:
+            raise ValueError(f"a prompt of {len(seq.prompt)} tokens + {seq.max_tokens} new ones do not fit in the "
+                             f"{self.S} positions of a slot")
         tokens_1T = self._padded(seq.prompt)
         logits_1V, one = generate._prefill(self.params, tokens_1T, np.asarray([len(seq.prompt)], np.int32),
                                            self.cfg, self.S, self.quantize)
