@@ -260,3 +260,79 @@ def test_serve_settings_fail_in_one_line(tmp_path):
         serve.settings_config({"training.steps": 3})
     with pytest.raises(ConfigError, match="not a file"):
         serve.settings_config({"serve.chat_template": str(tmp_path / "missing.jinja")})
+
+
+MC_TASK = """task: jaxlm_test_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{context}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+target_delimiter: ""
+metric_list:
+  - metric: acc
+"""
+GEN_TASK = """task: jaxlm_test_gen
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: generate_until
+doc_to_text: "{{{{context}}}}"
+doc_to_target: "{{{{target}}}}"
+generation_kwargs:
+  until: ["\\n"]
+  max_gen_toks: 10
+  do_sample: false
+metric_list:
+  - metric: exact_match
+"""
+
+
+def test_lm_eval_tasks_through_the_server_match_direct_scoring(trained, shakespeare_file, tmp_path):
+    """A multiple-choice task (the true next words of a Shakespeare line against two others) and a generation
+    task, run by lm-evaluation-harness through `jaxlm eval --tasks` (a server on 127.0.0.1): the accuracy equals
+    choosing by log-likelihoods from `jaxlm.load(...).logits`, and generation equals `jaxlm generate`'s."""
+    pytest.importorskip("lm_eval")
+    from jaxlm import cli
+
+    model = jaxlm.load(trained)
+    tok = model.tokenizer()
+    lines = [ln for ln in shakespeare_file.read_text()[5000:40000].splitlines() if len(ln) > 30][:12]
+    rng = np.random.default_rng(0)
+    docs, correct = [], 0
+    for i, ln in enumerate(lines):
+        others = [lines[(i + k) % len(lines)][20:28] for k in (3, 7)]
+        choices = [ln[20:28], *others]
+        order = rng.permutation(3)
+        choices = [choices[j] for j in order]
+        answer = int(np.where(order == 0)[0][0])
+        docs.append({"context": ln[:20], "choices": choices, "answer": answer})
+        ll = []
+        for ch in choices:
+            ids = tok.encode(ln[:20] + ch)
+            logits = model.logits(np.asarray([ids]))[0].astype(np.float64)
+            lp = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
+            ll.append(sum(lp[j - 1, ids[j]] for j in range(20, len(ids))))
+        correct += int(np.argmax(ll) == answer)
+    want_acc = correct / len(docs)
+    gen_docs = [{"context": ln[:15], "target": model.generate_text(ln[:15], max_new_tokens=10,
+                                                                    temperature=0).split("\n")[0]}
+                for ln in lines[:4]]
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    for name, template, rows in (("mc", MC_TASK, docs), ("gen", GEN_TASK, gen_docs)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (tasks / f"{name}.yaml").write_text(template.format(data=tmp_path / f"{name}.jsonl"))
+    out = tmp_path / "results.json"
+    assert cli.main(["eval", str(trained), "--tasks", "jaxlm_test_mc,jaxlm_test_gen", "--include-path", str(tasks),
+                     "--output", str(out), "serve.max_slots=8", "max_new_tokens=16"]) == 0
+    results = json.loads(out.read_text())["results"]
+    assert results["jaxlm_test_mc"]["acc,none"] == pytest.approx(want_acc)
+    assert 0 < want_acc < 1 or want_acc == 1.0  # a real score of a trained model on 12 questions
+    assert results["jaxlm_test_gen"]["exact_match,none"] == 1.0
