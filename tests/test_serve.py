@@ -66,8 +66,9 @@ def test_openai_client_completions_chat_and_streaming(server, trained):
     c = client(server)
     assert [m.id for m in c.models.list().data] == ["tiny"]
     model = jaxlm.load(trained)
-    for prompt in ("To be", "KING RICHARD:\nWhat"):
-        want = model.generate_text(prompt, max_new_tokens=20, temperature=0)
+    chat_prompt = "USER: Speak\nASSISTANT: "  # the messages below through TEMPLATE
+    wants = model.generate_text(["To be", "KING RICHARD:\nWhat", chat_prompt], max_new_tokens=20, temperature=0)
+    for prompt, want in zip(("To be", "KING RICHARD:\nWhat"), wants):
         got = c.completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=0)
         assert got.choices[0].text == want and got.choices[0].finish_reason == "length"
         assert got.usage.prompt_tokens == len(prompt) and got.usage.completion_tokens == 20
@@ -92,8 +93,7 @@ def test_openai_client_completions_chat_and_streaming(server, trained):
     # chat through serve.chat_template; stop strings cut the text before them
     msgs = [{"role": "user", "content": "Speak"}]
     chat = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=12, temperature=0)
-    assert chat.choices[0].message.content == model.generate_text("USER: Speak\nASSISTANT: ", max_new_tokens=12,
-                                                                  temperature=0)
+    assert chat.choices[0].message.content == wants[2][:12]  # char tokens: 12 tokens, 12 characters
     parts = [ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
         model="tiny", messages=msgs, max_tokens=12, temperature=0, stream=True) if ch.choices]
     assert "".join(parts) == chat.choices[0].message.content
@@ -227,6 +227,7 @@ def free_port():
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_cli_serves_with_an_api_key_from_the_environment(trained):
     port = free_port()
     env = dict(os.environ, JAXLM_API_KEY="k1")
@@ -294,6 +295,7 @@ metric_list:
 """
 
 
+@pytest.mark.slow
 def test_lm_eval_tasks_through_the_server_match_direct_scoring(trained, shakespeare_file, tmp_path):
     """A multiple-choice task (the true next words of a Shakespeare line against two others) and a generation
     task, run by lm-evaluation-harness through `jaxlm eval --tasks` (a server on 127.0.0.1): the accuracy equals
@@ -334,5 +336,5 @@ def test_lm_eval_tasks_through_the_server_match_direct_scoring(trained, shakespe
                      "--output", str(out), "serve.max_slots=8", "max_new_tokens=16"]) == 0
     results = json.loads(out.read_text())["results"]
     assert results["jaxlm_test_mc"]["acc,none"] == pytest.approx(want_acc)
-    assert 0 < want_acc < 1 or want_acc == 1.0  # a real score of a trained model on 12 questions
+    assert want_acc > 1 / 3  # better than chance: the trained model knows something of the text
     assert results["jaxlm_test_gen"]["exact_match,none"] == 1.0

@@ -94,9 +94,14 @@ def _logprobs(logits_BV, tok_B):
 def _step(params, cache, logits_BV, busy_B, seed_B, choice_B, count_B, temperature_B, top_k_B, top_p_B,
           cfg: ModelConfig):
     """Sample each busy row's next token from its logits, then append the tokens to the cache."""
-    keys_B = _row_keys(seed_B, choice_B, count_B)
-    tok_B = jax.vmap(lambda l, k, t, tk, tp: generate.sample_tokens(l[None], k, t, tk, tp)[0])(
-        logits_BV, keys_B, temperature_B, top_k_B, top_p_B)
+    def sampled():
+        keys_B = _row_keys(seed_B, choice_B, count_B)
+        return jax.vmap(lambda l, k, t, tk, tp: generate.sample_tokens(l[None], k, t, tk, tp)[0])(
+            logits_BV, keys_B, temperature_B, top_k_B, top_p_B)
+
+    # All greedy (the common case of evaluation and tests) skips the per-row sort that sampling needs.
+    tok_B = jax.lax.cond(jnp.any(busy_B & (temperature_B > 0)), sampled,
+                         lambda: jnp.argmax(logits_BV, axis=-1).astype(jnp.int32))
     tok_B = jnp.where(busy_B, tok_B, 0)
     lp_B, top_ids_BK, top_lp_BK = _logprobs(logits_BV, tok_B)
     # Idle rows decode a dummy token at position 0: their cache is replaced whole when a request takes the slot.
