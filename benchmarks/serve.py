@@ -1,10 +1,11 @@
 """`jaxlm serve` under load on loopback: throughput and latency at several concurrencies, continuous batching
 against one request at a time, and Hugging Face transformers' `generate` on the same weights, in one run.
 
-Each server is a `jaxlm serve` process of its own; the sweep runs one of --slots slots. The model is benchmarks/decode.py's tiny random Llama (built with transformers, imported with `jaxlm convert
-from-hf`), given a byte-level tokenizer so the server can turn tokens into text. Each client streams one
-completion of NEW tokens after a 16-token prompt (token ids, greedy, no stop token, logprobs=1 so that every
-token arrives in its own chunk even where random weights make bytes that are not yet whole UTF-8 text) with the
+Each server is a `jaxlm serve` process of its own; the sweep runs one of --slots slots. The model is
+benchmarks/decode.py's tiny random Llama (built with transformers, imported with `jaxlm convert from-hf`), given a
+byte-level tokenizer so the server can turn tokens into text. Each client streams one completion of NEW tokens
+after a 16-token prompt (token ids, greedy, no stop token, logprobs=1 so that every token arrives in its own chunk
+even where random weights make bytes that are not yet whole UTF-8 text) with the
 official openai client; REQUESTS = 2 x concurrency per level. Prints one line per level
     concurrency=C requests=R output_tok_per_s=X ttft_p50_ms= ttft_p99_ms= itl_p50_ms= itl_p99_ms=
 then `slots8` (a server with 8 slots) and `one_at_a_time` (a server with one slot), both at concurrency 8,

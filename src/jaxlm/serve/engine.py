@@ -94,14 +94,27 @@ def _logprobs(logits_BV, tok_B):
 def _step(params, cache, logits_BV, busy_B, seed_B, choice_B, count_B, temperature_B, top_k_B, top_p_B,
           cfg: ModelConfig):
     """Sample each busy row's next token from its logits, then append the tokens to the cache."""
-    def sampled():
-        keys_B = _row_keys(seed_B, choice_B, count_B)
+    V = logits_BV.shape[-1]
+    keys_B = _row_keys(seed_B, choice_B, count_B)
+    hot_B = busy_B & (temperature_B > 0)
+    filtered_B = hot_B & (((top_k_B > 0) & (top_k_B < V)) | (top_p_B < 1))
+
+    def greedy():
+        return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+
+    def plain():  # sample_tokens' draw without top-k/top-p, row by row
+        drawn_B = jax.vmap(lambda l, k, t: jax.random.categorical(k, l / jnp.maximum(t, jnp.finfo(jnp.float32).tiny)))(
+            logits_BV, keys_B, temperature_B).astype(jnp.int32)
+        return jnp.where(temperature_B > 0, drawn_B, greedy())
+
+    def filtered():  # every row through sample_tokens (vmapped, it computes each branch and selects the row's)
         return jax.vmap(lambda l, k, t, tk, tp: generate.sample_tokens(l[None], k, t, tk, tp)[0])(
             logits_BV, keys_B, temperature_B, top_k_B, top_p_B)
 
-    # All greedy (the common case of evaluation and tests) skips the per-row sort that sampling needs.
-    tok_B = jax.lax.cond(jnp.any(busy_B & (temperature_B > 0)), sampled,
-                         lambda: jnp.argmax(logits_BV, axis=-1).astype(jnp.int32))
+    # The batch pays for the sort of top-k/top-p only when a row asks for them; a row's token is the same on
+    # every branch that can serve it, so it does not depend on the other rows.
+    tok_B = jax.lax.switch(jnp.where(jnp.any(filtered_B), 2, jnp.where(jnp.any(hot_B), 1, 0)),
+                           (greedy, plain, filtered))
     tok_B = jnp.where(busy_B, tok_B, 0)
     lp_B, top_ids_BK, top_lp_BK = _logprobs(logits_BV, tok_B)
     # Idle rows decode a dummy token at position 0: their cache is replaced whole when a request takes the slot.
