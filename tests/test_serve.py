@@ -257,6 +257,8 @@ def test_cli_serves_with_an_api_key_from_the_environment(trained):
 def test_serve_settings_fail_in_one_line(tmp_path):
     from jaxlm.config import ConfigError
 
+    with pytest.raises(ConfigError, match=r"serve.port=70000 must be in \[1, 65535\]"):
+        serve.settings_config({"serve.port": 70000})
     with pytest.raises(ConfigError, match="serve.max_slots=0 must be >= 1"):
         serve.settings_config({"serve.max_slots": 0})
     with pytest.raises(ConfigError, match="training.steps: `jaxlm serve` takes"):

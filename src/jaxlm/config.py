@@ -667,8 +667,8 @@ def validate_decode(d: DecodeConfig) -> None:
 
 
 def validate_serve(s: ServeConfig) -> None:
-    if not 0 <= s.port <= 65535:
-        raise ConfigError(f"serve.port={s.port} must be in [0, 65535] (0 = any free port)")
+    if not 1 <= s.port <= 65535:
+        raise ConfigError(f"serve.port={s.port} must be in [1, 65535]")
     for key in ("max_slots", "max_queue"):
         if getattr(s, key) < 1:
             raise ConfigError(f"serve.{key}={getattr(s, key)} must be >= 1")

@@ -304,7 +304,10 @@ async def _score(s: Served, ids: list[int]):
     done: asyncio.Future = loop.create_future()
 
     def emit(ev):
-        loop.call_soon_threadsafe(lambda: done.done() or done.set_result(ev))
+        try:
+            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(ev))
+        except RuntimeError:  # the server is shutting down: nobody is waiting any more
+            pass
 
     item = engine_lib.Score(ids, emit)
     try:
