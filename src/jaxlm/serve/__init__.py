@@ -86,8 +86,8 @@ def build(src: str | Path, cfg: Config, log: Callable[[str], None] = print):
     engine.warm_up()
     engine.start()
     api_key = sc.api_key or os.environ.get("JAXLM_API_KEY") or None
-    served = app_lib.Served(engine, tok.encode, tok.decode, tok.eos_ids, sc.model_name or Path(src).resolve().name,
-                            m.vocab_size, d, stop, chat_template(model, sc.chat_template), api_key)
+    served = app_lib.Served(engine, tok.encode, tok.decode, sc.model_name or Path(src).resolve().name, m.vocab_size,
+                            d, stop, chat_template(model, sc.chat_template), api_key)
     log(f"jaxlm serve: {served.name} | {sc.max_slots} slots x {length} positions | "
         f"{'API key required' if api_key else 'no API key'}")
     return served

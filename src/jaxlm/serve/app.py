@@ -33,7 +33,6 @@ class Served:
     engine: engine_lib.Engine
     encode: Callable[[str], list[int]]
     decode: Callable[[list[int]], str]
-    eos_ids: tuple[int, ...]
     name: str
     vocab_size: int
     decode_cfg: DecodeConfig
