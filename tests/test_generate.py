@@ -122,6 +122,15 @@ def test_zero_temperature_is_greedy_and_seeds_reproduce():
     assert (hot[0] != greedy).any() and (hot[0] != hot[2]).any()
 
 
+def test_plain_sampling_draws_from_the_softmax():
+    """top_k 0 (or >= vocab) and top_p 1 take the branch that draws without sorting: frequencies follow the
+    softmax of logits / temperature, every token included."""
+    for kw, temperature in ((dict(top_k=0), 1.0), (dict(top_k=len(LOGITS)), 1.0), (dict(top_k=0), 0.5)):
+        got = np.bincount(draws(LOGITS, n=20000, temperature=temperature, **kw), minlength=len(LOGITS)) / 20000
+        want = np.exp(LOGITS / temperature) / np.exp(LOGITS / temperature).sum()
+        np.testing.assert_allclose(got, want, atol=0.012)
+
+
 @pytest.mark.parametrize("bad, match", [(dict(temperature=-1.0), "temperature=-1.0 must be >= 0"),
                                         (dict(top_p=0.0), r"top_p=0.0 must be in \(0, 1\]"),
                                         (dict(top_p=1.5), "top_p=1.5"), (dict(top_k=-2), "top_k=-2 must be >= 0")])

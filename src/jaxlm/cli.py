@@ -1,4 +1,4 @@
-"""`jaxlm train | compile | prepare | plot | convert | generate`: parse the command line and call the library.
+"""`jaxlm train | compile | prepare | plot | convert | generate | serve | eval`: parse the command line and call the library.
 Errors a user can cause end in one line on stderr (exit status 2), not a traceback."""
 
 from __future__ import annotations
@@ -246,12 +246,20 @@ def cmd_plot(argv: list[str]) -> int:
 
 def cmd_eval(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: jaxlm eval RUN_DIR [key=value ...]\n\n"
+        print("usage: jaxlm eval RUN_DIR [key=value ...]\n"
+              "       jaxlm eval SRC --tasks T1,T2 [--include-path DIR] [--limit N] [--url URL] [key=value ...]\n\n"
               "Restore the latest checkpoint of a training run (a folder, or an s3:// or gs:// URL), print its\n"
               "train/val loss on the batches training evaluated on, and a sample (training.sample_tokens=0 skips\n"
               "it). Settings override the run's config.json, e.g. model.quantization=int8_weights evaluates and\n"
-              "samples with int8-stored weights and prints the float figures beside them.")
+              "samples with int8-stored weights and prints the float figures beside them.\n"
+              "With --tasks: run lm-evaluation-harness tasks (local task files and data) against the model through\n"
+              "`jaxlm serve` (started here on 127.0.0.1 with serve.*/decode.* settings, or a running one at --url);\n"
+              "docs/serve.md.")
         return 0 if argv else 2
+    if any(a == "--tasks" or a.startswith("--tasks=") for a in argv):
+        from jaxlm import evals
+
+        return evals.main(argv)
     from jaxlm import evaluate
 
     evaluate.evaluate_run(argv[0], config_lib.parse_overrides(argv[1:]))
@@ -329,9 +337,23 @@ def cmd_generate(argv: list[str]) -> int:
     return 0
 
 
+def cmd_serve(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: jaxlm serve RUN_DIR_OR_CONVERTED [key=value ...]\n\n"
+              "Serve the model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions,\n"
+              "/v1/models, /tokenize, /health, /metrics) with continuous batching. Settings: serve.host\n"
+              "(127.0.0.1), serve.port (8000), serve.max_slots, serve.max_queue, serve.model_name, serve.api_key\n"
+              "(or JAXLM_API_KEY), serve.chat_template; decode.* give the sampling defaults and the cache length\n"
+              "(decode.cache_length, default model.block_size); mesh.* shard the model (docs/serve.md).")
+        return 0 if argv else 2
+    from jaxlm import serve
+
+    return serve.run(argv[0], config_lib.parse_overrides(argv[1:]))
+
+
 COMMANDS = {"train": cmd_train, "compile": cmd_compile, "prepare": cmd_prepare, "launch": cmd_launch,
             "plot": cmd_plot, "convert": cmd_convert, "eval": cmd_eval,
-            "generate": cmd_generate, "tokenizer": cmd_tokenizer}
+            "generate": cmd_generate, "tokenizer": cmd_tokenizer, "serve": cmd_serve}
 
 
 def use_huge_pages() -> None:
@@ -362,8 +384,10 @@ def main(argv: list[str] | None = None) -> int:
               "  launch --processes N -- train ...      one job in N local processes (jaxlm launch --help)\n"
               "  plot RUN_DIR [RUN_DIR ...]             loss and throughput curves -> PNG (jaxlm plot --help)\n"
               "  convert from-hf|to-hf SRC OUT          Hugging Face checkpoints in and out (jaxlm convert --help)\n"
-              "  eval RUN_DIR [key=value ...]           losses and a sample of a trained run (jaxlm eval --help)\n"
-              "  generate SRC --prompt TEXT [k=v ...]   sample text with a KV cache (jaxlm generate --help)")
+              "  eval RUN_DIR [key=value ...]           losses and a sample of a trained run, or lm-eval tasks\n"
+              "                                         with --tasks (jaxlm eval --help)\n"
+              "  generate SRC --prompt TEXT [k=v ...]   sample text with a KV cache (jaxlm generate --help)\n"
+              "  serve SRC [key=value ...]              OpenAI-compatible HTTP server (jaxlm serve --help)")
         return 0 if not argv or argv[0] in ("-h", "--help") else 2
     from jaxlm.checkpoint import CheckpointError
     from jaxlm.data.prepare import DataError

@@ -263,6 +263,19 @@ class DecodeConfig:
 
 
 @dataclass(frozen=True)
+class ServeConfig:
+    host: str = _f("127.0.0.1", "`jaxlm serve`: address to listen on; 0.0.0.0 opens the server to the network")
+    port: int = _f(8000, "`jaxlm serve`: TCP port")
+    max_slots: int = _f(8, "sequences decoded together, each in its own slot of one KV cache; the decode step "
+                           "compiles once for this count")
+    max_queue: int = _f(64, "requests waiting for a slot at most; more are answered 429 with Retry-After")
+    model_name: str = _f("", "model id of the OpenAI API (/v1/models, the `model` field); '' = the folder's name")
+    api_key: str = _f("", "answer 401 unless a request sends `Authorization: Bearer KEY`; '' = the JAXLM_API_KEY "
+                          "environment variable, or no key when that is unset")
+    chat_template: str = _f("", "a Jinja chat template file for /v1/chat/completions when the tokenizer has none")
+
+
+@dataclass(frozen=True)
 class CompileConfig:
     topology: str = _f("", "target of `jaxlm compile`: a TPU slice such as v4-8, v5e-16, v5e-256, v5p-128, v6e-256 "
                            "(or v5e:4x4 / v5p:4x4x12; needs the tpu extra), cpu-N (N CPU devices), or a3 (8 x H100 "
@@ -294,6 +307,7 @@ class Config:
     diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
     profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
     run_dir: str | None = _f(None, "run directory (a path, a file:// URL, or an fsspec URL such as gs://... for "
                                          "metrics only, docs/scaling.md); None = outputs/<timestamp>. A folder "
@@ -659,6 +673,7 @@ def validate(cfg: Config) -> None:
     if not cfg.logging.wandb_project:
         raise ConfigError("logging.wandb_project must not be empty")
     validate_decode(cfg.decode)
+    validate_serve(cfg.serve)
     validate_compile(cfg.compile)
 
 
@@ -685,6 +700,16 @@ def validate_decode(d: DecodeConfig) -> None:
     if d.cache_length is not None and d.cache_length <= 0:
         raise ConfigError(f"decode.cache_length={d.cache_length} must be > 0 (or None)")
     stop_token_ids(d)
+
+
+def validate_serve(s: ServeConfig) -> None:
+    if not 1 <= s.port <= 65535:
+        raise ConfigError(f"serve.port={s.port} must be in [1, 65535]")
+    for key in ("max_slots", "max_queue"):
+        if getattr(s, key) < 1:
+            raise ConfigError(f"serve.{key}={getattr(s, key)} must be >= 1")
+    if s.chat_template and not Path(s.chat_template).is_file():
+        raise ConfigError(f"serve.chat_template={s.chat_template} is not a file; give a Jinja chat template file")
 
 
 def validate_compile(c: CompileConfig) -> None:

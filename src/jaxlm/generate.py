@@ -78,19 +78,36 @@ def sample_tokens(logits_BV: jax.Array, key: jax.Array, temperature, top_k, top_
     """One token per row from float32 logits, in the order transformers applies them: temperature, then top-k
     (the k largest logits; 0 = off), then top-p (the most likely tokens until their probability reaches top_p,
     at least one; 1 = off). Temperature 0 is greedy. The settings may be traced, so changing them does not
-    recompile."""
+    recompile.
+
+    Only what the settings need runs (lax.switch): greedy is an argmax, and plain sampling (top-k and top-p
+    off) a draw from the softmax; only top-k or top-p sort the vocabulary, which at batch 16 and a 128k
+    vocabulary costs more than a small model's whole decode step."""
     V = logits_BV.shape[-1]
-    greedy_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
-    scaled_BV = logits_BV / jnp.maximum(temperature, jnp.finfo(jnp.float32).tiny)
-    sorted_BV = -jnp.sort(-scaled_BV, axis=-1)
-    rank_V = jnp.arange(V)
-    k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
-    probs_BV = jax.nn.softmax(jnp.where(rank_V < k, sorted_BV, -jnp.inf), axis=-1)
-    mass_before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
-    keep_B = jnp.maximum(jnp.sum((rank_V < k) & (mass_before_BV < top_p), axis=-1), 1)
-    cutoff_B1 = jnp.take_along_axis(sorted_BV, keep_B[:, None] - 1, axis=-1)
-    sampled_B = jax.random.categorical(key, jnp.where(scaled_BV >= cutoff_B1, scaled_BV, -jnp.inf), axis=-1)
-    return jnp.where(temperature == 0, greedy_B, sampled_B.astype(jnp.int32))
+
+    def greedy():
+        return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+
+    def scaled():
+        return logits_BV / jnp.maximum(temperature, jnp.finfo(jnp.float32).tiny)
+
+    def plain():
+        return jax.random.categorical(key, scaled(), axis=-1).astype(jnp.int32)
+
+    def filtered():
+        scaled_BV = scaled()
+        sorted_BV = -jnp.sort(-scaled_BV, axis=-1)
+        rank_V = jnp.arange(V)
+        k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
+        probs_BV = jax.nn.softmax(jnp.where(rank_V < k, sorted_BV, -jnp.inf), axis=-1)
+        mass_before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
+        keep_B = jnp.maximum(jnp.sum((rank_V < k) & (mass_before_BV < top_p), axis=-1), 1)
+        cutoff_B1 = jnp.take_along_axis(sorted_BV, keep_B[:, None] - 1, axis=-1)
+        masked_BV = jnp.where(scaled_BV >= cutoff_B1, scaled_BV, -jnp.inf)
+        return jax.random.categorical(key, masked_BV, axis=-1).astype(jnp.int32)
+
+    branch = jnp.where(temperature == 0, 0, jnp.where(((top_k > 0) & (top_k < V)) | (top_p < 1), 2, 1))
+    return jax.lax.switch(branch, (greedy, plain, filtered))
 
 
 # ---- cached generation ------------------------------------------------------------------------------------------

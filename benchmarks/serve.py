@@ -1,0 +1,151 @@
+"""`jaxlm serve` under load on loopback: throughput and latency at several concurrencies, continuous batching
+against one request at a time, and Hugging Face transformers' `generate` on the same weights, in one run.
+
+Each server is a `jaxlm serve` process of its own; the sweep runs one of --slots slots. The model is
+benchmarks/decode.py's tiny random Llama (built with transformers, imported with `jaxlm convert from-hf`), given a
+byte-level tokenizer so the server can turn tokens into text. Each client streams one completion of NEW tokens
+after a 16-token prompt (token ids, greedy, no stop token, logprobs=1 so that every token arrives in its own chunk
+even where random weights make bytes that are not yet whole UTF-8 text) with the
+official openai client; REQUESTS = 2 x concurrency per level. Prints one line per level
+    concurrency=C requests=R output_tok_per_s=X ttft_p50_ms= ttft_p99_ms= itl_p50_ms= itl_p99_ms=
+then `slots8` (a server with 8 slots) and `one_at_a_time` (a server with one slot), both at concurrency 8,
+and the summary
+    batching_speedup=X/Y (continuous batching in 8 slots over one slot, both at concurrency 8)
+    vs_transformers=X/Z (the server at concurrency 16 over transformers' generate at batch 16)
+TTFT counts from sending the request to the first streamed token; inter-token latency is the gap between a
+stream's successive tokens.
+
+    python benchmarks/serve.py [--new-tokens 64] [--slots 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+import decode as decode_bench  # noqa: E402
+
+PROMPT = decode_bench.PROMPT
+
+
+def byte_tokenizer(folder: Path) -> None:
+    """A byte-level tokenizer.json of 256 tokens (no merges) for the model folder."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    (folder / "tokenizer").mkdir(exist_ok=True)
+    tok.save(str(folder / "tokenizer" / "tokenizer.json"))
+
+
+def run_level(port: int, prompts: list[list[int]], concurrency: int, new_tokens: int) -> dict:
+    import openai
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=600)
+
+    def one(prompt):
+        t0 = time.perf_counter()
+        times, tokens = [], 0
+        for chunk in client.completions.create(model="bench", prompt=prompt, max_tokens=new_tokens, temperature=0,
+                                               logprobs=1, stream=True, stream_options={"include_usage": True}):
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+            elif chunk.choices and chunk.choices[0].logprobs and chunk.choices[0].logprobs.tokens:
+                times.append(time.perf_counter())
+        return t0, times, tokens
+
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+        results = list(pool.map(one, prompts))
+    wall = time.perf_counter() - t0
+    ttft = [times[0] - start for start, times, _ in results if times]
+    itl = [b - a for _, times, _ in results for a, b in zip(times, times[1:])]
+    total = sum(n for _, _, n in results)
+    assert total == len(prompts) * new_tokens, f"{total} tokens of {len(prompts) * new_tokens}"
+    pct = lambda xs, p: 1e3 * float(np.percentile(xs, p)) if xs else float("nan")  # noqa: E731
+    return dict(concurrency=concurrency, requests=len(prompts), output_tok_per_s=total / wall,
+                ttft_p50_ms=pct(ttft, 50), ttft_p99_ms=pct(ttft, 99), itl_p50_ms=pct(itl, 50),
+                itl_p99_ms=pct(itl, 99))
+
+
+def line(r: dict) -> str:
+    return " ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items())
+
+
+def serve_levels(folder: Path, slots: int, levels: list[int], new_tokens: int) -> list[dict]:
+    """Start `jaxlm serve` in its own process (its threads do not share this one's interpreter lock with the
+    clients), run the levels, stop it."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    settings = [f"serve.max_slots={slots}", "serve.max_queue=256", "serve.model_name=bench", f"serve.port={port}",
+                "decode.stop_at_eos=false", f"decode.cache_length={PROMPT + new_tokens}"]
+    proc = subprocess.Popen([sys.executable, "-m", "jaxlm.cli", "serve", str(folder), *settings],
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                sys.exit(f"jaxlm serve did not start (exit status {proc.poll()})")
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        rng = np.random.default_rng(0)
+        run_level(port, [rng.integers(0, 256, PROMPT).tolist()] * 2, 2, new_tokens)  # warm up
+        out = []
+        for c in levels:
+            prompts = [rng.integers(0, 256, PROMPT).tolist() for _ in range(2 * c)]
+            out.append(run_level(port, prompts, c, new_tokens))
+        return out
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--slots", type=int, default=32)
+    ap.add_argument("--levels", default="1,8,16,32")
+    a = ap.parse_args()
+    levels = [int(c) for c in a.levels.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        _, _, hf = decode_bench.build(Path(tmp), a.new_tokens)
+        if hf is None:
+            sys.exit("benchmarks/serve.py needs the hf extra (transformers, torch) to build its model")
+        folder = Path(tmp) / "jx"
+        byte_tokenizer(folder)
+        results = {r["concurrency"]: r for r in serve_levels(folder, a.slots, levels, a.new_tokens)}
+        for r in results.values():
+            print(line(r), flush=True)
+        batched = serve_levels(folder, 8, [8], a.new_tokens)[0]
+        print("slots8 " + line(batched), flush=True)
+        single = serve_levels(folder, 1, [8], a.new_tokens)[0]
+        print("one_at_a_time " + line(single), flush=True)
+        prompts = np.random.default_rng(16).integers(0, 256, (16, PROMPT)).astype(np.int32)
+        hf_tok_s = decode_bench.with_transformers(hf, prompts, a.new_tokens)
+        print(f"transformers_batch16_tok_per_s={hf_tok_s:.1f}")
+    print(f"batching_speedup={batched['output_tok_per_s'] / single['output_tok_per_s']:.2f}")
+    if 16 in results:
+        print(f"vs_transformers={results[16]['output_tok_per_s'] / hf_tok_s:.2f}")
+    print(json.dumps({"levels": list(results.values()), "slots8": batched, "one_at_a_time": single,
+                      "transformers": hf_tok_s}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,144 @@
+"""`jaxlm serve`: an OpenAI-compatible HTTP server over a continuous-batching engine (docs/serve.md).
+
+engine.py owns the device (decode slots sharing one KV cache), schemas.py validates requests, app.py is the
+HTTP API; this module builds them from a model folder and settings, and runs the server (uvicorn).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from pathlib import Path
+from typing import Callable
+
+from jaxlm import config as config_lib
+from jaxlm.config import Config, ConfigError
+
+
+def settings_config(overrides: dict) -> Config:
+    """A Config from decode.*, serve.* and mesh.* settings (decode keys may leave out their prefix)."""
+    full = {}
+    for k, v in overrides.items():
+        section = k.split(".", 1)[0] if "." in k else None
+        if section not in ("decode", "serve", "mesh"):
+            if section is None:
+                k = f"decode.{k}"
+            else:
+                raise ConfigError(f"{k}: `jaxlm serve` takes decode.*, serve.* and mesh.* settings")
+        full[k] = v
+    cfg = config_lib.apply_overrides(Config(), full)
+    config_lib.validate_decode(cfg.decode)
+    config_lib.validate_serve(cfg.serve)
+    return cfg
+
+
+def chat_template(model, template_file: str) -> Callable[[list[dict]], str] | None:
+    """messages -> prompt text: serve.chat_template's Jinja file, else the tokenizer's own template (jaxlm's
+    tokenizer when it has `apply_chat_template`, or the Hugging Face tokenizer of a converted model); None when
+    there is none."""
+    if template_file:
+        import jinja2
+
+        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+
+        def raise_exception(message):
+            raise ValueError(message)
+
+        env.globals["raise_exception"] = raise_exception
+        template = env.from_string(Path(template_file).read_text())
+        return lambda messages: template.render(messages=messages, add_generation_prompt=True, bos_token="",
+                                                eos_token="")
+    tok = model.tokenizer()
+    if hasattr(tok, "apply_chat_template"):
+        return lambda messages: tok.apply_chat_template(messages, add_generation_prompt=True)
+    from jaxlm import convert
+
+    tok_dir = convert.tokenizer_source(model.path, model.config)
+    if tok_dir is None:
+        return None
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        return None
+    hf = AutoTokenizer.from_pretrained(str(tok_dir))
+    if not getattr(hf, "chat_template", None):
+        return None
+    return lambda messages: hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def build(src: str | Path, cfg: Config, log: Callable[[str], None] = print):
+    """The engine (started, compiled) and the app's state for the model at `src`."""
+    from jaxlm import api
+    from jaxlm.serve import app as app_lib, engine as engine_lib
+
+    d, sc = cfg.decode, cfg.serve
+    mesh_cfg = cfg.mesh if cfg.mesh != Config().mesh else None
+    model = api.load(src, mesh_cfg)
+    m = model.config.model
+    length = d.cache_length or m.block_size
+    if m.position == "learned" and length > m.block_size:
+        raise ConfigError(f"decode.cache_length={length} is past this model's learned positions "
+                          f"(model.block_size={m.block_size})")
+    tok = model.tokenizer()
+    stop = config_lib.stop_token_ids(d) + (tok.eos_ids if d.stop_at_eos else ())
+    engine = engine_lib.Engine(model.params, m, sc.max_slots, length, sc.max_queue, d.quantize_kv_cache, model.mesh)
+    engine.warm_up()
+    engine.start()
+    api_key = sc.api_key or os.environ.get("JAXLM_API_KEY") or None
+    served = app_lib.Served(engine, tok.encode, tok.decode, sc.model_name or Path(src).resolve().name, m.vocab_size,
+                            d, stop, chat_template(model, sc.chat_template), api_key)
+    log(f"jaxlm serve: {served.name} | {sc.max_slots} slots x {length} positions | "
+        f"{'API key required' if api_key else 'no API key'}")
+    return served
+
+
+class Server:
+    """uvicorn serving an app in a background thread (tests, benchmarks); `stop()` shuts it down."""
+
+    def __init__(self, served, host: str, port: int):
+        import uvicorn
+
+        from jaxlm.serve.app import create_app
+
+        self.served = served
+        self.server = uvicorn.Server(uvicorn.Config(create_app(served), host=host, port=port, log_level="warning",
+                                                    access_log=False, timeout_graceful_shutdown=5))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def start(self) -> "Server":
+        import time
+
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the HTTP server did not start (is the port taken?)")
+            time.sleep(0.02)
+        return self
+
+    @property
+    def port(self) -> int:
+        return self.server.servers[0].sockets[0].getsockname()[1]
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+        self.served.engine.stop()
+
+
+def run(src: str, overrides: dict) -> int:
+    """`jaxlm serve SRC [key=value ...]`: serve until interrupted."""
+    import uvicorn
+
+    from jaxlm.serve.app import create_app
+
+    cfg = settings_config(overrides)
+    served = build(src, cfg, log=lambda s: print(s, file=sys.stderr, flush=True))
+    sc = cfg.serve
+    print(f"listening on http://{sc.host}:{sc.port}/v1", file=sys.stderr, flush=True)
+    try:
+        uvicorn.run(create_app(served), host=sc.host, port=sc.port, log_level="warning", access_log=False)
+    finally:
+        served.engine.stop()
+    return 0

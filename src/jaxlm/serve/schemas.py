@@ -1,0 +1,181 @@
+"""Request validation for the OpenAI-compatible API: a JSON body in, a typed request out, or a RequestError
+naming the field, the bad value and what is allowed (answered as 400 with an OpenAI-style error body).
+
+Sampling defaults come from the server's decode.* settings; a request's max_tokens must fit in the cache with
+its prompt, and when it is left out it is decode.max_new_tokens cut to what fits.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from jaxlm.config import DecodeConfig
+from jaxlm.serve.engine import TOP_LOGPROBS
+
+MAX_N = 16
+MAX_STOP = 4
+UNSUPPORTED_ZERO = ("presence_penalty", "frequency_penalty")
+
+
+class RequestError(ValueError):
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None):
+        super().__init__(message)
+        self.param, self.status, self.code = param, status, code
+
+
+def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+@dataclass(frozen=True)
+class Sampling:
+    max_tokens: int | None  # None: decode.max_new_tokens, cut to fit the cache
+    temperature: float
+    top_k: int
+    top_p: float
+    n: int
+    seed: int | None
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    prompts: list[str | list[int]]
+    sampling: Sampling
+    logprobs: int | None
+    echo: bool
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    messages: list[dict]
+    sampling: Sampling
+    logprobs: bool
+    top_logprobs: int
+
+
+def _int(body: dict, key: str, default, lo: int | None = None, hi: int | None = None, allow_none=True):
+    v = body.get(key, default)
+    if v is None and allow_none:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise RequestError(f"{key} must be an integer, got {v!r}", key)
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise RequestError(f"{key}={v} is out of range: allowed {lo if lo is not None else '-inf'} to "
+                           f"{hi if hi is not None else 'inf'}", key)
+    return v
+
+
+def _float(body: dict, key: str, default: float, lo: float, hi: float, lo_open=False) -> float:
+    v = body.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise RequestError(f"{key} must be a finite number, got {v!r}", key)
+    if v < lo or v > hi or (lo_open and v == lo):
+        raise RequestError(f"{key}={v} is out of range: allowed {'(' if lo_open else '['}{lo}, {hi}]", key)
+    return float(v)
+
+
+def _bool(body: dict, key: str, default: bool = False) -> bool:
+    v = body.get(key, default)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise RequestError(f"{key} must be true or false, got {v!r}", key)
+    return v
+
+
+def _sampling(body: dict, d: DecodeConfig, max_tokens_key: str = "max_tokens") -> Sampling:
+    for key in UNSUPPORTED_ZERO:
+        v = body.get(key)
+        if v not in (None, 0, 0.0):
+            raise RequestError(f"{key}={v!r} is not supported by this server (only 0)", key)
+    if body.get("logit_bias"):
+        raise RequestError("logit_bias is not supported by this server", "logit_bias")
+    max_tokens = _int(body, max_tokens_key, None, 0)
+    if max_tokens is None and max_tokens_key != "max_tokens":
+        max_tokens = _int(body, "max_tokens", None, 0)
+    top_k = _int(body, "top_k", d.top_k, -1)
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > MAX_STOP:
+        raise RequestError(f"stop must be a non-empty string or a list of at most {MAX_STOP} of them, got "
+                           f"{body.get('stop')!r}", "stop")
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise RequestError(f"seed must be an integer, got {seed!r}", "seed")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise RequestError(f"stream_options must be an object, got {options!r}", "stream_options")
+    return Sampling(max_tokens=max_tokens, temperature=_float(body, "temperature", d.temperature, 0.0, 2.0),
+                    top_k=max(top_k, 0), top_p=_float(body, "top_p", d.top_p, 0.0, 1.0, lo_open=True),
+                    n=_int(body, "n", 1, 1, MAX_N), seed=seed, stop=tuple(stop), stream=_bool(body, "stream"),
+                    include_usage=bool(options.get("include_usage")))
+
+
+def _is_ids(x: Any) -> bool:
+    return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
+def completion(body: Any, d: DecodeConfig) -> CompletionRequest:
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    if "prompt" not in body:
+        raise RequestError("prompt is required", "prompt")
+    p = body["prompt"]
+    if isinstance(p, str):
+        prompts = [p]
+    elif _is_ids(p) and p:
+        prompts = [p]
+    elif isinstance(p, list) and p and all(isinstance(x, str) or (_is_ids(x) and x) for x in p):
+        prompts = list(p)
+    else:
+        raise RequestError("prompt must be a string, a list of strings, a list of token ids or a list of lists of "
+                           "token ids (none empty)", "prompt")
+    if len(prompts) > 256:
+        raise RequestError(f"at most 256 prompts per request, got {len(prompts)}", "prompt")
+    sampling = _sampling(body, d)
+    logprobs = _int(body, "logprobs", None, 0, TOP_LOGPROBS)
+    echo = _bool(body, "echo")
+    best_of = body.get("best_of")
+    if best_of not in (None, sampling.n):
+        raise RequestError(f"best_of={best_of!r} is not supported (leave it out or equal to n)", "best_of")
+    if sampling.stream and sampling.n * len(prompts) > MAX_N:
+        raise RequestError(f"streaming takes at most {MAX_N} choices (prompts x n)", "n")
+    return CompletionRequest(prompts, sampling, logprobs, echo)
+
+
+def chat(body: Any, d: DecodeConfig) -> ChatRequest:
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages must be a non-empty list of {role, content} objects", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise RequestError(f"messages[{i}] must be an object with a role and a content", "messages")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: only text is understood by a text model
+            if not all(isinstance(c, dict) and c.get("type") == "text" and isinstance(c.get("text"), str)
+                       for c in content):
+                raise RequestError(f"messages[{i}].content: only text parts are supported", "messages")
+            content = "".join(c["text"] for c in content)
+        if not isinstance(content, str):
+            raise RequestError(f"messages[{i}].content must be a string", "messages")
+        out.append({"role": m["role"], "content": content})
+    sampling = _sampling(body, d, "max_completion_tokens")
+    logprobs = _bool(body, "logprobs")
+    top = _int(body, "top_logprobs", 0, 0, TOP_LOGPROBS)
+    if top and not logprobs:
+        raise RequestError("top_logprobs needs logprobs=true", "top_logprobs")
+    return ChatRequest(out, sampling, logprobs, top)

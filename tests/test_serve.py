@@ -1,0 +1,344 @@
+"""`jaxlm serve`: the official openai client against the server on 127.0.0.1 (greedy text equal to `jaxlm
+generate`'s, streaming equal to the whole answer, echoed log-probabilities equal to the forward pass's),
+concurrent streams that each get the text they get alone, faults answered 4xx without harm, and the command
+itself. Every server binds 127.0.0.1 and is shut down; every request loop is bounded."""
+
+import concurrent.futures
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+
+import jaxlm  # noqa: E402
+from jaxlm import serve  # noqa: E402
+from jaxlm.serve import engine as engine_lib  # noqa: E402
+
+TEMPLATE = "{% for m in messages %}{{ m['role'] | upper }}: {{ m['content'] }}\n{% endfor %}" \
+           "{% if add_generation_prompt %}ASSISTANT: {% endif %}"
+SLOTS = 8
+
+
+@pytest.fixture(scope="module")
+def trained(char_data, tmp_path_factory):
+    """A char model trained for 200 steps on tiny Shakespeare (val loss about 2.4 nats against the corpus's
+    unigram entropy of 3.3): its greedy text has no near-ties to flip, unlike random weights."""
+    from conftest import tiny_config
+    from jaxlm import train
+
+    run = tmp_path_factory.mktemp("serve") / "run"
+    train.train(tiny_config(char_data, run, **{"training.steps": 200, "model.block_size": 64,
+                                               "optimizer.lr": 3e-3, "training.eval_interval": 200,
+                                               "checkpoint.interval": 200}),
+                log=lambda s: None)
+    return run
+
+
+@pytest.fixture(scope="module")
+def server(trained, tmp_path_factory):
+    template = tmp_path_factory.mktemp("template") / "chat.jinja"
+    template.write_text(TEMPLATE)
+    cfg = serve.settings_config({"serve.max_slots": SLOTS, "serve.max_queue": 64, "max_new_tokens": 16,
+                                 "serve.chat_template": str(template), "serve.model_name": "tiny"})
+    srv = serve.Server(serve.build(trained, cfg, log=lambda s: None), "127.0.0.1", 0).start()
+    yield srv
+    srv.stop()
+
+
+def client(srv, key="none"):
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{srv.port}/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def metric(srv, name):
+    text = httpx.get(f"http://127.0.0.1:{srv.port}/metrics").text
+    return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(name + " ")))
+
+
+def test_openai_client_completions_chat_and_streaming(server, trained):
+    c = client(server)
+    assert [m.id for m in c.models.list().data] == ["tiny"]
+    model = jaxlm.load(trained)
+    chat_prompt = "USER: Speak\nASSISTANT: "  # the messages below through TEMPLATE
+    wants = model.generate_text(["To be", "KING RICHARD:\nWhat", chat_prompt], max_new_tokens=20, temperature=0)
+    for prompt, want in zip(("To be", "KING RICHARD:\nWhat"), wants):
+        got = c.completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=0)
+        assert got.choices[0].text == want and got.choices[0].finish_reason == "length"
+        assert got.usage.prompt_tokens == len(prompt) and got.usage.completion_tokens == 20
+        streamed = "".join(ch.choices[0].text for ch in c.completions.create(
+            model="tiny", prompt=prompt, max_tokens=20, temperature=0, stream=True))
+        assert streamed == want
+
+    # echo + logprobs on token ids, as lm-evaluation-harness asks: the forward pass's log-softmax.
+    ids = model.tokenizer().encode("First Citizen:\nBefore")
+    got = c.completions.create(model="tiny", prompt=ids, max_tokens=0, echo=True, logprobs=1, temperature=0)
+    logits = model.logits(np.asarray([ids]))[0]
+    lp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - \
+        logits.max(-1, keepdims=True)
+    want_lp = [lp[i - 1, ids[i]] for i in range(1, len(ids))]
+    got_lp = got.choices[0].logprobs.token_logprobs
+    assert got_lp[0] is None and np.allclose(got_lp[1:], want_lp, atol=1e-4)
+    assert got.choices[0].text == "First Citizen:\nBefore"
+    top = got.choices[0].logprobs.top_logprobs
+    tok = model.tokenizer()
+    assert [list(t)[0] for t in top[1:]] == [tok.decode([int(np.argmax(lp[i]))]) for i in range(len(ids) - 1)]
+
+    # chat through serve.chat_template; stop strings cut the text before them
+    msgs = [{"role": "user", "content": "Speak"}]
+    chat = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=12, temperature=0)
+    assert chat.choices[0].message.content == wants[2][:12]  # char tokens: 12 tokens, 12 characters
+    parts = [ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
+        model="tiny", messages=msgs, max_tokens=12, temperature=0, stream=True) if ch.choices]
+    assert "".join(parts) == chat.choices[0].message.content
+    text = c.completions.create(model="tiny", prompt="To be", max_tokens=20, temperature=0).choices[0].text
+    cut = text[3:5]
+    stopped = c.completions.create(model="tiny", prompt="To be", max_tokens=20, temperature=0, stop=[cut])
+    assert stopped.choices[0].text == text[:text.find(cut)] and stopped.choices[0].finish_reason == "stop"
+
+    # sampling: the same seed reproduces, n choices differ, settings out of decode.* range are refused
+    a = c.completions.create(model="tiny", prompt="To be", max_tokens=16, temperature=1.0, seed=5, n=3)
+    b = c.completions.create(model="tiny", prompt="To be", max_tokens=16, temperature=1.0, seed=5, n=3)
+    assert [x.text for x in a.choices] == [x.text for x in b.choices]
+    assert len({x.text for x in a.choices}) == 3
+    assert engine_lib.compiled_step_count() == 1  # one decode program for the slot count, whatever came
+
+
+def test_concurrent_streams_get_the_text_they_get_alone(server, shakespeare_file):
+    lines = [ln for ln in shakespeare_file.read_text()[:20000].splitlines() if len(ln) > 8][:32]
+    prompts = [ln[:6 + i % 20] for i, ln in enumerate(lines)]
+    c = client(server)
+
+    def ask(i):  # greedy for even clients, sampled with their own seed for odd ones (half of them with top_p)
+        settings = dict(temperature=0) if i % 2 == 0 else dict(temperature=0.9, seed=100 + i)
+        if i % 4 == 1:
+            settings["top_p"] = 0.9
+        stream = c.completions.create(model="tiny", prompt=prompts[i], max_tokens=24, stream=True, **settings)
+        return "".join(ch.choices[0].text for ch in stream)
+
+    alone = [ask(i) for i in range(32)]
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        together = list(pool.map(ask, range(32)))
+    assert together == alone
+    assert len(set(alone)) > 16
+    assert metric(server, "jaxlm_busy_slots") == 0 and metric(server, "jaxlm_queue_depth") == 0
+
+
+def test_faults_are_answered_4xx_and_harm_nothing(server, monkeypatch):
+    url = f"http://127.0.0.1:{server.port}"
+    good = {"model": "tiny", "prompt": "To be", "max_tokens": 10, "temperature": 0}
+    bad = [b"{not json", b"[]", json.dumps({"model": "other", "prompt": "x"}).encode(),
+           json.dumps({**good, "prompt": "x" * 70}).encode(), json.dumps({**good, "max_tokens": 60}).encode(),
+           json.dumps({**good, "temperature": -1}).encode(), json.dumps({**good, "temperature": "hot"}).encode(),
+           json.dumps({**good, "top_p": 0}).encode(), json.dumps({**good, "top_k": -5}).encode(),
+           json.dumps({**good, "n": 0}).encode(), json.dumps({**good, "logprobs": 9}).encode(),
+           json.dumps({**good, "prompt": [1, 2, 999]}).encode(), json.dumps({**good, "prompt": ""}).encode(),
+           json.dumps({**good, "prompt": "\u4e2d"}).encode(), json.dumps({**good, "stop": [1]}).encode(),
+           json.dumps({**good, "frequency_penalty": 1}).encode(), json.dumps({"model": "tiny"}).encode(),
+           json.dumps({**good, "max_tokens": -1}).encode()]
+    want = httpx.post(f"{url}/v1/completions", json=good, timeout=60).json()["choices"][0]["text"]
+    codes = []
+    with httpx.Client(timeout=60) as h:
+        for i in range(200):
+            r = h.post(f"{url}/v1/completions", content=bad[i % len(bad)],
+                       headers={"content-type": "application/json"})
+            codes.append(r.status_code)
+            if r.status_code == 400:
+                assert set(r.json()["error"]) >= {"message", "type", "param"}
+        r = h.post(f"{url}/v1/chat/completions", json={"model": "tiny", "messages": "hi"})
+        assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
+    assert sorted(set(codes)) == [400] and len(codes) == 200
+    assert httpx.post(f"{url}/v1/completions", json=good, timeout=60).json()["choices"][0]["text"] == want
+
+    # a client dropped mid-stream frees its slot: steps slowed to 20 ms, 50 tokens would take a second
+    step = engine_lib._step
+
+    def slow_step(*args, **kw):
+        time.sleep(0.02)
+        return step(*args, **kw)
+
+    monkeypatch.setattr(engine_lib, "_step", slow_step)
+    before = metric(server, "jaxlm_generated_tokens_total")
+    with httpx.Client(timeout=60) as h:
+        with h.stream("POST", f"{url}/v1/completions", json={**good, "max_tokens": 50, "stream": True}) as r:
+            lines = r.iter_lines()  # held: a dropped line iterator would close the response at once
+            assert next(lines).startswith("data: ")
+            assert metric(server, "jaxlm_busy_slots") == 1
+    deadline = time.monotonic() + 20
+    while metric(server, "jaxlm_busy_slots") != 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metric(server, "jaxlm_busy_slots") == 0
+    assert metric(server, "jaxlm_generated_tokens_total") - before < 40  # cancelled, not run to its end
+    monkeypatch.undo()
+
+    # a full queue answers 429 with Retry-After
+    server.served.engine.max_queue = 0
+    try:
+        r = httpx.post(f"{url}/v1/completions", json=good, timeout=60)
+        assert r.status_code == 429 and r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "queue_full"
+    finally:
+        server.served.engine.max_queue = 64
+
+    # an API key: 401 without it or with a wrong one, served with it; /health stays open
+    server.served.api_key = "sesame"
+    try:
+        for key in ("none", "wrong"):
+            with pytest.raises(openai.AuthenticationError):
+                client(server, key).completions.create(**good)
+        assert client(server, "sesame").completions.create(**good).choices[0].text == want
+        assert httpx.get(f"{url}/health").status_code == 200
+        assert httpx.get(f"{url}/metrics").status_code == 401
+    finally:
+        server.served.api_key = None
+    assert metric(server, 'jaxlm_http_errors_total{code="400"}') >= 200
+
+
+def test_engine_queue_is_bounded_and_a_failing_prefill_fails_alone(trained):
+    model = jaxlm.load(trained)
+    e = engine_lib.Engine(model.params, model.config.model, 2, 64, max_queue=2)
+    events = [[], [], [], []]
+    seqs = [engine_lib.Sequence([1, 2, 3], 4, 0.0, 0, 1.0, 0, 0, (), events[i].append) for i in range(3)]
+    e.submit(seqs[0])
+    e.submit(seqs[1])
+    with pytest.raises(engine_lib.QueueFull):
+        e.submit(seqs[2])
+    bad = engine_lib.Sequence([1] * 100, 4, 0.0, 0, 1.0, 0, 0, (), events[3].append)  # past the 64 positions
+    e.waiting.appendleft(bad)
+    e.start()
+    deadline = time.monotonic() + 60
+    while not (events[0] and events[1] and events[0][-1][0] == events[1][-1][0] == "done"):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    e.stop()
+    assert events[3] == [("error", "ValueError: a prompt of 100 tokens + 4 new ones do not fit in the 64 "
+                                   "positions of a slot")]
+    assert [ev[0] for ev in events[0]] == ["token"] * 4 + ["done"] and events[0][-1] == ("done", "length")
+    assert events[0] == events[1]  # both ran after the failure, with the same greedy tokens and logprobs
+    assert not events[2]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_cli_serves_with_an_api_key_from_the_environment(trained):
+    port = free_port()
+    env = dict(os.environ, JAXLM_API_KEY="k1")
+    proc = subprocess.Popen([sys.executable, "-m", "jaxlm.cli", "serve", str(trained), f"serve.port={port}",
+                             "serve.max_slots=2", "temperature=0"], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k1", max_retries=0, timeout=60)
+        got = c.completions.create(model=trained.name, prompt="To be", max_tokens=8)
+        assert got.choices[0].text == jaxlm.generate(trained, "To be", max_new_tokens=8, temperature=0)
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/models").status_code == 401
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert "listening on http://127.0.0.1:" in proc.stderr.read()
+
+
+def test_serve_settings_fail_in_one_line(tmp_path):
+    from jaxlm.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"serve.port=70000 must be in \[1, 65535\]"):
+        serve.settings_config({"serve.port": 70000})
+    with pytest.raises(ConfigError, match="serve.max_slots=0 must be >= 1"):
+        serve.settings_config({"serve.max_slots": 0})
+    with pytest.raises(ConfigError, match="training.steps: `jaxlm serve` takes"):
+        serve.settings_config({"training.steps": 3})
+    with pytest.raises(ConfigError, match="not a file"):
+        serve.settings_config({"serve.chat_template": str(tmp_path / "missing.jinja")})
+
+
+MC_TASK = """task: jaxlm_test_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{context}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+target_delimiter: ""
+metric_list:
+  - metric: acc
+"""
+GEN_TASK = """task: jaxlm_test_gen
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: generate_until
+doc_to_text: "{{{{context}}}}"
+doc_to_target: "{{{{target}}}}"
+generation_kwargs:
+  until: ["\\n"]
+  max_gen_toks: 10
+  do_sample: false
+metric_list:
+  - metric: exact_match
+"""
+
+
+@pytest.mark.slow
+def test_lm_eval_tasks_through_the_server_match_direct_scoring(trained, shakespeare_file, tmp_path):
+    """A multiple-choice task (the true next words of a Shakespeare line against two others) and a generation
+    task, run by lm-evaluation-harness through `jaxlm eval --tasks` (a server on 127.0.0.1): the accuracy equals
+    choosing by log-likelihoods from `jaxlm.load(...).logits`, and generation equals `jaxlm generate`'s."""
+    pytest.importorskip("lm_eval")
+    from jaxlm import cli
+
+    model = jaxlm.load(trained)
+    tok = model.tokenizer()
+    lines = [ln for ln in shakespeare_file.read_text()[5000:40000].splitlines() if len(ln) > 30][:12]
+    rng = np.random.default_rng(0)
+    docs, correct = [], 0
+    for i, ln in enumerate(lines):
+        others = [lines[(i + k) % len(lines)][20:28] for k in (3, 7)]
+        choices = [ln[20:28], *others]
+        order = rng.permutation(3)
+        choices = [choices[j] for j in order]
+        answer = int(np.where(order == 0)[0][0])
+        docs.append({"context": ln[:20], "choices": choices, "answer": answer})
+        ll = []
+        for ch in choices:
+            ids = tok.encode(ln[:20] + ch)
+            logits = model.logits(np.asarray([ids]))[0].astype(np.float64)
+            lp = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
+            ll.append(sum(lp[j - 1, ids[j]] for j in range(20, len(ids))))
+        correct += int(np.argmax(ll) == answer)
+    want_acc = correct / len(docs)
+    gen_docs = [{"context": ln[:15], "target": model.generate_text(ln[:15], max_new_tokens=10,
+                                                                    temperature=0).split("\n")[0]}
+                for ln in lines[:4]]
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    for name, template, rows in (("mc", MC_TASK, docs), ("gen", GEN_TASK, gen_docs)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (tasks / f"{name}.yaml").write_text(template.format(data=tmp_path / f"{name}.jsonl"))
+    out = tmp_path / "results.json"
+    assert cli.main(["eval", str(trained), "--tasks", "jaxlm_test_mc,jaxlm_test_gen", "--include-path", str(tasks),
+                     "--output", str(out), "serve.max_slots=8", "max_new_tokens=16"]) == 0
+    results = json.loads(out.read_text())["results"]
+    assert results["jaxlm_test_mc"]["acc,none"] == pytest.approx(want_acc)
+    assert want_acc > 1 / 3  # better than chance: the trained model knows something of the text
+    assert results["jaxlm_test_gen"]["exact_match,none"] == 1.0
