@@ -14,6 +14,7 @@ from typing import Callable
 
 from jaxlm import config as config_lib
 from jaxlm.config import Config, ConfigError
+from jaxlm.data import tokenizer as tokenizer_lib
 
 
 def settings_config(overrides: dict) -> Config:
@@ -34,37 +35,15 @@ def settings_config(overrides: dict) -> Config:
 
 
 def chat_template(model, template_file: str) -> Callable[[list[dict]], str] | None:
-    """messages -> prompt text: serve.chat_template's Jinja file, else the tokenizer's own template (jaxlm's
-    tokenizer when it has `apply_chat_template`, or the Hugging Face tokenizer of a converted model); None when
-    there is none."""
-    if template_file:
-        import jinja2
-
-        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
-
-        def raise_exception(message):
-            raise ValueError(message)
-
-        env.globals["raise_exception"] = raise_exception
-        template = env.from_string(Path(template_file).read_text())
-        return lambda messages: template.render(messages=messages, add_generation_prompt=True, bos_token="",
-                                                eos_token="")
+    """messages -> prompt text through the model's tokenizer: with serve.chat_template's Jinja file, else the
+    tokenizer's own template (a converted model's tokenizer_config.json or chat_template.jinja); None when there
+    is none."""
     tok = model.tokenizer()
-    if hasattr(tok, "apply_chat_template"):
-        return lambda messages: tok.apply_chat_template(messages, add_generation_prompt=True)
-    from jaxlm import convert
-
-    tok_dir = convert.tokenizer_source(model.path, model.config)
-    if tok_dir is None:
+    template = Path(template_file).read_text() if template_file else tok.chat_template
+    if not template:
         return None
-    try:
-        from transformers import AutoTokenizer
-    except ImportError:
-        return None
-    hf = AutoTokenizer.from_pretrained(str(tok_dir))
-    if not getattr(hf, "chat_template", None):
-        return None
-    return lambda messages: hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    strings = tok.token_strings()
+    return lambda messages: tokenizer_lib.render_chat(template, messages, True, strings)
 
 
 def build(src: str | Path, cfg: Config, log: Callable[[str], None] = print):
@@ -86,8 +65,9 @@ def build(src: str | Path, cfg: Config, log: Callable[[str], None] = print):
     engine.warm_up()
     engine.start()
     api_key = sc.api_key or os.environ.get("JAXLM_API_KEY") or None
-    served = app_lib.Served(engine, tok.encode, tok.decode, sc.model_name or Path(src).resolve().name, m.vocab_size,
-                            d, stop, chat_template(model, sc.chat_template), api_key)
+    served = app_lib.Served(engine, tok.encode, lambda text: api.encode_prompt(tok, text), tok.encode_rendered,
+                            tok.decode, sc.model_name or Path(src).resolve().name, m.vocab_size, d, stop,
+                            chat_template(model, sc.chat_template), api_key)
     log(f"jaxlm serve: {served.name} | {sc.max_slots} slots x {length} positions | "
         f"{'API key required' if api_key else 'no API key'}")
     return served

@@ -31,7 +31,9 @@ RETRY_AFTER_S = 1
 class Served:
     """What the app serves: the engine, the tokenizer, the model's name and context, the decode.* defaults."""
     engine: engine_lib.Engine
-    encode: Callable[[str], list[int]]
+    encode: Callable[[str], list[int]]  # plain text, as /tokenize answers
+    encode_prompt: Callable[[str], list[int]]  # a completion prompt: the tokenizer's BOS first when it uses one
+    encode_chat: Callable[[str], list[int]]  # a rendered chat: its special-token strings are special tokens
     decode: Callable[[list[int]], str]
     name: str
     vocab_size: int
@@ -157,7 +159,7 @@ def create_app(s: Served) -> FastAPI:
         body = await _body(request)
         _check_model(s, body)
         req = schemas.completion(body, s.decode_cfg)
-        ids = [_encode(s, p) if isinstance(p, str) else _check_ids(s, p) for p in req.prompts]
+        ids = [_encode(s, p, s.encode_prompt) if isinstance(p, str) else _check_ids(s, p) for p in req.prompts]
         max_tokens = [_max_tokens(s, len(p), req.sampling.max_tokens) for p in ids]
         want_scores = req.echo and req.logprobs is not None
         scores = await asyncio.gather(*(_score(s, p) for p in ids)) if want_scores else [None] * len(ids)
@@ -216,7 +218,7 @@ def create_app(s: Served) -> FastAPI:
             prompt = s.chat_template(req.messages)
         except Exception as e:
             raise RequestError(f"the chat template failed on these messages: {e}", "messages") from None
-        ids = [_encode(s, prompt)]
+        ids = [_encode(s, prompt, s.encode_chat)]
         choices = _start(s, ids, [_max_tokens(s, len(ids[0]), req.sampling.max_tokens)], req.sampling)
         created, rid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
         usage = {"prompt_tokens": len(ids[0])}
@@ -269,9 +271,9 @@ def _check_model(s: Served, body) -> None:
                            "model", code="model_not_found")
 
 
-def _encode(s: Served, text: str) -> list[int]:
+def _encode(s: Served, text: str, encode: Callable[[str], list[int]] | None = None) -> list[int]:
     try:
-        return s.encode(text)
+        return (encode or s.encode)(text)
     except ValueError as e:  # a character outside a char/byte vocabulary (TokenizerError)
         raise RequestError(f"the prompt cannot be tokenized: {e}", "prompt") from None
 
