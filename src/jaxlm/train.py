@@ -112,6 +112,8 @@ def run_tokenizer(cfg: Config, dataset) -> tokenizer_lib.Tokenizer:
 
     init = cfg.checkpoint.init_from
     model_tok = convert.tokenizer_source(Path(init), cfg) if init and Path(init).is_dir() else None
+    if model_tok is not None and not any((model_tok / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
+        model_tok = None  # weights imported without tokenizer files: the dataset's tokenizer is the run's
     try:
         return tokenizer_lib.resolve(cfg.data.tokenizer, model_tok, dataset.meta, dataset=f"the dataset {dataset.dir}")
     except tokenizer_lib.TokenizerError as e:
