@@ -60,6 +60,13 @@ class ModelConfig:
     param_dtype: DType = _f("float32", "dtype the weights are stored and updated in")
     compute_dtype: DType = _f("float32", "dtype of activations and matmul operands (softmax and loss stay float32)")
     remat: RematPolicy = _f("none", "activation rematerialization: none, full, minimal (save matmuls without a batch dim), save_dots")
+    attention: Literal["auto", "dot_product", "blockwise", "splash", "cudnn"] = _f(
+        "auto",
+        "attention implementation: dot_product (materializes the [T, T] scores), blockwise (plain-JAX online "
+        "softmax, O(T x block) memory), splash (Pallas TPU kernel; lengths a multiple of 128), cudnn (GPU flash "
+        "kernel; bf16/fp16 without soft-cap or segment ids), auto (splash on TPU, cudnn on GPU, on CPU "
+        "dot_product below 2048 tokens and blockwise from there; cases a kernel lacks use blockwise)")
+    attention_block: int = _f(512, "query and key tile length of blockwise and splash attention")
     scan_layers: bool = _f(True, "run the stacked layers with lax.scan (fast compile) instead of a Python loop")
     global_parameter_scale: int = _f(1, "multiply the non-embedding parameters by about this power of 2, "
                                         "growing width, heads, MLP width (and layers every third doubling)")
@@ -603,6 +610,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"distributed.process_id={d.process_id} must be in [0, {d.num_processes})")
     if t.per_device_batch_size is not None and t.per_device_batch_size <= 0:
         raise ConfigError(f"training.per_device_batch_size={t.per_device_batch_size} must be > 0")
+    positive("model.attention_block", m.attention_block)
+    if m.attention in ("blockwise", "splash", "cudnn") and m.dropout > 0:
+        raise ConfigError(f"model.attention={m.attention} has no dropout on attention probabilities but "
+                          f"model.dropout={m.dropout}; use model.attention=dot_product (or auto) or model.dropout=0")
     if m.global_parameter_scale < 1 or m.global_parameter_scale & (m.global_parameter_scale - 1):
         raise ConfigError(f"model.global_parameter_scale={m.global_parameter_scale} must be a power of 2 (1, 2, 4, ...)")
 

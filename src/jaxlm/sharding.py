@@ -168,6 +168,11 @@ def activation_sharding(mesh: Mesh, rules: Rules = ACTIVATION_RULES):
         _CTX.reset(token)
 
 
+def active() -> tuple[Mesh, Rules] | None:
+    """The (mesh, activation rules) of the enclosing `activation_sharding` block; None outside one."""
+    return _CTX.get()
+
+
 def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
     """Pin an activation's sharding by logical axes; a no-op outside `activation_sharding`."""
     ctx = _CTX.get()
