@@ -189,3 +189,36 @@ def test_fifty_training_steps_blockwise_match_dot_product():
     dot, block = run("dot_product"), run("blockwise")
     assert dot[-1] < dot[0] - 1.0  # it learns, so the comparison covers moving weights
     np.testing.assert_allclose(block, dot, atol=1e-4, rtol=0)
+
+
+def test_chunked_loss_equals_the_whole_loss_with_gradients():
+    """Chunks of 5 over 16 positions (a padded last chunk), per-token weights and a normalizer."""
+    cfg = ModelConfig(vocab_size=50, block_size=16, n_layers=2, n_heads=4, d_model=32, tie_embeddings=False)
+    mesh = sharding.make_mesh(MeshConfig(), jax.devices()[:1])
+    params = P.init(param_specs(cfg), jax.random.key(0), mesh)
+    tokens = jax.random.randint(jax.random.key(1), (2, 17), 0, 50)
+    weights = (jax.random.uniform(jax.random.key(2), (2, 16)) > 0.3).astype(jnp.float32)
+    args = (tokens[:, :-1], tokens[:, 1:])
+    kw = {"weights_BT": weights, "normalizer": jnp.float32(7.0)}
+    whole = jax.value_and_grad(loss_fn)(params, *args, cfg, **kw)
+    chunked = jax.value_and_grad(loss_fn)(params, *args, dataclasses.replace(cfg, loss_chunk_tokens=5), **kw)
+    assert float(whole[0]) > 1.0
+    assert_close(chunked[0], whole[0])
+    for g, w in zip(jax.tree.leaves(chunked[1]), jax.tree.leaves(whole[1])):
+        assert_close(g, w)
+
+
+def test_chunked_loss_never_holds_the_whole_logits():
+    """The gradient step's temporaries: the [B, T, V] float32 logits (and their gradient) are gone."""
+    cfg = ModelConfig(vocab_size=8192, block_size=512, n_layers=1, n_heads=2, d_model=32)
+    mesh = sharding.make_mesh(MeshConfig(), jax.devices()[:1])
+    params = jax.eval_shape(lambda: P.init(param_specs(cfg), jax.random.key(0), mesh))
+    tokens = jax.ShapeDtypeStruct((2, 512), jnp.int32)
+
+    def temp_bytes(c):
+        step = jax.jit(jax.grad(lambda p, x, y: loss_fn(p, x, y, c)))
+        return step.lower(params, tokens, tokens).compile().memory_analysis().temp_size_in_bytes
+
+    logits_bytes = 2 * 512 * 8192 * 4
+    whole, chunked = temp_bytes(cfg), temp_bytes(dataclasses.replace(cfg, loss_chunk_tokens=64))
+    assert whole - chunked >= 1.5 * logits_bytes, (whole, chunked)  # the logits and their gradient

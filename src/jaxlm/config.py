@@ -67,6 +67,9 @@ class ModelConfig:
         "kernel; bf16/fp16 without soft-cap or segment ids), auto (splash on TPU, cudnn on GPU, on CPU "
         "dot_product below 2048 tokens and blockwise from there; cases a kernel lacks use blockwise)")
     attention_block: int = _f(512, "query and key tile length of blockwise and splash attention")
+    loss_chunk_tokens: int = _f(0, "compute the output projection and cross-entropy of the training loss this many "
+                                   "sequence positions at a time, recomputing each chunk's logits in the backward "
+                                   "pass, so the [B, T, V] float32 logits never exist at once; 0 = all at once")
     scan_layers: bool = _f(True, "run the stacked layers with lax.scan (fast compile) instead of a Python loop")
     global_parameter_scale: int = _f(1, "multiply the non-embedding parameters by about this power of 2, "
                                         "growing width, heads, MLP width (and layers every third doubling)")
@@ -611,6 +614,8 @@ def validate(cfg: Config) -> None:
     if t.per_device_batch_size is not None and t.per_device_batch_size <= 0:
         raise ConfigError(f"training.per_device_batch_size={t.per_device_batch_size} must be > 0")
     positive("model.attention_block", m.attention_block)
+    if m.loss_chunk_tokens < 0:
+        raise ConfigError(f"model.loss_chunk_tokens={m.loss_chunk_tokens} must be >= 0 (0 = off)")
     if m.attention in ("blockwise", "splash", "cudnn") and m.dropout > 0:
         raise ConfigError(f"model.attention={m.attention} has no dropout on attention probabilities but "
                           f"model.dropout={m.dropout}; use model.attention=dot_product (or auto) or model.dropout=0")

@@ -159,6 +159,15 @@ def forward_with_aux(params: dict, tokens_BT: jax.Array, cfg: ModelConfig, key: 
 
     positions_BT default to 0..T-1 in every row; segment_ids_BT (int32, None = one segment per row) mark the
     documents packed into a row: attention never crosses a segment, and positions restart at each one."""
+    x_BTD, aux = hidden_with_aux(params, tokens_BT, cfg, key, positions_BT, segment_ids_BT)
+    return unembed(params, x_BTD, cfg), aux
+
+
+@quant.scoped
+def hidden_with_aux(params: dict, tokens_BT: jax.Array, cfg: ModelConfig, key: jax.Array | None = None,
+                    positions_BT: jax.Array | None = None, segment_ids_BT: jax.Array | None = None
+                    ) -> tuple[jax.Array, jax.Array]:
+    """The residual stream after the last block [B, T, D] (before the final norm) and the auxiliary loss."""
     B, T = tokens_BT.shape
     if positions_BT is None:
         positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
@@ -203,9 +212,8 @@ def forward_with_aux(params: dict, tokens_BT: jax.Array, cfg: ModelConfig, key: 
             stats.append(s)
         stats_L2E = jnp.stack(stats)
 
-    logits_BTV = unembed(params, x_BTD, cfg)
     aux = moe.load_balancing_loss(stats_L2E) if cfg.n_experts else jnp.zeros((), jnp.float32)
-    return logits_BTV, aux
+    return x_BTD, aux
 
 
 def forward(params: dict, tokens_BT: jax.Array, cfg: ModelConfig, key: jax.Array | None = None,
@@ -297,23 +305,52 @@ def cross_entropy_sum(logits_BTV: jax.Array, targets_BT: jax.Array, weights_BT: 
     return jnp.sum(losses_BT if weights_BT is None else losses_BT * weights_BT)
 
 
+def chunked_cross_entropy_sum(params: dict, x_BTD: jax.Array, targets_BT: jax.Array, cfg: ModelConfig,
+                              weights_BT: jax.Array | None = None) -> jax.Array:
+    """`cross_entropy_sum(unembed(params, x_BTD, cfg), ...)` computed cfg.loss_chunk_tokens positions at a
+    time: a scan over chunks of the sequence whose body is rematerialized, so the forward keeps one chunk's
+    logits [B, C, V] and the backward recomputes them chunk by chunk (n C chunks cover T, the last padded)."""
+    B, T, D = x_BTD.shape
+    C = min(cfg.loss_chunk_tokens, T)
+    pad = -T % C
+    weights_BT = jnp.ones((B, T), jnp.float32) if weights_BT is None else weights_BT.astype(jnp.float32)
+    x_BTD, targets_BT, weights_BT = (jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
+                                     for a in (x_BTD, targets_BT, weights_BT))
+    chunks = tuple(a.reshape(B, (T + pad) // C, C, *a.shape[2:]).swapaxes(0, 1)
+                   for a in (x_BTD, targets_BT, weights_BT))
+
+    @jax.checkpoint
+    def chunk_loss(x_BCD, targets_BC, weights_BC):
+        return cross_entropy_sum(unembed(params, x_BCD, cfg), targets_BC, weights_BC)
+
+    with jax.named_scope("chunked_loss"):
+        total, _ = jax.lax.scan(lambda acc, xs: (acc + chunk_loss(*xs), None), jnp.zeros((), jnp.float32), chunks)
+    return total
+
+
 def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
     """Mean next-token cross-entropy in float32."""
     return cross_entropy_sum(logits_BTV, targets_BT) / targets_BT.size
 
 
+@quant.scoped
 def loss_fn(params: dict, tokens_BT: jax.Array, targets_BT: jax.Array, cfg: ModelConfig,
             key: jax.Array | None = None, positions_BT: jax.Array | None = None,
             segment_ids_BT: jax.Array | None = None, weights_BT: jax.Array | None = None,
             normalizer: jax.Array | None = None) -> jax.Array:
-    """Cross-entropy, plus the weighted load-balancing loss for mixture-of-experts models.
+    """Cross-entropy, plus the weighted load-balancing loss for mixture-of-experts models; with
+    cfg.loss_chunk_tokens the logits are computed a chunk of the sequence at a time (never all at once).
 
     Each token's loss counts with its weight (weights_BT: 1 trained, 0 masked such as prompts or padding; None =
     all 1) and the weighted sum is divided by `normalizer` (default: the sum of the weights here). A step that
     accumulates micro-batches passes the weight of the whole step over the number of micro-batches, so that
     the mean over micro-batches is exactly the mean over every counted token of the step."""
-    logits_BTV, aux = forward_with_aux(params, tokens_BT, cfg, key, positions_BT, segment_ids_BT)
+    x_BTD, aux = hidden_with_aux(params, tokens_BT, cfg, key, positions_BT, segment_ids_BT)
     if normalizer is None:
         normalizer = targets_BT.size if weights_BT is None else jnp.maximum(jnp.sum(weights_BT), 1e-9)
-    loss = cross_entropy_sum(logits_BTV, targets_BT, weights_BT) / normalizer
+    if cfg.loss_chunk_tokens:
+        total = chunked_cross_entropy_sum(params, x_BTD, targets_BT, cfg, weights_BT)
+    else:
+        total = cross_entropy_sum(unembed(params, x_BTD, cfg), targets_BT, weights_BT)
+    loss = total / normalizer
     return loss + cfg.router_aux_loss_coef * aux if cfg.n_experts else loss
