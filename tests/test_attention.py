@@ -1,9 +1,12 @@
 """Attention implementations against dot_product (the materialized-scores reference), the implementation
 choice, and training with blockwise attention."""
 
+import contextlib
 import dataclasses
+import io
 
 import jax
+import jax.ad_checkpoint
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -222,3 +225,28 @@ def test_chunked_loss_never_holds_the_whole_logits():
     logits_bytes = 2 * 512 * 8192 * 4
     whole, chunked = temp_bytes(cfg), temp_bytes(dataclasses.replace(cfg, loss_chunk_tokens=64))
     assert whole - chunked >= 1.5 * logits_bytes, (whole, chunked)  # the logits and their gradient
+
+
+def test_named_remat_policies_keep_the_named_activations_and_the_gradients():
+    cfg = ModelConfig(vocab_size=50, block_size=16, n_layers=2, n_heads=4, d_model=32, glu=True)
+    mesh = sharding.make_mesh(MeshConfig(), jax.devices()[:1])
+    params = P.init(param_specs(cfg), jax.random.key(0), mesh)
+    tokens = jax.random.randint(jax.random.key(1), (2, 17), 0, 50)
+
+    def loss(policy):
+        return lambda p: loss_fn(p, tokens[:, :-1], tokens[:, 1:], dataclasses.replace(cfg, remat=policy))
+
+    def kept(policy):
+        """Residuals of the layer scan shaped like q, k or v [L, B, T, N, H], and whether each is on the host."""
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            jax.ad_checkpoint.print_saved_residuals(loss(policy), params)
+        avals = [line.split(" ")[0] for line in out.getvalue().splitlines()]
+        return [a.startswith("f32<host>") for a in avals if a.endswith("[2,2,16,4,8]")]
+
+    assert kept("full") == []
+    assert kept("save_qkv_proj") == [False] * 3
+    assert kept("offload_qkv_proj") == [True] * 3
+    want = jax.grad(loss("none"))(params)
+    for g, w in zip(jax.tree.leaves(jax.grad(loss("offload_attention"))(params)), jax.tree.leaves(want)):
+        assert_close(g, w)

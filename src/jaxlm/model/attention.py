@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxlm import sharding
 from jaxlm.model import blockwise, kvcache, layers, splash
@@ -28,6 +29,10 @@ def project_qkv(x_BTD, p, cfg, positions_BT):
         q_BTNH = q_BTNH + p["q_bias"].astype(q_BTNH.dtype)
         k_BTKH = k_BTKH + p["k_bias"].astype(k_BTKH.dtype)
         v_BTKH = v_BTKH + p["v_bias"].astype(v_BTKH.dtype)
+    # Names for remat policies (model.remat=save_qkv_proj, offload_qkv_proj): the projections' outputs.
+    q_BTNH = checkpoint_name(q_BTNH, "query_proj")
+    k_BTKH = checkpoint_name(k_BTKH, "key_proj")
+    v_BTKH = checkpoint_name(v_BTKH, "value_proj")
     if cfg.qk_norm:
         q_BTNH = layers.norm(q_BTNH, p["q_norm"], cfg.norm, cfg.norm_eps, cfg.norm_plus_one)
         k_BTKH = layers.norm(k_BTKH, p["k_norm"], cfg.norm, cfg.norm_eps, cfg.norm_plus_one)
@@ -168,7 +173,8 @@ def attention_with_kv(x_BTD, p, cfg, positions_BT, key=None, local=False, segmen
         q_BTNH, k_BTKH, v_BTKH = project_qkv(x_BTD, p, cfg, positions_BT)
         q_BTNH = constrain(q_BTNH, ("batch", "length", "heads", "head_dim"))
         out_BTNH = self_attention(q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, cfg, local, key)
-        return _project_out(out_BTNH, p), k_BTKH, v_BTKH
+        out_BTNH = checkpoint_name(out_BTNH, "context")
+        return checkpoint_name(_project_out(out_BTNH, p), "out_proj"), k_BTKH, v_BTKH
 
 
 def attention(x_BTD, p, cfg, positions_BT, key=None, local=False, segment_ids_BT=None):

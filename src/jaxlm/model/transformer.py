@@ -87,10 +87,24 @@ def param_specs(cfg: ModelConfig) -> dict:
     return specs
 
 
+_cp = jax.checkpoint_policies
+QKV = ("query_proj", "key_proj", "value_proj")
+# What the backward pass keeps of each layer's forward (the rest it recomputes), by the names that
+# attention.py and layers.py give activations with checkpoint_name (MaxText's policy names).
 REMAT_POLICIES = {
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "minimal": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    "save_dots": jax.checkpoint_policies.checkpoint_dots,
+    "full": _cp.nothing_saveable,
+    "minimal": _cp.dots_with_no_batch_dims_saveable,
+    "save_dots": _cp.checkpoint_dots,
+    "save_qkv_proj": _cp.save_only_these_names(*QKV),
+    "save_out_proj": _cp.save_only_these_names("out_proj"),
+    "save_qkv_out_proj": _cp.save_only_these_names(*QKV, "out_proj"),
+    "save_attention": _cp.save_only_these_names(*QKV, "context", "out_proj"),
+    "offload_qkv_proj": _cp.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=list(QKV),
+        offload_src="device", offload_dst="pinned_host"),
+    "offload_attention": _cp.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=[*QKV, "context", "out_proj"],
+        offload_src="device", offload_dst="pinned_host"),
 }
 
 
