@@ -28,7 +28,7 @@ from typing import Callable
 import jax
 from jax.experimental import serialize_executable
 
-from jaxlm import train
+from jaxlm import advisor, train
 from jaxlm.model import attention
 from jaxlm.config import MESH_AXES, CompileConfig, Config, ConfigError
 
@@ -545,6 +545,8 @@ def compile_command(cfg: Config, log: Callable[[str], None] = print) -> dict:
     else:
         r = compile_for(cfg, tgt)
     lines = report(r)
+    if not r.fits:
+        lines[-1:-1] = advisor.advise(r, compile_for, target, log)
     for line in lines[:-1]:
         log(line)
     saved = None

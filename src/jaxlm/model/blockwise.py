@@ -122,7 +122,17 @@ def _attend(t: _Tiling, q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_
     return _forward(t, q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS)
 
 
+def _tied(*arrays):
+    """The arrays through one optimization barrier. Differentiating a scan over layers splits each layer into
+    what depends only on values known before the gradient (positions, segment ids) and the rest, and would
+    precompute every tile's mask for all (query block, key block) pairs at once, [T, T] in all; tying the
+    integer inputs to q, k and v keeps the masks inside the tile loops."""
+    return jax.lax.optimization_barrier(arrays)
+
+
 def _forward(t: _Tiling, q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS):
+    q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS = _tied(
+        q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS)
     B, T, N, H = q_BTNH.shape
     K = N // t.G
     keys = (_blocks(k_BSKH, t.C), _blocks(v_BSKH, t.C), _blocks(k_pos_BS, t.C), _blocks(k_seg_BS, t.C))
@@ -173,6 +183,8 @@ def _attend_bwd(t, residuals, cotangents):
     """Flash attention's backward: an outer loop over key blocks accumulates their dk, dv while an inner loop
     over query blocks recomputes each tile's probabilities from the saved log-sum-exp and adds to dq."""
     q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS, out_BTNH, lse_BTN = residuals
+    q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS = _tied(
+        q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS)
     dout_BTNH, dlse_BTN = cotangents
     G = t.G
     cdt = q_BTNH.dtype
