@@ -12,7 +12,7 @@ import numpy as np
 import optax
 import pytest
 
-from jaxlm import params as P, sharding
+from jaxlm import aot, params as P, sharding
 from jaxlm.config import ConfigError, MeshConfig, ModelConfig, apply_overrides, Config, validate
 from jaxlm.model import attention, blockwise, loss_fn, param_specs, splash
 
@@ -159,10 +159,26 @@ def test_auto_follows_the_mesh_not_the_host():
         ModelConfig(block_size=2048), "tpu")
 
 
-def test_kernels_without_dropout_refuse_it_in_one_line():
-    cfg = apply_overrides(Config(), {"model.attention": "blockwise", "model.dropout": "0.1"})
-    with pytest.raises(ConfigError, match="model.attention=blockwise has no dropout"):
-        validate(cfg)
+@pytest.mark.parametrize("overrides,message", [
+    ({"model.attention": "blockwise", "model.dropout": "0.1"}, "model.attention=blockwise has no dropout"),
+    ({"model.attention": "flash"}, "model.attention"),
+    ({"model.attention_block": "0"}, "model.attention_block=0 must be > 0"),
+    ({"model.loss_chunk_tokens": "-1"}, "model.loss_chunk_tokens=-1 must be >= 0"),
+])
+def test_attention_settings_are_validated_in_one_line(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(apply_overrides(Config(), overrides))
+
+
+def test_a_saved_step_refuses_another_attention_or_remat_setting():
+    cfg = Config()
+    saved = {"platform": "cpu", "device_kind": "cpu", "n_devices": 1, "jax": jax.__version__, "args": [],
+             "settings": aot.baked_settings(cfg)}
+    for key, value in (("attention", "blockwise"), ("remat", "save_qkv_proj"), ("loss_chunk_tokens", 512)):
+        other = cfg.replace(model=dataclasses.replace(cfg.model, **{key: value}))
+        here = dict(saved, settings=aot.baked_settings(other))
+        with pytest.raises(ConfigError, match=f"was compiled with model.{key}="):
+            aot.check_signature(saved, here, "step.jaxlm")
 
 
 def test_fifty_training_steps_blockwise_match_dot_product():

@@ -24,7 +24,7 @@ from jaxlm import config as config_lib
 from jaxlm import diagnostics, distributed, generate, metrics, optim, params as P, quant, runtime, sharding, storage
 from jaxlm.config import Config, ConfigError
 from jaxlm.data import loader as loader_lib, prepare, tokenizer as tokenizer_lib
-from jaxlm.model import loss_fn, param_specs
+from jaxlm.model import attention, loss_fn, param_specs
 
 
 @dataclasses.dataclass
@@ -373,6 +373,8 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
         f"{t_cfg.grad_accum} accumulation = {tokens_per_step:,} tokens/step")
     log(f"model FLOPs {flops_per_token:,.0f} per token (causal attention counted as half) | peak "
         f"{peak / 1e12:.3f} TFLOP/s per device ({peak_source})")
+    log(attention.describe(m_cfg, mesh.devices.flat[0].platform)
+        + (f" | loss in chunks of {m_cfg.loss_chunk_tokens} tokens" if m_cfg.loss_chunk_tokens else ""))
     log(f"data {run.dataset.dir}: {prepare.describe(run.dataset.meta)}")
     if m_cfg.quantization == "fp8" and (note := quant.fp8_fallback_message(mesh.devices.flat[0])):
         log(note)
