@@ -266,3 +266,16 @@ def test_named_remat_policies_keep_the_named_activations_and_the_gradients():
     want = jax.grad(loss("none"))(params)
     for g, w in zip(jax.tree.leaves(jax.grad(loss("offload_attention"))(params)), jax.tree.leaves(want)):
         assert_close(g, w)
+
+
+def test_splash_runs_per_device_under_the_mesh():
+    """Batch over `data` and heads over `tensor`: each device runs the kernel on its shard (shard_map)."""
+    mesh = sharding.make_mesh(MeshConfig(ici_data=2, ici_tensor=2), jax.devices()[:4])
+    T = 128
+    q, k, v = inputs(T, 4, B=4)
+    _, seg = segments(2, T)
+    seg = jnp.concatenate([seg, seg[::-1]])
+    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (4, T))
+    with sharding.activation_sharding(mesh):
+        got = jax.jit(lambda q, k, v: splash.attention(q, k, v, seg, 40, None, None, 128, interpret=True))(q, k, v)
+    assert_close(got, reference(q, k, v, pos, seg, 40, None))
