@@ -145,6 +145,13 @@ def test_auto_picks_by_platform_length_and_case(platform, T, dtype, softcap, wan
     assert attention.choose(cfg, T, dtype, False, platform) == want
 
 
+def test_an_explicit_kernel_without_the_case_runs_blockwise():
+    assert attention.choose(ModelConfig(attention="cudnn"), 2048, jnp.bfloat16, False, "cpu") == "blockwise"
+    assert attention.choose(ModelConfig(attention="cudnn"), 2048, jnp.bfloat16, True, "gpu") == "blockwise"
+    assert attention.choose(ModelConfig(attention="splash"), 200, jnp.float32, False, "tpu") == "blockwise"
+    assert attention.choose(ModelConfig(attention="splash"), 256, jnp.float32, False, "cpu") == "splash"
+
+
 def test_auto_follows_the_mesh_not_the_host():
     class FakeTPU:
         platform = "tpu"

@@ -124,7 +124,8 @@ def _cudnn_supports(dtype, softcap, has_segments) -> bool:
 def choose(cfg, T: int, dtype, has_segments: bool, platform: str, dropout: bool = False) -> str:
     """The implementation `self_attention` runs for T tokens of this dtype on this platform. `auto` takes the
     fastest that covers the case; an explicit kernel that lacks the case (splash: T not a multiple of 128;
-    cudnn: float32, soft-cap or segment ids) runs blockwise instead."""
+    cudnn: not a GPU, float32, soft-cap or segment ids) runs blockwise instead. Splash off TPU runs in Pallas
+    interpret mode: exact but slow, for tests."""
     name = cfg.attention
     if name == "auto":
         if dropout:  # only dot_product drops attention probabilities
@@ -133,7 +134,8 @@ def choose(cfg, T: int, dtype, has_segments: bool, platform: str, dropout: bool 
             platform, "blockwise" if T >= CPU_BLOCKWISE_FROM else "dot_product")
     if name == "splash" and not splash.supports(T):
         return "blockwise"
-    if name == "cudnn" and not _cudnn_supports(dtype, cfg.attn_logit_softcap, has_segments):
+    if name == "cudnn" and (platform not in ("gpu", "cuda")
+                            or not _cudnn_supports(dtype, cfg.attn_logit_softcap, has_segments)):
         return "blockwise"
     return name
 
