@@ -39,3 +39,21 @@ def test_largest_buffers_skip_fusion_bodies_and_read_scopes():
         "}"])
     got = [(b.scope, b.dtype, b.shape, b.bytes) for b in advisor.largest_buffers(hlo)]
     assert got == [("attention", "f32", (8, 8), 256), ("logits", "bf16", (16, 8), 256)]
+
+
+def test_a_tpu_step_the_compiler_accepts_fits_while_its_temporaries_do():
+    class TPU:
+        platform, device_kind = "tpu", "TPU v5 lite"
+
+    GiB = 2**30
+    tgt = aot.Target("v5e-1", (TPU(),), 1, 16 * GiB, "TPU v5 lite HBM")
+
+    def result(arguments, temporaries, compiled=True, target=tgt):
+        memory = aot.Memory(arguments, arguments, temporaries, 0, arguments)
+        return aot.Result(None, target, 1.0, object() if compiled else None, memory, arguments)
+
+    assert result(3 * GiB, 15 * GiB).fits  # the sum, 18 GiB, is an upper bound
+    assert not result(1 * GiB, 17 * GiB).fits  # the temporaries alone are over
+    assert not result(1 * GiB, 1 * GiB, compiled=False).fits  # the compiler ran out of memory
+    budget = aot.Target("v5e-1", (TPU(),), 1, 16 * GiB, "compile.hbm_gib")
+    assert not result(3 * GiB, 15 * GiB, target=budget).fits  # a budget of one's own is checked against the sum

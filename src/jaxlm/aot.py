@@ -250,14 +250,16 @@ class Result:
 
     @property
     def fits(self) -> bool:
-        """XLA:TPU places every buffer itself and refuses a step that does not fit its chip, so there a compile
-        is the verdict (the sum above is an upper bound: it reuses donated arguments, dead temporaries and
-        more); other backends, and a budget set by compile.hbm_gib, are checked against the sum."""
+        """The sum of memory_analysis()'s figures is an upper bound: XLA:TPU reuses donated arguments and dead
+        buffers, and refuses a step that does not fit its chip. So on TPU a step the compiler accepts fits when
+        its temporaries and code alone do (they cannot share memory with the live train state's arguments);
+        other backends, and a budget set by compile.hbm_gib, are checked against the sum."""
         if self.executable is None:
             return False
-        if self.target.platform == "tpu" and self.target.hbm_source != "compile.hbm_gib":
+        if self.bytes_per_device <= self.target.hbm_bytes:
             return True
-        return self.bytes_per_device <= self.target.hbm_bytes
+        return (self.target.platform == "tpu" and self.target.hbm_source != "compile.hbm_gib"
+                and self.memory.temporaries + self.memory.generated_code <= self.target.hbm_bytes)
 
 
 def _step_args(run: train.Run) -> dict:
@@ -364,7 +366,11 @@ def report(r: Result) -> list[str]:
                   f"  total, about   {_gib(r.bytes_per_device):>12}   "
                   + ("no figure from the compiler: the arguments alone" if r.oom_bytes is None else
                      "the compiler's total" if "Used " in r.oom else "arguments + the compiler's temporaries")]
-    if r.fits:
+    if r.fits and r.bytes_per_device > tgt.hbm_bytes:
+        lines.append(f"fits: XLA:TPU accepted the step, whose temporaries and code take "
+                     f"{_gib(r.memory.temporaries + r.memory.generated_code)} of {_gib(tgt.hbm_bytes)} (the total "
+                     "above counts buffers the compiler reuses)")
+    elif r.fits:
         lines.append(f"fits: {_gib(tgt.hbm_bytes - r.bytes_per_device)} of {_gib(tgt.hbm_bytes)} free per device")
     else:
         over = r.bytes_per_device - tgt.hbm_bytes
