@@ -9,7 +9,6 @@ tokens (blockwise attention).
 """
 
 import argparse
-import dataclasses
 
 import jax
 import jax.numpy as jnp

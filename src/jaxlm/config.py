@@ -60,10 +60,11 @@ class ModelConfig:
     init_std: float = _f(0.02, "standard deviation of the normal weight initializer")
     param_dtype: DType = _f("float32", "dtype the weights are stored and updated in")
     compute_dtype: DType = _f("float32", "dtype of activations and matmul operands (softmax and loss stay float32)")
-    remat: RematPolicy = _f("none", "activation rematerialization: none, full, minimal (save matmuls without a batch "
-                                    "dim), save_dots, save_qkv_proj / save_out_proj / save_qkv_out_proj / save_attention "
-                                    "(keep those named activations, recompute the rest), offload_qkv_proj / "
-                                    "offload_attention (move them to host memory; TPU and GPU); docs/performance.md")
+    remat: RematPolicy = _f("none", "activation rematerialization: none, full, minimal (save matmuls without a "
+                                    "batch dim), save_dots, save_qkv_proj / save_out_proj / save_qkv_out_proj / "
+                                    "save_attention (keep those named activations, recompute the rest), "
+                                    "offload_qkv_proj / offload_attention (move them to host memory; TPU and GPU); "
+                                    "docs/performance.md")
     attention: Literal["auto", "dot_product", "blockwise", "splash", "cudnn"] = _f(
         "auto",
         "attention implementation: dot_product (materializes the [T, T] scores), blockwise (plain-JAX online "
