@@ -73,7 +73,7 @@ def _squeezed(shape):
 def remedy(scope: str, model_cfg) -> str:
     """The setting that removes (or shrinks) a scope's buffers, from what this run uses."""
     m = model_cfg
-    if scope == "attention" and m.attention in ("dot_product", "auto"):
+    if scope == "attention" and m.attention == "dot_product":
         return "model.attention=blockwise (or splash on TPU): O(T x block) instead of [T, T] scores"
     if scope in ("logits",):
         return "model.loss_chunk_tokens=1024: the [B, T, V] logits a chunk at a time"
