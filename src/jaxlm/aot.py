@@ -33,7 +33,8 @@ from typing import Callable
 import jax
 from jax.experimental import serialize_executable
 
-from jaxlm import train
+from jaxlm import advisor, train
+from jaxlm.model import attention
 from jaxlm.config import MESH_AXES, CompileConfig, Config, ConfigError
 
 GiB = 2**30
@@ -228,6 +229,7 @@ class Memory:
     temporaries: int
     generated_code: int
     aliased: int
+    host: int = 0  # bytes in host memory (activations a remat policy offloads), not counted in `total`
 
     @property
     def total(self) -> int:
@@ -255,7 +257,16 @@ class Result:
 
     @property
     def fits(self) -> bool:
-        return self.executable is not None and self.bytes_per_device <= self.target.hbm_bytes
+        """The sum of memory_analysis()'s figures is an upper bound: XLA:TPU reuses donated arguments and dead
+        buffers, and refuses a step that does not fit its chip. So on TPU a step the compiler accepts fits when
+        its temporaries and code alone do (they cannot share memory with the live train state's arguments);
+        other backends, and a budget set by compile.hbm_gib, are checked against the sum."""
+        if self.executable is None:
+            return False
+        if self.bytes_per_device <= self.target.hbm_bytes:
+            return True
+        return (self.target.platform == "tpu" and self.target.hbm_source != "compile.hbm_gib"
+                and self.memory.temporaries + self.memory.generated_code <= self.target.hbm_bytes)
 
 
 def _step_args(run: train.Run) -> dict:
@@ -303,8 +314,10 @@ def compile_for(cfg: Config, tgt: Target) -> Result:
                       oom_bytes(message, argument_bytes))
     seconds = time.perf_counter() - start
     m = executable.memory_analysis()
+    host = sum(getattr(m, f"host_{k}_size_in_bytes", 0) for k in ("argument", "output", "temp", "generated_code"))
     memory = Memory(m.argument_size_in_bytes, m.output_size_in_bytes, m.temp_size_in_bytes,
-                    m.generated_code_size_in_bytes, m.alias_size_in_bytes)
+                    m.generated_code_size_in_bytes, m.alias_size_in_bytes,
+                    host - getattr(m, "host_alias_size_in_bytes", 0))
     return Result(run, tgt, seconds, executable, memory, argument_bytes)
 
 
@@ -338,7 +351,9 @@ def report(r: Result) -> list[str]:
     lines = [f"train step for {tgt.name} ({len(tgt.devices)} x {tgt.device_kind}{slices}): "
              f"lowered and compiled in {r.seconds:.1f} s",
              f"mesh {shape} | batch {t.batch_size} sequences ({t.per_device_batch_size:g} per device) x "
-             f"{t.grad_accum} accumulation x {m_cfg.block_size} tokens | remat {m_cfg.remat}"]
+             f"{t.grad_accum} accumulation x {m_cfg.block_size} tokens | remat {m_cfg.remat} | "
+             + attention.describe(m_cfg, tgt.platform)
+             + (f" | loss in chunks of {m_cfg.loss_chunk_tokens} tokens" if m_cfg.loss_chunk_tokens else "")]
     if r.memory is not None:
         mem = r.memory
         lines += ["memory per device (compiled.memory_analysis()):",
@@ -347,14 +362,21 @@ def report(r: Result) -> list[str]:
                   f"  temporaries     {_gib(mem.temporaries):>12}   activations, gradients, scratch",
                   f"  generated code  {_gib(mem.generated_code):>12}",
                   f"  aliased         {_gib(-mem.aliased):>12}   outputs written over donated arguments",
-                  f"  total           {_gib(mem.total):>12}   of {_gib(tgt.hbm_bytes)} ({tgt.hbm_source})"]
+                  f"  total           {_gib(mem.total):>12}   of {_gib(tgt.hbm_bytes)} ({tgt.hbm_source}); an upper "
+                  "bound: the compiler also reuses buffers",
+                  f"  host memory     {_gib(mem.host):>12}   offloaded activations (model.remat=offload_*), "
+                  "not in the total"]
     else:
         lines += [f"the compiler ran out of memory: {r.oom}",
                   f"  arguments       {_gib(r.argument_bytes):>12}   train state and batch (from their shardings)",
                   f"  total, about   {_gib(r.bytes_per_device):>12}   "
                   + ("no figure from the compiler: the arguments alone" if r.oom_bytes is None else
                      "the compiler's total" if "Used " in r.oom else "arguments + the compiler's temporaries")]
-    if r.fits:
+    if r.fits and r.bytes_per_device > tgt.hbm_bytes:
+        lines.append(f"fits: XLA:TPU accepted the step, whose temporaries and code take "
+                     f"{_gib(r.memory.temporaries + r.memory.generated_code)} of {_gib(tgt.hbm_bytes)} (the total "
+                     "above counts buffers the compiler reuses)")
+    elif r.fits:
         lines.append(f"fits: {_gib(tgt.hbm_bytes - r.bytes_per_device)} of {_gib(tgt.hbm_bytes)} free per device")
     else:
         over = r.bytes_per_device - tgt.hbm_bytes
@@ -580,6 +602,8 @@ def _compile_and_report(cfg: Config, log: Callable[[str], None]) -> dict:
     else:
         r = compile_for(cfg, tgt)
     lines = report(r)
+    if not r.fits:
+        lines[-1:-1] = advisor.advise(r, compile_for, target, log)
     for line in lines[:-1]:
         log(line)
     saved = None

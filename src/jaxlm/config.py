@@ -33,7 +33,8 @@ def _f(default, help: str, **kw):
 
 
 DType = Literal["float32", "bfloat16"]
-RematPolicy = Literal["none", "full", "minimal", "save_dots"]
+RematPolicy = Literal["none", "full", "minimal", "save_dots", "save_qkv_proj", "save_out_proj", "save_qkv_out_proj",
+                      "save_attention", "offload_qkv_proj", "offload_attention"]
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,21 @@ class ModelConfig:
     init_std: float = _f(0.02, "standard deviation of the normal weight initializer")
     param_dtype: DType = _f("float32", "dtype the weights are stored and updated in")
     compute_dtype: DType = _f("float32", "dtype of activations and matmul operands (softmax and loss stay float32)")
-    remat: RematPolicy = _f("none", "activation rematerialization: none, full, minimal (save matmuls without a batch dim), save_dots")
+    remat: RematPolicy = _f("none", "activation rematerialization: none, full, minimal (save matmuls without a "
+                                    "batch dim), save_dots, save_qkv_proj / save_out_proj / save_qkv_out_proj / "
+                                    "save_attention (keep those named activations, recompute the rest), "
+                                    "offload_qkv_proj / offload_attention (move them to host memory; TPU and GPU); "
+                                    "docs/performance.md")
+    attention: Literal["auto", "dot_product", "blockwise", "splash", "cudnn"] = _f(
+        "auto",
+        "attention implementation: dot_product (materializes the [T, T] scores), blockwise (plain-JAX online "
+        "softmax, O(T x block) memory), splash (Pallas TPU kernel; lengths a multiple of 128), cudnn (GPU flash "
+        "kernel; bf16/fp16 without soft-cap or segment ids), auto (splash on TPU, cudnn on GPU, on CPU "
+        "dot_product below 2048 tokens and blockwise from there; cases a kernel lacks use blockwise)")
+    attention_block: int = _f(512, "query and key tile length of blockwise and splash attention")
+    loss_chunk_tokens: int = _f(0, "compute the output projection and cross-entropy of the training loss this many "
+                                   "sequence positions at a time, recomputing each chunk's logits in the backward "
+                                   "pass, so the [B, T, V] float32 logits never exist at once; 0 = all at once")
     scan_layers: bool = _f(True, "run the stacked layers with lax.scan (fast compile) instead of a Python loop")
     global_parameter_scale: int = _f(1, "multiply the non-embedding parameters by about this power of 2, "
                                         "growing width, heads, MLP width (and layers every third doubling)")
@@ -653,6 +668,12 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"distributed.process_id={d.process_id} must be in [0, {d.num_processes})")
     if t.per_device_batch_size is not None and t.per_device_batch_size <= 0:
         raise ConfigError(f"training.per_device_batch_size={t.per_device_batch_size} must be > 0")
+    positive("model.attention_block", m.attention_block)
+    if m.loss_chunk_tokens < 0:
+        raise ConfigError(f"model.loss_chunk_tokens={m.loss_chunk_tokens} must be >= 0 (0 = off)")
+    if m.attention in ("blockwise", "splash", "cudnn") and m.dropout > 0:
+        raise ConfigError(f"model.attention={m.attention} has no dropout on attention probabilities but "
+                          f"model.dropout={m.dropout}; use model.attention=dot_product (or auto) or model.dropout=0")
     if m.global_parameter_scale < 1 or m.global_parameter_scale & (m.global_parameter_scale - 1):
         raise ConfigError(f"model.global_parameter_scale={m.global_parameter_scale} must be a power of 2 (1, 2, 4, ...)")
 

@@ -35,7 +35,8 @@ SAFETENSORS_DTYPES = {"F64": np.dtype(np.float64), "F32": np.dtype(np.float32), 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "generation_config.json", "added_tokens.json", "chat_template.jinja",
                    "chat_template.json")
-ARCH_IGNORED = ("dropout", "init_std", "param_dtype", "compute_dtype", "remat", "scan_layers", "block_size")
+ARCH_IGNORED = ("dropout", "init_std", "param_dtype", "compute_dtype", "remat", "scan_layers", "block_size",
+                "attention", "attention_block", "loss_chunk_tokens")
 
 
 # ---- safetensors, read and written a tensor at a time -------------------------------------------------------

@@ -188,6 +188,12 @@ def pipeline() -> Pipeline | None:
     return Pipeline(ctx[0].shape["stage"], *ctx[2])
 
 
+def active() -> tuple[Mesh, Rules] | None:
+    """The (mesh, activation rules) of the enclosing `activation_sharding` block; None outside one."""
+    ctx = _CTX.get()
+    return None if ctx is None else ctx[:2]
+
+
 def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
     """Pin an activation's sharding by logical axes; a no-op outside `activation_sharding`."""
     ctx = _CTX.get()

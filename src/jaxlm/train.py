@@ -24,7 +24,7 @@ from jaxlm import config as config_lib
 from jaxlm import diagnostics, distributed, generate, metrics, optim, params as P, quant, runtime, sharding, storage
 from jaxlm.config import Config, ConfigError
 from jaxlm.data import loader as loader_lib, mixture, packing, prepare, tokenizer as tokenizer_lib
-from jaxlm.model import loss_fn, param_specs
+from jaxlm.model import attention, loss_fn, param_specs
 
 
 @dataclasses.dataclass
@@ -439,7 +439,8 @@ def check_resume_config(run_dir: Path | str, cfg: Config) -> None:
         return
     saved = json.loads(storage.read_text(path)).get("model", {})
     for k, v in dataclasses.asdict(cfg.model).items():
-        if k in saved and saved[k] != v and k not in ("dropout", "remat", "scan_layers", "compute_dtype",
+        if k in saved and saved[k] != v and k not in ("dropout", "remat", "attention", "attention_block",
+                                                      "loss_chunk_tokens", "scan_layers", "compute_dtype",
                                                       "quantization", "quant_logits", "quant_stochastic_rounding"):
             raise ConfigError(f"run_dir {run_dir} holds a checkpoint of a different model (model.{k}={saved[k]!r} "
                               f"there, {v!r} here); use another run_dir or the same model settings")
@@ -483,6 +484,8 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
         f"{t_cfg.grad_accum} accumulation = {tokens_per_step:,} tokens/step")
     log(f"model FLOPs {flops_per_token:,.0f} per token (causal attention counted as half) | peak "
         f"{peak / 1e12:.3f} TFLOP/s per device ({peak_source})")
+    log(attention.describe(m_cfg, mesh.devices.flat[0].platform)
+        + (f" | loss in chunks of {m_cfg.loss_chunk_tokens} tokens" if m_cfg.loss_chunk_tokens else ""))
     log(f"data {run.dataset.dir}: {run.dataset.describe()}"
         + (" | packed rows" if cfg.data.packing else "") + (" | loss mask on" if cfg.data.loss_mask == "on" else ""))
     if m_cfg.quantization == "fp8" and (note := quant.fp8_fallback_message(mesh.devices.flat[0])):

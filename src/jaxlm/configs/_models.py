@@ -50,6 +50,10 @@ MODELS: dict[str, ModelConfig] = {name: ModelConfig(**kw) for name, kw in {
                        attn_scale=144.0),
     "qwen3_0_6b": dict(QWEN3, n_layers=28, n_heads=16, d_model=1024, d_ff=3072, tie_embeddings=True),
     "qwen3_8b": dict(QWEN3, n_layers=36, n_heads=32, d_model=4096, d_ff=12288),
+    # MaxText's default model (its base.yml): model.global_parameter_scale=16/32/64/128 gives the models of
+    # MaxText's README tables (16B, 32B, 64B, 128B) with the same weights and parameter counts.
+    "maxtext_base": dict(LLAMA, vocab_size=32000, block_size=2048, norm_eps=1e-5, n_layers=16, n_heads=16,
+                         head_dim=128, d_model=2048, d_ff=7168),
 }.items()}
 
 

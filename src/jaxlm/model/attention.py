@@ -1,5 +1,7 @@
 """Causal multi-head attention with grouped-query heads, rotary embeddings, QK normalization, sliding
-windows and logit soft-capping; one-token decoding over a KV cache.
+windows and logit soft-capping; one-token decoding over a KV cache. `self_attention` is the one interface of
+the uncached pass and picks the implementation (`model.attention`): dot_product here, blockwise
+(model/blockwise.py), splash (model/splash.py, TPU) or cuDNN's flash kernel (GPU).
 
 Shape legend: B batch, T query length, S key length (cache slots when decoding), D model width, N query
 heads, K kv heads, G query heads per kv head (N = K * G), H head width.
@@ -9,9 +11,14 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
-from jaxlm.model import kvcache, layers
+from jaxlm import sharding
+from jaxlm.model import blockwise, kvcache, layers, splash
 from jaxlm.sharding import constrain
+
+# On CPUs the [T, T] scores are cheaper to materialize than to tile below this many tokens.
+CPU_BLOCKWISE_FROM = 2048
 
 
 def project_qkv(x_BTD, p, cfg, positions_BT):
@@ -22,6 +29,10 @@ def project_qkv(x_BTD, p, cfg, positions_BT):
         q_BTNH = q_BTNH + p["q_bias"].astype(q_BTNH.dtype)
         k_BTKH = k_BTKH + p["k_bias"].astype(k_BTKH.dtype)
         v_BTKH = v_BTKH + p["v_bias"].astype(v_BTKH.dtype)
+    # Names for remat policies (model.remat=save_qkv_proj, offload_qkv_proj): the projections' outputs.
+    q_BTNH = checkpoint_name(q_BTNH, "query_proj")
+    k_BTKH = checkpoint_name(k_BTKH, "key_proj")
+    v_BTKH = checkpoint_name(v_BTKH, "value_proj")
     if cfg.qk_norm:
         q_BTNH = layers.norm(q_BTNH, p["q_norm"], cfg.norm, cfg.norm_eps, cfg.norm_plus_one)
         k_BTKH = layers.norm(k_BTKH, p["k_norm"], cfg.norm, cfg.norm_eps, cfg.norm_plus_one)
@@ -83,9 +94,67 @@ def self_attention(q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, cfg, lo
     of the same tokens, their positions [B, T] and segment ids [B, T] (int32; tokens attend only within their
     own segment; None = one segment per row). Every implementation takes these arguments; masks are causal by
     position, windowed for `local` layers, and never cross a segment."""
-    mask_BTS = mask(positions_BT, positions_BT, cfg.sliding_window if local else None, segment_ids_BT,
-                    segment_ids_BT)
+    T = q_BTNH.shape[1]
+    window = cfg.sliding_window if local else None
+    platform = mesh_platform()
+    impl = choose(cfg, T, q_BTNH.dtype, segment_ids_BT is not None, platform, dropout=key is not None)
+    if impl == "blockwise":
+        return blockwise.attention(q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, window, _scale(cfg),
+                                   cfg.attn_logit_softcap, cfg.attention_block)
+    if impl == "splash":
+        return splash.attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, window, _scale(cfg), cfg.attn_logit_softcap,
+                                cfg.attention_block, interpret=platform != "tpu")
+    if impl == "cudnn":
+        return _cudnn(q_BTNH, k_BTKH, v_BTKH, window, _scale(cfg))
+    mask_BTS = mask(positions_BT, positions_BT, window, segment_ids_BT, segment_ids_BT)
     return attend(q_BTNH, k_BTKH, v_BTKH, mask_BTS, cfg.dropout, key, _scale(cfg), cfg.attn_logit_softcap)
+
+
+def mesh_platform() -> str:
+    """The platform of the devices the step is traced for: the active mesh's (an ahead-of-time compile for
+    TPU runs on a CPU host), else the default backend's."""
+    ctx = sharding.active()
+    return ctx[0].devices.flat[0].platform if ctx is not None else jax.devices()[0].platform
+
+
+def _cudnn_supports(dtype, softcap, has_segments) -> bool:
+    return jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and softcap is None and not has_segments
+
+
+def choose(cfg, T: int, dtype, has_segments: bool, platform: str, dropout: bool = False) -> str:
+    """The implementation `self_attention` runs for T tokens of this dtype on this platform. `auto` takes the
+    fastest that covers the case; an explicit kernel that lacks the case (splash: T not a multiple of 128;
+    cudnn: not a GPU, float32, soft-cap or segment ids) runs blockwise instead. Splash off TPU runs in Pallas
+    interpret mode: exact but slow, for tests."""
+    name = cfg.attention
+    if name == "auto":
+        if dropout:  # only dot_product drops attention probabilities
+            return "dot_product"
+        name = {"tpu": "splash", "gpu": "cudnn", "cuda": "cudnn", "rocm": "blockwise"}.get(
+            platform, "blockwise" if T >= CPU_BLOCKWISE_FROM else "dot_product")
+    if name == "splash" and not splash.supports(T):
+        return "blockwise"
+    if name == "cudnn" and (platform not in ("gpu", "cuda")
+                            or not _cudnn_supports(dtype, cfg.attn_logit_softcap, has_segments)):
+        return "blockwise"
+    return name
+
+
+def describe(cfg, platform: str, dtype=None) -> str:
+    """One line for the logs: what uncached attention runs at the configured length."""
+    dtype = jnp.dtype(cfg.compute_dtype) if dtype is None else dtype
+    impl = choose(cfg, cfg.block_size, dtype, False, platform)
+    return (f"attention {impl} (model.attention={cfg.attention} on {platform} at {cfg.block_size} tokens"
+            + (f", tiles of {cfg.attention_block}" if impl in ("blockwise", "splash") else "") + ")")
+
+
+def _cudnn(q_BTNH, k_BTKH, v_BTKH, window, scale):
+    """cuDNN's fused flash attention (GPU; bf16/fp16). Its causal and window masks go by index in the row, which
+    is the position rule when positions count 0..T-1, as they do without segment ids."""
+    with jax.named_scope("cudnn_attention"):
+        return jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, scale=scale, is_causal=True,
+                                            local_window_size=None if window is None else (window - 1, 0),
+                                            implementation="cudnn")
 
 
 def _scale(cfg):
@@ -106,7 +175,8 @@ def attention_with_kv(x_BTD, p, cfg, positions_BT, key=None, local=False, segmen
         q_BTNH, k_BTKH, v_BTKH = project_qkv(x_BTD, p, cfg, positions_BT)
         q_BTNH = constrain(q_BTNH, ("batch", "length", "heads", "head_dim"))
         out_BTNH = self_attention(q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, cfg, local, key)
-        return _project_out(out_BTNH, p), k_BTKH, v_BTKH
+        out_BTNH = checkpoint_name(out_BTNH, "context")
+        return checkpoint_name(_project_out(out_BTNH, p), "out_proj"), k_BTKH, v_BTKH
 
 
 def attention(x_BTD, p, cfg, positions_BT, key=None, local=False, segment_ids_BT=None):

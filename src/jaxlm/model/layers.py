@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 
 from jaxlm import quant
@@ -120,6 +121,7 @@ def mlp(x_BTD: jax.Array, p: dict, activation: str, glu: bool) -> jax.Array:
         h_BTF = act(dot("BTD,DF->BTF", x_BTD, p["gate"])) * h_BTF
     else:
         h_BTF = act(h_BTF)
+    h_BTF = checkpoint_name(h_BTF, "mlp_hidden")
     out_BTD = dot("BTF,FD->BTD", h_BTF, p["down"])
     if "down_bias" in p:
         out_BTD = out_BTD + p["down_bias"].astype(out_BTD.dtype)

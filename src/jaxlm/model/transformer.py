@@ -88,10 +88,24 @@ def param_specs(cfg: ModelConfig) -> dict:
     return specs
 
 
+_cp = jax.checkpoint_policies
+QKV = ("query_proj", "key_proj", "value_proj")
+# What the backward pass keeps of each layer's forward (the rest it recomputes), by the names that
+# attention.py and layers.py give activations with checkpoint_name (MaxText's policy names).
 REMAT_POLICIES = {
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "minimal": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    "save_dots": jax.checkpoint_policies.checkpoint_dots,
+    "full": _cp.nothing_saveable,
+    "minimal": _cp.dots_with_no_batch_dims_saveable,
+    "save_dots": _cp.checkpoint_dots,
+    "save_qkv_proj": _cp.save_only_these_names(*QKV),
+    "save_out_proj": _cp.save_only_these_names("out_proj"),
+    "save_qkv_out_proj": _cp.save_only_these_names(*QKV, "out_proj"),
+    "save_attention": _cp.save_only_these_names(*QKV, "context", "out_proj"),
+    "offload_qkv_proj": _cp.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=list(QKV),
+        offload_src="device", offload_dst="pinned_host"),
+    "offload_attention": _cp.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=[*QKV, "context", "out_proj"],
+        offload_src="device", offload_dst="pinned_host"),
 }
 
 
@@ -196,6 +210,15 @@ def forward_with_aux(params: dict, tokens_BT: jax.Array, cfg: ModelConfig, key: 
 
     positions_BT default to 0..T-1 in every row; segment_ids_BT (int32, None = one segment per row) mark the
     documents packed into a row: attention never crosses a segment, and positions restart at each one."""
+    x_BTD, aux = hidden_with_aux(params, tokens_BT, cfg, key, positions_BT, segment_ids_BT)
+    return unembed(params, x_BTD, cfg), aux
+
+
+@quant.scoped
+def hidden_with_aux(params: dict, tokens_BT: jax.Array, cfg: ModelConfig, key: jax.Array | None = None,
+                    positions_BT: jax.Array | None = None, segment_ids_BT: jax.Array | None = None
+                    ) -> tuple[jax.Array, jax.Array]:
+    """The residual stream after the last block [B, T, D] (before the final norm) and the auxiliary loss."""
     B, T = tokens_BT.shape
     if positions_BT is None:
         positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
@@ -217,9 +240,8 @@ def forward_with_aux(params: dict, tokens_BT: jax.Array, cfg: ModelConfig, key: 
     else:
         x_BTD, stats_L2E = run(x_BTD, params["layers"], positions_BT, segment_ids_BT, layer_keys)
 
-    logits_BTV = unembed(params, x_BTD, cfg)
     aux = moe.load_balancing_loss(stats_L2E) if cfg.n_experts else jnp.zeros((), jnp.float32)
-    return logits_BTV, aux
+    return x_BTD, aux
 
 
 def forward(params: dict, tokens_BT: jax.Array, cfg: ModelConfig, key: jax.Array | None = None,
@@ -311,23 +333,52 @@ def cross_entropy_sum(logits_BTV: jax.Array, targets_BT: jax.Array, weights_BT: 
     return jnp.sum(losses_BT if weights_BT is None else losses_BT * weights_BT)
 
 
+def chunked_cross_entropy_sum(params: dict, x_BTD: jax.Array, targets_BT: jax.Array, cfg: ModelConfig,
+                              weights_BT: jax.Array | None = None) -> jax.Array:
+    """`cross_entropy_sum(unembed(params, x_BTD, cfg), ...)` computed cfg.loss_chunk_tokens positions at a
+    time: a scan over chunks of the sequence whose body is rematerialized, so the forward keeps one chunk's
+    logits [B, C, V] and the backward recomputes them chunk by chunk (n C chunks cover T, the last padded)."""
+    B, T, D = x_BTD.shape
+    C = min(cfg.loss_chunk_tokens, T)
+    pad = -T % C
+    weights_BT = jnp.ones((B, T), jnp.float32) if weights_BT is None else weights_BT.astype(jnp.float32)
+    x_BTD, targets_BT, weights_BT = (jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
+                                     for a in (x_BTD, targets_BT, weights_BT))
+    chunks = tuple(a.reshape(B, (T + pad) // C, C, *a.shape[2:]).swapaxes(0, 1)
+                   for a in (x_BTD, targets_BT, weights_BT))
+
+    @jax.checkpoint
+    def chunk_loss(x_BCD, targets_BC, weights_BC):
+        return cross_entropy_sum(unembed(params, x_BCD, cfg), targets_BC, weights_BC)
+
+    with jax.named_scope("chunked_loss"):
+        total, _ = jax.lax.scan(lambda acc, xs: (acc + chunk_loss(*xs), None), jnp.zeros((), jnp.float32), chunks)
+    return total
+
+
 def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
     """Mean next-token cross-entropy in float32."""
     return cross_entropy_sum(logits_BTV, targets_BT) / targets_BT.size
 
 
+@quant.scoped
 def loss_fn(params: dict, tokens_BT: jax.Array, targets_BT: jax.Array, cfg: ModelConfig,
             key: jax.Array | None = None, positions_BT: jax.Array | None = None,
             segment_ids_BT: jax.Array | None = None, weights_BT: jax.Array | None = None,
             normalizer: jax.Array | None = None) -> jax.Array:
-    """Cross-entropy, plus the weighted load-balancing loss for mixture-of-experts models.
+    """Cross-entropy, plus the weighted load-balancing loss for mixture-of-experts models; with
+    cfg.loss_chunk_tokens the logits are computed a chunk of the sequence at a time (never all at once).
 
     Each token's loss counts with its weight (weights_BT: 1 trained, 0 masked such as prompts or padding; None =
     all 1) and the weighted sum is divided by `normalizer` (default: the sum of the weights here). A step that
     accumulates micro-batches passes the weight of the whole step over the number of micro-batches, so that
     the mean over micro-batches is exactly the mean over every counted token of the step."""
-    logits_BTV, aux = forward_with_aux(params, tokens_BT, cfg, key, positions_BT, segment_ids_BT)
+    x_BTD, aux = hidden_with_aux(params, tokens_BT, cfg, key, positions_BT, segment_ids_BT)
     if normalizer is None:
         normalizer = targets_BT.size if weights_BT is None else jnp.maximum(jnp.sum(weights_BT), 1e-9)
-    loss = cross_entropy_sum(logits_BTV, targets_BT, weights_BT) / normalizer
+    if cfg.loss_chunk_tokens:
+        total = chunked_cross_entropy_sum(params, x_BTD, targets_BT, cfg, weights_BT)
+    else:
+        total = cross_entropy_sum(unembed(params, x_BTD, cfg), targets_BT, weights_BT)
+    loss = total / normalizer
     return loss + cfg.router_aux_loss_coef * aux if cfg.n_experts else loss

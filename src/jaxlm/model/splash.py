@@ -1,0 +1,88 @@
+"""TPU attention with the Pallas splash-attention kernel (`jax.experimental.pallas.ops.tpu.splash_attention`):
+flash attention that skips the tiles a block-sparse mask rules out, with its own backward kernels.
+
+The kernel works on one device's data, so it runs under `shard_map` over the mesh's batch and heads axes
+(as the active sharding rules map them); the sequence stays whole on each device. Its masks are static
+functions of array index, so causality and windows follow the token's index in the row; with packed
+documents the segment ids keep documents apart, which equals the position rule of `attention.mask` whenever
+positions count up by one within each document (what the data packer writes).
+
+Shape legend: B batch, T length, N query heads, K kv heads, H head width.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernel_lib
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as mask_lib
+from jax.sharding import PartitionSpec
+
+from jaxlm import sharding
+
+BLOCK = 128  # the kernel's smallest tile along the sequence: lengths must be multiples of it
+
+
+def supports(T: int) -> bool:
+    return T % BLOCK == 0
+
+
+def _block_sizes(T: int, block: int) -> kernel_lib.BlockSizes:
+    b = max(BLOCK, min(block, T) // BLOCK * BLOCK)
+    while T % b:
+        b -= BLOCK
+    return kernel_lib.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b, block_kv_dkv=b,
+                                 block_kv_dkv_compute=b, block_q_dq=b, block_kv_dq=b)
+
+
+@functools.lru_cache(maxsize=64)
+def _kernel(N: int, T: int, window: int | None, softcap: float | None, block: int, interpret: bool):
+    one = (mask_lib.CausalMask((T, T)) if window is None
+           else mask_lib.LocalMask((T, T), window_size=(window - 1, 0), offset=0))
+    return kernel_lib.make_splash_mha(mask_lib.MultiHeadMask([one] * N), block_sizes=_block_sizes(T, block),
+                                      attn_logits_soft_cap=softcap, head_shards=1, q_seq_shards=1,
+                                      interpret=interpret)
+
+
+def attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, window=None, scale=None, softcap=None, block_size=512,
+              interpret=False) -> jax.Array:
+    """Causal self-attention of T tokens (T a multiple of 128) in the query dtype; `window` limits each query
+    to the last `window` tokens, itself included. Runs in Pallas interpret mode (any backend) when asked."""
+    B, T, N, H = q_BTNH.shape
+    K = k_BTKH.shape[2]
+    scale = H ** -0.5 if scale is None else scale
+    has_segments = segment_ids_BT is not None
+
+    def local(q_BTNH, k_BTKH, v_BTKH, *seg):
+        kern = _kernel(q_BTNH.shape[2], T, window, softcap, block_size, interpret)
+        q_BNTH = (q_BTNH * jnp.asarray(scale, q_BTNH.dtype)).transpose(0, 2, 1, 3)
+        k_BKTH, v_BKTH = k_BTKH.transpose(0, 2, 1, 3), v_BTKH.transpose(0, 2, 1, 3)
+        if seg:
+            ids = kernel_lib.SegmentIds(q=seg[0], kv=seg[0])
+            out_BNTH = jax.vmap(lambda q, k, v, s: kern(q, k, v, segment_ids=s))(q_BNTH, k_BKTH, v_BKTH, ids)
+        else:
+            out_BNTH = jax.vmap(kern)(q_BNTH, k_BKTH, v_BKTH)
+        return out_BNTH.transpose(0, 2, 1, 3).astype(q_BTNH.dtype)
+
+    with jax.named_scope("splash_attention"):
+        seg = (segment_ids_BT.astype(jnp.int32),) if has_segments else ()
+        ctx = sharding.active()
+        if ctx is None:
+            return local(q_BTNH, k_BTKH, v_BTKH, *seg)
+        mesh, rules = ctx
+        batch, heads = _axes(mesh, rules, "batch", B), _axes(mesh, rules, "heads", N)
+        kv_heads = _axes(mesh, rules, "kv_heads", K)
+        if heads != kv_heads:  # both split the same way, or neither
+            heads = kv_heads = None
+        q_spec, kv_spec = PartitionSpec(batch, None, heads, None), PartitionSpec(batch, None, kv_heads, None)
+        in_specs = (q_spec, kv_spec, kv_spec) + ((PartitionSpec(batch, None),) if has_segments else ())
+        return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=q_spec,
+                             check_vma=False)(q_BTNH, k_BTKH, v_BTKH, *seg)
+
+
+def _axes(mesh, rules, logical: str, size: int):
+    """The mesh axes `logical` is split over when they divide `size`; else None (kept whole)."""
+    entry = sharding.spec((logical,), rules)[0]
+    return entry if size % sharding.shard_count(mesh, entry) == 0 else None

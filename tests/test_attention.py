@@ -1,0 +1,289 @@
+"""Attention implementations against dot_product (the materialized-scores reference), the implementation
+choice, and training with blockwise attention."""
+
+import contextlib
+import dataclasses
+import io
+
+import jax
+import jax.ad_checkpoint
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jaxlm import aot, params as P, sharding
+from jaxlm.config import ConfigError, MeshConfig, ModelConfig, apply_overrides, Config, validate
+from jaxlm.model import attention, blockwise, loss_fn, param_specs, splash
+
+CASES = {  # name: (window, softcap, kv heads of 8 query heads, segment ids); GQA ratios 1, 2 and 8
+    "causal": (None, None, 8, False),
+    "window_softcap_gqa2": (24, 5.0, 4, False),
+    "segments_gqa8": (None, None, 1, True),
+    "all": (24, 5.0, 2, True),
+}
+
+
+def inputs(T, K, dtype=jnp.float32, B=2, N=8, H=16, seed=0):
+    ks = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(ks[0], (B, T, N, H), dtype)
+    k = jax.random.normal(ks[1], (B, T, K, H), dtype)
+    v = jax.random.normal(ks[2], (B, T, K, H), dtype)
+    return q, k, v
+
+
+def segments(B, T):
+    """Three packed documents per row, at different cuts in each row; positions restart at each one."""
+    cuts = [(T // 3, T // 2), (T // 5, 3 * T // 4)][:B]
+    seg = np.zeros((B, T), np.int32)
+    for b, (c1, c2) in enumerate(cuts):
+        seg[b, c1:] = 1
+        seg[b, c2:] = 2
+    pos = np.zeros((B, T), np.int32)
+    for b in range(B):
+        for t in range(1, T):
+            pos[b, t] = 0 if seg[b, t] != seg[b, t - 1] else pos[b, t - 1] + 1
+    return jnp.asarray(pos), jnp.asarray(seg)
+
+
+def reference(q, k, v, pos, seg, window, softcap):
+    return attention.attend(q, k, v, attention.mask(pos, pos, window, seg, seg), softcap=softcap)
+
+
+def loss_of(f):
+    # A loss whose gradient differs at every output element, so no term can cancel.
+    return lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v).astype(jnp.float32)) * jnp.linspace(-1, 1, q.shape[-1]))
+
+
+def assert_close(got, want, tol=1e-5):
+    """Largest error at most tol times the reference's largest magnitude (at least 1): float32 sums of a few
+    hundred terms in a different order differ by a few ulps of their largest term."""
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert np.max(np.abs(got - want)) <= tol * max(1.0, np.max(np.abs(want))), np.max(np.abs(got - want))
+
+
+def compare(impl, T, case, dtype):
+    window, softcap, K, with_segments = CASES[case]
+    q, k, v = inputs(T, K, dtype)
+    if with_segments:
+        pos, seg = segments(2, T)
+    else:
+        pos, seg = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (2, T)), None
+    ref = lambda q, k, v: reference(q, k, v, pos, seg, window, softcap)  # noqa: E731
+    got = {"blockwise": lambda q, k, v: blockwise.attention(q, k, v, pos, seg, window, None, softcap, block_size=16),
+           "splash": lambda q, k, v: splash.attention(q, k, v, seg, window, None, softcap, block_size=128,
+                                                      interpret=True)}[impl]
+    outs = [np.asarray(f(q, k, v).astype(jnp.float32)) for f in (got, ref)]
+    grads = [jax.grad(loss_of(f), argnums=(0, 1, 2))(q, k, v) for f in (got, ref)]
+    return outs, [[np.asarray(g.astype(jnp.float32)) for g in gs] for gs in grads]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_blockwise_equals_dot_product_float32(case):
+    (out, want), (grads, want_grads) = compare("blockwise", 80, case, jnp.float32)  # 80: a ragged last tile
+    for got, ref in zip([out, *grads], [want, *want_grads]):
+        assert_close(got, ref)
+
+
+@pytest.mark.parametrize("case", ["causal", "all"])
+def test_blockwise_equals_dot_product_bfloat16(case):
+    (out, want), (grads, want_grads) = compare("blockwise", 64, case, jnp.bfloat16)
+    for got, ref in zip([out, *grads], [want, *want_grads]):
+        assert np.linalg.norm(got - ref) <= 2e-2 * np.linalg.norm(ref)
+
+
+@pytest.mark.parametrize("case", ["causal", "all"])
+def test_splash_interpret_equals_dot_product_float32(case):
+    (out, want), (grads, want_grads) = compare("splash", 256, case, jnp.float32)
+    for got, ref in zip([out, *grads], [want, *want_grads]):
+        assert_close(got, ref)
+
+
+def test_attend_block_halves_merge_into_the_whole_with_gradients():
+    """Ring attention's use: two key halves, each with its log-sum-exp, merge into attention over all keys,
+    and gradients flow through the merge (the lse's cotangent included)."""
+    T, K = 48, 2
+    q, k, v = inputs(T, K)
+    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (2, T))
+
+    def merged(q, k, v):
+        h = T // 2
+        parts = [blockwise.attend_block(q, k[:, s], v[:, s], pos, pos[:, s], window=20, block_q=16, block_k=8)
+                 for s in (slice(0, h), slice(h, T))]
+        return blockwise.merge(*parts[0], *parts[1])[0]
+
+    ref = lambda q, k, v: reference(q, k, v, pos, None, 20, None)  # noqa: E731
+    assert_close(merged(q, k, v), ref(q, k, v))
+    for g, w in zip(jax.grad(loss_of(merged), (0, 1, 2))(q, k, v), jax.grad(loss_of(ref), (0, 1, 2))(q, k, v)):
+        assert_close(g, w)
+    # The lse itself: log of the sum of exp(scaled logits) over allowed keys, by a direct computation.
+    out, lse = blockwise.attend_block(q, k, v, pos, pos, window=20)
+    logits = jnp.einsum("btnh,bsnh->bnts", q, jnp.repeat(k, 4, axis=2)) * 16 ** -0.5
+    m = attention.mask(pos, pos, 20)[:, None]
+    want = jax.nn.logsumexp(jnp.where(m, logits, -jnp.inf), axis=-1).transpose(0, 2, 1)
+    assert_close(lse, want)
+
+
+def test_a_query_with_no_allowed_key_gets_zero_and_minus_infinity():
+    q, k, v = inputs(8, 8)
+    pos = jnp.broadcast_to(jnp.arange(8, dtype=jnp.int32), (2, 8))
+    out, lse = blockwise.attend_block(q, k, v, pos, pos + 100)  # every key after every query
+    assert np.all(np.asarray(out) == 0) and np.all(np.isneginf(np.asarray(lse)))
+
+
+@pytest.mark.parametrize("platform,T,dtype,softcap,want", [
+    ("tpu", 2048, jnp.bfloat16, None, "splash"),
+    ("tpu", 2000, jnp.bfloat16, None, "blockwise"),  # not a multiple of splash's 128
+    ("gpu", 2048, jnp.bfloat16, None, "cudnn"),
+    ("gpu", 2048, jnp.float32, None, "blockwise"),
+    ("gpu", 2048, jnp.bfloat16, 50.0, "blockwise"),
+    ("cpu", 256, jnp.float32, None, "dot_product"),
+    ("cpu", 8192, jnp.float32, None, "blockwise"),
+])
+def test_auto_picks_by_platform_length_and_case(platform, T, dtype, softcap, want):
+    cfg = ModelConfig(attention="auto", attn_logit_softcap=softcap)
+    assert attention.choose(cfg, T, dtype, False, platform) == want
+
+
+def test_an_explicit_kernel_without_the_case_runs_blockwise():
+    assert attention.choose(ModelConfig(attention="cudnn"), 2048, jnp.bfloat16, False, "cpu") == "blockwise"
+    assert attention.choose(ModelConfig(attention="cudnn"), 2048, jnp.bfloat16, True, "gpu") == "blockwise"
+    assert attention.choose(ModelConfig(attention="splash"), 200, jnp.float32, False, "tpu") == "blockwise"
+    assert attention.choose(ModelConfig(attention="splash"), 256, jnp.float32, False, "cpu") == "splash"
+
+
+def test_auto_follows_the_mesh_not_the_host():
+    class FakeTPU:
+        platform = "tpu"
+
+    class FakeMesh:
+        devices = np.array([FakeTPU()])
+
+    assert attention.mesh_platform() == "cpu"
+    with sharding.activation_sharding(FakeMesh(), {}):
+        assert attention.mesh_platform() == "tpu"
+    assert "attention splash (model.attention=auto on tpu at 2048 tokens" in attention.describe(
+        ModelConfig(block_size=2048), "tpu")
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"model.attention": "blockwise", "model.dropout": "0.1"}, "model.attention=blockwise has no dropout"),
+    ({"model.attention": "flash"}, "model.attention"),
+    ({"model.attention_block": "0"}, "model.attention_block=0 must be > 0"),
+    ({"model.loss_chunk_tokens": "-1"}, "model.loss_chunk_tokens=-1 must be >= 0"),
+])
+def test_attention_settings_are_validated_in_one_line(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(apply_overrides(Config(), overrides))
+
+
+def test_a_saved_step_refuses_another_attention_or_remat_setting():
+    cfg = Config()
+    saved = {"platform": "cpu", "device_kind": "cpu", "n_devices": 1, "jax": jax.__version__, "args": [],
+             "settings": aot.baked_settings(cfg)}
+    for key, value in (("attention", "blockwise"), ("remat", "save_qkv_proj"), ("loss_chunk_tokens", 512)):
+        other = cfg.replace(model=dataclasses.replace(cfg.model, **{key: value}))
+        here = dict(saved, settings=aot.baked_settings(other))
+        with pytest.raises(ConfigError, match=f"was compiled with model.{key}="):
+            aot.check_signature(saved, here, "step.jaxlm")
+
+
+@pytest.mark.slow
+def test_fifty_training_steps_blockwise_match_dot_product():
+    cfg = ModelConfig(vocab_size=64, block_size=32, n_layers=2, n_heads=4, n_kv_heads=2, d_model=32,
+                      sliding_window=12, layer_pattern="local,global", attention_block=16)
+    mesh = sharding.make_mesh(MeshConfig(), jax.devices()[:1])
+    tokens = jax.random.randint(jax.random.key(3), (4, cfg.block_size + 1), 0, cfg.vocab_size)
+    opt = optax.adam(3e-3)
+
+    def run(impl):
+        c = dataclasses.replace(cfg, attention=impl)
+        params = P.init(param_specs(c), jax.random.key(0), mesh)
+        state = opt.init(params)
+
+        @jax.jit
+        def step(params, state):
+            loss, g = jax.value_and_grad(loss_fn)(params, tokens[:, :-1], tokens[:, 1:], c)
+            updates, state = opt.update(g, state)
+            return optax.apply_updates(params, updates), state, loss
+
+        losses = []
+        for _ in range(50):
+            params, state, loss = step(params, state)
+            losses.append(float(loss))
+        return np.array(losses)
+
+    dot, block = run("dot_product"), run("blockwise")
+    assert dot[-1] < dot[0] - 1.0  # it learns, so the comparison covers moving weights
+    np.testing.assert_allclose(block, dot, atol=1e-4, rtol=0)
+
+
+def test_chunked_loss_equals_the_whole_loss_with_gradients():
+    """Chunks of 5 over 16 positions (a padded last chunk), per-token weights and a normalizer."""
+    cfg = ModelConfig(vocab_size=50, block_size=16, n_layers=1, n_heads=4, d_model=32, tie_embeddings=False)
+    mesh = sharding.make_mesh(MeshConfig(), jax.devices()[:1])
+    params = P.init(param_specs(cfg), jax.random.key(0), mesh)
+    tokens = jax.random.randint(jax.random.key(1), (2, 17), 0, 50)
+    weights = (jax.random.uniform(jax.random.key(2), (2, 16)) > 0.3).astype(jnp.float32)
+    args = (tokens[:, :-1], tokens[:, 1:])
+    kw = {"weights_BT": weights, "normalizer": jnp.float32(7.0)}
+    whole = jax.value_and_grad(loss_fn)(params, *args, cfg, **kw)
+    chunked = jax.value_and_grad(loss_fn)(params, *args, dataclasses.replace(cfg, loss_chunk_tokens=5), **kw)
+    assert float(whole[0]) > 1.0
+    assert_close(chunked[0], whole[0])
+    for g, w in zip(jax.tree.leaves(chunked[1]), jax.tree.leaves(whole[1])):
+        assert_close(g, w)
+
+
+def test_chunked_loss_never_holds_the_whole_logits():
+    """The gradient step's temporaries: the [B, T, V] float32 logits (and their gradient) are gone."""
+    cfg = ModelConfig(vocab_size=8192, block_size=512, n_layers=1, n_heads=2, d_model=32)
+    mesh = sharding.make_mesh(MeshConfig(), jax.devices()[:1])
+    params = jax.eval_shape(lambda: P.init(param_specs(cfg), jax.random.key(0), mesh))
+    tokens = jax.ShapeDtypeStruct((2, 512), jnp.int32)
+
+    def temp_bytes(c):
+        step = jax.jit(jax.grad(lambda p, x, y: loss_fn(p, x, y, c)))
+        return step.lower(params, tokens, tokens).compile().memory_analysis().temp_size_in_bytes
+
+    logits_bytes = 2 * 512 * 8192 * 4
+    whole, chunked = temp_bytes(cfg), temp_bytes(dataclasses.replace(cfg, loss_chunk_tokens=64))
+    assert whole - chunked >= 1.5 * logits_bytes, (whole, chunked)  # the logits and their gradient
+
+
+def test_named_remat_policies_keep_the_named_activations_and_the_gradients():
+    cfg = ModelConfig(vocab_size=50, block_size=16, n_layers=2, n_heads=4, d_model=32, glu=True)
+    mesh = sharding.make_mesh(MeshConfig(), jax.devices()[:1])
+    params = P.init(param_specs(cfg), jax.random.key(0), mesh)
+    tokens = jax.random.randint(jax.random.key(1), (2, 17), 0, 50)
+
+    def loss(policy):
+        return lambda p: loss_fn(p, tokens[:, :-1], tokens[:, 1:], dataclasses.replace(cfg, remat=policy))
+
+    def kept(policy):
+        """Residuals of the layer scan shaped like q, k or v [L, B, T, N, H], and whether each is on the host."""
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            jax.ad_checkpoint.print_saved_residuals(loss(policy), params)
+        avals = [line.split(" ")[0] for line in out.getvalue().splitlines()]
+        return [a.startswith("f32<host>") for a in avals if a.endswith("[2,2,16,4,8]")]
+
+    assert kept("full") == []
+    assert kept("save_qkv_proj") == [False] * 3
+    assert kept("offload_qkv_proj") == [True] * 3
+    want = jax.grad(loss("none"))(params)
+    for g, w in zip(jax.tree.leaves(jax.grad(loss("offload_attention"))(params)), jax.tree.leaves(want)):
+        assert_close(g, w)
+
+
+def test_splash_runs_per_device_under_the_mesh():
+    """Batch over `data` and heads over `tensor`: each device runs the kernel on its shard (shard_map)."""
+    mesh = sharding.make_mesh(MeshConfig(ici_data=2, ici_tensor=2), jax.devices()[:4])
+    T = 128
+    q, k, v = inputs(T, 4, B=4)
+    _, seg = segments(2, T)
+    seg = jnp.concatenate([seg, seg[::-1]])
+    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (4, T))
+    with sharding.activation_sharding(mesh):
+        got = jax.jit(lambda q, k, v: splash.attention(q, k, v, seg, 40, None, None, 128, interpret=True))(q, k, v)
+    assert_close(got, reference(q, k, v, pos, seg, 40, None))
