@@ -6,7 +6,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # pytest workers for `make test` (pytest-xdist): the suite is compile-bound, and two workers keep both cores
-# of a 2-core machine busy (the whole suite takes about 9 minutes on one). TEST_WORKERS=0 runs it without workers.
+# of a 2-core machine busy (the whole suite takes about 10 minutes on one). TEST_WORKERS=0 runs it without workers.
 TEST_WORKERS ?= 2
 # XLA:CPU mallocs a large scratch buffer every step; transparent huge pages avoid most of its page faults
 # (the jaxlm command sets this itself; scripts and tests started from here get it too).
