@@ -8,7 +8,7 @@ import jax
 import pytest
 
 from conftest import tiny_config, users_environment, xla_flags
-from jaxlm import aot, config as config_lib, train
+from jaxlm import aot, config as config_lib, saved_step, train
 from jaxlm.config import ConfigError
 
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
@@ -129,12 +129,12 @@ def test_cpu_steps_saved_in_format_1_are_refused(tmp_path):
     # Format 1 could hold a CPU step read back from the compilation cache, without its code (issue 18): it is
     # refused in one line before anything is unpickled; a TPU step of that format still loads.
     old = tmp_path / "old.jaxlm"
-    old.write_bytes(aot.HEADER_1 + b'{"platform": "cpu"}\n')
+    old.write_bytes(saved_step.HEADER_1 + b'{"platform": "cpu"}\n')
     with pytest.raises(ConfigError, match="saved by an earlier jaxlm that could save a CPU step without its "
                                           "compiled code; compile it again"):
-        aot.read_signature(old)
-    old.write_bytes(aot.HEADER_1 + b'{"platform": "tpu"}\n')
-    assert aot.read_signature(old) == ({"platform": "tpu"}, len(aot.HEADER_1) + 20)
+        saved_step.read_signature(old)
+    old.write_bytes(saved_step.HEADER_1 + b'{"platform": "tpu"}\n')
+    assert saved_step.read_signature(old) == ({"platform": "tpu"}, len(saved_step.HEADER_1) + 20)
 
 
 @pytest.mark.slow

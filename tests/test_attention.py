@@ -12,7 +12,7 @@ import numpy as np
 import optax
 import pytest
 
-from jaxlm import aot, params as P, sharding
+from jaxlm import params as P, saved_step, sharding
 from jaxlm.config import ConfigError, MeshConfig, ModelConfig, apply_overrides, Config, validate
 from jaxlm.model import attention, blockwise, loss_fn, param_specs, splash
 
@@ -180,12 +180,12 @@ def test_attention_settings_are_validated_in_one_line(overrides, message):
 def test_a_saved_step_refuses_another_attention_or_remat_setting():
     cfg = Config()
     saved = {"platform": "cpu", "device_kind": "cpu", "n_devices": 1, "jax": jax.__version__, "args": [],
-             "settings": aot.baked_settings(cfg)}
+             "settings": saved_step.baked_settings(cfg)}
     for key, value in (("attention", "blockwise"), ("remat", "save_qkv_proj"), ("loss_chunk_tokens", 512)):
         other = cfg.replace(model=dataclasses.replace(cfg.model, **{key: value}))
-        here = dict(saved, settings=aot.baked_settings(other))
+        here = dict(saved, settings=saved_step.baked_settings(other))
         with pytest.raises(ConfigError, match=f"was compiled with model.{key}="):
-            aot.check_signature(saved, here, "step.jaxlm")
+            saved_step.check_signature(saved, here, "step.jaxlm")
 
 
 @pytest.mark.slow

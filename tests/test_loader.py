@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config, xla_flags
-from jaxlm import aot, config as config_lib, sharding, train
+from jaxlm import aot, config as config_lib, saved_step, sharding, train
 from jaxlm.config import ConfigError
 from jaxlm.data import loader as loader_lib, packing, shards
 from jaxlm.data.prepare import DataError
@@ -273,7 +273,7 @@ def test_a_saved_step_records_the_batch_arrays_and_refuses_others(docs_data, tmp
     args = {a[0]: a[1:3] for a in sig["args"]}
     assert args["['batch']['weights']"] == [[1, 8, 16], "float32"] and args["['batch']['inputs']"][1] == "int32"
     with pytest.raises(ConfigError) as e:
-        aot.check_signature(sig, aot.signature(windows), "step.bin")
+        saved_step.check_signature(sig, aot.signature(windows), "step.bin")
     assert "compiled with the batch array ['batch']['positions']" in str(e.value) and "\n" not in str(e.value)
 
 

@@ -1,5 +1,7 @@
 """jaxlm: pretrain, fine-tune and serve decoder-only language models in pure JAX."""
 
+import types
+
 __version__ = "0.1.0"
 
 
@@ -20,3 +22,14 @@ def __getattr__(name):
 
         return importlib.import_module("jaxlm.generate")
     raise AttributeError(f"module 'jaxlm' has no attribute {name!r}")
+
+
+class CallableModule(types.ModuleType):
+    """The class of the jaxlm.generate module: calling it is the notebook API, jaxlm.generate(PATH, "def ",
+    temperature=0.7) returns the sampled text (jaxlm.api.generate_text). A function of the same name in the
+    package would be replaced by the module as soon as the module is imported."""
+
+    def __call__(self, src, prompt, **settings):
+        from jaxlm.api import generate_text
+
+        return generate_text(src, prompt, **settings)

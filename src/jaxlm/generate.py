@@ -17,7 +17,6 @@ import contextlib
 import sys
 import threading
 import time
-import types
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -25,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import jaxlm
 from jaxlm import sharding
 from jaxlm.config import ConfigError, DecodeConfig, ModelConfig, validate_decode
 from jaxlm.model import forward, transformer
@@ -279,15 +279,4 @@ def generate(params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], d: Deco
 
 
 
-class _CallableModule(types.ModuleType):
-    """`jaxlm.generate` is this module, and calling it is the notebook API: jaxlm.generate(PATH, "def ",
-    temperature=0.7) returns the sampled text (see jaxlm.api.generate_text). A function of the same name in the
-    package would be replaced by the module as soon as the module is imported."""
-
-    def __call__(self, src, prompt, **settings):
-        from jaxlm.api import generate_text
-
-        return generate_text(src, prompt, **settings)
-
-
-sys.modules[__name__].__class__ = _CallableModule
+sys.modules[__name__].__class__ = jaxlm.CallableModule  # jaxlm.generate(PATH, "def ") works

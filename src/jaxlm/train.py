@@ -21,7 +21,8 @@ import optax
 
 from jaxlm import checkpoint as ckpt
 from jaxlm import config as config_lib
-from jaxlm import diagnostics, distributed, generate, metrics, optim, params as P, quant, runtime, sharding, storage
+from jaxlm import (diagnostics, distributed, generate, metrics, optim, params as P, quant, runtime, saved_step,
+                   sharding, storage)
 from jaxlm.config import Config, ConfigError
 from jaxlm.data import loader as loader_lib, mixture, packing, prepare, tokenizer as tokenizer_lib
 from jaxlm.model import attention, loss_fn, param_specs
@@ -460,9 +461,8 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
     cfg, run_dir, mesh = run.cfg, run.run_dir, run.mesh
     loaded_step = None
     if cfg.compile.load:  # checked before any state exists, so a mismatch costs nothing
-        from jaxlm import aot
-
-        loaded_step = aot.load_step(cfg.compile.load, run)
+        loaded_step = saved_step.load(cfg.compile.load, cfg, run.mesh,
+                                      {"state": run.abstract_state, "batch": abstract_batch(run)})
     t_cfg, m_cfg = cfg.training, cfg.model
     storage.makedirs(run_dir)
     check_resume_config(run_dir, cfg)
