@@ -91,6 +91,37 @@ def test_shards_split_and_workers(tmp_path):
     assert c["splits"]["train"]["documents"] == 400 and documents(tmp_path / "c", "val") == [b"held out"]
 
 
+def test_json_lines_are_parsed_in_blocks_where_they_are_tokenized(tmp_path, monkeypatch):
+    """A JSON-lines file is read in blocks of whole lines that the workers parse: the same documents, places,
+    validation split and counts as reading it record by record, however the blocks fall."""
+    from collections import Counter
+
+    from jaxlm.data import sources
+
+    rng = np.random.default_rng(0)
+    lines = [json.dumps({"text": "x" * int(rng.integers(1, 90)) + f" {i} é"}).encode() for i in range(300)]
+    lines[7], lines[50], lines[51] = json.dumps({"text": " "}).encode(), b"", b'{"text": "bad \xff\xfe"}'
+    f = tmp_path / "c.jsonl"  # CRLF and LF line ends, a blank line, no newline after the last line
+    f.write_bytes(b"\r\n".join(lines[:100]) + b"\n" + b"\n".join(lines[100:]))
+    stats_ref, stats = Counter(), Counter()
+    reference = [(t.encode(), w) for t, w in sources.texts([str(f)], errors="replace", stats=stats_ref)]
+    items = list(sources.text_blocks([str(f)], errors="replace", stats=stats, block_bytes=500))
+    blocks = [b for b in items if isinstance(b, sources.JsonLines)]
+    assert len(blocks) > 20 and len(blocks) == len(items)
+    got = [(t.encode(), w) for b in blocks for t, w in zip(*sources.block_texts(b, stats))]
+    assert got == reference and stats == stats_ref
+    assert stats["empty_documents"] == 1 and stats["invalid_utf8_records"] == 1
+    monkeypatch.setattr(sources, "BLOCK_BYTES", 700)
+    metas = [prepare.prepare_corpus([str(f)], tmp_path / f"w{w}", "byte", val_fraction=0.1, workers=w,
+                                    shard_tokens=2000, progress=False) for w in (0, 2)]
+    assert metas[0]["splits"] == metas[1]["splits"] and metas[0]["skipped"] == metas[1]["skipped"]
+    assert metas[0]["skipped"]["empty_documents"] == 1 and metas[0]["skipped"]["invalid_utf8"] == 2
+    train, val = documents(tmp_path / "w2"), documents(tmp_path / "w2", "val")
+    assert documents(tmp_path / "w0") == train and documents(tmp_path / "w0", "val") == val
+    texts = [t for t, _ in reference]
+    assert val == texts[9::10] and train == [t for i, t in enumerate(texts) if i % 10 != 9]
+
+
 @pytest.fixture
 def chat_tok(tmp_path):
     """A byte-level BPE saved with a tokenizer_config.json and this file's chat template."""
@@ -159,13 +190,14 @@ BAD = {  # file name -> (content, extra CLI arguments, the error's location and 
 }
 
 
+@pytest.mark.parametrize("workers", ["0", "2"])
 @pytest.mark.parametrize("name", sorted(BAD))
-def test_bad_corpus_input_names_file_and_line(tmp_path, capsys, name):
+def test_bad_corpus_input_names_file_and_line(tmp_path, capsys, name, workers):
     content, extra, message = BAD[name]
     f = tmp_path / name
     f.write_bytes(content)
     out = tmp_path / "out"
-    code, err = run_cli(["prepare", "corpus", str(f), "--tokenizer", "byte", "--out", str(out), "--workers", "0",
+    code, err = run_cli(["prepare", "corpus", str(f), "--tokenizer", "byte", "--out", str(out), "--workers", workers,
                          "--val-fraction", "0", "--no-progress", *extra], capsys)
     assert code == 2 and len(err.splitlines()) == 1
     assert re.search(message, err), err

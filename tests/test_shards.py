@@ -35,6 +35,24 @@ def test_shards_close_at_document_boundaries_and_read_back_as_one_sequence(tmp_p
         np.testing.assert_array_equal(split.document(i), d)
 
 
+def test_adding_documents_in_groups_writes_the_same_shards_as_one_at_a_time(tmp_path):
+    rng = np.random.default_rng(1)
+    docs = [rng.integers(0, 100, size=n) for n in rng.integers(1, 30, size=60)]
+    masks = [rng.integers(0, 2, size=len(d)) for d in docs]
+    one, meta_one = _write(tmp_path / "one", docs, shard_tokens=50, masks=masks)
+    out = shards.begin(tmp_path / "groups" / "ds")
+    w = shards.ShardWriter(out, "train", np.uint16, 50, loss_mask=True)
+    cuts = [0, 1, 2, 9, 10, 33, 34, 60]
+    for a, b in zip(cuts, cuts[1:]):
+        w.add_many(docs[a:b], masks[a:b])
+    assert w.close() == meta_one["splits"]["train"]
+    for f in sorted(one.iterdir()):
+        if f.name != "meta.json":
+            assert (out / f.name).read_bytes() == f.read_bytes(), f.name
+    with pytest.raises(ValueError, match="mask of its own length"):
+        w.add_many(docs[:2], masks[:1])
+
+
 def test_an_interrupted_prepare_leaves_no_meta_and_no_finished_looking_shard(tmp_path):
     out, _ = _write(tmp_path, [np.arange(5)], shard_tokens=100)
     out = shards.begin(out)  # a second prepare into the same folder starts

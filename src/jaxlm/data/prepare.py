@@ -262,39 +262,61 @@ def _worker_init(spec: dict, chat_template: str | None) -> None:
     _WORKER["tok"] = tok
 
 
-def _work(job: tuple[str, list]) -> tuple[list, np.ndarray]:
-    """Encode one batch of documents: ('text', texts) or ('chat', conversations) -> (per document (ids, mask
-    or None), or for a chat the error text; the batch's token counts per id)."""
-    kind, payloads = job
+def _work(job: tuple) -> tuple[list, np.ndarray, list | None, collections.Counter | None]:
+    """Encode one batch of documents: ('text', texts), ('chat', conversations) or ('jsonl', sources.JsonLines)
+    -> (per document (ids, mask or None), or for a chat the error text; the batch's token counts per id; for a
+    JSON-lines block the documents' places and what reading it counted, else None, None)."""
+    kind, payload = job
     tok = _WORKER["tok"]
-    if kind == "text":
-        try:
-            docs = [(np.asarray(ids, np.int64), None) for ids in tok.encode_documents(payloads)]
-        except ValueError:  # a text this tokenizer cannot encode (a char vocabulary): find it, say where
-            docs = []
-            for text in payloads:
-                try:
-                    docs.append((np.asarray(tok.encode_document(text), np.int64), None))
-                except ValueError as e:
-                    docs.append(str(e))
+    wheres = stats = None
+    if kind == "jsonl":
+        from jaxlm.data import sources
+
+        stats = collections.Counter()
+        payload, wheres = sources.block_texts(payload, stats)
+    if kind in ("text", "jsonl"):
+        docs = _encode_texts(tok, payload)
     else:
         from jaxlm.data import chat
 
         docs = []
-        for messages in payloads:
+        for messages in payload:
             try:
                 docs.append(chat.encode_chat(tok, messages))
             except ValueError as e:  # TokenizerError included: a template that refuses this conversation
                 docs.append(str(e))
     arrays = [d[0] for d in docs if not isinstance(d, str)]
     flat = np.concatenate(arrays) if arrays else np.zeros(0, np.int64)
-    return docs, np.bincount(flat[flat >= 0], minlength=tok.vocab_size)
+    return docs, np.bincount(flat[flat >= 0], minlength=tok.vocab_size), wheres, stats
+
+
+def _encode_texts(tok, texts: list[str]) -> list:
+    try:
+        return [(np.asarray(ids, np.int64), None) for ids in tok.encode_documents(texts)]
+    except ValueError:  # a text this tokenizer cannot encode (a char vocabulary): find it, say where
+        docs = []
+        for text in texts:
+            try:
+                docs.append((np.asarray(tok.encode_document(text), np.int64), None))
+            except ValueError as e:
+                docs.append(str(e))
+        return docs
 
 
 def _batches(items, kind: str):
-    """Group (payload, where, nbytes) items into jobs of about BATCH_DOCUMENTS documents or BATCH_BYTES."""
+    """Group (payload, where, nbytes) items into jobs of about BATCH_DOCUMENTS documents or BATCH_BYTES; a
+    sources.JsonLines block among them is a job of its own."""
+    from jaxlm.data import sources
+
     payloads, wheres, size = [], [], 0
-    for payload, where, nbytes in items:
+    for item in items:
+        if isinstance(item, sources.JsonLines):
+            if payloads:
+                yield (kind, payloads), wheres, size
+                payloads, wheres, size = [], [], 0
+            yield ("jsonl", item), None, len(item.data)
+            continue
+        payload, where, nbytes = item
         payloads.append(payload)
         wheres.append(where)
         size += nbytes
@@ -306,14 +328,14 @@ def _batches(items, kind: str):
 
 
 def _encoded(items, kind: str, workers: int, tok, chat_template: str | None):
-    """(documents, counts, wheres, nbytes) per batch in input order (see _work), encoded by `workers` processes
-    (0: this one). At most a few batches per worker are in flight, so memory stays bounded however large the
-    corpus."""
+    """(documents, counts, wheres, nbytes, counted) per batch in input order (see _work), encoded by `workers`
+    processes (0: this one). At most a few batches per worker are in flight, so memory stays bounded however
+    large the corpus."""
     jobs = _batches(items, kind)
     if workers == 0:
         _WORKER["tok"] = tok
         for job, wheres, size in jobs:
-            yield *_work(job), wheres, size
+            yield _result(_work(job), wheres, size)
         return
     import multiprocessing
 
@@ -324,10 +346,15 @@ def _encoded(items, kind: str, workers: int, tok, chat_template: str | None):
             pending.append((pool.apply_async(_work, (job,)), wheres, size))
             if len(pending) >= 2 * workers + 1:
                 result, wheres, size = pending.popleft()
-                yield *result.get(), wheres, size
+                yield _result(result.get(), wheres, size)
         while pending:
             result, wheres, size = pending.popleft()
-            yield *result.get(), wheres, size
+            yield _result(result.get(), wheres, size)
+
+
+def _result(result, wheres, size):
+    docs, counts, block_wheres, counted = result
+    return docs, counts, wheres if block_wheres is None else block_wheres, size, counted
 
 
 def _clear_shards(out: Path) -> None:
@@ -367,8 +394,9 @@ def write_dataset(out_dir: str | Path, tok, splits: dict, kind: str = "text", wo
     n_doc = 0
     try:
         for split, items in splits.items():
-            for docs, batch_counts, wheres, nbytes in _encoded(items, kind, workers, tok, chat_template):
+            for docs, batch_counts, wheres, nbytes, counted in _encoded(items, kind, workers, tok, chat_template):
                 bar.update(nbytes)
+                stats.update(counted or {})
                 if len(batch_counts) > len(counts):
                     counts = np.concatenate([counts, np.zeros(len(batch_counts) - len(counts), np.int64)])
                 counts[:len(batch_counts)] += batch_counts
@@ -377,23 +405,27 @@ def write_dataset(out_dir: str | Path, tok, splits: dict, kind: str = "text", wo
                     raise DataError(f"{wheres[bad]}: token id {int(docs[bad][0].max())} is at or above the vocabulary "
                                     f"size {limit}; the tokenizer does not match the model (check --tokenizer and "
                                     "--vocab-size)")
+                kept = []
                 for doc, where in zip(docs, wheres):
                     if isinstance(doc, str):
                         raise DataError(f"{where}: {doc}")
-                    ids, doc_mask = doc
-                    if max_tokens is not None and len(ids) > max_tokens:
+                    if max_tokens is not None and len(doc[0]) > max_tokens:
                         stats["too_long_dropped"] += 1
-                        stats.setdefault("first_too_long", f"{where} ({len(ids)} tokens > {max_tokens})")
-                        counts[:len(batch_counts)] -= np.bincount(ids, minlength=len(batch_counts))
+                        stats.setdefault("first_too_long", f"{where} ({len(doc[0])} tokens > {max_tokens})")
+                        counts[:len(batch_counts)] -= np.bincount(doc[0], minlength=len(batch_counts))
                         continue
-                    name = split
-                    if split == "train" and "val" not in splits and val_fraction > 0:
-                        val = math.floor((n_doc + 1) * val_fraction) > math.floor(n_doc * val_fraction)
-                        name = "val" if val else "train"
-                        n_doc += 1
-                    writers[name].add(ids, doc_mask)
-                    stats[f"{name}_documents"] += 1
-                    stats[f"{name}_tokens"] += len(ids)
+                    kept.append(doc)
+                to_val = np.zeros(len(kept), bool)
+                if split == "train" and "val" not in splits and val_fraction > 0:
+                    n = n_doc + np.arange(len(kept), dtype=np.float64)
+                    to_val = np.floor((n + 1) * val_fraction) > np.floor(n * val_fraction)
+                    n_doc += len(kept)
+                for name, docs_here in ((split, [d for d, v in zip(kept, to_val) if not v]),
+                                        ("val", [d for d, v in zip(kept, to_val) if v])):
+                    if docs_here:
+                        writers[name].add_many([d[0] for d in docs_here], [d[1] for d in docs_here] if mask else None)
+                        stats[f"{name}_documents"] += len(docs_here)
+                        stats[f"{name}_tokens"] += sum(len(d[0]) for d in docs_here)
                 bar.set_postfix(docs=stats["train_documents"] + stats["val_documents"],
                                 tokens=stats["train_tokens"] + stats["val_tokens"], refresh=False)
         entries = {name: w.close() for name, w in writers.items()}
@@ -436,8 +468,11 @@ def describe_stats(stats) -> str:
 def _text_items(inputs, field, errors, per_line, split, streaming, stats):
     from jaxlm.data import sources
 
-    for text, where in sources.texts(inputs, field, errors, per_line, split, streaming, stats):
-        yield text, where, len(text.encode("utf-8", errors="surrogatepass"))
+    for item in sources.text_blocks(inputs, field, errors, per_line, split, streaming, stats):
+        if isinstance(item, sources.JsonLines):
+            yield item
+        else:
+            yield *item, len(item[0].encode("utf-8", errors="surrogatepass"))
 
 
 def prepare_corpus(inputs: list[str], out_dir: str | Path, tokenizer: str, val: list[str] | None = None,

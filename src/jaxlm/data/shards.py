@@ -85,21 +85,32 @@ class ShardWriter:
     def add(self, ids: np.ndarray, mask: np.ndarray | None = None) -> None:
         """One document's token ids (BOS/EOS included as the tokenizer uses them) and, with a loss mask, its
         per-token 0/1 targets mask of the same length."""
-        ids = np.asarray(ids)
-        if ids.ndim != 1 or len(ids) == 0:
+        self.add_many([ids], None if mask is None else [mask])
+
+    def add_many(self, ids_list: list[np.ndarray], masks: list[np.ndarray] | None = None) -> None:
+        """Documents in order, as add() of each, written with one write per shard they fall in."""
+        ids_list = [np.asarray(ids) for ids in ids_list]
+        if any(ids.ndim != 1 or len(ids) == 0 for ids in ids_list):
             raise ValueError("a document is a non-empty 1-D array of token ids")
-        if self.loss_mask:
-            if mask is None or len(mask) != len(ids):
-                raise ValueError("with a loss mask, every document needs a mask of its own length")
-        if not self._open:
-            self._start()
-        self._starts.append(self._n)
-        self._tokens.write(ids.astype(self.dtype, copy=False).tobytes())
-        if self._mask is not None:
-            self._mask.write(np.asarray(mask, dtype=np.uint8).tobytes())
-        self._n += len(ids)
-        if self._n >= self.shard_tokens:
-            self._finish()
+        if self.loss_mask and (masks is None or len(masks) != len(ids_list)
+                               or any(len(m) != len(i) for m, i in zip(masks, ids_list))):
+            raise ValueError("with a loss mask, every document needs a mask of its own length")
+        lengths_D = np.fromiter(map(len, ids_list), np.int64, len(ids_list))
+        i = 0
+        while i < len(ids_list):
+            if not self._open:
+                self._start()
+            ends_D = self._n + np.cumsum(lengths_D[i:])
+            full = np.flatnonzero(ends_D >= self.shard_tokens)
+            j = i + (int(full[0]) + 1 if len(full) else len(ends_D))  # this shard takes documents i..j-1
+            self._starts.extend([self._n, *ends_D[:j - i - 1].tolist()])
+            self._tokens.write(np.concatenate(ids_list[i:j]).astype(self.dtype, copy=False).tobytes())
+            if self._mask is not None:
+                self._mask.write(np.concatenate(masks[i:j]).astype(np.uint8, copy=False).tobytes())
+            self._n = int(ends_D[j - i - 1])
+            if self._n >= self.shard_tokens:
+                self._finish()
+            i = j
 
     def _finish(self) -> None:
         self._tokens.close()

@@ -23,7 +23,7 @@ import io
 import json
 from collections import Counter
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 from jaxlm import storage
 from jaxlm.data.errors import UTF8_ERRORS, DataError
@@ -163,15 +163,21 @@ def _json(f, path: str, errors: str, stats: Counter) -> Iterator[tuple[dict, str
             yield _record(rec, f"{path}:record {i + 1}"), f"{path}:record {i + 1}"
         return
     for n, line in enumerate(f, start=1):
-        where = f"{path}:{n}"
-        text = _decode(line, where, errors, stats)
-        if not text.strip():
-            continue
-        try:
-            rec = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{where}: broken JSON line ({e.msg.removesuffix(' at')} at column {e.colno})") from None
-        yield _record(rec, where), where
+        rec = _json_line(line, f"{path}:{n}", errors, stats)
+        if rec is not None:
+            yield rec, f"{path}:{n}"
+
+
+def _json_line(line: bytes, where: str, errors: str, stats: Counter) -> dict | None:
+    """The record of one JSON line; None for a blank line."""
+    text = _decode(line, where, errors, stats)
+    if not text.strip():
+        return None
+    try:
+        rec = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{where}: broken JSON line ({e.msg.removesuffix(' at')} at column {e.colno})") from None
+    return _record(rec, where)
 
 
 def _record(rec, where: str) -> dict:
@@ -231,14 +237,88 @@ def texts(inputs: list[str], field: str = "text", errors: str = "replace", per_l
     stats = Counter() if stats is None else stats
     for path in expand(inputs):
         stats["files"] += 1
-        for rec, where in records(path, field, errors, per_line, split, streaming, stats):
-            if field not in rec or rec[field] is None:
-                raise DataError(f"{where}: the record has no field {field!r} (fields: "
-                                f"{', '.join(map(str, rec)) or 'none'}); choose one with --field")
-            text = rec[field]
-            if not isinstance(text, str):
-                raise DataError(f"{where}: field {field!r} is a {type(text).__name__}, not a string")
-            if not text.strip():
-                stats["empty_documents"] += 1
-                continue
+        yield from _texts_of(path, field, errors, per_line, split, streaming, stats)
+
+
+def _texts_of(path, field, errors, per_line, split, streaming, stats) -> Iterator[tuple[str, str]]:
+    for rec, where in records(path, field, errors, per_line, split, streaming, stats):
+        text = field_text(rec, where, field, stats)
+        if text is not None:
             yield text, where
+
+
+def field_text(rec: dict, where: str, field: str, stats: Counter) -> str | None:
+    """A record's document text; None (counted in stats["empty_documents"]) for an empty one."""
+    if field not in rec or rec[field] is None:
+        raise DataError(f"{where}: the record has no field {field!r} (fields: "
+                        f"{', '.join(map(str, rec)) or 'none'}); choose one with --field")
+    text = rec[field]
+    if not isinstance(text, str):
+        raise DataError(f"{where}: field {field!r} is a {type(text).__name__}, not a string")
+    if not text.strip():
+        stats["empty_documents"] += 1
+        return None
+    return text
+
+
+class JsonLines(NamedTuple):
+    """Whole lines of a JSON-lines file, the first of them line `first_line`, left unparsed: parsing JSON is most
+    of the work of reading such a corpus, so `block_texts` does it in the process that tokenizes the block."""
+    path: str
+    first_line: int
+    data: bytes
+    field: str
+    errors: str
+
+
+BLOCK_BYTES = 1 << 20
+
+
+def text_blocks(inputs: list[str], field: str = "text", errors: str = "replace", per_line: bool = False,
+                split: str = "train", streaming: bool = False, stats: Counter | None = None,
+                block_bytes: int | None = None) -> Iterator[tuple[str, str] | JsonLines]:
+    """The documents of texts(), in the same order, with each JSON-lines file given as JsonLines blocks of about
+    `block_bytes` (default BLOCK_BYTES) instead of one (text, where) per line."""
+    if errors not in UTF8_ERRORS:
+        raise DataError(f"errors={errors!r} is not allowed; choose one of: {', '.join(UTF8_ERRORS)}")
+    stats = Counter() if stats is None else stats
+    for path in expand(inputs):
+        stats["files"] += 1
+        if not path.startswith(DATASETS_PREFIX) and kind_of(path)[0] in JSON_KINDS:
+            try:
+                with _open(path) as f:
+                    if f.peek(64)[:64].lstrip()[:1] != b"[":
+                        yield from _line_blocks(f, path, field, errors, block_bytes or BLOCK_BYTES)
+                        continue
+            except (OSError, EOFError) as e:
+                raise DataError(f"{path}: cannot read it ({e.__class__.__name__}: {e})") from None
+        yield from _texts_of(path, field, errors, per_line, split, streaming, stats)
+
+
+def _line_blocks(f, path: str, field: str, errors: str, block_bytes: int) -> Iterator[JsonLines]:
+    line, rest = 1, b""
+    while chunk := f.read(block_bytes):
+        data = rest + chunk
+        cut = data.rfind(b"\n") + 1
+        if cut:
+            yield JsonLines(path, line, data[:cut], field, errors)
+            line += data.count(b"\n", 0, cut)
+        rest = data[cut:]
+    if rest:
+        yield JsonLines(path, line, rest, field, errors)
+
+
+def block_texts(block: JsonLines, stats: Counter) -> tuple[list[str], list[str]]:
+    """The non-empty documents of a block and their places (`file:line`), as texts() would give them."""
+    found, wheres = [], []
+    lines = block.data.split(b"\n")
+    if not lines[-1]:
+        lines.pop()
+    for i, line in enumerate(lines):
+        where = f"{block.path}:{block.first_line + i}"
+        rec = _json_line(line, where, block.errors, stats)
+        text = None if rec is None else field_text(rec, where, block.field, stats)
+        if text is not None:
+            found.append(text)
+            wheres.append(where)
+    return found, wheres
