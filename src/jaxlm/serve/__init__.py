@@ -12,7 +12,7 @@ import threading
 from pathlib import Path
 from typing import Callable
 
-from jaxlm import config as config_lib
+from jaxlm import config as config_lib, sharding
 from jaxlm.config import Config, ConfigError
 from jaxlm.data import tokenizer as tokenizer_lib
 
@@ -62,7 +62,7 @@ def build(src: str | Path, cfg: Config, log: Callable[[str], None] = print):
     tok = model.tokenizer()
     stop = config_lib.stop_token_ids(d) + (tok.eos_ids if d.stop_at_eos else ())
     engine = engine_lib.Engine(model.params, m, sc.max_slots, length, sc.max_queue, d.quantize_kv_cache, model.mesh,
-                               sc.prefill_chunk, sc.prefix_cache)
+                               sc.prefill_chunk, sc.prefix_cache, sharding.rules_from_config(cfg.mesh))
     engine.warm_up()
     engine.start()
     api_key = sc.api_key or os.environ.get("JAXLM_API_KEY") or None

@@ -480,7 +480,14 @@ def prometheus(s: Served) -> str:
     metric("jaxlm_busy_slots", "gauge", "Decode slots holding a sequence.", [("", e.busy_slots())])
     metric("jaxlm_slots", "gauge", "Decode slots (serve.max_slots).", [("", e.B)])
     metric("jaxlm_generated_tokens_total", "counter", "Tokens generated.", [("", e.tokens_total)])
-    metric("jaxlm_prompt_tokens_total", "counter", "Prompt tokens prefilled.", [("", e.prompt_tokens_total)])
+    metric("jaxlm_prompt_tokens_total", "counter", "Prompt tokens of the sequences admitted.",
+           [("", e.prompt_tokens_total)])
+    metric("jaxlm_prefill_tokens_total", "counter", "Prompt tokens run through the model (not reused).",
+           [("", e.prefilled_tokens_total)])
+    metric("jaxlm_prefix_cache_hits_total", "counter", "Sequences that reused a stored prompt's keys and values.",
+           [("", e.prefix_hits_total)])
+    metric("jaxlm_prefix_cache_tokens_total", "counter", "Prompt tokens reused from the prefix cache.",
+           [("", e.prefix_tokens_total)])
     metric("jaxlm_sequences_total", "counter", "Sequences admitted into a slot.", [("", e.requests_total)])
     metric("jaxlm_generation_tokens_per_second", "gauge", "Tokens generated per second over the last 10 s.",
            [("", round(e.tokens_per_s(), 3))])

@@ -162,9 +162,10 @@ class Engine:
 
     def __init__(self, params, cfg: ModelConfig, slots: int, cache_length: int, max_queue: int,
                  quantize_kv_cache: bool = False, mesh: jax.sharding.Mesh | None = None,
-                 prefill_chunk: int = ServeConfig.prefill_chunk, prefix_cache: int = 0):
+                 prefill_chunk: int = ServeConfig.prefill_chunk, prefix_cache: int = 0,
+                 rules: tuple[sharding.Rules, sharding.Rules] = (sharding.PARAM_RULES, sharding.ACTIVATION_RULES)):
         self.params, self.cfg, self.B, self.S = params, cfg, slots, cache_length
-        self.max_queue, self.quantize, self.mesh = max_queue, quantize_kv_cache, mesh
+        self.max_queue, self.quantize, self.mesh, self.rules = max_queue, quantize_kv_cache, mesh, rules
         self.prefill_chunk = prefill_chunk
         self.waiting: collections.deque = collections.deque()
         self.lock = threading.Lock()
@@ -188,7 +189,9 @@ class Engine:
                                       cache_length) if prefix_cache else None
 
     def _ctx(self):
-        return sharding.activation_sharding(self.mesh) if self.mesh is not None else contextlib.nullcontext()
+        if self.mesh is None:
+            return contextlib.nullcontext()
+        return sharding.activation_sharding(self.mesh, self.rules[1], param_rules=self.rules[0])
 
     def _reset_cache(self) -> None:
         self.cache = _empty(self.cfg, self.B, self.S, self.quantize)
