@@ -166,7 +166,7 @@ class Engine:
                  rules: tuple[sharding.Rules, sharding.Rules] = (sharding.PARAM_RULES, sharding.ACTIVATION_RULES)):
         self.params, self.cfg, self.B, self.S = params, cfg, slots, cache_length
         self.max_queue, self.quantize, self.mesh, self.rules = max_queue, quantize_kv_cache, mesh, rules
-        self.prefill_chunk = prefill_chunk
+        self.prefill_chunk, self.prefix_entries = prefill_chunk, prefix_cache
         self.waiting: collections.deque = collections.deque()
         self.lock = threading.Lock()
         self.wake = threading.Event()
@@ -185,8 +185,6 @@ class Engine:
         self.error: str | None = None
         with self._ctx():
             self._reset_cache()
-            self.prefix = PrefixCache(cfg, _empty(cfg, prefix_cache, cache_length, quantize_kv_cache),
-                                      cache_length) if prefix_cache else None
 
     def _ctx(self):
         if self.mesh is None:
@@ -194,8 +192,11 @@ class Engine:
         return sharding.activation_sharding(self.mesh, self.rules[1], param_rules=self.rules[0])
 
     def _reset_cache(self) -> None:
+        """Empty slots, logits and prefix cache (at start, and after a failed call consumed the donated ones)."""
         self.cache = _empty(self.cfg, self.B, self.S, self.quantize)
         self.logits_BV = jnp.zeros((self.B, self.cfg.vocab_size), jnp.float32)
+        self.prefix = PrefixCache(self.cfg, _empty(self.cfg, self.prefix_entries, self.S, self.quantize),
+                                  self.S) if self.prefix_entries else None
 
     # ---- called from other threads ----------------------------------------------------------------------------
 
