@@ -102,10 +102,12 @@ def write_one(x_RBKSH: jax.Array, new_BKH: jax.Array, r, slot_B: jax.Array) -> j
 
 def copy_row(dst: KVCache, src: KVCache, dst_row, src_row) -> KVCache:
     """dst with sequence dst_row replaced by src's sequence src_row (keys, values, scales, positions, length);
-    the two caches have the same layout but may hold different numbers of sequences."""
+    the two caches have the same layout but may hold different numbers of sequences. Keys, values and scales
+    keep the cache's sharding (CACHE_AXES behind the stacked repeats)."""
     def put(x, x_src, axis):
         one = jax.lax.dynamic_slice_in_dim(x_src, src_row, 1, axis)
-        return jax.lax.dynamic_update_slice_in_dim(x, one.astype(x.dtype), dst_row, axis)
+        x = jax.lax.dynamic_update_slice_in_dim(x, one.astype(x.dtype), dst_row, axis)
+        return constrain(x, (None,) + CACHE_AXES[:x.ndim - 1]) if axis == 1 else x
 
     kinds = tuple(KindCache(put(d.k, s.k, 1), put(d.v, s.v, 1),
                             None if d.k_scale is None else put(d.k_scale, s.k_scale, 1),

@@ -107,8 +107,9 @@ def prefill_chunk(params, cache: kvcache.KVCache, logits_BV, tokens_C, start, le
 
     kinds = []
     for c, new, layout in zip(cache.kinds, new_rows, layouts):
-        put = {name: None if getattr(c, name) is None else
-               jax.lax.dynamic_update_slice_in_dim(getattr(c, name), new[name], slot, axis=1) for name in ROW}
+        put = {name: None if getattr(c, name) is None else constrain(
+            jax.lax.dynamic_update_slice_in_dim(getattr(c, name), new[name], slot, axis=1),
+            (None,) + kvcache.CACHE_AXES[:getattr(c, name).ndim - 1]) for name in ROW}
         kinds.append(kvcache.KindCache(pos=jax.lax.dynamic_update_slice_in_dim(c.pos, layout[3][None], slot, 0),
                                        **put))
     length_B = jax.lax.dynamic_update_slice_in_dim(cache.length, end[None].astype(jnp.int32), slot, 0)
