@@ -223,6 +223,111 @@ def test_engine_queue_is_bounded_and_a_failing_prefill_fails_alone(trained):
     assert not events[2]
 
 
+def test_a_long_prompt_is_prefilled_in_chunks_between_the_other_slots_steps(trained, shakespeare_file,
+                                                                             monkeypatch):
+    """A 40-token prompt with serve.prefill_chunk=16 takes three chunks, one per engine turn, and the sequence
+    already decoding gets a token in each of those turns; its greedy text equals `jaxlm generate`'s."""
+    from jaxlm.serve import chunk as chunk_lib
+
+    model = jaxlm.load(trained)
+    tok = model.tokenizer()
+    text = shakespeare_file.read_text()[:2000]
+    long_prompt = text[100:140]
+    log = []
+    chunk = chunk_lib.prefill_chunk
+
+    def logged_chunk(params, cache, logits_BV, tokens_C, start, length, slot, cfg):
+        log.append(("chunk", int(slot), int(start), len(tokens_C)))
+        return chunk(params, cache, logits_BV, tokens_C, start, length, slot, cfg)
+
+    monkeypatch.setattr(chunk_lib, "prefill_chunk", logged_chunk)
+    e = engine_lib.Engine(model.params, model.config.model, 2, 64, max_queue=4, prefill_chunk=16)
+    a = engine_lib.Sequence(tok.encode("To be"), 12, 0.0, 0, 1.0, 0, 0, (), lambda ev: log.append(("a", ev)))
+    b = engine_lib.Sequence(tok.encode(long_prompt), 10, 0.0, 0, 1.0, 0, 0, (), lambda ev: log.append(("b", ev)))
+    e.submit(a)
+    e.submit(b)  # both wait before the engine starts: the order of events below does not depend on timing
+    e.start()
+    deadline = time.monotonic() + 120
+    while not any(x == ("b", ("done", "length")) for x in log):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    # another length and other chunk starts: the same program (one per chunk length, here 16)
+    compiled = chunk._cache_size()
+    done = []
+    e.submit(engine_lib.Sequence(tok.encode(text[300:323]), 2, 0.0, 0, 1.0, 0, 0, (), done.append))
+    while not done or done[-1][0] != "done":
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    e.stop()
+    assert chunk._cache_size() == compiled
+    b_chunks = [i for i, x in enumerate(log) if x[0] == "chunk" and x[1] == b.slot]
+    assert [log[i][2:] for i in b_chunks] == [(0, 16), (16, 16), (32, 16)]
+    b_first = next(i for i, x in enumerate(log) if x[0] == "b")
+    a_tokens = [i for i, x in enumerate(log) if x[0] == "a" and x[1][0] == "token"]
+    assert all(any(i < j < k for j in a_tokens) for i, k in zip(b_chunks, b_chunks[1:]))
+    assert sum(b_chunks[0] < j < b_first for j in a_tokens) == 3  # a decodes in each of b's three turns
+    b_text = tok.decode([x[1][1] for x in log if x[0] == "b" and x[1][0] == "token"])
+    a_text = tok.decode([x[1][1] for x in log if x[0] == "a" and x[1][0] == "token"])
+    assert a_text == model.generate_text("To be", max_new_tokens=12, temperature=0)
+    assert b_text == model.generate_text(long_prompt, max_new_tokens=10, temperature=0)
+
+
+def test_prefix_cache_reuses_a_shared_prompt_and_changes_no_output(server, trained, shakespeare_file):
+    """Four prompts that share a 40-token system prompt: with the prefix cache the last three copy its keys and
+    values (the counters say how many tokens were reused and how many prefilled), and the answers are the same
+    without it and equal `jaxlm generate`'s."""
+    text = shakespeare_file.read_text()[3000:6000]
+    system = text[:40]
+    prompts = [system + text[200 + 50 * i: 208 + 50 * i] for i in range(4)]
+    c = client(server)
+    e = server.served.engine
+    names = ("jaxlm_prefix_cache_hits_total", "jaxlm_prefix_cache_tokens_total", "jaxlm_prefill_tokens_total")
+
+    def answers():
+        before = [metric(server, n) for n in names]
+        out = [c.completions.create(model="tiny", prompt=p, max_tokens=12, temperature=0).choices[0].text
+               for p in prompts]
+        return out, [metric(server, n) - b for n, b in zip(names, before)]
+
+    with_cache, (hits, reused, prefilled) = answers()
+    assert hits >= 3 and reused >= 3 * 40  # the first request may reuse an earlier test's prompt too
+    assert prefilled + reused == sum(map(len, prompts))
+    store = e.prefix
+    e.prefix = None
+    try:
+        without, (hits, reused, prefilled) = answers()
+    finally:
+        e.prefix = store
+    assert (hits, reused, prefilled) == (0, 0, sum(map(len, prompts)))
+    assert with_cache == without == jaxlm.load(trained).generate_text(prompts, max_new_tokens=12, temperature=0)
+
+
+@pytest.mark.slow
+def test_serving_on_a_mesh_shards_the_weights_and_cache_and_answers_as_one_device(trained):
+    """`jaxlm serve ... mesh.ici_data=2 mesh.ici_tensor=2` on 4 fake CPU devices: the weights and the KV cache
+    are sharded (kv heads over `tensor`, slots over `data`), and greedy answers equal one device's. The char
+    vocabulary (65) does not split in two, so mesh.rules keeps it whole."""
+    cfg = serve.settings_config({"serve.max_slots": 4, "max_new_tokens": 16, "serve.model_name": "tiny",
+                                 "mesh.ici_data": 2, "mesh.ici_tensor": 2, "mesh.rules": "param.vocab=;act.vocab=",
+                                 "serve.prefill_chunk": 16})
+    srv = serve.Server(serve.build(trained, cfg, log=lambda s: None), "127.0.0.1", 0).start()
+    try:
+        e = srv.served.engine
+        assert e.mesh.shape == {**e.mesh.shape, "data": 2, "tensor": 2} and e.mesh.size == 4
+        k = e.cache.kinds[0].k  # [R, B, K, S, H]
+        assert k.sharding.shard_shape(k.shape) == (k.shape[0], k.shape[1] // 2, k.shape[2] // 2, *k.shape[3:])
+        assert e.prefix.store.kinds[0].k.sharding.is_equivalent_to(k.sharding, k.ndim)
+        wq = e.params["layers"]["attn"]["q"]
+        assert len(wq.sharding.device_set) == 4 and wq.sharding.shard_shape(wq.shape) != wq.shape
+        prompts = ["To be", "KING RICHARD:\nWhat", "First Citizen:\nBefore we proceed any"]
+        c = client(srv)
+        got = [c.completions.create(model="tiny", prompt=p, max_tokens=16, temperature=0).choices[0].text
+               for p in prompts]
+    finally:
+        srv.stop()
+    assert got == jaxlm.load(trained).generate_text(prompts, max_new_tokens=16, temperature=0)
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

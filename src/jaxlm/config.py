@@ -288,6 +288,12 @@ class ServeConfig:
     api_key: str = _f("", "answer 401 unless a request sends `Authorization: Bearer KEY`; '' = the JAXLM_API_KEY "
                           "environment variable, or no key when that is unset")
     chat_template: str = _f("", "a Jinja chat template file for /v1/chat/completions when the tokenizer has none")
+    prefill_chunk: int = _f(512, "prompt tokens prefilled per engine turn at most: a longer prompt is prefilled a "
+                                 "chunk per turn between the other slots' decode steps; prefill compiles once per "
+                                 "chunk length (powers of two from 16 up to this)")
+    prefix_cache: int = _f(4, "recent prompts whose keys and values stay on device for requests that start with the "
+                              "same tokens (a shared system prompt) to reuse instead of prefilling; each costs one "
+                              "slot's cache memory; 0 = off")
 
 
 @dataclass(frozen=True)
@@ -726,9 +732,11 @@ def validate_decode(d: DecodeConfig) -> None:
 def validate_serve(s: ServeConfig) -> None:
     if not 1 <= s.port <= 65535:
         raise ConfigError(f"serve.port={s.port} must be in [1, 65535]")
-    for key in ("max_slots", "max_queue"):
+    for key in ("max_slots", "max_queue", "prefill_chunk"):
         if getattr(s, key) < 1:
             raise ConfigError(f"serve.{key}={getattr(s, key)} must be >= 1")
+    if s.prefix_cache < 0:
+        raise ConfigError(f"serve.prefix_cache={s.prefix_cache} must be >= 0 (0 = off)")
     if s.chat_template and not Path(s.chat_template).is_file():
         raise ConfigError(f"serve.chat_template={s.chat_template} is not a file; give a Jinja chat template file")
 

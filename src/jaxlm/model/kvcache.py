@@ -98,3 +98,19 @@ def write_one(x_RBKSH: jax.Array, new_BKH: jax.Array, r, slot_B: jax.Array) -> j
     """x with each sequence's slot of repeat r replaced by its new entry (one token per sequence, every kv
     head; scales [R, B, K, S] take new [B, K])."""
     return x_RBKSH.at[r, jnp.arange(x_RBKSH.shape[1]), :, slot_B].set(new_BKH.astype(x_RBKSH.dtype))
+
+
+def copy_row(dst: KVCache, src: KVCache, dst_row, src_row) -> KVCache:
+    """dst with sequence dst_row replaced by src's sequence src_row (keys, values, scales, positions, length);
+    the two caches have the same layout but may hold different numbers of sequences. Keys, values and scales
+    keep the cache's sharding (CACHE_AXES behind the stacked repeats)."""
+    def put(x, x_src, axis):
+        one = jax.lax.dynamic_slice_in_dim(x_src, src_row, 1, axis)
+        x = jax.lax.dynamic_update_slice_in_dim(x, one.astype(x.dtype), dst_row, axis)
+        return constrain(x, (None,) + CACHE_AXES[:x.ndim - 1]) if axis == 1 else x
+
+    kinds = tuple(KindCache(put(d.k, s.k, 1), put(d.v, s.v, 1),
+                            None if d.k_scale is None else put(d.k_scale, s.k_scale, 1),
+                            None if d.v_scale is None else put(d.v_scale, s.v_scale, 1), put(d.pos, s.pos, 0))
+                  for d, s in zip(dst.kinds, src.kinds))
+    return KVCache(kinds, put(dst.length, src.length, 0))

@@ -1,7 +1,8 @@
 """`jaxlm serve`: an OpenAI-compatible HTTP server over a continuous-batching engine (docs/serve.md).
 
-engine.py owns the device (decode slots sharing one KV cache), schemas.py validates requests, app.py is the
-HTTP API; this module builds them from a model folder and settings, and runs the server (uvicorn).
+engine.py owns the device (decode slots sharing one KV cache), chunk.py prefills a prompt into its slot a chunk
+at a time, prefix_cache.py keeps recent prompts' keys and values for reuse, schemas.py validates requests,
+app.py is the HTTP API; this module builds them from a model folder and settings, and runs the server (uvicorn).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import threading
 from pathlib import Path
 from typing import Callable
 
-from jaxlm import config as config_lib
+from jaxlm import config as config_lib, sharding
 from jaxlm.config import Config, ConfigError
 from jaxlm.data import tokenizer as tokenizer_lib
 
@@ -61,14 +62,16 @@ def build(src: str | Path, cfg: Config, log: Callable[[str], None] = print):
                           f"(model.block_size={m.block_size})")
     tok = model.tokenizer()
     stop = config_lib.stop_token_ids(d) + (tok.eos_ids if d.stop_at_eos else ())
-    engine = engine_lib.Engine(model.params, m, sc.max_slots, length, sc.max_queue, d.quantize_kv_cache, model.mesh)
+    engine = engine_lib.Engine(model.params, m, sc.max_slots, length, sc.max_queue, d.quantize_kv_cache, model.mesh,
+                               sc.prefill_chunk, sc.prefix_cache, sharding.rules_from_config(cfg.mesh))
     engine.warm_up()
     engine.start()
     api_key = sc.api_key or os.environ.get("JAXLM_API_KEY") or None
     served = app_lib.Served(engine, tok.encode, lambda text: api.encode_prompt(tok, text), tok.encode_rendered,
                             tok.decode, sc.model_name or Path(src).resolve().name, m.vocab_size, d, stop,
                             chat_template(model, sc.chat_template), api_key)
-    log(f"jaxlm serve: {served.name} | {sc.max_slots} slots x {length} positions | "
+    log(f"jaxlm serve: {served.name} | {sc.max_slots} slots x {length} positions | prefill chunks of "
+        f"{sc.prefill_chunk} | prefix cache {sc.prefix_cache or 'off'} | "
         f"{'API key required' if api_key else 'no API key'}")
     return served
 

@@ -125,13 +125,21 @@ class Guard:
 
 def create_app(s: Served) -> FastAPI:
     app = FastAPI(title="jaxlm", docs_url=None, redoc_url=None, openapi_url=None)
-
     app.add_middleware(Guard, served=s)
 
     @app.exception_handler(RequestError)
     async def request_error(request: Request, e: RequestError):
         headers = {"Retry-After": str(RETRY_AFTER_S)} if e.status == 429 else None
         return _json_error(e.status, str(e), e.param, e.code, headers)
+
+    _info_routes(app, s)
+    _completion_route(app, s)
+    _chat_route(app, s)
+    return app
+
+
+def _info_routes(app: FastAPI, s: Served) -> None:
+    """/health, /v1/models, /metrics and /tokenize."""
 
     @app.get("/health")
     async def health():
@@ -154,6 +162,10 @@ def create_app(s: Served) -> FastAPI:
         ids = _encode(s, body.get("prompt", body.get("text")))
         return {"tokens": ids, "count": len(ids), "max_model_len": s.engine.S}
 
+
+def _completion_route(app: FastAPI, s: Served) -> None:
+    """/v1/completions: text or token-id prompts, `n` choices each, `echo` and `logprobs` (scored prompts)."""
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await _body(request)
@@ -164,9 +176,12 @@ def create_app(s: Served) -> FastAPI:
         want_scores = req.echo and req.logprobs is not None
         scores = await asyncio.gather(*(_score(s, p) for p in ids)) if want_scores else [None] * len(ids)
         choices = _start(s, ids, max_tokens, req.sampling)
-        created, rid = int(time.time()), f"cmpl-{uuid.uuid4().hex}"
+        head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                "model": s.name}
 
         def prompt_logprobs(i):
+            if not want_scores:
+                return []
             token_lp, top_ids, top_lp = scores[i]
             p = ids[i]
             return [(p[0], None, [])] + [(p[j], token_lp[j - 1], list(zip(top_ids[j - 1], top_lp[j - 1])))
@@ -181,30 +196,21 @@ def create_app(s: Served) -> FastAPI:
         prompt_texts = [p if isinstance(p, str) else s.decode(ids[i]) for i, p in enumerate(req.prompts)]
         usage = {"prompt_tokens": sum(map(len, ids))}
         if req.sampling.stream:
-            async def events():
-                if req.echo:
-                    for k, c in enumerate(choices):
-                        i = k // req.sampling.n
-                        fresh = prompt_logprobs(i) if want_scores else []
-                        yield _sse({"id": rid, "object": "text_completion", "created": created, "model": s.name,
-                                    "choices": [choice_body(k, c, prompt_texts[i], fresh, None)]})
-                async for k, c, text, fresh, finish in _stream(s, choices, request):
-                    yield _sse({"id": rid, "object": "text_completion", "created": created, "model": s.name,
-                                "choices": [choice_body(k, c, text, fresh, finish)]})
-                if req.sampling.include_usage:
-                    yield _sse({"id": rid, "object": "text_completion", "created": created, "model": s.name,
-                                "choices": [], "usage": _usage(usage, choices)})
-                yield "data: [DONE]\n\n"
-            return StreamingResponse(events(), media_type="text/event-stream")
+            echoed = [choice_body(k, c, prompt_texts[k // req.sampling.n], prompt_logprobs(k // req.sampling.n),
+                                  None) for k, c in enumerate(choices)] if req.echo else []
+            return _event_stream(s, request, choices, head, echoed, choice_body,
+                                 usage if req.sampling.include_usage else None)
         await _wait(s, choices, request)
         out = []
         for k, c in enumerate(choices):
             i = k // req.sampling.n
             text = (prompt_texts[i] if req.echo else "") + c.state.text
-            fresh = (prompt_logprobs(i) if want_scores else []) + c.logprobs
-            out.append(choice_body(k, c, text, fresh, c.finish_reason))
-        return {"id": rid, "object": "text_completion", "created": created, "model": s.name, "choices": out,
-                "usage": _usage(usage, choices)}
+            out.append(choice_body(k, c, text, prompt_logprobs(i) + c.logprobs, c.finish_reason))
+        return {**head, "choices": out, "usage": _usage(usage, choices)}
+
+
+def _chat_route(app: FastAPI, s: Served) -> None:
+    """/v1/chat/completions: the messages rendered by the chat template, answered as one assistant message."""
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -220,7 +226,8 @@ def create_app(s: Served) -> FastAPI:
             raise RequestError(f"the chat template failed on these messages: {e}", "messages") from None
         ids = [_encode(s, prompt, s.encode_chat)]
         choices = _start(s, ids, [_max_tokens(s, len(ids[0]), req.sampling.max_tokens)], req.sampling)
-        created, rid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
+        head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+                "model": s.name}
         usage = {"prompt_tokens": len(ids[0])}
 
         def logprobs(fresh):
@@ -231,30 +238,37 @@ def create_app(s: Served) -> FastAPI:
                                                   for a, b in top[:req.top_logprobs]]}
                                 for t, lp, top in fresh]}
 
+        def chunk(k, c: Choice, text: str, fresh: list, finish):
+            delta = {"content": text} if text or finish is None else {}
+            return {"index": k, "delta": delta, "logprobs": logprobs(fresh), "finish_reason": finish}
+
         if req.sampling.stream:
-            async def events():
-                for k in range(len(choices)):
-                    yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": s.name,
-                                "choices": [{"index": k, "delta": {"role": "assistant", "content": ""},
-                                             "logprobs": None, "finish_reason": None}]})
-                async for k, c, text, fresh, finish in _stream(s, choices, request):
-                    delta = {"content": text} if text or finish is None else {}
-                    yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": s.name,
-                                "choices": [{"index": k, "delta": delta, "logprobs": logprobs(fresh),
-                                             "finish_reason": finish}]})
-                if req.sampling.include_usage:
-                    yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": s.name,
-                                "choices": [], "usage": _usage(usage, choices)})
-                yield "data: [DONE]\n\n"
-            return StreamingResponse(events(), media_type="text/event-stream")
+            roles = [{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None} for k in range(len(choices))]
+            return _event_stream(s, request, choices, {**head, "object": "chat.completion.chunk"}, roles, chunk,
+                                 usage if req.sampling.include_usage else None)
         await _wait(s, choices, request)
-        return {"id": rid, "object": "chat.completion", "created": created, "model": s.name,
-                "choices": [{"index": k, "message": {"role": "assistant", "content": c.state.text},
-                             "logprobs": logprobs(c.logprobs), "finish_reason": c.finish_reason}
-                            for k, c in enumerate(choices)],
+        return {**head, "choices": [{"index": k, "message": {"role": "assistant", "content": c.state.text},
+                                     "logprobs": logprobs(c.logprobs), "finish_reason": c.finish_reason}
+                                    for k, c in enumerate(choices)],
                 "usage": _usage(usage, choices)}
 
-    return app
+
+def _event_stream(s: Served, request: Request, choices: list[Choice], head: dict, opening: list[dict],
+                  choice_chunk: Callable, usage: dict | None) -> StreamingResponse:
+    """A streamed answer as server-sent events: a chunk for each of `opening` (choices' first chunks), then one
+    per piece of the choices' text as it comes (`choice_chunk(index, choice, text, logprobs, finish)`), the usage
+    when asked for (`usage` not None), and [DONE]. Every chunk carries `head` (id, object, created, model)."""
+    async def events():
+        for choice in opening:
+            yield _sse({**head, "choices": [choice]})
+        async for k, c, text, fresh, finish in _stream(s, choices, request):
+            yield _sse({**head, "choices": [choice_chunk(k, c, text, fresh, finish)]})
+        if usage is not None:
+            yield _sse({**head, "choices": [], "usage": _usage(usage, choices)})
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
 
 
 async def _body(request: Request):
@@ -466,7 +480,14 @@ def prometheus(s: Served) -> str:
     metric("jaxlm_busy_slots", "gauge", "Decode slots holding a sequence.", [("", e.busy_slots())])
     metric("jaxlm_slots", "gauge", "Decode slots (serve.max_slots).", [("", e.B)])
     metric("jaxlm_generated_tokens_total", "counter", "Tokens generated.", [("", e.tokens_total)])
-    metric("jaxlm_prompt_tokens_total", "counter", "Prompt tokens prefilled.", [("", e.prompt_tokens_total)])
+    metric("jaxlm_prompt_tokens_total", "counter", "Prompt tokens of the sequences admitted.",
+           [("", e.prompt_tokens_total)])
+    metric("jaxlm_prefill_tokens_total", "counter", "Prompt tokens run through the model (not reused).",
+           [("", e.prefilled_tokens_total)])
+    metric("jaxlm_prefix_cache_hits_total", "counter", "Sequences that reused a stored prompt's keys and values.",
+           [("", e.prefix_hits_total)])
+    metric("jaxlm_prefix_cache_tokens_total", "counter", "Prompt tokens reused from the prefix cache.",
+           [("", e.prefix_tokens_total)])
     metric("jaxlm_sequences_total", "counter", "Sequences admitted into a slot.", [("", e.requests_total)])
     metric("jaxlm_generation_tokens_per_second", "gauge", "Tokens generated per second over the last 10 s.",
            [("", round(e.tokens_per_s(), 3))])
