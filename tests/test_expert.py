@@ -138,8 +138,13 @@ def test_expert_parallel_setting_errors(char_data, tmp_path):
             lambda x, p: moe.moe(x, p, "silu", True, K))(x[:6], p)
     with pytest.raises(ConfigError, match="expert_capacity_factor=-1.0 must be >= 0"):
         tiny_config(char_data, tmp_path, **{"model.expert_capacity_factor": -1.0})
+    with pytest.raises(ConfigError, match="model.expert_all_to_all"):
+        tiny_config(char_data, tmp_path, **{"model.expert_all_to_all": "fast"})
     # A batch the mesh does not split (a single decoded token) runs the layer as on one device.
     mesh = sharding.make_mesh(MeshConfig(ici_data=2, ici_expert=4))
+    assert not expert_parallel.uses_ragged(mesh, "auto")  # XLA:CPU has no ragged all-to-all
+    with pytest.raises(ConfigError, match="model.expert_all_to_all=ragged needs TPU devices"):
+        expert_parallel.uses_ragged(mesh, "ragged")
     with sharding.activation_sharding(mesh):
         assert expert_parallel.plan(x[:1, :1], E) is None and expert_parallel.plan(x, E) is not None
 

@@ -101,6 +101,10 @@ class ModelConfig:
         0.0, "with experts split over devices (mesh expert axis > 1): token copies each device sends an expert, as "
         "a multiple of an even share (copies / n_experts); the overflow is dropped and its weight left to the "
         "residual. 0 = dropless (buffers sized for the worst case)")
+    expert_all_to_all: Literal["auto", "ragged", "padded"] = _f(
+        "auto", "how expert-parallel token copies travel: ragged (jax.lax.ragged_all_to_all: only the filled rows; "
+        "TPU), padded (all_to_all of whole buffers; any platform), auto = ragged on TPU except v5e, whose pod "
+        "slices XLA:TPU does not compile it for")
     router_aux_loss_coef: float = _f(0.02, "weight of the load-balancing loss added to the training loss")
     quantization: Literal["none", "int8", "fp8", "int8_weights"] = _f(
         "none",

@@ -14,8 +14,8 @@ factor c, each expert takes at most Ce = ceil(c * m * K / E) copies from each de
 as in Switch Transformer and MaxText); the later copies of an expert, in token order, are dropped, their
 output is zero (their weight stays with the residual stream), and the statistics count them.
 
-Exchange. On TPU `jax.lax.ragged_all_to_all` sends only the filled rows of each bucket; XLA:CPU and GPU run
-the padded `jax.lax.all_to_all` of whole buckets. The layout on both ends is the same, so the rest of the
+Exchange. On TPU `jax.lax.ragged_all_to_all` sends only the filled rows of each bucket; XLA:CPU, GPU and v5e
+pod slices run the padded `jax.lax.all_to_all` of whole buckets (`uses_ragged`). The layout on both ends is the same, so the rest of the
 layer does not know which one ran. Expert MLP width split over `tensor` composes (each tensor shard holds
 the same tokens and a slice of F; the output is summed over `tensor`); FSDP gathers the experts' weights
 over `fsdp` as the shard_map's input specs ask. Inside a pipeline (stage axis over 1) it is not supported.
@@ -81,8 +81,8 @@ def capacity(m: int, k: int, n_experts: int, n_devices: int, capacity_factor: fl
     return per_expert, min(worst, per_expert * (n_experts // n_devices))
 
 
-def moe(plan_: Plan, x_BTD: jax.Array, p: dict, k: int, capacity_factor: float, route: Callable,
-        experts: Callable):
+def moe(plan_: Plan, x_BTD: jax.Array, p: dict, k: int, capacity_factor: float, all_to_all: str,
+        route: Callable, experts: Callable):
     """The layer of model/moe.py, expert-parallel: route(x_MD, router_DE, k) -> (probs_ME, experts_MK,
     weights_MK) and experts(x_AD, p, group_sizes_E) -> y_AD are that layer's own. Returns y [B, T, D] and the
     statistics [3, E] (routed fraction, mean probability, dropped fraction)."""
@@ -90,7 +90,7 @@ def moe(plan_: Plan, x_BTD: jax.Array, p: dict, k: int, capacity_factor: float, 
     E = p["router"].shape[-1]
     X = mesh.shape["expert"]
     G = E // X
-    ragged = mesh.devices.flat[0].platform == "tpu"
+    ragged = uses_ragged(mesh, all_to_all)
     mlp = mlp_axes[0] if len(mlp_axes) == 1 else (mlp_axes or None)
     w_specs = {"router": P(), "up": P("expert", None, mlp), "down": P("expert", mlp, None)}
     if "gate" in p:
@@ -147,6 +147,20 @@ def moe(plan_: Plan, x_BTD: jax.Array, p: dict, k: int, capacity_factor: float, 
     with jax.named_scope("expert_parallel"):
         return jax.shard_map(local, mesh=mesh, in_specs=(x_spec, w_specs), out_specs=(x_spec, P()))(
             x_BTD, {name: p[name] for name in w_specs})
+
+
+def uses_ragged(mesh: Mesh, all_to_all: str) -> bool:
+    """Whether the exchange is `ragged_all_to_all` (model.expert_all_to_all), by the mesh's devices: an
+    ahead-of-time compile for TPU traces on a CPU host. XLA:CPU does not implement it, and XLA:TPU refuses it
+    on v5e pod slices ("not supported in limited ICI routing settings", seen at v5e-256; v5e-16, v6e-256 and
+    v5p-128 compile it)."""
+    device = mesh.devices.flat[0]
+    if all_to_all == "auto":
+        return device.platform == "tpu" and device.device_kind != "TPU v5 lite"
+    if all_to_all == "ragged" and device.platform != "tpu":
+        raise ConfigError(f"model.expert_all_to_all=ragged needs TPU devices (jax.lax.ragged_all_to_all); these "
+                          f"are {device.platform}: use auto or padded")
+    return all_to_all == "ragged"
 
 
 def _exchange(send_XCD: jax.Array, send_X: jax.Array, recv_X: jax.Array, me: jax.Array, ragged: bool):

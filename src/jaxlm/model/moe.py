@@ -34,14 +34,15 @@ def experts(x_AD: jax.Array, p: dict, group_sizes_E: jax.Array, activation: str,
     return layers.ragged_dot(h_AF, p["down"], group_sizes_E)
 
 
-def moe(x_BTD: jax.Array, p: dict, activation: str, glu: bool, k: int, capacity_factor: float = 0.0):
+def moe(x_BTD: jax.Array, p: dict, activation: str, glu: bool, k: int, capacity_factor: float = 0.0,
+        all_to_all: str = "auto"):
     """Returns the MLP output [B, T, D] and this layer's routing statistics [3, E]: the fraction of token
     copies each expert was routed (the two factors of the load-balancing loss), its mean router probability,
     and the fraction of token copies dropped for lack of room (only expert-parallel with a capacity factor
-    drops any)."""
+    drops any). capacity_factor and all_to_all: model.expert_capacity_factor / model.expert_all_to_all."""
     sharded = expert_parallel.plan(x_BTD, p["up"].shape[0])
     if sharded is not None:
-        return expert_parallel.moe(sharded, x_BTD, p, k, capacity_factor, route,
+        return expert_parallel.moe(sharded, x_BTD, p, k, capacity_factor, all_to_all, route,
                                    lambda x_AD, q, g_E: experts(x_AD, q, g_E, activation, glu))
     B, T, D = x_BTD.shape
     E = p["router"].shape[-1]

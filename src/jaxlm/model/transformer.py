@@ -133,7 +133,7 @@ def _block(x_BTD, p, cfg: ModelConfig, attn, keys=(None, None)):
         h_BTD = norm(x_BTD, p["mlp_norm"])
         if cfg.n_experts:
             h_BTD, stats_3E = moe.moe(h_BTD, p["mlp"], cfg.activation, cfg.glu, cfg.experts_per_token,
-                                       cfg.expert_capacity_factor)
+                                       cfg.expert_capacity_factor, cfg.expert_all_to_all)
         else:
             h_BTD, stats_3E = layers.mlp(h_BTD, p["mlp"], cfg.activation, cfg.glu), jnp.zeros((3, 0), jnp.float32)
         if cfg.post_norms:
