@@ -15,10 +15,13 @@ as in Switch Transformer and MaxText); the later copies of an expert, in token o
 output is zero (their weight stays with the residual stream), and the statistics count them.
 
 Exchange. On TPU `jax.lax.ragged_all_to_all` sends only the filled rows of each bucket; XLA:CPU, GPU and v5e
-pod slices run the padded `jax.lax.all_to_all` of whole buckets (`uses_ragged`). The layout on both ends is the same, so the rest of the
-layer does not know which one ran. Expert MLP width split over `tensor` composes (each tensor shard holds
-the same tokens and a slice of F; the output is summed over `tensor`); FSDP gathers the experts' weights
-over `fsdp` as the shard_map's input specs ask. Inside a pipeline (stage axis over 1) it is not supported.
+pod slices run the padded `jax.lax.all_to_all` of whole buckets (`uses_ragged`). The layout on both ends is
+the same, so the rest of the layer does not know which one ran.
+
+Other axes. Expert MLP width split over `tensor` composes: each tensor shard holds the same tokens and a
+slice of F, and the output is summed over `tensor`. FSDP gathers the experts' weights over `fsdp` as the
+shard_map's input specs ask (and reduce-scatters their gradients). Inside a pipeline (a stage axis over 1)
+expert parallelism is refused with a ConfigError.
 
 Shape legend: B batch, T length, D model width, E experts, K experts per token, F expert hidden width,
 X devices on the expert axis, G experts per device (E / X), m tokens per device, a token copies per device
