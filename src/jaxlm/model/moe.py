@@ -3,7 +3,8 @@ dispatch sorts the token copies by expert so that one grouped matmul (`jax.lax.r
 on exactly the tokens it received: no capacity factor, no dropped tokens, no dense loop over experts.
 
 When the active mesh splits the experts over devices (an `expert` axis over 1), the layer runs expert-parallel
-instead (model/expert_parallel.py): the token copies travel to their experts' devices and back.
+instead (model/expert_parallel.py): the token copies travel to their experts' devices and back, dropless
+too unless model.expert_capacity_factor bounds what each expert takes.
 
 Shape legend: B batch, T length, D model width, E experts, K experts per token, F expert hidden width,
 M tokens (B * T), A token copies (M * K), sorted by expert.
