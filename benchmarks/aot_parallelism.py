@@ -19,6 +19,19 @@ CASES = {
     "llama2-70b_2xv5e-256_dcn_stage2": ("llama2-70b", [*LLAMA2_70B, "mesh.dcn_stage=2"]),
     # the same slices and batch with data parallelism across them, for comparison
     "llama2-70b_2xv5e-256_dcn_data2": ("llama2-70b", [*LLAMA2_70B, "mesh.dcn_data=2"]),
+    # mixtral-8x7b on one v5e-256 with expert parallelism: each group of 8 chips holds one expert per chip, FSDP
+    # over the 32 groups, 2 x 4096 tokens per chip; a capacity factor of 1.25 bounds the all-to-all buffers
+    "mixtral-8x7b_v5e-256_expert8": ("mixtral-8x7b", [
+        "compile.topology=v5e-256", "mesh.ici_data=1", "mesh.ici_fsdp=-1", "mesh.ici_expert=8", "model.block_size=4096",
+        "training.per_device_batch_size=2", "model.remat=full", "model.expert_capacity_factor=1.25"]),
+    # the same, dropless: buffers for the worst case (every token of 8 chips to one expert)
+    "mixtral-8x7b_v5e-256_expert8_dropless": ("mixtral-8x7b", [
+        "compile.topology=v5e-256", "mesh.ici_data=1", "mesh.ici_fsdp=-1", "mesh.ici_expert=8", "model.block_size=4096",
+        "training.per_device_batch_size=2", "model.remat=full"]),
+    # dropless on a v6e-256, whose 32 GiB chips hold the worst-case buffers, with ragged_all_to_all
+    "mixtral-8x7b_v6e-256_expert8_dropless": ("mixtral-8x7b", [
+        "compile.topology=v6e-256", "mesh.ici_data=1", "mesh.ici_fsdp=-1", "mesh.ici_expert=8", "model.block_size=4096",
+        "training.per_device_batch_size=2", "model.remat=full"]),
 }
 
 

@@ -97,6 +97,14 @@ class ModelConfig:
     rope_original_context: int = _f(8192, "llama3 rope scaling: context length the model was pretrained with")
     n_experts: int = _f(0, "experts per mixture-of-experts MLP; 0 = dense MLP (Mixtral: 8)")
     experts_per_token: int = _f(2, "experts each token is routed to (top-k)")
+    expert_capacity_factor: float = _f(
+        0.0, "with experts split over devices (mesh expert axis > 1): token copies each device sends an expert, as "
+        "a multiple of an even share (copies / n_experts); the overflow is dropped and its weight left to the "
+        "residual. 0 = dropless (buffers sized for the worst case)")
+    expert_all_to_all: Literal["auto", "ragged", "padded"] = _f(
+        "auto", "how expert-parallel token copies travel: ragged (jax.lax.ragged_all_to_all: only the filled rows; "
+        "TPU), padded (all_to_all of whole buffers; any platform), auto = ragged on TPU except v5e, whose pod "
+        "slices XLA:TPU does not compile it for")
     router_aux_loss_coef: float = _f(0.02, "weight of the load-balancing loss added to the training loss")
     quantization: Literal["none", "int8", "fp8", "int8_weights"] = _f(
         "none",
@@ -615,6 +623,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"model.experts_per_token={m.experts_per_token} must be in [1, model.n_experts="
                           f"{m.n_experts}]" if m.n_experts else f"model.experts_per_token={m.experts_per_token} "
                           f"must be >= 1")
+    if m.expert_capacity_factor < 0:
+        raise ConfigError(f"model.expert_capacity_factor={m.expert_capacity_factor} must be >= 0 (0 = dropless)")
     if m.router_aux_loss_coef < 0:
         raise ConfigError(f"model.router_aux_loss_coef={m.router_aux_loss_coef} must be >= 0")
     # Checked whether or not rope_scaling uses them: a nonsensical value is a mistake either way.

@@ -111,13 +111,13 @@ REMAT_POLICIES = {
 
 def block(x_BTD: jax.Array, p: dict, cfg: ModelConfig, positions_BT: jax.Array, key: jax.Array | None,
           local: bool = False, segment_ids_BT: jax.Array | None = None):
-    """One pre-norm block; returns the new residual stream and the MoE routing statistics [2, E] (an empty
-    [2, 0] array for a dense MLP)."""
+    """One pre-norm block; returns the new residual stream and the MoE routing statistics [3, E] (an empty
+    [3, 0] array for a dense MLP)."""
     keys = jax.random.split(key, 3) if key is not None else (None, None, None)
     attn = lambda h, q: (attention.attention(h, q, cfg, positions_BT, keys[0], local, segment_ids_BT),  # noqa: E731
                          None)
-    x_BTD, stats_2E, _ = _block(x_BTD, p, cfg, attn, keys[1:])
-    return x_BTD, stats_2E
+    x_BTD, stats_3E, _ = _block(x_BTD, p, cfg, attn, keys[1:])
+    return x_BTD, stats_3E
 
 
 def _block(x_BTD, p, cfg: ModelConfig, attn, keys=(None, None)):
@@ -132,13 +132,14 @@ def _block(x_BTD, p, cfg: ModelConfig, attn, keys=(None, None)):
     with jax.named_scope("mlp_block"):
         h_BTD = norm(x_BTD, p["mlp_norm"])
         if cfg.n_experts:
-            h_BTD, stats_2E = moe.moe(h_BTD, p["mlp"], cfg.activation, cfg.glu, cfg.experts_per_token)
+            h_BTD, stats_3E = moe.moe(h_BTD, p["mlp"], cfg.activation, cfg.glu, cfg.experts_per_token,
+                                       cfg.expert_capacity_factor, cfg.expert_all_to_all)
         else:
-            h_BTD, stats_2E = layers.mlp(h_BTD, p["mlp"], cfg.activation, cfg.glu), jnp.zeros((2, 0), jnp.float32)
+            h_BTD, stats_3E = layers.mlp(h_BTD, p["mlp"], cfg.activation, cfg.glu), jnp.zeros((3, 0), jnp.float32)
         if cfg.post_norms:
             h_BTD = norm(h_BTD, p["mlp_post_norm"])
         x_BTD = x_BTD + layers.dropout(h_BTD, cfg.dropout, keys[1])
-    return constrain(x_BTD, ("batch", "length", "embed")), stats_2E, extra
+    return constrain(x_BTD, ("batch", "length", "embed")), stats_3E, extra
 
 
 def embed(params: dict, tokens_BT: jax.Array, cfg: ModelConfig, positions_BT: jax.Array) -> jax.Array:

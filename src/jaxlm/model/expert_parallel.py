@@ -1,0 +1,180 @@
+"""Expert parallelism: a mixture-of-experts layer whose experts are split over the `expert` mesh axis runs
+under `shard_map`, and the token copies travel to their experts' devices and back with all-to-all.
+
+Each device routes its own tokens (the batch is split over the expert axis too), sorts the token copies by
+expert, which is also by destination device, and packs them into one bucket of Cd rows per destination.
+An all-to-all delivers each bucket; the receiver regroups what it got by local expert, runs its experts with
+one grouped matmul (`ragged_dot`), and the inverse all-to-all brings the results back to the copies' slots.
+The combine weights and the routing statistics are the single-device layer's: the statistics are summed
+over every device that holds different tokens, so the load-balancing loss is the whole batch's.
+
+Buffers. Dropless (capacity factor 0), a bucket holds the worst case: every token of the sender sends as
+many copies to one device as that device has experts, up to K: Cd = m * min(K, E / X). With a capacity
+factor c, each expert takes at most Ce = ceil(c * m * K / E) copies from each device (an even share times c,
+as in Switch Transformer and MaxText); the later copies of an expert, in token order, are dropped, their
+output is zero (their weight stays with the residual stream), and the statistics count them.
+
+Exchange. On TPU `jax.lax.ragged_all_to_all` sends only the filled rows of each bucket; XLA:CPU, GPU and v5e
+pod slices run the padded `jax.lax.all_to_all` of whole buckets (`uses_ragged`). The layout on both ends is
+the same, so the rest of the layer does not know which one ran.
+
+Other axes. Expert MLP width split over `tensor` composes: each tensor shard holds the same tokens and a
+slice of F, and the output is summed over `tensor`. FSDP gathers the experts' weights over `fsdp` as the
+shard_map's input specs ask (and reduce-scatters their gradients). Inside a pipeline (a stage axis over 1)
+expert parallelism is refused with a ConfigError.
+
+Shape legend: B batch, T length, D model width, E experts, K experts per token, F expert hidden width,
+X devices on the expert axis, G experts per device (E / X), m tokens per device, a token copies per device
+(m * K), C rows per bucket (Cd), R rows received (X * C).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
+
+from jaxlm import sharding
+from jaxlm.config import ConfigError
+
+
+class Plan(NamedTuple):
+    mesh: Mesh
+    x_spec: P  # the tokens [B, T, D], split as the activations are
+    token_axes: tuple[str, ...]  # mesh axes over which devices hold different tokens
+    mlp_axes: tuple[str, ...]  # mesh axes splitting the experts' hidden width F
+
+
+def plan(x_BTD: jax.Array, n_experts: int) -> Plan | None:
+    """How to run this layer expert-parallel on the active mesh, or None to run it as on one device (no mesh,
+    one device on the expert axis, or a batch the mesh does not split evenly, as a decode step's may not)."""
+    ctx = sharding.active()
+    if ctx is None or ctx[0].shape.get("expert", 1) == 1:
+        return None
+    mesh, rules = ctx
+    X = mesh.shape["expert"]
+    if sharding.pipeline() is not None:
+        raise ConfigError(f"mesh: expert parallelism (expert axis of {X}) does not run inside a pipeline "
+                          f"(stage axis of {mesh.shape['stage']}); set mesh.ici_expert / mesh.dcn_expert or "
+                          "mesh.ici_stage / mesh.dcn_stage to 1")
+    if n_experts % X:
+        raise ConfigError(f"mesh: the expert axis of {X} devices does not divide model.n_experts={n_experts}; "
+                          "change mesh.ici_expert / mesh.dcn_expert")
+    x_spec = sharding.spec(("batch", "length", None), rules)
+    token_axes = tuple(a for entry in x_spec for a in ((entry,) if isinstance(entry, str) else entry or ()))
+    if "expert" not in token_axes:
+        raise ConfigError("mesh.rules: with an expert axis over 1 the activations' batch or length must be split "
+                          "over `expert` too (act.batch=data+fsdp+expert)")
+    if any(dim % sharding.shard_count(mesh, entry) for dim, entry in zip(x_BTD.shape, x_spec)):
+        return None
+    mlp_axes = tuple(a for a in rules.get("mlp", ()) if a not in token_axes)
+    return Plan(mesh, x_spec, token_axes, mlp_axes)
+
+
+def capacity(m: int, k: int, n_experts: int, n_devices: int, capacity_factor: float) -> tuple[int, int]:
+    """(Ce, Cd): the copies an expert takes from one device, and the rows of one device's bucket for
+    another, for m tokens per device."""
+    worst = m * min(k, n_experts // n_devices)
+    if not capacity_factor:
+        return m, worst
+    per_expert = min(m, math.ceil(capacity_factor * m * k / n_experts))
+    return per_expert, min(worst, per_expert * (n_experts // n_devices))
+
+
+def moe(plan_: Plan, x_BTD: jax.Array, p: dict, k: int, capacity_factor: float, all_to_all: str,
+        route: Callable, experts: Callable):
+    """The layer of model/moe.py, expert-parallel: route(x_MD, router_DE, k) -> (probs_ME, experts_MK,
+    weights_MK) and experts(x_AD, p, group_sizes_E) -> y_AD are that layer's own. Returns y [B, T, D] and the
+    statistics [3, E] (routed fraction, mean probability, dropped fraction)."""
+    mesh, x_spec, token_axes, mlp_axes = plan_
+    E = p["router"].shape[-1]
+    X = mesh.shape["expert"]
+    G = E // X
+    ragged = uses_ragged(mesh, all_to_all)
+    mlp = mlp_axes[0] if len(mlp_axes) == 1 else (mlp_axes or None)
+    w_specs = {"router": P(), "up": P("expert", None, mlp), "down": P("expert", mlp, None)}
+    if "gate" in p:
+        w_specs["gate"] = P("expert", None, mlp)
+    n_token_shards = math.prod(mesh.shape[a] for a in token_axes)
+
+    def local(x_bTD, q):
+        b, T, D = x_bTD.shape
+        m = b * T
+        a = m * k
+        Ce, C = capacity(m, k, E, X, capacity_factor)
+        me = jax.lax.axis_index("expert")
+        with jax.named_scope("router"):
+            x_mD = x_bTD.reshape(m, D)
+            probs_mE, experts_mK, weights_mK = route(x_mD, q["router"], k)
+        with jax.named_scope("dispatch"):
+            experts_a = experts_mK.reshape(-1)
+            order_a = jnp.argsort(experts_a, stable=True)
+            sorted_a = experts_a[order_a]
+            counts_E = jnp.bincount(experts_a, length=E).astype(jnp.int32)
+            rank_a = jnp.arange(a, dtype=jnp.int32) - (jnp.cumsum(counts_E) - counts_E)[sorted_a]
+            kept_XG = jnp.minimum(counts_E, Ce).reshape(X, G)
+            # Slot of each copy: its destination's bucket, its expert's place in that bucket, its rank there;
+            # a dropped copy gets a slot past the end, which the scatter skips and the gather reads as zeros.
+            start_E = (jnp.cumsum(kept_XG, axis=1) - kept_XG).reshape(E)
+            slot_a = jnp.where(rank_a < Ce, (sorted_a // G) * C + start_E[sorted_a] + rank_a, X * C)
+            send_XCD = jnp.zeros((X * C, D), x_mD.dtype).at[slot_a].set(
+                jnp.take(x_mD, order_a // k, axis=0), mode="drop").reshape(X, C, D)
+            sent_X = kept_XG.sum(axis=1)
+            got_XG = jax.lax.all_to_all(kept_XG, "expert", 0, 0)  # copies from device i for local expert g
+            got_X = got_XG.sum(axis=1)
+            recv_XCD = _exchange(send_XCD, sent_X, got_X, me, ragged)
+            # Regroup the received rows by local expert; the unfilled rows of each bucket (G) go last.
+            row_R = jnp.arange(X * C, dtype=jnp.int32) % C
+            ends_RG = jnp.repeat(jnp.cumsum(got_XG, axis=1), C, axis=0)
+            expert_R = jnp.sum(row_R[:, None] >= ends_RG, axis=1)
+            order_R = jnp.argsort(expert_R, stable=True)
+            x_RD = jnp.take(recv_XCD.reshape(X * C, D), order_R, axis=0)
+        with jax.named_scope("experts"):
+            y_RD = experts(x_RD, q, got_XG.sum(axis=0))
+            if mlp_axes:
+                y_RD = jax.lax.psum(y_RD, mlp_axes)
+        with jax.named_scope("combine"):
+            y_RD = jnp.zeros_like(y_RD).at[order_R].set(y_RD)
+            back_XCD = _exchange(y_RD.reshape(X, C, D), got_X, sent_X, me, ragged)
+            y_aD = jnp.take(back_XCD.reshape(X * C, D), slot_a, axis=0, mode="fill", fill_value=0)
+            y_aD = jnp.zeros_like(y_aD).at[order_a].set(y_aD)
+            y_mD = jnp.einsum("mKD,mK->mD", y_aD.reshape(m, k, D).astype(jnp.float32), weights_mK)
+        M = m * n_token_shards
+        stats_3E = jax.lax.psum(jnp.stack([counts_E.astype(jnp.float32), jnp.sum(probs_mE, axis=0),
+                                           (counts_E - kept_XG.reshape(E)).astype(jnp.float32)]), token_axes) / M
+        return y_mD.reshape(b, T, D).astype(x_bTD.dtype), stats_3E
+
+    with jax.named_scope("expert_parallel"):
+        return jax.shard_map(local, mesh=mesh, in_specs=(x_spec, w_specs), out_specs=(x_spec, P()))(
+            x_BTD, {name: p[name] for name in w_specs})
+
+
+def uses_ragged(mesh: Mesh, all_to_all: str) -> bool:
+    """Whether the exchange is `ragged_all_to_all` (model.expert_all_to_all), by the mesh's devices: an
+    ahead-of-time compile for TPU traces on a CPU host. XLA:CPU does not implement it, and XLA:TPU refuses it
+    on v5e pod slices ("not supported in limited ICI routing settings", seen at v5e-256; v5e-16, v6e-256 and
+    v5p-128 compile it)."""
+    device = mesh.devices.flat[0]
+    if all_to_all == "auto":
+        return device.platform == "tpu" and device.device_kind != "TPU v5 lite"
+    if all_to_all == "ragged" and device.platform != "tpu":
+        raise ConfigError(f"model.expert_all_to_all=ragged needs TPU devices (jax.lax.ragged_all_to_all); these "
+                          f"are {device.platform}: use auto or padded")
+    return all_to_all == "ragged"
+
+
+def _exchange(send_XCD: jax.Array, send_X: jax.Array, recv_X: jax.Array, me: jax.Array, ragged: bool):
+    """Bucket i of every device goes to device i, where it lands as bucket (sender's index): an all-to-all
+    over `expert`. send_X / recv_X: the filled rows of each bucket sent / received (what a ragged exchange
+    moves; the padded one moves whole buckets)."""
+    X, C, D = send_XCD.shape
+    if not ragged:
+        return jax.lax.all_to_all(send_XCD, "expert", 0, 0)
+    offsets_X = jnp.arange(X, dtype=jnp.int32) * C
+    out = jax.lax.ragged_all_to_all(send_XCD.reshape(X * C, D), jnp.zeros((X * C, D), send_XCD.dtype), offsets_X,
+                                    send_X.astype(jnp.int32), jnp.full((X,), me * C, jnp.int32),
+                                    recv_X.astype(jnp.int32), axis_name="expert")
+    return out.reshape(X, C, D)

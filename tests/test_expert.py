@@ -1,0 +1,215 @@
+"""Expert parallelism on 8 fake CPU devices: the layer and 20 training steps against one device, the
+all-to-all and the smaller expert temporaries in the compiled programs, the capacity factor's drops, and
+checkpoints across layouts."""
+
+import math
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import tiny_config
+from jaxlm import checkpoint as ckpt, sharding, train
+from jaxlm.config import ConfigError, MeshConfig
+from jaxlm.data import loader as loader_lib
+from jaxlm.model import expert_parallel, moe, transformer
+from test_parallel import _state_hash
+
+E, K, D, F = 8, 2, 16, 24
+MIXTRAL = {"model.vocab_size": 128, "model.n_layers": 2, "model.n_experts": E, "model.experts_per_token": K,
+           "model.norm": "rmsnorm", "model.position": "rotary", "model.glu": True, "model.activation": "silu",
+           "model.d_ff": 64}
+
+
+def _layer(seed=0, B=8, T=8):
+    """Weights and inputs of one MoE layer with uneven routing: a constant input feature draws every token to
+    expert 0 and keeps it away from expert 3."""
+    ks = jax.random.split(jax.random.key(seed), 5)
+    p = {"router": jax.random.normal(ks[0], (D, E)), "gate": jax.random.normal(ks[1], (E, D, F)) * 0.3,
+         "up": jax.random.normal(ks[2], (E, D, F)) * 0.3, "down": jax.random.normal(ks[3], (E, F, D)) * 0.3}
+    p["router"] = p["router"].at[0, 0].set(3.0).at[0, 3].set(-10.0)
+    return p, jax.random.normal(ks[4], (B, T, D)).at[..., 0].set(3.0)
+
+
+def _on(mesh, f):
+    def g(*args):
+        with sharding.activation_sharding(mesh):
+            return f(*args)
+    return jax.jit(g)
+
+
+def _layer_loss(x, p, cf=0.0):
+    y, stats = moe.moe(x, p, "silu", True, K, cf)
+    return jnp.sum(y.astype(jnp.float32) ** 2) + moe.load_balancing_loss(stats[None])
+
+
+@pytest.mark.parametrize("axes", [{"ici_data": 2, "ici_expert": 4}, {"ici_fsdp": 2, "ici_tensor": 2, "ici_expert": 2}])
+def test_layer_matches_one_device(axes):
+    """Output, routing statistics and gradients of the expert-parallel layer equal the one-device layer's,
+    with FSDP and tensor-parallel expert width composed; the compiled layer moves tokens with all-to-all."""
+    p, x = _layer()
+    y0, s0 = jax.jit(lambda x, p: moe.moe(x, p, "silu", True, K))(x, p)
+    g0 = jax.jit(jax.grad(_layer_loss, argnums=(0, 1)))(x, p)
+    assert np.asarray(s0[0])[0] > 0.8 and np.asarray(s0[0])[3] == 0  # uneven: an even share is K / E
+    mesh = sharding.make_mesh(MeshConfig(**axes))
+    layer = _on(mesh, lambda x, p: moe.moe(x, p, "silu", True, K))
+    y, s = layer(x, p)
+    g = _on(mesh, jax.grad(_layer_loss, argnums=(0, 1)))(x, p)
+    np.testing.assert_allclose(y, y0, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(s, s0, rtol=1e-6, atol=1e-7)
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g0)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * float(jnp.abs(b).max()))
+    assert "all-to-all" in layer.lower(x, p).compile().as_text()
+
+
+def _kept_output(x, p, cf, shards):
+    """The layer's output with a capacity factor, from a dense loop: each of `shards` equal blocks of tokens
+    gives each expert its first ceil(cf * m * K / E) copies in token order; the rest add nothing."""
+    xs = np.asarray(x, np.float64).reshape(-1, D)
+    w = {k: np.asarray(v, np.float64) for k, v in p.items()}
+    m = len(xs) // shards
+    cap = math.ceil(cf * m * K / E)
+    y, dropped = np.zeros_like(xs), 0
+    for s in range(shards):
+        taken = np.zeros(E, int)
+        for t in range(s * m, (s + 1) * m):
+            logits = xs[t] @ w["router"]
+            probs = np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
+            top = np.argsort(-probs)[:K]
+            for e in top:
+                taken[e] += 1
+                if taken[e] > cap:
+                    dropped += 1
+                    continue
+                g = xs[t] @ w["gate"][e]
+                y[t] += probs[e] / probs[top].sum() * ((g / (1 + np.exp(-g)) * (xs[t] @ w["up"][e])) @ w["down"][e])
+    return y, dropped
+
+
+def test_capacity_factor_drops_counted_copies():
+    """A capacity factor large enough for every copy equals dropless; a small one drops the copies a dense loop
+    over each device's tokens drops (counted in the statistics) and leaves their weight to the residual."""
+    p, x = _layer()
+    mesh = sharding.make_mesh(MeshConfig(ici_data=2, ici_expert=4))
+    dropless = _on(mesh, lambda x, p: moe.moe(x, p, "silu", True, K))(x, p)
+    roomy = _on(mesh, lambda x, p: moe.moe(x, p, "silu", True, K, float(E)))(x, p)
+    np.testing.assert_array_equal(roomy[0], dropless[0])
+    assert float(roomy[1][2].sum()) == 0
+    y, stats = _on(mesh, lambda x, p: moe.moe(x, p, "silu", True, K, 1.0))(x, p)
+    y_ref, dropped = _kept_output(x, p, 1.0, shards=8)
+    assert dropped > 0
+    assert round(float(stats[2].sum()) * x.shape[0] * x.shape[1]) == dropped
+    np.testing.assert_allclose(np.asarray(y).reshape(-1, D), y_ref, atol=1e-4)
+    np.testing.assert_array_equal(stats[:2], dropless[1][:2])  # routing is the same; only the work differs
+
+
+def test_expert_temporaries_shrink_with_the_expert_axis(monkeypatch):
+    """The layer's gradient compiled for expert=4 x data=2, against the program the same mesh ran before
+    expert parallelism (the weights split by the rules, no dispatch: XLA gathers every device's tokens over
+    the expert axis instead). Dropless buffers hold the worst case and still come in at about half; with
+    a capacity factor of 1 the temporaries are about a quarter."""
+    Dm, Fm = 256, 512
+    p = {"router": jnp.zeros((Dm, E)), "gate": jnp.zeros((E, Dm, Fm)), "up": jnp.zeros((E, Dm, Fm)),
+         "down": jnp.zeros((E, Fm, Dm))}
+    axes = {"gate": ("experts", "embed", "mlp"), "up": ("experts", "embed", "mlp"),
+            "down": ("experts", "mlp", "embed"), "router": ("embed", None)}
+    mesh = sharding.make_mesh(MeshConfig(ici_data=2, ici_expert=4))
+    p_sh = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=jax.sharding.NamedSharding(
+        mesh, sharding.spec(axes[k], sharding.PARAM_RULES))) for k, v in p.items()}
+    x_sh = jax.ShapeDtypeStruct((8, 32, Dm), jnp.float32, sharding=jax.sharding.NamedSharding(
+        mesh, sharding.spec(("batch", "length", None), sharding.ACTIVATION_RULES)))
+
+    def temporaries(cf):
+        grad = _on(mesh, jax.grad(lambda x, p: _layer_loss(x, p, cf), argnums=1))
+        return grad.lower(x_sh, p_sh).compile().memory_analysis().temp_size_in_bytes
+
+    dropless, capped = temporaries(0.0), temporaries(1.0)
+    monkeypatch.setattr(expert_parallel, "plan", lambda x_BTD, n_experts: None)
+    before = temporaries(0.0)
+    assert dropless < 0.6 * before and 0.2 < capped / before < 0.35, (dropless, capped, before)
+
+
+def test_expert_parallel_setting_errors(char_data, tmp_path):
+    p, x = _layer()
+    with pytest.raises(ConfigError, match="expert axis of 3 devices does not divide model.n_experts=8"):
+        _on(sharding.make_mesh(MeshConfig(ici_expert=3), jax.devices()[:3]),
+            lambda x, p: moe.moe(x, p, "silu", True, K))(x[:6], p)
+    with pytest.raises(ConfigError, match="expert_capacity_factor=-1.0 must be >= 0"):
+        tiny_config(char_data, tmp_path, **{"model.expert_capacity_factor": -1.0})
+    with pytest.raises(ConfigError, match="model.expert_all_to_all"):
+        tiny_config(char_data, tmp_path, **{"model.expert_all_to_all": "fast"})
+    # A batch the mesh does not split (a single decoded token) runs the layer as on one device.
+    mesh = sharding.make_mesh(MeshConfig(ici_data=2, ici_expert=4))
+    assert not expert_parallel.uses_ragged(mesh, "auto")  # XLA:CPU has no ragged all-to-all
+    with pytest.raises(ConfigError, match="model.expert_all_to_all=ragged needs TPU devices"):
+        expert_parallel.uses_ragged(mesh, "ragged")
+    with sharding.activation_sharding(mesh):
+        assert expert_parallel.plan(x[:1, :1], E) is None and expert_parallel.plan(x, E) is not None
+
+
+def _uneven(params):
+    """Tilts the routing of every layer: a constant embedding feature, which the router turns into a strong
+    preference for expert 0 and against expert 3."""
+    params = jax.tree.map(lambda a: a, params)
+    tokens = params["embed"]["tokens"]
+    params["embed"]["tokens"] = jax.device_put(tokens.at[:, 0].set(1.0), tokens.sharding)
+    router = params["layers"]["mlp"]["router"]
+    params["layers"]["mlp"]["router"] = jax.device_put(router.at[:, 0, 0].add(1.0).at[:, 0, 3].add(-1.0),
+                                                       router.sharding)
+    return params
+
+
+def _losses(char_data, tmp_path, devices, steps=20, **overrides):
+    cfg = tiny_config(char_data, tmp_path, **{**MIXTRAL, "training.batch_size": 16, **overrides})
+    run = train.setup(cfg, devices)
+    state = train.init_state(run, cfg.seed)
+    state["params"] = _uneven(state["params"])
+    step = train.make_train_step(run.cfg, run.optimizer, run.mesh, run.abstract_state, run.act_rules)
+    rng = np.random.default_rng(0)
+    losses, aux = [], None
+    for i in range(steps):
+        batch = train.device_batch(run, "train", loader_lib.Windows(rng.integers(0, 100_000, size=(1, 16))))
+        if i == 0:
+            with sharding.activation_sharding(run.mesh, run.act_rules):
+                aux = jax.jit(lambda p, t: transformer.forward_with_aux(p, t, run.cfg.model)[1])(
+                    state["params"], batch["inputs"][0])
+        state, m = step(state, batch)
+        losses.append(m["loss"])
+    return np.array(jax.device_get(losses)), float(aux)
+
+
+@pytest.mark.slow
+def test_training_with_expert_parallelism_matches_one_device(char_data, tmp_path):
+    """20 steps of a tiny Mixtral (8 experts, top-2, routing tilted towards one expert) at expert=4 x data=2
+    give the losses of one device; the load-balancing loss shows how uneven the routing is (1 when even)."""
+    ref, aux_ref = _losses(char_data, tmp_path / "one", jax.devices()[:1])
+    losses, aux = _losses(char_data, tmp_path / "ep", jax.devices(), **{"mesh.ici_data": 2, "mesh.ici_expert": 4})
+    assert aux_ref > 1.5 and aux == pytest.approx(aux_ref, rel=1e-5)
+    assert ref[-1] < ref[0] - 0.3
+    np.testing.assert_allclose(losses, ref, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_checkpoints_restore_across_expert_layouts(char_data, tmp_path):
+    """A run at expert=4 saves at steps 10 and 20; one device restores the same bits and, resumed from step
+    10, repeats its losses; that run's own step 20 restores at expert=4 to the same bits as on one device."""
+    common = {**MIXTRAL, "training.batch_size": 16, "training.eval_interval": 0}
+    ep = {"mesh.ici_data": 2, "mesh.ici_expert": 4}
+    train.train(tiny_config(char_data, tmp_path / "ep", **common, **ep), jax.devices(), log=lambda s: None)
+
+    def hashes(run_dir):
+        out = set()
+        for mesh, devices in ((ep, 8), ({"mesh.ici_data": 1}, 1)):
+            run = train.setup(tiny_config(char_data, run_dir, **common, **mesh), jax.devices()[:devices])
+            out.add(_state_hash(ckpt.restore_newest(run_dir, run.abstract_state, log=lambda s: None)[1]))
+        return out
+
+    assert len(hashes(tmp_path / "ep")) == 1
+    shutil.copytree(tmp_path / "ep" / "checkpoints" / "10", tmp_path / "one" / "checkpoints" / "10")
+    train.train(tiny_config(char_data, tmp_path / "one", **common), jax.devices()[:1], log=lambda s: None)
+    a, b = train.losses_by_step(tmp_path / "ep"), train.losses_by_step(tmp_path / "one")
+    assert sorted(b) == list(range(11, 21))
+    np.testing.assert_allclose([b[s] for s in range(11, 21)], [a[s] for s in range(11, 21)], rtol=1e-5)
+    assert len(hashes(tmp_path / "one")) == 1
