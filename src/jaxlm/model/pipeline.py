@@ -10,12 +10,17 @@ goes through stages 0..S-1 R times. At iteration t (0 <= t < R * M + S - 1) stag
 m = (t - s) mod M in repeat r = (t - s) // M when 0 <= t - s < R * M, and idles otherwise (the bubble).
 After each iteration every stage's output moves one stage on (a collective permute over `stage`); stage 0
 takes a new micro-batch while there is one and then, in the next repeat, the output of the last stage, which
-waits for it in the same buffer (so R > 1 needs M >= S). The bubble is S (S - 1) of the S (R M + S - 1)
-stage-steps: (S - 1) / (R M + S - 1), R times less than GPipe's (S - 1) / (M + S - 1), each stage-step
-being R times shorter. `schedule` is the table the loop runs, and benchmarks/pipeline.py counts its bubble.
+waits for it in the same buffer (so R > 1 needs M >= S). That buffer of M micro-batches has a copy on each
+stage, split over the batch axes like the batch itself, so that no stage reads another's at a traced index.
+The bubble is S (S - 1) of the S (R M + S - 1) stage-steps: (S - 1) / (R M + S - 1), R times less than
+GPipe's (S - 1) / (M + S - 1), each stage-step being R times shorter. `schedule` is the table the loop
+runs, and benchmarks/pipeline.py counts its bubble.
 
-The backward pass is autodiff of the loop: all forward iterations, then all backward ones in reverse, so
-activation memory is GPipe's (every micro-batch's stage inputs are kept, or recomputed with model.remat).
+The backward pass is autodiff of the loop: all forward iterations, then all backward ones in reverse. Each
+iteration's stages are rematerialized (as MaxText's pipeline does): the loop keeps only the stage inputs of
+every iteration, R M + S - 1 micro-batch activations per stage, and each backward iteration reruns its C layers
+for one micro-batch, keeping what model.remat lets them keep, before differentiating them. That costs one more
+forward pass of the layers than the same model.remat without a pipeline.
 
 Weights: with R = 1, stage s holds layers [s L / S, (s + 1) L / S), exactly the block the `layers` ->
 `stage` rule already puts on it: no weight moves. With R > 1 a stage needs the chunks s, S + s, 2 S + s, ...,
