@@ -15,8 +15,13 @@ from jaxlm import aot, config as config_lib
 LLAMA2_70B = ["compile.topology=v5e-256", "compile.num_slices=2", "mesh.ici_data=1", "mesh.ici_fsdp=-1",
               "model.block_size=2048", "training.per_device_batch_size=4", "model.remat=full"]
 CASES = {
-    # two v5e-256 slices, one pipeline stage per slice, FSDP inside each, 4 x 2048 tokens per chip
-    "llama2-70b_2xv5e-256_dcn_stage2": ("llama2-70b", [*LLAMA2_70B, "mesh.dcn_stage=2"]),
+    # two v5e-256 slices, one pipeline stage per slice, FSDP inside each, 4 x 2048 tokens per chip; 8
+    # micro-batches (each stage reruns its 40 layers for one micro-batch of 1 x 2048 tokens per chip in the
+    # backward pass) and the loss 512 positions at a time (the batch is not split over `stage`, so each chip
+    # computes the logits of 8 sequences)
+    "llama2-70b_2xv5e-256_dcn_stage2": ("llama2-70b", [*LLAMA2_70B, "mesh.dcn_stage=2",
+                                                       "training.pipeline_microbatches=8",
+                                                       "model.loss_chunk_tokens=512"]),
     # the same slices and batch with data parallelism across them, for comparison
     "llama2-70b_2xv5e-256_dcn_data2": ("llama2-70b", [*LLAMA2_70B, "mesh.dcn_data=2"]),
     # mixtral-8x7b on one v5e-256 with expert parallelism: each group of 8 chips holds one expert per chip, FSDP

@@ -1,7 +1,10 @@
 """Pipeline parallelism on 8 fake CPU devices: the schedule, losses equal to one device, checkpoints across
 layouts, and the collectives in the compiled step."""
 
+import contextlib
 import hashlib
+import io
+import math
 import os
 import re
 import shutil
@@ -260,3 +263,36 @@ def test_a_killed_process_is_named_and_the_rerun_resumes_exactly(char_data, tmp_
     assert sorted(after) == list(range(1, 25))
     redone = range(saved + 1, max(before) + 1)
     assert [after[s] for s in redone] == [before[s] for s in redone]
+
+
+def _stacked_activations(char_data, overrides: dict, pipe: tuple[int, int]) -> int:
+    """Elements of the activations [..., length, width] that the loss's backward pass keeps stacked over
+    layers or pipeline iterations (jax.ad_checkpoint.print_saved_residuals: the residuals of rank 4 and up)."""
+    from jaxlm.model import loss_fn
+    T, D = 40, 48  # sizes no weight has in its last two dimensions
+    cfg = tiny_config(char_data, None, **{"model.vocab_size": 128, "model.n_layers": LAYERS, "model.block_size": T,
+                                          "model.d_model": D, "model.remat": "full", "training.batch_size": 16,
+                                          **overrides})
+    run = train.setup(cfg, jax.devices())
+    tokens = jax.ShapeDtypeStruct((16, T), np.int32)
+
+    def f(params, tokens_BT):
+        with sharding.activation_sharding(run.mesh, run.act_rules, pipe):
+            return loss_fn(params, tokens_BT, tokens_BT, run.cfg.model)
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        jax.ad_checkpoint.print_saved_residuals(f, run.abstract_state["params"], tokens)
+    shapes = [[int(n) for n in dims.split(",")] for dims in re.findall(r"^f32\[([\d,]+)\]", out.getvalue(), re.M)]
+    return sum(math.prod(s) for s in shapes if len(s) >= 4 and s[-2:] == [T, D])
+
+
+def test_pipeline_backward_keeps_only_stage_inputs(char_data):
+    """The pipeline keeps one stage input per stage and iteration, [R M + S - 1, S, B / M, T, D], rerunning a
+    stage's layers from it, not each of its layers' inputs for every iteration (C times as much); that is under
+    half of what the unpipelined backward keeps with model.remat=full (each layer's input, [L, B, T, D])."""
+    S, M = 2, 2
+    piped = _stacked_activations(char_data, {"mesh.ici_data": 4, "mesh.ici_stage": S}, (M, 1))
+    assert piped == (M + S - 1) * S * (16 // M) * 40 * 48
+    assert piped < _stacked_activations(char_data, {"mesh.ici_data": 8}, (0, 1)) / 2
+

@@ -10,12 +10,17 @@ goes through stages 0..S-1 R times. At iteration t (0 <= t < R * M + S - 1) stag
 m = (t - s) mod M in repeat r = (t - s) // M when 0 <= t - s < R * M, and idles otherwise (the bubble).
 After each iteration every stage's output moves one stage on (a collective permute over `stage`); stage 0
 takes a new micro-batch while there is one and then, in the next repeat, the output of the last stage, which
-waits for it in the same buffer (so R > 1 needs M >= S). The bubble is S (S - 1) of the S (R M + S - 1)
-stage-steps: (S - 1) / (R M + S - 1), R times less than GPipe's (S - 1) / (M + S - 1), each stage-step
-being R times shorter. `schedule` is the table the loop runs, and benchmarks/pipeline.py counts its bubble.
+waits for it in the same buffer (so R > 1 needs M >= S). That buffer of M micro-batches has a copy on each
+stage, split over the batch axes like the batch itself, so that no stage reads another's at a traced index.
+The bubble is S (S - 1) of the S (R M + S - 1) stage-steps: (S - 1) / (R M + S - 1), R times less than
+GPipe's (S - 1) / (M + S - 1), each stage-step being R times shorter. `schedule` is the table the loop
+runs, and benchmarks/pipeline.py counts its bubble.
 
-The backward pass is autodiff of the loop: all forward iterations, then all backward ones in reverse, so
-activation memory is GPipe's (every micro-batch's stage inputs are kept, or recomputed with model.remat).
+The backward pass is autodiff of the loop: all forward iterations, then all backward ones in reverse. Each
+iteration's stages are rematerialized (as MaxText's pipeline does): the loop keeps only the stage inputs of
+every iteration, R M + S - 1 micro-batch activations per stage, and each backward iteration reruns its C layers
+for one micro-batch, keeping what model.remat lets them keep, before differentiating them. That costs one more
+forward pass of the layers than the same model.remat without a pipeline.
 
 Weights: with R = 1, stage s holds layers [s L / S, (s + 1) L / S), exactly the block the `layers` ->
 `stage` rule already puts on it: no weight moves. With R > 1 a stage needs the chunks s, S + s, 2 S + s, ...,
@@ -85,14 +90,23 @@ def run(stack: Callable, x_BTD: jax.Array, layer_params: dict, layer_axes: dict,
     def chunks(a_L):  # [L, ...] -> [S, R, C, ...], chunk r * S + s at [s, r]
         return a_L.reshape(R, S, C, *a_L.shape[1:]).swapaxes(0, 1)
 
+    def per_stage(a_M):  # a copy on every stage, sharded over `stage`: each stage reads its own copy locally
+        return constrain(jnp.broadcast_to(a_M, (S, *a_M.shape)), ("stages", None, "batch", "length", "embed")[
+            :a_M.ndim + 1])
+
     with jax.named_scope("pipeline"):
-        io_MbTD = constrain(microbatches(x_BTD), (None, "batch", "length", "embed"))
-        positions_MbT = microbatches(positions_BT)
-        segments_MbT = None if segment_ids_BT is None else microbatches(segment_ids_BT)
+        # Every buffer the loop indexes by micro-batch has a stage dimension sharded over `stage`, and every
+        # stage reads and writes only its own copy. A buffer shared by the stages and written by one of them
+        # at a traced index is one the SPMD partitioner cannot split: XLA:TPU all-gathered such a buffer over
+        # the batch axes, the whole global batch's activations on every device.
+        io_SMbTD = per_stage(microbatches(x_BTD))
+        positions_SMbT = per_stage(microbatches(positions_BT))
+        segments_SMbT = None if segment_ids_BT is None else per_stage(microbatches(segment_ids_BT))
         params_SRC = jax.tree.map(chunks, layer_params)
         keys_SRC = None if layer_keys is None else chunks(layer_keys)
+        first_S = jnp.arange(S) == 0
 
-        def stage(x_bTD, p_RC, keys_RC, m, r):
+        def stage(x_bTD, p_RC, keys_RC, positions_MbT, segments_MbT, m, r):
             """One stage's work at one iteration: chunk (r, stage) on micro-batch m (clipped to 0 in a bubble,
             whose result is never used)."""
             m, r = jnp.maximum(m, 0), jnp.maximum(r, 0)
@@ -103,33 +117,47 @@ def run(stack: Callable, x_BTD: jax.Array, layer_params: dict, layer_axes: dict,
             seg_bT = None if segments_MbT is None else segments_MbT[m]
             return stack(x_bTD, p_C, positions_MbT[m], seg_bT, keys_C)
 
-        stages = jax.vmap(stage, spmd_axis_name="stage")
+        # Rematerialized as a whole: the backward pass keeps only each iteration's stage inputs and reruns
+        # the iteration's layers from them, one micro-batch's layers at a time (with model.remat deciding what
+        # that rerun keeps for its own backward). Left to the layers' own remat, the loop would keep every
+        # layer's input for every iteration, C x (R M + S - 1) micro-batch activations per stage. The
+        # checkpoint wraps the stages only, not the iteration, whose carry holds all M micro-batches.
+        stages = jax.checkpoint(jax.vmap(stage, spmd_axis_name="stage"),
+                                policy=jax.checkpoint_policies.nothing_saveable)
         sharded = ("stages", "batch", "length", "embed")
+        take = jax.vmap(lambda a_MbTD, m: a_MbTD[m])  # each stage's micro-batch m of its own copy
+        put = jax.vmap(lambda a_MbTD, x_bTD, m: jax.lax.dynamic_update_index_in_dim(a_MbTD, x_bTD, m, 0))
 
         def iteration(carry, table_S2):
-            state_SbTD, io_MbTD, stats_SR = carry
+            state_SbTD, io_SMbTD, stats_SR = carry
             m_S, r_S = table_S2[:, 0], table_S2[:, 1]
             # Pinned in the loop so that the weights' gradients, summed over iterations, stay sharded as the
             # weights are (on their stage, and over FSDP and tensor axes).
             p_SRC = jax.tree.map(lambda a, axes: constrain_param(a, ("layers", None, None, *axes[1:])),
                                  params_SRC, layer_axes)
-            state_SbTD = state_SbTD.at[0].set(io_MbTD[jnp.maximum(m_S[0], 0)])  # a new or looped micro-batch
-            out_SbTD, stats_SC2E = stages(constrain(state_SbTD, sharded), p_SRC, keys_SRC, m_S, r_S)
-            out_SbTD = constrain(out_SbTD, sharded)
+            # Stage 0 takes a new micro-batch, or in a later repeat the looped one, from its copy of the buffer.
+            m_first_S = jnp.full((S,), jnp.maximum(m_S[0], 0))
+            state_SbTD = jnp.where(first_S[:, None, None, None], take(io_SMbTD, m_first_S), state_SbTD)
+            out_SbTD, stats_SC2E = stages(constrain(state_SbTD, sharded), p_SRC, keys_SRC, positions_SMbT,
+                                          segments_SMbT, m_S, r_S)
+            # Every stage's output moves one stage on, the last stage's to stage 0, which files it in its copy
+            # of the buffer (the other stages' copies take the same writes and are never read).
+            out_SbTD = constrain(jnp.roll(constrain(out_SbTD, sharded), 1, axis=0), sharded)
             busy_S = (m_S >= 0).astype(stats_SC2E.dtype)
             stats_SR = stats_SR + jax.nn.one_hot(r_S, R, dtype=stats_SC2E.dtype)[:, :, None, None, None] * (
                 busy_S[:, None, None, None] * stats_SC2E)[:, None]
-            m_last = jnp.maximum(m_S[-1], 0)
-            done_bTD = jnp.where(m_S[-1] >= 0, out_SbTD[-1], io_MbTD[m_last])
-            io_MbTD = jax.lax.dynamic_update_index_in_dim(io_MbTD, done_bTD, m_last, 0)
-            return (jnp.roll(out_SbTD, 1, axis=0), io_MbTD, stats_SR), None
+            m_last_S = jnp.full((S,), jnp.maximum(m_S[-1], 0))
+            done_SbTD = jnp.where(m_S[-1] >= 0, out_SbTD, take(io_SMbTD, m_last_S))
+            io_SMbTD = constrain(put(io_SMbTD, done_SbTD, m_last_S), ("stages", None, "batch", "length", "embed"))
+            return (out_SbTD, io_SMbTD, stats_SR), None
 
         state_SbTD = constrain(jnp.zeros((S, b, T, D), x_BTD.dtype), sharded)
-        stats_shape = jax.eval_shape(lambda: stages(state_SbTD, params_SRC, keys_SRC, table_IS2[0, :, 0],
-                                                    table_IS2[0, :, 1])[1])
+        stats_shape = jax.eval_shape(lambda: stages(state_SbTD, params_SRC, keys_SRC, positions_SMbT, segments_SMbT,
+                                                    table_IS2[0, :, 0], table_IS2[0, :, 1])[1])
         stats_SR = jnp.zeros((S, R, *stats_shape.shape[1:]), stats_shape.dtype)
-        (_, io_MbTD, stats_SRC2E), _ = jax.lax.scan(iteration, (state_SbTD, io_MbTD, stats_SR), table_IS2)
-        x_BTD = constrain(io_MbTD.swapaxes(0, 1).reshape(B, T, D), ("batch", "length", "embed"))
+        (_, io_SMbTD, stats_SRC2E), _ = jax.lax.scan(iteration, (state_SbTD, io_SMbTD, stats_SR), table_IS2)
+        # Stage 0's copy holds the outputs: one transfer over `stage` hands them to every stage.
+        x_BTD = constrain(io_SMbTD[0].swapaxes(0, 1).reshape(B, T, D), ("batch", "length", "embed"))
         # Statistics are means over tokens: the mean over equal micro-batches is the whole batch's.
         stats_L2E = stats_SRC2E.swapaxes(0, 1).reshape(L, *stats_SRC2E.shape[3:]) / M
     return x_BTD, stats_L2E
