@@ -679,6 +679,10 @@ def validate(cfg: Config) -> None:
     if m.attention in ("blockwise", "splash", "cudnn") and m.dropout > 0:
         raise ConfigError(f"model.attention={m.attention} has no dropout on attention probabilities but "
                           f"model.dropout={m.dropout}; use model.attention=dot_product (or auto) or model.dropout=0")
+    if m.dropout > 0 and max(cfg.mesh.ici_sequence, cfg.mesh.dcn_sequence) > 1:
+        raise ConfigError(f"model.dropout={m.dropout} drops attention probabilities, which context parallelism "
+                          f"(mesh.ici_sequence={cfg.mesh.ici_sequence}, mesh.dcn_sequence={cfg.mesh.dcn_sequence}) "
+                          f"does not; set model.dropout=0 or mesh.ici_sequence=mesh.dcn_sequence=1")
     if m.global_parameter_scale < 1 or m.global_parameter_scale & (m.global_parameter_scale - 1):
         raise ConfigError(f"model.global_parameter_scale={m.global_parameter_scale} must be a power of 2 (1, 2, 4, ...)")
 
