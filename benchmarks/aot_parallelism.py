@@ -19,6 +19,12 @@ CASES = {
     "llama2-70b_2xv5e-256_dcn_stage2": ("llama2-70b", [*LLAMA2_70B, "mesh.dcn_stage=2"]),
     # the same slices and batch with data parallelism across them, for comparison
     "llama2-70b_2xv5e-256_dcn_data2": ("llama2-70b", [*LLAMA2_70B, "mesh.dcn_data=2"]),
+    # one 131,072-token sequence per 16 chips: the sequence split 16 ways (ring attention over blockwise tiles),
+    # FSDP over the other 16
+    "llama3.1-8b_v5e-256_context16_128k": ("llama3.1-8b", [
+        "compile.topology=v5e-256", "mesh.ici_data=1", "mesh.ici_sequence=16", "mesh.ici_fsdp=-1",
+        "model.block_size=131072", "training.per_device_batch_size=0.0625", "model.remat=full",
+        "model.loss_chunk_tokens=4096", "model.context_parallel=ring"]),
 }
 
 
