@@ -48,9 +48,7 @@ def _losses(char_data, tmp_path, devices, packed=False, steps=20, **overrides):
         batch = train.device_batch(run, "train", loader_lib.Windows(rng.integers(0, 100_000, size=(1, 4))))
         if packed:
             batch |= {k: train.put_batch(run.mesh, v, 1, run.act_rules) for k, v in _packed(rng, 4).items()}
-        # One step at a time: with many ring steps queued, XLA:CPU's in-process collectives on a loaded 2-core
-        # machine were seen to miss their 40 s rendezvous and abort.
-        state, m = jax.block_until_ready(step(state, batch))
+        state, m = step(state, batch)
         losses.append(m["loss"])
     return np.array(jax.device_get(losses)), state
 
