@@ -37,6 +37,17 @@ CASES = {
     "mixtral-8x7b_v6e-256_expert8_dropless": ("mixtral-8x7b", [
         "compile.topology=v6e-256", "mesh.ici_data=1", "mesh.ici_fsdp=-1", "mesh.ici_expert=8", "model.block_size=4096",
         "training.per_device_batch_size=2", "model.remat=full"]),
+    # one 131,072-token sequence per 16 chips: the sequence split 16 ways (ring attention over blockwise tiles),
+    # FSDP over the other 16
+    "llama3.1-8b_v5e-256_context16_128k": ("llama3.1-8b", [
+        "compile.topology=v5e-256", "mesh.ici_data=1", "mesh.ici_sequence=16", "mesh.ici_fsdp=-1",
+        "model.block_size=131072", "training.per_device_batch_size=0.0625", "model.remat=full",
+        "model.loss_chunk_tokens=4096", "model.context_parallel=ring"]),
+    # the same with keys and values all-gathered over the 16 sequence devices instead of passed round a ring
+    "llama3.1-8b_v5e-256_context16_128k_all_gather": ("llama3.1-8b", [
+        "compile.topology=v5e-256", "mesh.ici_data=1", "mesh.ici_sequence=16", "mesh.ici_fsdp=-1",
+        "model.block_size=131072", "training.per_device_batch_size=0.0625", "model.remat=full",
+        "model.loss_chunk_tokens=4096", "model.context_parallel=all_gather"]),
 }
 
 

@@ -72,6 +72,11 @@ class ModelConfig:
         "kernel; bf16/fp16 without soft-cap or segment ids), auto (splash on TPU, cudnn on GPU, on CPU "
         "dot_product below 2048 tokens and blockwise from there; cases a kernel lacks use blockwise)")
     attention_block: int = _f(512, "query and key tile length of blockwise and splash attention")
+    context_parallel: Literal["ring", "all_gather"] = _f(
+        "ring",
+        "attention when the mesh splits the sequence (mesh.ici_sequence / dcn_sequence > 1): ring (key/value blocks "
+        "passed around the sequence devices, blockwise tiles; memory 1/n per device) or all_gather (every device "
+        "gathers all keys and values; one collective per layer); docs/scaling.md")
     loss_chunk_tokens: int = _f(0, "compute the output projection and cross-entropy of the training loss this many "
                                    "sequence positions at a time, recomputing each chunk's logits in the backward "
                                    "pass, so the [B, T, V] float32 logits never exist at once; 0 = all at once")
@@ -690,6 +695,10 @@ def validate(cfg: Config) -> None:
     if m.attention in ("blockwise", "splash", "cudnn") and m.dropout > 0:
         raise ConfigError(f"model.attention={m.attention} has no dropout on attention probabilities but "
                           f"model.dropout={m.dropout}; use model.attention=dot_product (or auto) or model.dropout=0")
+    if m.dropout > 0 and max(cfg.mesh.ici_sequence, cfg.mesh.dcn_sequence) > 1:
+        raise ConfigError(f"model.dropout={m.dropout} drops attention probabilities, which context parallelism "
+                          f"(mesh.ici_sequence={cfg.mesh.ici_sequence}, mesh.dcn_sequence={cfg.mesh.dcn_sequence}) "
+                          f"does not; set model.dropout=0 or mesh.ici_sequence=mesh.dcn_sequence=1")
     if m.global_parameter_scale < 1 or m.global_parameter_scale & (m.global_parameter_scale - 1):
         raise ConfigError(f"model.global_parameter_scale={m.global_parameter_scale} must be a power of 2 (1, 2, 4, ...)")
 

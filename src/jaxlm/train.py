@@ -25,7 +25,7 @@ from jaxlm import (diagnostics, distributed, generate, metrics, optim, params as
                    sharding, storage)
 from jaxlm.config import Config, ConfigError
 from jaxlm.data import loader as loader_lib, mixture, packing, prepare, tokenizer as tokenizer_lib
-from jaxlm.model import attention, loss_fn, param_specs
+from jaxlm.model import attention, loss_fn, param_specs, ring
 
 
 @dataclasses.dataclass
@@ -259,6 +259,24 @@ def loss_and_grads(params, batch: dict, model_cfg, key) -> tuple[jax.Array, dict
     return jax.tree.map(lambda g: g / A, (loss, grads))
 
 
+def zigzag_batch(batch: dict, mesh, act_rules) -> dict:
+    """The batch [A, B, T] in zig-zag order along the sequence when the mesh splits it over n devices (context
+    parallelism, model/ring.py): device i gets chunks i and 2n-1-i of every row, so causal attention gives every
+    device the same work. Positions become explicit; everything but attention works token by token and
+    attention masks by position and segment id, so only the order in which the loss sums its terms changes."""
+    n = sharding.shard_count(mesh, sharding.spec(("length",), act_rules)[0])
+    if n == 1:
+        return batch
+    A, B, T = batch["inputs"].shape
+    if T % (2 * n):
+        raise ConfigError(f"model.block_size={T} must be a multiple of {2 * n} (twice the {n} devices that split the "
+                          f"sequence, mesh.ici_sequence x mesh.dcn_sequence) for context parallelism")
+    if "positions" not in batch:
+        batch = {**batch, "positions": jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (A, B, T))}
+    order = ring.zigzag_order(T, n)
+    return {k: v[..., order] for k, v in batch.items()}
+
+
 def make_train_step(cfg: Config, optimizer, mesh, abstract_state, act_rules=sharding.ACTIVATION_RULES) -> Callable:
     """(state, batch) -> (state, metrics); batch: dict of [A, B, T] arrays (batch_keys), A micro-batches
     accumulated (loss_and_grads).
@@ -280,7 +298,7 @@ def make_train_step(cfg: Config, optimizer, mesh, abstract_state, act_rules=shar
         params = state["params"]
         key = jax.random.fold_in(base_key, state["step"])
         with sharding.activation_sharding(mesh, act_rules, pipeline, param_rules):
-            loss, grads = loss_and_grads(params, batch, model_cfg, key)
+            loss, grads = loss_and_grads(params, zigzag_batch(batch, mesh, act_rules), model_cfg, key)
         grad_norm = optax.tree.norm(grads)
         guard = state["guard"]
         avg = guard["loss_avg"]

@@ -1,7 +1,8 @@
 """Causal multi-head attention with grouped-query heads, rotary embeddings, QK normalization, sliding
 windows and logit soft-capping; one-token decoding over a KV cache. `self_attention` is the one interface of
 the uncached pass and picks the implementation (`model.attention`): dot_product here, blockwise
-(model/blockwise.py), splash (model/splash.py, TPU) or cuDNN's flash kernel (GPU).
+(model/blockwise.py), splash (model/splash.py, TPU) or cuDNN's flash kernel (GPU); a mesh that splits the
+sequence runs context parallelism instead (model/ring.py, `model.context_parallel`).
 
 Shape legend: B batch, T query length, S key length (cache slots when decoding), D model width, N query
 heads, K kv heads, G query heads per kv head (N = K * G), H head width.
@@ -14,7 +15,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxlm import sharding
-from jaxlm.model import blockwise, kvcache, layers, splash
+from jaxlm.model import blockwise, kvcache, layers, ring, splash
 from jaxlm.sharding import constrain
 
 # On CPUs the [T, T] scores are cheaper to materialize than to tile below this many tokens.
@@ -96,6 +97,9 @@ def self_attention(q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, cfg, lo
     position, windowed for `local` layers, and never cross a segment."""
     T = q_BTNH.shape[1]
     window = cfg.sliding_window if local else None
+    if (n := ring.context_devices()) > 1 and T % n == 0:  # the sequence is split: context parallelism
+        return ring.attention(q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, window, _scale(cfg),
+                              cfg.attn_logit_softcap, cfg.attention_block, cfg.context_parallel)
     platform = mesh_platform()
     impl = choose(cfg, T, q_BTNH.dtype, segment_ids_BT is not None, platform, dropout=key is not None)
     if impl == "blockwise":

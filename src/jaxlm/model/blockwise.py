@@ -6,7 +6,8 @@ and cuDNN kernels and what long sequences use on CPUs.
 `attend_block` is the building block: attention of some queries over some keys, any positions, returning
 the output in float32 and the log-sum-exp of each query's scores. Two results over disjoint key sets merge
 exactly with `merge` (ring attention passes key blocks around and merges them this way); both results are
-differentiable, the log-sum-exp included.
+differentiable, the log-sum-exp included. `attend_block_grads` is the matching backward step of one key set
+within a merged result (what ring attention's own backward pass runs at each step of the ring).
 
 Shape legend: B batch, T query length, S key length, N query heads, K kv heads, G query heads per kv head
 (N = K * G), H head width, Q query block, C key block; a leading n (nQ, nC) counts blocks.
@@ -65,6 +66,35 @@ def merge(out1_BTNH, lse1_BTN, out2_BTNH, lse2_BTN) -> tuple[jax.Array, jax.Arra
     w1_BTN1 = jnp.exp(lse1_BTN - safe_BTN)[..., None]
     w2_BTN1 = jnp.exp(lse2_BTN - safe_BTN)[..., None]
     return w1_BTN1 * out1_BTNH + w2_BTN1 * out2_BTNH, lse_BTN
+
+
+def attend_block_grads(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, q_pos_BT: jax.Array,
+                       k_pos_BS: jax.Array, q_seg_BT: jax.Array, k_seg_BS: jax.Array, out_BTNH: jax.Array,
+                       lse_BTN: jax.Array, dout_BTNH: jax.Array, window: int | None = None,
+                       scale: float | None = None, softcap: float | None = None, block_q: int = 512,
+                       block_k: int = 512) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The gradients (dq, dk, dv) that these keys and values receive as one part of a larger key set whose
+    attention, merged over every part, is (out [B, T, N, H] float32, lse [B, T, N]) with cotangent dout on
+    out: ring attention's backward step. Each tile's probabilities come from the merged lse, so the parts'
+    dq sum to the whole's, and each part's dk, dv are its own. Segment ids are required here (zeros for one
+    segment per row); arguments and masks are those of `attend_block`, results in the input dtypes."""
+    T, S = q_BTNH.shape[1], k_BSKH.shape[1]
+    Q, C = min(block_q, T), min(block_k, S)
+    pad_t, pad_s = -T % Q, -S % C
+
+    def pad(a, n, value=0):
+        return jnp.pad(a, [(0, 0), (0, n)] + [(0, 0)] * (a.ndim - 2), constant_values=value)
+
+    # Padded query rows have dout = 0 and so add nothing; padded keys sit after every query.
+    tiling = _Tiling(Q, C, q_BTNH.shape[2] // k_BSKH.shape[2], q_BTNH.shape[3] ** -0.5 if scale is None
+                     else float(scale), window, None if softcap is None else float(softcap))
+    residuals = (pad(q_BTNH, pad_t), pad(k_BSKH, pad_s), pad(v_BSKH, pad_s), pad(q_pos_BT, pad_t).astype(jnp.int32),
+                 pad(k_pos_BS, pad_s, _PAD_POSITION).astype(jnp.int32), pad(q_seg_BT, pad_t).astype(jnp.int32),
+                 pad(k_seg_BS, pad_s).astype(jnp.int32), pad(out_BTNH.astype(jnp.float32), pad_t),
+                 pad(lse_BTN, pad_t))
+    dout_BTNH, lse_BTN = pad(dout_BTNH, pad_t), residuals[-1]
+    dq_BTNH, dk_BSKH, dv_BSKH = _attend_bwd(tiling, residuals, (dout_BTNH, jnp.zeros_like(lse_BTN)))[:3]
+    return dq_BTNH[:, :T], dk_BSKH[:, :S], dv_BSKH[:, :S]
 
 
 def attention(q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, window=None, scale=None, softcap=None,

@@ -1,0 +1,192 @@
+"""Context parallelism: self-attention of a sequence split over the mesh axes of the logical `length` axis (the
+`sequence` mesh axis by the default rules), so that no device ever holds the whole sequence's queries, keys and
+values at once. `self_attention` runs `attention` here whenever the active mesh splits the length.
+
+Two ways, chosen by model.context_parallel:
+- ring: each device keeps its queries and passes its block of keys and values (with their positions and
+  segment ids) around the ring of the n sequence devices with `ppermute`; at each of the n steps it attends
+  its queries to the block it holds (`blockwise.attend_block`) and merges the result by log-sum-exp. The
+  backward pass is a second ring (a custom VJP): the key blocks go round again, carrying their dk, dv, and
+  each step's gradients come from the merged log-sum-exp saved by the forward (`blockwise.attend_block_grads`),
+  so the saved state is one block's worth per device, as in the forward.
+- all_gather: keys and values (and their positions and segment ids) are all-gathered over the sequence axes
+  and each device attends its own queries to all of them; the gradient reduce-scatters back. Simpler, one
+  collective per layer, but every device holds the whole sequence's keys and values.
+
+Masks go by position and segment id, never by array index, so any order of the tokens along the sequence gives
+the same result. The train step uses that to balance causal work: `zigzag_order` puts chunks i and 2n-1-i of
+the sequence on device i, so every device holds early and late tokens alike (train.py permutes its batch
+once). Blocks of keys that no query of the device may see (all after its queries, or all outside the window)
+are skipped whole, and inside a block `attend_block` skips the masked tiles.
+
+Shape legend: B batch, T query length (this device's share in the shard_map bodies), S key length, N query
+heads, K kv heads, H head width.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from jaxlm import sharding
+from jaxlm.model import blockwise
+
+
+class _Ring(NamedTuple):
+    """Static settings of one call (hashable: the custom_vjp's nondiff argument)."""
+    axis: str | tuple[str, ...]
+    n: int
+    window: int | None
+    scale: float | None
+    softcap: float | None
+    block: int
+
+
+def context_devices() -> int:
+    """How many devices the active mesh splits the `length` axis over (1 outside a mesh)."""
+    ctx = sharding.active()
+    if ctx is None:
+        return 1
+    mesh, rules = ctx
+    return sharding.shard_count(mesh, sharding.spec(("length",), rules)[0])
+
+
+def zigzag_order(T: int, n: int) -> np.ndarray:
+    """[T] token indices: the sequence cut into 2n chunks, device i (of n, each holding T / n consecutive slots)
+    getting chunks i and 2n-1-i, so that causal attention gives every device the same work."""
+    chunks = np.arange(T).reshape(2 * n, T // (2 * n))
+    return np.concatenate([np.concatenate([chunks[i], chunks[2 * n - 1 - i]]) for i in range(n)])
+
+
+def attention(q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, window=None, scale=None, softcap=None,
+              block_size: int = 512, method: str = "ring") -> jax.Array:
+    """Causal self-attention of a sequence split over the active mesh's `length` axes (T a multiple of their
+    size), in the query dtype; masks and arguments as `blockwise.attention`. method: ring or all_gather."""
+    mesh, rules = sharding.active()
+    axis = sharding.spec(("length",), rules)[0]
+    B, T, N, _ = q_BTNH.shape
+    K = k_BTKH.shape[2]
+    batch = _split(mesh, rules, "batch", B)
+    heads, kv_heads = _split(mesh, rules, "heads", N), _split(mesh, rules, "kv_heads", K)
+    if heads != kv_heads:  # a device needs the kv heads of its query heads: both split the same way, or neither
+        heads = kv_heads = None
+    q_spec = PartitionSpec(batch, axis, heads, None)
+    kv_spec = PartitionSpec(batch, axis, kv_heads, None)
+    tok_spec = PartitionSpec(batch, axis)
+    if segment_ids_BT is None:
+        segment_ids_BT = jnp.zeros(positions_BT.shape, jnp.int32)
+    s = _Ring(axis, sharding.shard_count(mesh, axis), window, scale, softcap, block_size)
+    local = functools.partial(_ring if method == "ring" else _gathered, s)
+    with jax.named_scope(f"{method}_attention"):
+        return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, tok_spec, tok_spec),
+                             out_specs=q_spec, check_vma=False)(
+            q_BTNH, k_BTKH, v_BTKH, positions_BT.astype(jnp.int32), segment_ids_BT.astype(jnp.int32))
+
+
+def _split(mesh, rules, logical: str, size: int):
+    """The mesh axes `logical` is split over when they divide `size`; else None (kept whole)."""
+    entry = sharding.spec((logical,), rules)[0]
+    return entry if size % sharding.shard_count(mesh, entry) == 0 else None
+
+
+def _gathered(s: _Ring, q_BTNH, k_BTKH, v_BTKH, pos_BT, seg_BT):
+    gather = lambda x: jax.lax.all_gather(x, s.axis, axis=1, tiled=True)  # noqa: E731
+    out_BTNH, _ = blockwise.attend_block(q_BTNH, gather(k_BTKH), gather(v_BTKH), pos_BT, gather(pos_BT), seg_BT,
+                                         gather(seg_BT), s.window, s.scale, s.softcap, s.block, s.block)
+    return out_BTNH.astype(q_BTNH.dtype)
+
+
+def _shift(s: _Ring, tree):
+    """Every device's arrays to the next device of the ring."""
+    return jax.lax.ppermute(tree, s.axis, [(i, (i + 1) % s.n) for i in range(s.n)])
+
+
+def _may_attend(s: _Ring, q_pos_BT, k_pos_BS):
+    """False when no query may see any key of the block by position alone (so the whole block is skipped)."""
+    seen = jnp.min(k_pos_BS) <= jnp.max(q_pos_BT)
+    if s.window is not None:
+        seen &= jnp.max(k_pos_BS) > jnp.min(q_pos_BT) - s.window
+    return seen
+
+
+def _attend(s: _Ring, q_BTNH, q_pos_BT, q_seg_BT, kv):
+    k_BSKH, v_BSKH, k_pos_BS, k_seg_BS = kv
+    B, T, N, H = q_BTNH.shape
+
+    def run(_):
+        return blockwise.attend_block(q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS, s.window,
+                                      s.scale, s.softcap, s.block, s.block)
+
+    def skip(_):
+        return jnp.zeros((B, T, N, H), jnp.float32), jnp.full((B, T, N), -jnp.inf, jnp.float32)
+
+    return jax.lax.cond(_may_attend(s, q_pos_BT, k_pos_BS), run, skip, None)
+
+
+def _forward(s: _Ring, q_BTNH, k_BTKH, v_BTKH, pos_BT, seg_BT):
+    """(out float32, lse) of this device's queries over the whole ring's keys."""
+    def step(carry, _):
+        out_BTNH, lse_BTN, kv = carry
+        incoming = _shift(s, kv)  # in flight while this block is attended
+        out_BTNH, lse_BTN = blockwise.merge(out_BTNH, lse_BTN, *_attend(s, q_BTNH, pos_BT, seg_BT, kv))
+        return (out_BTNH, lse_BTN, incoming), None
+
+    B, T, N, H = q_BTNH.shape
+    init = (jnp.zeros((B, T, N, H), jnp.float32), jnp.full((B, T, N), -jnp.inf, jnp.float32),
+            (k_BTKH, v_BTKH, pos_BT, seg_BT))
+    (out_BTNH, lse_BTN, kv), _ = jax.lax.scan(step, init, None, length=s.n - 1)
+    return blockwise.merge(out_BTNH, lse_BTN, *_attend(s, q_BTNH, pos_BT, seg_BT, kv))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ring(s: _Ring, q_BTNH, k_BTKH, v_BTKH, pos_BT, seg_BT):
+    return _forward(s, q_BTNH, k_BTKH, v_BTKH, pos_BT, seg_BT)[0].astype(q_BTNH.dtype)
+
+
+def _ring_fwd(s, q_BTNH, k_BTKH, v_BTKH, pos_BT, seg_BT):
+    out_BTNH, lse_BTN = _forward(s, q_BTNH, k_BTKH, v_BTKH, pos_BT, seg_BT)
+    return out_BTNH.astype(q_BTNH.dtype), (q_BTNH, k_BTKH, v_BTKH, pos_BT, seg_BT, out_BTNH, lse_BTN)
+
+
+def _ring_bwd(s, residuals, dout_BTNH):
+    """The key blocks go round the ring again, each with the dk, dv it has gathered so far; after n steps and
+    one last shift every block is back on its own device with its whole gradient."""
+    q_BTNH, k_BTKH, v_BTKH, pos_BT, seg_BT, out_BTNH, lse_BTN = residuals
+
+    def grads(kv, dkv):
+        k_BSKH, v_BSKH, k_pos_BS, k_seg_BS = kv
+
+        def run(_):
+            dq, dk, dv = blockwise.attend_block_grads(q_BTNH, k_BSKH, v_BSKH, pos_BT, k_pos_BS, seg_BT, k_seg_BS,
+                                                      out_BTNH, lse_BTN, dout_BTNH, s.window, s.scale, s.softcap,
+                                                      s.block, s.block)
+            return dq.astype(jnp.float32), dk.astype(jnp.float32), dv.astype(jnp.float32)
+
+        def skip(_):
+            return (jnp.zeros(q_BTNH.shape, jnp.float32), jnp.zeros(k_BSKH.shape, jnp.float32),
+                    jnp.zeros(v_BSKH.shape, jnp.float32))
+
+        dq_BTNH, dk_BSKH, dv_BSKH = jax.lax.cond(_may_attend(s, pos_BT, k_pos_BS), run, skip, None)
+        return dq_BTNH, (dkv[0] + dk_BSKH, dkv[1] + dv_BSKH)
+
+    def step(carry, _):
+        dq_BTNH, kv, dkv = carry
+        incoming = _shift(s, kv)
+        dq_step, dkv = grads(kv, dkv)
+        return (dq_BTNH + dq_step, incoming, _shift(s, dkv)), None
+
+    zeros_kv = (jnp.zeros(k_BTKH.shape, jnp.float32), jnp.zeros(v_BTKH.shape, jnp.float32))
+    init = (jnp.zeros(q_BTNH.shape, jnp.float32), (k_BTKH, v_BTKH, pos_BT, seg_BT), zeros_kv)
+    (dq_BTNH, kv, dkv), _ = jax.lax.scan(step, init, None, length=s.n - 1)
+    dq_step, dkv = grads(kv, dkv)
+    dk_BTKH, dv_BTKH = _shift(s, dkv)
+    return ((dq_BTNH + dq_step).astype(q_BTNH.dtype), dk_BTKH.astype(k_BTKH.dtype), dv_BTKH.astype(v_BTKH.dtype),
+            None, None)
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)

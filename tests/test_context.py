@@ -1,0 +1,172 @@
+"""Context parallelism on 8 fake CPU devices (model/ring.py): a tiny Llama with 1,024-token sequences and a
+sliding-window layer trains as on one device with the sequence split 4 ways, by ring or all-gather, packed or
+not; the compiled step holds the ring's permutes or the gather; attention memory per device falls with the
+split; checkpoints restore across layouts."""
+
+import re
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import tiny_config
+from jaxlm import checkpoint as ckpt, config as config_lib, sharding, train
+from jaxlm.config import ConfigError
+from jaxlm.data import loader as loader_lib
+from jaxlm.model import attention, ring
+from test_parallel import _state_hash
+
+T = 1024
+# A tiny Llama (RMSNorm, rotary, SwiGLU, grouped-query attention) whose first layer of each pair is local.
+LLAMA = {"model.vocab_size": 128, "model.block_size": T, "model.n_layers": 2, "model.d_model": 32,
+         "model.n_heads": 4, "model.n_kv_heads": 2, "model.norm": "rmsnorm", "model.position": "rotary",
+         "model.glu": True, "model.activation": "silu", "model.layer_pattern": "local,global",
+         "model.sliding_window": 200, "model.attention_block": 128, "training.batch_size": 4}
+CONTEXT4 = {"mesh.ici_data": 2, "mesh.ici_sequence": 4}
+
+
+def _packed(rng, B: int) -> dict[str, np.ndarray]:
+    """Segment ids of documents packed into [1, B, T] rows, positions restarting at each, and weights that leave
+    out each document's last token."""
+    segments = np.cumsum(rng.random((B, T)) < 0.004, axis=1).astype(np.int32)
+    first = np.concatenate([np.ones((B, 1), bool), segments[:, 1:] != segments[:, :-1]], axis=1)
+    positions = (np.arange(T) - np.maximum.accumulate(np.where(first, np.arange(T), 0), axis=1)).astype(np.int32)
+    weights = np.concatenate([~first[:, 1:], np.ones((B, 1), bool)], axis=1).astype(np.float32)
+    return {"segment_ids": segments[None], "positions": positions[None], "weights": weights[None]}
+
+
+def _losses(char_data, tmp_path, devices, packed=False, steps=20, **overrides):
+    cfg = tiny_config(char_data, tmp_path, **{**LLAMA, **overrides})
+    run = train.setup(cfg, devices)
+    state = train.init_state(run, cfg.seed)
+    step = train.make_train_step(run.cfg, run.optimizer, run.mesh, run.abstract_state, run.act_rules)
+    rng = np.random.default_rng(0)
+    losses = []
+    for _ in range(steps):
+        batch = train.device_batch(run, "train", loader_lib.Windows(rng.integers(0, 100_000, size=(1, 4))))
+        if packed:
+            batch |= {k: train.put_batch(run.mesh, v, 1, run.act_rules) for k, v in _packed(rng, 4).items()}
+        state, m = step(state, batch)
+        losses.append(m["loss"])
+    return np.array(jax.device_get(losses)), state
+
+
+@pytest.fixture(scope="module")
+def references(char_data, tmp_path_factory):
+    """The one-device runs (dot_product attention over the whole sequence), plain and packed."""
+    return {packed: _losses(char_data, tmp_path_factory.mktemp("ref"), jax.devices()[:1], packed)
+            for packed in (False, True)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method,packed", [("ring", False), ("all_gather", False), ("ring", True),
+                                           ("all_gather", True)])
+def test_context_parallel_matches_one_device(method, packed, char_data, tmp_path, references):
+    ref_losses, ref_state = references[packed]
+    losses, state = _losses(char_data, tmp_path, jax.devices(), packed,
+                            **CONTEXT4, **{"model.context_parallel": method})
+    assert ref_losses[-1] < ref_losses[0] - 0.3
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(jax.device_get(state["params"])),
+                    jax.tree.leaves(jax.device_get(ref_state["params"]))):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_zigzag_order_balances_causal_work():
+    order = ring.zigzag_order(T, 4)
+    assert sorted(order) == list(range(T))
+    per_device = order.reshape(4, T // 4)
+    # Device i holds chunks i and 7 - i of 128 tokens: the keys before its queries are the same in number.
+    np.testing.assert_array_equal(per_device[1], np.r_[128:256, 768:896])
+    work = [(positions + 1).sum() for positions in per_device]
+    assert len(set(work)) == 1, work
+
+
+def _attention_collectives(char_data, method: str) -> set[tuple[str, str]]:
+    """(op, result shape) of the compiled train step's collectives that the attention's shard_map issues."""
+    cfg = tiny_config(char_data, None, **{**LLAMA, **CONTEXT4, "model.context_parallel": method})
+    run = train.setup(cfg, jax.devices())
+    step = train.make_train_step(run.cfg, run.optimizer, run.mesh, run.abstract_state, run.act_rules)
+    hlo = step.lower(run.abstract_state, train.abstract_batch(run)).compile().as_text()
+    return set(re.findall(rf"= \(?([a-z0-9]+\[[0-9,]*\])[^=\n]*? (all-gather|collective-permute)(?:-start)?\("
+                          rf"[^\n]*op_name=\"[^\"]*{method}_attention/", hlo))
+
+
+@pytest.mark.parametrize("method", ["ring", "all_gather"])
+def test_compiled_step_moves_keys_and_values(method, char_data):
+    """The ring passes blocks [rows per data shard, T / 4, kv heads, head width] of keys and values (and of their
+    gradients) with collective permutes and gathers nothing; all_gather gathers them whole."""
+    found = _attention_collectives(char_data, method)
+    if method == "ring":
+        assert {op for _, op in found} == {"collective-permute"}, found
+        assert (f"f32[2,{T // 4},2,8]", "collective-permute") in found, found
+    else:
+        assert {op for _, op in found} == {"all-gather"}, found
+        assert (f"f32[2,{T},2,8]", "all-gather") in found, found
+
+
+def _attention_grad_temp_bytes(mesh, method: str, T: int = 4096) -> int:
+    """Temporary bytes per device of the gradient of one attention call over [1, T, 8, 64] queries."""
+    cfg = config_lib.ModelConfig(attention="blockwise", attention_block=64, context_parallel=method)
+    # Under the mesh the arguments and gradients are split along the sequence, as the model's activations are.
+    split = None if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "sequence"))
+    q = jax.ShapeDtypeStruct((1, T, 8, 64), jnp.float32, sharding=split)
+    kv = jax.ShapeDtypeStruct((1, T, 4, 64), jnp.float32, sharding=split)
+    pos = jax.ShapeDtypeStruct((1, T), jnp.int32, sharding=split)
+
+    def loss(q, k, v, positions):
+        return jnp.sum(attention.self_attention(q, k, v, positions, None, cfg).astype(jnp.float32) ** 2)
+
+    def grads(*args):
+        if mesh is None:
+            return jax.grad(loss, argnums=(0, 1, 2))(*args)
+        with sharding.activation_sharding(mesh):
+            return jax.grad(loss, argnums=(0, 1, 2))(*args)
+
+    return jax.jit(grads, out_shardings=split).lower(q, kv, kv, pos).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_ring_attention_temporaries_per_device_fall_with_context_4():
+    """At 4,096 tokens: one device's blockwise gradient 50.5 MB, the ring's 22.6 MB per device (0.45: its
+    queries, outputs and gradients are a quarter, but a device also holds the key block in flight and its
+    travelling dk, dv), all_gather's 29.4 MB (0.58: whole keys and values and their gradients)."""
+    mesh = sharding.make_mesh(config_lib.MeshConfig(ici_data=1, ici_sequence=4), jax.devices()[:4])
+    whole = _attention_grad_temp_bytes(None, "ring")
+    ring_bytes = _attention_grad_temp_bytes(mesh, "ring")
+    gathered = _attention_grad_temp_bytes(mesh, "all_gather")
+    assert ring_bytes <= 0.5 * whole, (ring_bytes, whole)
+    assert ring_bytes < gathered < 0.65 * whole, (ring_bytes, gathered, whole)
+
+
+@pytest.mark.slow
+def test_checkpoints_restore_across_context_layouts(char_data, tmp_path):
+    """A run with the sequence split 4 ways saves at steps 10 and 20; one device resumes its step 10 and repeats
+    its losses, and every layout restores the same bits of each run's checkpoints."""
+    common = {**LLAMA, "training.eval_interval": 0}
+    train.train(tiny_config(char_data, tmp_path / "context", **common, **CONTEXT4), jax.devices(), log=lambda s: None)
+    shutil.copytree(tmp_path / "context" / "checkpoints" / "10", tmp_path / "one" / "checkpoints" / "10")
+    train.train(tiny_config(char_data, tmp_path / "one", **common, **{"mesh.ici_data": 1}), jax.devices()[:1],
+                log=lambda s: None)
+    a, b = train.losses_by_step(tmp_path / "context"), train.losses_by_step(tmp_path / "one")
+    assert sorted(b) == list(range(11, 21))
+    np.testing.assert_allclose([b[s] for s in range(11, 21)], [a[s] for s in range(11, 21)], rtol=1e-5)
+    for name in ("context", "one"):
+        hashes = set()
+        for mesh, devices in ((CONTEXT4, 8), ({"mesh.ici_data": 1}, 1), ({"mesh.ici_sequence": 8, "mesh.ici_data": 1}, 8)):
+            run = train.setup(tiny_config(char_data, tmp_path / name, **common, **mesh), jax.devices()[:devices])
+            hashes.add(_state_hash(ckpt.restore_newest(tmp_path / name, run.abstract_state, log=lambda s: None)[1]))
+        assert len(hashes) == 1, name
+
+
+def test_context_parallel_setting_errors_are_one_line(char_data, tmp_path):
+    with pytest.raises(ConfigError, match="model.context_parallel='rign' is not allowed.*choose one of: ring, "
+                                          "all_gather"):
+        tiny_config(char_data, tmp_path, **{"model.context_parallel": "rign"})
+    with pytest.raises(ConfigError, match="model.dropout=0.1 drops attention probabilities, which context "
+                                          "parallelism"):
+        tiny_config(char_data, tmp_path, **{"model.dropout": 0.1, "mesh.ici_sequence": 4})
+    with pytest.raises(ConfigError, match="model.block_size=36 must be a multiple of 8"):
+        _losses(char_data, tmp_path, jax.devices(), steps=1,
+                **{**CONTEXT4, "model.block_size": 36, "model.sliding_window": None, "model.layer_pattern": "global"})
