@@ -271,10 +271,18 @@ def zigzag_batch(batch: dict, mesh, act_rules) -> dict:
     if T % (2 * n):
         raise ConfigError(f"model.block_size={T} must be a multiple of {2 * n} (twice the {n} devices that split the "
                           f"sequence, mesh.ici_sequence x mesh.dcn_sequence) for context parallelism")
-    if "positions" not in batch:
-        batch = {**batch, "positions": jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (A, B, T))}
     order = ring.zigzag_order(T, n)
-    return {k: v[..., order] for k, v in batch.items()}
+    # One reordering of all the arrays stacked, not one per array: the single exchange feeds the embedding, so
+    # every device makes it before any other collective. Separate exchanges (one for the targets, only needed
+    # at the loss) may run in different orders on different devices, and XLA:CPU's in-process collectives then
+    # wait on each other for ever.
+    keys = list(batch)
+    as_int = [jax.lax.bitcast_convert_type(batch[k], jnp.int32) for k in keys]
+    moved = jnp.stack(as_int)[..., order]
+    out = {k: jax.lax.bitcast_convert_type(moved[i], batch[k].dtype) for i, k in enumerate(keys)}
+    if "positions" not in out:  # positions 0..T-1 in the new order: no exchange needed
+        out["positions"] = jnp.broadcast_to(jnp.asarray(order, jnp.int32), (A, B, T))
+    return out
 
 
 def make_train_step(cfg: Config, optimizer, mesh, abstract_state, act_rules=sharding.ACTIVATION_RULES) -> Callable:
