@@ -34,7 +34,7 @@ def _f(default, help: str, **kw):
 
 DType = Literal["float32", "bfloat16"]
 RematPolicy = Literal["none", "full", "minimal", "save_dots", "save_qkv_proj", "save_out_proj", "save_qkv_out_proj",
-                      "save_attention", "offload_qkv_proj", "offload_attention"]
+                      "save_attention", "offload_qkv_proj", "offload_attention", "offload_layer_inputs"]
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,8 @@ class ModelConfig:
     remat: RematPolicy = _f("none", "activation rematerialization: none, full, minimal (save matmuls without a "
                                     "batch dim), save_dots, save_qkv_proj / save_out_proj / save_qkv_out_proj / "
                                     "save_attention (keep those named activations, recompute the rest), "
-                                    "offload_qkv_proj / offload_attention (move them to host memory; TPU and GPU); "
+                                    "offload_qkv_proj / offload_attention (move them to host memory; TPU and GPU), "
+                                    "offload_layer_inputs (full remat, each layer's input kept in host memory); "
                                     "docs/performance.md")
     attention: Literal["auto", "dot_product", "blockwise", "splash", "cudnn"] = _f(
         "auto",
