@@ -181,7 +181,7 @@ def test_a_saved_step_refuses_another_attention_or_remat_setting():
     cfg = Config()
     saved = {"platform": "cpu", "device_kind": "cpu", "n_devices": 1, "jax": jax.__version__, "args": [],
              "settings": saved_step.baked_settings(cfg)}
-    for key, value in (("attention", "blockwise"), ("remat", "save_qkv_proj"), ("loss_chunk_tokens", 512)):
+    for key, value in (("attention", "blockwise"), ("remat", "save_qkv_proj"), ("loss_chunk_tokens", 1024)):
         other = cfg.replace(model=dataclasses.replace(cfg.model, **{key: value}))
         here = dict(saved, settings=saved_step.baked_settings(other))
         with pytest.raises(ConfigError, match=f"was compiled with model.{key}="):

@@ -73,9 +73,10 @@ class ModelConfig:
         "kernel; bf16/fp16 without soft-cap or segment ids), auto (splash on TPU, cudnn on GPU, on CPU "
         "dot_product below 2048 tokens and blockwise from there; cases a kernel lacks use blockwise)")
     attention_block: int = _f(512, "query and key tile length of blockwise and splash attention")
-    loss_chunk_tokens: int = _f(0, "compute the output projection and cross-entropy of the training loss this many "
-                                   "sequence positions at a time, recomputing each chunk's logits in the backward "
-                                   "pass, so the [B, T, V] float32 logits never exist at once; 0 = all at once")
+    loss_chunk_tokens: int = _f(512, "compute the output projection and cross-entropy of the training loss this "
+                                     "many sequence positions at a time for longer sequences, recomputing each "
+                                     "chunk's logits in the backward pass, so the [B, T, V] float32 logits never "
+                                     "exist at once (the loss is the same); 0 = all at once")
     scan_layers: bool = _f(True, "run the stacked layers with lax.scan (fast compile) instead of a Python loop")
     global_parameter_scale: int = _f(1, "multiply the non-embedding parameters by about this power of 2, "
                                         "growing width, heads, MLP width (and layers every third doubling)")

@@ -393,6 +393,12 @@ def chunked_cross_entropy_sum(params: dict, x_BTD: jax.Array, targets_BT: jax.Ar
     return _weighted_sum(losses_BT, None if weights_BT is None else weights_BT.astype(jnp.float32))
 
 
+def describe_loss(cfg: ModelConfig) -> str:
+    """For the logs: how the training loss runs at cfg.block_size tokens ('' when all at once)."""
+    C = cfg.loss_chunk_tokens
+    return f" | loss in chunks of {C} tokens" if 0 < C < cfg.block_size else ""
+
+
 def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
     """Mean next-token cross-entropy in float32."""
     return cross_entropy_sum(logits_BTV, targets_BT) / targets_BT.size
