@@ -18,7 +18,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--scales", default="16,32,64")
     ap.add_argument("--topology", default="v5e-256")
-    ap.add_argument("overrides", nargs="*", help="extra key=value settings, e.g. model.loss_chunk_tokens=512")
+    ap.add_argument("overrides", nargs="*", help="extra key=value settings, e.g. model.loss_chunk_tokens=1024")
     args = ap.parse_args()
     for scale in (int(s) for s in args.scales.split(",")):
         cfg = config_lib.load("maxtext_base", [

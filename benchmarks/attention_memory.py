@@ -37,7 +37,7 @@ def main():
     args = ap.parse_args()
     if args.policies:
         for policy in ("none", "save_dots", "minimal", "save_attention", "save_qkv_proj", "save_out_proj", "full",
-                       "offload_qkv_proj", "offload_attention"):
+                       "offload_qkv_proj", "offload_attention", "offload_layer_inputs"):
             device, host = temporaries("blockwise", 2048, args.block, policy, n_layers=4, host=True)
             print(f"remat={policy} temporaries_bytes={device} ({device / 2**20:.1f} MiB) "
                   f"host_temporaries_bytes={host} ({host / 2**20:.1f} MiB)", flush=True)

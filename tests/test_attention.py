@@ -181,7 +181,7 @@ def test_a_saved_step_refuses_another_attention_or_remat_setting():
     cfg = Config()
     saved = {"platform": "cpu", "device_kind": "cpu", "n_devices": 1, "jax": jax.__version__, "args": [],
              "settings": saved_step.baked_settings(cfg)}
-    for key, value in (("attention", "blockwise"), ("remat", "save_qkv_proj"), ("loss_chunk_tokens", 512)):
+    for key, value in (("attention", "blockwise"), ("remat", "save_qkv_proj"), ("loss_chunk_tokens", 1024)):
         other = cfg.replace(model=dataclasses.replace(cfg.model, **{key: value}))
         here = dict(saved, settings=saved_step.baked_settings(other))
         with pytest.raises(ConfigError, match=f"was compiled with model.{key}="):
@@ -260,20 +260,25 @@ def test_named_remat_policies_keep_the_named_activations_and_the_gradients():
     def loss(policy):
         return lambda p: loss_fn(p, tokens[:, :-1], tokens[:, 1:], dataclasses.replace(cfg, remat=policy))
 
-    def kept(policy):
-        """Residuals of the layer scan shaped like q, k or v [L, B, T, N, H], and whether each is on the host."""
+    def kept(policy, shape="[2,2,16,4,8]"):
+        """Residuals of the layer scan of a shape (default: q, k or v [L, B, T, N, H]), and whether each is on
+        the host."""
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
             jax.ad_checkpoint.print_saved_residuals(loss(policy), params)
         avals = [line.split(" ")[0] for line in out.getvalue().splitlines()]
-        return [a.startswith("f32<host>") for a in avals if a.endswith("[2,2,16,4,8]")]
+        return [a.startswith("f32<host>") for a in avals if a.endswith(shape)]
 
     assert kept("full") == []
     assert kept("save_qkv_proj") == [False] * 3
     assert kept("offload_qkv_proj") == [True] * 3
+    layer_inputs = "[2,2,16,32]"  # [L, B, T, D]: the stack of the layers' inputs
+    assert kept("full", layer_inputs) == [False]
+    assert kept("offload_layer_inputs", layer_inputs) == [True]
     want = jax.grad(loss("none"))(params)
-    for g, w in zip(jax.tree.leaves(jax.grad(loss("offload_attention"))(params)), jax.tree.leaves(want)):
-        assert_close(g, w)
+    for policy in ("offload_attention", "offload_layer_inputs"):
+        for g, w in zip(jax.tree.leaves(jax.grad(loss(policy))(params)), jax.tree.leaves(want)):
+            assert_close(g, w)
 
 
 def test_splash_runs_per_device_under_the_mesh():

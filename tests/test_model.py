@@ -39,6 +39,25 @@ def test_rotary_matches_naive_complex_rotation():
     np.testing.assert_allclose(got, want, atol=1e-5)
 
 
+def test_rotary_gradient_is_the_transposed_rotation():
+    """The hand-written backward (rotation by minus the angle) equals a numerical vector-Jacobian product of
+    the naive complex rotation, with llama3 frequency scaling and in bfloat16."""
+    B, T, N, H = 2, 5, 3, 8
+    scaling = (8.0, 1.0, 4.0, 8)
+    rng = np.random.default_rng(0)
+    x, g = (rng.normal(size=(B, T, N, H)) for _ in range(2))
+    pos = np.tile(np.arange(T), (B, 1)) * 7
+    inv_freq = np.asarray(layers.rope_frequencies(H, 500.0, scaling), np.float64)
+    angle = pos[..., None, None] * inv_freq  # [B, T, 1, H/2]
+    # d/dx <g, R(angle) x> = R(angle)^T g = R(-angle) g
+    g1, g2 = g[..., : H // 2], g[..., H // 2:]
+    want = np.concatenate([g1 * np.cos(angle) + g2 * np.sin(angle), g2 * np.cos(angle) - g1 * np.sin(angle)], -1)
+    for dtype, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)):
+        _, vjp = jax.vjp(lambda x: layers.rotary(x, jnp.asarray(pos), 500.0, scaling), jnp.asarray(x, dtype))
+        got = np.asarray(vjp(jnp.asarray(g, dtype))[0], np.float64)
+        np.testing.assert_allclose(got, want, atol=tol * 4, rtol=tol)
+
+
 def test_rotary_scores_depend_only_on_relative_position():
     H = 16
     q = jax.random.normal(jax.random.key(0), (1, 1, 1, H))

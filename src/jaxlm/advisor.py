@@ -75,12 +75,16 @@ def remedy(scope: str, model_cfg) -> str:
     m = model_cfg
     if scope == "attention" and m.attention == "dot_product":
         return "model.attention=blockwise (or splash on TPU): O(T x block) instead of [T, T] scores"
-    if scope in ("logits",):
-        return "model.loss_chunk_tokens=1024: the [B, T, V] logits a chunk at a time"
+    if scope in ("logits", "chunked_loss"):
+        if 0 < m.loss_chunk_tokens < m.block_size:
+            return f"a smaller model.loss_chunk_tokens (now {m.loss_chunk_tokens}): [B, chunk, V] logits"
+        return "model.loss_chunk_tokens=512: the [B, T, V] logits a chunk at a time"
     if scope in ("mlp_block", "attn_block", "attention", "blockwise_attention", "splash_attention"):
-        if m.remat != "full":
+        if m.remat not in ("full", "offload_layer_inputs"):
             return f"model.remat=full (now {m.remat})"
-        return "model.remat=offload_attention, or a smaller training.per_device_batch_size"
+        if m.remat == "full":
+            return "model.remat=offload_layer_inputs (the layers' saved inputs in host memory)"
+        return "a smaller training.per_device_batch_size, or more FSDP devices"
     return "a smaller training.per_device_batch_size, or more FSDP devices"
 
 

@@ -31,7 +31,7 @@ import jax
 from jax.experimental import serialize_executable
 
 from jaxlm import advisor, saved_step, train
-from jaxlm.model import attention
+from jaxlm.model import attention, transformer
 from jaxlm.config import MESH_AXES, CompileConfig, Config, ConfigError
 
 GiB = 2**30
@@ -347,7 +347,7 @@ def report(r: Result) -> list[str]:
              f"mesh {shape} | batch {t.batch_size} sequences ({t.per_device_batch_size:g} per device) x "
              f"{t.grad_accum} accumulation x {m_cfg.block_size} tokens | remat {m_cfg.remat} | "
              + attention.describe(m_cfg, tgt.platform)
-             + (f" | loss in chunks of {m_cfg.loss_chunk_tokens} tokens" if m_cfg.loss_chunk_tokens else "")]
+             + transformer.describe_loss(m_cfg)]
     if r.memory is not None:
         mem = r.memory
         lines += ["memory per device (compiled.memory_analysis()):",

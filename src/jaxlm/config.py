@@ -34,7 +34,7 @@ def _f(default, help: str, **kw):
 
 DType = Literal["float32", "bfloat16"]
 RematPolicy = Literal["none", "full", "minimal", "save_dots", "save_qkv_proj", "save_out_proj", "save_qkv_out_proj",
-                      "save_attention", "offload_qkv_proj", "offload_attention"]
+                      "save_attention", "offload_qkv_proj", "offload_attention", "offload_layer_inputs"]
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,8 @@ class ModelConfig:
     remat: RematPolicy = _f("none", "activation rematerialization: none, full, minimal (save matmuls without a "
                                     "batch dim), save_dots, save_qkv_proj / save_out_proj / save_qkv_out_proj / "
                                     "save_attention (keep those named activations, recompute the rest), "
-                                    "offload_qkv_proj / offload_attention (move them to host memory; TPU and GPU); "
+                                    "offload_qkv_proj / offload_attention (move them to host memory; TPU and GPU), "
+                                    "offload_layer_inputs (full remat, each layer's input kept in host memory); "
                                     "docs/performance.md")
     attention: Literal["auto", "dot_product", "blockwise", "splash", "cudnn"] = _f(
         "auto",
@@ -77,9 +78,10 @@ class ModelConfig:
         "attention when the mesh splits the sequence (mesh.ici_sequence / dcn_sequence > 1): ring (key/value blocks "
         "passed around the sequence devices, blockwise tiles; memory 1/n per device) or all_gather (every device "
         "gathers all keys and values; one collective per layer); docs/scaling.md")
-    loss_chunk_tokens: int = _f(0, "compute the output projection and cross-entropy of the training loss this many "
-                                   "sequence positions at a time, recomputing each chunk's logits in the backward "
-                                   "pass, so the [B, T, V] float32 logits never exist at once; 0 = all at once")
+    loss_chunk_tokens: int = _f(512, "compute the output projection and cross-entropy of the training loss this "
+                                     "many sequence positions at a time for longer sequences, recomputing each "
+                                     "chunk's logits in the backward pass, so the [B, T, V] float32 logits never "
+                                     "exist at once (the loss is the same); 0 = all at once")
     scan_layers: bool = _f(True, "run the stacked layers with lax.scan (fast compile) instead of a Python loop")
     global_parameter_scale: int = _f(1, "multiply the non-embedding parameters by about this power of 2, "
                                         "growing width, heads, MLP width (and layers every third doubling)")

@@ -25,7 +25,7 @@ from jaxlm import (diagnostics, distributed, generate, metrics, optim, params as
                    sharding, storage)
 from jaxlm.config import Config, ConfigError
 from jaxlm.data import loader as loader_lib, mixture, packing, prepare, tokenizer as tokenizer_lib
-from jaxlm.model import attention, loss_fn, param_specs, ring
+from jaxlm.model import attention, loss_fn, param_specs, ring, transformer
 
 
 @dataclasses.dataclass
@@ -511,7 +511,7 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
     log(f"model FLOPs {flops_per_token:,.0f} per token (causal attention counted as half) | peak "
         f"{peak / 1e12:.3f} TFLOP/s per device ({peak_source})")
     log(attention.describe(m_cfg, mesh.devices.flat[0].platform)
-        + (f" | loss in chunks of {m_cfg.loss_chunk_tokens} tokens" if m_cfg.loss_chunk_tokens else ""))
+        + transformer.describe_loss(m_cfg))
     log(f"data {run.dataset.dir}: {run.dataset.describe()}"
         + (" | packed rows" if cfg.data.packing else "") + (" | loss mask on" if cfg.data.loss_mask == "on" else ""))
     if m_cfg.quantization == "fp8" and (note := quant.fp8_fallback_message(mesh.devices.flat[0])):

@@ -5,18 +5,21 @@ Shape legend: B batch, T length, D model width, N heads, H head width, F MLP hid
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 
-from jaxlm import quant
+from jaxlm import quant, sharding
 
 
 def dot(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
-    """Every dense matmul of the model goes through here: operands in x's dtype, float32 accumulation,
-    result back in x's dtype (bf16 x bf16 -> f32 is the fast path on TPU/GPU).
+    """Every dense matmul of the model goes through here: operands and result in x's dtype, accumulated in
+    float32 by the matmul itself (TPU's MXU, cuBLAS and XLA:CPU all accumulate bf16 products in float32). A
+    float32 result rounded afterwards gives the same numbers, but XLA materializes the float32 array, and the
+    backward pass then multiplies float32 cotangents: float32 [B, T, D] and [B, T, N, H] temporaries per layer.
 
     A weight contraction `x[..., *in] @ w[*in, *out]` runs as one 2-D matmul over flattened dims: XLA:CPU
     then picks fast GEMM layouts in both passes, where the N-D einsum's weight gradient (contracting batch
@@ -29,9 +32,43 @@ def dot(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
     n_in = len(contracted)
     if n_in and lhs.endswith(contracted) and rhs.startswith(contracted) and out == lhs[:-n_in] + rhs[n_in:]:
         lead, k = x.shape[: x.ndim - n_in], math.prod(x.shape[x.ndim - n_in:])
-        y = jnp.dot(x.reshape(-1, k), w.astype(x.dtype).reshape(k, -1), preferred_element_type=jnp.float32)
-        return y.astype(x.dtype).reshape(*lead, *w.shape[n_in:])
-    return jnp.einsum(spec, x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+        y = jnp.dot(x.reshape(-1, k), w.astype(x.dtype).reshape(k, -1), preferred_element_type=x.dtype)
+        return y.reshape(*lead, *w.shape[n_in:])
+    return jnp.einsum(spec, x, w.astype(x.dtype), preferred_element_type=x.dtype)
+
+
+def pin_grad(w: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
+    """w itself; its gradient is pinned to the weight sharding of `axes` (the weight rules) where it is
+    computed. A layer's weight gradient is a sum over the batch, which every device holds a part of: pinned,
+    XLA reduce-scatters it into each device's shard at once; unpinned inside the layer scan's backward, it
+    all-reduces the whole [D, F] matrix per layer, and the output projection's float32 [D, V] gradient stays
+    whole through the backward of every layer."""
+    return _pin_grad(w, tuple(axes))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _pin_grad(w, axes):
+    return w
+
+
+def _pin_grad_fwd(w, axes):
+    return w, None
+
+
+def _pin_grad_bwd(axes, _, g):
+    return (sharding.constrain_param(g, axes),)
+
+
+_pin_grad.defvjp(_pin_grad_fwd, _pin_grad_bwd)
+
+
+def matmul_weight(w: jax.Array, axes: tuple[str | None, ...], dtype) -> jax.Array:
+    """A weight as `dot` consumes it: cast to the compute dtype where it lies, so XLA gathers the narrower
+    copy, with its gradient (in that dtype) pinned to the weight's sharding (pin_grad). Weights taking the
+    quantized path are left as they are."""
+    if quant.applies(w):
+        return w
+    return pin_grad(w.astype(dtype), axes)
 
 
 def ragged_dot(x_MD: jax.Array, w_EDF: jax.Array, group_sizes_E: jax.Array) -> jax.Array:
@@ -84,17 +121,37 @@ def rope_frequencies(H: int, theta: float, llama3_scaling: tuple[float, float, f
                      jnp.where(wavelen < original / high, inv_freq, mid))
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def rotary(x_BTNH: jax.Array, positions_BT: jax.Array, theta: float,
            llama3_scaling: tuple[float, float, float, int] | None = None) -> jax.Array:
-    """Rotary position embedding in the rotate-half layout (the one Hugging Face Llama weights use)."""
+    """Rotary position embedding in the rotate-half layout (the one Hugging Face Llama weights use).
+
+    Its gradient is the same rotation by minus the angle (a rotation's transpose), computed in one fused pass
+    from the output's gradient: differentiated op by op, the backward holds float32 copies of q and k and of
+    their rotated halves, several [B, T, N, H] float32 arrays per layer at the peak of the training step."""
+    return _rotate(x_BTNH, positions_BT, theta, llama3_scaling, 1.0)
+
+
+def _rotate(x_BTNH, positions_BT, theta, llama3_scaling, sign: float):
     H = x_BTNH.shape[-1]
     inv_freq = rope_frequencies(H, theta, llama3_scaling)
     angle_BTh = positions_BT[..., None].astype(jnp.float32) * inv_freq
-    sin, cos = jnp.sin(angle_BTh)[:, :, None, :], jnp.cos(angle_BTh)[:, :, None, :]
+    sin, cos = sign * jnp.sin(angle_BTh)[:, :, None, :], jnp.cos(angle_BTh)[:, :, None, :]
     x = x_BTNH.astype(jnp.float32)
     x1, x2 = x[..., : H // 2], x[..., H // 2:]
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x_BTNH.dtype)
+
+
+def _rotary_fwd(x_BTNH, positions_BT, theta, llama3_scaling):
+    return _rotate(x_BTNH, positions_BT, theta, llama3_scaling, 1.0), positions_BT
+
+
+def _rotary_bwd(theta, llama3_scaling, positions_BT, g_BTNH):
+    return _rotate(g_BTNH, positions_BT, theta, llama3_scaling, -1.0), None
+
+
+rotary.defvjp(_rotary_fwd, _rotary_bwd)
 
 
 def gelu(x: jax.Array) -> jax.Array:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxlm import quant
 from jaxlm.config import ModelConfig
@@ -106,6 +107,11 @@ REMAT_POLICIES = {
     "offload_attention": _cp.save_and_offload_only_these_names(
         names_which_can_be_saved=[], names_which_can_be_offloaded=[*QKV, "context", "out_proj"],
         offload_src="device", offload_dst="pinned_host"),
+    # Full remat whose one saved activation per layer, the layer's input, waits in host memory: the [L, B, T, D]
+    # stack that every other policy keeps on the device.
+    "offload_layer_inputs": _cp.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=["decoder_layer_input"],
+        offload_src="device", offload_dst="pinned_host"),
 }
 
 
@@ -114,6 +120,8 @@ def block(x_BTD: jax.Array, p: dict, cfg: ModelConfig, positions_BT: jax.Array, 
     """One pre-norm block; returns the new residual stream and the MoE routing statistics [3, E] (an empty
     [3, 0] array for a dense MLP)."""
     keys = jax.random.split(key, 3) if key is not None else (None, None, None)
+    # Every use below reads the named copy, so a policy that offloads it leaves no device copy for the backward.
+    x_BTD = checkpoint_name(x_BTD, "decoder_layer_input")
     attn = lambda h, q: (attention.attention(h, q, cfg, positions_BT, keys[0], local, segment_ids_BT),  # noqa: E731
                          None)
     x_BTD, stats_3E, _ = _block(x_BTD, p, cfg, attn, keys[1:])
@@ -163,8 +171,29 @@ def unembed(params: dict, x_BTD: jax.Array, cfg: ModelConfig) -> jax.Array:
         if quant.applies(w, logits=True):
             logits_BTV = quant.dot(spec, x_BTD, w)
         else:
+            # The gradient is pinned in the weights' dtype: the [D, V] sum over the batch is reduced in float32.
+            w = layers.pin_grad(w, ("vocab", "embed") if cfg.tie_embeddings else ("embed", "vocab"))
             logits_BTV = jnp.einsum(spec, x_BTD, w.astype(cdt), preferred_element_type=jnp.float32)
         return layers.softcap(logits_BTV, cfg.final_logit_softcap)
+
+
+# The dense matmul weights of a layer, by block: what _matmul_weights casts and pins.
+MATMUL_WEIGHTS = {"attn": ("q", "k", "v", "o"), "mlp": ("up", "gate", "down")}
+
+
+def _matmul_weights(p: dict, cfg: ModelConfig) -> dict:
+    """One layer's weights with its dense matmul weights cast to the compute dtype and their gradients
+    pinned to their shardings (layers.matmul_weight). Inside the remat'd layer body, so the cast copies are
+    recomputed in the backward pass, never saved. Expert weights are left to moe.py."""
+    specs = param_specs(cfg)["layers"]
+    cdt = jnp.dtype(cfg.compute_dtype)
+    p = {**p}
+    for blk, names in MATMUL_WEIGHTS.items():
+        if blk == "mlp" and cfg.n_experts:
+            continue
+        p[blk] = {**p[blk], **{name: layers.matmul_weight(p[blk][name], specs[blk][name].axes[1:], cdt)
+                               for name in names if name in p[blk]}}
+    return p
 
 
 def layer_stack(x_BTD: jax.Array, layer_params: dict, cfg: ModelConfig, positions_BT: jax.Array,
@@ -178,8 +207,8 @@ def layer_stack(x_BTD: jax.Array, layer_params: dict, cfg: ModelConfig, position
     n = jax.tree.leaves(layer_params)[0].shape[0]
     bodies = []
     for kind in pattern:
-        body = lambda x, p, k, local=(kind == "local"): block(x, p, cfg, positions_BT, k, local,  # noqa: E731
-                                                                segment_ids_BT)
+        body = lambda x, p, k, local=(kind == "local"): block(x, _matmul_weights(p, cfg), cfg,  # noqa: E731
+                                                                positions_BT, k, local, segment_ids_BT)
         if cfg.remat != "none":
             body = jax.checkpoint(body, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
         bodies.append(body)
@@ -325,12 +354,20 @@ def decode_step(params: dict, tokens_B: jax.Array, cache: kvcache.KVCache, cfg: 
     return logits_BV, kvcache.KVCache(kinds, pos_B + 1)
 
 
-def cross_entropy_sum(logits_BTV: jax.Array, targets_BT: jax.Array, weights_BT: jax.Array | None = None) -> jax.Array:
-    """Sum over tokens of the next-token cross-entropy in float32, each token's term times its weight."""
+def token_losses(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
+    """Each token's next-token cross-entropy [B, T] in float32."""
     logits_BTV = logits_BTV.astype(jnp.float32)
     lse_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
     target_logit_BT = jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)[..., 0]
-    losses_BT = lse_BT - target_logit_BT
+    return lse_BT - target_logit_BT
+
+
+def cross_entropy_sum(logits_BTV: jax.Array, targets_BT: jax.Array, weights_BT: jax.Array | None = None) -> jax.Array:
+    """Sum over tokens of the next-token cross-entropy in float32, each token's term times its weight."""
+    return _weighted_sum(token_losses(logits_BTV, targets_BT), weights_BT)
+
+
+def _weighted_sum(losses_BT: jax.Array, weights_BT: jax.Array | None) -> jax.Array:
     return jnp.sum(losses_BT if weights_BT is None else losses_BT * weights_BT)
 
 
@@ -338,23 +375,29 @@ def chunked_cross_entropy_sum(params: dict, x_BTD: jax.Array, targets_BT: jax.Ar
                               weights_BT: jax.Array | None = None) -> jax.Array:
     """`cross_entropy_sum(unembed(params, x_BTD, cfg), ...)` computed cfg.loss_chunk_tokens positions at a
     time: a scan over chunks of the sequence whose body is rematerialized, so the forward keeps one chunk's
-    logits [B, C, V] and the backward recomputes them chunk by chunk (n C chunks cover T, the last padded)."""
+    logits [B, C, V] and the backward recomputes them chunk by chunk (n C chunks cover T, the last padded).
+    The scan hands back each token's loss, summed as cross_entropy_sum sums them, so that chunking changes
+    no more than the output projection's rounding, not the order of the sum."""
     B, T, D = x_BTD.shape
     C = min(cfg.loss_chunk_tokens, T)
     pad = -T % C
-    weights_BT = jnp.ones((B, T), jnp.float32) if weights_BT is None else weights_BT.astype(jnp.float32)
-    x_BTD, targets_BT, weights_BT = (jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
-                                     for a in (x_BTD, targets_BT, weights_BT))
-    chunks = tuple(a.reshape(B, (T + pad) // C, C, *a.shape[2:]).swapaxes(0, 1)
-                   for a in (x_BTD, targets_BT, weights_BT))
+    padded = (jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2)) for a in (x_BTD, targets_BT))
+    chunks = tuple(a.reshape(B, (T + pad) // C, C, *a.shape[2:]).swapaxes(0, 1) for a in padded)
 
     @jax.checkpoint
-    def chunk_loss(x_BCD, targets_BC, weights_BC):
-        return cross_entropy_sum(unembed(params, x_BCD, cfg), targets_BC, weights_BC)
+    def chunk_losses(x_BCD, targets_BC):
+        return token_losses(unembed(params, x_BCD, cfg), targets_BC)
 
     with jax.named_scope("chunked_loss"):
-        total, _ = jax.lax.scan(lambda acc, xs: (acc + chunk_loss(*xs), None), jnp.zeros((), jnp.float32), chunks)
-    return total
+        _, losses_nBC = jax.lax.scan(lambda carry, xs: (carry, chunk_losses(*xs)), None, chunks)
+    losses_BT = losses_nBC.swapaxes(0, 1).reshape(B, T + pad)[:, :T]
+    return _weighted_sum(losses_BT, None if weights_BT is None else weights_BT.astype(jnp.float32))
+
+
+def describe_loss(cfg: ModelConfig) -> str:
+    """For the logs: how the training loss runs at cfg.block_size tokens ('' when all at once)."""
+    C = cfg.loss_chunk_tokens
+    return f" | loss in chunks of {C} tokens" if 0 < C < cfg.block_size else ""
 
 
 def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
@@ -367,8 +410,8 @@ def loss_fn(params: dict, tokens_BT: jax.Array, targets_BT: jax.Array, cfg: Mode
             key: jax.Array | None = None, positions_BT: jax.Array | None = None,
             segment_ids_BT: jax.Array | None = None, weights_BT: jax.Array | None = None,
             normalizer: jax.Array | None = None) -> jax.Array:
-    """Cross-entropy, plus the weighted load-balancing loss for mixture-of-experts models; with
-    cfg.loss_chunk_tokens the logits are computed a chunk of the sequence at a time (never all at once).
+    """Cross-entropy, plus the weighted load-balancing loss for mixture-of-experts models; for sequences longer than
+    cfg.loss_chunk_tokens tokens the logits are computed a chunk of the sequence at a time (never all at once).
 
     Each token's loss counts with its weight (weights_BT: 1 trained, 0 masked such as prompts or padding; None =
     all 1) and the weighted sum is divided by `normalizer` (default: the sum of the weights here). A step that
@@ -377,7 +420,7 @@ def loss_fn(params: dict, tokens_BT: jax.Array, targets_BT: jax.Array, cfg: Mode
     x_BTD, aux = hidden_with_aux(params, tokens_BT, cfg, key, positions_BT, segment_ids_BT)
     if normalizer is None:
         normalizer = targets_BT.size if weights_BT is None else jnp.maximum(jnp.sum(weights_BT), 1e-9)
-    if cfg.loss_chunk_tokens:
+    if 0 < cfg.loss_chunk_tokens < targets_BT.shape[1]:
         total = chunked_cross_entropy_sum(params, x_BTD, targets_BT, cfg, weights_BT)
     else:
         total = cross_entropy_sum(unembed(params, x_BTD, cfg), targets_BT, weights_BT)
