@@ -39,7 +39,10 @@ def xla_flags(devices: int | None = None) -> str:
     """XLA_FLAGS for a process a test starts: the suite's flags, with `devices` fake CPU devices if given
     (else one; `jaxlm launch` adds its own count)."""
     count = f"--xla_force_host_platform_device_count={devices}" if devices else ""
-    return " ".join(filter(None, [TEST_XLA_FLAGS, count]))
+    # Fake devices are threads of one process; on 2 busy cores a thread can miss XLA:CPU's 40 s limit for meeting
+    # the others at a collective, and the process then aborts. The longer limit changes nothing else.
+    patience = "--xla_cpu_collective_call_terminate_timeout_seconds=300" if devices else ""
+    return " ".join(filter(None, [TEST_XLA_FLAGS, count, patience]))
 
 
 def users_environment(**extra) -> dict:
