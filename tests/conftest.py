@@ -98,6 +98,25 @@ def char_data(tmp_path_factory, shakespeare_file) -> Path:
     return out
 
 
+def train_losses(cfg: config_lib.Config, devices, batch_of, steps: int = 20):
+    """The losses of `steps` train steps from a fresh state on `devices`, and the final state; `batch_of(rng, run)`
+    gives each step's batch from an rng seeded alike in every call, so that layouts compare on the same data."""
+    import jax
+    import numpy as np
+
+    from jaxlm import train
+
+    run = train.setup(cfg, devices)
+    state = train.init_state(run, cfg.seed)
+    step = train.make_train_step(run.cfg, run.optimizer, run.mesh, run.abstract_state, run.act_rules)
+    rng = np.random.default_rng(0)
+    losses = []
+    for _ in range(steps):
+        state, m = step(state, batch_of(rng, run))
+        losses.append(m["loss"])
+    return np.array(jax.device_get(losses)), state
+
+
 def tiny_config(data_dir: Path, run_dir: Path | None = None, **overrides) -> config_lib.Config:
     base = {
         "model.block_size": 32, "model.n_layers": 2, "model.n_heads": 4, "model.d_model": 32,

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import tiny_config
+from conftest import tiny_config, train_losses
 from jaxlm import checkpoint as ckpt, config as config_lib, sharding, train
 from jaxlm.config import ConfigError
 from jaxlm.data import loader as loader_lib
@@ -38,19 +38,13 @@ def _packed(rng, B: int) -> dict[str, np.ndarray]:
 
 
 def _losses(char_data, tmp_path, devices, packed=False, steps=20, **overrides):
-    cfg = tiny_config(char_data, tmp_path, **{**LLAMA, **overrides})
-    run = train.setup(cfg, devices)
-    state = train.init_state(run, cfg.seed)
-    step = train.make_train_step(run.cfg, run.optimizer, run.mesh, run.abstract_state, run.act_rules)
-    rng = np.random.default_rng(0)
-    losses = []
-    for _ in range(steps):
+    def batch_of(rng, run):
         batch = train.device_batch(run, "train", loader_lib.Windows(rng.integers(0, 100_000, size=(1, 4))))
         if packed:
             batch |= {k: train.put_batch(run.mesh, v, 1, run.act_rules) for k, v in _packed(rng, 4).items()}
-        state, m = step(state, batch)
-        losses.append(m["loss"])
-    return np.array(jax.device_get(losses)), state
+        return batch
+
+    return train_losses(tiny_config(char_data, tmp_path, **{**LLAMA, **overrides}), devices, batch_of, steps)
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import tiny_config, xla_flags
+from conftest import tiny_config, train_losses, xla_flags
 from jaxlm import checkpoint as ckpt, config as config_lib, sharding, train
 from jaxlm.config import ConfigError
 from jaxlm.data import loader as loader_lib
@@ -54,18 +54,12 @@ def test_schedule_runs_every_chunk_once_in_order(S, M, R):
 
 
 def _losses(char_data, tmp_path, devices, steps=20, **overrides):
-    cfg = tiny_config(char_data, tmp_path, **{"model.vocab_size": 128, "model.n_layers": LAYERS, **overrides})
-    run = train.setup(cfg, devices)
-    state = train.init_state(run, cfg.seed)
-    step = train.make_train_step(run.cfg, run.optimizer, run.mesh, run.abstract_state, run.act_rules)
-    rng = np.random.default_rng(0)
-    losses = []
-    for _ in range(steps):
-        # The same 16 rows each step: two accumulated micro-batches of 8, or one batch.
+    def batch_of(rng, run):  # the same 16 rows each step: two accumulated micro-batches of 8, or one batch
         starts = rng.integers(0, 100_000, size=16).reshape(run.cfg.training.grad_accum, -1)
-        state, m = step(state, train.device_batch(run, "train", loader_lib.Windows(starts)))
-        losses.append(m["loss"])
-    return np.array(jax.device_get(losses)), state
+        return train.device_batch(run, "train", loader_lib.Windows(starts))
+
+    cfg = tiny_config(char_data, tmp_path, **{"model.vocab_size": 128, "model.n_layers": LAYERS, **overrides})
+    return train_losses(cfg, devices, batch_of, steps)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import tiny_config, xla_flags
+from conftest import tiny_config, train_losses, xla_flags
 from jaxlm import checkpoint as ckpt, config as config_lib, sharding, train
 from jaxlm.config import ConfigError, MeshConfig
 from jaxlm.data import loader as loader_lib
@@ -26,17 +26,12 @@ STRATEGIES = {
 
 
 def step_losses(char_data, tmp_path, devices, steps=20, **overrides):
-    cfg = tiny_config(char_data, tmp_path, **{"model.vocab_size": 128, **overrides})
-    run = train.setup(cfg, devices)
-    state = train.init_state(run, cfg.seed)
-    step = train.make_train_step(run.cfg, run.optimizer, run.mesh, run.abstract_state, run.act_rules)
-    rng = np.random.default_rng(0)
-    losses = []
-    for _ in range(steps):
+    def batch_of(rng, run):
         starts = rng.integers(0, 100_000, size=(1, run.cfg.training.batch_size))
-        state, m = step(state, train.device_batch(run, "train", loader_lib.Windows(starts)))
-        losses.append(m["loss"])
-    return np.array(jax.device_get(losses)), state
+        return train.device_batch(run, "train", loader_lib.Windows(starts))
+
+    return train_losses(tiny_config(char_data, tmp_path, **{"model.vocab_size": 128, **overrides}), devices, batch_of,
+                        steps)
 
 
 @pytest.fixture(scope="module")
