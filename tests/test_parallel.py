@@ -259,6 +259,26 @@ def test_a_killed_process_is_named_and_the_rerun_resumes_exactly(char_data, tmp_
     assert [after[s] for s in redone] == [before[s] for s in redone]
 
 
+
+def test_a_survivor_stuck_where_no_error_comes_leaves_when_the_launcher_records_a_loss(tmp_path):
+    """A process waiting where the lost peer's absence raises nothing (a barrier of the coordination service, a
+    preemption sync point after a SIGTERM) still leaves within a second of the launcher's record, with one line
+    naming the lost process."""
+    events = tmp_path / "events"
+    env = dict(os.environ, JAXLM_LAUNCH_EVENTS=str(events), JAXLM_NUM_PROCESSES="2", JAXLM_PROCESS_ID="0")
+    stuck = subprocess.Popen([sys.executable, "-c", "import time; from jaxlm.launch import watch_peers\n"
+                              "watch_peers(); print('waiting', flush=True); time.sleep(120)"],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert stuck.stdout.readline() == "waiting\n"
+    time.sleep(0.5)
+    assert stuck.poll() is None  # no record yet: it keeps waiting
+    events.write_text("process 1 (pid 4242) was killed by SIGKILL\n")
+    start = time.monotonic()
+    out = stuck.communicate(timeout=30)[0]
+    assert stuck.returncode == 1 and time.monotonic() - start < 5
+    assert out.splitlines() == ["error: process 0 stopped: process 1 (pid 4242) was killed by SIGKILL; rerun the "
+                                "same command to resume from the last checkpoint"], out
+
 def _stacked_activations(char_data, overrides: dict, pipe: tuple[int, int]) -> int:
     """Elements of the activations [..., length, width] that the loss's backward pass keeps stacked over
     layers or pipeline iterations (jax.ad_checkpoint.print_saved_residuals: the residuals of rank 4 and up)."""

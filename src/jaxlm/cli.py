@@ -390,6 +390,9 @@ def main(argv: list[str] | None = None) -> int:
               "  generate SRC --prompt TEXT [k=v ...]   sample text with a KV cache (jaxlm generate --help)\n"
               "  serve SRC [key=value ...]              OpenAI-compatible HTTP server (jaxlm serve --help)")
         return 0 if not argv or argv[0] in ("-h", "--help") else 2
+    if argv[0] != "launch":
+        from jaxlm.launch import watch_peers
+        watch_peers()  # under `jaxlm launch`: leave when another process of the job has failed
     from jaxlm.checkpoint import CheckpointError
     from jaxlm.data.prepare import DataError
     from jaxlm.data.tokenizer import TokenizerError
@@ -402,10 +405,8 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as e:
         from jaxlm import distributed
         if (lost := distributed.lost_peer(e)) is not None:
-            # Shutting down the distributed runtime would wait for the lost process: leave at once.
-            print(f"error: {lost}", file=sys.stderr, flush=True)
-            sys.stdout.flush()
-            os._exit(1)
+            from jaxlm.launch import leave
+            leave(lost)
         train = sys.modules.get("jaxlm.train")  # imported only by the commands that train
         if train is None or not isinstance(e, train.TrainingError):
             raise

@@ -14,8 +14,11 @@ import threading
 import time
 from pathlib import Path
 
-# After one process fails, the others get SIGTERM and this long to exit before they are killed.
+# After one process fails, the others get this long to leave on their own (each watches the launcher's events
+# file, see watch_peers) before they are killed.
 FAILED_GRACE_S = 30.0
+# How often a launched process looks at the events file.
+WATCH_S = 0.2
 
 
 def free_port() -> int:
@@ -39,6 +42,44 @@ def how_it_ended(index: int, pid: int, code: int) -> str:
             name = f"signal {-code}"
         return f"process {index} (pid {pid}) was killed by {name}"
     return f"process {index} (pid {pid}) exited with status {code}"
+
+
+_leaving = threading.Lock()
+
+
+def leave(line: str) -> None:
+    """Print `error: line` and end this process at once, from any thread; only the first caller prints (a
+    collective that failed on the lost peer and the watcher below may both get here). Shutting down the
+    distributed runtime would wait for the lost process, so nothing else runs."""
+    _leaving.acquire()
+    try:
+        print(f"error: {line}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+    finally:
+        os._exit(1)
+
+
+def watch_peers() -> None:
+    """In a process started by `jaxlm launch`: once the launcher records that another process failed, leave
+    with one line naming it, whatever this process is doing (a collective that never returns, a barrier of the
+    coordination service, a preemption sync point: none of them can complete without the lost process)."""
+    events = os.environ.get("JAXLM_LAUNCH_EVENTS")
+    if not events or int(os.environ.get("JAXLM_NUM_PROCESSES", "1")) < 2:
+        return
+    me = os.environ.get("JAXLM_PROCESS_ID", "?")
+
+    def watch():
+        path = Path(events)
+        while True:
+            time.sleep(WATCH_S)
+            try:
+                lost = path.read_text().strip()
+            except OSError:
+                continue
+            if lost:
+                leave(f"process {me} stopped: {lost}; rerun the same command to resume from the last checkpoint")
+
+    threading.Thread(target=watch, name="jaxlm-watch-peers", daemon=True).start()
 
 
 def launch(command: list[str], processes: int, devices_per_process: int | None = None,
@@ -91,14 +132,16 @@ def _launch(command, processes, devices_per_process, port, gpus_per_process, eve
                 if code != 0 and status == 0:
                     status = 128 - code if code < 0 else code
                     failure = how_it_ended(procs.index(p), p.pid, code)
-                    events.write_text(failure + "\n")
+                    # The others read this and leave (watch_peers). Not SIGTERM: JAX's preemption service would
+                    # catch it and wait at a sync point for the lost process.
+                    tmp = events.with_suffix(".tmp")
+                    tmp.write_text(failure + "\n")
+                    tmp.replace(events)
                     if remaining:
                         print(f"jaxlm launch: {failure}; stopping the other processes", file=sys.stderr, flush=True)
-                    for q in remaining:  # one failed process would leave the others waiting on collectives
-                        q.terminate()
                     deadline = time.monotonic() + FAILED_GRACE_S
             if deadline is not None and time.monotonic() > deadline:
-                for q in remaining:  # they cannot finish a collective with a dead peer
+                for q in remaining:  # still here: stuck before it could watch (or not a jaxlm process)
                     q.kill()
                 deadline = None
     finally:
