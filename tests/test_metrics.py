@@ -122,7 +122,9 @@ def test_wandb_offline_run_resumes_with_the_run_directory(tmp_path, monkeypatch)
         ids.append((run_dir / "wandb_id").read_text().strip())
     assert ids[0] == ids[1] and re.fullmatch(r"[0-9a-f]{12}", ids[0])
     offline = sorted((run_dir / "wandb").glob("offline-run-*"))
-    assert len(offline) == 2 and all(d.name.endswith(ids[0]) for d in offline)
+    # wandb names a directory offline-run-<time>-<id>, with -1 added when both sessions start in the same second
+    assert len(offline) == 2 and all(re.fullmatch(rf"offline-run-\d{{8}}_\d{{6}}-{ids[0]}(-\d+)?", d.name)
+                                     for d in offline), [d.name for d in offline]
     assert all(b"grad_norm" in (d / f"run-{ids[0]}.wandb").read_bytes() for d in offline)
     assert len(train.read_metrics(run_dir)) == 4
 

@@ -326,6 +326,12 @@ def test_serving_on_a_mesh_shards_the_weights_and_cache_and_answers_as_one_devic
     finally:
         srv.stop()
     assert got == jaxlm.load(trained).generate_text(prompts, max_new_tokens=16, temperature=0)
+    # a server built after it in the same process without a mesh (as `jaxlm eval --tasks` does after other work)
+    # keeps its cache and prefix cache on one device, whatever layouts earlier engines compiled
+    plain = serve.build(trained, serve.settings_config({"serve.max_slots": 4, "serve.model_name": "tiny", "serve.prefill_chunk": 16}),
+                        log=lambda s: None).engine
+    assert plain.mesh is None and plain.prefix is not None
+    assert len(plain.prefix.store.kinds[0].k.sharding.device_set) == len(plain.cache.kinds[0].k.sharding.device_set) == 1
 
 
 def free_port():

@@ -139,7 +139,6 @@ def _step(params, cache, logits_BV, busy_B, idle_length_B, seed_B, choice_B, cou
     return tok_B, lp_B, top_ids_BK, top_lp_BK, logits_BV, cache
 
 
-@partial(jax.jit, static_argnames=("cfg", "slots", "length", "quantize"))
 def _empty(cfg: ModelConfig, slots: int, length: int, quantize: bool) -> kvcache.KVCache:
     """An empty cache for `slots` sequences, its keys and values sharded by kv heads (and slots by `batch`)."""
     cache = kvcache.init(cfg, slots, length, quantize)
@@ -183,6 +182,9 @@ class Engine:
         self.ttft_s: collections.deque = collections.deque(maxlen=1000)  # the latest times to first token
         self.recent: collections.deque = collections.deque()  # (time, tokens) of the last steps, for tokens/s
         self.error: str | None = None
+        # a function of this engine's own: `constrain` reads the mesh from a context that jax.jit's caches (keyed
+        # by the function) do not hold, so a shared one would hand a later engine an earlier one's layout
+        self._empty = jax.jit(lambda *a: _empty(*a), static_argnums=(0, 1, 2, 3))
         with self._ctx():
             self._reset_cache()
 
@@ -193,9 +195,9 @@ class Engine:
 
     def _reset_cache(self) -> None:
         """Empty slots, logits and prefix cache (at start, and after a failed call consumed the donated ones)."""
-        self.cache = _empty(self.cfg, self.B, self.S, self.quantize)
+        self.cache = self._empty(self.cfg, self.B, self.S, self.quantize)
         self.logits_BV = jnp.zeros((self.B, self.cfg.vocab_size), jnp.float32)
-        self.prefix = PrefixCache(self.cfg, _empty(self.cfg, self.prefix_entries, self.S, self.quantize),
+        self.prefix = PrefixCache(self.cfg, self._empty(self.cfg, self.prefix_entries, self.S, self.quantize),
                                   self.S) if self.prefix_entries else None
 
     # ---- called from other threads ----------------------------------------------------------------------------
