@@ -125,7 +125,10 @@ def test_wandb_offline_run_resumes_with_the_run_directory(tmp_path, monkeypatch)
     # wandb names a directory offline-run-<time>-<id>, with -1 added when both sessions start in the same second
     assert len(offline) == 2 and all(re.fullmatch(rf"offline-run-\d{{8}}_\d{{6}}-{ids[0]}(-\d+)?", d.name)
                                      for d in offline), [d.name for d in offline]
-    assert all(b"grad_norm" in (d / f"run-{ids[0]}.wandb").read_bytes() for d in offline)
+    deadline = time.monotonic() + 30  # wandb's service process may still be writing the last records out
+    while not all(b"grad_norm" in (d / f"run-{ids[0]}.wandb").read_bytes() for d in offline):
+        assert time.monotonic() < deadline, "the offline runs' files hold no logged metrics"
+        time.sleep(0.2)
     assert len(train.read_metrics(run_dir)) == 4
 
 
