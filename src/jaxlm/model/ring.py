@@ -47,12 +47,14 @@ class _Ring(NamedTuple):
     block: int
 
 
-def context_devices() -> int:
-    """How many devices the active mesh splits the `length` axis over (1 outside a mesh)."""
-    ctx = sharding.active()
-    if ctx is None:
-        return 1
-    mesh, rules = ctx
+def context_devices(mesh=None, rules=None) -> int:
+    """How many devices a mesh splits the `length` axis over with these activation rules (by default the
+    active mesh's; 1 outside a mesh)."""
+    if mesh is None:
+        ctx = sharding.active()
+        if ctx is None:
+            return 1
+        mesh, rules = ctx
     return sharding.shard_count(mesh, sharding.spec(("length",), rules)[0])
 
 
