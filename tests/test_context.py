@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config, train_losses
-from jaxlm import checkpoint as ckpt, config as config_lib, sharding, train
+from jaxlm import checkpoint as ckpt, config as config_lib, params as P, sharding, train
 from jaxlm.config import ConfigError
 from jaxlm.data import loader as loader_lib
-from jaxlm.model import attention, ring
+from jaxlm.model import attention, loss_fn, param_specs, ring
 from test_parallel import _state_hash
 
 T = 1024
@@ -101,13 +101,46 @@ def test_compiled_step_moves_keys_and_values(method, char_data):
         assert (f"f32[2,{T},2,8]", "all-gather") in found, found
 
 
-def _attention_grad_temp_bytes(mesh, method: str, T: int = 4096) -> int:
+@pytest.mark.parametrize("method", ["ring", "all_gather"])
+def test_split_attention_equals_one_device_with_gradients(method):
+    """Attention over 200 tokens split 4 ways (50 per device: tiles of 32 leave a padded tile), causal within a
+    window of 70, with segment ids, soft-capped, in zig-zag order, against the one-device dot product: outputs
+    and the gradients of q, k, v."""
+    T, n = 200, 4
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal((2, T, heads, 16)), jnp.float32) for heads in (4, 2, 2))
+    order = ring.zigzag_order(T, n)
+    positions = jnp.asarray(np.broadcast_to(np.arange(T), (2, T))[:, order], jnp.int32)
+    segments = jnp.asarray((np.cumsum(rng.random((2, T)) < 0.02, axis=1))[:, order], jnp.int32)
+    cfg = config_lib.ModelConfig(attention="dot_product", attention_block=32, context_parallel=method,
+                                 sliding_window=70, attn_logit_softcap=30.0)
+    mesh = _context4()
+    split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "sequence"))
+
+    def loss(q, k, v, use_mesh):
+        def run():
+            out = attention.self_attention(q, k, v, positions, segments, cfg, local=True)
+            return jnp.sum(out * jnp.cos(jnp.arange(out.size).reshape(out.shape)))
+        if not use_mesh:
+            return run()
+        with sharding.activation_sharding(mesh):
+            return run()
+
+    want, want_grads = jax.value_and_grad(loss, (0, 1, 2))(q, k, v, False)
+    got, got_grads = jax.jit(jax.value_and_grad(lambda *a: loss(*a, True), (0, 1, 2)))(
+        *(jax.device_put(x, split) for x in (q, k, v)))
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for g, w in zip(got_grads, want_grads):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+
+
+def _attention_grad_temp_bytes(mesh, method: str, T: int = 4096, dtype=jnp.float32) -> int:
     """Temporary bytes per device of the gradient of one attention call over [1, T, 8, 64] queries."""
     cfg = config_lib.ModelConfig(attention="blockwise", attention_block=64, context_parallel=method)
     # Under the mesh the arguments and gradients are split along the sequence, as the model's activations are.
     split = None if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "sequence"))
-    q = jax.ShapeDtypeStruct((1, T, 8, 64), jnp.float32, sharding=split)
-    kv = jax.ShapeDtypeStruct((1, T, 4, 64), jnp.float32, sharding=split)
+    q = jax.ShapeDtypeStruct((1, T, 8, 64), dtype, sharding=split)
+    kv = jax.ShapeDtypeStruct((1, T, 4, 64), dtype, sharding=split)
     pos = jax.ShapeDtypeStruct((1, T), jnp.int32, sharding=split)
 
     def loss(q, k, v, positions):
@@ -122,16 +155,61 @@ def _attention_grad_temp_bytes(mesh, method: str, T: int = 4096) -> int:
     return jax.jit(grads, out_shardings=split).lower(q, kv, kv, pos).compile().memory_analysis().temp_size_in_bytes
 
 
+def _context4():
+    return sharding.make_mesh(config_lib.MeshConfig(ici_data=1, ici_sequence=4), jax.devices()[:4])
+
+
 def test_ring_attention_temporaries_per_device_fall_with_context_4():
-    """At 4,096 tokens: one device's blockwise gradient 50.5 MB, the ring's 22.6 MB per device (0.45: its
-    queries, outputs and gradients are a quarter, but a device also holds the key block in flight and its
-    travelling dk, dv), all_gather's 29.4 MB (0.58: whole keys and values and their gradients)."""
-    mesh = sharding.make_mesh(config_lib.MeshConfig(ici_data=1, ici_sequence=4), jax.devices()[:4])
+    """At 4,096 tokens, float32: one device's blockwise gradient 25.4 MB; the ring's 9.4 MB per device (0.37):
+    a quarter of the output cotangent, and as much again for each of the key/value block in hand, the one in
+    flight and the travelling float32 dk, dv; all_gather's 23.2 MB (0.91: every device holds all keys and
+    values and their gradients)."""
+    mesh = _context4()
     whole = _attention_grad_temp_bytes(None, "ring")
     ring_bytes = _attention_grad_temp_bytes(mesh, "ring")
     gathered = _attention_grad_temp_bytes(mesh, "all_gather")
-    assert ring_bytes <= 0.5 * whole, (ring_bytes, whole)
-    assert ring_bytes < gathered < 0.65 * whole, (ring_bytes, gathered, whole)
+    assert ring_bytes < 0.4 * whole, (ring_bytes, whole)
+    assert ring_bytes < 0.45 * gathered < 0.45 * whole, (ring_bytes, gathered, whole)
+
+
+def _model_grad_temp_bytes(T: int) -> int:
+    """Temporaries per device of the gradient of a 2-layer model (scanned layers, full remat) at T tokens, the
+    sequence split 4 ways (ring attention)."""
+    cfg = config_lib.ModelConfig(vocab_size=128, block_size=T, n_layers=2, n_heads=4, n_kv_heads=2, d_model=64,
+                                 remat="full", attention="blockwise", attention_block=64, glu=True,
+                                 activation="silu", norm="rmsnorm", position="rotary")
+    mesh_cfg = config_lib.MeshConfig(ici_data=1, ici_sequence=4)
+    mesh, rules = sharding.make_mesh(mesh_cfg, jax.devices()[:4]), sharding.rules_from_config(mesh_cfg)[1]
+    params = jax.eval_shape(lambda: P.init(param_specs(cfg), jax.random.key(0), mesh))
+    tokens = jax.ShapeDtypeStruct((1, T), jnp.int32, sharding=jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec(None, "sequence")))
+
+    def grads(p, x, y):
+        with sharding.activation_sharding(mesh, rules):
+            return jax.grad(lambda p: loss_fn(p, x, y, cfg))(p)
+
+    return jax.jit(grads).lower(params, tokens, tokens).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_ring_train_step_temporaries_grow_linearly_with_length():
+    """Per device, at 512, 1,024 and 2,048 tokens: each doubling adds about twice what the one before added
+    (measured 2.21, 3.78, 6.84 MB: 1.96). Differentiating the scan over layers would precompute everything that
+    depends only on positions and segment ids, every tile's mask among it, [T, T] per layer, unless the
+    kernels tie them to q, k, v: untied, each doubling added about four times as much (6.1, 18.7, 67.6 MB)."""
+    b1, b2, b4 = (_model_grad_temp_bytes(T) for T in (512, 1024, 2048))
+    assert 1.7 < (b4 - b2) / (b2 - b1) < 2.3, (b1, b2, b4)
+
+
+def test_describe_says_what_runs_under_the_mesh():
+    cfg = config_lib.ModelConfig(block_size=4096, attention_block=512, context_parallel="all_gather")
+    mesh = _context4()
+    rules = sharding.rules_from_config(config_lib.MeshConfig(ici_data=1, ici_sequence=4))[1]
+    assert attention.describe(cfg, "cpu", mesh=mesh, rules=rules) == (
+        "attention all_gather context parallelism over 4 devices (model.context_parallel=all_gather: 1024 of 4096 "
+        "tokens per device, blockwise tiles of 512)")
+    # Rules that keep the sequence whole: the attention of one device, as without a mesh.
+    whole = attention.describe(cfg, "cpu", mesh=mesh, rules={**rules, "length": ()})
+    assert whole == attention.describe(cfg, "cpu") and whole.startswith("attention blockwise"), whole
 
 
 @pytest.mark.slow

@@ -346,7 +346,7 @@ def report(r: Result) -> list[str]:
              f"lowered and compiled in {r.seconds:.1f} s",
              f"mesh {shape} | batch {t.batch_size} sequences ({t.per_device_batch_size:g} per device) x "
              f"{t.grad_accum} accumulation x {m_cfg.block_size} tokens | remat {m_cfg.remat} | "
-             + attention.describe(m_cfg, tgt.platform)
+             + attention.describe(m_cfg, tgt.platform, mesh=run.mesh, rules=run.act_rules)
              + transformer.describe_loss(m_cfg)]
     if r.memory is not None:
         mem = r.memory

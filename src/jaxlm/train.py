@@ -510,7 +510,7 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
         f"{t_cfg.grad_accum} accumulation = {tokens_per_step:,} tokens/step")
     log(f"model FLOPs {flops_per_token:,.0f} per token (causal attention counted as half) | peak "
         f"{peak / 1e12:.3f} TFLOP/s per device ({peak_source})")
-    log(attention.describe(m_cfg, mesh.devices.flat[0].platform)
+    log(attention.describe(m_cfg, mesh.devices.flat[0].platform, mesh=mesh, rules=run.act_rules)
         + transformer.describe_loss(m_cfg))
     log(f"data {run.dataset.dir}: {run.dataset.describe()}"
         + (" | packed rows" if cfg.data.packing else "") + (" | loss mask on" if cfg.data.loss_mask == "on" else ""))

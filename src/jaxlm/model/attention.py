@@ -144,11 +144,17 @@ def choose(cfg, T: int, dtype, has_segments: bool, platform: str, dropout: bool 
     return name
 
 
-def describe(cfg, platform: str, dtype=None) -> str:
-    """One line for the logs: what uncached attention runs at the configured length."""
+def describe(cfg, platform: str, dtype=None, mesh=None, rules=None) -> str:
+    """One line for the logs: what uncached attention runs at the configured length; given the mesh and
+    activation rules of the run, context parallelism when they split the sequence (as `self_attention`)."""
+    T = cfg.block_size
+    if mesh is not None and (n := ring.context_devices(mesh, rules)) > 1 and T % n == 0:
+        return (f"attention {cfg.context_parallel} context parallelism over {n} devices (model.context_parallel="
+                f"{cfg.context_parallel}: {T // n} of {T} tokens per device, blockwise tiles of "
+                f"{min(cfg.attention_block, T // n)})")
     dtype = jnp.dtype(cfg.compute_dtype) if dtype is None else dtype
-    impl = choose(cfg, cfg.block_size, dtype, False, platform)
-    return (f"attention {impl} (model.attention={cfg.attention} on {platform} at {cfg.block_size} tokens"
+    impl = choose(cfg, T, dtype, False, platform)
+    return (f"attention {impl} (model.attention={cfg.attention} on {platform} at {T} tokens"
             + (f", tiles of {cfg.attention_block}" if impl in ("blockwise", "splash") else "") + ")")
 
 

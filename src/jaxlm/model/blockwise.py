@@ -5,12 +5,14 @@ and cuDNN kernels and what long sequences use on CPUs.
 
 `attend_block` is the building block: attention of some queries over some keys, any positions, returning
 the output in float32 and the log-sum-exp of each query's scores. Two results over disjoint key sets merge
-exactly with `merge` (ring attention passes key blocks around and merges them this way); both results are
-differentiable, the log-sum-exp included. `attend_block_grads` is the matching backward step of one key set
-within a merged result (what ring attention's own backward pass runs at each step of the ring).
+exactly with `merge`; both results are differentiable, the log-sum-exp included. Ring attention instead
+continues one online softmax over the key sets that pass by (`empty_state`, `accumulate`, `finish`) and runs
+its own backward pass, adding each key set's part of the gradient into accumulators (`accumulate_grads`).
+Both kernels slice their tiles where the arrays lie and update their accumulators in place, so neither holds
+a copy of the inputs beyond one tile.
 
 Shape legend: B batch, T query length, S key length, N query heads, K kv heads, G query heads per kv head
-(N = K * G), H head width, Q query block, C key block; a leading n (nQ, nC) counts blocks.
+(N = K * G), H head width, Q query block, C key block.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 _NEG = -1e30  # running max of a row that has seen no allowed key yet; exp(_NEG - x) underflows to 0
-_PAD_POSITION = 2 ** 30  # padded keys sit after every query, so causality alone masks them
+PAD_POSITION = 2 ** 30  # the position of padded keys
 
 
 def attend_block(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, q_pos_BT: jax.Array,
@@ -45,15 +47,11 @@ def attend_block(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, q_pos_
         raise ValueError("attend_block: give segment ids for both queries and keys, or for neither")
     if q_seg_BT is None:
         q_seg_BT, k_seg_BS = jnp.zeros((B, T), jnp.int32), jnp.zeros((B, S), jnp.int32)
-    Q, C = min(block_q, T), min(block_k, S)
-    pad_t, pad_s = -T % Q, -S % C
-    q_BTNH, q_pos_BT, q_seg_BT = (jnp.pad(a, [(0, 0), (0, pad_t)] + [(0, 0)] * (a.ndim - 2))
-                                  for a in (q_BTNH, q_pos_BT, q_seg_BT))
-    k_BSKH, v_BSKH, k_seg_BS = (jnp.pad(a, [(0, 0), (0, pad_s)] + [(0, 0)] * (a.ndim - 2))
-                                for a in (k_BSKH, v_BSKH, k_seg_BS))
-    k_pos_BS = jnp.pad(k_pos_BS, [(0, 0), (0, pad_s)], constant_values=_PAD_POSITION)
-    tiling = _Tiling(Q, C, N // K, H ** -0.5 if scale is None else float(scale), window,
-                     None if softcap is None else float(softcap))
+    pad_t, pad_s = -T % min(block_q, T), -S % min(block_k, S)
+    q_BTNH, q_pos_BT, q_seg_BT = (pad_tokens(a, pad_t) for a in (q_BTNH, q_pos_BT, q_seg_BT))
+    k_BSKH, v_BSKH, k_seg_BS = (pad_tokens(a, pad_s) for a in (k_BSKH, v_BSKH, k_seg_BS))
+    k_pos_BS = pad_tokens(k_pos_BS, pad_s, PAD_POSITION)
+    tiling = _tiling(q_BTNH, k_BSKH, window, scale, softcap, block_q, block_k)
     out_BTNH, lse_BTN = _attend(tiling, q_BTNH, k_BSKH, v_BSKH, q_pos_BT.astype(jnp.int32),
                                 k_pos_BS.astype(jnp.int32), q_seg_BT.astype(jnp.int32), k_seg_BS.astype(jnp.int32))
     return out_BTNH[:, :T], lse_BTN[:, :T]
@@ -68,33 +66,10 @@ def merge(out1_BTNH, lse1_BTN, out2_BTNH, lse2_BTN) -> tuple[jax.Array, jax.Arra
     return w1_BTN1 * out1_BTNH + w2_BTN1 * out2_BTNH, lse_BTN
 
 
-def attend_block_grads(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, q_pos_BT: jax.Array,
-                       k_pos_BS: jax.Array, q_seg_BT: jax.Array, k_seg_BS: jax.Array, out_BTNH: jax.Array,
-                       lse_BTN: jax.Array, dout_BTNH: jax.Array, window: int | None = None,
-                       scale: float | None = None, softcap: float | None = None, block_q: int = 512,
-                       block_k: int = 512) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The gradients (dq, dk, dv) that these keys and values receive as one part of a larger key set whose
-    attention, merged over every part, is (out [B, T, N, H] float32, lse [B, T, N]) with cotangent dout on
-    out: ring attention's backward step. Each tile's probabilities come from the merged lse, so the parts'
-    dq sum to the whole's, and each part's dk, dv are its own. Segment ids are required here (zeros for one
-    segment per row); arguments and masks are those of `attend_block`, results in the input dtypes."""
-    T, S = q_BTNH.shape[1], k_BSKH.shape[1]
-    Q, C = min(block_q, T), min(block_k, S)
-    pad_t, pad_s = -T % Q, -S % C
-
-    def pad(a, n, value=0):
-        return jnp.pad(a, [(0, 0), (0, n)] + [(0, 0)] * (a.ndim - 2), constant_values=value)
-
-    # Padded query rows have dout = 0 and so add nothing; padded keys sit after every query.
-    tiling = _Tiling(Q, C, q_BTNH.shape[2] // k_BSKH.shape[2], q_BTNH.shape[3] ** -0.5 if scale is None
-                     else float(scale), window, None if softcap is None else float(softcap))
-    residuals = (pad(q_BTNH, pad_t), pad(k_BSKH, pad_s), pad(v_BSKH, pad_s), pad(q_pos_BT, pad_t).astype(jnp.int32),
-                 pad(k_pos_BS, pad_s, _PAD_POSITION).astype(jnp.int32), pad(q_seg_BT, pad_t).astype(jnp.int32),
-                 pad(k_seg_BS, pad_s).astype(jnp.int32), pad(out_BTNH.astype(jnp.float32), pad_t),
-                 pad(lse_BTN, pad_t))
-    dout_BTNH, lse_BTN = pad(dout_BTNH, pad_t), residuals[-1]
-    dq_BTNH, dk_BSKH, dv_BSKH = _attend_bwd(tiling, residuals, (dout_BTNH, jnp.zeros_like(lse_BTN)))[:3]
-    return dq_BTNH[:, :T], dk_BSKH[:, :S], dv_BSKH[:, :S]
+def pad_tokens(x_BL, n: int, value=0):
+    """x [B, L, ...] with n more tokens of `value` at the end (padded keys take PAD_POSITION: after every
+    query, so causality alone masks them; padded queries add nothing to any gradient, their cotangent is 0)."""
+    return x_BL if n == 0 else jnp.pad(x_BL, [(0, 0), (0, n)] + [(0, 0)] * (x_BL.ndim - 2), constant_values=value)
 
 
 def attention(q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, window=None, scale=None, softcap=None,
@@ -116,14 +91,34 @@ class _Tiling(NamedTuple):
     softcap: float | None
 
 
-def _blocks(x, n_block):
-    """[B, L, ...] -> [L / n_block, B, n_block, ...]: the block index leads, for lax.scan."""
-    B, L = x.shape[:2]
-    return x.reshape(B, L // n_block, n_block, *x.shape[2:]).swapaxes(0, 1)
+def _tiling(q_BTNH, k_BSKH, window, scale, softcap, block_q, block_k) -> _Tiling:
+    B, T, N, H = q_BTNH.shape
+    S, K = k_BSKH.shape[1], k_BSKH.shape[2]
+    Q, C = min(block_q, T), min(block_k, S)
+    if T % Q or S % C:
+        raise ValueError(f"blockwise: {T} queries and {S} keys must be multiples of the tiles {Q} and {C}")
+    return _Tiling(Q, C, N // K, H ** -0.5 if scale is None else float(scale), window,
+                   None if softcap is None else float(softcap))
 
 
-def _unblocks(x):
-    return x.swapaxes(0, 1).reshape(x.shape[1], -1, *x.shape[3:])
+def _tile(x, i, size):
+    """Tile i (of `size` tokens) of x [B, L, ...]."""
+    return jax.lax.dynamic_slice_in_dim(x, i * size, size, axis=1)
+
+
+def _put(x, tile, i):
+    return jax.lax.dynamic_update_slice_in_dim(x, tile.astype(x.dtype), i * tile.shape[1], axis=1)
+
+
+def _rows(x_BQN, G):
+    """[B, Q, N] -> [B, K, G, Q], the layout of a tile's rows."""
+    B, Q, N = x_BQN.shape
+    return x_BQN.reshape(B, Q, N // G, G).transpose(0, 2, 3, 1)
+
+
+def _unrows(x_BKGQ):
+    B, K, G, Q = x_BKGQ.shape
+    return x_BKGQ.transpose(0, 3, 1, 2).reshape(B, Q, K * G)
 
 
 def _mask(t: _Tiling, q_pos_BQ, k_pos_BC, q_seg_BQ, k_seg_BC):
@@ -147,11 +142,6 @@ def _split_heads(x_BLNH, G):
     return x_BLNH.reshape(B, L, N // G, G, H)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attend(t: _Tiling, q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS):
-    return _forward(t, q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS)
-
-
 def _tied(*arrays):
     """The arrays through one optimization barrier. Differentiating a scan over layers splits each layer into
     what depends only on values known before the gradient (positions, segment ids) and the rest, and would
@@ -160,22 +150,27 @@ def _tied(*arrays):
     return jax.lax.optimization_barrier(arrays)
 
 
-def _forward(t: _Tiling, q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS):
+def _accumulate(t: _Tiling, q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS, state):
+    """The online softmax over one more key set: state (m, l, acc) updated tile by tile, in place. The loops
+    slice the arguments where they lie, so nothing of size T or S is copied."""
     q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS = _tied(
         q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS)
     B, T, N, H = q_BTNH.shape
-    K = N // t.G
-    keys = (_blocks(k_BSKH, t.C), _blocks(v_BSKH, t.C), _blocks(k_pos_BS, t.C), _blocks(k_seg_BS, t.C))
+    Q, C, G = t.Q, t.C, t.G
 
-    def query_block(_, q_inputs):
-        q_BQKGH, q_pos_BQ, q_seg_BQ = q_inputs
+    def query_block(i, state):
+        q_BQKGH = _split_heads(_tile(q_BTNH, i, Q), G)
+        q_pos_BQ, q_seg_BQ = _tile(q_pos_BT, i, Q), _tile(q_seg_BT, i, Q)
+        m_BTN, l_BTN, acc_BTNH = state
+        rows = (_rows(_tile(m_BTN, i, Q), G), _rows(_tile(l_BTN, i, Q), G),
+                _split_heads(_tile(acc_BTNH, i, Q), G).transpose(0, 2, 3, 1, 4))
 
-        def key_block(carry, k_inputs):
-            k_BCKH, v_BCKH, k_pos_BC, k_seg_BC = k_inputs
-            allowed_BQC = _mask(t, q_pos_BQ, k_pos_BC, q_seg_BQ, k_seg_BC)
+        def key_block(j, rows):
+            k_BCKH, v_BCKH = _tile(k_BSKH, j, C), _tile(v_BSKH, j, C)
+            allowed_BQC = _mask(t, q_pos_BQ, _tile(k_pos_BS, j, C), q_seg_BQ, _tile(k_seg_BS, j, C))
 
-            def update(carry):
-                m_BKGQ, l_BKGQ, acc_BKGQH = carry
+            def update(rows):
+                m_BKGQ, l_BKGQ, acc_BKGQH = rows
                 s_BKGQC = jnp.where(allowed_BQC[:, None, None], _logits(t, q_BQKGH, k_BCKH), _NEG)
                 m_new_BKGQ = jnp.maximum(m_BKGQ, s_BKGQC.max(-1))
                 p_BKGQC = jnp.where(allowed_BQC[:, None, None], jnp.exp(s_BKGQC - m_new_BKGQ[..., None]), 0.0)
@@ -187,59 +182,41 @@ def _forward(t: _Tiling, q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k
 
             # Whole tiles outside the mask (above the causal diagonal, outside the window, across segments)
             # cost nothing.
-            return jax.lax.cond(jnp.any(allowed_BQC), update, lambda c: c, carry), None
+            return jax.lax.cond(jnp.any(allowed_BQC), update, lambda r: r, rows)
 
-        Q = q_BQKGH.shape[1]
-        init = (jnp.full((B, K, t.G, Q), _NEG, jnp.float32), jnp.zeros((B, K, t.G, Q), jnp.float32),
-                jnp.zeros((B, K, t.G, Q, H), jnp.float32))
-        (m_BKGQ, l_BKGQ, acc_BKGQH), _ = jax.lax.scan(key_block, init, keys)
-        seen_BKGQ = l_BKGQ > 0
-        out_BKGQH = acc_BKGQH / jnp.where(seen_BKGQ, l_BKGQ, 1.0)[..., None]
-        lse_BKGQ = jnp.where(seen_BKGQ, m_BKGQ + jnp.log(jnp.where(seen_BKGQ, l_BKGQ, 1.0)), -jnp.inf)
-        return None, (out_BKGQH.transpose(0, 3, 1, 2, 4).reshape(B, Q, N, H),
-                      lse_BKGQ.transpose(0, 3, 1, 2).reshape(B, Q, N))
+        m_BKGQ, l_BKGQ, acc_BKGQH = jax.lax.fori_loop(0, k_BSKH.shape[1] // C, key_block, rows)
+        return (_put(m_BTN, _unrows(m_BKGQ), i), _put(l_BTN, _unrows(l_BKGQ), i),
+                _put(acc_BTNH, acc_BKGQH.transpose(0, 3, 1, 2, 4).reshape(B, Q, N, H), i))
 
-    queries = (_blocks(_split_heads(q_BTNH, t.G), t.Q), _blocks(q_pos_BT, t.Q), _blocks(q_seg_BT, t.Q))
-    _, (out_nBQNH, lse_nBQN) = jax.lax.scan(query_block, None, queries)
-    return _unblocks(out_nBQNH), _unblocks(lse_nBQN)
+    return jax.lax.fori_loop(0, T // Q, query_block, state)
 
 
-def _attend_fwd(t, q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS):
-    out_BTNH, lse_BTN = _forward(t, q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS)
-    return (out_BTNH, lse_BTN), (q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS, out_BTNH, lse_BTN)
-
-
-def _attend_bwd(t, residuals, cotangents):
-    """Flash attention's backward: an outer loop over key blocks accumulates their dk, dv while an inner loop
-    over query blocks recomputes each tile's probabilities from the saved log-sum-exp and adds to dq."""
-    q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS, out_BTNH, lse_BTN = residuals
+def _accumulate_grads(t: _Tiling, q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS, lse_BTN,
+                      delta_BTN, dout_BTNH, grads):
+    """Flash attention's backward, adding into grads (dq, dk, dv) in place: an outer loop over key tiles
+    accumulates their dk, dv while an inner loop over query tiles recomputes each tile's probabilities from
+    the saved log-sum-exp and adds to dq."""
     q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS = _tied(
         q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS)
-    dout_BTNH, dlse_BTN = cotangents
-    G = t.G
-    cdt = q_BTNH.dtype
-    # D = rowsum(dout * out) is the softmax's own term; the lse cotangent adds to it with the opposite sign.
-    delta_BTN = jnp.sum(dout_BTNH.astype(jnp.float32) * out_BTNH, axis=-1) - dlse_BTN
-    safe_lse_BTN = jnp.where(jnp.isneginf(lse_BTN), 0.0, lse_BTN)
-
-    def per_query(x_BTN):  # [B, T, N] -> [nQ, B, K, G, Q], the layout of a tile's rows
-        B, T, N = x_BTN.shape
-        return _blocks(x_BTN.reshape(B, T, N // G, G), t.Q).transpose(0, 1, 3, 4, 2)
-
-    queries = (_blocks(_split_heads(q_BTNH, G), t.Q), _blocks(_split_heads(dout_BTNH.astype(cdt), G), t.Q),
-               per_query(safe_lse_BTN), per_query(delta_BTN), _blocks(q_pos_BT, t.Q), _blocks(q_seg_BT, t.Q))
     B, T, N, H = q_BTNH.shape
-    dq_nBQKGH = jnp.zeros((T // t.Q, B, t.Q, N // G, G, H), jnp.float32)
+    Q, C, G = t.Q, t.C, t.G
+    cdt = q_BTNH.dtype
 
-    def key_block(dq_nBQKGH, k_inputs):
-        k_BCKH, v_BCKH, k_pos_BC, k_seg_BC = k_inputs
+    def key_block(j, grads):
+        k_BCKH, v_BCKH = _tile(k_BSKH, j, C), _tile(v_BSKH, j, C)
+        k_pos_BC, k_seg_BC = _tile(k_pos_BS, j, C), _tile(k_seg_BS, j, C)
+        dq_BTNH, dk_BSKH, dv_BSKH = grads
 
-        def query_block(dkv, q_inputs):
-            q_BQKGH, do_BQKGH, lse_BKGQ, delta_BKGQ, q_pos_BQ, q_seg_BQ, dq_BQKGH = q_inputs
-            allowed_BQC = _mask(t, q_pos_BQ, k_pos_BC, q_seg_BQ, k_seg_BC)
+        def query_block(i, carry):
+            q_BQKGH = _split_heads(_tile(q_BTNH, i, Q), G)
+            allowed_BQC = _mask(t, _tile(q_pos_BT, i, Q), k_pos_BC, _tile(q_seg_BT, i, Q), k_seg_BC)
 
-            def update(operands):
-                (dk_BCKH, dv_BCKH), dq_BQKGH = operands
+            def update(carry):
+                dq_BTNH, dk_BCKH, dv_BCKH = carry
+                do_BQKGH = _split_heads(_tile(dout_BTNH, i, Q), G).astype(cdt)
+                lse_BKGQ = _rows(_tile(lse_BTN, i, Q), G)
+                lse_BKGQ = jnp.where(jnp.isneginf(lse_BKGQ), 0.0, lse_BKGQ)
+                delta_BKGQ = _rows(_tile(delta_BTN, i, Q), G)
                 s_BKGQC = _logits(t, q_BQKGH, k_BCKH)
                 p_BKGQC = jnp.where(allowed_BQC[:, None, None], jnp.exp(s_BKGQC - lse_BKGQ[..., None]), 0.0)
                 dv_BCKH = dv_BCKH + jnp.einsum("BKGQC,BQKGH->BCKH", p_BKGQC.astype(cdt), do_BQKGH,
@@ -249,23 +226,86 @@ def _attend_bwd(t, residuals, cotangents):
                 if t.softcap is not None:
                     ds_BKGQC = ds_BKGQC * (1.0 - jnp.square(s_BKGQC / t.softcap))
                 ds_BKGQC = (ds_BKGQC * t.scale).astype(cdt)
-                dq_BQKGH = dq_BQKGH + jnp.einsum("BKGQC,BCKH->BQKGH", ds_BKGQC, k_BCKH,
-                                                 preferred_element_type=jnp.float32)
+                dq_BQKGH = jnp.einsum("BKGQC,BCKH->BQKGH", ds_BKGQC, k_BCKH, preferred_element_type=jnp.float32)
+                dq_BTNH = _put(dq_BTNH, _tile(dq_BTNH, i, Q) + dq_BQKGH.reshape(B, Q, N, H), i)
                 dk_BCKH = dk_BCKH + jnp.einsum("BKGQC,BQKGH->BCKH", ds_BKGQC, q_BQKGH,
                                                preferred_element_type=jnp.float32)
-                return (dk_BCKH, dv_BCKH), dq_BQKGH
+                return dq_BTNH, dk_BCKH, dv_BCKH
 
-            dkv, dq_BQKGH = jax.lax.cond(jnp.any(allowed_BQC), update, lambda o: o, (dkv, dq_BQKGH))
-            return dkv, dq_BQKGH
+            return jax.lax.cond(jnp.any(allowed_BQC), update, lambda c: c, carry)
 
-        init = (jnp.zeros(k_BCKH.shape, jnp.float32), jnp.zeros(v_BCKH.shape, jnp.float32))
-        (dk_BCKH, dv_BCKH), dq_nBQKGH = jax.lax.scan(query_block, init, (*queries, dq_nBQKGH))
-        return dq_nBQKGH, (dk_BCKH, dv_BCKH)
+        dq_BTNH, dk_BCKH, dv_BCKH = jax.lax.fori_loop(
+            0, T // Q, query_block, (dq_BTNH, _tile(dk_BSKH, j, C).astype(jnp.float32),
+                                     _tile(dv_BSKH, j, C).astype(jnp.float32)))
+        return dq_BTNH, _put(dk_BSKH, dk_BCKH, j), _put(dv_BSKH, dv_BCKH, j)
 
-    keys = (_blocks(k_BSKH, t.C), _blocks(v_BSKH, t.C), _blocks(k_pos_BS, t.C), _blocks(k_seg_BS, t.C))
-    dq_nBQKGH, (dk_nBCKH, dv_nBCKH) = jax.lax.scan(key_block, dq_nBQKGH, keys)
-    dq_BTNH = _unblocks(dq_nBQKGH).reshape(B, T, N, H).astype(q_BTNH.dtype)
-    return (dq_BTNH, _unblocks(dk_nBCKH).astype(k_BSKH.dtype), _unblocks(dv_nBCKH).astype(v_BSKH.dtype),
+    return jax.lax.fori_loop(0, k_BSKH.shape[1] // C, key_block, grads)
+
+
+def empty_state(B: int, T: int, N: int, H: int):
+    """The online softmax's state before any key: (running max m [B, T, N], sum l [B, T, N], unnormalized
+    output acc [B, T, N, H]), float32."""
+    return (jnp.full((B, T, N), _NEG, jnp.float32), jnp.zeros((B, T, N), jnp.float32),
+            jnp.zeros((B, T, N, H), jnp.float32))
+
+
+def finish(state) -> tuple[jax.Array, jax.Array]:
+    """(out float32, lse) of an online softmax state; a query that saw no allowed key gets 0 and -inf."""
+    m_BTN, l_BTN, acc_BTNH = state
+    seen_BTN = l_BTN > 0
+    l_BTN = jnp.where(seen_BTN, l_BTN, 1.0)
+    return acc_BTNH / l_BTN[..., None], jnp.where(seen_BTN, m_BTN + jnp.log(l_BTN), -jnp.inf)
+
+
+def softmax_delta(out_BTNH, dout_BTNH, dlse_BTN=None) -> jax.Array:
+    """[B, T, N] float32: rowsum(dout * out), the softmax's own term of the backward; the lse's cotangent adds
+    to it with the opposite sign."""
+    delta_BTN = jnp.einsum("BTNH,BTNH->BTN", dout_BTNH.astype(jnp.float32), out_BTNH.astype(jnp.float32))
+    return delta_BTN if dlse_BTN is None else delta_BTN - dlse_BTN
+
+
+def accumulate(q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS, state, window=None, scale=None,
+               softcap=None, block_q: int = 512, block_k: int = 512):
+    """The online softmax state (`empty_state`) of these queries after one more set of keys and values: ring
+    attention's forward step. Masks and arguments as `attend_block`, segment ids required; T and S must be
+    multiples of the tiles (min(block, length)). Not differentiable: ring attention has its own backward."""
+    t = _tiling(q_BTNH, k_BSKH, window, scale, softcap, block_q, block_k)
+    return _accumulate(t, q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS, state)
+
+
+def accumulate_grads(q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS, lse_BTN, delta_BTN,
+                     dout_BTNH, grads, window=None, scale=None, softcap=None, block_q: int = 512,
+                     block_k: int = 512):
+    """grads (dq [B, T, N, H], dk, dv [B, S, K, H], float32) plus what these keys and values contribute as one
+    part of a larger key set whose merged attention has log-sum-exp lse, `softmax_delta` delta and output
+    cotangent dout: ring attention's backward step. Each tile's probabilities come from the merged lse, so
+    the parts' dq sum to the whole's, and each part's dk, dv are its own. Arguments as `accumulate`."""
+    t = _tiling(q_BTNH, k_BSKH, window, scale, softcap, block_q, block_k)
+    return _accumulate_grads(t, q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS, lse_BTN,
+                             delta_BTN, dout_BTNH, grads)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attend(t: _Tiling, q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS):
+    return _attend_fwd(t, q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS)[0]
+
+
+def _attend_fwd(t, q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS):
+    B, T, N, H = q_BTNH.shape
+    out_BTNH, lse_BTN = finish(_accumulate(t, q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS,
+                                           empty_state(B, T, N, H)))
+    return (out_BTNH, lse_BTN), (q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS, out_BTNH, lse_BTN)
+
+
+def _attend_bwd(t, residuals, cotangents):
+    q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS, out_BTNH, lse_BTN = residuals
+    dout_BTNH, dlse_BTN = cotangents
+    zeros = (jnp.zeros(q_BTNH.shape, jnp.float32), jnp.zeros(k_BSKH.shape, jnp.float32),
+             jnp.zeros(v_BSKH.shape, jnp.float32))
+    dq_BTNH, dk_BSKH, dv_BSKH = _accumulate_grads(t, q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS,
+                                                  lse_BTN, softmax_delta(out_BTNH, dout_BTNH, dlse_BTN), dout_BTNH,
+                                                  zeros)
+    return (dq_BTNH.astype(q_BTNH.dtype), dk_BSKH.astype(k_BSKH.dtype), dv_BSKH.astype(v_BSKH.dtype),
             None, None, None, None)
 
 

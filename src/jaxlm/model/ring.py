@@ -4,11 +4,11 @@ values at once. `self_attention` runs `attention` here whenever the active mesh 
 
 Two ways, chosen by model.context_parallel:
 - ring: each device keeps its queries and passes its block of keys and values (with their positions and
-  segment ids) around the ring of the n sequence devices with `ppermute`; at each of the n steps it attends
-  its queries to the block it holds (`blockwise.attend_block`) and merges the result by log-sum-exp. The
-  backward pass is a second ring (a custom VJP): the key blocks go round again, carrying their dk, dv, and
-  each step's gradients come from the merged log-sum-exp saved by the forward (`blockwise.attend_block_grads`),
-  so the saved state is one block's worth per device, as in the forward.
+  segment ids) around the ring of the n sequence devices with `ppermute`; at each of the n steps it continues
+  one online softmax of its queries over the block it holds (`blockwise.accumulate`). The backward pass is a
+  second ring (a custom VJP): the key blocks go round again, carrying their dk, dv, and each step adds its part
+  of dq, dk, dv in place (`blockwise.accumulate_grads`, with the log-sum-exp saved by the forward), so what a
+  device keeps for the backward is its own q, k, v, output and log-sum-exp, nothing per step.
 - all_gather: keys and values (and their positions and segment ids) are all-gathered over the sequence axes
   and each device attends its own queries to all of them; the gradient reduce-scatters back. Simpler, one
   collective per layer, but every device holds the whole sequence's keys and values.
@@ -17,7 +17,7 @@ Masks go by position and segment id, never by array index, so any order of the t
 the same result. The train step uses that to balance causal work: `zigzag_order` puts chunks i and 2n-1-i of
 the sequence on device i, so every device holds early and late tokens alike (train.py permutes its batch
 once). Blocks of keys that no query of the device may see (all after its queries, or all outside the window)
-are skipped whole, and inside a block `attend_block` skips the masked tiles.
+are skipped whole, and inside a block the blockwise kernels skip the masked tiles.
 
 Shape legend: B batch, T query length (this device's share in the shard_map bodies), S key length, N query
 heads, K kv heads, H head width.
@@ -47,12 +47,14 @@ class _Ring(NamedTuple):
     block: int
 
 
-def context_devices() -> int:
-    """How many devices the active mesh splits the `length` axis over (1 outside a mesh)."""
-    ctx = sharding.active()
-    if ctx is None:
-        return 1
-    mesh, rules = ctx
+def context_devices(mesh=None, rules=None) -> int:
+    """How many devices a mesh splits the `length` axis over with these activation rules (by default the
+    active mesh's; 1 outside a mesh)."""
+    if mesh is None:
+        ctx = sharding.active()
+        if ctx is None:
+            return 1
+        mesh, rules = ctx
     return sharding.shard_count(mesh, sharding.spec(("length",), rules)[0])
 
 
@@ -114,79 +116,84 @@ def _may_attend(s: _Ring, q_pos_BT, k_pos_BS):
     return seen
 
 
-def _attend(s: _Ring, q_BTNH, q_pos_BT, q_seg_BT, kv):
+def _ring(s: _Ring, q_BTNH, k_BTKH, v_BTKH, pos_BT, seg_BT):
+    """This device's share of the output, in the query dtype. A share that is not a multiple of the tile is
+    padded: padded keys sit after every query, and the padded queries' outputs are dropped."""
+    T = q_BTNH.shape[1]
+    pad = -T % min(s.block, T)
+    if pad:
+        q_BTNH, k_BTKH, v_BTKH, seg_BT = (blockwise.pad_tokens(a, pad) for a in (q_BTNH, k_BTKH, v_BTKH, seg_BT))
+        pos_BT = blockwise.pad_tokens(pos_BT, pad, blockwise.PAD_POSITION)
+    return _ring_attention(s, q_BTNH, k_BTKH, v_BTKH, pos_BT, seg_BT)[:, :T]
+
+
+def _accumulate(s: _Ring, q_BTNH, q_pos_BT, q_seg_BT, kv, state):
     k_BSKH, v_BSKH, k_pos_BS, k_seg_BS = kv
-    B, T, N, H = q_BTNH.shape
-
-    def run(_):
-        return blockwise.attend_block(q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS, s.window,
-                                      s.scale, s.softcap, s.block, s.block)
-
-    def skip(_):
-        return jnp.zeros((B, T, N, H), jnp.float32), jnp.full((B, T, N), -jnp.inf, jnp.float32)
-
-    return jax.lax.cond(_may_attend(s, q_pos_BT, k_pos_BS), run, skip, None)
+    return jax.lax.cond(_may_attend(s, q_pos_BT, k_pos_BS),
+                        lambda state: blockwise.accumulate(q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT,
+                                                           k_seg_BS, state, s.window, s.scale, s.softcap, s.block,
+                                                           s.block),
+                        lambda state: state, state)
 
 
 def _forward(s: _Ring, q_BTNH, k_BTKH, v_BTKH, pos_BT, seg_BT):
-    """(out float32, lse) of this device's queries over the whole ring's keys."""
+    """(out float32, lse) of this device's queries over the whole ring's keys: one online softmax, continued
+    over each block as it passes."""
     def step(carry, _):
-        out_BTNH, lse_BTN, kv = carry
+        state, kv = carry
         incoming = _shift(s, kv)  # in flight while this block is attended
-        out_BTNH, lse_BTN = blockwise.merge(out_BTNH, lse_BTN, *_attend(s, q_BTNH, pos_BT, seg_BT, kv))
-        return (out_BTNH, lse_BTN, incoming), None
+        return (_accumulate(s, q_BTNH, pos_BT, seg_BT, kv, state), incoming), None
 
+    # Positions and segment ids go through the barrier with q, k, v: see blockwise._tied.
+    q_BTNH, k_BTKH, v_BTKH, pos_BT, seg_BT = jax.lax.optimization_barrier((q_BTNH, k_BTKH, v_BTKH, pos_BT, seg_BT))
     B, T, N, H = q_BTNH.shape
-    init = (jnp.zeros((B, T, N, H), jnp.float32), jnp.full((B, T, N), -jnp.inf, jnp.float32),
-            (k_BTKH, v_BTKH, pos_BT, seg_BT))
-    (out_BTNH, lse_BTN, kv), _ = jax.lax.scan(step, init, None, length=s.n - 1)
-    return blockwise.merge(out_BTNH, lse_BTN, *_attend(s, q_BTNH, pos_BT, seg_BT, kv))
+    init = (blockwise.empty_state(B, T, N, H), (k_BTKH, v_BTKH, pos_BT, seg_BT))
+    (state, kv), _ = jax.lax.scan(step, init, None, length=s.n - 1)
+    return blockwise.finish(_accumulate(s, q_BTNH, pos_BT, seg_BT, kv, state))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring(s: _Ring, q_BTNH, k_BTKH, v_BTKH, pos_BT, seg_BT):
+def _ring_attention(s: _Ring, q_BTNH, k_BTKH, v_BTKH, pos_BT, seg_BT):
     return _forward(s, q_BTNH, k_BTKH, v_BTKH, pos_BT, seg_BT)[0].astype(q_BTNH.dtype)
 
 
 def _ring_fwd(s, q_BTNH, k_BTKH, v_BTKH, pos_BT, seg_BT):
     out_BTNH, lse_BTN = _forward(s, q_BTNH, k_BTKH, v_BTKH, pos_BT, seg_BT)
-    return out_BTNH.astype(q_BTNH.dtype), (q_BTNH, k_BTKH, v_BTKH, pos_BT, seg_BT, out_BTNH, lse_BTN)
+    out_BTNH = out_BTNH.astype(q_BTNH.dtype)
+    # What the backward needs is this device's own: no key block of another device, nothing per ring step.
+    return out_BTNH, (q_BTNH, k_BTKH, v_BTKH, pos_BT, seg_BT, out_BTNH, lse_BTN)
 
 
 def _ring_bwd(s, residuals, dout_BTNH):
-    """The key blocks go round the ring again, each with the dk, dv it has gathered so far; after n steps and
-    one last shift every block is back on its own device with its whole gradient."""
+    """The key blocks go round the ring again, each with the dk, dv it has gathered so far (float32); after n
+    steps and one last shift every block is back on its own device with its whole gradient."""
     q_BTNH, k_BTKH, v_BTKH, pos_BT, seg_BT, out_BTNH, lse_BTN = residuals
+    delta_BTN = blockwise.softmax_delta(out_BTNH, dout_BTNH)
 
-    def grads(kv, dkv):
+    def grads(kv, dq_BTNH, dkv):
         k_BSKH, v_BSKH, k_pos_BS, k_seg_BS = kv
 
-        def run(_):
-            dq, dk, dv = blockwise.attend_block_grads(q_BTNH, k_BSKH, v_BSKH, pos_BT, k_pos_BS, seg_BT, k_seg_BS,
-                                                      out_BTNH, lse_BTN, dout_BTNH, s.window, s.scale, s.softcap,
-                                                      s.block, s.block)
-            return dq.astype(jnp.float32), dk.astype(jnp.float32), dv.astype(jnp.float32)
+        def run(grads):
+            return blockwise.accumulate_grads(q_BTNH, k_BSKH, v_BSKH, pos_BT, k_pos_BS, seg_BT, k_seg_BS, lse_BTN,
+                                              delta_BTN, dout_BTNH, grads, s.window, s.scale, s.softcap, s.block,
+                                              s.block)
 
-        def skip(_):
-            return (jnp.zeros(q_BTNH.shape, jnp.float32), jnp.zeros(k_BSKH.shape, jnp.float32),
-                    jnp.zeros(v_BSKH.shape, jnp.float32))
-
-        dq_BTNH, dk_BSKH, dv_BSKH = jax.lax.cond(_may_attend(s, pos_BT, k_pos_BS), run, skip, None)
-        return dq_BTNH, (dkv[0] + dk_BSKH, dkv[1] + dv_BSKH)
+        dq_BTNH, dk_BSKH, dv_BSKH = jax.lax.cond(_may_attend(s, pos_BT, k_pos_BS), run, lambda g: g,
+                                                 (dq_BTNH, *dkv))
+        return dq_BTNH, (dk_BSKH, dv_BSKH)
 
     def step(carry, _):
         dq_BTNH, kv, dkv = carry
         incoming = _shift(s, kv)
-        dq_step, dkv = grads(kv, dkv)
-        return (dq_BTNH + dq_step, incoming, _shift(s, dkv)), None
+        dq_BTNH, dkv = grads(kv, dq_BTNH, dkv)
+        return (dq_BTNH, incoming, _shift(s, dkv)), None
 
     zeros_kv = (jnp.zeros(k_BTKH.shape, jnp.float32), jnp.zeros(v_BTKH.shape, jnp.float32))
     init = (jnp.zeros(q_BTNH.shape, jnp.float32), (k_BTKH, v_BTKH, pos_BT, seg_BT), zeros_kv)
     (dq_BTNH, kv, dkv), _ = jax.lax.scan(step, init, None, length=s.n - 1)
-    dq_step, dkv = grads(kv, dkv)
+    dq_BTNH, dkv = grads(kv, dq_BTNH, dkv)
     dk_BTKH, dv_BTKH = _shift(s, dkv)
-    return ((dq_BTNH + dq_step).astype(q_BTNH.dtype), dk_BTKH.astype(k_BTKH.dtype), dv_BTKH.astype(v_BTKH.dtype),
-            None, None)
+    return dq_BTNH.astype(q_BTNH.dtype), dk_BTKH.astype(k_BTKH.dtype), dv_BTKH.astype(v_BTKH.dtype), None, None
 
 
-_ring.defvjp(_ring_fwd, _ring_bwd)
+_ring_attention.defvjp(_ring_fwd, _ring_bwd)
