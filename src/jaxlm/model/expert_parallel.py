@@ -117,30 +117,29 @@ def moe(plan_: Plan, x_BTD: jax.Array, p: dict, k: int, capacity_factor: float, 
             rank_a = jnp.arange(a, dtype=jnp.int32) - (jnp.cumsum(counts_E) - counts_E)[sorted_a]
             kept_XG = jnp.minimum(counts_E, Ce).reshape(X, G)
             # Slot of each copy: its destination's bucket, its expert's place in that bucket, its rank there;
-            # a dropped copy gets a slot past the end, which the scatter skips and the gather reads as zeros.
+            # a dropped copy gets the slot past the end. Only these integer maps are scattered; the token rows
+            # move by gathers through them (an unfilled row of a bucket reads token m, out of range: zeros).
             start_E = (jnp.cumsum(kept_XG, axis=1) - kept_XG).reshape(E)
-            slot_a = jnp.where(rank_a < Ce, (sorted_a // G) * C + start_E[sorted_a] + rank_a, X * C)
-            send_XCD = jnp.zeros((X * C, D), x_mD.dtype).at[slot_a].set(
-                jnp.take(x_mD, order_a // k, axis=0), mode="drop").reshape(X, C, D)
+            slot_sorted_a = jnp.where(rank_a < Ce, (sorted_a // G) * C + start_E[sorted_a] + rank_a, X * C)
+            slot_a = jnp.zeros((a,), jnp.int32).at[order_a].set(slot_sorted_a)
+            token_R = jnp.full((X * C,), m, jnp.int32).at[slot_a].set(jnp.arange(a, dtype=jnp.int32) // k,
+                                                                      mode="drop")
+            send_XCD = jnp.take(x_mD, token_R, axis=0, mode="fill", fill_value=0).reshape(X, C, D)
             sent_X = kept_XG.sum(axis=1)
             got_XG = jax.lax.all_to_all(kept_XG, "expert", 0, 0)  # copies from device i for local expert g
             got_X = got_XG.sum(axis=1)
             recv_XCD = _exchange(send_XCD, sent_X, got_X, me, ragged)
-            # Regroup the received rows by local expert; the unfilled rows of each bucket (G) go last.
-            row_R = jnp.arange(X * C, dtype=jnp.int32) % C
-            ends_RG = jnp.repeat(jnp.cumsum(got_XG, axis=1), C, axis=0)
-            expert_R = jnp.sum(row_R[:, None] >= ends_RG, axis=1)
-            order_R = jnp.argsort(expert_R, stable=True)
-            x_RD = jnp.take(recv_XCD.reshape(X * C, D), order_R, axis=0)
         with jax.named_scope("experts"):
-            y_RD = experts(x_RD, q, got_XG.sum(axis=0))
+            local_experts = lambda x_nD, g_G: experts(x_nD, q, g_G)  # noqa: E731
+            # Bucket by bucket, the backward pass carries the local experts' weight gradients (G x D rows per
+            # matrix) through the scan; all at once, it holds the hidden activations of all X * C rows.
+            by_bucket = X * C >= G * D
+            y_XCD = (_per_bucket if by_bucket else _all_buckets)(local_experts, recv_XCD, got_XG)
             if mlp_axes:
-                y_RD = jax.lax.psum(y_RD, mlp_axes)
+                y_XCD = jax.lax.psum(y_XCD, mlp_axes)
         with jax.named_scope("combine"):
-            y_RD = jnp.zeros_like(y_RD).at[order_R].set(y_RD)
-            back_XCD = _exchange(y_RD.reshape(X, C, D), got_X, sent_X, me, ragged)
+            back_XCD = _exchange(y_XCD, got_X, sent_X, me, ragged)
             y_aD = jnp.take(back_XCD.reshape(X * C, D), slot_a, axis=0, mode="fill", fill_value=0)
-            y_aD = jnp.zeros_like(y_aD).at[order_a].set(y_aD)
             y_mD = jnp.einsum("mKD,mK->mD", y_aD.reshape(m, k, D).astype(jnp.float32), weights_mK)
         M = m * n_token_shards
         stats_3E = jax.lax.psum(jnp.stack([counts_E.astype(jnp.float32), jnp.sum(probs_mE, axis=0),
@@ -150,6 +149,27 @@ def moe(plan_: Plan, x_BTD: jax.Array, p: dict, k: int, capacity_factor: float, 
     with jax.named_scope("expert_parallel"):
         return jax.shard_map(local, mesh=mesh, in_specs=(x_spec, w_specs), out_specs=(x_spec, P()))(
             x_BTD, {name: p[name] for name in w_specs})
+
+
+def _per_bucket(experts: Callable, recv_XCD: jax.Array, got_XG: jax.Array) -> jax.Array:
+    """The local experts on what each device sent, one bucket at a time. A bucket arrives sorted by local
+    expert (got_XG[i, g] rows for expert g, then unfilled rows, which no group covers and whose output no one
+    reads), so it is a grouped matmul's input as it stands. The scan step is rematerialized: the experts'
+    hidden activations [C, F] exist for one bucket at a time, forward and backward, instead of for all X."""
+    step = jax.checkpoint(lambda _, bucket: (None, experts(*bucket)))
+    return jax.lax.scan(step, None, (recv_XCD, got_XG))[1]
+
+
+def _all_buckets(experts: Callable, recv_XCD: jax.Array, got_XG: jax.Array) -> jax.Array:
+    """The local experts on all received rows in one grouped matmul: the rows are regrouped by local expert
+    (the unfilled rows of every bucket last) and brought back, both by gathers through integer permutations."""
+    X, C, D = recv_XCD.shape
+    row_R = jnp.arange(X * C, dtype=jnp.int32) % C
+    ends_RG = jnp.repeat(jnp.cumsum(got_XG, axis=1), C, axis=0)
+    order_R = jnp.argsort(jnp.sum(row_R[:, None] >= ends_RG, axis=1), stable=True)
+    back_R = jnp.zeros_like(order_R).at[order_R].set(jnp.arange(X * C, dtype=order_R.dtype))
+    y_RD = experts(jnp.take(recv_XCD.reshape(X * C, D), order_R, axis=0), got_XG.sum(axis=0))
+    return jnp.take(y_RD, back_R, axis=0).reshape(X, C, D)
 
 
 def uses_ragged(mesh: Mesh, all_to_all: str) -> bool:
