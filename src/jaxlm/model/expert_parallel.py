@@ -201,7 +201,8 @@ def _exchange_and_run(x_mD: jax.Array, slot_a: jax.Array, sent_X: jax.Array, got
     y_aD = jax.lax.pcast(jnp.zeros((a, D), x_mD.dtype), token_axes, to="varying")  # as the tokens are
     if n == 1:
         return step(y_aD, (0, token_nXc[0]))[0]
-    return jax.lax.scan(jax.checkpoint(step), y_aD, (jnp.arange(n, dtype=jnp.int32), token_nXc))[0]
+    steps = jnp.arange(n, dtype=jnp.int32)
+    return jax.lax.scan(jax.checkpoint(step, prevent_cse=False), y_aD, (steps, token_nXc))[0]
 
 
 def uses_ragged(mesh: Mesh, all_to_all: str) -> bool:
