@@ -2,8 +2,8 @@
 under `shard_map`, and the token copies travel to their experts' devices and back with all-to-all.
 
 Each device routes its own tokens (the batch is split over the expert axis too), sorts the token copies by
-expert, which is also by destination device, and packs them into one bucket of Cd rows per destination.
-An all-to-all delivers each bucket; the receiver regroups what it got by local expert, runs its experts with
+expert, which is also by destination device, and lays them out in one bucket of Cd rows per destination.
+An all-to-all delivers the buckets; the receiver regroups what it got by local expert, runs its experts with
 one grouped matmul (`ragged_dot`), and the inverse all-to-all brings the results back to the copies' slots.
 The combine weights and the routing statistics are the single-device layer's: the statistics are summed
 over every device that holds different tokens, so the load-balancing loss is the whole batch's.
@@ -13,6 +13,12 @@ many copies to one device as that device has experts, up to K: Cd = m * min(K, E
 factor c, each expert takes at most Ce = ceil(c * m * K / E) copies from each device (an even share times c,
 as in Switch Transformer and MaxText); the later copies of an expert, in token order, are dropped, their
 output is zero (their weight stays with the residual stream), and the statistics count them.
+
+Steps. The buckets are not built whole: the exchange runs in n steps, each sending the next c = Cd / n rows
+of every bucket, running the experts on them and bringing the results back, in a rematerialized scan. Only
+one step's buffers [X c, D] and the experts' hidden activations for them [X c, F] exist at a time, forward and
+backward, so dropless costs little more than a capacity factor once the steps are small. A step holds at least
+D rows (`_steps`); the token rows move by gathers through integer maps, never by scatters of rows.
 
 Exchange. On TPU `jax.lax.ragged_all_to_all` sends only the filled rows of each bucket; XLA:CPU, GPU and v5e
 pod slices run the padded `jax.lax.all_to_all` of whole buckets (`uses_ragged`). The layout on both ends is
@@ -25,7 +31,8 @@ expert parallelism is refused with a ConfigError.
 
 Shape legend: B batch, T length, D model width, E experts, K experts per token, F expert hidden width,
 X devices on the expert axis, G experts per device (E / X), m tokens per device, a token copies per device
-(m * K), C rows per bucket (Cd), R rows received (X * C).
+(m * K), C rows per bucket (Cd), n steps, c rows of each bucket per step (C / n, rounded up), R rows
+received per step (X * c).
 """
 
 from __future__ import annotations
@@ -117,30 +124,16 @@ def moe(plan_: Plan, x_BTD: jax.Array, p: dict, k: int, capacity_factor: float, 
             rank_a = jnp.arange(a, dtype=jnp.int32) - (jnp.cumsum(counts_E) - counts_E)[sorted_a]
             kept_XG = jnp.minimum(counts_E, Ce).reshape(X, G)
             # Slot of each copy: its destination's bucket, its expert's place in that bucket, its rank there;
-            # a dropped copy gets a slot past the end, which the scatter skips and the gather reads as zeros.
+            # a dropped copy gets the slot past the end. Only these integer maps are scattered; the token rows
+            # move by gathers through them.
             start_E = (jnp.cumsum(kept_XG, axis=1) - kept_XG).reshape(E)
-            slot_a = jnp.where(rank_a < Ce, (sorted_a // G) * C + start_E[sorted_a] + rank_a, X * C)
-            send_XCD = jnp.zeros((X * C, D), x_mD.dtype).at[slot_a].set(
-                jnp.take(x_mD, order_a // k, axis=0), mode="drop").reshape(X, C, D)
-            sent_X = kept_XG.sum(axis=1)
+            slot_sorted_a = jnp.where(rank_a < Ce, (sorted_a // G) * C + start_E[sorted_a] + rank_a, X * C)
+            slot_a = jnp.zeros((a,), jnp.int32).at[order_a].set(slot_sorted_a)
             got_XG = jax.lax.all_to_all(kept_XG, "expert", 0, 0)  # copies from device i for local expert g
-            got_X = got_XG.sum(axis=1)
-            recv_XCD = _exchange(send_XCD, sent_X, got_X, me, ragged)
-            # Regroup the received rows by local expert; the unfilled rows of each bucket (G) go last.
-            row_R = jnp.arange(X * C, dtype=jnp.int32) % C
-            ends_RG = jnp.repeat(jnp.cumsum(got_XG, axis=1), C, axis=0)
-            expert_R = jnp.sum(row_R[:, None] >= ends_RG, axis=1)
-            order_R = jnp.argsort(expert_R, stable=True)
-            x_RD = jnp.take(recv_XCD.reshape(X * C, D), order_R, axis=0)
-        with jax.named_scope("experts"):
-            y_RD = experts(x_RD, q, got_XG.sum(axis=0))
-            if mlp_axes:
-                y_RD = jax.lax.psum(y_RD, mlp_axes)
+        n = _steps(X * C, D, C)
+        y_aD = _exchange_and_run(x_mD, slot_a, kept_XG.sum(axis=1), got_XG, C, n, k, me, ragged,
+                                 lambda x_nD, g_G: experts(x_nD, q, g_G), token_axes, mlp_axes)
         with jax.named_scope("combine"):
-            y_RD = jnp.zeros_like(y_RD).at[order_R].set(y_RD)
-            back_XCD = _exchange(y_RD.reshape(X, C, D), got_X, sent_X, me, ragged)
-            y_aD = jnp.take(back_XCD.reshape(X * C, D), slot_a, axis=0, mode="fill", fill_value=0)
-            y_aD = jnp.zeros_like(y_aD).at[order_a].set(y_aD)
             y_mD = jnp.einsum("mKD,mK->mD", y_aD.reshape(m, k, D).astype(jnp.float32), weights_mK)
         M = m * n_token_shards
         stats_3E = jax.lax.psum(jnp.stack([counts_E.astype(jnp.float32), jnp.sum(probs_mE, axis=0),
@@ -150,6 +143,66 @@ def moe(plan_: Plan, x_BTD: jax.Array, p: dict, k: int, capacity_factor: float, 
     with jax.named_scope("expert_parallel"):
         return jax.shard_map(local, mesh=mesh, in_specs=(x_spec, w_specs), out_specs=(x_spec, P()))(
             x_BTD, {name: p[name] for name in w_specs})
+
+
+def _steps(rows: int, width: int, C: int) -> int:
+    """Into how many steps the exchange of `rows` (X * C) received rows is cut: steps of at least `width` (D)
+    rows. Fewer rows per step would leave the steps' matmuls bound by reading the local experts' weights
+    (each step reads them again), and the backward pass carries the weights' gradients (G x D x F per matrix)
+    through the steps, which outweigh a step's hidden activations below about D rows (rows x F per matrix,
+    times G where the grouped matmul runs densely, as on CPU)."""
+    return max(1, min(C, rows // width))
+
+
+def _exchange_and_run(x_mD: jax.Array, slot_a: jax.Array, sent_X: jax.Array, got_XG: jax.Array, C: int,
+                      n: int, k: int, me: jax.Array, ragged: bool, experts: Callable,
+                      token_axes: tuple[str, ...], mlp_axes: tuple[str, ...]) -> jax.Array:
+    """Every copy's expert output [a, D] (zeros for a dropped copy). The X buckets of C rows are exchanged in
+    n steps of c = C / n rows (rounded up) each: a step sends rows [j c, (j + 1) c) of every bucket, the
+    receiver runs its experts on the X c rows it got, and the results come back. The steps run in a
+    rematerialized scan, so the exchange buffers and the experts' hidden activations exist for one step at a
+    time, forward and backward; what persists is the tokens and the copies' outputs [a, D]."""
+    m, D = x_mD.shape
+    X, G = got_XG.shape
+    c = -(-C // n)
+    a = slot_a.shape[0]
+    bucket_a, row_a = slot_a // C, slot_a % C
+    local_a = bucket_a * c + row_a % c  # the copy's row in its step's buffer; past the end for a dropped copy
+    step_a = jnp.where(bucket_a < X, row_a // c, n)
+    # token_nXc: the token in row (step, bucket, row) of the exchange, m (out of range: zeros) where unfilled
+    token_nXc = jnp.full((X, n * c), m, jnp.int32).at[bucket_a, step_a * c + row_a % c].set(
+        jnp.arange(a, dtype=jnp.int32) // k, mode="drop").reshape(X, n, c).transpose(1, 0, 2)
+    ends_XG = jnp.cumsum(got_XG, axis=1)
+    got_X = ends_XG[:, -1]
+
+    def step(y_aD, xs):
+        j, token_Xc = xs
+        send_X = jnp.clip(sent_X - j * c, 0, c)
+        recv_X = jnp.clip(got_X - j * c, 0, c)
+        with jax.named_scope("dispatch"):
+            send_XcD = jnp.take(x_mD, token_Xc, axis=0, mode="fill", fill_value=0)
+            recv_XcD = _exchange(send_XcD, send_X, recv_X, me, ragged)
+            # Regroup the received rows by local expert (the unfilled rows, G, last).
+            row_Xc = j * c + jnp.arange(c, dtype=jnp.int32)
+            expert_R = jnp.sum(row_Xc[None, :, None] >= ends_XG[:, None, :], axis=2).reshape(X * c)
+            order_R = jnp.argsort(expert_R, stable=True)
+            back_R = jnp.zeros_like(order_R).at[order_R].set(jnp.arange(X * c, dtype=order_R.dtype))
+            x_RD = jnp.take(recv_XcD.reshape(X * c, D), order_R, axis=0)
+        with jax.named_scope("experts"):
+            y_RD = experts(x_RD, jnp.bincount(expert_R, length=G + 1)[:G].astype(jnp.int32))
+            if mlp_axes:
+                y_RD = jax.lax.psum(y_RD, mlp_axes)
+        with jax.named_scope("combine"):
+            y_XcD = jnp.take(y_RD, back_R, axis=0).reshape(X, c, D)
+            back_RD = _exchange(y_XcD, recv_X, send_X, me, ragged).reshape(X * c, D)
+            mine_a = jnp.where(step_a == j, local_a, X * c)
+            return y_aD + jnp.take(back_RD, mine_a, axis=0, mode="fill", fill_value=0), None
+
+    y_aD = jax.lax.pcast(jnp.zeros((a, D), x_mD.dtype), token_axes, to="varying")  # as the tokens are
+    if n == 1:
+        return step(y_aD, (0, token_nXc[0]))[0]
+    steps = jnp.arange(n, dtype=jnp.int32)
+    return jax.lax.scan(jax.checkpoint(step, prevent_cse=False), y_aD, (steps, token_nXc))[0]
 
 
 def uses_ragged(mesh: Mesh, all_to_all: str) -> bool:
