@@ -156,6 +156,46 @@ def test_generate_stops_per_sequence_and_reproduces():
         generate.generate(params, cfg, prompts, dataclasses.replace(d, cache_length=4))
 
 
+def test_decode_segments_cover_the_steps_and_hold_their_positions():
+    assert generate.segments(16, 272, 256) == [(64, 48), (128, 112), (256, 240), (272, 256)]
+    assert generate.segments(80, 100, 20) == [(100, 20)]  # no segment shorter than the prompt
+    assert generate.segments(16, 1000, 30) == [(64, 30)]  # done before the cache is full length
+    for T, length, N in ((16, 272, 256), (48, 300, 252), (130, 200, 70)):
+        ends = [0] + [end for _, end in generate.segments(T, length, N)]
+        assert ends[-1] == N and all(a < b for a, b in zip(ends, ends[1:]))
+        for (S, end) in generate.segments(T, length, N)[:-1]:
+            assert T + end - 1 < S  # the last step of a segment writes position < T + end
+
+
+@pytest.mark.parametrize("name,quantize", [pytest.param("gemma2_2b", False, marks=pytest.mark.default_settings),
+                                           pytest.param("llama3_1_8b", True, marks=pytest.mark.slow)])
+def test_generate_equals_the_stacked_decode_step(name, quantize):
+    """generate's loop (layers and cache taken apart, keys transposed, the cache growing over three segments)
+    samples the tokens of transformer.decode_step over the stacked full-length cache, step by step, with the
+    same keys (sampled, not greedy: a tiny random model's greedy output soon repeats one token)."""
+    cfg = tiny(name)
+    params = init(cfg)
+    prompts = [[1, 2, 3], [5], list(range(7, 23))]  # the longest fills its padded length: no slack at the ends
+    N = 120  # prompts padded to 16: segments of 64, 128 and 136 slots
+    assert len(generate.segments(16, 16 + N, N)) == 3
+    got = generate.generate(params, cfg, prompts, DecodeConfig(max_new_tokens=N, temperature=1.0, seed=5,
+                                                               quantize_kv_cache=quantize)).tokens
+    prompts_BT = np.zeros((3, 16), np.int32)
+    for b, p in enumerate(prompts):
+        prompts_BT[b, :len(p)] = p
+    logits, cache = jax.jit(transformer.prefill, static_argnums=(3, 4, 5))(
+        params, prompts_BT, np.array([len(p) for p in prompts], np.int32), cfg, 16 + N, quantize)
+    step = jax.jit(transformer.decode_step, static_argnums=3)
+    draw = jax.jit(generate.sample_tokens)
+    key, want = jax.random.key(5), []
+    for _ in range(N):
+        key, sub = jax.random.split(key)
+        want.append(draw(logits, sub, 1.0, 0, 1.0))
+        logits, cache = step(params, want[-1], cache, cfg)
+    assert got == np.stack(want, axis=1).tolist()
+    assert min(len(set(t)) for t in got) > 10
+
+
 # ---- against transformers, and the command line ------------------------------------------------------------------
 
 def test_greedy_generation_matches_transformers(tmp_path):

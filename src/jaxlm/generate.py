@@ -27,7 +27,7 @@ import numpy as np
 import jaxlm
 from jaxlm import sharding
 from jaxlm.config import ConfigError, DecodeConfig, ModelConfig, validate_decode
-from jaxlm.model import forward, transformer
+from jaxlm.model import forward, kvcache, transformer
 
 
 def sample_logits(logits_V: jax.Array, key: jax.Array, temperature: float, top_k: int) -> jax.Array:
@@ -140,14 +140,34 @@ def _prefill(params, prompts_BT, lengths_B, cfg: ModelConfig, cache_length: int,
     return transformer.prefill(params, prompts_BT, lengths_B, cfg, cache_length, quantize)
 
 
-@partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "stream"))
-def _decode(params, logits_BV, cache, key, temperature, top_k, top_p, stop_S, cfg: ModelConfig,
-            max_new_tokens: int, stream: bool):
-    """Sample up to max_new_tokens per sequence: [B, N] tokens (0 after a sequence stopped) and counts [B]."""
-    B = logits_BV.shape[0]
+FIRST_SEGMENT = 64  # cache slots of the first decode segment; each next one doubles
 
-    def cond(c):
-        return (c["i"] < max_new_tokens) & ~jnp.all(c["done_B"])
+
+def segments(prompt_len: int, cache_length: int, max_new_tokens: int) -> list[tuple[int, int]]:
+    """The decode loop runs in segments of growing cache length, so that a step attends over about the
+    filled part of the cache instead of all of it: [(slots, the step it ends before)], FIRST_SEGMENT slots
+    doubling up to cache_length. Step i writes position length + i <= prompt_len + i (prompts are padded to
+    prompt_len), which a segment of S slots holds while i < S - prompt_len."""
+    out, S = [], FIRST_SEGMENT
+    while S < cache_length:
+        end = min(S - prompt_len, max_new_tokens)
+        if end > (out[-1][1] if out else 0):
+            out.append((S, end))
+        if end == max_new_tokens:
+            return out
+        S *= 2
+    return out + [(cache_length, max_new_tokens)]
+
+
+@partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "stream", "prompt_len", "cache_length"))
+def _decode(params, logits_BV, cache, key, temperature, top_k, top_p, stop_S, cfg: ModelConfig,
+            max_new_tokens: int, stream: bool, prompt_len: int, cache_length: int):
+    """Sample up to max_new_tokens per sequence: [B, N] tokens (0 after a sequence stopped) and counts [B].
+    `cache` comes from prefill of prompts padded to prompt_len, with the slots of the first of the segments
+    up to cache_length; the loop of a segment ends at its last step or once every sequence has stopped, and
+    the next one grows the cache."""
+    B = logits_BV.shape[0]
+    layer_params = transformer.layer_weights(params, cfg)
 
     def body(c):
         key, sub = jax.random.split(c["key"])
@@ -159,15 +179,17 @@ def _decode(params, logits_BV, cache, key, temperature, top_k, top_p, stop_S, cf
         out_BN = c["out_BN"].at[:, c["i"]].set(tok_B)
         count_B = c["count_B"] + (~c["done_B"]).astype(jnp.int32)
         done_B = c["done_B"] | jnp.any(tok_B[:, None] == stop_S[None, :], axis=-1)
-        logits_BV, cache = transformer.decode_step(params, tok_B, c["cache"], cfg)
+        logits_BV, cache = transformer.decode_layers(params, layer_params, tok_B, c["cache"], cfg)
         return dict(i=c["i"] + 1, key=key, logits_BV=logits_BV, cache=cache, out_BN=out_BN, count_B=count_B,
                     done_B=done_B)
 
-    init = dict(i=jnp.int32(0), key=key, logits_BV=logits_BV, cache=cache,
-                out_BN=jnp.zeros((B, max_new_tokens), jnp.int32), count_B=jnp.zeros((B,), jnp.int32),
-                done_B=jnp.zeros((B,), bool))
-    final = jax.lax.while_loop(cond, body, init)
-    return final["out_BN"], final["count_B"]
+    c = dict(i=jnp.int32(0), key=key, logits_BV=logits_BV, cache=kvcache.unstack(cache, cfg),
+             out_BN=jnp.zeros((B, max_new_tokens), jnp.int32), count_B=jnp.zeros((B,), jnp.int32),
+             done_B=jnp.zeros((B,), bool))
+    for S, end in segments(prompt_len, cache_length, max_new_tokens):
+        c["cache"] = kvcache.grow(c["cache"], cfg, S)
+        c = jax.lax.while_loop(lambda c, end=end: (c["i"] < end) & ~jnp.all(c["done_B"]), body, c)
+    return c["out_BN"], c["count_B"]
 
 
 @dataclass
@@ -225,13 +247,15 @@ def _compiled(params, prompts_BT, lengths_B, key, sampling, stop_S, cfg: ModelCo
          cfg, length, d.quantize_kv_cache, d.max_new_tokens, mesh, stream)
     if k not in _EXECUTABLES:
         ctx = sharding.activation_sharding(mesh) if mesh is not None else contextlib.nullcontext()
+        T = prompts_BT.shape[1]
+        first = segments(T, length, d.max_new_tokens)[0][0]
         with ctx:
-            prefill = _prefill.lower(params, prompts_BT, lengths_B, cfg, length, d.quantize_kv_cache).compile()
-            logits_shape, cache_shape = jax.eval_shape(partial(transformer.prefill, cfg=cfg, cache_length=length,
+            prefill = _prefill.lower(params, prompts_BT, lengths_B, cfg, first, d.quantize_kv_cache).compile()
+            logits_shape, cache_shape = jax.eval_shape(partial(transformer.prefill, cfg=cfg, cache_length=first,
                                                                quantize=d.quantize_kv_cache),
                                                        params, prompts_BT, lengths_B)
             decode = _decode.lower(params, logits_shape, cache_shape, key, *sampling, stop_S, cfg,
-                                   d.max_new_tokens, stream).compile()
+                                   d.max_new_tokens, stream, T, length).compile()
         if len(_EXECUTABLES) >= _MAX_EXECUTABLES:
             _EXECUTABLES.pop(next(iter(_EXECUTABLES)))  # the oldest
         _EXECUTABLES[k] = (prefill, decode)
