@@ -159,10 +159,12 @@ def test_generate_stops_per_sequence_and_reproduces():
 def test_decode_segments_cover_the_steps_and_hold_their_positions():
     assert generate.segments(16, 272, 256) == [(64, 48), (128, 112), (256, 240), (272, 256)]
     assert generate.segments(80, 100, 20) == [(100, 20)]  # no segment shorter than the prompt
-    assert generate.segments(16, 1000, 30) == [(64, 30)]  # done before the cache is full length
-    for T, length, N in ((16, 272, 256), (48, 300, 252), (130, 200, 70)):
+    assert generate.segments(16, 1000, 30) == [(128, 30)]  # done before the cache is full length
+    assert generate.segments(16, 2064, 2048) == [(512, 496), (1024, 1008), (2048, 2032), (2064, 2048)]
+    for T, length, N in ((16, 272, 256), (48, 300, 252), (130, 200, 70), (16, 5000, 4984), (1024, 1100, 76)):
         ends = [0] + [end for _, end in generate.segments(T, length, N)]
         assert ends[-1] == N and all(a < b for a, b in zip(ends, ends[1:]))
+        assert len(ends) <= 1 + generate.MAX_SEGMENTS
         for (S, end) in generate.segments(T, length, N)[:-1]:
             assert T + end - 1 < S  # the last step of a segment writes position < T + end
 

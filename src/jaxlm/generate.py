@@ -140,15 +140,21 @@ def _prefill(params, prompts_BT, lengths_B, cfg: ModelConfig, cache_length: int,
     return transformer.prefill(params, prompts_BT, lengths_B, cfg, cache_length, quantize)
 
 
-FIRST_SEGMENT = 64  # cache slots of the first decode segment; each next one doubles
+FIRST_SEGMENT = 64  # cache slots of the first decode segment at least; each next one doubles
+MAX_SEGMENTS = 4  # each compiles its own copy of the decode step (with every layer unrolled)
 
 
 def segments(prompt_len: int, cache_length: int, max_new_tokens: int) -> list[tuple[int, int]]:
     """The decode loop runs in segments of growing cache length, so that a step attends over about the
-    filled part of the cache instead of all of it: [(slots, the step it ends before)], FIRST_SEGMENT slots
-    doubling up to cache_length. Step i writes position length + i <= prompt_len + i (prompts are padded to
-    prompt_len), which a segment of S slots holds while i < S - prompt_len."""
-    out, S = [], FIRST_SEGMENT
+    filled part of the cache instead of all of it: [(slots, the step it ends before)], doubling up to
+    cache_length from FIRST_SEGMENT slots, or from more where that would take over MAX_SEGMENTS. Step i writes
+    position length + i <= prompt_len + i (prompts are padded to prompt_len), which a segment of S slots holds
+    while i < S - prompt_len. At batch 16 on a 2-core CPU, segments doubled the tokens/s of 256 new tokens
+    after a 16-token prompt (4 layers, width 128) and took the compile time from 7 to 9-12 s."""
+    S = FIRST_SEGMENT
+    while S * 2 ** (MAX_SEGMENTS - 1) < cache_length:
+        S *= 2
+    out = []
     while S < cache_length:
         end = min(S - prompt_len, max_new_tokens)
         if end > (out[-1][1] if out else 0):
