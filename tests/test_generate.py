@@ -111,6 +111,26 @@ def test_top_p_samples_only_the_nucleus():
     assert set(draws(LOGITS, top_p=0.7, top_k=2).tolist()) == {0, 2}  # combined: top-k, then top-p of the rest
 
 
+def test_keep_mask_equals_a_sorting_reference():
+    """The bisection cutoffs of top-k and top-p keep exactly the tokens a sort keeps (ties at the k-th value
+    all kept, as transformers keeps them)."""
+    rng = np.random.default_rng(0)
+    logits = np.round(rng.normal(size=(6, 1000)) * 3, 1).astype(np.float32)  # rounded: many ties
+    logits[0, :5] = 40.0  # one row whose mass sits in a few tied tokens
+    fn = jax.jit(generate.keep_mask)
+    for top_k, top_p in ((0, 0.9), (50, 1.0), (50, 0.5), (1, 1.0), (3, 0.99), (0, 0.3), (999, 0.97), (0, 1e-4)):
+        want = np.zeros_like(logits, bool)
+        for b, row in enumerate(logits.astype(np.float64)):
+            desc = -np.sort(-row)
+            kth = desc[min(top_k, len(row)) - 1] if top_k > 0 else desc[-1]
+            w = np.where(row >= kth, np.exp(row - row.max()), 0)
+            cut = min(v for v in np.unique(row[row >= kth]) if w[row > v].sum() < top_p * w.sum())
+            want[b] = row >= cut
+        got = np.asarray(fn(jnp.asarray(logits), top_k, top_p))
+        np.testing.assert_array_equal(got, want, err_msg=f"top_k={top_k} top_p={top_p}")
+    assert np.asarray(fn(jnp.asarray(logits), 2, 1.0))[0].sum() == 5  # the tie at the 2nd value: all 5 kept
+
+
 def test_zero_temperature_is_greedy_and_seeds_reproduce():
     logits = jax.random.normal(jax.random.key(1), (16, 50))
     greedy = np.argmax(np.asarray(logits), -1)

@@ -76,13 +76,14 @@ def sample(params, cfg: ModelConfig, prompt_ids: list[int], new_tokens: int, key
 
 def sample_tokens(logits_BV: jax.Array, key: jax.Array, temperature, top_k, top_p) -> jax.Array:
     """One token per row from float32 logits, in the order transformers applies them: temperature, then top-k
-    (the k largest logits; 0 = off), then top-p (the most likely tokens until their probability reaches top_p,
-    at least one; 1 = off). Temperature 0 is greedy. The settings may be traced, so changing them does not
-    recompile.
+    (the logits at least the k-th largest, ties included, as transformers keeps them; 0 = off), then top-p (the
+    most likely tokens until their probability reaches top_p, at least one; 1 = off). Temperature 0 is greedy.
+    The settings may be traced, so changing them does not recompile.
 
     Only what the settings need runs (lax.switch): greedy is an argmax, and plain sampling (top-k and top-p
-    off) a draw from the softmax; only top-k or top-p sort the vocabulary, which at batch 16 and a 128k
-    vocabulary costs more than a small model's whole decode step."""
+    off) a draw from the softmax. Top-k and top-p find their cutoffs by bisection (_cutoff) instead of sorting
+    the vocabulary: at batch 16 on a 2-core CPU a draw with top_k=50, top_p=0.9 took 2.4x less time than the
+    sort at 32k tokens and 4.3x less at 128k, with the same tokens drawn."""
     V = logits_BV.shape[-1]
 
     def greedy():
@@ -96,18 +97,49 @@ def sample_tokens(logits_BV: jax.Array, key: jax.Array, temperature, top_k, top_
 
     def filtered():
         scaled_BV = scaled()
-        sorted_BV = -jnp.sort(-scaled_BV, axis=-1)
-        rank_V = jnp.arange(V)
-        k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
-        probs_BV = jax.nn.softmax(jnp.where(rank_V < k, sorted_BV, -jnp.inf), axis=-1)
-        mass_before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
-        keep_B = jnp.maximum(jnp.sum((rank_V < k) & (mass_before_BV < top_p), axis=-1), 1)
-        cutoff_B1 = jnp.take_along_axis(sorted_BV, keep_B[:, None] - 1, axis=-1)
-        masked_BV = jnp.where(scaled_BV >= cutoff_B1, scaled_BV, -jnp.inf)
-        return jax.random.categorical(key, masked_BV, axis=-1).astype(jnp.int32)
+        return jax.random.categorical(key, jnp.where(keep_mask(scaled_BV, top_k, top_p), scaled_BV, -jnp.inf),
+                                      axis=-1).astype(jnp.int32)
 
     branch = jnp.where(temperature == 0, 0, jnp.where(((top_k > 0) & (top_k < V)) | (top_p < 1), 2, 1))
     return jax.lax.switch(branch, (greedy, plain, filtered))
+
+
+def keep_mask(logits_BV: jax.Array, top_k, top_p) -> jax.Array:
+    """[B, V] True for the tokens top-k and then top-p keep (see sample_tokens), found without a sort."""
+    V = logits_BV.shape[-1]
+    order_BV = _ordered_int(logits_BV)
+    lo_B1, hi_B1 = jnp.min(order_BV, -1, keepdims=True), jnp.max(order_BV, -1, keepdims=True)
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
+    # The k-th largest: the least t with fewer than k logits above it.
+    kth_B1 = jax.lax.cond(k < V, lambda: _cutoff(lambda t: jnp.sum(order_BV > t, -1, keepdims=True) < k,
+                                                lo_B1, hi_B1), lambda: lo_B1)
+    weights_BV = jnp.where(order_BV >= kth_B1, jnp.exp(logits_BV - jnp.max(logits_BV, -1, keepdims=True)), 0)
+    total_B1 = jnp.sum(weights_BV, -1, keepdims=True)
+    # The least logit whose more likely tokens hold less than top_p of the probability: it is kept, and every
+    # logit at least as large.
+    cut_B1 = jax.lax.cond(top_p < 1, lambda: _cutoff(
+        lambda t: jnp.sum(jnp.where(order_BV > t, weights_BV, 0), -1, keepdims=True) < top_p * total_B1,
+        kth_B1, hi_B1), lambda: kth_B1)
+    return order_BV >= cut_B1
+
+
+def _ordered_int(x: jax.Array) -> jax.Array:
+    """float32 -> int32 in the same order (negative floats' magnitude bits flipped), for exact bisection."""
+    i = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+    return i ^ ((i >> 31) & 0x7FFFFFFF)
+
+
+def _cutoff(holds: Callable, lo_B1: jax.Array, hi_B1: jax.Array) -> jax.Array:
+    """The least int32 t in [lo, hi] per row at which holds(t) [B, 1] is true, for a `holds` that stays true
+    above it (true at hi): 32 halvings find it exactly. It is a value of the row when holds changes only
+    at the row's values."""
+    def halve(_, bounds):
+        lo, hi = bounds
+        mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)  # (lo + hi) // 2 without overflow
+        ok = holds(mid)
+        return jnp.where(ok, lo, mid + 1), jnp.where(ok, mid, hi)
+
+    return jax.lax.fori_loop(0, 32, halve, (lo_B1, hi_B1))[1]
 
 
 # ---- cached generation ------------------------------------------------------------------------------------------
