@@ -9,15 +9,20 @@ call compiles and warms up). `uncached` recomputes the forward pass over the who
 far) for every new token, as a decoder without a cache must: the prefix is padded up to a multiple of 16 tokens
 so that 17 compiled programs cover every length, all compiled before timing. `hf` is transformers' greedy
 generate with its own cache, fp32, eager attention, prefill included. Tokens/s count new tokens of all
-sequences; greedy throughout.
+sequences; greedy throughout. Each line ends with the load average of the machine when it was printed.
 
-    python benchmarks/decode.py [--new-tokens 256]
+With --compare-ref the line also holds `stacked_tok_per_s`: the same prefill and greedy loop, but each step
+`transformer.decode_step` (the server's step) over the stacked full-length cache, as generate decoded before
+its loop took the layers and the cache apart and grew the cache in segments; `vs_stacked` is cached/stacked.
+
+    python benchmarks/decode.py [--new-tokens 256] [--batches 1,16] [--compare-ref]
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import tempfile
 import time
 from functools import partial
@@ -29,7 +34,7 @@ import numpy as np
 
 from jaxlm import api, convert, generate
 from jaxlm.config import DecodeConfig, ModelConfig
-from jaxlm.model import forward
+from jaxlm.model import forward, transformer
 
 PROMPT = 16
 HF = dict(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, hidden_size=128,
@@ -70,6 +75,31 @@ def cached(params, cfg, prompts, new_tokens) -> float:
     out = generate.generate(params, cfg, prompts.tolist(), d)
     assert all(len(t) == new_tokens for t in out.tokens)
     return len(prompts) * new_tokens / (out.prefill_s + out.decode_s)
+
+
+@partial(jax.jit, static_argnames=("cfg", "new_tokens"))
+def _stacked(params, prompts_BT, cfg, new_tokens: int):
+    """Greedy tokens [B, N] by prefill and transformer.decode_step over the stacked cache of every position."""
+    B, T = prompts_BT.shape
+    logits_BV, cache = transformer.prefill(params, prompts_BT, jnp.full((B,), T, jnp.int32), cfg, T + new_tokens)
+
+    def body(i, c):
+        logits_BV, cache, out_BN = c
+        tok_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+        logits_BV, cache = transformer.decode_step(params, tok_B, cache, cfg)
+        return logits_BV, cache, out_BN.at[:, i].set(tok_B)
+
+    return jax.lax.fori_loop(0, new_tokens, body, (logits_BV, cache, jnp.zeros((B, new_tokens), jnp.int32)))[2]
+
+
+def stacked(params, cfg, prompts, new_tokens) -> float:
+    jax.block_until_ready(_stacked(params, prompts, cfg, new_tokens))  # compile and warm up
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(_stacked(params, prompts, cfg, new_tokens))
+    seconds = time.perf_counter() - t0
+    want = generate.generate(params, cfg, prompts.tolist(), DecodeConfig(max_new_tokens=new_tokens, temperature=0.0))
+    assert np.asarray(out).tolist() == want.tokens, "generate and the stacked decode_step disagree"
+    return len(prompts) * new_tokens / seconds
 
 
 BUCKET = 16
@@ -119,6 +149,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--compare-ref", action="store_true",
+                    help="also time decode_step over the stacked full-length cache (the loop before segments)")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         params, cfg, hf = build(Path(tmp), a.new_tokens)
@@ -132,7 +164,10 @@ def main():
                 line += f" hf_tok_per_s={h:.1f}"
             line += f" cache_speedup={c / u:.2f}"
             line += f" vs_transformers={c / h:.2f}" if hf is not None else " vs_transformers=n/a (no hf extra)"
-            print(line, flush=True)
+            if a.compare_ref:
+                s = stacked(params, cfg, prompts, a.new_tokens)
+                line += f" stacked_tok_per_s={s:.1f} vs_stacked={c / s:.2f}"
+            print(line + " load_avg=%.2f,%.2f,%.2f" % os.getloadavg(), flush=True)
 
 
 if __name__ == "__main__":

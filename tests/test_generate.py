@@ -111,6 +111,26 @@ def test_top_p_samples_only_the_nucleus():
     assert set(draws(LOGITS, top_p=0.7, top_k=2).tolist()) == {0, 2}  # combined: top-k, then top-p of the rest
 
 
+def test_keep_mask_equals_a_sorting_reference():
+    """The bisection cutoffs of top-k and top-p keep exactly the tokens a sort keeps (ties at the k-th value
+    all kept, as transformers keeps them)."""
+    rng = np.random.default_rng(0)
+    logits = np.round(rng.normal(size=(6, 1000)) * 3, 1).astype(np.float32)  # rounded: many ties
+    logits[0, :5] = 40.0  # one row whose mass sits in a few tied tokens
+    fn = jax.jit(generate.keep_mask)
+    for top_k, top_p in ((0, 0.9), (50, 1.0), (50, 0.5), (1, 1.0), (3, 0.99), (0, 0.3), (999, 0.97), (0, 1e-4)):
+        want = np.zeros_like(logits, bool)
+        for b, row in enumerate(logits.astype(np.float64)):
+            desc = -np.sort(-row)
+            kth = desc[min(top_k, len(row)) - 1] if top_k > 0 else desc[-1]
+            w = np.where(row >= kth, np.exp(row - row.max()), 0)
+            cut = min(v for v in np.unique(row[row >= kth]) if w[row > v].sum() < top_p * w.sum())
+            want[b] = row >= cut
+        got = np.asarray(fn(jnp.asarray(logits), top_k, top_p))
+        np.testing.assert_array_equal(got, want, err_msg=f"top_k={top_k} top_p={top_p}")
+    assert np.asarray(fn(jnp.asarray(logits), 2, 1.0))[0].sum() == 5  # the tie at the 2nd value: all 5 kept
+
+
 def test_zero_temperature_is_greedy_and_seeds_reproduce():
     logits = jax.random.normal(jax.random.key(1), (16, 50))
     greedy = np.argmax(np.asarray(logits), -1)
@@ -154,6 +174,48 @@ def test_generate_stops_per_sequence_and_reproduces():
         assert got == full[:n]  # each sequence ends at its own stop token, the others go on
     with pytest.raises(ConfigError, match="longer than decode.cache_length=4"):
         generate.generate(params, cfg, prompts, dataclasses.replace(d, cache_length=4))
+
+
+def test_decode_segments_cover_the_steps_and_hold_their_positions():
+    assert generate.segments(16, 272, 256) == [(64, 48), (128, 112), (256, 240), (272, 256)]
+    assert generate.segments(80, 100, 20) == [(100, 20)]  # no segment shorter than the prompt
+    assert generate.segments(16, 1000, 30) == [(128, 30)]  # done before the cache is full length
+    assert generate.segments(16, 2064, 2048) == [(512, 496), (1024, 1008), (2048, 2032), (2064, 2048)]
+    for T, length, N in ((16, 272, 256), (48, 300, 252), (130, 200, 70), (16, 5000, 4984), (1024, 1100, 76)):
+        ends = [0] + [end for _, end in generate.segments(T, length, N)]
+        assert ends[-1] == N and all(a < b for a, b in zip(ends, ends[1:]))
+        assert len(ends) <= 1 + generate.MAX_SEGMENTS
+        for (S, end) in generate.segments(T, length, N)[:-1]:
+            assert T + end - 1 < S  # the last step of a segment writes position < T + end
+
+
+@pytest.mark.parametrize("name,quantize", [pytest.param("gemma2_2b", False, marks=pytest.mark.default_settings),
+                                           pytest.param("llama3_1_8b", True, marks=pytest.mark.slow)])
+def test_generate_equals_the_stacked_decode_step(name, quantize):
+    """generate's loop (layers and cache taken apart, keys transposed, the cache growing over three segments)
+    samples the tokens of transformer.decode_step over the stacked full-length cache, step by step, with the
+    same keys (sampled, not greedy: a tiny random model's greedy output soon repeats one token)."""
+    cfg = tiny(name)
+    params = init(cfg)
+    prompts = [[1, 2, 3], [5], list(range(7, 23))]  # the longest fills its padded length: no slack at the ends
+    N = 120  # prompts padded to 16: segments of 64, 128 and 136 slots
+    assert len(generate.segments(16, 16 + N, N)) == 3
+    got = generate.generate(params, cfg, prompts, DecodeConfig(max_new_tokens=N, temperature=1.0, seed=5,
+                                                               quantize_kv_cache=quantize)).tokens
+    prompts_BT = np.zeros((3, 16), np.int32)
+    for b, p in enumerate(prompts):
+        prompts_BT[b, :len(p)] = p
+    logits, cache = jax.jit(transformer.prefill, static_argnums=(3, 4, 5))(
+        params, prompts_BT, np.array([len(p) for p in prompts], np.int32), cfg, 16 + N, quantize)
+    step = jax.jit(transformer.decode_step, static_argnums=3)
+    draw = jax.jit(generate.sample_tokens)
+    key, want = jax.random.key(5), []
+    for _ in range(N):
+        key, sub = jax.random.split(key)
+        want.append(draw(logits, sub, 1.0, 0, 1.0))
+        logits, cache = step(params, want[-1], cache, cfg)
+    assert got == np.stack(want, axis=1).tolist()
+    assert min(len(set(t)) for t in got) > 10
 
 
 # ---- against transformers, and the command line ------------------------------------------------------------------

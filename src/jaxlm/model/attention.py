@@ -218,3 +218,38 @@ def attention_decode(x_B1D, p, cfg, positions_B1, cache: dict, r, slot_B, k_posi
         out_B1NH = attend_heads_major(q_B1NH, k_BKSH, v_BKSH, mask_B1S, scale=_scale(cfg),
                                       softcap=cfg.attn_logit_softcap)
         return _project_out(out_B1NH, p), new
+
+
+def attention_decode_layer(x_B1D, p, cfg, positions_B1, layer: dict, slot_B, k_positions_BS, local=False):
+    """`attention_decode` over one layer's own cache (kvcache.LayerCaches: keys transposed [B, K, H, S]): the
+    new key and value are written at slot_B first, in place, then the token attends over every slot. Returns
+    the output and the layer's updated cache."""
+    with jax.named_scope("attention"):
+        q_B1NH, k_B1KH, v_B1KH = project_qkv(x_B1D, p, cfg, positions_B1)
+        quantized = layer["k_scale"] is not None
+        new = {}
+        for name, x_B1KH, axis in (("k", k_B1KH, 3), ("v", v_B1KH, 2)):
+            x_BK1H, scale_BK1 = kvcache.store(x_B1KH.transpose(0, 2, 1, 3), quantized)
+            new[name] = kvcache.write_layer(layer[name], x_BK1H[:, :, 0], slot_B, axis)
+            new[f"{name}_scale"] = None if not quantized else kvcache.write_layer(layer[f"{name}_scale"],
+                                                                                  scale_BK1[:, :, 0], slot_B, 2)
+        kT_BKHS = new["k"] if not quantized else (
+            new["k"].astype(jnp.float32) * new["k_scale"][:, :, None]).astype(q_B1NH.dtype)
+        v_BKSH = kvcache.read(new["v"], new["v_scale"], q_B1NH.dtype)
+        mask_B1S = mask(positions_B1, k_positions_BS, cfg.sliding_window if local else None)
+        out_B1NH = attend_one(q_B1NH, kT_BKHS, v_BKSH, mask_B1S, scale=_scale(cfg), softcap=cfg.attn_logit_softcap)
+        return _project_out(out_B1NH, p), new
+
+
+def attend_one(q_B1NH, kT_BKHS, v_BKSH, mask_B1S, scale=None, softcap=None):
+    """`attend` of one query per sequence over keys transposed [B, K, H, S] and values [B, K, S, H]: the G
+    query heads of a kv head are the rows of both products, which need no transposed copy of the keys."""
+    B, _, N, H = q_B1NH.shape
+    K = kT_BKHS.shape[1]
+    q_BKGH = q_B1NH.reshape(B, K, N // K, H)
+    logits_BKGS = jnp.einsum("BKGH,BKHS->BKGS", q_BKGH, kT_BKHS, preferred_element_type=jnp.float32)
+    logits_BKGS = layers.softcap(logits_BKGS * (H ** -0.5 if scale is None else scale), softcap)
+    logits_BKGS = jnp.where(mask_B1S[:, None], logits_BKGS, jnp.finfo(jnp.float32).min)
+    probs_BKGS = jax.nn.softmax(logits_BKGS, axis=-1).astype(v_BKSH.dtype)
+    out_BKGH = jnp.einsum("BKGS,BKSH->BKGH", probs_BKGS, v_BKSH, preferred_element_type=jnp.float32)
+    return out_BKGH.reshape(B, 1, N, H).astype(q_B1NH.dtype)

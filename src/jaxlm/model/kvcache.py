@@ -8,6 +8,12 @@ none), so attention masks stay functions of query and key positions, as in the u
 Only the kv heads are cached (grouped-query attention shares them across query heads). With `quantize`, keys
 and values are stored as int8 with one float32 scale per (position, kv head).
 
+A decode loop (generate.py) carries the cache as `LayerCaches` instead: each layer's arrays apart, keys
+transposed [B, K, H, S], so that a step reads and writes one layer's buffers where they lie (a layer sliced out
+of the stacked [R, ...] arrays is a copy, and at batch 16 copying the cache twice per layer cost more than the
+attention itself), and `grow` widens the slots as the sequences lengthen so that a step attends over the
+filled part of the cache rather than all of it.
+
 Shape legend: R repeats of the layer pattern, B batch, T prompt length, S cache slots, K kv heads,
 H head width.
 """
@@ -114,3 +120,62 @@ def copy_row(dst: KVCache, src: KVCache, dst_row, src_row) -> KVCache:
                             None if d.v_scale is None else put(d.v_scale, s.v_scale, 1), put(d.pos, s.pos, 0))
                   for d, s in zip(dst.kinds, src.kinds))
     return KVCache(kinds, put(dst.length, src.length, 0))
+
+
+# Of one layer's keys transposed [B, K, H, S] in LayerCaches.
+KEY_T_AXES = ("batch", "kv_heads", "head_dim", None)
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class LayerCaches:
+    """The cache as a decode loop carries it: layers[i] of layer i holds k [B, K, H, S] (keys transposed, the
+    layout of the q.k product), v [B, K, S, H], and k_scale, v_scale [B, K, S] (None unless int8); pos[j] [B, S]
+    and the slots of the layers of cfg.pattern[j]; length [B] as in KVCache."""
+    layers: tuple[dict, ...]
+    pos: tuple[jax.Array, ...]
+    length: jax.Array
+
+
+def unstack(cache: KVCache, cfg: ModelConfig) -> LayerCaches:
+    """The stacked cache taken apart by layer (layer i is repeat i // P of pattern entry i % P), keys
+    transposed. One copy of the cache, made once before a decode loop."""
+    P = len(cfg.pattern)
+    layers = []
+    for i in range(cfg.n_layers):
+        c, r = cache.kinds[i % P], i // P
+        layers.append({"k": constrain(c.k[r].swapaxes(2, 3), KEY_T_AXES), "v": constrain(c.v[r], CACHE_AXES),
+                       "k_scale": None if c.k_scale is None else c.k_scale[r],
+                       "v_scale": None if c.v_scale is None else c.v_scale[r]})
+    return LayerCaches(tuple(layers), tuple(c.pos for c in cache.kinds), cache.length)
+
+
+def grow(cache: LayerCaches, cfg: ModelConfig, length: int) -> LayerCaches:
+    """The cache for sequences of up to `length` tokens (not fewer than it holds now): the new slots empty.
+    Exact while every position held is below the old slot count: then slot = position in the old and the
+    new layout alike (a ring buffer already as long as its window keeps its slots)."""
+    P = len(cfg.pattern)
+    S_new = [slots(cfg, kind, length) for kind in cfg.pattern]
+
+    def pad(x, axis, S, value=0):
+        widths = [(0, 0)] * x.ndim
+        widths[axis] = (0, S - x.shape[axis])
+        return jnp.pad(x, widths, constant_values=value)
+
+    layers = []
+    for i, layer in enumerate(cache.layers):
+        S = S_new[i % P]
+        layers.append({"k": constrain(pad(layer["k"], 3, S), KEY_T_AXES),
+                       "v": constrain(pad(layer["v"], 2, S), CACHE_AXES),
+                       "k_scale": None if layer["k_scale"] is None else pad(layer["k_scale"], 2, S, 1),
+                       "v_scale": None if layer["v_scale"] is None else pad(layer["v_scale"], 2, S, 1)})
+    pos = tuple(pad(p, 1, S, EMPTY) for p, S in zip(cache.pos, S_new))
+    return LayerCaches(tuple(layers), pos, cache.length)
+
+
+def write_layer(x: jax.Array, new: jax.Array, slot_B: jax.Array, slot_axis: int) -> jax.Array:
+    """One layer's x with each sequence's slot (along slot_axis, after the batch) replaced by its new entry:
+    keys [B, K, H, S] (slot_axis 3) or values [B, K, S, H] (2) take [B, K, H]; scales [B, K, S] (2) [B, K]."""
+    index = [jnp.arange(x.shape[0])] + [slice(None)] * (x.ndim - 1)
+    index[slot_axis] = slot_B
+    return x.at[tuple(index)].set(new.astype(x.dtype))

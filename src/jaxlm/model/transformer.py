@@ -354,6 +354,41 @@ def decode_step(params: dict, tokens_B: jax.Array, cache: kvcache.KVCache, cfg: 
     return logits_BV, kvcache.KVCache(kinds, pos_B + 1)
 
 
+@quant.scoped
+def layer_weights(params: dict, cfg: ModelConfig) -> tuple[dict, ...]:
+    """The layers' weights one by one, dense matmul weights in the compute dtype: taken apart once before a
+    decode loop (decode_layers), so that its steps neither slice nor cast the stacked weights."""
+    return tuple(_matmul_weights(jax.tree.map(lambda a: a[i], params["layers"]), cfg) for i in range(cfg.n_layers))
+
+
+@quant.scoped
+def decode_layers(params: dict, layer_params: tuple[dict, ...], tokens_B: jax.Array, cache: kvcache.LayerCaches,
+                  cfg: ModelConfig) -> tuple[jax.Array, kvcache.LayerCaches]:
+    """decode_step over the cache taken apart by layer (kvcache.unstack) and the weights (layer_weights), the
+    layers unrolled: each reads and writes its own cache buffers in place, where the scan over stacked layers
+    slices a copy of every layer's keys and values per step. The same numbers as decode_step."""
+    B = tokens_B.shape[0]
+    pos_B = cache.length
+    positions_B1 = pos_B[:, None]
+    x_B1D = constrain(embed(params, tokens_B[:, None], cfg, positions_B1), ("batch", "length", "embed"))
+    slots = [pos_B % p_BS.shape[1] for p_BS in cache.pos]
+    k_positions = [p_BS.at[jnp.arange(B), slot_B].set(pos_B) for p_BS, slot_B in zip(cache.pos, slots)]
+    P = len(cfg.pattern)
+    new = []
+    with jax.named_scope("decode"):
+        for i, (p, layer) in enumerate(zip(layer_params, cache.layers)):
+            j = i % P
+
+            def attn(h_B1D, p_attn, j=j, layer=layer):
+                return attention.attention_decode_layer(h_B1D, p_attn, cfg, positions_B1, layer, slots[j],
+                                                        k_positions[j], cfg.pattern[j] == "local")
+
+            x_B1D, _, layer = _block(x_B1D, p, cfg, attn)
+            new.append(layer)
+        logits_BV = unembed(params, x_B1D, cfg)[:, 0]
+    return logits_BV, kvcache.LayerCaches(tuple(new), tuple(k_positions), pos_B + 1)
+
+
 def token_losses(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
     """Each token's next-token cross-entropy [B, T] in float32."""
     logits_BTV = logits_BTV.astype(jnp.float32)
