@@ -402,9 +402,13 @@ def test_stop_strings_are_cut_exactly_when_chunks_carry_several_tokens(server, t
         assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "stop"
         assert sum(len(ch.choices[0].logprobs.tokens) for ch in chunks if ch.choices and ch.choices[0].logprobs) \
             == taken == chunks[-1].usage.completion_tokens
+    calls, tokens = metric(server, "jaxlm_decode_calls_total"), metric(server, "jaxlm_generated_tokens_total")
     streamed = [ch for ch in c.completions.create(model="tiny", prompt="To be", max_tokens=30, temperature=0,
                                                   logprobs=1, stream=True) if ch.choices[0].logprobs.tokens]
     assert max(len(ch.choices[0].logprobs.tokens) for ch in streamed) > 1  # chunks of several tokens
+    # alone on the server: decode calls of 1, 2, 4, 8 and 8 steps, then one that ends after 7 (of 8)
+    assert metric(server, "jaxlm_decode_calls_total") - calls == 6
+    assert metric(server, "jaxlm_generated_tokens_total") - tokens == 30
 
 
 @pytest.mark.slow

@@ -537,6 +537,8 @@ def prometheus(s: Served) -> str:
     metric("jaxlm_busy_slots", "gauge", "Decode slots holding a sequence.", [("", e.busy_slots())])
     metric("jaxlm_slots", "gauge", "Decode slots (serve.max_slots).", [("", e.B)])
     metric("jaxlm_generated_tokens_total", "counter", "Tokens generated.", [("", e.tokens_total)])
+    metric("jaxlm_decode_calls_total", "counter", "Device calls of the decode program (each runs up to "
+           "serve.decode_steps steps).", [("", e.calls_total)])
     metric("jaxlm_prompt_tokens_total", "counter", "Prompt tokens of the sequences admitted.",
            [("", e.prompt_tokens_total)])
     metric("jaxlm_prefill_tokens_total", "counter", "Prompt tokens run through the model (not reused).",

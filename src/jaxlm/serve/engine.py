@@ -154,7 +154,9 @@ def _rows(cache: kvcache.KVCache, rows_b) -> kvcache.KVCache:
 def _put_rows(cache: kvcache.KVCache, rows_b, sub: kvcache.KVCache) -> kvcache.KVCache:
     """`cache` with slots rows_b replaced by `sub`'s rows, laid out as _empty lays it out."""
     def put(a, x):
-        return None if a is None else sharding.constrain(a.at[:, rows_b].set(x), (None,) + kvcache.CACHE_AXES[:a.ndim - 1])
+        if a is None:
+            return None
+        return sharding.constrain(a.at[:, rows_b].set(x), (None,) + kvcache.CACHE_AXES[:a.ndim - 1])
 
     kinds = tuple(kvcache.KindCache(put(c.k, s.k), put(c.v, s.v), put(c.k_scale, s.k_scale),
                                     put(c.v_scale, s.v_scale), c.pos.at[rows_b].set(s.pos))
@@ -496,6 +498,7 @@ class Engine:
         else:  # padded with free slots, then with slots being prefilled (they run a dummy token, as above)
             rows = busy + ([i for i, s in enumerate(self.slots) if s is None] + list(self.prefilling))[:b - len(busy)]
         tok, lp, top_ids, top_lp, made = self._call(rows, steps)
+        tok, lp, top_ids, top_lp = tok.tolist(), lp.tolist(), top_ids.tolist(), top_lp.tolist()  # [step][row]
         now = time.perf_counter()
         n = 0
         for j, r in enumerate(rows):
@@ -507,9 +510,9 @@ class Engine:
             for i in np.flatnonzero(made[:, j]):
                 s.generated += 1
                 n += 1
-                t = int(tok[i, j])
-                top = list(zip(top_ids[i, j].tolist(), top_lp[i, j].tolist())) if s.logprobs else []
-                s.emit(("token", t, float(lp[i, j]) if s.logprobs else None, top))
+                t = tok[i][j]
+                top = list(zip(top_ids[i][j], top_lp[i][j])) if s.logprobs else []
+                s.emit(("token", t, lp[i][j] if s.logprobs else None, top))
                 if t in s.stop_ids:
                     self._finish(r, "stop")
                     break
