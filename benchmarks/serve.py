@@ -4,20 +4,25 @@ against one request at a time, and Hugging Face transformers' `generate` on the 
 Each server is a `jaxlm serve` process of its own; the sweep runs one of --slots slots. The model is
 benchmarks/decode.py's tiny random Llama (built with transformers, imported with `jaxlm convert from-hf`), given a
 byte-level tokenizer so the server can turn tokens into text. Each client streams one completion of NEW tokens
-after a 16-token prompt (token ids, greedy, no stop token, logprobs=1 so that every token arrives in its own chunk
-even where random weights make bytes that are not yet whole UTF-8 text) with the
-official openai client; REQUESTS = 2 x concurrency per level. Prints one line per level
+after a 16-token prompt (token ids, greedy, no stop token, logprobs=1 so that every chunk lists its tokens even
+where random weights make bytes that are not yet whole UTF-8 text) with the official openai client;
+REQUESTS = 2 x concurrency per level. The servers run with their default serve.decode_steps (8), so a chunk may
+carry the tokens of several decode steps. Prints one line per level
     concurrency=C requests=R output_tok_per_s=X ttft_p50_ms= ttft_p99_ms= itl_p50_ms= itl_p99_ms=
-then `slots8` (a server with 8 slots) and `one_at_a_time` (a server with one slot), both at concurrency 8 (the
+    chunk_gap_p50_ms= chunk_gap_p99_ms= tokens_per_chunk=
+then the --slots server at concurrency 16 with serve.decode_steps=1 (one decode step per device call),
+`slots8` (a server with 8 slots) and `one_at_a_time` (a server with one slot), both at concurrency 8 (the
 fastest of --repeats runs each, as the machine may be shared);
 then time to first token of 16 concurrent requests that share a 512-token system prompt (each followed by 16
 tokens of its own, 8 new tokens) on a 16-slot server with the prefix cache (serve.prefix_cache=4) and without
 (serve.prefix_cache=0), and the summary
     batching_speedup=X/Y (continuous batching in 8 slots over one slot, both at concurrency 8)
     vs_transformers=X/Z (the server at concurrency 16 over transformers' generate at batch 16)
+    decode_steps_speedup=X/W (the server at concurrency 16, serve.decode_steps=8 over 1)
     ttft_p50_prefix_cache= ttft_p50_no_prefix_cache= prefix_cache_ttft_speedup= (ms; the second over the first)
-TTFT counts from sending the request to the first streamed token; inter-token latency is the gap between a
-stream's successive tokens.
+TTFT counts from sending the request to the first streamed chunk with a token. A chunk gap is the time between
+a stream's successive chunks; tokens_per_chunk is the mean number of tokens a chunk carries; the inter-token
+latency gives each token of a chunk an equal share of the gap before that chunk (gap / tokens).
 
     python benchmarks/serve.py [--new-tokens 64] [--slots 32]
 """
@@ -64,27 +69,31 @@ def run_level(port: int, prompts: list[list[int]], concurrency: int, new_tokens:
 
     def one(prompt):
         t0 = time.perf_counter()
-        times, tokens = [], 0
+        chunks, tokens = [], 0  # (arrival time, tokens it carries) of each chunk with tokens
         for chunk in client.completions.create(model="bench", prompt=prompt, max_tokens=new_tokens, temperature=0,
                                                logprobs=1, stream=True, stream_options={"include_usage": True}):
             if chunk.usage is not None:
                 tokens = chunk.usage.completion_tokens
             elif chunk.choices and chunk.choices[0].logprobs and chunk.choices[0].logprobs.tokens:
-                times.append(time.perf_counter())
-        return t0, times, tokens
+                chunks.append((time.perf_counter(), len(chunk.choices[0].logprobs.tokens)))
+        return t0, chunks, tokens
 
     t0 = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
         results = list(pool.map(one, prompts))
     wall = time.perf_counter() - t0
-    ttft = [times[0] - start for start, times, _ in results if times]
-    itl = [b - a for _, times, _ in results for a, b in zip(times, times[1:])]
+    ttft = [chunks[0][0] - start for start, chunks, _ in results if chunks]
+    gaps = [(b - a, n) for _, chunks, _ in results for (a, _), (b, n) in zip(chunks, chunks[1:])]
+    itl = [g / n for g, n in gaps for _ in range(n)]
     total = sum(n for _, _, n in results)
     assert total == len(prompts) * new_tokens, f"{total} tokens of {len(prompts) * new_tokens}"
+    assert total == sum(n for _, chunks, _ in results for _, n in chunks)
     pct = lambda xs, p: 1e3 * float(np.percentile(xs, p)) if xs else float("nan")  # noqa: E731
     return dict(concurrency=concurrency, requests=len(prompts), output_tok_per_s=total / wall,
                 ttft_p50_ms=pct(ttft, 50), ttft_p99_ms=pct(ttft, 99), itl_p50_ms=pct(itl, 50),
-                itl_p99_ms=pct(itl, 99))
+                itl_p99_ms=pct(itl, 99), chunk_gap_p50_ms=pct([g for g, _ in gaps], 50),
+                chunk_gap_p99_ms=pct([g for g, _ in gaps], 99),
+                tokens_per_chunk=total / sum(len(chunks) for _, chunks, _ in results))
 
 
 def line(r: dict) -> str:
@@ -118,10 +127,12 @@ def server(folder: Path, settings: list[str]):
         proc.wait(timeout=60)
 
 
-def serve_levels(folder: Path, slots: int, levels: list[int], new_tokens: int, repeats: int = 1) -> list[dict]:
-    """A server of `slots` slots at each concurrency of `levels`; of `repeats` runs of a level (new prompts
-    each), the one of highest throughput, the least disturbed by other load on the machine."""
-    with server(folder, [f"serve.max_slots={slots}", f"decode.cache_length={PROMPT + new_tokens}"]) as port:
+def serve_levels(folder: Path, slots: int, levels: list[int], new_tokens: int, repeats: int = 1,
+                 settings: tuple[str, ...] = ()) -> list[dict]:
+    """A server of `slots` slots (and `settings`) at each concurrency of `levels`; of `repeats` runs of a level
+    (new prompts each), the one of highest throughput, the least disturbed by other load on the machine."""
+    with server(folder, [f"serve.max_slots={slots}", f"decode.cache_length={PROMPT + new_tokens}",
+                         *settings]) as port:
         rng = np.random.default_rng(0)
         run_level(port, [rng.integers(0, 256, PROMPT).tolist()] * 2, 2, new_tokens)  # warm up
         out = []
@@ -162,6 +173,8 @@ def main():
         results = {r["concurrency"]: r for r in serve_levels(folder, a.slots, levels, a.new_tokens)}
         for r in results.values():
             print(line(r), flush=True)
+        one_step = serve_levels(folder, a.slots, [16], a.new_tokens, settings=("serve.decode_steps=1",))[0]
+        print("decode_steps=1 " + line(one_step), flush=True)
         batched = serve_levels(folder, 8, [8], a.new_tokens, a.repeats)[0]
         print("slots8 " + line(batched), flush=True)
         single = serve_levels(folder, 1, [8], a.new_tokens, a.repeats)[0]
@@ -176,9 +189,11 @@ def main():
     print(f"batching_speedup={batched['output_tok_per_s'] / single['output_tok_per_s']:.2f}")
     if 16 in results:
         print(f"vs_transformers={results[16]['output_tok_per_s'] / hf_tok_s:.2f}")
+        print(f"decode_steps_speedup={results[16]['output_tok_per_s'] / one_step['output_tok_per_s']:.2f}")
     print(f"ttft_p50_prefix_cache={cached['ttft_p50_ms']:.1f} ttft_p50_no_prefix_cache={uncached['ttft_p50_ms']:.1f} "
           f"prefix_cache_ttft_speedup={uncached['ttft_p50_ms'] / cached['ttft_p50_ms']:.2f}")
-    print(json.dumps({"levels": list(results.values()), "slots8": batched, "one_at_a_time": single,
+    print(json.dumps({"levels": list(results.values()), "decode_steps_1": one_step, "slots8": batched,
+                      "one_at_a_time": single,
                       "transformers": hf_tok_s,
                       "shared_prefix": {"prefix_cache": cached, "no_prefix_cache": uncached}}))
 

@@ -63,6 +63,7 @@ def metric(srv, name):
 
 
 def test_openai_client_completions_chat_and_streaming(server, trained):
+    compiled = engine_lib.compiled_step_count()
     c = client(server)
     assert [m.id for m in c.models.list().data] == ["tiny"]
     model = jaxlm.load(trained)
@@ -107,7 +108,7 @@ def test_openai_client_completions_chat_and_streaming(server, trained):
     b = c.completions.create(model="tiny", prompt="To be", max_tokens=16, temperature=1.0, seed=5, n=3)
     assert [x.text for x in a.choices] == [x.text for x in b.choices]
     assert len({x.text for x in a.choices}) == 3
-    assert engine_lib.compiled_step_count() == 1  # one decode program for the slot count, whatever came
+    assert engine_lib.compiled_step_count() == compiled  # one decode program per bucket, compiled at warm-up
 
 
 def test_concurrent_streams_get_the_text_they_get_alone(server, shakespeare_file):
@@ -157,13 +158,13 @@ def test_faults_are_answered_4xx_and_harm_nothing(server, monkeypatch):
     assert httpx.post(f"{url}/v1/completions", json=good, timeout=60).json()["choices"][0]["text"] == want
 
     # a client dropped mid-stream frees its slot: steps slowed to 20 ms, 50 tokens would take a second
-    step = engine_lib._step
+    decode_loop = engine_lib._decode_loop
 
-    def slow_step(*args, **kw):
-        time.sleep(0.02)
-        return step(*args, **kw)
+    def slow_loop(*args, **kw):
+        time.sleep(0.02 * int(args[4]))  # args[4]: the call's steps
+        return decode_loop(*args, **kw)
 
-    monkeypatch.setattr(engine_lib, "_step", slow_step)
+    monkeypatch.setattr(engine_lib, "_decode_loop", slow_loop)
     before = metric(server, "jaxlm_generated_tokens_total")
     with httpx.Client(timeout=60) as h:
         with h.stream("POST", f"{url}/v1/completions", json={**good, "max_tokens": 50, "stream": True}) as r:
@@ -302,6 +303,114 @@ def test_prefix_cache_reuses_a_shared_prompt_and_changes_no_output(server, train
     assert with_cache == without == jaxlm.load(trained).generate_text(prompts, max_new_tokens=12, temperature=0)
 
 
+def test_several_decode_steps_per_call_and_row_buckets_change_no_output(trained, shakespeare_file, monkeypatch):
+    """Sequences of mixed prompt lengths (one prefilled in three chunks) and max_tokens, some ending at a stop
+    token, some sampled with their own seeds, one arriving while the others decode: with up to 8 decode steps
+    per call over row buckets they get the same tokens (and log-probabilities to float rounding) as with one step
+    per call, the greedy ones `jaxlm generate`'s cut after the stop token. Each call runs on the smallest
+    bucket that holds the decoding slots, with one step after a prefill and twice the last call's steps else."""
+    from jaxlm.serve import chunk as chunk_lib
+
+    model = jaxlm.load(trained)
+    tok = model.tokenizer()
+    text = shakespeare_file.read_text()[:4000]
+    prompts = [text[0:5], text[200:240], text[500:512], text[900:903], text[2000:2007], text[1300:1320],
+               text[3500:3514]]
+    max_tokens = [30, 20, 25, 12, 20, 16, 9]
+    greedy = model.generate_text(prompts, max_new_tokens=30, temperature=0)
+    # greedy[4] is "\n\n\nThe the...": it stops at its 4th token while six slots decode; greedy[6] at its first
+    stops = [(), (), (), (), tuple(tok.encode("T")), (), tuple(tok.encode("e"))]
+    assert greedy[4].index("T") == 3 and greedy[6][0] == "e"
+    temperature = [0, 0, 0.9, 0, 0, 0.8, 0]
+    log = []
+    decode_loop, chunk = engine_lib._decode_loop, chunk_lib.prefill_chunk
+
+    def logged_loop(*args, **kw):
+        log.append((len(args[3]), int(args[5].sum()), int(args[4])))  # rows, live rows, steps
+        return decode_loop(*args, **kw)
+
+    def logged_chunk(*args, **kw):
+        log.append("chunk")
+        return chunk(*args, **kw)
+
+    monkeypatch.setattr(engine_lib, "_decode_loop", logged_loop)
+    monkeypatch.setattr(chunk_lib, "prefill_chunk", logged_chunk)
+    runs = {}
+    for most in (1, 8):
+        e = engine_lib.Engine(model.params, model.config.model, SLOTS, 64, max_queue=16, prefill_chunk=16,
+                              decode_steps=most)
+        e.warm_up()
+        log.clear()
+        events = [[] for _ in prompts]
+        seqs = [engine_lib.Sequence(tok.encode(p), m, t, 0, 1.0, 40 + i, 0, stop, events[i].append)
+                for i, (p, m, t, stop) in enumerate(zip(prompts, max_tokens, temperature, stops))]
+        for s in seqs[:-1]:
+            e.submit(s)
+        e.start()
+        deadline = time.monotonic() + 120
+        try:
+            while not seqs[0].generated:  # the last one arrives while the others decode
+                assert time.monotonic() < deadline
+                time.sleep(0.005)
+            e.submit(seqs[-1])
+            while not all(ev and ev[-1][0] == "done" for ev in events):
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+        finally:
+            e.stop()
+        runs[most] = events
+        calls = [x for x in log if x != "chunk"]
+        assert e.buckets == [8, 4, 2, 1] and {rows for rows, _, _ in calls} == {8, 4, 2, 1}
+        assert all(rows == min(b for b in e.buckets if b >= live) for rows, live, _ in calls)
+        assert all(x[2] == (1 if before == "chunk" else min(2 * before[2], most))
+                   for before, x in zip(log, log[1:]) if x != "chunk")
+        assert max(steps for _, _, steps in calls) == most
+    one, eight = runs[1], runs[8]
+    for a, b in zip(one, eight):
+        assert [ev[:2] for ev in a] == [ev[:2] for ev in b]
+        assert np.allclose([ev[2] for ev in a if ev[0] == "token"], [ev[2] for ev in b if ev[0] == "token"],
+                           atol=1e-5)
+    for i, events in enumerate(eight):
+        got = tok.decode([ev[1] for ev in events if ev[0] == "token"])
+        if temperature[i] == 0:
+            want = greedy[i][:max_tokens[i]]
+            if stops[i]:
+                want = want[:want.index(tok.decode(list(stops[i]))) + 1]
+            assert got == want
+        assert events[-1] == ("done", "stop" if stops[i] else "length")
+
+
+def test_stop_strings_are_cut_exactly_when_chunks_carry_several_tokens(server, trained):
+    """A streamed chunk carries the tokens of several decode steps; a stop string that ends inside a chunk, or
+    spans two, still ends the text right before it: no text after it reaches the client, the usage counts the
+    tokens up to the one that completed it, and the log-probabilities are those tokens'."""
+    c = client(server)
+    want = jaxlm.load(trained).generate_text("KING RICHARD:\nWhat", max_new_tokens=30, temperature=0)
+    for at, n in ((2, 2), (3, 3), (6, 4), (13, 5), (20, 3)):
+        stop = want[at:at + n]
+        cut = want[:want.find(stop)]
+        taken = want.find(stop) + n  # char tokens: the one that completes the stop string is the last taken
+        got = c.completions.create(model="tiny", prompt="KING RICHARD:\nWhat", max_tokens=30, temperature=0,
+                                   stop=[stop], logprobs=1)
+        assert got.choices[0].text == cut and got.choices[0].finish_reason == "stop"
+        assert got.usage.completion_tokens == taken and len(got.choices[0].logprobs.tokens) == taken
+        chunks = list(c.completions.create(model="tiny", prompt="KING RICHARD:\nWhat", max_tokens=30, temperature=0,
+                                           stop=[stop], logprobs=1, stream=True,
+                                           stream_options={"include_usage": True}))
+        texts = [ch.choices[0].text for ch in chunks if ch.choices]
+        assert "".join(texts) == cut
+        assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "stop"
+        assert sum(len(ch.choices[0].logprobs.tokens) for ch in chunks if ch.choices and ch.choices[0].logprobs) \
+            == taken == chunks[-1].usage.completion_tokens
+    calls, tokens = metric(server, "jaxlm_decode_calls_total"), metric(server, "jaxlm_generated_tokens_total")
+    streamed = [ch for ch in c.completions.create(model="tiny", prompt="To be", max_tokens=30, temperature=0,
+                                                  logprobs=1, stream=True) if ch.choices[0].logprobs.tokens]
+    assert max(len(ch.choices[0].logprobs.tokens) for ch in streamed) > 1  # chunks of several tokens
+    # alone on the server: decode calls of 1, 2, 4, 8 and 8 steps, then one that ends after 7 (of 8)
+    assert metric(server, "jaxlm_decode_calls_total") - calls == 6
+    assert metric(server, "jaxlm_generated_tokens_total") - tokens == 30
+
+
 @pytest.mark.slow
 def test_serving_on_a_mesh_shards_the_weights_and_cache_and_answers_as_one_device(trained):
     """`jaxlm serve ... mesh.ici_data=2 mesh.ici_tensor=2` on 4 fake CPU devices: the weights and the KV cache
@@ -372,6 +481,8 @@ def test_serve_settings_fail_in_one_line(tmp_path):
         serve.settings_config({"serve.port": 70000})
     with pytest.raises(ConfigError, match="serve.max_slots=0 must be >= 1"):
         serve.settings_config({"serve.max_slots": 0})
+    with pytest.raises(ConfigError, match="serve.decode_steps=0 must be >= 1"):
+        serve.settings_config({"serve.decode_steps": 0})
     with pytest.raises(ConfigError, match="training.steps: `jaxlm serve` takes"):
         serve.settings_config({"training.steps": 3})
     with pytest.raises(ConfigError, match="not a file"):

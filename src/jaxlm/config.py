@@ -309,6 +309,9 @@ class ServeConfig:
     prefix_cache: int = _f(4, "recent prompts whose keys and values stay on device for requests that start with the "
                               "same tokens (a shared system prompt) to reuse instead of prefilling; each costs one "
                               "slot's cache memory; 0 = off")
+    decode_steps: int = _f(8, "decode steps run in one device call at most, each row stopping at its stop token or "
+                              "max_tokens inside the call; a turn that prefills runs one step, later turns twice as "
+                              "many up to this; 1 = one step per call")
 
 
 @dataclass(frozen=True)
@@ -753,7 +756,7 @@ def validate_decode(d: DecodeConfig) -> None:
 def validate_serve(s: ServeConfig) -> None:
     if not 1 <= s.port <= 65535:
         raise ConfigError(f"serve.port={s.port} must be in [1, 65535]")
-    for key in ("max_slots", "max_queue", "prefill_chunk"):
+    for key in ("max_slots", "max_queue", "prefill_chunk", "decode_steps"):
         if getattr(s, key) < 1:
             raise ConfigError(f"serve.{key}={getattr(s, key)} must be >= 1")
     if s.prefix_cache < 0:

@@ -63,14 +63,15 @@ def build(src: str | Path, cfg: Config, log: Callable[[str], None] = print):
     tok = model.tokenizer()
     stop = config_lib.stop_token_ids(d) + (tok.eos_ids if d.stop_at_eos else ())
     engine = engine_lib.Engine(model.params, m, sc.max_slots, length, sc.max_queue, d.quantize_kv_cache, model.mesh,
-                               sc.prefill_chunk, sc.prefix_cache, sharding.rules_from_config(cfg.mesh))
+                               sc.prefill_chunk, sc.prefix_cache, sharding.rules_from_config(cfg.mesh), sc.decode_steps)
     engine.warm_up()
     engine.start()
     api_key = sc.api_key or os.environ.get("JAXLM_API_KEY") or None
     served = app_lib.Served(engine, tok.encode, lambda text: api.encode_prompt(tok, text), tok.encode_rendered,
                             tok.decode, sc.model_name or Path(src).resolve().name, m.vocab_size, d, stop,
                             chat_template(model, sc.chat_template), api_key)
-    log(f"jaxlm serve: {served.name} | {sc.max_slots} slots x {length} positions | prefill chunks of "
+    log(f"jaxlm serve: {served.name} | {sc.max_slots} slots x {length} positions | up to {sc.decode_steps} decode "
+        f"steps per call | prefill chunks of "
         f"{sc.prefill_chunk} | prefix cache {sc.prefix_cache or 'off'} | "
         f"{'API key required' if api_key else 'no API key'}")
     return served

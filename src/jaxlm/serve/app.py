@@ -1,9 +1,11 @@
 """The HTTP API: OpenAI-compatible /v1/models, /v1/completions and /v1/chat/completions (streamed as server-sent
 events with `stream: true`), /tokenize, /health and /metrics (Prometheus text), over the engine's slots.
 
-The engine thread hands each sequence's tokens to the request's asyncio queue; this module turns them into
-text (stop strings cut here, on the text), log-probabilities and usage counts. A client that disconnects
-cancels its sequences, which frees their slots at the next decode step.
+The engine thread posts each sequence's events (its tokens, then its end) to a Mailbox, which hands all that
+one engine turn posted to the event loop in one wake-up, into the requests' asyncio queues. This module turns
+them into text (stop strings cut here, on the text), log-probabilities and usage counts; a streamed choice
+sends one chunk with everything that arrived together (the tokens of a turn's decode steps). A client that
+disconnects cancels its sequences, which frees their slots at the next engine turn.
 """
 
 from __future__ import annotations
@@ -11,9 +13,11 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable
 
 from fastapi import FastAPI, Request
@@ -25,6 +29,36 @@ from jaxlm.serve import schemas
 from jaxlm.serve.schemas import RequestError, error_body
 
 RETRY_AFTER_S = 1
+
+
+class Mailbox:
+    """Calls from the engine thread to event loops, handed over once per engine turn: `post(loop, fn, *args)`
+    keeps a call, `flush()` (an engine turn hook) wakes each loop once to make the calls kept for it, in order."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.calls: list = []
+
+    def post(self, loop: asyncio.AbstractEventLoop, fn: Callable, *args) -> None:
+        with self.lock:
+            self.calls.append((loop, fn, args))
+
+    def flush(self) -> None:
+        with self.lock:
+            calls, self.calls = self.calls, []
+        by_loop: dict = {}
+        for loop, fn, args in calls:
+            by_loop.setdefault(loop, []).append((fn, args))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, batch)
+            except RuntimeError:  # the server is shutting down: nobody is waiting any more
+                pass
+
+
+def _deliver(batch: list) -> None:
+    for fn, args in batch:
+        fn(*args)
 
 
 @dataclass
@@ -42,6 +76,10 @@ class Served:
     chat_template: Callable[[list[dict]], str] | None
     api_key: str | None
     errors: dict = field(default_factory=dict)  # status -> count, for /metrics
+    mailbox: Mailbox = field(default_factory=Mailbox)
+
+    def __post_init__(self):
+        self.engine.turn_hooks.append(self.mailbox.flush)
 
 
 class TextState:
@@ -55,21 +93,40 @@ class TextState:
         self.shown = 0
         self.stopped = False
 
-    def add(self, token: int) -> str:
-        """Append a token; returns the newly safe text."""
-        self.tokens.append(token)
-        self.text = self.decode_fn(self.tokens)
-        for s in self.stop:
-            at = self.text.find(s, max(0, self.shown - len(s)))
-            if at >= 0:
-                self.text, self.stopped = self.text[:at], True
+    def add(self, tokens: list[int]) -> tuple[str, int]:
+        """Append tokens up to the one that completes a stop string, if one does; returns the newly safe text
+        and how many of the tokens were taken."""
+        if self.stopped:
+            return "", 0
+        text = self.decode_fn(self.tokens + tokens)
+        if not any(text.find(s, max(0, self.shown - len(s))) >= 0 for s in self.stop):
+            self.tokens.extend(tokens)
+            self.text = text
+            return self._show(self._safe()), len(tokens)
+        shown = []  # a stop string: token by token, to take none after the one that completes it
+        for n, token in enumerate(tokens, 1):
+            shown.append(self._add_one(token))
+            if self.stopped:
+                return "".join(shown), n
+        return "".join(shown), len(tokens)
+
+    def _safe(self) -> int:
         safe = len(self.text)
         if not self.stopped:
             if self.stop:
                 safe -= max(len(s) for s in self.stop) - 1
             while safe > self.shown and self.text[safe - 1] == "\ufffd":
                 safe -= 1
-        return self._show(max(safe, self.shown))
+        return max(safe, self.shown)
+
+    def _add_one(self, token: int) -> str:
+        self.tokens.append(token)
+        self.text = self.decode_fn(self.tokens)
+        for s in self.stop:
+            at = self.text.find(s, max(0, self.shown - len(s)))
+            if at >= 0:
+                self.text, self.stopped = self.text[:at], True
+        return self._show(self._safe())
 
     def flush(self) -> str:
         return self._show(len(self.text))
@@ -175,7 +232,7 @@ def _completion_route(app: FastAPI, s: Served) -> None:
         max_tokens = [_max_tokens(s, len(p), req.sampling.max_tokens) for p in ids]
         want_scores = req.echo and req.logprobs is not None
         scores = await asyncio.gather(*(_score(s, p) for p in ids)) if want_scores else [None] * len(ids)
-        choices = _start(s, ids, max_tokens, req.sampling)
+        choices = _start(s, ids, max_tokens, req.sampling, req.logprobs is not None)
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": s.name}
 
@@ -225,7 +282,8 @@ def _chat_route(app: FastAPI, s: Served) -> None:
         except Exception as e:
             raise RequestError(f"the chat template failed on these messages: {e}", "messages") from None
         ids = [_encode(s, prompt, s.encode_chat)]
-        choices = _start(s, ids, [_max_tokens(s, len(ids[0]), req.sampling.max_tokens)], req.sampling)
+        choices = _start(s, ids, [_max_tokens(s, len(ids[0]), req.sampling.max_tokens)], req.sampling,
+                         req.logprobs)
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
                 "model": s.name}
         usage = {"prompt_tokens": len(ids[0])}
@@ -319,10 +377,7 @@ async def _score(s: Served, ids: list[int]):
     done: asyncio.Future = loop.create_future()
 
     def emit(ev):
-        try:
-            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(ev))
-        except RuntimeError:  # the server is shutting down: nobody is waiting any more
-            pass
+        s.mailbox.post(loop, lambda: done.done() or done.set_result(ev))
 
     item = engine_lib.Score(ids, emit)
     try:
@@ -343,23 +398,18 @@ def _queue_full() -> RequestError:
     return RequestError("the server's queue is full; retry later", status=429, code="queue_full")
 
 
-def _start(s: Served, ids: list[list[int]], max_tokens: list[int], sampling: schemas.Sampling) -> list[Choice]:
-    """Queue n sequences per prompt (none when max_tokens is 0); all or none: a full queue cancels the rest."""
+def _start(s: Served, ids: list[list[int]], max_tokens: list[int], sampling: schemas.Sampling,
+           logprobs: bool) -> list[Choice]:
+    """Queue n sequences per prompt (none when max_tokens is 0), with their tokens' log-probabilities when
+    `logprobs`; all or none: a full queue cancels the rest."""
     loop = asyncio.get_running_loop()
     seed = sampling.seed if sampling.seed is not None else int.from_bytes(uuid.uuid4().bytes[:4], "little")
     choices = []
     for p, m in zip(ids, max_tokens):
         for j in range(sampling.n):
             q: asyncio.Queue = asyncio.Queue()
-
-            def emit(ev, q=q):
-                try:
-                    loop.call_soon_threadsafe(q.put_nowait, ev)
-                except RuntimeError:  # the server is shutting down: nobody is waiting any more
-                    pass
-
             seq = engine_lib.Sequence(p, m, sampling.temperature, sampling.top_k, sampling.top_p, seed, j,
-                                      s.stop_ids, emit)
+                                      s.stop_ids, partial(s.mailbox.post, loop, q.put_nowait), logprobs)
             choices.append(Choice(seq, TextState(s.decode, sampling.stop), q))
     try:
         for c in choices:
@@ -375,24 +425,32 @@ def _start(s: Served, ids: list[list[int]], max_tokens: list[int], sampling: sch
     return choices
 
 
-def _apply(s: Served, c: Choice, ev) -> tuple[str, list, str | None]:
-    """One engine event into (new text, new logprobs, finish reason or None)."""
-    if ev[0] == "token":
-        if c.state.stopped:
-            return "", [], None
-        text = c.state.add(ev[1])
-        fresh = [ev[1:]]
-        c.logprobs.extend(fresh)
-        if c.state.stopped:
-            s.engine.cancel(c.seq)
-            c.finish_reason = "stop"
-            return text + c.state.flush(), fresh, None
+async def _next(c: Choice) -> list:
+    """The choice's next events: all that have arrived, at least one."""
+    events = [await c.events.get()]
+    while not c.events.empty():
+        events.append(c.events.get_nowait())
+    return events
+
+
+def _apply(s: Served, c: Choice, events: list) -> tuple[str, list, str | None]:
+    """Engine events into (new text, new logprobs, finish reason or None)."""
+    fresh = [ev[1:] for ev in events if ev[0] == "token"]
+    text, taken = c.state.add([t for t, _, _ in fresh])
+    fresh = fresh[:taken]  # none past the token that completed a stop string
+    c.logprobs.extend(fresh)
+    if c.state.stopped and c.finish_reason != "stop":
+        s.engine.cancel(c.seq)
+        c.finish_reason = "stop"
+        text += c.state.flush()
+    end = events[-1]
+    if end[0] == "error":
+        raise RequestError(f"generation failed: {end[1]}", status=500)
+    if end[0] != "done":
         return text, fresh, None
-    if ev[0] == "error":
-        raise RequestError(f"generation failed: {ev[1]}", status=500)
     if c.finish_reason != "stop":
-        c.finish_reason = "stop" if ev[1] in ("stop", "cancelled") else ev[1]
-    return c.state.flush(), [], c.finish_reason
+        c.finish_reason = "stop" if end[1] in ("stop", "cancelled") else end[1]
+    return text + c.state.flush(), fresh, c.finish_reason
 
 
 async def _watch(request: Request, choices: list[Choice], s: Served) -> None:
@@ -408,9 +466,8 @@ async def _wait(s: Served, choices: list[Choice], request: Request) -> None:
     watcher = asyncio.create_task(_watch(request, choices, s))
     try:
         for c in choices:
-            while True:
-                if _apply(s, c, await c.events.get())[2] is not None:
-                    break
+            while _apply(s, c, await _next(c))[2] is None:
+                pass
     finally:
         watcher.cancel()
         for c in choices:
@@ -420,7 +477,7 @@ async def _wait(s: Served, choices: list[Choice], request: Request) -> None:
 async def _stream(s: Served, choices: list[Choice], request: Request):
     """(index, choice, text, logprobs, finish) as events arrive, over all choices; cancels on disconnect (the
     response generator is closed then)."""
-    pending = {asyncio.ensure_future(c.events.get()): k for k, c in enumerate(choices)}
+    pending = {asyncio.ensure_future(_next(c)): k for k, c in enumerate(choices)}
     watcher = asyncio.create_task(_watch(request, choices, s))  # the server may keep writing to a closed socket
     try:
         while pending:
@@ -432,7 +489,7 @@ async def _stream(s: Served, choices: list[Choice], request: Request):
                 if text or fresh or finish:
                     yield k, c, text, fresh, finish
                 if finish is None:
-                    pending[asyncio.ensure_future(c.events.get())] = k
+                    pending[asyncio.ensure_future(_next(c))] = k
     finally:
         watcher.cancel()
         for fut in pending:
@@ -480,6 +537,8 @@ def prometheus(s: Served) -> str:
     metric("jaxlm_busy_slots", "gauge", "Decode slots holding a sequence.", [("", e.busy_slots())])
     metric("jaxlm_slots", "gauge", "Decode slots (serve.max_slots).", [("", e.B)])
     metric("jaxlm_generated_tokens_total", "counter", "Tokens generated.", [("", e.tokens_total)])
+    metric("jaxlm_decode_calls_total", "counter", "Device calls of the decode program (each runs up to "
+           "serve.decode_steps steps).", [("", e.calls_total)])
     metric("jaxlm_prompt_tokens_total", "counter", "Prompt tokens of the sequences admitted.",
            [("", e.prompt_tokens_total)])
     metric("jaxlm_prefill_tokens_total", "counter", "Prompt tokens run through the model (not reused).",

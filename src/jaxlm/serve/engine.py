@@ -1,25 +1,41 @@
 """The continuous-batching engine: a fixed number of decode slots sharing one KV cache on device.
 
 One thread owns the device. Each turn it admits waiting requests into free slots, prefills prompts, then runs
-one decode step over every slot whose prompt is in: each such row samples its next token from its own logits
-with its own settings and random stream, the step appends those tokens to the cache, and the tokens go back to
-their requests. A sequence that ends (stop token, max_tokens, cancel) frees its slot before the next turn.
+the decode program over the slots whose prompt is in: up to serve.decode_steps decode steps in one device call
+(a `lax.while_loop`), each step sampling every live row's next token from its own logits with its own settings
+and random stream and appending those tokens to the cache. A row stops inside the loop at a stop token or at
+its max_tokens (admission made prompt + max_tokens fit in the slot, so that is also where its context ends),
+and the loop stops early when no row is left; the tokens of all steps (and their log-probabilities, when a row
+asks for them) come back together and go to their requests. A sequence that ends (stop token, max_tokens,
+cancel) frees its slot before the next turn.
+
+How many steps a turn runs: one in a turn that prefilled (a new request gets its first token after one step,
+not after decode_steps), then twice as many each turn up to serve.decode_steps while nothing is prefilled.
+While requests wait for a slot, a turn runs no more steps than the busiest slots need to finish the nearest
+sequence, so the first slot to free is handed on at once.
+
+Row buckets: the decode program is compiled (at warm-up) for all slots and for a half, a quarter and an eighth
+of them; a turn gathers the busy rows of the cache into the smallest bucket that holds them, runs the loop on
+that, and scatters them back, so a few busy slots do not pay for all of them.
 
 Prompts are prefilled into their slots in chunks (serve/chunk.py) of at most `prefill_chunk` tokens, and a turn
-prefills at most that many tokens before its decode step, so a long prompt takes a chunk per turn while the
-other slots keep decoding, instead of holding their next token back for its whole prefill. A chunk is padded to
+prefills at most that many tokens before its decode call, so a long prompt takes a chunk per turn while the
+other slots keep decoding, instead of holding their next tokens back for its whole prefill. A chunk is padded to
 a power of two from 16 tokens (at most prefill_chunk), so prefill compiles once per chunk length. With a prefix
 cache (serve/prefix_cache.py), a prompt that starts with the tokens of a recent one first copies their keys and
 values into its slot and prefills only the rest.
 
-The decode step has the same shapes whatever the slots hold, so it compiles once per slot count. Scoring a
-prompt (the log-probability of each of its tokens, for `echo` with `logprobs`) runs the uncached forward pass
-on the same thread.
+Scoring a prompt (the log-probability of each of its tokens, for `echo` with `logprobs`) runs the uncached
+forward pass on the same thread.
 
 A row's random stream is key(seed) folded with its choice index and then with its token index, and every row
-samples from its own logits, so a request's tokens do not depend on what the other slots hold.
+samples from its own logits, so a request's tokens do not depend on what the other slots hold, nor on how many
+steps a call runs.
 
-Shape legend: B slots, T padded prompt length, S cache slots per sequence, V vocab, K top log-probabilities.
+After each turn the engine calls its `turn_hooks` (the app hands the turn's events to the event loop at once).
+
+Shape legend: B slots, b rows of a bucket, N steps of a decode call at most, M stop tokens of a row (padded),
+T padded prompt length, S cache slots per sequence, V vocab, K top log-probabilities.
 """
 
 from __future__ import annotations
@@ -44,6 +60,7 @@ from jaxlm.serve.prefix_cache import PrefixCache
 
 TOP_LOGPROBS = 5  # the most alternatives a request may ask for, as the OpenAI completions API allows
 MIN_BUCKET = 16
+MIN_STOP_WIDTH = 4  # stop tokens per row the decode program takes (more compile a wider one, once)
 
 
 class QueueFull(Exception):
@@ -62,8 +79,9 @@ def bucket(n: int, limit: int) -> int:
 @dataclass
 class Sequence:
     """One generated sequence (one choice of a request). The engine calls `emit(event)` from its thread with
-    ("token", id, logprob, [(id, logprob), ...]) for every token, then ("done", reason) once, reason being
-    "stop" (a stop token), "length" (max_tokens) or "cancelled"."""
+    ("token", id, logprob, [(id, logprob), ...]) for every token (logprob None and no alternatives when
+    `logprobs` is False), then ("done", reason) once, reason being "stop" (a stop token), "length" (max_tokens)
+    or "cancelled"."""
     prompt: list[int]
     max_tokens: int
     temperature: float
@@ -73,6 +91,7 @@ class Sequence:
     choice: int
     stop_ids: tuple[int, ...]
     emit: Callable[[tuple], None]
+    logprobs: bool = True
     cancelled: bool = False
     slot: int = -1
     prefilled: int | None = None  # prompt tokens in the slot's cache; None until its prefill starts
@@ -105,38 +124,90 @@ def _logprobs(logits_BV, tok_B):
     return jnp.take_along_axis(lp_BV, tok_B[:, None], axis=-1)[:, 0], top_ids_BK, top_lp_BK
 
 
-@partial(jax.jit, static_argnames="cfg", donate_argnames=("cache", "logits_BV"))
-def _step(params, cache, logits_BV, busy_B, idle_length_B, seed_B, choice_B, count_B, temperature_B, top_k_B,
-          top_p_B, cfg: ModelConfig):
-    """Sample each busy row's next token from its logits, then append the tokens to the cache."""
-    V = logits_BV.shape[-1]
-    keys_B = _row_keys(seed_B, choice_B, count_B)
-    hot_B = busy_B & (temperature_B > 0)
-    filtered_B = hot_B & (((top_k_B > 0) & (top_k_B < V)) | (top_p_B < 1))
-
+def _sample(branch, logits_bV, keys_b, temperature_b, top_k_b, top_p_b):
+    """Each row's next token: greedy (branch 0), drawn at the row's temperature (1), or through sample_tokens'
+    top-k/top-p (2). A row's token is the same on every branch that can serve it, so it does not depend on the
+    other rows; the batch pays for the sort of top-k/top-p only when a row asks for them."""
     def greedy():
-        return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+        return jnp.argmax(logits_bV, axis=-1).astype(jnp.int32)
 
     def plain():  # sample_tokens' draw without top-k/top-p, row by row
-        drawn_B = jax.vmap(lambda l, k, t: jax.random.categorical(k, l / jnp.maximum(t, jnp.finfo(jnp.float32).tiny)))(
-            logits_BV, keys_B, temperature_B).astype(jnp.int32)
-        return jnp.where(temperature_B > 0, drawn_B, greedy())
+        drawn_b = jax.vmap(lambda l, k, t: jax.random.categorical(k, l / jnp.maximum(t, jnp.finfo(jnp.float32).tiny)))(
+            logits_bV, keys_b, temperature_b).astype(jnp.int32)
+        return jnp.where(temperature_b > 0, drawn_b, greedy())
 
     def filtered():  # every row through sample_tokens (vmapped, it computes each branch and selects the row's)
         return jax.vmap(lambda l, k, t, tk, tp: generate.sample_tokens(l[None], k, t, tk, tp)[0])(
-            logits_BV, keys_B, temperature_B, top_k_B, top_p_B)
+            logits_bV, keys_b, temperature_b, top_k_b, top_p_b)
 
-    # The batch pays for the sort of top-k/top-p only when a row asks for them; a row's token is the same on
-    # every branch that can serve it, so it does not depend on the other rows.
-    tok_B = jax.lax.switch(jnp.where(jnp.any(filtered_B), 2, jnp.where(jnp.any(hot_B), 1, 0)),
-                           (greedy, plain, filtered))
-    tok_B = jnp.where(busy_B, tok_B, 0)
-    lp_B, top_ids_BK, top_lp_BK = _logprobs(logits_BV, tok_B)
-    # Idle rows decode a dummy token at position idle_length_B: 0 for a free slot, the next chunk's start for a
-    # slot being prefilled, where the chunk masks that entry and then overwrites it (serve/chunk.py).
-    cache = kvcache.KVCache(cache.kinds, jnp.where(busy_B, cache.length, idle_length_B))
-    logits_BV, cache = transformer.decode_step(params, tok_B, cache, cfg)
-    return tok_B, lp_B, top_ids_BK, top_lp_BK, logits_BV, cache
+    return jax.lax.switch(branch, (greedy, plain, filtered))
+
+
+def _rows(cache: kvcache.KVCache, rows_b) -> kvcache.KVCache:
+    """The cache of slots rows_b, in that order."""
+    kinds = tuple(kvcache.KindCache(*(None if a is None else jnp.take(a, rows_b, axis=1)
+                                      for a in (c.k, c.v, c.k_scale, c.v_scale)), jnp.take(c.pos, rows_b, axis=0))
+                  for c in cache.kinds)
+    return kvcache.KVCache(kinds, jnp.take(cache.length, rows_b, axis=0))
+
+
+def _put_rows(cache: kvcache.KVCache, rows_b, sub: kvcache.KVCache) -> kvcache.KVCache:
+    """`cache` with slots rows_b replaced by `sub`'s rows, laid out as _empty lays it out."""
+    def put(a, x):
+        if a is None:
+            return None
+        return sharding.constrain(a.at[:, rows_b].set(x), (None,) + kvcache.CACHE_AXES[:a.ndim - 1])
+
+    kinds = tuple(kvcache.KindCache(put(c.k, s.k), put(c.v, s.v), put(c.k_scale, s.k_scale),
+                                    put(c.v_scale, s.v_scale), c.pos.at[rows_b].set(s.pos))
+                  for c, s in zip(cache.kinds, sub.kinds))
+    return kvcache.KVCache(kinds, cache.length.at[rows_b].set(sub.length))
+
+
+@partial(jax.jit, static_argnames=("cfg", "max_steps"), donate_argnames=("cache", "logits_BV"))
+def _decode_loop(params, cache, logits_BV, rows_b, steps, live_b, idle_length_b, left_b, stop_bM, want_lp_b,
+                 seed_b, choice_b, count_b, temperature_b, top_k_b, top_p_b, cfg: ModelConfig, max_steps: int):
+    """Up to `steps` (<= max_steps) decode steps over slots rows_b (all slots in order when there are B of
+    them). Each step, every live row samples its next token (its count_b-th plus the step) and the step appends
+    the tokens to the cache; a row stops living after a token in its stop_bM (padded with -1) or its left_b-th
+    token, and the loop ends early once no row lives. Returns tokens, log-probabilities (zeros unless a live row
+    wants them) and top alternatives [N, b(, K)], which of them were produced [N, b], the logits and the cache."""
+    B, b, V = logits_BV.shape[0], rows_b.shape[0], logits_BV.shape[-1]
+    whole = b == B
+    sub = cache if whole else _rows(cache, rows_b)
+    logits_bV = logits_BV if whole else jnp.take(logits_BV, rows_b, axis=0)
+    hot_b = live_b & (temperature_b > 0)
+    filtered_b = hot_b & (((top_k_b > 0) & (top_k_b < V)) | (top_p_b < 1))
+    branch = jnp.where(jnp.any(filtered_b), 2, jnp.where(jnp.any(hot_b), 1, 0))
+    N, K = max_steps, TOP_LOGPROBS
+    out = (jnp.zeros((N, b), jnp.int32), jnp.zeros((N, b), jnp.float32), jnp.zeros((N, b, K), jnp.int32),
+           jnp.zeros((N, b, K), jnp.float32), jnp.zeros((N, b), bool))
+
+    def no_logprobs(logits_bV, tok_b):
+        return jnp.zeros((b,), jnp.float32), jnp.zeros((b, K), jnp.int32), jnp.zeros((b, K), jnp.float32)
+
+    def body(state):
+        i, sub, logits_bV, live_b, out = state
+        tok_b = _sample(branch, logits_bV, _row_keys(seed_b, choice_b, count_b + i), temperature_b, top_k_b, top_p_b)
+        tok_b = jnp.where(live_b, tok_b, 0)
+        lp = jax.lax.cond(jnp.any(live_b & want_lp_b), _logprobs, no_logprobs, logits_bV, tok_b)
+        out = tuple(o.at[i].set(x) for o, x in zip(out, (tok_b, *lp, live_b)))
+        ended_b = jnp.any(tok_b[:, None] == stop_bM, axis=1) | (i + 1 >= left_b)
+        # Rows not living decode a dummy token at idle_length_b: 0 for a free slot or a finished sequence, the
+        # next chunk's start for a slot being prefilled, where the chunk masks that entry and then overwrites it
+        # (serve/chunk.py).
+        sub = kvcache.KVCache(sub.kinds, jnp.where(live_b, sub.length, idle_length_b))
+        logits_bV, sub = transformer.decode_step(params, tok_b, sub, cfg)
+        return i + 1, sub, logits_bV, live_b & ~ended_b, out
+
+    def more(state):
+        return (state[0] < steps) & jnp.any(state[3])
+
+    _, sub, logits_bV, _, out = jax.lax.while_loop(more, body, (jnp.int32(0), sub, logits_bV, live_b, out))
+    if not whole:
+        sub = _put_rows(cache, rows_b, sub)
+        logits_bV = logits_BV.at[rows_b].set(logits_bV)
+    return *out, logits_bV, sub
 
 
 def _empty(cfg: ModelConfig, slots: int, length: int, quantize: bool) -> kvcache.KVCache:
@@ -162,10 +233,19 @@ class Engine:
     def __init__(self, params, cfg: ModelConfig, slots: int, cache_length: int, max_queue: int,
                  quantize_kv_cache: bool = False, mesh: jax.sharding.Mesh | None = None,
                  prefill_chunk: int = ServeConfig.prefill_chunk, prefix_cache: int = 0,
-                 rules: tuple[sharding.Rules, sharding.Rules] = (sharding.PARAM_RULES, sharding.ACTIVATION_RULES)):
+                 rules: tuple[sharding.Rules, sharding.Rules] = (sharding.PARAM_RULES, sharding.ACTIVATION_RULES),
+                 decode_steps: int = ServeConfig.decode_steps):
         self.params, self.cfg, self.B, self.S = params, cfg, slots, cache_length
         self.max_queue, self.quantize, self.mesh, self.rules = max_queue, quantize_kv_cache, mesh, rules
-        self.prefill_chunk, self.prefix_entries = prefill_chunk, prefix_cache
+        self.prefill_chunk, self.prefix_entries, self.decode_steps = prefill_chunk, prefix_cache, decode_steps
+        # rows of the decode program's compiled variants, largest first; on a mesh a bucket must split evenly
+        # over the devices as the slots do
+        shards = 1 if mesh is None else mesh.size
+        self.buckets = sorted({slots // d for d in (1, 2, 4, 8) if slots % d == 0 and (slots // d) % shards == 0}
+                              | {slots}, reverse=True)
+        self.steps = 1  # decode steps of the latest turn
+        self.turn_hooks: list[Callable[[], None]] = []  # called after each turn, from the engine thread
+        self.calls_total = 0  # decode calls run
         self.waiting: collections.deque = collections.deque()
         self.lock = threading.Lock()
         self.wake = threading.Event()
@@ -225,8 +305,8 @@ class Engine:
         return sum(n for _, n in recent) / window_s
 
     def warm_up(self) -> None:
-        """Compile the decode step, the shortest chunk's prefill, scoring and the prefix cache's copies before
-        the first request: a prompt in a slot that stays idle, then an idle step."""
+        """Compile the decode program of each bucket, the shortest chunk's prefill, scoring and the prefix
+        cache's copies before the first request: a prompt in a slot that stays idle, then idle decode calls."""
         with self._ctx():
             seq = Sequence([0], 1, 0.0, 0, 1.0, 0, 0, (), lambda ev: None, slot=0)
             self.slots[0] = seq
@@ -236,7 +316,8 @@ class Engine:
             self.slots[0] = None
             self.prefilled_tokens_total = 0
             self._run_score(Score([0, 0], lambda ev: None))
-            self._run_step(np.zeros(self.B, bool), np.zeros(self.B, np.int32))
+            for b in self.buckets:
+                self._call(list(range(b)), 1)
             jax.block_until_ready((self.cache, self.logits_BV))
 
     def start(self) -> None:
@@ -256,10 +337,10 @@ class Engine:
         while self.running:
             with self._ctx():
                 self._admit()
-                if any(s is not None for s in self.slots):
+                busy = any(s is not None for s in self.slots)
+                if busy:
                     try:
-                        self._prefill()
-                        self._decode()
+                        self._turn()
                     except Exception as e:  # the cache was donated to the failed call: fail every slot, start afresh
                         self.error = f"{type(e).__name__}: {e}"
                         for i, s in enumerate(self.slots):
@@ -268,12 +349,26 @@ class Engine:
                                 s.emit(("error", self.error))
                         self.prefilling.clear()
                         self._reset_cache()
-                    continue
-            self.wake.wait(0.05)
-            self.wake.clear()
+            self._hand_over()
+            if not busy:
+                self.wake.wait(0.05)
+                self.wake.clear()
         for i, s in enumerate(self.slots):
             if s is not None:
                 self._finish(i, "cancelled")
+        self._hand_over()
+
+    def _hand_over(self) -> None:
+        for hook in self.turn_hooks:
+            hook()
+
+    def _turn(self) -> None:
+        """Prefill, then one decode call of as many steps as the module docstring says."""
+        self.steps = 1 if self._prefill() else min(2 * self.steps, self.decode_steps)
+        steps = self.steps
+        if self.waiting:  # no slot is free: stop when the first one would be
+            steps = min([steps] + [s.max_tokens - s.generated for s in self.slots if s is not None and s.decoding])
+        self._decode(steps)
 
     def _admit(self) -> None:
         """Waiting requests in order: a score runs now, a sequence takes a free slot and waits there for its
@@ -304,8 +399,9 @@ class Engine:
             except Exception as e:  # this request fails alone; the slots keep decoding
                 item.emit(("error", f"{type(e).__name__}: {e}"))
 
-    def _prefill(self) -> None:
-        """Prefill chunks, oldest prompt first, until this turn has run prefill_chunk tokens (at least one chunk)."""
+    def _prefill(self) -> bool:
+        """Prefill chunks, oldest prompt first, until this turn has run prefill_chunk tokens (at least one chunk);
+        returns whether it ran any."""
         budget = self.prefill_chunk
         while self.prefilling and budget > 0:
             seq = self.slots[self.prefilling[0]]
@@ -318,6 +414,7 @@ class Engine:
                 self.prefilling.popleft()
                 if self.prefix is not None:
                     self.prefix.save(self.cache, seq.slot, seq.prompt)
+        return budget < self.prefill_chunk
 
     def _prefill_chunk(self, seq: Sequence) -> int:
         """Run the next chunk of seq's prompt into its slot (first taking what the prefix cache holds of it);
@@ -356,46 +453,72 @@ class Engine:
         token_lp, top_ids, top_lp = jax.device_get(_score(self.params, tokens_1T, self.cfg))
         item.emit(("score", token_lp[:n - 1].tolist(), top_ids[:n].tolist(), top_lp[:n].tolist()))
 
-    def _run_step(self, busy: np.ndarray, idle_length: np.ndarray):
-        B = self.B
-        seed, choice, count = np.zeros(B, np.uint32), np.zeros(B, np.int32), np.zeros(B, np.int32)
-        temperature, top_k, top_p = np.zeros(B, np.float32), np.zeros(B, np.int32), np.ones(B, np.float32)
-        for i, s in enumerate(self.slots):
-            if busy[i]:
-                seed[i], choice[i], count[i] = s.seed % 2**32, s.choice, s.generated
-                temperature[i], top_k[i], top_p[i] = s.temperature, s.top_k, s.top_p
-        tok, lp, top_ids, top_lp, self.logits_BV, self.cache = _step(
-            self.params, self.cache, self.logits_BV, busy, idle_length, seed, choice, count, temperature, top_k,
-            top_p, self.cfg)
-        return jax.device_get((tok, lp, top_ids, top_lp))
+    def _call(self, rows: list[int], steps: int):
+        """One decode call of up to `steps` steps over slots `rows` (a bucket; all slots in order for the largest);
+        returns tokens, log-probabilities, alternatives [N, b(, K)] and which of them were produced [N, b]."""
+        b = len(rows)
+        live, idle_length, left = np.zeros(b, bool), np.zeros(b, np.int32), np.zeros(b, np.int32)
+        seed, choice, count = np.zeros(b, np.uint32), np.zeros(b, np.int32), np.zeros(b, np.int32)
+        temperature, top_k, top_p = np.zeros(b, np.float32), np.zeros(b, np.int32), np.ones(b, np.float32)
+        want_lp = np.zeros(b, bool)
+        seqs = [self.slots[r] for r in rows]
+        width = MIN_STOP_WIDTH
+        while any(s is not None and len(s.stop_ids) > width for s in seqs):
+            width *= 2
+        stop = np.full((b, width), -1, np.int32)
+        for j, s in enumerate(seqs):
+            if s is None:
+                continue
+            if not s.decoding:
+                idle_length[j] = s.prefilled or 0
+                continue
+            live[j], left[j], want_lp[j] = True, s.max_tokens - s.generated, s.logprobs
+            seed[j], choice[j], count[j] = s.seed % 2**32, s.choice, s.generated
+            temperature[j], top_k[j], top_p[j] = s.temperature, s.top_k, s.top_p
+            stop[j, :len(s.stop_ids)] = s.stop_ids
+        *out, self.logits_BV, self.cache = _decode_loop(
+            self.params, self.cache, self.logits_BV, np.asarray(rows, np.int32), np.int32(steps), live, idle_length,
+            left, stop, want_lp, seed, choice, count, temperature, top_k, top_p, cfg=self.cfg,
+            max_steps=self.decode_steps)
+        self.calls_total += 1
+        return jax.device_get(out)
 
-    def _decode(self) -> None:
+    def _decode(self, steps: int) -> None:
         for i, s in enumerate(self.slots):
             if s is not None and s.cancelled:
                 if not s.decoding and i in self.prefilling:
                     self.prefilling.remove(i)
                 self._finish(i, "cancelled")
-        busy = np.asarray([s is not None and s.decoding for s in self.slots])
-        if not busy.any():
+        busy = [i for i, s in enumerate(self.slots) if s is not None and s.decoding]
+        if not busy:
             return
-        idle_length = np.asarray([0 if s is None or s.decoding else (s.prefilled or 0) for s in self.slots],
-                                 np.int32)
-        tok, lp, top_ids, top_lp = self._run_step(busy, idle_length)
+        b = min(k for k in self.buckets if k >= len(busy))
+        if b == self.B:
+            rows = list(range(self.B))
+        else:  # padded with free slots, then with slots being prefilled (they run a dummy token, as above)
+            rows = busy + ([i for i, s in enumerate(self.slots) if s is None] + list(self.prefilling))[:b - len(busy)]
+        tok, lp, top_ids, top_lp, made = self._call(rows, steps)
+        tok, lp, top_ids, top_lp = tok.tolist(), lp.tolist(), top_ids.tolist(), top_lp.tolist()  # [step][row]
         now = time.perf_counter()
         n = 0
-        for i, s in enumerate(self.slots):
-            if not busy[i]:
+        for j, r in enumerate(rows):
+            s = self.slots[r]
+            if s is None or not s.decoding or s.cancelled:  # a cancelled one finishes next turn, its tokens unsent
                 continue
             if s.generated == 0:
                 self.ttft_s.append(now - s.submitted)
-            s.generated += 1
-            n += 1
-            t = int(tok[i])
-            s.emit(("token", t, float(lp[i]), list(zip(top_ids[i].tolist(), top_lp[i].tolist()))))
-            if t in s.stop_ids:
-                self._finish(i, "stop")
-            elif s.generated >= s.max_tokens:
-                self._finish(i, "length")
+            for i in np.flatnonzero(made[:, j]):
+                s.generated += 1
+                n += 1
+                t = tok[i][j]
+                top = list(zip(top_ids[i][j], top_lp[i][j])) if s.logprobs else []
+                s.emit(("token", t, lp[i][j] if s.logprobs else None, top))
+                if t in s.stop_ids:
+                    self._finish(r, "stop")
+                    break
+                if s.generated >= s.max_tokens:
+                    self._finish(r, "length")
+                    break
         self.tokens_total += n
         self.recent.append((now, n))
         while self.recent and self.recent[0][0] < now - 60:
@@ -408,5 +531,5 @@ class Engine:
 
 
 def compiled_step_count() -> int:
-    """How many decode-step programs this process has compiled (one per slot count and model)."""
-    return _step._cache_size()
+    """How many decode programs this process has compiled (one per bucket, engine settings and model)."""
+    return _decode_loop._cache_size()
