@@ -191,6 +191,7 @@ def _model_grad_temp_bytes(T: int) -> int:
     return jax.jit(grads).lower(params, tokens, tokens).compile().memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.slow
 def test_ring_train_step_temporaries_grow_linearly_with_length():
     """Per device, at 512, 1,024 and 2,048 tokens: each doubling adds about twice what the one before added
     (measured 2.21, 3.78, 6.84 MB: 1.96). Differentiating the scan over layers would precompute everything that
