@@ -240,6 +240,12 @@ def test_context_parallel_setting_errors_are_one_line(char_data, tmp_path):
     with pytest.raises(ConfigError, match="model.dropout=0.1 drops attention probabilities, which context "
                                           "parallelism"):
         tiny_config(char_data, tmp_path, **{"model.dropout": 0.1, "mesh.ici_sequence": 4})
+    # a sequence split through mesh.rules (or a -1 that fills the sequence axis) is refused when the run is set up
+    with pytest.raises(ConfigError, match=r"model.dropout=0.1 .*\(the sequence split over 2 devices by the mesh"):
+        train.setup(tiny_config(char_data, tmp_path, **{"model.dropout": 0.1, "model.attention": "dot_product",
+                                                        "mesh.ici_data": 2, "mesh.ici_fsdp": 1,
+                                                        "mesh.rules": "act.length=data;act.batch="}),
+                    jax.devices()[:2])
     with pytest.raises(ConfigError, match="model.block_size=36 must be a multiple of 8"):
         _losses(char_data, tmp_path, jax.devices(), steps=1,
                 **{**CONTEXT4, "model.block_size": 36, "model.sliding_window": None, "model.layer_pattern": "global"})

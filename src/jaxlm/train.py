@@ -95,6 +95,11 @@ def setup(cfg: Config, devices=None, data: bool = True) -> Run:
         runtime.tune_for_xla_cpu()  # keep each step's scratch memory mapped between steps
     runtime.use_compilation_cache(cfg.compile.cache_dir)
     param_rules, act_rules = sharding.rules_from_config(cfg.mesh)
+    n = ring.context_devices(mesh, act_rules)
+    if cfg.model.dropout > 0 and n > 1:  # a -1 (filled) sequence axis or mesh.rules can split it too
+        raise ConfigError(f"model.dropout={cfg.model.dropout} drops attention probabilities, which context parallelism "
+                          f"(the sequence split over {n} devices by the mesh and mesh.rules) does not; set "
+                          f"model.dropout=0 or keep the `length` axis on one device")
     cfg = cfg.replace(training=resolve_batch(cfg.training, mesh, act_rules))
     if cfg.logging.wandb:
         metrics.require_wandb()
