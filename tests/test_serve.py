@@ -380,6 +380,36 @@ def test_several_decode_steps_per_call_and_row_buckets_change_no_output(trained,
         assert events[-1] == ("done", "stop" if stops[i] else "length")
 
 
+def test_text_of_several_tokens_at_once_equals_token_by_token():
+    """TextState over byte tokens (UTF-8 characters split across tokens) with stop strings: fed in chunks of
+    every size, it shows the same text as token by token, never past a stop string, and takes the tokens up to
+    the one that completes it."""
+    from jaxlm.serve.app import TextState
+
+    def decode(ids):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+    ids = list("héllo wörld, ✓ the stop is here; after".encode())
+    rng = np.random.default_rng(0)
+    for stop in ((), ("stop",), ("ö",), ("✓ t", "zz"), ("llo w",), ("after",), ("absent",)):
+        text = decode(ids)
+        at = min([text.find(s) for s in stop if s in text], default=-1)
+        want = text if at < 0 else text[:at]
+        want_taken = len(ids) if at < 0 else min(n for n in range(len(ids) + 1)
+                                                 if any(s in decode(ids[:n]) for s in stop))
+        for trial in range(20):
+            state, shown, taken, i = TextState(decode, stop), [], 0, 0
+            while i < len(ids) and not state.stopped:
+                n = 1 if trial == 0 else int(rng.integers(1, 9))
+                piece, took = state.add(ids[i:i + n])
+                assert want.startswith("".join(shown) + piece)  # nothing shown that the answer does not hold
+                shown.append(piece)
+                taken += took
+                i += n
+            shown.append(state.flush())
+            assert "".join(shown) == want and taken == want_taken and state.tokens == ids[:want_taken]
+
+
 def test_stop_strings_are_cut_exactly_when_chunks_carry_several_tokens(server, trained):
     """A streamed chunk carries the tokens of several decode steps; a stop string that ends inside a chunk, or
     spans two, still ends the text right before it: no text after it reaches the client, the usage counts the
