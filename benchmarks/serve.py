@@ -11,14 +11,18 @@ carry the tokens of several decode steps. Prints one line per level
     concurrency=C requests=R output_tok_per_s=X ttft_p50_ms= ttft_p99_ms= itl_p50_ms= itl_p99_ms=
     chunk_gap_p50_ms= chunk_gap_p99_ms= tokens_per_chunk=
 then the --slots server at concurrency 16 with serve.decode_steps=1 (one decode step per device call),
-`slots8` (a server with 8 slots) and `one_at_a_time` (a server with one slot), both at concurrency 8 (the
-fastest of --repeats runs each, as the machine may be shared);
+`slots8` (a server with 8 slots) and `one_at_a_time` (a server with one slot), both at concurrency 8, and
+transformers' generate at batch 16. Every figure but the shared-prefix ones is the fastest of --repeats runs
+(new prompts each), the one least disturbed by other load, as the machine may be shared;
+then the engine alone (in this process, no HTTP: 16 greedy sequences submitted together to a --slots engine)
+with serve.decode_steps 8 and 1, and `jaxlm.generate` at batch 16 (prefill included);
 then time to first token of 16 concurrent requests that share a 512-token system prompt (each followed by 16
 tokens of its own, 8 new tokens) on a 16-slot server with the prefix cache (serve.prefix_cache=4) and without
 (serve.prefix_cache=0), and the summary
     batching_speedup=X/Y (continuous batching in 8 slots over one slot, both at concurrency 8)
     vs_transformers=X/Z (the server at concurrency 16 over transformers' generate at batch 16)
     decode_steps_speedup=X/W (the server at concurrency 16, serve.decode_steps=8 over 1)
+    server_vs_engine=X/E (the server at concurrency 16 over the engine alone with 16 sequences)
     ttft_p50_prefix_cache= ttft_p50_no_prefix_cache= prefix_cache_ttft_speedup= (ms; the second over the first)
 TTFT counts from sending the request to the first streamed chunk with a token. A chunk gap is the time between
 a stream's successive chunks; tokens_per_chunk is the mean number of tokens a chunk carries; the inter-token
@@ -32,6 +36,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
+import dataclasses
 import json
 import socket
 import subprocess
@@ -45,6 +50,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 import decode as decode_bench  # noqa: E402
+
+from jaxlm import api  # noqa: E402
 
 PROMPT = decode_bench.PROMPT
 SYSTEM = 512  # tokens of the system prompt the prefix-cache requests share
@@ -156,12 +163,38 @@ def shared_prefix_ttft(folder: Path, prefix_cache: int, new_tokens: int = 8, req
         return run_level(port, prompts, requests, new_tokens)
 
 
+def engine_alone(folder: Path, slots: int, prompts: np.ndarray, new_tokens: int, decode_steps: int,
+                 repeats: int) -> float:
+    """Tokens/s of the serving engine in this process, without HTTP: len(prompts) greedy sequences submitted
+    together to a `slots`-slot engine, the fastest of `repeats` runs."""
+    from jaxlm.serve import engine as engine_lib
+
+    model = api.load(folder)
+    e = engine_lib.Engine(model.params, model.config.model, slots, PROMPT + new_tokens, len(prompts),
+                          decode_steps=decode_steps)
+    e.warm_up()
+    e.start()
+    best = 0.0
+    try:
+        for _ in range(repeats):
+            events = [[] for _ in prompts]
+            t0 = time.perf_counter()
+            for p, ev in zip(prompts, events):
+                e.submit(engine_lib.Sequence(p.tolist(), new_tokens, 0.0, 0, 1.0, 0, 0, (), ev.append))
+            while not all(ev and ev[-1][0] == "done" for ev in events):
+                time.sleep(0.001)
+            best = max(best, len(prompts) * new_tokens / (time.perf_counter() - t0))
+    finally:
+        e.stop()
+    return best
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--slots", type=int, default=32)
     ap.add_argument("--levels", default="1,8,16,32")
-    ap.add_argument("--repeats", type=int, default=3, help="runs of slots8 and one_at_a_time (the fastest counts)")
+    ap.add_argument("--repeats", type=int, default=3, help="runs of each measurement (the fastest counts)")
     a = ap.parse_args()
     levels = [int(c) for c in a.levels.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
@@ -170,18 +203,24 @@ def main():
             sys.exit("benchmarks/serve.py needs the hf extra (transformers, torch) to build its model")
         folder = Path(tmp) / "jx"
         byte_tokenizer(folder)
-        results = {r["concurrency"]: r for r in serve_levels(folder, a.slots, levels, a.new_tokens)}
+        results = {r["concurrency"]: r for r in serve_levels(folder, a.slots, levels, a.new_tokens, a.repeats)}
         for r in results.values():
             print(line(r), flush=True)
-        one_step = serve_levels(folder, a.slots, [16], a.new_tokens, settings=("serve.decode_steps=1",))[0]
+        one_step = serve_levels(folder, a.slots, [16], a.new_tokens, a.repeats, ("serve.decode_steps=1",))[0]
         print("decode_steps=1 " + line(one_step), flush=True)
         batched = serve_levels(folder, 8, [8], a.new_tokens, a.repeats)[0]
         print("slots8 " + line(batched), flush=True)
         single = serve_levels(folder, 1, [8], a.new_tokens, a.repeats)[0]
         print("one_at_a_time " + line(single), flush=True)
         prompts = np.random.default_rng(16).integers(0, 256, (16, PROMPT)).astype(np.int32)
-        hf_tok_s = decode_bench.with_transformers(hf, prompts, a.new_tokens)
+        hf_tok_s = max(decode_bench.with_transformers(hf, prompts, a.new_tokens) for _ in range(a.repeats))
         print(f"transformers_batch16_tok_per_s={hf_tok_s:.1f}", flush=True)
+        alone = {n: engine_alone(folder, a.slots, prompts, a.new_tokens, n, a.repeats) for n in (8, 1)}
+        model = api.load(folder)
+        cfg = dataclasses.replace(model.config.model, block_size=PROMPT + a.new_tokens)  # as decode.py's build
+        generate_tok_s = max(decode_bench.cached(model.params, cfg, prompts, a.new_tokens) for _ in range(a.repeats))
+        print(f"engine_alone decode_steps=8 tok_per_s={alone[8]:.1f} decode_steps=1 tok_per_s={alone[1]:.1f} "
+              f"generate_batch16_tok_per_s={generate_tok_s:.1f}", flush=True)
         cached = shared_prefix_ttft(folder, 4)
         print("shared_prefix prefix_cache=4 " + line(cached), flush=True)
         uncached = shared_prefix_ttft(folder, 0)
@@ -190,11 +229,12 @@ def main():
     if 16 in results:
         print(f"vs_transformers={results[16]['output_tok_per_s'] / hf_tok_s:.2f}")
         print(f"decode_steps_speedup={results[16]['output_tok_per_s'] / one_step['output_tok_per_s']:.2f}")
+        print(f"server_vs_engine={results[16]['output_tok_per_s'] / alone[8]:.2f}")
     print(f"ttft_p50_prefix_cache={cached['ttft_p50_ms']:.1f} ttft_p50_no_prefix_cache={uncached['ttft_p50_ms']:.1f} "
           f"prefix_cache_ttft_speedup={uncached['ttft_p50_ms'] / cached['ttft_p50_ms']:.2f}")
     print(json.dumps({"levels": list(results.values()), "decode_steps_1": one_step, "slots8": batched,
                       "one_at_a_time": single,
-                      "transformers": hf_tok_s,
+                      "transformers": hf_tok_s, "engine_alone": alone, "generate": generate_tok_s,
                       "shared_prefix": {"prefix_cache": cached, "no_prefix_cache": uncached}}))
 
 

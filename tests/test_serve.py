@@ -380,6 +380,64 @@ def test_several_decode_steps_per_call_and_row_buckets_change_no_output(trained,
         assert events[-1] == ("done", "stop" if stops[i] else "length")
 
 
+def test_while_a_request_waits_for_a_slot_a_call_ends_when_the_first_slot_frees(trained, monkeypatch):
+    """Two slots, three sequences: while the third waits, a call runs no more steps than the nearest sequence
+    needs to finish, so the third is admitted in the turn right after; then the steps grow again."""
+    model = jaxlm.load(trained)
+    steps = []
+    decode_loop = engine_lib._decode_loop
+
+    def logged_loop(*args, **kw):
+        steps.append(int(args[4]))
+        return decode_loop(*args, **kw)
+
+    monkeypatch.setattr(engine_lib, "_decode_loop", logged_loop)
+    e = engine_lib.Engine(model.params, model.config.model, 2, 64, max_queue=4, prefill_chunk=16)
+    events = [[], [], []]
+    for i, m in enumerate((6, 30, 5)):
+        e.submit(engine_lib.Sequence([1, 2, 3], m, 0.0, 0, 1.0, 0, 0, (), events[i].append))
+    e.start()
+    deadline = time.monotonic() + 60
+    while not all(ev and ev[-1][0] == "done" for ev in events):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    e.stop()
+    # a prefilled (a chunk per turn): 1 step; b prefilled: 1; then 2, and 2 more (not 4) end a while c waits;
+    # c prefilled: 1; then 2, 4 (c ends after 2 of them), 8, 8 and the 8 that end b
+    assert steps == [1, 1, 2, 2, 1, 2, 4, 8, 8, 8]
+    assert [len(ev) - 1 for ev in events] == [6, 30, 5]
+
+
+def test_text_of_several_tokens_at_once_equals_token_by_token():
+    """TextState over byte tokens (UTF-8 characters split across tokens) with stop strings: fed in chunks of
+    every size, it shows the same text as token by token, never past a stop string, and takes the tokens up to
+    the one that completes it."""
+    from jaxlm.serve.app import TextState
+
+    def decode(ids):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+    ids = list("héllo wörld, ✓ the stop is here; after".encode())
+    rng = np.random.default_rng(0)
+    for stop in ((), ("stop",), ("ö",), ("✓ t", "zz"), ("llo w",), ("after",), ("absent",)):
+        text = decode(ids)
+        at = min([text.find(s) for s in stop if s in text], default=-1)
+        want = text if at < 0 else text[:at]
+        want_taken = len(ids) if at < 0 else min(n for n in range(len(ids) + 1)
+                                                 if any(s in decode(ids[:n]) for s in stop))
+        for trial in range(20):
+            state, shown, taken, i = TextState(decode, stop), [], 0, 0
+            while i < len(ids) and not state.stopped:
+                n = 1 if trial == 0 else int(rng.integers(1, 9))
+                piece, took = state.add(ids[i:i + n])
+                assert want.startswith("".join(shown) + piece)  # nothing shown that the answer does not hold
+                shown.append(piece)
+                taken += took
+                i += n
+            shown.append(state.flush())
+            assert "".join(shown) == want and taken == want_taken and state.tokens == ids[:want_taken]
+
+
 def test_stop_strings_are_cut_exactly_when_chunks_carry_several_tokens(server, trained):
     """A streamed chunk carries the tokens of several decode steps; a stop string that ends inside a chunk, or
     spans two, still ends the text right before it: no text after it reaches the client, the usage counts the

@@ -11,12 +11,14 @@ cancel) frees its slot before the next turn.
 
 How many steps a turn runs: one in a turn that prefilled (a new request gets its first token after one step,
 not after decode_steps), then twice as many each turn up to serve.decode_steps while nothing is prefilled.
-While requests wait for a slot, a turn runs no more steps than the busiest slots need to finish the nearest
-sequence, so the first slot to free is handed on at once.
+While requests wait for a slot, a turn runs no more steps than the nearest sequence needs to reach its
+max_tokens, so its slot is handed on at once.
 
 Row buckets: the decode program is compiled (at warm-up) for all slots and for a half, a quarter and an eighth
 of them; a turn gathers the busy rows of the cache into the smallest bucket that holds them, runs the loop on
-that, and scatters them back, so a few busy slots do not pay for all of them.
+that, and scatters them back, so a few busy slots do not pay for all of them. The shapes of a bucket's program
+do not depend on what the slots hold nor on the steps asked for, so requests compile nothing (but one whose
+sequences have more than MIN_STOP_WIDTH stop tokens: a wider program, once).
 
 Prompts are prefilled into their slots in chunks (serve/chunk.py) of at most `prefill_chunk` tokens, and a turn
 prefills at most that many tokens before its decode call, so a long prompt takes a chunk per turn while the
