@@ -343,7 +343,8 @@ def cmd_serve(argv: list[str]) -> int:
               "Serve the model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions,\n"
               "/v1/models, /tokenize, /health, /metrics) with continuous batching. Settings: serve.host\n"
               "(127.0.0.1), serve.port (8000), serve.max_slots, serve.max_queue, serve.prefill_chunk (512),\n"
-              "serve.prefix_cache (4), serve.model_name, serve.api_key (or JAXLM_API_KEY), serve.chat_template;\n"
+              "serve.prefix_cache (4), serve.decode_steps (8, decode steps per device call), serve.model_name,\n"
+              "serve.api_key (or JAXLM_API_KEY), serve.chat_template;\n"
               "decode.* give the sampling defaults and the cache length\n"
               "(decode.cache_length, default model.block_size); mesh.* shard the model (docs/serve.md).")
         return 0 if argv else 2
