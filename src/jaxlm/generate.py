@@ -2,7 +2,8 @@
 
 `generate` prefills a batch of prompts into a KV cache (model/kvcache.py), then runs one-token decode steps in a
 lax.while_loop that stops each sequence at a stop token or after max_new_tokens and ends when all have
-stopped; new tokens can be streamed to the host as they come. `sample` is the plain decoder without a cache
+stopped; new tokens can be streamed to the host as they come. The loop carries each layer's weights and cache
+apart (transformer.decode_layers) and runs in segments whose cache doubles in length (`segments`). `sample` is the plain decoder without a cache
 (it re-runs the forward pass over a sliding window for every token), used for the end-of-training sample and
 as the baseline of benchmarks/decode.py.
 
