@@ -150,18 +150,24 @@ def unstack(cache: KVCache, cfg: ModelConfig) -> LayerCaches:
     return LayerCaches(tuple(layers), tuple(c.pos for c in cache.kinds), cache.length)
 
 
-def grow(cache: LayerCaches, cfg: ModelConfig, length: int) -> LayerCaches:
+def _pad(x: jax.Array, axis: int, S: int, value=0) -> jax.Array:
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, S - x.shape[axis])
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def grow(cache: LayerCaches | KVCache, cfg: ModelConfig, length: int) -> LayerCaches | KVCache:
     """The cache for sequences of up to `length` tokens (not fewer than it holds now): the new slots empty.
     Exact while every position held is below the old slot count: then slot = position in the old and the
     new layout alike (a ring buffer already as long as its window keeps its slots)."""
     P = len(cfg.pattern)
     S_new = [slots(cfg, kind, length) for kind in cfg.pattern]
-
-    def pad(x, axis, S, value=0):
-        widths = [(0, 0)] * x.ndim
-        widths[axis] = (0, S - x.shape[axis])
-        return jnp.pad(x, widths, constant_values=value)
-
+    pad = _pad
+    if isinstance(cache, KVCache):  # k, v [R, B, K, S, H], scales [R, B, K, S]
+        return KVCache(tuple(KindCache(
+            constrain(pad(c.k, 3, S), (None,) + CACHE_AXES), constrain(pad(c.v, 3, S), (None,) + CACHE_AXES),
+            *(None if x is None else pad(x, 3, S, 1) for x in (c.k_scale, c.v_scale)), pad(c.pos, 1, S, EMPTY))
+            for c, S in zip(cache.kinds, S_new)), cache.length)
     layers = []
     for i, layer in enumerate(cache.layers):
         S = S_new[i % P]
