@@ -189,7 +189,7 @@ def segments(prompt_len: int, cache_length: int, max_new_tokens: int) -> list[tu
     cache_length from FIRST_SEGMENT slots, or from more where that would take over MAX_SEGMENTS. Step i writes
     position length + i <= prompt_len + i (prompts are padded to prompt_len), which a segment of S slots holds
     while i < S - prompt_len. At batch 16 on a 2-core CPU, segments doubled the tokens/s of 256 new tokens
-    after a 16-token prompt (4 layers, width 128) and took the compile time from 7 to 9-12 s."""
+    after a 16-token prompt (4 layers, width 128; docs/generate.md)."""
     S = FIRST_SEGMENT
     while S * 2 ** (MAX_SEGMENTS - 1) < cache_length:
         S *= 2
