@@ -189,13 +189,19 @@ def test_decode_segments_cover_the_steps_and_hold_their_positions():
             assert T + end - 1 < S  # the last step of a segment writes position < T + end
 
 
-@pytest.mark.parametrize("name,quantize", [pytest.param("gemma2_2b", False, marks=pytest.mark.default_settings),
-                                           pytest.param("llama3_1_8b", True, marks=pytest.mark.slow)])
-def test_generate_equals_the_stacked_decode_step(name, quantize):
-    """generate's loop (layers and cache taken apart, keys transposed, the cache growing over three segments)
-    samples the tokens of transformer.decode_step over the stacked full-length cache, step by step, with the
-    same keys (sampled, not greedy: a tiny random model's greedy output soon repeats one token)."""
-    cfg = tiny(name)
+@pytest.mark.parametrize("name,quantize,unroll", [
+    pytest.param("gemma2_2b", False, True, marks=[pytest.mark.default_settings, pytest.mark.slow])]
+    + [pytest.param(n, n == "llama3_1_8b", True, marks=pytest.mark.slow)
+       for n in ("llama3_1_8b", "gpt2", "mixtral_8x7b", "qwen3_0_6b")]
+    + [pytest.param(n, q, False, marks=pytest.mark.slow) for n, q in (("gemma2_2b", False), ("llama3_1_8b", True))])
+def test_generate_equals_the_stacked_decode_step(name, quantize, unroll, monkeypatch):
+    """generate's loop (the cache growing over three segments; layers and cache taken apart, keys transposed,
+    or, for deep models, the scan over stacked layers) samples the tokens of transformer.decode_step over the
+    stacked full-length cache, step by step, with the same keys (sampled, not greedy: a tiny random model's
+    greedy output soon repeats one token)."""
+    monkeypatch.setattr(generate, "UNROLL_LAYERS", 1000 if unroll else 0)
+    monkeypatch.setattr(generate, "_EXECUTABLES", {})
+    cfg = tiny(name, block_size=160)  # gpt2's learned positions cover the whole cache
     params = init(cfg)
     prompts = [[1, 2, 3], [5], list(range(7, 23))]  # the longest fills its padded length: no slack at the ends
     N = 120  # prompts padded to 16: segments of 64, 128 and 136 slots

@@ -2,9 +2,11 @@
 
 `generate` prefills a batch of prompts into a KV cache (model/kvcache.py), then runs one-token decode steps in a
 lax.while_loop that stops each sequence at a stop token or after max_new_tokens and ends when all have
-stopped; new tokens can be streamed to the host as they come. `sample` is the plain decoder without a cache
-(it re-runs the forward pass over a sliding window for every token), used for the end-of-training sample and
-as the baseline of benchmarks/decode.py.
+stopped; new tokens can be streamed to the host as they come. The loop runs in segments whose cache doubles in
+length (`segments`) and, unless the model is deep, carries each layer's weights and cache apart
+(transformer.decode_layers). `sample` is the plain decoder without a cache (it re-runs the forward pass over a
+sliding window for every token), used for the end-of-training sample and as the baseline of
+benchmarks/decode.py.
 
 Shape legend: B batch, T prompt length, V vocab, N new tokens.
 """
@@ -82,8 +84,8 @@ def sample_tokens(logits_BV: jax.Array, key: jax.Array, temperature, top_k, top_
 
     Only what the settings need runs (lax.switch): greedy is an argmax, and plain sampling (top-k and top-p
     off) a draw from the softmax. Top-k and top-p find their cutoffs by bisection (_cutoff) instead of sorting
-    the vocabulary: at batch 16 on a 2-core CPU a draw with top_k=50, top_p=0.9 took 2.4x less time than the
-    sort at 32k tokens and 4.3x less at 128k, with the same tokens drawn."""
+    the vocabulary: at batch 16 on a 2-core CPU a draw with top_k=50, top_p=0.9 took 4.7x less time than the
+    sort at 32k tokens and 3.5x less at 128k, with the same tokens drawn."""
     V = logits_BV.shape[-1]
 
     def greedy():
@@ -173,7 +175,12 @@ def _prefill(params, prompts_BT, lengths_B, cfg: ModelConfig, cache_length: int,
 
 
 FIRST_SEGMENT = 64  # cache slots of the first decode segment at least; each next one doubles
-MAX_SEGMENTS = 4  # each compiles its own copy of the decode step (with every layer unrolled)
+MAX_SEGMENTS = 4  # each compiles its own copy of the decode step
+# Models of up to this many layers decode with the layers unrolled (transformer.decode_layers), deeper ones with
+# the scan over stacked layers (transformer.decode_step), whose compile time does not grow with depth. On a
+# 2-core CPU at load 1.5 (batch 16, 256 new tokens, width 128) unrolling gave 2.2x the tokens/s of the scan
+# at 4 layers (compile 3.3 s against 2.7) and 1.5x at 32 layers (compile 15 s against 2.8).
+UNROLL_LAYERS = 16
 
 
 def segments(prompt_len: int, cache_length: int, max_new_tokens: int) -> list[tuple[int, int]]:
@@ -182,7 +189,7 @@ def segments(prompt_len: int, cache_length: int, max_new_tokens: int) -> list[tu
     cache_length from FIRST_SEGMENT slots, or from more where that would take over MAX_SEGMENTS. Step i writes
     position length + i <= prompt_len + i (prompts are padded to prompt_len), which a segment of S slots holds
     while i < S - prompt_len. At batch 16 on a 2-core CPU, segments doubled the tokens/s of 256 new tokens
-    after a 16-token prompt (4 layers, width 128) and took the compile time from 7 to 9-12 s."""
+    after a 16-token prompt (4 layers, width 128; docs/generate.md)."""
     S = FIRST_SEGMENT
     while S * 2 ** (MAX_SEGMENTS - 1) < cache_length:
         S *= 2
@@ -197,15 +204,20 @@ def segments(prompt_len: int, cache_length: int, max_new_tokens: int) -> list[tu
     return out + [(cache_length, max_new_tokens)]
 
 
-@partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "stream", "prompt_len", "cache_length"))
+@partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "stream", "prompt_len", "cache_length", "unroll"))
 def _decode(params, logits_BV, cache, key, temperature, top_k, top_p, stop_S, cfg: ModelConfig,
-            max_new_tokens: int, stream: bool, prompt_len: int, cache_length: int):
+            max_new_tokens: int, stream: bool, prompt_len: int, cache_length: int, unroll: bool):
     """Sample up to max_new_tokens per sequence: [B, N] tokens (0 after a sequence stopped) and counts [B].
-    `cache` comes from prefill of prompts padded to prompt_len, with the slots of the first of the segments
-    up to cache_length; the loop of a segment ends at its last step or once every sequence has stopped, and
-    the next one grows the cache."""
+    With `unroll` the layers are unrolled, else scanned. `cache` comes from prefill of prompts padded to
+    prompt_len, with the slots of the first of the segments up to cache_length; the loop of a segment ends at
+    its last step or once every sequence has stopped, and the next one grows the cache."""
     B = logits_BV.shape[0]
-    layer_params = transformer.layer_weights(params, cfg)
+    if unroll:
+        layer_params = transformer.layer_weights(params, cfg)
+        cache = kvcache.unstack(cache, cfg)
+        step = lambda tok_B, cache: transformer.decode_layers(params, layer_params, tok_B, cache, cfg)  # noqa: E731
+    else:
+        step = lambda tok_B, cache: transformer.decode_step(params, tok_B, cache, cfg)  # noqa: E731
 
     def body(c):
         key, sub = jax.random.split(c["key"])
@@ -217,11 +229,11 @@ def _decode(params, logits_BV, cache, key, temperature, top_k, top_p, stop_S, cf
         out_BN = c["out_BN"].at[:, c["i"]].set(tok_B)
         count_B = c["count_B"] + (~c["done_B"]).astype(jnp.int32)
         done_B = c["done_B"] | jnp.any(tok_B[:, None] == stop_S[None, :], axis=-1)
-        logits_BV, cache = transformer.decode_layers(params, layer_params, tok_B, c["cache"], cfg)
+        logits_BV, cache = step(tok_B, c["cache"])
         return dict(i=c["i"] + 1, key=key, logits_BV=logits_BV, cache=cache, out_BN=out_BN, count_B=count_B,
                     done_B=done_B)
 
-    c = dict(i=jnp.int32(0), key=key, logits_BV=logits_BV, cache=kvcache.unstack(cache, cfg),
+    c = dict(i=jnp.int32(0), key=key, logits_BV=logits_BV, cache=cache,
              out_BN=jnp.zeros((B, max_new_tokens), jnp.int32), count_B=jnp.zeros((B,), jnp.int32),
              done_B=jnp.zeros((B,), bool))
     for S, end in segments(prompt_len, cache_length, max_new_tokens):
@@ -282,7 +294,7 @@ def _compiled(params, prompts_BT, lengths_B, key, sampling, stop_S, cfg: ModelCo
     args = (params, prompts_BT, lengths_B, stop_S)
     k = (jax.tree.structure(args), tuple((np.shape(a), np.dtype(a.dtype), getattr(a, "sharding", None))
                                          for a in jax.tree.leaves(args)),
-         cfg, length, d.quantize_kv_cache, d.max_new_tokens, mesh, stream)
+         cfg, length, d.quantize_kv_cache, d.max_new_tokens, mesh, stream, cfg.n_layers <= UNROLL_LAYERS)
     if k not in _EXECUTABLES:
         ctx = sharding.activation_sharding(mesh) if mesh is not None else contextlib.nullcontext()
         T = prompts_BT.shape[1]
@@ -293,7 +305,7 @@ def _compiled(params, prompts_BT, lengths_B, key, sampling, stop_S, cfg: ModelCo
                                                                quantize=d.quantize_kv_cache),
                                                        params, prompts_BT, lengths_B)
             decode = _decode.lower(params, logits_shape, cache_shape, key, *sampling, stop_S, cfg,
-                                   d.max_new_tokens, stream, T, length).compile()
+                                   d.max_new_tokens, stream, T, length, cfg.n_layers <= UNROLL_LAYERS).compile()
         if len(_EXECUTABLES) >= _MAX_EXECUTABLES:
             _EXECUTABLES.pop(next(iter(_EXECUTABLES)))  # the oldest
         _EXECUTABLES[k] = (prefill, decode)

@@ -10,8 +10,8 @@ and values are stored as int8 with one float32 scale per (position, kv head).
 
 A decode loop (generate.py) carries the cache as `LayerCaches` instead: each layer's arrays apart, keys
 transposed [B, K, H, S], so that a step reads and writes one layer's buffers where they lie (a layer sliced out
-of the stacked [R, ...] arrays is a copy, and at batch 16 copying the cache twice per layer cost more than the
-attention itself), and `grow` widens the slots as the sequences lengthen so that a step attends over the
+of the stacked [R, ...] arrays is a copy, and at batch 16 those copies cost about as much as the attention's
+arithmetic), and `grow` widens the slots as the sequences lengthen so that a step attends over the
 filled part of the cache rather than all of it.
 
 Shape legend: R repeats of the layer pattern, B batch, T prompt length, S cache slots, K kv heads,
@@ -150,26 +150,31 @@ def unstack(cache: KVCache, cfg: ModelConfig) -> LayerCaches:
     return LayerCaches(tuple(layers), tuple(c.pos for c in cache.kinds), cache.length)
 
 
-def grow(cache: LayerCaches, cfg: ModelConfig, length: int) -> LayerCaches:
+def _pad(x: jax.Array, axis: int, S: int, value=0) -> jax.Array:
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, S - x.shape[axis])
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def grow(cache: LayerCaches | KVCache, cfg: ModelConfig, length: int) -> LayerCaches | KVCache:
     """The cache for sequences of up to `length` tokens (not fewer than it holds now): the new slots empty.
     Exact while every position held is below the old slot count: then slot = position in the old and the
     new layout alike (a ring buffer already as long as its window keeps its slots)."""
     P = len(cfg.pattern)
     S_new = [slots(cfg, kind, length) for kind in cfg.pattern]
-
-    def pad(x, axis, S, value=0):
-        widths = [(0, 0)] * x.ndim
-        widths[axis] = (0, S - x.shape[axis])
-        return jnp.pad(x, widths, constant_values=value)
-
+    if isinstance(cache, KVCache):  # k, v [R, B, K, S, H], scales [R, B, K, S]
+        return KVCache(tuple(KindCache(
+            constrain(_pad(c.k, 3, S), (None,) + CACHE_AXES), constrain(_pad(c.v, 3, S), (None,) + CACHE_AXES),
+            *(None if x is None else _pad(x, 3, S, 1) for x in (c.k_scale, c.v_scale)), _pad(c.pos, 1, S, EMPTY))
+            for c, S in zip(cache.kinds, S_new)), cache.length)
     layers = []
     for i, layer in enumerate(cache.layers):
         S = S_new[i % P]
-        layers.append({"k": constrain(pad(layer["k"], 3, S), KEY_T_AXES),
-                       "v": constrain(pad(layer["v"], 2, S), CACHE_AXES),
-                       "k_scale": None if layer["k_scale"] is None else pad(layer["k_scale"], 2, S, 1),
-                       "v_scale": None if layer["v_scale"] is None else pad(layer["v_scale"], 2, S, 1)})
-    pos = tuple(pad(p, 1, S, EMPTY) for p, S in zip(cache.pos, S_new))
+        layers.append({"k": constrain(_pad(layer["k"], 3, S), KEY_T_AXES),
+                       "v": constrain(_pad(layer["v"], 2, S), CACHE_AXES),
+                       "k_scale": None if layer["k_scale"] is None else _pad(layer["k_scale"], 2, S, 1),
+                       "v_scale": None if layer["v_scale"] is None else _pad(layer["v_scale"], 2, S, 1)})
+    pos = tuple(_pad(p, 1, S, EMPTY) for p, S in zip(cache.pos, S_new))
     return LayerCaches(tuple(layers), pos, cache.length)
 
 

@@ -366,7 +366,8 @@ def decode_layers(params: dict, layer_params: tuple[dict, ...], tokens_B: jax.Ar
                   cfg: ModelConfig) -> tuple[jax.Array, kvcache.LayerCaches]:
     """decode_step over the cache taken apart by layer (kvcache.unstack) and the weights (layer_weights), the
     layers unrolled: each reads and writes its own cache buffers in place, where the scan over stacked layers
-    slices a copy of every layer's keys and values per step. The same numbers as decode_step."""
+    slices a copy of every layer's keys and values per step. Equal to decode_step up to float rounding (the
+    q.k product reads the keys transposed), which left the sampled tokens of tests/test_generate.py unchanged."""
     B = tokens_B.shape[0]
     pos_B = cache.length
     positions_B1 = pos_B[:, None]
