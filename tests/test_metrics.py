@@ -98,7 +98,9 @@ def test_cpu_run_reports_mfu_against_the_measured_peak_and_goodput_that_sums_to_
     g = summary["goodput"]
     buckets = ("init", "compile", "data", "compute", "checkpoint", "eval", "other")
     assert sum(g[f"goodput_{b}_s"] for b in buckets) == pytest.approx(g["goodput_wall_s"], rel=1e-9)
-    assert g["goodput_wall_s"] == pytest.approx(wall, rel=0.02)
+    # the goodput clock covers train.train but for its first and last moments (a few % of this short run on a
+    # loaded host)
+    assert 0.9 * wall < g["goodput_wall_s"] <= wall
     assert all(g[f"goodput_{b}_s"] > 0 for b in buckets[:-1])
     assert g["goodput_other_s"] < 0.1 * wall  # the named buckets account for the run
     assert {k: records[-1][k] for k in g} == g
