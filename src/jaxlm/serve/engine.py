@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass, field
@@ -166,13 +167,18 @@ def _put_rows(cache: kvcache.KVCache, rows_b, sub: kvcache.KVCache) -> kvcache.K
     return kvcache.KVCache(kinds, cache.length.at[rows_b].set(sub.length))
 
 
-@partial(jax.jit, static_argnames=("cfg", "max_steps"), donate_argnames=("cache", "logits_BV"))
+@partial(jax.jit, static_argnames=("cfg", "max_steps", "unroll"), donate_argnames=("cache", "logits_BV"))
 def _decode_loop(params, cache, logits_BV, rows_b, steps, live_b, idle_length_b, left_b, stop_bM, want_lp_b,
-                 seed_b, choice_b, count_b, temperature_b, top_k_b, top_p_b, cfg: ModelConfig, max_steps: int):
+                 seed_b, choice_b, count_b, temperature_b, top_k_b, top_p_b, cfg: ModelConfig, max_steps: int,
+                 unroll: bool):
     """Up to `steps` (<= max_steps) decode steps over slots rows_b (all slots in order when there are B of
     them). Each step, every live row samples its next token (its count_b-th plus the step) and the step appends
     the tokens to the cache; a row stops living after a token in its stop_bM (padded with -1) or its left_b-th
-    token, and the loop ends early once no row lives. Returns tokens, log-probabilities (zeros unless a live row
+    token, and the loop ends early once no row lives. With `unroll` the steps run over the cache taken apart
+    by layer (kvcache.unstack, transformer.decode_layers), as generate's loop does for models of up to
+    generate.UNROLL_LAYERS layers: one copy of the rows' cache in and one out (kvcache.restack) per call, where
+    the scan over the stacked cache (unroll False) copies each layer's keys and values out of the stack every
+    step. Returns tokens, log-probabilities (zeros unless a live row
     wants them) and top alternatives [N, b(, K)], which of them were produced [N, b], the logits and the cache."""
     B, b, V = logits_BV.shape[0], rows_b.shape[0], logits_BV.shape[-1]
     whole = b == B
@@ -184,6 +190,15 @@ def _decode_loop(params, cache, logits_BV, rows_b, steps, live_b, idle_length_b,
     N, K = max_steps, TOP_LOGPROBS
     out = (jnp.zeros((N, b), jnp.int32), jnp.zeros((N, b), jnp.float32), jnp.zeros((N, b, K), jnp.int32),
            jnp.zeros((N, b, K), jnp.float32), jnp.zeros((N, b), bool))
+
+    if unroll:
+        layer_params = transformer.layer_weights(params, cfg)
+        sub = kvcache.unstack(sub, cfg)
+
+    def decode(tok_b, sub):
+        if unroll:
+            return transformer.decode_layers(params, layer_params, tok_b, sub, cfg)
+        return transformer.decode_step(params, tok_b, sub, cfg)
 
     def no_logprobs(logits_bV, tok_b):
         return jnp.zeros((b,), jnp.float32), jnp.zeros((b, K), jnp.int32), jnp.zeros((b, K), jnp.float32)
@@ -198,14 +213,16 @@ def _decode_loop(params, cache, logits_BV, rows_b, steps, live_b, idle_length_b,
         # Rows not living decode a dummy token at idle_length_b: 0 for a free slot or a finished sequence, the
         # next chunk's start for a slot being prefilled, where the chunk masks that entry and then overwrites it
         # (serve/chunk.py).
-        sub = kvcache.KVCache(sub.kinds, jnp.where(live_b, sub.length, idle_length_b))
-        logits_bV, sub = transformer.decode_step(params, tok_b, sub, cfg)
+        sub = dataclasses.replace(sub, length=jnp.where(live_b, sub.length, idle_length_b))
+        logits_bV, sub = decode(tok_b, sub)
         return i + 1, sub, logits_bV, live_b & ~ended_b, out
 
     def more(state):
         return (state[0] < steps) & jnp.any(state[3])
 
     _, sub, logits_bV, _, out = jax.lax.while_loop(more, body, (jnp.int32(0), sub, logits_bV, live_b, out))
+    if unroll:
+        sub = kvcache.restack(sub, cfg)
     if not whole:
         sub = _put_rows(cache, rows_b, sub)
         logits_bV = logits_BV.at[rows_b].set(logits_bV)
@@ -240,6 +257,7 @@ class Engine:
         self.params, self.cfg, self.B, self.S = params, cfg, slots, cache_length
         self.max_queue, self.quantize, self.mesh, self.rules = max_queue, quantize_kv_cache, mesh, rules
         self.prefill_chunk, self.prefix_entries, self.decode_steps = prefill_chunk, prefix_cache, decode_steps
+        self.unroll = cfg.n_layers <= generate.UNROLL_LAYERS  # the decode program's layers unrolled, else scanned
         # rows of the decode program's compiled variants, largest first; on a mesh a bucket must split evenly
         # over the devices as the slots do
         shards = 1 if mesh is None else mesh.size
@@ -481,7 +499,7 @@ class Engine:
         *out, self.logits_BV, self.cache = _decode_loop(
             self.params, self.cache, self.logits_BV, np.asarray(rows, np.int32), np.int32(steps), live, idle_length,
             left, stop, want_lp, seed, choice, count, temperature, top_k, top_p, cfg=self.cfg,
-            max_steps=self.decode_steps)
+            max_steps=self.decode_steps, unroll=self.unroll)
         self.calls_total += 1
         return jax.device_get(out)
 
