@@ -257,7 +257,10 @@ class Engine:
         self.params, self.cfg, self.B, self.S = params, cfg, slots, cache_length
         self.max_queue, self.quantize, self.mesh, self.rules = max_queue, quantize_kv_cache, mesh, rules
         self.prefill_chunk, self.prefix_entries, self.decode_steps = prefill_chunk, prefix_cache, decode_steps
-        self.unroll = cfg.n_layers <= generate.UNROLL_LAYERS  # the decode program's layers unrolled, else scanned
+        # The decode program's layers unrolled over the cache taken apart (_decode_loop), else scanned. Taking
+        # it apart and back costs two copies of the rows' cache per call: with one step per call that lost to
+        # the scan's copies of one step (benchmarks/serve.py's engine alone, docs/serve.md).
+        self.unroll = cfg.n_layers <= generate.UNROLL_LAYERS and decode_steps > 1
         # rows of the decode program's compiled variants, largest first; on a mesh a bucket must split evenly
         # over the devices as the slots do
         shards = 1 if mesh is None else mesh.size
