@@ -7,7 +7,9 @@ and random stream and appending those tokens to the cache. A row stops inside th
 its max_tokens (admission made prompt + max_tokens fit in the slot, so that is also where its context ends),
 and the loop stops early when no row is left; the tokens of all steps (and their log-probabilities, when a row
 asks for them) come back together and go to their requests. A sequence that ends (stop token, max_tokens,
-cancel) frees its slot before the next turn.
+cancel) frees its slot before the next turn. The call takes its rows' cache apart by layer once, runs the
+steps with the layers unrolled, and stacks it back once (as generate's decode loop does; models deeper than
+generate.UNROLL_LAYERS, and serve.decode_steps=1, scan the layers of the stacked cache instead).
 
 How many steps a turn runs: one in a turn that prefilled (a new request gets its first token after one step,
 not after decode_steps), then twice as many each turn up to serve.decode_steps while nothing is prefilled.
@@ -178,8 +180,8 @@ def _decode_loop(params, cache, logits_BV, rows_b, steps, live_b, idle_length_b,
     by layer (kvcache.unstack, transformer.decode_layers), as generate's loop does for models of up to
     generate.UNROLL_LAYERS layers: one copy of the rows' cache in and one out (kvcache.restack) per call, where
     the scan over the stacked cache (unroll False) copies each layer's keys and values out of the stack every
-    step. Returns tokens, log-probabilities (zeros unless a live row
-    wants them) and top alternatives [N, b(, K)], which of them were produced [N, b], the logits and the cache."""
+    step. Returns tokens, log-probabilities (zeros unless a live row wants them) and top alternatives
+    [N, b(, K)], which of them were produced [N, b], the logits and the cache."""
     B, b, V = logits_BV.shape[0], rows_b.shape[0], logits_BV.shape[-1]
     whole = b == B
     sub = cache if whole else _rows(cache, rows_b)
