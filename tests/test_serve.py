@@ -308,9 +308,9 @@ def test_several_decode_steps_per_call_and_row_buckets_change_no_output(trained,
     token, some sampled with their own seeds, one arriving while the others decode: with up to 8 decode steps
     per call over row buckets they get the same tokens (and log-probabilities to float rounding) as with one step
     per call, and with the layers scanned over the stacked cache (as a model deeper than generate.UNROLL_LAYERS,
-    or one step per call, runs them) as with them unrolled over the cache taken apart, the greedy ones `jaxlm generate`'s cut after the stop
-    token. Each call runs on the smallest bucket that holds the decoding slots, with one step after a prefill
-    and twice the last call's steps else."""
+    or one step per call, runs them) as with them unrolled over the cache taken apart, the greedy ones `jaxlm
+    generate`'s cut after the stop token. Each call runs on the smallest bucket that holds the decoding slots,
+    with one step after a prefill and twice the last call's steps else."""
     from jaxlm import generate as generate_lib
     from jaxlm.serve import chunk as chunk_lib
 
