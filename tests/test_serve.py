@@ -307,8 +307,11 @@ def test_several_decode_steps_per_call_and_row_buckets_change_no_output(trained,
     """Sequences of mixed prompt lengths (one prefilled in three chunks) and max_tokens, some ending at a stop
     token, some sampled with their own seeds, one arriving while the others decode: with up to 8 decode steps
     per call over row buckets they get the same tokens (and log-probabilities to float rounding) as with one step
-    per call, the greedy ones `jaxlm generate`'s cut after the stop token. Each call runs on the smallest
-    bucket that holds the decoding slots, with one step after a prefill and twice the last call's steps else."""
+    per call, and with the layers scanned over the stacked cache (as a model deeper than generate.UNROLL_LAYERS,
+    or one step per call, runs them) as with them unrolled over the cache taken apart, the greedy ones `jaxlm
+    generate`'s cut after the stop token. Each call runs on the smallest bucket that holds the decoding slots,
+    with one step after a prefill and twice the last call's steps else."""
+    from jaxlm import generate as generate_lib
     from jaxlm.serve import chunk as chunk_lib
 
     model = jaxlm.load(trained)
@@ -336,9 +339,11 @@ def test_several_decode_steps_per_call_and_row_buckets_change_no_output(trained,
     monkeypatch.setattr(engine_lib, "_decode_loop", logged_loop)
     monkeypatch.setattr(chunk_lib, "prefill_chunk", logged_chunk)
     runs = {}
-    for most in (1, 8):
+    for most, unroll in ((1, False), (8, True), (8, False)):
+        monkeypatch.setattr(generate_lib, "UNROLL_LAYERS", 16 if most == 1 or unroll else 0)
         e = engine_lib.Engine(model.params, model.config.model, SLOTS, 64, max_queue=16, prefill_chunk=16,
                               decode_steps=most)
+        assert e.unroll == unroll  # one step per call scans whatever the depth
         e.warm_up()
         log.clear()
         events = [[] for _ in prompts]
@@ -358,18 +363,19 @@ def test_several_decode_steps_per_call_and_row_buckets_change_no_output(trained,
                 time.sleep(0.01)
         finally:
             e.stop()
-        runs[most] = events
+        runs[most, unroll] = events
         calls = [x for x in log if x != "chunk"]
         assert e.buckets == [8, 4, 2, 1] and {rows for rows, _, _ in calls} == {8, 4, 2, 1}
         assert all(rows == min(b for b in e.buckets if b >= live) for rows, live, _ in calls)
         assert all(x[2] == (1 if before == "chunk" else min(2 * before[2], most))
                    for before, x in zip(log, log[1:]) if x != "chunk")
         assert max(steps for _, _, steps in calls) == most
-    one, eight = runs[1], runs[8]
-    for a, b in zip(one, eight):
-        assert [ev[:2] for ev in a] == [ev[:2] for ev in b]
-        assert np.allclose([ev[2] for ev in a if ev[0] == "token"], [ev[2] for ev in b if ev[0] == "token"],
-                           atol=1e-5)
+    eight = runs[8, True]
+    for other in (runs[1, False], runs[8, False]):
+        for a, b in zip(other, eight):
+            assert [ev[:2] for ev in a] == [ev[:2] for ev in b]
+            assert np.allclose([ev[2] for ev in a if ev[0] == "token"], [ev[2] for ev in b if ev[0] == "token"],
+                               rtol=0, atol=1e-5)
     for i, events in enumerate(eight):
         got = tok.decode([ev[1] for ev in events if ev[0] == "token"])
         if temperature[i] == 0:
@@ -378,6 +384,72 @@ def test_several_decode_steps_per_call_and_row_buckets_change_no_output(trained,
                 want = want[:want.index(tok.decode(list(stops[i]))) + 1]
             assert got == want
         assert events[-1] == ("done", "stop" if stops[i] else "length")
+
+
+@pytest.mark.parametrize("quantize", [False, True])
+def test_restack_puts_back_every_layer_unstack_took_apart(quantize):
+    """The server's decode program takes the stacked cache apart by layer and stacks it back once per call:
+    with local and global layers (ring buffers shorter than the global slots) and int8 scales, layer i of
+    unstack is repeat i // 2 of pattern entry i % 2, keys transposed, and restack gives back every array."""
+    import jax
+    from jaxlm.config import ModelConfig
+    from jaxlm.model import kvcache
+
+    cfg = ModelConfig(vocab_size=64, block_size=32, n_layers=4, n_heads=4, n_kv_heads=2, d_model=32,
+                      sliding_window=8, layer_pattern="local,global")
+    empty = kvcache.init(cfg, 3, 20, quantize)
+    leaves, tree = jax.tree.flatten(empty)
+    keys = jax.random.split(jax.random.key(0), len(leaves))
+    cache = jax.tree.unflatten(tree, [
+        jax.random.randint(k, x.shape, -100, 100).astype(x.dtype) if x.dtype != np.float32
+        else jax.random.uniform(k, x.shape) for k, x in zip(keys, leaves)])
+    apart = kvcache.unstack(cache, cfg)
+    for i, layer in enumerate(apart.layers):
+        c, r = cache.kinds[i % 2], i // 2
+        assert np.array_equal(layer["k"], np.swapaxes(c.k[r], 2, 3)) and np.array_equal(layer["v"], c.v[r])
+        assert (layer["k_scale"] is None) == (not quantize)
+    assert [p.shape[1] for p in apart.pos] == [8, 20]
+    back = kvcache.restack(apart, cfg)
+    assert jax.tree.structure(back) == tree
+    for a, b in zip(jax.tree.leaves(back), leaves := jax.tree.leaves(cache)):
+        assert a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a, b)
+    assert len(leaves) == (11 if quantize else 7)  # per kind k, v (scales), pos; length
+
+
+def test_an_int8_cache_decodes_the_same_unrolled_and_scanned(trained, shakespeare_file, monkeypatch):
+    """With decode.quantize_kv_cache the decode program carries int8 keys, values and scales taken apart and
+    stacked back: unrolled it gives the tokens (and log-probabilities within 1e-5) of the scan over the stacked
+    cache, the greedy ones `jaxlm generate`'s with the same int8 cache."""
+    from jaxlm import generate as generate_lib
+
+    model = jaxlm.load(trained)
+    tok = model.tokenizer()
+    text = shakespeare_file.read_text()[:3000]
+    prompts = [text[0:9], text[700:730], text[2000:2004]]
+    temperature = [0, 0.9, 0]
+    runs = {}
+    for unroll in (True, False):
+        monkeypatch.setattr(generate_lib, "UNROLL_LAYERS", 16 if unroll else 0)
+        e = engine_lib.Engine(model.params, model.config.model, 4, 64, max_queue=8, quantize_kv_cache=True)
+        assert e.unroll == unroll and e.cache.kinds[0].k.dtype == np.int8
+        events = [[] for _ in prompts]
+        for i, (p, t) in enumerate(zip(prompts, temperature)):
+            e.submit(engine_lib.Sequence(tok.encode(p), 24, t, 0, 1.0, 7 + i, 0, (), events[i].append))
+        e.start()
+        deadline = time.monotonic() + 120
+        try:
+            while not all(ev and ev[-1][0] == "done" for ev in events):
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+        finally:
+            e.stop()
+        runs[unroll] = events
+    for a, b in zip(runs[True], runs[False]):
+        assert [ev[:2] for ev in a] == [ev[:2] for ev in b] and a[-1] == ("done", "length")
+        assert np.allclose([ev[2] for ev in a if ev[0] == "token"], [ev[2] for ev in b if ev[0] == "token"],
+                           rtol=0, atol=1e-5)
+    greedy = model.generate_text([prompts[0], prompts[2]], max_new_tokens=24, temperature=0, quantize_kv_cache=True)
+    assert [tok.decode([ev[1] for ev in runs[True][i] if ev[0] == "token"]) for i in (0, 2)] == greedy
 
 
 def test_while_a_request_waits_for_a_slot_a_call_ends_when_the_first_slot_frees(trained, monkeypatch):

@@ -150,6 +150,22 @@ def unstack(cache: KVCache, cfg: ModelConfig) -> LayerCaches:
     return LayerCaches(tuple(layers), tuple(c.pos for c in cache.kinds), cache.length)
 
 
+def restack(cache: LayerCaches, cfg: ModelConfig) -> KVCache:
+    """The inverse of unstack: the layers' caches stacked back by pattern entry (keys [R, B, K, S, H] again,
+    int8 scales stacked alike), laid out as `init` lays them out. One copy of the cache, made once after a
+    decode loop that must hand back the stacked cache (the server's decode program)."""
+    P = len(cfg.pattern)
+    kinds = []
+    for j, pos_BS in enumerate(cache.pos):
+        layers = cache.layers[j::P]
+        stack = lambda name, axes: None if layers[0][name] is None else constrain(  # noqa: E731
+            jnp.stack([layer[name] for layer in layers]), axes)
+        k = constrain(jnp.stack([layer["k"].swapaxes(2, 3) for layer in layers]), (None,) + CACHE_AXES)
+        kinds.append(KindCache(k, stack("v", (None,) + CACHE_AXES), stack("k_scale", (None,) + CACHE_AXES[:3]),
+                               stack("v_scale", (None,) + CACHE_AXES[:3]), pos_BS))
+    return KVCache(tuple(kinds), cache.length)
+
+
 def _pad(x: jax.Array, axis: int, S: int, value=0) -> jax.Array:
     widths = [(0, 0)] * x.ndim
     widths[axis] = (0, S - x.shape[axis])

@@ -7,7 +7,9 @@ and random stream and appending those tokens to the cache. A row stops inside th
 its max_tokens (admission made prompt + max_tokens fit in the slot, so that is also where its context ends),
 and the loop stops early when no row is left; the tokens of all steps (and their log-probabilities, when a row
 asks for them) come back together and go to their requests. A sequence that ends (stop token, max_tokens,
-cancel) frees its slot before the next turn.
+cancel) frees its slot before the next turn. The call takes its rows' cache apart by layer once, runs the
+steps with the layers unrolled, and stacks it back once (as generate's decode loop does; models deeper than
+generate.UNROLL_LAYERS, and serve.decode_steps=1, scan the layers of the stacked cache instead).
 
 How many steps a turn runs: one in a turn that prefilled (a new request gets its first token after one step,
 not after decode_steps), then twice as many each turn up to serve.decode_steps while nothing is prefilled.
@@ -44,6 +46,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass, field
@@ -166,14 +169,19 @@ def _put_rows(cache: kvcache.KVCache, rows_b, sub: kvcache.KVCache) -> kvcache.K
     return kvcache.KVCache(kinds, cache.length.at[rows_b].set(sub.length))
 
 
-@partial(jax.jit, static_argnames=("cfg", "max_steps"), donate_argnames=("cache", "logits_BV"))
+@partial(jax.jit, static_argnames=("cfg", "max_steps", "unroll"), donate_argnames=("cache", "logits_BV"))
 def _decode_loop(params, cache, logits_BV, rows_b, steps, live_b, idle_length_b, left_b, stop_bM, want_lp_b,
-                 seed_b, choice_b, count_b, temperature_b, top_k_b, top_p_b, cfg: ModelConfig, max_steps: int):
+                 seed_b, choice_b, count_b, temperature_b, top_k_b, top_p_b, cfg: ModelConfig, max_steps: int,
+                 unroll: bool):
     """Up to `steps` (<= max_steps) decode steps over slots rows_b (all slots in order when there are B of
     them). Each step, every live row samples its next token (its count_b-th plus the step) and the step appends
     the tokens to the cache; a row stops living after a token in its stop_bM (padded with -1) or its left_b-th
-    token, and the loop ends early once no row lives. Returns tokens, log-probabilities (zeros unless a live row
-    wants them) and top alternatives [N, b(, K)], which of them were produced [N, b], the logits and the cache."""
+    token, and the loop ends early once no row lives. With `unroll` the steps run over the cache taken apart
+    by layer (kvcache.unstack, transformer.decode_layers), as generate's loop does for models of up to
+    generate.UNROLL_LAYERS layers: one copy of the rows' cache in and one out (kvcache.restack) per call, where
+    the scan over the stacked cache (unroll False) copies each layer's keys and values out of the stack every
+    step. Returns tokens, log-probabilities (zeros unless a live row wants them) and top alternatives
+    [N, b(, K)], which of them were produced [N, b], the logits and the cache."""
     B, b, V = logits_BV.shape[0], rows_b.shape[0], logits_BV.shape[-1]
     whole = b == B
     sub = cache if whole else _rows(cache, rows_b)
@@ -184,6 +192,15 @@ def _decode_loop(params, cache, logits_BV, rows_b, steps, live_b, idle_length_b,
     N, K = max_steps, TOP_LOGPROBS
     out = (jnp.zeros((N, b), jnp.int32), jnp.zeros((N, b), jnp.float32), jnp.zeros((N, b, K), jnp.int32),
            jnp.zeros((N, b, K), jnp.float32), jnp.zeros((N, b), bool))
+
+    if unroll:
+        layer_params = transformer.layer_weights(params, cfg)
+        sub = kvcache.unstack(sub, cfg)
+
+    def decode(tok_b, sub):
+        if unroll:
+            return transformer.decode_layers(params, layer_params, tok_b, sub, cfg)
+        return transformer.decode_step(params, tok_b, sub, cfg)
 
     def no_logprobs(logits_bV, tok_b):
         return jnp.zeros((b,), jnp.float32), jnp.zeros((b, K), jnp.int32), jnp.zeros((b, K), jnp.float32)
@@ -198,14 +215,16 @@ def _decode_loop(params, cache, logits_BV, rows_b, steps, live_b, idle_length_b,
         # Rows not living decode a dummy token at idle_length_b: 0 for a free slot or a finished sequence, the
         # next chunk's start for a slot being prefilled, where the chunk masks that entry and then overwrites it
         # (serve/chunk.py).
-        sub = kvcache.KVCache(sub.kinds, jnp.where(live_b, sub.length, idle_length_b))
-        logits_bV, sub = transformer.decode_step(params, tok_b, sub, cfg)
+        sub = dataclasses.replace(sub, length=jnp.where(live_b, sub.length, idle_length_b))
+        logits_bV, sub = decode(tok_b, sub)
         return i + 1, sub, logits_bV, live_b & ~ended_b, out
 
     def more(state):
         return (state[0] < steps) & jnp.any(state[3])
 
     _, sub, logits_bV, _, out = jax.lax.while_loop(more, body, (jnp.int32(0), sub, logits_bV, live_b, out))
+    if unroll:
+        sub = kvcache.restack(sub, cfg)
     if not whole:
         sub = _put_rows(cache, rows_b, sub)
         logits_bV = logits_BV.at[rows_b].set(logits_bV)
@@ -240,6 +259,10 @@ class Engine:
         self.params, self.cfg, self.B, self.S = params, cfg, slots, cache_length
         self.max_queue, self.quantize, self.mesh, self.rules = max_queue, quantize_kv_cache, mesh, rules
         self.prefill_chunk, self.prefix_entries, self.decode_steps = prefill_chunk, prefix_cache, decode_steps
+        # The decode program's layers unrolled over the cache taken apart (_decode_loop), else scanned. Taking
+        # it apart and back costs two copies of the rows' cache per call: with one step per call that lost to
+        # the scan's copies of one step (benchmarks/serve.py's engine alone, docs/serve.md).
+        self.unroll = cfg.n_layers <= generate.UNROLL_LAYERS and decode_steps > 1
         # rows of the decode program's compiled variants, largest first; on a mesh a bucket must split evenly
         # over the devices as the slots do
         shards = 1 if mesh is None else mesh.size
@@ -481,7 +504,7 @@ class Engine:
         *out, self.logits_BV, self.cache = _decode_loop(
             self.params, self.cache, self.logits_BV, np.asarray(rows, np.int32), np.int32(steps), live, idle_length,
             left, stop, want_lp, seed, choice, count, temperature, top_k, top_p, cfg=self.cfg,
-            max_steps=self.decode_steps)
+            max_steps=self.decode_steps, unroll=self.unroll)
         self.calls_total += 1
         return jax.device_get(out)
 
