@@ -574,15 +574,25 @@ def parse_mixture(spec: str) -> list[tuple[str, float]]:
 
 
 def validate(cfg: Config) -> None:
-    """Range and consistency checks that need no data or devices."""
-    m, o, t, c = cfg.model, cfg.optimizer, cfg.training, cfg.checkpoint
+    """Range and consistency checks that need no data or devices, section by section."""
     if cfg.data.mixture is not None:
         parse_mixture(cfg.data.mixture)
+    _validate_common(cfg)
+    _validate_model(cfg.model, cfg.mesh)
+    _validate_optimizer_and_training(cfg.optimizer, cfg.training, cfg.checkpoint)
+    _validate_mesh_and_distributed(cfg.mesh, cfg.distributed)
+    _validate_diagnostics(cfg)
+    validate_decode(cfg.decode)
+    validate_serve(cfg.serve)
+    validate_compile(cfg.compile)
 
-    def positive(key, v):
-        if v <= 0:
-            raise ConfigError(f"{key}={v} must be > 0")
 
+def _positive(key, v) -> None:
+    if v <= 0:
+        raise ConfigError(f"{key}={v} must be > 0")
+
+
+def _validate_common(cfg: Config) -> None:
     # NaN passes every `v <= 0` test below and infinity most of them; no setting means either.
     for key, *_ in all_keys():
         section, _, name = key.rpartition(".")
@@ -596,12 +606,15 @@ def validate(cfg: Config) -> None:
     if cfg.run_dir == "":
         raise ConfigError("run_dir='' is empty; give a folder, or None for outputs/<timestamp>")
 
+
+
+def _validate_model(m: ModelConfig, mesh: MeshConfig) -> None:
     for key in ("block_size", "n_layers", "n_heads", "d_model"):
-        positive(f"model.{key}", getattr(m, key))
+        _positive(f"model.{key}", getattr(m, key))
     for key in ("vocab_size", "n_kv_heads", "head_dim", "d_ff"):
         v = getattr(m, key)
         if v is not None:
-            positive(f"model.{key}", v)
+            _positive(f"model.{key}", v)
     if m.head_dim is None and m.d_model % m.n_heads:
         raise ConfigError(f"model.n_heads={m.n_heads} must divide model.d_model={m.d_model} "
                           f"(allowed: {_divisors(m.d_model)}), or set model.head_dim")
@@ -613,11 +626,11 @@ def validate(cfg: Config) -> None:
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError(f"model.dropout={m.dropout} must be in [0, 1)")
     for key in ("norm_eps", "init_std", "rope_theta"):
-        positive(f"model.{key}", getattr(m, key))
+        _positive(f"model.{key}", getattr(m, key))
     for key in ("attn_scale", "attn_logit_softcap", "final_logit_softcap", "sliding_window"):
         v = getattr(m, key)
         if v is not None:
-            positive(f"model.{key}", v)
+            _positive(f"model.{key}", v)
     bad = [k for k in m.pattern if k not in ("global", "local")]
     if bad:
         raise ConfigError(f"model.layer_pattern={m.layer_pattern!r} has {bad[0]!r}; allowed kinds: global, local "
@@ -639,17 +652,33 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"model.router_aux_loss_coef={m.router_aux_loss_coef} must be >= 0")
     # Checked whether or not rope_scaling uses them: a nonsensical value is a mistake either way.
     for key in ("rope_scaling_factor", "rope_original_context"):
-        positive(f"model.{key}", getattr(m, key))
+        _positive(f"model.{key}", getattr(m, key))
     if not 0 < m.rope_low_freq_factor < m.rope_high_freq_factor:
         raise ConfigError(f"model.rope_low_freq_factor={m.rope_low_freq_factor} must be > 0 and < "
                           f"model.rope_high_freq_factor={m.rope_high_freq_factor}")
-    positive("optimizer.lr", o.lr)
+    _positive("model.attention_block", m.attention_block)
+    if m.loss_chunk_tokens < 0:
+        raise ConfigError(f"model.loss_chunk_tokens={m.loss_chunk_tokens} must be >= 0 (0 = off)")
+    if m.attention in ("blockwise", "splash", "cudnn") and m.dropout > 0:
+        raise ConfigError(f"model.attention={m.attention} has no dropout on attention probabilities but "
+                          f"model.dropout={m.dropout}; use model.attention=dot_product (or auto) or model.dropout=0")
+    if m.dropout > 0 and max(mesh.ici_sequence, mesh.dcn_sequence) > 1:
+        raise ConfigError(f"model.dropout={m.dropout} drops attention probabilities, which context parallelism "
+                          f"(mesh.ici_sequence={mesh.ici_sequence}, mesh.dcn_sequence={mesh.dcn_sequence}) "
+                          f"does not; set model.dropout=0 or mesh.ici_sequence=mesh.dcn_sequence=1")
+    if m.global_parameter_scale < 1 or m.global_parameter_scale & (m.global_parameter_scale - 1):
+        raise ConfigError(f"model.global_parameter_scale={m.global_parameter_scale} must be a power of 2 (1, 2, 4, ...)")
+
+
+
+def _validate_optimizer_and_training(o: OptimizerConfig, t: TrainingConfig, c: CheckpointConfig) -> None:
+    _positive("optimizer.lr", o.lr)
     if not 0.0 <= o.min_lr <= o.lr:
         raise ConfigError(f"optimizer.min_lr={o.min_lr} must be in [0, optimizer.lr={o.lr}]")
     for key in ("beta1", "beta2"):
         if not 0.0 <= getattr(o, key) < 1.0:
             raise ConfigError(f"optimizer.{key}={getattr(o, key)} must be in [0, 1)")
-    positive("optimizer.eps", o.eps)
+    _positive("optimizer.eps", o.eps)
     for key in ("weight_decay", "grad_clip"):
         if getattr(o, key) < 0:
             raise ConfigError(f"optimizer.{key}={getattr(o, key)} must be >= 0")
@@ -659,8 +688,8 @@ def validate(cfg: Config) -> None:
     if o.schedule != "constant" and decay < o.warmup_steps:
         raise ConfigError(f"optimizer.decay_steps={decay} must be >= optimizer.warmup_steps={o.warmup_steps}")
     for key in ("steps", "batch_size", "grad_accum", "eval_batches", "log_interval"):
-        positive(f"training.{key}", getattr(t, key))
-    positive("training.pipeline_repeats", t.pipeline_repeats)
+        _positive(f"training.{key}", getattr(t, key))
+    _positive("training.pipeline_repeats", t.pipeline_repeats)
     for key in ("eval_interval", "sample_tokens", "sample_top_k", "pipeline_microbatches"):
         if getattr(t, key) < 0:
             raise ConfigError(f"training.{key}={getattr(t, key)} must be >= 0")
@@ -672,18 +701,22 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"training.spike_threshold={t.spike_threshold} must be 0 (off) or a finite ratio > 1")
     if c.interval < 0:
         raise ConfigError(f"checkpoint.interval={c.interval} must be >= 0")
-    positive("checkpoint.keep", c.keep)
+    _positive("checkpoint.keep", c.keep)
+    if t.per_device_batch_size is not None and t.per_device_batch_size <= 0:
+        raise ConfigError(f"training.per_device_batch_size={t.per_device_batch_size} must be > 0")
+
+
+def _validate_mesh_and_distributed(mesh: MeshConfig, d: DistributedConfig) -> None:
     for level in ("ici", "dcn"):
         fill = []
         for axis in MESH_AXES:
-            v = getattr(cfg.mesh, f"{level}_{axis}")
+            v = getattr(mesh, f"{level}_{axis}")
             if v == 0 or v < -1:
                 raise ConfigError(f"mesh.{level}_{axis}={v} must be a positive device count or -1 (fill)")
             if v == -1:
                 fill.append(f"mesh.{level}_{axis}")
         if len(fill) > 1:
             raise ConfigError(f"{' and '.join(fill)} are all -1; at most one {level} axis may fill the remaining devices")
-    d = cfg.distributed
     if d.coordinator_address is not None and (d.num_processes is None or d.process_id is None):
         raise ConfigError("distributed.coordinator_address needs distributed.num_processes and distributed.process_id")
     if d.process_id is not None and d.process_id < 0:
@@ -692,30 +725,19 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"distributed.num_processes={d.num_processes} must be > 0")
     if d.process_id is not None and d.num_processes is not None and not 0 <= d.process_id < d.num_processes:
         raise ConfigError(f"distributed.process_id={d.process_id} must be in [0, {d.num_processes})")
-    if t.per_device_batch_size is not None and t.per_device_batch_size <= 0:
-        raise ConfigError(f"training.per_device_batch_size={t.per_device_batch_size} must be > 0")
-    positive("model.attention_block", m.attention_block)
-    if m.loss_chunk_tokens < 0:
-        raise ConfigError(f"model.loss_chunk_tokens={m.loss_chunk_tokens} must be >= 0 (0 = off)")
-    if m.attention in ("blockwise", "splash", "cudnn") and m.dropout > 0:
-        raise ConfigError(f"model.attention={m.attention} has no dropout on attention probabilities but "
-                          f"model.dropout={m.dropout}; use model.attention=dot_product (or auto) or model.dropout=0")
-    if m.dropout > 0 and max(cfg.mesh.ici_sequence, cfg.mesh.dcn_sequence) > 1:
-        raise ConfigError(f"model.dropout={m.dropout} drops attention probabilities, which context parallelism "
-                          f"(mesh.ici_sequence={cfg.mesh.ici_sequence}, mesh.dcn_sequence={cfg.mesh.dcn_sequence}) "
-                          f"does not; set model.dropout=0 or mesh.ici_sequence=mesh.dcn_sequence=1")
-    if m.global_parameter_scale < 1 or m.global_parameter_scale & (m.global_parameter_scale - 1):
-        raise ConfigError(f"model.global_parameter_scale={m.global_parameter_scale} must be a power of 2 (1, 2, 4, ...)")
 
+
+def _validate_diagnostics(cfg: Config) -> None:
+    t = cfg.training
     dg, pr = cfg.diagnostics, cfg.profiler
-    positive("diagnostics.stack_trace_interval_seconds", dg.stack_trace_interval_seconds)
+    _positive("diagnostics.stack_trace_interval_seconds", dg.stack_trace_interval_seconds)
     if dg.hang_timeout_seconds < 0:
         raise ConfigError(f"diagnostics.hang_timeout_seconds={dg.hang_timeout_seconds} must be >= 0 (0 = off)")
     if dg.hang_exit and not dg.hang_timeout_seconds:
         raise ConfigError("diagnostics.hang_exit=true needs diagnostics.hang_timeout_seconds > 0")
     if pr.skip_steps < 0:
         raise ConfigError(f"profiler.skip_steps={pr.skip_steps} must be >= 0")
-    positive("profiler.steps", pr.steps)
+    _positive("profiler.steps", pr.steps)
     if (pr.mode == "xplane" or cfg.debug) and pr.skip_steps >= t.steps:
         raise ConfigError(f"profiler.skip_steps={pr.skip_steps} leaves no step to trace in training.steps={t.steps}; "
                           f"use at most {t.steps - 1}")
@@ -723,9 +745,6 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"profiler.port={pr.port} must be a TCP port in 1-65535, or 0 (off)")
     if not cfg.logging.wandb_project:
         raise ConfigError("logging.wandb_project must not be empty")
-    validate_decode(cfg.decode)
-    validate_serve(cfg.serve)
-    validate_compile(cfg.compile)
 
 
 def stop_token_ids(d: DecodeConfig) -> tuple[int, ...]:

@@ -321,17 +321,26 @@ def prefill(params: dict, tokens_BT: jax.Array, lengths_B: jax.Array, cfg: Model
     return logits_BV, kvcache.KVCache(kinds, lengths_B.astype(jnp.int32))
 
 
+def _decode_inputs(params: dict, tokens_B: jax.Array, pos_B: jax.Array, k_pos: list[jax.Array], cfg: ModelConfig):
+    """What a decode step starts from, whatever the cache's layout: the new tokens embedded at positions pos_B
+    [B, 1, D], those positions [B, 1], each pattern entry's slot for them ([B] per entry of k_pos, the
+    entries' [B, S] positions held) and the positions held once the step has written there."""
+    B = tokens_B.shape[0]
+    positions_B1 = pos_B[:, None]
+    x_B1D = constrain(embed(params, tokens_B[:, None], cfg, positions_B1), ("batch", "length", "embed"))
+    slots = [pos_B % p_BS.shape[1] for p_BS in k_pos]
+    k_positions = [p_BS.at[jnp.arange(B), slot_B].set(pos_B) for p_BS, slot_B in zip(k_pos, slots)]
+    return x_B1D, positions_B1, slots, k_positions
+
+
 @quant.scoped
 def decode_step(params: dict, tokens_B: jax.Array, cache: kvcache.KVCache, cfg: ModelConfig
                 ) -> tuple[jax.Array, kvcache.KVCache]:
     """Append one token per sequence at position cache.length: float32 logits of the next token [B, V] and
     the cache holding the new keys and values."""
-    B = tokens_B.shape[0]
     pos_B = cache.length
-    positions_B1 = pos_B[:, None]
-    x_B1D = constrain(embed(params, tokens_B[:, None], cfg, positions_B1), ("batch", "length", "embed"))
-    slots = [pos_B % c.pos.shape[1] for c in cache.kinds]
-    k_positions = [c.pos.at[jnp.arange(B), slot_B].set(pos_B) for c, slot_B in zip(cache.kinds, slots)]
+    x_B1D, positions_B1, slots, k_positions = _decode_inputs(params, tokens_B, pos_B, [c.pos for c in cache.kinds],
+                                                             cfg)
 
     def step(carry, inputs):  # the stacked caches ride in the carry: each layer writes its entries in place
         x_B1D, stacks = carry
@@ -368,12 +377,8 @@ def decode_layers(params: dict, layer_params: tuple[dict, ...], tokens_B: jax.Ar
     layers unrolled: each reads and writes its own cache buffers in place, where the scan over stacked layers
     slices a copy of every layer's keys and values per step. Equal to decode_step up to float rounding (the
     q.k product reads the keys transposed), which left the sampled tokens of tests/test_generate.py unchanged."""
-    B = tokens_B.shape[0]
     pos_B = cache.length
-    positions_B1 = pos_B[:, None]
-    x_B1D = constrain(embed(params, tokens_B[:, None], cfg, positions_B1), ("batch", "length", "embed"))
-    slots = [pos_B % p_BS.shape[1] for p_BS in cache.pos]
-    k_positions = [p_BS.at[jnp.arange(B), slot_B].set(pos_B) for p_BS, slot_B in zip(cache.pos, slots)]
+    x_B1D, positions_B1, slots, k_positions = _decode_inputs(params, tokens_B, pos_B, cache.pos, cfg)
     P = len(cfg.pattern)
     new = []
     with jax.named_scope("decode"):
