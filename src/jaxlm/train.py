@@ -478,28 +478,11 @@ def check_resume_config(run_dir: Path | str, cfg: Config) -> None:
                               f"there, {v!r} here); use another run_dir or the same model settings")
 
 
-def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict:
-    """Train (or resume) a run; returns a summary with the final losses and throughput."""
-    goodput = metrics.Goodput()
-    distributed.initialize(cfg.distributed)
-    main_process = distributed.is_main()
-    if not main_process:
-        log = lambda s: None  # noqa: E731 - only process 0 speaks
-    if cfg.model.quantization == "int8_weights":
-        raise ConfigError("model.quantization=int8_weights is for inference and cannot be trained; train with "
-                          "none, int8 or fp8, then `jaxlm eval RUN_DIR model.quantization=int8_weights`")
-    run = setup(cfg, devices)
+def _describe_run(run: Run, log: Callable[[str], None]):
+    """Log what the run is (parameters, mesh, batch, FLOPs, attention, data); returns its throughput meter, the
+    peak FLOP/s per device and where that figure comes from, and the model FLOPs per token."""
     cfg, run_dir, mesh = run.cfg, run.run_dir, run.mesh
-    loaded_step = None
-    if cfg.compile.load:  # checked before any state exists, so a mismatch costs nothing
-        loaded_step = saved_step.load(cfg.compile.load, cfg, run.mesh,
-                                      {"state": run.abstract_state, "batch": abstract_batch(run)})
     t_cfg, m_cfg = cfg.training, cfg.model
-    storage.makedirs(run_dir)
-    check_resume_config(run_dir, cfg)
-    if main_process:  # atomically: the other processes may be reading it in check_resume_config
-        storage.write_text(storage.join(run_dir, "config.json"), config_lib.to_json(cfg))
-
     n_params = P.count(run.specs)
     tokens_per_step = t_cfg.batch_size * t_cfg.grad_accum * m_cfg.block_size
     flops_per_token = metrics.flops_per_token(m_cfg, causal=True)
@@ -521,20 +504,72 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
         + (" | packed rows" if cfg.data.packing else "") + (" | loss mask on" if cfg.data.loss_mask == "on" else ""))
     if m_cfg.quantization == "fp8" and (note := quant.fp8_fallback_message(mesh.devices.flat[0])):
         log(note)
+    return meter, peak, peak_source, flops_per_token
 
-    use_ckpt = cfg.checkpoint.enabled and not cfg.debug
-    checkpointer = ckpt.Checkpointer(run_dir, cfg.checkpoint, log) if use_ckpt else None
-    loader = make_loader(run)
+
+def _first_state(run: Run, checkpointer, loader, log: Callable[[str], None]) -> dict:
+    """The train state to start from: the newest checkpoint (and the loader's position in it), else the weights
+    of checkpoint.init_from, else a fresh initialization."""
+    cfg = run.cfg
     latest = checkpointer.latest if checkpointer else None
     if latest is not None:
         state, loader_state = checkpointer.restore(latest, run.abstract_state)
         loader.restore(loader_state)
         log(f"resumed from {storage.join(checkpointer.dir, str(latest))} at step {latest}")
-    elif cfg.checkpoint.init_from:
-        state = init_state_from(run, cfg.checkpoint.init_from)
+        return state
+    if cfg.checkpoint.init_from:
         log(f"initialized the weights from {cfg.checkpoint.init_from}")
-    else:
-        state = init_state(run, cfg.seed)
+        return init_state_from(run, cfg.checkpoint.init_from)
+    return init_state(run, cfg.seed)
+
+
+def _report_end(summary: dict, last_eval: dict, log: Callable[[str], None]) -> None:
+    """The closing lines of a run from its summary: skipped updates, the steps trained and their throughput,
+    the final losses."""
+    start, steps = summary["start_step"], summary["steps"]
+    if summary["nonfinite_skips"] or summary["spike_skips"]:
+        log(f"updates skipped: {summary['nonfinite_skips']} for a non-finite loss or gradient norm, "
+            f"{summary['spike_skips']} for a loss spike")
+    if start < steps:
+        log(f"trained steps {start + 1}-{summary['preempted_at'] or steps} in {summary['wall_seconds']:.1f} s "
+            f"(first step with compile {summary['compile_seconds']:.1f} s); "
+            + (f"{summary['tokens_per_s']:,.0f} tokens/s ({summary['tokens_per_s_per_device']:,.0f} per device), "
+               f"{summary['model_tflops_per_s_per_device']:.4f} model TFLOP/s per device, "
+               f"MFU {100 * summary['mfu']:.2f}%" if "tokens_per_s" in summary else ""))
+    if last_eval:
+        ent = summary["unigram_entropy"]
+        log(f"final train loss {last_eval['train']:.4f}, val loss {last_eval['val']:.4f}"
+            + (f" (unigram entropy of the corpus: {ent:.4f})" if ent else ""))
+
+
+def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict:
+    """Train (or resume) a run; returns a summary with the final losses and throughput."""
+    goodput = metrics.Goodput()
+    distributed.initialize(cfg.distributed)
+    main_process = distributed.is_main()
+    if not main_process:
+        log = lambda s: None  # noqa: E731 - only process 0 speaks
+    if cfg.model.quantization == "int8_weights":
+        raise ConfigError("model.quantization=int8_weights is for inference and cannot be trained; train with "
+                          "none, int8 or fp8, then `jaxlm eval RUN_DIR model.quantization=int8_weights`")
+    run = setup(cfg, devices)
+    cfg, run_dir, mesh = run.cfg, run.run_dir, run.mesh
+    loaded_step = None
+    if cfg.compile.load:  # checked before any state exists, so a mismatch costs nothing
+        loaded_step = saved_step.load(cfg.compile.load, cfg, run.mesh,
+                                      {"state": run.abstract_state, "batch": abstract_batch(run)})
+    t_cfg = cfg.training
+    storage.makedirs(run_dir)
+    check_resume_config(run_dir, cfg)
+    if main_process:  # atomically: the other processes may be reading it in check_resume_config
+        storage.write_text(storage.join(run_dir, "config.json"), config_lib.to_json(cfg))
+
+    meter, peak, peak_source, flops_per_token = _describe_run(run, log)
+
+    use_ckpt = cfg.checkpoint.enabled and not cfg.debug
+    checkpointer = ckpt.Checkpointer(run_dir, cfg.checkpoint, log) if use_ckpt else None
+    loader = make_loader(run)
+    state = _first_state(run, checkpointer, loader, log)
     start = int(jax.device_get(state["step"]))
     skips = {k: int(v) for k, v in jax.device_get(state["guard"]).items()}
 
@@ -661,19 +696,7 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
         summary.update(tokens_per_s=overall["tokens_per_s"], tokens_per_s_per_device=overall["tokens_per_s_per_device"],
                        model_tflops_per_s=overall["tflops_per_s"],
                        model_tflops_per_s_per_device=overall["tflops_per_s_per_device"], mfu=overall["mfu"])
-    if skips["nonfinite_skips"] or skips["spike_skips"]:
-        log(f"updates skipped: {skips['nonfinite_skips']} for a non-finite loss or gradient norm, "
-            f"{skips['spike_skips']} for a loss spike")
-    if start < t_cfg.steps:
-        log(f"trained steps {start + 1}-{preempted_at or t_cfg.steps} in {summary['wall_seconds']:.1f} s "
-            f"(first step with compile {compile_seconds:.1f} s); "
-            + (f"{summary['tokens_per_s']:,.0f} tokens/s ({summary['tokens_per_s_per_device']:,.0f} per device), "
-               f"{summary['model_tflops_per_s_per_device']:.4f} model TFLOP/s per device, "
-               f"MFU {100 * summary['mfu']:.2f}%" if timed_steps else ""))
-    if last_eval:
-        ent = summary["unigram_entropy"]
-        log(f"final train loss {last_eval['train']:.4f}, val loss {last_eval['val']:.4f}"
-            + (f" (unigram entropy of the corpus: {ent:.4f})" if ent else ""))
+    _report_end(summary, last_eval, log)
     if t_cfg.sample_tokens and preempted_at is None:
         with goodput.phase("eval"):
             summary["sample"] = sample_text(state["params"], cfg, run.tokenizer, t_cfg.sample_prompt,
