@@ -97,10 +97,13 @@ def _kept_output(x, p, cf, shards):
 
 
 @pytest.mark.parametrize("B", [8, 16])  # the exchange with a capacity factor of 1 in one step, in two
-def test_capacity_factor_drops_counted_copies(B):
+def test_capacity_factor_drops_counted_copies(B, monkeypatch):
     """A capacity factor large enough for every copy equals dropless; a small one drops the copies a dense loop
     over each device's tokens drops (counted in the statistics) and leaves their weight to the residual."""
     p, x = _layer(B=B)
+    seen = []
+    steps_of = expert_parallel._steps
+    monkeypatch.setattr(expert_parallel, "_steps", lambda *a: seen.append(steps_of(*a)) or seen[-1])
     mesh = sharding.make_mesh(MeshConfig(ici_data=2, ici_expert=4))
     dropless = _on(mesh, lambda x, p: moe.moe(x, p, "silu", True, K))(x, p)
     roomy = _on(mesh, lambda x, p: moe.moe(x, p, "silu", True, K, float(E)))(x, p)
@@ -112,6 +115,7 @@ def test_capacity_factor_drops_counted_copies(B):
     assert round(float(stats[2].sum()) * x.shape[0] * x.shape[1]) == dropped
     np.testing.assert_allclose(np.asarray(y).reshape(-1, D), y_ref, atol=1e-4)
     np.testing.assert_array_equal(stats[:2], dropless[1][:2])  # routing is the same; only the work differs
+    assert seen[-1] == B // 8  # the capped exchange ran in the steps the parameter names
 
 
 @pytest.mark.parametrize("B, dropless_at_most, capped_at_most",

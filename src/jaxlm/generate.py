@@ -212,12 +212,7 @@ def _decode(params, logits_BV, cache, key, temperature, top_k, top_p, stop_S, cf
     prompt_len, with the slots of the first of the segments up to cache_length; the loop of a segment ends at
     its last step or once every sequence has stopped, and the next one grows the cache."""
     B = logits_BV.shape[0]
-    if unroll:
-        layer_params = transformer.layer_weights(params, cfg)
-        cache = kvcache.unstack(cache, cfg)
-        step = lambda tok_B, cache: transformer.decode_layers(params, layer_params, tok_B, cache, cfg)  # noqa: E731
-    else:
-        step = lambda tok_B, cache: transformer.decode_step(params, tok_B, cache, cfg)  # noqa: E731
+    step, cache = transformer.decoder(params, cache, cfg, unroll)
 
     def body(c):
         key, sub = jax.random.split(c["key"])

@@ -269,7 +269,7 @@ def zigzag_batch(batch: dict, mesh, act_rules) -> dict:
     parallelism, model/ring.py): device i gets chunks i and 2n-1-i of every row, so causal attention gives every
     device the same work. Positions become explicit; everything but attention works token by token and
     attention masks by position and segment id, so only the order in which the loss sums its terms changes."""
-    n = sharding.shard_count(mesh, sharding.spec(("length",), act_rules)[0])
+    n = ring.context_devices(mesh, act_rules)
     if n == 1:
         return batch
     A, B, T = batch["inputs"].shape

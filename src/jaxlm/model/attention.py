@@ -98,6 +98,8 @@ def self_attention(q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, cfg, lo
     T = q_BTNH.shape[1]
     window = cfg.sliding_window if local else None
     if (n := ring.context_devices()) > 1 and T % n == 0:  # the sequence is split: context parallelism
+        if key is not None:  # train.setup refuses this for runs; a direct caller gets told too
+            raise ValueError("attention dropout (model.dropout > 0) is not supported with context parallelism")
         return ring.attention(q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, window, _scale(cfg),
                               cfg.attn_logit_softcap, cfg.attention_block, cfg.context_parallel)
     platform = mesh_platform()
@@ -151,7 +153,7 @@ def describe(cfg, platform: str, dtype=None, mesh=None, rules=None) -> str:
     if mesh is not None and (n := ring.context_devices(mesh, rules)) > 1 and T % n == 0:
         return (f"attention {cfg.context_parallel} context parallelism over {n} devices (model.context_parallel="
                 f"{cfg.context_parallel}: {T // n} of {T} tokens per device, blockwise tiles of "
-                f"{min(cfg.attention_block, T // n)})")
+                f"{min(cfg.attention_block, T // n if cfg.context_parallel == 'ring' else T)})")
     dtype = jnp.dtype(cfg.compute_dtype) if dtype is None else dtype
     impl = choose(cfg, T, dtype, False, platform)
     return (f"attention {impl} (model.attention={cfg.attention} on {platform} at {T} tokens"

@@ -9,7 +9,7 @@ exactly with `merge`; both results are differentiable, the log-sum-exp included.
 continues one online softmax over the key sets that pass by (`empty_state`, `accumulate`, `finish`) and runs
 its own backward pass, adding each key set's part of the gradient into accumulators (`accumulate_grads`).
 Both kernels slice their tiles where the arrays lie and update their accumulators in place, so neither holds
-a copy of the inputs beyond one tile.
+a copy of the inputs beyond one tile (but for a whole padded copy when a length is not a multiple of its tile).
 
 Shape legend: B batch, T query length, S key length, N query heads, K kv heads, G query heads per kv head
 (N = K * G), H head width, Q query block, C key block.
@@ -268,7 +268,8 @@ def accumulate(q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS, s
                softcap=None, block_q: int = 512, block_k: int = 512):
     """The online softmax state (`empty_state`) of these queries after one more set of keys and values: ring
     attention's forward step. Masks and arguments as `attend_block`, segment ids required; T and S must be
-    multiples of the tiles (min(block, length)). Not differentiable: ring attention has its own backward."""
+    multiples of the tiles (min(block, length)). Not meant to be differentiated: ring attention has its own
+    backward (accumulate_grads)."""
     t = _tiling(q_BTNH, k_BSKH, window, scale, softcap, block_q, block_k)
     return _accumulate(t, q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS, state)
 

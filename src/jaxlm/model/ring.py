@@ -109,10 +109,12 @@ def _shift(s: _Ring, tree):
 
 
 def _may_attend(s: _Ring, q_pos_BT, k_pos_BS):
-    """False when no query may see any key of the block by position alone (so the whole block is skipped)."""
-    seen = jnp.min(k_pos_BS) <= jnp.max(q_pos_BT)
+    """False when no query may see any key of the block by position alone (so the whole block is skipped).
+    Padding (blockwise.PAD_POSITION, see _ring) counts as neither a query nor a key."""
+    pad = blockwise.PAD_POSITION
+    seen = jnp.min(k_pos_BS) <= jnp.max(jnp.where(q_pos_BT < pad, q_pos_BT, -1))
     if s.window is not None:
-        seen &= jnp.max(k_pos_BS) > jnp.min(q_pos_BT) - s.window
+        seen &= jnp.max(jnp.where(k_pos_BS < pad, k_pos_BS, -pad)) > jnp.min(q_pos_BT) - s.window
     return seen
 
 

@@ -395,6 +395,16 @@ def decode_layers(params: dict, layer_params: tuple[dict, ...], tokens_B: jax.Ar
     return logits_BV, kvcache.LayerCaches(tuple(new), tuple(k_positions), pos_B + 1)
 
 
+def decoder(params: dict, cache: kvcache.KVCache, cfg: ModelConfig, unroll: bool):
+    """A decode loop's step and the cache in the layout it takes: `step(tokens_B, cache) -> (logits_BV, cache)`.
+    With `unroll` the weights and the cache are taken apart by layer here, once (decode_layers; the cache
+    comes back stacked with kvcache.restack), else the step scans the stacked layers (decode_step)."""
+    if not unroll:
+        return (lambda tokens_B, c: decode_step(params, tokens_B, c, cfg)), cache
+    layer_params = layer_weights(params, cfg)
+    return (lambda tokens_B, c: decode_layers(params, layer_params, tokens_B, c, cfg)), kvcache.unstack(cache, cfg)
+
+
 def token_losses(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
     """Each token's next-token cross-entropy [B, T] in float32."""
     logits_BTV = logits_BTV.astype(jnp.float32)

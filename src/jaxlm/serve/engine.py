@@ -193,14 +193,7 @@ def _decode_loop(params, cache, logits_BV, rows_b, steps, live_b, idle_length_b,
     out = (jnp.zeros((N, b), jnp.int32), jnp.zeros((N, b), jnp.float32), jnp.zeros((N, b, K), jnp.int32),
            jnp.zeros((N, b, K), jnp.float32), jnp.zeros((N, b), bool))
 
-    if unroll:
-        layer_params = transformer.layer_weights(params, cfg)
-        sub = kvcache.unstack(sub, cfg)
-
-    def decode(tok_b, sub):
-        if unroll:
-            return transformer.decode_layers(params, layer_params, tok_b, sub, cfg)
-        return transformer.decode_step(params, tok_b, sub, cfg)
+    decode, sub = transformer.decoder(params, sub, cfg, unroll)
 
     def no_logprobs(logits_bV, tok_b):
         return jnp.zeros((b,), jnp.float32), jnp.zeros((b, K), jnp.int32), jnp.zeros((b, K), jnp.float32)
@@ -523,7 +516,9 @@ class Engine:
         else:  # padded with free slots, then with slots being prefilled (they run a dummy token, as above)
             rows = busy + ([i for i, s in enumerate(self.slots) if s is None] + list(self.prefilling))[:b - len(busy)]
         tok, lp, top_ids, top_lp, made = self._call(rows, steps)
-        tok, lp, top_ids, top_lp = tok.tolist(), lp.tolist(), top_ids.tolist(), top_lp.tolist()  # [step][row]
+        tok = tok.tolist()  # [step][row]
+        if any(self.slots[r] is not None and self.slots[r].logprobs for r in rows):  # else all zeros, unread
+            lp, top_ids, top_lp = lp.tolist(), top_ids.tolist(), top_lp.tolist()
         now = time.perf_counter()
         n = 0
         for j, r in enumerate(rows):
