@@ -162,7 +162,10 @@ def _ring_attention(s: _Ring, q_BTNH, k_BTKH, v_BTKH, pos_BT, seg_BT):
 def _ring_fwd(s, q_BTNH, k_BTKH, v_BTKH, pos_BT, seg_BT):
     out_BTNH, lse_BTN = _forward(s, q_BTNH, k_BTKH, v_BTKH, pos_BT, seg_BT)
     out_BTNH = out_BTNH.astype(q_BTNH.dtype)
-    # What the backward needs is this device's own: no key block of another device, nothing per ring step.
+    # What the backward needs is this device's own: no key block of another device, nothing per ring step. The
+    # output is kept as returned (the query dtype, bf16 in mixed precision), half the bytes of the float32 one,
+    # so the backward's softmax_delta reads the rounded output; the equality tests run float32, where the two
+    # are the same.
     return out_BTNH, (q_BTNH, k_BTKH, v_BTKH, pos_BT, seg_BT, out_BTNH, lse_BTN)
 
 
