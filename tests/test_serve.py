@@ -27,6 +27,17 @@ TEMPLATE = "{% for m in messages %}{{ m['role'] | upper }}: {{ m['content'] }}\n
 SLOTS = 8
 
 
+def token_events(events: list) -> list:
+    """A sequence's engine events as one (id, logprob, alternatives) per token (the engine sends the tokens of
+    a decode call together)."""
+    out = []
+    for ev in events:
+        if ev[0] == "tokens":
+            _, ids, lps, tops = ev
+            out.extend(zip(ids, lps, tops) if lps is not None else ((t, None, []) for t in ids))
+    return out
+
+
 @pytest.fixture(scope="module")
 def trained(char_data, tmp_path_factory):
     """A char model trained for 200 steps on tiny Shakespeare (val loss about 2.4 nats against the corpus's
@@ -220,7 +231,8 @@ def test_engine_queue_is_bounded_and_a_failing_prefill_fails_alone(trained):
     e.stop()
     assert events[3] == [("error", "ValueError: a prompt of 100 tokens + 4 new ones do not fit in the 64 "
                                    "positions of a slot")]
-    assert [ev[0] for ev in events[0]] == ["token"] * 4 + ["done"] and events[0][-1] == ("done", "length")
+    assert {ev[0] for ev in events[0][:-1]} == {"tokens"} and events[0][-1] == ("done", "length")
+    assert len(token_events(events[0])) == 4
     assert events[0] == events[1]  # both ran after the failure, with the same greedy tokens and logprobs
     assert not events[2]
 
@@ -265,11 +277,11 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_the_other_slots_steps(trai
     b_chunks = [i for i, x in enumerate(log) if x[0] == "chunk" and x[1] == b.slot]
     assert [log[i][2:] for i in b_chunks] == [(0, 16), (16, 16), (32, 16)]
     b_first = next(i for i, x in enumerate(log) if x[0] == "b")
-    a_tokens = [i for i, x in enumerate(log) if x[0] == "a" and x[1][0] == "token"]
+    a_tokens = [i for i, x in enumerate(log) if x[0] == "a" and x[1][0] == "tokens"]
     assert all(any(i < j < k for j in a_tokens) for i, k in zip(b_chunks, b_chunks[1:]))
     assert sum(b_chunks[0] < j < b_first for j in a_tokens) == 3  # a decodes in each of b's three turns
-    b_text = tok.decode([x[1][1] for x in log if x[0] == "b" and x[1][0] == "token"])
-    a_text = tok.decode([x[1][1] for x in log if x[0] == "a" and x[1][0] == "token"])
+    b_text = tok.decode([t for t, _, _ in token_events([x[1] for x in log if x[0] == "b"])])
+    a_text = tok.decode([t for t, _, _ in token_events([x[1] for x in log if x[0] == "a"])])
     assert a_text == model.generate_text("To be", max_new_tokens=12, temperature=0)
     assert b_text == model.generate_text(long_prompt, max_new_tokens=10, temperature=0)
 
@@ -374,11 +386,11 @@ def test_several_decode_steps_per_call_and_row_buckets_change_no_output(trained,
     eight = runs[8, True]
     for other in (runs[1, False], runs[8, False]):
         for a, b in zip(other, eight):
-            assert [ev[:2] for ev in a] == [ev[:2] for ev in b]
-            assert np.allclose([ev[2] for ev in a if ev[0] == "token"], [ev[2] for ev in b if ev[0] == "token"],
+            assert [t for t, _, _ in token_events(a)] == [t for t, _, _ in token_events(b)] and a[-1] == b[-1]
+            assert np.allclose([lp for _, lp, _ in token_events(a)], [lp for _, lp, _ in token_events(b)],
                                rtol=0, atol=1e-5)
     for i, events in enumerate(eight):
-        got = tok.decode([ev[1] for ev in events if ev[0] == "token"])
+        got = tok.decode([t for t, _, _ in token_events(events)])
         if temperature[i] == 0:
             want = greedy[i][:max_tokens[i]]
             if stops[i]:
@@ -445,11 +457,12 @@ def test_an_int8_cache_decodes_the_same_unrolled_and_scanned(trained, shakespear
             e.stop()
         runs[unroll] = events
     for a, b in zip(runs[True], runs[False]):
-        assert [ev[:2] for ev in a] == [ev[:2] for ev in b] and a[-1] == ("done", "length")
-        assert np.allclose([ev[2] for ev in a if ev[0] == "token"], [ev[2] for ev in b if ev[0] == "token"],
+        assert [t for t, _, _ in token_events(a)] == [t for t, _, _ in token_events(b)]
+        assert a[-1] == b[-1] == ("done", "length")
+        assert np.allclose([lp for _, lp, _ in token_events(a)], [lp for _, lp, _ in token_events(b)],
                            rtol=0, atol=1e-5)
     greedy = model.generate_text([prompts[0], prompts[2]], max_new_tokens=24, temperature=0, quantize_kv_cache=True)
-    assert [tok.decode([ev[1] for ev in runs[True][i] if ev[0] == "token"]) for i in (0, 2)] == greedy
+    assert [tok.decode([t for t, _, _ in token_events(runs[True][i])]) for i in (0, 2)] == greedy
 
 
 def test_while_a_request_waits_for_a_slot_a_call_ends_when_the_first_slot_frees(trained, monkeypatch):
@@ -477,7 +490,7 @@ def test_while_a_request_waits_for_a_slot_a_call_ends_when_the_first_slot_frees(
     # a prefilled (a chunk per turn): 1 step; b prefilled: 1; then 2, and 2 more (not 4) end a while c waits;
     # c prefilled: 1; then 2, 4 (c ends after 2 of them), 8, 8 and the 8 that end b
     assert steps == [1, 1, 2, 2, 1, 2, 4, 8, 8, 8]
-    assert [len(ev) - 1 for ev in events] == [6, 30, 5]
+    assert [len(token_events(ev)) for ev in events] == [6, 30, 5]
 
 
 def test_text_of_several_tokens_at_once_equals_token_by_token():

@@ -11,6 +11,7 @@ disconnects cancels its sequences, which frees their slots at the next engine tu
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import threading
@@ -80,6 +81,7 @@ class Served:
 
     def __post_init__(self):
         self.engine.turn_hooks.append(self.mailbox.flush)
+        self.token_text = functools.lru_cache(maxsize=None)(lambda t: self.decode([t]))  # one token's text
 
 
 class TextState:
@@ -291,8 +293,8 @@ def _chat_route(app: FastAPI, s: Served) -> None:
         def logprobs(fresh):
             if not req.logprobs:
                 return None
-            return {"content": [{"token": s.decode([t]), "logprob": lp,
-                                 "top_logprobs": [{"token": s.decode([a]), "logprob": b}
+            return {"content": [{"token": s.token_text(t), "logprob": lp,
+                                 "top_logprobs": [{"token": s.token_text(a), "logprob": b}
                                                   for a, b in top[:req.top_logprobs]]}
                                 for t, lp, top in fresh]}
 
@@ -435,7 +437,11 @@ async def _next(c: Choice) -> list:
 
 def _apply(s: Served, c: Choice, events: list) -> tuple[str, list, str | None]:
     """Engine events into (new text, new logprobs, finish reason or None)."""
-    fresh = [ev[1:] for ev in events if ev[0] == "token"]
+    fresh = []  # (token id, logprob or None, top [(id, logprob)])
+    for ev in events:
+        if ev[0] == "tokens":
+            _, ids, lps, tops = ev
+            fresh.extend(zip(ids, lps, tops) if lps is not None else ((t, None, []) for t in ids))
     text, taken = c.state.add([t for t, _, _ in fresh])
     fresh = fresh[:taken]  # none past the token that completed a stop string
     c.logprobs.extend(fresh)
@@ -477,9 +483,18 @@ async def _wait(s: Served, choices: list[Choice], request: Request) -> None:
 async def _stream(s: Served, choices: list[Choice], request: Request):
     """(index, choice, text, logprobs, finish) as events arrive, over all choices; cancels on disconnect (the
     response generator is closed then)."""
-    pending = {asyncio.ensure_future(_next(c)): k for k, c in enumerate(choices)}
     watcher = asyncio.create_task(_watch(request, choices, s))  # the server may keep writing to a closed socket
+    pending: dict = {}
     try:
+        if len(choices) == 1:  # the common case, without a task per piece
+            c = choices[0]
+            while True:
+                text, fresh, finish = _apply(s, c, await _next(c))
+                if text or fresh or finish:
+                    yield 0, c, text, fresh, finish
+                if finish is not None:
+                    return
+        pending = {asyncio.ensure_future(_next(c)): k for k, c in enumerate(choices)}
         while pending:
             done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             for fut in done:
@@ -499,13 +514,13 @@ async def _stream(s: Served, choices: list[Choice], request: Request):
 
 
 def _completion_logprobs(s: Served, fresh: list, top_n: int) -> dict:
-    tokens = [s.decode([t]) for t, _, _ in fresh]
+    tokens = [s.token_text(t) for t, _, _ in fresh]
     offsets, at = [], 0
     for t in tokens:
         offsets.append(at)
         at += len(t)
     return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in fresh],
-            "top_logprobs": [None if lp is None else {s.decode([a]): b for a, b in top[:top_n]}
+            "top_logprobs": [None if lp is None else {s.token_text(a): b for a, b in top[:top_n]}
                              for _, lp, top in fresh],
             "text_offset": offsets}
 

@@ -84,9 +84,9 @@ def bucket(n: int, limit: int) -> int:
 @dataclass
 class Sequence:
     """One generated sequence (one choice of a request). The engine calls `emit(event)` from its thread with
-    ("token", id, logprob, [(id, logprob), ...]) for every token (logprob None and no alternatives when
-    `logprobs` is False), then ("done", reason) once, reason being "stop" (a stop token), "length" (max_tokens)
-    or "cancelled"."""
+    ("tokens", ids, logprobs, alternatives) once per decode call that made tokens for it (ids [n]; logprobs [n]
+    and alternatives [n][(id, logprob), ...] when `logprobs`, else None), then ("done", reason) once, reason
+    being "stop" (a stop token), "length" (max_tokens) or "cancelled"."""
     prompt: list[int]
     max_tokens: int
     temperature: float
@@ -516,29 +516,27 @@ class Engine:
         else:  # padded with free slots, then with slots being prefilled (they run a dummy token, as above)
             rows = busy + ([i for i, s in enumerate(self.slots) if s is None] + list(self.prefilling))[:b - len(busy)]
         tok, lp, top_ids, top_lp, made = self._call(rows, steps)
-        tok = tok.tolist()  # [step][row]
-        if any(self.slots[r] is not None and self.slots[r].logprobs for r in rows):  # else all zeros, unread
-            lp, top_ids, top_lp = lp.tolist(), top_ids.tolist(), top_lp.tolist()
+        made_b = made.sum(axis=0)  # a row makes tokens in the first steps of a call, until it stops
         now = time.perf_counter()
         n = 0
         for j, r in enumerate(rows):
-            s = self.slots[r]
-            if s is None or not s.decoding or s.cancelled:  # a cancelled one finishes next turn, its tokens unsent
+            s, k = self.slots[r], int(made_b[j])
+            if s is None or not s.decoding or s.cancelled or not k:  # a cancelled one finishes next turn, unsent
                 continue
             if s.generated == 0:
                 self.ttft_s.append(now - s.submitted)
-            for i in np.flatnonzero(made[:, j]):
-                s.generated += 1
-                n += 1
-                t = tok[i][j]
-                top = list(zip(top_ids[i][j], top_lp[i][j])) if s.logprobs else []
-                s.emit(("token", t, lp[i][j] if s.logprobs else None, top))
-                if t in s.stop_ids:
-                    self._finish(r, "stop")
-                    break
-                if s.generated >= s.max_tokens:
-                    self._finish(r, "length")
-                    break
+            ids = tok[:k, j].tolist()
+            if s.logprobs:
+                s.emit(("tokens", ids, lp[:k, j].tolist(),
+                        [list(zip(a, b)) for a, b in zip(top_ids[:k, j].tolist(), top_lp[:k, j].tolist())]))
+            else:
+                s.emit(("tokens", ids, None, None))
+            s.generated += k
+            n += k
+            if ids[-1] in s.stop_ids:  # the call stopped the row at its stop token or at its max_tokens
+                self._finish(r, "stop")
+            elif s.generated >= s.max_tokens:
+                self._finish(r, "length")
         self.tokens_total += n
         self.recent.append((now, n))
         while self.recent and self.recent[0][0] < now - 60:
