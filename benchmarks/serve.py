@@ -5,12 +5,17 @@ Each server is a `jaxlm serve` process of its own; the sweep runs one of --slots
 benchmarks/decode.py's tiny random Llama (built with transformers, imported with `jaxlm convert from-hf`), given a
 byte-level tokenizer so the server can turn tokens into text. Each client streams one completion of NEW tokens
 after a 16-token prompt (token ids, greedy, no stop token, logprobs=1 so that every chunk lists its tokens even
-where random weights make bytes that are not yet whole UTF-8 text) with the official openai client;
-REQUESTS = 2 x concurrency per level. The servers run with their default serve.decode_steps (8), so a chunk may
-carry the tokens of several decode steps. Prints one line per level
+where random weights make bytes that are not yet whole UTF-8 text); REQUESTS = 2 x concurrency per level, each
+client sending its next request when its last one has ended. The load generator shares this machine's cores with
+the server, so it is kept light: asyncio in this process, one keep-alive HTTP/1.1 connection per client, reading
+the server-sent events itself (about 1/6 of the CPU the official openai client, a thread per client, spends on
+the same streams). The --slots server is measured at concurrency 16 with the official openai client too.
+The servers run with their default serve.decode_steps (8), so a chunk may carry the tokens of several decode
+steps. Prints one line per level
     concurrency=C requests=R output_tok_per_s=X ttft_p50_ms= ttft_p99_ms= itl_p50_ms= itl_p99_ms=
     chunk_gap_p50_ms= chunk_gap_p99_ms= tokens_per_chunk=
-then the --slots server at concurrency 16 with serve.decode_steps=1 (one decode step per device call),
+then `openai_client` (the --slots server at concurrency 16, official openai client), the --slots server at
+concurrency 16 with serve.decode_steps=1 (one decode step per device call),
 `slots8` (a server with 8 slots) and `one_at_a_time` (a server with one slot), both at concurrency 8, and
 transformers' generate at batch 16. Every figure but the shared-prefix ones is the fastest of --repeats runs
 (new prompts each), the one least disturbed by other load, as the machine may be shared;
@@ -21,6 +26,7 @@ tokens of its own, 8 new tokens) on a 16-slot server with the prefix cache (serv
 (serve.prefix_cache=0), and the summary
     batching_speedup=X/Y (continuous batching in 8 slots over one slot, both at concurrency 8)
     vs_transformers=X/Z (the server at concurrency 16 over transformers' generate at batch 16)
+    vs_transformers_openai_client=O/Z (the same with the official openai client as the load generator)
     decode_steps_speedup=X/W (the server at concurrency 16, serve.decode_steps=8 over 1)
     server_vs_engine=X/E (the server at concurrency 16 over the engine alone with 16 sequences)
     ttft_p50_prefix_cache= ttft_p50_no_prefix_cache= prefix_cache_ttft_speedup= (ms; the second over the first)
@@ -34,6 +40,7 @@ latency gives each token of a chunk an equal share of the gap before that chunk 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -69,7 +76,95 @@ def byte_tokenizer(folder: Path) -> None:
     tok.save(str(folder / "tokenizer" / "tokenizer.json"))
 
 
-def run_level(port: int, prompts: list[list[int]], concurrency: int, new_tokens: int) -> dict:
+def _summary(results: list, concurrency: int, new_tokens: int, wall: float) -> dict:
+    """The level's figures from each request's (start, [(chunk arrival, tokens it carries)], tokens)."""
+    ttft = [chunks[0][0] - start for start, chunks, _ in results if chunks]
+    gaps = [(b - a, n) for _, chunks, _ in results for (a, _), (b, n) in zip(chunks, chunks[1:])]
+    itl = [g / n for g, n in gaps for _ in range(n)]
+    total = sum(n for _, _, n in results)
+    assert total == len(results) * new_tokens, f"{total} tokens of {len(results) * new_tokens}"
+    assert total == sum(n for _, chunks, _ in results for _, n in chunks)
+    pct = lambda xs, p: 1e3 * float(np.percentile(xs, p)) if xs else float("nan")  # noqa: E731
+    return dict(concurrency=concurrency, requests=len(results), output_tok_per_s=total / wall,
+                ttft_p50_ms=pct(ttft, 50), ttft_p99_ms=pct(ttft, 99), itl_p50_ms=pct(itl, 50),
+                itl_p99_ms=pct(itl, 99), chunk_gap_p50_ms=pct([g for g, _ in gaps], 50),
+                chunk_gap_p99_ms=pct([g for g, _ in gaps], 99),
+                tokens_per_chunk=total / sum(len(chunks) for _, chunks, _ in results))
+
+
+def _request(prompt: list[int], new_tokens: int) -> dict:
+    return dict(model="bench", prompt=prompt, max_tokens=new_tokens, temperature=0, logprobs=1, stream=True,
+                stream_options={"include_usage": True})
+
+
+async def _chunks(reader: asyncio.StreamReader):
+    """A response's status and its body's pieces as they arrive (chunked transfer encoding, as a streamed
+    answer comes, or one Content-Length body)."""
+    status = int((await reader.readline()).split()[1])
+    headers = {}
+    while (header := await reader.readline()) not in (b"\r\n", b""):
+        name, value = header.decode("latin-1").split(":", 1)
+        headers[name.strip().lower()] = value.strip()
+    if headers.get("transfer-encoding") != "chunked":
+        yield status, await reader.readexactly(int(headers.get("content-length", 0)))
+        return
+    while size := int((await reader.readline()).split(b";")[0], 16):
+        yield status, (await reader.readexactly(size + 2))[:-2]
+    await reader.readline()
+
+
+async def _stream_completion(conn, port: int, prompt: list[int], new_tokens: int):
+    """One streamed completion on a keep-alive connection: (start, [(chunk arrival, tokens)], tokens)."""
+    reader, writer = conn
+    body = json.dumps(_request(prompt, new_tokens)).encode()
+    t0 = time.perf_counter()
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1:%d\r\ncontent-type: application/json\r\n"
+                 b"content-length: %d\r\n\r\n%s" % (port, len(body), body))
+    chunks, tokens, pending = [], 0, b""
+    async for status, data in _chunks(reader):
+        if status != 200:
+            raise RuntimeError(f"HTTP {status}: {data[:300]!r}")
+        events = (pending + data).split(b"\n\n")
+        pending = events.pop()
+        for event in events:
+            if not event.startswith(b"data: {"):
+                continue
+            d = json.loads(event[6:])
+            if d.get("usage"):
+                tokens = d["usage"]["completion_tokens"]
+            elif d["choices"] and (lp := d["choices"][0]["logprobs"]) and lp["tokens"]:
+                chunks.append((time.perf_counter(), len(lp["tokens"])))
+    return t0, chunks, tokens
+
+
+def run_level(port: int, prompts: list[list[int]], concurrency: int, new_tokens: int, client: str = "light") -> dict:
+    """`concurrency` clients, each streaming completions of the next prompts one after another, until all are
+    done. The light client is asyncio in this process, one keep-alive HTTP/1.1 connection per client, reading
+    the server-sent events itself; `openai` is the official client, a thread per client."""
+    if client == "openai":
+        return _run_level_openai(port, prompts, concurrency, new_tokens)
+    todo = list(enumerate(prompts))[::-1]
+    results = [None] * len(prompts)
+
+    async def one_client():
+        conn = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            while todo:
+                i, p = todo.pop()
+                results[i] = await _stream_completion(conn, port, p, new_tokens)
+        finally:
+            conn[1].close()
+
+    async def level():
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one_client() for _ in range(concurrency)))
+        return time.perf_counter() - t0
+
+    wall = asyncio.run(level())
+    return _summary(results, concurrency, new_tokens, wall)
+
+
+def _run_level_openai(port: int, prompts: list[list[int]], concurrency: int, new_tokens: int) -> dict:
     import openai
 
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=600)
@@ -77,8 +172,7 @@ def run_level(port: int, prompts: list[list[int]], concurrency: int, new_tokens:
     def one(prompt):
         t0 = time.perf_counter()
         chunks, tokens = [], 0  # (arrival time, tokens it carries) of each chunk with tokens
-        for chunk in client.completions.create(model="bench", prompt=prompt, max_tokens=new_tokens, temperature=0,
-                                               logprobs=1, stream=True, stream_options={"include_usage": True}):
+        for chunk in client.completions.create(**_request(prompt, new_tokens)):
             if chunk.usage is not None:
                 tokens = chunk.usage.completion_tokens
             elif chunk.choices and chunk.choices[0].logprobs and chunk.choices[0].logprobs.tokens:
@@ -88,19 +182,7 @@ def run_level(port: int, prompts: list[list[int]], concurrency: int, new_tokens:
     t0 = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
         results = list(pool.map(one, prompts))
-    wall = time.perf_counter() - t0
-    ttft = [chunks[0][0] - start for start, chunks, _ in results if chunks]
-    gaps = [(b - a, n) for _, chunks, _ in results for (a, _), (b, n) in zip(chunks, chunks[1:])]
-    itl = [g / n for g, n in gaps for _ in range(n)]
-    total = sum(n for _, _, n in results)
-    assert total == len(prompts) * new_tokens, f"{total} tokens of {len(prompts) * new_tokens}"
-    assert total == sum(n for _, chunks, _ in results for _, n in chunks)
-    pct = lambda xs, p: 1e3 * float(np.percentile(xs, p)) if xs else float("nan")  # noqa: E731
-    return dict(concurrency=concurrency, requests=len(prompts), output_tok_per_s=total / wall,
-                ttft_p50_ms=pct(ttft, 50), ttft_p99_ms=pct(ttft, 99), itl_p50_ms=pct(itl, 50),
-                itl_p99_ms=pct(itl, 99), chunk_gap_p50_ms=pct([g for g, _ in gaps], 50),
-                chunk_gap_p99_ms=pct([g for g, _ in gaps], 99),
-                tokens_per_chunk=total / sum(len(chunks) for _, chunks, _ in results))
+    return _summary(results, concurrency, new_tokens, time.perf_counter() - t0)
 
 
 def line(r: dict) -> str:
@@ -135,7 +217,7 @@ def server(folder: Path, settings: list[str]):
 
 
 def serve_levels(folder: Path, slots: int, levels: list[int], new_tokens: int, repeats: int = 1,
-                 settings: tuple[str, ...] = ()) -> list[dict]:
+                 settings: tuple[str, ...] = (), client: str = "light") -> list[dict]:
     """A server of `slots` slots (and `settings`) at each concurrency of `levels`; of `repeats` runs of a level
     (new prompts each), the one of highest throughput, the least disturbed by other load on the machine."""
     with server(folder, [f"serve.max_slots={slots}", f"decode.cache_length={PROMPT + new_tokens}",
@@ -144,8 +226,8 @@ def serve_levels(folder: Path, slots: int, levels: list[int], new_tokens: int, r
         run_level(port, [rng.integers(0, 256, PROMPT).tolist()] * 2, 2, new_tokens)  # warm up
         out = []
         for c in levels:
-            runs = [run_level(port, [rng.integers(0, 256, PROMPT).tolist() for _ in range(2 * c)], c, new_tokens)
-                    for _ in range(repeats)]
+            runs = [run_level(port, [rng.integers(0, 256, PROMPT).tolist() for _ in range(2 * c)], c, new_tokens,
+                              client) for _ in range(repeats)]
             out.append(max(runs, key=lambda r: r["output_tok_per_s"]))
         return out
 
@@ -206,6 +288,8 @@ def main():
         results = {r["concurrency"]: r for r in serve_levels(folder, a.slots, levels, a.new_tokens, a.repeats)}
         for r in results.values():
             print(line(r), flush=True)
+        openai16 = serve_levels(folder, a.slots, [16], a.new_tokens, a.repeats, client="openai")[0]
+        print("openai_client " + line(openai16), flush=True)
         one_step = serve_levels(folder, a.slots, [16], a.new_tokens, a.repeats, ("serve.decode_steps=1",))[0]
         print("decode_steps=1 " + line(one_step), flush=True)
         batched = serve_levels(folder, 8, [8], a.new_tokens, a.repeats)[0]
@@ -228,12 +312,13 @@ def main():
     print(f"batching_speedup={batched['output_tok_per_s'] / single['output_tok_per_s']:.2f}")
     if 16 in results:
         print(f"vs_transformers={results[16]['output_tok_per_s'] / hf_tok_s:.2f}")
+        print(f"vs_transformers_openai_client={openai16['output_tok_per_s'] / hf_tok_s:.2f}")
         print(f"decode_steps_speedup={results[16]['output_tok_per_s'] / one_step['output_tok_per_s']:.2f}")
         print(f"server_vs_engine={results[16]['output_tok_per_s'] / alone[8]:.2f}")
     print(f"ttft_p50_prefix_cache={cached['ttft_p50_ms']:.1f} ttft_p50_no_prefix_cache={uncached['ttft_p50_ms']:.1f} "
           f"prefix_cache_ttft_speedup={uncached['ttft_p50_ms'] / cached['ttft_p50_ms']:.2f}")
-    print(json.dumps({"levels": list(results.values()), "decode_steps_1": one_step, "slots8": batched,
-                      "one_at_a_time": single,
+    print(json.dumps({"levels": list(results.values()), "openai_client": openai16, "decode_steps_1": one_step,
+                      "slots8": batched, "one_at_a_time": single,
                       "transformers": hf_tok_s, "engine_alone": alone, "generate": generate_tok_s,
                       "shared_prefix": {"prefix_cache": cached, "no_prefix_cache": uncached}}))
 
