@@ -11,6 +11,14 @@ cancel) frees its slot before the next turn. The call takes its rows' cache apar
 steps with the layers unrolled, and stacks it back once (as generate's decode loop does; models deeper than
 generate.UNROLL_LAYERS, and serve.decode_steps=1, scan the layers of the stacked cache instead).
 
+The host hands out a call's tokens while the device runs the next one: each turn dispatches its decode call
+first (JAX dispatches asynchronously) and then waits for the call of the turn before, sends its tokens to their
+requests and frees the slots it ended. The next call is planned without that call's tokens: a sequence's count
+of tokens so far is what the calls dispatched for it make unless a stop token ends it early (`planned`); when one
+does, that sequence's tokens from the call in flight are dropped. When requests wait and a call in flight ends a
+sequence at its max_tokens, the turn collects it before dispatching, so the waiting request takes the slot at
+once.
+
 How many steps a turn runs: one in a turn that prefilled (a new request gets its first token after one step,
 not after decode_steps), then twice as many each turn up to serve.decode_steps while nothing is prefilled.
 While requests wait for a slot, a turn runs no more steps than the nearest sequence needs to reach its
@@ -100,7 +108,8 @@ class Sequence:
     cancelled: bool = False
     slot: int = -1
     prefilled: int | None = None  # prompt tokens in the slot's cache; None until its prefill starts
-    generated: int = 0
+    generated: int = 0  # tokens sent to `emit`
+    planned: int = 0  # tokens the decode calls dispatched so far make for it unless it stops at a stop token
     submitted: float = field(default_factory=time.perf_counter)
 
     @property
@@ -264,6 +273,7 @@ class Engine:
         self.steps = 1  # decode steps of the latest turn
         self.turn_hooks: list[Callable[[], None]] = []  # called after each turn, from the engine thread
         self.calls_total = 0  # decode calls run
+        self.in_flight: tuple[list, tuple] | None = None  # the decode call dispatched last turn, not yet collected
         self.waiting: collections.deque = collections.deque()
         self.lock = threading.Lock()
         self.wake = threading.Event()
@@ -335,7 +345,7 @@ class Engine:
             self.prefilled_tokens_total = 0
             self._run_score(Score([0, 0], lambda ev: None))
             for b in self.buckets:
-                self._call(list(range(b)), 1)
+                jax.device_get(self._call(list(range(b)), 1)[1])
             jax.block_until_ready((self.cache, self.logits_BV))
 
     def start(self) -> None:
@@ -355,11 +365,12 @@ class Engine:
         while self.running:
             with self._ctx():
                 self._admit()
-                busy = any(s is not None for s in self.slots)
+                busy = any(s is not None for s in self.slots) or self.in_flight is not None
                 if busy:
                     try:
                         self._turn()
                     except Exception as e:  # the cache was donated to the failed call: fail every slot, start afresh
+                        self.in_flight = None
                         self.error = f"{type(e).__name__}: {e}"
                         for i, s in enumerate(self.slots):
                             if s is not None:
@@ -381,12 +392,28 @@ class Engine:
             hook()
 
     def _turn(self) -> None:
-        """Prefill, then one decode call of as many steps as the module docstring says."""
+        """Prefill, dispatch the next decode call (as many steps as the module docstring says), then hand out
+        the tokens of the call dispatched last turn while the device runs this one."""
+        for i, s in enumerate(self.slots):
+            if s is not None and s.cancelled:
+                if not s.decoding and i in self.prefilling:
+                    self.prefilling.remove(i)
+                self._finish(i, "cancelled")
+        if self.in_flight is not None and self.waiting and any(
+                s is not None and s.decoding and s.planned >= s.max_tokens for s in self.slots):
+            self._collect(self.in_flight)  # it ends a sequence: the next turn admits a waiting one in its place
+            self.in_flight = None
+            return
         self.steps = 1 if self._prefill() else min(2 * self.steps, self.decode_steps)
         steps = self.steps
-        if self.waiting:  # no slot is free: stop when the first one would be
-            steps = min([steps] + [s.max_tokens - s.generated for s in self.slots if s is not None and s.decoding])
-        self._decode(steps)
+        planned = [s.max_tokens - s.planned for s in self.slots
+                   if s is not None and s.decoding and not s.cancelled and s.planned < s.max_tokens]
+        if self.waiting and planned:  # no slot is free: stop when the first one would be
+            steps = min(steps, *planned)
+        launched = self._launch(steps) if planned else None
+        if self.in_flight is not None:
+            self._collect(self.in_flight)
+        self.in_flight = launched
 
     def _admit(self) -> None:
         """Waiting requests in order: a score runs now, a sequence takes a free slot and waits there for its
@@ -471,9 +498,12 @@ class Engine:
         token_lp, top_ids, top_lp = jax.device_get(_score(self.params, tokens_1T, self.cfg))
         item.emit(("score", token_lp[:n - 1].tolist(), top_ids[:n].tolist(), top_lp[:n].tolist()))
 
-    def _call(self, rows: list[int], steps: int):
-        """One decode call of up to `steps` steps over slots `rows` (a bucket; all slots in order for the largest);
-        returns tokens, log-probabilities, alternatives [N, b(, K)] and which of them were produced [N, b]."""
+    def _call(self, rows: list[int], steps: int) -> tuple[list, tuple]:
+        """Dispatch one decode call of up to `steps` steps over slots `rows` (a bucket; all slots in order for the
+        largest) without waiting for it; returns the sequence each row decodes (None for a row that does not) and
+        the call's tokens, log-probabilities, alternatives [N, b(, K)] and which of them were produced [N, b], on
+        device. A sequence's tokens so far are those of the calls dispatched before (`planned`), as if none of
+        them stopped it at a stop token: when one did, the row's tokens from this call are dropped."""
         b = len(rows)
         live, idle_length, left = np.zeros(b, bool), np.zeros(b, np.int32), np.zeros(b, np.int32)
         seed, choice, count = np.zeros(b, np.uint32), np.zeros(b, np.int32), np.zeros(b, np.int32)
@@ -489,39 +519,49 @@ class Engine:
                 continue
             if not s.decoding:
                 idle_length[j] = s.prefilled or 0
+                seqs[j] = None
                 continue
-            live[j], left[j], want_lp[j] = True, s.max_tokens - s.generated, s.logprobs
-            seed[j], choice[j], count[j] = s.seed % 2**32, s.choice, s.generated
+            if s.cancelled or s.planned >= s.max_tokens:  # its last tokens are in flight: idle, as a free slot
+                seqs[j] = None
+                continue
+            live[j], left[j], want_lp[j] = True, s.max_tokens - s.planned, s.logprobs
+            seed[j], choice[j], count[j] = s.seed % 2**32, s.choice, s.planned
             temperature[j], top_k[j], top_p[j] = s.temperature, s.top_k, s.top_p
             stop[j, :len(s.stop_ids)] = s.stop_ids
+            s.planned += min(steps, s.max_tokens - s.planned)
         *out, self.logits_BV, self.cache = _decode_loop(
             self.params, self.cache, self.logits_BV, np.asarray(rows, np.int32), np.int32(steps), live, idle_length,
             left, stop, want_lp, seed, choice, count, temperature, top_k, top_p, cfg=self.cfg,
             max_steps=self.decode_steps, unroll=self.unroll)
         self.calls_total += 1
-        return jax.device_get(out)
+        return seqs, tuple(out)
 
-    def _decode(self, steps: int) -> None:
-        for i, s in enumerate(self.slots):
-            if s is not None and s.cancelled:
-                if not s.decoding and i in self.prefilling:
-                    self.prefilling.remove(i)
-                self._finish(i, "cancelled")
-        busy = [i for i, s in enumerate(self.slots) if s is not None and s.decoding]
+    def _launch(self, steps: int) -> tuple[list, tuple] | None:
+        """Dispatch a decode call over the smallest bucket that holds the decoding slots; None when no slot
+        has tokens left to plan."""
+        busy = [i for i, s in enumerate(self.slots) if s is not None and s.decoding and s.planned < s.max_tokens]
         if not busy:
-            return
+            return None
         b = min(k for k in self.buckets if k >= len(busy))
         if b == self.B:
             rows = list(range(self.B))
-        else:  # padded with free slots, then with slots being prefilled (they run a dummy token, as above)
-            rows = busy + ([i for i, s in enumerate(self.slots) if s is None] + list(self.prefilling))[:b - len(busy)]
-        tok, lp, top_ids, top_lp, made = self._call(rows, steps)
+        else:  # padded with free slots and those whose last tokens are in flight, then with slots being
+            # prefilled (they run a dummy token, as above)
+            idle = [i for i, s in enumerate(self.slots) if s is None or (s.decoding and i not in busy)]
+            rows = busy + (idle + list(self.prefilling))[:b - len(busy)]
+        return self._call(rows, steps)
+
+    def _collect(self, call: tuple[list, tuple]) -> None:
+        """Wait for a dispatched decode call and send each sequence still in its slot the tokens it made."""
+        seqs, out = call
+        tok, lp, top_ids, top_lp, made = jax.device_get(out)
         made_b = made.sum(axis=0)  # a row makes tokens in the first steps of a call, until it stops
         now = time.perf_counter()
         n = 0
-        for j, r in enumerate(rows):
-            s, k = self.slots[r], int(made_b[j])
-            if s is None or not s.decoding or s.cancelled or not k:  # a cancelled one finishes next turn, unsent
+        for j, s in enumerate(seqs):
+            k = int(made_b[j])
+            # a sequence that ended (a stop token in the call before, a cancel) has left its slot: drop its tokens
+            if s is None or not k or s.cancelled or self.slots[s.slot] is not s:
                 continue
             if s.generated == 0:
                 self.ttft_s.append(now - s.submitted)
@@ -534,9 +574,9 @@ class Engine:
             s.generated += k
             n += k
             if ids[-1] in s.stop_ids:  # the call stopped the row at its stop token or at its max_tokens
-                self._finish(r, "stop")
+                self._finish(s.slot, "stop")
             elif s.generated >= s.max_tokens:
-                self._finish(r, "length")
+                self._finish(s.slot, "length")
         self.tokens_total += n
         self.recent.append((now, n))
         while self.recent and self.recent[0][0] < now - 60:
