@@ -236,13 +236,14 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_the_other_slots_steps(trai
     text = shakespeare_file.read_text()[:2000]
     long_prompt = text[100:140]
     log = []
-    chunk = chunk_lib.prefill_chunk
+    chunk = chunk_lib.prefill_chunks
 
-    def logged_chunk(params, cache, logits_BV, tokens_C, start, length, slot, cfg):
-        log.append(("chunk", int(slot), int(start), len(tokens_C)))
-        return chunk(params, cache, logits_BV, tokens_C, start, length, slot, cfg)
+    def logged_chunk(params, cache, logits_BV, tokens_PC, start_P, length_P, slot_P, cfg):
+        log.extend(("chunk", int(slot), int(start), tokens_PC.shape[1])
+                   for slot, start in zip(slot_P, start_P) if slot < len(cache.length))
+        return chunk(params, cache, logits_BV, tokens_PC, start_P, length_P, slot_P, cfg)
 
-    monkeypatch.setattr(chunk_lib, "prefill_chunk", logged_chunk)
+    monkeypatch.setattr(chunk_lib, "prefill_chunks", logged_chunk)
     e = engine_lib.Engine(model.params, model.config.model, 2, 64, max_queue=4, prefill_chunk=16)
     a = engine_lib.Sequence(tok.encode("To be"), 12, 0.0, 0, 1.0, 0, 0, (), lambda ev: log.append(("a", ev)))
     b = engine_lib.Sequence(tok.encode(long_prompt), 10, 0.0, 0, 1.0, 0, 0, (), lambda ev: log.append(("b", ev)))
@@ -327,7 +328,7 @@ def test_several_decode_steps_per_call_and_row_buckets_change_no_output(trained,
     assert greedy[4].index("T") == 3 and greedy[6][0] == "e"
     temperature = [0, 0, 0.9, 0, 0, 0.8, 0]
     log = []
-    decode_loop, chunk = engine_lib._decode_loop, chunk_lib.prefill_chunk
+    decode_loop, chunk = engine_lib._decode_loop, chunk_lib.prefill_chunks
 
     def logged_loop(*args, **kw):
         log.append((len(args[3]), int(args[5].sum()), int(args[4])))  # rows, live rows, steps
@@ -338,7 +339,7 @@ def test_several_decode_steps_per_call_and_row_buckets_change_no_output(trained,
         return chunk(*args, **kw)
 
     monkeypatch.setattr(engine_lib, "_decode_loop", logged_loop)
-    monkeypatch.setattr(chunk_lib, "prefill_chunk", logged_chunk)
+    monkeypatch.setattr(chunk_lib, "prefill_chunks", logged_chunk)
     runs = {}
     for most, unroll in ((1, False), (8, True), (8, False)):
         monkeypatch.setattr(generate_lib, "UNROLL_LAYERS", 16 if most == 1 or unroll else 0)
@@ -474,9 +475,9 @@ def test_while_a_request_waits_for_a_slot_a_call_ends_when_the_first_slot_frees(
         assert time.monotonic() < deadline
         time.sleep(0.01)
     e.stop()
-    # a prefilled (a chunk per turn): 1 step; b prefilled: 1; then 2, and 2 more (not 4) end a while c waits;
-    # c prefilled: 1; then 2, 4 (c ends after 2 of them), 8, 8 and the 8 that end b
-    assert steps == [1, 1, 2, 2, 1, 2, 4, 8, 8, 8]
+    # a and b prefilled (in one call): 1 step; then 2, and 3 more (not 4) end a while c waits; c prefilled: 1;
+    # then 2, 4 (c ends after 2 of them), 8, 8 and the 8 that end b
+    assert steps == [1, 2, 3, 1, 2, 4, 8, 8, 8]
     assert [len(ev) - 1 for ev in events] == [6, 30, 5]
 
 
