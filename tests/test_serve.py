@@ -275,14 +275,17 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_the_other_slots_steps(trai
     assert b_text == model.generate_text(long_prompt, max_new_tokens=10, temperature=0)
 
 
-CHUNK_MODELS = {  # a Mistral-like sliding window over every layer, a Gemma 2-like local/global pattern
+CHUNK_MODELS = {  # a Mistral-like sliding window over every layer, a Gemma 2-like local/global pattern, and
+    # learned positions (GPT-2) with a mixture-of-experts MLP
     "sliding": dict(layer_pattern="local", norm="rmsnorm", glu=True, activation="silu"),
     "gemma2": dict(n_layers=4, layer_pattern="local,global", attn_logit_softcap=5.0, final_logit_softcap=3.0,
                    post_norms=True, norm_plus_one=True, embed_scale=True),
+    "learned_moe": dict(position="learned", n_experts=4, experts_per_token=2),
 }
 
 
-@pytest.mark.parametrize("family,quantize", [("sliding", False), ("gemma2", False), ("sliding", True)])
+@pytest.mark.parametrize("family,quantize", [("sliding", False), ("gemma2", False), ("sliding", True),
+                                             ("learned_moe", False)])
 def test_several_prompts_chunks_in_one_call_equal_them_one_at_a_time(family, quantize):
     """One prefill_chunks call over four prompts' chunks (different lengths; two continue a chunk run earlier,
     one of them past the 8-slot ring of the local layers; one stops short of its prompt's end) and four padding
