@@ -23,11 +23,14 @@ do not depend on what the slots hold nor on the steps asked for, so requests com
 sequences have more than MIN_STOP_WIDTH stop tokens: a wider program, once).
 
 Prompts are prefilled into their slots in chunks (serve/chunk.py) of at most `prefill_chunk` tokens, and a turn
-prefills at most that many tokens before its decode call, so a long prompt takes a chunk per turn while the
-other slots keep decoding, instead of holding their next tokens back for its whole prefill. A chunk is padded to
-a power of two from 16 tokens (at most prefill_chunk), so prefill compiles once per chunk length. With a prefix
-cache (serve/prefix_cache.py), a prompt that starts with the tokens of a recent one first copies their keys and
-values into its slot and prefills only the rest.
+prefills at most that many prompt tokens before its decode call (at least one chunk), so a long prompt takes a
+chunk per turn while the other slots keep decoding, instead of holding their next tokens back for its whole
+prefill. A turn takes the waiting prompts' next chunks oldest first while they fit, and runs the chunks of the
+same padded length together, several prompts in one device call: 16 short prompts that arrive together cost
+one call, not 16. A chunk is padded to a power of two from 16 tokens (at most prefill_chunk) and a call's rows
+to a power of two (`prefill_rows`, up to MAX_PREFILL_ROWS), so prefill compiles once per pair of those. With a
+prefix cache (serve/prefix_cache.py), a prompt that starts with the tokens of a recent one first copies their
+keys and values into its slot and prefills only the rest.
 
 Scoring a prompt (the log-probability of each of its tokens, for `echo` with `logprobs`) runs the uncached
 forward pass on the same thread.
@@ -39,7 +42,8 @@ steps a call runs.
 After each turn the engine calls its `turn_hooks` (the app hands the turn's events to the event loop at once).
 
 Shape legend: B slots, b rows of a bucket, N steps of a decode call at most, M stop tokens of a row (padded),
-T padded prompt length, S cache slots per sequence, V vocab, K top log-probabilities.
+T padded prompt length, S cache slots per sequence, V vocab, K top log-probabilities, P rows of a prefill call,
+C chunk length.
 """
 
 from __future__ import annotations
