@@ -248,13 +248,14 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_the_other_slots_steps(trai
     text = shakespeare_file.read_text()[:2000]
     long_prompt = text[100:140]
     log = []
-    chunk = chunk_lib.prefill_chunk
+    chunk = chunk_lib.prefill_chunks
 
-    def logged_chunk(params, cache, logits_BV, tokens_C, start, length, slot, cfg):
-        log.append(("chunk", int(slot), int(start), len(tokens_C)))
-        return chunk(params, cache, logits_BV, tokens_C, start, length, slot, cfg)
+    def logged_chunk(params, cache, logits_BV, tokens_PC, start_P, length_P, slot_P, cfg):
+        log.extend(("chunk", int(slot), int(start), tokens_PC.shape[1])
+                   for slot, start in zip(slot_P, start_P) if slot < len(cache.length))
+        return chunk(params, cache, logits_BV, tokens_PC, start_P, length_P, slot_P, cfg)
 
-    monkeypatch.setattr(chunk_lib, "prefill_chunk", logged_chunk)
+    monkeypatch.setattr(chunk_lib, "prefill_chunks", logged_chunk)
     e = engine_lib.Engine(model.params, model.config.model, 2, 64, max_queue=4, prefill_chunk=16)
     a = engine_lib.Sequence(tok.encode("To be"), 12, 0.0, 0, 1.0, 0, 0, (), lambda ev: log.append(("a", ev)))
     b = engine_lib.Sequence(tok.encode(long_prompt), 10, 0.0, 0, 1.0, 0, 0, (), lambda ev: log.append(("b", ev)))
@@ -286,6 +287,129 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_the_other_slots_steps(trai
     a_text = tok.decode([t for t, _, _ in token_events([x[1] for x in log if x[0] == "a"])])
     assert a_text == model.generate_text("To be", max_new_tokens=12, temperature=0)
     assert b_text == model.generate_text(long_prompt, max_new_tokens=10, temperature=0)
+
+
+CHUNK_MODELS = {  # a Mistral-like sliding window over every layer, a Gemma 2-like local/global pattern, and
+    # learned positions (GPT-2) with a mixture-of-experts MLP
+    "sliding": dict(layer_pattern="local", norm="rmsnorm", glu=True, activation="silu"),
+    "gemma2": dict(n_layers=4, layer_pattern="local,global", attn_logit_softcap=5.0, final_logit_softcap=3.0,
+                   post_norms=True, norm_plus_one=True, embed_scale=True),
+    "learned_moe": dict(position="learned", n_experts=4, experts_per_token=2),
+}
+
+
+@pytest.mark.parametrize("family,quantize", [("sliding", False), ("gemma2", False), ("sliding", True),
+                                             ("learned_moe", False)])
+def test_several_prompts_chunks_in_one_call_equal_them_one_at_a_time(family, quantize):
+    """One prefill_chunks call over four prompts' chunks (different lengths; two continue a chunk run earlier,
+    one of them past the 8-slot ring of the local layers; one stops short of its prompt's end) and four padding
+    rows gives each slot the cache, length and logits that the chunks run one at a time give, and those of
+    `transformer.prefill` of the whole prompt where the prompt is all in (float caches). The slots not in the
+    call, among them slot B - 1 that the padding rows read, keep their cache bit for bit. Every slot first
+    holds an earlier occupant's 16 positions, which the new prompts must mask and overwrite."""
+    import jax
+    from jaxlm import params as P, sharding
+    from jaxlm.config import MeshConfig, ModelConfig
+    from jaxlm.model import kvcache, param_specs, transformer
+    from jaxlm.serve import chunk as chunk_lib
+
+    cfg = ModelConfig(**{**dict(vocab_size=50, block_size=64, n_layers=2, n_heads=4, n_kv_heads=2, d_model=32,
+                                sliding_window=8), **CHUNK_MODELS[family]})
+    params = P.init(param_specs(cfg), jax.random.key(0), sharding.make_mesh(MeshConfig(), jax.devices()[:1]))
+    B, S, C = 6, 40, 16
+    rng = np.random.default_rng(0)
+    prompts = {slot: rng.integers(0, 50, n).astype(np.int32) for slot, n in ((1, 30), (4, 9), (0, 20), (3, 40))}
+    jobs = [(slot, prompts[slot], start) for slot, start in ((1, 16), (4, 0), (0, 0), (3, 16))]
+
+    def run(cache, logits_BV, rows, pad_to):
+        """prefill_chunks over rows (slot, prompt, start of its chunk), padded with rows of slot B."""
+        tokens_PC, start_P = np.zeros((pad_to, C), np.int32), np.zeros(pad_to, np.int32)
+        length_P, slot_P = np.ones(pad_to, np.int32), np.full(pad_to, B, np.int32)
+        for i, (slot, prompt, start) in enumerate(rows):
+            chunk = prompt[start:start + C]
+            tokens_PC[i, :len(chunk)], start_P[i], length_P[i], slot_P[i] = chunk, start, len(prompt), slot
+        return chunk_lib.prefill_chunks(params, cache, logits_BV, tokens_PC, start_P, length_P, slot_P, cfg)
+
+    cache = kvcache.init(cfg, B, S, quantize)
+    logits_BV = np.zeros((B, cfg.vocab_size), np.float32)
+    occupants = [(slot, rng.integers(0, 50, 16).astype(np.int32), 0) for slot in range(B)]
+    cache, logits_BV = run(cache, logits_BV, occupants, 8)
+    cache, logits_BV = run(cache, logits_BV, [(slot, prompt, 0) for slot, prompt, start in jobs if start], 2)
+    before = jax.tree.map(np.array, (cache, logits_BV))  # donated below: copies
+    alone = jax.tree.map(np.asarray, before)
+    for job in jobs:
+        alone = run(*jax.tree.map(np.array, alone), [job], 1)
+    together = run(*jax.tree.map(np.array, before), jobs, 8)
+    for got, want, old in zip(jax.tree.leaves(together), jax.tree.leaves(alone), jax.tree.leaves(before)):
+        got, want, old = np.asarray(got), np.asarray(want), np.asarray(old)
+        if got.dtype == np.int32:  # positions, lengths: exact
+            assert np.array_equal(got, want)
+        else:  # int8 entries may round the other way where a value lies on a step's edge
+            assert np.allclose(got.astype(np.float32), want.astype(np.float32), rtol=0,
+                               atol=1 if got.dtype == np.int8 else 1e-5)
+        axis = 1 if got.ndim >= 4 else 0  # keys, values, scales [R, B, ...]; positions, lengths, logits [B, ...]
+        untouched = [2, 5]
+        assert np.array_equal(np.take(got, untouched, axis), np.take(old, untouched, axis))
+    cache, logits_BV = together
+    assert list(np.asarray(cache.length)) == [16, 30, 16, 32, 9, 16]
+    if quantize:
+        return
+    for slot in (1, 4):  # prompts now all in: the whole prompt's prefill into a fresh cache
+        n = len(prompts[slot])
+        want_logits, fresh = transformer.prefill(params, prompts[slot][None], np.asarray([n]), cfg, S)
+        assert np.allclose(logits_BV[slot], want_logits[0], rtol=0, atol=1e-4)
+        for c, f in zip(cache.kinds, fresh.kinds):
+            held = np.asarray(f.pos[0]) != kvcache.EMPTY  # the others hold the earlier occupant's, masked
+            assert np.array_equal(np.asarray(c.pos[slot])[held], np.asarray(f.pos[0])[held])
+            for a, b in ((c.k, f.k), (c.v, f.v)):
+                assert np.allclose(np.asarray(a[:, slot])[..., held, :], np.asarray(b[:, 0])[..., held, :],
+                                   rtol=0, atol=1e-4)
+
+
+def test_prompts_arriving_together_are_prefilled_together_and_change_no_output(trained, shakespeare_file,
+                                                                              monkeypatch):
+    """Twelve greedy sequences submitted together to 8 slots with serve.prefill_chunk=32: a turn takes the
+    waiting prompts' next chunks, oldest first, while their tokens fit in 32, and runs those of the same padded
+    length in one call (among them the rest of a 45-token prompt with two new prompts), so there are fewer
+    calls than chunks; every text equals `jaxlm generate`'s."""
+    from jaxlm.serve import chunk as chunk_lib
+
+    model = jaxlm.load(trained)
+    tok = model.tokenizer()
+    text = shakespeare_file.read_text()[:6000]
+    lengths = [5, 45, 12, 3, 9, 14, 8, 40, 14, 6, 7, 10]
+    prompts = [text[400 * i:400 * i + n] for i, n in enumerate(lengths)]
+    max_tokens = [10 + 3 * (i % 4) for i in range(len(prompts))]
+    calls = []
+    chunk = chunk_lib.prefill_chunks
+
+    def logged_chunk(params, cache, logits_BV, tokens_PC, start_P, length_P, slot_P, cfg):
+        calls.append([(int(length), int(start)) for length, start, slot in zip(length_P, start_P, slot_P)
+                      if slot < len(cache.length)])
+        return chunk(params, cache, logits_BV, tokens_PC, start_P, length_P, slot_P, cfg)
+
+    monkeypatch.setattr(chunk_lib, "prefill_chunks", logged_chunk)
+    e = engine_lib.Engine(model.params, model.config.model, SLOTS, 64, max_queue=16, prefill_chunk=32)
+    events = [[] for _ in prompts]
+    for i, (p, m) in enumerate(zip(prompts, max_tokens)):
+        e.submit(engine_lib.Sequence(tok.encode(p), m, 0.0, 0, 1.0, 0, 0, (), events[i].append))
+    e.start()
+    deadline = time.monotonic() + 120
+    try:
+        while not all(ev and ev[-1][0] == "done" for ev in events):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        e.stop()
+    chunks = sum(map(len, calls))
+    assert chunks == len(prompts) + 2  # the 45- and 40-token prompts take two chunks each
+    # a prompt's second chunk with two first ones, then three first ones: the other chunks run alone
+    assert [(45, 32), (12, 0), (3, 0)] in calls and [(9, 0), (14, 0), (8, 0)] in calls
+    assert e.prefill_calls_total == len(calls) == chunks - 4
+    assert all(sum(min(length - start, 32) for length, start in c) <= 32 for c in calls)
+    got = [tok.decode([t for t, _, _ in token_events(evs)]) for evs in events]
+    want = model.generate_text(prompts, max_new_tokens=max(max_tokens), temperature=0)
+    assert got == [w[:m] for w, m in zip(want, max_tokens)]
 
 
 def test_prefix_cache_reuses_a_shared_prompt_and_changes_no_output(server, trained, shakespeare_file):
@@ -341,7 +465,7 @@ def test_several_decode_steps_per_call_and_row_buckets_change_no_output(trained,
     assert greedy[4].index("T") == 3 and greedy[6][0] == "e"
     temperature = [0, 0, 0.9, 0, 0, 0.8, 0]
     log = []
-    decode_loop, chunk = engine_lib._decode_loop, chunk_lib.prefill_chunk
+    decode_loop, chunk = engine_lib._decode_loop, chunk_lib.prefill_chunks
 
     def logged_loop(*args, **kw):
         log.append((len(args[3]), int(args[5].sum()), int(args[4])))  # rows, live rows, steps
@@ -352,7 +476,7 @@ def test_several_decode_steps_per_call_and_row_buckets_change_no_output(trained,
         return chunk(*args, **kw)
 
     monkeypatch.setattr(engine_lib, "_decode_loop", logged_loop)
-    monkeypatch.setattr(chunk_lib, "prefill_chunk", logged_chunk)
+    monkeypatch.setattr(chunk_lib, "prefill_chunks", logged_chunk)
     runs = {}
     for most, unroll in ((1, False), (8, True), (8, False)):
         monkeypatch.setattr(generate_lib, "UNROLL_LAYERS", 16 if most == 1 or unroll else 0)
@@ -489,9 +613,9 @@ def test_while_a_request_waits_for_a_slot_a_call_ends_when_the_first_slot_frees(
         assert time.monotonic() < deadline
         time.sleep(0.01)
     e.stop()
-    # a prefilled (a chunk per turn): 1 step; b prefilled: 1; then 2, and 2 more (not 4) end a while c waits;
-    # c prefilled: 1; then 2, 4 (c ends after 2 of them), 8, 8 and the 8 that end b
-    assert steps == [1, 1, 2, 2, 1, 2, 4, 8, 8, 8]
+    # a and b prefilled (in one call): 1 step; then 2, and 3 more (not 4) end a while c waits; c prefilled: 1;
+    # then 2, 4 (c ends after 2 of them), 8, 8 and the 8 that end b
+    assert steps == [1, 2, 3, 1, 2, 4, 8, 8, 8]
     assert [len(token_events(ev)) for ev in events] == [6, 30, 5]
 
 

@@ -1,8 +1,9 @@
 """`jaxlm serve`: an OpenAI-compatible HTTP server over a continuous-batching engine (docs/serve.md).
 
-engine.py owns the device (decode slots sharing one KV cache), chunk.py prefills a prompt into its slot a chunk
-at a time, prefix_cache.py keeps recent prompts' keys and values for reuse, schemas.py validates requests,
-app.py is the HTTP API; this module builds them from a model folder and settings, and runs the server (uvicorn).
+engine.py owns the device (decode slots sharing one KV cache), chunk.py prefills prompts into their slots a chunk
+at a time (several prompts per call), prefix_cache.py keeps recent prompts' keys and values for reuse,
+schemas.py validates requests, app.py is the HTTP API; this module builds them from a model folder and settings,
+and runs the server (uvicorn).
 """
 
 from __future__ import annotations

@@ -31,11 +31,14 @@ do not depend on what the slots hold nor on the steps asked for, so requests com
 sequences have more than MIN_STOP_WIDTH stop tokens: a wider program, once).
 
 Prompts are prefilled into their slots in chunks (serve/chunk.py) of at most `prefill_chunk` tokens, and a turn
-prefills at most that many tokens before its decode call, so a long prompt takes a chunk per turn while the
-other slots keep decoding, instead of holding their next tokens back for its whole prefill. A chunk is padded to
-a power of two from 16 tokens (at most prefill_chunk), so prefill compiles once per chunk length. With a prefix
-cache (serve/prefix_cache.py), a prompt that starts with the tokens of a recent one first copies their keys and
-values into its slot and prefills only the rest.
+prefills at most that many prompt tokens before its decode call (at least one chunk), so a long prompt takes a
+chunk per turn while the other slots keep decoding, instead of holding their next tokens back for its whole
+prefill. A turn takes the waiting prompts' next chunks oldest first while they fit, and runs the chunks of the
+same padded length together, several prompts in one device call: 16 short prompts that arrive together cost
+one call, not 16. A chunk is padded to a power of two from 16 tokens (at most prefill_chunk) and a call's rows
+to a power of two (`prefill_rows`, up to MAX_PREFILL_ROWS), so prefill compiles once per pair of those. With a
+prefix cache (serve/prefix_cache.py), a prompt that starts with the tokens of a recent one first copies their
+keys and values into its slot and prefills only the rest.
 
 Scoring a prompt (the log-probability of each of its tokens, for `echo` with `logprobs`) runs the uncached
 forward pass on the same thread.
@@ -47,7 +50,8 @@ steps a call runs.
 After each turn the engine calls its `turn_hooks` (the app hands the turn's events to the event loop at once).
 
 Shape legend: B slots, b rows of a bucket, N steps of a decode call at most, M stop tokens of a row (padded),
-T padded prompt length, S cache slots per sequence, V vocab, K top log-probabilities.
+T padded prompt length, S cache slots per sequence, V vocab, K top log-probabilities, P rows of a prefill call,
+C chunk length.
 """
 
 from __future__ import annotations
@@ -74,6 +78,7 @@ from jaxlm.serve.prefix_cache import PrefixCache
 TOP_LOGPROBS = 5  # the most alternatives a request may ask for, as the OpenAI completions API allows
 MIN_BUCKET = 16
 MIN_STOP_WIDTH = 4  # stop tokens per row the decode program takes (more compile a wider one, once)
+MAX_PREFILL_ROWS = 16  # prompts' chunks prefilled in one call at most
 
 
 class QueueFull(Exception):
@@ -285,6 +290,9 @@ class Engine:
         self.requests_total = 0
         self.prompt_tokens_total = 0
         self.prefilled_tokens_total = 0  # prompt tokens run through the model (not taken from the prefix cache)
+        self.prefill_calls_total = 0
+        # rows of the prefill program's variants (serve/chunk.py), smallest first: powers of two up to the slots
+        self.prefill_rows = [1 << i for i in range(min(slots, MAX_PREFILL_ROWS).bit_length())]
         self.prefix_hits_total = 0
         self.prefix_tokens_total = 0
         self.ttft_s: collections.deque = collections.deque(maxlen=1000)  # the latest times to first token
@@ -333,16 +341,16 @@ class Engine:
         return sum(n for _, n in recent) / window_s
 
     def warm_up(self) -> None:
-        """Compile the decode program of each bucket, the shortest chunk's prefill, scoring and the prefix
-        cache's copies before the first request: a prompt in a slot that stays idle, then idle decode calls."""
+        """Compile the decode program of each bucket, the shortest chunk's prefill for each of prefill_rows,
+        scoring and the prefix cache's copies before the first request: one-token prompts in slots that stay
+        idle, then idle decode calls."""
         with self._ctx():
-            seq = Sequence([0], 1, 0.0, 0, 1.0, 0, 0, (), lambda ev: None, slot=0)
-            self.slots[0] = seq
-            self._prefill_chunk(seq)
+            for P in self.prefill_rows:
+                self._prefill_chunk([Sequence([0], 1, 0.0, 0, 1.0, 0, 0, (), lambda ev: None, slot=i, prefilled=0)
+                                     for i in range(P)], bucket(1, self.prefill_chunk))
             if self.prefix is not None:
                 self.cache = self.prefix.warm_up(self.cache)
-            self.slots[0] = None
-            self.prefilled_tokens_total = 0
+            self.prefilled_tokens_total = self.prefill_calls_total = 0
             self._run_score(Score([0, 0], lambda ev: None))
             for b in self.buckets:
                 jax.device_get(self._call(list(range(b)), 1)[1])
@@ -445,44 +453,63 @@ class Engine:
                 item.emit(("error", f"{type(e).__name__}: {e}"))
 
     def _prefill(self) -> bool:
-        """Prefill chunks, oldest prompt first, until this turn has run prefill_chunk tokens (at least one chunk);
-        returns whether it ran any."""
-        budget = self.prefill_chunk
-        while self.prefilling and budget > 0:
-            seq = self.slots[self.prefilling[0]]
+        """Prefill the next chunk of the waiting prompts, oldest first, while this turn's real tokens fit in
+        prefill_chunk (at least one chunk); chunks of the same padded length run together, up to the largest
+        of prefill_rows per call. Returns whether it ran any."""
+        budget, chunks = self.prefill_chunk, []  # (sequence, tokens of its chunk)
+        for slot in list(self.prefilling):
+            seq = self.slots[slot]
             if seq.cancelled:
-                self.prefilling.popleft()
-                self._finish(seq.slot, "cancelled")
+                self.prefilling.remove(slot)
+                self._finish(slot, "cancelled")
                 continue
-            budget -= self._prefill_chunk(seq)
+            if seq.prefilled is None:
+                self._reuse_prefix(seq)
+            n = min(len(seq.prompt) - seq.prefilled, self.prefill_chunk)
+            if chunks and n > budget:
+                break
+            chunks.append((seq, n))
+            budget -= n
+        groups: dict[int, list[Sequence]] = {}  # by padded chunk length
+        for seq, n in chunks:
+            groups.setdefault(bucket(n, self.prefill_chunk), []).append(seq)
+        most = self.prefill_rows[-1]
+        for C, seqs in groups.items():
+            for i in range(0, len(seqs), most):
+                self._prefill_chunk(seqs[i:i + most], C)
+        for seq, _ in chunks:
             if seq.decoding:
-                self.prefilling.popleft()
+                self.prefilling.remove(seq.slot)
                 if self.prefix is not None:
                     self.prefix.save(self.cache, seq.slot, seq.prompt)
-        return budget < self.prefill_chunk
+        return bool(chunks)
 
-    def _prefill_chunk(self, seq: Sequence) -> int:
-        """Run the next chunk of seq's prompt into its slot (first taking what the prefix cache holds of it);
-        returns the chunk's padded length."""
-        if seq.prefilled is None:
-            seq.prefilled = 0
-            if self.prefix is not None:
-                entry, reused = self.prefix.match(seq.prompt)
-                if reused:
-                    self.cache = self.prefix.load(self.cache, entry, seq.slot)
-                    seq.prefilled = reused
-                    self.prefix_hits_total += 1
-                    self.prefix_tokens_total += reused
-        n = min(len(seq.prompt) - seq.prefilled, self.prefill_chunk)
-        C = bucket(n, self.prefill_chunk)
-        tokens_C = np.zeros(C, np.int32)
-        tokens_C[:n] = seq.prompt[seq.prefilled:seq.prefilled + n]
-        self.cache, self.logits_BV = chunk_lib.prefill_chunk(
-            self.params, self.cache, self.logits_BV, tokens_C, np.int32(seq.prefilled), np.int32(len(seq.prompt)),
-            np.int32(seq.slot), self.cfg)
-        seq.prefilled += n
-        self.prefilled_tokens_total += n
-        return C
+    def _prefill_chunk(self, seqs: list[Sequence], C: int) -> None:
+        """Run the next chunk of each of seqs' prompts (at most C tokens) into its slot, in one call padded to
+        the smallest of prefill_rows that holds them (padding rows take slot B, which writes nothing)."""
+        P = min(p for p in self.prefill_rows if p >= len(seqs))
+        tokens_PC, start_P = np.zeros((P, C), np.int32), np.zeros(P, np.int32)
+        length_P, slot_P = np.ones(P, np.int32), np.full(P, self.B, np.int32)
+        for i, seq in enumerate(seqs):
+            n = min(len(seq.prompt) - seq.prefilled, C)
+            tokens_PC[i, :n] = seq.prompt[seq.prefilled:seq.prefilled + n]
+            start_P[i], length_P[i], slot_P[i] = seq.prefilled, len(seq.prompt), seq.slot
+            seq.prefilled += n
+            self.prefilled_tokens_total += n
+        self.cache, self.logits_BV = chunk_lib.prefill_chunks(
+            self.params, self.cache, self.logits_BV, tokens_PC, start_P, length_P, slot_P, self.cfg)
+        self.prefill_calls_total += 1
+
+    def _reuse_prefix(self, seq: Sequence) -> None:
+        """Start seq's prefill: copy what the prefix cache holds of its prompt into its slot."""
+        seq.prefilled = 0
+        if self.prefix is not None:
+            entry, reused = self.prefix.match(seq.prompt)
+            if reused:
+                self.cache = self.prefix.load(self.cache, entry, seq.slot)
+                seq.prefilled = reused
+                self.prefix_hits_total += 1
+                self.prefix_tokens_total += reused
 
     def _padded(self, prompt: list[int]) -> np.ndarray:
         T = bucket(len(prompt), self.S)
