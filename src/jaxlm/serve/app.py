@@ -14,9 +14,9 @@ import asyncio
 import functools
 import hmac
 import json
+import random
 import threading
 import time
-import uuid
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable
@@ -30,6 +30,11 @@ from jaxlm.serve import schemas
 from jaxlm.serve.schemas import RequestError, error_body
 
 RETRY_AFTER_S = 1
+_random = random.Random()  # request ids and the seeds of requests without one (seeded by the OS at import)
+
+
+def _request_id(kind: str) -> str:
+    return f"{kind}-{_random.getrandbits(128):032x}"
 
 
 class Mailbox:
@@ -235,7 +240,7 @@ def _completion_route(app: FastAPI, s: Served) -> None:
         want_scores = req.echo and req.logprobs is not None
         scores = await asyncio.gather(*(_score(s, p) for p in ids)) if want_scores else [None] * len(ids)
         choices = _start(s, ids, max_tokens, req.sampling, req.logprobs is not None)
-        head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+        head = {"id": _request_id("cmpl"), "object": "text_completion", "created": int(time.time()),
                 "model": s.name}
 
         def prompt_logprobs(i):
@@ -286,7 +291,7 @@ def _chat_route(app: FastAPI, s: Served) -> None:
         ids = [_encode(s, prompt, s.encode_chat)]
         choices = _start(s, ids, [_max_tokens(s, len(ids[0]), req.sampling.max_tokens)], req.sampling,
                          req.logprobs)
-        head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+        head = {"id": _request_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()),
                 "model": s.name}
         usage = {"prompt_tokens": len(ids[0])}
 
@@ -322,11 +327,17 @@ def _event_stream(s: Served, request: Request, choices: list[Choice], head: dict
     async def events():
         for choice in opening:
             yield _sse({**head, "choices": [choice]})
+        last, unfinished = "", len(choices)
         async for k, c, text, fresh, finish in _stream(s, choices, request):
-            yield _sse({**head, "choices": [choice_chunk(k, c, text, fresh, finish)]})
+            piece = _sse({**head, "choices": [choice_chunk(k, c, text, fresh, finish)]})
+            unfinished -= finish is not None
+            if unfinished:
+                yield piece
+            else:  # the last choice's last piece goes out with the usage and [DONE], in one write
+                last = piece
         if usage is not None:
-            yield _sse({**head, "choices": [], "usage": _usage(usage, choices)})
-        yield "data: [DONE]\n\n"
+            last += _sse({**head, "choices": [], "usage": _usage(usage, choices)})
+        yield last + "data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream")
 
@@ -405,7 +416,7 @@ def _start(s: Served, ids: list[list[int]], max_tokens: list[int], sampling: sch
     """Queue n sequences per prompt (none when max_tokens is 0), with their tokens' log-probabilities when
     `logprobs`; all or none: a full queue cancels the rest."""
     loop = asyncio.get_running_loop()
-    seed = sampling.seed if sampling.seed is not None else int.from_bytes(uuid.uuid4().bytes[:4], "little")
+    seed = sampling.seed if sampling.seed is not None else _random.getrandbits(32)
     choices = []
     for p, m in zip(ids, max_tokens):
         for j in range(sampling.n):
