@@ -345,6 +345,7 @@ def test_several_decode_steps_per_call_and_row_buckets_change_no_output(trained,
     for most, unroll, cut in ((1, False, True), (8, True, True), (8, False, True), (8, True, False)):
         monkeypatch.setattr(generate_lib, "UNROLL_LAYERS", 16 if most == 1 or unroll else 0)
         monkeypatch.setattr(engine_lib, "SLOT_DIVISORS", divisors if cut else ())
+        decode_loop.clear_cache()  # the slot buckets are read when the program is traced
         e = engine_lib.Engine(model.params, model.config.model, SLOTS, 64, max_queue=16, prefill_chunk=16,
                               decode_steps=most)
         assert e.unroll == unroll  # one step per call scans whatever the depth
@@ -375,6 +376,8 @@ def test_several_decode_steps_per_call_and_row_buckets_change_no_output(trained,
         assert all(x[2] == (1 if before == "chunk" else min(2 * before[2], most))
                    for before, x in zip(log, log[1:]) if x != "chunk")
         assert max(steps for _, _, steps in calls) == most
+    monkeypatch.setattr(engine_lib, "SLOT_DIVISORS", divisors)
+    decode_loop.clear_cache()
     eight = runs[8, True, True]
     for other in (runs[1, False, True], runs[8, False, True], runs[8, True, False]):
         for a, b in zip(other, eight):
