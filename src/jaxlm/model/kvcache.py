@@ -156,7 +156,7 @@ def put_rows(cache: KVCache, sub: KVCache, rows_b: jax.Array | None = None) -> K
     """`cache` with `sub` (of take_rows) written back at sequences rows_b (all when None) and the slots it
     kept, laid out as `init` lays it out."""
     def put(a, x, row_axis, slot_axis):
-        if a is None or a.shape == x.shape:
+        if a is None or (rows_b is None and a.shape == x.shape):  # all of it (the scan's stacked cache)
             return x
         a = a.at[_at(rows_b, row_axis, slot_axis, x.shape[slot_axis])].set(x)
         return constrain(a, (None,) + CACHE_AXES[:a.ndim - 1]) if a.ndim > 2 else a
