@@ -448,8 +448,9 @@ def test_several_decode_steps_per_call_and_row_buckets_change_no_output(trained,
     per call over row buckets they get the same tokens (and log-probabilities to float rounding) as with one step
     per call, and with the layers scanned over the stacked cache (as a model deeper than generate.UNROLL_LAYERS,
     or one step per call, runs them) as with them unrolled over the cache taken apart, the greedy ones `jaxlm
-    generate`'s cut after the stop token. Each call runs on the smallest bucket that holds the decoding slots,
-    with one step after a prefill and twice the last call's steps else."""
+    generate`'s cut after the stop token; and over the fewest cache slots that hold the rows' positions (16, 32
+    or 64) as over all 64. Each call runs on the smallest bucket that holds the decoding slots, with one step
+    after a prefill and twice the last call's steps else."""
     from jaxlm import generate as generate_lib
     from jaxlm.serve import chunk as chunk_lib
 
@@ -478,11 +479,15 @@ def test_several_decode_steps_per_call_and_row_buckets_change_no_output(trained,
     monkeypatch.setattr(engine_lib, "_decode_loop", logged_loop)
     monkeypatch.setattr(chunk_lib, "prefill_chunks", logged_chunk)
     runs = {}
-    for most, unroll in ((1, False), (8, True), (8, False)):
+    divisors = engine_lib.SLOT_DIVISORS
+    for most, unroll, cut in ((1, False, True), (8, True, True), (8, False, True), (8, True, False)):
         monkeypatch.setattr(generate_lib, "UNROLL_LAYERS", 16 if most == 1 or unroll else 0)
+        monkeypatch.setattr(engine_lib, "SLOT_DIVISORS", divisors if cut else ())
+        decode_loop.clear_cache()  # the slot buckets are read when the program is traced
         e = engine_lib.Engine(model.params, model.config.model, SLOTS, 64, max_queue=16, prefill_chunk=16,
                               decode_steps=most)
         assert e.unroll == unroll  # one step per call scans whatever the depth
+        assert engine_lib._slot_buckets(e.cfg, e.cache) == ([16, 32, 64] if cut else [64])
         e.warm_up()
         log.clear()
         events = [[] for _ in prompts]
@@ -502,15 +507,17 @@ def test_several_decode_steps_per_call_and_row_buckets_change_no_output(trained,
                 time.sleep(0.01)
         finally:
             e.stop()
-        runs[most, unroll] = events
+        runs[most, unroll, cut] = events
         calls = [x for x in log if x != "chunk"]
         assert e.buckets == [8, 4, 2, 1] and {rows for rows, _, _ in calls} == {8, 4, 2, 1}
         assert all(rows == min(b for b in e.buckets if b >= live) for rows, live, _ in calls)
         assert all(x[2] == (1 if before == "chunk" else min(2 * before[2], most))
                    for before, x in zip(log, log[1:]) if x != "chunk")
         assert max(steps for _, _, steps in calls) == most
-    eight = runs[8, True]
-    for other in (runs[1, False], runs[8, False]):
+    monkeypatch.setattr(engine_lib, "SLOT_DIVISORS", divisors)
+    decode_loop.clear_cache()
+    eight = runs[8, True, True]
+    for other in (runs[1, False, True], runs[8, False, True], runs[8, True, False]):
         for a, b in zip(other, eight):
             assert [t for t, _, _ in token_events(a)] == [t for t, _, _ in token_events(b)] and a[-1] == b[-1]
             assert np.allclose([lp for _, lp, _ in token_events(a)], [lp for _, lp, _ in token_events(b)],
@@ -529,7 +536,9 @@ def test_several_decode_steps_per_call_and_row_buckets_change_no_output(trained,
 def test_restack_puts_back_every_layer_unstack_took_apart(quantize):
     """The server's decode program takes the stacked cache apart by layer and stacks it back once per call:
     with local and global layers (ring buffers shorter than the global slots) and int8 scales, layer i of
-    unstack is repeat i // 2 of pattern entry i % 2, keys transposed, and restack gives back every array."""
+    unstack is repeat i // 2 of pattern entry i % 2, keys transposed, and restack gives back every array; of a
+    bucket's rows, unstack takes those rows and restack puts them back in their slots; cut to fewer slots, the
+    global layers keep the first ones and the ring buffers all theirs."""
     import jax
     from jaxlm.config import ModelConfig
     from jaxlm.model import kvcache
@@ -548,10 +557,39 @@ def test_restack_puts_back_every_layer_unstack_took_apart(quantize):
         assert np.array_equal(layer["k"], np.swapaxes(c.k[r], 2, 3)) and np.array_equal(layer["v"], c.v[r])
         assert (layer["k_scale"] is None) == (not quantize)
     assert [p.shape[1] for p in apart.pos] == [8, 20]
-    back = kvcache.restack(apart, cfg)
+    back = kvcache.restack(apart, cfg, jax.tree.map(jax.numpy.zeros_like, cache))
     assert jax.tree.structure(back) == tree
     for a, b in zip(jax.tree.leaves(back), leaves := jax.tree.leaves(cache)):
         assert a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a, b)
+    # A bucket's rows (slots 2 and 0) come apart in its order and go back where they were, the others untouched.
+    rows = np.array([2, 0], np.int32)
+    apart = kvcache.unstack(cache, cfg, rows)
+    want = kvcache.unstack(kvcache.take_rows(cache, cfg, rows), cfg)
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(apart), jax.tree.leaves(want)))
+    zeros = jax.tree.map(jax.numpy.zeros_like, cache)
+    back = kvcache.restack(apart, cfg, zeros, rows)
+    for a, b, z in zip(*(map(np.asarray, jax.tree.leaves(t)) for t in (back, cache, zeros))):
+        axis = 0 if a.ndim <= 2 else 1  # positions [B, S] and lengths [B]; keys, values, scales [R, B, ...]
+        assert np.array_equal(np.take(a, rows, axis), np.take(b, rows, axis))
+        assert np.array_equal(np.take(a, [1], axis), np.take(z, [1], axis))
+    # Cut to 12 slots, the global layers keep their first 12 and the ring buffers of 8 all theirs, taken apart
+    # (unstack) or stacked (take_rows, as the scanned layers take them), and only those go back.
+    for cut, put in ((kvcache.unstack(cache, cfg, rows, 12), lambda c: kvcache.restack(c, cfg, zeros, rows)),
+                     (kvcache.take_rows(cache, cfg, rows, 12), lambda c: kvcache.put_rows(zeros, c, rows))):
+        assert [p.shape[1] for p in (cut.pos if hasattr(cut, "pos") else [c.pos for c in cut.kinds])] == [8, 12]
+        back = put(cut)
+        for j, (c, z, got) in enumerate(zip(cache.kinds, zeros.kinds, back.kinds)):
+            S = c.pos.shape[1]
+            kept = np.arange(S) < (12 if j == 1 else S)
+            for name, slot_axis in (("k", 3), ("v", 3), ("k_scale", 3), ("v_scale", 3), ("pos", 1)):
+                a, b, zero = (None if getattr(x, name) is None else np.asarray(getattr(x, name))
+                              for x in (got, c, z))
+                if a is None:
+                    continue
+                row_axis = slot_axis - 2 if name != "pos" else 0
+                a, b, zero = (np.take(x, rows, row_axis) for x in (a, b, zero))
+                assert np.array_equal(np.compress(kept, a, slot_axis), np.compress(kept, b, slot_axis))
+                assert np.array_equal(np.compress(~kept, a, slot_axis), np.compress(~kept, zero, slot_axis))
 
 
 def test_an_int8_cache_decodes_the_same_unrolled_and_scanned(trained, shakespeare_file, monkeypatch):

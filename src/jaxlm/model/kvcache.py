@@ -122,6 +122,51 @@ def copy_row(dst: KVCache, src: KVCache, dst_row, src_row) -> KVCache:
     return KVCache(kinds, put(dst.length, src.length, 0))
 
 
+def kept_slots(cfg: ModelConfig, j: int, S: int, slots: int | None) -> int:
+    """How many of pattern entry j's S slots a cache cut to `slots` keeps (None: all). A layer that holds
+    position p in slot p (a global layer, or a sliding window longer than the cache) keeps its first `slots`:
+    a decoder whose sequences stay below `slots` positions then attends over the same keys as with all of them
+    (the slots cut off hold only later positions, which causality masks, or none). A ring buffer keeps all."""
+    ring = cfg.pattern[j] == "local" and S >= cfg.sliding_window
+    return S if slots is None or ring else min(slots, S)
+
+
+def _at(rows_b: jax.Array | None, row_axis: int, slot_axis: int, L: int, r: int | None = None) -> tuple:
+    """The index of sequences rows_b (all when None) and the first L slots (of repeat r when given)."""
+    index = [slice(None)] * (slot_axis + 1)
+    index[row_axis] = slice(None) if rows_b is None else rows_b
+    index[slot_axis] = slice(0, L)
+    if r is not None:
+        index[0] = r
+    return tuple(index)
+
+
+def take_rows(cache: KVCache, cfg: ModelConfig, rows_b: jax.Array | None = None, slots: int | None = None
+              ) -> KVCache:
+    """The cache of sequences rows_b (all when None), in that order, cut to `slots` slots (kept_slots)."""
+    kinds = []
+    for j, c in enumerate(cache.kinds):
+        L = kept_slots(cfg, j, c.pos.shape[1], slots)
+        kinds.append(KindCache(*(None if a is None else a[_at(rows_b, 1, 3, L)]
+                                 for a in (c.k, c.v, c.k_scale, c.v_scale)), c.pos[_at(rows_b, 0, 1, L)]))
+    return KVCache(tuple(kinds), cache.length if rows_b is None else cache.length[rows_b])
+
+
+def put_rows(cache: KVCache, sub: KVCache, rows_b: jax.Array | None = None) -> KVCache:
+    """`cache` with `sub` (of take_rows) written back at sequences rows_b (all when None) and the slots it
+    kept, laid out as `init` lays it out."""
+    def put(a, x, row_axis, slot_axis):
+        if a is None or (rows_b is None and a.shape == x.shape):  # all of it (the scan's stacked cache)
+            return x
+        a = a.at[_at(rows_b, row_axis, slot_axis, x.shape[slot_axis])].set(x)
+        return constrain(a, (None,) + CACHE_AXES[:a.ndim - 1]) if a.ndim > 2 else a
+
+    kinds = tuple(KindCache(put(c.k, s.k, 1, 3), put(c.v, s.v, 1, 3), put(c.k_scale, s.k_scale, 1, 3),
+                            put(c.v_scale, s.v_scale, 1, 3), put(c.pos, s.pos, 0, 1))
+                  for c, s in zip(cache.kinds, sub.kinds))
+    return KVCache(kinds, sub.length if rows_b is None else cache.length.at[rows_b].set(sub.length))
+
+
 # Of one layer's keys transposed [B, K, H, S] in LayerCaches.
 KEY_T_AXES = ("batch", "kv_heads", "head_dim", None)
 
@@ -137,33 +182,48 @@ class LayerCaches:
     length: jax.Array
 
 
-def unstack(cache: KVCache, cfg: ModelConfig) -> LayerCaches:
+def unstack(cache: KVCache, cfg: ModelConfig, rows_b: jax.Array | None = None, slots: int | None = None
+            ) -> LayerCaches:
     """The stacked cache taken apart by layer (layer i is repeat i // P of pattern entry i % P), keys
-    transposed. One copy of the cache, made once before a decode loop."""
+    transposed: of sequences rows_b only, in that order, when given, and cut to `slots` slots (kept_slots)
+    when given (the server's decode program takes its bucket's rows, and only the slots they reach). One copy
+    of that part of the cache, made once before a decode loop."""
     P = len(cfg.pattern)
+    Ls = [kept_slots(cfg, j, c.pos.shape[1], slots) for j, c in enumerate(cache.kinds)]
     layers = []
     for i in range(cfg.n_layers):
-        c, r = cache.kinds[i % P], i // P
-        layers.append({"k": constrain(c.k[r].swapaxes(2, 3), KEY_T_AXES), "v": constrain(c.v[r], CACHE_AXES),
-                       "k_scale": None if c.k_scale is None else c.k_scale[r],
-                       "v_scale": None if c.v_scale is None else c.v_scale[r]})
-    return LayerCaches(tuple(layers), tuple(c.pos for c in cache.kinds), cache.length)
+        j, r = i % P, i // P
+        c, L = cache.kinds[j], Ls[j]
+        # The stacked keys transposed before a layer is sliced out: XLA then slices, gathers and transposes in
+        # one copy, where transposing the slice made it copy the layer twice.
+        k_RBKHS = c.k.swapaxes(3, 4)
+        layers.append({"k": constrain(k_RBKHS[_at(rows_b, 1, 4, L, r)], KEY_T_AXES),
+                       "v": constrain(c.v[_at(rows_b, 1, 3, L, r)], CACHE_AXES),
+                       "k_scale": None if c.k_scale is None else c.k_scale[_at(rows_b, 1, 3, L, r)],
+                       "v_scale": None if c.v_scale is None else c.v_scale[_at(rows_b, 1, 3, L, r)]})
+    return LayerCaches(tuple(layers), tuple(c.pos[_at(rows_b, 0, 1, L)] for c, L in zip(cache.kinds, Ls)),
+                       cache.length if rows_b is None else cache.length[rows_b])
 
 
-def restack(cache: LayerCaches, cfg: ModelConfig) -> KVCache:
-    """The inverse of unstack: the layers' caches stacked back by pattern entry (keys [R, B, K, S, H] again,
-    int8 scales stacked alike), laid out as `init` lays them out. One copy of the cache, made once after a
-    decode loop that must hand back the stacked cache (the server's decode program)."""
+def restack(cache: LayerCaches, cfg: ModelConfig, into: KVCache, rows_b: jax.Array | None = None) -> KVCache:
+    """The inverse of unstack: `into` (the stacked cache unstack took apart) with the layers' caches written
+    back by pattern entry (keys [R, B, K, S, H] again, int8 scales alike) at sequences rows_b when given, in
+    the slots unstack kept. One copy of that part of the cache, made once after a decode loop that must hand
+    back the stacked cache (the server's decode program), in place when `into` is donated."""
     P = len(cfg.pattern)
     kinds = []
-    for j, pos_BS in enumerate(cache.pos):
-        layers = cache.layers[j::P]
-        stack = lambda name, axes: None if layers[0][name] is None else constrain(  # noqa: E731
-            jnp.stack([layer[name] for layer in layers]), axes)
-        k = constrain(jnp.stack([layer["k"].swapaxes(2, 3) for layer in layers]), (None,) + CACHE_AXES)
-        kinds.append(KindCache(k, stack("v", (None,) + CACHE_AXES), stack("k_scale", (None,) + CACHE_AXES[:3]),
-                               stack("v_scale", (None,) + CACHE_AXES[:3]), pos_BS))
-    return KVCache(tuple(kinds), cache.length)
+    for j, (c, pos_BS) in enumerate(zip(into.kinds, cache.pos)):
+        L = pos_BS.shape[1]
+        arrays = {"k": c.k, "v": c.v, "k_scale": c.k_scale, "v_scale": c.v_scale}
+        for r, layer in enumerate(cache.layers[j::P]):
+            for name, x in arrays.items():
+                if x is not None:
+                    new = layer[name].swapaxes(2, 3) if name == "k" else layer[name]
+                    arrays[name] = x.at[_at(rows_b, 1, 3, L, r)].set(new)
+        arrays = {name: None if x is None else constrain(x, (None,) + CACHE_AXES[:x.ndim - 1])
+                  for name, x in arrays.items()}
+        kinds.append(KindCache(**arrays, pos=c.pos.at[_at(rows_b, 0, 1, L)].set(pos_BS)))
+    return KVCache(tuple(kinds), cache.length if rows_b is None else into.length.at[rows_b].set(cache.length))
 
 
 def _pad(x: jax.Array, axis: int, S: int, value=0) -> jax.Array:

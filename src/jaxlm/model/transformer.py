@@ -395,14 +395,18 @@ def decode_layers(params: dict, layer_params: tuple[dict, ...], tokens_B: jax.Ar
     return logits_BV, kvcache.LayerCaches(tuple(new), tuple(k_positions), pos_B + 1)
 
 
-def decoder(params: dict, cache: kvcache.KVCache, cfg: ModelConfig, unroll: bool):
-    """A decode loop's step and the cache in the layout it takes: `step(tokens_B, cache) -> (logits_BV, cache)`.
-    With `unroll` the weights and the cache are taken apart by layer here, once (decode_layers; the cache
-    comes back stacked with kvcache.restack), else the step scans the stacked layers (decode_step)."""
+def decoder(params: dict, cache: kvcache.KVCache, cfg: ModelConfig, unroll: bool, rows_b: jax.Array | None = None,
+            slots: int | None = None):
+    """A decode loop's step and the cache in the layout it takes: `step(tokens_B, cache) -> (logits_BV, cache)`,
+    of the sequences rows_b of `cache` and cut to `slots` slots (kvcache.kept_slots) when given. With `unroll`
+    the weights and the cache are taken apart by layer here, once (decode_layers; kvcache.restack puts the
+    cache back), else the step scans the stacked layers (decode_step; kvcache.put_rows puts it back)."""
     if not unroll:
-        return (lambda tokens_B, c: decode_step(params, tokens_B, c, cfg)), cache
+        return (lambda tokens_B, c: decode_step(params, tokens_B, c, cfg)), (
+            cache if rows_b is None and slots is None else kvcache.take_rows(cache, cfg, rows_b, slots))
     layer_params = layer_weights(params, cfg)
-    return (lambda tokens_B, c: decode_layers(params, layer_params, tokens_B, c, cfg)), kvcache.unstack(cache, cfg)
+    return ((lambda tokens_B, c: decode_layers(params, layer_params, tokens_B, c, cfg)),
+            kvcache.unstack(cache, cfg, rows_b, slots))
 
 
 def token_losses(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:

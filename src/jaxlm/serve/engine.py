@@ -7,9 +7,10 @@ and random stream and appending those tokens to the cache. A row stops inside th
 its max_tokens (admission made prompt + max_tokens fit in the slot, so that is also where its context ends),
 and the loop stops early when no row is left; the tokens of all steps (and their log-probabilities, when a row
 asks for them) come back together and go to their requests. A sequence that ends (stop token, max_tokens,
-cancel) frees its slot before the next turn. The call takes its rows' cache apart by layer once, runs the
-steps with the layers unrolled, and stacks it back once (as generate's decode loop does; models deeper than
-generate.UNROLL_LAYERS, and serve.decode_steps=1, scan the layers of the stacked cache instead).
+cancel) frees its slot before the next turn. The call takes its rows' cache apart by layer once (gathering the
+bucket's rows in the same copy), runs the steps with the layers unrolled, and writes it back into the stacked
+cache once, in place (as generate's decode loop does; models deeper than generate.UNROLL_LAYERS, and
+serve.decode_steps=1, scan the layers of the stacked cache instead).
 
 The host hands out a call's tokens while the device runs the next one: each turn dispatches its decode call
 first (JAX dispatches asynchronously) and then waits for the call of the turn before, sends its tokens to their
@@ -29,6 +30,10 @@ of them; a turn gathers the busy rows of the cache into the smallest bucket that
 that, and scatters them back, so a few busy slots do not pay for all of them. The shapes of a bucket's program
 do not depend on what the slots hold nor on the steps asked for, so requests compile nothing (but one whose
 sequences have more than MIN_STOP_WIDTH stop tokens: a wider program, once).
+
+Slot buckets: a call takes (and attends over) only the fewest cache slots that hold every position it reads or
+writes, an eighth, a quarter, a half or all of them (_slot_buckets, kvcache.kept_slots), chosen on device by
+one lax.cond per bucket inside the same program.
 
 Prompts are prefilled into their slots in chunks (serve/chunk.py) of at most `prefill_chunk` tokens, and a turn
 prefills at most that many prompt tokens before its decode call (at least one chunk), so a long prompt takes a
@@ -79,6 +84,7 @@ TOP_LOGPROBS = 5  # the most alternatives a request may ask for, as the OpenAI c
 MIN_BUCKET = 16
 MIN_STOP_WIDTH = 4  # stop tokens per row the decode program takes (more compile a wider one, once)
 MAX_PREFILL_ROWS = 16  # prompts' chunks prefilled in one call at most
+SLOT_DIVISORS = (8, 4, 2)  # the decode program's slot buckets besides all slots: S / each (_slot_buckets)
 
 
 class QueueFull(Exception):
@@ -162,27 +168,6 @@ def _sample(branch, logits_bV, keys_b, temperature_b, top_k_b, top_p_b):
     return jax.lax.switch(branch, (greedy, plain, filtered))
 
 
-def _rows(cache: kvcache.KVCache, rows_b) -> kvcache.KVCache:
-    """The cache of slots rows_b, in that order."""
-    kinds = tuple(kvcache.KindCache(*(None if a is None else jnp.take(a, rows_b, axis=1)
-                                      for a in (c.k, c.v, c.k_scale, c.v_scale)), jnp.take(c.pos, rows_b, axis=0))
-                  for c in cache.kinds)
-    return kvcache.KVCache(kinds, jnp.take(cache.length, rows_b, axis=0))
-
-
-def _put_rows(cache: kvcache.KVCache, rows_b, sub: kvcache.KVCache) -> kvcache.KVCache:
-    """`cache` with slots rows_b replaced by `sub`'s rows, laid out as _empty lays it out."""
-    def put(a, x):
-        if a is None:
-            return None
-        return sharding.constrain(a.at[:, rows_b].set(x), (None,) + kvcache.CACHE_AXES[:a.ndim - 1])
-
-    kinds = tuple(kvcache.KindCache(put(c.k, s.k), put(c.v, s.v), put(c.k_scale, s.k_scale),
-                                    put(c.v_scale, s.v_scale), c.pos.at[rows_b].set(s.pos))
-                  for c, s in zip(cache.kinds, sub.kinds))
-    return kvcache.KVCache(kinds, cache.length.at[rows_b].set(sub.length))
-
-
 @partial(jax.jit, static_argnames=("cfg", "max_steps", "unroll"), donate_argnames=("cache", "logits_BV"))
 def _decode_loop(params, cache, logits_BV, rows_b, steps, live_b, idle_length_b, left_b, stop_bM, want_lp_b,
                  seed_b, choice_b, count_b, temperature_b, top_k_b, top_p_b, cfg: ModelConfig, max_steps: int,
@@ -192,50 +177,80 @@ def _decode_loop(params, cache, logits_BV, rows_b, steps, live_b, idle_length_b,
     the tokens to the cache; a row stops living after a token in its stop_bM (padded with -1) or its left_b-th
     token, and the loop ends early once no row lives. With `unroll` the steps run over the cache taken apart
     by layer (kvcache.unstack, transformer.decode_layers), as generate's loop does for models of up to
-    generate.UNROLL_LAYERS layers: one copy of the rows' cache in and one out (kvcache.restack) per call, where
-    the scan over the stacked cache (unroll False) copies each layer's keys and values out of the stack every
-    step. Returns tokens, log-probabilities (zeros unless a live row wants them) and top alternatives
-    [N, b(, K)], which of them were produced [N, b], the logits and the cache."""
+    generate.UNROLL_LAYERS layers: one copy of the rows' part of the cache in (the gather of rows_b included)
+    and one out (kvcache.restack, in place into the donated cache) per call, where the scan over the stacked
+    cache (unroll False) copies each layer's keys and values out of the stack every step. Either way the call
+    takes only the fewest slots of _slot_buckets that hold the positions it reads and writes. Returns tokens,
+    log-probabilities (zeros unless a live row wants them) and top alternatives [N, b(, K)], which of them were
+    produced [N, b], the logits and the cache."""
     B, b, V = logits_BV.shape[0], rows_b.shape[0], logits_BV.shape[-1]
     whole = b == B
-    sub = cache if whole else _rows(cache, rows_b)
     logits_bV = logits_BV if whole else jnp.take(logits_BV, rows_b, axis=0)
     hot_b = live_b & (temperature_b > 0)
     filtered_b = hot_b & (((top_k_b > 0) & (top_k_b < V)) | (top_p_b < 1))
     branch = jnp.where(jnp.any(filtered_b), 2, jnp.where(jnp.any(hot_b), 1, 0))
     N, K = max_steps, TOP_LOGPROBS
-    out = (jnp.zeros((N, b), jnp.int32), jnp.zeros((N, b), jnp.float32), jnp.zeros((N, b, K), jnp.int32),
-           jnp.zeros((N, b, K), jnp.float32), jnp.zeros((N, b), bool))
-
-    decode, sub = transformer.decoder(params, sub, cfg, unroll)
+    zeros = (jnp.zeros((N, b), jnp.int32), jnp.zeros((N, b), jnp.float32), jnp.zeros((N, b, K), jnp.int32),
+             jnp.zeros((N, b, K), jnp.float32), jnp.zeros((N, b), bool))
+    rows = None if whole else rows_b
 
     def no_logprobs(logits_bV, tok_b):
         return jnp.zeros((b,), jnp.float32), jnp.zeros((b, K), jnp.int32), jnp.zeros((b, K), jnp.float32)
 
-    def body(state):
-        i, sub, logits_bV, live_b, out = state
-        tok_b = _sample(branch, logits_bV, _row_keys(seed_b, choice_b, count_b + i), temperature_b, top_k_b, top_p_b)
-        tok_b = jnp.where(live_b, tok_b, 0)
-        lp = jax.lax.cond(jnp.any(live_b & want_lp_b), _logprobs, no_logprobs, logits_bV, tok_b)
-        out = tuple(o.at[i].set(x) for o, x in zip(out, (tok_b, *lp, live_b)))
-        ended_b = jnp.any(tok_b[:, None] == stop_bM, axis=1) | (i + 1 >= left_b)
-        # Rows not living decode a dummy token at idle_length_b: 0 for a free slot or a finished sequence, the
-        # next chunk's start for a slot being prefilled, where the chunk masks that entry and then overwrites it
-        # (serve/chunk.py).
-        sub = dataclasses.replace(sub, length=jnp.where(live_b, sub.length, idle_length_b))
-        logits_bV, sub = decode(tok_b, sub)
-        return i + 1, sub, logits_bV, live_b & ~ended_b, out
+    def run(slots, out, logits_bV, cache):  # the call over the first `slots` slots of the rows' cache
+        decode, sub = transformer.decoder(params, cache, cfg, unroll, rows, slots)
 
-    def more(state):
-        return (state[0] < steps) & jnp.any(state[3])
+        def body(state):
+            i, sub, logits_bV, live_b, out = state
+            tok_b = _sample(branch, logits_bV, _row_keys(seed_b, choice_b, count_b + i), temperature_b, top_k_b,
+                            top_p_b)
+            tok_b = jnp.where(live_b, tok_b, 0)
+            lp = jax.lax.cond(jnp.any(live_b & want_lp_b), _logprobs, no_logprobs, logits_bV, tok_b)
+            out = tuple(o.at[i].set(x) for o, x in zip(out, (tok_b, *lp, live_b)))
+            ended_b = jnp.any(tok_b[:, None] == stop_bM, axis=1) | (i + 1 >= left_b)
+            # Rows not living decode a dummy token at idle_length_b: 0 for a free slot or a finished sequence,
+            # the next chunk's start for a slot being prefilled, where the chunk masks that entry and then
+            # overwrites it (serve/chunk.py).
+            sub = dataclasses.replace(sub, length=jnp.where(live_b, sub.length, idle_length_b))
+            logits_bV, sub = decode(tok_b, sub)
+            return i + 1, sub, logits_bV, live_b & ~ended_b, out
 
-    _, sub, logits_bV, _, out = jax.lax.while_loop(more, body, (jnp.int32(0), sub, logits_bV, live_b, out))
-    if unroll:
-        sub = kvcache.restack(sub, cfg)
+        def more(state):
+            return (state[0] < steps) & jnp.any(state[3])
+
+        _, sub, logits_bV, _, out = jax.lax.while_loop(more, body, (jnp.int32(0), sub, logits_bV, live_b, out))
+        cache = kvcache.restack(sub, cfg, cache, rows) if unroll else kvcache.put_rows(cache, sub, rows)
+        return out, logits_bV, cache
+
+    buckets = _slot_buckets(cfg, cache)
+    if len(buckets) == 1:
+        out, logits_bV, cache = run(None, zeros, logits_bV, cache)
+    else:
+        # The fewest slots that hold every position this call reads or writes: a live row's cached ones and the
+        # ones its steps append, a dummy token's (idle_length_b).
+        length_b = cache.length if whole else cache.length[rows_b]
+        reach = jnp.maximum(jnp.max(jnp.where(live_b, length_b + jnp.minimum(steps, left_b), 0)),
+                            jnp.max(idle_length_b) + 1)
+        which = jnp.sum(jnp.asarray(buckets[:-1]) < reach)
+        # One cond per bucket rather than a lax.switch: XLA then updates the donated cache in place, where the
+        # switch's branches each copied all of it.
+        state = (zeros, logits_bV, cache)
+        for j, S in enumerate(buckets):
+            state = jax.lax.cond(which == j, partial(run, S), lambda *state: state, *state)
+        out, logits_bV, cache = state
     if not whole:
-        sub = _put_rows(cache, rows_b, sub)
         logits_bV = logits_BV.at[rows_b].set(logits_bV)
-    return *out, logits_bV, sub
+    return *out, logits_bV, cache
+
+
+def _slot_buckets(cfg: ModelConfig, cache: kvcache.KVCache) -> list[int]:
+    """The slot counts the decode program is compiled for, fewest first: a call attends over (and copies) the
+    fewest that hold its rows' positions (kvcache.kept_slots), S/8, S/4, S/2 or all S of them (from
+    MIN_BUCKET slots), where a full cache's slots all cost every step. Only all S when no layer can be cut."""
+    S = max(c.pos.shape[1] for c in cache.kinds)
+    if all(kvcache.kept_slots(cfg, j, c.pos.shape[1], 1) == c.pos.shape[1] for j, c in enumerate(cache.kinds)):
+        return [S]
+    return sorted({S // d for d in SLOT_DIVISORS if S // d >= MIN_BUCKET} | {S})
 
 
 def _empty(cfg: ModelConfig, slots: int, length: int, quantize: bool) -> kvcache.KVCache:
