@@ -492,11 +492,12 @@ class Engine:
         for C, seqs in groups.items():
             for i in range(0, len(seqs), most):
                 self._prefill_chunk(seqs[i:i + most], C)
-        for seq, _ in chunks:
-            if seq.decoding:
-                self.prefilling.remove(seq.slot)
-                if self.prefix is not None:
-                    self.prefix.save(self.cache, seq.slot, seq.prompt)
+        done = [seq for seq, _ in chunks if seq.decoding]
+        for seq in done:
+            self.prefilling.remove(seq.slot)
+        if self.prefix is not None:  # the last prompts in: keeping more than the store holds would evict them
+            for seq in done[-len(self.prefix.tokens):]:
+                self.prefix.save(self.cache, seq.slot, seq.prompt)
         return bool(chunks)
 
     def _prefill_chunk(self, seqs: list[Sequence], C: int) -> None:
