@@ -310,8 +310,8 @@ class ServeConfig:
                               "same tokens (a shared system prompt) to reuse instead of prefilling; each costs one "
                               "slot's cache memory; 0 = off")
     decode_steps: int = _f(8, "decode steps run in one device call at most, each row stopping at its stop token or "
-                              "max_tokens inside the call; a turn that prefills runs one step, later turns twice as "
-                              "many up to this; 1 = one step per call")
+                              "max_tokens inside the call; a turn that prefills runs one step (a new request's "
+                              "first token), the others this many; 1 = one step per call")
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ sequence at its max_tokens, the turn collects it before dispatching, so the wait
 once.
 
 How many steps a turn runs: one in a turn that prefilled (a new request gets its first token after one step,
-not after decode_steps), then twice as many each turn up to serve.decode_steps while nothing is prefilled.
+not after decode_steps), else serve.decode_steps.
 While requests wait for a slot, a turn runs no more steps than the nearest sequence needs to reach its
 max_tokens, so its slot is handed on at once.
 
@@ -427,7 +427,7 @@ class Engine:
             self._collect(self.in_flight)  # it ends a sequence: the next turn admits a waiting one in its place
             self.in_flight = None
             return
-        self.steps = 1 if self._prefill() else min(2 * self.steps, self.decode_steps)
+        self.steps = 1 if self._prefill() else self.decode_steps
         steps = self.steps
         planned = [s.max_tokens - s.planned for s in self.slots
                    if s is not None and s.decoding and not s.cancelled and s.planned < s.max_tokens]
