@@ -250,10 +250,10 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_the_other_slots_steps(trai
     log = []
     chunk = chunk_lib.prefill_chunks
 
-    def logged_chunk(params, cache, logits_BV, tokens_PC, start_P, length_P, slot_P, cfg):
+    def logged_chunk(params, cache, logits_BV, tokens_PC, start_P, length_P, slot_P, cfg, *fresh):
         log.extend(("chunk", int(slot), int(start), tokens_PC.shape[1])
                    for slot, start in zip(slot_P, start_P) if slot < len(cache.length))
-        return chunk(params, cache, logits_BV, tokens_PC, start_P, length_P, slot_P, cfg)
+        return chunk(params, cache, logits_BV, tokens_PC, start_P, length_P, slot_P, cfg, *fresh)
 
     monkeypatch.setattr(chunk_lib, "prefill_chunks", logged_chunk)
     e = engine_lib.Engine(model.params, model.config.model, 2, 64, max_queue=4, prefill_chunk=16)
@@ -366,6 +366,57 @@ def test_several_prompts_chunks_in_one_call_equal_them_one_at_a_time(family, qua
                                    rtol=0, atol=1e-4)
 
 
+@pytest.mark.parametrize("family,quantize", [("sliding", False), ("gemma2", False), ("sliding", True),
+                                             ("learned_moe", False)])
+def test_first_chunks_prefilled_fresh_equal_the_general_prefill(family, quantize):
+    """Chunks that start their prompts, run `fresh` (the slots' earlier contents neither read nor kept: the
+    engine's path for new prompts), give the logits and lengths of the general path, the same positions, keys
+    and values in the slots the chunk fills, and empty slots after them (where the general path keeps an earlier
+    occupant's, masked); the slots not in the call keep theirs bit for bit."""
+    import jax
+    from jaxlm import params as P, sharding
+    from jaxlm.config import MeshConfig, ModelConfig
+    from jaxlm.model import kvcache, param_specs
+    from jaxlm.serve import chunk as chunk_lib
+
+    cfg = ModelConfig(**{**dict(vocab_size=50, block_size=64, n_layers=2, n_heads=4, n_kv_heads=2, d_model=32,
+                                sliding_window=8), **CHUNK_MODELS[family]})
+    params = P.init(param_specs(cfg), jax.random.key(0), sharding.make_mesh(MeshConfig(), jax.devices()[:1]))
+    B, S, C = 6, 40, 8  # C fits the local layers' 8-slot ring
+    rng = np.random.default_rng(1)
+    cache = kvcache.init(cfg, B, S, quantize)
+    assert chunk_lib.fresh_fits(cache, C) and chunk_lib.fresh_fits(cache, 16) == ("local" not in cfg.pattern)
+    logits_BV = np.zeros((B, cfg.vocab_size), np.float32)
+    tokens_PC = rng.integers(0, 50, (B, 16)).astype(np.int32)  # earlier occupants of every slot: 16 positions
+    cache, logits_BV = chunk_lib.prefill_chunks(params, cache, logits_BV, tokens_PC, np.zeros(B, np.int32),
+                                                np.full(B, 16, np.int32), np.arange(B, dtype=np.int32), cfg)
+    tokens_PC = np.zeros((4, C), np.int32)
+    lengths = [5, 8, 20]  # the last one's first chunk only
+    for i, n in enumerate(lengths):
+        tokens_PC[i, :min(n, C)] = rng.integers(0, 50, min(n, C))
+    args = (tokens_PC, np.zeros(4, np.int32), np.asarray(lengths + [1], np.int32), np.asarray([4, 0, 3, B], np.int32))
+    before = jax.tree.map(np.array, (cache, logits_BV))
+    general = chunk_lib.prefill_chunks(params, *jax.tree.map(np.array, before), *args, cfg)
+    fresh = chunk_lib.prefill_chunks(params, *jax.tree.map(np.array, before), *args, cfg, True)
+    (g_cache, g_logits), (f_cache, f_logits) = general, fresh
+    assert np.allclose(np.asarray(f_logits), np.asarray(g_logits), rtol=0, atol=1e-5)
+    assert np.array_equal(f_cache.length, g_cache.length)
+    for slot, n in zip((4, 0, 3), lengths):
+        filled = min(n, C)
+        for f, g, old in zip(f_cache.kinds, g_cache.kinds, before[0].kinds):
+            assert np.array_equal(np.asarray(f.pos[slot])[:filled], np.asarray(g.pos[slot])[:filled])
+            assert (np.asarray(f.pos[slot])[filled:] == kvcache.EMPTY).all()
+            for name in ("k", "v", "k_scale", "v_scale"):
+                a, b = getattr(f, name), getattr(g, name)
+                if a is not None:
+                    assert np.allclose(np.asarray(a[:, slot, :, :filled], np.float32),
+                                       np.asarray(b[:, slot, :, :filled], np.float32), rtol=0,
+                                       atol=1 if a.dtype == np.int8 else 1e-5)
+    for f, old in zip(jax.tree.leaves(f_cache), jax.tree.leaves(before[0])):
+        axis = 1 if f.ndim >= 4 else 0
+        assert np.array_equal(np.take(np.asarray(f), [1, 2, 5], axis), np.take(old, [1, 2, 5], axis))
+
+
 def test_prompts_arriving_together_are_prefilled_together_and_change_no_output(trained, shakespeare_file,
                                                                               monkeypatch):
     """Twelve greedy sequences submitted together to 8 slots with serve.prefill_chunk=32: a turn takes the
@@ -383,10 +434,10 @@ def test_prompts_arriving_together_are_prefilled_together_and_change_no_output(t
     calls = []
     chunk = chunk_lib.prefill_chunks
 
-    def logged_chunk(params, cache, logits_BV, tokens_PC, start_P, length_P, slot_P, cfg):
+    def logged_chunk(params, cache, logits_BV, tokens_PC, start_P, length_P, slot_P, cfg, *fresh):
         calls.append([(int(length), int(start)) for length, start, slot in zip(length_P, start_P, slot_P)
                       if slot < len(cache.length)])
-        return chunk(params, cache, logits_BV, tokens_PC, start_P, length_P, slot_P, cfg)
+        return chunk(params, cache, logits_BV, tokens_PC, start_P, length_P, slot_P, cfg, *fresh)
 
     monkeypatch.setattr(chunk_lib, "prefill_chunks", logged_chunk)
     e = engine_lib.Engine(model.params, model.config.model, SLOTS, 64, max_queue=16, prefill_chunk=32)

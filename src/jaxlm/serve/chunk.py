@@ -18,6 +18,11 @@ back. One prompt is the case P = 1. The chunks are padded to a fixed length C (t
 and the engine pads P to a power of two with rows whose slot is B, past the last: such a row reads slot B - 1
 and writes nothing. So the program compiles once per (P, C); starts, lengths and slots are traced.
 
+When every chunk of a call starts its prompt (`fresh`, the common case of new requests without a reused
+prefix) the slots' earlier contents matter to nothing: the call neither gathers them nor attends to them, and
+writes the chunk's keys and values to the first C slots and empties the rest (fresh_fits: C must fit every
+kind's slots, so a ring buffer shorter than C takes the general path). That also compiles once per (P, C).
+
 Shape legend: B slots, P rows of a call, C chunk length, S cache slots per sequence, X = S + C keys a chunk
 attends to, R repeats of the layer pattern, K kv heads, H head width, N query heads, D width, V vocab.
 """
@@ -57,17 +62,24 @@ def _layout(pos_S, start, end, chunk_k_pos_C):
             jnp.where(take_S, latest_S, pos_S))
 
 
-def _attend_chunk(h_PCD, p, cfg: ModelConfig, q_pos_PC, k_pos_PX, rows: dict, take_PS, src_PS, local: bool):
+def _attend_chunk(h_PCD, p, cfg: ModelConfig, q_pos_PC, k_pos_PX, rows: dict, take_PS, src_PS, local: bool,
+                  quantized: bool):
     """The chunks' attention over their slots' earlier keys and their own; returns the output and the slots'
-    updated k, v (and scales) for this layer."""
+    updated k, v (and scales) for this layer. With `rows` None (chunks that start their prompts, _fresh) the
+    queries see the chunk's keys only and the update is the chunk's own k, v (and scales) [P, K, C(, H)], for
+    slots 0..C-1."""
     with jax.named_scope("attention"):
         q_PCNH, k_PCKH, v_PCKH = attention.project_qkv(h_PCD, p, cfg, q_pos_PC)
-        quantized = rows["k_scale"] is not None
         keys = []
         new = {}
         for name, x_PCKH in (("k", k_PCKH), ("v", v_PCKH)):
+            own_PKCH = x_PCKH.transpose(0, 2, 1, 3)
+            if rows is None:
+                keys.append(own_PKCH.astype(q_PCNH.dtype))
+                new[name], new[f"{name}_scale"] = kvcache.store(own_PKCH, quantized)
+                continue
             old_PKSH = kvcache.read(rows[name], rows[f"{name}_scale"], q_PCNH.dtype)
-            keys.append(jnp.concatenate([old_PKSH, x_PCKH.transpose(0, 2, 1, 3).astype(q_PCNH.dtype)], axis=2))
+            keys.append(jnp.concatenate([old_PKSH, own_PKCH.astype(q_PCNH.dtype)], axis=2))
             x_PSKH = jnp.take_along_axis(x_PCKH, src_PS[:, :, None, None], axis=1)
             x_PKSH, scale_PKS = kvcache.store(x_PSKH.transpose(0, 2, 1, 3), quantized)
             new[name] = jnp.where(take_PS[:, None, :, None], x_PKSH.astype(rows[name].dtype), rows[name])
@@ -79,15 +91,23 @@ def _attend_chunk(h_PCD, p, cfg: ModelConfig, q_pos_PC, k_pos_PX, rows: dict, ta
         return attention._project_out(out_PCNH, p), new
 
 
-@partial(jax.jit, static_argnames="cfg", donate_argnames=("cache", "logits_BV"))
+def fresh_fits(cache: kvcache.KVCache, C: int) -> bool:
+    """Whether chunks of C tokens that start their prompts can take prefill_chunks' `fresh` path: every kind
+    holds position s in slot s for s < C (C no more than its slots, a ring buffer's included)."""
+    return all(C <= c.pos.shape[1] for c in cache.kinds)
+
+
+@partial(jax.jit, static_argnames=("cfg", "fresh"), donate_argnames=("cache", "logits_BV"))
 @quant.scoped
 def prefill_chunks(params, cache: kvcache.KVCache, logits_BV, tokens_PC, start_P, length_P, slot_P,
-                   cfg: ModelConfig):
+                   cfg: ModelConfig, fresh: bool = False):
     """Run, for each row p, prompt tokens [start_P[p], start_P[p] + C) (tokens_PC[p]; those at or past
     length_P[p] are padding) in slot slot_P[p], whose cache holds the prompt's positions before start_P[p].
     Returns the cache with each row's keys and values and length min(start + C, length) in its slot, and
     logits_BV with the slot's row set to the logits after the chunk's last real token (the next token's, once
-    the chunk reaches the prompt's end). A slot may appear in one row only, or be B (a padding row: no effect)."""
+    the chunk reaches the prompt's end). A slot may appear in one row only, or be B (a padding row: no effect).
+    `fresh` (every start_P 0, and fresh_fits): the slots' earlier contents are neither read nor kept, only
+    written: the chunk's keys and values go to slots 0..C-1 and every later slot is emptied (EMPTY)."""
     C = tokens_PC.shape[1]
     positions_PC = start_P[:, None] + jnp.arange(C, dtype=jnp.int32)
     end_P = jnp.minimum(start_P + C, length_P)
@@ -96,8 +116,14 @@ def prefill_chunks(params, cache: kvcache.KVCache, logits_BV, tokens_PC, start_P
     chunk_k_pos_PC = jnp.where(positions_PC < length_P[:, None], positions_PC, kvcache.EMPTY)
     x_PCD = constrain(transformer.embed(params, tokens_PC, cfg, q_pos_PC), ("batch", "length", "embed"))
     # per kind: key positions [P, X], which slots take a chunk entry [P, S], from where [P, S], new positions
-    layouts = [jax.vmap(_layout)(jnp.take(c.pos, slot_P, axis=0, mode="clip"), start_P, end_P, chunk_k_pos_PC)
-               for c in cache.kinds]
+    if fresh:  # keys: the chunk's own; slots 0..C-1 take its positions, the rest are emptied
+        P = tokens_PC.shape[0]
+        layouts = [(chunk_k_pos_PC, None, None, jnp.concatenate(
+            [chunk_k_pos_PC, jnp.full((P, c.pos.shape[1] - C), kvcache.EMPTY, jnp.int32)], axis=1))
+            for c in cache.kinds]
+    else:
+        layouts = [jax.vmap(_layout)(jnp.take(c.pos, slot_P, axis=0, mode="clip"), start_P, end_P,
+                                     chunk_k_pos_PC) for c in cache.kinds]
 
     def step(x_PCD, inputs):
         p_group, rows = inputs
@@ -106,25 +132,27 @@ def prefill_chunks(params, cache: kvcache.KVCache, logits_BV, tokens_PC, start_P
             k_pos_PX, take_PS, src_PS, _ = layouts[j]
 
             def attn(h_PCD, p_attn, j=j, local=(kind == "local")):
-                return _attend_chunk(h_PCD, p_attn, cfg, q_pos_PC, k_pos_PX, rows[j], take_PS, src_PS, local)
+                return _attend_chunk(h_PCD, p_attn, cfg, q_pos_PC, k_pos_PX, None if fresh else rows[j], take_PS,
+                                     src_PS, local, cache.kinds[j].k_scale is not None)
 
             x_PCD, _, new = transformer._block(x_PCD, jax.tree.map(lambda a: a[j], p_group), cfg, attn)
             new_rows.append(new)
         return x_PCD, tuple(new_rows)
 
-    rows = tuple(_rows(c, slot_P) for c in cache.kinds)
+    rows = () if fresh else tuple(_rows(c, slot_P) for c in cache.kinds)
     with jax.named_scope("prefill_chunks"):
         x_PCD, new_rows = jax.lax.scan(step, x_PCD, (transformer._grouped(cfg, params["layers"]), rows))
         last_P1D = jnp.take_along_axis(x_PCD, (end_P - 1 - start_P)[:, None, None], axis=1)
         logits_PV = transformer.unembed(params, last_P1D, cfg)[:, 0]
 
-    def put(a, x_P, axis):  # slot B (padding) is dropped
-        return a.at[(slice(None),) * axis + (slot_P,)].set(x_P.astype(a.dtype), mode="drop")
+    def put(a, x_P, axis, first=None):  # slot B (padding) is dropped; `first`: into slots 0..first-1 only
+        index = (slice(None),) * axis + (slot_P,) + (() if first is None else (slice(None), slice(0, first)))
+        return a.at[index].set(x_P.astype(a.dtype), mode="drop")
 
     kinds = []
     for c, new, layout in zip(cache.kinds, new_rows, layouts):
         arrays = {name: None if getattr(c, name) is None else constrain(
-            put(getattr(c, name), new[name], 1), (None,) + kvcache.CACHE_AXES[:getattr(c, name).ndim - 1])
-            for name in ROW}
+            put(getattr(c, name), new[name], 1, C if fresh else None),
+            (None,) + kvcache.CACHE_AXES[:getattr(c, name).ndim - 1]) for name in ROW}
         kinds.append(kvcache.KindCache(pos=put(c.pos, layout[3], 0), **arrays))
     return kvcache.KVCache(tuple(kinds), put(cache.length, end_P, 0)), put(logits_BV, logits_PV, 0)

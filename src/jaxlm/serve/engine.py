@@ -361,8 +361,10 @@ class Engine:
         idle, then idle decode calls."""
         with self._ctx():
             for P in self.prefill_rows:
-                self._prefill_chunk([Sequence([0], 1, 0.0, 0, 1.0, 0, 0, (), lambda ev: None, slot=i, prefilled=0)
-                                     for i in range(P)], bucket(1, self.prefill_chunk))
+                for fresh in (True, False):  # prompts' first chunks, and later chunks or after a prefix
+                    self._prefill_chunk([Sequence([0], 1, 0.0, 0, 1.0, 0, 0, (), lambda ev: None, slot=i,
+                                                  prefilled=0) for i in range(P)], bucket(1, self.prefill_chunk),
+                                        fresh)
             if self.prefix is not None:
                 self.cache = self.prefix.warm_up(self.cache)
             self.prefilled_tokens_total = self.prefill_calls_total = 0
@@ -500,10 +502,14 @@ class Engine:
                 self.prefix.save(self.cache, seq.slot, seq.prompt)
         return bool(chunks)
 
-    def _prefill_chunk(self, seqs: list[Sequence], C: int) -> None:
+    def _prefill_chunk(self, seqs: list[Sequence], C: int, fresh: bool | None = None) -> None:
         """Run the next chunk of each of seqs' prompts (at most C tokens) into its slot, in one call padded to
-        the smallest of prefill_rows that holds them (padding rows take slot B, which writes nothing)."""
+        the smallest of prefill_rows that holds them (padding rows take slot B, which writes nothing). When all
+        the chunks start their prompts (and fit, chunk.fresh_fits), the call neither reads nor keeps what the
+        slots held (`fresh`, unless given)."""
         P = min(p for p in self.prefill_rows if p >= len(seqs))
+        if fresh is None:
+            fresh = all(seq.prefilled == 0 for seq in seqs) and chunk_lib.fresh_fits(self.cache, C)
         tokens_PC, start_P = np.zeros((P, C), np.int32), np.zeros(P, np.int32)
         length_P, slot_P = np.ones(P, np.int32), np.full(P, self.B, np.int32)
         for i, seq in enumerate(seqs):
@@ -513,7 +519,7 @@ class Engine:
             seq.prefilled += n
             self.prefilled_tokens_total += n
         self.cache, self.logits_BV = chunk_lib.prefill_chunks(
-            self.params, self.cache, self.logits_BV, tokens_PC, start_P, length_P, slot_P, self.cfg)
+            self.params, self.cache, self.logits_BV, tokens_PC, start_P, length_P, slot_P, self.cfg, fresh)
         self.prefill_calls_total += 1
 
     def _reuse_prefix(self, seq: Sequence) -> None:
