@@ -432,7 +432,7 @@ class Engine:
         self.steps = 1 if self._prefill() else self.decode_steps
         steps = self.steps
         planned = [s.max_tokens - s.planned for s in self.slots
-                   if s is not None and s.decoding and not s.cancelled and s.planned < s.max_tokens]
+                   if s is not None and s.decoding and s.planned < s.max_tokens]
         if self.waiting and planned:  # no slot is free: stop when the first one would be
             steps = min(steps, *planned)
         launched = self._launch(steps) if planned else None
@@ -596,7 +596,8 @@ class Engine:
             rows = list(range(self.B))
         else:  # padded with free slots and those whose last tokens are in flight, then with slots being
             # prefilled (they run a dummy token, as above)
-            idle = [i for i, s in enumerate(self.slots) if s is None or (s.decoding and i not in busy)]
+            live = set(busy)
+            idle = [i for i, s in enumerate(self.slots) if s is None or (s.decoding and i not in live)]
             rows = busy + (idle + list(self.prefilling))[:b - len(busy)]
         return self._call(rows, steps)
 
