@@ -38,6 +38,19 @@ def token_events(events: list) -> list:
     return out
 
 
+def until_done(e, events: list, timeout: float = 120, started: bool = False) -> None:
+    """Start engine `e` (unless `started`), wait until every sequence's events end with "done", stop it."""
+    if not started:
+        e.start()
+    deadline = time.monotonic() + timeout
+    try:
+        while not all(ev and ev[-1][0] == "done" for ev in events):
+            assert time.monotonic() < deadline, "the engine did not finish in time"
+            time.sleep(0.01)
+    finally:
+        e.stop()
+
+
 @pytest.fixture(scope="module")
 def trained(char_data, tmp_path_factory):
     """A char model trained for 200 steps on tiny Shakespeare (val loss about 2.4 nats against the corpus's
@@ -444,14 +457,7 @@ def test_prompts_arriving_together_are_prefilled_together_and_change_no_output(t
     events = [[] for _ in prompts]
     for i, (p, m) in enumerate(zip(prompts, max_tokens)):
         e.submit(engine_lib.Sequence(tok.encode(p), m, 0.0, 0, 1.0, 0, 0, (), events[i].append))
-    e.start()
-    deadline = time.monotonic() + 120
-    try:
-        while not all(ev and ev[-1][0] == "done" for ev in events):
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-    finally:
-        e.stop()
+    until_done(e, events)
     chunks = sum(map(len, calls))
     assert chunks == len(prompts) + 2  # the 45- and 40-token prompts take two chunks each
     # a prompt's second chunk with two first ones, then three first ones: the other chunks run alone
@@ -552,12 +558,11 @@ def test_several_decode_steps_per_call_and_row_buckets_change_no_output(trained,
             while not seqs[0].generated:  # the last one arrives while the others decode
                 assert time.monotonic() < deadline
                 time.sleep(0.005)
-            e.submit(seqs[-1])
-            while not all(ev and ev[-1][0] == "done" for ev in events):
-                assert time.monotonic() < deadline
-                time.sleep(0.01)
-        finally:
+        except BaseException:
             e.stop()
+            raise
+        e.submit(seqs[-1])
+        until_done(e, events, started=True)
         runs[most, unroll, cut] = events
         calls = [x for x in log if x != "chunk"]
         assert e.buckets == [8, 4, 2, 1] and {rows for rows, _, _ in calls} == {8, 4, 2, 1}
@@ -662,14 +667,7 @@ def test_an_int8_cache_decodes_the_same_unrolled_and_scanned(trained, shakespear
         events = [[] for _ in prompts]
         for i, (p, t) in enumerate(zip(prompts, temperature)):
             e.submit(engine_lib.Sequence(tok.encode(p), 24, t, 0, 1.0, 7 + i, 0, (), events[i].append))
-        e.start()
-        deadline = time.monotonic() + 120
-        try:
-            while not all(ev and ev[-1][0] == "done" for ev in events):
-                assert time.monotonic() < deadline
-                time.sleep(0.01)
-        finally:
-            e.stop()
+        until_done(e, events)
         runs[unroll] = events
     for a, b in zip(runs[True], runs[False]):
         assert [t for t, _, _ in token_events(a)] == [t for t, _, _ in token_events(b)]
@@ -696,12 +694,7 @@ def test_while_a_request_waits_for_a_slot_a_call_ends_when_the_first_slot_frees(
     events = [[], [], []]
     for i, m in enumerate((6, 30, 5)):
         e.submit(engine_lib.Sequence([1, 2, 3], m, 0.0, 0, 1.0, 0, 0, (), events[i].append))
-    e.start()
-    deadline = time.monotonic() + 60
-    while not all(ev and ev[-1][0] == "done" for ev in events):
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    e.stop()
+    until_done(e, events, timeout=60)
     # a and b prefilled (in one call): 1 step; then 5 (not 8) end a while c waits; c prefilled: 1; then 8 (c
     # ends after 4 of them), 8 and the 8 that end b
     assert steps == [1, 5, 1, 8, 8, 8]
