@@ -142,6 +142,20 @@ def test_zero_temperature_is_greedy_and_seeds_reproduce():
     assert (hot[0] != greedy).any() and (hot[0] != hot[2]).any()
 
 
+def test_greedy_tokens_equal_argmax_with_ties_infinities_and_nans():
+    logits = np.array(jax.random.normal(jax.random.key(2), (8, 300)))
+    logits[0, [5, 9, 200]] = 9.0  # a tie: the first
+    logits[1, :] = -np.inf  # every logit -inf: index 0
+    logits[2, [3, 77]] = np.inf
+    logits[3, [40, 41]] = np.nan  # a NaN counts as the largest: the first NaN
+    logits[4, 299] = 50.0  # the last index
+    want = np.asarray(jnp.argmax(jnp.asarray(logits), axis=-1))
+    np.testing.assert_array_equal(want[:5], [5, 0, 3, 40, 299])
+    for fn in (generate.greedy_tokens, jax.jit(generate.greedy_tokens)):
+        np.testing.assert_array_equal(fn(jnp.asarray(logits)), want)
+        np.testing.assert_array_equal(fn(jnp.asarray(logits[4])), want[4])  # one row, no batch axis
+
+
 def test_plain_sampling_draws_from_the_softmax():
     """top_k 0 (or >= vocab) and top_p 1 take the branch that draws without sorting: frequencies follow the
     softmax of logits / temperature, every token included."""

@@ -701,6 +701,22 @@ def test_while_a_request_waits_for_a_slot_a_call_ends_when_the_first_slot_frees(
     assert [len(token_events(ev)) for ev in events] == [6, 30, 5]
 
 
+def test_decode_logprobs_equal_the_log_softmax():
+    """The decode program's log-probabilities (the logits picked, less the row's log-sum-exp) against the
+    log-softmax of the whole row: the token's and the top alternatives', in order."""
+    import jax
+    import jax.numpy as jnp
+
+    logits = jax.random.normal(jax.random.key(3), (6, 256)) * 8
+    tok = jnp.asarray([0, 5, 255, 17, 3, 100], jnp.int32)
+    token_lp, top_ids, top_lp = jax.jit(engine_lib._logprobs)(logits, tok)
+    lp = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+    np.testing.assert_allclose(token_lp, lp[np.arange(6), np.asarray(tok)], atol=1e-5)
+    want_ids = np.argsort(-lp, axis=-1, kind="stable")[:, :engine_lib.TOP_LOGPROBS]
+    np.testing.assert_array_equal(top_ids, want_ids)
+    np.testing.assert_allclose(top_lp, np.take_along_axis(lp, want_ids, axis=-1), atol=1e-5)
+
+
 def test_text_of_several_tokens_at_once_equals_token_by_token():
     """TextState over byte tokens (UTF-8 characters split across tokens) with stop strings: fed in chunks of
     every size, it shows the same text as token by token, never past a stop string, and takes the tokens up to

@@ -32,10 +32,21 @@ from jaxlm.config import ConfigError, DecodeConfig, ModelConfig, validate_decode
 from jaxlm.model import forward, kvcache, transformer
 
 
+def greedy_tokens(logits_BV: jax.Array) -> jax.Array:
+    """Each row's argmax as jnp.argmax gives it (the first of equal maxima; a NaN counts as the largest), int32,
+    in two passes that XLA vectorizes: the row's maximum, then the least index that holds it. jnp.argmax's
+    single variadic reduction runs 2-4x slower on XLA:CPU (16 rows of 32k logits: 0.82 -> 0.42 ms; of 256
+    logits, a serving step's sampling: 9.3 -> 2.4 us)."""
+    max_B1 = jnp.max(logits_BV, axis=-1, keepdims=True)
+    iota = jax.lax.broadcasted_iota(jnp.int32, logits_BV.shape, logits_BV.ndim - 1)
+    hit = (logits_BV == max_B1) | jnp.isnan(logits_BV)
+    return jnp.min(jnp.where(hit, iota, logits_BV.shape[-1] - 1), axis=-1)
+
+
 def sample_logits(logits_V: jax.Array, key: jax.Array, temperature: float, top_k: int) -> jax.Array:
     """One token id from float32 logits: greedy at temperature 0, else softmax sampling over the top k."""
     if temperature == 0.0:
-        return jnp.argmax(logits_V, axis=-1).astype(jnp.int32)
+        return greedy_tokens(logits_V)
     logits_V = logits_V / temperature
     if top_k > 0 and top_k < logits_V.shape[-1]:
         kth = jax.lax.top_k(logits_V, top_k)[0][..., -1:]
@@ -89,7 +100,7 @@ def sample_tokens(logits_BV: jax.Array, key: jax.Array, temperature, top_k, top_
     V = logits_BV.shape[-1]
 
     def greedy():
-        return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+        return greedy_tokens(logits_BV)
 
     def scaled():
         return logits_BV / jnp.maximum(temperature, jnp.finfo(jnp.float32).tiny)

@@ -138,32 +138,41 @@ class Score:
     submitted: float = field(default_factory=time.perf_counter)
 
 
-def _row_keys(seed_B, choice_B, count_B):
-    return jax.vmap(lambda s, c, n: jax.random.fold_in(jax.random.fold_in(jax.random.key(s), c), n))(
-        seed_B, choice_B, count_B)
+def _choice_keys(seed_b, choice_b):
+    """Each row's key(seed) folded with its choice index: made once per call; _row_keys folds in each token's."""
+    return jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seed_b, choice_b)
+
+
+def _row_keys(choice_keys_b, count_b):
+    return jax.vmap(jax.random.fold_in)(choice_keys_b, count_b)
 
 
 def _logprobs(logits_BV, tok_B):
-    lp_BV = jax.nn.log_softmax(logits_BV, axis=-1)
-    top_lp_BK, top_ids_BK = jax.lax.top_k(lp_BV, TOP_LOGPROBS)
-    return jnp.take_along_axis(lp_BV, tok_B[:, None], axis=-1)[:, 0], top_ids_BK, top_lp_BK
+    """The log-probability of each row's token and its TOP_LOGPROBS most likely: the logits picked, less the
+    row's log-sum-exp (the log-softmax of only those, not of the whole vocabulary)."""
+    max_B1 = jnp.max(logits_BV, axis=-1, keepdims=True)
+    lse_B1 = max_B1 + jnp.log(jnp.sum(jnp.exp(logits_BV - max_B1), axis=-1, keepdims=True))
+    top_BK, top_ids_BK = jax.lax.top_k(logits_BV, TOP_LOGPROBS)
+    token_B = jnp.take_along_axis(logits_BV, tok_B[:, None], axis=-1)
+    return (token_B - lse_B1)[:, 0], top_ids_BK, top_BK - lse_B1
 
 
-def _sample(branch, logits_bV, keys_b, temperature_b, top_k_b, top_p_b):
+def _sample(branch, logits_bV, keys, temperature_b, top_k_b, top_p_b):
     """Each row's next token: greedy (branch 0), drawn at the row's temperature (1), or through sample_tokens'
     top-k/top-p (2). A row's token is the same on every branch that can serve it, so it does not depend on the
-    other rows; the batch pays for the sort of top-k/top-p only when a row asks for them."""
+    other rows; the batch pays for the sort of top-k/top-p only when a row asks for them, and for the rows'
+    random keys (`keys()`, a threefry hash per row: about a tenth of a small model's step) only when one samples."""
     def greedy():
-        return jnp.argmax(logits_bV, axis=-1).astype(jnp.int32)
+        return generate.greedy_tokens(logits_bV)
 
     def plain():  # sample_tokens' draw without top-k/top-p, row by row
         drawn_b = jax.vmap(lambda l, k, t: jax.random.categorical(k, l / jnp.maximum(t, jnp.finfo(jnp.float32).tiny)))(
-            logits_bV, keys_b, temperature_b).astype(jnp.int32)
+            logits_bV, keys(), temperature_b).astype(jnp.int32)
         return jnp.where(temperature_b > 0, drawn_b, greedy())
 
     def filtered():  # every row through sample_tokens (vmapped, it computes each branch and selects the row's)
         return jax.vmap(lambda l, k, t, tk, tp: generate.sample_tokens(l[None], k, t, tk, tp)[0])(
-            logits_bV, keys_b, temperature_b, top_k_b, top_p_b)
+            logits_bV, keys(), temperature_b, top_k_b, top_p_b)
 
     return jax.lax.switch(branch, (greedy, plain, filtered))
 
@@ -193,6 +202,7 @@ def _decode_loop(params, cache, logits_BV, rows_b, steps, live_b, idle_length_b,
     zeros = (jnp.zeros((N, b), jnp.int32), jnp.zeros((N, b), jnp.float32), jnp.zeros((N, b, K), jnp.int32),
              jnp.zeros((N, b, K), jnp.float32), jnp.zeros((N, b), bool))
     rows = None if whole else rows_b
+    choice_keys_b = _choice_keys(seed_b, choice_b)
 
     def no_logprobs(logits_bV, tok_b):
         return jnp.zeros((b,), jnp.float32), jnp.zeros((b, K), jnp.int32), jnp.zeros((b, K), jnp.float32)
@@ -202,8 +212,8 @@ def _decode_loop(params, cache, logits_BV, rows_b, steps, live_b, idle_length_b,
 
         def body(state):
             i, sub, logits_bV, live_b, out = state
-            tok_b = _sample(branch, logits_bV, _row_keys(seed_b, choice_b, count_b + i), temperature_b, top_k_b,
-                            top_p_b)
+            tok_b = _sample(branch, logits_bV, lambda: _row_keys(choice_keys_b, count_b + i), temperature_b,
+                            top_k_b, top_p_b)
             tok_b = jnp.where(live_b, tok_b, 0)
             lp = jax.lax.cond(jnp.any(live_b & want_lp_b), _logprobs, no_logprobs, logits_bV, tok_b)
             out = tuple(o.at[i].set(x) for o, x in zip(out, (tok_b, *lp, live_b)))
