@@ -34,7 +34,8 @@ def token_events(events: list) -> list:
     for ev in events:
         if ev[0] == "tokens":
             _, ids, lps, tops = ev
-            out.extend(zip(ids, lps, tops) if lps is not None else ((t, None, []) for t in ids))
+            out.extend(zip(ids, lps, (list(zip(a, b)) for a, b in zip(*tops))) if lps is not None
+                       else ((t, None, []) for t in ids))
     return out
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable
 
+import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
@@ -248,8 +249,8 @@ def _completion_route(app: FastAPI, s: Served) -> None:
                 return []
             token_lp, top_ids, top_lp = scores[i]
             p = ids[i]
-            return [(p[0], None, [])] + [(p[j], token_lp[j - 1], list(zip(top_ids[j - 1], top_lp[j - 1])))
-                                         for j in range(1, len(p))]
+            return [(p[0], None, ((), ()))] + [(p[j], token_lp[j - 1], (top_ids[j - 1], top_lp[j - 1]))
+                                               for j in range(1, len(p))]
 
         def choice_body(k, c: Choice, text: str, fresh: list, finish):
             out = {"index": k, "text": text, "logprobs": None, "finish_reason": finish}
@@ -300,7 +301,7 @@ def _chat_route(app: FastAPI, s: Served) -> None:
                 return None
             return {"content": [{"token": s.token_text(t), "logprob": lp,
                                  "top_logprobs": [{"token": s.token_text(a), "logprob": b}
-                                                  for a, b in top[:req.top_logprobs]]}
+                                                  for a, b in zip(*(x[:req.top_logprobs] for x in top))]}
                                 for t, lp, top in fresh]}
 
         def chunk(k, c: Choice, text: str, fresh: list, finish):
@@ -327,7 +328,7 @@ def _event_stream(s: Served, request: Request, choices: list[Choice], head: dict
     async def events():
         for choice in opening:
             yield _sse({**head, "choices": [choice]})
-        last, unfinished = "", len(choices)
+        last, unfinished = b"", len(choices)
         async for k, c, text, fresh, finish in _stream(s, choices, request):
             piece = _sse({**head, "choices": [choice_chunk(k, c, text, fresh, finish)]})
             unfinished -= finish is not None
@@ -337,7 +338,7 @@ def _event_stream(s: Served, request: Request, choices: list[Choice], head: dict
                 last = piece
         if usage is not None:
             last += _sse({**head, "choices": [], "usage": _usage(usage, choices)})
-        yield last + "data: [DONE]\n\n"
+        yield last + b"data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream")
 
@@ -448,11 +449,11 @@ async def _next(c: Choice) -> list:
 
 def _apply(s: Served, c: Choice, events: list) -> tuple[str, list, str | None]:
     """Engine events into (new text, new logprobs, finish reason or None)."""
-    fresh = []  # (token id, logprob or None, top [(id, logprob)])
+    fresh = []  # (token id, logprob or None, alternatives (ids, logprobs), most likely first)
     for ev in events:
         if ev[0] == "tokens":
             _, ids, lps, tops = ev
-            fresh.extend(zip(ids, lps, tops) if lps is not None else ((t, None, []) for t in ids))
+            fresh.extend(zip(ids, lps, zip(*tops)) if lps is not None else ((t, None, ((), ())) for t in ids))
     text, taken = c.state.add([t for t, _, _ in fresh])
     fresh = fresh[:taken]  # none past the token that completed a stop string
     c.logprobs.extend(fresh)
@@ -531,7 +532,7 @@ def _completion_logprobs(s: Served, fresh: list, top_n: int) -> dict:
         offsets.append(at)
         at += len(t)
     return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in fresh],
-            "top_logprobs": [None if lp is None else {s.token_text(a): b for a, b in top[:top_n]}
+            "top_logprobs": [None if lp is None else {s.token_text(a): b for a, b in zip(*(x[:top_n] for x in top))}
                              for _, lp, top in fresh],
             "text_offset": offsets}
 
@@ -542,8 +543,10 @@ def _usage(usage: dict, choices: list[Choice]) -> dict:
             "total_tokens": usage["prompt_tokens"] + completion}
 
 
-def _sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj)}\n\n"
+def _sse(obj: dict) -> bytes:
+    """One server-sent event. orjson: a streamed chunk's JSON in a fifth of the time of json.dumps, which took
+    a tenth of the event loop's time under load (benchmarks/serve.py)."""
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
 def prometheus(s: Served) -> str:

@@ -104,7 +104,8 @@ def bucket(n: int, limit: int) -> int:
 class Sequence:
     """One generated sequence (one choice of a request). The engine calls `emit(event)` from its thread with
     ("tokens", ids, logprobs, alternatives) once per decode call that made tokens for it (ids [n]; logprobs [n]
-    and alternatives [n][(id, logprob), ...] when `logprobs`, else None), then ("done", reason) once, reason
+    and alternatives (ids [n][TOP_LOGPROBS], logprobs [n][TOP_LOGPROBS]), most likely first, when `logprobs`,
+    else None), then ("done", reason) once, reason
     being "stop" (a stop token), "length" (max_tokens) or "cancelled"."""
     prompt: list[int]
     max_tokens: int
@@ -615,20 +616,23 @@ class Engine:
         """Wait for a dispatched decode call and send each sequence still in its slot the tokens it made."""
         seqs, out = call
         tok, lp, top_ids, top_lp, made = jax.device_get(out)
-        made_b = made.sum(axis=0)  # a row makes tokens in the first steps of a call, until it stops
+        made_b = made.sum(axis=0).tolist()  # a row makes tokens in the first steps of a call, until it stops
+        # by row, as Python lists in one conversion each (the alternatives only when a row wants them)
+        tok, lp = tok.T.tolist(), lp.T.tolist()
+        if any(s is not None and s.logprobs for s in seqs):
+            top_ids, top_lp = top_ids.transpose(1, 0, 2).tolist(), top_lp.transpose(1, 0, 2).tolist()
         now = time.perf_counter()
         n = 0
         for j, s in enumerate(seqs):
-            k = int(made_b[j])
+            k = made_b[j]
             # a sequence that ended (a stop token in the call before, a cancel) has left its slot: drop its tokens
             if s is None or not k or s.cancelled or self.slots[s.slot] is not s:
                 continue
             if s.generated == 0:
                 self.ttft_s.append(now - s.submitted)
-            ids = tok[:k, j].tolist()
+            ids = tok[j][:k]
             if s.logprobs:
-                s.emit(("tokens", ids, lp[:k, j].tolist(),
-                        [list(zip(a, b)) for a, b in zip(top_ids[:k, j].tolist(), top_lp[:k, j].tolist())]))
+                s.emit(("tokens", ids, lp[j][:k], (top_ids[j][:k], top_lp[j][:k])))
             else:
                 s.emit(("tokens", ids, None, None))
             s.generated += k
