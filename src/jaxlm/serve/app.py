@@ -240,7 +240,7 @@ def _completion_route(app: FastAPI, s: Served) -> None:
         max_tokens = [_max_tokens(s, len(p), req.sampling.max_tokens) for p in ids]
         want_scores = req.echo and req.logprobs is not None
         scores = await asyncio.gather(*(_score(s, p) for p in ids)) if want_scores else [None] * len(ids)
-        choices = _start(s, ids, max_tokens, req.sampling, req.logprobs is not None)
+        choices = _start(s, ids, max_tokens, req.sampling, req.logprobs)
         head = {"id": _request_id("cmpl"), "object": "text_completion", "created": int(time.time()),
                 "model": s.name}
 
@@ -291,7 +291,7 @@ def _chat_route(app: FastAPI, s: Served) -> None:
             raise RequestError(f"the chat template failed on these messages: {e}", "messages") from None
         ids = [_encode(s, prompt, s.encode_chat)]
         choices = _start(s, ids, [_max_tokens(s, len(ids[0]), req.sampling.max_tokens)], req.sampling,
-                         req.logprobs)
+                         req.top_logprobs if req.logprobs else None)
         head = {"id": _request_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()),
                 "model": s.name}
         usage = {"prompt_tokens": len(ids[0])}
@@ -413,9 +413,9 @@ def _queue_full() -> RequestError:
 
 
 def _start(s: Served, ids: list[list[int]], max_tokens: list[int], sampling: schemas.Sampling,
-           logprobs: bool) -> list[Choice]:
-    """Queue n sequences per prompt (none when max_tokens is 0), with their tokens' log-probabilities when
-    `logprobs`; all or none: a full queue cancels the rest."""
+           logprobs: int | None) -> list[Choice]:
+    """Queue n sequences per prompt (none when max_tokens is 0), with their tokens' log-probabilities and that
+    many alternatives each unless `logprobs` is None; all or none: a full queue cancels the rest."""
     loop = asyncio.get_running_loop()
     seed = sampling.seed if sampling.seed is not None else _random.getrandbits(32)
     choices = []
@@ -423,7 +423,8 @@ def _start(s: Served, ids: list[list[int]], max_tokens: list[int], sampling: sch
         for j in range(sampling.n):
             q: asyncio.Queue = asyncio.Queue()
             seq = engine_lib.Sequence(p, m, sampling.temperature, sampling.top_k, sampling.top_p, seed, j,
-                                      s.stop_ids, partial(s.mailbox.post, loop, q.put_nowait), logprobs)
+                                      s.stop_ids, partial(s.mailbox.post, loop, q.put_nowait), logprobs is not None,
+                                      logprobs or 0)
             choices.append(Choice(seq, TextState(s.decode, sampling.stop), q))
     try:
         for c in choices:

@@ -104,7 +104,7 @@ def bucket(n: int, limit: int) -> int:
 class Sequence:
     """One generated sequence (one choice of a request). The engine calls `emit(event)` from its thread with
     ("tokens", ids, logprobs, alternatives) once per decode call that made tokens for it (ids [n]; logprobs [n]
-    and alternatives (ids [n][TOP_LOGPROBS], logprobs [n][TOP_LOGPROBS]), most likely first, when `logprobs`,
+    and alternatives (ids [n][A], logprobs [n][A]), most likely first, A >= `alternatives`, when `logprobs`,
     else None), then ("done", reason) once, reason
     being "stop" (a stop token), "length" (max_tokens) or "cancelled"."""
     prompt: list[int]
@@ -117,6 +117,7 @@ class Sequence:
     stop_ids: tuple[int, ...]
     emit: Callable[[tuple], None]
     logprobs: bool = True
+    alternatives: int = TOP_LOGPROBS  # of each token, with `logprobs` (at most TOP_LOGPROBS)
     cancelled: bool = False
     slot: int = -1
     prefilled: int | None = None  # prompt tokens in the slot's cache; None until its prefill starts
@@ -619,8 +620,10 @@ class Engine:
         made_b = made.sum(axis=0).tolist()  # a row makes tokens in the first steps of a call, until it stops
         # by row, as Python lists in one conversion each (the alternatives only when a row wants them)
         tok, lp = tok.T.tolist(), lp.T.tolist()
-        if any(s is not None and s.logprobs for s in seqs):
-            top_ids, top_lp = top_ids.transpose(1, 0, 2).tolist(), top_lp.transpose(1, 0, 2).tolist()
+        wanted = [s.alternatives for s in seqs if s is not None and s.logprobs]
+        if wanted:
+            K = max(wanted)
+            top_ids, top_lp = (x[:, :, :K].transpose(1, 0, 2).tolist() for x in (top_ids, top_lp))
         now = time.perf_counter()
         n = 0
         for j, s in enumerate(seqs):
