@@ -157,6 +157,37 @@ def test_concurrent_streams_get_the_text_they_get_alone(server, shakespeare_file
     assert metric(server, "jaxlm_busy_slots") == 0 and metric(server, "jaxlm_queue_depth") == 0
 
 
+def test_replicas_serve_as_one_engine_and_change_no_output(server, trained, shakespeare_file):
+    """serve.replicas=2: two engines of half the slots each behind one server. Concurrent requests (greedy and
+    seeded) spread over both and get the text the one-engine server gives them; /metrics sums the replicas."""
+    from jaxlm.serve.replicas import Replicas
+
+    lines = [ln for ln in shakespeare_file.read_text()[:20000].splitlines() if len(ln) > 8][:12]
+    cfg = serve.settings_config({"serve.max_slots": 4, "serve.replicas": 2, "max_new_tokens": 16,
+                                 "serve.model_name": "tiny", "serve.decode_steps": 8})
+    srv = serve.Server(serve.build(trained, cfg, log=lambda s: None), "127.0.0.1", 0).start()
+    try:
+        engine = srv.served.engine
+        assert isinstance(engine, Replicas) and [e.B for e in engine.engines] == [2, 2]
+
+        def ask(target, i):
+            settings = dict(temperature=0) if i % 2 == 0 else dict(temperature=0.9, seed=7 + i)
+            stream = client(target).completions.create(model="tiny", prompt=lines[i][:24], max_tokens=12, stream=True,
+                                                       **settings)
+            return "".join(ch.choices[0].text for ch in stream)
+
+        want = [ask(server, i) for i in range(12)]
+        with concurrent.futures.ThreadPoolExecutor(12) as pool:
+            got = list(pool.map(lambda i: ask(srv, i), range(12)))
+        assert got == want
+        assert all(e.requests_total > 0 for e in engine.engines)  # both replicas served
+        assert metric(srv, "jaxlm_slots") == 4 and metric(srv, "jaxlm_sequences_total") == 12
+        assert metric(srv, "jaxlm_generated_tokens_total") == sum(e.tokens_total for e in engine.engines) == 144
+        assert metric(srv, "jaxlm_busy_slots") == 0 and metric(srv, "jaxlm_queue_depth") == 0
+    finally:
+        srv.stop()
+
+
 def test_faults_are_answered_4xx_and_harm_nothing(server, monkeypatch):
     url = f"http://127.0.0.1:{server.port}"
     good = {"model": "tiny", "prompt": "To be", "max_tokens": 10, "temperature": 0}
@@ -852,6 +883,8 @@ def test_serve_settings_fail_in_one_line(tmp_path):
         serve.settings_config({"serve.max_slots": 0})
     with pytest.raises(ConfigError, match="serve.decode_steps=0 must be >= 1"):
         serve.settings_config({"serve.decode_steps": 0})
+    with pytest.raises(ConfigError, match="serve.max_slots=6 must be a multiple of serve.replicas=4"):
+        serve.settings_config({"serve.max_slots": 6, "serve.replicas": 4})
     with pytest.raises(ConfigError, match="training.steps: `jaxlm serve` takes"):
         serve.settings_config({"training.steps": 3})
     with pytest.raises(ConfigError, match="not a file"):

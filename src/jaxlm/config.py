@@ -312,6 +312,10 @@ class ServeConfig:
     decode_steps: int = _f(8, "decode steps run in one device call at most, each row stopping at its stop token or "
                               "max_tokens inside the call; a turn that prefills runs one step (a new request's "
                               "first token), the others this many; 1 = one step per call")
+    replicas: int = _f(1, "engines over the same weights on one device, each with max_slots / replicas slots, its "
+                          "own KV cache and thread; a request goes to the least busy. XLA:CPU runs one decode "
+                          "program on about one core, so on a CPU host two replicas use two (docs/serve.md); keep "
+                          "1 on an accelerator")
 
 
 @dataclass(frozen=True)
@@ -775,9 +779,12 @@ def validate_decode(d: DecodeConfig) -> None:
 def validate_serve(s: ServeConfig) -> None:
     if not 1 <= s.port <= 65535:
         raise ConfigError(f"serve.port={s.port} must be in [1, 65535]")
-    for key in ("max_slots", "max_queue", "prefill_chunk", "decode_steps"):
+    for key in ("max_slots", "max_queue", "prefill_chunk", "decode_steps", "replicas"):
         if getattr(s, key) < 1:
             raise ConfigError(f"serve.{key}={getattr(s, key)} must be >= 1")
+    if s.max_slots % s.replicas:
+        raise ConfigError(f"serve.max_slots={s.max_slots} must be a multiple of serve.replicas={s.replicas} "
+                          "(each replica takes an equal share of the slots)")
     if s.prefix_cache < 0:
         raise ConfigError(f"serve.prefix_cache={s.prefix_cache} must be >= 0 (0 = off)")
     if s.chat_template and not Path(s.chat_template).is_file():

@@ -2,6 +2,7 @@
 
 engine.py owns the device (decode slots sharing one KV cache), chunk.py prefills prompts into their slots a chunk
 at a time (several prompts per call), prefix_cache.py keeps recent prompts' keys and values for reuse,
+replicas.py runs several engines side by side as one (serve.replicas),
 schemas.py validates requests, app.py is the HTTP API; this module builds them from a model folder and settings,
 and runs the server (uvicorn).
 """
@@ -52,6 +53,7 @@ def build(src: str | Path, cfg: Config, log: Callable[[str], None] = print):
     """The engine (started, compiled) and the app's state for the model at `src`."""
     from jaxlm import api
     from jaxlm.serve import app as app_lib, engine as engine_lib
+    from jaxlm.serve.replicas import Replicas
 
     d, sc = cfg.decode, cfg.serve
     mesh_cfg = cfg.mesh if cfg.mesh != Config().mesh else None
@@ -63,16 +65,23 @@ def build(src: str | Path, cfg: Config, log: Callable[[str], None] = print):
                           f"(model.block_size={m.block_size})")
     tok = model.tokenizer()
     stop = config_lib.stop_token_ids(d) + (tok.eos_ids if d.stop_at_eos else ())
-    engine = engine_lib.Engine(model.params, m, sc.max_slots, length, sc.max_queue, d.quantize_kv_cache, model.mesh,
-                               sc.prefill_chunk, sc.prefix_cache, sharding.rules_from_config(cfg.mesh), sc.decode_steps)
+    if sc.replicas > 1 and model.mesh is not None and model.mesh.size > 1:
+        raise ConfigError(f"serve.replicas={sc.replicas} runs engines side by side on one device; with a mesh of "
+                          f"{model.mesh.size} devices keep serve.replicas=1 (one engine sharded over them)")
+    R = sc.replicas
+    engines = [engine_lib.Engine(model.params, m, sc.max_slots // R, length, Replicas.split(sc.max_queue, R),
+                                 d.quantize_kv_cache, model.mesh, sc.prefill_chunk, sc.prefix_cache,
+                                 sharding.rules_from_config(cfg.mesh), sc.decode_steps) for _ in range(R)]
+    engine = engines[0] if R == 1 else Replicas(engines)
     engine.warm_up()
     engine.start()
     api_key = sc.api_key or os.environ.get("JAXLM_API_KEY") or None
     served = app_lib.Served(engine, tok.encode, lambda text: api.encode_prompt(tok, text), tok.encode_rendered,
                             tok.decode, sc.model_name or Path(src).resolve().name, m.vocab_size, d, stop,
                             chat_template(model, sc.chat_template), api_key)
-    log(f"jaxlm serve: {served.name} | {sc.max_slots} slots x {length} positions | up to {sc.decode_steps} decode "
-        f"steps per call | prefill chunks of "
+    replicas = f" in {R} replicas" if R > 1 else ""
+    log(f"jaxlm serve: {served.name} | {sc.max_slots} slots{replicas} x {length} positions | up to "
+        f"{sc.decode_steps} decode steps per call | prefill chunks of "
         f"{sc.prefill_chunk} | prefix cache {sc.prefix_cache or 'off'} | "
         f"{'API key required' if api_key else 'no API key'}")
     return served
