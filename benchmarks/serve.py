@@ -1,7 +1,9 @@
 """`jaxlm serve` under load on loopback: throughput and latency at several concurrencies, continuous batching
 against one request at a time, and Hugging Face transformers' `generate` on the same weights, in one run.
 
-Each server is a `jaxlm serve` process of its own; the sweep runs one of --slots slots. The model is
+Each server is a `jaxlm serve` process of its own; the sweep runs one of --slots slots with --settings (by default
+docs/serve.md's settings for a 2-core CPU host: serve.replicas=2, two engines of half the slots, one per core, and
+serve.decode_steps=16), and the same server with default settings is measured at concurrency 16 too. The model is
 benchmarks/decode.py's tiny random Llama (built with transformers, imported with `jaxlm convert from-hf`), given a
 byte-level tokenizer so the server can turn tokens into text. Each client streams one completion of NEW tokens
 after a 16-token prompt (token ids, greedy, no stop token, logprobs=1 so that every chunk lists its tokens even
@@ -10,13 +12,15 @@ client sending its next request when its last one has ended. The load generator 
 the server, so it is kept light: asyncio in this process, one keep-alive HTTP/1.1 connection per client, reading
 the server-sent events itself (about 1/6 of the CPU the official openai client, a thread per client, spends on
 the same streams). The --slots server is measured at concurrency 16 with the official openai client too.
-The servers run with their default serve.decode_steps (8), so a chunk may carry the tokens of several decode
-steps. Prints one line per level
+A chunk may carry the tokens of several decode steps (serve.decode_steps). Prints the sweep's settings, one line
+per level
     concurrency=C requests=R output_tok_per_s=X ttft_p50_ms= ttft_p99_ms= itl_p50_ms= itl_p99_ms=
     chunk_gap_p50_ms= chunk_gap_p99_ms= tokens_per_chunk=
 then `openai_client` (the --slots server at concurrency 16, official openai client), the --slots server at
-concurrency 16 with serve.decode_steps=1 (one decode step per device call),
-`slots8` (a server with 8 slots) and `one_at_a_time` (a server with one slot), both at concurrency 8, and
+concurrency 16 with serve.decode_steps=1 (one decode step per device call), `defaults` (the --slots server with
+default settings: one engine, 8 decode steps per call, at concurrency 16),
+`slots8` (a server with 8 slots) and `one_at_a_time` (a server with one slot), both with default settings at
+concurrency 8, and
 transformers' generate at batch 16. Every figure but the shared-prefix ones is the fastest of --repeats runs
 (new prompts each), the one least disturbed by other load, as the machine may be shared;
 then the engine alone (in this process, no HTTP: 16 greedy sequences submitted together to a --slots engine)
@@ -27,14 +31,16 @@ tokens of its own, 8 new tokens) on a 16-slot server with the prefix cache (serv
     batching_speedup=X/Y (continuous batching in 8 slots over one slot, both at concurrency 8)
     vs_transformers=X/Z (the server at concurrency 16 over transformers' generate at batch 16)
     vs_transformers_openai_client=O/Z (the same with the official openai client as the load generator)
-    decode_steps_speedup=X/W (the server at concurrency 16, serve.decode_steps=8 over 1)
-    server_vs_engine=X/E (the server at concurrency 16 over the engine alone with 16 sequences)
+    vs_transformers_defaults=D/Z (the server with default settings at concurrency 16 over the same)
+    decode_steps_speedup=X/W (the server at concurrency 16, its serve.decode_steps over 1)
+    server_vs_engine=D/E (the default server at concurrency 16 over the engine alone with 16 sequences, both
+        one engine with 8 decode steps per call)
     ttft_p50_prefix_cache= ttft_p50_no_prefix_cache= prefix_cache_ttft_speedup= (ms; the second over the first)
 TTFT counts from sending the request to the first streamed chunk with a token. A chunk gap is the time between
 a stream's successive chunks; tokens_per_chunk is the mean number of tokens a chunk carries; the inter-token
 latency gives each token of a chunk an equal share of the gap before that chunk (gap / tokens).
 
-    python benchmarks/serve.py [--new-tokens 64] [--slots 32]
+    python benchmarks/serve.py [--new-tokens 64] [--slots 32] [--settings "serve.replicas=2 serve.decode_steps=16"]
 """
 
 from __future__ import annotations
@@ -61,6 +67,9 @@ import decode as decode_bench  # noqa: E402
 from jaxlm import api  # noqa: E402
 
 PROMPT = decode_bench.PROMPT
+# The --slots server's settings: docs/serve.md's for a 2-core CPU host (two engines, one per core; 16 decode steps
+# per call). The server with default settings is measured at concurrency 16 as well (`defaults`).
+CPU_SETTINGS = ("serve.replicas=2", "serve.decode_steps=16")
 SYSTEM = 512  # tokens of the system prompt the prefix-cache requests share
 
 
@@ -277,7 +286,10 @@ def main():
     ap.add_argument("--slots", type=int, default=32)
     ap.add_argument("--levels", default="1,8,16,32")
     ap.add_argument("--repeats", type=int, default=3, help="runs of each measurement (the fastest counts)")
+    ap.add_argument("--settings", default=" ".join(CPU_SETTINGS),
+                    help="serve.* settings of the --slots server (default: docs/serve.md's for a 2-core CPU host)")
     a = ap.parse_args()
+    settings = tuple(a.settings.split())
     levels = [int(c) for c in a.levels.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         _, _, hf = decode_bench.build(Path(tmp), a.new_tokens)
@@ -285,13 +297,18 @@ def main():
             sys.exit("benchmarks/serve.py needs the hf extra (transformers, torch) to build its model")
         folder = Path(tmp) / "jx"
         byte_tokenizer(folder)
-        results = {r["concurrency"]: r for r in serve_levels(folder, a.slots, levels, a.new_tokens, a.repeats)}
+        print(f"settings: {' '.join(settings) or '(defaults)'}", flush=True)
+        results = {r["concurrency"]: r for r in serve_levels(folder, a.slots, levels, a.new_tokens, a.repeats,
+                                                             settings)}
         for r in results.values():
             print(line(r), flush=True)
-        openai16 = serve_levels(folder, a.slots, [16], a.new_tokens, a.repeats, client="openai")[0]
+        openai16 = serve_levels(folder, a.slots, [16], a.new_tokens, a.repeats, settings, client="openai")[0]
         print("openai_client " + line(openai16), flush=True)
-        one_step = serve_levels(folder, a.slots, [16], a.new_tokens, a.repeats, ("serve.decode_steps=1",))[0]
+        one_step = serve_levels(folder, a.slots, [16], a.new_tokens, a.repeats,
+                                settings + ("serve.decode_steps=1",))[0]
         print("decode_steps=1 " + line(one_step), flush=True)
+        defaults16 = serve_levels(folder, a.slots, [16], a.new_tokens, a.repeats)[0]
+        print("defaults " + line(defaults16), flush=True)
         batched = serve_levels(folder, 8, [8], a.new_tokens, a.repeats)[0]
         print("slots8 " + line(batched), flush=True)
         single = serve_levels(folder, 1, [8], a.new_tokens, a.repeats)[0]
@@ -313,11 +330,13 @@ def main():
     if 16 in results:
         print(f"vs_transformers={results[16]['output_tok_per_s'] / hf_tok_s:.2f}")
         print(f"vs_transformers_openai_client={openai16['output_tok_per_s'] / hf_tok_s:.2f}")
+        print(f"vs_transformers_defaults={defaults16['output_tok_per_s'] / hf_tok_s:.2f}")
         print(f"decode_steps_speedup={results[16]['output_tok_per_s'] / one_step['output_tok_per_s']:.2f}")
-        print(f"server_vs_engine={results[16]['output_tok_per_s'] / alone[8]:.2f}")
+        print(f"server_vs_engine={defaults16['output_tok_per_s'] / alone[8]:.2f}")
     print(f"ttft_p50_prefix_cache={cached['ttft_p50_ms']:.1f} ttft_p50_no_prefix_cache={uncached['ttft_p50_ms']:.1f} "
           f"prefix_cache_ttft_speedup={uncached['ttft_p50_ms'] / cached['ttft_p50_ms']:.2f}")
-    print(json.dumps({"levels": list(results.values()), "openai_client": openai16, "decode_steps_1": one_step,
+    print(json.dumps({"settings": settings, "levels": list(results.values()), "openai_client": openai16,
+                      "decode_steps_1": one_step, "defaults": defaults16,
                       "slots8": batched, "one_at_a_time": single,
                       "transformers": hf_tok_s, "engine_alone": alone, "generate": generate_tok_s,
                       "shared_prefix": {"prefix_cache": cached, "no_prefix_cache": uncached}}))
