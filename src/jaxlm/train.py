@@ -542,6 +542,40 @@ def _report_end(summary: dict, last_eval: dict, log: Callable[[str], None]) -> N
             + (f" (unigram entropy of the corpus: {ent:.4f})" if ent else ""))
 
 
+@dataclasses.dataclass
+class _Windows:
+    """Throughput of the steps between two logged steps (a window) and of all the windows past the first step,
+    which compiles: evaluation and checkpointing run between windows and stay out of both."""
+    meter: metrics.Throughput
+    opened: float = dataclasses.field(default_factory=time.perf_counter)
+    steps: int = 0
+    timed_steps: int = 0
+    timed_seconds: float = 0.0
+    compile_seconds: float = 0.0
+
+    def close(self, first: bool) -> tuple[float, dict]:
+        """End the window: its seconds and the meter's figures (the first step's seconds are compile time)."""
+        elapsed = time.perf_counter() - self.opened
+        if first:
+            self.compile_seconds = elapsed
+        else:
+            self.timed_steps += self.steps
+            self.timed_seconds += elapsed
+        return elapsed, self.meter.window(self.steps, elapsed)
+
+    def reopen(self) -> None:
+        self.steps, self.opened = 0, time.perf_counter()
+
+    def overall(self) -> dict:
+        """The timed steps' throughput under the run summary's names (nothing when no step was timed)."""
+        if not self.timed_steps:
+            return {}
+        o = self.meter.window(self.timed_steps, self.timed_seconds)
+        return dict(tokens_per_s=o["tokens_per_s"], tokens_per_s_per_device=o["tokens_per_s_per_device"],
+                    model_tflops_per_s=o["tflops_per_s"], model_tflops_per_s_per_device=o["tflops_per_s_per_device"],
+                    mfu=o["mfu"])
+
+
 def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict:
     """Train (or resume) a run; returns a summary with the final losses and throughput."""
     goodput = metrics.Goodput()
@@ -593,8 +627,8 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
     pending: list[tuple[int, dict]] = []
     last_eval: dict = {}
     preempted_at = None
-    window_start, window_steps, timed_steps, timed_seconds = time.perf_counter(), 0, 0, 0.0
-    compile_seconds = 0.0
+    windows = _Windows(meter)
+    closers = (preemption.close, monitor.close, profiler.close, progress.close)  # the writer closes last
     try:
         for step in range(start, t_cfg.steps):
             profiler.before(step)
@@ -611,7 +645,7 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
             if len(pending) > MAX_STEPS_IN_FLIGHT:
                 with goodput.phase("compute"):
                     jax.block_until_ready(pending[-MAX_STEPS_IN_FLIGHT][1])
-            window_steps += 1
+            windows.steps += 1
             stop = preemption.reached(done)
             is_eval = not stop and (done == t_cfg.steps or (t_cfg.eval_interval and done % t_cfg.eval_interval == 0))
             is_ckpt = use_ckpt and (stop or done == t_cfg.steps
@@ -619,13 +653,7 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
             if done == start + 1 or done % t_cfg.log_interval == 0 or is_eval or is_ckpt:
                 with goodput.phase("compute"):
                     fetched = jax.device_get([m for _, m in pending])
-                elapsed = time.perf_counter() - window_start
-                if done == start + 1:
-                    compile_seconds = elapsed  # the first step includes compilation; keep it out of throughput
-                else:
-                    timed_steps += window_steps
-                    timed_seconds += elapsed
-                window = meter.window(window_steps, elapsed)
+                elapsed, window = windows.close(first=done == start + 1)
                 failure = None
                 for (s, _), m in zip(pending, fetched):
                     record = {"step": s, "loss": float(m["loss"]), "lr": float(m["lr"]),
@@ -645,7 +673,7 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
                     raise TrainingError(failure + (f"; the newest checkpoint is in {checkpointer.dir}"
                                                    if checkpointer else ""))
                 last = fetched[-1]
-                progress.update(window_steps, {"loss": f"{float(last['loss']):.4f}",
+                progress.update(windows.steps, {"loss": f"{float(last['loss']):.4f}",
                                                "lr": f"{float(last['lr']):.2e}",
                                                "tok/s": f"{window['tokens_per_s']:,.0f}",
                                                "MFU": f"{100 * window['mfu']:.1f}%"})
@@ -655,8 +683,7 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
                     with goodput.phase("checkpoint"):
                         checkpointer.save(done, state, loader.state())
                 pending.clear()
-                window_steps = 0
-                window_start = time.perf_counter()  # evaluation and checkpointing stay out of the throughput
+                windows.reopen()
             monitor.beat(done)
             if stop:
                 preempted_at = done
@@ -664,7 +691,7 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
     except BaseException:
         # Whatever ends the loop, a save already under way is committed (it holds a good state) and the
         # metrics recorded so far reach the disk.
-        for close in (preemption.close, monitor.close, profiler.close, progress.close, writer.close):
+        for close in (*closers, writer.close):
             close()
         if checkpointer:
             try:
@@ -672,10 +699,8 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
             except ckpt.CheckpointError as e:
                 log(f"warning: {e}")
         raise
-    preemption.close()
-    monitor.close()
-    profiler.close()
-    progress.close()
+    for close in closers:
+        close()
     if checkpointer:
         with goodput.phase("checkpoint"):
             checkpointer.close()
@@ -687,15 +712,11 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
 
     summary = {"run_dir": str(run_dir), "steps": t_cfg.steps, "start_step": start, "preempted_at": preempted_at,
                "nonfinite_skips": skips["nonfinite_skips"], "spike_skips": skips["spike_skips"],
-               "wall_seconds": time.perf_counter() - goodput.start, "compile_seconds": compile_seconds,
+               "wall_seconds": time.perf_counter() - goodput.start, "compile_seconds": windows.compile_seconds,
                "train_loss": last_eval.get("train"), "val_loss": last_eval.get("val"),
                "unigram_entropy": run.dataset.meta.get("unigram_entropy")}
-    summary.update(peak_flops_per_device=peak, peak_source=peak_source, flops_per_token=flops_per_token)
-    if timed_steps:
-        overall = meter.window(timed_steps, timed_seconds)
-        summary.update(tokens_per_s=overall["tokens_per_s"], tokens_per_s_per_device=overall["tokens_per_s_per_device"],
-                       model_tflops_per_s=overall["tflops_per_s"],
-                       model_tflops_per_s_per_device=overall["tflops_per_s_per_device"], mfu=overall["mfu"])
+    summary.update(peak_flops_per_device=peak, peak_source=peak_source, flops_per_token=flops_per_token,
+                   **windows.overall())
     _report_end(summary, last_eval, log)
     if t_cfg.sample_tokens and preempted_at is None:
         with goodput.phase("eval"):

@@ -190,14 +190,14 @@ def unstack(cache: KVCache, cfg: ModelConfig, rows_b: jax.Array | None = None, s
     of that part of the cache, made once before a decode loop."""
     P = len(cfg.pattern)
     Ls = [kept_slots(cfg, j, c.pos.shape[1], slots) for j, c in enumerate(cache.kinds)]
+    # The stacked keys transposed before a layer is sliced out: XLA then slices, gathers and transposes in one
+    # copy, where transposing the slice made it copy the layer twice.
+    keys_RBKHS = [c.k.swapaxes(3, 4) for c in cache.kinds]
     layers = []
     for i in range(cfg.n_layers):
         j, r = i % P, i // P
         c, L = cache.kinds[j], Ls[j]
-        # The stacked keys transposed before a layer is sliced out: XLA then slices, gathers and transposes in
-        # one copy, where transposing the slice made it copy the layer twice.
-        k_RBKHS = c.k.swapaxes(3, 4)
-        layers.append({"k": constrain(k_RBKHS[_at(rows_b, 1, 4, L, r)], KEY_T_AXES),
+        layers.append({"k": constrain(keys_RBKHS[j][_at(rows_b, 1, 4, L, r)], KEY_T_AXES),
                        "v": constrain(c.v[_at(rows_b, 1, 3, L, r)], CACHE_AXES),
                        "k_scale": None if c.k_scale is None else c.k_scale[_at(rows_b, 1, 3, L, r)],
                        "v_scale": None if c.v_scale is None else c.v_scale[_at(rows_b, 1, 3, L, r)]})

@@ -65,7 +65,7 @@ def _layout(pos_S, start, end, chunk_k_pos_C):
 def _attend_chunk(h_PCD, p, cfg: ModelConfig, q_pos_PC, k_pos_PX, rows: dict, take_PS, src_PS, local: bool,
                   quantized: bool):
     """The chunks' attention over their slots' earlier keys and their own; returns the output and the slots'
-    updated k, v (and scales) for this layer. With `rows` None (chunks that start their prompts, _fresh) the
+    updated k, v (and scales) for this layer. With `rows` None (chunks that start their prompts, `fresh`) the
     queries see the chunk's keys only and the update is the chunk's own k, v (and scales) [P, K, C(, H)], for
     slots 0..C-1."""
     with jax.named_scope("attention"):

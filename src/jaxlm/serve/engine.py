@@ -302,7 +302,6 @@ class Engine:
         shards = 1 if mesh is None else mesh.size
         self.buckets = sorted({slots // d for d in (1, 2, 4, 8) if slots % d == 0 and (slots // d) % shards == 0}
                               | {slots}, reverse=True)
-        self.steps = 1  # decode steps of the latest turn
         self.turn_hooks: list[Callable[[], None]] = []  # called after each turn, from the engine thread
         self.calls_total = 0  # decode calls run
         self.in_flight: tuple[list, tuple] | None = None  # the decode call dispatched last turn, not yet collected
@@ -441,8 +440,7 @@ class Engine:
             self._collect(self.in_flight)  # it ends a sequence: the next turn admits a waiting one in its place
             self.in_flight = None
             return
-        self.steps = 1 if self._prefill() else self.decode_steps
-        steps = self.steps
+        steps = 1 if self._prefill() else self.decode_steps
         planned = [s.max_tokens - s.planned for s in self.slots
                    if s is not None and s.decoding and s.planned < s.max_tokens]
         if self.waiting and planned:  # no slot is free: stop when the first one would be
@@ -618,12 +616,12 @@ class Engine:
         seqs, out = call
         tok, lp, top_ids, top_lp, made = jax.device_get(out)
         made_b = made.sum(axis=0).tolist()  # a row makes tokens in the first steps of a call, until it stops
-        # by row, as Python lists in one conversion each (the alternatives only when a row wants them)
-        tok, lp = tok.T.tolist(), lp.T.tolist()
+        # by row, as Python lists in one conversion each (log-probabilities only when a row wants them)
+        tok = tok.T.tolist()
         wanted = [s.alternatives for s in seqs if s is not None and s.logprobs]
         if wanted:
             K = max(wanted)
-            top_ids, top_lp = (x[:, :, :K].transpose(1, 0, 2).tolist() for x in (top_ids, top_lp))
+            lp, top_ids, top_lp = lp.T.tolist(), *(x[:, :, :K].transpose(1, 0, 2).tolist() for x in (top_ids, top_lp))
         now = time.perf_counter()
         n = 0
         for j, s in enumerate(seqs):

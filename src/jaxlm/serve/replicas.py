@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 
-from jaxlm.serve.engine import Engine, QueueFull, Score, Sequence
+from jaxlm.serve.engine import Engine, Score, Sequence
 
 COUNTERS = ("tokens_total", "requests_total", "prompt_tokens_total", "prefilled_tokens_total", "prefill_calls_total",
             "prefix_hits_total", "prefix_tokens_total", "calls_total")
@@ -95,6 +95,3 @@ class Replicas:
         if name in COUNTERS:
             return sum(getattr(e, name) for e in self.engines)
         raise AttributeError(name)
-
-
-__all__ = ["Replicas", "QueueFull"]
