@@ -51,7 +51,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxlm import checkpoint as ckpt, cli, train  # noqa: E402
+from jaxlm import checkpoint as ckpt, cli, train, step as step_lib  # noqa: E402
 from jaxlm.config import CheckpointConfig  # noqa: E402
 from jaxlm.data import loader as loader_lib, prepare  # noqa: E402
 
@@ -63,7 +63,7 @@ import hashlib, json, sys
 from pathlib import Path
 sys.path.insert(0, sys.argv[1])
 from conftest import tiny_config
-from jaxlm import train
+from jaxlm import train, step as step_lib
 from jaxlm.data import loader
 
 draws = open(sys.argv[4], "a")
@@ -144,14 +144,14 @@ def nan_batches(data: Path, work: Path) -> dict:
     """Three NaN batches in one run: survived when each leaves params and optimizer state as they were and
     no committed checkpoint holds a non-finite value."""
     poisoned = {4, 9, 10}
-    real = train.device_batch
-    train.device_batch = T.poisoned(real, poisoned)
+    real = step_lib.device_batch
+    step_lib.device_batch = T.poisoned(real, poisoned)
     try:
         settings = {**T.RUN, "training.steps": 12, "checkpoint.interval": 1, "checkpoint.keep": 20}
         cfg = tiny_config(data, work / "nan", **settings)
         summary = train.train(cfg, log=lambda s: None)
     finally:
-        train.device_batch = real
+        step_lib.device_batch = real
     states = {s: T.restore_step(cfg, work / "nan", s) for s in ckpt.step_numbers(work / "nan" / "checkpoints")}
     finite = all(np.isfinite(leaf).all() for st in states.values() for leaf in jax.tree.leaves(st)
                  if np.issubdtype(np.asarray(leaf).dtype, np.floating))

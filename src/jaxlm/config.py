@@ -180,6 +180,9 @@ class OptimizerConfig:
 @dataclass(frozen=True)
 class TrainingConfig:
     steps: int = _f(5000, "optimizer steps to train for")
+    objective: Literal["next_token"] = _f(
+        "next_token", "what the train step minimizes (objectives.py): next_token = cross-entropy of the next token "
+                      "(pretraining, and SFT with loss masks)")
     batch_size: int = _f(64, "sequences per micro-batch across all devices (the global batch); "
                              "ignored when per_device_batch_size is set")
     per_device_batch_size: float | None = _f(None, "sequences per device per micro-batch; the global batch is this "
