@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config, xla_flags
-from jaxlm import aot, config as config_lib, saved_step, sharding, train, step as step_lib
+from jaxlm import aot, config as config_lib, objectives, saved_step, sharding, step as step_lib, train
 from jaxlm.config import ConfigError
 from jaxlm.data import loader as loader_lib, packing, shards
 from jaxlm.data.prepare import DataError
@@ -188,13 +188,20 @@ def test_each_document_in_a_packed_row_gets_its_own_logits(docs_data, tmp_path):
     assert worst <= 1e-5, worst
 
 
+def _loss_and_grads(run, params, batch):
+    """The train step's loss and gradient (no metrics) of the next-token objective."""
+    (loss, _), grads = step_lib.loss_and_grads(objectives.get("next_token"), params, batch, run.cfg,
+                                               jax.random.key(0))
+    return loss, grads
+
+
 def test_a_masked_target_changes_no_gradient(docs_data, tmp_path):
     _, _, _, masked = docs_data
     run = _run(masked, tmp_path)
     assert step_lib.batch_keys(run.cfg) == ("inputs", "targets", "positions", "segment_ids", "weights")
     params = step_lib.init_state(run, 0)["params"]
     batch = jax.device_get(step_lib.device_batch(run, "train", step_lib.make_loader(run).next()))
-    grads = jax.jit(lambda p, b: step_lib.loss_and_grads(p, b, run.cfg.model, jax.random.key(0)))
+    grads = jax.jit(lambda p, b: _loss_and_grads(run, p, b))
     loss, g = grads(params, batch)
     zero = np.argwhere(batch["weights"] == 0)
     changed = dict(batch, targets=np.array(batch["targets"]))
@@ -224,7 +231,7 @@ def test_accumulation_and_devices_average_exactly_over_counted_tokens(docs_data,
     params = jax.device_get(step_lib.init_state(one, 0)["params"])
 
     def result(run, b):
-        fn = jax.jit(lambda p, x: step_lib.loss_and_grads(p, x, run.cfg.model, jax.random.key(0)))
+        fn = jax.jit(lambda p, x: _loss_and_grads(run, p, x))
         p = jax.device_put(params, step_lib.shardings_of(run.abstract_state["params"]))
         with sharding.activation_sharding(run.mesh, run.act_rules):
             loss, g = fn(p, b)

@@ -21,7 +21,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from conftest import tiny_config, xla_flags
-from jaxlm import checkpoint as ckpt, config as config_lib, train, step as step_lib
+from jaxlm import checkpoint as ckpt, config as config_lib, optim, step as step_lib, train
 from jaxlm.config import CheckpointConfig
 from jaxlm.data import loader as loader_lib
 
@@ -282,7 +282,7 @@ def signal_at_step(monkeypatch, step: int, sig=signal.SIGTERM):
                 os.kill(os.getpid(), sig)
         return real(run, split, plan)
 
-    monkeypatch.setattr(train, "device_batch", batch)
+    monkeypatch.setattr(step_lib, "device_batch", batch)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
@@ -326,7 +326,7 @@ def poisoned(real, steps: set[int]):
 
 
 def poison_steps(monkeypatch, steps: set[int]):
-    monkeypatch.setattr(train, "device_batch", poisoned(step_lib.device_batch, steps))
+    monkeypatch.setattr(step_lib, "device_batch", poisoned(step_lib.device_batch, steps))
 
 
 @contextlib.contextmanager
@@ -372,7 +372,7 @@ def test_train_step_leaves_state_unchanged_on_nan_and_on_spikes(char_data, tmp_p
     assert tree_hash(after["opt_state"]) == tree_hash(before["opt_state"])
     # The spike enters the average only up to the threshold, and `lr` is the rate of the next applied update.
     assert float(after["guard"]["loss_avg"]) == pytest.approx(0.99 * 1.0 + 0.01 * 1.5, rel=1e-6)
-    assert float(m["lr"]) == pytest.approx(float(train.optim.schedule(cfg.optimizer, cfg.training.steps)(2)))
+    assert float(m["lr"]) == pytest.approx(float(optim.schedule(cfg.optimizer, cfg.training.steps)(2)))
 
     state = dict(state, guard=dict(state["guard"], loss_avg=jnp.float32(4.0)))
     state, m = step(state, batches[3])
