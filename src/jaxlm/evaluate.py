@@ -11,7 +11,7 @@ from typing import Callable
 
 from jaxlm import checkpoint as ckpt
 from jaxlm import config as config_lib
-from jaxlm import quant, storage, step as step_lib
+from jaxlm import lora, quant, storage, step as step_lib
 from jaxlm.config import ConfigError
 
 
@@ -38,6 +38,8 @@ def evaluate_run(run_dir: str | Path, overrides: dict | None = None, devices=Non
         raise ckpt.CheckpointError(f"{storage.join(run_dir, 'checkpoints')} holds no committed checkpoint to evaluate")
     step, state, _ = restored
     float_params = state["params"]
+    if lora.enabled(cfg):  # the base with the adapters merged: one set of weights for every evaluation below
+        float_params = lora.merge(step_lib.load_frozen(run), state["params"], cfg)
     params = float_params
     if cfg.model.quantization == "int8_weights":
         params = quant.quantize_params(float_params, cfg.model)

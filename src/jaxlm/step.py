@@ -22,7 +22,7 @@ import numpy as np
 import optax
 
 from jaxlm import config as config_lib
-from jaxlm import generate, objectives, optim, params as P, runtime, sharding, storage, metrics
+from jaxlm import generate, lora, metrics, objectives, optim, params as P, runtime, sharding, storage
 from jaxlm.config import Config, ConfigError
 from jaxlm.data import loader as loader_lib, mixture, packing, prepare, tokenizer as tokenizer_lib
 from jaxlm.model import param_specs, ring
@@ -39,10 +39,12 @@ class Run:
     mesh: jax.sharding.Mesh
     param_rules: sharding.Rules
     act_rules: sharding.Rules
-    specs: dict
+    specs: dict  # the trained weights: the model's, or a LoRA run's adapters
     optimizer: optax.GradientTransformation
     abstract_state: dict
     tokenizer: tokenizer_lib.Tokenizer | None = None  # None only where there is no dataset (a compile)
+    # A LoRA run's frozen base as it is stored (lora.frozen_specs), with its shardings; None otherwise.
+    abstract_frozen: dict | None = None
 
 
 def resolve_data_dir(cfg: Config) -> Path:
@@ -82,6 +84,9 @@ def setup(cfg: Config, devices=None, data: bool = True) -> Run:
                 except tokenizer_lib.TokenizerError as e:
                     raise ConfigError(f"training.sample_prompt={cfg.training.sample_prompt!r} cannot be encoded: "
                                       f"{e}") from None
+    if lora.enabled(cfg) and not cfg.checkpoint.init_from:
+        raise ConfigError(f"lora.rank={cfg.lora.rank} trains adapters on frozen base weights; give them with "
+                          "checkpoint.init_from=FOLDER (a `jaxlm convert from-hf` output or a run directory)")
     if data and cfg.checkpoint.init_from and not Path(cfg.checkpoint.init_from).is_dir():
         raise ConfigError(f"checkpoint.init_from={cfg.checkpoint.init_from!r} is not a folder; give a run "
                           f"directory or a `jaxlm convert from-hf` output")
@@ -100,11 +105,13 @@ def setup(cfg: Config, devices=None, data: bool = True) -> Run:
     cfg = cfg.replace(training=resolve_batch(cfg.training, mesh, act_rules))
     if cfg.logging.wandb:
         metrics.require_wandb()
-    specs = param_specs(cfg.model)
+    specs = lora.specs(cfg) if lora.enabled(cfg) else param_specs(cfg.model)
     optimizer = optim.make(cfg.optimizer, cfg.training.steps)
     abstract_state = make_abstract_state(specs, mesh, optimizer, param_rules)
+    abstract_frozen = placed(lora.frozen_specs(cfg), mesh, param_rules) if lora.enabled(cfg) else None
     run_dir = resolve_run_dir(cfg)
-    return Run(cfg, run_dir, dataset, mesh, param_rules, act_rules, specs, optimizer, abstract_state, tokenizer)
+    return Run(cfg, run_dir, dataset, mesh, param_rules, act_rules, specs, optimizer, abstract_state, tokenizer,
+               abstract_frozen)
 
 
 def run_tokenizer(cfg: Config, dataset) -> tokenizer_lib.Tokenizer:
@@ -194,13 +201,17 @@ def _init_state_fn(optimizer):
                            "guard": _init_guard()}
 
 
+def placed(specs, mesh, param_rules=sharding.PARAM_RULES) -> dict:
+    """Shapes, dtypes and shardings of the weights `specs` declares (nothing allocated)."""
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), P.abstract(specs),
+                        P.shardings(specs, mesh, param_rules))
+
+
 def make_abstract_state(specs, mesh, optimizer, param_rules=sharding.PARAM_RULES) -> dict:
     """Shapes, dtypes and shardings of the full train state, derived without allocating it. Optimizer
     moments take the sharding of the parameter they belong to (found by tree path), so FSDP and tensor
     parallelism shard them too; scalars such as step counts are replicated."""
-    p_shardings = P.shardings(specs, mesh, param_rules)
-    p_abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                              P.abstract(specs), p_shardings)
+    p_abstract = placed(specs, mesh, param_rules)
     by_path = {jax.tree_util.keystr(path): a for path, a in jax.tree_util.tree_flatten_with_path(p_abstract)[0]}
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
@@ -220,31 +231,68 @@ def shardings_of(abstract_tree):
 
 
 def init_state(run: Run, seed: int) -> dict:
+    """A fresh state: the weights (a LoRA run's adapters) initialized from `seed`, the optimizer's state."""
     params = P.init(run.specs, jax.random.key(seed), run.mesh, run.param_rules)
     init = jax.jit(_init_state_fn(run.optimizer), out_shardings=shardings_of(run.abstract_state))
     return init(params)
 
 
 def init_state_from(run: Run, path: str) -> dict:
-    """Weights from a converted checkpoint or another run (fine-tuning), fresh optimizer state, step 0."""
+    """Weights from a converted checkpoint or another run (fine-tuning), fresh optimizer state, step 0. A LoRA
+    run takes its base from there (load_frozen) and starts fresh adapters, unless the folder holds an imported
+    adapter (`jaxlm convert from-hf ... --adapter`), which it goes on training."""
     from jaxlm import convert
 
-    params = convert.restore_params(path, run.abstract_state["params"])
+    if lora.enabled(run.cfg):
+        if not convert.has_adapter_dir(path):
+            return init_state(run, run.cfg.seed)
+        params = convert.restore_adapters(path, run.cfg, lambda tree: shardings_of(run.abstract_state["params"]))
+    else:
+        params = convert.restore_params(path, run.abstract_state["params"])
     init = jax.jit(_init_state_fn(run.optimizer), out_shardings=shardings_of(run.abstract_state))
     return init(params)
 
 
-def loss_and_grads(objective: objectives.Objective, params, batch: dict, cfg: Config, key
+def load_frozen(run: Run) -> dict | None:
+    """A LoRA run's frozen base, placed and (QLoRA) quantized as run.abstract_frozen says; None otherwise."""
+    from jaxlm import convert
+
+    if run.abstract_frozen is None:
+        return None
+    path, cfg = run.cfg.checkpoint.init_from, run.cfg
+    dense = placed(param_specs(cfg.model), run.mesh, run.param_rules)
+    base = (convert.restore_base_params(path, convert.load_config(path), dense) if convert.has_adapter_dir(path)
+            else convert.restore_params(path, dense))
+    quantize = jax.jit(lambda p: lora.quantize_base(p, cfg),
+                       out_shardings=shardings_of(run.abstract_frozen))
+    return quantize(base)
+
+
+def model_params(params: dict, frozen: dict | None, cfg: Config, key: jax.Array | None = None) -> dict:
+    """The weights the forward pass takes: the trained ones, or a LoRA run's adapters attached to the frozen base
+    (with `key`, for the adapters' dropout)."""
+    if frozen is None:
+        return params
+    return lora.attach(frozen, params, cfg, None if key is None else jax.random.fold_in(key, LORA_DROPOUT_SALT))
+
+
+LORA_DROPOUT_SALT = 0x10A  # the adapters' dropout keys, apart from the model's own (model.dropout)
+
+
+def loss_and_grads(objective: objectives.Objective, params, batch: dict, cfg: Config, key, frozen: dict | None = None
                    ) -> tuple[tuple[jax.Array, dict], dict]:
     """((loss, metrics), gradient) of the step from a batch of [A, B, T] arrays, accumulating A micro-batches by
     scan. The objective's units over the whole step / A are every micro-batch's normalizer (objectives.py), so
     the mean over micro-batches is exactly the mean over the step's units, however unevenly they fall (a
     micro-batch with few counted tokens weighs no more than its tokens). The sums run over the global batch, so
-    the same holds across devices."""
+    the same holds across devices. With a LoRA run's `frozen` base, `params` are the adapters, the only weights
+    differentiated."""
     A = batch["inputs"].shape[0]
     units = objective.units(batch)
     normalizer = None if units is None else jnp.maximum(units, 1e-9) / A
-    grad_fn = jax.value_and_grad(objective.loss, has_aux=True)
+    loss = objective.loss if frozen is None else (
+        lambda p, b, c, k: objective.loss(model_params(p, frozen, c, k), b, c, k))
+    grad_fn = jax.value_and_grad(loss, has_aux=True)
 
     def micro_grads(b, k):
         return grad_fn(params, b if normalizer is None else {**b, "normalizer": normalizer}, cfg, k)
@@ -304,11 +352,12 @@ def make_train_step(cfg: Config, optimizer, mesh, abstract_state, act_rules=shar
     pipeline = (cfg.training.pipeline_microbatches, cfg.training.pipeline_repeats)
     param_rules = sharding.rules_from_config(cfg.mesh)[0]
 
-    def step_fn(state, batch):
+    def step_fn(state, batch, frozen=None):
         params = state["params"]
         key = jax.random.fold_in(base_key, state["step"])
         with sharding.activation_sharding(mesh, act_rules, pipeline, param_rules):
-            (loss, extra), grads = loss_and_grads(objective, params, zigzag_batch(batch, mesh, act_rules), cfg, key)
+            (loss, extra), grads = loss_and_grads(objective, params, zigzag_batch(batch, mesh, act_rules), cfg, key,
+                                                  frozen)
         grad_norm = optax.tree.norm(grads)
         guard = state["guard"]
         avg = guard["loss_avg"]
@@ -342,7 +391,8 @@ def make_train_step(cfg: Config, optimizer, mesh, abstract_state, act_rules=shar
 def step_args(run: Run) -> dict:
     """The abstract arguments of the run's train step, by name: what `jaxlm compile` lowers it for and what a
     saved step's signature lists."""
-    return {"state": run.abstract_state, "batch": abstract_batch(run)}
+    args = {"state": run.abstract_state, "batch": abstract_batch(run)}
+    return args if run.abstract_frozen is None else {**args, "frozen": run.abstract_frozen}
 
 
 def abstract_batch(run: Run) -> dict[str, jax.ShapeDtypeStruct]:
@@ -358,7 +408,7 @@ def lower_train_step(run: Run) -> jax.stages.Lowered:
     """The train step lowered from abstract shapes, nothing allocated: what `jaxlm compile` compiles for a
     target, and what a step saved by it must match to replace make_train_step's jit in `train`."""
     step = make_train_step(run.cfg, run.optimizer, run.mesh, run.abstract_state, run.act_rules)
-    return step.lower(run.abstract_state, abstract_batch(run))
+    return step.lower(*step_args(run).values())
 def make_eval_step(cfg: Config, mesh, act_rules=sharding.ACTIVATION_RULES) -> Callable:
     """(params, batch of [B, T] arrays) -> (loss, metrics, units): the objective's mean over the batch's units
     (objectives.py) and how many there were, to weigh it against other batches."""
@@ -366,9 +416,9 @@ def make_eval_step(cfg: Config, mesh, act_rules=sharding.ACTIVATION_RULES) -> Ca
     pipeline = (cfg.training.pipeline_microbatches, cfg.training.pipeline_repeats)
     param_rules = sharding.rules_from_config(cfg.mesh)[0]
 
-    def eval_fn(params, batch):
+    def eval_fn(params, batch, frozen=None):
         with sharding.activation_sharding(mesh, act_rules, pipeline, param_rules):
-            loss, extra = objective.loss(params, batch, cfg, None)
+            loss, extra = objective.loss(model_params(params, frozen, cfg), batch, cfg, None)
         return loss, extra, objectives.units_or_tokens(objective, batch)
 
     return jax.jit(eval_fn)
@@ -451,12 +501,12 @@ def eval_plans(run: Run) -> dict[str, list]:
     return out
 
 
-def evaluate(eval_step, params, run: Run, plans: dict) -> dict:
+def evaluate(eval_step, params, run: Run, plans: dict, frozen: dict | None = None) -> dict:
     """Each split's loss over its held-out batches (eval_plans): the mean over all their units; with the
     objective's metrics averaged alike, as {split}_{name}."""
     out = {}
     for split, batches in plans.items():
-        results = jax.device_get([eval_step(params, device_batch(run, split, plan)) for plan in batches])
+        results = jax.device_get([eval_step(params, device_batch(run, split, plan), frozen) for plan in batches])
         counts = np.array([r[2] for r in results], np.float64)
         total = max(np.sum(counts), 1e-9)
         out[split] = float(np.sum(np.array([r[0] for r in results], np.float64) * counts) / total)

@@ -18,7 +18,7 @@ import jax
 
 from jaxlm import checkpoint as ckpt
 from jaxlm import config as config_lib
-from jaxlm import diagnostics, distributed, metrics, params as P, quant, saved_step, step as step_lib, storage
+from jaxlm import diagnostics, distributed, lora, metrics, params as P, quant, saved_step, step as step_lib, storage
 from jaxlm.config import Config, ConfigError
 from jaxlm.model import attention, transformer
 
@@ -66,6 +66,8 @@ def _describe_run(run: step_lib.Run, log: Callable[[str], None]):
     n_params = P.count(run.specs)
     tokens_per_step = t_cfg.batch_size * t_cfg.grad_accum * m_cfg.block_size
     flops_per_token = metrics.flops_per_token(m_cfg, causal=True)
+    if lora.enabled(cfg):
+        flops_per_token = lora.flops_per_token(cfg, flops_per_token)
     flops_per_step = flops_per_token * tokens_per_step
     n_devices = mesh.devices.size
     local_devices = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
@@ -74,9 +76,12 @@ def _describe_run(run: step_lib.Run, log: Callable[[str], None]):
     shape = {k: v for k, v in mesh.shape.items() if v > 1} or {"data": 1}
     log(f"run_dir {run_dir} | {n_params:,} parameters | mesh {shape} on {n_devices} "
         f"{jax.devices()[0].platform} devices in {jax.process_count()} process(es)")
+    if lora.enabled(cfg):
+        log(lora.describe(cfg))
     log(f"batch: {t_cfg.batch_size} sequences global ({t_cfg.per_device_batch_size:g} per device) x "
         f"{t_cfg.grad_accum} accumulation = {tokens_per_step:,} tokens/step")
-    log(f"model FLOPs {flops_per_token:,.0f} per token (causal attention counted as half) | peak "
+    log(f"model FLOPs {flops_per_token:,.0f} per token (causal attention counted as half"
+        + ("; no weight gradients for the frozen base" if lora.enabled(cfg) else "") + ") | peak "
         f"{peak / 1e12:.3f} TFLOP/s per device ({peak_source})")
     log(attention.describe(m_cfg, mesh.devices.flat[0].platform, mesh=mesh, rules=run.act_rules)
         + transformer.describe_loss(m_cfg))
@@ -184,6 +189,9 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
     checkpointer = ckpt.Checkpointer(run_dir, cfg.checkpoint, log) if use_ckpt else None
     batches = step_lib.train_batches(run)
     state = _first_state(run, checkpointer, batches, log)
+    frozen = step_lib.load_frozen(run)
+    step_args = (lambda state, batch: (state, batch)) if frozen is None else (
+        lambda state, batch: (state, batch, frozen))
     start = int(jax.device_get(state["step"]))
     skips = {k: int(v) for k, v in jax.device_get(state["guard"]).items()}
 
@@ -216,7 +224,7 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
                 with goodput.phase("data"):
                     batch = batches.next(state)
                 with goodput.phase("compile" if step == start else "compute"):
-                    state, step_metrics = train_step(state, batch)
+                    state, step_metrics = train_step(*step_args(state, batch))
                     if step == start:
                         jax.block_until_ready(step_metrics)  # the first call compiles; keep that out of compute
             done = step + 1
@@ -245,7 +253,8 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
                         record.update({"compile_s": elapsed} if done == start + 1 else window)
                         if is_eval and not failure:
                             with goodput.phase("eval"):
-                                last_eval = step_lib.evaluate(eval_step, state["params"], run, eval_batches)
+                                last_eval = step_lib.evaluate(eval_step, state["params"], run, eval_batches,
+                                                              frozen)
                             record.update(train_loss=last_eval["train"], val_loss=last_eval["val"],
                                           **{k: v for k, v in last_eval.items() if k not in ("train", "val")})
                             say(f"step {s}: train loss {last_eval['train']:.4f}, val loss {last_eval['val']:.4f}")
@@ -302,7 +311,7 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
     _report_end(summary, last_eval, log)
     if t_cfg.sample_tokens and preempted_at is None:
         with goodput.phase("eval"):
-            summary["sample"] = step_lib.sample_text(state["params"], cfg, run.tokenizer, t_cfg.sample_prompt,
+            summary["sample"] = step_lib.sample_text(step_lib.model_params(state["params"], frozen, cfg), cfg, run.tokenizer, t_cfg.sample_prompt,
                                             t_cfg.sample_tokens, t_cfg.sample_temperature, t_cfg.sample_top_k)
         log("sample:\n" + t_cfg.sample_prompt + summary["sample"])
     summary["goodput"] = goodput.summary()

@@ -66,6 +66,8 @@ def dot(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
     and length at once) goes through a slow transposing copy."""
     if isinstance(w, LoraWeight):
         return _lora_dot(spec, x, w)
+    if isinstance(w, quant.NF4Weight):  # QLoRA's frozen base: dequantized here, one layer at a time
+        w = quant.dequantize_nf4(w, x.dtype)
     if quant.applies(w):
         return quant.dot(spec, x, w).astype(x.dtype)
     lhs, rest = spec.split(",")
@@ -113,7 +115,7 @@ def matmul_weight(w: jax.Array, axes: tuple[str | None, ...], dtype) -> jax.Arra
         return dataclasses.replace(w, base=matmul_weight(w.base, axes, dtype),
                                    a=pin_grad(w.a.astype(dtype), (*axes[:n_in], None)),
                                    b=pin_grad(w.b.astype(dtype), (None, *axes[n_in:])))
-    if quant.applies(w):
+    if quant.applies(w) or isinstance(w, quant.NF4Weight):
         return w
     return pin_grad(w.astype(dtype), axes)
 
