@@ -151,18 +151,24 @@ def _family_of(cfg: ModelConfig):
 
 # ---- import ---------------------------------------------------------------------------------------------------
 
-def from_hf(src: str, out: str | Path, param_dtype: str = "float32", log: Callable[[str], None] = print) -> Path:
-    """Convert a Hugging Face model folder (or hub id) into a jaxlm checkpoint folder; returns its path."""
+def read_hf_config(src: str, param_dtype: str = "float32") -> tuple[Path, dict, ModelConfig]:
+    """(local folder, its config.json, the jaxlm model it describes) of a Hugging Face folder or hub id."""
     src_path = resolve_source(src)
-    out = Path(out)
-    if (out / "params").exists():
-        raise ConvertError(f"{out} already holds a converted checkpoint; choose another OUT or delete it")
     hf_cfg = json.loads((src_path / "config.json").read_text())
     fam = families.for_model_type(hf_cfg.get("model_type"))
     try:
-        model_cfg = dataclasses.replace(fam.config_from_hf(hf_cfg), param_dtype=param_dtype)
+        return src_path, hf_cfg, dataclasses.replace(fam.config_from_hf(hf_cfg), param_dtype=param_dtype)
     except KeyError as e:
         raise ConvertError(f"{src_path / 'config.json'} lacks {e.args[0]!r}") from None
+
+
+def from_hf(src: str, out: str | Path, param_dtype: str = "float32", log: Callable[[str], None] = print) -> Path:
+    """Convert a Hugging Face model folder (or hub id) into a jaxlm checkpoint folder; returns its path."""
+    out = Path(out)
+    if (out / "params").exists():
+        raise ConvertError(f"{out} already holds a converted checkpoint; choose another OUT or delete it")
+    src_path, hf_cfg, model_cfg = read_hf_config(src, param_dtype)
+    fam = families.for_model_type(hf_cfg.get("model_type"))
     cfg = Config(model=model_cfg, run_dir=None).replace(
         checkpoint=dataclasses.replace(Config().checkpoint, init_from=str(out.resolve())))
     config_lib.validate(cfg)
