@@ -182,10 +182,15 @@ def test_bad_lora_settings_fail_in_one_line(settings, message, char_data, tmp_pa
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
-def test_config_json_records_lora(char_data, tmp_path):
+def test_config_json_records_lora_and_a_resume_must_match_it(char_data, tmp_path):
     make_base(tmp_path / "base")
     cfg = lora_run(char_data, tmp_path, tmp_path / "base", **{"training.steps": 2, "checkpoint.interval": 2,
                                                                "optimizer.warmup_steps": 1})
     train.train(cfg, jax.devices()[:1], log=lambda s: None)
     saved = json.loads((tmp_path / "run" / "config.json").read_text())
     assert saved["lora"]["rank"] == 4 and saved["checkpoint"]["init_from"] == str(tmp_path / "base")
+    make_base(tmp_path / "other", seed=1)
+    for change, message in [({"lora.rank": 8}, "trained with lora.rank=4"),
+                            ({"checkpoint.init_from": str(tmp_path / "other")}, "trained with checkpoint.init_from=")]:
+        with pytest.raises(config_lib.ConfigError, match=message):
+            train.train(config_lib.apply_overrides(cfg, change), jax.devices()[:1], log=lambda s: None)

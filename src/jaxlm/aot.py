@@ -267,6 +267,18 @@ def _shard_bytes(a: jax.ShapeDtypeStruct) -> int:
     return math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
 
 
+def argument_shares(run: step_lib.Run) -> dict[str, int]:
+    """Bytes per device of the step's arguments by kind: the frozen base of a LoRA run, the trained weights,
+    the optimizer state (with the step counters) and the batch."""
+    args = step_lib.step_args(run)
+    size = lambda tree: sum(_shard_bytes(a) for a in jax.tree.leaves(tree))  # noqa: E731
+    state = args["state"]
+    out = {"base weights (frozen)": size(args.get("frozen")),
+           "trained weights" if run.abstract_frozen is None else "adapters": size(state["params"]),
+           "optimizer state": size({k: v for k, v in state.items() if k != "params"}), "batch": size(args["batch"])}
+    return {k: v for k, v in out.items() if v}
+
+
 _SIZE = r"([\d.]+)\s*([KMGT]i?B?|B)?"
 _UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
@@ -346,10 +358,13 @@ def report(r: Result) -> list[str]:
              + transformer.describe_loss(m_cfg)]
     if r.memory is not None:
         mem = r.memory
+        shares = argument_shares(run)
         lines += ["memory per device (compiled.memory_analysis()):",
-                  f"  arguments       {_gib(mem.arguments):>12}   train state and batch",
+                  f"  arguments       {_gib(mem.arguments):>12}   train state and batch: "
+                  + ", ".join(f"{name} {_gib(n)}" for name, n in shares.items()),
                   f"  outputs         {_gib(mem.outputs):>12}   new train state and metrics",
-                  f"  temporaries     {_gib(mem.temporaries):>12}   activations, gradients, scratch",
+                  f"  temporaries     {_gib(mem.temporaries):>12}   activations, gradients, scratch "
+                  f"({100 * mem.temporaries / max(mem.total, 1):.0f}% of the total)",
                   f"  generated code  {_gib(mem.generated_code):>12}",
                   f"  aliased         {_gib(-mem.aliased):>12}   outputs written over donated arguments",
                   f"  total           {_gib(mem.total):>12}   of {_gib(tgt.hbm_bytes)} ({tgt.hbm_source}); an upper "
@@ -358,7 +373,8 @@ def report(r: Result) -> list[str]:
                   "not in the total"]
     else:
         lines += [f"the compiler ran out of memory: {r.oom}",
-                  f"  arguments       {_gib(r.argument_bytes):>12}   train state and batch (from their shardings)",
+                  f"  arguments       {_gib(r.argument_bytes):>12}   train state and batch (from their shardings): "
+                  + ", ".join(f"{name} {_gib(n)}" for name, n in argument_shares(run).items()),
                   f"  total, about   {_gib(r.bytes_per_device):>12}   "
                   + ("no figure from the compiler: the arguments alone" if r.oom_bytes is None else
                      "the compiler's total" if "Used " in r.oom else "arguments + the compiler's temporaries")]

@@ -84,7 +84,7 @@ def setup(cfg: Config, devices=None, data: bool = True) -> Run:
                 except tokenizer_lib.TokenizerError as e:
                     raise ConfigError(f"training.sample_prompt={cfg.training.sample_prompt!r} cannot be encoded: "
                                       f"{e}") from None
-    if lora.enabled(cfg) and not cfg.checkpoint.init_from:
+    if data and lora.enabled(cfg) and not cfg.checkpoint.init_from:
         raise ConfigError(f"lora.rank={cfg.lora.rank} trains adapters on frozen base weights; give them with "
                           "checkpoint.init_from=FOLDER (a `jaxlm convert from-hf` output or a run directory)")
     if data and cfg.checkpoint.init_from and not Path(cfg.checkpoint.init_from).is_dir():
@@ -520,13 +520,25 @@ def check_resume_config(run_dir: Path | str, cfg: Config) -> None:
     path = storage.join(run_dir, "config.json")
     if not storage.exists(path):
         return
-    saved = json.loads(storage.read_text(path)).get("model", {})
+    whole = json.loads(storage.read_text(path))
+    saved = whole.get("model", {})
     for k, v in dataclasses.asdict(cfg.model).items():
         if k in saved and saved[k] != v and k not in ("dropout", "remat", "attention", "attention_block",
                                                       "loss_chunk_tokens", "scan_layers", "compute_dtype",
                                                       "quantization", "quant_logits", "quant_stochastic_rounding"):
             raise ConfigError(f"run_dir {run_dir} holds a checkpoint of a different model (model.{k}={saved[k]!r} "
                               f"there, {v!r} here); use another run_dir or the same model settings")
+    # A LoRA checkpoint holds adapters of one shape for one base; the dropout and the base's storage may change.
+    lora_saved = whole.get("lora", {})
+    here = {"lora.rank": cfg.lora.rank, "lora.alpha": cfg.lora.alpha, "lora.targets": cfg.lora.targets}
+    if cfg.lora.rank or lora_saved.get("rank"):
+        here["checkpoint.init_from"] = cfg.checkpoint.init_from
+    for key, v in here.items():
+        section, name = key.split(".")
+        there = (whole.get(section) or {}).get(name, v)
+        if there != v:
+            raise ConfigError(f"run_dir {run_dir} holds a checkpoint trained with {key}={there!r}, and this run has "
+                              f"{v!r}; resume with the same setting or use another run_dir")
 
 
 def sample_text(params, cfg: Config, tok: tokenizer_lib.Tokenizer, prompt: str, new_tokens: int,
