@@ -28,6 +28,11 @@ from jaxlm.data import loader as loader_lib, mixture, packing, prepare, tokenize
 from jaxlm.model import param_specs, ring
 
 
+class TrainingError(RuntimeError):
+    """Training cannot go on (e.g. the loss stays NaN, a reward function fails); the message says at which step
+    and why."""
+
+
 @dataclasses.dataclass
 class Run:
     """Everything a training run needs, resolved from the config before anything is compiled."""
@@ -58,7 +63,13 @@ def setup(cfg: Config, devices=None, data: bool = True) -> Run:
     """Check data, vocabulary, mesh and shardings; fails with a ConfigError/DataError before compiling.
     data=False (`jaxlm compile`) leaves the corpus alone unless the vocabulary size must come from it."""
     dataset, tokenizer = None, None
-    if data or cfg.model.vocab_size is None:
+    if cfg.training.objective == "grpo":  # prompts instead of a token dataset (rl.py)
+        if cfg.model.vocab_size is None:
+            raise ConfigError("training.objective=grpo needs model.vocab_size: train the model's own config "
+                              "(`jaxlm train FOLDER/config.json`) or set it")
+        if data:
+            tokenizer = rollout_tokenizer(cfg)
+    elif data or cfg.model.vocab_size is None:
         if cfg.data.mixture:
             dataset = mixture.MixtureDataset(config_lib.parse_mixture(cfg.data.mixture))
             data_dir = dataset.dir
@@ -78,12 +89,12 @@ def setup(cfg: Config, devices=None, data: bool = True) -> Run:
                                        f"set data.packing=false")
         if data:
             tokenizer = run_tokenizer(cfg, dataset)  # a dataset prepared with another tokenizer stops here
-            if cfg.training.sample_tokens:  # the end-of-training sample would fail hours from now
-                try:
-                    tokenizer.encode(cfg.training.sample_prompt)
-                except tokenizer_lib.TokenizerError as e:
-                    raise ConfigError(f"training.sample_prompt={cfg.training.sample_prompt!r} cannot be encoded: "
-                                      f"{e}") from None
+    if tokenizer is not None and cfg.training.sample_tokens:  # the end-of-training sample would fail hours from now
+        try:
+            tokenizer.encode(cfg.training.sample_prompt)
+        except tokenizer_lib.TokenizerError as e:
+            raise ConfigError(f"training.sample_prompt={cfg.training.sample_prompt!r} cannot be encoded: "
+                              f"{e}") from None
     if data and lora.enabled(cfg) and not cfg.checkpoint.init_from:
         raise ConfigError(f"lora.rank={cfg.lora.rank} trains adapters on frozen base weights; give them with "
                           "checkpoint.init_from=FOLDER (a `jaxlm convert from-hf` output or a run directory)")
@@ -130,11 +141,26 @@ def run_tokenizer(cfg: Config, dataset) -> tokenizer_lib.Tokenizer:
         raise ConfigError(str(e)) from None
 
 
+def rollout_tokenizer(cfg: Config) -> tokenizer_lib.Tokenizer:
+    """A GRPO run's tokenizer: data.tokenizer, else the converted model's (checkpoint.init_from), else the one
+    recorded by the prepared data in data.dir / data.dataset (the data the model was trained on)."""
+    from jaxlm import convert
+
+    init = cfg.checkpoint.init_from
+    model_tok = convert.tokenizer_source(Path(init), cfg) if init and Path(init).is_dir() else None
+    meta_file = resolve_data_dir(cfg) / "meta.json"
+    meta = loader_lib.read_meta(meta_file.parent) if meta_file.is_file() and not model_tok else None
+    try:
+        return tokenizer_lib.resolve(cfg.data.tokenizer, model_tok, meta, dataset=f"the dataset {meta_file.parent}")
+    except tokenizer_lib.TokenizerError as e:
+        raise ConfigError(str(e)) from None
+
+
 def resolve_loss_mask(cfg: Config, dataset: loader_lib.Dataset | None) -> str:
     """data.loss_mask as the step will use it, "on" or "off": auto follows the dataset (its meta.json alone
     when the corpus is not opened, as for `jaxlm compile`; no dataset at all reads as none)."""
     setting = cfg.data.loss_mask
-    if setting == "off":
+    if setting == "off" or cfg.training.objective == "grpo":  # rollouts weigh their completion tokens themselves
         return "off"
     if dataset is not None:
         has, where = dataset.has_loss_mask, dataset.dir
@@ -150,8 +176,17 @@ def resolve_loss_mask(cfg: Config, dataset: loader_lib.Dataset | None) -> str:
 
 
 def batch_keys(cfg: Config) -> tuple[str, ...]:
-    """The arrays of this run's batches (loader.batch_keys); the plain path takes inputs and targets only."""
+    """The arrays of this run's batches (loader.batch_keys); the plain path takes inputs and targets only. GRPO's
+    rollouts (rl.py) add each token's advantage and, when the objective needs them, the old policy's and the
+    reference model's log-probabilities."""
+    if cfg.training.objective == "grpo":
+        g = cfg.grpo
+        return (("inputs", "targets", "weights", "advantages") + (("old_logps",) if g.iterations > 1 else ())
+                + (("ref_logps",) if g.beta > 0 and not lora.enabled(cfg) else ()))
     return loader_lib.batch_keys(cfg.data.packing, cfg.data.loss_mask == "on")
+
+
+INT_BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids")  # the rest are float32
 
 
 def resolve_run_dir(cfg: Config) -> Path | str:
@@ -288,7 +323,7 @@ def loss_and_grads(objective: objectives.Objective, params, batch: dict, cfg: Co
     the same holds across devices. With a LoRA run's `frozen` base, `params` are the adapters, the only weights
     differentiated."""
     A = batch["inputs"].shape[0]
-    units = objective.units(batch)
+    units = objective.units(batch, cfg)
     normalizer = None if units is None else jnp.maximum(units, 1e-9) / A
     loss = objective.loss if frozen is None else (
         lambda p, b, c, k: objective.loss(model_params(p, frozen, c, k), b, c, k))
@@ -400,7 +435,7 @@ def abstract_batch(run: Run) -> dict[str, jax.ShapeDtypeStruct]:
     t = run.cfg.training
     shape = (t.grad_accum, t.batch_size, run.cfg.model.block_size)
     sh = sharding.batch_sharding(run.mesh, 3, 1, run.act_rules)
-    return {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "weights" else jnp.int32, sharding=sh)
+    return {k: jax.ShapeDtypeStruct(shape, jnp.int32 if k in INT_BATCH_KEYS else jnp.float32, sharding=sh)
             for k in batch_keys(run.cfg)}
 
 
@@ -419,7 +454,7 @@ def make_eval_step(cfg: Config, mesh, act_rules=sharding.ACTIVATION_RULES) -> Ca
     def eval_fn(params, batch, frozen=None):
         with sharding.activation_sharding(mesh, act_rules, pipeline, param_rules):
             loss, extra = objective.loss(model_params(params, frozen, cfg), batch, cfg, None)
-        return loss, extra, objectives.units_or_tokens(objective, batch)
+        return loss, extra, objectives.units_or_tokens(objective, batch, cfg)
 
     return jax.jit(eval_fn)
 
@@ -452,11 +487,13 @@ def device_batch(run: Run, split: str, plan) -> dict[str, jax.Array]:
 
 class LoaderBatches:
     """The train split's batches, planned by the run's loader and placed on the mesh: what the loop steps
-    through; their position (state, restore) goes into checkpoints. An objective that makes its batches
-    itself (reinforcement learning's rollouts, from the state's weights) is a source of the same shape."""
+    through; their position (state, restore) goes into checkpoints, and `evaluate` measures the held-out
+    batches. An objective that makes its batches itself (reinforcement learning's rollouts from the state's
+    weights, rl.RolloutBatches) is a source of the same shape."""
 
-    def __init__(self, run: Run):
-        self.run, self.loader = run, make_loader(run)
+    def __init__(self, run: Run, frozen: dict | None = None):
+        self.run, self.frozen, self.loader = run, frozen, make_loader(run)
+        self._eval = None
 
     def next(self, state: dict) -> dict[str, jax.Array]:
         return device_batch(self.run, "train", self.loader.next())
@@ -467,9 +504,24 @@ class LoaderBatches:
     def restore(self, position: dict) -> None:
         self.loader.restore(position)
 
+    def boundary(self, step: int) -> bool:
+        """Whether the run may stop or save after `step` steps: after any."""
+        return True
 
-def train_batches(run: Run) -> LoaderBatches:
-    return LoaderBatches(run)
+    def metrics(self) -> dict:
+        """The host's figures of the last batch (none for data from a loader)."""
+        return {}
+
+    def evaluate(self, state: dict) -> dict:
+        """train_loss and val_loss over the fixed held-out batches (and the objective's metrics, val_<name>)."""
+        if self._eval is None:
+            self._eval = make_eval_step(self.run.cfg, self.run.mesh, self.run.act_rules), eval_plans(self.run)
+        losses = evaluate(self._eval[0], state["params"], self.run, self._eval[1], self.frozen)
+        return {"train_loss": losses.pop("train"), "val_loss": losses.pop("val"), **losses}
+
+
+def train_batches(run: Run, frozen: dict | None = None) -> LoaderBatches:
+    return LoaderBatches(run, frozen)
 
 
 def make_loader(run: Run, split: str = "train", grad_accum: int | None = None, seed: int | None = None):

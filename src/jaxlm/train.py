@@ -18,8 +18,9 @@ import jax
 
 from jaxlm import checkpoint as ckpt
 from jaxlm import config as config_lib
-from jaxlm import diagnostics, distributed, lora, metrics, params as P, quant, saved_step, step as step_lib, storage
+from jaxlm import diagnostics, distributed, lora, metrics, params as P, quant, rl, saved_step, step as step_lib, storage
 from jaxlm.config import Config, ConfigError
+from jaxlm.step import TrainingError
 from jaxlm.model import attention, transformer
 
 # Steps dispatched ahead of the host before it waits for the oldest: enough to keep any device busy, few
@@ -30,10 +31,6 @@ MAX_STEPS_IN_FLIGHT = 8
 
 # The train step's own metrics; whatever else it returns is the objective's, recorded under its own name.
 STEP_GUARD_METRICS = ("loss", "lr", "grad_norm", "loss_avg", "nonfinite_skips", "spike_skips", "skips_in_a_row")
-
-
-class TrainingError(RuntimeError):
-    """Training cannot go on (e.g. the loss stays NaN); the message says at which step and why."""
 
 
 def _report_skips(step: int, m: dict, seen: dict, t_cfg: config_lib.TrainingConfig, say) -> str | None:
@@ -85,8 +82,13 @@ def _describe_run(run: step_lib.Run, log: Callable[[str], None]):
         f"{peak / 1e12:.3f} TFLOP/s per device ({peak_source})")
     log(attention.describe(m_cfg, mesh.devices.flat[0].platform, mesh=mesh, rules=run.act_rules)
         + transformer.describe_loss(m_cfg))
-    log(f"data {run.dataset.dir}: {run.dataset.describe()}"
-        + (" | packed rows" if cfg.data.packing else "") + (" | loss mask on" if cfg.data.loss_mask == "on" else ""))
+    if run.dataset is not None:
+        log(f"data {run.dataset.dir}: {run.dataset.describe()}" + (" | packed rows" if cfg.data.packing else "")
+            + (" | loss mask on" if cfg.data.loss_mask == "on" else ""))
+    else:
+        log(f"prompts {cfg.data.prompts}: {t_cfg.batch_size * t_cfg.grad_accum // cfg.grpo.group_size} per step x "
+            f"{cfg.grpo.group_size} completions of up to {cfg.grpo.max_completion_tokens} tokens; rewards "
+            f"{cfg.grpo.reward}")
     if m_cfg.quantization == "fp8" and (note := quant.fp8_fallback_message(mesh.devices.flat[0])):
         log(note)
     return meter, peak, peak_source, flops_per_token
@@ -121,10 +123,12 @@ def _report_end(summary: dict, last_eval: dict, log: Callable[[str], None]) -> N
             + (f"{summary['tokens_per_s']:,.0f} tokens/s ({summary['tokens_per_s_per_device']:,.0f} per device), "
                f"{summary['model_tflops_per_s_per_device']:.4f} model TFLOP/s per device, "
                f"MFU {100 * summary['mfu']:.2f}%" if "tokens_per_s" in summary else ""))
-    if last_eval:
+    if "val_loss" in last_eval:
         ent = summary["unigram_entropy"]
-        log(f"final train loss {last_eval['train']:.4f}, val loss {last_eval['val']:.4f}"
+        log(f"final train loss {last_eval['train_loss']:.4f}, val loss {last_eval['val_loss']:.4f}"
             + (f" (unigram entropy of the corpus: {ent:.4f})" if ent else ""))
+    elif last_eval:
+        log("final " + ", ".join(f"{k.replace('_', ' ')} {v:.4f}" for k, v in last_eval.items()))
 
 
 @dataclasses.dataclass
@@ -187,9 +191,9 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
 
     use_ckpt = cfg.checkpoint.enabled and not cfg.debug
     checkpointer = ckpt.Checkpointer(run_dir, cfg.checkpoint, log) if use_ckpt else None
-    batches = step_lib.train_batches(run)
-    state = _first_state(run, checkpointer, batches, log)
     frozen = step_lib.load_frozen(run)
+    batches = rl.RolloutBatches(run, frozen) if t_cfg.objective == "grpo" else step_lib.train_batches(run, frozen)
+    state = _first_state(run, checkpointer, batches, log)
     step_args = (lambda state, batch: (state, batch)) if frozen is None else (
         lambda state, batch: (state, batch, frozen))
     start = int(jax.device_get(state["step"]))
@@ -200,8 +204,6 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
         log(f"train step loaded from {cfg.compile.load} (compiled ahead of time; not compiled here)")
     else:
         train_step = step_lib.make_train_step(cfg, run.optimizer, mesh, run.abstract_state, run.act_rules)
-    eval_step = step_lib.make_eval_step(cfg, mesh, run.act_rules)
-    eval_batches = step_lib.eval_plans(run)
     writer = metrics.MetricWriter(run_dir, tensorboard=cfg.logging.tensorboard, enabled=main_process,
                                   wandb_run=metrics.start_wandb(cfg, run_dir) if cfg.logging.wandb and main_process
                                   else None)
@@ -212,7 +214,7 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
     preemption = distributed.Preemption(use_ckpt and cfg.checkpoint.save_on_preemption, say)
     goodput.charge_unaccounted("init")
 
-    pending: list[tuple[int, dict]] = []
+    pending: list[tuple[int, dict, dict]] = []  # (step, the step's metrics on device, the batch's on the host)
     last_eval: dict = {}
     preempted_at = None
     windows = _Windows(meter)
@@ -229,36 +231,37 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
                         jax.block_until_ready(step_metrics)  # the first call compiles; keep that out of compute
             done = step + 1
             profiler.after(done, state)
-            pending.append((done, step_metrics))
+            pending.append((done, step_metrics, batches.metrics()))
             if len(pending) > MAX_STEPS_IN_FLIGHT:
                 with goodput.phase("compute"):
                     jax.block_until_ready(pending[-MAX_STEPS_IN_FLIGHT][1])
             windows.steps += 1
-            stop = preemption.reached(done)
+            stop = preemption.reached(done) and batches.boundary(done)
             is_eval = not stop and (done == t_cfg.steps or (t_cfg.eval_interval and done % t_cfg.eval_interval == 0))
-            is_ckpt = use_ckpt and (stop or done == t_cfg.steps
-                                    or (cfg.checkpoint.interval and done % cfg.checkpoint.interval == 0))
+            is_ckpt = use_ckpt and batches.boundary(done) and (
+                stop or done == t_cfg.steps or (cfg.checkpoint.interval and done % cfg.checkpoint.interval == 0))
             if done == start + 1 or done % t_cfg.log_interval == 0 or is_eval or is_ckpt:
                 with goodput.phase("compute"):
-                    fetched = jax.device_get([m for _, m in pending])
+                    fetched = jax.device_get([m for _, m, _ in pending])
                 elapsed, window = windows.close(first=done == start + 1)
                 failure = None
-                for (s, _), m in zip(pending, fetched):
+                for (s, _, host), m in zip(pending, fetched):
                     record = {"step": s, "loss": float(m["loss"]), "lr": float(m["lr"]),
                               "grad_norm": float(m["grad_norm"]), "nonfinite_skips": int(m["nonfinite_skips"]),
                               "spike_skips": int(m["spike_skips"]),
-                              **{k: float(v) for k, v in m.items() if k not in STEP_GUARD_METRICS}}
+                              **{k: float(v) for k, v in m.items() if k not in STEP_GUARD_METRICS}, **host}
                     failure = failure or _report_skips(s, m, skips, t_cfg, say)
                     if s == done:
                         record.update({"compile_s": elapsed} if done == start + 1 else window)
                         if is_eval and not failure:
                             with goodput.phase("eval"):
-                                last_eval = step_lib.evaluate(eval_step, state["params"], run, eval_batches,
-                                                              frozen)
-                            record.update(train_loss=last_eval["train"], val_loss=last_eval["val"],
-                                          **{k: v for k, v in last_eval.items() if k not in ("train", "val")})
-                            say(f"step {s}: train loss {last_eval['train']:.4f}, val loss {last_eval['val']:.4f}")
+                                last_eval = batches.evaluate(state)
+                            record.update(last_eval)
+                            if last_eval:
+                                say(f"step {s}: " + ", ".join(f"{k.replace('_', ' ')} {v:.4f}" for k, v in
+                                                                last_eval.items() if "/" not in k))
                     writer.write(record)
+                writer.append("completions.jsonl", getattr(batches, "take_samples", list)())
                 writer.flush()
                 if failure:
                     raise TrainingError(failure + (f"; the newest checkpoint is in {checkpointer.dir}"
@@ -304,8 +307,8 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
     summary = {"run_dir": str(run_dir), "steps": t_cfg.steps, "start_step": start, "preempted_at": preempted_at,
                "nonfinite_skips": skips["nonfinite_skips"], "spike_skips": skips["spike_skips"],
                "wall_seconds": time.perf_counter() - goodput.start, "compile_seconds": windows.compile_seconds,
-               "train_loss": last_eval.get("train"), "val_loss": last_eval.get("val"),
-               "unigram_entropy": run.dataset.meta.get("unigram_entropy")}
+               "train_loss": last_eval.get("train_loss"), "val_loss": last_eval.get("val_loss"),
+               "unigram_entropy": run.dataset.meta.get("unigram_entropy") if run.dataset else None}
     summary.update(peak_flops_per_device=peak, peak_source=peak_source, flops_per_token=flops_per_token,
                    **windows.overall())
     _report_end(summary, last_eval, log)
