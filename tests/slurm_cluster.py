@@ -48,7 +48,7 @@ def _sbin(name: str) -> str:
 class Cluster:
     """Start with `start()`, stop with `stop()`; `env` is the environment that reaches it."""
 
-    def __init__(self, cpus: int = 2, requeue_delay_s: int = 5):
+    def __init__(self, cpus: int = 2, requeue_delay_s: int = 90):
         self.dir = Path(tempfile.mkdtemp(prefix="jaxlm-slurm-"))  # short: a socket path has at most 107 bytes
         self.conf = self.dir / "slurm.conf"
         self.env = dict(os.environ, SLURM_CONF=str(self.conf))
@@ -62,7 +62,9 @@ class Cluster:
         self.munge = [_sbin("munged"), "--force", f"--socket={sock}", f"--key-file={key}",
                       f"--pid-file={self.dir / 'munged.pid'}", f"--seed-file={self.dir / 'munged.seed'}",
                       f"--log-file={self.dir / 'log' / 'munged.log'}"]
-        # cred_expire: how long a requeued job waits before it may start again (Slurm's default is 120 s).
+        # cred_expire: how long a requeued job waits before it may start again (Slurm's default is 120 s). Shorter
+        # than about 75 s is not safe: here a step ended by `srun --kill-on-bad-exit` was signalled again 71 s
+        # later, and a rerun started by then (same job and step id) was cancelled with it (seen at 5 and 30 s).
         self.conf.write_text(f"""ClusterName=jaxlmtest
 SlurmctldHost=localhost(127.0.0.1)
 SlurmctldPort={ctld}
@@ -91,7 +93,7 @@ SlurmctldTimeout=30
 SlurmdTimeout=30
 InactiveLimit=0
 MinJobAge=3600
-KillWait=30
+KillWait=10
 NodeName=n1 NodeAddr=127.0.0.1 NodeHostname=localhost Port={d1} CPUs={cpus} State=UNKNOWN
 NodeName=n2 NodeAddr=127.0.0.1 NodeHostname=localhost Port={d2} CPUs={cpus} State=UNKNOWN
 PartitionName=debug Nodes=n1,n2 Default=YES MaxTime=INFINITE State=UP
