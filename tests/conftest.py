@@ -109,11 +109,11 @@ def train_losses(cfg: config_lib.Config, devices, batch_of, steps: int = 20):
     import jax
     import numpy as np
 
-    from jaxlm import train
+    from jaxlm import step as step_lib
 
-    run = train.setup(cfg, devices)
-    state = train.init_state(run, cfg.seed)
-    step = train.make_train_step(run.cfg, run.optimizer, run.mesh, run.abstract_state, run.act_rules)
+    run = step_lib.setup(cfg, devices)
+    state = step_lib.init_state(run, cfg.seed)
+    step = step_lib.make_train_step(run.cfg, run.optimizer, run.mesh, run.abstract_state, run.act_rules)
     rng = np.random.default_rng(0)
     losses = []
     for _ in range(steps):

@@ -128,14 +128,14 @@ def test_checkpoints_on_s3_resume_exactly_and_a_corrupted_one_is_rejected(s3, ch
     them there: a resumed run's losses equal an uninterrupted run's, and a checkpoint damaged on the server is
     set aside (copied to rejected/, then deleted) for the previous one."""
     from conftest import tiny_config
-    from jaxlm import checkpoint as ckpt, evaluate, train
+    from jaxlm import checkpoint as ckpt, evaluate, train, step as step_lib
 
     run = {"training.steps": 20, "optimizer.decay_steps": 20, "checkpoint.interval": 5, "training.eval_interval": 0}
     train.train(tiny_config(char_data, tmp_path / "reference", **run), log=lambda s: None)
     ref = train.losses_by_step(tmp_path / "reference")
 
     with pytest.raises(ConfigError, match=r"^run_dir s3://no-such-bucket/run: bucket no-such-bucket does not exist"):
-        train.setup(tiny_config(char_data, "s3://no-such-bucket/run"))  # fsspec would create the bucket
+        step_lib.setup(tiny_config(char_data, "s3://no-such-bucket/run"))  # fsspec would create the bucket
     url, bucket_dir = "s3://jaxlm-test/run", "jaxlm-test/run"
     train.train(tiny_config(char_data, url, **{**run, "training.steps": 10}), log=lambda s: None)
     assert ckpt.step_numbers(f"{url}/checkpoints") == [5, 10]
@@ -173,13 +173,13 @@ def test_object_store_urls_that_cannot_work_fail_with_one_line(monkeypatch, char
     import s3fs
     from conftest import tiny_config
     from fsspec.registry import _registry
-    from jaxlm import train
+    from jaxlm import step as step_lib
 
     monkeypatch.delitem(_registry, "s3", raising=False)
     monkeypatch.setitem(sys.modules, "s3fs", None)  # as if not installed
     with pytest.raises(ConfigError, match=r"^run_dir s3://jaxlm-test/run: no filesystem for s3:// URLs "
                                           r"\(pip install s3fs\)$"):
-        train.setup(tiny_config(char_data, "s3://jaxlm-test/run"))
+        step_lib.setup(tiny_config(char_data, "s3://jaxlm-test/run"))
     monkeypatch.undo()
 
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # the discard port: nothing listens there
@@ -189,7 +189,7 @@ def test_object_store_urls_that_cannot_work_fail_with_one_line(monkeypatch, char
     s3fs.S3FileSystem.clear_instance_cache()
     try:
         with pytest.raises(ConfigError) as e:
-            train.setup(tiny_config(char_data, "s3://jaxlm-test/run"))
+            step_lib.setup(tiny_config(char_data, "s3://jaxlm-test/run"))
     finally:
         s3fs.S3FileSystem.clear_instance_cache()
     assert "\n" not in str(e.value) and "cannot be reached" in str(e.value) and "127.0.0.1:9" in str(e.value)

@@ -285,16 +285,27 @@ def cmd_convert(argv: list[str]) -> int:
     a.add_argument("out", help="output folder")
     a.add_argument("--param-dtype", choices=["float32", "bfloat16"], default="float32",
                    help="dtype the weights are stored and trained in (default float32)")
+    a.add_argument("--adapter", metavar="PEFT_DIR", help="also import this PEFT LoRA adapter of the model (OUT then "
+                   "serves base + adapter, and `jaxlm train OUT/config.json` goes on training the adapter)")
     b = sub.add_parser("to-hf", help="jaxlm run directory or converted checkpoint -> HF folder")
     b.add_argument("path", help="run directory (its latest checkpoint) or converted checkpoint folder")
     b.add_argument("out", help="output folder")
     b.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="tensor dtype (default: the weights')")
     b.add_argument("--shard-gb", type=float, default=5.0, help="largest safetensors file, in GiB")
+    b.add_argument("--adapter-only", action="store_true", help="write a LoRA run's adapter as a PEFT adapter folder "
+                   "(adapter_config.json, adapter_model.safetensors) instead of the merged model")
     args = p.parse_args(argv)
-    from jaxlm import convert
+    from jaxlm import adapters, convert
 
     if args.direction == "from-hf":
-        convert.from_hf(args.src, args.out, args.param_dtype)
+        if args.adapter:  # read before the base is converted: an adapter that does not fit leaves nothing behind
+            model = convert.read_hf_config(args.src, args.param_dtype)[2]
+            adapters.read_peft(args.adapter, config_lib.Config(model=model))
+        out = convert.from_hf(args.src, args.out, args.param_dtype)
+        if args.adapter:
+            adapters.import_peft(out, args.adapter)
+    elif args.adapter_only:
+        adapters.write_peft(args.path, args.out, args.dtype)
     else:
         convert.to_hf(args.path, args.out, args.dtype, int(args.shard_gb * 2**30))
     return 0

@@ -180,6 +180,9 @@ class OptimizerConfig:
 @dataclass(frozen=True)
 class TrainingConfig:
     steps: int = _f(5000, "optimizer steps to train for")
+    objective: Literal["next_token"] = _f(
+        "next_token", "what the train step minimizes (objectives.py): next_token = cross-entropy of the next token "
+                      "(pretraining, and SFT with loss masks)")
     batch_size: int = _f(64, "sequences per micro-batch across all devices (the global batch); "
                              "ignored when per_device_batch_size is set")
     per_device_batch_size: float | None = _f(None, "sequences per device per micro-batch; the global batch is this "
@@ -205,6 +208,22 @@ class TrainingConfig:
                                         "are not finite")
     spike_threshold: float = _f(0.0, "skip the update of a step whose loss exceeds this multiple of the running "
                                      "average loss (about the last 100 steps); 0 = off, else > 1")
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    rank: int = _f(0, "LoRA adapter rank; 0 = off (every weight trains). With a rank only the adapters train: the "
+                      "base weights (checkpoint.init_from) are frozen, get no gradient and no optimizer state, and "
+                      "checkpoints hold the adapters (docs/finetune.md)")
+    alpha: float = _f(16.0, "adapters add (alpha / rank) * x A B to each adapted projection")
+    dropout: float = _f(0.0, "dropout on each adapter's input during training")
+    targets: str = _f("q,k,v,o,up,gate,down", "comma-separated weights that get adapters: q, k, v, o (attention; "
+                                              "Hugging Face q_proj, k_proj, v_proj, o_proj) and up, gate, down "
+                                              "(dense MLP; up_proj, gate_proj, down_proj); experts are not adapted")
+    base_quantization: Literal["none", "int8", "nf4"] = _f(
+        "none", "QLoRA: keep the frozen base's attention and dense MLP weights on the device as int8 (one scale "
+                "per output channel) or 4-bit NormalFloat (blocks of 64, double-quantized scales), dequantized "
+                "layer by layer in the matmul; adapters and compute stay in their own dtypes")
 
 
 @dataclass(frozen=True)
@@ -344,6 +363,7 @@ class Config:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
@@ -584,6 +604,7 @@ def validate(cfg: Config) -> None:
     _validate_common(cfg)
     _validate_model(cfg.model, cfg.mesh)
     _validate_optimizer_and_training(cfg.optimizer, cfg.training, cfg.checkpoint)
+    _validate_lora(cfg)
     _validate_mesh_and_distributed(cfg.mesh, cfg.distributed)
     _validate_diagnostics(cfg)
     validate_decode(cfg.decode)
@@ -708,6 +729,35 @@ def _validate_optimizer_and_training(o: OptimizerConfig, t: TrainingConfig, c: C
     _positive("checkpoint.keep", c.keep)
     if t.per_device_batch_size is not None and t.per_device_batch_size <= 0:
         raise ConfigError(f"training.per_device_batch_size={t.per_device_batch_size} must be > 0")
+
+
+LORA_TARGETS = ("q", "k", "v", "o", "up", "gate", "down")
+
+
+def _validate_lora(cfg: Config) -> None:
+    lo = cfg.lora
+    if lo.rank < 0:
+        raise ConfigError(f"lora.rank={lo.rank} must be >= 0 (0 = off)")
+    if not lo.rank:
+        if lo.base_quantization != "none":
+            raise ConfigError(f"lora.base_quantization={lo.base_quantization} quantizes the frozen base of a LoRA "
+                              "run; set lora.rank too (e.g. lora.rank=16)")
+        return
+    _positive("lora.alpha", lo.alpha)
+    if not 0.0 <= lo.dropout < 1.0:
+        raise ConfigError(f"lora.dropout={lo.dropout} must be in [0, 1)")
+    names = [t.strip() for t in lo.targets.split(",") if t.strip()]
+    if not names:
+        raise ConfigError(f"lora.targets={lo.targets!r} is empty; name some of: {', '.join(LORA_TARGETS)}")
+    for name in names:
+        if name not in LORA_TARGETS:
+            hint = difflib.get_close_matches(name.removesuffix("_proj"), LORA_TARGETS, n=1)
+            extra = f" (did you mean '{hint[0]}'?)" if hint else ""
+            raise ConfigError(f"lora.targets={lo.targets!r}: {name!r} is not a weight jaxlm adapts{extra}; choose "
+                              f"from {', '.join(LORA_TARGETS)}")
+    if max(cfg.mesh.ici_stage, cfg.mesh.dcn_stage) > 1:
+        raise ConfigError("lora.rank with pipeline stages (mesh.ici_stage / mesh.dcn_stage > 1) is not supported; "
+                          "use FSDP (mesh.ici_fsdp) to spread the frozen base instead")
 
 
 def _validate_mesh_and_distributed(mesh: MeshConfig, d: DistributedConfig) -> None:
