@@ -33,14 +33,10 @@ from jax.experimental import serialize_executable
 from jaxlm import advisor, saved_step, step as step_lib
 from jaxlm.model import attention, transformer
 from jaxlm.config import MESH_AXES, CompileConfig, Config, ConfigError
+from jaxlm.topology import TPU_GENERATIONS, tpu_grid  # noqa: F401 - tpu_grid is part of this module's interface
 
 GiB = 2**30
 
-# name prefix -> (generation in libtpu's topology names, chip config, grid rank, TensorCores per chip).
-# v4 and v5p slice names count TensorCores and run one JAX device per chip (megacore); v5e and v6e chips
-# have one core each.
-TPU_GENERATIONS = {"v4": ("v4", "megacore", 3, 2), "v5p": ("v5", "megacore", 3, 2),
-                   "v5e": ("v5e", "default", 2, 1), "v6e": ("v6e", "default", 2, 1)}
 # GPU targets: name -> (device kind substring, GPUs per host).
 GPU_TARGETS = {"a3": ("H100", 8)}
 # HBM per device from the vendors' spec sheets, GiB: (substrings the device kind must all contain, GiB).
@@ -92,19 +88,6 @@ def prepare_process(c: CompileConfig) -> None:
             os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={m[1]}".strip()
     if name and "JAX_PLATFORMS" not in os.environ:  # JAX read the variable on import; set its config instead
         jax.config.update("jax_platforms", "cpu")
-
-
-def tpu_grid(rank: int, chips: int) -> tuple[int, ...]:
-    """Chip grid of a slice as Cloud TPU builds them: 1x1, 1x2, 2x2, 2x4, 4x4, ... 16x16 (v5e, v6e) and
-    2x2x1, 2x2x2, 2x2x4, 2x4x4, 4x4x4, ... (v4, v5p): each doubling doubles the smallest dimension, the
-    last of equals first."""
-    grid = [1, 1] if rank == 2 else [2, 2, 1]
-    if chips < math.prod(grid) or chips & (chips - 1) or (rank == 2 and chips > 256):
-        raise ValueError
-    while math.prod(grid) < chips:
-        i = max(i for i, d in enumerate(grid) if d == min(grid))
-        grid[i] *= 2
-    return tuple(grid)
 
 
 def _unknown_topology(name: str) -> ConfigError:

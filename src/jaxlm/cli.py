@@ -67,22 +67,96 @@ def cmd_compile(argv: list[str]) -> int:
 
 
 def cmd_launch(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="jaxlm launch", description="Run a jaxlm command in several local processes "
-                                "that form one JAX job (coordinator on 127.0.0.1).")
-    p.add_argument("--processes", type=int, required=True)
-    p.add_argument("--devices-per-process", type=int, help="fake CPU devices per process (testing)")
-    p.add_argument("--gpus-per-process", type=int, help="GPUs per process on a multi-GPU node")
-    p.add_argument("--port", type=int, help="coordinator port (default: a free one)")
+    from jaxlm import clusters
+
+    p = argparse.ArgumentParser(
+        prog="jaxlm launch", description="Run a jaxlm command as one JAX job of several processes: here (local: "
+        "a coordinator on 127.0.0.1), or through a cluster's scheduler: an sbatch script (slurm), an indexed Job "
+        "and headless Service (kubernetes), or gcloud command lines for a TPU VM slice (tpu-vm). docs/scaling.md.")
+    p.add_argument("--scheduler", choices=clusters.SCHEDULERS, default="local")
+    p.add_argument("--processes", type=int, help="local: processes to start")
+    p.add_argument("--devices-per-process", type=int, help="fake CPU devices per process (testing; local, slurm)")
+    p.add_argument("--gpus-per-process", type=int, help="GPUs per process: per local process, per Slurm task "
+                   "(--gpus-per-task), per Kubernetes pod")
+    p.add_argument("--port", type=int, help="local: coordinator port (default: a free one)")
+    p.add_argument("--nodes", type=int, help="slurm: nodes; kubernetes: pods (hosts)")
+    p.add_argument("--tasks-per-node", type=int, default=1, help="slurm: processes per node (default 1)")
+    p.add_argument("--time", help="slurm: time limit (sbatch --time, e.g. 24:00:00)")
+    p.add_argument("--partition", help="slurm: partition")
+    p.add_argument("--account", help="slurm: account")
+    p.add_argument("--signal-seconds", type=int, default=300, help="slurm: seconds before the time limit at which "
+                   "the tasks get SIGTERM and save a checkpoint (default 300)")
+    p.add_argument("--requeues", type=int, default=3, help="slurm: times the job is requeued after a failure or a "
+                   "preemption (default 3); kubernetes: restarts per pod")
+    p.add_argument("--name", default="jaxlm", help="job name (slurm, kubernetes) or TPU VM name (tpu-vm)")
+    p.add_argument("--output-dir", default="slurm", help="slurm: folder for the script and the job's output")
+    p.add_argument("--sbatch", action="append", metavar="FLAG", help="slurm: another #SBATCH line (repeatable), "
+                   "e.g. --sbatch=--exclusive")
+    p.add_argument("--image", help="kubernetes: container image with jaxlm installed (its `jaxlm` on PATH)")
+    p.add_argument("--topology", help="tpu-vm, kubernetes: TPU slice such as v5e-256 (jaxlm describe NAME)")
+    p.add_argument("--zone", help="tpu-vm: zone")
+    p.add_argument("--project", help="tpu-vm: project")
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--submit", action="store_true", help="slurm: sbatch the script; kubernetes: kubectl apply")
+    how.add_argument("--dry-run", action="store_true", help="print the script, manifest or command lines "
+                     "(the default for slurm, kubernetes and tpu-vm)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- train PRESET key=value ...")
     a = p.parse_args(argv)
     command = a.command[1:] if a.command[:1] == ["--"] else a.command
     if not command:
         p.error("give the command after --, e.g. jaxlm launch --processes 2 -- train quickstart")
-    if a.processes < 1:
-        p.error("--processes must be >= 1")
-    from jaxlm.launch import launch
+    if a.scheduler == "local":
+        if a.processes is None or a.processes < 1:
+            p.error("--processes N (>= 1) is needed for local processes")
+        from jaxlm.launch import launch
 
-    return launch(command, a.processes, a.devices_per_process, a.port, a.gpus_per_process)
+        return launch(command, a.processes, a.devices_per_process, a.port, a.gpus_per_process)
+    if a.scheduler == "slurm":
+        if a.nodes is None:
+            p.error("--nodes N is needed for --scheduler slurm")
+        script = clusters.slurm_script(command, a.nodes, a.tasks_per_node, a.gpus_per_process,
+                                       a.devices_per_process, a.time, a.partition, a.account, a.name, a.requeues,
+                                       a.signal_seconds, a.output_dir, extra=a.sbatch)
+        if not a.submit:
+            print(script, end="")
+            return 0
+        path, job = clusters.submit_slurm(script, a.output_dir, a.name)
+        print(f"submitted job {job}: {path}; output in {path.parent}/{a.name}-{job}.out")
+        return 0
+    if a.scheduler == "kubernetes":
+        if a.nodes is None and not a.topology:
+            p.error("--nodes N (pods) or --topology SLICE is needed for --scheduler kubernetes")
+        if not a.image:
+            p.error("--image IMAGE (with jaxlm installed) is needed for --scheduler kubernetes")
+        import yaml
+
+        from jaxlm.topology import tpu_slice
+
+        hosts = a.nodes if a.nodes is not None else tpu_slice(a.topology).workers
+        manifest = yaml.safe_dump_all(clusters.kubernetes_manifest(
+            command, a.name, a.image, hosts, a.gpus_per_process, a.topology, a.requeues), sort_keys=False)
+        if not a.submit:
+            print(manifest, end="")
+            return 0
+        return clusters.apply_kubernetes(manifest)
+    if not (a.topology and a.zone):
+        p.error("--topology SLICE and --zone ZONE are needed for --scheduler tpu-vm")
+    if a.submit:
+        p.error("--scheduler tpu-vm prints the gcloud command lines; run them yourself (no --submit)")
+    print(clusters.tpu_vm_text(clusters.tpu_vm_commands(command, a.name, a.topology, a.zone, a.project), a.topology),
+          end="")
+    return 0
+
+
+def cmd_describe(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="jaxlm describe", description="What a TPU slice is made of: chips, chip grid, "
+                                "workers (host VMs) and chips per worker, gcloud's accelerator type and version.")
+    p.add_argument("topology", help="a TPU slice such as v4-8, v5e-256, v5p-128, v6e-256")
+    a = p.parse_args(argv)
+    from jaxlm.topology import tpu_slice
+
+    print("\n".join(tpu_slice(a.topology).lines()))
+    return 0
 
 
 def _prepare_common(p: argparse.ArgumentParser) -> None:
@@ -365,7 +439,7 @@ def cmd_serve(argv: list[str]) -> int:
 
 
 COMMANDS = {"train": cmd_train, "compile": cmd_compile, "prepare": cmd_prepare, "launch": cmd_launch,
-            "plot": cmd_plot, "convert": cmd_convert, "eval": cmd_eval,
+            "describe": cmd_describe, "plot": cmd_plot, "convert": cmd_convert, "eval": cmd_eval,
             "generate": cmd_generate, "tokenizer": cmd_tokenizer, "serve": cmd_serve}
 
 
@@ -395,6 +469,8 @@ def main(argv: list[str] | None = None) -> int:
               "  prepare corpus|chat INPUT... --tokenizer T --out DIR   any corpus or chat data -> token shards\n"
               "  tokenizer train INPUT... --vocab-size N --out DIR   train a byte-level BPE tokenizer\n"
               "  launch --processes N -- train ...      one job in N local processes (jaxlm launch --help)\n"
+              "  launch --scheduler slurm|kubernetes|tpu-vm ... -- train ...  the same through a cluster's scheduler\n"
+              "  describe SLICE                         workers and chips per worker of a TPU slice (v5e-256)\n"
               "  plot RUN_DIR [RUN_DIR ...]             loss and throughput curves -> PNG (jaxlm plot --help)\n"
               "  convert from-hf|to-hf SRC OUT          Hugging Face checkpoints in and out (jaxlm convert --help)\n"
               "  eval RUN_DIR [key=value ...]           losses and a sample of a trained run, or lm-eval tasks\n"
