@@ -524,7 +524,7 @@ def apply_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:
             hints = typing.get_type_hints(sections[parts[0]])
             if parts[1] not in hints:
                 raise _unknown(key, keys)
-            changes.setdefault(parts[0], {})[parts[1]] = _coerce(key, value, hints[parts[1]])
+            changes.setdefault(parts[0], {})[parts[1]] = _coerce(spelled(key), value, hints[parts[1]])
         else:
             raise _unknown(key, keys)
     for section, kv in changes.items():
