@@ -1,7 +1,8 @@
 """`jaxlm train`: the loop that runs the train step (step.py) over the run's batches and ties them to
 checkpoints, evaluation, metrics, the progress bar and the end-of-run sample.
 
-Flow: step.setup -> the first state (newest checkpoint, checkpoint.init_from, or a fresh init) -> train steps,
+Flow: step.setup -> the first state (newest checkpoint, checkpoint.init_from, or a fresh init) -> for dpo and ipo,
+the reference log-probabilities (reference.py: computed from the starting weights once, then reused) -> train steps,
 a few in flight -> every log interval: metrics.jsonl, TensorBoard, progress; every eval interval: held-out
 losses; every checkpoint interval: state + the loader's position -> the run's summary and a sample.
 """
@@ -18,7 +19,8 @@ import jax
 
 from jaxlm import checkpoint as ckpt
 from jaxlm import config as config_lib
-from jaxlm import diagnostics, distributed, lora, metrics, params as P, quant, saved_step, step as step_lib, storage
+from jaxlm import diagnostics, distributed, lora, metrics, params as P, quant, reference, saved_step, storage
+from jaxlm import step as step_lib
 from jaxlm.config import Config, ConfigError
 from jaxlm.model import attention, transformer
 
@@ -189,6 +191,8 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
     checkpointer = ckpt.Checkpointer(run_dir, cfg.checkpoint, log) if use_ckpt else None
     batches = step_lib.train_batches(run)
     state = _first_state(run, checkpointer, batches, log)
+    if step_lib.reference_in_batch(cfg):  # dpo, ipo: the starting weights' log-probabilities, before any step
+        reference.ensure(run, state, log)
     frozen = step_lib.load_frozen(run)
     step_args = (lambda state, batch: (state, batch)) if frozen is None else (
         lambda state, batch: (state, batch, frozen))

@@ -7,8 +7,8 @@ Format 1 (nanoGPT's train.bin / val.bin of flat token ids + meta.json), written 
 Format 2 (data/shards.py), written by `jaxlm prepare corpus INPUT... --tokenizer T` (`prepare_corpus`: any input
 of data/sources.py through any tokenizer of data/tokenizer.py), `jaxlm prepare chat FILE --tokenizer T`
 (`prepare_chat`: conversations with a loss mask, data/chat.py) and `jaxlm prepare preference FILE --tokenizer T`
-(`prepare_preference`: pairs of replies to one prompt, data/preference.py). Documents are tokenized in worker processes a
-batch at a time, in input order, and written to shards as they come back (`write_dataset`).
+(`prepare_preference`: pairs of replies to one prompt, data/preference.py). Documents are tokenized in worker
+processes a batch at a time, in input order, and written to shards as they come back (`write_dataset`).
 """
 
 from __future__ import annotations
@@ -426,7 +426,7 @@ def write_dataset(out_dir: str | Path, tok, splits: dict, kind: str = "text", wo
                             raise DataError(f"{where}: the pair is {n} tokens (prompt twice and both replies) and "
                                             f"--max-tokens is {max_tokens}; a pair is never cut: raise --max-tokens "
                                             "(and model.block_size), or drop such pairs with --drop-long")
-                        stats["too_long_dropped"] += 1
+                        stats["long_pairs_dropped" if kind == "preference" else "too_long_dropped"] += 1
                         stats.setdefault("first_too_long", f"{where} ({n} tokens > {max_tokens})")
                         for p in parts:
                             counts[:len(batch_counts)] -= np.bincount(p[0], minlength=len(batch_counts))
@@ -474,7 +474,8 @@ def write_dataset(out_dir: str | Path, tok, splits: dict, kind: str = "text", wo
 def describe_stats(stats) -> str:
     parts = [f"{stats.get('files', 0)} file(s)"]
     for key, what in (("empty_documents", "empty documents skipped"),
-                      ("too_long_dropped", "chat documents or pairs over --max-tokens dropped"),
+                      ("too_long_dropped", "chat documents over --max-tokens dropped"),
+                      ("long_pairs_dropped", "pairs over --max-tokens dropped"),
                       ("invalid_utf8", "invalid UTF-8 sequences replaced or dropped")):
         if stats.get(key):
             parts.append(f"{stats[key]:,} {what}")

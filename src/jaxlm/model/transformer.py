@@ -429,10 +429,16 @@ def _weighted_sum(losses_BT: jax.Array, weights_BT: jax.Array | None) -> jax.Arr
 def chunked_cross_entropy_sum(params: dict, x_BTD: jax.Array, targets_BT: jax.Array, cfg: ModelConfig,
                               weights_BT: jax.Array | None = None) -> jax.Array:
     """`cross_entropy_sum(unembed(params, x_BTD, cfg), ...)` computed cfg.loss_chunk_tokens positions at a
-    time: a scan over chunks of the sequence whose body is rematerialized, so the forward keeps one chunk's
-    logits [B, C, V] and the backward recomputes them chunk by chunk (n C chunks cover T, the last padded).
-    The scan hands back each token's loss, summed as cross_entropy_sum sums them, so that chunking changes
-    no more than the output projection's rounding, not the order of the sum."""
+    time (chunked_token_losses), summed as cross_entropy_sum sums them, so that chunking changes no more than
+    the output projection's rounding, not the order of the sum."""
+    losses_BT = chunked_token_losses(params, x_BTD, targets_BT, cfg)
+    return _weighted_sum(losses_BT, None if weights_BT is None else weights_BT.astype(jnp.float32))
+
+
+def chunked_token_losses(params: dict, x_BTD: jax.Array, targets_BT: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """`token_losses(unembed(params, x_BTD, cfg), targets_BT)` [B, T] computed cfg.loss_chunk_tokens positions at
+    a time: a scan over chunks of the sequence whose body is rematerialized, so the forward keeps one chunk's
+    logits [B, C, V] and the backward recomputes them chunk by chunk (n C chunks cover T, the last padded)."""
     B, T, D = x_BTD.shape
     C = min(cfg.loss_chunk_tokens, T)
     pad = -T % C
@@ -445,8 +451,7 @@ def chunked_cross_entropy_sum(params: dict, x_BTD: jax.Array, targets_BT: jax.Ar
 
     with jax.named_scope("chunked_loss"):
         _, losses_nBC = jax.lax.scan(lambda carry, xs: (carry, chunk_losses(*xs)), None, chunks)
-    losses_BT = losses_nBC.swapaxes(0, 1).reshape(B, T + pad)[:, :T]
-    return _weighted_sum(losses_BT, None if weights_BT is None else weights_BT.astype(jnp.float32))
+    return losses_nBC.swapaxes(0, 1).reshape(B, T + pad)[:, :T]
 
 
 def describe_loss(cfg: ModelConfig) -> str:
@@ -458,6 +463,19 @@ def describe_loss(cfg: ModelConfig) -> str:
 def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
     """Mean next-token cross-entropy in float32."""
     return cross_entropy_sum(logits_BTV, targets_BT) / targets_BT.size
+
+
+@quant.scoped
+def token_log_probs(params: dict, tokens_BT: jax.Array, targets_BT: jax.Array, cfg: ModelConfig,
+                    key: jax.Array | None = None, positions_BT: jax.Array | None = None,
+                    segment_ids_BT: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """Each target's log-probability [B, T] in float32 (minus its cross-entropy, in chunks of
+    cfg.loss_chunk_tokens like loss_fn) and the auxiliary (load-balancing) loss: what preference objectives
+    sum over a reply's tokens."""
+    x_BTD, aux = hidden_with_aux(params, tokens_BT, cfg, key, positions_BT, segment_ids_BT)
+    if 0 < cfg.loss_chunk_tokens < targets_BT.shape[1]:
+        return -chunked_token_losses(params, x_BTD, targets_BT, cfg), aux
+    return -token_losses(unembed(params, x_BTD, cfg), targets_BT), aux
 
 
 @quant.scoped
