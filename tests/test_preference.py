@@ -341,6 +341,7 @@ def test_first_step_equals_pytorch_on_the_same_model(hf_pair, tmp_path, objectiv
     assert diff <= 1e-4, (got, want)
 
 
+@pytest.mark.slow
 def test_a_lora_run_takes_its_base_as_the_reference(hf_pair, tmp_path):
     """A LoRA dpo run reads no reference log-probabilities: its base, the adapters switched off, is the
     reference. Its first step is ln 2 (the adapters start at zero), and with trained adapters its step equals a
@@ -386,12 +387,13 @@ def small_run(data, run_dir, devices=None, **settings):
 
 
 @pytest.mark.slow
-def test_accumulation_and_eight_devices_give_the_one_device_steps(pairs_data, tmp_path, objective="dpo"):
+def test_accumulation_and_eight_devices_give_the_one_device_steps(pairs_data, tmp_path):
     """The same rows as one micro-batch of 8 on one device, as 2 micro-batches of 4 (packed rows: the pairs fall
     unevenly between them), and over 8 devices (data 2 x fsdp 4): the same losses and metrics step by step; the
     reference pass over the 8 devices gives the one-device values."""
     from jaxlm import params as P
 
+    objective = "dpo"
     layouts = {"one": ({}, jax.devices()[:1]), "accumulated": ({"training.batch_size": 4, "training.grad_accum": 2},
                                                               jax.devices()[:1]),
                "fsdp": ({"mesh.ici_data": 2, "mesh.ici_fsdp": 4}, jax.devices())}
@@ -471,3 +473,60 @@ def test_dpo_run_resumes_exactly(pairs_data, tmp_path):
 
 def pairs_data_tokens(folder):
     return json.loads((folder / "meta.json").read_text())["splits"]["train"]["tokens"]
+
+
+@pytest.mark.slow
+def test_dpo_makes_a_model_prefer_one_of_two_equally_likely_replies(tmp_path):
+    """A tiny byte-level model is taught to answer `name xxxx? ` with `A.` or `B.` (each prompt seen with both),
+    so after this SFT it gives either with about equal probability; DPO on pairs that prefer the reply its greedy
+    answers pick less often makes greedy answers to held-out prompts give the preferred reply, and its
+    rewards/accuracies climb above 0.9."""
+    import jaxlm
+
+    rng = np.random.default_rng(0)
+    names = list(dict.fromkeys("".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz"), 4)) for _ in range(400)))
+    train_names, held_out = names[:256], names[256:320]
+    prompt = lambda name: f"name {name}? "  # noqa: E731
+    replies = ("A.", "B.")
+    (tmp_path / "sft.txt").write_text("".join(f"{prompt(n)}{r}\n" for n in train_names for r in replies))
+    prepare.prepare_corpus([str(tmp_path / "sft.txt")], tmp_path / "sft", "byte", per_line=True, val_fraction=0.05,
+                           workers=0, progress=False)
+    common = {"model.block_size": 32, "model.n_layers": 2, "model.d_model": 64, "model.n_heads": 4,
+              "model.vocab_size": 256, "data.packing": True, "training.eval_interval": 0, "training.eval_batches": 1,
+              "training.log_interval": 1, "checkpoint.interval": 0}
+    train.train(tiny_config(tmp_path / "sft", tmp_path / "sft-run", **common, **{
+        "training.steps": 100, "training.batch_size": 32, "optimizer.lr": 3e-3, "optimizer.warmup_steps": 10}),
+        jax.devices()[:1], log=lambda s: None)
+
+    def answers(run):
+        """Greedy replies' shares and the mean probability of each reply's first token, over held-out prompts."""
+        model = jaxlm.load(run)
+        texts = model.generate_text([prompt(n) for n in held_out], max_new_tokens=2, temperature=0)
+        logits = model.logits(np.array([list(prompt(n).encode()) for n in held_out]))[:, -1]
+        p = np.exp(logits - logits.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        return ({r: np.mean([t == r for t in texts]) for r in replies},
+                {r: float(np.mean(p[:, ord(r[0])])) for r in replies})
+
+    greedy, prob = answers(tmp_path / "sft-run")
+    assert all(0.35 < prob[r] < 0.65 for r in replies), prob  # either reply about equally likely
+    preferred = min(replies, key=lambda r: greedy[r])  # the one its greedy answers give less often
+    other = next(r for r in replies if r != preferred)
+    write_records(tmp_path / "pairs.jsonl", [{"prompt": prompt(n), "chosen": preferred, "rejected": other}
+                                            for n in train_names])
+    prepare.prepare_preference([str(tmp_path / "pairs.jsonl")], tmp_path / "pairs", "byte", val_fraction=0.05,
+                               workers=0, progress=False)
+    train.train(tiny_config(tmp_path / "pairs", tmp_path / "dpo-run", **common, **{
+        "training.objective": "dpo", "dpo.beta": 0.1, "checkpoint.init_from": str(tmp_path / "sft-run"),
+        "training.steps": 30, "training.batch_size": 16, "optimizer.lr": 1e-4, "optimizer.min_lr": 1e-5,
+        "optimizer.warmup_steps": 2}), jax.devices()[:1], log=lambda s: None)
+    greedy_after, prob_after = answers(tmp_path / "dpo-run")
+    records = train.read_metrics(tmp_path / "dpo-run")
+    accuracies = [r["rewards/accuracies"] for r in records if "rewards/accuracies" in r]
+    val_accuracy = [r["val_rewards/accuracies"] for r in records if "val_rewards/accuracies" in r][-1]
+    print(f"after SFT: greedy shares {greedy}, first-token probabilities {prob}; preferred {preferred!r}: greedy "
+          f"share {greedy[preferred]:.3f} -> {greedy_after[preferred]:.3f}, first-token probability "
+          f"{prob[preferred]:.3f} -> {prob_after[preferred]:.3f} (other {prob_after[other]:.3f}); rewards/accuracies "
+          f"{accuracies[0]:.2f} -> {np.mean(accuracies[-5:]):.2f} (last 5 steps), val {val_accuracy:.2f}")
+    assert greedy[preferred] <= 0.5 and greedy_after[preferred] >= 0.9
+    assert np.mean(accuracies[-5:]) > 0.9 and val_accuracy > 0.9

@@ -200,6 +200,19 @@ PREFERENCE = PREFERENCE_OBJECTIVES
 NEEDS_REFERENCE = ("dpo", "ipo")
 
 
+def describe(cfg: Config) -> str:
+    """For the logs: the run's objective and its settings."""
+    name = cfg.training.objective
+    if name == "orpo":
+        return f"objective orpo: lambda {cfg.orpo.lambda_:g}, no reference model"
+    if name in NEEDS_REFERENCE:
+        smoothing = f", label smoothing {cfg.dpo.label_smoothing:g}" if name == "dpo" else ""
+        where = ("the base, adapters off" if cfg.lora.rank > 0
+                 else "log-probabilities of the starting weights (<run_dir>/reference)")
+        return f"objective {name}: beta {cfg.dpo.beta:g}{smoothing}; reference: {where}"
+    return f"objective {name}"
+
+
 def get(name: str) -> Objective:
     if name not in OBJECTIVES:
         raise ConfigError(f"training.objective={name!r} is not known; choose one of: {', '.join(OBJECTIVES)}")

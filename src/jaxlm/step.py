@@ -159,6 +159,8 @@ def resolve_loss_mask(cfg: Config, dataset: loader_lib.Dataset | None) -> str:
     """data.loss_mask as the step will use it, "on" or "off": auto follows the dataset (its meta.json alone
     when the corpus is not opened, as for `jaxlm compile`; no dataset at all reads as none)."""
     setting = cfg.data.loss_mask
+    if cfg.training.objective in objectives.PREFERENCE:  # pairs are scored on their replies, which the mask marks
+        return "on"
     if setting == "off":
         return "off"
     if dataset is not None:

@@ -19,7 +19,8 @@ import jax
 
 from jaxlm import checkpoint as ckpt
 from jaxlm import config as config_lib
-from jaxlm import diagnostics, distributed, lora, metrics, params as P, quant, reference, saved_step, storage
+from jaxlm import diagnostics, distributed, lora, metrics, objectives, params as P, quant, reference, saved_step
+from jaxlm import storage
 from jaxlm import step as step_lib
 from jaxlm.config import Config, ConfigError
 from jaxlm.model import attention, transformer
@@ -89,6 +90,8 @@ def _describe_run(run: step_lib.Run, log: Callable[[str], None]):
         + transformer.describe_loss(m_cfg))
     log(f"data {run.dataset.dir}: {run.dataset.describe()}"
         + (" | packed rows" if cfg.data.packing else "") + (" | loss mask on" if cfg.data.loss_mask == "on" else ""))
+    if cfg.training.objective != "next_token":
+        log(objectives.describe(cfg))
     if m_cfg.quantization == "fp8" and (note := quant.fp8_fallback_message(mesh.devices.flat[0])):
         log(note)
     return meter, peak, peak_source, flops_per_token
@@ -309,7 +312,8 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
                "nonfinite_skips": skips["nonfinite_skips"], "spike_skips": skips["spike_skips"],
                "wall_seconds": time.perf_counter() - goodput.start, "compile_seconds": windows.compile_seconds,
                "train_loss": last_eval.get("train"), "val_loss": last_eval.get("val"),
-               "unigram_entropy": run.dataset.meta.get("unigram_entropy")}
+               # a yardstick for next-token losses only
+               "unigram_entropy": run.dataset.meta.get("unigram_entropy") if t_cfg.objective == "next_token" else None}
     summary.update(peak_flops_per_device=peak, peak_source=peak_source, flops_per_token=flops_per_token,
                    **windows.overall())
     _report_end(summary, last_eval, log)
