@@ -101,11 +101,13 @@ def _replies(params, batch: dict, cfg: Config, rng, average: bool, reference: bo
     logps_BT, aux = _token_logps(params, batch, cfg, rng)
     n_c, n_r = _pair_sums(w_BT, seg_BT)
     scale = (lambda x_BP, n_BP: x_BP / jnp.maximum(n_BP, 1.0)) if average else (lambda x_BP, n_BP: x_BP)
+    per_token = {"": logps_BT}
+    if reference:
+        per_token["ref_"] = _reference_token_logps(params, batch, cfg)
     out = {"present": n_c > 0, "aux": aux}
-    for name, logps in (("", logps_BT),) + ((("ref_", _reference_token_logps(params, batch, cfg)),) if reference
-                                              else ()):
-        c, r = _pair_sums(logps * w_BT, seg_BT)
-        out[name + "chosen"], out[name + "rejected"] = scale(c, n_c), scale(r, n_r)
+    for prefix, values_BT in per_token.items():
+        c, r = _pair_sums(values_BT * w_BT, seg_BT)
+        out[prefix + "chosen"], out[prefix + "rejected"] = scale(c, n_c), scale(r, n_r)
     return out
 
 
@@ -127,35 +129,35 @@ def _rewards(chosen, rejected) -> dict:
             "rewards/accuracies": (chosen > rejected).astype(jnp.float32)}
 
 
+def _against_reference(params: dict, batch: dict, cfg: Config, rng, average: bool, loss_of) -> tuple[jax.Array, dict]:
+    """The loss loss_of(h) averaged over pairs, h = (log pi(chosen) - log pi(rejected)) - (the same under the
+    reference), with TRL's metrics: rewards beta (log pi - log ref) of each reply, and the policy's logps."""
+    beta = cfg.dpo.beta
+    x = _replies(params, batch, cfg, rng, average=average, reference=True)
+    h = (x["chosen"] - x["rejected"]) - (x["ref_chosen"] - x["ref_rejected"])
+    terms = {**_rewards(beta * (x["chosen"] - x["ref_chosen"]), beta * (x["rejected"] - x["ref_rejected"])),
+             "logps/chosen": x["chosen"], "logps/rejected": x["rejected"]}
+    m = _pair_mean(jax.tree.map(jax.lax.stop_gradient, terms) | {"loss": loss_of(h)}, x["present"], batch)
+    return _with_aux(m.pop("loss"), x["aux"], cfg), m
+
+
 def dpo(params: dict, batch: dict, cfg: Config, rng: jax.Array | None) -> tuple[jax.Array, dict]:
     """Direct Preference Optimization (Rafailov et al. 2023), TRL's loss_type="sigmoid" with label smoothing
-    (conservative DPO): -(1 - e) log sigmoid(beta h) - e log sigmoid(-beta h), h = (log pi(chosen) - log
-    pi(rejected)) - (the same under the reference), log-probabilities summed over the reply's tokens. At the
-    start (policy = reference) h = 0 and the loss is ln 2."""
+    (conservative DPO): -(1 - e) log sigmoid(beta h) - e log sigmoid(-beta h), log-probabilities summed over the
+    reply's tokens. At the start (policy = reference) h = 0 and the loss is ln 2."""
+    beta, eps = cfg.dpo.beta, cfg.dpo.label_smoothing
     with jax.named_scope("dpo"):
-        beta, eps = cfg.dpo.beta, cfg.dpo.label_smoothing
-        x = _replies(params, batch, cfg, rng, average=False, reference=True)
-        h = (x["chosen"] - x["rejected"]) - (x["ref_chosen"] - x["ref_rejected"])
-        losses = -(1 - eps) * jax.nn.log_sigmoid(beta * h) - eps * jax.nn.log_sigmoid(-beta * h)
-        terms = {**_rewards(beta * (x["chosen"] - x["ref_chosen"]), beta * (x["rejected"] - x["ref_rejected"])),
-                 "logps/chosen": x["chosen"], "logps/rejected": x["rejected"]}
-        m = _pair_mean(jax.tree.map(jax.lax.stop_gradient, terms) | {"loss": losses}, x["present"], batch)
-        return _with_aux(m.pop("loss"), x["aux"], cfg), m
+        return _against_reference(params, batch, cfg, rng, False, lambda h: -(1 - eps) * jax.nn.log_sigmoid(
+            beta * h) - eps * jax.nn.log_sigmoid(-beta * h))
 
 
 def ipo(params: dict, batch: dict, cfg: Config, rng: jax.Array | None) -> tuple[jax.Array, dict]:
-    """Identity Preference Optimization (Azar et al. 2023, eq. 17): (h - 1 / (2 beta))^2 with h as in dpo but
-    from the mean log-probability of the reply's tokens, as TRL's loss_type="ipo" computes it (rewards and
-    logps metrics from the means too)."""
+    """Identity Preference Optimization (Azar et al. 2023, eq. 17): (h - 1 / (2 beta))^2 with h from the mean
+    log-probability of the reply's tokens, as TRL's loss_type="ipo" computes it (rewards and logps metrics from
+    the means too)."""
+    beta = cfg.dpo.beta
     with jax.named_scope("ipo"):
-        beta = cfg.dpo.beta
-        x = _replies(params, batch, cfg, rng, average=True, reference=True)
-        h = (x["chosen"] - x["rejected"]) - (x["ref_chosen"] - x["ref_rejected"])
-        losses = jnp.square(h - 1 / (2 * beta))
-        terms = {**_rewards(beta * (x["chosen"] - x["ref_chosen"]), beta * (x["rejected"] - x["ref_rejected"])),
-                 "logps/chosen": x["chosen"], "logps/rejected": x["rejected"]}
-        m = _pair_mean(jax.tree.map(jax.lax.stop_gradient, terms) | {"loss": losses}, x["present"], batch)
-        return _with_aux(m.pop("loss"), x["aux"], cfg), m
+        return _against_reference(params, batch, cfg, rng, True, lambda h: jnp.square(h - 1 / (2 * beta)))
 
 
 # ORPO's odds of a reply, p / (1 - p) with p its mean token probability, need log(1 - p); a mean log-probability
