@@ -68,9 +68,12 @@ def _describe_run(run: step_lib.Run, log: Callable[[str], None]):
     t_cfg, m_cfg = cfg.training, cfg.model
     n_params = P.count(run.specs)
     tokens_per_step = t_cfg.batch_size * t_cfg.grad_accum * m_cfg.block_size
-    flops_per_token = metrics.flops_per_token(m_cfg, causal=True)
+    flops_per_token = full = metrics.flops_per_token(m_cfg, causal=True)
+    base_reference = lora.enabled(cfg) and cfg.training.objective in objectives.NEEDS_REFERENCE
     if lora.enabled(cfg):
         flops_per_token = lora.flops_per_token(cfg, flops_per_token)
+    if base_reference:  # the base's forward pass once more, as the reference (a third of a training step's)
+        flops_per_token += full / 3
     flops_per_step = flops_per_token * tokens_per_step
     n_devices = mesh.devices.size
     local_devices = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
@@ -84,7 +87,8 @@ def _describe_run(run: step_lib.Run, log: Callable[[str], None]):
     log(f"batch: {t_cfg.batch_size} sequences global ({t_cfg.per_device_batch_size:g} per device) x "
         f"{t_cfg.grad_accum} accumulation = {tokens_per_step:,} tokens/step")
     log(f"model FLOPs {flops_per_token:,.0f} per token (causal attention counted as half"
-        + ("; no weight gradients for the frozen base" if lora.enabled(cfg) else "") + ") | peak "
+        + ("; no weight gradients for the frozen base" if lora.enabled(cfg) else "")
+        + ("; its forward pass again as the reference" if base_reference else "") + ") | peak "
         f"{peak / 1e12:.3f} TFLOP/s per device ({peak_source})")
     log(attention.describe(m_cfg, mesh.devices.flat[0].platform, mesh=mesh, rules=run.act_rules)
         + transformer.describe_loss(m_cfg))
