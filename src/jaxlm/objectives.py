@@ -146,9 +146,12 @@ def dpo(params: dict, batch: dict, cfg: Config, rng: jax.Array | None) -> tuple[
     (conservative DPO): -(1 - e) log sigmoid(beta h) - e log sigmoid(-beta h), log-probabilities summed over the
     reply's tokens. At the start (policy = reference) h = 0 and the loss is ln 2."""
     beta, eps = cfg.dpo.beta, cfg.dpo.label_smoothing
+
+    def loss_of(h):
+        return -(1 - eps) * jax.nn.log_sigmoid(beta * h) - eps * jax.nn.log_sigmoid(-beta * h)
+
     with jax.named_scope("dpo"):
-        return _against_reference(params, batch, cfg, rng, False, lambda h: -(1 - eps) * jax.nn.log_sigmoid(
-            beta * h) - eps * jax.nn.log_sigmoid(-beta * h))
+        return _against_reference(params, batch, cfg, rng, False, loss_of)
 
 
 def ipo(params: dict, batch: dict, cfg: Config, rng: jax.Array | None) -> tuple[jax.Array, dict]:
