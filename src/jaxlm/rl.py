@@ -220,18 +220,31 @@ class Completion:
     truncated: bool  # cut at max_completion_tokens rather than ended by a stop token
 
 
-def generate(params, cfg: Config, prompts: list[list[int]], seeds: list[int], group: int, stop_ids: tuple,
-             temperature: float, top_k: int, top_p: float, mesh=None, rules=None) -> list[Completion]:
-    """`group` completions of each prompt by the serving engine over `params`, the rows prompt-major. The engine
-    (and its KV cache, sized to these rows) lives for this call only. Sequence i of a prompt samples with
-    key(seed) folded with i, as the server does for a request's choices."""
+def rollout_engine(params, cfg: Config, rows: int, mesh=None, rules=None):
+    """A serving engine of `rows` slots over `params` for rollouts, its programs compiled (Engine.warm_up, as `jaxlm
+    serve` starts one) and its cache released (generate reserves it)."""
     from jaxlm import sharding
     from jaxlm.serve import engine as engine_lib
 
-    rows = len(prompts) * group
     e = engine_lib.Engine(params, cfg.model, rows, cfg.model.block_size, rows, mesh=mesh,
                           rules=rules or (sharding.PARAM_RULES, sharding.ACTIVATION_RULES),
                           decode_steps=cfg.serve.decode_steps, prefill_chunk=cfg.serve.prefill_chunk)
+    e.warm_up()
+    e.release_cache()
+    return e
+
+
+def generate(engine, params, cfg: Config, prompts: list[list[int]], seeds: list[int], group: int, stop_ids: tuple,
+             temperature: float, top_k: int, top_p: float) -> list[Completion]:
+    """`group` completions of each prompt by the serving engine over `params` (the trainer's own buffers), the
+    rows prompt-major. The engine's KV cache, sized to these rows, exists for this call only. Sequence i of a
+    prompt samples with key(seed) folded with i, as the server does for a request's choices."""
+    from jaxlm.serve import engine as engine_lib
+
+    rows = len(prompts) * group
+    assert rows <= engine.B, (rows, engine.B)
+    engine.params = params
+    engine.reserve_cache()
     got: list[list] = [[] for _ in range(rows)]
     done = threading.Semaphore(0)
     seqs = []
@@ -247,13 +260,14 @@ def generate(params, cfg: Config, prompts: list[list[int]], seeds: list[int], gr
             seqs.append(engine_lib.Sequence(list(ids), cfg.grpo.max_completion_tokens, temperature, top_k, top_p,
                                             seed, g, stop_ids, emit, logprobs=True, alternatives=1))
     for s in seqs:
-        e.submit(s)
-    e.start()
+        engine.submit(s)
+    engine.start()
     try:
         for _ in seqs:
             done.acquire()
     finally:
-        e.stop()
+        engine.stop()
+        engine.release_cache()
     out = []
     for events in got:
         if events[-1][0] == "error":
@@ -316,6 +330,7 @@ class RolloutBatches:
         self.batch_step = -1
         self._metrics: dict = {}
         self._samples: list[dict] = []
+        self.engines: dict = {}
         self.last_rollout: list = []  # (prompt, completion text, Completion, reward, advantage) of each row
 
     # -- the loop's interface --
@@ -354,9 +369,9 @@ class RolloutBatches:
         chosen = [self.prompts[i] for i in self.order.next(self.P)]
         seeds = [int(x) for x in np.random.Generator(np.random.PCG64([cfg.seed, step])).integers(0, 2**31, self.P)]
         params = self._policy_params(state)
-        completions = generate(params, cfg, [p.ids for p in chosen], seeds, g.group_size, self.tok.eos_ids,
-                               g.temperature, g.top_k, g.top_p, self.run.mesh,
-                               (self.run.param_rules, self.run.act_rules))
+        completions = generate(self._engine("rollouts", params, self.A * self.B), params, cfg,
+                               [p.ids for p in chosen], seeds, g.group_size, self.tok.eos_ids, g.temperature, g.top_k,
+                               g.top_p)
         t2 = time.perf_counter()
         texts = [self.tok.decode(c.ids) for c in completions]
         per_row = [p for p in chosen for _ in range(g.group_size)]
@@ -394,6 +409,13 @@ class RolloutBatches:
         out, self._samples = self._samples, []
         return out
 
+    def _engine(self, name: str, params, rows: int):
+        """The engine kept for rollouts (or for evaluation): made once, its programs compiled once."""
+        if name not in self.engines:
+            self.engines[name] = rollout_engine(params, self.cfg, rows, self.run.mesh,
+                                                (self.run.param_rules, self.run.act_rules))
+        return self.engines[name]
+
     def _put(self, rows_RT: np.ndarray):
         return step_lib.put_batch(self.run.mesh, rows_RT.reshape(self.A, self.B, self.T), 1, self.run.act_rules)
 
@@ -411,9 +433,10 @@ class RolloutBatches:
         """Greedy answers to data.eval_prompts: their mean reward (and each function's), as eval_reward."""
         if not self.eval_prompts:
             return {}
-        out = generate(self._policy_params(state), self.cfg, [p.ids for p in self.eval_prompts],
-                       [0] * len(self.eval_prompts), 1, self.tok.eos_ids, 0.0, 0, 1.0, self.run.mesh,
-                       (self.run.param_rules, self.run.act_rules))
+        params = self._policy_params(state)
+        out = generate(self._engine("eval", params, len(self.eval_prompts)), params, self.cfg,
+                       [p.ids for p in self.eval_prompts], [0] * len(self.eval_prompts), 1, self.tok.eos_ids, 0.0, 0,
+                       1.0)
         total, each = score(self.rewards, self.eval_prompts, [self.tok.decode(c.ids) for c in out],
                             [c.ids for c in out])
         return {"eval_reward": float(total.mean()), **{f"eval_rewards/{k}": float(v.mean()) for k, v in each.items()}}

@@ -342,6 +342,16 @@ class Engine:
         self.prefix = PrefixCache(self.cfg, self._empty(self.cfg, self.prefix_entries, self.S, self.quantize),
                                   self.S) if self.prefix_entries else None
 
+    def release_cache(self) -> None:
+        """Drop the KV cache (with the prefix cache and last logits) while the engine is stopped and idle: GRPO keeps
+        one engine between batches of rollouts and frees its cache for the update (rl.py). reserve_cache makes it
+        again."""
+        self.cache = self.logits_BV = self.prefix = None
+
+    def reserve_cache(self) -> None:
+        with self._ctx():
+            self._reset_cache()
+
     # ---- called from other threads ----------------------------------------------------------------------------
 
     def submit(self, item: Sequence | Score) -> None:
