@@ -1,0 +1,802 @@
+"""The measurements of benchmarks/gpu.py, one function per section. gpu.py runs each section in a process of its
+own (so that a section that fails, runs out of memory or overruns its time leaves the others alone, and each
+starts with the whole device):
+
+    python benchmarks/gpu_sections.py SECTION --results FILE --deadline UNIX_TIME [--tiny]
+
+A section records its figures as it gets them, one JSON object a line in FILE, so a section stopped at its time
+limit keeps what it measured; it checks the deadline before each piece of work and skips what no longer fits.
+The figures are raw (tokens/s, FLOPs per token, bytes per token, seconds); gpu.py turns them into the summary
+(MFU and bandwidth utilization against the yardsticks measured in the same run).
+
+Sections: yardsticks (the device, a bf16 matmul, an HBM copy), train (the 1B model: batch that fills memory,
+tokens/s, a profile's top operations, remat and attention variants), attention (cuDNN against blockwise),
+precision (bf16 against float32, 100 steps), quant (int8 and fp8 training against bf16), decode (`jaxlm
+generate`'s generate at batch 1 and 64), serve (the serving engine at concurrency 64).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import glob
+import json
+import math
+import platform
+import re
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+
+import numpy as np
+
+# Remat and attention variants of the 1B step, in the order they run while time is left.
+TRAIN_VARIANTS = [("attention=blockwise", {"attention": "blockwise"}), ("remat=minimal", {"remat": "minimal"}),
+                  ("remat=save_qkv_out_proj", {"remat": "save_qkv_out_proj"}), ("remat=save_dots", {"remat": "save_dots"}),
+                  ("remat=none", {"remat": "none"})]
+
+# What each section runs at: "full" is sized for one H200 (141 GB, about 790 TFLOP/s of bf16 matmuls) and a budget
+# of 7.4 minutes in all; "tiny" runs in seconds on a CPU, the same code at toy sizes.
+SIZES = {
+    "full": dict(
+        matmul_n=8192, copy_bytes=4 << 30, yard_reps=10,
+        train_model=dict(), train_block=8192, train_max_batch=64, train_memory_fraction=0.92, train_steps=3,
+        profile_steps=1, variant_steps=2, train_variants=len(TRAIN_VARIANTS),
+        attn_shape=dict(B=2, T=4096, N=32, K=8, H=64, window=1024),
+        small_model=dict(n_layers=4, d_model=256, n_heads=4, n_kv_heads=2, d_ff=1024, vocab_size=256),
+        small_block=128, small_batch=8, precision_steps=100,
+        quant_model=dict(n_layers=8, d_model=1024, n_heads=16, n_kv_heads=4, d_ff=4096, vocab_size=256),
+        quant_block=1024, quant_batch=8, quant_steps=200,
+        decode_model=dict(), decode_prompt=128, decode_new=256, decode_batches=(1, 64),
+        serve_concurrency=64, serve_prompt=128, serve_new=128),
+    "tiny": dict(
+        matmul_n=256, copy_bytes=16 << 20, yard_reps=3,
+        train_model=dict(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, d_ff=128, vocab_size=512),
+        train_block=128, train_max_batch=4, train_budget_bytes=40 << 20, train_steps=2, profile_steps=1,
+        variant_steps=1, train_variants=1, attn_shape=dict(B=1, T=64, N=4, K=2, H=32, window=16),
+        small_model=dict(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, d_ff=128, vocab_size=64),
+        small_block=64, small_batch=4, precision_steps=10,
+        quant_model=dict(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, d_ff=128, vocab_size=64),
+        quant_block=64, quant_batch=4, quant_steps=10,
+        decode_model=dict(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, d_ff=128, vocab_size=512),
+        decode_prompt=16, decode_new=8, decode_batches=(1, 4),
+        serve_concurrency=4, serve_prompt=16, serve_new=8),
+}
+
+# HBM bandwidth from the vendors' spec sheets, bytes/s (device_kind substring), for context beside the copy measured.
+HBM_SPEC = [("H200", 4.8e12), ("H100", 3.35e12), ("B200", 8.0e12), ("A100", 2.0e12)]
+
+
+class Ctx:
+    """Where a section writes its figures and how much time it has left."""
+
+    def __init__(self, results: str, deadline: float, tiny: bool):
+        self.results, self.deadline, self.tiny = results, deadline, tiny
+        self.sizes = SIZES["tiny" if tiny else "full"]
+
+    def put(self, **figures) -> None:
+        with open(self.results, "a") as f:
+            f.write(json.dumps(figures, default=_plain) + "\n")
+
+    def left(self) -> float:
+        return self.deadline - time.time()
+
+
+def _plain(x):
+    return x.item() if hasattr(x, "item") else str(x)
+
+
+def one_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0][:300]}" if text else type(e).__name__
+
+
+def log(msg: str) -> None:
+    print(f"[gpu] {msg}", file=sys.stderr, flush=True)
+
+
+def block(x):
+    import jax
+
+    return jax.block_until_ready(x)
+
+
+def best_rate(fn, work: float, reps: int, inner: int = 5) -> tuple[float, float]:
+    """(best, median) of work / seconds per call over `reps` rounds of `inner` calls dispatched back to back."""
+    block(fn())
+    rates = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        for _ in range(inner):
+            out = fn()
+        block(out)
+        rates.append(work * inner / (time.perf_counter() - t))
+    return max(rates), statistics.median(rates)
+
+
+# ---- yardsticks ----------------------------------------------------------------------------------------------
+
+def yardsticks(ctx: Ctx) -> None:
+    """The device, its spec-sheet peaks, and two ceilings measured here: a bf16 matmul (float32 accumulation, bf16
+    result, as the model's matmuls run) and an HBM copy (bytes read plus written)."""
+    import jax
+    import jax.numpy as jnp
+    import jaxlib
+
+    from jaxlm import metrics
+
+    z = ctx.sizes
+    dev = jax.devices()[0]
+    spec = next((bf16 for name, bf16, _ in metrics.PEAK_FLOPS if dev.platform != "cpu"
+                 and name.lower() in dev.device_kind.lower()), None)
+    hbm = next((bw for name, bw in HBM_SPEC if dev.platform != "cpu" and name in dev.device_kind), None)
+    stats = dev.memory_stats() or {}
+    ctx.put(device=dev.device_kind, platform=dev.platform, devices=jax.device_count(), jax=jax.__version__,
+            jaxlib=jaxlib.__version__, python=platform.python_version(), peak_bf16_spec=spec, hbm_spec=hbm,
+            memory_limit_bytes=stats.get("bytes_limit"), sizes="tiny" if ctx.tiny else "full")
+    n = z["matmul_n"]
+    a, b = (jax.random.normal(jax.random.key(i), (n, n), jnp.bfloat16) for i in (0, 1))  # never zeros
+    mm = jax.jit(lambda a, b: jnp.matmul(a, b, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
+    best, med = best_rate(lambda: mm(a, b), 2.0 * n ** 3, z["yard_reps"])
+    ctx.put(matmul_bf16=best, matmul_bf16_median=med, matmul_n=n)
+    a32, b32 = a.astype(jnp.float32), b.astype(jnp.float32)
+    mm32 = jax.jit(lambda a, b: a @ b)  # JAX's default precision: TF32 on NVIDIA GPUs since Ampere
+    ctx.put(matmul_f32=best_rate(lambda: mm32(a32, b32), 2.0 * n ** 3, z["yard_reps"])[0])
+    del a, b, a32, b32
+    x = jax.random.uniform(jax.random.key(2), (z["copy_bytes"] // 4,), jnp.float32)
+    scale = jax.jit(lambda x: x * 1.5)  # reads every byte once and writes every byte once
+    best, med = best_rate(lambda: scale(x), 2.0 * x.nbytes, z["yard_reps"])
+    ctx.put(hbm_copy=best, hbm_copy_median=med, copy_bytes=x.nbytes)
+
+
+# ---- train: the 1B model --------------------------------------------------------------------------------------
+
+def train_config(z: dict, **model):
+    """The Llama-3.2-1B-shaped step (preset llama3.2-1b: bf16 matmuls over float32 weights and Adam moments, full
+    remat, attention auto, loss in chunks of 512), on one device, at z's sizes."""
+    from jaxlm import config as config_lib
+
+    cfg = config_lib.load("llama3.2-1b", {"mesh.ici_data": 1, "model.block_size": z["train_block"],
+                                          **{f"model.{k}": v for k, v in {**z["train_model"], **model}.items()}})
+    if cfg.model.rope_original_context > cfg.model.block_size:  # the tiny model: keep the scaling meaningful
+        cfg = cfg.replace(model=dataclasses.replace(cfg.model, rope_original_context=cfg.model.block_size // 2))
+    return cfg
+
+
+def with_batch(cfg, batch: int):
+    return cfg.replace(training=dataclasses.replace(cfg.training, batch_size=batch, per_device_batch_size=None))
+
+
+def memory_bytes(compiled) -> int | None:
+    """Bytes per device of a compiled step (jaxlm compile's total: arguments + outputs + temporaries + code -
+    outputs aliased to donated arguments)."""
+    m = compiled.memory_analysis()
+    if m is None:
+        return None
+    return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+            + m.generated_code_size_in_bytes - m.alias_size_in_bytes)
+
+
+def compile_step(cfg, batch: int, device, quick: bool = False):
+    """(run, compiled train step, bytes per device, seconds). `quick` turns XLA:GPU's autotuning off: enough for
+    the memory analysis of the batch search, not for timing."""
+    from jaxlm import step as step_lib
+
+    run = step_lib.setup(with_batch(cfg, batch), [device], data=False)
+    t = time.perf_counter()
+    lowered = step_lib.lower_train_step(run)
+    compiled = None
+    if quick and device.platform == "gpu":
+        try:
+            compiled = lowered.compile({"xla_gpu_autotune_level": 0})
+        except Exception as e:  # noqa: BLE001 - an option this jaxlib lacks: compile as usual
+            log(f"compile without autotuning failed ({one_line(e)}); compiling with it")
+    if compiled is None:
+        compiled = lowered.compile()
+    return run, compiled, memory_bytes(compiled), time.perf_counter() - t
+
+
+def random_batch(run, seed: int = 0) -> dict:
+    """Random tokens for every array of the run's batch, placed as the compiled step expects them."""
+    import jax
+
+    from jaxlm import step as step_lib
+
+    rng = np.random.default_rng(seed)
+    out = {}
+    for k, a in step_lib.abstract_batch(run).items():
+        x = (rng.integers(0, run.cfg.model.vocab_size, a.shape).astype(np.int32) if a.dtype == np.int32
+             else np.ones(a.shape, np.float32))
+        out[k] = jax.device_put(x, a.sharding)
+    return out
+
+
+def time_steps(step, state, batch, steps: int, ctx: Ctx, reserve: float = 0.0):
+    """(state, [seconds of each step]) after one untimed step; stops early when the next step would not leave
+    `reserve` seconds before the deadline."""
+    state, m = step(state, batch)
+    block(m)
+    times = []
+    for _ in range(steps):
+        if times and ctx.left() < reserve + 2 * max(times):
+            break
+        t = time.perf_counter()
+        state, m = step(state, batch)
+        block(m)
+        times.append(time.perf_counter() - t)
+    return state, times
+
+
+def train(ctx: Ctx) -> None:
+    import jax
+
+    from jaxlm import metrics, params as P, step as step_lib
+    from jaxlm.model import attention, param_specs
+
+    z = ctx.sizes
+    dev = jax.devices()[0]
+    cfg = train_config(z)
+    T = cfg.model.block_size
+    ctx.put(train_model="llama3.2-1b shape" + (" (tiny)" if ctx.tiny else ""),
+            train_params=P.count(param_specs(cfg.model)), train_block=T,
+            train_flops_per_token=metrics.flops_per_token(cfg.model, causal=True),
+            train_attention=attention.describe(cfg.model, dev.platform), train_remat=cfg.model.remat)
+    limit = (dev.memory_stats() or {}).get("bytes_limit")
+    budget = int(limit * z["train_memory_fraction"]) if limit and not ctx.tiny else z.get("train_budget_bytes")
+    ctx.put(train_budget_bytes=budget)
+
+    # The batch that fills memory: two quick compiles give bytes per sequence (the step's memory is linear in the
+    # batch), then the estimate is compiled for real and stepped down while the compiler says it does not fit.
+    t0 = time.perf_counter()
+    _, _, m1, s1 = compile_step(cfg, 1, dev, quick=True)
+    if m1 is None or budget is None:
+        batch, fixed, slope = 1, 0, 0
+        ctx.put(train_search="no memory analysis on this backend: batch 1")
+    else:
+        if m1 > budget:
+            raise RuntimeError(f"the step does not fit at batch 1: {m1 / 2**30:.1f} GiB of {budget / 2**30:.1f}")
+        _, _, m2, s2 = compile_step(cfg, 2, dev, quick=True)
+        slope = max(m2 - m1, 1)
+        fixed = m1 - slope
+        batch = int(max(1, min(z["train_max_batch"], (budget - fixed) // slope)))
+        ctx.put(train_search=dict(batch1_bytes=m1, batch2_bytes=m2, per_sequence_bytes=slope, fixed_bytes=fixed,
+                                  estimate=batch, quick_compile_s=[round(s1, 1), round(s2, 1)]))
+    log(f"train: batch {batch} x {T} tokens (search {time.perf_counter() - t0:.0f} s)")
+    run, compiled, mem, csec = compile_step(cfg, batch, dev)
+    while budget and mem and mem > budget and batch > 1:
+        batch = max(1, batch - math.ceil((mem - budget) / max(slope, 1)))
+        run, compiled, mem, csec = compile_step(cfg, batch, dev)
+    state = step_lib.init_state(run, cfg.seed)
+    runs = []
+
+    def record(label, batch, times, mem, csec, note=""):
+        tokens = batch * T
+        step_s = statistics.median(times) if times else None
+        runs.append(dict(label=label, batch=batch, tokens_per_step=tokens, step_s=step_s,
+                         step_s_spread=[min(times), max(times)] if times else None,
+                         tokens_per_s=tokens / step_s if step_s else None, bytes=mem, compile_s=csec, note=note))
+        ctx.put(train_runs=runs)
+
+    batch_arrays = random_batch(run)
+    state, times = time_steps(compiled, state, batch_arrays, z["train_steps"], ctx, reserve=0.25 * ctx.left())
+    record("auto, remat=full (preset)", batch, times, mem, csec)
+    main_step = statistics.median(times)
+
+    try:
+        state, breakdown = profile(compiled, state, batch_arrays, z["profile_steps"])
+    except Exception as e:  # noqa: BLE001 - the breakdown is one figure of several; say why it is missing
+        breakdown = cost_breakdown(compiled, f"trace unavailable: {one_line(e)}")
+    ctx.put(train_breakdown=breakdown)
+
+    # model.attention=cudnn is what auto runs on a GPU (and where cuDNN lacks a case both run blockwise): the
+    # first row's program.
+    impl = attention.choose(cfg.model, T, jax.numpy.bfloat16, False, dev.platform)
+    record("attention=cudnn", batch, [], None, None, "skipped: not a GPU" if dev.platform != "gpu" else
+           f"the first row's program (auto runs {impl} here)")
+    for label, change in TRAIN_VARIANTS[:z["train_variants"]]:
+        need = csec + (2 + z["variant_steps"]) * main_step + 5
+        if ctx.left() < need:
+            record(label, batch, [], None, None, f"skipped: time budget ({ctx.left():.0f} s left, ~{need:.0f} needed)")
+            continue
+        vcfg = train_config(z, **change)
+        try:
+            b = batch
+            vrun, vcomp, vmem, vsec = compile_step(vcfg, b, dev)
+            if budget and vmem and vmem > budget:  # this policy keeps more: the batch its memory allows
+                per_seq = max((vmem - fixed) / b, 1)
+                b = int((budget - fixed) // per_seq)
+                if b < 1:
+                    record(label, batch, [], vmem, vsec, f"does not fit at batch 1 (about {(fixed + per_seq) / 2**30:.1f} "
+                                                         f"GiB of {budget / 2**30:.1f})")
+                    continue
+                vrun, vcomp, vmem, vsec2 = compile_step(vcfg, b, dev)
+                vsec += vsec2
+            vbatch = batch_arrays if b == batch else random_batch(vrun)
+            state, vtimes = time_steps(vcomp, state, vbatch, z["variant_steps"], ctx, reserve=5)
+            record(label, b, vtimes, vmem, vsec)
+            del vcomp, vbatch
+        except Exception as e:  # noqa: BLE001 - one variant failing (out of memory, say) leaves the others
+            record(label, batch, [], None, None, f"error: {one_line(e)}")
+            state = step_lib.init_state(run, cfg.seed)  # a failed call may have consumed the donated state
+
+
+# ---- the profile's top operations -----------------------------------------------------------------------------
+
+def profile(compiled, state, batch, steps: int):
+    """Trace `steps` steps with jax.profiler and attribute the device's time to the compiled program's operations."""
+    import jax
+    from jax.profiler import ProfileData
+
+    folder = tempfile.mkdtemp(prefix="jaxlm_gpu_trace_")
+    jax.profiler.start_trace(folder)
+    try:
+        for _ in range(steps):
+            state, m = compiled(state, batch)
+        block(m)
+    finally:
+        jax.profiler.stop_trace()
+    files = glob.glob(f"{folder}/**/*.xplane.pb", recursive=True)
+    if not files:
+        raise RuntimeError(f"the profiler wrote no .xplane.pb under {folder}")
+    return state, breakdown_of(ProfileData.from_file(files[0]), hlo_index(compiled.as_text()), steps)
+
+
+# Events on XLA:CPU's threads that are the runtime's own, not operations of the program
+RUNTIME_EVENTS = ("ThunkExecutor", "SlinkyThreadPool", "ThreadpoolListener", "end: ", "MutexLock")
+
+
+def hlo_index(text: str) -> dict[str, tuple[str, str, str]]:
+    """Each instruction of the optimized HLO by name -> (kind, model scope, forward|backward), from its opcode,
+    custom-call target or fusion backend, and its metadata's op_name (the jax.named_scope path)."""
+    out = {}
+    for line in text.splitlines():
+        m = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)", line)
+        if not m:
+            continue
+        name, rest = m.groups()
+        op = re.search(r'op_name="([^"]*)"', rest)
+        op_name = op[1] if op else ""
+        out[name] = (op_kind(rest), op_scope(op_name), "backward" if "transpose(" in op_name else "forward")
+    return out
+
+
+def op_kind(rest: str) -> str:
+    if "cudnn" in rest and re.search("fmha|attention|flash", rest, re.I):
+        return "attention kernel (cuDNN)"
+    if re.search(r"__cublas|gemm|\bdot\(|convolution\(", rest):
+        return "matmul"
+    if "__ynn_fusion" in rest:
+        return "XLA:CPU ynn fusion"
+    if re.search(r"\b(all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all)", rest):
+        return "collective"
+    if re.search(r"\b(copy|transpose|copy-start|copy-done|dynamic-update-slice)\(", rest):
+        return "copy / transpose"
+    if re.search(r"\bfusion\(", rest):
+        return "fusion (elementwise, reduce)"
+    if re.search(r"\b(while|conditional|call)\(", rest):
+        return "control flow"
+    if "custom-call(" in rest:
+        return "custom call"
+    return "other"
+
+
+def op_scope(op_name: str) -> str:
+    parts = op_name.split("/")
+    if any(p.endswith("_attention") for p in parts):
+        return "attention kernel"
+    if "attn_block" in parts or "attention" in parts:
+        return "attention block (projections, rotary)"
+    if "mlp_block" in parts:
+        return "mlp"
+    if "chunked_loss" in parts or "logits" in parts:
+        return "logits + loss"
+    if "embed" in parts:
+        return "embedding"
+    if "while" in parts:
+        return "layers (other)"
+    return "optimizer + other" if op_name else "unattributed"
+
+
+def kernel_kind(name: str) -> str:
+    """A GPU kernel's kind from its name, for events the HLO does not name."""
+    low = name.lower()
+    if "fmha" in low or "flash" in low or "cudnn" in low:
+        return "attention kernel (cuDNN)"
+    if "gemm" in low or "xmma" in low or "cutlass" in low or "matmul" in low:
+        return "matmul"
+    if "memcpy" in low or "copy" in low:
+        return "copy / transpose"
+    return "kernel"
+
+
+def op_of(ev) -> str:
+    """The HLO instruction an event ran: a GPU kernel's `hlo_op` stat where the trace has one, else its name."""
+    for key, value in ev.stats:
+        if key == "hlo_op" and value:
+            return str(value)
+    return ev.name
+
+
+def self_times(events) -> dict[str, float]:
+    """Nanoseconds of each operation on one line, less the time of the events nested in it (a while loop's
+    event holds its body's operations on XLA:CPU's threads)."""
+    out = collections.Counter()
+    stack: list[tuple[float, str]] = []
+    for ev in sorted(events, key=lambda e: (e.start_ns, -e.duration_ns)):
+        while stack and stack[-1][0] <= ev.start_ns:
+            stack.pop()
+        if stack:
+            out[stack[-1][1]] -= ev.duration_ns
+        name = op_of(ev)
+        out[name] += ev.duration_ns
+        stack.append((ev.start_ns + ev.duration_ns, name))
+    return out
+
+
+def breakdown_of(data, index: dict, steps: int, top: int = 12) -> dict:
+    planes = list(data.planes)
+    gpu = [p for p in planes if p.name.startswith("/device:GPU")]
+    if gpu:  # the derived "XLA Ops" line where the trace has it, else the kernels on every stream
+        lines = list(gpu[0].lines)
+        chosen = [ln for ln in lines if ln.name == "XLA Ops"] or [ln for ln in lines if ln.name.startswith("Stream")]
+        source = (f"jax.profiler trace, {gpu[0].name} "
+                  + ("XLA Ops" if chosen and chosen[0].name == "XLA Ops" else f"kernels on {len(chosen)} streams"))
+    else:
+        host = [p for p in planes if p.name == "/host:CPU"]
+        chosen = [ln for ln in (host[0].lines if host else []) if ln.name.startswith("tf_XLA")]
+        source = "jax.profiler trace, XLA:CPU threads (op time summed over threads)"
+    times = collections.Counter()
+    for ln in chosen:
+        for name, ns in self_times(ln.events).items():
+            if not name.startswith(RUNTIME_EVENTS):
+                times[name.lstrip("%")] += ns
+    total = sum(times.values())
+    if not total:
+        raise RuntimeError(f"no operation events in the trace (planes: {[p.name for p in planes]})")
+    by_kind, by_scope, by_pass = collections.Counter(), collections.Counter(), collections.Counter()
+    rows = []
+    for name, ns in times.most_common():
+        kind, scope, direction = index.get(name, (kernel_kind(name), "unattributed", "?"))
+        by_kind[kind] += ns
+        by_scope[scope] += ns
+        by_pass[direction] += ns
+        if len(rows) < top:
+            rows.append(dict(op=name, kind=kind, scope=scope, ms_per_step=ns / 1e6 / steps, share=ns / total))
+    ms = lambda c: {k: round(v / 1e6 / steps, 3) for k, v in c.most_common()}  # noqa: E731
+    return dict(source=source, ms_per_step=total / 1e6 / steps, top=rows, by_kind=ms(by_kind),
+                by_scope=ms(by_scope), by_pass=ms(by_pass))
+
+
+def cost_breakdown(compiled, why: str) -> dict:
+    """The compiler's cost analysis of the step, when no trace could be read: FLOPs and bytes accessed."""
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    return dict(source=f"compiled.cost_analysis() ({why})", flops=cost.get("flops"),
+                bytes_accessed=cost.get("bytes accessed"))
+
+
+# ---- attention: cuDNN against blockwise -----------------------------------------------------------------------
+
+def attention(ctx: Ctx) -> None:
+    """cuDNN's flash attention against jaxlm's blockwise kernel, forward and gradients in bf16, for the cases the
+    model runs: causal multi-head, causal grouped-query, a sliding window, packed segments. Each is also compared
+    with the float32 dot_product reference (the scores materialized), which says how far bf16 alone moves them."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxlm.config import ModelConfig
+    from jaxlm.model import attention as attn
+
+    s = ctx.sizes["attn_shape"]
+    B, T, N, K, H, W = s["B"], s["T"], s["N"], s["K"], s["H"], s["window"]
+    gpu = jax.devices()[0].platform == "gpu"
+    cases = [("causal", N, None, False), ("causal_gqa", K, None, False), ("sliding_window_gqa", K, W, False),
+             ("packed_segments_gqa", K, None, True)]
+    results = {}
+    for i, (label, kv, window, packed) in enumerate(cases):
+        if ctx.left() < 10:
+            results[label] = dict(note="skipped: time budget")
+            ctx.put(attention_cases=results)
+            continue
+        keys = jax.random.split(jax.random.key(i), 4)
+        q = jax.random.normal(keys[0], (B, T, N, H), jnp.bfloat16)
+        k = jax.random.normal(keys[1], (B, T, kv, H), jnp.bfloat16)
+        v = jax.random.normal(keys[2], (B, T, kv, H), jnp.bfloat16)
+        g = jax.random.normal(keys[3], (B, T, N, H), jnp.bfloat16)
+        pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        seg = None
+        if packed:  # three documents a row, positions restarting at each, as packing writes them
+            cuts = np.array([0, T // 3, T // 2 + T // 7, T])
+            seg_np = np.searchsorted(cuts, np.arange(T), side="right").astype(np.int32) - 1
+            seg = jnp.broadcast_to(jnp.asarray(seg_np), (B, T))
+            pos = jnp.broadcast_to(jnp.asarray(np.arange(T) - cuts[seg_np], np.int32), (B, T))
+
+        def run(impl, dtype):
+            cfg = ModelConfig(vocab_size=8, block_size=T, n_heads=N, n_kv_heads=kv, head_dim=H, d_model=N * H,
+                              attention=impl, sliding_window=window, compute_dtype="bfloat16")
+
+            def f(q, k, v):
+                return attn.self_attention(q, k, v, pos, seg, cfg, local=window is not None)
+
+            def fwd_bwd(q, k, v, g):
+                out, vjp = jax.vjp(f, q, k, v)
+                return (out, *vjp(g.astype(out.dtype)))
+
+            args = [x.astype(dtype) for x in (q, k, v, g)]
+            lowered = jax.jit(fwd_bwd).lower(*args)
+            compiled = lowered.compile()
+            outs = [np.asarray(x, np.float32) for x in block(compiled(*args))]
+            chosen = attn.choose(cfg, T, jnp.dtype(dtype), packed, jax.devices()[0].platform)
+            calls = sorted(set(re.findall(r'custom_call_target="([^"]+)"', compiled.as_text())))
+            return outs, chosen, calls
+
+        def rel(a, b):
+            return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+        row = {}
+        ref, _, _ = run("dot_product", jnp.float32)
+        blk, _, _ = run("blockwise", jnp.bfloat16)
+        row["blockwise_vs_f32"] = dict(out=rel(blk[0], ref[0]), grads=max(rel(a, b) for a, b in zip(blk[1:], ref[1:])))
+        if not gpu:
+            row["cudnn"] = "skipped: not a GPU"
+        else:
+            cud, chosen, calls = run("cudnn", jnp.bfloat16)
+            fmha = any(re.search("fmha|attention|flash", c, re.I) for c in calls)
+            if chosen != "cudnn":
+                row["cudnn"] = (f"not run: jaxlm's cudnn path takes no segment ids, so attention.choose runs "
+                                f"{chosen}" if packed else f"not run: attention.choose runs {chosen}")
+            else:
+                out_err = rel(cud[0], blk[0])
+                grad_err = max(rel(a, b) for a, b in zip(cud[1:], blk[1:]))
+                row["cudnn_vs_blockwise"] = dict(out=out_err, grads=grad_err)
+                row["cudnn_vs_f32"] = dict(out=rel(cud[0], ref[0]),
+                                           grads=max(rel(a, b) for a, b in zip(cud[1:], ref[1:])))
+                row["cudnn_kernel_in_program"] = fmha
+                row["custom_calls"] = calls
+                if not fmha:
+                    row["note"] = "no cuDNN attention call in the program; custom calls: " + (", ".join(calls) or "none")
+                row["pass"] = bool(out_err <= ATTN_TOL["out"] and grad_err <= ATTN_TOL["grads"] and fmha)
+        results[label] = row
+        ctx.put(attention_cases=results, attention_shape=s, attention_tolerance=ATTN_TOL)
+
+
+# bf16 tolerances, ||a - b|| / ||b||: bf16 rounds to 2^-9 relative; two kernels that round differently land a few
+# 1e-3 apart on the output, more on gradients, which sum over the sequence.
+ATTN_TOL = {"out": 1e-2, "grads": 2e-2}
+
+
+# ---- precision: bf16 against float32 ----------------------------------------------------------------------------
+
+def markov_tokens(vocab: int, rows: int, length: int, seed: int = 0, branching: int = 4) -> tuple[np.ndarray, float]:
+    """Rows of a random first-order Markov chain (each token has `branching` successors with random probabilities):
+    a corpus a small model learns within a hundred steps, the same on every machine. Also returns the chain's mean
+    entropy per token (nats), the floor the loss tends to."""
+    rng = np.random.default_rng(seed)
+    succ = rng.integers(0, vocab, (vocab, branching))
+    probs = rng.dirichlet(np.ones(branching), size=vocab)
+    cum = np.cumsum(probs, axis=1)
+    x = np.empty((rows, length), np.int32)
+    x[:, 0] = rng.integers(0, vocab, rows)
+    for t in range(1, length):
+        j = np.minimum((cum[x[:, t - 1]] < rng.random(rows)[:, None]).sum(1), branching - 1)
+        x[:, t] = succ[x[:, t - 1], j]
+    return x, float(np.mean(-(probs * np.log(probs)).sum(1)))
+
+
+def small_config(z: dict, model: dict, block: int, batch: int, steps: int, **extra):
+    from jaxlm import config as config_lib
+
+    return config_lib.load("llama3.2-1b", {
+        "mesh.ici_data": 1, "model.block_size": block, "model.rope_original_context": block // 2,
+        **{f"model.{k}": v for k, v in {**model, **extra}.items()}, "training.batch_size": batch,
+        "training.steps": steps, "optimizer.lr": 3e-3, "optimizer.min_lr": 3e-4,
+        "optimizer.warmup_steps": max(1, steps // 10), "optimizer.weight_decay": 0.0})
+
+
+def train_losses(cfg, device, tokens: np.ndarray, timing_chunk: int = 0):
+    """(losses of each step, seconds per step or None, compile seconds): the jitted train step on `device` over
+    batches cut from tokens [steps * batch, block + 1]. With timing_chunk, steps run in chunks of that many with one
+    wait at each chunk's end, and the median chunk gives the time per step."""
+    import jax
+
+    from jaxlm import step as step_lib
+
+    run = step_lib.setup(cfg, [device], data=False)
+    state = step_lib.init_state(run, cfg.seed)
+    step = step_lib.make_train_step(run.cfg, run.optimizer, run.mesh, run.abstract_state, run.act_rules)
+    B = cfg.training.batch_size
+    batches = [tokens[i:i + B][None] for i in range(0, len(tokens), B)]
+
+    def put(x):
+        return step_lib.put_batch(run.mesh, np.ascontiguousarray(x), 1, run.act_rules)
+
+    losses, chunks = [], []
+    t = time.perf_counter()
+    state, m = step(state, {"inputs": put(batches[0][..., :-1]), "targets": put(batches[0][..., 1:])})
+    losses.append(m["loss"])
+    block(m)
+    compile_s = time.perf_counter() - t
+    t = time.perf_counter()
+    for i, x in enumerate(batches[1:], 1):
+        state, m = step(state, {"inputs": put(x[..., :-1]), "targets": put(x[..., 1:])})
+        losses.append(m["loss"])
+        if timing_chunk and i % timing_chunk == 0:
+            block(m)
+            chunks.append((time.perf_counter() - t) / timing_chunk)
+            t = time.perf_counter()
+    out = np.asarray(jax.device_get(losses), np.float64)
+    return out, (statistics.median(chunks) if chunks else None), compile_s
+
+
+def precision(ctx: Ctx) -> None:
+    """A small model trained 100 steps in bf16 (float32 weights) on the device, against the same model, data and
+    initialization in float32 on this machine's CPU in the same process (the reference), and in float32 on the
+    device (TF32 matmuls on NVIDIA GPUs: how far the device's float32 alone moves the loss)."""
+    import jax
+
+    z = ctx.sizes
+    steps = z["precision_steps"]
+    tokens, entropy = markov_tokens(z["small_model"]["vocab_size"], steps * z["small_batch"], z["small_block"] + 1)
+    ctx.put(precision_steps=steps, precision_entropy=entropy)
+    cpu, dev = jax.devices("cpu")[0], jax.devices()[0]
+    runs = [("cpu_float32", cpu, "float32")] + ([("device_float32", dev, "float32")] if dev.platform != "cpu" else [])
+    runs.append(("device_bfloat16", dev, "bfloat16"))
+    out = {}
+    for label, device, dtype in runs:
+        if ctx.left() < 5:
+            out[label] = dict(note="skipped: time budget")
+            continue
+        cfg = small_config(z, z["small_model"], z["small_block"], z["small_batch"], steps, compute_dtype=dtype)
+        t = time.perf_counter()
+        losses, _, _ = train_losses(cfg, device, tokens)
+        out[label] = dict(losses=[round(float(x), 5) for x in losses], seconds=time.perf_counter() - t,
+                          device=device.device_kind)
+        ctx.put(precision_runs=out)
+
+
+# ---- quant: int8 and fp8 training against bf16 -------------------------------------------------------------------
+
+def quant(ctx: Ctx) -> None:
+    """Step throughput and the loss after 200 steps of int8 and fp8 training (model.quantization) against bf16
+    on the same model, data and initialization; all with bf16 compute over float32 weights."""
+    import jax
+
+    from jaxlm import quant as quant_lib
+
+    z = ctx.sizes
+    steps = z["quant_steps"]
+    dev = jax.devices()[0]
+    ctx.put(quant_steps=steps, quant_note=quant_lib.fp8_fallback_message(dev) or "fp8 runs on the device's fp8 units",
+            quant_model=dict(z["quant_model"], block=z["quant_block"], batch=z["quant_batch"]))
+    tokens, entropy = markov_tokens(z["quant_model"]["vocab_size"], steps * z["quant_batch"], z["quant_block"] + 1, 1)
+    out = {}
+    for mode in ("bfloat16", "fp8", "int8"):
+        if out and ctx.left() < 1.3 * max(r.get("seconds", 0) for r in out.values()) + 5:
+            out[mode] = dict(note="skipped: time budget")
+            ctx.put(quant_runs=out)
+            continue
+        cfg = small_config(z, z["quant_model"], z["quant_block"], z["quant_batch"], steps, compute_dtype="bfloat16",
+                           quantization="none" if mode == "bfloat16" else mode)
+        t = time.perf_counter()
+        try:
+            losses, step_s, compile_s = train_losses(cfg, dev, tokens, timing_chunk=max(1, min(10, steps // 4)))
+            tokens_per_step = z["quant_batch"] * z["quant_block"]
+            out[mode] = dict(final_loss=float(np.mean(losses[-10:])), step_s=step_s,
+                             tokens_per_s=tokens_per_step / step_s if step_s else None, compile_s=compile_s,
+                             losses=[round(float(x), 5) for x in losses[::10]], seconds=time.perf_counter() - t)
+        except Exception as e:  # noqa: BLE001 - one mode failing leaves the others
+            out[mode] = dict(note=f"error: {one_line(e)}", seconds=time.perf_counter() - t)
+        ctx.put(quant_runs=out, quant_entropy=entropy)
+
+
+# ---- decode and serve -------------------------------------------------------------------------------------------
+
+def inference_model(z: dict):
+    """(params, ModelConfig): the 1B shape with bf16 weights (what a converted checkpoint serves), random."""
+    import jax
+
+    from jaxlm import params as P, sharding
+    from jaxlm.config import MeshConfig
+    from jaxlm.model import param_specs
+
+    block = max(z["decode_prompt"] + z["decode_new"], z["serve_prompt"] + z["serve_new"])
+    cfg = train_config(dict(z, train_block=block), param_dtype="bfloat16", compute_dtype="bfloat16").model
+    mesh = sharding.make_mesh(MeshConfig(ici_data=1), jax.devices()[:1])
+    return P.init(param_specs(cfg), jax.random.key(0), mesh), cfg
+
+
+def decode(ctx: Ctx) -> None:
+    """`jaxlm generate`'s decoder (jaxlm.generate.generate: prefill, then the on-device loop over the KV cache)
+    at batch 1 and 64, greedy, no stop token; and what batch 1 reads per token: every weight (the tied embedding
+    is the output projection, read whole) and the cache's filled part."""
+    from jaxlm import generate, quant as quant_lib
+    from jaxlm.config import DecodeConfig
+
+    z = ctx.sizes
+    params, cfg = inference_model(z)
+    P0, N = z["decode_prompt"], z["decode_new"]
+    weight_bytes = quant_lib.nbytes(params)
+    if not cfg.tie_embeddings:  # an untied table is read one row a token
+        table = params["embed"]["tokens"]
+        weight_bytes -= table.nbytes - table.nbytes // table.shape[0]
+    kv_per_position = 2 * cfg.n_layers * cfg.kv_heads * cfg.hd * 2  # keys and values, bf16
+    ctx.put(decode_weight_bytes=weight_bytes, decode_kv_bytes_per_step=kv_per_position * (P0 + N / 2),
+            decode_prompt=P0, decode_new=N)
+    out = {}
+    for B in z["decode_batches"]:
+        if out and ctx.left() < 1.5 * max(r.get("seconds", 0) for r in out.values()) + 5:
+            out[B] = dict(note="skipped: time budget")
+            ctx.put(decode_runs=out)
+            continue
+        t = time.perf_counter()
+        prompts = np.random.default_rng(B).integers(0, cfg.vocab_size, (B, P0)).tolist()
+        d = DecodeConfig(max_new_tokens=N, temperature=0.0)
+        first = generate.generate(params, cfg, prompts, d)  # compiles
+        g = generate.generate(params, cfg, prompts, d)
+        assert all(len(t) == N for t in g.tokens), "a sequence stopped early"
+        out[B] = dict(decode_s=g.decode_s, prefill_s=g.prefill_s, compile_s=first.compile_s,
+                      decode_tokens_per_s=B * N / g.decode_s, tokens_per_s=B * N / (g.decode_s + g.prefill_s),
+                      step_ms=1e3 * g.decode_s / N, seconds=time.perf_counter() - t)
+        ctx.put(decode_runs=out)
+
+
+def serve(ctx: Ctx) -> None:
+    """The serving engine (continuous batching over one KV cache, the loop `jaxlm serve` runs without HTTP) with C
+    slots and C greedy requests submitted at once: output tokens/s of the third round (the first two compile)."""
+    from jaxlm.serve import engine as engine_lib
+
+    z = ctx.sizes
+    C, P0, N = z["serve_concurrency"], z["serve_prompt"], z["serve_new"]
+    params, cfg = inference_model(z)
+    # A turn prefills every waiting prompt (16 rows a call), so the decode program runs at all C rows from the start
+    # and only that bucket compiles.
+    e = engine_lib.Engine(params, cfg, C, P0 + N, C, prefill_chunk=C * P0)
+    e.start()
+    rounds = []
+    try:
+        for r in range(3):  # the first two compile (prefill into fresh slots, then into used ones)
+            prompts = np.random.default_rng(r).integers(0, cfg.vocab_size, (C, P0))
+            events = [[] for _ in range(C)]
+            t = time.perf_counter()
+            for p, ev in zip(prompts, events):
+                e.submit(engine_lib.Sequence(p.tolist(), N, 0.0, 0, 1.0, 0, 0, (), ev.append, logprobs=False))
+            while not all(ev and ev[-1][0] == "done" for ev in events):
+                if e.error:
+                    raise RuntimeError(f"engine: {e.error}")
+                time.sleep(0.002)
+            wall = time.perf_counter() - t
+            tokens = sum(len(x[1]) for ev in events for x in ev if x[0] == "tokens")
+            rounds.append(dict(wall_s=wall, tokens=tokens, output_tokens_per_s=tokens / wall))
+            ctx.put(serve_rounds=rounds, serve_concurrency=C, serve_prompt=P0, serve_new=N,
+                    serve_decode_steps=e.decode_steps)
+    finally:
+        e.stop()
+
+
+SECTIONS = {f.__name__: f for f in (yardsticks, train, attention, precision, quant, decode, serve)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("section", choices=list(SECTIONS))
+    ap.add_argument("--results", required=True)
+    ap.add_argument("--deadline", type=float, required=True)
+    ap.add_argument("--tiny", action="store_true")
+    a = ap.parse_args()
+    ctx = Ctx(a.results, a.deadline, a.tiny)
+    t = time.perf_counter()
+    try:
+        SECTIONS[a.section](ctx)
+    except Exception as e:  # noqa: BLE001 - the summary names the section's error in one line
+        traceback.print_exc()
+        ctx.put(error=one_line(e))
+        sys.exit(1)
+    finally:
+        log(f"{a.section}: {time.perf_counter() - t:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
