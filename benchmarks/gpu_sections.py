@@ -34,8 +34,10 @@ import traceback
 import numpy as np
 
 # Remat and attention variants of the 1B step, in the order they run while time is left.
+# Remat policies keeping more than `full` need more memory per sequence, so each runs at the batch its own memory
+# allows: with the device's memory spent either way, the trade is recomputation against batch.
 TRAIN_VARIANTS = [("attention=blockwise", {"attention": "blockwise"}), ("remat=minimal", {"remat": "minimal"}),
-                  ("remat=save_qkv_out_proj", {"remat": "save_qkv_out_proj"}), ("remat=save_dots", {"remat": "save_dots"}),
+                  ("remat=save_dots", {"remat": "save_dots"}), ("remat=save_qkv_out_proj", {"remat": "save_qkv_out_proj"}),
                   ("remat=none", {"remat": "none"})]
 
 # What each section runs at: "full" is sized for one H200 (141 GB, about 790 TFLOP/s of bf16 matmuls) and a budget
@@ -43,8 +45,8 @@ TRAIN_VARIANTS = [("attention=blockwise", {"attention": "blockwise"}), ("remat=m
 SIZES = {
     "full": dict(
         matmul_n=8192, copy_bytes=4 << 30, yard_reps=10,
-        train_model=dict(), train_block=8192, train_max_batch=64, train_memory_fraction=0.92, train_steps=3,
-        profile_steps=1, variant_steps=2, train_variants=len(TRAIN_VARIANTS),
+        train_model=dict(), train_block=8192, train_max_batch=64, train_memory_fraction=0.92, train_steps=2,
+        profile_steps=1, variant_steps=1, train_variants=len(TRAIN_VARIANTS),
         attn_shape=dict(B=2, T=4096, N=32, K=8, H=64, window=1024),
         small_model=dict(n_layers=4, d_model=256, n_heads=4, n_kv_heads=2, d_ff=1024, vocab_size=256),
         small_block=128, small_batch=8, precision_steps=100,
@@ -56,7 +58,7 @@ SIZES = {
         matmul_n=256, copy_bytes=16 << 20, yard_reps=3,
         train_model=dict(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, d_ff=128, vocab_size=512),
         train_block=128, train_max_batch=4, train_budget_bytes=40 << 20, train_steps=2, profile_steps=1,
-        variant_steps=1, train_variants=1, attn_shape=dict(B=1, T=64, N=4, K=2, H=32, window=16),
+        variant_steps=1, train_variants=2, attn_shape=dict(B=1, T=64, N=4, K=2, H=32, window=16),
         small_model=dict(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, d_ff=128, vocab_size=64),
         small_block=64, small_batch=4, precision_steps=10,
         quant_model=dict(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, d_ff=128, vocab_size=64),
@@ -230,6 +232,40 @@ def time_steps(step, state, batch, steps: int, ctx: Ctx, reserve: float = 0.0):
     return state, times
 
 
+def fitting_batch(batch: int, memory: int | None, budget: int | None, fixed: int) -> int:
+    """The batch whose memory fits the budget, from a compile at `batch` that took `memory` bytes: the bytes above
+    the batch-independent `fixed` part grow with the batch. `batch` itself when it fits or nothing is known; 0 when
+    not even one sequence fits."""
+    if not budget or not memory or memory <= budget:
+        return batch
+    per_sequence = max((memory - fixed) / batch, 1)
+    return int(min(batch - 1, (budget - fixed) // per_sequence))
+
+
+def fit_variant(cfg, batch: int, device, budget: int | None, fixed: int, quick_first: bool, compile=compile_step):
+    """(batch, run, compiled, bytes, compile seconds, note): a variant of the step at the main step's batch, or at
+    the smaller batch its own memory allows (a remat policy that keeps more than `full` needs more per sequence, so
+    the trade is recomputation against batch). `quick_first` sizes it with a compile without autotuning, so the
+    real compile runs once; the real compile's memory is checked again and the batch lowered at most once more.
+    No program (None) and a note when not even one sequence fits."""
+    b, secs, mem = batch, 0.0, None
+    if quick_first:
+        _, _, mem, secs = compile(cfg, b, device, quick=True)
+        b = fitting_batch(b, mem, budget, fixed)
+    measured = batch
+    for _ in range(2):
+        if b < 1:
+            per_sequence = (mem - fixed) / measured
+            return 0, None, None, mem, secs, (f"does not fit at batch 1 (about {(fixed + per_sequence) / 2**30:.2f} "
+                                              f"GiB of {budget / 2**30:.2f})")
+        run, compiled, mem, s = compile(cfg, b, device)
+        secs += s
+        measured, b = b, fitting_batch(b, mem, budget, fixed)
+        if b == measured:
+            break
+    return measured, run, compiled, mem, secs, "" if b == measured else "over the memory budget after two compiles"
+
+
 def train(ctx: Ctx) -> None:
     import jax
 
@@ -265,11 +301,6 @@ def train(ctx: Ctx) -> None:
         ctx.put(train_search=dict(batch1_bytes=m1, batch2_bytes=m2, per_sequence_bytes=slope, fixed_bytes=fixed,
                                   estimate=batch, quick_compile_s=[round(s1, 1), round(s2, 1)]))
     log(f"train: batch {batch} x {T} tokens (search {time.perf_counter() - t0:.0f} s)")
-    run, compiled, mem, csec = compile_step(cfg, batch, dev)
-    while budget and mem and mem > budget and batch > 1:
-        batch = max(1, batch - math.ceil((mem - budget) / max(slope, 1)))
-        run, compiled, mem, csec = compile_step(cfg, batch, dev)
-    state = step_lib.init_state(run, cfg.seed)
     runs = []
 
     def record(label, batch, times, mem, csec, note=""):
@@ -280,8 +311,22 @@ def train(ctx: Ctx) -> None:
                          tokens_per_s=tokens / step_s if step_s else None, bytes=mem, compile_s=csec, note=note))
         ctx.put(train_runs=runs)
 
-    batch_arrays = random_batch(run)
-    state, times = time_steps(compiled, state, batch_arrays, z["train_steps"], ctx, reserve=0.25 * ctx.left())
+    for attempt in range(3):
+        run, compiled, mem, csec = compile_step(cfg, batch, dev)
+        while budget and mem and mem > budget and batch > 1:
+            batch = max(1, batch - math.ceil((mem - budget) / max(slope, 1)))
+            run, compiled, mem, csec = compile_step(cfg, batch, dev)
+        state = step_lib.init_state(run, cfg.seed)
+        batch_arrays = random_batch(run)
+        try:
+            state, times = time_steps(compiled, state, batch_arrays, z["train_steps"], ctx, reserve=0.25 * ctx.left())
+            break
+        except Exception as e:  # noqa: BLE001 - the allocator's fragmentation: a smaller batch, at most twice
+            if attempt == 2 or batch == 1 or not re.search("RESOURCE_EXHAUSTED|[Oo]ut of memory", str(e)):
+                raise
+            log(f"train: batch {batch} ran out of memory ({one_line(e)}); trying {max(1, batch * 4 // 5)}")
+            state = batch_arrays = compiled = None
+            batch = max(1, batch * 4 // 5)
     record("auto, remat=full (preset)", batch, times, mem, csec)
     main_step = statistics.median(times)
 
@@ -297,26 +342,21 @@ def train(ctx: Ctx) -> None:
     record("attention=cudnn", batch, [], None, None, "skipped: not a GPU" if dev.platform != "gpu" else
            f"the first row's program (auto runs {impl} here)")
     for label, change in TRAIN_VARIANTS[:z["train_variants"]]:
-        need = csec + (2 + z["variant_steps"]) * main_step + 5
+        # A lower bound (XLA:GPU reuses the main compile's autotuning for the same matmul shapes): a variant that
+        # starts and then overruns is stopped with the section, after every figure before it was recorded.
+        need = 0.5 * csec + (1 + z["variant_steps"]) * main_step + 5
         if ctx.left() < need:
             record(label, batch, [], None, None, f"skipped: time budget ({ctx.left():.0f} s left, ~{need:.0f} needed)")
             continue
-        vcfg = train_config(z, **change)
         try:
-            b = batch
-            vrun, vcomp, vmem, vsec = compile_step(vcfg, b, dev)
-            if budget and vmem and vmem > budget:  # this policy keeps more: the batch its memory allows
-                per_seq = max((vmem - fixed) / b, 1)
-                b = int((budget - fixed) // per_seq)
-                if b < 1:
-                    record(label, batch, [], vmem, vsec, f"does not fit at batch 1 (about {(fixed + per_seq) / 2**30:.1f} "
-                                                         f"GiB of {budget / 2**30:.1f})")
-                    continue
-                vrun, vcomp, vmem, vsec2 = compile_step(vcfg, b, dev)
-                vsec += vsec2
+            b, vrun, vcomp, vmem, vsec, note = fit_variant(train_config(z, **change), batch, dev, budget, fixed,
+                                                           quick_first="remat" in change and dev.platform == "gpu")
+            if vcomp is None:
+                record(label, batch, [], vmem, vsec, note)
+                continue
             vbatch = batch_arrays if b == batch else random_batch(vrun)
             state, vtimes = time_steps(vcomp, state, vbatch, z["variant_steps"], ctx, reserve=5)
-            record(label, b, vtimes, vmem, vsec)
+            record(label, b, vtimes, vmem, vsec, note)
             del vcomp, vbatch
         except Exception as e:  # noqa: BLE001 - one variant failing (out of memory, say) leaves the others
             record(label, batch, [], None, None, f"error: {one_line(e)}")
@@ -359,7 +399,8 @@ def hlo_index(text: str) -> dict[str, tuple[str, str, str]]:
         name, rest = m.groups()
         op = re.search(r'op_name="([^"]*)"', rest)
         op_name = op[1] if op else ""
-        out[name] = (op_kind(rest), op_scope(op_name), "backward" if "transpose(" in op_name else "forward")
+        kind = op_kind(re.sub(r"metadata=\{[^}]*\}", "", rest))  # the op_name's "transpose(" is no opcode
+        out[name] = (kind, op_scope(op_name), "backward" if "transpose(" in op_name else "forward")
     return out
 
 

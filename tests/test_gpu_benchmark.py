@@ -38,8 +38,13 @@ def test_every_section_runs_at_tiny_sizes_on_cpu(tmp_path):
     assert kv["train_batch"] == "4" and kv["train_tokens_per_step"] == "512"
     assert float(kv["train_tokens_per_s"]) == pytest.approx(512 / float(kv["train_step_s"]), rel=1e-3)
     assert kv["train_breakdown_source"].startswith("jax.profiler trace")
-    assert "attention=blockwise" in text and "skipped: not a GPU" in text
     figures = json.loads((tmp_path / "gpu.json").read_text())["figures"]
+    runs = {r["label"]: r for r in figures["train"]["train_runs"]}
+    assert list(runs) == ["auto, remat=full (preset)", "attention=cudnn", "attention=blockwise", "remat=minimal"]
+    assert runs["attention=cudnn"]["note"] == "skipped: not a GPU"
+    for label in ("attention=blockwise", "remat=minimal"):  # at the main step's batch: 40 MiB holds them
+        assert runs[label]["batch"] == 4 and runs[label]["tokens_per_s"] > 0 and runs[label]["note"] == ""
+        assert label in text
     scopes = figures["train"]["train_breakdown"]["by_scope"]
     assert scopes.get("mlp", 0) > 0 and scopes.get("attention block (projections, rotary)", 0) > 0
     # attention: cuDNN is skipped on a CPU; blockwise in bf16 lands within bf16 rounding of the float32 reference
@@ -71,6 +76,8 @@ GPU_HLO = """
   %custom-call.7 = (bf16[1,4096,32,64]{3,2,1,0}, f32[1,32,4096]{2,1,0}, u8[0]{0}) custom-call(%q, %k, %v), custom_call_target="__cudnn$fmhaSoftmax", metadata={op_name="jit(step_fn)/jvp()/while/body/closed_call/attn_block/attention/cudnn_attention/dot_product_attention"}
   %gemm_fusion.2 = bf16[8192,8192]{1,0} fusion(%x, %w), kind=kCustom, calls=%fused_computation.2, metadata={op_name="jit(step_fn)/transpose(jvp())/while/body/closed_call/mlp_block/dot_general"}, backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}
   %loop_add_fusion = f32[2048,2048]{1,0} fusion(%p, %u), kind=kLoop, calls=%fused_computation.9, metadata={op_name="jit(step_fn)/add"}
+  %select_fusion.4 = bf16[8192,2048]{1,0} fusion(%g, %h), kind=kLoop, calls=%fused_computation.11, metadata={op_name="jit(step_fn)/transpose(jvp())/while/body/closed_call/mlp_block/select_n"}
+  %copy.5 = bf16[2048,8192]{0,1} copy(%w), metadata={op_name="jit(step_fn)/jvp()/while/body/closed_call/mlp_block/transpose"}
   ROOT %tuple.1 = (f32[]) tuple(%c)
 """
 
@@ -91,6 +98,8 @@ def test_hlo_index_names_the_kind_and_scope_of_gpu_operations():
     assert index["gemm_fusion.2"] == ("matmul", "mlp", "backward")
     assert index["loop_add_fusion"] == ("fusion (elementwise, reduce)", "optimizer + other", "forward")
     assert index["tuple.1"][1] == "unattributed"
+    assert index["select_fusion.4"] == ("fusion (elementwise, reduce)", "mlp", "backward")  # not a transpose
+    assert index["copy.5"] == ("copy / transpose", "mlp", "forward")
 
 
 def test_breakdown_reads_a_gpu_trace_by_xla_ops_or_by_kernels_on_streams():
@@ -120,6 +129,45 @@ def test_self_times_subtract_nested_events():
     # XLA:CPU's threads: a while loop's event holds its body's operations
     line = [event("while.6", 0, 100), event("dot.1", 10, 30), event("fusion.2", 50, 20), event("copy.3", 200, 5)]
     assert gpu_sections.self_times(line) == {"while.6": 50, "dot.1": 30, "fusion.2": 20, "copy.3": 5}
+
+
+def test_a_variant_runs_at_the_batch_its_own_memory_allows():
+    gib = 2**30
+    assert gpu_sections.fitting_batch(16, 100 * gib, 120 * gib, 20 * gib) == 16  # fits: unchanged
+    assert gpu_sections.fitting_batch(16, 100 * gib, None, 20 * gib) == 16  # no budget known
+    # 5 GiB a sequence above 20 fixed: 120 GiB holds 20, but a variant never grows past the main step's batch
+    assert gpu_sections.fitting_batch(16, 180 * gib, 120 * gib, 20 * gib) == 16 * 100 // 160
+    assert gpu_sections.fitting_batch(16, 500 * gib, 40 * gib, 20 * gib) == 0
+
+    def compiler(per_sequence, quick_error=0.0, real_extra=0):
+        """A step of 20 GiB fixed and `per_sequence` a sequence; a quick compile misjudges the sequences' part by
+        quick_error, and the real one takes real_extra bytes more that do not depend on the batch."""
+        calls = []
+
+        def compile(cfg, batch, device, quick=False):
+            calls.append((batch, quick))
+            mem = 20 * gib + batch * per_sequence * (1 + (quick_error if quick else 0)) + (0 if quick else real_extra)
+            return "run", None if quick else f"program at {batch}", mem, 1.0
+        return compile, calls
+
+    fit = lambda compile, quick: gpu_sections.fit_variant("cfg", 16, "dev", 120 * gib, 20 * gib, quick, compile)  # noqa: E731
+    compile, calls = compiler(5 * gib)
+    assert fit(compile, True) == (16, "run", "program at 16", 100 * gib, 2.0, "") and calls == [(16, True), (16, False)]
+    compile, calls = compiler(10 * gib)  # remat=none keeping twice as much: 10 sequences fit
+    b, _, program, mem, secs, note = fit(compile, True)
+    assert (b, program, mem, secs, note) == (10, "program at 10", 120 * gib, 2.0, "") and calls == [(16, True), (10, False)]
+    compile, calls = compiler(10 * gib)  # without the quick compile: the real one at 16, then at 10
+    assert fit(compile, False)[:3] == (10, "run", "program at 10") and calls == [(16, False), (10, False)]
+    compile, calls = compiler(10 * gib, quick_error=-0.2)  # the quick compile said 12; the real one lowers it once
+    assert fit(compile, True)[0] == 10 and calls == [(16, True), (12, False), (10, False)]
+    compile, calls = compiler(10 * gib, quick_error=-0.5)  # the quick compile said 16 fits; the real one says 10
+    assert fit(compile, True)[0] == 10 and calls == [(16, True), (16, False), (10, False)]
+    compile, calls = compiler(5 * gib, real_extra=60 * gib)  # still over after two real compiles: run, and say so
+    assert fit(compile, True)[::5] == (11, "over the memory budget after two compiles")
+    assert calls == [(16, True), (16, False), (11, False)]
+    compile, calls = compiler(150 * gib)
+    b, _, program, _, _, note = fit(compile, True)
+    assert (b, program, note) == (0, None, "does not fit at batch 1 (about 170.00 GiB of 120.00)") and len(calls) == 1
 
 
 def test_summary_computes_mfu_and_bandwidth_utilization_from_the_yardsticks():
