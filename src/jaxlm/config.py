@@ -842,14 +842,14 @@ def _validate_lora(cfg: Config) -> None:
     lo = cfg.lora
     if lo.rank < 0:
         raise ConfigError(f"lora.rank={lo.rank} must be >= 0 (0 = off)")
+    _positive("lora.alpha", lo.alpha)  # checked with or without a rank: a nonsensical value is a mistake either way
+    if not 0.0 <= lo.dropout < 1.0:
+        raise ConfigError(f"lora.dropout={lo.dropout} must be in [0, 1)")
     if not lo.rank:
         if lo.base_quantization != "none":
             raise ConfigError(f"lora.base_quantization={lo.base_quantization} quantizes the frozen base of a LoRA "
                               "run; set lora.rank too (e.g. lora.rank=16)")
         return
-    _positive("lora.alpha", lo.alpha)
-    if not 0.0 <= lo.dropout < 1.0:
-        raise ConfigError(f"lora.dropout={lo.dropout} must be in [0, 1)")
     names = [t.strip() for t in lo.targets.split(",") if t.strip()]
     if not names:
         raise ConfigError(f"lora.targets={lo.targets!r} is empty; name some of: {', '.join(LORA_TARGETS)}")
