@@ -14,10 +14,11 @@ from conftest import tiny_config
 from jaxlm import checkpoint as ckpt, sharding, train
 from jaxlm.config import ConfigError, MeshConfig
 from jaxlm.data import loader as loader_lib
-from jaxlm.model import expert_parallel, moe, transformer
+from jaxlm.model import expert_parallel, layers, moe, transformer
 from test_parallel import _state_hash
 
 E, K, D, F = 8, 2, 16, 24
+SWIGLU = layers.Activation("silu", True)
 MIXTRAL = {"model.vocab_size": 128, "model.n_layers": 2, "model.n_experts": E, "model.experts_per_token": K,
            "model.norm": "rmsnorm", "model.position": "rotary", "model.glu": True, "model.activation": "silu",
            "model.d_ff": 64}
@@ -41,7 +42,7 @@ def _on(mesh, f):
 
 
 def _layer_loss(x, p, cf=0.0):
-    y, stats = moe.moe(x, p, "silu", True, K, cf)
+    y, stats = moe.moe(x, p, SWIGLU, moe.Router(K), cf)
     return jnp.sum(y.astype(jnp.float32) ** 2) + moe.load_balancing_loss(stats[None])
 
 
@@ -54,14 +55,14 @@ def test_layer_matches_one_device(axes, T, steps, monkeypatch):
     with the exchange in one step or several (rows padded to equal steps), with FSDP and tensor-parallel
     expert width composed; the compiled layer moves tokens with all-to-all."""
     p, x = _layer(T=T)
-    y0, s0 = jax.jit(lambda x, p: moe.moe(x, p, "silu", True, K))(x, p)
+    y0, s0 = jax.jit(lambda x, p: moe.moe(x, p, SWIGLU, moe.Router(K)))(x, p)
     g0 = jax.jit(jax.grad(_layer_loss, argnums=(0, 1)))(x, p)
     assert np.asarray(s0[0])[0] > 0.8 and np.asarray(s0[0])[3] == 0  # uneven: an even share is K / E
     seen = []
     steps_of = expert_parallel._steps
     monkeypatch.setattr(expert_parallel, "_steps", lambda *a: seen.append(steps_of(*a)) or seen[-1])
     mesh = sharding.make_mesh(MeshConfig(**axes))
-    layer = _on(mesh, lambda x, p: moe.moe(x, p, "silu", True, K))
+    layer = _on(mesh, lambda x, p: moe.moe(x, p, SWIGLU, moe.Router(K)))
     y, s = layer(x, p)
     g = _on(mesh, jax.grad(_layer_loss, argnums=(0, 1)))(x, p)
     np.testing.assert_allclose(y, y0, rtol=1e-5, atol=1e-5)
@@ -105,11 +106,11 @@ def test_capacity_factor_drops_counted_copies(B, monkeypatch):
     steps_of = expert_parallel._steps
     monkeypatch.setattr(expert_parallel, "_steps", lambda *a: seen.append(steps_of(*a)) or seen[-1])
     mesh = sharding.make_mesh(MeshConfig(ici_data=2, ici_expert=4))
-    dropless = _on(mesh, lambda x, p: moe.moe(x, p, "silu", True, K))(x, p)
-    roomy = _on(mesh, lambda x, p: moe.moe(x, p, "silu", True, K, float(E)))(x, p)
+    dropless = _on(mesh, lambda x, p: moe.moe(x, p, SWIGLU, moe.Router(K)))(x, p)
+    roomy = _on(mesh, lambda x, p: moe.moe(x, p, SWIGLU, moe.Router(K), float(E)))(x, p)
     np.testing.assert_array_equal(roomy[0], dropless[0])
     assert float(roomy[1][2].sum()) == 0
-    y, stats = _on(mesh, lambda x, p: moe.moe(x, p, "silu", True, K, 1.0))(x, p)
+    y, stats = _on(mesh, lambda x, p: moe.moe(x, p, SWIGLU, moe.Router(K), 1.0))(x, p)
     y_ref, dropped = _kept_output(x, p, 1.0, shards=8)
     assert dropped > 0
     assert round(float(stats[2].sum()) * x.shape[0] * x.shape[1]) == dropped
@@ -152,7 +153,7 @@ def test_expert_parallel_setting_errors(char_data, tmp_path):
     p, x = _layer()
     with pytest.raises(ConfigError, match="expert axis of 3 devices does not divide model.n_experts=8"):
         _on(sharding.make_mesh(MeshConfig(ici_expert=3), jax.devices()[:3]),
-            lambda x, p: moe.moe(x, p, "silu", True, K))(x[:6], p)
+            lambda x, p: moe.moe(x, p, SWIGLU, moe.Router(K)))(x[:6], p)
     with pytest.raises(ConfigError, match="expert_capacity_factor=-1.0 must be >= 0"):
         tiny_config(char_data, tmp_path, **{"model.expert_capacity_factor": -1.0})
     with pytest.raises(ConfigError, match="model.expert_all_to_all"):

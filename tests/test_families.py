@@ -10,7 +10,7 @@ import pytest
 
 from jaxlm import config as config_lib, params as P, sharding
 from jaxlm.config import ConfigError, MeshConfig, ModelConfig
-from jaxlm.model import attention, forward, forward_with_aux, moe, param_specs
+from jaxlm.model import attention, forward, forward_with_aux, layers, moe, param_specs
 
 # Parameter counts of the released checkpoints (the figures their model cards and safetensors report).
 PUBLISHED = {
@@ -32,9 +32,11 @@ def test_preset_parameter_count_matches_published_figure(name):
 def test_layer_pattern_errors_are_one_line():
     with pytest.raises(ConfigError, match="set model.sliding_window"):
         config_lib.load("quickstart", ["model.layer_pattern=local,global", "model.n_layers=4"])
-    with pytest.raises(ConfigError, match="does not divide model.n_layers=3"):
-        config_lib.load("quickstart", ["model.layer_pattern=local,global", "model.n_layers=3",
+    with pytest.raises(ConfigError, match="has 3 kinds, more than model.n_layers=2"):
+        config_lib.load("quickstart", ["model.layer_pattern=local,global,local", "model.n_layers=2",
                                        "model.sliding_window=4"])
+    with pytest.raises(ConfigError, match="has chunked layers; set model.attention_chunk"):
+        config_lib.load("quickstart", ["model.layer_pattern=chunked,nope"])
     with pytest.raises(ConfigError, match="'loca'"):
         config_lib.load("quickstart", ["model.layer_pattern=loca"])
 
@@ -61,7 +63,7 @@ def test_moe_dispatch_matches_dense_loop_over_tokens():
     # Route unevenly: a constant input feature pushes every token to expert 0 and away from expert 3.
     p["router"] = p["router"].at[0, 0].set(3.0).at[0, 3].set(-10.0)
     x = jax.random.normal(ks[4], (2, M // 2, D)).at[..., 0].set(3.0)
-    y, stats = moe.moe(x, p, "silu", True, K)
+    y, stats = moe.moe(x, p, layers.Activation("silu", True), moe.Router(K))
     x_MD, y_MD = np.asarray(x, np.float64).reshape(M, D), np.zeros((M, D))
     w = {k: np.asarray(v, np.float64) for k, v in p.items()}
     for m in range(M):
@@ -75,7 +77,7 @@ def test_moe_dispatch_matches_dense_loop_over_tokens():
     np.testing.assert_allclose(np.asarray(y).reshape(M, D), y_MD, atol=1e-4)
     counts = np.asarray(stats[0]) * M
     assert counts.sum() == M * K and counts[0] == M and counts[3] == 0  # uneven, with an idle expert
-    g = jax.grad(lambda p: jnp.sum(moe.moe(x, p, "silu", True, K)[0] ** 2))(p)
+    g = jax.grad(lambda p: jnp.sum(moe.moe(x, p, layers.Activation("silu", True), moe.Router(K))[0] ** 2))(p)
     assert all(float(jnp.abs(v).sum()) > 0 for v in jax.tree.leaves(g))
 
 
