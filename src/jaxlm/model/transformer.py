@@ -98,8 +98,8 @@ def block(x_BTD: jax.Array, p: dict, cfg: ModelConfig, positions_BT: jax.Array, 
     # Every use below reads the named copy, so a policy that offloads it leaves no device copy for the backward.
     x_BTD = checkpoint_name(x_BTD, "decoder_layer_input")
     attn_mod = latent if cfg.latent else attention
-    attn = lambda h, q: (attn_mod.attention(h, q, cfg, positions_BT, keys[0], kind, segment_ids_BT),  # noqa: E731
-                         None)
+    attn = lambda h, q: (attn_mod.attention_with_kv(h, q, cfg, positions_BT, keys[0], kind,  # noqa: E731
+                                                    segment_ids_BT)[0], None)
     x_BTD, stats_3E, _ = _block(x_BTD, p, cfg, attn, keys[1:])
     return x_BTD, stats_3E
 
