@@ -113,6 +113,9 @@ def moe(plan_: Plan, x_BTD: jax.Array, p: dict, k: int, capacity_factor: float, 
     n_token_shards = math.prod(mesh.shape[a] for a in token_axes)
 
     def local(x_bTD, q):
+        if mlp_axes and "down_bias" in q:  # the outputs are summed over `tensor`: one shard adds the bias
+            first = jnp.all(jnp.stack([jax.lax.axis_index(a) == 0 for a in mlp_axes]))
+            q = {**q, "down_bias": jnp.where(first, q["down_bias"], 0)}
         b, T, D = x_bTD.shape
         m = b * T
         a = m * k
