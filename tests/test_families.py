@@ -29,6 +29,57 @@ def test_preset_parameter_count_matches_published_figure(name):
     assert P.count(param_specs(cfg.model)) == PUBLISHED[name]  # shapes only: nothing is allocated
 
 
+# The 2025-26 families as their makers publish them: total and active parameters per token, in billions, to
+# the digits they give, and which active count they mean: "active" (every weight a token uses, the embedding
+# table included: Meta, Qwen) or "active_matmul" (without the input embedding table, of which a token reads
+# one row: OpenAI, DeepSeek, Moonshot). Text models: Gemma 3's totals are its report's embedding +
+# non-embedding columns (the 417M vision encoder apart); DeepSeek-V3's 671B leaves out its 11.6B
+# multi-token prediction module (685B on the hub).
+PUBLISHED_2025 = {
+    "qwen3-30b-a3b": ("30.5", None, "active"), "qwen3-235b-a22b": ("235", "22", "active"),
+    "deepseek-v3": ("671", "37", "active_matmul"), "kimi-k2": ("1e3", "32", "active_matmul"),
+    "gpt-oss-20b": ("20.91", "3.61", "active_matmul"), "gpt-oss-120b": ("116.83", "5.13", "active_matmul"),
+    "gemma3-1b": ("1.00", None, "active"), "gemma3-4b": ("3.88", None, "active"),
+    "gemma3-12b": ("11.8", None, "active"), "gemma3-27b": ("27.0", None, "active"),
+    "llama4-scout": (None, "17", "active"), "llama4-maverick": ("4e2", "17", "active"),
+}
+
+
+def significant(x: float, published: str) -> float:
+    """x rounded to the significant digits of a published figure ("4e2": one digit, "20.91": four)."""
+    mantissa = published.split("e")[0].replace(".", "").lstrip("0")
+    return float(f"{x:.{len(mantissa)}g}")
+
+
+@pytest.mark.parametrize("name", PUBLISHED_2025)
+def test_2025_presets_have_the_published_parameter_counts(name):
+    """Total and active parameters (metrics.param_counts, from abstract shapes) equal the published figures to
+    their digits. Not checked: Llama 4 Scout's 109B total, which includes its vision encoder (the text model
+    is 107.8B), and Qwen3-30B-A3B's "3.3B activated", which its model card truncates from 3.35B (checked
+    below as that)."""
+    from jaxlm import metrics
+
+    total, active, convention = PUBLISHED_2025[name]
+    c = metrics.param_counts(config_lib.load(name).model)
+    if total is not None:
+        assert significant(c["total"] / 1e9, total) == float(total), (name, c)
+    if active is not None:
+        assert significant(c[convention] / 1e9, active) == float(active), (name, c)
+    if name == "qwen3-30b-a3b":
+        assert 3.3e9 <= c["active"] < 3.4e9 and significant(c["non_embedding"] / 1e9, "29.9") == 29.9
+
+
+def test_describe_prints_counts_layers_flops_and_cache(capsys):
+    from jaxlm import cli
+
+    assert cli.main(["describe", "deepseek-v3"]) == 0
+    out = capsys.readouterr().out
+    assert "671,026,419,200 total" in out and "36.6B without the input embedding" in out
+    assert "multi-token prediction modules 11,610,068,224" in out and "3 global; 58 global MoE" in out
+    # 61 layers x (latent 512 + rotary key 64) x 2 bytes, against 61 x 2 x 8 x 128 x 2 for GQA with 8 kv heads
+    assert "70,272 bytes" in out and "249,856" in out
+
+
 def test_layer_pattern_errors_are_one_line():
     with pytest.raises(ConfigError, match="set model.sliding_window"):
         config_lib.load("quickstart", ["model.layer_pattern=local,global", "model.n_layers=4"])

@@ -37,13 +37,31 @@ def cmd_train(argv: list[str]) -> int:
         model = config_lib.apply_parameter_scale(cfg.model)
         if model.vocab_size is None:
             raise config_lib.ConfigError("--print-params needs model.vocab_size (it is otherwise read from the data)")
+        c = metrics.param_counts(model)
         print(f"parameters {params.count(param_specs(model)):,} (non-embedding "
-              f"{metrics.non_embedding_params(model):,}): {model.n_layers} layers, width {model.d_model}, "
-              f"{model.n_heads} heads of {model.hd}, MLP {model.ff}")
+              f"{metrics.non_embedding_params(model):,}; active per token {c['active']:,}): {model.n_layers} layers, "
+              f"width {model.d_model}, {model.n_heads} heads of {model.hd}, MLP {model.ff}")
         return 0
     from jaxlm import train
 
     train.train(cfg)
+    return 0
+
+
+def cmd_describe(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: jaxlm describe PRESET_OR_FILE [key=value ...]\n\nThe model's parameter counts (total, active per "
+              "token with and without the input embedding table,\nembedding, multi-token prediction modules), layer "
+              "layout, training FLOPs per token and KV-cache bytes\nper token, from its settings alone (nothing is "
+              "allocated).")
+        return 0 if argv else 2
+    from jaxlm import metrics
+
+    cfg = config_lib.load(argv[0], argv[1:])
+    model = config_lib.apply_parameter_scale(cfg.model)
+    if model.vocab_size is None:
+        raise config_lib.ConfigError("jaxlm describe needs model.vocab_size (it is otherwise read from the data)")
+    print("\n".join(metrics.describe_model(model)))
     return 0
 
 
@@ -353,7 +371,7 @@ def cmd_serve(argv: list[str]) -> int:
     return serve.run(argv[0], config_lib.parse_overrides(argv[1:]))
 
 
-COMMANDS = {"train": cmd_train, "compile": cmd_compile, "prepare": cmd_prepare, "launch": cmd_launch,
+COMMANDS = {"train": cmd_train, "describe": cmd_describe, "compile": cmd_compile, "prepare": cmd_prepare, "launch": cmd_launch,
             "plot": cmd_plot, "convert": cmd_convert, "eval": cmd_eval,
             "generate": cmd_generate, "tokenizer": cmd_tokenizer, "serve": cmd_serve}
 
@@ -378,6 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         print("usage: jaxlm {" + ",".join(COMMANDS) + "} ...\n\n"
               "  train PRESET_OR_FILE [key=value ...]   train or resume a model (jaxlm train --help)\n"
+              "  describe PRESET_OR_FILE [key=value ...]   parameter counts (total, active), layers, FLOPs, cache\n"
               "  compile PRESET_OR_FILE compile.topology=NAME [...]  compile the train step ahead of time for a\n"
               "                                         TPU/GPU/CPU target; memory report (jaxlm compile --help)\n"
               "  prepare DATASET [...]                  corpus -> token files (jaxlm prepare --help)\n"

@@ -752,8 +752,8 @@ def _validate_model(m: ModelConfig, mesh: MeshConfig) -> None:
     # Checked whether or not rope_scaling uses them: a nonsensical value is a mistake either way.
     for key in ("rope_scaling_factor", "rope_original_context"):
         _positive(f"model.{key}", getattr(m, key))
-    if not 0 < m.rope_low_freq_factor < m.rope_high_freq_factor:
-        raise ConfigError(f"model.rope_low_freq_factor={m.rope_low_freq_factor} must be > 0 and < "
+    if not 0 < m.rope_low_freq_factor <= m.rope_high_freq_factor:
+        raise ConfigError(f"model.rope_low_freq_factor={m.rope_low_freq_factor} must be > 0 and <= "
                           f"model.rope_high_freq_factor={m.rope_high_freq_factor}")
     _positive("model.attention_block", m.attention_block)
     if m.loss_chunk_tokens < 0:

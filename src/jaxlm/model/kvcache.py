@@ -78,10 +78,12 @@ def widths(cfg: ModelConfig) -> tuple[int, int, int]:
 
 
 def bytes_per_token(cfg: ModelConfig, quantize: bool = False) -> int:
-    """Cache bytes one token takes over all layers (global layers: what a long sequence costs per token)."""
+    """Cache bytes each more token of a long sequence takes: the layers that keep every position (the ring
+    buffers of local and chunked layers stop growing at their window or chunk)."""
     K, Hk, Hv = widths(cfg)
     per = (K * (Hk + Hv)) * (1 if quantize else jnp.dtype(cfg.compute_dtype).itemsize)
-    return cfg.n_layers * (per + (2 * K * 4 if quantize else 0))
+    growing = sum(ring(cfg, cfg.pattern[i % len(cfg.pattern)]) is None for i in range(cfg.n_layers))
+    return growing * (per + (2 * K * 4 if quantize else 0))
 
 
 def init(cfg: ModelConfig, batch: int, length: int, quantize: bool = False) -> KVCache:

@@ -133,7 +133,7 @@ def rope_frequencies(H: int, rope: Rope) -> jax.Array:
     if rope.scaling == "llama3":
         wavelen = 2 * jnp.pi / inv_freq
         original, low, high = rope.original_context, rope.low_freq_factor, rope.high_freq_factor
-        smooth = (original / wavelen - low) / (high - low)
+        smooth = (original / wavelen - low) / max(high - low, 1e-30)  # no band between when low == high
         mid = (1 - smooth) * inv_freq / rope.factor + smooth * inv_freq
         return jnp.where(wavelen > original / low, inv_freq / rope.factor,
                          jnp.where(wavelen < original / high, inv_freq, mid))
