@@ -156,3 +156,57 @@ def test_alternating_layers_scan_equals_python_loop():
     assert float(jnp.max(jnp.abs(scanned))) < 3.0  # the final soft-cap bounds the logits
     global_only = forward(params, toks, dataclasses.replace(MIXED, layer_pattern="global"))
     assert float(jnp.max(jnp.abs(global_only - scanned))) > 1e-3  # the window really changes the local layers
+
+
+def _loads(run, params, tokens):
+    """Each MoE layer's max/mean of the token copies its experts receive, over a fixed batch."""
+    from jaxlm.model import transformer
+
+    with sharding.activation_sharding(run.mesh, run.act_rules):
+        stats = jax.jit(lambda p, t: transformer._hidden(p, t, run.cfg.model, None, None, None)[1])(params, tokens)
+    f = np.asarray(stats[:, 0])
+    return f.max(axis=-1) / f.mean(axis=-1)
+
+
+@pytest.mark.slow
+def test_balancing_bias_moves_the_expert_loads_toward_balance(char_data, tmp_path):
+    """DeepSeek-V3's auxiliary-loss-free balancing: with the routing tilted towards expert 0 (a constant
+    embedding feature the router favours; the max/mean of the experts' loads over 4 batches above 2.5), 30 train
+    steps at a learning rate too small to retrain the router
+    leave the load as skewed without the bias update (moe_bias_update_rate=0), and bring it towards balance
+    with it; the biases move by exactly the rate per step, against the load."""
+    from conftest import tiny_config
+    from jaxlm import train
+    from jaxlm.data import loader as loader_lib
+
+    skews = {}
+    for rate in (0.0, 0.05):
+        cfg = tiny_config(char_data, tmp_path / str(rate), **{
+            "model.n_experts": 8, "model.experts_per_token": 2, "model.router_score": "sigmoid",
+            "model.router_balance_bias": True, "model.moe_bias_update_rate": rate, "model.glu": True,
+            "model.activation": "silu", "optimizer.lr": 1e-7, "optimizer.min_lr": 0.0, "optimizer.warmup_steps": 0,
+            "training.batch_size": 8})
+        run = train.setup(cfg, jax.devices()[:1])
+        state = train.init_state(run, cfg.seed)
+        p = state["params"]
+        # Routers 10x their init (tokens choose differently), tilted towards expert 0 by a constant feature.
+        p["embed"]["tokens"] = p["embed"]["tokens"].at[:, 0].set(0.03)
+        p["layers"]["mlp"]["router"] = (10 * p["layers"]["mlp"]["router"]).at[:, 0, 0].add(1.5)
+        step = train.make_train_step(run.cfg, run.optimizer, run.mesh, run.abstract_state, run.act_rules)
+        rng = np.random.default_rng(0)
+        batches = [train.device_batch(run, "train", loader_lib.Windows(rng.integers(0, 100_000, size=(1, 8))))
+                   for _ in range(30)]
+        held_out = jnp.concatenate([b["inputs"][0] for b in batches[:4]])
+        before = _loads(run, state["params"], held_out)
+        bias0 = np.asarray(state["params"]["layers"]["mlp"]["balance_bias"])
+        state, _ = step(state, batches[0])
+        moved = np.asarray(state["params"]["layers"]["mlp"]["balance_bias"]) - bias0
+        np.testing.assert_allclose(np.abs(moved), rate, rtol=1e-5, atol=1e-12)  # +-rate, or 0 when frozen
+        assert rate == 0 or moved[:, 0].max() < 0  # expert 0, over-loaded, is pushed down
+        for b in batches[1:]:
+            state, _ = step(state, b)
+        skews[rate] = before, _loads(run, state["params"], held_out)
+    (before0, after0), (before1, after1) = skews[0.0], skews[0.05]
+    assert np.all(before0 > 2.5) and np.allclose(before0, before1)  # an even load gives 1, top-2 of 8 at most 4
+    assert np.all(after0 > 0.9 * before0)  # frozen biases: the skew stays
+    assert np.all(after1 < 0.6 * before1), (before1, after1)
