@@ -7,6 +7,7 @@ generation equals transformers' `generate` for 32 tokens, and the serving engine
 
 from __future__ import annotations
 
+import shutil
 import time
 
 import numpy as np
@@ -128,3 +129,96 @@ def test_greedy_generation_and_serving_match_transformers(name, tmp_path):
         e.stop()
     for ev, want in zip(events, wants):
         assert [t for kind, *rest in ev if kind == "tokens" for t in rest[0]] == want
+
+
+# Options each family's import turns on, and how to turn one off (a config change, or a weight removed):
+# every one must change the logits, or the comparisons above would pass without it.
+def _drop(*path):
+    def drop(params):
+        node = params
+        for k in path[:-1]:
+            node = node[k]
+        del node[path[-1]]
+    return drop
+
+
+FEATURES = {
+    "qwen3_moe": {"router_norm_topk": {"router_norm_topk": False}},
+    "gemma3": {"local_rope_theta": {"local_rope_theta": None}, "linear rope scaling": {"rope_scaling": "none"},
+               "sliding window": {"layer_pattern": "global"}},
+    "gpt_oss": {"sinks": _drop("layers", "attn", "sinks"), "clamped SwiGLU": {"swiglu_limit": None},
+                "yarn": {"rope_scaling": "none"}, "router bias": _drop("layers", "mlp", "router_bias")},
+    "llama4": {"chunks": {"layer_pattern": "global,global,global,nope"}, "L2 QK-norm": {"qk_l2_norm": False},
+               "temperature tuning": {"attn_temperature_tuning": False},
+               "weights on the input": {"router_weights_input": False}},
+    "deepseek_v3": {"group-limited routing": {"router_groups": 1, "router_topk_groups": 1},
+                    "yarn mscale": {"rope_yarn_mscale_all_dim": 0.0}, "routed scale": {"router_scale": 1.0},
+                    "balancing bias": _drop("layers", "mlp", "balance_bias")},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", FEATURES)
+def test_features_under_test_change_the_logits(name, tmp_path):
+    import dataclasses
+
+    import jax
+
+    converted(name, tmp_path, 0.08)
+    model = jaxlm.load(tmp_path / "jx")
+    tokens = np.random.default_rng(0).integers(0, 128, (2, T))
+    base = model.logits(tokens)
+    for feature, change in FEATURES[name].items():
+        cfg, params = model.config.model, jax.tree.map(lambda a: a, model.params)
+        if callable(change):
+            change(params)
+        else:
+            cfg = dataclasses.replace(cfg, **change)
+        other = jaxlm.api.Model(model.config.replace(model=cfg), params, model.path).logits(tokens)
+        assert np.abs(other - base).max() > 1e-3, feature
+
+
+def run_cli(argv, capsys):
+    from jaxlm import cli
+
+    capsys.readouterr()
+    code = cli.main(argv)
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
+def test_unsupported_options_and_missing_experts_stop_the_import_in_one_line(tmp_path, capsys):
+    """A rope type jaxlm lacks, a quantized checkpoint and Qwen3-MoE dense layers that are not the first ones
+    are named; so is a missing expert's tensor, per-expert (Qwen3-MoE) or fused (gpt-oss)."""
+    import json
+
+    converted("qwen3_moe", tmp_path / "q", 0.08)
+    converted("gpt_oss", tmp_path / "g", 0.08)
+    hf = json.loads((tmp_path / "q" / "hf" / "config.json").read_text())
+
+    def variant(folder, name, config=None, without=None):
+        out = tmp_path / name
+        shutil.copytree(tmp_path / folder / "hf", out)
+        if config is not None:
+            (out / "config.json").write_text(json.dumps(config))
+        if without is not None:
+            header, start = convert.read_header(out / "model.safetensors")
+            with open(out / "model.safetensors", "rb") as f:
+                tensors = {n: convert.read_tensor(f, info, start, n) for n, info in header.items() if n != without}
+            convert.write_safetensors(out / "model.safetensors", [(n, a.shape, a.dtype) for n, a in tensors.items()],
+                                      lambda n: tensors[n])
+        return str(out)
+
+    cases = [
+        (variant("q", "rope", {**hf, "rope_parameters": {"rope_type": "longrope", "rope_theta": 1e6}}),
+         "config.json rope scaling type 'longrope' is not supported (supported: default, llama3, linear, yarn)"),
+        (variant("q", "mxfp4", {**hf, "quantization_config": {"quant_method": "mxfp4"}}),
+         "config.json quantization_config.quant_method='mxfp4' is not supported"),
+        (variant("q", "sparse", {**hf, "mlp_only_layers": [1]}), "config.json mlp_only_layers=[1] is not supported"),
+        (variant("q", "expert", without="model.layers.2.mlp.experts.3.down_proj.weight"),
+         "lacks tensor model.layers.2.mlp.experts.3.down_proj.weight (expected shape (64, 32))"),
+        (variant("g", "fused", without="model.layers.1.mlp.experts.gate_up_proj"),
+         "lacks tensor model.layers.1.mlp.experts.gate_up_proj (expected shape (4, 64, 192))"),
+    ]
+    for src, message in cases:
+        code, err = run_cli(["convert", "from-hf", src, str(tmp_path / "out" / src.rsplit("/", 1)[-1])], capsys)
+        assert code == 2 and len(err) == 1 and message in err[0], err
