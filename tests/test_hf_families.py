@@ -56,7 +56,8 @@ def randomize(model, scale, seed=0):
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
-            p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g) if p.ndim == 1 else scale * torch.randn(p.shape, generator=g))
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1 + 0.1 * noise if p.ndim == 1 else scale * noise)
         for m in model.modules():
             if hasattr(m, "e_score_correction_bias"):
                 m.e_score_correction_bias.copy_(0.1 * torch.randn(m.e_score_correction_bias.shape, generator=g))

@@ -371,8 +371,8 @@ def cmd_serve(argv: list[str]) -> int:
     return serve.run(argv[0], config_lib.parse_overrides(argv[1:]))
 
 
-COMMANDS = {"train": cmd_train, "describe": cmd_describe, "compile": cmd_compile, "prepare": cmd_prepare, "launch": cmd_launch,
-            "plot": cmd_plot, "convert": cmd_convert, "eval": cmd_eval,
+COMMANDS = {"train": cmd_train, "describe": cmd_describe, "compile": cmd_compile, "prepare": cmd_prepare,
+            "launch": cmd_launch, "plot": cmd_plot, "convert": cmd_convert, "eval": cmd_eval,
             "generate": cmd_generate, "tokenizer": cmd_tokenizer, "serve": cmd_serve}
 
 
