@@ -210,3 +210,58 @@ def test_balancing_bias_moves_the_expert_loads_toward_balance(char_data, tmp_pat
     assert np.all(before0 > 2.5) and np.allclose(before0, before1)  # an even load gives 1, top-2 of 8 at most 4
     assert np.all(after0 > 0.9 * before0)  # frozen biases: the skew stays
     assert np.all(after1 < 0.6 * before1), (before1, after1)
+
+
+def test_layouts_of_the_2025_presets():
+    """Which layers are scanned in groups and which run unrolled, and where each layer's MLP weights lie."""
+    from jaxlm.model import stack
+
+    ds = stack.layout(config_lib.load("deepseek-v3").model)  # 3 dense layers, then 58 MoE layers
+    assert (ds.start, ds.G, ds.groups, ds.unrolled, ds.mixed) == (3, 1, 58, (0, 1, 2), True)
+    assert stack.layers_with(ds, "dense_mlp") == [0, 1, 2] and stack.index(ds, "moe", 3) == 0
+    g3 = stack.layout(config_lib.load("gemma3-1b").model)  # 26 layers: 4 repeats of 6, 2 local layers left
+    assert (g3.start, g3.G, g3.groups, g3.unrolled, g3.mixed) == (0, 6, 4, (24, 25), False)
+    assert [k.attention for k in g3.kinds[22:]] == ["local", "global", "local", "local"]
+    mav = stack.layout(config_lib.load("llama4-maverick").model)  # dense and MoE alternate within the pattern
+    assert (mav.G, mav.groups, mav.unrolled, mav.mixed) == (4, 12, (), True)
+    assert [(k.attention, k.moe) for k in mav.kinds[:4]] == [("chunked", False), ("chunked", True),
+                                                             ("chunked", False), ("nope", True)]
+    odd = ModelConfig(n_layers=7, n_experts=4, moe_layer_interval=2, first_dense_layers=2, layer_pattern="local,global",
+                      sliding_window=4)  # groups of lcm(2, 2) from layer 2: [2, 6), then layer 6 unrolled
+    lay = stack.layout(odd)
+    assert (lay.start, lay.G, lay.groups, lay.unrolled) == (2, 2, 2, (0, 1, 6))
+    assert [i for i, k in enumerate(lay.kinds) if k.moe] == [3, 5]
+    assert stack.layout(config_lib.load("qwen3-30b-a3b").model).simple
+
+
+MIXED_2025 = ModelConfig(vocab_size=40, block_size=16, n_layers=5, n_heads=4, n_kv_heads=2, d_model=32,
+                         qk_norm=False, glu=True, activation="silu", layer_pattern="chunked,nope",
+                         attention_chunk=4, n_experts=4, experts_per_token=2, first_dense_layers=1,
+                         moe_layer_interval=2, n_shared_experts=1, expert_d_ff=24, router_score="sigmoid",
+                         router_balance_bias=True, attn_sinks=True, mtp_layers=1, tie_embeddings=False)
+
+
+@pytest.mark.slow
+def test_irregular_layers_scan_equals_python_loop():
+    """A model with a dense first layer, MoE layers every second layer, a pattern that leaves a last layer
+    over (5 layers of 2 kinds) and an MTP module: the scan with its unrolled layers equals the plain loop, as
+    do the load-balancing loss and the MTP logits; the latent-attention variant too."""
+    from jaxlm.model import transformer
+
+    toks = jax.random.randint(jax.random.key(1), (2, 16), 0, 40)
+    for cfg in (MIXED_2025, dataclasses.replace(MIXED_2025, kv_lora_rank=8, q_lora_rank=8, qk_nope_head_dim=8,
+                                                qk_rope_head_dim=4, v_head_dim=8, attn_sinks=False)):
+        params = init(cfg)
+        assert params["layers"]["mlp"]["router"].shape[0] == 2 and params["layers"]["dense_mlp"]["up"].shape[0] == 3
+        fwd = jax.jit(forward_with_aux, static_argnums=2)
+        scanned, aux_s = fwd(params, toks, cfg)
+        looped, aux_l = fwd(params, toks, dataclasses.replace(cfg, scan_layers=False))
+        np.testing.assert_allclose(np.asarray(scanned), np.asarray(looped), atol=1e-5)
+        assert float(aux_s) == pytest.approx(float(aux_l), rel=1e-5) and float(aux_s) >= 2.0 - 1e-5
+        mtp = jax.jit(transformer.mtp_logits, static_argnums=2)(params, toks, cfg)
+        assert mtp.shape == (1, 2, 16, 40) and float(jnp.abs(mtp - scanned[None]).max()) > 1e-3
+        loss, terms = jax.jit(transformer.loss_terms, static_argnums=3)(params, toks, toks, cfg)
+        assert set(terms) == {"cross_entropy", "mtp", "load_balancing"}
+        want = terms["cross_entropy"] + cfg.mtp_loss_weight * terms["mtp"] + cfg.router_aux_loss_coef * terms[
+            "load_balancing"]
+        assert float(loss) == pytest.approx(float(want), rel=1e-6)

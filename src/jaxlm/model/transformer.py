@@ -531,14 +531,30 @@ def loss_fn(params: dict, tokens_BT: jax.Array, targets_BT: jax.Array, cfg: Mode
     all 1) and the weighted sum is divided by `normalizer` (default: the sum of the weights here). A step that
     accumulates micro-batches passes the weight of the whole step over the number of micro-batches, so that
     the mean over micro-batches is exactly the mean over every counted token of the step."""
+    return loss_terms(params, tokens_BT, targets_BT, cfg, key, positions_BT, segment_ids_BT, weights_BT,
+                      normalizer)[0]
+
+
+@quant.scoped
+def loss_terms(params: dict, tokens_BT: jax.Array, targets_BT: jax.Array, cfg: ModelConfig,
+               key: jax.Array | None = None, positions_BT: jax.Array | None = None,
+               segment_ids_BT: jax.Array | None = None, weights_BT: jax.Array | None = None,
+               normalizer: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """`loss_fn`'s loss and its terms, for the logs: cross_entropy; with experts load_balancing (before
+    router_aux_loss_coef); with MTP modules mtp (their mean cross-entropy, before mtp_loss_weight)."""
     positions_BT = _positions(tokens_BT, positions_BT)
     x_BTD, stats_L3E = _hidden(params, tokens_BT, cfg, key, positions_BT, segment_ids_BT)
     if normalizer is None:
         normalizer = targets_BT.size if weights_BT is None else jnp.maximum(jnp.sum(weights_BT), 1e-9)
     loss = _token_loss_sum(params, x_BTD, targets_BT, cfg, weights_BT) / normalizer
+    terms = {"cross_entropy": loss}
     if cfg.mtp_layers:
         mtp_total, mtp_stats = mtp_loss_sum(params, x_BTD, targets_BT, cfg, positions_BT, segment_ids_BT, weights_BT)
-        loss = loss + cfg.mtp_loss_weight * mtp_total / normalizer
+        terms["mtp"] = mtp_total / normalizer
+        loss = loss + cfg.mtp_loss_weight * terms["mtp"]
         if cfg.n_experts:
             stats_L3E = jnp.concatenate([stats_L3E, mtp_stats])
-    return loss + cfg.router_aux_loss_coef * _aux(stats_L3E, cfg) if cfg.n_experts else loss
+    if cfg.n_experts:
+        terms["load_balancing"] = _aux(stats_L3E, cfg)
+        loss = loss + cfg.router_aux_loss_coef * terms["load_balancing"]
+    return loss, terms
