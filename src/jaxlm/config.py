@@ -738,7 +738,6 @@ def _validate_model(m: ModelConfig, mesh: MeshConfig) -> None:
         raise ConfigError(f"model.layer_pattern={m.layer_pattern!r} has local layers; set model.sliding_window")
     if "chunked" in m.pattern and m.attention_chunk is None:
         raise ConfigError(f"model.layer_pattern={m.layer_pattern!r} has chunked layers; set model.attention_chunk")
-    _validate_family_options(m)
     if m.n_experts < 0:
         raise ConfigError(f"model.n_experts={m.n_experts} must be >= 0 (0 = dense MLP)")
     if m.experts_per_token < 1 or (m.n_experts and m.experts_per_token > m.n_experts):
@@ -767,6 +766,7 @@ def _validate_model(m: ModelConfig, mesh: MeshConfig) -> None:
                           f"does not; set model.dropout=0 or mesh.ici_sequence=mesh.dcn_sequence=1")
     if m.global_parameter_scale < 1 or m.global_parameter_scale & (m.global_parameter_scale - 1):
         raise ConfigError(f"model.global_parameter_scale={m.global_parameter_scale} must be a power of 2 (1, 2, 4, ...)")
+    _validate_family_options(m)
 
 
 
@@ -780,7 +780,8 @@ def _validate_family_options(m: ModelConfig) -> None:
                 "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
         if getattr(m, key) < 0:
             raise ConfigError(f"model.{key}={getattr(m, key)} must be >= 0")
-    _positive("model.moe_layer_interval", m.moe_layer_interval)
+    for key in ("moe_layer_interval", "router_groups", "router_topk_groups"):
+        _positive(f"model.{key}", getattr(m, key))
     if m.latent:
         for key in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
             if not getattr(m, key):
