@@ -295,11 +295,6 @@ def attention_with_kv(x_BTD, p, cfg, positions_BT, key=None, kind="global", segm
         return checkpoint_name(project_out(out_BTNH, p), "out_proj"), k_BTKH, v_BTKH
 
 
-def attention(x_BTD, p, cfg, positions_BT, key=None, kind="global", segment_ids_BT=None):
-    """Self-attention over x for a layer of `kind` (global, local, chunked or nope)."""
-    return attention_with_kv(x_BTD, p, cfg, positions_BT, key, kind, segment_ids_BT)[0]
-
-
 def project_entries(x_BTD, p, cfg, positions_BT, kind="global"):
     """Queries [B, T, N, H] and what the cache keeps of each token, (keys, values) [B, T, K, H]."""
     q_BTNH, k_BTKH, v_BTKH = project_qkv(x_BTD, p, cfg, positions_BT, kind)

@@ -82,11 +82,6 @@ def layout(cfg: ModelConfig, n_layers: int | None = None) -> Layout:
     return Layout(kinds, P, G, start, max(0, (L - start) // G), mixed)
 
 
-def repeats(cfg: ModelConfig, j: int) -> int:
-    """Layers of pattern entry j (R_j of the cache's entry j)."""
-    return len(range(j, cfg.n_layers, len(cfg.pattern)))
-
-
 def group_of(lay: Layout, key: str) -> str:
     """Which layers a top-level leaf of params["layers"] is stacked over: all, moe or dense."""
     if lay.mixed and key == "mlp":
