@@ -223,3 +223,40 @@ def test_unsupported_options_and_missing_experts_stop_the_import_in_one_line(tmp
     for src, message in cases:
         code, err = run_cli(["convert", "from-hf", src, str(tmp_path / "out" / src.rsplit("/", 1)[-1])], capsys)
         assert code == 2 and len(err) == 1 and message in err[0], err
+
+
+@pytest.mark.slow
+def test_multimodal_checkpoints_import_their_language_model(tmp_path):
+    """Gemma 3 and Llama 4 checkpoints with a vision tower (Gemma3ForConditionalGeneration,
+    Llama4ForConditionalGeneration) import their language model (language_model.*), the vision weights
+    skipped; its logits equal transformers' language model's."""
+    C2 = {**C, "vocab_size": 300}
+    models = {
+        "gemma3": transformers.Gemma3Config(
+            text_config=transformers.Gemma3TextConfig(**C2, num_hidden_layers=2, num_key_value_heads=2, head_dim=16,
+                                                      sliding_window=4),
+            vision_config=transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                          num_attention_heads=2, image_size=28, patch_size=14),
+            mm_tokens_per_image=4, image_token_index=299, boi_token_index=297, eoi_token_index=298),
+        "llama4": transformers.Llama4Config(
+            text_config=transformers.Llama4TextConfig(**C2, num_hidden_layers=4, num_key_value_heads=2, head_dim=16,
+                                                      num_local_experts=4, intermediate_size_mlp=80,
+                                                      interleave_moe_layer_step=2, attention_chunk_size=8, floor_scale=4),
+            vision_config=transformers.Llama4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                          num_attention_heads=2, image_size=28, patch_size=14,
+                                                          vision_output_dim=32, projector_input_dim=32,
+                                                          projector_output_dim=32),
+            image_token_index=299, boi_token_index=297, eoi_token_index=298),
+    }
+    tokens = np.random.default_rng(0).integers(0, 290, (2, T))
+    for name, cfg in models.items():
+        model = randomize(transformers.AutoModelForImageTextToText.from_config(cfg).eval(), 0.08)
+        model.save_pretrained(tmp_path / name / "hf")
+        with torch.no_grad():
+            lm = getattr(model, "language_model", None) or model.model.language_model  # Llama 4's has a head
+            out = lm(input_ids=torch.tensor(tokens))
+            hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out.logits
+            want = (hidden if hidden.shape[-1] == 300 else model.lm_head(hidden)).float().numpy()
+        convert.from_hf(str(tmp_path / name / "hf"), tmp_path / name / "jx", log=lambda s: None)
+        ours = jaxlm.load(tmp_path / name / "jx").logits(tokens)
+        assert np.abs(ours - want).max() <= 1e-4, name
