@@ -260,3 +260,59 @@ def test_multimodal_checkpoints_import_their_language_model(tmp_path):
         convert.from_hf(str(tmp_path / name / "hf"), tmp_path / name / "jx", log=lambda s: None)
         ours = jaxlm.load(tmp_path / name / "jx").logits(tokens)
         assert np.abs(ours - want).max() <= 1e-4, name
+
+
+def test_deepseek_mtp_module_matches_transformers_and_round_trips(tmp_path):
+    """A DeepSeek-V3 checkpoint with its multi-token prediction module (made with transformers' MtpModel and
+    stored as the layers after the last, as the released checkpoints store it): the import keeps it, its
+    logits (transformer.mtp_logits: module 0 at position t, from the embedding of token t + 1) equal
+    MtpModel's, and the export writes every tensor back bit for bit, but the module's copies of the embedding
+    and output tables (transformers ties them to the main model's)."""
+    import jax.numpy as jnp
+    from safetensors.torch import load_file, save_file
+    from transformers.modeling_layers import MtpModel
+
+    from jaxlm.model import transformer
+
+    cfg = CASES["deepseek_v3"]()
+    cfg.num_hidden_layers, cfg.first_k_dense_replace, cfg.num_nextn_predict_layers = 2, 1, 1
+    model = randomize(transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval(), 0.08)
+    mtp = randomize(MtpModel(model, 1).eval(), 0.08, seed=1)
+    mtp.tie_with_main_model(model)
+    model.save_pretrained(tmp_path / "hf")
+    tensors = load_file(tmp_path / "hf" / "model.safetensors")
+    L, F = cfg.num_hidden_layers, cfg.moe_intermediate_size
+    for key, v in mtp.state_dict().items():  # MtpModel's names -> the checkpoints' model.layers.{L}.*
+        if not key.startswith("layers.0."):
+            continue
+        name = f"model.layers.{L}." + key[len("layers.0."):].replace("mtp_block.", "").replace(
+            "post_norm.", "shared_head.norm.")
+        if name.endswith("experts.gate_up_proj"):
+            for e in range(v.shape[0]):
+                tensors[name.replace("gate_up_proj", f"{e}.gate_proj.weight")] = v[e, :F].contiguous()
+                tensors[name.replace("gate_up_proj", f"{e}.up_proj.weight")] = v[e, F:].contiguous()
+        elif name.endswith("experts.down_proj"):
+            for e in range(v.shape[0]):
+                tensors[name.replace("down_proj", f"{e}.down_proj.weight")] = v[e].contiguous()
+        else:
+            tensors[name] = v.contiguous()
+    tensors[f"model.layers.{L}.embed_tokens.weight"] = model.model.embed_tokens.weight.detach().clone()
+    tensors[f"model.layers.{L}.shared_head.head.weight"] = model.lm_head.weight.detach().clone()
+    save_file(tensors, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
+
+    tokens = np.random.default_rng(0).integers(0, 128, (2, 16))
+    with torch.no_grad():
+        t = torch.tensor(tokens)
+        hidden = model.model(t).last_hidden_state
+        positions = torch.arange(1, 16)[None].expand(2, -1)
+        want = mtp._project_to_logits(mtp.forward_layer(0, hidden[:, :-1], positions, None, input_ids=t[:, 1:]))
+    convert.from_hf(str(tmp_path / "hf"), tmp_path / "jx", log=lambda s: None)
+    ours = jaxlm.load(tmp_path / "jx")
+    assert ours.config.model.mtp_layers == 1
+    got = np.asarray(transformer.mtp_logits(ours.params, jnp.asarray(tokens), ours.config.model))[0, :, :-1]
+    assert np.abs(got - want.float().numpy()).max() <= 1e-4 and np.abs(want.numpy()).max() > 0.5
+    convert.to_hf(tmp_path / "jx", tmp_path / "back", log=lambda s: None)
+    back = load_file(tmp_path / "back" / "model.safetensors")
+    assert set(tensors) - set(back) == {f"model.layers.{L}.embed_tokens.weight",
+                                        f"model.layers.{L}.shared_head.head.weight"}
+    assert all(torch.equal(back[k], tensors[k]) for k in back)
