@@ -161,13 +161,13 @@ def config_mutations(seed: int = 0) -> list[tuple[list[str], str]]:
 
 
 def test_config_fuzz_fails_before_compiling_with_one_line_naming_the_key(char_data, tmp_path, monkeypatch, capsys):
-    from jaxlm import cli, train
+    from jaxlm import cli, step as step_lib
 
     def compiled(*args, **kwargs):
         raise AssertionError("a bad config got as far as compiling")
 
     for name in ("init_state", "init_state_from", "make_train_step", "make_eval_step"):
-        monkeypatch.setattr(train, name, compiled)
+        monkeypatch.setattr(step_lib, name, compiled)
     base = ["shakespeare_char_cpu", f"data.dir={char_data}", "model.n_layers=2", "model.d_model=32",
             "model.n_heads=4", "model.block_size=32", "training.batch_size=8", "training.steps=20",
             "optimizer.warmup_steps=5", "logging.progress=false", "logging.tensorboard=false"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import sys
 import textwrap
 
@@ -48,23 +49,6 @@ def cmd_train(argv: list[str]) -> int:
     return 0
 
 
-def cmd_describe(argv: list[str]) -> int:
-    if not argv or argv[0] in ("-h", "--help"):
-        print("usage: jaxlm describe PRESET_OR_FILE [key=value ...]\n\nThe model's parameter counts (total, active per "
-              "token with and without the input embedding table,\nembedding, multi-token prediction modules), layer "
-              "layout, training FLOPs per token and KV-cache bytes\nper token, from its settings alone (nothing is "
-              "allocated).")
-        return 0 if argv else 2
-    from jaxlm import metrics
-
-    cfg = config_lib.load(argv[0], argv[1:])
-    model = config_lib.apply_parameter_scale(cfg.model)
-    if model.vocab_size is None:
-        raise config_lib.ConfigError("jaxlm describe needs model.vocab_size (it is otherwise read from the data)")
-    print("\n".join(metrics.describe_model(model)))
-    return 0
-
-
 def cmd_compile(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: jaxlm compile PRESET_OR_FILE compile.topology=NAME [compile.num_slices=N] [key=value ...]\n\n"
@@ -85,22 +69,113 @@ def cmd_compile(argv: list[str]) -> int:
 
 
 def cmd_launch(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="jaxlm launch", description="Run a jaxlm command in several local processes "
-                                "that form one JAX job (coordinator on 127.0.0.1).")
-    p.add_argument("--processes", type=int, required=True)
-    p.add_argument("--devices-per-process", type=int, help="fake CPU devices per process (testing)")
-    p.add_argument("--gpus-per-process", type=int, help="GPUs per process on a multi-GPU node")
-    p.add_argument("--port", type=int, help="coordinator port (default: a free one)")
+    from jaxlm import clusters
+
+    p = argparse.ArgumentParser(
+        prog="jaxlm launch", description="Run a jaxlm command as one JAX job of several processes: here (local: "
+        "a coordinator on 127.0.0.1), or through a cluster's scheduler: an sbatch script (slurm), an indexed Job "
+        "and headless Service (kubernetes), or gcloud command lines for a TPU VM slice (tpu-vm). docs/scaling.md.")
+    p.add_argument("--scheduler", choices=clusters.SCHEDULERS, default="local")
+    p.add_argument("--processes", type=int, help="local: processes to start")
+    p.add_argument("--devices-per-process", type=int, help="fake CPU devices per process (testing; local, slurm)")
+    p.add_argument("--gpus-per-process", type=int, help="GPUs per process: per local process, per Slurm task "
+                   "(--gpus-per-task), per Kubernetes pod")
+    p.add_argument("--port", type=int, help="local: coordinator port (default: a free one)")
+    p.add_argument("--nodes", type=int, help="slurm: nodes; kubernetes: pods (hosts)")
+    p.add_argument("--tasks-per-node", type=int, default=1, help="slurm: processes per node (default 1)")
+    p.add_argument("--time", help="slurm: time limit (sbatch --time, e.g. 24:00:00)")
+    p.add_argument("--partition", help="slurm: partition")
+    p.add_argument("--account", help="slurm: account")
+    p.add_argument("--signal-seconds", type=int, default=300, help="slurm: seconds before the time limit at which "
+                   "the tasks get SIGTERM and save a checkpoint (default 300)")
+    p.add_argument("--requeues", type=int, default=3, help="slurm: times the job is requeued after a failure or a "
+                   "preemption (default 3); kubernetes: restarts per pod")
+    p.add_argument("--name", default="jaxlm", help="job name (slurm, kubernetes) or TPU VM name (tpu-vm)")
+    p.add_argument("--output-dir", default="slurm", help="slurm: folder for the script and the job's output")
+    p.add_argument("--sbatch", action="append", metavar="FLAG", help="slurm: another #SBATCH line (repeatable), "
+                   "e.g. --sbatch=--exclusive")
+    p.add_argument("--image", help="kubernetes: container image with jaxlm installed (its `jaxlm` on PATH)")
+    p.add_argument("--topology", help="tpu-vm, kubernetes: TPU slice such as v5e-256 (jaxlm describe NAME)")
+    p.add_argument("--zone", help="tpu-vm: zone")
+    p.add_argument("--project", help="tpu-vm: project")
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--submit", action="store_true", help="slurm: sbatch the script; kubernetes: kubectl apply")
+    how.add_argument("--dry-run", action="store_true", help="print the script, manifest or command lines "
+                     "(the default for slurm, kubernetes and tpu-vm)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- train PRESET key=value ...")
     a = p.parse_args(argv)
     command = a.command[1:] if a.command[:1] == ["--"] else a.command
     if not command:
         p.error("give the command after --, e.g. jaxlm launch --processes 2 -- train quickstart")
-    if a.processes < 1:
-        p.error("--processes must be >= 1")
-    from jaxlm.launch import launch
+    if a.scheduler == "local":
+        if a.processes is None or a.processes < 1:
+            p.error("--processes N (>= 1) is needed for local processes")
+        from jaxlm.launch import launch
 
-    return launch(command, a.processes, a.devices_per_process, a.port, a.gpus_per_process)
+        return launch(command, a.processes, a.devices_per_process, a.port, a.gpus_per_process)
+    if a.scheduler == "slurm":
+        if a.nodes is None:
+            p.error("--nodes N is needed for --scheduler slurm")
+        script = clusters.slurm_script(command, a.nodes, a.tasks_per_node, a.gpus_per_process,
+                                       a.devices_per_process, a.time, a.partition, a.account, a.name, a.requeues,
+                                       a.signal_seconds, a.output_dir, extra=a.sbatch)
+        if not a.submit:
+            print(script, end="")
+            return 0
+        path, job = clusters.submit_slurm(script, a.output_dir, a.name)
+        print(f"submitted job {job}: {path}; output in {path.parent}/{a.name}-{job}.out")
+        return 0
+    if a.scheduler == "kubernetes":
+        if a.nodes is None and not a.topology:
+            p.error("--nodes N (pods) or --topology SLICE is needed for --scheduler kubernetes")
+        if not a.image:
+            p.error("--image IMAGE (with jaxlm installed) is needed for --scheduler kubernetes")
+        import yaml
+
+        from jaxlm.topology import tpu_slice
+
+        hosts = a.nodes if a.nodes is not None else tpu_slice(a.topology).workers
+        manifest = yaml.safe_dump_all(clusters.kubernetes_manifest(
+            command, a.name, a.image, hosts, a.gpus_per_process, a.topology, a.requeues), sort_keys=False)
+        if not a.submit:
+            print(manifest, end="")
+            return 0
+        return clusters.apply_kubernetes(manifest)
+    if not (a.topology and a.zone):
+        p.error("--topology SLICE and --zone ZONE are needed for --scheduler tpu-vm")
+    if a.submit:
+        p.error("--scheduler tpu-vm prints the gcloud command lines; run them yourself (no --submit)")
+    print(clusters.tpu_vm_text(clusters.tpu_vm_commands(command, a.name, a.topology, a.zone, a.project), a.topology),
+          end="")
+    return 0
+
+
+def cmd_describe(argv: list[str]) -> int:
+    """A TPU slice (v5e-256: chips, grid, workers, gcloud's accelerator type) or a model (a preset or settings
+    file: parameter counts, layers, FLOPs, KV-cache bytes per token)."""
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: jaxlm describe TOPOLOGY | PRESET_OR_FILE [key=value ...]\n\n"
+              "TOPOLOGY (a TPU slice such as v4-8, v5e-256, v5p-128, v6e-256): its chips, chip grid, workers (host\n"
+              "VMs) and chips per worker, gcloud's accelerator type and version.\n"
+              "PRESET_OR_FILE: the model's parameter counts (total, active per token with and without the input\n"
+              "embedding table, embedding, multi-token prediction modules), layer layout, training FLOPs per token\n"
+              "and KV-cache bytes per token, from its settings alone (nothing is allocated).")
+        return 0 if argv else 2
+    if re.fullmatch(r"v\d+[a-z]?-\d+", argv[0].strip().lower()):
+        from jaxlm.topology import tpu_slice
+
+        if len(argv) > 1:
+            raise config_lib.ConfigError(f"jaxlm describe {argv[0]} takes no settings (got {argv[1]!r})")
+        print("\n".join(tpu_slice(argv[0]).lines()))
+        return 0
+    from jaxlm import metrics
+
+    cfg = config_lib.load(argv[0], argv[1:])
+    model = config_lib.apply_parameter_scale(cfg.model)
+    if model.vocab_size is None:
+        raise config_lib.ConfigError("jaxlm describe needs model.vocab_size (it is otherwise read from the data)")
+    print("\n".join(metrics.describe_model(model)))
+    return 0
 
 
 def _prepare_common(p: argparse.ArgumentParser) -> None:
@@ -229,16 +304,27 @@ def cmd_convert(argv: list[str]) -> int:
     a.add_argument("out", help="output folder")
     a.add_argument("--param-dtype", choices=["float32", "bfloat16"], default="float32",
                    help="dtype the weights are stored and trained in (default float32)")
+    a.add_argument("--adapter", metavar="PEFT_DIR", help="also import this PEFT LoRA adapter of the model (OUT then "
+                   "serves base + adapter, and `jaxlm train OUT/config.json` goes on training the adapter)")
     b = sub.add_parser("to-hf", help="jaxlm run directory or converted checkpoint -> HF folder")
     b.add_argument("path", help="run directory (its latest checkpoint) or converted checkpoint folder")
     b.add_argument("out", help="output folder")
     b.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="tensor dtype (default: the weights')")
     b.add_argument("--shard-gb", type=float, default=5.0, help="largest safetensors file, in GiB")
+    b.add_argument("--adapter-only", action="store_true", help="write a LoRA run's adapter as a PEFT adapter folder "
+                   "(adapter_config.json, adapter_model.safetensors) instead of the merged model")
     args = p.parse_args(argv)
-    from jaxlm import convert
+    from jaxlm import adapters, convert
 
     if args.direction == "from-hf":
-        convert.from_hf(args.src, args.out, args.param_dtype)
+        if args.adapter:  # read before the base is converted: an adapter that does not fit leaves nothing behind
+            model = convert.read_hf_config(args.src, args.param_dtype)[2]
+            adapters.read_peft(args.adapter, config_lib.Config(model=model))
+        out = convert.from_hf(args.src, args.out, args.param_dtype)
+        if args.adapter:
+            adapters.import_peft(out, args.adapter)
+    elif args.adapter_only:
+        adapters.write_peft(args.path, args.out, args.dtype)
     else:
         convert.to_hf(args.path, args.out, args.dtype, int(args.shard_gb * 2**30))
     return 0
@@ -371,8 +457,8 @@ def cmd_serve(argv: list[str]) -> int:
     return serve.run(argv[0], config_lib.parse_overrides(argv[1:]))
 
 
-COMMANDS = {"train": cmd_train, "describe": cmd_describe, "compile": cmd_compile, "prepare": cmd_prepare,
-            "launch": cmd_launch, "plot": cmd_plot, "convert": cmd_convert, "eval": cmd_eval,
+COMMANDS = {"train": cmd_train, "compile": cmd_compile, "prepare": cmd_prepare, "launch": cmd_launch,
+            "describe": cmd_describe, "plot": cmd_plot, "convert": cmd_convert, "eval": cmd_eval,
             "generate": cmd_generate, "tokenizer": cmd_tokenizer, "serve": cmd_serve}
 
 
@@ -396,13 +482,15 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         print("usage: jaxlm {" + ",".join(COMMANDS) + "} ...\n\n"
               "  train PRESET_OR_FILE [key=value ...]   train or resume a model (jaxlm train --help)\n"
-              "  describe PRESET_OR_FILE [key=value ...]   parameter counts (total, active), layers, FLOPs, cache\n"
               "  compile PRESET_OR_FILE compile.topology=NAME [...]  compile the train step ahead of time for a\n"
               "                                         TPU/GPU/CPU target; memory report (jaxlm compile --help)\n"
               "  prepare DATASET [...]                  corpus -> token files (jaxlm prepare --help)\n"
               "  prepare corpus|chat INPUT... --tokenizer T --out DIR   any corpus or chat data -> token shards\n"
               "  tokenizer train INPUT... --vocab-size N --out DIR   train a byte-level BPE tokenizer\n"
               "  launch --processes N -- train ...      one job in N local processes (jaxlm launch --help)\n"
+              "  launch --scheduler slurm|kubernetes|tpu-vm ... -- train ...  the same through a cluster's scheduler\n"
+              "  describe SLICE | PRESET [key=value]   a TPU slice's workers and chips (v5e-256), or a model's\n"
+              "                                         parameters (total, active), layers, FLOPs, KV cache\n"
               "  plot RUN_DIR [RUN_DIR ...]             loss and throughput curves -> PNG (jaxlm plot --help)\n"
               "  convert from-hf|to-hf SRC OUT          Hugging Face checkpoints in and out (jaxlm convert --help)\n"
               "  eval RUN_DIR [key=value ...]           losses and a sample of a trained run, or lm-eval tasks\n"

@@ -243,6 +243,10 @@ class DataConfig:
                               "Needs a dataset with document boundaries (`jaxlm prepare`, format 2)")
     mixture: str | None = _f(None, "train on several prepared folders sharing one tokenizer, each row drawn from one "
                                    "of them by weight: 'dirA:0.7,dirB:0.3' (replaces data.dir/data.dataset)")
+    prompts: str | None = _f(None, "training.objective=grpo: a jsonl file of prompts, each a record with `prompt` "
+                                   "text or chat `messages`; its other fields (e.g. `answer`) go to the rewards")
+    eval_prompts: str | None = _f(None, "training.objective=grpo: held-out prompts (jsonl as data.prompts) answered "
+                                        "greedily at each evaluation; their mean reward is eval_reward")
     loss_mask: Literal["auto", "on", "off"] = _f(
         "auto", "train only on the targets the dataset's loss mask marks (chat data: the assistant's tokens): "
                 "auto = when the dataset has a mask, on = require one, off = train on every token")
@@ -271,6 +275,10 @@ class OptimizerConfig:
 @dataclass(frozen=True)
 class TrainingConfig:
     steps: int = _f(5000, "optimizer steps to train for")
+    objective: Literal["next_token", "grpo"] = _f(
+        "next_token", "what the train step minimizes (objectives.py): next_token = cross-entropy of the next token "
+                      "(pretraining, and SFT with loss masks); grpo = reinforcement learning on rewarded rollouts "
+                      "(grpo.*, data.prompts; docs/rl.md)")
     batch_size: int = _f(64, "sequences per micro-batch across all devices (the global batch); "
                              "ignored when per_device_batch_size is set")
     per_device_batch_size: float | None = _f(None, "sequences per device per micro-batch; the global batch is this "
@@ -296,6 +304,51 @@ class TrainingConfig:
                                         "are not finite")
     spike_threshold: float = _f(0.0, "skip the update of a step whose loss exceeds this multiple of the running "
                                      "average loss (about the last 100 steps); 0 = off, else > 1")
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    rank: int = _f(0, "LoRA adapter rank; 0 = off (every weight trains). With a rank only the adapters train: the "
+                      "base weights (checkpoint.init_from) are frozen, get no gradient and no optimizer state, and "
+                      "checkpoints hold the adapters (docs/finetune.md)")
+    alpha: float = _f(16.0, "adapters add (alpha / rank) * x A B to each adapted projection")
+    dropout: float = _f(0.0, "dropout on each adapter's input during training")
+    targets: str = _f("q,k,v,o,up,gate,down", "comma-separated weights that get adapters: q, k, v, o (attention; "
+                                              "Hugging Face q_proj, k_proj, v_proj, o_proj) and up, gate, down "
+                                              "(dense MLP; up_proj, gate_proj, down_proj); experts are not adapted")
+    base_quantization: Literal["none", "int8", "nf4"] = _f(
+        "none", "QLoRA: keep the frozen base's attention and dense MLP weights on the device as int8 (one scale "
+                "per output channel) or 4-bit NormalFloat (blocks of 64, double-quantized scales), dequantized "
+                "layer by layer in the matmul; adapters and compute stay in their own dtypes")
+
+
+@dataclass(frozen=True)
+class GrpoConfig:
+    group_size: int = _f(8, "completions sampled per prompt; advantages compare each with its group's mean")
+    max_completion_tokens: int = _f(256, "tokens a completion may take; it also stops at the tokenizer's EOS")
+    temperature: float = _f(1.0, "sampling temperature of the rollouts (the loss's log-probabilities use it too)")
+    top_p: float = _f(1.0, "nucleus sampling of the rollouts; 1 = off")
+    top_k: int = _f(0, "top-k sampling of the rollouts; 0 = off")
+    beta: float = _f(0.0, "weight of the KL penalty to the reference model (k3 estimator); 0 drops the reference "
+                          "and its forward pass entirely")
+    epsilon: float = _f(0.2, "the policy ratio is clipped to [1 - epsilon, 1 + epsilon_high]")
+    epsilon_high: float | None = _f(None, "upper clip (DAPO's asymmetric clip, e.g. 0.28); None = epsilon")
+    iterations: int = _f(1, "policy updates per batch of rollouts (mu); the old policy's log-probabilities are "
+                            "computed once per batch when > 1, and with 1 the ratio is exactly 1")
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = _f(
+        "dapo", "how token losses are averaged: grpo = each sequence's mean, then the mean over sequences; bnpo = "
+                "over the micro-batch's completion tokens; dr_grpo = over sequences x max_completion_tokens (Dr. "
+                "GRPO's constant); dapo = over all completion tokens of the step")
+    scale_rewards: Literal["group", "batch", "none"] = _f(
+        "group", "divide advantages (reward minus its group's mean) by the group's reward std, the batch's, or "
+                 "nothing (Dr. GRPO)")
+    reward: str = _f("", "reward functions, comma-separated MODULE:FUNCTION (MODULE a dotted name or a .py file), "
+                         "e.g. jaxlm.rewards:exact_answer,my_rewards.py:concise; each is called with prompts, "
+                         "completions, completion_ids and the records' other fields, and returns a float each")
+    reward_weights: str = _f("", "comma-separated weights of the reward functions; '' = 1 each")
+    mask_truncated: bool = _f(False, "leave completions cut at max_completion_tokens out of the loss")
+    log_completions: int = _f(10, "every this many steps, write the rollouts' prompts, completions and rewards to "
+                                  "<run_dir>/completions.jsonl; 0 = off")
 
 
 @dataclass(frozen=True)
@@ -435,6 +488,8 @@ class Config:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    grpo: GrpoConfig = field(default_factory=GrpoConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
@@ -675,6 +730,8 @@ def validate(cfg: Config) -> None:
     _validate_common(cfg)
     _validate_model(cfg.model, cfg.mesh)
     _validate_optimizer_and_training(cfg.optimizer, cfg.training, cfg.checkpoint)
+    _validate_lora(cfg)
+    _validate_grpo(cfg)
     _validate_mesh_and_distributed(cfg.mesh, cfg.distributed)
     _validate_diagnostics(cfg)
     validate_decode(cfg.decode)
@@ -844,6 +901,79 @@ def _validate_optimizer_and_training(o: OptimizerConfig, t: TrainingConfig, c: C
     _positive("checkpoint.keep", c.keep)
     if t.per_device_batch_size is not None and t.per_device_batch_size <= 0:
         raise ConfigError(f"training.per_device_batch_size={t.per_device_batch_size} must be > 0")
+
+
+def _validate_grpo(cfg: Config) -> None:
+    g, t = cfg.grpo, cfg.training
+    for key in ("group_size", "max_completion_tokens", "iterations"):
+        _positive(f"grpo.{key}", getattr(g, key))
+    if g.temperature <= 0:
+        raise ConfigError(f"grpo.temperature={g.temperature} must be > 0 (rollouts are sampled)")
+    if not 0 < g.top_p <= 1:
+        raise ConfigError(f"grpo.top_p={g.top_p} must be in (0, 1] (1 = off)")
+    if g.top_k < 0:
+        raise ConfigError(f"grpo.top_k={g.top_k} must be >= 0 (0 = off)")
+    if g.beta < 0:
+        raise ConfigError(f"grpo.beta={g.beta} must be >= 0 (0 = no reference model)")
+    if not 0 < g.epsilon < 1:
+        raise ConfigError(f"grpo.epsilon={g.epsilon} must be in (0, 1)")
+    if g.epsilon_high is not None and g.epsilon_high <= 0:
+        raise ConfigError(f"grpo.epsilon_high={g.epsilon_high} must be > 0 (or None: grpo.epsilon)")
+    if g.log_completions < 0:
+        raise ConfigError(f"grpo.log_completions={g.log_completions} must be >= 0 (0 = off)")
+    if t.objective != "grpo":
+        return
+    if not cfg.data.prompts:
+        raise ConfigError("training.objective=grpo needs data.prompts=FILE.jsonl (records with `prompt` or "
+                          "`messages`)")
+    if not g.reward:
+        raise ConfigError("training.objective=grpo needs grpo.reward=MODULE:FUNCTION (e.g. "
+                          "jaxlm.rewards:exact_answer)")
+    if g.group_size == 1:
+        raise ConfigError("grpo.group_size=1 leaves every completion alone in its group, so every advantage is 0 and "
+                          "nothing is learned; use 2 or more (8 is common)")
+    rows = t.batch_size * t.grad_accum
+    if rows % g.group_size:
+        raise ConfigError(f"training.batch_size x training.grad_accum = {rows} completions per step must be a "
+                          f"multiple of grpo.group_size={g.group_size} (whole groups per step)")
+    if t.steps % g.iterations:
+        raise ConfigError(f"training.steps={t.steps} must be a multiple of grpo.iterations={g.iterations} "
+                          "(each batch of rollouts serves that many updates)")
+    if cfg.checkpoint.interval % g.iterations:
+        raise ConfigError(f"checkpoint.interval={cfg.checkpoint.interval} must be a multiple of grpo.iterations="
+                          f"{g.iterations}: a checkpoint is taken between batches of rollouts")
+    if g.max_completion_tokens >= cfg.model.block_size:
+        raise ConfigError(f"grpo.max_completion_tokens={g.max_completion_tokens} must be below model.block_size="
+                          f"{cfg.model.block_size}, which holds prompt and completion")
+
+
+LORA_TARGETS = ("q", "k", "v", "o", "up", "gate", "down")
+
+
+def _validate_lora(cfg: Config) -> None:
+    lo = cfg.lora
+    if lo.rank < 0:
+        raise ConfigError(f"lora.rank={lo.rank} must be >= 0 (0 = off)")
+    if not lo.rank:
+        if lo.base_quantization != "none":
+            raise ConfigError(f"lora.base_quantization={lo.base_quantization} quantizes the frozen base of a LoRA "
+                              "run; set lora.rank too (e.g. lora.rank=16)")
+        return
+    _positive("lora.alpha", lo.alpha)
+    if not 0.0 <= lo.dropout < 1.0:
+        raise ConfigError(f"lora.dropout={lo.dropout} must be in [0, 1)")
+    names = [t.strip() for t in lo.targets.split(",") if t.strip()]
+    if not names:
+        raise ConfigError(f"lora.targets={lo.targets!r} is empty; name some of: {', '.join(LORA_TARGETS)}")
+    for name in names:
+        if name not in LORA_TARGETS:
+            hint = difflib.get_close_matches(name.removesuffix("_proj"), LORA_TARGETS, n=1)
+            extra = f" (did you mean '{hint[0]}'?)" if hint else ""
+            raise ConfigError(f"lora.targets={lo.targets!r}: {name!r} is not a weight jaxlm adapts{extra}; choose "
+                              f"from {', '.join(LORA_TARGETS)}")
+    if max(cfg.mesh.ici_stage, cfg.mesh.dcn_stage) > 1:
+        raise ConfigError("lora.rank with pipeline stages (mesh.ici_stage / mesh.dcn_stage > 1) is not supported; "
+                          "use FSDP (mesh.ici_fsdp) to spread the frozen base instead")
 
 
 def _validate_mesh_and_distributed(mesh: MeshConfig, d: DistributedConfig) -> None:

@@ -25,7 +25,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from jaxlm import config as config_lib, families, params as P, sharding, storage
+from jaxlm import config as config_lib, families, lora, params as P, sharding, storage
 from jaxlm.config import Config, ModelConfig
 from jaxlm.families import ConvertError, Rule
 from jaxlm.model import param_specs, stack
@@ -177,23 +177,33 @@ def _unused(cfg: ModelConfig, name: str) -> bool:
 
 # ---- import ---------------------------------------------------------------------------------------------------
 
-def from_hf(src: str, out: str | Path, param_dtype: str = "float32", log: Callable[[str], None] = print) -> Path:
-    """Convert a Hugging Face model folder (or hub id) into a jaxlm checkpoint folder; returns its path."""
+def read_hf_config(src: str, param_dtype: str = "float32") -> tuple[Path, dict, ModelConfig]:
+    """(local folder, its config.json, the jaxlm model it describes) of a Hugging Face folder or hub id."""
     src_path = resolve_source(src)
-    out = Path(out)
-    if (out / "params").exists():
-        raise ConvertError(f"{out} already holds a converted checkpoint; choose another OUT or delete it")
     hf_cfg = json.loads((src_path / "config.json").read_text())
     fam = families.for_model_type(hf_cfg.get("model_type"))
     try:
         model_cfg = dataclasses.replace(fam.config_from_hf(hf_cfg), param_dtype=param_dtype)
     except KeyError as e:
         raise ConvertError(f"{src_path / 'config.json'} lacks {e.args[0]!r}") from None
+    if model_cfg.mtp_layers and not _has_mtp(safetensors_files(src_path), model_cfg,
+                                             getattr(fam, "normalize_name", lambda n: n)):
+        model_cfg = dataclasses.replace(model_cfg, mtp_layers=0)  # save_pretrained of transformers drops them
+    return src_path, hf_cfg, model_cfg
+
+
+def from_hf(src: str, out: str | Path, param_dtype: str = "float32", log: Callable[[str], None] = print) -> Path:
+    """Convert a Hugging Face model folder (or hub id) into a jaxlm checkpoint folder; returns its path."""
+    out = Path(out)
+    if (out / "params").exists():
+        raise ConvertError(f"{out} already holds a converted checkpoint; choose another OUT or delete it")
+    src_path, hf_cfg, model_cfg = read_hf_config(src, param_dtype)
+    fam = families.for_model_type(hf_cfg.get("model_type"))
     files = safetensors_files(src_path)
-    if model_cfg.mtp_layers and not _has_mtp(files, model_cfg, getattr(fam, "normalize_name", lambda n: n)):
-        log(f"{src}: config.json has {model_cfg.mtp_layers} multi-token prediction module(s) but the checkpoint holds "
-            "none of their tensors (transformers' save_pretrained leaves them out); importing without them")
-        model_cfg = dataclasses.replace(model_cfg, mtp_layers=0)
+    if hf_cfg.get("num_nextn_predict_layers") and not model_cfg.mtp_layers:
+        log(f"{src}: config.json has {hf_cfg['num_nextn_predict_layers']} multi-token prediction module(s) but the "
+            "checkpoint holds none of their tensors (transformers' save_pretrained leaves them out); importing "
+            "without them")
     cfg = Config(model=model_cfg, run_dir=None).replace(
         checkpoint=dataclasses.replace(Config().checkpoint, init_from=str(out.resolve())))
     config_lib.validate(cfg)
@@ -322,9 +332,61 @@ def params_location(path: str | Path) -> tuple[Path, bool]:
     return path / "checkpoints" / str(step) / "state", True
 
 
+ADAPTER_DIR = "adapter"  # a converted folder's LoRA adapter (Orbax), imported from PEFT: `from-hf --adapter`
+
+
+def has_adapter_dir(path: str | Path) -> bool:
+    return (storage.local_folder(path, "loading weights") / ADAPTER_DIR).is_dir()
+
+
 def restore_params(path: str | Path, abstract_params: dict) -> dict:
-    """Weights of a converted checkpoint or of a run's latest checkpoint, in the shapes and shardings of
-    `abstract_params` (a tree of ShapeDtypeStruct with shardings); the optimizer state is not read."""
+    """The model weights of a folder in the shapes and shardings of `abstract_params` (a tree of
+    ShapeDtypeStruct with shardings): a converted checkpoint, or a run's latest checkpoint (its optimizer state
+    is not read). A LoRA run, or a converted folder with an imported adapter, gives its base with the
+    adapters merged in."""
+    cfg = load_config(path) if (storage.local_folder(path, "loading weights") / "config.json").is_file() else None
+    if cfg is not None and cfg.lora.rank > 0:
+        base = restore_base_params(path, cfg, abstract_params)
+        adapters = restore_adapters(path, cfg, _replicated_like(abstract_params))
+        merged = lora.merge(base, adapters, cfg)
+        return jax.tree.map(lambda a, m: jax.device_put(m, a.sharding), abstract_params, merged)
+    return _restore_plain(path, abstract_params)
+
+
+def restore_base_params(path: str | Path, cfg: Config, abstract_params: dict) -> dict:
+    """The base weights of a LoRA folder (its adapters not merged): a converted folder's own params/, or for a
+    run directory the model it was started from (checkpoint.init_from, itself merged if it had adapters)."""
+    if has_adapter_dir(path):
+        return _restore_plain(path, abstract_params)
+    if not cfg.checkpoint.init_from:
+        raise ConvertError(f"{path} is a LoRA run without checkpoint.init_from, so its base weights are unknown")
+    return restore_params(cfg.checkpoint.init_from, abstract_params)
+
+
+def restore_adapters(path: str | Path, cfg: Config, shardings_of) -> dict:
+    """A LoRA folder's adapters (an imported adapter/, or a run's latest checkpoint), placed by shardings_of(a
+    ShapeDtypeStruct tree) -> a tree of shardings."""
+    abstract = P.abstract(lora.specs(cfg))
+    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract,
+                            shardings_of(abstract))
+    folder = storage.local_folder(path, "loading weights")
+    if (folder / ADAPTER_DIR).is_dir():
+        import orbax.checkpoint as ocp
+
+        with ocp.StandardCheckpointer() as ckptr:
+            return ckptr.restore((folder / ADAPTER_DIR).absolute(), abstract)
+    return _restore_plain(path, abstract)
+
+
+def _replicated_like(abstract_params: dict):
+    """A function giving every leaf of a tree the replicated sharding on the device(s) of `abstract_params`."""
+    sh = jax.tree.leaves(abstract_params)[0].sharding
+    one = (jax.sharding.NamedSharding(sh.mesh, jax.sharding.PartitionSpec())
+           if isinstance(sh, jax.sharding.NamedSharding) else sh)
+    return lambda tree: jax.tree.map(lambda _: one, tree)
+
+
+def _restore_plain(path: str | Path, abstract_params: dict) -> dict:
     import orbax.checkpoint as ocp
 
     location, is_state = params_location(path)

@@ -343,6 +343,12 @@ class MetricWriter:
         if self._wandb is not None:
             self._wandb.log(scalars, step=step)
 
+    def append(self, name: str, records: list[dict]) -> None:
+        """Records appended to another jsonl file of the run directory (e.g. GRPO's completions.jsonl)."""
+        if self.enabled and records:
+            with open(self._mirror.dir / name, "a") as f:
+                f.write("".join(json.dumps(r) + "\n" for r in records))
+
     def flush(self) -> None:
         if self.enabled:
             self._jsonl.flush()

@@ -42,7 +42,8 @@ def baked_settings(cfg: Config) -> dict:
     out.update({"training.batch_size": cfg.training.batch_size, "training.grad_accum": cfg.training.grad_accum,
                 "training.pipeline_microbatches": cfg.training.pipeline_microbatches,
                 "training.pipeline_repeats": cfg.training.pipeline_repeats,
-                "training.spike_threshold": cfg.training.spike_threshold, "seed": cfg.seed})
+                "training.spike_threshold": cfg.training.spike_threshold, "training.objective": cfg.training.objective,
+                "seed": cfg.seed})
     out.update({f"mesh.{k}": v for k, v in dataclasses.asdict(cfg.mesh).items()})
     out.update({"data.packing": cfg.data.packing, "data.loss_mask": cfg.data.loss_mask})  # the batch's arrays
     return out

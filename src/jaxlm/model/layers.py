@@ -5,6 +5,7 @@ Shape legend: B batch, T length, D model width, N heads, H head width, F MLP hid
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import NamedTuple
@@ -17,6 +18,45 @@ from jaxlm import quant, sharding
 from jaxlm.params import ParamSpec, normal, ones, zeros
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["base", "a", "b", "key"],
+                   meta_fields=["scale", "dropout"])
+@dataclasses.dataclass
+class LoraWeight:
+    """A frozen weight with a LoRA adapter (Hu et al.): `dot` multiplies by base + scale * a b, computed as
+    x base + scale * ((dropout(x) a) b), never forming a b. For a weight [*in, *out] (the axes a matmul
+    contracts, then the rest), a is [*in, r] and b [r, *out]; stacked layers put `layers` first in all three.
+    base may be a float array, a quant.QWeight (int8) or a quant.NF4Weight (QLoRA); key (one per layer when
+    stacked) drives the adapter's input dropout, None in evaluation and inference."""
+
+    base: object
+    a: jax.Array
+    b: jax.Array
+    key: jax.Array | None
+    scale: float
+    dropout: float
+
+
+def without_adapters(params):
+    """The weights with every adapter switched off: the base model (a LoRA run's reference model)."""
+    return jax.tree.map(lambda w: w.base if isinstance(w, LoraWeight) else w, params,
+                        is_leaf=lambda w: isinstance(w, LoraWeight))
+
+
+def _lora_dot(spec: str, x: jax.Array, w: LoraWeight) -> jax.Array:
+    n_in = w.a.ndim - 1
+    lhs, rest = spec.split(",")
+    rhs, out = rest.split("->")
+    if not (rhs[:n_in] == lhs[-n_in:] and out == lhs[:-n_in] + rhs[n_in:]):
+        raise ValueError(f"a LoRA weight multiplies as x[..., *in] @ w[*in, *out]; {spec!r} is not of that form")
+    lead, k, r = x.shape[: x.ndim - n_in], math.prod(w.a.shape[:n_in]), w.a.shape[-1]
+    h = dropout(x, w.dropout, w.key).reshape(-1, k)
+    xa = jnp.dot(h, w.a.astype(x.dtype).reshape(k, r), preferred_element_type=x.dtype)
+    low = jnp.dot(xa * jnp.asarray(w.scale, x.dtype), w.b.astype(x.dtype).reshape(r, -1),
+                  preferred_element_type=x.dtype)
+    y = dot(spec, x, w.base)
+    return y + low.reshape(*lead, *w.b.shape[1:]).astype(y.dtype)
+
+
 def dot(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
     """Every dense matmul of the model goes through here: operands and result in x's dtype, accumulated in
     float32 by the matmul itself (TPU's MXU, cuBLAS and XLA:CPU all accumulate bf16 products in float32). A
@@ -26,6 +66,10 @@ def dot(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
     A weight contraction `x[..., *in] @ w[*in, *out]` runs as one 2-D matmul over flattened dims: XLA:CPU
     then picks fast GEMM layouts in both passes, where the N-D einsum's weight gradient (contracting batch
     and length at once) goes through a slow transposing copy."""
+    if isinstance(w, LoraWeight):
+        return _lora_dot(spec, x, w)
+    if isinstance(w, quant.NF4Weight):  # QLoRA's frozen base: dequantized here, one layer at a time
+        w = quant.dequantize_nf4(w, x.dtype)
     if quant.applies(w):
         return quant.dot(spec, x, w).astype(x.dtype)
     lhs, rest = spec.split(",")
@@ -67,8 +111,13 @@ _pin_grad.defvjp(_pin_grad_fwd, _pin_grad_bwd)
 def matmul_weight(w: jax.Array, axes: tuple[str | None, ...], dtype) -> jax.Array:
     """A weight as `dot` consumes it: cast to the compute dtype where it lies, so XLA gathers the narrower
     copy, with its gradient (in that dtype) pinned to the weight's sharding (pin_grad). Weights taking the
-    quantized path are left as they are."""
-    if quant.applies(w):
+    quantized path are left as they are; an adapted weight casts its base and its adapter's two factors."""
+    if isinstance(w, LoraWeight):
+        n_in = w.a.ndim - 1
+        return dataclasses.replace(w, base=matmul_weight(w.base, axes, dtype),
+                                   a=pin_grad(w.a.astype(dtype), (*axes[:n_in], None)),
+                                   b=pin_grad(w.b.astype(dtype), (None, *axes[n_in:])))
+    if quant.applies(w) or isinstance(w, quant.NF4Weight):
         return w
     return pin_grad(w.astype(dtype), axes)
 

@@ -506,6 +506,37 @@ def mtp_loss_sum(params: dict, x_BTD: jax.Array, targets_BT: jax.Array, cfg: Mod
                                         lambda x: _head(params, x, cfg))
     return total / cfg.mtp_layers, stats_M3E
 
+@quant.scoped
+def token_logprobs(params: dict, tokens_BT: jax.Array, targets_BT: jax.Array, cfg: ModelConfig,
+                   key: jax.Array | None = None, positions_BT: jax.Array | None = None,
+                   segment_ids_BT: jax.Array | None = None, temperature: float = 1.0
+                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Each target's log-probability [B, T] under softmax(logits / temperature), each position's entropy of that
+    distribution [B, T], and the auxiliary (load-balancing) loss: what objectives that score whole completions
+    (preference tuning, reinforcement learning) take from the model. Sequences longer than cfg.loss_chunk_tokens
+    are computed a chunk at a time, as chunked_cross_entropy_sum does, so the [B, T, V] logits never exist at
+    once."""
+    x_BTD, aux = hidden_with_aux(params, tokens_BT, cfg, key, positions_BT, segment_ids_BT)
+
+    def chunk(x_BCD, targets_BC):
+        logits_BCV = unembed(params, x_BCD, cfg).astype(jnp.float32) / temperature
+        lse_BC = jax.nn.logsumexp(logits_BCV, axis=-1)
+        target_BC = jnp.take_along_axis(logits_BCV, targets_BC[..., None], axis=-1)[..., 0]
+        probs_BCV = jnp.exp(logits_BCV - lse_BC[..., None])
+        return target_BC - lse_BC, lse_BC - jnp.sum(probs_BCV * logits_BCV, axis=-1)
+
+    B, T, _ = x_BTD.shape
+    C = cfg.loss_chunk_tokens
+    if not 0 < C < T:
+        return (*chunk(x_BTD, targets_BT), aux)
+    pad = -T % C
+    padded = (jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2)) for a in (x_BTD, targets_BT))
+    chunks = tuple(a.reshape(B, (T + pad) // C, C, *a.shape[2:]).swapaxes(0, 1) for a in padded)
+    with jax.named_scope("chunked_logprobs"):
+        _, (lp_nBC, ent_nBC) = jax.lax.scan(lambda carry, xs: (carry, jax.checkpoint(chunk)(*xs)), None, chunks)
+    unchunk = lambda a_nBC: a_nBC.swapaxes(0, 1).reshape(B, T + pad)[:, :T]  # noqa: E731
+    return unchunk(lp_nBC), unchunk(ent_nBC), aux
+
 
 def describe_loss(cfg: ModelConfig) -> str:
     """For the logs: how the training loss runs at cfg.block_size tokens ('' when all at once)."""
