@@ -87,8 +87,9 @@ def test_cli_help_lists_every_key():
     out = subprocess.run([sys.executable, "-m", "jaxlm.cli", "train", "--help"], capture_output=True, text=True,
                          check=True).stdout
     for key, *_ in config_lib.all_keys():
-        assert f"  {key}: " in out
+        assert f"  {config_lib.spelled(key)}: " in out
     assert "training.steps: int = 5000" in out
+    assert "  orpo.lambda: float = 0.1" in out  # the field orpo.lambda_, as users write it
 
 
 def test_cli_error_is_one_line_without_traceback():
@@ -145,9 +146,10 @@ def config_mutations(seed: int = 0) -> list[tuple[list[str], str]]:
     """Invalid settings, one per case, with the key each error must name: every key with values of the wrong
     type or out of range, typos of keys, and impossible combinations."""
     rng = random.Random(seed)
-    keys = [k for k, *_ in config_lib.all_keys()]
+    keys = [config_lib.spelled(k) for k, *_ in config_lib.all_keys()]  # as users write them (orpo.lambda)
     cases = []
     for key, t, _, _ in config_lib.all_keys():
+        key = config_lib.spelled(key)
         for value in BAD_VALUES.get(_kind(t), []) + BAD_STRINGS.get(key, []):
             cases.append(([f"{key}={value}"], key))
     for key in rng.sample(keys, 40):

@@ -19,7 +19,7 @@ def _train_help() -> str:
              f"PRESET_OR_FILE: one of {', '.join(config_lib.preset_names())}, or a YAML/JSON file of settings",
              "(a file may name a preset to start from with `base: NAME`).", "", "settings (key: type = default):"]
     for key, t, default, help in config_lib.all_keys():
-        lines.append(f"  {key}: {config_lib.type_name(t)} = {default!r}")
+        lines.append(f"  {config_lib.spelled(key)}: {config_lib.type_name(t)} = {default!r}")
         lines.extend(textwrap.wrap(help, width=96, initial_indent="      ", subsequent_indent="      "))
     return "\n".join(lines)
 
@@ -204,20 +204,24 @@ def _report(out: str, meta: dict) -> None:
 
     s = meta["splits"]
     print(f"read {prepare.describe_stats(meta['skipped'])}")
-    print(f"wrote {out}: train {s['train']['documents']:,} documents / {s['train']['tokens']:,} tokens in "
-          f"{len(s['train']['shards'])} shard(s), val {s['val']['documents']:,} documents / {s['val']['tokens']:,} "
-          f"tokens; vocab {meta['vocab_size']:,} ({meta['tokenizer']['kind']})")
+    unit, per = ("pairs", 2) if meta.get("kind") == "preference" else ("documents", 1)
+    print(f"wrote {out}: train {s['train']['documents'] // per:,} {unit} / {s['train']['tokens']:,} tokens in "
+          f"{len(s['train']['shards'])} shard(s), val {s['val']['documents'] // per:,} {unit} / "
+          f"{s['val']['tokens']:,} tokens; vocab {meta['vocab_size']:,} ({meta['tokenizer']['kind']})")
 
 
 def cmd_prepare(argv: list[str]) -> int:
     from jaxlm.data import prepare
 
-    if argv[:1] in (["corpus"], ["chat"]):
-        chat = argv[0] == "chat"
+    if argv[:1] in (["corpus"], ["chat"], ["preference"]):
+        chat, pref = argv[0] == "chat", argv[0] == "preference"
         p = argparse.ArgumentParser(
             prog=f"jaxlm prepare {argv[0]}",
             description="Chat records (`messages` or prompt/completion) -> tokens + a loss mask on assistant tokens."
-            if chat else "Any corpus through any tokenizer -> format-2 token shards (docs/data.md).")
+            if chat else "Preference records (prompt, chosen, rejected: strings, or chat messages rendered with the "
+            "chat template) -> pairs of documents with a loss mask on the replies, for training.objective=dpo|ipo|"
+            "orpo (docs/preference.md)." if pref else
+            "Any corpus through any tokenizer -> format-2 token shards (docs/data.md).")
         p.add_argument("inputs", nargs="+", metavar="INPUT", help="files (.txt .jsonl .json .parquet, optionally "
                        ".gz/.zst), folders, globs, s3:// or gs:// URLs, or datasets:NAME")
         _prepare_common(p)
@@ -226,6 +230,15 @@ def cmd_prepare(argv: list[str]) -> int:
                            "conversations are dropped and counted, never cut")
             p.add_argument("--chat-template", help="Jinja chat template file (default: the tokenizer's)")
             p.add_argument("--val-fraction", type=float, default=0.01, help="fraction of the records for val")
+        elif pref:
+            p.add_argument("--max-tokens", type=int, help="the training block size: a pair whose two documents "
+                           "(prompt + chosen, prompt + rejected) have more tokens together is refused, never cut "
+                           "(default: no limit here; training checks its block size)")
+            p.add_argument("--drop-long", action="store_true", help="drop and count pairs over --max-tokens "
+                           "instead of refusing them (this skews the data toward short replies)")
+            p.add_argument("--chat-template", help="Jinja chat template file for records given as messages "
+                           "(default: the tokenizer's)")
+            p.add_argument("--val-fraction", type=float, default=0.01, help="fraction of the pairs for val")
         else:
             p.add_argument("--field", default="text", help="record field holding the text (default text)")
             p.add_argument("--per-line", action="store_true", help="each line of a .txt file is a document "
@@ -239,6 +252,9 @@ def cmd_prepare(argv: list[str]) -> int:
                       progress=not a.no_progress)
         if chat:
             meta = prepare.prepare_chat(a.inputs, a.out, a.tokenizer, a.max_tokens, a.chat_template, **common)
+        elif pref:
+            meta = prepare.prepare_preference(a.inputs, a.out, a.tokenizer, a.max_tokens, a.chat_template,
+                                              a.drop_long, **common)
         else:
             meta = prepare.prepare_corpus(a.inputs, a.out, a.tokenizer, field=a.field, per_line=a.per_line,
                                           **common)
@@ -246,7 +262,8 @@ def cmd_prepare(argv: list[str]) -> int:
         return 0
     p = argparse.ArgumentParser(prog="jaxlm prepare", description="Prepare a corpus. `jaxlm prepare corpus "
                                 "INPUT... --tokenizer T --out DIR` takes any inputs and tokenizer, `jaxlm prepare "
-                                "chat FILE.jsonl --tokenizer T --max-tokens N --out DIR` chat data (see their "
+                                "chat FILE.jsonl --tokenizer T --max-tokens N --out DIR` chat data, `jaxlm prepare "
+                                "preference FILE.jsonl --tokenizer T --out DIR` preference pairs (see their "
                                 "--help); the presets below write nanoGPT's train.bin/val.bin/meta.json.")
     p.add_argument("dataset", choices=["shakespeare_char", "python_stdlib", "openwebtext", "text"])
     p.add_argument("files", nargs="*", help="input text files (for `text`)")
@@ -485,7 +502,8 @@ def main(argv: list[str] | None = None) -> int:
               "  compile PRESET_OR_FILE compile.topology=NAME [...]  compile the train step ahead of time for a\n"
               "                                         TPU/GPU/CPU target; memory report (jaxlm compile --help)\n"
               "  prepare DATASET [...]                  corpus -> token files (jaxlm prepare --help)\n"
-              "  prepare corpus|chat INPUT... --tokenizer T --out DIR   any corpus or chat data -> token shards\n"
+              "  prepare corpus|chat|preference INPUT... --tokenizer T --out DIR   any corpus, chat data or preference\n"
+              "                                         pairs -> token shards\n"
               "  tokenizer train INPUT... --vocab-size N --out DIR   train a byte-level BPE tokenizer\n"
               "  launch --processes N -- train ...      one job in N local processes (jaxlm launch --help)\n"
               "  launch --scheduler slurm|kubernetes|tpu-vm ... -- train ...  the same through a cluster's scheduler\n"

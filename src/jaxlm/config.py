@@ -275,10 +275,11 @@ class OptimizerConfig:
 @dataclass(frozen=True)
 class TrainingConfig:
     steps: int = _f(5000, "optimizer steps to train for")
-    objective: Literal["next_token", "grpo"] = _f(
+    objective: Literal["next_token", "dpo", "ipo", "orpo", "grpo"] = _f(
         "next_token", "what the train step minimizes (objectives.py): next_token = cross-entropy of the next token "
-                      "(pretraining, and SFT with loss masks); grpo = reinforcement learning on rewarded rollouts "
-                      "(grpo.*, data.prompts; docs/rl.md)")
+                      "(pretraining, and SFT with loss masks); dpo, ipo, orpo = preference tuning on data from "
+                      "`jaxlm prepare preference` (dpo.*, orpo.* settings; docs/preference.md); grpo = reinforcement "
+                      "learning on rewarded rollouts (grpo.*, data.prompts; docs/rl.md)")
     batch_size: int = _f(64, "sequences per micro-batch across all devices (the global batch); "
                              "ignored when per_device_batch_size is set")
     per_device_batch_size: float | None = _f(None, "sequences per device per micro-batch; the global batch is this "
@@ -320,6 +321,21 @@ class LoraConfig:
         "none", "QLoRA: keep the frozen base's attention and dense MLP weights on the device as int8 (one scale "
                 "per output channel) or 4-bit NormalFloat (blocks of 64, double-quantized scales), dequantized "
                 "layer by layer in the matmul; adapters and compute stay in their own dtypes")
+
+
+@dataclass(frozen=True)
+class DpoConfig:
+    beta: float = _f(0.1, "training.objective=dpo|ipo: how far the policy may move from the reference model (the KL "
+                          "weight beta; IPO's tau), as TRL's DPOConfig.beta")
+    label_smoothing: float = _f(0.0, "training.objective=dpo: the probability that a pair's preference is flipped "
+                                     "(conservative DPO), in [0, 0.5); 0 = plain DPO")
+
+
+@dataclass(frozen=True)
+class OrpoConfig:
+    # `lambda` is a Python keyword: the field is lambda_, and users write orpo.lambda (ALIASES)
+    lambda_: float = _f(0.1, "training.objective=orpo: weight of the odds-ratio term beside the chosen reply's "
+                             "negative log-likelihood (the ORPO paper's lambda; TRL's ORPOConfig.beta)")
 
 
 @dataclass(frozen=True)
@@ -489,6 +505,8 @@ class Config:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    dpo: DpoConfig = field(default_factory=DpoConfig)
+    orpo: OrpoConfig = field(default_factory=OrpoConfig)
     grpo: GrpoConfig = field(default_factory=GrpoConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
@@ -608,13 +626,18 @@ def _unknown(key: str, candidates: list[str]) -> ConfigError:
 
 
 # Short spellings accepted on the command line and in files.
-ALIASES = {"profiler": "profiler.mode"}
+ALIASES = {"profiler": "profiler.mode", "orpo.lambda": "orpo.lambda_"}
+
+
+def spelled(key: str) -> str:
+    """A setting's key as users write it (`orpo.lambda` for the field orpo.lambda_)."""
+    return next((alias for alias, k in ALIASES.items() if k == key and "." in alias), key)
 
 
 def apply_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:
     """Return `cfg` with dotted-key overrides applied, type-checked; does not validate ranges."""
     sections = _section_classes()
-    keys = [k for k, *_ in all_keys()]
+    keys = [spelled(k) for k, *_ in all_keys()]
     top_hints = typing.get_type_hints(Config)
     changes: dict[str, dict[str, Any]] = {}
     top: dict[str, Any] = {}
@@ -627,7 +650,7 @@ def apply_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:
             hints = typing.get_type_hints(sections[parts[0]])
             if parts[1] not in hints:
                 raise _unknown(key, keys)
-            changes.setdefault(parts[0], {})[parts[1]] = _coerce(key, value, hints[parts[1]])
+            changes.setdefault(parts[0], {})[parts[1]] = _coerce(spelled(key), value, hints[parts[1]])
         else:
             raise _unknown(key, keys)
     for section, kv in changes.items():
@@ -731,6 +754,7 @@ def validate(cfg: Config) -> None:
     _validate_model(cfg.model, cfg.mesh)
     _validate_optimizer_and_training(cfg.optimizer, cfg.training, cfg.checkpoint)
     _validate_lora(cfg)
+    _validate_preference(cfg)
     _validate_grpo(cfg)
     _validate_mesh_and_distributed(cfg.mesh, cfg.distributed)
     _validate_diagnostics(cfg)
@@ -750,7 +774,7 @@ def _validate_common(cfg: Config) -> None:
         section, _, name = key.rpartition(".")
         v = getattr(getattr(cfg, section), name) if section else getattr(cfg, name)
         if isinstance(v, float) and not math.isfinite(v):
-            raise ConfigError(f"{key}={v} must be a finite number")
+            raise ConfigError(f"{spelled(key)}={v} must be a finite number")
     for key in ("seed", "decode.seed"):
         v = cfg.seed if key == "seed" else cfg.decode.seed
         if v < 0:
@@ -974,6 +998,25 @@ def _validate_lora(cfg: Config) -> None:
     if max(cfg.mesh.ici_stage, cfg.mesh.dcn_stage) > 1:
         raise ConfigError("lora.rank with pipeline stages (mesh.ici_stage / mesh.dcn_stage > 1) is not supported; "
                           "use FSDP (mesh.ici_fsdp) to spread the frozen base instead")
+
+
+PREFERENCE_OBJECTIVES = ("dpo", "ipo", "orpo")
+
+
+def _validate_preference(cfg: Config) -> None:
+    _positive("dpo.beta", cfg.dpo.beta)
+    if not 0.0 <= cfg.dpo.label_smoothing < 0.5:
+        raise ConfigError(f"dpo.label_smoothing={cfg.dpo.label_smoothing} must be in [0, 0.5) (the probability that "
+                          "a preference label is wrong)")
+    if cfg.orpo.lambda_ < 0:
+        raise ConfigError(f"orpo.lambda={cfg.orpo.lambda_} must be >= 0")
+    if cfg.training.objective in PREFERENCE_OBJECTIVES:
+        if cfg.data.mixture:
+            raise ConfigError(f"training.objective={cfg.training.objective} reads one preference dataset; "
+                              "data.mixture is not supported with it (prepare the records together instead)")
+        if cfg.data.loss_mask == "off":
+            raise ConfigError(f"training.objective={cfg.training.objective} scores the replies, which the preference "
+                              "data's loss mask marks; set data.loss_mask=auto")
 
 
 def _validate_mesh_and_distributed(mesh: MeshConfig, d: DistributedConfig) -> None:

@@ -11,7 +11,7 @@ from typing import Callable
 
 from jaxlm import checkpoint as ckpt
 from jaxlm import config as config_lib
-from jaxlm import lora, quant, storage, step as step_lib
+from jaxlm import lora, objectives, quant, reference, storage, step as step_lib
 from jaxlm.config import ConfigError
 
 
@@ -37,16 +37,27 @@ def evaluate_run(run_dir: str | Path, overrides: dict | None = None, devices=Non
     if restored is None:
         raise ckpt.CheckpointError(f"{storage.join(run_dir, 'checkpoints')} holds no committed checkpoint to evaluate")
     step, state, _ = restored
-    float_params = state["params"]
+    float_params, frozen = state["params"], None
     if lora.enabled(cfg):  # the base with the adapters merged: one set of weights for every evaluation below
-        float_params = lora.merge(step_lib.load_frozen(run), state["params"], cfg)
+        frozen = step_lib.load_frozen(run)
+        float_params = lora.merge(frozen, state["params"], cfg)
     params = float_params
     if cfg.model.quantization == "int8_weights":
         params = quant.quantize_params(float_params, cfg.model)
+    if step_lib.reference_in_batch(cfg):  # dpo, ipo: the run's reference log-probabilities
+        reference.ensure(run, state, log)
+    # A LoRA dpo/ipo run's reference is its base: its losses need the adapters beside the base, not merged.
+    by_adapters = lora.enabled(cfg) and cfg.training.objective in objectives.NEEDS_REFERENCE
+    if by_adapters and cfg.model.quantization != "none":
+        raise ConfigError(f"model.quantization={cfg.model.quantization} evaluates merged weights, and a LoRA "
+                          f"{cfg.training.objective} run is evaluated with its adapters apart from the base (its "
+                          "reference); evaluate it without model.quantization")
 
     # The same batches (same seed) that training evaluated on, so the numbers compare with metrics.jsonl.
     batches = step_lib.eval_plans(run)
-    losses = step_lib.evaluate(step_lib.make_eval_step(cfg, run.mesh, run.act_rules), params, run, batches)
+    eval_step = step_lib.make_eval_step(cfg, run.mesh, run.act_rules)
+    losses = (step_lib.evaluate(eval_step, state["params"], run, batches, frozen) if by_adapters
+              else step_lib.evaluate(eval_step, params, run, batches))
     summary = {"step": step, "quantization": cfg.model.quantization, "train_loss": losses["train"],
                "val_loss": losses["val"], "param_bytes": quant.nbytes(params)}
     line = f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}"

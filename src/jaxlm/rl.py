@@ -316,6 +316,7 @@ class RolloutBatches:
         self.batch_step = -1
         self._metrics: dict = {}
         self._samples: list[dict] = []
+        self.last_rollout: list = []  # (prompt, completion text, Completion, reward, advantage) of each row
 
     # -- the loop's interface --
 
@@ -380,6 +381,7 @@ class RolloutBatches:
             "truncated_ratio": float(np.mean([c.truncated for c in completions])),
             "rollout_s": t2 - t1, "logprob_s": t4 - t3, "update_s": t1 - t0,
             "rollout_tokens_per_s": float(lengths.sum() / max(t2 - t1, 1e-9))}
+        self.last_rollout = list(zip(per_row, texts, completions, total, adv))
         if g.log_completions and step % g.log_completions == 0:
             self._samples = [{"step": step, "prompt": p.text, "completion": text, "reward": float(r),
                               **{f"rewards/{k}": float(v[i]) for k, v in each.items()}, "advantage": float(a),

@@ -33,8 +33,8 @@ def _version(package: str) -> str | None:
 def baked_settings(cfg: Config) -> dict:
     """Settings a compiled step holds as constants or shapes: the model, the optimizer and its learning-rate
     schedule (its length included), the batch (with data.packing and data.loss_mask, which decide its arrays) and its pipeline,
-    the loss-spike threshold, the dropout seed and the mesh. The data, evaluation, checkpoints, logging and the
-    number of steps run are read at run time."""
+    the loss-spike threshold, the dropout seed, the mesh, and the objective with its settings (dpo.*, orpo.*).
+    The data, evaluation, checkpoints, logging and the number of steps run are read at run time."""
     out = {f"model.{k}": v for k, v in dataclasses.asdict(cfg.model).items()}
     out.update({f"optimizer.{k}": v for k, v in dataclasses.asdict(cfg.optimizer).items()})
     if cfg.optimizer.decay_steps is None:  # the schedule decays over training.steps
@@ -46,6 +46,10 @@ def baked_settings(cfg: Config) -> dict:
                 "seed": cfg.seed})
     out.update({f"mesh.{k}": v for k, v in dataclasses.asdict(cfg.mesh).items()})
     out.update({"data.packing": cfg.data.packing, "data.loss_mask": cfg.data.loss_mask})  # the batch's arrays
+    if cfg.training.objective in ("dpo", "ipo"):  # constants of the preference losses
+        out.update({"dpo.beta": cfg.dpo.beta, "dpo.label_smoothing": cfg.dpo.label_smoothing})
+    elif cfg.training.objective == "orpo":
+        out["orpo.lambda"] = cfg.orpo.lambda_
     return out
 
 

@@ -24,7 +24,7 @@ import optax
 from jaxlm import config as config_lib
 from jaxlm import generate, lora, metrics, objectives, optim, params as P, runtime, sharding, storage
 from jaxlm.config import Config, ConfigError
-from jaxlm.data import loader as loader_lib, mixture, packing, prepare, tokenizer as tokenizer_lib
+from jaxlm.data import loader as loader_lib, mixture, packing, preference, prepare, tokenizer as tokenizer_lib
 from jaxlm.model import param_specs, ring
 
 
@@ -50,6 +50,9 @@ class Run:
     tokenizer: tokenizer_lib.Tokenizer | None = None  # None only where there is no dataset (a compile)
     # A LoRA run's frozen base as it is stored (lora.frozen_specs), with its shardings; None otherwise.
     abstract_frozen: dict | None = None
+    # A dpo/ipo run's reference log-probabilities per split, one float32 per token of the split (reference.py);
+    # set once its pass has run, None otherwise.
+    reference: dict | None = None
 
 
 def resolve_data_dir(cfg: Config) -> Path:
@@ -76,7 +79,11 @@ def setup(cfg: Config, devices=None, data: bool = True) -> Run:
         else:
             data_dir = prepare.ensure_prepared(cfg.data.dataset, resolve_data_dir(cfg), cfg.data.input)
             dataset = loader_lib.Dataset(data_dir)
-        dataset.check_block_size(cfg.model.block_size)
+        if check_objective_data(cfg, dataset):
+            for split in dataset.splits.values():
+                preference.check_fits(split, cfg.model.block_size)
+        else:
+            dataset.check_block_size(cfg.model.block_size)
         vocab = cfg.model.vocab_size
         if vocab is None:
             cfg = cfg.replace(model=dataclasses.replace(cfg.model, vocab_size=dataset.vocab_size))
@@ -125,6 +132,24 @@ def setup(cfg: Config, devices=None, data: bool = True) -> Run:
                abstract_frozen)
 
 
+def check_objective_data(cfg: Config, dataset) -> bool:
+    """Whether the run trains on preference pairs; a preference objective on other data, or other objectives on
+    pairs, stop here in one line."""
+    objective = cfg.training.objective
+    folders = dataset.datasets if isinstance(dataset, mixture.MixtureDataset) else [dataset]
+    pairs = [preference.is_preference(ds.meta) for ds in folders]
+    if objective in objectives.PREFERENCE and not all(pairs):
+        raise loader_lib.DataError(f"training.objective={objective} trains on preference pairs, and {dataset.dir} "
+                                   f"holds none (its meta.json has no kind=preference); prepare them with `jaxlm "
+                                   f"prepare preference`")
+    if objective not in objectives.PREFERENCE and any(pairs):
+        where = folders[pairs.index(True)].dir
+        raise loader_lib.DataError(f"{where} holds preference pairs (`jaxlm prepare preference`), which "
+                                   f"training.objective={objective} does not read; train on them with "
+                                   f"training.objective=dpo, ipo or orpo")
+    return objective in objectives.PREFERENCE
+
+
 def run_tokenizer(cfg: Config, dataset) -> tokenizer_lib.Tokenizer:
     """The run's tokenizer by the precedence of data/tokenizer.py: data.tokenizer, else the tokenizer/ folder of
     the converted model the run starts from (checkpoint.init_from, followed back through runs fine-tuned from
@@ -160,6 +185,8 @@ def resolve_loss_mask(cfg: Config, dataset: loader_lib.Dataset | None) -> str:
     """data.loss_mask as the step will use it, "on" or "off": auto follows the dataset (its meta.json alone
     when the corpus is not opened, as for `jaxlm compile`; no dataset at all reads as none)."""
     setting = cfg.data.loss_mask
+    if cfg.training.objective in objectives.PREFERENCE:  # pairs are scored on their replies, which the mask marks
+        return "on"
     if setting == "off" or cfg.training.objective == "grpo":  # rollouts weigh their completion tokens themselves
         return "off"
     if dataset is not None:
@@ -176,9 +203,13 @@ def resolve_loss_mask(cfg: Config, dataset: loader_lib.Dataset | None) -> str:
 
 
 def batch_keys(cfg: Config) -> tuple[str, ...]:
-    """The arrays of this run's batches (loader.batch_keys); the plain path takes inputs and targets only. GRPO's
-    rollouts (rl.py) add each token's advantage and, when the objective needs them, the old policy's and the
-    reference model's log-probabilities."""
+    """The arrays of this run's batches (loader.batch_keys); the plain path takes inputs and targets only.
+    Preference pairs always come as segments with weights (data/preference.py), plus the reference model's
+    log-probabilities (float32 "ref_logps") when the batches carry them (reference_in_batch). GRPO's rollouts
+    (rl.py) add each token's advantage and, when the objective needs them, the old policy's and the reference
+    model's log-probabilities."""
+    if cfg.training.objective in objectives.PREFERENCE:
+        return loader_lib.batch_keys(True, True) + (("ref_logps",) if reference_in_batch(cfg) else ())
     if cfg.training.objective == "grpo":
         g = cfg.grpo
         return (("inputs", "targets", "weights", "advantages") + (("old_logps",) if g.iterations > 1 else ())
@@ -186,7 +217,10 @@ def batch_keys(cfg: Config) -> tuple[str, ...]:
     return loader_lib.batch_keys(cfg.data.packing, cfg.data.loss_mask == "on")
 
 
-INT_BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids")  # the rest are float32
+def reference_in_batch(cfg: Config) -> bool:
+    """Whether the run's batches carry the reference model's log-probabilities, computed once before training
+    (reference.py): dpo and ipo, except in a LoRA run, whose base (the adapters switched off) is the reference."""
+    return cfg.training.objective in objectives.NEEDS_REFERENCE and not lora.enabled(cfg)
 
 
 def resolve_run_dir(cfg: Config) -> Path | str:
@@ -435,8 +469,11 @@ def abstract_batch(run: Run) -> dict[str, jax.ShapeDtypeStruct]:
     t = run.cfg.training
     shape = (t.grad_accum, t.batch_size, run.cfg.model.block_size)
     sh = sharding.batch_sharding(run.mesh, 3, 1, run.act_rules)
-    return {k: jax.ShapeDtypeStruct(shape, jnp.int32 if k in INT_BATCH_KEYS else jnp.float32, sharding=sh)
+    return {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k in FLOAT_KEYS else jnp.int32, sharding=sh)
             for k in batch_keys(run.cfg)}
+
+
+FLOAT_KEYS = ("weights", "ref_logps", "advantages", "old_logps")  # the batch's float32 arrays; the others int32
 
 
 def lower_train_step(run: Run) -> jax.stages.Lowered:
@@ -471,13 +508,19 @@ def device_batch(run: Run, split: str, plan) -> dict[str, jax.Array]:
     lead = plan.shape
     sh = sharding.batch_sharding(run.mesh, len(lead) + 1, len(lead) - 1, run.act_rules)
     data, T, keys = run.dataset.splits[split], run.cfg.model.block_size, batch_keys(run.cfg)
+    extra = {}
+    if "ref_logps" in keys:
+        if run.reference is None:
+            raise ConfigError(f"training.objective={run.cfg.training.objective} reads the reference model's "
+                              "log-probabilities, which have not been computed for this run (reference.ensure)")
+        extra["reference"] = run.reference[split]
     read: dict = {}
 
     def make(key: str) -> jax.Array:
         def shard(index) -> np.ndarray:
             at = (tuple((s.start, s.stop) for s in index[:-1]), index[-1].start, index[-1].stop)
             if at not in read:  # one read per device shard serves all the batch's arrays
-                read[at] = plan.read(data, index[:-1], index[-1], keys, T)
+                read[at] = plan.read(data, index[:-1], index[-1], keys, T, **extra)
             return read[at][key]
 
         return jax.make_array_from_callback(lead + (T,), sh, shard)
@@ -525,13 +568,16 @@ def train_batches(run: Run, frozen: dict | None = None) -> LoaderBatches:
 
 
 def make_loader(run: Run, split: str = "train", grad_accum: int | None = None, seed: int | None = None):
-    """The loader of a split: random windows, packed rows, or a mixture of either over several datasets."""
+    """The loader of a split: random windows, packed rows, or a mixture of either over several datasets; whole
+    preference pairs for dpo, ipo and orpo (padded or packed, data.packing)."""
     cfg, t = run.cfg, run.cfg.training
     A = t.grad_accum if grad_accum is None else grad_accum
     seed = cfg.seed if seed is None else seed
     mask = cfg.data.loss_mask == "on"
 
     def one(data):
+        if cfg.training.objective in objectives.PREFERENCE:
+            return preference.PairLoader(data, cfg.model.block_size, t.batch_size, A, seed, cfg.data.packing)
         if cfg.data.packing:
             return packing.PackedLoader(data, cfg.model.block_size, t.batch_size, A, seed, mask)
         return loader_lib.Loader(data, cfg.model.block_size, t.batch_size, A, seed)

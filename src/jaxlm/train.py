@@ -1,7 +1,8 @@
 """`jaxlm train`: the loop that runs the train step (step.py) over the run's batches and ties them to
 checkpoints, evaluation, metrics, the progress bar and the end-of-run sample.
 
-Flow: step.setup -> the first state (newest checkpoint, checkpoint.init_from, or a fresh init) -> train steps,
+Flow: step.setup -> the first state (newest checkpoint, checkpoint.init_from, or a fresh init) -> for dpo and ipo,
+the reference log-probabilities (reference.py: computed from the starting weights once, then reused) -> train steps,
 a few in flight -> every log interval: metrics.jsonl, TensorBoard, progress; every eval interval: held-out
 losses; every checkpoint interval: state + the loader's position -> the run's summary and a sample.
 """
@@ -18,7 +19,8 @@ import jax
 
 from jaxlm import checkpoint as ckpt
 from jaxlm import config as config_lib
-from jaxlm import diagnostics, distributed, lora, metrics, params as P, quant, rl, saved_step, step as step_lib, storage
+from jaxlm import diagnostics, distributed, lora, metrics, objectives, params as P, quant, reference, rl
+from jaxlm import saved_step, step as step_lib, storage
 from jaxlm.config import Config, ConfigError
 from jaxlm.step import TrainingError
 from jaxlm.model import attention, transformer
@@ -62,9 +64,12 @@ def _describe_run(run: step_lib.Run, log: Callable[[str], None]):
     t_cfg, m_cfg = cfg.training, cfg.model
     n_params = P.count(run.specs)
     tokens_per_step = t_cfg.batch_size * t_cfg.grad_accum * m_cfg.block_size
-    flops_per_token = metrics.flops_per_token(m_cfg, causal=True)
+    flops_per_token = full = metrics.flops_per_token(m_cfg, causal=True)
+    base_reference = lora.enabled(cfg) and cfg.training.objective in objectives.NEEDS_REFERENCE
     if lora.enabled(cfg):
         flops_per_token = lora.flops_per_token(cfg, flops_per_token)
+    if base_reference:  # the base's forward pass once more, as the reference (a third of a training step's)
+        flops_per_token += full / 3
     flops_per_step = flops_per_token * tokens_per_step
     n_devices = mesh.devices.size
     local_devices = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
@@ -78,7 +83,8 @@ def _describe_run(run: step_lib.Run, log: Callable[[str], None]):
     log(f"batch: {t_cfg.batch_size} sequences global ({t_cfg.per_device_batch_size:g} per device) x "
         f"{t_cfg.grad_accum} accumulation = {tokens_per_step:,} tokens/step")
     log(f"model FLOPs {flops_per_token:,.0f} per token (causal attention counted as half"
-        + ("; no weight gradients for the frozen base" if lora.enabled(cfg) else "") + ") | peak "
+        + ("; no weight gradients for the frozen base" if lora.enabled(cfg) else "")
+        + ("; its forward pass again as the reference" if base_reference else "") + ") | peak "
         f"{peak / 1e12:.3f} TFLOP/s per device ({peak_source})")
     log(attention.describe(m_cfg, mesh.devices.flat[0].platform, mesh=mesh, rules=run.act_rules)
         + transformer.describe_loss(m_cfg))
@@ -89,6 +95,8 @@ def _describe_run(run: step_lib.Run, log: Callable[[str], None]):
         log(f"prompts {cfg.data.prompts}: {t_cfg.batch_size * t_cfg.grad_accum // cfg.grpo.group_size} per step x "
             f"{cfg.grpo.group_size} completions of up to {cfg.grpo.max_completion_tokens} tokens; rewards "
             f"{cfg.grpo.reward}")
+    if cfg.training.objective != "next_token":
+        log(objectives.describe(cfg))
     if m_cfg.quantization == "fp8" and (note := quant.fp8_fallback_message(mesh.devices.flat[0])):
         log(note)
     return meter, peak, peak_source, flops_per_token
@@ -194,6 +202,8 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
     frozen = step_lib.load_frozen(run)
     batches = rl.RolloutBatches(run, frozen) if t_cfg.objective == "grpo" else step_lib.train_batches(run, frozen)
     state = _first_state(run, checkpointer, batches, log)
+    if step_lib.reference_in_batch(cfg):  # dpo, ipo: the starting weights' log-probabilities, before any step
+        reference.ensure(run, state, log)
     step_args = (lambda state, batch: (state, batch)) if frozen is None else (
         lambda state, batch: (state, batch, frozen))
     start = int(jax.device_get(state["step"]))
@@ -308,7 +318,8 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
                "nonfinite_skips": skips["nonfinite_skips"], "spike_skips": skips["spike_skips"],
                "wall_seconds": time.perf_counter() - goodput.start, "compile_seconds": windows.compile_seconds,
                "train_loss": last_eval.get("train_loss"), "val_loss": last_eval.get("val_loss"),
-               "unigram_entropy": run.dataset.meta.get("unigram_entropy") if run.dataset else None}
+               # a yardstick for next-token losses only
+               "unigram_entropy": run.dataset.meta.get("unigram_entropy") if t_cfg.objective == "next_token" else None}
     summary.update(peak_flops_per_device=peak, peak_source=peak_source, flops_per_token=flops_per_token,
                    **windows.overall())
     _report_end(summary, last_eval, log)

@@ -457,11 +457,18 @@ def _weighted_sum(losses_BT: jax.Array, weights_BT: jax.Array | None) -> jax.Arr
 def chunked_cross_entropy_sum(params: dict, x_BTD: jax.Array, targets_BT: jax.Array, cfg: ModelConfig,
                               weights_BT: jax.Array | None = None, logits_of=None) -> jax.Array:
     """`cross_entropy_sum(unembed(params, x_BTD, cfg), ...)` computed cfg.loss_chunk_tokens positions at a
-    time: a scan over chunks of the sequence whose body is rematerialized, so the forward keeps one chunk's
-    logits [B, C, V] and the backward recomputes them chunk by chunk (n C chunks cover T, the last padded).
-    The scan hands back each token's loss, summed as cross_entropy_sum sums them, so that chunking changes
-    no more than the output projection's rounding, not the order of the sum. `logits_of(x_BCD)` replaces
-    unembed (the MTP modules' normalized states take the output projection alone)."""
+    time (chunked_token_losses), summed as cross_entropy_sum sums them, so that chunking changes no more than
+    the output projection's rounding, not the order of the sum. `logits_of(x_BCD)` replaces unembed (the MTP
+    modules' normalized states take the output projection alone)."""
+    losses_BT = by_chunks(token_losses, params, x_BTD, targets_BT, cfg, logits_of)
+    return _weighted_sum(losses_BT, None if weights_BT is None else weights_BT.astype(jnp.float32))
+
+
+def by_chunks(fn, params: dict, x_BTD: jax.Array, targets_BT: jax.Array, cfg: ModelConfig, logits_of=None):
+    """`fn(unembed(params, x_BTD, cfg), targets_BT)` (a pytree of [B, T] arrays) computed cfg.loss_chunk_tokens
+    positions at a time: a scan over chunks of the sequence whose body is rematerialized, so the forward keeps one
+    chunk's logits [B, C, V] and the backward recomputes them chunk by chunk (n C chunks cover T, the last
+    padded). `logits_of(x_BCD)` replaces unembed."""
     B, T, D = x_BTD.shape
     C = min(cfg.loss_chunk_tokens, T)
     pad = -T % C
@@ -470,13 +477,18 @@ def chunked_cross_entropy_sum(params: dict, x_BTD: jax.Array, targets_BT: jax.Ar
     logits_of = logits_of or (lambda x_BCD: unembed(params, x_BCD, cfg))
 
     @jax.checkpoint
-    def chunk_losses(x_BCD, targets_BC):
-        return token_losses(logits_of(x_BCD), targets_BC)
+    def chunk(x_BCD, targets_BC):
+        return fn(logits_of(x_BCD), targets_BC)
 
     with jax.named_scope("chunked_loss"):
-        _, losses_nBC = jax.lax.scan(lambda carry, xs: (carry, chunk_losses(*xs)), None, chunks)
-    losses_BT = losses_nBC.swapaxes(0, 1).reshape(B, T + pad)[:, :T]
-    return _weighted_sum(losses_BT, None if weights_BT is None else weights_BT.astype(jnp.float32))
+        _, out_nBC = jax.lax.scan(lambda carry, xs: (carry, chunk(*xs)), None, chunks)
+    return jax.tree.map(lambda a_nBC: a_nBC.swapaxes(0, 1).reshape(B, T + pad)[:, :T], out_nBC)
+
+
+def chunked_token_losses(params: dict, x_BTD: jax.Array, targets_BT: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """`token_losses(unembed(params, x_BTD, cfg), targets_BT)` [B, T], a chunk of the sequence at a time
+    (by_chunks)."""
+    return by_chunks(token_losses, params, x_BTD, targets_BT, cfg)
 
 
 def _token_loss_sum(params, x_BTD, targets_BT, cfg: ModelConfig, weights_BT, logits_of=None):
@@ -506,36 +518,28 @@ def mtp_loss_sum(params: dict, x_BTD: jax.Array, targets_BT: jax.Array, cfg: Mod
                                         lambda x: _head(params, x, cfg))
     return total / cfg.mtp_layers, stats_M3E
 
+
 @quant.scoped
 def token_logprobs(params: dict, tokens_BT: jax.Array, targets_BT: jax.Array, cfg: ModelConfig,
                    key: jax.Array | None = None, positions_BT: jax.Array | None = None,
                    segment_ids_BT: jax.Array | None = None, temperature: float = 1.0
                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Each target's log-probability [B, T] under softmax(logits / temperature), each position's entropy of that
-    distribution [B, T], and the auxiliary (load-balancing) loss: what objectives that score whole completions
+    distribution [B, T], and the auxiliary (load-balancing) loss: what objectives that score whole replies
     (preference tuning, reinforcement learning) take from the model. Sequences longer than cfg.loss_chunk_tokens
-    are computed a chunk at a time, as chunked_cross_entropy_sum does, so the [B, T, V] logits never exist at
-    once."""
+    are computed a chunk at a time (by_chunks), so the [B, T, V] logits never exist at once."""
     x_BTD, aux = hidden_with_aux(params, tokens_BT, cfg, key, positions_BT, segment_ids_BT)
 
-    def chunk(x_BCD, targets_BC):
-        logits_BCV = unembed(params, x_BCD, cfg).astype(jnp.float32) / temperature
+    def scored(logits_BCV, targets_BC):
+        logits_BCV = logits_BCV.astype(jnp.float32) / temperature
         lse_BC = jax.nn.logsumexp(logits_BCV, axis=-1)
         target_BC = jnp.take_along_axis(logits_BCV, targets_BC[..., None], axis=-1)[..., 0]
         probs_BCV = jnp.exp(logits_BCV - lse_BC[..., None])
         return target_BC - lse_BC, lse_BC - jnp.sum(probs_BCV * logits_BCV, axis=-1)
 
-    B, T, _ = x_BTD.shape
-    C = cfg.loss_chunk_tokens
-    if not 0 < C < T:
-        return (*chunk(x_BTD, targets_BT), aux)
-    pad = -T % C
-    padded = (jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2)) for a in (x_BTD, targets_BT))
-    chunks = tuple(a.reshape(B, (T + pad) // C, C, *a.shape[2:]).swapaxes(0, 1) for a in padded)
-    with jax.named_scope("chunked_logprobs"):
-        _, (lp_nBC, ent_nBC) = jax.lax.scan(lambda carry, xs: (carry, jax.checkpoint(chunk)(*xs)), None, chunks)
-    unchunk = lambda a_nBC: a_nBC.swapaxes(0, 1).reshape(B, T + pad)[:, :T]  # noqa: E731
-    return unchunk(lp_nBC), unchunk(ent_nBC), aux
+    if 0 < cfg.loss_chunk_tokens < targets_BT.shape[1]:
+        return (*by_chunks(scored, params, x_BTD, targets_BT, cfg), aux)
+    return (*scored(unembed(params, x_BTD, cfg), targets_BT), aux)
 
 
 def describe_loss(cfg: ModelConfig) -> str:
