@@ -243,7 +243,7 @@ def test_resume_is_exact_with_several_updates_per_batch(digits, tmp_path):
 
 
 def test_eight_devices_accumulation_and_lora_give_one_device_figures(digits, tmp_path):
-    extra = ["training.steps=3", "training.batch_size=16", "grpo.group_size=4", "checkpoint.enabled=false",
+    extra = ["training.steps=2", "training.batch_size=16", "grpo.group_size=4", "checkpoint.enabled=false",
              "training.eval_interval=0"]
     figures = {}
     for name, devices, more in [("one", jax.devices()[:1], []),
@@ -253,7 +253,7 @@ def test_eight_devices_accumulation_and_lora_give_one_device_figures(digits, tmp
         train.train(cfg, devices, log=lambda s: None)
         figures[name] = record_of(tmp_path / name)
     for other in ("fsdp", "accum"):
-        for s in range(1, 4):  # loss and reward within 1e-5; the gradient norm sums in another order
+        for s in range(1, 3):  # loss and reward within 1e-5; the gradient norm sums in another order
             (loss, norm, reward), (loss1, norm1, reward1) = figures[other][s], figures["one"][s]
             assert abs(loss - loss1) <= 1e-5 and abs(reward - reward1) <= 1e-5
             assert norm == pytest.approx(norm1, rel=1e-4)
@@ -306,16 +306,32 @@ def source_rows(source):
 def test_bad_input_fails_in_one_line(digits, tmp_path, capsys):
     (tmp_path / "broken.jsonl").write_text('{"prompt": "12=", "answer": "2"}\n{"prompt": "13=", "answ\n')
     (tmp_path / "nan_reward.py").write_text("def nan(completions, **_):\n    return [float('nan')] * len(completions)\n")
-    (tmp_path / "raises.py").write_text("def boom(completions, **_):\n    raise KeyError('answer')\n")
     base = grpo_args(digits, tmp_path / "run", "training.steps=2", "training.batch_size=16", "grpo.group_size=4",
                      "training.eval_interval=0")
     cases = [([f"data.prompts={tmp_path / 'broken.jsonl'}"], f"{tmp_path / 'broken.jsonl'}:2: not a JSON record", 2),
              (["grpo.reward=no_such_module:f"], "cannot import no_such_module", 2),
              (["grpo.reward=jaxlm.rewards:no_such_function"], "jaxlm.rewards has no function 'no_such_function'", 2),
              ([f"grpo.reward={tmp_path / 'nan_reward.py'}:nan"], "reward function nan returned nan", 1),
-             ([f"grpo.reward={tmp_path / 'raises.py'}:boom"], "reward function boom raised KeyError", 1),
              (["grpo.group_size=1"], "grpo.group_size=1 leaves every completion alone", 2)]
     for extra, message, status in cases:
         code = cli.main(["train", "quickstart", *base, *extra])
         err = capsys.readouterr().err.strip()
         assert code == status and message in err and len(err.splitlines()) == 1, (extra, err)
+
+
+def test_rewards_that_raise_or_miscount_are_named_with_the_prompt():
+    prompts = [rl.Prompt("12=", [1, 2], {"answer": "2"}), rl.Prompt("13=", [1, 3], {"answer": "3"})]
+
+    def boom(completions, **_):
+        raise KeyError("answer")
+
+    def short(completions, **_):
+        return [1.0]
+
+    for fn, message in [(boom, "reward function boom raised KeyError: 'answer' (first prompt of the batch: '12=')"),
+                        (short, "reward function short returned 1 values for 2 completions")]:
+        with pytest.raises(rl.RewardError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            rl.score([rl.Reward(fn.__name__, fn, 1.0)], prompts, ["2", "4"], [[5], [6]])
+    total, each = rl.score([rl.Reward("exact_answer", __import__("jaxlm.rewards").rewards.exact_answer, 2.0)],
+                           prompts, ["so 2", "\\boxed{4}"], [[5], [6]])
+    assert list(total) == [2.0, 0.0] and list(each["exact_answer"]) == [1.0, 0.0]

@@ -221,15 +221,14 @@ class Completion:
 
 
 def rollout_engine(params, cfg: Config, rows: int, mesh=None, rules=None):
-    """A serving engine of `rows` slots over `params` for rollouts, its programs compiled (Engine.warm_up, as `jaxlm
-    serve` starts one) and its cache released (generate reserves it)."""
+    """A serving engine of `rows` slots over `params` for rollouts, its cache released (generate reserves it). Its
+    programs compile on first use and stay compiled for the run's later batches of rollouts."""
     from jaxlm import sharding
     from jaxlm.serve import engine as engine_lib
 
     e = engine_lib.Engine(params, cfg.model, rows, cfg.model.block_size, rows, mesh=mesh,
                           rules=rules or (sharding.PARAM_RULES, sharding.ACTIVATION_RULES),
                           decode_steps=cfg.serve.decode_steps, prefill_chunk=cfg.serve.prefill_chunk)
-    e.warm_up()
     e.release_cache()
     return e
 
