@@ -560,7 +560,7 @@ def attention(ctx: Ctx) -> None:
                               attention=impl, sliding_window=window, compute_dtype="bfloat16")
 
             def f(q, k, v):
-                return attn.self_attention(q, k, v, pos, seg, cfg, local=window is not None)
+                return attn.self_attention(q, k, v, pos, seg, cfg, kind="global" if window is None else "local")
 
             def fwd_bwd(q, k, v, g):
                 out, vjp = jax.vjp(f, q, k, v)
