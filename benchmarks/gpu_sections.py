@@ -37,8 +37,8 @@ import numpy as np
 # Remat policies keeping more than `full` need more memory per sequence, so each runs at the batch its own memory
 # allows: with the device's memory spent either way, the trade is recomputation against batch.
 TRAIN_VARIANTS = [("attention=blockwise", {"attention": "blockwise"}), ("remat=minimal", {"remat": "minimal"}),
-                  ("remat=save_dots", {"remat": "save_dots"}), ("remat=save_qkv_out_proj", {"remat": "save_qkv_out_proj"}),
-                  ("remat=none", {"remat": "none"})]
+                  ("remat=save_dots", {"remat": "save_dots"}),
+                  ("remat=save_qkv_out_proj", {"remat": "save_qkv_out_proj"}), ("remat=none", {"remat": "none"})]
 
 # What each section runs at: "full" is sized for one H200 (141 GB, about 790 TFLOP/s of bf16 matmuls) and a budget
 # of 7.4 minutes in all; "tiny" runs in seconds on a CPU, the same code at toy sizes.

@@ -151,12 +151,16 @@ def test_a_variant_runs_at_the_batch_its_own_memory_allows():
             return "run", None if quick else f"program at {batch}", mem, 1.0
         return compile, calls
 
-    fit = lambda compile, quick: gpu_sections.fit_variant("cfg", 16, "dev", 120 * gib, 20 * gib, quick, compile)  # noqa: E731
+    def fit(compile, quick):
+        return gpu_sections.fit_variant("cfg", 16, "dev", 120 * gib, 20 * gib, quick, compile)
+
     compile, calls = compiler(5 * gib)
-    assert fit(compile, True) == (16, "run", "program at 16", 100 * gib, 2.0, "") and calls == [(16, True), (16, False)]
+    assert fit(compile, True) == (16, "run", "program at 16", 100 * gib, 2.0, "")
+    assert calls == [(16, True), (16, False)]
     compile, calls = compiler(10 * gib)  # remat=none keeping twice as much: 10 sequences fit
     b, _, program, mem, secs, note = fit(compile, True)
-    assert (b, program, mem, secs, note) == (10, "program at 10", 120 * gib, 2.0, "") and calls == [(16, True), (10, False)]
+    assert (b, program, mem, secs, note) == (10, "program at 10", 120 * gib, 2.0, "")
+    assert calls == [(16, True), (10, False)]
     compile, calls = compiler(10 * gib)  # without the quick compile: the real one at 16, then at 10
     assert fit(compile, False)[:3] == (10, "run", "program at 10") and calls == [(16, False), (10, False)]
     compile, calls = compiler(10 * gib, quick_error=-0.2)  # the quick compile said 12; the real one lowers it once
