@@ -14,6 +14,7 @@ lora_tok_per_s full_tok_per_s qlora_nf4_step_s, the trained parameters of each, 
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -90,9 +91,11 @@ def main() -> None:
                      lora_over + ["lora.base_quantization=nf4"]))}
         steppers = {name: Stepper(cfg) for name, cfg in kinds.items()}
         times = {name: [] for name in kinds}
-        for _ in range(a.rounds):
+        for r in range(a.rounds):
             for name, s in steppers.items():
                 times[name].append(s.time(a.steps))
+            print(f"round {r + 1}/{a.rounds}: " + " ".join(f"{k} {v[-1]:.3f} s/step" for k, v in times.items()),
+                  file=sys.stderr, flush=True)
     med = {name: float(np.median(t)) for name, t in times.items()}
     full_flops = metrics.flops_per_token(base_cfg.model, causal=True)
     tokens = steppers["full"].tokens
