@@ -237,8 +237,8 @@ def config_fuzz(data: Path, work: Path, seeds: int) -> tuple[int, int]:
         raise AssertionError("a bad config got as far as compiling")
 
     for name in ("init_state", "init_state_from", "make_train_step", "make_eval_step"):
-        blocked[name] = getattr(train, name)
-        setattr(train, name, compiled)
+        blocked[name] = getattr(step_lib, name)
+        setattr(step_lib, name, compiled)
     base = ["shakespeare_char_cpu", f"data.dir={data}", "model.n_layers=2", "model.d_model=32", "model.n_heads=4",
             "model.block_size=32", "training.batch_size=8", "training.steps=20", "optimizer.warmup_steps=5",
             "logging.progress=false", "logging.tensorboard=false"]
@@ -257,7 +257,7 @@ def config_fuzz(data: Path, work: Path, seeds: int) -> tuple[int, int]:
                 clear += code == 2 and msg.count("\n") == 1 and key in msg and "Traceback" not in msg
     finally:
         for name, fn in blocked.items():
-            setattr(train, name, fn)
+            setattr(step_lib, name, fn)
     return tried, clear
 
 
