@@ -734,14 +734,16 @@ def test_while_a_request_waits_for_a_slot_a_call_ends_when_the_first_slot_frees(
 
 
 def test_decode_logprobs_equal_the_log_softmax():
-    """The decode program's log-probabilities (the logits picked, less the row's log-sum-exp) against the
-    log-softmax of the whole row: the token's and the top alternatives', in order."""
+    """The decode program's log-probabilities (sampling.token_logprobs: the logits picked, less the row's
+    log-sum-exp) against the log-softmax of the whole row: the token's and the top alternatives', in order."""
     import jax
     import jax.numpy as jnp
+    from jaxlm import sampling
 
     logits = jax.random.normal(jax.random.key(3), (6, 256)) * 8
     tok = jnp.asarray([0, 5, 255, 17, 3, 100], jnp.int32)
-    token_lp, top_ids, top_lp = jax.jit(engine_lib._logprobs)(logits, tok)
+    K = engine_lib.TOP_LOGPROBS
+    token_lp, top_ids, top_lp = jax.jit(sampling.token_logprobs, static_argnums=2)(logits, tok, K)
     lp = np.asarray(jax.nn.log_softmax(logits, axis=-1))
     np.testing.assert_allclose(token_lp, lp[np.arange(6), np.asarray(tok)], atol=1e-5)
     want_ids = np.argsort(-lp, axis=-1, kind="stable")[:, :engine_lib.TOP_LOGPROBS]

@@ -74,7 +74,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlm import generate, sharding
+from jaxlm import generate, sampling, sharding
 from jaxlm.config import ModelConfig, ServeConfig
 from jaxlm.model import forward, kvcache, transformer
 from jaxlm.serve import chunk as chunk_lib
@@ -140,45 +140,6 @@ class Score:
     submitted: float = field(default_factory=time.perf_counter)
 
 
-def _choice_keys(seed_b, choice_b):
-    """Each row's key(seed) folded with its choice index: made once per call; _row_keys folds in each token's."""
-    return jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seed_b, choice_b)
-
-
-def _row_keys(choice_keys_b, count_b):
-    return jax.vmap(jax.random.fold_in)(choice_keys_b, count_b)
-
-
-def _logprobs(logits_BV, tok_B):
-    """The log-probability of each row's token and its TOP_LOGPROBS most likely: the logits picked, less the
-    row's log-sum-exp (the log-softmax of only those, not of the whole vocabulary)."""
-    max_B1 = jnp.max(logits_BV, axis=-1, keepdims=True)
-    lse_B1 = max_B1 + jnp.log(jnp.sum(jnp.exp(logits_BV - max_B1), axis=-1, keepdims=True))
-    top_BK, top_ids_BK = jax.lax.top_k(logits_BV, TOP_LOGPROBS)
-    token_B = jnp.take_along_axis(logits_BV, tok_B[:, None], axis=-1)
-    return (token_B - lse_B1)[:, 0], top_ids_BK, top_BK - lse_B1
-
-
-def _sample(branch, logits_bV, keys, temperature_b, top_k_b, top_p_b):
-    """Each row's next token: greedy (branch 0), drawn at the row's temperature (1), or through sample_tokens'
-    top-k/top-p (2). A row's token is the same on every branch that can serve it, so it does not depend on the
-    other rows; the batch pays for the sort of top-k/top-p only when a row asks for them, and for the rows'
-    random keys (`keys()`, a threefry hash per row: about a tenth of a small model's step) only when one samples."""
-    def greedy():
-        return generate.greedy_tokens(logits_bV)
-
-    def plain():  # sample_tokens' draw without top-k/top-p, row by row
-        drawn_b = jax.vmap(lambda l, k, t: jax.random.categorical(k, l / jnp.maximum(t, jnp.finfo(jnp.float32).tiny)))(
-            logits_bV, keys(), temperature_b).astype(jnp.int32)
-        return jnp.where(temperature_b > 0, drawn_b, greedy())
-
-    def filtered():  # every row through sample_tokens (vmapped, it computes each branch and selects the row's)
-        return jax.vmap(lambda l, k, t, tk, tp: generate.sample_tokens(l[None], k, t, tk, tp)[0])(
-            logits_bV, keys(), temperature_b, top_k_b, top_p_b)
-
-    return jax.lax.switch(branch, (greedy, plain, filtered))
-
-
 @partial(jax.jit, static_argnames=("cfg", "max_steps", "unroll"), donate_argnames=("cache", "logits_BV"))
 def _decode_loop(params, cache, logits_BV, rows_b, steps, live_b, idle_length_b, left_b, stop_bM, want_lp_b,
                  seed_b, choice_b, count_b, temperature_b, top_k_b, top_p_b, cfg: ModelConfig, max_steps: int,
@@ -197,14 +158,12 @@ def _decode_loop(params, cache, logits_BV, rows_b, steps, live_b, idle_length_b,
     B, b, V = logits_BV.shape[0], rows_b.shape[0], logits_BV.shape[-1]
     whole = b == B
     logits_bV = logits_BV if whole else jnp.take(logits_BV, rows_b, axis=0)
-    hot_b = live_b & (temperature_b > 0)
-    filtered_b = hot_b & (((top_k_b > 0) & (top_k_b < V)) | (top_p_b < 1))
-    branch = jnp.where(jnp.any(filtered_b), 2, jnp.where(jnp.any(hot_b), 1, 0))
+    way = sampling.branch(jnp.where(live_b, temperature_b, 0), top_k_b, top_p_b, V)
     N, K = max_steps, TOP_LOGPROBS
     zeros = (jnp.zeros((N, b), jnp.int32), jnp.zeros((N, b), jnp.float32), jnp.zeros((N, b, K), jnp.int32),
              jnp.zeros((N, b, K), jnp.float32), jnp.zeros((N, b), bool))
     rows = None if whole else rows_b
-    choice_keys_b = _choice_keys(seed_b, choice_b)
+    choice_keys_b = sampling.choice_keys(seed_b, choice_b)
 
     def no_logprobs(logits_bV, tok_b):
         return jnp.zeros((b,), jnp.float32), jnp.zeros((b, K), jnp.int32), jnp.zeros((b, K), jnp.float32)
@@ -214,10 +173,11 @@ def _decode_loop(params, cache, logits_BV, rows_b, steps, live_b, idle_length_b,
 
         def body(state):
             i, sub, logits_bV, live_b, out = state
-            tok_b = _sample(branch, logits_bV, lambda: _row_keys(choice_keys_b, count_b + i), temperature_b,
-                            top_k_b, top_p_b)
+            tok_b = sampling.sample_rows(way, logits_bV, lambda: sampling.row_keys(choice_keys_b, count_b + i),
+                                         temperature_b, top_k_b, top_p_b)
             tok_b = jnp.where(live_b, tok_b, 0)
-            lp = jax.lax.cond(jnp.any(live_b & want_lp_b), _logprobs, no_logprobs, logits_bV, tok_b)
+            lp = jax.lax.cond(jnp.any(live_b & want_lp_b), partial(sampling.token_logprobs, K=K), no_logprobs,
+                              logits_bV, tok_b)
             out = tuple(o.at[i].set(x) for o, x in zip(out, (tok_b, *lp, live_b)))
             ended_b = jnp.any(tok_b[:, None] == stop_bM, axis=1) | (i + 1 >= left_b)
             # Rows not living decode a dummy token at idle_length_b: 0 for a free slot or a finished sequence,
