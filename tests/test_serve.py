@@ -430,7 +430,7 @@ def test_first_chunks_prefilled_fresh_equal_the_general_prefill(family, quantize
     B, S, C = 6, 40, 8  # C fits the local layers' 8-slot ring
     rng = np.random.default_rng(1)
     cache = kvcache.init(cfg, B, S, quantize)
-    assert chunk_lib.fresh_fits(cache, C) and chunk_lib.fresh_fits(cache, 16) == ("local" not in cfg.pattern)
+    assert kvcache.fresh_fits(cache, C) and kvcache.fresh_fits(cache, 16) == ("local" not in cfg.pattern)
     logits_BV = np.zeros((B, cfg.vocab_size), np.float32)
     tokens_PC = rng.integers(0, 50, (B, 16)).astype(np.int32)  # earlier occupants of every slot: 16 positions
     cache, logits_BV = chunk_lib.prefill_chunks(params, cache, logits_BV, tokens_PC, np.zeros(B, np.int32),

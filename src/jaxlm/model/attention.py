@@ -255,3 +255,34 @@ def attend_one(q_B1NH, kT_BKHS, v_BKSH, mask_B1S, scale=None, softcap=None):
     probs_BKGS = jax.nn.softmax(logits_BKGS, axis=-1).astype(v_BKSH.dtype)
     out_BKGH = jnp.einsum("BKGS,BKSH->BKGH", probs_BKGS, v_BKSH, preferred_element_type=jnp.float32)
     return out_BKGH.reshape(B, 1, N, H).astype(q_B1NH.dtype)
+
+
+def attention_chunk(h_PCD, p, cfg, q_pos_PC, k_pos_PX, rows: dict | None, take_PS, src_PS, local: bool,
+                    quantized: bool):
+    """Attention of chunks of new tokens [P, C] over their sequences' earlier keys in the cache and their own
+    (transformer.prefill_chunks): `rows` holds the sequences' k, v [P, K, S, H] (and scales) of this layer,
+    k_pos_PX the positions of the X = S + C keys seen (kvcache.chunk_layout), take_PS which slots take a chunk
+    entry and src_PS from which chunk index. Returns the output and the sequences' updated k, v (and scales).
+    With `rows` None (chunks that start their prompts, `fresh`) the queries see the chunk's keys only and the
+    update is the chunk's own k, v (and scales) [P, K, C(, H)], for slots 0..C-1."""
+    with jax.named_scope("attention"):
+        q_PCNH, k_PCKH, v_PCKH = project_qkv(h_PCD, p, cfg, q_pos_PC)
+        keys = []
+        new = {}
+        for name, x_PCKH in (("k", k_PCKH), ("v", v_PCKH)):
+            own_PKCH = x_PCKH.transpose(0, 2, 1, 3)
+            if rows is None:
+                keys.append(own_PKCH.astype(q_PCNH.dtype))
+                new[name], new[f"{name}_scale"] = kvcache.store(own_PKCH, quantized)
+                continue
+            old_PKSH = kvcache.read(rows[name], rows[f"{name}_scale"], q_PCNH.dtype)
+            keys.append(jnp.concatenate([old_PKSH, own_PKCH.astype(q_PCNH.dtype)], axis=2))
+            x_PSKH = jnp.take_along_axis(x_PCKH, src_PS[:, :, None, None], axis=1)
+            x_PKSH, scale_PKS = kvcache.store(x_PSKH.transpose(0, 2, 1, 3), quantized)
+            new[name] = jnp.where(take_PS[:, None, :, None], x_PKSH.astype(rows[name].dtype), rows[name])
+            new[f"{name}_scale"] = None if not quantized else jnp.where(take_PS[:, None], scale_PKS,
+                                                                        rows[f"{name}_scale"])
+        mask_PCX = mask(q_pos_PC, k_pos_PX, cfg.sliding_window if local else None)
+        out_PCNH = attend_heads_major(q_PCNH, keys[0], keys[1], mask_PCX, scale=_scale(cfg),
+                                      softcap=cfg.attn_logit_softcap)
+        return _project_out(out_PCNH, p), new

@@ -475,11 +475,11 @@ class Engine:
     def _prefill_chunk(self, seqs: list[Sequence], C: int, fresh: bool | None = None) -> None:
         """Run the next chunk of each of seqs' prompts (at most C tokens) into its slot, in one call padded to
         the smallest of prefill_rows that holds them (padding rows take slot B, which writes nothing). When all
-        the chunks start their prompts (and fit, chunk.fresh_fits), the call neither reads nor keeps what the
+        the chunks start their prompts (and fit, kvcache.fresh_fits), the call neither reads nor keeps what the
         slots held (`fresh`, unless given)."""
         P = min(p for p in self.prefill_rows if p >= len(seqs))
         if fresh is None:
-            fresh = all(seq.prefilled == 0 for seq in seqs) and chunk_lib.fresh_fits(self.cache, C)
+            fresh = all(seq.prefilled == 0 for seq in seqs) and kvcache.fresh_fits(self.cache, C)
         tokens_PC, start_P = np.zeros((P, C), np.int32), np.zeros(P, np.int32)
         length_P, slot_P = np.ones(P, np.int32), np.full(P, self.B, np.int32)
         for i, seq in enumerate(seqs):
