@@ -78,7 +78,7 @@ def build(src: str | Path, cfg: Config, log: Callable[[str], None] = print):
     api_key = sc.api_key or os.environ.get("JAXLM_API_KEY") or None
     served = app_lib.Served(engine, tok.encode, lambda text: api.encode_prompt(tok, text), tok.encode_rendered,
                             tok.decode, sc.model_name or Path(src).resolve().name, m.vocab_size, d, stop,
-                            chat_template(model, sc.chat_template), api_key)
+                            chat_template(model, sc.chat_template), api_key, tok.bos_id, tok.eos_id)
     replicas = f" in {R} replicas" if R > 1 else ""
     log(f"jaxlm serve: {served.name} | {sc.max_slots} slots{replicas} x {length} positions | up to "
         f"{sc.decode_steps} decode steps per call | prefill chunks of "

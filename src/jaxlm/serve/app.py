@@ -82,6 +82,8 @@ class Served:
     stop_ids: tuple[int, ...]
     chat_template: Callable[[list[dict]], str] | None
     api_key: str | None
+    bos_id: int | None = None  # the tokenizer's, for clients that score a document's first token (evals.py)
+    eos_id: int | None = None
     errors: dict = field(default_factory=dict)  # status -> count, for /metrics
     mailbox: Mailbox = field(default_factory=Mailbox)
 
@@ -213,7 +215,8 @@ def _info_routes(app: FastAPI, s: Served) -> None:
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": s.name, "object": "model", "created": 0, "owned_by": "jaxlm",
-                                            "max_model_len": s.engine.S}]}
+                                            "max_model_len": s.engine.S, "bos_token_id": s.bos_id,
+                                            "eos_token_id": s.eos_id}]}
 
     @app.get("/metrics")
     async def metrics():
@@ -255,7 +258,7 @@ def _completion_route(app: FastAPI, s: Served) -> None:
         def choice_body(k, c: Choice, text: str, fresh: list, finish):
             out = {"index": k, "text": text, "logprobs": None, "finish_reason": finish}
             if req.logprobs is not None:
-                out["logprobs"] = _completion_logprobs(s, fresh, req.logprobs)
+                out["logprobs"] = _completion_logprobs(s, fresh, req.logprobs, req.token_ids)
             return out
 
         prompt_texts = [p if isinstance(p, str) else s.decode(ids[i]) for i, p in enumerate(req.prompts)]
@@ -545,14 +548,17 @@ async def _stream(s: Served, choices: list[Choice], request: Request):
             s.engine.cancel(c.seq)
 
 
-def _completion_logprobs(s: Served, fresh: list, top_n: int) -> dict:
-    tokens = [s.token_text(t) for t, _, _ in fresh]
+def _completion_logprobs(s: Served, fresh: list, top_n: int, token_ids: bool = False) -> dict:
+    """The completions API's logprobs object. With `token_ids` (vLLM's return_tokens_as_token_ids) tokens are
+    named "token_id:N" instead of by their text, which two tokens may share (lm-eval's greedy check compares
+    ids this way); text offsets still count the text."""
+    name = (lambda t: f"token_id:{t}") if token_ids else s.token_text
     offsets, at = [], 0
-    for t in tokens:
+    for t, _, _ in fresh:
         offsets.append(at)
-        at += len(t)
-    return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in fresh],
-            "top_logprobs": [None if lp is None else {s.token_text(a): b for a, b in zip(*(x[:top_n] for x in top))}
+        at += len(s.token_text(t))
+    return {"tokens": [name(t) for t, _, _ in fresh], "token_logprobs": [lp for _, lp, _ in fresh],
+            "top_logprobs": [None if lp is None else {name(a): b for a, b in zip(*(x[:top_n] for x in top))}
                              for _, lp, top in fresh],
             "text_offset": offsets}
 
