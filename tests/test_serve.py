@@ -257,6 +257,125 @@ def test_faults_are_answered_4xx_and_harm_nothing(server, monkeypatch):
     assert metric(server, 'jaxlm_http_errors_total{code="400"}') >= 200
 
 
+def test_a_huge_body_is_refused_while_streams_flow_and_foreign_hosts_and_origins_are_refused(server):
+    """A 50 MB body is answered 413 before it is read (a body without a Content-Length when it grows past
+    serve.max_body_mb) while 16 streams decode with no gap over 100 ms between their chunks; a request naming
+    another Host (a web page whose name was rebound to 127.0.0.1) or sent by a browser from another site (Origin)
+    is refused 403; the loopback names are answered."""
+    import threading
+
+    url = f"http://127.0.0.1:{server.port}"
+    good = {"model": "tiny", "prompt": "To be", "max_tokens": 50, "temperature": 0, "stream": True}
+    gaps, texts, started, errors = [], [], threading.Event(), []
+
+    def stream():
+        try:
+            with httpx.Client(timeout=60) as h, h.stream("POST", f"{url}/v1/completions", json=good) as r:
+                last, text = None, ""
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        now = time.perf_counter()
+                        if last is not None:
+                            gaps.append(now - last)
+                        last = now
+                        text += json.loads(line[6:])["choices"][0]["text"]
+                        started.set()
+                texts.append(text)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    def huge(chunked: bool) -> bytes:
+        size = 50 << 20 if not chunked else 9 << 20
+        with socket.create_connection(("127.0.0.1", server.port)) as sock:
+            head = (f"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+                    + ("transfer-encoding: chunked\r\n" if chunked else f"content-length: {size}\r\n") + "\r\n")
+            sock.sendall(head.encode())
+            piece = b"[" + b"1," * (1 << 19)
+            try:
+                for _ in range(size // len(piece)):
+                    sock.sendall(b"%x\r\n%s\r\n" % (len(piece), piece) if chunked else piece)
+            except (BrokenPipeError, ConnectionResetError):  # answered and closed before the body was all sent
+                pass
+            return sock.recv(4096)
+
+    threads = [threading.Thread(target=stream) for _ in range(16)]
+    for t in threads:
+        t.start()
+    assert started.wait(60)
+    t0 = time.perf_counter()
+    answer = huge(chunked=False)
+    refused_in = time.perf_counter() - t0
+    chunked_answer = huge(chunked=True)
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert answer.startswith(b"HTTP/1.1 413") and b"max_body_mb" in answer, answer[:200]
+    assert chunked_answer.startswith(b"HTTP/1.1 413"), chunked_answer[:200]
+    assert refused_in < 5
+    assert len(texts) == 16 and all(len(t) == 50 for t in texts)  # char tokens: 50 each
+    assert gaps and max(gaps) < 0.1, sorted(gaps)[-5:]
+
+    body = {"model": "tiny", "prompt": "To be", "max_tokens": 2, "temperature": 0}
+    for host, want in (("evil.example", 403), (f"evil.example:{server.port}", 403), ("localhost", 200),
+                       (f"127.0.0.1:{server.port}", 200), (f"[::1]:{server.port}", 200)):
+        r = httpx.post(f"{url}/v1/completions", json=body, headers={"host": host}, timeout=60)
+        assert r.status_code == want, (host, r.status_code)
+    r = httpx.post(f"{url}/v1/completions", json=body, headers={"origin": "http://evil.example"}, timeout=60)
+    assert r.status_code == 403 and r.json()["error"]["code"] == "origin_not_allowed"
+    server.served.allowed_origins = frozenset({"http://app.example"})
+    try:
+        r = httpx.post(f"{url}/v1/completions", json=body, headers={"origin": "http://app.example"}, timeout=60)
+        assert r.status_code == 200
+    finally:
+        server.served.allowed_origins = frozenset()
+    assert metric(server, "jaxlm_busy_slots") == 0
+
+
+def test_a_refused_scoring_job_cancels_its_siblings_and_keys_come_from_a_file(tmp_path):
+    """The prompts of an echo + logprobs request are scored all or none: when the queue refuses one (429), the
+    ones submitted before it are cancelled. serve.api_key_file gives the key (not on the command line); listening
+    beyond loopback without a key prints a warning."""
+    import asyncio
+
+    from jaxlm.config import ServeConfig
+    from jaxlm.serve import app as app_lib
+    from jaxlm.serve.schemas import RequestError
+
+    class Full:  # an engine whose queue takes two items
+        def __init__(self):
+            self.submitted, self.cancelled = [], []
+
+        def submit(self, item):
+            if len(self.submitted) == 2:
+                raise engine_lib.QueueFull
+            self.submitted.append(item)
+
+        def cancel(self, item):
+            self.cancelled.append(item)
+
+    class Served:
+        engine, mailbox = Full(), app_lib.Mailbox()
+
+    async def ask():
+        with pytest.raises(RequestError) as e:
+            await app_lib._scores(Served, [[1, 2], [3, 4], [5, 6], [7, 8]], request=None)
+        return e.value
+
+    e = asyncio.run(ask())
+    assert e.status == 429 and e.code == "queue_full"
+    assert len(Served.engine.submitted) == 2 and all(x in Served.engine.cancelled for x in Served.engine.submitted)
+
+    key_file = tmp_path / "key"
+    key_file.write_text("s3cret\n")
+    sc = serve.settings_config({"serve.api_key_file": str(key_file)}).serve
+    assert serve.api_key_of(sc) == "s3cret"
+    assert serve.api_key_of(ServeConfig(api_key="direct", api_key_file=str(key_file))) == "direct"
+    assert "WARNING" in serve.exposure_warning("0.0.0.0", None)
+    assert serve.exposure_warning("0.0.0.0", "s3cret") is None and serve.exposure_warning("127.0.0.1", None) is None
+    assert serve.allowed_hosts(ServeConfig(host="0.0.0.0")) is None
+    assert serve.allowed_hosts(ServeConfig(allowed_hosts="api.example, [::1]")) == {"api.example", "::1"}
+
+
 def test_engine_queue_is_bounded_and_a_failing_prefill_fails_alone(trained):
     model = jaxlm.load(trained)
     e = engine_lib.Engine(model.params, model.config.model, 2, 64, max_queue=2)
@@ -891,6 +1010,10 @@ def test_serve_settings_fail_in_one_line(tmp_path):
         serve.settings_config({"training.steps": 3})
     with pytest.raises(ConfigError, match="not a file"):
         serve.settings_config({"serve.chat_template": str(tmp_path / "missing.jinja")})
+    with pytest.raises(ConfigError, match="serve.api_key_file=.* is not a file"):
+        serve.settings_config({"serve.api_key_file": str(tmp_path / "missing")})
+    with pytest.raises(ConfigError, match="serve.max_body_mb=0.0 must be > 0"):
+        serve.settings_config({"serve.max_body_mb": 0})
 
 
 MC_TASK = """task: jaxlm_test_mc

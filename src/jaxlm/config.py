@@ -302,6 +302,15 @@ class ServeConfig:
     model_name: str = _f("", "model id of the OpenAI API (/v1/models, the `model` field); '' = the folder's name")
     api_key: str = _f("", "answer 401 unless a request sends `Authorization: Bearer KEY`; '' = the JAXLM_API_KEY "
                           "environment variable, or no key when that is unset")
+    api_key_file: str = _f("", "a file holding the API key (its first line), so that the key is not in the command "
+                               "line that `ps` shows; used when serve.api_key is ''")
+    allowed_hosts: str = _f("", "comma-separated Host header values answered (port left out; '*' = any); '' = "
+                                "localhost, 127.0.0.1 and ::1 when serve.host is a loopback address (a web page "
+                                "that rebinds its name to 127.0.0.1 is refused), any when it is not")
+    allowed_origins: str = _f("", "comma-separated Origin values (e.g. https://app.example) whose cross-origin "
+                                  "requests are answered; '' = none: a request that a browser sends from another "
+                                  "site is refused (403)")
+    max_body_mb: float = _f(8.0, "request bodies larger than this many MiB are refused (413) before they are read")
     chat_template: str = _f("", "a Jinja chat template file for /v1/chat/completions when the tokenizer has none")
     prefill_chunk: int = _f(512, "prompt tokens prefilled per engine turn at most: a longer prompt is prefilled a "
                                  "chunk per turn between the other slots' decode steps; prefill compiles once per "
@@ -787,6 +796,10 @@ def validate_serve(s: ServeConfig) -> None:
                           "(each replica takes an equal share of the slots)")
     if s.prefix_cache < 0:
         raise ConfigError(f"serve.prefix_cache={s.prefix_cache} must be >= 0 (0 = off)")
+    if not s.max_body_mb > 0:
+        raise ConfigError(f"serve.max_body_mb={s.max_body_mb} must be > 0")
+    if s.api_key_file and not Path(s.api_key_file).is_file():
+        raise ConfigError(f"serve.api_key_file={s.api_key_file} is not a file; give a file whose first line is the key")
     if s.chat_template and not Path(s.chat_template).is_file():
         raise ConfigError(f"serve.chat_template={s.chat_template} is not a file; give a Jinja chat template file")
 

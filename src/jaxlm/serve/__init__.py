@@ -75,16 +75,71 @@ def build(src: str | Path, cfg: Config, log: Callable[[str], None] = print):
     engine = engines[0] if R == 1 else Replicas(engines)
     engine.warm_up()
     engine.start()
-    api_key = sc.api_key or os.environ.get("JAXLM_API_KEY") or None
+    api_key = api_key_of(sc)
     served = app_lib.Served(engine, tok.encode, lambda text: api.encode_prompt(tok, text), tok.encode_rendered,
                             tok.decode, sc.model_name or Path(src).resolve().name, m.vocab_size, d, stop,
-                            chat_template(model, sc.chat_template), api_key, tok.bos_id, tok.eos_id)
+                            chat_template(model, sc.chat_template), api_key, tok.bos_id, tok.eos_id,
+                            allowed_hosts(sc), frozenset(o.strip() for o in sc.allowed_origins.split(",") if o.strip()),
+                            int(sc.max_body_mb * 2**20), length * (longest_token(tok) + 1))
     replicas = f" in {R} replicas" if R > 1 else ""
     log(f"jaxlm serve: {served.name} | {sc.max_slots} slots{replicas} x {length} positions | up to "
         f"{sc.decode_steps} decode steps per call | prefill chunks of "
         f"{sc.prefill_chunk} | prefix cache {sc.prefix_cache or 'off'} | "
         f"{'API key required' if api_key else 'no API key'}")
+    if (warning := exposure_warning(sc.host, api_key)) is not None:
+        log(warning)
     return served
+
+
+def exposure_warning(host: str, api_key: str | None) -> str | None:
+    """The line `jaxlm serve` prints when it listens beyond loopback without an API key."""
+    if api_key or is_loopback(host):
+        return None
+    return (f"jaxlm serve: WARNING: serve.host={host} is reachable beyond this machine and no API key is set: "
+            "anyone who reaches the port can use the model. Set serve.api_key_file (or JAXLM_API_KEY), and put TLS "
+            "in front (docs/serve.md, Security)")
+
+
+def is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def allowed_hosts(sc) -> frozenset | None:
+    """The Host header names answered: serve.allowed_hosts ('*' = any), else the loopback names on a loopback
+    address and any on another (the server cannot know every name that reaches it there)."""
+    from jaxlm.serve import app as app_lib
+
+    names = frozenset(h.strip().lower().strip("[]") for h in sc.allowed_hosts.split(",") if h.strip())
+    if "*" in names:
+        return None
+    if names:
+        return names
+    return app_lib.LOOPBACK_HOSTS if is_loopback(sc.host) else None
+
+
+def api_key_of(sc) -> str | None:
+    """serve.api_key, else the first line of serve.api_key_file, else $JAXLM_API_KEY; None when none is set."""
+    if sc.api_key:
+        return sc.api_key
+    if sc.api_key_file:
+        text = Path(sc.api_key_file).read_text().strip()
+        key = text.splitlines()[0].strip() if text else ""
+        if not key:
+            raise ConfigError(f"serve.api_key_file={sc.api_key_file} is empty; its first line must be the key")
+        return key
+    return os.environ.get("JAXLM_API_KEY") or None
+
+
+def longest_token(tok) -> int:
+    """The most characters one token's text holds, so that a text longer than the context's tokens times this
+    cannot fit in it (app._encode refuses it before tokenizing). One for char and byte vocabularies."""
+    longest = 1
+    for i in range(tok.vocab_size):
+        try:
+            longest = max(longest, len(tok.decode([i])))
+        except Exception:  # noqa: BLE001 - an id a tokenizer cannot decode alone holds no text to count
+            continue
+    return longest
 
 
 class Server:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import hmac
-import json
 import random
 import threading
 import time
@@ -31,6 +30,8 @@ from jaxlm.serve import schemas
 from jaxlm.serve.schemas import RequestError, error_body
 
 RETRY_AFTER_S = 1
+LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
+PARSE_OFF_LOOP_BYTES = 1 << 20  # request bodies parsed, and texts tokenized, in a worker thread from this size
 _random = random.Random()  # request ids and the seeds of requests without one (seeded by the OS at import)
 
 
@@ -84,6 +85,10 @@ class Served:
     api_key: str | None
     bos_id: int | None = None  # the tokenizer's, for clients that score a document's first token (evals.py)
     eos_id: int | None = None
+    allowed_hosts: frozenset | None = LOOPBACK_HOSTS  # Host header values answered (None: any)
+    allowed_origins: frozenset = frozenset()  # Origin header values answered (browsers' cross-origin requests)
+    max_body_bytes: int = 8 << 20
+    max_prompt_chars: int | None = None  # prompt texts longer than this cannot fit the context (_encode)
     errors: dict = field(default_factory=dict)  # status -> count, for /metrics
     mailbox: Mailbox = field(default_factory=Mailbox)
 
@@ -158,36 +163,87 @@ class Choice:
 
 
 def _json_error(status: int, message: str, param: str | None = None, code: str | None = None, headers=None):
-    kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-            429: "rate_limit_error"}.get(status, "server_error")
+    kind = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+            404: "not_found_error", 413: "invalid_request_error", 429: "rate_limit_error"}.get(status, "server_error")
     return JSONResponse(error_body(message, kind, param, code), status_code=status, headers=headers)
 
 
+class BodyTooLarge(Exception):
+    """A request body without a Content-Length grew past serve.max_body_mb while it was read."""
+
+
+def host_name(header: bytes) -> str:
+    """The name of a Host header, its port left out ("[::1]:8000" -> "::1")."""
+    host = header.decode("latin-1").strip().lower()
+    if host.startswith("["):
+        return host[1:host.find("]")] if "]" in host else host
+    name, _, port = host.rpartition(":")
+    return name if name and port.isdigit() else host
+
+
 class Guard:
-    """ASGI middleware: the API key check (every path but /health) and the count of error answers. Plain ASGI
-    rather than Starlette's BaseHTTPMiddleware, which would hide a client's disconnect from streaming answers."""
+    """ASGI middleware, in front of every route: the Host header's allow-list (a web page whose name was rebound to
+    127.0.0.1 sends its own name: refused, 403), a browser's cross-origin request refused unless its Origin is
+    allowed (403), the API key (every path but /health; 401), the body limit (413: a Content-Length past it is
+    refused before the body is read, a body without one when it grows past it), and the count of error
+    answers. Plain ASGI rather than Starlette's BaseHTTPMiddleware, which would hide a client's disconnect from
+    streaming answers."""
 
     def __init__(self, app, served: Served):
         self.app, self.s = app, served
+
+    async def _refuse(self, scope, receive, send, status: int, message: str, code: str):
+        self.s.errors[status] = self.s.errors.get(status, 0) + 1
+        # A body too large is not read: the connection closes after the answer rather than take in the rest.
+        headers = {"connection": "close"} if status == 413 else None
+        await _json_error(status, message, code=code, headers=headers)(scope, receive, send)
 
     async def __call__(self, scope, receive, send):
         s = self.s
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if s.allowed_hosts is not None and host_name(headers.get(b"host", b"")) not in s.allowed_hosts:
+            return await self._refuse(scope, receive, send, 403, "this Host is not served here (serve.allowed_hosts)",
+                                      "host_not_allowed")
+        origin = headers.get(b"origin")
+        if origin is not None and origin.decode("latin-1") not in s.allowed_origins:
+            return await self._refuse(scope, receive, send, 403, "cross-origin requests are refused unless their "
+                                      "Origin is in serve.allowed_origins", "origin_not_allowed")
         if s.api_key and scope["path"] != "/health":
-            got = dict(scope["headers"]).get(b"authorization", b"")
+            got = headers.get(b"authorization", b"")
             if not hmac.compare_digest(got, f"Bearer {s.api_key}".encode()):
-                s.errors[401] = s.errors.get(401, 0) + 1
-                response = _json_error(401, "missing or wrong API key: send the header Authorization: Bearer KEY",
-                                       code="invalid_api_key")
-                return await response(scope, receive, send)
+                return await self._refuse(scope, receive, send, 401, "missing or wrong API key: send the header "
+                                          "Authorization: Bearer KEY", "invalid_api_key")
+        length = headers.get(b"content-length")
+        too_large = f"the request body is larger than serve.max_body_mb={s.max_body_bytes / 2**20:g} MiB"
+        if length is not None and (not length.isdigit() or int(length) > s.max_body_bytes):
+            return await self._refuse(scope, receive, send, 413, too_large, "request_too_large")
+        received = 0
+
+        async def counted_receive():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > s.max_body_bytes:
+                raise BodyTooLarge
+            return message
+
+        started = False
 
         async def counting_send(message):
-            if message["type"] == "http.response.start" and message["status"] >= 400:
-                s.errors[message["status"]] = s.errors.get(message["status"], 0) + 1
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                if message["status"] >= 400:
+                    s.errors[message["status"]] = s.errors.get(message["status"], 0) + 1
             await send(message)
 
-        await self.app(scope, receive, counting_send)
+        try:
+            await self.app(scope, counted_receive if length is None else receive, counting_send)
+        except BodyTooLarge:
+            if not started:
+                await self._refuse(scope, receive, send, 413, too_large, "request_too_large")
 
 
 def create_app(s: Served) -> FastAPI:
@@ -227,7 +283,7 @@ def _info_routes(app: FastAPI, s: Served) -> None:
         body = await _body(request)
         if not isinstance(body, dict) or not isinstance(body.get("prompt", body.get("text")), str):
             raise RequestError("give the text to tokenize as {\"prompt\": TEXT}", "prompt")
-        ids = _encode(s, body.get("prompt", body.get("text")))
+        ids = await _encode(s, body.get("prompt", body.get("text")), bounded=False)
         return {"tokens": ids, "count": len(ids), "max_model_len": s.engine.S}
 
 
@@ -239,10 +295,10 @@ def _completion_route(app: FastAPI, s: Served) -> None:
         body = await _body(request)
         _check_model(s, body)
         req = schemas.completion(body, s.decode_cfg)
-        ids = [_encode(s, p, s.encode_prompt) if isinstance(p, str) else _check_ids(s, p) for p in req.prompts]
+        ids = [await _encode(s, p, s.encode_prompt) if isinstance(p, str) else _check_ids(s, p) for p in req.prompts]
         max_tokens = [_max_tokens(s, len(p), req.sampling.max_tokens) for p in ids]
         want_scores = req.echo and req.logprobs is not None
-        scores = await asyncio.gather(*(_score(s, p) for p in ids)) if want_scores else [None] * len(ids)
+        scores = await _scores(s, ids, request) if want_scores else [None] * len(ids)
         choices = _start(s, ids, max_tokens, req.sampling, req.logprobs)
         head = {"id": _request_id("cmpl"), "object": "text_completion", "created": int(time.time()),
                 "model": s.name}
@@ -292,7 +348,7 @@ def _chat_route(app: FastAPI, s: Served) -> None:
             prompt = s.chat_template(req.messages)
         except Exception as e:
             raise RequestError(f"the chat template failed on these messages: {e}", "messages") from None
-        ids = [_encode(s, prompt, s.encode_chat)]
+        ids = [await _encode(s, prompt, s.encode_chat)]
         choices = _start(s, ids, [_max_tokens(s, len(ids[0]), req.sampling.max_tokens)], req.sampling,
                          req.top_logprobs if req.logprobs else None)
         head = {"id": _request_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()),
@@ -366,10 +422,14 @@ class EventStream(Response):
 
 
 async def _body(request: Request):
+    """The request's JSON, parsed by orjson (in a worker thread when the body is large, so that other streams'
+    tokens keep flowing)."""
     raw = await request.body()
     try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        if len(raw) >= PARSE_OFF_LOOP_BYTES:
+            return await asyncio.to_thread(orjson.loads, raw)
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
         raise RequestError(f"the request body is not valid JSON: {e}") from None
 
 
@@ -379,8 +439,17 @@ def _check_model(s: Served, body) -> None:
                            "model", code="model_not_found")
 
 
-def _encode(s: Served, text: str, encode: Callable[[str], list[int]] | None = None) -> list[int]:
+async def _encode(s: Served, text: str, encode: Callable[[str], list[int]] | None = None, bounded: bool = True
+                  ) -> list[int]:
+    """The text's tokens. A prompt (`bounded`) with more characters than the context's tokens can hold
+    (s.max_prompt_chars: no token covers more characters than the longest in the vocabulary) is refused before
+    tokenizing it; a long text is tokenized in a worker thread, so that other streams' tokens keep flowing."""
+    if bounded and s.max_prompt_chars is not None and len(text) > s.max_prompt_chars:
+        raise RequestError(f"the prompt of {len(text)} characters is longer than the context of {s.engine.S} "
+                           "tokens can hold", "prompt", code="context_length_exceeded")
     try:
+        if len(text) * 4 >= PARSE_OFF_LOOP_BYTES:
+            return await asyncio.to_thread(encode or s.encode, text)
         return (encode or s.encode)(text)
     except ValueError as e:  # a character outside a char/byte vocabulary (TokenizerError)
         raise RequestError(f"the prompt cannot be tokenized: {e}", "prompt") from None
@@ -408,26 +477,36 @@ def _max_tokens(s: Served, prompt_len: int, asked: int | None) -> int:
     return asked
 
 
-async def _score(s: Served, ids: list[int]):
+async def _scores(s: Served, prompts: list[list[int]], request: Request) -> list[tuple]:
+    """Each prompt's scores (token log-probabilities and alternatives), all prompts submitted or none: when the
+    queue refuses one (429) the ones submitted before it are cancelled, and so are all when the client goes."""
     loop = asyncio.get_running_loop()
-    done: asyncio.Future = loop.create_future()
+    futures = [loop.create_future() for _ in prompts]
 
-    def emit(ev):
+    def emit(done, ev):
         s.mailbox.post(loop, lambda: done.done() or done.set_result(ev))
 
-    item = engine_lib.Score(ids, emit)
+    items = [engine_lib.Score(p, partial(emit, f)) for p, f in zip(prompts, futures)]
     try:
-        s.engine.submit(item)
+        for item in items:
+            s.engine.submit(item)
     except engine_lib.QueueFull:
+        for item in items:
+            s.engine.cancel(item)
         raise _queue_full() from None
+    watcher = asyncio.create_task(_watch(request, items, s))
     try:
-        ev = await done
+        events = [await f for f in futures]
     except asyncio.CancelledError:
-        s.engine.cancel(item)
+        for item in items:
+            s.engine.cancel(item)
         raise
-    if ev[0] == "error":
-        raise RequestError(f"scoring the prompt failed: {ev[1]}", status=500)
-    return ev[1:]
+    finally:
+        watcher.cancel()
+    for ev in events:
+        if ev[0] == "error":
+            raise RequestError(f"scoring the prompt failed: {ev[1]}", status=500)
+    return [ev[1:] for ev in events]
 
 
 def _queue_full() -> RequestError:
@@ -494,17 +573,18 @@ def _apply(s: Served, c: Choice, events: list) -> tuple[str, list, str | None]:
     return text + c.state.flush(), fresh, c.finish_reason
 
 
-async def _watch(request: Request, choices: list[Choice], s: Served) -> None:
+async def _watch(request: Request, items: list, s: Served) -> None:
+    """Cancel the engine's items (sequences, scores) once the client has disconnected."""
     while True:
         await asyncio.sleep(0.1)
         if await request.is_disconnected():
-            for c in choices:
-                s.engine.cancel(c.seq)
+            for item in items:
+                s.engine.cancel(item)
             return
 
 
 async def _wait(s: Served, choices: list[Choice], request: Request) -> None:
-    watcher = asyncio.create_task(_watch(request, choices, s))
+    watcher = asyncio.create_task(_watch(request, [c.seq for c in choices], s))
     try:
         for c in choices:
             while _apply(s, c, await _next(c))[2] is None:
@@ -518,7 +598,8 @@ async def _wait(s: Served, choices: list[Choice], request: Request) -> None:
 async def _stream(s: Served, choices: list[Choice], request: Request):
     """(index, choice, text, logprobs, finish) as events arrive, over all choices; cancels on disconnect (the
     response generator is closed then)."""
-    watcher = asyncio.create_task(_watch(request, choices, s))  # the server may keep writing to a closed socket
+    # the server may keep writing to a closed socket
+    watcher = asyncio.create_task(_watch(request, [c.seq for c in choices], s))
     pending: dict = {}
     try:
         if len(choices) == 1:  # the common case, without a task per piece
