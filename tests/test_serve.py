@@ -5,6 +5,7 @@ itself. Every server binds 127.0.0.1 and is shut down; every request loop is bou
 
 import concurrent.futures
 import json
+from typing import Callable
 import os
 import socket
 import subprocess
@@ -50,6 +51,36 @@ def until_done(e, events: list, timeout: float = 120, started: bool = False) -> 
             time.sleep(0.01)
     finally:
         e.stop()
+
+
+def log_decode_calls(monkeypatch, log: Callable) -> None:
+    """Call log(rows, live rows, steps) before each decode call of either cache (the programs' arguments 3-5)."""
+    for name in ("_decode_loop", "_paged_decode_loop"):
+        def logged(*args, fn=getattr(engine_lib, name), **kw):
+            log(len(args[3]), int(np.asarray(args[5]).sum()), int(args[4]))
+            return fn(*args, **kw)
+
+        monkeypatch.setattr(engine_lib, name, logged)
+
+
+def log_prefill_calls(monkeypatch, log: Callable) -> None:
+    """Call log([(slot, start, length) of each real row], chunk length) before each prefill call of either cache."""
+    from jaxlm.serve import chunk as chunk_lib
+
+    def slot_chunk(params, cache, logits_BV, tokens_PC, start_P, length_P, slot_P, cfg, *fresh,
+                   fn=chunk_lib.prefill_chunks):
+        log([(int(a), int(b), int(c)) for a, b, c in zip(slot_P, start_P, length_P) if a < len(cache.length)],
+            tokens_PC.shape[1])
+        return fn(params, cache, logits_BV, tokens_PC, start_P, length_P, slot_P, cfg, *fresh)
+
+    def paged_chunk(params, cache, logits_BV, tokens_PC, start_P, length_P, table_PM, slot_P, cfg,
+                    fn=engine_lib._paged_prefill):
+        log([(int(a), int(b), int(c)) for a, b, c in zip(slot_P, start_P, length_P) if a < logits_BV.shape[0]],
+            tokens_PC.shape[1])
+        return fn(params, cache, logits_BV, tokens_PC, start_P, length_P, table_PM, slot_P, cfg)
+
+    monkeypatch.setattr(chunk_lib, "prefill_chunks", slot_chunk)
+    monkeypatch.setattr(engine_lib, "_paged_prefill", paged_chunk)
 
 
 @pytest.fixture(scope="module")
@@ -215,13 +246,7 @@ def test_faults_are_answered_4xx_and_harm_nothing(server, monkeypatch):
     assert httpx.post(f"{url}/v1/completions", json=good, timeout=60).json()["choices"][0]["text"] == want
 
     # a client dropped mid-stream frees its slot: steps slowed to 20 ms, 50 tokens would take a second
-    decode_loop = engine_lib._decode_loop
-
-    def slow_loop(*args, **kw):
-        time.sleep(0.02 * int(args[4]))  # args[4]: the call's steps
-        return decode_loop(*args, **kw)
-
-    monkeypatch.setattr(engine_lib, "_decode_loop", slow_loop)
+    log_decode_calls(monkeypatch, lambda rows, live, steps: time.sleep(0.02 * steps))
     before = metric(server, "jaxlm_generated_tokens_total")
     with httpx.Client(timeout=60) as h:
         with h.stream("POST", f"{url}/v1/completions", json={**good, "max_tokens": 50, "stream": True}) as r:
@@ -231,7 +256,7 @@ def test_faults_are_answered_4xx_and_harm_nothing(server, monkeypatch):
     deadline = time.monotonic() + 20
     while metric(server, "jaxlm_busy_slots") != 0 and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert metric(server, "jaxlm_busy_slots") == 0
+    assert metric(server, "jaxlm_busy_slots") == 0 and metric(server, "jaxlm_kv_pages_used") == 0
     assert metric(server, "jaxlm_generated_tokens_total") - before < 40  # cancelled, not run to its end
     monkeypatch.undo()
 
@@ -401,10 +426,12 @@ def test_engine_queue_is_bounded_and_a_failing_prefill_fails_alone(trained):
     assert not events[2]
 
 
-def test_a_long_prompt_is_prefilled_in_chunks_between_the_other_slots_steps(trained, shakespeare_file,
-                                                                             monkeypatch):
+@pytest.mark.parametrize("page_size", [0, 16])
+def test_a_long_prompt_is_prefilled_in_chunks_between_the_other_slots_steps(trained, shakespeare_file, monkeypatch,
+                                                                             page_size):
     """A 40-token prompt with serve.prefill_chunk=16 takes three chunks, one per engine turn, and the sequence
-    already decoding gets a token in each of those turns; its greedy text equals `jaxlm generate`'s."""
+    already decoding gets a token in each of those turns; its greedy text equals `jaxlm generate`'s. With the
+    slot cache and with the paged one."""
     from jaxlm.serve import chunk as chunk_lib
 
     model = jaxlm.load(trained)
@@ -412,15 +439,10 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_the_other_slots_steps(trai
     text = shakespeare_file.read_text()[:2000]
     long_prompt = text[100:140]
     log = []
-    chunk = chunk_lib.prefill_chunks
-
-    def logged_chunk(params, cache, logits_BV, tokens_PC, start_P, length_P, slot_P, cfg, *fresh):
-        log.extend(("chunk", int(slot), int(start), tokens_PC.shape[1])
-                   for slot, start in zip(slot_P, start_P) if slot < len(cache.length))
-        return chunk(params, cache, logits_BV, tokens_PC, start_P, length_P, slot_P, cfg, *fresh)
-
-    monkeypatch.setattr(chunk_lib, "prefill_chunks", logged_chunk)
-    e = engine_lib.Engine(model.params, model.config.model, 2, 64, max_queue=4, prefill_chunk=16)
+    programs = (chunk_lib.prefill_chunks, engine_lib._paged_prefill)
+    log_prefill_calls(monkeypatch, lambda rows, C: log.extend(("chunk", slot, start, C) for slot, start, _ in rows))
+    e = engine_lib.Engine(model.params, model.config.model, 2, 64, max_queue=4, prefill_chunk=16,
+                          page_size=page_size)
     a = engine_lib.Sequence(tok.encode("To be"), 12, 0.0, 0, 1.0, 0, 0, (), lambda ev: log.append(("a", ev)))
     b = engine_lib.Sequence(tok.encode(long_prompt), 10, 0.0, 0, 1.0, 0, 0, (), lambda ev: log.append(("b", ev)))
     e.submit(a)
@@ -430,15 +452,16 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_the_other_slots_steps(trai
     while not any(x == ("b", ("done", "length")) for x in log):
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    # another length and other chunk starts: the same program (one per chunk length, here 16)
-    compiled = chunk._cache_size()
+    # another length and other chunk starts: the same programs (one per chunk length, here 16)
+    compiled = [p._cache_size() for p in programs]
     done = []
     e.submit(engine_lib.Sequence(tok.encode(text[300:323]), 2, 0.0, 0, 1.0, 0, 0, (), done.append))
     while not done or done[-1][0] != "done":
         assert time.monotonic() < deadline
         time.sleep(0.01)
     e.stop()
-    assert chunk._cache_size() == compiled
+    assert [p._cache_size() for p in programs] == compiled
+    assert e.pages_used() == 0
     b_chunks = [i for i, x in enumerate(log) if x[0] == "chunk" and x[1] == b.slot]
     assert [log[i][2:] for i in b_chunks] == [(0, 16), (16, 16), (32, 16)]
     b_first = next(i for i, x in enumerate(log) if x[0] == "b")
@@ -587,8 +610,6 @@ def test_prompts_arriving_together_are_prefilled_together_and_change_no_output(t
     waiting prompts' next chunks, oldest first, while their tokens fit in 32, and runs those of the same padded
     length in one call (among them the rest of a 45-token prompt with two new prompts), so there are fewer
     calls than chunks; every text equals `jaxlm generate`'s."""
-    from jaxlm.serve import chunk as chunk_lib
-
     model = jaxlm.load(trained)
     tok = model.tokenizer()
     text = shakespeare_file.read_text()[:6000]
@@ -596,14 +617,7 @@ def test_prompts_arriving_together_are_prefilled_together_and_change_no_output(t
     prompts = [text[400 * i:400 * i + n] for i, n in enumerate(lengths)]
     max_tokens = [10 + 3 * (i % 4) for i in range(len(prompts))]
     calls = []
-    chunk = chunk_lib.prefill_chunks
-
-    def logged_chunk(params, cache, logits_BV, tokens_PC, start_P, length_P, slot_P, cfg, *fresh):
-        calls.append([(int(length), int(start)) for length, start, slot in zip(length_P, start_P, slot_P)
-                      if slot < len(cache.length)])
-        return chunk(params, cache, logits_BV, tokens_PC, start_P, length_P, slot_P, cfg, *fresh)
-
-    monkeypatch.setattr(chunk_lib, "prefill_chunks", logged_chunk)
+    log_prefill_calls(monkeypatch, lambda rows, C: calls.append([(length, start) for _, start, length in rows]))
     e = engine_lib.Engine(model.params, model.config.model, SLOTS, 64, max_queue=16, prefill_chunk=32)
     events = [[] for _ in prompts]
     for i, (p, m) in enumerate(zip(prompts, max_tokens)):
@@ -620,34 +634,40 @@ def test_prompts_arriving_together_are_prefilled_together_and_change_no_output(t
     assert got == [w[:m] for w, m in zip(want, max_tokens)]
 
 
-def test_prefix_cache_reuses_a_shared_prompt_and_changes_no_output(server, trained, shakespeare_file):
-    """Four prompts that share a 40-token system prompt: with the prefix cache the last three copy its keys and
-    values (the counters say how many tokens were reused and how many prefilled), and the answers are the same
-    without it and equal `jaxlm generate`'s."""
+@pytest.mark.parametrize("page_size", [0, 16])
+def test_prefix_cache_reuses_a_shared_prompt_and_changes_no_output(trained, shakespeare_file, page_size):
+    """Four prompts that share a 40-token system prompt: with the prefix cache the last three reuse its keys and
+    values (the slot cache copies a stored prompt's 40; the paged cache shares the first prompt's two full pages
+    of 16, the sequences holding them together), the counters say how many tokens were reused and how many
+    prefilled, and the answers are the same without it and equal `jaxlm generate`'s."""
+    model = jaxlm.load(trained)
+    tok = model.tokenizer()
     text = shakespeare_file.read_text()[3000:6000]
     system = text[:40]
     prompts = [system + text[200 + 50 * i: 208 + 50 * i] for i in range(4)]
-    c = client(server)
-    e = server.served.engine
-    names = ("jaxlm_prefix_cache_hits_total", "jaxlm_prefix_cache_tokens_total", "jaxlm_prefill_tokens_total")
-
-    def answers():
-        before = [metric(server, n) for n in names]
-        out = [c.completions.create(model="tiny", prompt=p, max_tokens=12, temperature=0).choices[0].text
-               for p in prompts]
-        return out, [metric(server, n) - b for n, b in zip(names, before)]
-
-    with_cache, (hits, reused, prefilled) = answers()
-    assert hits >= 3 and reused >= 3 * 40  # the first request may reuse an earlier test's prompt too
-    assert prefilled + reused == sum(map(len, prompts))
-    store = e.prefix
-    e.prefix = None
-    try:
-        without, (hits, reused, prefilled) = answers()
-    finally:
-        e.prefix = store
-    assert (hits, reused, prefilled) == (0, 0, sum(map(len, prompts)))
-    assert with_cache == without == jaxlm.load(trained).generate_text(prompts, max_new_tokens=12, temperature=0)
+    reuse = 40 if page_size == 0 else 32
+    runs = {}
+    for prefix_cache in (4, 0):
+        e = engine_lib.Engine(model.params, model.config.model, 4, 64, max_queue=8, prefix_cache=prefix_cache,
+                              page_size=page_size)
+        events = [[] for _ in prompts]
+        e.submit(engine_lib.Sequence(tok.encode(prompts[0]), 12, 0.0, 0, 1.0, 0, 0, (), events[0].append))
+        until_done(e, events[:1])
+        held = []
+        for i, p in enumerate(prompts[1:], 1):  # together, after the first: they share its pages
+            e.submit(engine_lib.Sequence(tok.encode(p), 12, 0.0, 0, 1.0, 0, 0, (),
+                                         lambda ev, i=i: (events[i].append(ev), held.append(e.pages_used()))))
+        until_done(e, events)
+        runs[prefix_cache] = [tok.decode([t for t, _, _ in token_events(ev)]) for ev in events]
+        if prefix_cache:
+            assert (e.prefix_hits_total, e.prefix_tokens_total) == (3, 3 * reuse)
+            if page_size:  # three sequences of 3 pages (48 prompt tokens + 12 new ones) sharing their first 2
+                assert max(held) == 2 + 3 * 2
+        else:
+            assert (e.prefix_hits_total, e.prefix_tokens_total) == (0, 0)
+        assert e.prefilled_tokens_total + e.prefix_tokens_total == sum(map(len, prompts))
+        assert e.pages_used() == 0
+    assert runs[4] == runs[0] == model.generate_text(prompts, max_new_tokens=12, temperature=0)
 
 
 def test_several_decode_steps_per_call_and_row_buckets_change_no_output(trained, shakespeare_file, monkeypatch):
@@ -657,10 +677,10 @@ def test_several_decode_steps_per_call_and_row_buckets_change_no_output(trained,
     per call, and with the layers scanned over the stacked cache (as a model deeper than generate.UNROLL_LAYERS,
     or one step per call, runs them) as with them unrolled over the cache taken apart, the greedy ones `jaxlm
     generate`'s cut after the stop token; and over the fewest cache slots that hold the rows' positions (16, 32
-    or 64) as over all 64. Each call runs on the smallest bucket that holds the decoding slots, with one step
-    after a prefill and twice the last call's steps else."""
+    or 64) as over all 64; and with the paged cache (layers unrolled and scanned) as with the slot cache. Each
+    call runs on the smallest bucket that holds the decoding slots, with one step after a prefill and the most
+    else."""
     from jaxlm import generate as generate_lib
-    from jaxlm.serve import chunk as chunk_lib
 
     model = jaxlm.load(trained)
     tok = model.tokenizer()
@@ -674,28 +694,21 @@ def test_several_decode_steps_per_call_and_row_buckets_change_no_output(trained,
     assert greedy[4].index("T") == 3 and greedy[6][0] == "e"
     temperature = [0, 0, 0.9, 0, 0, 0.8, 0]
     log = []
-    decode_loop, chunk = engine_lib._decode_loop, chunk_lib.prefill_chunks
-
-    def logged_loop(*args, **kw):
-        log.append((len(args[3]), int(args[5].sum()), int(args[4])))  # rows, live rows, steps
-        return decode_loop(*args, **kw)
-
-    def logged_chunk(*args, **kw):
-        log.append("chunk")
-        return chunk(*args, **kw)
-
-    monkeypatch.setattr(engine_lib, "_decode_loop", logged_loop)
-    monkeypatch.setattr(chunk_lib, "prefill_chunks", logged_chunk)
+    decode_loop = engine_lib._decode_loop
+    log_decode_calls(monkeypatch, lambda *call: log.append(call))  # rows, live rows, steps
+    log_prefill_calls(monkeypatch, lambda rows, C: log.append("chunk"))
     runs = {}
     divisors = engine_lib.SLOT_DIVISORS
-    for most, unroll, cut in ((1, False, True), (8, True, True), (8, False, True), (8, True, False)):
+    for most, unroll, cut, page_size in ((1, False, True, 0), (8, True, True, 0), (8, False, True, 0),
+                                         (8, True, False, 0), (8, True, True, 16), (8, False, True, 16)):
         monkeypatch.setattr(generate_lib, "UNROLL_LAYERS", 16 if most == 1 or unroll else 0)
         monkeypatch.setattr(engine_lib, "SLOT_DIVISORS", divisors if cut else ())
         decode_loop.clear_cache()  # the slot buckets are read when the program is traced
         e = engine_lib.Engine(model.params, model.config.model, SLOTS, 64, max_queue=16, prefill_chunk=16,
-                              decode_steps=most)
-        assert e.unroll == unroll  # one step per call scans whatever the depth
-        assert engine_lib._slot_buckets(e.cfg, e.cache) == ([16, 32, 64] if cut else [64])
+                              decode_steps=most, page_size=page_size)
+        assert e.unroll == unroll  # one step per call scans the slot cache whatever the depth
+        if not page_size:
+            assert engine_lib._slot_buckets(e.cfg, e.cache) == ([16, 32, 64] if cut else [64])
         e.warm_up()
         log.clear()
         events = [[] for _ in prompts]
@@ -714,7 +727,8 @@ def test_several_decode_steps_per_call_and_row_buckets_change_no_output(trained,
             raise
         e.submit(seqs[-1])
         until_done(e, events, started=True)
-        runs[most, unroll, cut] = events
+        assert e.pages_used() == 0
+        runs[most, unroll, cut, page_size] = events
         calls = [x for x in log if x != "chunk"]
         assert e.buckets == [8, 4, 2, 1] and {rows for rows, _, _ in calls} == {8, 4, 2, 1}
         assert all(rows == min(b for b in e.buckets if b >= live) for rows, live, _ in calls)
@@ -723,8 +737,9 @@ def test_several_decode_steps_per_call_and_row_buckets_change_no_output(trained,
         assert max(steps for _, _, steps in calls) == most
     monkeypatch.setattr(engine_lib, "SLOT_DIVISORS", divisors)
     decode_loop.clear_cache()
-    eight = runs[8, True, True]
-    for other in (runs[1, False, True], runs[8, False, True], runs[8, True, False]):
+    eight = runs[8, True, True, 0]
+    for other in (runs[1, False, True, 0], runs[8, False, True, 0], runs[8, True, False, 0], runs[8, True, True, 16],
+                  runs[8, False, True, 16]):
         for a, b in zip(other, eight):
             assert [t for t, _, _ in token_events(a)] == [t for t, _, _ in token_events(b)] and a[-1] == b[-1]
             assert np.allclose([lp for _, lp, _ in token_events(a)], [lp for _, lp, _ in token_events(b)],
@@ -799,10 +814,12 @@ def test_restack_puts_back_every_layer_unstack_took_apart(quantize):
                 assert np.array_equal(np.compress(~kept, a, slot_axis), np.compress(~kept, zero, slot_axis))
 
 
-def test_an_int8_cache_decodes_the_same_unrolled_and_scanned(trained, shakespeare_file, monkeypatch):
-    """With decode.quantize_kv_cache the decode program carries int8 keys, values and scales taken apart and
-    stacked back: unrolled it gives the tokens (and log-probabilities within 1e-5) of the scan over the stacked
-    cache, the greedy ones `jaxlm generate`'s with the same int8 cache."""
+@pytest.mark.parametrize("page_size", [0, 16])
+def test_an_int8_cache_decodes_the_same_unrolled_and_scanned(trained, shakespeare_file, monkeypatch, page_size):
+    """With decode.quantize_kv_cache the decode program carries int8 keys, values and scales (the slot cache's
+    taken apart and stacked back, or the paged cache's pages): unrolled it gives the tokens (and
+    log-probabilities within 1e-5) of the scan over the stacked layers, the greedy ones `jaxlm generate`'s with
+    the same int8 cache."""
     from jaxlm import generate as generate_lib
 
     model = jaxlm.load(trained)
@@ -813,8 +830,10 @@ def test_an_int8_cache_decodes_the_same_unrolled_and_scanned(trained, shakespear
     runs = {}
     for unroll in (True, False):
         monkeypatch.setattr(generate_lib, "UNROLL_LAYERS", 16 if unroll else 0)
-        e = engine_lib.Engine(model.params, model.config.model, 4, 64, max_queue=8, quantize_kv_cache=True)
-        assert e.unroll == unroll and e.cache.kinds[0].k.dtype == np.int8
+        e = engine_lib.Engine(model.params, model.config.model, 4, 64, max_queue=8, quantize_kv_cache=True,
+                              page_size=page_size)
+        k = e.cache.kinds[0]["k"] if page_size else e.cache.kinds[0].k
+        assert e.unroll == unroll and k.dtype == np.int8
         events = [[] for _ in prompts]
         for i, (p, t) in enumerate(zip(prompts, temperature)):
             e.submit(engine_lib.Sequence(tok.encode(p), 24, t, 0, 1.0, 7 + i, 0, (), events[i].append))
@@ -834,13 +853,7 @@ def test_while_a_request_waits_for_a_slot_a_call_ends_when_the_first_slot_frees(
     needs to finish, so the third is admitted in the turn right after; then the steps grow again."""
     model = jaxlm.load(trained)
     steps = []
-    decode_loop = engine_lib._decode_loop
-
-    def logged_loop(*args, **kw):
-        steps.append(int(args[4]))
-        return decode_loop(*args, **kw)
-
-    monkeypatch.setattr(engine_lib, "_decode_loop", logged_loop)
+    log_decode_calls(monkeypatch, lambda rows, live, n: steps.append(n))
     e = engine_lib.Engine(model.params, model.config.model, 2, 64, max_queue=4, prefill_chunk=16, decode_steps=8)
     events = [[], [], []]
     for i, m in enumerate((6, 30, 5)):
@@ -932,20 +945,27 @@ def test_stop_strings_are_cut_exactly_when_chunks_carry_several_tokens(server, t
 
 
 @pytest.mark.slow
-def test_serving_on_a_mesh_shards_the_weights_and_cache_and_answers_as_one_device(trained):
+@pytest.mark.parametrize("page_size", [0, 16])
+def test_serving_on_a_mesh_shards_the_weights_and_cache_and_answers_as_one_device(trained, page_size):
     """`jaxlm serve ... mesh.ici_data=2 mesh.ici_tensor=2` on 4 fake CPU devices: the weights and the KV cache
-    are sharded (kv heads over `tensor`, slots over `data`), and greedy answers equal one device's. The char
-    vocabulary (65) does not split in two, so mesh.rules keeps it whole."""
-    cfg = serve.settings_config({"serve.max_slots": 4, "max_new_tokens": 16, "serve.model_name": "tiny",
-                                 "mesh.ici_data": 2, "mesh.ici_tensor": 2, "mesh.rules": "param.vocab=;act.vocab=",
-                                 "serve.prefill_chunk": 16})
+    are sharded (kv heads over `tensor`; the slot cache's slots over `data`, the paged cache's pages whole), and
+    greedy answers equal one device's. The char vocabulary (65) does not split in two, so mesh.rules keeps it
+    whole."""
+    settings = {"serve.max_slots": 4, "serve.model_name": "tiny", "serve.prefill_chunk": 16,
+                "serve.page_size": page_size}
+    cfg = serve.settings_config({**settings, "max_new_tokens": 16, "mesh.ici_data": 2, "mesh.ici_tensor": 2,
+                                 "mesh.rules": "param.vocab=;act.vocab="})
     srv = serve.Server(serve.build(trained, cfg, log=lambda s: None), "127.0.0.1", 0).start()
     try:
         e = srv.served.engine
         assert e.mesh.shape == {**e.mesh.shape, "data": 2, "tensor": 2} and e.mesh.size == 4
-        k = e.cache.kinds[0].k  # [R, B, K, S, H]
-        assert k.sharding.shard_shape(k.shape) == (k.shape[0], k.shape[1] // 2, k.shape[2] // 2, *k.shape[3:])
-        assert e.prefix.store.kinds[0].k.sharding.is_equivalent_to(k.sharding, k.ndim)
+        if page_size:
+            k = e.cache.kinds[0]["k"]  # [R, NP, K, page, H]
+            assert k.sharding.shard_shape(k.shape) == (k.shape[0], k.shape[1], k.shape[2] // 2, *k.shape[3:])
+        else:
+            k = e.cache.kinds[0].k  # [R, B, K, S, H]
+            assert k.sharding.shard_shape(k.shape) == (k.shape[0], k.shape[1] // 2, k.shape[2] // 2, *k.shape[3:])
+            assert e.prefix.store.kinds[0].k.sharding.is_equivalent_to(k.sharding, k.ndim)
         wq = e.params["layers"]["attn"]["q"]
         assert len(wq.sharding.device_set) == 4 and wq.sharding.shard_shape(wq.shape) != wq.shape
         prompts = ["To be", "KING RICHARD:\nWhat", "First Citizen:\nBefore we proceed any"]
@@ -956,11 +976,14 @@ def test_serving_on_a_mesh_shards_the_weights_and_cache_and_answers_as_one_devic
         srv.stop()
     assert got == jaxlm.load(trained).generate_text(prompts, max_new_tokens=16, temperature=0)
     # a server built after it in the same process without a mesh (as `jaxlm eval --tasks` does after other work)
-    # keeps its cache and prefix cache on one device, whatever layouts earlier engines compiled
-    plain_cfg = serve.settings_config({"serve.max_slots": 4, "serve.model_name": "tiny", "serve.prefill_chunk": 16})
-    plain = serve.build(trained, plain_cfg, log=lambda s: None).engine
-    assert plain.mesh is None and plain.prefix is not None
-    devices = [len(c.kinds[0].k.sharding.device_set) for c in (plain.prefix.store, plain.cache)]
+    # keeps its cache (and prefix cache) on one device, whatever layouts earlier engines compiled
+    plain = serve.build(trained, serve.settings_config(settings), log=lambda s: None).engine
+    assert plain.mesh is None
+    if page_size:
+        devices = [len(plain.cache.kinds[0]["k"].sharding.device_set)] * 2
+    else:
+        devices = [len(c.kinds[0].k.sharding.device_set) for c in (plain.prefix.store, plain.cache)]
+    plain.stop()
     assert devices == [1, 1], devices
 
 

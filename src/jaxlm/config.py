@@ -296,8 +296,15 @@ class DecodeConfig:
 class ServeConfig:
     host: str = _f("127.0.0.1", "`jaxlm serve`: address to listen on; 0.0.0.0 opens the server to the network")
     port: int = _f(8000, "`jaxlm serve`: TCP port")
-    max_slots: int = _f(8, "sequences decoded together, each in its own slot of one KV cache; the decode step "
-                           "compiles once for this count")
+    max_slots: int = _f(64, "sequences in flight at most (decoded together; the decode step compiles for this "
+                            "count and for a half, a quarter and an eighth of it); with the slot cache "
+                            "(serve.page_size=0) each holds the whole context")
+    page_size: int = _f(16, "positions per page of the paged KV cache: a sequence holds the pages its tokens fill, "
+                            "taken as it grows and given back when it ends; 0 = the slot cache (every slot the "
+                            "whole context)")
+    cache_gib: float = _f(0.0, "memory of the paged KV cache's pages, GiB; 0 = as much as gives every slot the "
+                               "whole context, at most 4 GiB on a CPU and 80% of the free memory on an "
+                               "accelerator")
     max_queue: int = _f(64, "requests waiting for a slot at most; more are answered 429 with Retry-After")
     model_name: str = _f("", "model id of the OpenAI API (/v1/models, the `model` field); '' = the folder's name")
     api_key: str = _f("", "answer 401 unless a request sends `Authorization: Bearer KEY`; '' = the JAXLM_API_KEY "
@@ -315,9 +322,10 @@ class ServeConfig:
     prefill_chunk: int = _f(512, "prompt tokens prefilled per engine turn at most: a longer prompt is prefilled a "
                                  "chunk per turn between the other slots' decode steps; prefill compiles once per "
                                  "chunk length (powers of two from 16 up to this)")
-    prefix_cache: int = _f(4, "recent prompts whose keys and values stay on device for requests that start with the "
-                              "same tokens (a shared system prompt) to reuse instead of prefilling; each costs one "
-                              "slot's cache memory; 0 = off")
+    prefix_cache: int = _f(4, "share prompt prefixes: with the paged cache (any value > 0) a prompt's full pages stay "
+                              "registered and a later prompt that starts with the same tokens takes them instead of "
+                              "prefilling; with the slot cache, this many recent prompts' keys and values stay on "
+                              "device (each one slot's memory) to be copied into a slot; 0 = off")
     decode_steps: int = _f(8, "decode steps run in one device call at most, each row stopping at its stop token or "
                               "max_tokens inside the call; a turn that prefills runs one step (a new request's "
                               "first token), the others this many; 1 = one step per call")
@@ -796,6 +804,10 @@ def validate_serve(s: ServeConfig) -> None:
                           "(each replica takes an equal share of the slots)")
     if s.prefix_cache < 0:
         raise ConfigError(f"serve.prefix_cache={s.prefix_cache} must be >= 0 (0 = off)")
+    if s.page_size < 0:
+        raise ConfigError(f"serve.page_size={s.page_size} must be >= 0 (0 = the slot cache)")
+    if s.cache_gib < 0:
+        raise ConfigError(f"serve.cache_gib={s.cache_gib} must be >= 0 (0 = automatic)")
     if not s.max_body_mb > 0:
         raise ConfigError(f"serve.max_body_mb={s.max_body_mb} must be > 0")
     if s.api_key_file and not Path(s.api_key_file).is_file():

@@ -16,7 +16,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxlm import quant
 from jaxlm.config import ModelConfig
-from jaxlm.model import attention, kvcache, layers, moe, pipeline
+from jaxlm.model import attention, kvcache, layers, moe, paged, pipeline
 from jaxlm.params import ParamSpec, normal, ones, zeros
 from jaxlm.sharding import constrain
 from jaxlm.sharding import pipeline as pipeline_settings
@@ -549,3 +549,65 @@ def prefill_chunks(params: dict, cache: kvcache.KVCache, tokens_PC: jax.Array, s
             (None,) + kvcache.CACHE_AXES[:getattr(c, name).ndim - 1]) for name in names}
         kinds.append(kvcache.KindCache(pos=put(c.pos, layout[3], 0), **arrays))
     return kvcache.KVCache(tuple(kinds), put(cache.length, end_P, 0)), logits_PV
+
+
+@quant.scoped
+def paged_forward(params: dict, cache: paged.PagedCache, tokens_PC: jax.Array, start_P: jax.Array,
+                  length_P: jax.Array, table_PM: jax.Array, cfg: ModelConfig,
+                  layer_params: tuple[dict, ...] | None = None, all_logits: bool = False
+                  ) -> tuple[jax.Array, paged.PagedCache]:
+    """Run tokens [P, C] of P sequences over the paged cache (model/paged.py), each row from position start_P[p]
+    through its page table table_PM[p]: the tokens below length_P[p] are real (the rest padding: neither
+    written nor attended to), their keys and values are written into the row's pages, and each attends to the
+    row's keys before it. One function for every cached step of the server: a prompt's chunk (C up to the
+    chunk length, after the pages of its earlier chunks or of a shared prefix), a decode step (C = 1; a row
+    with length_P 0 does nothing) and a speculative verification (C = draft tokens + 1). Returns float32 logits,
+    of every token [P, C, V] with `all_logits`, else of each row's last real token [P, V], and the cache.
+
+    `layer_params` (layer_weights: the layers' weights one by one, taken apart once before a decode loop) runs
+    the layers unrolled, each reading and writing its own slice of the stacked pool; else the layers are
+    scanned. The table's pages must cover every real token's position (the caller allocates them)."""
+    P, C = tokens_PC.shape
+    A = cache.page_size
+    positions_PC = start_P[:, None] + jnp.arange(C, dtype=jnp.int32)
+    end_P = jnp.clip(length_P, start_P, start_P + C)
+    real_PC = positions_PC < end_P[:, None]
+    # Padding takes the last real position (valid for learned position tables) and is masked as a key.
+    q_pos_PC = jnp.maximum(jnp.minimum(positions_PC, end_P[:, None] - 1), 0)
+    slot_PC = jnp.take_along_axis(table_PM, jnp.clip(positions_PC // A, 0, table_PM.shape[1] - 1), axis=1)
+    page_PC = jnp.where(real_PC, slot_PC, cache.pages)  # past the pool: the write is dropped
+    off_PC = positions_PC % A
+    flat = C <= paged.FLAT_MAX_QUERIES
+    x_PCD = constrain(embed(params, tokens_PC, cfg, q_pos_PC), ("batch", "length", "embed"))
+
+    def layer(x_PCD, p, arrays, j, r):
+        def attn(h_PCD, p_attn):
+            return paged.attention(h_PCD, p_attn, cfg, arrays, r, q_pos_PC, page_PC, off_PC, table_PM, end_P,
+                                   cfg.pattern[j] == "local", flat)
+
+        x_PCD, _, arrays = _block(x_PCD, p, cfg, attn)
+        return x_PCD, arrays
+
+    kinds = list(cache.kinds)
+    P_ = len(cfg.pattern)
+    with jax.named_scope("paged"):
+        if layer_params is not None:
+            for i, p in enumerate(layer_params):
+                x_PCD, kinds[i % P_] = layer(x_PCD, p, kinds[i % P_], i % P_, i // P_)
+        else:
+            def step(carry, inputs):
+                x_PCD, kinds = carry
+                p_group, r = inputs
+                kinds = list(kinds)
+                for j in range(P_):
+                    x_PCD, kinds[j] = layer(x_PCD, _matmul_weights(jax.tree.map(lambda a: a[j], p_group), cfg),
+                                            kinds[j], j, r)
+                return (x_PCD, tuple(kinds)), None
+
+            R = cfg.n_layers // P_
+            (x_PCD, kinds), _ = jax.lax.scan(step, (x_PCD, tuple(kinds)),
+                                             (_grouped(cfg, params["layers"]), jnp.arange(R)))
+        if not all_logits:
+            x_PCD = jnp.take_along_axis(x_PCD, jnp.maximum(end_P - 1 - start_P, 0)[:, None, None], axis=1)
+        logits = unembed(params, x_PCD, cfg)
+    return (logits if all_logits else logits[:, 0]), paged.PagedCache(tuple(kinds))

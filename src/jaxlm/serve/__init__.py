@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 from jaxlm import config as config_lib, sharding
+from jaxlm.model import paged
 from jaxlm.config import Config, ConfigError
 from jaxlm.data import tokenizer as tokenizer_lib
 
@@ -69,9 +70,11 @@ def build(src: str | Path, cfg: Config, log: Callable[[str], None] = print):
         raise ConfigError(f"serve.replicas={sc.replicas} runs engines side by side on one device; with a mesh of "
                           f"{model.mesh.size} devices keep serve.replicas=1 (one engine sharded over them)")
     R = sc.replicas
+    pages = cache_pages(m, sc, length, d.quantize_kv_cache) // R if sc.page_size else None
     engines = [engine_lib.Engine(model.params, m, sc.max_slots // R, length, Replicas.split(sc.max_queue, R),
                                  d.quantize_kv_cache, model.mesh, sc.prefill_chunk, sc.prefix_cache,
-                                 sharding.rules_from_config(cfg.mesh), sc.decode_steps) for _ in range(R)]
+                                 sharding.rules_from_config(cfg.mesh), sc.decode_steps, sc.page_size, pages)
+               for _ in range(R)]
     engine = engines[0] if R == 1 else Replicas(engines)
     engine.warm_up()
     engine.start()
@@ -82,13 +85,42 @@ def build(src: str | Path, cfg: Config, log: Callable[[str], None] = print):
                             allowed_hosts(sc), frozenset(o.strip() for o in sc.allowed_origins.split(",") if o.strip()),
                             int(sc.max_body_mb * 2**20), length * (longest_token(tok) + 1))
     replicas = f" in {R} replicas" if R > 1 else ""
-    log(f"jaxlm serve: {served.name} | {sc.max_slots} slots{replicas} x {length} positions | up to "
+    if sc.page_size:
+        per_page = paged.bytes_per_token(m, d.quantize_kv_cache) * sc.page_size
+        cache = (f"KV cache of {pages * R} pages of {sc.page_size} positions ({pages * R * per_page / 2**30:.2f} "
+                 f"GiB, {pages * R * sc.page_size} positions)")
+    else:
+        cache = "slot KV cache"
+    log(f"jaxlm serve: {served.name} | {cache} | {sc.max_slots} sequences{replicas} x {length} positions | up to "
         f"{sc.decode_steps} decode steps per call | prefill chunks of "
         f"{sc.prefill_chunk} | prefix cache {sc.prefix_cache or 'off'} | "
         f"{'API key required' if api_key else 'no API key'}")
     if (warning := exposure_warning(sc.host, api_key)) is not None:
         log(warning)
     return served
+
+
+CPU_CACHE_GIB = 4.0  # the paged cache's memory on a CPU by default (vLLM's CPU backend takes 4 GiB too)
+ACCELERATOR_CACHE_FRACTION = 0.8  # of an accelerator's free memory, by default
+
+
+def cache_pages(m, sc, length: int, quantize: bool) -> int:
+    """Pages of the paged KV cache: serve.cache_gib of them, or by default as many as give each of
+    serve.max_slots the whole context (the slot cache's memory), at most CPU_CACHE_GIB on a CPU and
+    ACCELERATOR_CACHE_FRACTION of the free memory of an accelerator."""
+    import jax
+
+    per_page = paged.bytes_per_token(m, quantize) * sc.page_size
+    if sc.cache_gib:
+        return max(1, int(sc.cache_gib * 2**30 // per_page))
+    pages = sc.max_slots * -(-length // sc.page_size)
+    device = jax.devices()[0]
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    if stats and "bytes_limit" in stats:
+        budget = ACCELERATOR_CACHE_FRACTION * (stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+    else:
+        budget = CPU_CACHE_GIB * 2**30
+    return max(1, min(pages, int(budget // per_page)))
 
 
 def exposure_warning(host: str, api_key: str | None) -> str | None:

@@ -672,6 +672,10 @@ def prometheus(s: Served) -> str:
     metric("jaxlm_queue_depth", "gauge", "Requests waiting for a decode slot.", [("", e.queue_depth())])
     metric("jaxlm_busy_slots", "gauge", "Decode slots holding a sequence.", [("", e.busy_slots())])
     metric("jaxlm_slots", "gauge", "Decode slots (serve.max_slots).", [("", e.B)])
+    metric("jaxlm_kv_pages_used", "gauge", "Pages of the paged KV cache that sequences hold.", [("", e.pages_used())])
+    metric("jaxlm_kv_pages", "gauge", "Pages of the paged KV cache (0: the slot cache).", [("", e.pages_total())])
+    metric("jaxlm_preemptions_total", "counter", "Sequences preempted (pages given back, recomputed later) when the "
+           "paged cache ran out.", [("", e.preempted_total)])
     metric("jaxlm_generated_tokens_total", "counter", "Tokens generated.", [("", e.tokens_total)])
     metric("jaxlm_decode_calls_total", "counter", "Device calls of the decode program (each runs up to "
            "serve.decode_steps steps).", [("", e.calls_total)])

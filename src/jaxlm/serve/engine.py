@@ -76,8 +76,9 @@ import numpy as np
 
 from jaxlm import generate, sampling, sharding
 from jaxlm.config import ModelConfig, ServeConfig
-from jaxlm.model import forward, kvcache, transformer
+from jaxlm.model import forward, kvcache, paged, transformer
 from jaxlm.serve import chunk as chunk_lib
+from jaxlm.serve.pages import PagePool
 from jaxlm.serve.prefix_cache import PrefixCache
 
 TOP_LOGPROBS = 5  # the most alternatives a request may ask for, as the OpenAI completions API allows
@@ -120,14 +121,24 @@ class Sequence:
     alternatives: int = TOP_LOGPROBS  # of each token, with `logprobs` (at most TOP_LOGPROBS)
     cancelled: bool = False
     slot: int = -1
-    prefilled: int | None = None  # prompt tokens in the slot's cache; None until its prefill starts
+    prefilled: int | None = None  # tokens of `context` in the slot's cache; None until its prefill starts
     generated: int = 0  # tokens sent to `emit`
     planned: int = 0  # tokens the decode calls dispatched so far make for it unless it stops at a stop token
     submitted: float = field(default_factory=time.perf_counter)
+    out: list[int] = field(default_factory=list)  # the tokens sent (a preempted sequence prefills them again)
+    resumed: list[int] | None = None  # after a preemption: the prompt and the tokens sent before it
+    pages: list[int] = field(default_factory=list)  # the paged cache's pages it holds, in position order
+    admitted: int = 0  # the engine's count of admissions when it was admitted (the latest is preempted first)
+
+    @property
+    def context(self) -> list[int]:
+        """The tokens its cache must hold before it decodes: the prompt, or after a preemption the prompt and
+        the tokens sent before it."""
+        return self.prompt if self.resumed is None else self.resumed
 
     @property
     def decoding(self) -> bool:
-        return self.prefilled == len(self.prompt)
+        return self.prefilled == len(self.context)
 
 
 @dataclass
@@ -140,61 +151,78 @@ class Score:
     submitted: float = field(default_factory=time.perf_counter)
 
 
-@partial(jax.jit, static_argnames=("cfg", "max_steps", "unroll"), donate_argnames=("cache", "logits_BV"))
-def _decode_loop(params, cache, logits_BV, rows_b, steps, live_b, idle_length_b, left_b, stop_bM, want_lp_b,
-                 seed_b, choice_b, count_b, temperature_b, top_k_b, top_p_b, cfg: ModelConfig, max_steps: int,
-                 unroll: bool):
-    """Up to `steps` (<= max_steps) decode steps over slots rows_b (all slots in order when there are B of
-    them). Each step, every live row samples its next token (its count_b-th plus the step) and the step appends
-    the tokens to the cache; a row stops living after a token in its stop_bM (padded with -1) or its left_b-th
-    token, and the loop ends early once no row lives. With `unroll` the steps run over the cache taken apart
-    by layer (kvcache.unstack, transformer.decode_layers), as generate's loop does for models of up to
-    generate.UNROLL_LAYERS layers: one copy of the rows' part of the cache in (the gather of rows_b included)
-    and one out (kvcache.restack, in place into the donated cache) per call, where the scan over the stacked
-    cache (unroll False) copies each layer's keys and values out of the stack every step. Either way the call
-    takes only the fewest slots of _slot_buckets that hold the positions it reads and writes. Returns tokens,
-    log-probabilities (zeros unless a live row wants them) and top alternatives [N, b(, K)], which of them were
-    produced [N, b], the logits and the cache."""
-    B, b, V = logits_BV.shape[0], rows_b.shape[0], logits_BV.shape[-1]
-    whole = b == B
-    logits_bV = logits_BV if whole else jnp.take(logits_BV, rows_b, axis=0)
+def _sampled_steps(decode: Callable, state, logits_bV, steps, live_b, left_b, stop_bM, want_lp_b, seed_b, choice_b,
+                   count_b, temperature_b, top_k_b, top_p_b, max_steps: int):
+    """The decode loop of both caches: up to `steps` (<= max_steps) steps, each sampling every live row's next
+    token (its count_b-th plus the step) and running `decode(tok_b, live_b, state) -> (logits_bV, state)`, which
+    appends them to the cache; a row stops living after a token in its stop_bM (padded with -1) or its
+    left_b-th token, and the loop ends early once no row lives. Returns tokens, log-probabilities (zeros unless
+    a live row wants them) and top alternatives [N, b(, K)], which of them were produced [N, b], the logits and
+    the state."""
+    b, V = logits_bV.shape
     way = sampling.branch(jnp.where(live_b, temperature_b, 0), top_k_b, top_p_b, V)
     N, K = max_steps, TOP_LOGPROBS
-    zeros = (jnp.zeros((N, b), jnp.int32), jnp.zeros((N, b), jnp.float32), jnp.zeros((N, b, K), jnp.int32),
-             jnp.zeros((N, b, K), jnp.float32), jnp.zeros((N, b), bool))
-    rows = None if whole else rows_b
+    out = (jnp.zeros((N, b), jnp.int32), jnp.zeros((N, b), jnp.float32), jnp.zeros((N, b, K), jnp.int32),
+           jnp.zeros((N, b, K), jnp.float32), jnp.zeros((N, b), bool))
     choice_keys_b = sampling.choice_keys(seed_b, choice_b)
 
     def no_logprobs(logits_bV, tok_b):
         return jnp.zeros((b,), jnp.float32), jnp.zeros((b, K), jnp.int32), jnp.zeros((b, K), jnp.float32)
 
-    def run(slots, out, logits_bV, cache):  # the call over the first `slots` slots of the rows' cache
-        decode, sub = transformer.decoder(params, cache, cfg, unroll, rows, slots)
+    def body(loop):
+        i, state, logits_bV, live_b, out = loop
+        tok_b = sampling.sample_rows(way, logits_bV, lambda: sampling.row_keys(choice_keys_b, count_b + i),
+                                     temperature_b, top_k_b, top_p_b)
+        tok_b = jnp.where(live_b, tok_b, 0)
+        lp = jax.lax.cond(jnp.any(live_b & want_lp_b), partial(sampling.token_logprobs, K=K), no_logprobs,
+                          logits_bV, tok_b)
+        out = tuple(o.at[i].set(x) for o, x in zip(out, (tok_b, *lp, live_b)))
+        ended_b = jnp.any(tok_b[:, None] == stop_bM, axis=1) | (i + 1 >= left_b)
+        logits_bV, state = decode(tok_b, live_b, state)
+        return i + 1, state, logits_bV, live_b & ~ended_b, out
 
-        def body(state):
-            i, sub, logits_bV, live_b, out = state
-            tok_b = sampling.sample_rows(way, logits_bV, lambda: sampling.row_keys(choice_keys_b, count_b + i),
-                                         temperature_b, top_k_b, top_p_b)
-            tok_b = jnp.where(live_b, tok_b, 0)
-            lp = jax.lax.cond(jnp.any(live_b & want_lp_b), partial(sampling.token_logprobs, K=K), no_logprobs,
-                              logits_bV, tok_b)
-            out = tuple(o.at[i].set(x) for o, x in zip(out, (tok_b, *lp, live_b)))
-            ended_b = jnp.any(tok_b[:, None] == stop_bM, axis=1) | (i + 1 >= left_b)
+    def more(loop):
+        return (loop[0] < steps) & jnp.any(loop[3])
+
+    _, state, logits_bV, _, out = jax.lax.while_loop(more, body, (jnp.int32(0), state, logits_bV, live_b, out))
+    return out, logits_bV, state
+
+
+@partial(jax.jit, static_argnames=("cfg", "max_steps", "unroll"), donate_argnames=("cache", "logits_BV"))
+def _decode_loop(params, cache, logits_BV, rows_b, steps, live_b, idle_length_b, left_b, stop_bM, want_lp_b,
+                 seed_b, choice_b, count_b, temperature_b, top_k_b, top_p_b, cfg: ModelConfig, max_steps: int,
+                 unroll: bool):
+    """_sampled_steps over slots rows_b of the slot cache (all slots in order when there are B of them). With
+    `unroll` the steps run over the cache taken apart by layer (kvcache.unstack, transformer.decode_layers), as
+    generate's loop does for models of up to generate.UNROLL_LAYERS layers: one copy of the rows' part of the
+    cache in (the gather of rows_b included) and one out (kvcache.restack, in place into the donated cache) per
+    call, where the scan over the stacked cache (unroll False) copies each layer's keys and values out of the
+    stack every step. Either way the call takes only the fewest slots of _slot_buckets that hold the positions
+    it reads and writes. Returns _sampled_steps' outputs, the logits and the cache."""
+    B, b = logits_BV.shape[0], rows_b.shape[0]
+    whole = b == B
+    logits_bV = logits_BV if whole else jnp.take(logits_BV, rows_b, axis=0)
+    rows = None if whole else rows_b
+    sampled = (steps, live_b, left_b, stop_bM, want_lp_b, seed_b, choice_b, count_b, temperature_b, top_k_b, top_p_b,
+               max_steps)
+
+    def run(slots, out, logits_bV, cache):  # the call over the first `slots` slots of the rows' cache
+        step, sub = transformer.decoder(params, cache, cfg, unroll, rows, slots)
+
+        def decode(tok_b, live_b, sub):
             # Rows not living decode a dummy token at idle_length_b: 0 for a free slot or a finished sequence,
             # the next chunk's start for a slot being prefilled, where the chunk masks that entry and then
-            # overwrites it (serve/chunk.py).
-            sub = dataclasses.replace(sub, length=jnp.where(live_b, sub.length, idle_length_b))
-            logits_bV, sub = decode(tok_b, sub)
-            return i + 1, sub, logits_bV, live_b & ~ended_b, out
+            # overwrites it (transformer.prefill_chunks).
+            return step(tok_b, dataclasses.replace(sub, length=jnp.where(live_b, sub.length, idle_length_b)))
 
-        def more(state):
-            return (state[0] < steps) & jnp.any(state[3])
-
-        _, sub, logits_bV, _, out = jax.lax.while_loop(more, body, (jnp.int32(0), sub, logits_bV, live_b, out))
+        out, logits_bV, sub = _sampled_steps(decode, sub, logits_bV, *sampled)
         cache = kvcache.restack(sub, cfg, cache, rows) if unroll else kvcache.put_rows(cache, sub, rows)
         return out, logits_bV, cache
 
     buckets = _slot_buckets(cfg, cache)
+    N, K = max_steps, TOP_LOGPROBS
+    zeros = (jnp.zeros((N, b), jnp.int32), jnp.zeros((N, b), jnp.float32), jnp.zeros((N, b, K), jnp.int32),
+             jnp.zeros((N, b, K), jnp.float32), jnp.zeros((N, b), bool))
     if len(buckets) == 1:
         out, logits_bV, cache = run(None, zeros, logits_bV, cache)
     else:
@@ -215,6 +243,38 @@ def _decode_loop(params, cache, logits_BV, rows_b, steps, live_b, idle_length_b,
     return *out, logits_bV, cache
 
 
+@partial(jax.jit, static_argnames=("cfg", "max_steps", "unroll"), donate_argnames=("cache", "logits_BV"))
+def _paged_decode_loop(params, cache, logits_BV, rows_b, steps, live_b, length_b, table_bM, left_b, stop_bM,
+                       want_lp_b, seed_b, choice_b, count_b, temperature_b, top_k_b, top_p_b, cfg: ModelConfig,
+                       max_steps: int, unroll: bool):
+    """_sampled_steps over rows rows_b of the paged cache (model/paged.py): each step writes every live row's
+    token at position length_b (plus the steps before) into its pages (table_bM, which the host has made cover
+    the call's positions) and attends over its pages; rows not living do nothing. With `unroll` the layers'
+    weights are taken apart once per call (transformer.layer_weights) and the layers unrolled. Returns
+    _sampled_steps' outputs, the logits and the cache."""
+    logits_bV = jnp.take(logits_BV, rows_b, axis=0)
+    layer_params = transformer.layer_weights(params, cfg) if unroll else None
+
+    def decode(tok_b, live_b, state):
+        cache, length_b = state
+        logits_bV, cache = transformer.paged_forward(params, cache, tok_b[:, None], jnp.where(live_b, length_b, 0),
+                                                     jnp.where(live_b, length_b + 1, 0), table_bM, cfg, layer_params)
+        return logits_bV, (cache, length_b + live_b)
+
+    out, logits_bV, (cache, _) = _sampled_steps(decode, (cache, length_b), logits_bV, steps, live_b, left_b, stop_bM,
+                                                want_lp_b, seed_b, choice_b, count_b, temperature_b, top_k_b, top_p_b,
+                                                max_steps)
+    return *out, logits_BV.at[rows_b].set(logits_bV), cache
+
+
+@partial(jax.jit, static_argnames="cfg", donate_argnames=("cache", "logits_BV"))
+def _paged_prefill(params, cache, logits_BV, tokens_PC, start_P, length_P, table_PM, slot_P, cfg: ModelConfig):
+    """Prompts' chunks into their pages (transformer.paged_forward), each row's logits after its chunk into
+    logits_BV at its slot (none for a padding row's slot B, whose length 0 writes nothing)."""
+    logits_PV, cache = transformer.paged_forward(params, cache, tokens_PC, start_P, length_P, table_PM, cfg)
+    return cache, logits_BV.at[slot_P].set(logits_PV, mode="drop")
+
+
 def _slot_buckets(cfg: ModelConfig, cache: kvcache.KVCache) -> list[int]:
     """The slot counts the decode program is compiled for, fewest first: a call attends over (and copies) the
     fewest that hold its rows' positions (kvcache.kept_slots), S/8, S/4, S/2 or all S of them (from
@@ -233,6 +293,13 @@ def _empty(cfg: ModelConfig, slots: int, length: int, quantize: bool) -> kvcache
     return kvcache.KVCache(kinds, cache.length)
 
 
+def _empty_pages(cfg: ModelConfig, pages: int, page_size: int, quantize: bool) -> paged.PagedCache:
+    """An empty pool of pages; keys and values [R, NP, K, page, H] sharded by kv heads."""
+    cache = paged.init(cfg, pages, page_size, quantize)
+    return paged.PagedCache(tuple({name: sharding.constrain(a, (None, None, "kv_heads", None, "head_dim"))
+                                   if a.ndim == 5 else a for name, a in kind.items()} for kind in cache.kinds))
+
+
 @partial(jax.jit, static_argnames="cfg")
 def _score(params, tokens_1T, cfg: ModelConfig):
     lp_TV = jax.nn.log_softmax(forward(params, tokens_1T, cfg)[0], axis=-1)
@@ -249,14 +316,24 @@ class Engine:
                  quantize_kv_cache: bool = False, mesh: jax.sharding.Mesh | None = None,
                  prefill_chunk: int = ServeConfig.prefill_chunk, prefix_cache: int = 0,
                  rules: tuple[sharding.Rules, sharding.Rules] = (sharding.PARAM_RULES, sharding.ACTIVATION_RULES),
-                 decode_steps: int = ServeConfig.decode_steps):
+                 decode_steps: int = ServeConfig.decode_steps, page_size: int = ServeConfig.page_size,
+                 cache_pages: int | None = None):
         self.params, self.cfg, self.B, self.S = params, cfg, slots, cache_length
+        # The paged cache (page_size > 0): cache_pages pages (None: as many as give every slot the whole context,
+        # the slot cache's memory), each sequence's page table a row of `table` [slots, pages per sequence].
+        self.page_size = page_size
+        if page_size:
+            self.M = -(-cache_length // page_size)
+            self.NP = cache_pages or slots * self.M
+            self.table = np.zeros((slots, self.M), np.int32)
+        self.admissions = 0
+        self.preempted_total = 0  # sequences preempted when the paged cache ran out of pages
         self.max_queue, self.quantize, self.mesh, self.rules = max_queue, quantize_kv_cache, mesh, rules
         self.prefill_chunk, self.prefix_entries, self.decode_steps = prefill_chunk, prefix_cache, decode_steps
         # The decode program's layers unrolled over the cache taken apart (_decode_loop), else scanned. Taking
         # it apart and back costs two copies of the rows' cache per call: with one step per call that lost to
         # the scan's copies of one step (benchmarks/serve.py's engine alone, docs/serve.md).
-        self.unroll = cfg.n_layers <= generate.UNROLL_LAYERS and decode_steps > 1
+        self.unroll = cfg.n_layers <= generate.UNROLL_LAYERS and (decode_steps > 1 or page_size > 0)
         # rows of the decode program's compiled variants, largest first; on a mesh a bucket must split evenly
         # over the devices as the slots do
         shards = 1 if mesh is None else mesh.size
@@ -287,6 +364,7 @@ class Engine:
         # a function of this engine's own: `constrain` reads the mesh from a context that jax.jit's caches (keyed
         # by the function) do not hold, so a shared one would hand a later engine an earlier one's layout
         self._empty = jax.jit(lambda *a: _empty(*a), static_argnums=(0, 1, 2, 3))
+        self._empty_pages = jax.jit(lambda *a: _empty_pages(*a), static_argnums=(0, 1, 2, 3))
         with self._ctx():
             self._reset_cache()
 
@@ -296,9 +374,15 @@ class Engine:
         return sharding.activation_sharding(self.mesh, self.rules[1], param_rules=self.rules[0])
 
     def _reset_cache(self) -> None:
-        """Empty slots, logits and prefix cache (at start, and after a failed call consumed the donated ones)."""
-        self.cache = self._empty(self.cfg, self.B, self.S, self.quantize)
+        """Empty cache, logits and prefix cache (at start, and after a failed call consumed the donated ones)."""
         self.logits_BV = jnp.zeros((self.B, self.cfg.vocab_size), jnp.float32)
+        if self.page_size:
+            self.cache = self._empty_pages(self.cfg, self.NP, self.page_size, self.quantize)
+            self.pages = PagePool(self.NP, self.page_size, share_prefixes=self.prefix_entries > 0)
+            self.table[:] = 0
+            self.prefix = None
+            return
+        self.cache = self._empty(self.cfg, self.B, self.S, self.quantize)
         self.prefix = PrefixCache(self.cfg, self._empty(self.cfg, self.prefix_entries, self.S, self.quantize),
                                   self.S) if self.prefix_entries else None
 
@@ -320,6 +404,13 @@ class Engine:
 
     def queue_depth(self) -> int:
         return len(self.waiting)
+
+    def pages_used(self) -> int:
+        """Pages of the paged cache some sequence holds (0 with the slot cache)."""
+        return self.pages.used() if self.page_size else 0
+
+    def pages_total(self) -> int:
+        return self.NP if self.page_size else 0
 
     def tokens_per_s(self, window_s: float = 10.0) -> float:
         now = time.perf_counter()
@@ -405,6 +496,8 @@ class Engine:
                    if s is not None and s.decoding and s.planned < s.max_tokens]
         if self.waiting and planned:  # no slot is free: stop when the first one would be
             steps = min(steps, *planned)
+        if planned and self.page_size:
+            self._reserve(steps)
         launched = self._launch(steps) if planned else None
         if self.in_flight is not None:
             self._collect(self.in_flight)
@@ -412,7 +505,8 @@ class Engine:
 
     def _admit(self) -> None:
         """Waiting requests in order: a score runs now, a sequence takes a free slot and waits there for its
-        prefill."""
+        prefill (with the paged cache, once the pages its context fills, less those of a shared prefix, are
+        free: it takes them now)."""
         while True:
             with self.lock:
                 if not self.waiting:
@@ -427,17 +521,90 @@ class Engine:
             try:
                 if isinstance(item, Score):
                     self._run_score(item)
-                elif len(item.prompt) + item.max_tokens > self.S:
+                    continue
+                if len(item.prompt) + item.max_tokens > self.S:
                     raise ValueError(f"a prompt of {len(item.prompt)} tokens + {item.max_tokens} new ones do not "
                                      f"fit in the {self.S} positions of a slot")
-                else:
-                    item.slot = self.slots.index(None)
-                    self.slots[item.slot] = item
-                    self.prefilling.append(item.slot)
+                if self.page_size and not self._take_pages(item):
+                    with self.lock:
+                        self.waiting.appendleft(item)  # until pages are given back
+                    return
+                item.slot = self.slots.index(None)
+                self.slots[item.slot] = item
+                self.prefilling.append(item.slot)
+                if self.page_size:
+                    self.table[item.slot, :len(item.pages)] = item.pages
+                if item.resumed is None:
                     self.requests_total += 1
                     self.prompt_tokens_total += len(item.prompt)
             except Exception as e:  # this request fails alone; the slots keep decoding
                 item.emit(("error", f"{type(e).__name__}: {e}"))
+
+    def _take_pages(self, seq: Sequence) -> bool:
+        """Give seq the pages its context fills: the registered ones that hold a prefix of it (prefilled already),
+        and free ones for the rest. False (nothing taken) when too few are free."""
+        A, n = self.page_size, len(seq.context)
+        if -(-(len(seq.prompt) + seq.max_tokens) // A) > self.NP:
+            raise ValueError(f"a prompt of {len(seq.prompt)} tokens + {seq.max_tokens} new ones need more than the "
+                             f"{self.NP} pages of {A} positions of the KV cache (serve.cache_gib)")
+        shared = self.pages.match(seq.context)
+        need = -(-n // A) - len(shared)
+        if need > self.pages.available():
+            self.pages.release(shared)
+            return False
+        seq.pages = shared + self.pages.take(need)
+        seq.prefilled = len(shared) * A
+        self.admissions += 1
+        seq.admitted = self.admissions
+        if shared:
+            self.prefix_hits_total += 1
+            self.prefix_tokens_total += seq.prefilled
+        return True
+
+    def _reserve(self, steps: int) -> None:
+        """Paged cache: give every decoding sequence the pages its next `steps` tokens go to. When too few are
+        free, the call in flight is collected (it may end sequences), then the sequences admitted last are
+        preempted (their pages given back; they wait at the head of the queue, to prefill their prompt and the
+        tokens sent so far again) until the rest fit."""
+        A = self.page_size
+        while True:
+            want = {}
+            for s in self.slots:
+                if s is not None and s.decoding and not s.cancelled and s.planned < s.max_tokens:
+                    n = min(steps, s.max_tokens - s.planned)
+                    more = -(-(len(s.prompt) + s.planned + n) // A) - len(s.pages)
+                    if more > 0:
+                        want[s.slot] = more
+            if sum(want.values()) <= self.pages.available():
+                break
+            if self.in_flight is not None:
+                self._collect(self.in_flight)
+                self.in_flight = None
+                continue
+            victim = max((s for s in self.slots if s is not None), key=lambda s: s.admitted)
+            self._preempt(victim)
+        for slot, more in want.items():
+            s = self.slots[slot]
+            self.table[slot, len(s.pages):len(s.pages) + more] = new = self.pages.take(more)
+            s.pages += new
+
+    def _preempt(self, s: Sequence) -> None:
+        """Free s's slot and pages and queue it first again, to prefill its prompt and the tokens it has sent."""
+        if s.slot in self.prefilling:
+            self.prefilling.remove(s.slot)
+        self.slots[s.slot] = None
+        self._release(s)
+        s.slot, s.prefilled, s.planned = -1, None, s.generated
+        s.resumed = s.prompt + s.out if s.out else None
+        self.preempted_total += 1
+        with self.lock:
+            self.waiting.appendleft(s)
+
+    def _release(self, s: Sequence) -> None:
+        if self.page_size and s.pages:
+            self.pages.release(s.pages)
+            self.table[s.slot] = 0
+            s.pages = []
 
     def _prefill(self) -> bool:
         """Prefill the next chunk of the waiting prompts, oldest first, while this turn's real tokens fit in
@@ -452,7 +619,7 @@ class Engine:
                 continue
             if seq.prefilled is None:
                 self._reuse_prefix(seq)
-            n = min(len(seq.prompt) - seq.prefilled, self.prefill_chunk)
+            n = min(len(seq.context) - seq.prefilled, self.prefill_chunk)
             if chunks and n > budget:
                 break
             chunks.append((seq, n))
@@ -467,7 +634,10 @@ class Engine:
         done = [seq for seq, _ in chunks if seq.decoding]
         for seq in done:
             self.prefilling.remove(seq.slot)
-        if self.prefix is not None:  # the last prompts in: keeping more than the store holds would evict them
+        if self.page_size:
+            for seq in done:
+                self.pages.register(seq.context, seq.pages)
+        elif self.prefix is not None:  # the last prompts in: keeping more than the store holds would evict them
             for seq in done[-len(self.prefix.tokens):]:
                 self.prefix.save(self.cache, seq.slot, seq.prompt)
         return bool(chunks)
@@ -479,21 +649,33 @@ class Engine:
         slots held (`fresh`, unless given)."""
         P = min(p for p in self.prefill_rows if p >= len(seqs))
         if fresh is None:
-            fresh = all(seq.prefilled == 0 for seq in seqs) and kvcache.fresh_fits(self.cache, C)
+            fresh = all(seq.prefilled == 0 for seq in seqs) and (
+                self.page_size > 0 or kvcache.fresh_fits(self.cache, C))
         tokens_PC, start_P = np.zeros((P, C), np.int32), np.zeros(P, np.int32)
         length_P, slot_P = np.ones(P, np.int32), np.full(P, self.B, np.int32)
         for i, seq in enumerate(seqs):
-            n = min(len(seq.prompt) - seq.prefilled, C)
-            tokens_PC[i, :n] = seq.prompt[seq.prefilled:seq.prefilled + n]
-            start_P[i], length_P[i], slot_P[i] = seq.prefilled, len(seq.prompt), seq.slot
+            n = min(len(seq.context) - seq.prefilled, C)
+            tokens_PC[i, :n] = seq.context[seq.prefilled:seq.prefilled + n]
+            start_P[i], length_P[i], slot_P[i] = seq.prefilled, len(seq.context), seq.slot
             seq.prefilled += n
             self.prefilled_tokens_total += n
-        self.cache, self.logits_BV = chunk_lib.prefill_chunks(
-            self.params, self.cache, self.logits_BV, tokens_PC, start_P, length_P, slot_P, self.cfg, fresh)
+        if self.page_size:
+            # Rows past the sequences (padding) have length 0: nothing written. Chunks that start their contexts
+            # read only the pages they fill, the others all of their rows' tables.
+            length_P[len(seqs):] = 0
+            table_PM = self.table[np.minimum(slot_P, self.B - 1)]
+            table_PM[len(seqs):] = 0
+            width = -(-C // self.page_size) if fresh else self.M
+            self.cache, self.logits_BV = _paged_prefill(self.params, self.cache, self.logits_BV, tokens_PC, start_P,
+                                                        length_P, table_PM[:, :width], slot_P, self.cfg)
+        else:
+            self.cache, self.logits_BV = chunk_lib.prefill_chunks(
+                self.params, self.cache, self.logits_BV, tokens_PC, start_P, length_P, slot_P, self.cfg, fresh)
         self.prefill_calls_total += 1
 
     def _reuse_prefix(self, seq: Sequence) -> None:
-        """Start seq's prefill: copy what the prefix cache holds of its prompt into its slot."""
+        """Start seq's prefill: copy what the prefix cache holds of its prompt into its slot (the paged cache shares
+        pages at admission instead)."""
         seq.prefilled = 0
         if self.prefix is not None:
             entry, reused = self.prefix.match(seq.prompt)
@@ -525,6 +707,7 @@ class Engine:
         them stopped it at a stop token: when one did, the row's tokens from this call are dropped."""
         b = len(rows)
         live, idle_length, left = np.zeros(b, bool), np.zeros(b, np.int32), np.zeros(b, np.int32)
+        length = np.zeros(b, np.int32)  # the paged cache's: positions cached (the prompt's and the tokens' so far)
         seed, choice, count = np.zeros(b, np.uint32), np.zeros(b, np.int32), np.zeros(b, np.int32)
         temperature, top_k, top_p = np.zeros(b, np.float32), np.zeros(b, np.int32), np.ones(b, np.float32)
         want_lp = np.zeros(b, bool)
@@ -544,14 +727,21 @@ class Engine:
                 seqs[j] = None
                 continue
             live[j], left[j], want_lp[j] = True, s.max_tokens - s.planned, s.logprobs
+            length[j] = len(s.prompt) + s.planned
             seed[j], choice[j], count[j] = s.seed % 2**32, s.choice, s.planned
             temperature[j], top_k[j], top_p[j] = s.temperature, s.top_k, s.top_p
             stop[j, :len(s.stop_ids)] = s.stop_ids
             s.planned += min(steps, s.max_tokens - s.planned)
-        *out, self.logits_BV, self.cache = _decode_loop(
-            self.params, self.cache, self.logits_BV, np.asarray(rows, np.int32), np.int32(steps), live, idle_length,
-            left, stop, want_lp, seed, choice, count, temperature, top_k, top_p, cfg=self.cfg,
-            max_steps=self.decode_steps, unroll=self.unroll)
+        sampled = (left, stop, want_lp, seed, choice, count, temperature, top_k, top_p)
+        rows_b = np.asarray(rows, np.int32)
+        if self.page_size:
+            *out, self.logits_BV, self.cache = _paged_decode_loop(
+                self.params, self.cache, self.logits_BV, rows_b, np.int32(steps), live, length, self.table[rows_b],
+                *sampled, cfg=self.cfg, max_steps=self.decode_steps, unroll=self.unroll)
+        else:
+            *out, self.logits_BV, self.cache = _decode_loop(
+                self.params, self.cache, self.logits_BV, rows_b, np.int32(steps), live, idle_length, *sampled,
+                cfg=self.cfg, max_steps=self.decode_steps, unroll=self.unroll)
         self.calls_total += 1
         return seqs, tuple(out)
 
@@ -597,6 +787,7 @@ class Engine:
             else:
                 s.emit(("tokens", ids, None, None))
             s.generated += k
+            s.out += ids
             n += k
             if ids[-1] in s.stop_ids:  # the call stopped the row at its stop token or at its max_tokens
                 self._finish(s.slot, "stop")
@@ -610,9 +801,10 @@ class Engine:
     def _finish(self, slot: int, reason: str) -> None:
         s = self.slots[slot]
         self.slots[slot] = None
+        self._release(s)
         s.emit(("done", reason))
 
 
 def compiled_step_count() -> int:
     """How many decode programs this process has compiled (one per bucket, engine settings and model)."""
-    return _decode_loop._cache_size()
+    return _decode_loop._cache_size() + _paged_decode_loop._cache_size()
