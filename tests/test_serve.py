@@ -754,6 +754,44 @@ def test_several_decode_steps_per_call_and_row_buckets_change_no_output(trained,
         assert events[-1] == ("done", "stop" if stops[i] else "length")
 
 
+def test_the_paged_cache_holds_more_sequences_in_the_same_memory_and_changes_no_output(trained, shakespeare_file):
+    """Eight sequences (greedy, sampled with their seeds, with top-p, one ending at a stop token) in a paged cache
+    of 8 pages of 16 positions: the memory of 2 slots of the slot cache's 64. The paged engine decodes more of them
+    at once (each holds only the pages its tokens fill), runs out of pages as they grow and preempts the latest
+    admitted (they prefill their prompt and the tokens sent so far again, later), and every sequence gets the
+    tokens, log-probabilities (to float rounding) and ending it gets from the slot cache with 8 slots; afterwards
+    no page is held."""
+    model = jaxlm.load(trained)
+    tok = model.tokenizer()
+    text = shakespeare_file.read_text()[:5000]
+    lengths = [5, 17, 9, 20, 3, 12, 7, 15]
+    prompts = [tok.encode(text[500 * i:500 * i + n]) for i, n in enumerate(lengths)]
+    max_tokens = [30, 24, 36, 20, 40, 28, 33, 26]
+    temperature = [0, 0.9, 0, 0.8, 0, 1.0, 0, 0.7]
+    greedy = model.generate_text(text[1000:1009], max_new_tokens=36, temperature=0)
+    stops = [()] * 8
+    stops[2] = tuple(tok.encode(greedy[20]))  # the greedy sequence of prompt 2 ends at its 21st token or before
+    runs, in_flight = {}, []
+    for page_size, slots, pages in ((0, 8, None), (16, 8, 8)):
+        e = engine_lib.Engine(model.params, model.config.model, slots, 64, max_queue=16, prefill_chunk=32,
+                              page_size=page_size, cache_pages=pages)
+        events = [[] for _ in prompts]
+        for i, p in enumerate(prompts):
+            e.submit(engine_lib.Sequence(p, max_tokens[i], temperature[i], 0, 0.9 if i == 5 else 1.0, 11 + i, 0,
+                                         stops[i], lambda ev, i=i: (events[i].append(ev),
+                                                                    in_flight.append((page_size, e.busy_slots())))))
+        until_done(e, events)
+        runs[page_size] = events
+        assert e.pages_used() == 0 and not any(e.slots)
+    assert e.preempted_total > 0
+    assert max(n for p, n in in_flight if p) > 2  # the slot cache holds 2 sequences in this memory
+    for a, b in zip(runs[0], runs[16]):
+        assert [t for t, _, _ in token_events(a)] == [t for t, _, _ in token_events(b)] and a[-1] == b[-1]
+        assert np.allclose([lp for _, lp, _ in token_events(a)], [lp for _, lp, _ in token_events(b)],
+                           rtol=0, atol=1e-4)
+    assert runs[0][2][-1] == ("done", "stop") and len(token_events(runs[0][2])) <= 21
+
+
 @pytest.mark.parametrize("quantize", [False, True])
 def test_restack_puts_back_every_layer_unstack_took_apart(quantize):
     """The server's decode program takes the stacked cache apart by layer and stacks it back once per call:
