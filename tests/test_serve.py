@@ -54,10 +54,10 @@ def until_done(e, events: list, timeout: float = 120, started: bool = False) -> 
 
 
 def log_decode_calls(monkeypatch, log: Callable) -> None:
-    """Call log(rows, live rows, steps) before each decode call of either cache (the programs' arguments 3-5)."""
-    for name in ("_decode_loop", "_paged_decode_loop"):
-        def logged(*args, fn=getattr(engine_lib, name), **kw):
-            log(len(args[3]), int(np.asarray(args[5]).sum()), int(args[4]))
+    """Call log(rows, live rows, steps) before each decode call of either cache."""
+    for name, at in (("_decode_loop", 3), ("_paged_decode_loop", 4)):  # where the rows, steps and live rows are
+        def logged(*args, fn=getattr(engine_lib, name), at=at, **kw):
+            log(len(args[at]), int(np.asarray(args[at + 2]).sum()), int(args[at + 1]))
             return fn(*args, **kw)
 
         monkeypatch.setattr(engine_lib, name, logged)

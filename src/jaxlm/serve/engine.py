@@ -243,17 +243,16 @@ def _decode_loop(params, cache, logits_BV, rows_b, steps, live_b, idle_length_b,
     return *out, logits_bV, cache
 
 
-@partial(jax.jit, static_argnames=("cfg", "max_steps", "unroll"), donate_argnames=("cache", "logits_BV"))
-def _paged_decode_loop(params, cache, logits_BV, rows_b, steps, live_b, length_b, table_bM, left_b, stop_bM,
-                       want_lp_b, seed_b, choice_b, count_b, temperature_b, top_k_b, top_p_b, cfg: ModelConfig,
-                       max_steps: int, unroll: bool):
+@partial(jax.jit, static_argnames=("cfg", "max_steps"), donate_argnames=("cache", "logits_BV"))
+def _paged_decode_loop(params, layer_params, cache, logits_BV, rows_b, steps, live_b, length_b, table_bM, left_b,
+                       stop_bM, want_lp_b, seed_b, choice_b, count_b, temperature_b, top_k_b, top_p_b,
+                       cfg: ModelConfig, max_steps: int):
     """_sampled_steps over rows rows_b of the paged cache (model/paged.py): each step writes every live row's
     token at position length_b (plus the steps before) into its pages (table_bM, which the host has made cover
-    the call's positions) and attends over its pages; rows not living do nothing. With `unroll` the layers'
-    weights are taken apart once per call (transformer.layer_weights) and the layers unrolled. Returns
-    _sampled_steps' outputs, the logits and the cache."""
+    the call's positions) and attends over its pages; rows not living do nothing. With `layer_params` (the
+    layers' weights taken apart once, by the engine: transformer.layer_weights) the layers are unrolled, else
+    scanned. Returns _sampled_steps' outputs, the logits and the cache."""
     logits_bV = jnp.take(logits_BV, rows_b, axis=0)
-    layer_params = transformer.layer_weights(params, cfg) if unroll else None
 
     def decode(tok_b, live_b, state):
         cache, length_b = state
@@ -334,6 +333,11 @@ class Engine:
         # it apart and back costs two copies of the rows' cache per call: with one step per call that lost to
         # the scan's copies of one step (benchmarks/serve.py's engine alone, docs/serve.md).
         self.unroll = cfg.n_layers <= generate.UNROLL_LAYERS and (decode_steps > 1 or page_size > 0)
+        # The paged decode program's layers unrolled over weights taken apart once here: taken apart inside the
+        # program, every call copied all the weights (at 125M parameters in float32 on a 2-core CPU, as much CPU
+        # time as a decode step's attention); the copies cost the weights' memory once more.
+        self.layer_params = (jax.jit(transformer.layer_weights, static_argnums=1)(params, cfg)
+                             if self.unroll and page_size else None)
         # rows of the decode program's compiled variants, largest first; on a mesh a bucket must split evenly
         # over the devices as the slots do
         shards = 1 if mesh is None else mesh.size
@@ -736,8 +740,8 @@ class Engine:
         rows_b = np.asarray(rows, np.int32)
         if self.page_size:
             *out, self.logits_BV, self.cache = _paged_decode_loop(
-                self.params, self.cache, self.logits_BV, rows_b, np.int32(steps), live, length, self.table[rows_b],
-                *sampled, cfg=self.cfg, max_steps=self.decode_steps, unroll=self.unroll)
+                self.params, self.layer_params, self.cache, self.logits_BV, rows_b, np.int32(steps), live, length,
+                self.table[rows_b], *sampled, cfg=self.cfg, max_steps=self.decode_steps)
         else:
             *out, self.logits_BV, self.cache = _decode_loop(
                 self.params, self.cache, self.logits_BV, rows_b, np.int32(steps), live, idle_length, *sampled,
