@@ -290,6 +290,10 @@ class DecodeConfig:
     quantize_kv_cache: bool = _f(False, "store cached keys and values as int8 with a float32 scale per position and kv head")
     stop_tokens: str = _f("", "comma-separated token ids that end a sample (it is kept in the output)")
     stop_at_eos: bool = _f(True, "also stop at the model's end-of-sequence token, when its tokenizer names one")
+    draft: str = _f("", "`jaxlm generate`: a smaller model with the same tokenizer (run directory or converted "
+                        "folder) that proposes tokens for the model to verify several at a time (speculative "
+                        "decoding: the same distribution, greedy text identical)")
+    draft_tokens: int = _f(4, "tokens the draft proposes per forward pass of the model (decode.draft)")
 
 
 @dataclass(frozen=True)
@@ -785,9 +789,12 @@ def validate_decode(d: DecodeConfig) -> None:
         raise ConfigError(f"decode.top_k={d.top_k} must be >= 0 (0 = off)")
     if not 0 < d.top_p <= 1:
         raise ConfigError(f"decode.top_p={d.top_p} must be in (0, 1] (1 = off)")
-    for key in ("max_new_tokens", "num_samples"):
+    for key in ("max_new_tokens", "num_samples", "draft_tokens"):
         if getattr(d, key) <= 0:
             raise ConfigError(f"decode.{key}={getattr(d, key)} must be > 0")
+    if d.draft and not Path(d.draft).exists():
+        raise ConfigError(f"decode.draft={d.draft} does not exist; give the draft model's run directory or "
+                          "converted folder")
     if d.cache_length is not None and d.cache_length <= 0:
         raise ConfigError(f"decode.cache_length={d.cache_length} must be > 0 (or None)")
     stop_token_ids(d)

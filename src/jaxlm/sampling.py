@@ -164,3 +164,32 @@ def choice_keys(seed_B: jax.Array, choice_B: jax.Array) -> jax.Array:
 def row_keys(choice_keys_B: jax.Array, count_B: jax.Array) -> jax.Array:
     """The keys of each row's count_B-th token."""
     return jax.vmap(jax.random.fold_in)(choice_keys_B, count_B)
+
+
+def speculative_accept(p_BJV: jax.Array, q_BkV: jax.Array, draft_Bk: jax.Array, keys_B: jax.Array
+                       ) -> tuple[jax.Array, jax.Array]:
+    """The rejection rule of speculative decoding (Leviathan et al. 2023; Chen et al. 2023), row by row: draft
+    token d_i, drawn from the draft's distribution q_i, is kept with probability min(1, p_i(d_i) / q_i(d_i)),
+    p_i being the target's distribution at the same position (both as `probabilities` gives them, so the rows'
+    temperature, top-k and top-p apply to both); at the first one refused, a token is drawn from the normalized
+    max(p_i - q_i, 0) instead, and when all k are kept, from p_{k+1} (J = k + 1 target distributions). The
+    tokens come out distributed as the target alone would draw them; at temperature 0 (one-hot p and q) they are
+    the target's greedy tokens. Returns the tokens [B, k + 1] (the kept draft tokens, then the drawn one, then
+    zeros) and how many draft tokens each row kept [B]."""
+    B, k = draft_Bk.shape
+
+    def row(p_JV, q_kV, d_k, key):
+        key_u, key_t = jax.random.split(key)
+        p_d = jnp.take_along_axis(p_JV[:k], d_k[:, None], axis=1)[:, 0]
+        q_d = jnp.take_along_axis(q_kV, d_k[:, None], axis=1)[:, 0]
+        kept_k = jax.random.uniform(key_u, (k,)) * q_d < p_d  # u < p/q, q(d) > 0 as d was drawn from q
+        j = jnp.sum(jnp.cumprod(kept_k.astype(jnp.int32)))
+        q_next = jnp.concatenate([q_kV, jnp.zeros_like(q_kV[:1])])[j]  # zeros after the last: p_{k+1} itself
+        left_V = jnp.maximum(p_JV[j] - q_next, 0)
+        left_V = jnp.where(jnp.sum(left_V) > 0, left_V, p_JV[j])  # p = q to the last bit: p
+        t = jax.random.categorical(key_t, jnp.log(left_V)).astype(jnp.int32)
+        i_J = jnp.arange(k + 1)
+        out_J = jnp.where(i_J < j, jnp.concatenate([d_k, jnp.zeros((1,), d_k.dtype)]), 0)
+        return jnp.where(i_J == j, t, out_J), j
+
+    return jax.vmap(row)(p_BJV, q_BkV, draft_Bk, keys_B)
