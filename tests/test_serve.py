@@ -312,7 +312,7 @@ def test_a_huge_body_is_refused_while_streams_flow_and_foreign_hosts_and_origins
     def huge(chunked: bool) -> bytes:
         size = 50 << 20 if not chunked else 9 << 20
         with socket.create_connection(("127.0.0.1", server.port)) as sock:
-            head = (f"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+            head = ("POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
                     + ("transfer-encoding: chunked\r\n" if chunked else f"content-length: {size}\r\n") + "\r\n")
             sock.sendall(head.encode())
             piece = b"[" + b"1," * (1 << 19)
