@@ -61,16 +61,18 @@ import decode as decode_bench  # noqa: E402
 
 from jaxlm import api, convert  # noqa: E402
 
-SIZES = {  # Llama-shaped: (transformers config, prompt clip, output clip, medians)
+SIZES = {  # a Llama's transformers config; prompt and output lengths (least, most, median); the concurrencies
+    # (with their requests, None: --requests) of which the last is compared; the server's settings besides its
+    # defaults; the slot cache's sequences in the comparison at equal memory
     "real": dict(model=dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=12,
                             intermediate_size=2048, vocab_size=32000, max_position_embeddings=2048),
-                 prompt=(16, 1024, 128), output=(16, 512, 96)),
+                 prompt=(16, 1024, 128), output=(16, 512, 96), levels=((1, 4), (16, 32), (64, None)), settings=(),
+                 slot_sequences=16),
     "tiny": dict(model=dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                             intermediate_size=128, vocab_size=512, max_position_embeddings=256),
-                 prompt=(4, 64, 16), output=(4, 32, 8)),
+                 prompt=(4, 64, 16), output=(4, 32, 8), levels=((1, 2), (4, None)), settings=("serve.max_slots=4",),
+                 slot_sequences=1),
 }
-LEVELS = ((1, 4), (16, 32))  # (concurrency, requests) before the --requests at concurrency 64
-SLOT_CACHE_SEQUENCES = 16  # the slot cache's slots in the comparison; the paged cache gets the same memory
 
 
 # ---- the model and the workload --------------------------------------------------------------------------------
@@ -281,13 +283,15 @@ def server(folder: Path, settings: list[str]):
         proc.wait(timeout=60)
 
 
-def serve_levels(folder: Path, size: str, n: int, settings: tuple[str, ...] = ()) -> dict:
-    """The server (default settings and `settings`) at concurrency 1, 16 and 64, after a warm-up pass."""
+def serve_levels(folder: Path, size: str, n: int) -> dict:
+    """The server (default settings) at each concurrency of the size's levels, after a warm-up pass; the last
+    level runs the n requests of seed 0, the ones the other parts run."""
     out = {}
-    with server(folder, list(settings)) as port:
-        run_level(port, warm_up_requests(workload(size, n, seed=0)), 64)
-        for concurrency, count in (*LEVELS, (64, n)):
-            requests = workload(size, n, seed=0) if concurrency == 64 else workload(size, count, seed=concurrency)
+    levels = SIZES[size]["levels"]
+    with server(folder, list(SIZES[size]["settings"])) as port:
+        run_level(port, warm_up_requests(workload(size, n, seed=0)), levels[-1][0])
+        for concurrency, count in levels:
+            requests = workload(size, n, seed=0) if count is None else workload(size, count, seed=concurrency)
             out[concurrency] = run_level(port, requests, concurrency)
             print(line(out[concurrency]), flush=True)
     return out
@@ -380,9 +384,9 @@ def engine_run(model, requests: list[Request], slots: int, **engine_kw) -> dict:
 
 # ---- the toy model of the earlier figures ------------------------------------------------------------------------
 
-def toy(tmp: Path) -> dict:
-    """The earlier benchmark's model and requests: the server (defaults) at concurrency 16 against transformers'
-    generate at batch 16."""
+def toy(tmp: Path, settings: tuple[str, ...] = ()) -> dict:
+    """The earlier benchmark's model and requests: the server (defaults and `settings`) at concurrency 16 against
+    transformers' generate at batch 16."""
     new = 64
     _, _, hf = decode_bench.build(tmp, new)
     folder = tmp / "jx"
@@ -396,7 +400,7 @@ def toy(tmp: Path) -> dict:
     tok.save(str(folder / "tokenizer" / "tokenizer.json"))
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 256, decode_bench.PROMPT).tolist() for _ in range(2 * 16)]
-    with server(folder, [f"decode.cache_length={decode_bench.PROMPT + new}"]) as port:
+    with server(folder, [f"decode.cache_length={decode_bench.PROMPT + new}", *settings]) as port:
         _toy_level(port, prompts[:4], 4, new)  # warm up
         served = max(_toy_level(port, prompts, 16, new) for _ in range(3))
     batch = np.random.default_rng(16).integers(0, 256, (16, decode_bench.PROMPT)).astype(np.int32)
@@ -450,7 +454,8 @@ def main(argv=None) -> dict:
         from jaxlm.model import paged
 
         weight_bytes = sum(x.nbytes for x in __import__("jax").tree.leaves(model.params))
-        roof = roofline(requests, m, weight_bytes, paged.bytes_per_token(m), mach, 64)
+        top = SIZES[a.size]["levels"][-1][0]
+        roof = roofline(requests, m, weight_bytes, paged.bytes_per_token(m), mach, top)
         report["roofline"] = roof
         print(line(roof), flush=True)
         if "serve" in parts:
@@ -463,26 +468,27 @@ def main(argv=None) -> dict:
             print(f"transformers_continuous_batching output_tok_per_s="
                   f"{report['transformers_continuous_batching']:.1f}", flush=True)
         if "engine" in parts:
-            alone = engine_run(model, requests, 64)
-            prefill = engine_run(model, [dataclasses.replace(r, output=1) for r in requests], 64)
+            alone = engine_run(model, requests, top)
+            prefill = engine_run(model, [dataclasses.replace(r, output=1) for r in requests], top)
             report["engine"] = dict(alone=alone, prefill_only=prefill)
             print("engine_alone " + line(alone), flush=True)
             print("engine_prefill_only " + line(prefill), flush=True)
         if "slots" in parts:
             per_token = paged.bytes_per_token(m)
-            pages = SLOT_CACHE_SEQUENCES * m.block_size // 16
-            slot = engine_run(model, requests, SLOT_CACHE_SEQUENCES, page_size=0, prefix_cache=0)
-            paged_run = engine_run(model, requests, 64, cache_pages=pages)
+            sequences = SIZES[a.size]["slot_sequences"]
+            pages = sequences * m.block_size // 16
+            slot = engine_run(model, requests, sequences, page_size=0, prefix_cache=0)
+            paged_run = engine_run(model, requests, top, cache_pages=pages)
             report["slots"] = dict(slot=slot, paged=paged_run, cache_gib=pages * 16 * per_token / 2**30)
-            print(f"slot_cache slots={SLOT_CACHE_SEQUENCES} " + line(slot), flush=True)
+            print(f"slot_cache slots={sequences} " + line(slot), flush=True)
             print(f"paged_cache pages={pages} " + line(paged_run), flush=True)
         if "toy" in parts:
-            report["toy"] = toy(Path(tmp) / "toy")
+            report["toy"] = toy(Path(tmp) / "toy", SIZES[a.size]["settings"])
             print("toy " + line(report["toy"]), flush=True)
     report["load_avg_end"] = os.getloadavg()
     summary = {}
     if "serve" in parts:
-        s64 = report["serve"][64]["output_tok_per_s"]
+        s64 = report["serve"][top]["output_tok_per_s"]
         summary["roofline_frac"] = s64 / roof["roofline_tok_per_s"]
         summary["roofline_frac_bytes_only"] = s64 / roof["roofline_bytes_only_tok_per_s"]
         if "hf" in parts:
@@ -490,7 +496,7 @@ def main(argv=None) -> dict:
             summary["vs_generate_batch_real"] = s64 / report["transformers_continuous_batching"]
         if "engine" in parts:
             e = report["engine"]
-            total = report["serve"][64]["wall_s"]
+            total = report["serve"][top]["wall_s"]
             decode = e["alone"]["wall_s"] - e["prefill_only"]["wall_s"]
             summary.update(time_prefill=e["prefill_only"]["wall_s"] / total, time_decode=decode / total,
                            time_http_and_host=(total - e["alone"]["wall_s"]) / total)

@@ -22,6 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import jax
+
 from jaxlm import api, config as config_lib, generate, speculative, train
 from jaxlm.config import DecodeConfig
 from jaxlm.data import prepare
@@ -37,7 +39,7 @@ def train_model(data: Path, run: Path, steps: int, layers: int, width: int, head
         "training.eval_interval": steps, "training.eval_batches": 4, "training.sample_tokens": 0,
         "checkpoint.interval": steps, "logging.progress": False, "logging.tensorboard": False})
     t = time.perf_counter()
-    train.train(cfg, log=lambda s: None)
+    train.train(cfg, jax.devices()[:1], log=lambda s: None)
     print(f"trained {run.name}: {layers} layers x {width} in {time.perf_counter() - t:.0f} s", flush=True)
 
 
