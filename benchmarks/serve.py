@@ -321,16 +321,21 @@ def hf_generate(hf, requests: list[Request], batch: int = 16) -> float:
     return sum(r.output for r in requests) / (time.perf_counter() - t0)
 
 
-def hf_continuous(hf, requests: list[Request]) -> float:
+def hf_continuous(hf, requests: list[Request], cache_bytes: int) -> float:
     """Output tokens/s of transformers' continuous batching (the manager generate_batch runs), each request added
-    with its own max_new_tokens, greedy, end-of-sequence ignored."""
-    from transformers import GenerationConfig
+    with its own max_new_tokens, greedy, end-of-sequence ignored, its paged cache given `cache_bytes` (the
+    jaxlm server's; on a CPU it would otherwise size it by the host's memory)."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
 
     gc = GenerationConfig(max_new_tokens=max(r.output for r in requests), do_sample=False, eos_token_id=-1,
                           pad_token_id=0)
+    c = hf.config
+    per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * 4
+    cbc = ContinuousBatchingConfig(num_blocks=max(1, cache_bytes // (256 * per_token)))
     t0 = time.perf_counter()
     done, total = 0, 0
-    with hf.continuous_batching_context_manager(generation_config=gc, block=True, timeout=5) as manager:
+    with hf.continuous_batching_context_manager(generation_config=gc, continuous_batching_config=cbc, block=True,
+                                                timeout=5) as manager:
         for r in requests:
             manager.add_request(r.prompt, max_new_tokens=r.output, eos_token_id=-1)
         while done < len(requests):
@@ -454,6 +459,11 @@ def main(argv=None) -> dict:
         from jaxlm.model import paged
 
         weight_bytes = sum(x.nbytes for x in __import__("jax").tree.leaves(model.params))
+        from jaxlm.config import ServeConfig
+        from jaxlm.serve import cache_pages
+
+        server_pages = cache_pages(m, ServeConfig(), m.block_size, False)  # the server's default
+        cache_bytes = server_pages * 16 * paged.bytes_per_token(m)
         top = SIZES[a.size]["levels"][-1][0]
         roof = roofline(requests, m, weight_bytes, paged.bytes_per_token(m), mach, top)
         report["roofline"] = roof
@@ -464,12 +474,13 @@ def main(argv=None) -> dict:
             report["transformers_generate_batch16"] = hf_generate(hf, requests)
             print(f"transformers_generate_batch16 output_tok_per_s={report['transformers_generate_batch16']:.1f}",
                   flush=True)
-            report["transformers_continuous_batching"] = hf_continuous(hf, requests)
+            report["transformers_continuous_batching"] = hf_continuous(hf, requests, cache_bytes)
             print(f"transformers_continuous_batching output_tok_per_s="
                   f"{report['transformers_continuous_batching']:.1f}", flush=True)
         if "engine" in parts:
-            alone = engine_run(model, requests, top)
-            prefill = engine_run(model, [dataclasses.replace(r, output=1) for r in requests], top)
+            alone = engine_run(model, requests, top, cache_pages=server_pages)
+            prefill = engine_run(model, [dataclasses.replace(r, output=1) for r in requests], top,
+                                 cache_pages=server_pages)
             report["engine"] = dict(alone=alone, prefill_only=prefill)
             print("engine_alone " + line(alone), flush=True)
             print("engine_prefill_only " + line(prefill), flush=True)

@@ -282,16 +282,18 @@ def test_faults_are_answered_4xx_and_harm_nothing(server, monkeypatch):
     assert metric(server, 'jaxlm_http_errors_total{code="400"}') >= 200
 
 
-def test_a_huge_body_is_refused_while_streams_flow_and_foreign_hosts_and_origins_are_refused(server):
+def test_a_huge_body_is_refused_while_streams_flow_and_foreign_hosts_and_origins_are_refused(server, monkeypatch):
     """A 50 MB body is answered 413 before it is read (a body without a Content-Length when it grows past
-    serve.max_body_mb) while 16 streams decode with no gap over 100 ms between their chunks; a request naming
-    another Host (a web page whose name was rebound to 127.0.0.1) or sent by a browser from another site (Origin)
-    is refused 403; the loopback names are answered."""
+    serve.max_body_mb) while 16 streams decode (steps slowed to 5 ms, so that they outlast both bodies) with no
+    gap over 100 ms between their chunks; a request naming another Host (a web page whose name was rebound to
+    127.0.0.1) or sent by a browser from another site (Origin) is refused 403; the loopback names are answered."""
     import threading
 
     url = f"http://127.0.0.1:{server.port}"
-    good = {"model": "tiny", "prompt": "To be", "max_tokens": 50, "temperature": 0, "stream": True}
-    gaps, texts, started, errors = [], [], threading.Event(), []
+    good = {"model": "tiny", "prompt": "To be", "max_tokens": 58, "temperature": 0, "stream": True}
+    gaps, texts, errors = [], [], []  # gaps: (start, end) between a stream's chunks
+    started = threading.Barrier(17)
+    log_decode_calls(monkeypatch, lambda rows, live, steps: time.sleep(0.005 * steps))
 
     def stream():
         try:
@@ -299,12 +301,12 @@ def test_a_huge_body_is_refused_while_streams_flow_and_foreign_hosts_and_origins
                 last, text = None, ""
                 for line in r.iter_lines():
                     if line.startswith("data: {"):
-                        now = time.perf_counter()
-                        if last is not None:
-                            gaps.append(now - last)
-                        last = now
+                        if last is None:
+                            started.wait(60)
+                        else:
+                            gaps.append((last, time.perf_counter()))
+                        last = time.perf_counter()
                         text += json.loads(line[6:])["choices"][0]["text"]
-                        started.set()
                 texts.append(text)
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(e)
@@ -326,19 +328,22 @@ def test_a_huge_body_is_refused_while_streams_flow_and_foreign_hosts_and_origins
     threads = [threading.Thread(target=stream) for _ in range(16)]
     for t in threads:
         t.start()
-    assert started.wait(60)
+    started.wait(60)  # every stream has its first chunk
     t0 = time.perf_counter()
     answer = huge(chunked=False)
     refused_in = time.perf_counter() - t0
     chunked_answer = huge(chunked=True)
+    t1 = time.perf_counter()
     for t in threads:
         t.join(60)
+    monkeypatch.undo()
     assert not errors, errors
     assert answer.startswith(b"HTTP/1.1 413") and b"max_body_mb" in answer, answer[:200]
     assert chunked_answer.startswith(b"HTTP/1.1 413"), chunked_answer[:200]
     assert refused_in < 5
-    assert len(texts) == 16 and all(len(t) == 50 for t in texts)  # char tokens: 50 each
-    assert gaps and max(gaps) < 0.1, sorted(gaps)[-5:]
+    assert len(texts) == 16 and all(len(t) == 58 for t in texts)  # char tokens: 58 each
+    during = [b - a for a, b in gaps if b > t0 and a < t1]  # the gaps while the bodies were sent and refused
+    assert len(during) >= 16 and max(during) < 0.1, sorted(during)[-5:]
 
     body = {"model": "tiny", "prompt": "To be", "max_tokens": 2, "temperature": 0}
     for host, want in (("evil.example", 403), (f"evil.example:{server.port}", 403), ("localhost", 200),

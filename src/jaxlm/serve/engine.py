@@ -1,4 +1,13 @@
-"""The continuous-batching engine: a fixed number of decode slots sharing one KV cache on device.
+"""The continuous-batching engine: a fixed number of decode slots (rows) sharing one KV cache on device.
+
+The cache is paged by default (serve.page_size > 0; model/paged.py, serve/pages.py): each sequence holds the pages
+its tokens fill, taken when it is admitted (its prompt's, less those it shares with an earlier prompt) and
+before each decode call (the call's positions), and given back when it ends; when too few pages are free the
+sequences admitted last are preempted (their pages given back; they wait at the head of the queue to prefill
+their prompt and the tokens already sent again). Prefill and decode both run transformer.paged_forward through
+the rows' page tables. With serve.page_size=0 each slot holds the whole context of one KV cache
+(model/kvcache.py): the slot cache, kept as the reference the paged cache is tested against. What follows
+holds for both unless it names one.
 
 One thread owns the device. Each turn it admits waiting requests into free slots, prefills prompts, then runs
 the decode program over the slots whose prompt is in: up to serve.decode_steps decode steps in one device call
