@@ -3,24 +3,24 @@ proposes decode.draft_tokens (k) tokens one after another, the target model scor
 and sampling.speculative_accept keeps a prefix of them and draws one more, so that each pass of the target
 gives 1 to k + 1 tokens distributed exactly as its own sampling would give them (greedy tokens identical).
 
-Both models keep a slot cache (model/kvcache.py) filled by their prefill of the prompts. An iteration starts
+Both models keep a paged cache (model/paged.py), each sequence its own run of pages, and run every cached step
+through transformer.paged_forward with their layers unrolled: the prompts' prefill, the draft's steps, and the
+target's verification of k + 1 tokens at once (its flat read of the pages, every logit). An iteration starts
 from each sequence's pending token (sampled, not yet in the caches): the draft takes it and its own k proposals
-(k + 1 decode steps, the last only to cache the k-th), the target a chunk of the same k + 1 tokens
-(transformer.prefill_chunks, every logit); then both caches are cut back to the tokens kept (the positions past
-them are masked by position and overwritten later; ring buffers hold k + 1 positions more, so that what is cut
-back never displaces a position a window still needs). Rows advance by their own counts; the loop runs on
-device until every sequence has stopped (a stop token, or max_new_tokens).
+(k + 1 steps, the last only to cache the k-th), the target a chunk of the same k + 1 tokens; then both caches
+are cut back to the tokens kept by setting the sequence's length (positions past it are never read, and are
+written over later; pages hold every position, so no window loses one). Rows advance by their own counts; the
+loop runs on device until every sequence has stopped (a stop token, or max_new_tokens).
 
 When it pays: the target's pass over k + 1 tokens costs about one of its decode steps where a step is bound by
 reading the weights (batch 1 on a CPU, or an accelerator at small batch), and the draft must be much cheaper
 than the target and agree with it often (benchmarks/speculative.py prints both, and the speed-up).
 
-Shape legend: B batch, T prompt length, V vocab, k draft tokens, J = k + 1, N new tokens.
+Shape legend: B batch, T prompt length, V vocab, k draft tokens, J = k + 1, N new tokens, M pages per sequence.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 from dataclasses import dataclass
@@ -33,7 +33,9 @@ import numpy as np
 
 from jaxlm import generate, sampling
 from jaxlm.config import ConfigError, DecodeConfig, ModelConfig, validate_decode
-from jaxlm.model import transformer
+from jaxlm.model import paged, transformer
+
+PAGE = 16  # positions per page of the two caches
 
 
 @dataclass
@@ -54,22 +56,30 @@ def _emit(i, tokens_BJ, count_B):
     _STREAM[-1](i, tokens_BJ, count_B)
 
 
-@partial(jax.jit, static_argnames=("cfg", "draft_cfg", "cache_length", "k"))
-def _prefill(params, draft_params, prompts_BT, lengths_B, cfg: ModelConfig, draft_cfg: ModelConfig,
-             cache_length: int, k: int):
-    logits_BV, cache = transformer.prefill(params, prompts_BT, lengths_B, cfg, cache_length, ahead=k + 1)
-    _, draft_cache = transformer.prefill(draft_params, prompts_BT, lengths_B, draft_cfg, cache_length, ahead=k + 1)
+@partial(jax.jit, static_argnames=("cfg", "draft_cfg", "pages"))
+def _prefill(params, draft_params, prompts_BT, lengths_B, cfg: ModelConfig, draft_cfg: ModelConfig, pages: int):
+    """Both models' caches, each sequence's pages the b-th run of `pages`, holding the prompts; the target's
+    logits after each prompt."""
+    B, T = prompts_BT.shape
+    table_BM = jnp.arange(B * pages, dtype=jnp.int32).reshape(B, pages)
+    zeros_B = jnp.zeros((B,), jnp.int32)
+    logits_BV, cache = transformer.paged_forward(params, paged.init(cfg, B * pages, PAGE), prompts_BT, zeros_B,
+                                                 lengths_B, table_BM, cfg)
+    _, draft_cache = transformer.paged_forward(draft_params, paged.init(draft_cfg, B * pages, PAGE), prompts_BT,
+                                               zeros_B, lengths_B, table_BM, draft_cfg)
     return logits_BV, cache, draft_cache
 
 
 @partial(jax.jit, static_argnames=("cfg", "draft_cfg", "k", "max_new_tokens", "stream"))
-def _loop(params, draft_params, logits_BV, cache, draft_cache, key, temperature, top_k, top_p, stop_S,
+def _loop(params, draft_params, logits_BV, cache, draft_cache, lengths_B, key, temperature, top_k, top_p, stop_S,
           cfg: ModelConfig, draft_cfg: ModelConfig, k: int, max_new_tokens: int, stream: bool):
-    """Tokens [B, N] (0 after a sequence stopped), their counts [B], and the draft tokens proposed to and kept by
-    live sequences."""
+    """Tokens [B, N] (0 after a sequence stopped), their counts [B], the draft tokens proposed to and kept by
+    live sequences, and the passes of the target."""
     B, N = logits_BV.shape[0], max_new_tokens
     J = k + 1
     settings_B = [jnp.broadcast_to(x, (B,)) for x in (temperature, top_k, top_p)]
+    table_BM = jnp.arange(cache.pages, dtype=jnp.int32).reshape(B, -1)
+    layers, draft_layers = transformer.layer_weights(params, cfg), transformer.layer_weights(draft_params, draft_cfg)
 
     def emit(c, tokens_BJ, n_B):
         """Append each row's first n_B tokens, cut after a stop token and at N; returns the state."""
@@ -89,10 +99,14 @@ def _loop(params, draft_params, logits_BV, cache, draft_cache, key, temperature,
 
     def body(c):
         key, key_draft, key_accept = jax.random.split(c["key"], 3)
+        live_B = ~c["done_B"]
+        length_B = jnp.where(live_B, c["length_B"], 0)  # a sequence that has stopped writes and reads nothing
         # the draft: the pending token, then its own k proposals, each from its distribution q
         tok_B, draft_cache, drafted, qs = c["pending_B"], c["draft_cache"], [], []
         for i in range(J):
-            draft_logits_BV, draft_cache = transformer.decode_step(draft_params, tok_B, draft_cache, draft_cfg)
+            draft_logits_BV, draft_cache = transformer.paged_forward(
+                draft_params, draft_cache, tok_B[:, None], length_B + i, jnp.where(live_B, length_B + i + 1, 0),
+                table_BM, draft_cfg, draft_layers)
             if i < k:
                 q_BV = sampling.probabilities(draft_logits_BV, *settings_B)
                 tok_B = jax.random.categorical(jax.random.fold_in(key_draft, i), jnp.log(q_BV)).astype(jnp.int32)
@@ -100,27 +114,24 @@ def _loop(params, draft_params, logits_BV, cache, draft_cache, key, temperature,
                 qs.append(q_BV)
         d_Bk = jnp.stack(drafted, axis=1)
         # the target: the same k + 1 tokens in one pass, a distribution p after each
-        length_B = c["cache"].length
         chunk_BJ = jnp.concatenate([c["pending_B"][:, None], d_Bk], axis=1)
-        cache, logits_BJV = transformer.prefill_chunks(params, c["cache"], chunk_BJ, length_B, length_B + J,
-                                                       jnp.arange(B, dtype=jnp.int32), cfg, all_logits=True)
+        logits_BJV, cache = transformer.paged_forward(params, c["cache"], chunk_BJ, length_B,
+                                                      jnp.where(live_B, length_B + J, 0), table_BM, cfg, layers,
+                                                      all_logits=True)
         p_BJV = jax.vmap(lambda l, t, tk, tp: sampling.probabilities(l, jnp.full((J,), t), jnp.full((J,), tk),
                                                                      jnp.full((J,), tp)))(logits_BJV, *settings_B)
         tokens_BJ, kept_B = sampling.speculative_accept(p_BJV, jnp.stack(qs, axis=1), d_Bk,
                                                         jax.random.split(key_accept, B))
-        live_B = ~c["done_B"]
         c = emit({**c, "key": key}, tokens_BJ, kept_B + 1)
-        # both caches keep the pending token and the kept drafts; the drawn token is the next pending one (a
-        # sequence that has stopped stays where it is)
-        new_length_B = jnp.where(live_B, length_B + kept_B + 1, length_B)
-        return {**c, "pending_B": jnp.take_along_axis(tokens_BJ, kept_B[:, None], axis=1)[:, 0],
-                "cache": dataclasses.replace(cache, length=new_length_B),
-                "draft_cache": dataclasses.replace(draft_cache, length=new_length_B),
+        # both caches keep the pending token and the kept drafts; the drawn token is the next pending one
+        return {**c, "pending_B": jnp.take_along_axis(tokens_BJ, kept_B[:, None], axis=1)[:, 0], "cache": cache,
+                "draft_cache": draft_cache, "length_B": jnp.where(live_B, c["length_B"] + kept_B + 1, c["length_B"]),
                 "proposed": c["proposed"] + k * jnp.sum(live_B), "kept": c["kept"] + jnp.sum(kept_B * live_B)}
 
     key, first = jax.random.split(key)
     pending_B = sampling.sample_tokens(logits_BV, first, temperature, top_k, top_p)
     c = {"i": jnp.int32(0), "key": key, "cache": cache, "draft_cache": draft_cache, "pending_B": pending_B,
+         "length_B": lengths_B,
          "out_BN": jnp.zeros((B, N), jnp.int32), "count_B": jnp.zeros((B,), jnp.int32),
          "done_B": jnp.zeros((B,), bool), "proposed": jnp.int32(0), "kept": jnp.int32(0)}
     c = emit(c, jnp.concatenate([pending_B[:, None], jnp.zeros((B, k), jnp.int32)], axis=1), jnp.ones((B,), jnp.int32))
@@ -155,7 +166,7 @@ def generate_speculative(params, cfg: ModelConfig, draft_params, draft_cfg: Mode
     key = jax.random.key(d.seed)
     t0 = time.perf_counter()
     logits_BV, cache, draft_cache = jax.block_until_ready(
-        _prefill(params, draft_params, prompts_BT, lengths_B, cfg, draft_cfg, length, k))
+        _prefill(params, draft_params, prompts_BT, lengths_B, cfg, draft_cfg, -(-length // PAGE)))
     t1 = time.perf_counter()
     stream = on_tokens is not None
     if stream:
@@ -171,7 +182,7 @@ def generate_speculative(params, cfg: ModelConfig, draft_params, draft_cfg: Mode
                     state["next"] += 1
 
         _STREAM.append(in_order)
-    args = (params, draft_params, logits_BV, cache, draft_cache, key, *settings, stop_S)
+    args = (params, draft_params, logits_BV, cache, draft_cache, lengths_B, key, *settings, stop_S)
     static = (cfg, draft_cfg, k, d.max_new_tokens, stream)
     signature = (jax.tree.structure(args), tuple((np.shape(a), str(a.dtype)) for a in jax.tree.leaves(args)),
                  static)

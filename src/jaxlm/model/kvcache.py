@@ -53,19 +53,17 @@ class KVCache:
     length: jax.Array  # [B] tokens cached per sequence = position of the next token
 
 
-def slots(cfg: ModelConfig, kind: str, length: int, ahead: int = 0) -> int:
-    """Cache slots of a layer kind for sequences of up to `length` tokens. `ahead`: positions a decoder may write
-    past the ones it keeps and then take back (speculative decoding's rejected draft tokens); a ring buffer holds
-    that many more, so that writing them never overwrites a position its window still needs."""
-    return min(cfg.sliding_window + ahead, length) if kind == "local" else length
+def slots(cfg: ModelConfig, kind: str, length: int) -> int:
+    """Cache slots of a layer kind for sequences of up to `length` tokens."""
+    return min(cfg.sliding_window, length) if kind == "local" else length
 
 
-def init(cfg: ModelConfig, batch: int, length: int, quantize: bool = False, ahead: int = 0) -> KVCache:
-    """An empty cache for `batch` sequences of up to `length` tokens (`ahead`: see slots)."""
+def init(cfg: ModelConfig, batch: int, length: int, quantize: bool = False) -> KVCache:
+    """An empty cache for `batch` sequences of up to `length` tokens."""
     R, K, H = cfg.n_layers // len(cfg.pattern), cfg.kv_heads, cfg.hd
     kinds = []
     for kind in cfg.pattern:
-        S = slots(cfg, kind, length, ahead)
+        S = slots(cfg, kind, length)
         dt = jnp.int8 if quantize else jnp.dtype(cfg.compute_dtype)
         scale = (lambda: jnp.ones((R, batch, K, S), jnp.float32)) if quantize else (lambda: None)
         kinds.append(KindCache(jnp.zeros((R, batch, K, S, H), dt), jnp.zeros((R, batch, K, S, H), dt),

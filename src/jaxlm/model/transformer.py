@@ -288,17 +288,15 @@ def _grouped(cfg: ModelConfig, layer_params: dict) -> dict:
 
 @quant.scoped
 def prefill(params: dict, tokens_BT: jax.Array, lengths_B: jax.Array, cfg: ModelConfig, cache_length: int,
-            quantize: bool = False, ahead: int = 0) -> tuple[jax.Array, kvcache.KVCache]:
+            quantize: bool = False) -> tuple[jax.Array, kvcache.KVCache]:
     """Run a batch of prompts, right-padded to T (sequence b has lengths_B[b] real tokens, 1 <= length <=
-    cache_length), and fill a fresh cache for sequences of up to `cache_length` tokens (`ahead`: see
-    kvcache.slots). Returns the float32 logits after each prompt's last real token [B, V] and the cache. Padding
-    sits after the real tokens, so causality alone keeps it out of their attention, and prefill_layout leaves it
-    out of the cache."""
+    cache_length), and fill a fresh cache for sequences of up to `cache_length` tokens. Returns the float32
+    logits after each prompt's last real token [B, V] and the cache. Padding sits after the real tokens, so
+    causality alone keeps it out of their attention, and prefill_layout leaves it out of the cache."""
     B, T = tokens_BT.shape
     positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     x_BTD = constrain(embed(params, tokens_BT, cfg, positions_BT), ("batch", "length", "embed"))
-    layouts = [kvcache.prefill_layout(lengths_B, T, kvcache.slots(cfg, kind, cache_length, ahead))
-               for kind in cfg.pattern]
+    layouts = [kvcache.prefill_layout(lengths_B, T, kvcache.slots(cfg, kind, cache_length)) for kind in cfg.pattern]
 
     def step(x_BTD, p_group):
         entries = []
@@ -487,8 +485,8 @@ def loss_fn(params: dict, tokens_BT: jax.Array, targets_BT: jax.Array, cfg: Mode
 
 @quant.scoped
 def prefill_chunks(params: dict, cache: kvcache.KVCache, tokens_PC: jax.Array, start_P: jax.Array,
-                   length_P: jax.Array, slot_P: jax.Array, cfg: ModelConfig, fresh: bool = False,
-                   all_logits: bool = False) -> tuple[kvcache.KVCache, jax.Array]:
+                   length_P: jax.Array, slot_P: jax.Array, cfg: ModelConfig, fresh: bool = False
+                   ) -> tuple[kvcache.KVCache, jax.Array]:
     """Run, for each row p (P rows here, of chunks of C tokens), prompt tokens [start_P[p], start_P[p] + C)
     (tokens_PC[p]; those at or past length_P[p] are padding) in slot slot_P[p], whose cache holds the prompt's
     positions before start_P[p].
@@ -499,8 +497,7 @@ def prefill_chunks(params: dict, cache: kvcache.KVCache, tokens_PC: jax.Array, s
     gets what it would get alone. The server prefills prompts this way, a chunk at a time between decode steps,
     and after a prefix copied into the slot (serve/engine.py).
     `fresh` (every start_P 0, and fresh_fits): the slots' earlier contents are neither read nor kept, only
-    written: the chunk's keys and values go to slots 0..C-1 and every later slot is emptied (EMPTY).
-    `all_logits`: the logits after every token of the chunks [P, C, V] (speculative decoding's verification)."""
+    written: the chunk's keys and values go to slots 0..C-1 and every later slot is emptied (EMPTY)."""
     C = tokens_PC.shape[1]
     positions_PC = start_P[:, None] + jnp.arange(C, dtype=jnp.int32)
     end_P = jnp.minimum(start_P + C, length_P)
@@ -538,11 +535,8 @@ def prefill_chunks(params: dict, cache: kvcache.KVCache, tokens_PC: jax.Array, s
         getattr(c, name), slot_P, axis=1, mode="clip") for name in names} for c in cache.kinds)
     with jax.named_scope("prefill_chunks"):
         x_PCD, new_rows = jax.lax.scan(step, x_PCD, (_grouped(cfg, params["layers"]), rows))
-        if all_logits:
-            logits_PV = unembed(params, x_PCD, cfg)
-        else:
-            last_P1D = jnp.take_along_axis(x_PCD, (end_P - 1 - start_P)[:, None, None], axis=1)
-            logits_PV = unembed(params, last_P1D, cfg)[:, 0]
+        last_P1D = jnp.take_along_axis(x_PCD, (end_P - 1 - start_P)[:, None, None], axis=1)
+        logits_PV = unembed(params, last_P1D, cfg)[:, 0]
 
     def put(a, x_P, axis, first=None):  # slot B (padding) is dropped; `first`: into slots 0..first-1 only
         index = (slice(None),) * axis + (slot_P,) + (() if first is None else (slice(None), slice(0, first)))
