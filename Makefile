@@ -12,7 +12,7 @@ TEST_WORKERS ?= 2
 # (the jaxlm command sets this itself; scripts and tests started from here get it too).
 export GLIBC_TUNABLES := glibc.malloc.hugetlb=1
 
-.PHONY: quickstart test test-fast bench clean
+.PHONY: quickstart test test-fast bench clean slurm
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,13 +24,21 @@ $(VENV)/.installed-test: $(VENV)/.installed
 	$(PY) -m pip install -q -e ".[dev,hf,tpu]"
 	touch $@
 
+# tests/test_slurm.py starts a real Slurm cluster (slurmctld and two slurmd on this machine, with munge): Debian's
+# slurm-wlm and munge, installed here when missing (as root, as CI runs; elsewhere the Slurm tests say what is missing).
+slurm:
+	@command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v munged >/dev/null || \
+	{ export DEBIAN_FRONTEND=noninteractive; apt-get update -qq >/dev/null && \
+	  apt-get install -y -qq --no-install-recommends slurm-wlm munge >/dev/null 2>&1; } || \
+	echo "make slurm: could not install slurm-wlm and munge (needs root and apt); the Slurm tests will fail"
+
 quickstart: $(VENV)/.installed
 	$(VENV)/bin/jaxlm train quickstart
 
-test: $(VENV)/.installed-test
+test: $(VENV)/.installed-test slurm
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=25
 
-test-fast: $(VENV)/.installed-test
+test-fast: $(VENV)/.installed-test slurm
 	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not slow"
 
 bench: $(VENV)/.installed

@@ -23,7 +23,7 @@ import time
 import jax
 import numpy as np
 
-from jaxlm import config as config_lib, train
+from jaxlm import config as config_lib, step as step_lib
 from jaxlm.data import packing, shards
 
 
@@ -83,12 +83,12 @@ def grain_rate(split: shards.Split, T: int, B: int, seconds: float) -> float:
 def step_rows_per_s(steps: int) -> float:
     cfg = config_lib.load("quickstart")
     cfg = cfg.replace(model=dataclasses.replace(cfg.model, vocab_size=256))
-    run = train.setup(cfg, jax.devices()[:1], data=False)
+    run = step_lib.setup(cfg, jax.devices()[:1], data=False)
     cfg, t = run.cfg, run.cfg.training
-    state = train.init_state(run, cfg.seed)
-    step = train.make_train_step(cfg, run.optimizer, run.mesh, run.abstract_state, run.act_rules)
+    state = step_lib.init_state(run, cfg.seed)
+    step = step_lib.make_train_step(cfg, run.optimizer, run.mesh, run.abstract_state, run.act_rules)
     x = np.random.default_rng(0).integers(0, 256, (t.grad_accum, t.batch_size, cfg.model.block_size), np.int32)
-    batch = {"inputs": train.put_batch(run.mesh, x, 1), "targets": train.put_batch(run.mesh, np.roll(x, -1, -1), 1)}
+    batch = {"inputs": step_lib.put_batch(run.mesh, x, 1), "targets": step_lib.put_batch(run.mesh, np.roll(x, -1, -1), 1)}
     for _ in range(2):
         state, m = step(state, batch)
     jax.block_until_ready(m)

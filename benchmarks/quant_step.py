@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlm import config as config_lib, quant, train
+from jaxlm import config as config_lib, quant, step as step_lib
 from jaxlm.model import forward
 
 
@@ -33,10 +33,10 @@ def base_config(args) -> config_lib.Config:
 
 
 def train_runner(cfg: config_lib.Config, batches):
-    run = train.setup(cfg, jax.devices()[:1], data=False)  # the vocabulary is set, so no corpus is read
+    run = step_lib.setup(cfg, jax.devices()[:1], data=False)  # the vocabulary is set, so no corpus is read
     cfg, mesh = run.cfg, run.mesh
-    state = train.init_state(run, cfg.seed)
-    step = train.make_train_step(cfg, run.optimizer, mesh, run.abstract_state, run.act_rules)
+    state = step_lib.init_state(run, cfg.seed)
+    step = step_lib.make_train_step(cfg, run.optimizer, mesh, run.abstract_state, run.act_rules)
     params = jax.tree.map(jnp.copy, state["params"])  # the step donates the state it is given
     holder = {"state": state}
 

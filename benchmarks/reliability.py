@@ -51,7 +51,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxlm import checkpoint as ckpt, cli, train  # noqa: E402
+from jaxlm import checkpoint as ckpt, cli, train, step as step_lib  # noqa: E402
 from jaxlm.config import CheckpointConfig  # noqa: E402
 from jaxlm.data import loader as loader_lib, prepare  # noqa: E402
 
@@ -61,24 +61,41 @@ RUN = {**T.RUN, "training.steps": 60, "optimizer.decay_steps": 60, "checkpoint.i
 DRIVER = """
 import hashlib, json, sys
 from pathlib import Path
-sys.path.insert(0, sys.argv[1])
+sys.path[:0] = [sys.argv[1], sys.argv[6]]
 from conftest import tiny_config
-from jaxlm import train
-from jaxlm.data import loader
+from jaxlm import train, step as step_lib
+from reliability import training_draws
 
 draws = open(sys.argv[4], "a")
-next_starts = loader.Loader.next_starts
 
-def logged(self):
-    starts = next_starts(self)
+def record(starts):
     draws.write(hashlib.sha256(starts.tobytes()).hexdigest()[:16] + "\\n")
     draws.flush()
-    return starts
 
-loader.Loader.next_starts = logged
+step_lib.make_loader = training_draws(step_lib.make_loader, record)
 summary = train.train(tiny_config(Path(sys.argv[2]), Path(sys.argv[3]), **json.loads(sys.argv[5])), log=print)
 print("START", summary["start_step"], flush=True)
 """
+
+
+def training_draws(make_loader, record):
+    """step.make_loader whose training loader hands the start offsets of every batch it draws to `record`:
+    the windows of the training steps only, not those of the fixed evaluation batches, which come from
+    loaders of their own (seed + 2, one micro-batch) that every start of a run makes again."""
+    def make(run, split="train", grad_accum=None, seed=None):
+        loader = make_loader(run, split, grad_accum, seed)
+        if split == "train" and grad_accum is None and seed is None:
+            next_starts = loader.next_starts
+
+            def logged():
+                starts = next_starts()
+                record(starts)
+                return starts
+
+            loader.next_starts = logged
+        return loader
+
+    return make
 
 
 def train_under_faults(data: Path, work: Path, n_faults: int, rng: random.Random) -> dict:
@@ -86,19 +103,14 @@ def train_under_faults(data: Path, work: Path, n_faults: int, rng: random.Random
     (SIGTERM) at a random moment and restarted, until one finishes."""
     ref_dir = work / "reference"
     ref_draws = []
-    next_starts = loader_lib.Loader.next_starts
-
-    def logged(self):
-        starts = next_starts(self)
-        ref_draws.append(hashlib.sha256(starts.tobytes()).hexdigest()[:16])
-        return starts
-
-    loader_lib.Loader.next_starts = logged
+    make_loader = step_lib.make_loader
+    step_lib.make_loader = training_draws(make_loader, lambda starts: ref_draws.append(
+        hashlib.sha256(starts.tobytes()).hexdigest()[:16]))
     try:
         cfg = tiny_config(data, ref_dir, **RUN)
         train.train(cfg, log=lambda s: None)
     finally:
-        loader_lib.Loader.next_starts = next_starts
+        step_lib.make_loader = make_loader
 
     run_dir, lineage, lost, injected, sigterms, clean_exits = work / "faulty", {}, 0, 0, 0, 0
     steps = RUN["training.steps"]
@@ -110,7 +122,7 @@ def train_under_faults(data: Path, work: Path, n_faults: int, rng: random.Random
         sig = rng.choice([signal.SIGKILL, signal.SIGTERM]) if target < steps - 1 else None
         draws = work / f"draws{i}.txt"
         p = subprocess.Popen([sys.executable, "-c", DRIVER, str(ROOT / "tests"), str(data), str(run_dir), str(draws),
-                              json.dumps(RUN)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                              json.dumps(RUN), str(ROOT / "benchmarks")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         if sig is not None:
             # Just after the batch of a random step is drawn: inside that step, its metrics flush or its save.
             while p.poll() is None and (not draws.exists() or start + len(draws.read_text().split()) < target):
@@ -144,14 +156,14 @@ def nan_batches(data: Path, work: Path) -> dict:
     """Three NaN batches in one run: survived when each leaves params and optimizer state as they were and
     no committed checkpoint holds a non-finite value."""
     poisoned = {4, 9, 10}
-    real = train.device_batch
-    train.device_batch = T.poisoned(real, poisoned)
+    real = step_lib.device_batch
+    step_lib.device_batch = T.poisoned(real, poisoned)
     try:
         settings = {**T.RUN, "training.steps": 12, "checkpoint.interval": 1, "checkpoint.keep": 20}
         cfg = tiny_config(data, work / "nan", **settings)
         summary = train.train(cfg, log=lambda s: None)
     finally:
-        train.device_batch = real
+        step_lib.device_batch = real
     states = {s: T.restore_step(cfg, work / "nan", s) for s in ckpt.step_numbers(work / "nan" / "checkpoints")}
     finite = all(np.isfinite(leaf).all() for st in states.values() for leaf in jax.tree.leaves(st)
                  if np.issubdtype(np.asarray(leaf).dtype, np.floating))

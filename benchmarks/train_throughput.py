@@ -19,7 +19,7 @@ import time
 import jax
 import numpy as np
 
-from jaxlm import config as config_lib, metrics, runtime, train
+from jaxlm import config as config_lib, metrics, runtime, step as step_lib
 
 
 def configs() -> dict[str, config_lib.Config]:
@@ -33,14 +33,14 @@ def configs() -> dict[str, config_lib.Config]:
 
 def measure(cfg: config_lib.Config, steps: int, warmup: int = 3) -> float:
     """Tokens per second of the jitted, donated train step over `steps` steps after `warmup`."""
-    run = train.setup(cfg, None, data=False)  # the vocabulary is set, so no corpus is read
+    run = step_lib.setup(cfg, None, data=False)  # the vocabulary is set, so no corpus is read
     cfg, mesh = run.cfg, run.mesh
-    state = train.init_state(run, cfg.seed)
-    step = train.make_train_step(cfg, run.optimizer, mesh, run.abstract_state, run.act_rules)
+    state = step_lib.init_state(run, cfg.seed)
+    step = step_lib.make_train_step(cfg, run.optimizer, mesh, run.abstract_state, run.act_rules)
     t = cfg.training
     rng = np.random.default_rng(0)
     shape = (t.grad_accum, t.batch_size, cfg.model.block_size)
-    batches = [train.put_batch(mesh, rng.integers(0, cfg.model.vocab_size, shape).astype(np.int32), 1)
+    batches = [step_lib.put_batch(mesh, rng.integers(0, cfg.model.vocab_size, shape).astype(np.int32), 1)
                for _ in range(4)]
     for i in range(warmup):
         state, m = step(state, {"inputs": batches[i % 4], "targets": batches[(i + 1) % 4]})

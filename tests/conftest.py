@@ -81,13 +81,18 @@ import pytest  # noqa: E402
 from jaxlm import config as config_lib  # noqa: E402
 from jaxlm.data import prepare  # noqa: E402
 
-SHAKESPEARE = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
+# The tiny Shakespeare corpus in ../shared beside the repository (JAXLM_TEST_SHAKESPEARE names another copy). A
+# test that needs it fails without it, in one line: a clone without the corpus must not pass by skipping them.
+SHAKESPEARE = Path(os.environ.get("JAXLM_TEST_SHAKESPEARE") or Path(__file__).resolve().parents[1].parent / "shared" /
+                   "data" / "tinyshakespeare" / "input.txt")
 
 
 @pytest.fixture(scope="session")
 def shakespeare_file() -> Path:
     if not SHAKESPEARE.is_file():
-        pytest.skip(f"{SHAKESPEARE} not found")
+        pytest.fail(f"{SHAKESPEARE} not found: these tests need the tiny Shakespeare corpus (1,115,394 bytes) there, "
+                    "in ../shared/data/tinyshakespeare/ beside the repository, or named by JAXLM_TEST_SHAKESPEARE",
+                    pytrace=False)
     return SHAKESPEARE
 
 
@@ -104,11 +109,11 @@ def train_losses(cfg: config_lib.Config, devices, batch_of, steps: int = 20):
     import jax
     import numpy as np
 
-    from jaxlm import train
+    from jaxlm import step as step_lib
 
-    run = train.setup(cfg, devices)
-    state = train.init_state(run, cfg.seed)
-    step = train.make_train_step(run.cfg, run.optimizer, run.mesh, run.abstract_state, run.act_rules)
+    run = step_lib.setup(cfg, devices)
+    state = step_lib.init_state(run, cfg.seed)
+    step = step_lib.make_train_step(run.cfg, run.optimizer, run.mesh, run.abstract_state, run.act_rules)
     rng = np.random.default_rng(0)
     losses = []
     for _ in range(steps):
@@ -131,9 +136,9 @@ def tiny_config(data_dir: Path, run_dir: Path | None = None, **overrides) -> con
     return cfg
 
 
-# Modules that hold the longest tests (two-process runs, an S3 server) run first, so that with two workers
-# (`make test`) the long ones do not start last while the other worker has nothing left to do.
-FIRST = ("test_sharding", "test_storage")
+# Modules that hold the longest tests (two-process runs, Slurm jobs, S3 and GCS servers) run first, so that with
+# two workers (`make test`) the long ones do not start last while the other worker has nothing left to do.
+FIRST = ("test_slurm", "test_sharding", "test_storage")
 
 
 def pytest_configure(config):

@@ -87,8 +87,9 @@ def test_cli_help_lists_every_key():
     out = subprocess.run([sys.executable, "-m", "jaxlm.cli", "train", "--help"], capture_output=True, text=True,
                          check=True).stdout
     for key, *_ in config_lib.all_keys():
-        assert f"  {key}: " in out
+        assert f"  {config_lib.spelled(key)}: " in out
     assert "training.steps: int = 5000" in out
+    assert "  orpo.lambda: float = 0.1" in out  # the field orpo.lambda_, as users write it
 
 
 def test_cli_error_is_one_line_without_traceback():
@@ -112,7 +113,9 @@ COMBOS = [
     (["mesh.ici_data=3"], "mesh.ici_data"), (["training.batch_size=12", "mesh.ici_data=8"], "training.batch_size"),
     (["optimizer.warmup_steps=50", "optimizer.decay_steps=10"], "optimizer.decay_steps"),
     (["model.layer_pattern=local,global"], "model.sliding_window"),
-    (["model.layer_pattern=local,global", "model.sliding_window=8", "model.n_layers=3"], "model.n_layers"),
+    (["model.layer_pattern=local,global,local", "model.sliding_window=8", "model.n_layers=2"], "model.n_layers"),
+    (["model.n_experts=8", "model.router_groups=3"], "model.router_groups"),
+    (["model.kv_lora_rank=16"], "model.qk_nope_head_dim"), (["model.q_lora_rank=8"], "model.q_lora_rank"),
     (["diagnostics.hang_exit=true"], "diagnostics.hang_exit"),
     (["profiler.mode=xplane", "profiler.skip_steps=100"], "profiler.skip_steps"),
     (["distributed.num_processes=2", "distributed.process_id=2", "distributed.coordinator_address=127.0.0.1:1"],
@@ -143,9 +146,10 @@ def config_mutations(seed: int = 0) -> list[tuple[list[str], str]]:
     """Invalid settings, one per case, with the key each error must name: every key with values of the wrong
     type or out of range, typos of keys, and impossible combinations."""
     rng = random.Random(seed)
-    keys = [k for k, *_ in config_lib.all_keys()]
+    keys = [config_lib.spelled(k) for k, *_ in config_lib.all_keys()]  # as users write them (orpo.lambda)
     cases = []
     for key, t, _, _ in config_lib.all_keys():
+        key = config_lib.spelled(key)
         for value in BAD_VALUES.get(_kind(t), []) + BAD_STRINGS.get(key, []):
             cases.append(([f"{key}={value}"], key))
     for key in rng.sample(keys, 40):
@@ -159,13 +163,13 @@ def config_mutations(seed: int = 0) -> list[tuple[list[str], str]]:
 
 
 def test_config_fuzz_fails_before_compiling_with_one_line_naming_the_key(char_data, tmp_path, monkeypatch, capsys):
-    from jaxlm import cli, train
+    from jaxlm import cli, step as step_lib
 
     def compiled(*args, **kwargs):
         raise AssertionError("a bad config got as far as compiling")
 
     for name in ("init_state", "init_state_from", "make_train_step", "make_eval_step"):
-        monkeypatch.setattr(train, name, compiled)
+        monkeypatch.setattr(step_lib, name, compiled)
     base = ["shakespeare_char_cpu", f"data.dir={char_data}", "model.n_layers=2", "model.d_model=32",
             "model.n_heads=4", "model.block_size=32", "training.batch_size=8", "training.steps=20",
             "optimizer.warmup_steps=5", "logging.progress=false", "logging.tensorboard=false"]

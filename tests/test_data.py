@@ -211,3 +211,25 @@ def test_data_files_that_do_not_match_their_meta_fail_clearly(char_data, tmp_pat
         assert fragment in str(e.value) and "\n" not in str(e.value), (fragment, str(e.value))
     with pytest.raises(DataError, match="does not fit in uint32"):
         prepare.write_split(tmp_path / "huge", np.arange(3), 2**32 + 1, {"kind": "byte"}, "test")
+
+
+def test_tests_that_need_the_corpus_fail_in_one_line_without_it(tmp_path):
+    """A clone without ../shared must not pass by skipping the tests that read the corpus."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    missing = tmp_path / "nowhere" / "input.txt"
+    env = dict(os.environ, JAXLM_TEST_SHAKESPEARE=str(missing))
+    env.pop("PYTEST_XDIST_WORKER", None)
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                        f"--basetemp={tmp_path / 't'}", "tests/test_data.py::test_shakespeare_char_token_counts"],
+                       cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 1, p.stdout + p.stderr
+    summary = p.stdout.strip().splitlines()[-1]
+    assert "1 error" in summary and "skipped" not in summary, p.stdout
+    lines = [line for line in p.stdout.splitlines() if f"{missing} not found" in line]
+    assert lines and all("tiny Shakespeare corpus" in line and "JAXLM_TEST_SHAKESPEARE" in line for line in lines)
+    assert "Traceback" not in p.stdout and "def shakespeare_file" not in p.stdout, p.stdout

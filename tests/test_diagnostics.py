@@ -62,10 +62,10 @@ def test_watchdog_reports_a_stall_once_per_stall_and_names_the_step(tmp_path):
 HANG_SCRIPT = """
 import sys, time
 from pathlib import Path
-from jaxlm import config as config_lib, train
+from jaxlm import config as config_lib, train, step as step_lib
 
 marker = Path(sys.argv[2])
-original_batch = train.device_batch
+original_batch = step_lib.device_batch
 calls = []
 
 def next_that_hangs(run, split, plan):  # the 4th training batch never comes (evaluation batches pass)
@@ -75,7 +75,7 @@ def next_that_hangs(run, split, plan):  # the 4th training batch never comes (ev
         time.sleep(600)  # HANG HERE
     return original_batch(run, split, plan)
 
-train.device_batch = next_that_hangs
+step_lib.device_batch = next_that_hangs
 train.train(config_lib.load(sys.argv[1]))
 """
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config
-from jaxlm import config as config_lib, metrics, train
+from jaxlm import config as config_lib, metrics, train, step as step_lib
 from jaxlm.model import param_specs
 
 
@@ -146,4 +146,4 @@ def test_wandb_missing_is_a_config_error(char_data, tmp_path, monkeypatch):
 
     monkeypatch.setattr(builtins, "__import__", no_wandb)
     with pytest.raises(config_lib.ConfigError, match=r"logging.wandb=true needs the wandb package"):
-        train.setup(tiny_config(char_data, tmp_path / "r", **{"logging.wandb": True}), jax.devices()[:1])
+        step_lib.setup(tiny_config(char_data, tmp_path / "r", **{"logging.wandb": True}), jax.devices()[:1])

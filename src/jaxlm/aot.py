@@ -3,8 +3,8 @@ host's devices) from abstract shapes, its memory per device against the target's
 largest batch that fits, and saved steps that `jaxlm train ... compile.load=FILE` runs without compiling.
 
 Flow: compile.topology -> the target's devices (compile-only TPU devices from libtpu's topology
-description need no TPU) -> train.setup on them (mesh, shardings, abstract state; nothing allocated)
--> train.lower_train_step, the very lowering `train` jits -> compile -> memory report -> saved file.
+description need no TPU) -> step.setup on them (mesh, shardings, abstract state; nothing allocated)
+-> step.lower_train_step, the very lowering `jaxlm train` jits -> compile -> memory report -> saved file.
 
 A saved step is one file (its format and its loading are in saved_step.py, which `train` reads without
 this module). A saved step is always compiled in the saving process, never read back from JAX's persistent compilation
@@ -30,17 +30,13 @@ from typing import Callable
 import jax
 from jax.experimental import serialize_executable
 
-from jaxlm import advisor, saved_step, train
+from jaxlm import advisor, saved_step, step as step_lib
 from jaxlm.model import attention, transformer
 from jaxlm.config import MESH_AXES, CompileConfig, Config, ConfigError
+from jaxlm.topology import TPU_GENERATIONS, tpu_grid  # noqa: F401 - tpu_grid is part of this module's interface
 
 GiB = 2**30
 
-# name prefix -> (generation in libtpu's topology names, chip config, grid rank, TensorCores per chip).
-# v4 and v5p slice names count TensorCores and run one JAX device per chip (megacore); v5e and v6e chips
-# have one core each.
-TPU_GENERATIONS = {"v4": ("v4", "megacore", 3, 2), "v5p": ("v5", "megacore", 3, 2),
-                   "v5e": ("v5e", "default", 2, 1), "v6e": ("v6e", "default", 2, 1)}
 # GPU targets: name -> (device kind substring, GPUs per host).
 GPU_TARGETS = {"a3": ("H100", 8)}
 # HBM per device from the vendors' spec sheets, GiB: (substrings the device kind must all contain, GiB).
@@ -92,19 +88,6 @@ def prepare_process(c: CompileConfig) -> None:
             os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={m[1]}".strip()
     if name and "JAX_PLATFORMS" not in os.environ:  # JAX read the variable on import; set its config instead
         jax.config.update("jax_platforms", "cpu")
-
-
-def tpu_grid(rank: int, chips: int) -> tuple[int, ...]:
-    """Chip grid of a slice as Cloud TPU builds them: 1x1, 1x2, 2x2, 2x4, 4x4, ... 16x16 (v5e, v6e) and
-    2x2x1, 2x2x2, 2x2x4, 2x4x4, 4x4x4, ... (v4, v5p): each doubling doubles the smallest dimension, the
-    last of equals first."""
-    grid = [1, 1] if rank == 2 else [2, 2, 1]
-    if chips < math.prod(grid) or chips & (chips - 1) or (rank == 2 and chips > 256):
-        raise ValueError
-    while math.prod(grid) < chips:
-        i = max(i for i, d in enumerate(grid) if d == min(grid))
-        grid[i] *= 2
-    return tuple(grid)
 
 
 def _unknown_topology(name: str) -> ConfigError:
@@ -234,7 +217,7 @@ class Memory:
 class Result:
     """One compile for a target: the executable, or the compiler's out-of-memory message when it refused."""
 
-    run: train.Run
+    run: step_lib.Run
     target: Target
     seconds: float
     executable: jax.stages.Compiled | None
@@ -263,12 +246,20 @@ class Result:
                 and self.memory.temporaries + self.memory.generated_code <= self.target.hbm_bytes)
 
 
-def _step_args(run: train.Run) -> dict:
-    return {"state": run.abstract_state, "batch": train.abstract_batch(run)}
-
-
 def _shard_bytes(a: jax.ShapeDtypeStruct) -> int:
     return math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
+
+
+def argument_shares(run: step_lib.Run) -> dict[str, int]:
+    """Bytes per device of the step's arguments by kind: the frozen base of a LoRA run, the trained weights,
+    the optimizer state (with the step counters) and the batch."""
+    args = step_lib.step_args(run)
+    size = lambda tree: sum(_shard_bytes(a) for a in jax.tree.leaves(tree))  # noqa: E731
+    state = args["state"]
+    out = {"base weights (frozen)": size(args.get("frozen")),
+           "trained weights" if run.abstract_frozen is None else "adapters": size(state["params"]),
+           "optimizer state": size({k: v for k, v in state.items() if k != "params"}), "batch": size(args["batch"])}
+    return {k: v for k, v in out.items() if v}
 
 
 _SIZE = r"([\d.]+)\s*([KMGT]i?B?|B)?"
@@ -294,10 +285,10 @@ def compile_for(cfg: Config, tgt: Target) -> Result:
     if tgt.num_slices > 1 and all(getattr(cfg.mesh, f"dcn_{a}") == 1 for a in MESH_AXES):
         raise ConfigError(f"compile.num_slices={tgt.num_slices}: set the mesh axes that span the slices, e.g. "
                           f"mesh.dcn_data={tgt.num_slices} (or mesh.dcn_fsdp)")
-    run = train.setup(cfg, list(tgt.devices), data=False)
-    argument_bytes = sum(_shard_bytes(a) for a in jax.tree.leaves(_step_args(run)))
+    run = step_lib.setup(cfg, list(tgt.devices), data=False)
+    argument_bytes = sum(_shard_bytes(a) for a in jax.tree.leaves(step_lib.step_args(run)))
     start = time.perf_counter()
-    lowered = train.lower_train_step(run)
+    lowered = step_lib.lower_train_step(run)
     try:
         executable = lowered.compile()
     except jax.errors.JaxRuntimeError as e:
@@ -319,7 +310,7 @@ def _gib(n: int) -> str:
     return f"{n / GiB:.2f} GiB" if abs(n) >= GiB else f"{n / 2**20:.2f} MiB"
 
 
-def remedies(run: train.Run, tgt: Target) -> list[str]:
+def remedies(run: step_lib.Run, tgt: Target) -> list[str]:
     """Settings that lower a step's memory per device, from what this run uses."""
     cfg, mesh = run.cfg, run.mesh
     out = []
@@ -350,10 +341,13 @@ def report(r: Result) -> list[str]:
              + transformer.describe_loss(m_cfg)]
     if r.memory is not None:
         mem = r.memory
+        shares = argument_shares(run)
         lines += ["memory per device (compiled.memory_analysis()):",
-                  f"  arguments       {_gib(mem.arguments):>12}   train state and batch",
+                  f"  arguments       {_gib(mem.arguments):>12}   train state and batch: "
+                  + ", ".join(f"{name} {_gib(n)}" for name, n in shares.items()),
                   f"  outputs         {_gib(mem.outputs):>12}   new train state and metrics",
-                  f"  temporaries     {_gib(mem.temporaries):>12}   activations, gradients, scratch",
+                  f"  temporaries     {_gib(mem.temporaries):>12}   activations, gradients, scratch "
+                  f"({100 * mem.temporaries / max(mem.total, 1):.0f}% of the total)",
                   f"  generated code  {_gib(mem.generated_code):>12}",
                   f"  aliased         {_gib(-mem.aliased):>12}   outputs written over donated arguments",
                   f"  total           {_gib(mem.total):>12}   of {_gib(tgt.hbm_bytes)} ({tgt.hbm_source}); an upper "
@@ -362,7 +356,8 @@ def report(r: Result) -> list[str]:
                   "not in the total"]
     else:
         lines += [f"the compiler ran out of memory: {r.oom}",
-                  f"  arguments       {_gib(r.argument_bytes):>12}   train state and batch (from their shardings)",
+                  f"  arguments       {_gib(r.argument_bytes):>12}   train state and batch (from their shardings): "
+                  + ", ".join(f"{name} {_gib(n)}" for name, n in argument_shares(run).items()),
                   f"  total, about   {_gib(r.bytes_per_device):>12}   "
                   + ("no figure from the compiler: the arguments alone" if r.oom_bytes is None else
                      "the compiler's total" if "Used " in r.oom else "arguments + the compiler's temporaries")]
@@ -427,9 +422,9 @@ def find_batch_size(cfg: Config, tgt: Target, log: Callable[[str], None] = print
 # --- saved steps ------------------------------------------------------------------------------------------
 
 
-def signature(run: train.Run, topology: str = "", num_slices: int = 1) -> dict:
+def signature(run: step_lib.Run, topology: str = "", num_slices: int = 1) -> dict:
     """What a step compiled for this run is compiled for (saved_step.signature)."""
-    return saved_step.signature(run.cfg, run.mesh, _step_args(run), topology, num_slices)
+    return saved_step.signature(run.cfg, run.mesh, step_lib.step_args(run), topology, num_slices)
 
 
 @contextlib.contextmanager
@@ -461,7 +456,7 @@ def save(path: str | Path, r: Result) -> Path:
     executable = r.executable
     if _persistent_cache_on():
         with persistent_cache_off():
-            executable = train.lower_train_step(r.run).compile()
+            executable = step_lib.lower_train_step(r.run).compile()
     payload, in_tree, out_tree = serialize_executable.serialize(executable)
     sig = signature(r.run, r.target.name, r.target.num_slices)
     path = Path(path)

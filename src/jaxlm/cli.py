@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import sys
 import textwrap
 
@@ -18,7 +19,7 @@ def _train_help() -> str:
              f"PRESET_OR_FILE: one of {', '.join(config_lib.preset_names())}, or a YAML/JSON file of settings",
              "(a file may name a preset to start from with `base: NAME`).", "", "settings (key: type = default):"]
     for key, t, default, help in config_lib.all_keys():
-        lines.append(f"  {key}: {config_lib.type_name(t)} = {default!r}")
+        lines.append(f"  {config_lib.spelled(key)}: {config_lib.type_name(t)} = {default!r}")
         lines.extend(textwrap.wrap(help, width=96, initial_indent="      ", subsequent_indent="      "))
     return "\n".join(lines)
 
@@ -37,9 +38,10 @@ def cmd_train(argv: list[str]) -> int:
         model = config_lib.apply_parameter_scale(cfg.model)
         if model.vocab_size is None:
             raise config_lib.ConfigError("--print-params needs model.vocab_size (it is otherwise read from the data)")
+        c = metrics.param_counts(model)
         print(f"parameters {params.count(param_specs(model)):,} (non-embedding "
-              f"{metrics.non_embedding_params(model):,}): {model.n_layers} layers, width {model.d_model}, "
-              f"{model.n_heads} heads of {model.hd}, MLP {model.ff}")
+              f"{metrics.non_embedding_params(model):,}; active per token {c['active']:,}): {model.n_layers} layers, "
+              f"width {model.d_model}, {model.n_heads} heads of {model.hd}, MLP {model.ff}")
         return 0
     from jaxlm import train
 
@@ -67,22 +69,113 @@ def cmd_compile(argv: list[str]) -> int:
 
 
 def cmd_launch(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="jaxlm launch", description="Run a jaxlm command in several local processes "
-                                "that form one JAX job (coordinator on 127.0.0.1).")
-    p.add_argument("--processes", type=int, required=True)
-    p.add_argument("--devices-per-process", type=int, help="fake CPU devices per process (testing)")
-    p.add_argument("--gpus-per-process", type=int, help="GPUs per process on a multi-GPU node")
-    p.add_argument("--port", type=int, help="coordinator port (default: a free one)")
+    from jaxlm import clusters
+
+    p = argparse.ArgumentParser(
+        prog="jaxlm launch", description="Run a jaxlm command as one JAX job of several processes: here (local: "
+        "a coordinator on 127.0.0.1), or through a cluster's scheduler: an sbatch script (slurm), an indexed Job "
+        "and headless Service (kubernetes), or gcloud command lines for a TPU VM slice (tpu-vm). docs/scaling.md.")
+    p.add_argument("--scheduler", choices=clusters.SCHEDULERS, default="local")
+    p.add_argument("--processes", type=int, help="local: processes to start")
+    p.add_argument("--devices-per-process", type=int, help="fake CPU devices per process (testing; local, slurm)")
+    p.add_argument("--gpus-per-process", type=int, help="GPUs per process: per local process, per Slurm task "
+                   "(--gpus-per-task), per Kubernetes pod")
+    p.add_argument("--port", type=int, help="local: coordinator port (default: a free one)")
+    p.add_argument("--nodes", type=int, help="slurm: nodes; kubernetes: pods (hosts)")
+    p.add_argument("--tasks-per-node", type=int, default=1, help="slurm: processes per node (default 1)")
+    p.add_argument("--time", help="slurm: time limit (sbatch --time, e.g. 24:00:00)")
+    p.add_argument("--partition", help="slurm: partition")
+    p.add_argument("--account", help="slurm: account")
+    p.add_argument("--signal-seconds", type=int, default=300, help="slurm: seconds before the time limit at which "
+                   "the tasks get SIGTERM and save a checkpoint (default 300)")
+    p.add_argument("--requeues", type=int, default=3, help="slurm: times the job is requeued after a failure or a "
+                   "preemption (default 3); kubernetes: restarts per pod")
+    p.add_argument("--name", default="jaxlm", help="job name (slurm, kubernetes) or TPU VM name (tpu-vm)")
+    p.add_argument("--output-dir", default="slurm", help="slurm: folder for the script and the job's output")
+    p.add_argument("--sbatch", action="append", metavar="FLAG", help="slurm: another #SBATCH line (repeatable), "
+                   "e.g. --sbatch=--exclusive")
+    p.add_argument("--image", help="kubernetes: container image with jaxlm installed (its `jaxlm` on PATH)")
+    p.add_argument("--topology", help="tpu-vm, kubernetes: TPU slice such as v5e-256 (jaxlm describe NAME)")
+    p.add_argument("--zone", help="tpu-vm: zone")
+    p.add_argument("--project", help="tpu-vm: project")
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--submit", action="store_true", help="slurm: sbatch the script; kubernetes: kubectl apply")
+    how.add_argument("--dry-run", action="store_true", help="print the script, manifest or command lines "
+                     "(the default for slurm, kubernetes and tpu-vm)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- train PRESET key=value ...")
     a = p.parse_args(argv)
     command = a.command[1:] if a.command[:1] == ["--"] else a.command
     if not command:
         p.error("give the command after --, e.g. jaxlm launch --processes 2 -- train quickstart")
-    if a.processes < 1:
-        p.error("--processes must be >= 1")
-    from jaxlm.launch import launch
+    if a.scheduler == "local":
+        if a.processes is None or a.processes < 1:
+            p.error("--processes N (>= 1) is needed for local processes")
+        from jaxlm.launch import launch
 
-    return launch(command, a.processes, a.devices_per_process, a.port, a.gpus_per_process)
+        return launch(command, a.processes, a.devices_per_process, a.port, a.gpus_per_process)
+    if a.scheduler == "slurm":
+        if a.nodes is None:
+            p.error("--nodes N is needed for --scheduler slurm")
+        script = clusters.slurm_script(command, a.nodes, a.tasks_per_node, a.gpus_per_process,
+                                       a.devices_per_process, a.time, a.partition, a.account, a.name, a.requeues,
+                                       a.signal_seconds, a.output_dir, extra=a.sbatch)
+        if not a.submit:
+            print(script, end="")
+            return 0
+        path, job = clusters.submit_slurm(script, a.output_dir, a.name)
+        print(f"submitted job {job}: {path}; output in {path.parent}/{a.name}-{job}.out")
+        return 0
+    if a.scheduler == "kubernetes":
+        if a.nodes is None and not a.topology:
+            p.error("--nodes N (pods) or --topology SLICE is needed for --scheduler kubernetes")
+        if not a.image:
+            p.error("--image IMAGE (with jaxlm installed) is needed for --scheduler kubernetes")
+        import yaml
+
+        from jaxlm.topology import tpu_slice
+
+        hosts = a.nodes if a.nodes is not None else tpu_slice(a.topology).workers
+        manifest = yaml.safe_dump_all(clusters.kubernetes_manifest(
+            command, a.name, a.image, hosts, a.gpus_per_process, a.topology, a.requeues), sort_keys=False)
+        if not a.submit:
+            print(manifest, end="")
+            return 0
+        return clusters.apply_kubernetes(manifest)
+    if not (a.topology and a.zone):
+        p.error("--topology SLICE and --zone ZONE are needed for --scheduler tpu-vm")
+    if a.submit:
+        p.error("--scheduler tpu-vm prints the gcloud command lines; run them yourself (no --submit)")
+    print(clusters.tpu_vm_text(clusters.tpu_vm_commands(command, a.name, a.topology, a.zone, a.project), a.topology),
+          end="")
+    return 0
+
+
+def cmd_describe(argv: list[str]) -> int:
+    """A TPU slice (v5e-256: chips, grid, workers, gcloud's accelerator type) or a model (a preset or settings
+    file: parameter counts, layers, FLOPs, KV-cache bytes per token)."""
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: jaxlm describe TOPOLOGY | PRESET_OR_FILE [key=value ...]\n\n"
+              "TOPOLOGY (a TPU slice such as v4-8, v5e-256, v5p-128, v6e-256): its chips, chip grid, workers (host\n"
+              "VMs) and chips per worker, gcloud's accelerator type and version.\n"
+              "PRESET_OR_FILE: the model's parameter counts (total, active per token with and without the input\n"
+              "embedding table, embedding, multi-token prediction modules), layer layout, training FLOPs per token\n"
+              "and KV-cache bytes per token, from its settings alone (nothing is allocated).")
+        return 0 if argv else 2
+    if re.fullmatch(r"v\d+[a-z]?-\d+", argv[0].strip().lower()):
+        from jaxlm.topology import tpu_slice
+
+        if len(argv) > 1:
+            raise config_lib.ConfigError(f"jaxlm describe {argv[0]} takes no settings (got {argv[1]!r})")
+        print("\n".join(tpu_slice(argv[0]).lines()))
+        return 0
+    from jaxlm import metrics
+
+    cfg = config_lib.load(argv[0], argv[1:])
+    model = config_lib.apply_parameter_scale(cfg.model)
+    if model.vocab_size is None:
+        raise config_lib.ConfigError("jaxlm describe needs model.vocab_size (it is otherwise read from the data)")
+    print("\n".join(metrics.describe_model(model)))
+    return 0
 
 
 def _prepare_common(p: argparse.ArgumentParser) -> None:
@@ -111,20 +204,24 @@ def _report(out: str, meta: dict) -> None:
 
     s = meta["splits"]
     print(f"read {prepare.describe_stats(meta['skipped'])}")
-    print(f"wrote {out}: train {s['train']['documents']:,} documents / {s['train']['tokens']:,} tokens in "
-          f"{len(s['train']['shards'])} shard(s), val {s['val']['documents']:,} documents / {s['val']['tokens']:,} "
-          f"tokens; vocab {meta['vocab_size']:,} ({meta['tokenizer']['kind']})")
+    unit, per = ("pairs", 2) if meta.get("kind") == "preference" else ("documents", 1)
+    print(f"wrote {out}: train {s['train']['documents'] // per:,} {unit} / {s['train']['tokens']:,} tokens in "
+          f"{len(s['train']['shards'])} shard(s), val {s['val']['documents'] // per:,} {unit} / "
+          f"{s['val']['tokens']:,} tokens; vocab {meta['vocab_size']:,} ({meta['tokenizer']['kind']})")
 
 
 def cmd_prepare(argv: list[str]) -> int:
     from jaxlm.data import prepare
 
-    if argv[:1] in (["corpus"], ["chat"]):
-        chat = argv[0] == "chat"
+    if argv[:1] in (["corpus"], ["chat"], ["preference"]):
+        chat, pref = argv[0] == "chat", argv[0] == "preference"
         p = argparse.ArgumentParser(
             prog=f"jaxlm prepare {argv[0]}",
             description="Chat records (`messages` or prompt/completion) -> tokens + a loss mask on assistant tokens."
-            if chat else "Any corpus through any tokenizer -> format-2 token shards (docs/data.md).")
+            if chat else "Preference records (prompt, chosen, rejected: strings, or chat messages rendered with the "
+            "chat template) -> pairs of documents with a loss mask on the replies, for training.objective=dpo|ipo|"
+            "orpo (docs/preference.md)." if pref else
+            "Any corpus through any tokenizer -> format-2 token shards (docs/data.md).")
         p.add_argument("inputs", nargs="+", metavar="INPUT", help="files (.txt .jsonl .json .parquet, optionally "
                        ".gz/.zst), folders, globs, s3:// or gs:// URLs, or datasets:NAME")
         _prepare_common(p)
@@ -133,6 +230,15 @@ def cmd_prepare(argv: list[str]) -> int:
                            "conversations are dropped and counted, never cut")
             p.add_argument("--chat-template", help="Jinja chat template file (default: the tokenizer's)")
             p.add_argument("--val-fraction", type=float, default=0.01, help="fraction of the records for val")
+        elif pref:
+            p.add_argument("--max-tokens", type=int, help="the training block size: a pair whose two documents "
+                           "(prompt + chosen, prompt + rejected) have more tokens together is refused, never cut "
+                           "(default: no limit here; training checks its block size)")
+            p.add_argument("--drop-long", action="store_true", help="drop and count pairs over --max-tokens "
+                           "instead of refusing them (this skews the data toward short replies)")
+            p.add_argument("--chat-template", help="Jinja chat template file for records given as messages "
+                           "(default: the tokenizer's)")
+            p.add_argument("--val-fraction", type=float, default=0.01, help="fraction of the pairs for val")
         else:
             p.add_argument("--field", default="text", help="record field holding the text (default text)")
             p.add_argument("--per-line", action="store_true", help="each line of a .txt file is a document "
@@ -146,6 +252,9 @@ def cmd_prepare(argv: list[str]) -> int:
                       progress=not a.no_progress)
         if chat:
             meta = prepare.prepare_chat(a.inputs, a.out, a.tokenizer, a.max_tokens, a.chat_template, **common)
+        elif pref:
+            meta = prepare.prepare_preference(a.inputs, a.out, a.tokenizer, a.max_tokens, a.chat_template,
+                                              a.drop_long, **common)
         else:
             meta = prepare.prepare_corpus(a.inputs, a.out, a.tokenizer, field=a.field, per_line=a.per_line,
                                           **common)
@@ -153,7 +262,8 @@ def cmd_prepare(argv: list[str]) -> int:
         return 0
     p = argparse.ArgumentParser(prog="jaxlm prepare", description="Prepare a corpus. `jaxlm prepare corpus "
                                 "INPUT... --tokenizer T --out DIR` takes any inputs and tokenizer, `jaxlm prepare "
-                                "chat FILE.jsonl --tokenizer T --max-tokens N --out DIR` chat data (see their "
+                                "chat FILE.jsonl --tokenizer T --max-tokens N --out DIR` chat data, `jaxlm prepare "
+                                "preference FILE.jsonl --tokenizer T --out DIR` preference pairs (see their "
                                 "--help); the presets below write nanoGPT's train.bin/val.bin/meta.json.")
     p.add_argument("dataset", choices=["shakespeare_char", "python_stdlib", "openwebtext", "text"])
     p.add_argument("files", nargs="*", help="input text files (for `text`)")
@@ -211,16 +321,27 @@ def cmd_convert(argv: list[str]) -> int:
     a.add_argument("out", help="output folder")
     a.add_argument("--param-dtype", choices=["float32", "bfloat16"], default="float32",
                    help="dtype the weights are stored and trained in (default float32)")
+    a.add_argument("--adapter", metavar="PEFT_DIR", help="also import this PEFT LoRA adapter of the model (OUT then "
+                   "serves base + adapter, and `jaxlm train OUT/config.json` goes on training the adapter)")
     b = sub.add_parser("to-hf", help="jaxlm run directory or converted checkpoint -> HF folder")
     b.add_argument("path", help="run directory (its latest checkpoint) or converted checkpoint folder")
     b.add_argument("out", help="output folder")
     b.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="tensor dtype (default: the weights')")
     b.add_argument("--shard-gb", type=float, default=5.0, help="largest safetensors file, in GiB")
+    b.add_argument("--adapter-only", action="store_true", help="write a LoRA run's adapter as a PEFT adapter folder "
+                   "(adapter_config.json, adapter_model.safetensors) instead of the merged model")
     args = p.parse_args(argv)
-    from jaxlm import convert
+    from jaxlm import adapters, convert
 
     if args.direction == "from-hf":
-        convert.from_hf(args.src, args.out, args.param_dtype)
+        if args.adapter:  # read before the base is converted: an adapter that does not fit leaves nothing behind
+            model = convert.read_hf_config(args.src, args.param_dtype)[2]
+            adapters.read_peft(args.adapter, config_lib.Config(model=model))
+        out = convert.from_hf(args.src, args.out, args.param_dtype)
+        if args.adapter:
+            adapters.import_peft(out, args.adapter)
+    elif args.adapter_only:
+        adapters.write_peft(args.path, args.out, args.dtype)
     else:
         convert.to_hf(args.path, args.out, args.dtype, int(args.shard_gb * 2**30))
     return 0
@@ -363,7 +484,7 @@ def cmd_serve(argv: list[str]) -> int:
 
 
 COMMANDS = {"train": cmd_train, "compile": cmd_compile, "prepare": cmd_prepare, "launch": cmd_launch,
-            "plot": cmd_plot, "convert": cmd_convert, "eval": cmd_eval,
+            "describe": cmd_describe, "plot": cmd_plot, "convert": cmd_convert, "eval": cmd_eval,
             "generate": cmd_generate, "tokenizer": cmd_tokenizer, "serve": cmd_serve}
 
 
@@ -390,9 +511,13 @@ def main(argv: list[str] | None = None) -> int:
               "  compile PRESET_OR_FILE compile.topology=NAME [...]  compile the train step ahead of time for a\n"
               "                                         TPU/GPU/CPU target; memory report (jaxlm compile --help)\n"
               "  prepare DATASET [...]                  corpus -> token files (jaxlm prepare --help)\n"
-              "  prepare corpus|chat INPUT... --tokenizer T --out DIR   any corpus or chat data -> token shards\n"
+              "  prepare corpus|chat|preference INPUT... --tokenizer T --out DIR   any corpus, chat data or preference\n"
+              "                                         pairs -> token shards\n"
               "  tokenizer train INPUT... --vocab-size N --out DIR   train a byte-level BPE tokenizer\n"
               "  launch --processes N -- train ...      one job in N local processes (jaxlm launch --help)\n"
+              "  launch --scheduler slurm|kubernetes|tpu-vm ... -- train ...  the same through a cluster's scheduler\n"
+              "  describe SLICE | PRESET [key=value]   a TPU slice's workers and chips (v5e-256), or a model's\n"
+              "                                         parameters (total, active), layers, FLOPs, KV cache\n"
               "  plot RUN_DIR [RUN_DIR ...]             loss and throughput curves -> PNG (jaxlm plot --help)\n"
               "  convert from-hf|to-hf SRC OUT          Hugging Face checkpoints in and out (jaxlm convert --help)\n"
               "  eval RUN_DIR [key=value ...]           losses and a sample of a trained run, or lm-eval tasks\n"

@@ -33,6 +33,7 @@ def _f(default, help: str, **kw):
 
 
 DType = Literal["float32", "bfloat16"]
+ATTENTION_KINDS = ("global", "local", "chunked", "nope")
 RematPolicy = Literal["none", "full", "minimal", "save_dots", "save_qkv_proj", "save_out_proj", "save_qkv_out_proj",
                       "save_attention", "offload_qkv_proj", "offload_attention", "offload_layer_inputs"]
 
@@ -95,13 +96,48 @@ class ModelConfig:
     attn_logit_softcap: float | None = _f(None, "cap * tanh(logits / cap) on attention logits; None = off (Gemma 2: 50)")
     final_logit_softcap: float | None = _f(None, "cap * tanh(logits / cap) on output logits; None = off (Gemma 2: 30)")
     sliding_window: int | None = _f(None, "keys a `local` layer attends to, itself included (Mistral, Gemma 2)")
-    layer_pattern: str = _f("global", "comma-separated attention kinds (global|local) repeated over the layers, "
-                            "e.g. local,global for Gemma 2; layers are scanned in groups of this length")
-    rope_scaling: Literal["none", "llama3"] = _f("none", "rotary frequency scaling for long context (Llama 3.1)")
-    rope_scaling_factor: float = _f(8.0, "llama3 rope scaling: factor the low frequencies are divided by")
+    layer_pattern: str = _f("global", "comma-separated attention kinds repeated over the layers: global, local "
+                            "(the last model.sliding_window positions), chunked (positions of the same "
+                            "model.attention_chunk block, Llama 4), nope (global without rotary embeddings, "
+                            "Llama 4), e.g. local,global for Gemma 2; layers are scanned in groups of this length "
+                            "(a last group shorter than the pattern runs unrolled, as Gemma 3's 26 layers of 6)")
+    attention_chunk: int | None = _f(None, "positions of one block of `chunked` layers (Llama 4: 8192)")
+    local_rope_theta: float | None = _f(None, "rotary base of `local` layers, which then rotate without "
+                                              "model.rope_scaling (Gemma 3: 10000); None = as global layers")
+    rope_scaling: Literal["none", "llama3", "linear", "yarn"] = _f(
+        "none", "rotary frequency scaling for long context: llama3 (Llama 3.1), linear (positions divided by "
+                "rope_scaling_factor, Gemma 3's global layers), yarn (gpt-oss, DeepSeek-V3)")
+    rope_scaling_factor: float = _f(8.0, "llama3/linear/yarn rope scaling: the context extension factor")
     rope_low_freq_factor: float = _f(1.0, "llama3 rope scaling: low_freq_factor")
     rope_high_freq_factor: float = _f(4.0, "llama3 rope scaling: high_freq_factor")
-    rope_original_context: int = _f(8192, "llama3 rope scaling: context length the model was pretrained with")
+    rope_original_context: int = _f(8192, "llama3/yarn rope scaling: context length the model was pretrained with")
+    rope_yarn_beta_fast: float = _f(32.0, "yarn rope scaling: beta_fast (rotations below which frequencies are "
+                                          "interpolated)")
+    rope_yarn_beta_slow: float = _f(1.0, "yarn rope scaling: beta_slow")
+    rope_yarn_truncate: bool = _f(True, "yarn rope scaling: round the correction range to whole dimensions")
+    rope_yarn_mscale: float = _f(0.0, "yarn rope scaling: mscale (with mscale_all_dim, the rotary attention "
+                                      "factor is their ratio); 0 = unset")
+    rope_yarn_mscale_all_dim: float = _f(0.0, "yarn rope scaling: mscale_all_dim; also multiplies the attention "
+                                              "scale by (0.1 * mscale_all_dim * ln(factor) + 1)^2, as DeepSeek-V3 "
+                                              "does; 0 = unset")
+    rope_attention_factor: float | None = _f(None, "yarn rope scaling: factor on the rotated queries and keys; "
+                                                   "None = from the factor and mscales")
+    attn_out_bias: bool = _f(False, "a bias on the attention output projection (gpt-oss, with qkv_bias)")
+    attn_sinks: bool = _f(False, "a learned logit per query head in every softmax denominator (gpt-oss)")
+    qk_l2_norm: bool = _f(False, "queries and keys divided by their root mean square (no learned scale) after "
+                                 "rotary, on layers with rotary (Llama 4's use_qk_norm)")
+    attn_temperature_tuning: bool = _f(False, "on `nope` layers, queries multiplied by "
+                                              "1 + attn_temperature_scale * ln(1 + floor((position + 1) / "
+                                              "attn_temperature_floor)) (Llama 4)")
+    attn_temperature_floor: int = _f(8192, "attention temperature tuning: floor_scale")
+    attn_temperature_scale: float = _f(0.1, "attention temperature tuning: attn_scale")
+    kv_lora_rank: int = _f(0, "multi-head latent attention (DeepSeek-V2/V3): width of the compressed key/value "
+                              "latent that the KV cache stores; 0 = ordinary attention")
+    q_lora_rank: int = _f(0, "latent attention: width of the compressed query; 0 = a full-rank query projection")
+    qk_nope_head_dim: int = _f(0, "latent attention: per-head query/key width without rotary")
+    qk_rope_head_dim: int = _f(0, "latent attention: width of the rotary query part and of the rotary key shared "
+                                  "by all heads")
+    v_head_dim: int = _f(0, "latent attention: per-head value width")
     n_experts: int = _f(0, "experts per mixture-of-experts MLP; 0 = dense MLP (Mixtral: 8)")
     experts_per_token: int = _f(2, "experts each token is routed to (top-k)")
     expert_capacity_factor: float = _f(
@@ -113,6 +149,43 @@ class ModelConfig:
         "TPU), padded (all_to_all of whole buffers; any platform), auto = ragged on TPU except v5e, whose pod "
         "slices XLA:TPU does not compile it for")
     router_aux_loss_coef: float = _f(0.02, "weight of the load-balancing loss added to the training loss")
+    expert_d_ff: int | None = _f(None, "hidden width of each expert (and, times n_shared_experts, of the shared "
+                                       "expert); None = d_ff (Qwen3-MoE, DeepSeek-V3 and Llama 4 differ)")
+    first_dense_layers: int = _f(0, "with experts: the first this many layers have a dense MLP of width d_ff "
+                                    "(DeepSeek-V3's first_k_dense_replace)")
+    moe_layer_interval: int = _f(1, "with experts: layer i (from 0) has experts when (i + 1) is a multiple of this, "
+                                    "the others a dense MLP of width d_ff (Llama 4's interleave_moe_layer_step)")
+    n_shared_experts: int = _f(0, "shared experts every token goes through besides its routed ones, one MLP of "
+                                  "width n_shared_experts * expert_d_ff (DeepSeek-V3, Llama 4)")
+    router_score: Literal["softmax", "sigmoid"] = _f(
+        "softmax", "router scores: softmax over the experts (Mixtral, Qwen3-MoE, gpt-oss) or a sigmoid per expert "
+                   "(DeepSeek-V3, Llama 4)")
+    router_norm_topk: bool = _f(True, "the chosen experts' weights are their scores divided by the chosen scores' "
+                                      "sum (Qwen3-MoE's norm_topk_prob); false = the scores themselves")
+    router_scale: float = _f(1.0, "the chosen experts' weights are multiplied by this (DeepSeek-V3's "
+                                  "routed_scaling_factor)")
+    router_groups: int = _f(1, "group-limited routing: the experts form this many groups, and a token picks its "
+                               "experts from the router_topk_groups groups whose two best scores sum highest "
+                               "(DeepSeek-V3's n_group)")
+    router_topk_groups: int = _f(1, "group-limited routing: groups a token picks from (DeepSeek-V3's topk_group)")
+    router_bias: bool = _f(False, "a bias on the router logits (gpt-oss)")
+    router_balance_bias: bool = _f(False, "a per-expert bias added to the scores for choosing experts only (not "
+                                          "to their weights), moved towards balanced loads outside the gradient: "
+                                          "DeepSeek-V3's auxiliary-loss-free balancing (e_score_correction_bias)")
+    moe_bias_update_rate: float = _f(0.001, "with router_balance_bias: each step the bias of an expert that got "
+                                            "more than the mean load falls by this, one that got less rises by "
+                                            "this (DeepSeek-V3's gamma); 0 = frozen (fine-tuning)")
+    router_weights_input: bool = _f(False, "the routing weight multiplies an expert's input instead of its output "
+                                           "(Llama 4)")
+    expert_bias: bool = _f(False, "biases on the experts' projections (gpt-oss)")
+    swiglu_limit: float | None = _f(None, "gpt-oss's clamped SwiGLU: gate clipped to <= limit, up to [-limit, "
+                                          "limit], out = (up + 1) * gate * sigmoid(swiglu_alpha * gate); None = "
+                                          "the plain gated MLP")
+    swiglu_alpha: float = _f(1.702, "clamped SwiGLU: the sigmoid's slope")
+    mtp_layers: int = _f(0, "multi-token prediction modules (DeepSeek-V3's num_nextn_predict_layers): module k "
+                            "predicts the token k + 1 positions ahead from the previous depth's hidden state and "
+                            "the embedding of the token k positions ahead")
+    mtp_loss_weight: float = _f(0.3, "weight of the mean multi-token prediction loss added to the training loss")
     quantization: Literal["none", "int8", "fp8", "int8_weights"] = _f(
         "none",
         "matmul quantization: int8 (int8 x int8 -> int32 forward and backward), fp8 (e4m3 forward, e5m2 "
@@ -137,6 +210,24 @@ class ModelConfig:
     def pattern(self) -> tuple[str, ...]:
         return tuple(k.strip() for k in self.layer_pattern.split(","))
 
+    @property
+    def expert_ff(self) -> int:
+        return self.expert_d_ff or self.ff
+
+    @property
+    def latent(self) -> bool:
+        """Multi-head latent attention (kv_lora_rank > 0)."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def qk_dim(self) -> int:
+        """Width of one head's query and key: head_dim, or the latent attention's nope + rope parts."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.latent else self.hd
+
+    @property
+    def v_dim(self) -> int:
+        return self.v_head_dim if self.latent else self.hd
+
 
 @dataclass(frozen=True)
 class DataConfig:
@@ -152,6 +243,10 @@ class DataConfig:
                               "Needs a dataset with document boundaries (`jaxlm prepare`, format 2)")
     mixture: str | None = _f(None, "train on several prepared folders sharing one tokenizer, each row drawn from one "
                                    "of them by weight: 'dirA:0.7,dirB:0.3' (replaces data.dir/data.dataset)")
+    prompts: str | None = _f(None, "training.objective=grpo: a jsonl file of prompts, each a record with `prompt` "
+                                   "text or chat `messages`; its other fields (e.g. `answer`) go to the rewards")
+    eval_prompts: str | None = _f(None, "training.objective=grpo: held-out prompts (jsonl as data.prompts) answered "
+                                        "greedily at each evaluation; their mean reward is eval_reward")
     loss_mask: Literal["auto", "on", "off"] = _f(
         "auto", "train only on the targets the dataset's loss mask marks (chat data: the assistant's tokens): "
                 "auto = when the dataset has a mask, on = require one, off = train on every token")
@@ -180,6 +275,11 @@ class OptimizerConfig:
 @dataclass(frozen=True)
 class TrainingConfig:
     steps: int = _f(5000, "optimizer steps to train for")
+    objective: Literal["next_token", "dpo", "ipo", "orpo", "grpo"] = _f(
+        "next_token", "what the train step minimizes (objectives.py): next_token = cross-entropy of the next token "
+                      "(pretraining, and SFT with loss masks); dpo, ipo, orpo = preference tuning on data from "
+                      "`jaxlm prepare preference` (dpo.*, orpo.* settings; docs/preference.md); grpo = reinforcement "
+                      "learning on rewarded rollouts (grpo.*, data.prompts; docs/rl.md)")
     batch_size: int = _f(64, "sequences per micro-batch across all devices (the global batch); "
                              "ignored when per_device_batch_size is set")
     per_device_batch_size: float | None = _f(None, "sequences per device per micro-batch; the global batch is this "
@@ -205,6 +305,66 @@ class TrainingConfig:
                                         "are not finite")
     spike_threshold: float = _f(0.0, "skip the update of a step whose loss exceeds this multiple of the running "
                                      "average loss (about the last 100 steps); 0 = off, else > 1")
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    rank: int = _f(0, "LoRA adapter rank; 0 = off (every weight trains). With a rank only the adapters train: the "
+                      "base weights (checkpoint.init_from) are frozen, get no gradient and no optimizer state, and "
+                      "checkpoints hold the adapters (docs/finetune.md)")
+    alpha: float = _f(16.0, "adapters add (alpha / rank) * x A B to each adapted projection")
+    dropout: float = _f(0.0, "dropout on each adapter's input during training")
+    targets: str = _f("q,k,v,o,up,gate,down", "comma-separated weights that get adapters: q, k, v, o (attention; "
+                                              "Hugging Face q_proj, k_proj, v_proj, o_proj) and up, gate, down "
+                                              "(dense MLP; up_proj, gate_proj, down_proj); experts are not adapted")
+    base_quantization: Literal["none", "int8", "nf4"] = _f(
+        "none", "QLoRA: keep the frozen base's attention and dense MLP weights on the device as int8 (one scale "
+                "per output channel) or 4-bit NormalFloat (blocks of 64, double-quantized scales), dequantized "
+                "layer by layer in the matmul; adapters and compute stay in their own dtypes")
+
+
+@dataclass(frozen=True)
+class DpoConfig:
+    beta: float = _f(0.1, "training.objective=dpo|ipo: how far the policy may move from the reference model (the KL "
+                          "weight beta; IPO's tau), as TRL's DPOConfig.beta")
+    label_smoothing: float = _f(0.0, "training.objective=dpo: the probability that a pair's preference is flipped "
+                                     "(conservative DPO), in [0, 0.5); 0 = plain DPO")
+
+
+@dataclass(frozen=True)
+class OrpoConfig:
+    # `lambda` is a Python keyword: the field is lambda_, and users write orpo.lambda (ALIASES)
+    lambda_: float = _f(0.1, "training.objective=orpo: weight of the odds-ratio term beside the chosen reply's "
+                             "negative log-likelihood (the ORPO paper's lambda; TRL's ORPOConfig.beta)")
+
+
+@dataclass(frozen=True)
+class GrpoConfig:
+    group_size: int = _f(8, "completions sampled per prompt; advantages compare each with its group's mean")
+    max_completion_tokens: int = _f(256, "tokens a completion may take; it also stops at the tokenizer's EOS")
+    temperature: float = _f(1.0, "sampling temperature of the rollouts (the loss's log-probabilities use it too)")
+    top_p: float = _f(1.0, "nucleus sampling of the rollouts; 1 = off")
+    top_k: int = _f(0, "top-k sampling of the rollouts; 0 = off")
+    beta: float = _f(0.0, "weight of the KL penalty to the reference model (k3 estimator); 0 drops the reference "
+                          "and its forward pass entirely")
+    epsilon: float = _f(0.2, "the policy ratio is clipped to [1 - epsilon, 1 + epsilon_high]")
+    epsilon_high: float | None = _f(None, "upper clip (DAPO's asymmetric clip, e.g. 0.28); None = epsilon")
+    iterations: int = _f(1, "policy updates per batch of rollouts (mu); the old policy's log-probabilities are "
+                            "computed once per batch when > 1, and with 1 the ratio is exactly 1")
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = _f(
+        "dapo", "how token losses are averaged: grpo = each sequence's mean, then the mean over sequences; bnpo = "
+                "over the micro-batch's completion tokens; dr_grpo = over sequences x max_completion_tokens (Dr. "
+                "GRPO's constant); dapo = over all completion tokens of the step")
+    scale_rewards: Literal["group", "batch", "none"] = _f(
+        "group", "divide advantages (reward minus its group's mean) by the group's reward std, the batch's, or "
+                 "nothing (Dr. GRPO)")
+    reward: str = _f("", "reward functions, comma-separated MODULE:FUNCTION (MODULE a dotted name or a .py file), "
+                         "e.g. jaxlm.rewards:exact_answer,my_rewards.py:concise; each is called with prompts, "
+                         "completions, completion_ids and the records' other fields, and returns a float each")
+    reward_weights: str = _f("", "comma-separated weights of the reward functions; '' = 1 each")
+    mask_truncated: bool = _f(False, "leave completions cut at max_completion_tokens out of the loss")
+    log_completions: int = _f(10, "every this many steps, write the rollouts' prompts, completions and rewards to "
+                                  "<run_dir>/completions.jsonl; 0 = off")
 
 
 @dataclass(frozen=True)
@@ -365,6 +525,10 @@ class Config:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    dpo: DpoConfig = field(default_factory=DpoConfig)
+    orpo: OrpoConfig = field(default_factory=OrpoConfig)
+    grpo: GrpoConfig = field(default_factory=GrpoConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
@@ -483,13 +647,18 @@ def _unknown(key: str, candidates: list[str]) -> ConfigError:
 
 
 # Short spellings accepted on the command line and in files.
-ALIASES = {"profiler": "profiler.mode"}
+ALIASES = {"profiler": "profiler.mode", "orpo.lambda": "orpo.lambda_"}
+
+
+def spelled(key: str) -> str:
+    """A setting's key as users write it (`orpo.lambda` for the field orpo.lambda_)."""
+    return next((alias for alias, k in ALIASES.items() if k == key and "." in alias), key)
 
 
 def apply_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:
     """Return `cfg` with dotted-key overrides applied, type-checked; does not validate ranges."""
     sections = _section_classes()
-    keys = [k for k, *_ in all_keys()]
+    keys = [spelled(k) for k, *_ in all_keys()]
     top_hints = typing.get_type_hints(Config)
     changes: dict[str, dict[str, Any]] = {}
     top: dict[str, Any] = {}
@@ -502,7 +671,7 @@ def apply_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:
             hints = typing.get_type_hints(sections[parts[0]])
             if parts[1] not in hints:
                 raise _unknown(key, keys)
-            changes.setdefault(parts[0], {})[parts[1]] = _coerce(key, value, hints[parts[1]])
+            changes.setdefault(parts[0], {})[parts[1]] = _coerce(spelled(key), value, hints[parts[1]])
         else:
             raise _unknown(key, keys)
     for section, kv in changes.items():
@@ -605,6 +774,9 @@ def validate(cfg: Config) -> None:
     _validate_common(cfg)
     _validate_model(cfg.model, cfg.mesh)
     _validate_optimizer_and_training(cfg.optimizer, cfg.training, cfg.checkpoint)
+    _validate_lora(cfg)
+    _validate_preference(cfg)
+    _validate_grpo(cfg)
     _validate_mesh_and_distributed(cfg.mesh, cfg.distributed)
     _validate_diagnostics(cfg)
     validate_decode(cfg.decode)
@@ -623,7 +795,7 @@ def _validate_common(cfg: Config) -> None:
         section, _, name = key.rpartition(".")
         v = getattr(getattr(cfg, section), name) if section else getattr(cfg, name)
         if isinstance(v, float) and not math.isfinite(v):
-            raise ConfigError(f"{key}={v} must be a finite number")
+            raise ConfigError(f"{spelled(key)}={v} must be a finite number")
     for key in ("seed", "decode.seed"):
         v = cfg.seed if key == "seed" else cfg.decode.seed
         if v < 0:
@@ -652,19 +824,22 @@ def _validate_model(m: ModelConfig, mesh: MeshConfig) -> None:
         raise ConfigError(f"model.dropout={m.dropout} must be in [0, 1)")
     for key in ("norm_eps", "init_std", "rope_theta"):
         _positive(f"model.{key}", getattr(m, key))
-    for key in ("attn_scale", "attn_logit_softcap", "final_logit_softcap", "sliding_window"):
+    for key in ("attn_scale", "attn_logit_softcap", "final_logit_softcap", "sliding_window", "attention_chunk",
+                "local_rope_theta", "rope_attention_factor", "expert_d_ff", "swiglu_limit"):
         v = getattr(m, key)
         if v is not None:
             _positive(f"model.{key}", v)
-    bad = [k for k in m.pattern if k not in ("global", "local")]
+    bad = [k for k in m.pattern if k not in ATTENTION_KINDS]
     if bad:
-        raise ConfigError(f"model.layer_pattern={m.layer_pattern!r} has {bad[0]!r}; allowed kinds: global, local "
-                          "(comma-separated, e.g. local,global)")
-    if m.n_layers % len(m.pattern):
-        raise ConfigError(f"model.layer_pattern={m.layer_pattern!r} repeats every {len(m.pattern)} layers, which "
-                          f"does not divide model.n_layers={m.n_layers}")
+        raise ConfigError(f"model.layer_pattern={m.layer_pattern!r} has {bad[0]!r}; allowed kinds: "
+                          f"{', '.join(ATTENTION_KINDS)} (comma-separated, e.g. local,global)")
+    if len(m.pattern) > m.n_layers:
+        raise ConfigError(f"model.layer_pattern={m.layer_pattern!r} has {len(m.pattern)} kinds, more than "
+                          f"model.n_layers={m.n_layers}")
     if "local" in m.pattern and m.sliding_window is None:
         raise ConfigError(f"model.layer_pattern={m.layer_pattern!r} has local layers; set model.sliding_window")
+    if "chunked" in m.pattern and m.attention_chunk is None:
+        raise ConfigError(f"model.layer_pattern={m.layer_pattern!r} has chunked layers; set model.attention_chunk")
     if m.n_experts < 0:
         raise ConfigError(f"model.n_experts={m.n_experts} must be >= 0 (0 = dense MLP)")
     if m.experts_per_token < 1 or (m.n_experts and m.experts_per_token > m.n_experts):
@@ -678,8 +853,8 @@ def _validate_model(m: ModelConfig, mesh: MeshConfig) -> None:
     # Checked whether or not rope_scaling uses them: a nonsensical value is a mistake either way.
     for key in ("rope_scaling_factor", "rope_original_context"):
         _positive(f"model.{key}", getattr(m, key))
-    if not 0 < m.rope_low_freq_factor < m.rope_high_freq_factor:
-        raise ConfigError(f"model.rope_low_freq_factor={m.rope_low_freq_factor} must be > 0 and < "
+    if not 0 < m.rope_low_freq_factor <= m.rope_high_freq_factor:
+        raise ConfigError(f"model.rope_low_freq_factor={m.rope_low_freq_factor} must be > 0 and <= "
                           f"model.rope_high_freq_factor={m.rope_high_freq_factor}")
     _positive("model.attention_block", m.attention_block)
     if m.loss_chunk_tokens < 0:
@@ -693,7 +868,49 @@ def _validate_model(m: ModelConfig, mesh: MeshConfig) -> None:
                           f"does not; set model.dropout=0 or mesh.ici_sequence=mesh.dcn_sequence=1")
     if m.global_parameter_scale < 1 or m.global_parameter_scale & (m.global_parameter_scale - 1):
         raise ConfigError(f"model.global_parameter_scale={m.global_parameter_scale} must be a power of 2 (1, 2, 4, ...)")
+    _validate_family_options(m)
 
+
+
+def _validate_family_options(m: ModelConfig) -> None:
+    """The options of the 2025 families: rope scaling, latent attention, routers, layer layouts, MTP."""
+    for key in ("rope_yarn_beta_fast", "rope_yarn_beta_slow", "attn_temperature_floor", "attn_temperature_scale",
+                "router_scale", "swiglu_alpha"):
+        _positive(f"model.{key}", getattr(m, key))
+    for key in ("rope_yarn_mscale", "rope_yarn_mscale_all_dim", "first_dense_layers", "n_shared_experts",
+                "moe_bias_update_rate", "mtp_layers", "mtp_loss_weight", "kv_lora_rank", "q_lora_rank",
+                "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        if getattr(m, key) < 0:
+            raise ConfigError(f"model.{key}={getattr(m, key)} must be >= 0")
+    for key in ("moe_layer_interval", "router_groups", "router_topk_groups"):
+        _positive(f"model.{key}", getattr(m, key))
+    if m.latent:
+        for key in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            if not getattr(m, key):
+                raise ConfigError(f"model.kv_lora_rank={m.kv_lora_rank} (latent attention) needs model.{key} > 0")
+        if m.qk_rope_head_dim % 2:
+            raise ConfigError(f"model.qk_rope_head_dim={m.qk_rope_head_dim} must be even (rotary pairs)")
+        clash = [k for k in ("qk_norm", "qkv_bias", "bias", "attn_out_bias", "qk_l2_norm") if getattr(m, k)]
+        if clash or m.position != "rotary":
+            what = f"model.{clash[0]}=true" if clash else f"model.position={m.position}"
+            raise ConfigError(f"{what} is not supported with latent attention (model.kv_lora_rank > 0); turn it off")
+    elif m.q_lora_rank:
+        raise ConfigError(f"model.q_lora_rank={m.q_lora_rank} needs latent attention (model.kv_lora_rank > 0)")
+    if m.n_experts:
+        if m.n_experts % m.router_groups:
+            raise ConfigError(f"model.router_groups={m.router_groups} must divide model.n_experts={m.n_experts}")
+        if not 1 <= m.router_topk_groups <= m.router_groups:
+            raise ConfigError(f"model.router_topk_groups={m.router_topk_groups} must be in [1, model.router_groups="
+                              f"{m.router_groups}]")
+        reachable = m.router_topk_groups * (m.n_experts // m.router_groups)
+        if m.experts_per_token > reachable:
+            raise ConfigError(f"model.experts_per_token={m.experts_per_token} exceeds the {reachable} experts of "
+                              f"model.router_topk_groups={m.router_topk_groups} groups; raise router_topk_groups")
+        if m.first_dense_layers > m.n_layers:
+            raise ConfigError(f"model.first_dense_layers={m.first_dense_layers} must be <= model.n_layers="
+                              f"{m.n_layers}")
+    if m.mtp_layers and m.position != "rotary":
+        raise ConfigError(f"model.mtp_layers={m.mtp_layers} needs model.position=rotary")
 
 
 def _validate_optimizer_and_training(o: OptimizerConfig, t: TrainingConfig, c: CheckpointConfig) -> None:
@@ -729,6 +946,98 @@ def _validate_optimizer_and_training(o: OptimizerConfig, t: TrainingConfig, c: C
     _positive("checkpoint.keep", c.keep)
     if t.per_device_batch_size is not None and t.per_device_batch_size <= 0:
         raise ConfigError(f"training.per_device_batch_size={t.per_device_batch_size} must be > 0")
+
+
+def _validate_grpo(cfg: Config) -> None:
+    g, t = cfg.grpo, cfg.training
+    for key in ("group_size", "max_completion_tokens", "iterations"):
+        _positive(f"grpo.{key}", getattr(g, key))
+    if g.temperature <= 0:
+        raise ConfigError(f"grpo.temperature={g.temperature} must be > 0 (rollouts are sampled)")
+    if not 0 < g.top_p <= 1:
+        raise ConfigError(f"grpo.top_p={g.top_p} must be in (0, 1] (1 = off)")
+    if g.top_k < 0:
+        raise ConfigError(f"grpo.top_k={g.top_k} must be >= 0 (0 = off)")
+    if g.beta < 0:
+        raise ConfigError(f"grpo.beta={g.beta} must be >= 0 (0 = no reference model)")
+    if not 0 < g.epsilon < 1:
+        raise ConfigError(f"grpo.epsilon={g.epsilon} must be in (0, 1)")
+    if g.epsilon_high is not None and g.epsilon_high <= 0:
+        raise ConfigError(f"grpo.epsilon_high={g.epsilon_high} must be > 0 (or None: grpo.epsilon)")
+    if g.log_completions < 0:
+        raise ConfigError(f"grpo.log_completions={g.log_completions} must be >= 0 (0 = off)")
+    if t.objective != "grpo":
+        return
+    if not cfg.data.prompts:
+        raise ConfigError("training.objective=grpo needs data.prompts=FILE.jsonl (records with `prompt` or "
+                          "`messages`)")
+    if not g.reward:
+        raise ConfigError("training.objective=grpo needs grpo.reward=MODULE:FUNCTION (e.g. "
+                          "jaxlm.rewards:exact_answer)")
+    if g.group_size == 1:
+        raise ConfigError("grpo.group_size=1 leaves every completion alone in its group, so every advantage is 0 and "
+                          "nothing is learned; use 2 or more (8 is common)")
+    rows = t.batch_size * t.grad_accum
+    if rows % g.group_size:
+        raise ConfigError(f"training.batch_size x training.grad_accum = {rows} completions per step must be a "
+                          f"multiple of grpo.group_size={g.group_size} (whole groups per step)")
+    if t.steps % g.iterations:
+        raise ConfigError(f"training.steps={t.steps} must be a multiple of grpo.iterations={g.iterations} "
+                          "(each batch of rollouts serves that many updates)")
+    if cfg.checkpoint.interval % g.iterations:
+        raise ConfigError(f"checkpoint.interval={cfg.checkpoint.interval} must be a multiple of grpo.iterations="
+                          f"{g.iterations}: a checkpoint is taken between batches of rollouts")
+    if g.max_completion_tokens >= cfg.model.block_size:
+        raise ConfigError(f"grpo.max_completion_tokens={g.max_completion_tokens} must be below model.block_size="
+                          f"{cfg.model.block_size}, which holds prompt and completion")
+
+
+LORA_TARGETS = ("q", "k", "v", "o", "up", "gate", "down")
+
+
+def _validate_lora(cfg: Config) -> None:
+    lo = cfg.lora
+    if lo.rank < 0:
+        raise ConfigError(f"lora.rank={lo.rank} must be >= 0 (0 = off)")
+    _positive("lora.alpha", lo.alpha)  # checked with or without a rank: a nonsensical value is a mistake either way
+    if not 0.0 <= lo.dropout < 1.0:
+        raise ConfigError(f"lora.dropout={lo.dropout} must be in [0, 1)")
+    if not lo.rank:
+        if lo.base_quantization != "none":
+            raise ConfigError(f"lora.base_quantization={lo.base_quantization} quantizes the frozen base of a LoRA "
+                              "run; set lora.rank too (e.g. lora.rank=16)")
+        return
+    names = [t.strip() for t in lo.targets.split(",") if t.strip()]
+    if not names:
+        raise ConfigError(f"lora.targets={lo.targets!r} is empty; name some of: {', '.join(LORA_TARGETS)}")
+    for name in names:
+        if name not in LORA_TARGETS:
+            hint = difflib.get_close_matches(name.removesuffix("_proj"), LORA_TARGETS, n=1)
+            extra = f" (did you mean '{hint[0]}'?)" if hint else ""
+            raise ConfigError(f"lora.targets={lo.targets!r}: {name!r} is not a weight jaxlm adapts{extra}; choose "
+                              f"from {', '.join(LORA_TARGETS)}")
+    if max(cfg.mesh.ici_stage, cfg.mesh.dcn_stage) > 1:
+        raise ConfigError("lora.rank with pipeline stages (mesh.ici_stage / mesh.dcn_stage > 1) is not supported; "
+                          "use FSDP (mesh.ici_fsdp) to spread the frozen base instead")
+
+
+PREFERENCE_OBJECTIVES = ("dpo", "ipo", "orpo")
+
+
+def _validate_preference(cfg: Config) -> None:
+    _positive("dpo.beta", cfg.dpo.beta)
+    if not 0.0 <= cfg.dpo.label_smoothing < 0.5:
+        raise ConfigError(f"dpo.label_smoothing={cfg.dpo.label_smoothing} must be in [0, 0.5) (the probability that "
+                          "a preference label is wrong)")
+    if cfg.orpo.lambda_ < 0:
+        raise ConfigError(f"orpo.lambda={cfg.orpo.lambda_} must be >= 0")
+    if cfg.training.objective in PREFERENCE_OBJECTIVES:
+        if cfg.data.mixture:
+            raise ConfigError(f"training.objective={cfg.training.objective} reads one preference dataset; "
+                              "data.mixture is not supported with it (prepare the records together instead)")
+        if cfg.data.loss_mask == "off":
+            raise ConfigError(f"training.objective={cfg.training.objective} scores the replies, which the preference "
+                              "data's loss mask marks; set data.loss_mask=auto")
 
 
 def _validate_mesh_and_distributed(mesh: MeshConfig, d: DistributedConfig) -> None:

@@ -1,9 +1,12 @@
 """Multi-process runs through JAX's own distributed runtime (`jax.distributed`), and preemption notices
 (SIGTERM/SIGINT) turned into one step at which every process stops.
 
-A run is multi-process when `distributed.coordinator_address` is set, when `jaxlm launch` exported
-JAXLM_COORDINATOR / JAXLM_NUM_PROCESSES / JAXLM_PROCESS_ID, or when `distributed.auto=true` lets JAX
-detect the cluster (TPU pods, Slurm, Open MPI, Kubernetes). CPU processes exchange data through gloo.
+A run is multi-process when `distributed.coordinator_address` is set, when `jaxlm launch` (or the Kubernetes
+manifest it writes) exported JAXLM_COORDINATOR / JAXLM_NUM_PROCESSES / JAXLM_PROCESS_ID, when the sbatch script
+of `jaxlm launch --scheduler slurm` exported JAXLM_COORDINATOR to the tasks of its `srun` (process id and count
+then come from SLURM_PROCID / SLURM_NTASKS), or when `distributed.auto=true` lets JAX detect the cluster (TPU
+pods, Slurm, Open MPI, Kubernetes). CPU processes exchange data through gloo. Each process prints one line
+saying who it is (`describe`).
 """
 
 from __future__ import annotations
@@ -22,18 +25,60 @@ from jaxlm.config import DistributedConfig
 _initialized = False
 
 
-def settings(cfg: DistributedConfig) -> dict | None:
-    """Arguments for jax.distributed.initialize, or None for a single-process run."""
+def settings(cfg: DistributedConfig, env=None) -> dict | None:
+    """Arguments for jax.distributed.initialize, or None for a single-process run (`env`: os.environ)."""
+    env = os.environ if env is None else env
     if cfg.coordinator_address is not None:
         return {"coordinator_address": cfg.coordinator_address, "num_processes": cfg.num_processes,
                 "process_id": cfg.process_id}
-    if "JAXLM_COORDINATOR" in os.environ:
-        return {"coordinator_address": os.environ["JAXLM_COORDINATOR"],
-                "num_processes": int(os.environ["JAXLM_NUM_PROCESSES"]),
-                "process_id": int(os.environ["JAXLM_PROCESS_ID"])}
+    if "JAXLM_COORDINATOR" in env and "JAXLM_PROCESS_ID" in env:
+        return {"coordinator_address": env["JAXLM_COORDINATOR"], "num_processes": int(env["JAXLM_NUM_PROCESSES"]),
+                "process_id": int(env["JAXLM_PROCESS_ID"])}
+    if "JAXLM_COORDINATOR" in env and slurm_task(env):
+        return {"coordinator_address": env["JAXLM_COORDINATOR"], **_slurm(env)}
     if cfg.auto:
-        return {}
+        return _slurm(env) if slurm_task(env) else {}
     return None
+
+
+def slurm_task(env) -> bool:
+    """True in a task of a Slurm job step (`srun`), where SLURM_PROCID and SLURM_NTASKS number the processes."""
+    return all(k in env for k in ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_PROCID", "SLURM_NTASKS"))
+
+
+def _slurm(env) -> dict:
+    """Process id and count of a Slurm task, and its local devices. JAX's own Slurm detection restricts each
+    process to the one GPU numbered SLURM_LOCALID; with `--gpus-per-task=G` Slurm has already given each task
+    its own G GPUs (CUDA_VISIBLE_DEVICES), so that would keep one of them, or one that is not there: a task with
+    exactly its GPUs visible uses them all. The coordinator, when not given, is JAX's choice (the first node)."""
+    out = {"num_processes": int(env["SLURM_NTASKS"]), "process_id": int(env["SLURM_PROCID"])}
+    visible = [g for g in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if g]
+    per_task = env.get("SLURM_GPUS_PER_TASK", "").rsplit(":", 1)[-1]
+    if visible and per_task.isdigit() and len(visible) == int(per_task):
+        out["local_device_ids"] = list(range(len(visible)))
+    return out
+
+
+def describe(env=None) -> str:
+    """One line per process, printed when it joins the job: its index, the coordinator, the scheduler's name for
+    where it runs, and its local devices (what to check first when a multi-node job does not start)."""
+    env = os.environ if env is None else env
+    from jax._src import distributed as jax_distributed
+
+    if slurm_task(env):
+        where = (f"Slurm job {env['SLURM_JOB_ID']} step {env['SLURM_STEP_ID']} task {env['SLURM_PROCID']} on node "
+                 f"{env.get('SLURMD_NODENAME', '?')} (restart {env.get('SLURM_RESTART_COUNT', '0')})")
+    elif "JOB_COMPLETION_INDEX" in env:
+        where = f"Kubernetes pod {env.get('HOSTNAME', '?')} (index {env['JOB_COMPLETION_INDEX']})"
+    elif "JAXLM_LAUNCH_EVENTS" in env:
+        where = "jaxlm launch"
+    else:
+        where = "JAX's cluster detection" if "JAXLM_COORDINATOR" not in env else "JAXLM_COORDINATOR"
+    devices = jax.local_devices()
+    ids = ",".join(str(d.id) for d in devices)
+    return (f"process {jax.process_index()} of {jax.process_count()} ({where}): coordinator "
+            f"{jax_distributed.global_state.coordinator_address}, {len(devices)} local {devices[0].platform} "
+            f"device(s) [{ids}]")
 
 
 def initialize(cfg: DistributedConfig) -> None:
@@ -46,6 +91,7 @@ def initialize(cfg: DistributedConfig) -> None:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(**args)
     _initialized = True
+    print(describe(), flush=True)
 
 
 # What a collective's error says when the process at the other end is gone (gloo on CPU; the coordination
@@ -92,6 +138,7 @@ class Preemption:
 
     def __init__(self, enabled: bool, log: Callable[[str], None] = print):
         self.signal_name: str | None = None
+        self._marked = False
         self._log = log
         self._old: dict = {}
         self._service = enabled and _initialized and jax.config.jax_enable_preemption_service
@@ -118,12 +165,20 @@ class Preemption:
         os.kill(os.getpid(), signal.SIGTERM)
 
     def reached(self, step: int) -> bool:
-        """True on every process at the same step once any of them was asked to stop. Call it every step."""
+        """True on every process at the same step once any of them was asked to stop. Call it every step.
+        The first time, process 0 creates the file named by JAXLM_PREEMPTED_FILE, if set: the sbatch script of
+        `jaxlm launch --scheduler slurm` reads it to requeue a run that stopped for preemption, not at its end."""
         if self._service:
             from jax.experimental import multihost_utils
 
-            return multihost_utils.reached_preemption_sync_point(step)
-        return self.signal_name is not None
+            stop = multihost_utils.reached_preemption_sync_point(step)
+        else:
+            stop = self.signal_name is not None
+        if stop and not self._marked:
+            self._marked = True
+            if (mark := os.environ.get("JAXLM_PREEMPTED_FILE")) and jax.process_index() == 0:
+                Path(mark).write_text(f"{step}\n")
+        return stop
 
     def close(self) -> None:
         for sig, old in self._old.items():

@@ -11,6 +11,7 @@ import jax
 import optax
 
 from jaxlm.config import OptimizerConfig
+from jaxlm.model.moe import BALANCE_SIGNAL
 
 
 def schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
@@ -50,4 +51,24 @@ def make(cfg: OptimizerConfig, total_steps: int) -> optax.GradientTransformation
         parts.append(optax.clip_by_global_norm(cfg.grad_clip))
     parts.append(optax.adamw(lr, b1=cfg.beta1, b2=cfg.beta2, eps=cfg.eps, weight_decay=wd,
                              mask=lambda p: decay_mask(p, cfg.decay_embeddings)))
-    return optax.chain(*parts)
+    return balance_bias_steps(optax.chain(*parts))
+
+
+def _is_balance_bias(path) -> bool:
+    return jax.tree_util.keystr(path).endswith("['balance_bias']")
+
+
+def balance_bias_steps(inner: optax.GradientTransformation) -> optax.GradientTransformation:
+    """`inner` for every weight but the mixture of experts' balancing biases (model/moe.py), whose gradient
+    slot holds minus the step DeepSeek-V3's auxiliary-loss-free balancing takes, scaled by BALANCE_SIGNAL: they
+    move by exactly that step, and `inner` (clipping, AdamW and its decay) sees zeros in their place. The
+    state is `inner`'s own, so checkpoints of models without such biases keep their layout."""
+    def update(grads, state, params=None):
+        inner_grads = jax.tree_util.tree_map_with_path(
+            lambda path, g: jax.numpy.zeros_like(g) if _is_balance_bias(path) else g, grads)
+        updates, state = inner.update(inner_grads, state, params)
+        updates = jax.tree_util.tree_map_with_path(
+            lambda path, u, g: -g / BALANCE_SIGNAL if _is_balance_bias(path) else u, updates, grads)
+        return updates, state
+
+    return optax.GradientTransformation(inner.init, update)

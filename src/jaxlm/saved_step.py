@@ -33,8 +33,8 @@ def _version(package: str) -> str | None:
 def baked_settings(cfg: Config) -> dict:
     """Settings a compiled step holds as constants or shapes: the model, the optimizer and its learning-rate
     schedule (its length included), the batch (with data.packing and data.loss_mask, which decide its arrays) and its pipeline,
-    the loss-spike threshold, the dropout seed and the mesh. The data, evaluation, checkpoints, logging and the
-    number of steps run are read at run time."""
+    the loss-spike threshold, the dropout seed, the mesh, and the objective with its settings (dpo.*, orpo.*).
+    The data, evaluation, checkpoints, logging and the number of steps run are read at run time."""
     out = {f"model.{k}": v for k, v in dataclasses.asdict(cfg.model).items()}
     out.update({f"optimizer.{k}": v for k, v in dataclasses.asdict(cfg.optimizer).items()})
     if cfg.optimizer.decay_steps is None:  # the schedule decays over training.steps
@@ -42,9 +42,14 @@ def baked_settings(cfg: Config) -> dict:
     out.update({"training.batch_size": cfg.training.batch_size, "training.grad_accum": cfg.training.grad_accum,
                 "training.pipeline_microbatches": cfg.training.pipeline_microbatches,
                 "training.pipeline_repeats": cfg.training.pipeline_repeats,
-                "training.spike_threshold": cfg.training.spike_threshold, "seed": cfg.seed})
+                "training.spike_threshold": cfg.training.spike_threshold, "training.objective": cfg.training.objective,
+                "seed": cfg.seed})
     out.update({f"mesh.{k}": v for k, v in dataclasses.asdict(cfg.mesh).items()})
     out.update({"data.packing": cfg.data.packing, "data.loss_mask": cfg.data.loss_mask})  # the batch's arrays
+    if cfg.training.objective in ("dpo", "ipo"):  # constants of the preference losses
+        out.update({"dpo.beta": cfg.dpo.beta, "dpo.label_smoothing": cfg.dpo.label_smoothing})
+    elif cfg.training.objective == "orpo":
+        out["orpo.lambda"] = cfg.orpo.lambda_
     return out
 
 
@@ -97,6 +102,10 @@ def check_signature(saved: dict, here: dict, path) -> None:
         if saved.get(key) != here.get(key):
             raise ConfigError(f"compile.load={path} was compiled with {key} {saved.get(key)} and this process has "
                               f"{here.get(key)}; compile it again with this installation")
+    objective = saved["settings"].get("training.objective", "next_token")
+    if objective != here["settings"]["training.objective"]:  # before the arrays, which the objective decides
+        raise ConfigError(f"compile.load={path} is a step of training.objective={objective} and this run has "
+                          f"{here['settings']['training.objective']}; compile the step for this objective")
     saved_args, here_args = {a[0]: a for a in saved["args"]}, {a[0]: a for a in here["args"]}
     for name in list(saved_args) + [n for n in here_args if n not in saved_args]:
         if name not in here_args or name not in saved_args:

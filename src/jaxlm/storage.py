@@ -12,7 +12,9 @@ Checkpoints themselves go through Orbax and tensorstore, which write local paths
 (`orbax_dir`). S3-compatible servers other than AWS are reached by setting `AWS_ENDPOINT_URL` (or
 `AWS_ENDPOINT_URL_S3`): botocore reads it for s3fs, and jaxlm hands it to tensorstore, which does not read it.
 Credentials come from the usual AWS variables or files (`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`,
-~/.aws/credentials), which both read themselves; gs:// uses Google's default credentials.
+~/.aws/credentials), which both read themselves; gs:// uses Google's default credentials. A GCS emulator or other
+GCS-compatible endpoint is reached by setting `STORAGE_EMULATOR_HOST` (gcsfs and Google's client libraries read
+it): jaxlm hands it to tensorstore as TENSORSTORE_GCS_HTTP_URL, its own name for the same setting.
 """
 
 from __future__ import annotations
@@ -182,6 +184,8 @@ def orbax_dir(path: str | Path):
     filesystem(path)  # Orbax writes its small files through the same fsspec filesystem (gcsfs, s3fs)
     if scheme(path) == "s3":
         _orbax_writes_s3()
+    if scheme(path) == "gs" and (url := gcs_endpoint()):
+        os.environ.setdefault("TENSORSTORE_GCS_HTTP_URL", url)
     from etils import epath
 
     return epath.Path(str(path))
@@ -210,6 +214,14 @@ def _orbax_writes_s3() -> None:
 
     build_kvstore_tspec.serves_s3 = True
     ts_utils.build_kvstore_tspec = build_kvstore_tspec
+
+
+def gcs_endpoint() -> str | None:
+    """The URL of the GCS endpoint STORAGE_EMULATOR_HOST names (gcsfs's reading of it: a scheme is optional)."""
+    host = os.environ.get("STORAGE_EMULATOR_HOST", "")
+    if host in ("", "default"):
+        return None
+    return host if host.startswith(("http://", "https://")) else f"http://{host}"
 
 
 def s3_endpoint() -> dict:

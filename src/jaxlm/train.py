@@ -1,53 +1,29 @@
-"""Training: the jitted train step (gradient accumulation by scan), evaluation, and the loop that ties
-data, checkpoints, metrics and the end-of-run sample together.
+"""`jaxlm train`: the loop that runs the train step (step.py) over the run's batches and ties them to
+checkpoints, evaluation, metrics, the progress bar and the end-of-run sample.
 
-Flow: config -> data + vocab -> mesh -> abstract state (shapes + shardings, nothing allocated)
--> restore or sharded init -> jitted steps -> checkpoints, metrics.jsonl, TensorBoard, a sample.
+Flow: step.setup -> the first state (newest checkpoint, checkpoint.init_from, or a fresh init) -> for dpo and ipo,
+the reference log-probabilities (reference.py: computed from the starting weights once, then reused) -> train steps,
+a few in flight -> every log interval: metrics.jsonl, TensorBoard, progress; every eval interval: held-out
+losses; every checkpoint interval: state + the loader's position -> the run's summary and a sample.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import json
 import time
 from pathlib import Path
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
-import numpy as np
-import optax
 
 from jaxlm import checkpoint as ckpt
 from jaxlm import config as config_lib
-from jaxlm import (diagnostics, distributed, generate, metrics, optim, params as P, quant, runtime, saved_step,
-                   sharding, storage)
+from jaxlm import diagnostics, distributed, lora, metrics, objectives, params as P, quant, reference, rl
+from jaxlm import saved_step, step as step_lib, storage
 from jaxlm.config import Config, ConfigError
-from jaxlm.data import loader as loader_lib, mixture, packing, prepare, tokenizer as tokenizer_lib
-from jaxlm.model import attention, loss_fn, param_specs, ring, transformer
-
-
-@dataclasses.dataclass
-class Run:
-    """Everything a training run needs, resolved from the config before anything is compiled."""
-
-    cfg: Config
-    run_dir: Path | str  # a local path, or a URL (storage.py) for storage every host sees
-    # None only for an ahead-of-time compile that needs no data
-    dataset: loader_lib.Dataset | mixture.MixtureDataset | None
-    mesh: jax.sharding.Mesh
-    param_rules: sharding.Rules
-    act_rules: sharding.Rules
-    specs: dict
-    optimizer: optax.GradientTransformation
-    abstract_state: dict
-    tokenizer: tokenizer_lib.Tokenizer | None = None  # None only where there is no dataset (a compile)
-
-
-def resolve_data_dir(cfg: Config) -> Path:
-    return Path(cfg.data.dir) if cfg.data.dir else Path("data") / cfg.data.dataset
-
+from jaxlm.step import TrainingError
+from jaxlm.model import attention, transformer
 
 # Steps dispatched ahead of the host before it waits for the oldest: enough to keep any device busy, few
 # enough to bound the memory of queued batches (and XLA:CPU's in-process collectives can stall when many
@@ -55,311 +31,8 @@ def resolve_data_dir(cfg: Config) -> Path:
 MAX_STEPS_IN_FLIGHT = 8
 
 
-def setup(cfg: Config, devices=None, data: bool = True) -> Run:
-    """Check data, vocabulary, mesh and shardings; fails with a ConfigError/DataError before compiling.
-    data=False (`jaxlm compile`) leaves the corpus alone unless the vocabulary size must come from it."""
-    dataset, tokenizer = None, None
-    if data or cfg.model.vocab_size is None:
-        if cfg.data.mixture:
-            dataset = mixture.MixtureDataset(config_lib.parse_mixture(cfg.data.mixture))
-            data_dir = dataset.dir
-        else:
-            data_dir = prepare.ensure_prepared(cfg.data.dataset, resolve_data_dir(cfg), cfg.data.input)
-            dataset = loader_lib.Dataset(data_dir)
-        dataset.check_block_size(cfg.model.block_size)
-        vocab = cfg.model.vocab_size
-        if vocab is None:
-            cfg = cfg.replace(model=dataclasses.replace(cfg.model, vocab_size=dataset.vocab_size))
-        elif vocab < dataset.vocab_size:
-            raise ConfigError(f"model.vocab_size={vocab} is smaller than the data's vocabulary "
-                              f"({dataset.vocab_size}, from {data_dir / 'meta.json'})")
-        if cfg.data.packing and (flat := dataset.without_documents()) is not None:
-            raise loader_lib.DataError(f"data.packing=true needs document boundaries, and {flat} has none (a "
-                                       f"format-1 train.bin/val.bin); prepare it again with `jaxlm prepare`, or "
-                                       f"set data.packing=false")
-        if data:
-            tokenizer = run_tokenizer(cfg, dataset)  # a dataset prepared with another tokenizer stops here
-            if cfg.training.sample_tokens:  # the end-of-training sample would fail hours from now
-                try:
-                    tokenizer.encode(cfg.training.sample_prompt)
-                except tokenizer_lib.TokenizerError as e:
-                    raise ConfigError(f"training.sample_prompt={cfg.training.sample_prompt!r} cannot be encoded: "
-                                      f"{e}") from None
-    if data and cfg.checkpoint.init_from and not Path(cfg.checkpoint.init_from).is_dir():
-        raise ConfigError(f"checkpoint.init_from={cfg.checkpoint.init_from!r} is not a folder; give a run "
-                          f"directory or a `jaxlm convert from-hf` output")
-    cfg = cfg.replace(model=config_lib.apply_parameter_scale(cfg.model),
-                      data=dataclasses.replace(cfg.data, loss_mask=resolve_loss_mask(cfg, dataset)))
-    mesh = sharding.make_mesh(cfg.mesh, devices)
-    if mesh.devices.flat[0].platform == "cpu":
-        runtime.tune_for_xla_cpu()  # keep each step's scratch memory mapped between steps
-    runtime.use_compilation_cache(cfg.compile.cache_dir)
-    param_rules, act_rules = sharding.rules_from_config(cfg.mesh)
-    n = ring.context_devices(mesh, act_rules)
-    if cfg.model.dropout > 0 and n > 1:  # a -1 (filled) sequence axis or mesh.rules can split it too
-        raise ConfigError(f"model.dropout={cfg.model.dropout} drops attention probabilities, which context parallelism "
-                          f"(the sequence split over {n} devices by the mesh and mesh.rules) does not; set "
-                          f"model.dropout=0 or keep the `length` axis on one device")
-    cfg = cfg.replace(training=resolve_batch(cfg.training, mesh, act_rules))
-    if cfg.logging.wandb:
-        metrics.require_wandb()
-    specs = param_specs(cfg.model)
-    optimizer = optim.make(cfg.optimizer, cfg.training.steps)
-    abstract_state = make_abstract_state(specs, mesh, optimizer, param_rules)
-    run_dir = resolve_run_dir(cfg)
-    return Run(cfg, run_dir, dataset, mesh, param_rules, act_rules, specs, optimizer, abstract_state, tokenizer)
-
-
-def run_tokenizer(cfg: Config, dataset) -> tokenizer_lib.Tokenizer:
-    """The run's tokenizer by the precedence of data/tokenizer.py: data.tokenizer, else the tokenizer/ folder of
-    the converted model the run starts from (checkpoint.init_from, followed back through runs fine-tuned from
-    it), else the dataset's meta.json. The dataset must have been prepared with it: one line otherwise."""
-    from jaxlm import convert
-
-    init = cfg.checkpoint.init_from
-    model_tok = convert.tokenizer_source(Path(init), cfg) if init and Path(init).is_dir() else None
-    if model_tok is not None and not any((model_tok / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
-        model_tok = None  # weights imported without tokenizer files: the dataset's tokenizer is the run's
-    try:
-        return tokenizer_lib.resolve(cfg.data.tokenizer, model_tok, dataset.meta, dataset=f"the dataset {dataset.dir}")
-    except tokenizer_lib.TokenizerError as e:
-        raise ConfigError(str(e)) from None
-
-
-def resolve_loss_mask(cfg: Config, dataset: loader_lib.Dataset | None) -> str:
-    """data.loss_mask as the step will use it, "on" or "off": auto follows the dataset (its meta.json alone
-    when the corpus is not opened, as for `jaxlm compile`; no dataset at all reads as none)."""
-    setting = cfg.data.loss_mask
-    if setting == "off":
-        return "off"
-    if dataset is not None:
-        has, where = dataset.has_loss_mask, dataset.dir
-    else:
-        folders = ([Path(p) for p, _ in config_lib.parse_mixture(cfg.data.mixture)] if cfg.data.mixture
-                   else [resolve_data_dir(cfg)])
-        where = folders[0]
-        has = all((d / "meta.json").is_file() and bool(loader_lib.read_meta(d).get("has_loss_mask")) for d in folders)
-    if setting == "on" and not has:
-        raise loader_lib.DataError(f"data.loss_mask=on but {where} has no loss mask; prepare chat data with "
-                                   f"`jaxlm prepare chat`, or set data.loss_mask=auto")
-    return "on" if has else "off"
-
-
-def batch_keys(cfg: Config) -> tuple[str, ...]:
-    """The arrays of this run's batches (loader.batch_keys); the plain path takes inputs and targets only."""
-    return loader_lib.batch_keys(cfg.data.packing, cfg.data.loss_mask == "on")
-
-
-def resolve_run_dir(cfg: Config) -> Path | str:
-    """A local Path (file:// URLs included), or the URL of another filesystem, checked to be usable."""
-    if not cfg.run_dir:
-        return Path("outputs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    local = storage.local_path(cfg.run_dir)
-    if local is not None:
-        return local
-    storage.check_reachable(cfg.run_dir)  # no filesystem for the scheme, or no way to reach it: one line, here
-    if cfg.checkpoint.enabled and not cfg.debug:
-        storage.orbax_dir(storage.join(cfg.run_dir, "checkpoints"))  # a URL Orbax cannot write to fails here too
-    return cfg.run_dir
-
-
-def resolve_batch(t: config_lib.TrainingConfig, mesh, act_rules) -> config_lib.TrainingConfig:
-    """Global batch from per_device_batch_size (if set) and a check that the batch splits over the mesh."""
-    n_dev = mesh.devices.size
-    if t.per_device_batch_size is not None:
-        global_batch = t.per_device_batch_size * n_dev
-        if abs(global_batch - round(global_batch)) > 1e-9:
-            raise ConfigError(f"training.per_device_batch_size={t.per_device_batch_size} times {n_dev} devices is "
-                              f"{global_batch:g}, not a whole number of sequences")
-        t = dataclasses.replace(t, batch_size=int(round(global_batch)))
-    split = sharding.batch_split(mesh, act_rules)
-    if t.batch_size % split:
-        raise ConfigError(f"training.batch_size={t.batch_size} must be a multiple of the {split} devices that split "
-                          f"the batch (mesh axes {sharding.spec(('batch',), act_rules)[0]})")
-    return dataclasses.replace(t, per_device_batch_size=t.batch_size / n_dev)
-
-
-# Running average of the loss for spike detection: an exponential average over about the last 100 steps.
-LOSS_AVG_DECAY = 0.99
-
-
-def _init_guard() -> dict:
-    """Scalars the train step keeps about updates it refused: the running loss average (0 = none yet), how
-    many steps were skipped for a NaN/inf loss or gradient norm or for a loss spike, and the current run of
-    non-finite steps. They live in the state so a resumed run continues them exactly."""
-    i32 = lambda: jnp.zeros((), jnp.int32)  # noqa: E731
-    return {"loss_avg": jnp.zeros((), jnp.float32), "nonfinite_skips": i32(), "spike_skips": i32(),
-            "skips_in_a_row": i32()}
-
-
-def _init_state_fn(optimizer):
-    return lambda params: {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), jnp.int32),
-                           "guard": _init_guard()}
-
-
-def make_abstract_state(specs, mesh, optimizer, param_rules=sharding.PARAM_RULES) -> dict:
-    """Shapes, dtypes and shardings of the full train state, derived without allocating it. Optimizer
-    moments take the sharding of the parameter they belong to (found by tree path), so FSDP and tensor
-    parallelism shard them too; scalars such as step counts are replicated."""
-    p_shardings = P.shardings(specs, mesh, param_rules)
-    p_abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                              P.abstract(specs), p_shardings)
-    by_path = {jax.tree_util.keystr(path): a for path, a in jax.tree_util.tree_flatten_with_path(p_abstract)[0]}
-    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-
-    def place(path, leaf):
-        key = jax.tree_util.keystr(path)
-        for p_key, p in by_path.items():
-            if key.endswith(p_key) and leaf.shape == p.shape:
-                return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=p.sharding)
-        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=replicated)
-
-    shapes = jax.eval_shape(_init_state_fn(optimizer), p_abstract)
-    return jax.tree_util.tree_map_with_path(place, shapes)
-
-
-def shardings_of(abstract_tree):
-    return jax.tree.map(lambda a: a.sharding, abstract_tree)
-
-
-def init_state(run: Run, seed: int) -> dict:
-    params = P.init(run.specs, jax.random.key(seed), run.mesh, run.param_rules)
-    init = jax.jit(_init_state_fn(run.optimizer), out_shardings=shardings_of(run.abstract_state))
-    return init(params)
-
-
-def init_state_from(run: Run, path: str) -> dict:
-    """Weights from a converted checkpoint or another run (fine-tuning), fresh optimizer state, step 0."""
-    from jaxlm import convert
-
-    params = convert.restore_params(path, run.abstract_state["params"])
-    init = jax.jit(_init_state_fn(run.optimizer), out_shardings=shardings_of(run.abstract_state))
-    return init(params)
-
-
-def loss_and_grads(params, batch: dict, model_cfg, key) -> tuple[jax.Array, dict]:
-    """The step's loss and gradient from a batch of [A, B, T] arrays, accumulating A micro-batches by scan.
-
-    With weights, each micro-batch's loss is its weighted sum over the whole step's total weight / A, so the
-    mean over micro-batches is exactly the mean over the step's counted tokens, however unevenly they fall
-    (a micro-batch with few counted tokens weighs no more than its tokens). The sums run over the global
-    batch, so the same holds across devices."""
-    A = batch["inputs"].shape[0]
-    normalizer = None if "weights" not in batch else jnp.maximum(jnp.sum(batch["weights"]), 1e-9) / A
-    grad_fn = jax.value_and_grad(loss_fn)
-
-    def micro_grads(b, k):
-        return grad_fn(params, b["inputs"], b["targets"], model_cfg, k, b.get("positions"), b.get("segment_ids"),
-                       b.get("weights"), normalizer)
-
-    if A == 1:
-        return micro_grads(jax.tree.map(lambda v: v[0], batch), key)
-
-    def micro(acc, inputs):
-        b, i = inputs
-        return jax.tree.map(jnp.add, acc, micro_grads(b, jax.random.fold_in(key, i))), None
-
-    zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-    (loss, grads), _ = jax.lax.scan(micro, zeros, (batch, jnp.arange(A)))
-    return jax.tree.map(lambda g: g / A, (loss, grads))
-
-
-def zigzag_batch(batch: dict, mesh, act_rules) -> dict:
-    """The batch [A, B, T] in zig-zag order along the sequence when the mesh splits it over n devices (context
-    parallelism, model/ring.py): device i gets chunks i and 2n-1-i of every row, so causal attention gives every
-    device the same work. Positions become explicit; everything but attention works token by token and
-    attention masks by position and segment id, so only the order in which the loss sums its terms changes."""
-    n = ring.context_devices(mesh, act_rules)
-    if n == 1:
-        return batch
-    A, B, T = batch["inputs"].shape
-    if T % (2 * n):
-        raise ConfigError(f"model.block_size={T} must be a multiple of {2 * n} (twice the {n} devices that split the "
-                          f"sequence, mesh.ici_sequence x mesh.dcn_sequence) for context parallelism")
-    order = ring.zigzag_order(T, n)
-    # One reordering of all the arrays stacked, not one per array: the single exchange feeds the embedding, so
-    # every device makes it before any other collective. Separate exchanges (one for the targets, only needed
-    # at the loss) may run in different orders on different devices, and XLA:CPU's in-process collectives then
-    # wait on each other for ever.
-    keys = list(batch)
-    as_int = [jax.lax.bitcast_convert_type(batch[k], jnp.int32) for k in keys]
-    moved = jnp.stack(as_int)[..., order]
-    out = {k: jax.lax.bitcast_convert_type(moved[i], batch[k].dtype) for i, k in enumerate(keys)}
-    if "positions" not in out:  # positions 0..T-1 in the new order: no exchange needed
-        out["positions"] = jnp.broadcast_to(jnp.asarray(order, jnp.int32), (A, B, T))
-    return out
-
-
-def make_train_step(cfg: Config, optimizer, mesh, abstract_state, act_rules=sharding.ACTIVATION_RULES) -> Callable:
-    """(state, batch) -> (state, metrics); batch: dict of [A, B, T] arrays (batch_keys), A micro-batches
-    accumulated (loss_and_grads).
-
-    A step whose loss or gradient norm is NaN/inf, or (with training.spike_threshold) whose loss exceeds
-    that multiple of the running average, is not applied: params and optimizer state come out bit-for-bit
-    as they went in. `step` still advances (the batch was consumed, and data order and dropout keys follow
-    `step`); the optimizer's own count does not, so its schedule runs one step behind `step` per skip, and
-    the `lr` metric reports the rate the optimizer used. Metrics: loss, grad_norm, lr, loss_avg and the
-    guard counters nonfinite_skips, spike_skips, skips_in_a_row (totals after this step)."""
-    model_cfg = cfg.model
-    lr_at = optim.schedule(cfg.optimizer, cfg.training.steps)
-    spike = cfg.training.spike_threshold
-    base_key = jax.random.key(cfg.seed + 1)
-    pipeline = (cfg.training.pipeline_microbatches, cfg.training.pipeline_repeats)
-    param_rules = sharding.rules_from_config(cfg.mesh)[0]
-
-    def step_fn(state, batch):
-        params = state["params"]
-        key = jax.random.fold_in(base_key, state["step"])
-        with sharding.activation_sharding(mesh, act_rules, pipeline, param_rules):
-            loss, grads = loss_and_grads(params, zigzag_batch(batch, mesh, act_rules), model_cfg, key)
-        grad_norm = optax.tree.norm(grads)
-        guard = state["guard"]
-        avg = guard["loss_avg"]
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        spiked = finite & (avg > 0) & (loss > spike * avg) if spike else jnp.zeros((), bool)
-        apply = finite & ~spiked
-        updates, opt_state = optimizer.update(grads, state["opt_state"], params)
-        keep = lambda new, old: jnp.where(apply, new, old)  # noqa: E731 - a select, fused into the update
-        # A spike enters the average only up to the threshold, so a lasting rise in the loss is followed
-        # within some tens of steps instead of being skipped for ever.
-        seen = jnp.minimum(loss, spike * avg) if spike else loss
-        new_guard = {
-            "loss_avg": jnp.where(finite, jnp.where(avg > 0, LOSS_AVG_DECAY * avg + (1 - LOSS_AVG_DECAY) * seen, loss),
-                                  avg),
-            "nonfinite_skips": guard["nonfinite_skips"] + (~finite).astype(jnp.int32),
-            "spike_skips": guard["spike_skips"] + spiked.astype(jnp.int32),
-            "skips_in_a_row": jnp.where(finite, 0, guard["skips_in_a_row"] + 1),
-        }
-        new_state = {"params": jax.tree.map(keep, optax.apply_updates(params, updates), params),
-                     "opt_state": jax.tree.map(keep, opt_state, state["opt_state"]),
-                     "step": state["step"] + 1, "guard": new_guard}
-        applied_before = state["step"] - guard["nonfinite_skips"] - guard["spike_skips"]
-        return new_state, {"loss": loss, "grad_norm": grad_norm, "lr": lr_at(applied_before),
-                           "loss_avg": avg, **{k: new_guard[k] for k in ("nonfinite_skips", "spike_skips",
-                                                                         "skips_in_a_row")}}
-
-    state_sh = shardings_of(abstract_state)
-    return jax.jit(step_fn, donate_argnums=0, out_shardings=(state_sh, None))
-
-
-def abstract_batch(run: Run) -> dict[str, jax.ShapeDtypeStruct]:
-    """Shape, dtype and sharding of a train step's batch arrays [A, B, T], as device_batch makes them."""
-    t = run.cfg.training
-    shape = (t.grad_accum, t.batch_size, run.cfg.model.block_size)
-    sh = sharding.batch_sharding(run.mesh, 3, 1, run.act_rules)
-    return {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "weights" else jnp.int32, sharding=sh)
-            for k in batch_keys(run.cfg)}
-
-
-def lower_train_step(run: Run) -> jax.stages.Lowered:
-    """The train step lowered from abstract shapes, nothing allocated: what `jaxlm compile` compiles for a
-    target, and what a step saved by it must match to replace make_train_step's jit in `train`."""
-    step = make_train_step(run.cfg, run.optimizer, run.mesh, run.abstract_state, run.act_rules)
-    return step.lower(run.abstract_state, abstract_batch(run))
-
-
-class TrainingError(RuntimeError):
-    """Training cannot go on (e.g. the loss stays NaN); the message says at which step and why."""
+# The train step's own metrics; whatever else it returns is the objective's, recorded under its own name.
+STEP_GUARD_METRICS = ("loss", "lr", "grad_norm", "loss_avg", "nonfinite_skips", "spike_skips", "skips_in_a_row")
 
 
 def _report_skips(step: int, m: dict, seen: dict, t_cfg: config_lib.TrainingConfig, say) -> str | None:
@@ -384,108 +57,19 @@ def _report_skips(step: int, m: dict, seen: dict, t_cfg: config_lib.TrainingConf
     return failure
 
 
-def make_eval_step(cfg: Config, mesh, act_rules=sharding.ACTIVATION_RULES) -> Callable:
-    """(params, batch of [B, T] arrays) -> (mean loss over the batch's counted tokens, their count)."""
-    pipeline = (cfg.training.pipeline_microbatches, cfg.training.pipeline_repeats)
-    param_rules = sharding.rules_from_config(cfg.mesh)[0]
-
-    def eval_fn(params, batch):
-        weights = batch.get("weights")
-        with sharding.activation_sharding(mesh, act_rules, pipeline, param_rules):
-            loss = loss_fn(params, batch["inputs"], batch["targets"], cfg.model, None, batch.get("positions"),
-                           batch.get("segment_ids"), weights)
-        return loss, (jnp.float32(batch["inputs"].size) if weights is None else jnp.sum(weights))
-
-    return jax.jit(eval_fn)
-
-
-def put_batch(mesh, x: np.ndarray, leading: int, act_rules=sharding.ACTIVATION_RULES) -> jax.Array:
-    """A host array that every process holds in full -> a global array on the mesh."""
-    return jax.device_put(x, sharding.batch_sharding(mesh, x.ndim, leading, act_rules))
-
-
-def device_batch(run: Run, split: str, plan) -> dict[str, jax.Array]:
-    """The batch a loader planned (loader.Windows, packing.Packed or mixture.MixedPlan; [A, B] or [B] rows) as
-    global arrays on the mesh. Every process reads from the shards only the rows (and, for random windows with sequence
-    parallelism, the columns) of its own devices."""
-    lead = plan.shape
-    sh = sharding.batch_sharding(run.mesh, len(lead) + 1, len(lead) - 1, run.act_rules)
-    data, T, keys = run.dataset.splits[split], run.cfg.model.block_size, batch_keys(run.cfg)
-    read: dict = {}
-
-    def make(key: str) -> jax.Array:
-        def shard(index) -> np.ndarray:
-            at = (tuple((s.start, s.stop) for s in index[:-1]), index[-1].start, index[-1].stop)
-            if at not in read:  # one read per device shard serves all the batch's arrays
-                read[at] = plan.read(data, index[:-1], index[-1], keys, T)
-            return read[at][key]
-
-        return jax.make_array_from_callback(lead + (T,), sh, shard)
-
-    return {k: make(k) for k in keys}
-
-
-def make_loader(run: Run, split: str = "train", grad_accum: int | None = None, seed: int | None = None):
-    """The loader of a split: random windows, packed rows, or a mixture of either over several datasets."""
-    cfg, t = run.cfg, run.cfg.training
-    A = t.grad_accum if grad_accum is None else grad_accum
-    seed = cfg.seed if seed is None else seed
-    mask = cfg.data.loss_mask == "on"
-
-    def one(data):
-        if cfg.data.packing:
-            return packing.PackedLoader(data, cfg.model.block_size, t.batch_size, A, seed, mask)
-        return loader_lib.Loader(data, cfg.model.block_size, t.batch_size, A, seed)
-
-    data = run.dataset.splits[split]
-    if isinstance(data, mixture.MixedSplit):
-        return mixture.MixtureLoader([one(s) for s in data.sources], run.dataset.weights,
-                                     [str(ds.dir) for ds in run.dataset.datasets], seed, cfg.data.packing, mask)
-    return one(data)
-
-
-def eval_plans(run: Run) -> dict[str, list]:
-    """Each split's held-out batches [B]: the same at every evaluation, resume and `jaxlm eval` (seed + 2)."""
-    t = run.cfg.training
-    out = {}
-    for split in ("train", "val"):
-        loader = make_loader(run, split, grad_accum=1, seed=run.cfg.seed + 2)
-        out[split] = [loader.next().only_micro_batch() for _ in range(t.eval_batches)]
-    return out
-
-
-def evaluate(eval_step, params, run: Run, plans: dict) -> dict:
-    """Each split's loss over its held-out batches (eval_plans): the mean over all their counted tokens."""
-    out = {}
-    for split, batches in plans.items():
-        results = jax.device_get([eval_step(params, device_batch(run, split, plan)) for plan in batches])
-        losses, counts = np.array([r[0] for r in results], np.float64), np.array([r[1] for r in results], np.float64)
-        out[split] = float(np.sum(losses * counts) / max(np.sum(counts), 1e-9))
-    return out
-
-
-def check_resume_config(run_dir: Path | str, cfg: Config) -> None:
-    """A run directory's checkpoint only fits a model with the same settings."""
-    path = storage.join(run_dir, "config.json")
-    if not storage.exists(path):
-        return
-    saved = json.loads(storage.read_text(path)).get("model", {})
-    for k, v in dataclasses.asdict(cfg.model).items():
-        if k in saved and saved[k] != v and k not in ("dropout", "remat", "attention", "attention_block",
-                                                      "loss_chunk_tokens", "scan_layers", "compute_dtype",
-                                                      "quantization", "quant_logits", "quant_stochastic_rounding"):
-            raise ConfigError(f"run_dir {run_dir} holds a checkpoint of a different model (model.{k}={saved[k]!r} "
-                              f"there, {v!r} here); use another run_dir or the same model settings")
-
-
-def _describe_run(run: Run, log: Callable[[str], None]):
+def _describe_run(run: step_lib.Run, log: Callable[[str], None]):
     """Log what the run is (parameters, mesh, batch, FLOPs, attention, data); returns its throughput meter, the
     peak FLOP/s per device and where that figure comes from, and the model FLOPs per token."""
     cfg, run_dir, mesh = run.cfg, run.run_dir, run.mesh
     t_cfg, m_cfg = cfg.training, cfg.model
     n_params = P.count(run.specs)
     tokens_per_step = t_cfg.batch_size * t_cfg.grad_accum * m_cfg.block_size
-    flops_per_token = metrics.flops_per_token(m_cfg, causal=True)
+    flops_per_token = full = metrics.flops_per_token(m_cfg, causal=True)
+    base_reference = lora.enabled(cfg) and cfg.training.objective in objectives.NEEDS_REFERENCE
+    if lora.enabled(cfg):
+        flops_per_token = lora.flops_per_token(cfg, flops_per_token)
+    if base_reference:  # the base's forward pass once more, as the reference (a third of a training step's)
+        flops_per_token += full / 3
     flops_per_step = flops_per_token * tokens_per_step
     n_devices = mesh.devices.size
     local_devices = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
@@ -494,33 +78,44 @@ def _describe_run(run: Run, log: Callable[[str], None]):
     shape = {k: v for k, v in mesh.shape.items() if v > 1} or {"data": 1}
     log(f"run_dir {run_dir} | {n_params:,} parameters | mesh {shape} on {n_devices} "
         f"{jax.devices()[0].platform} devices in {jax.process_count()} process(es)")
+    if lora.enabled(cfg):
+        log(lora.describe(cfg))
     log(f"batch: {t_cfg.batch_size} sequences global ({t_cfg.per_device_batch_size:g} per device) x "
         f"{t_cfg.grad_accum} accumulation = {tokens_per_step:,} tokens/step")
-    log(f"model FLOPs {flops_per_token:,.0f} per token (causal attention counted as half) | peak "
+    log(f"model FLOPs {flops_per_token:,.0f} per token (causal attention counted as half"
+        + ("; no weight gradients for the frozen base" if lora.enabled(cfg) else "")
+        + ("; its forward pass again as the reference" if base_reference else "") + ") | peak "
         f"{peak / 1e12:.3f} TFLOP/s per device ({peak_source})")
     log(attention.describe(m_cfg, mesh.devices.flat[0].platform, mesh=mesh, rules=run.act_rules)
         + transformer.describe_loss(m_cfg))
-    log(f"data {run.dataset.dir}: {run.dataset.describe()}"
-        + (" | packed rows" if cfg.data.packing else "") + (" | loss mask on" if cfg.data.loss_mask == "on" else ""))
+    if run.dataset is not None:
+        log(f"data {run.dataset.dir}: {run.dataset.describe()}" + (" | packed rows" if cfg.data.packing else "")
+            + (" | loss mask on" if cfg.data.loss_mask == "on" else ""))
+    else:
+        log(f"prompts {cfg.data.prompts}: {t_cfg.batch_size * t_cfg.grad_accum // cfg.grpo.group_size} per step x "
+            f"{cfg.grpo.group_size} completions of up to {cfg.grpo.max_completion_tokens} tokens; rewards "
+            f"{cfg.grpo.reward}")
+    if cfg.training.objective != "next_token":
+        log(objectives.describe(cfg))
     if m_cfg.quantization == "fp8" and (note := quant.fp8_fallback_message(mesh.devices.flat[0])):
         log(note)
     return meter, peak, peak_source, flops_per_token
 
 
-def _first_state(run: Run, checkpointer, loader, log: Callable[[str], None]) -> dict:
+def _first_state(run: step_lib.Run, checkpointer, batches, log: Callable[[str], None]) -> dict:
     """The train state to start from: the newest checkpoint (and the loader's position in it), else the weights
     of checkpoint.init_from, else a fresh initialization."""
     cfg = run.cfg
     latest = checkpointer.latest if checkpointer else None
     if latest is not None:
         state, loader_state = checkpointer.restore(latest, run.abstract_state)
-        loader.restore(loader_state)
+        batches.restore(loader_state)
         log(f"resumed from {storage.join(checkpointer.dir, str(latest))} at step {latest}")
         return state
     if cfg.checkpoint.init_from:
         log(f"initialized the weights from {cfg.checkpoint.init_from}")
-        return init_state_from(run, cfg.checkpoint.init_from)
-    return init_state(run, cfg.seed)
+        return step_lib.init_state_from(run, cfg.checkpoint.init_from)
+    return step_lib.init_state(run, cfg.seed)
 
 
 def _report_end(summary: dict, last_eval: dict, log: Callable[[str], None]) -> None:
@@ -536,10 +131,12 @@ def _report_end(summary: dict, last_eval: dict, log: Callable[[str], None]) -> N
             + (f"{summary['tokens_per_s']:,.0f} tokens/s ({summary['tokens_per_s_per_device']:,.0f} per device), "
                f"{summary['model_tflops_per_s_per_device']:.4f} model TFLOP/s per device, "
                f"MFU {100 * summary['mfu']:.2f}%" if "tokens_per_s" in summary else ""))
-    if last_eval:
+    if "val_loss" in last_eval:
         ent = summary["unigram_entropy"]
-        log(f"final train loss {last_eval['train']:.4f}, val loss {last_eval['val']:.4f}"
+        log(f"final train loss {last_eval['train_loss']:.4f}, val loss {last_eval['val_loss']:.4f}"
             + (f" (unigram entropy of the corpus: {ent:.4f})" if ent else ""))
+    elif last_eval:
+        log("final " + ", ".join(f"{k.replace('_', ' ')} {v:.4f}" for k, v in last_eval.items()))
 
 
 @dataclasses.dataclass
@@ -586,15 +183,15 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
     if cfg.model.quantization == "int8_weights":
         raise ConfigError("model.quantization=int8_weights is for inference and cannot be trained; train with "
                           "none, int8 or fp8, then `jaxlm eval RUN_DIR model.quantization=int8_weights`")
-    run = setup(cfg, devices)
+    run = step_lib.setup(cfg, devices)
     cfg, run_dir, mesh = run.cfg, run.run_dir, run.mesh
     loaded_step = None
     if cfg.compile.load:  # checked before any state exists, so a mismatch costs nothing
         loaded_step = saved_step.load(cfg.compile.load, cfg, run.mesh,
-                                      {"state": run.abstract_state, "batch": abstract_batch(run)})
+                                      step_lib.step_args(run))
     t_cfg = cfg.training
     storage.makedirs(run_dir)
-    check_resume_config(run_dir, cfg)
+    step_lib.check_resume_config(run_dir, cfg)
     if main_process:  # atomically: the other processes may be reading it in check_resume_config
         storage.write_text(storage.join(run_dir, "config.json"), config_lib.to_json(cfg))
 
@@ -602,8 +199,13 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
 
     use_ckpt = cfg.checkpoint.enabled and not cfg.debug
     checkpointer = ckpt.Checkpointer(run_dir, cfg.checkpoint, log) if use_ckpt else None
-    loader = make_loader(run)
-    state = _first_state(run, checkpointer, loader, log)
+    frozen = step_lib.load_frozen(run)
+    batches = rl.RolloutBatches(run, frozen) if t_cfg.objective == "grpo" else step_lib.train_batches(run, frozen)
+    state = _first_state(run, checkpointer, batches, log)
+    if step_lib.reference_in_batch(cfg):  # dpo, ipo: the starting weights' log-probabilities, before any step
+        reference.ensure(run, state, log)
+    step_args = (lambda state, batch: (state, batch)) if frozen is None else (
+        lambda state, batch: (state, batch, frozen))
     start = int(jax.device_get(state["step"]))
     skips = {k: int(v) for k, v in jax.device_get(state["guard"]).items()}
 
@@ -611,9 +213,7 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
         train_step = loaded_step
         log(f"train step loaded from {cfg.compile.load} (compiled ahead of time; not compiled here)")
     else:
-        train_step = make_train_step(cfg, run.optimizer, mesh, run.abstract_state, run.act_rules)
-    eval_step = make_eval_step(cfg, mesh, run.act_rules)
-    eval_batches = eval_plans(run)
+        train_step = step_lib.make_train_step(cfg, run.optimizer, mesh, run.abstract_state, run.act_rules)
     writer = metrics.MetricWriter(run_dir, tensorboard=cfg.logging.tensorboard, enabled=main_process,
                                   wandb_run=metrics.start_wandb(cfg, run_dir) if cfg.logging.wandb and main_process
                                   else None)
@@ -624,7 +224,7 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
     preemption = distributed.Preemption(use_ckpt and cfg.checkpoint.save_on_preemption, say)
     goodput.charge_unaccounted("init")
 
-    pending: list[tuple[int, dict]] = []
+    pending: list[tuple[int, dict, dict]] = []  # (step, the step's metrics on device, the batch's on the host)
     last_eval: dict = {}
     preempted_at = None
     windows = _Windows(meter)
@@ -634,40 +234,44 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
             profiler.before(step)
             with jax.profiler.StepTraceAnnotation("train", step_num=step):
                 with goodput.phase("data"):
-                    batch = device_batch(run, "train", loader.next())
+                    batch = batches.next(state)
                 with goodput.phase("compile" if step == start else "compute"):
-                    state, step_metrics = train_step(state, batch)
+                    state, step_metrics = train_step(*step_args(state, batch))
                     if step == start:
                         jax.block_until_ready(step_metrics)  # the first call compiles; keep that out of compute
             done = step + 1
             profiler.after(done, state)
-            pending.append((done, step_metrics))
+            pending.append((done, step_metrics, batches.metrics()))
             if len(pending) > MAX_STEPS_IN_FLIGHT:
                 with goodput.phase("compute"):
                     jax.block_until_ready(pending[-MAX_STEPS_IN_FLIGHT][1])
             windows.steps += 1
-            stop = preemption.reached(done)
+            stop = preemption.reached(done) and batches.boundary(done)
             is_eval = not stop and (done == t_cfg.steps or (t_cfg.eval_interval and done % t_cfg.eval_interval == 0))
-            is_ckpt = use_ckpt and (stop or done == t_cfg.steps
-                                    or (cfg.checkpoint.interval and done % cfg.checkpoint.interval == 0))
+            is_ckpt = use_ckpt and batches.boundary(done) and (
+                stop or done == t_cfg.steps or (cfg.checkpoint.interval and done % cfg.checkpoint.interval == 0))
             if done == start + 1 or done % t_cfg.log_interval == 0 or is_eval or is_ckpt:
                 with goodput.phase("compute"):
-                    fetched = jax.device_get([m for _, m in pending])
+                    fetched = jax.device_get([m for _, m, _ in pending])
                 elapsed, window = windows.close(first=done == start + 1)
                 failure = None
-                for (s, _), m in zip(pending, fetched):
+                for (s, _, host), m in zip(pending, fetched):
                     record = {"step": s, "loss": float(m["loss"]), "lr": float(m["lr"]),
                               "grad_norm": float(m["grad_norm"]), "nonfinite_skips": int(m["nonfinite_skips"]),
-                              "spike_skips": int(m["spike_skips"])}
+                              "spike_skips": int(m["spike_skips"]),
+                              **{k: float(v) for k, v in m.items() if k not in STEP_GUARD_METRICS}, **host}
                     failure = failure or _report_skips(s, m, skips, t_cfg, say)
                     if s == done:
                         record.update({"compile_s": elapsed} if done == start + 1 else window)
                         if is_eval and not failure:
                             with goodput.phase("eval"):
-                                last_eval = evaluate(eval_step, state["params"], run, eval_batches)
-                            record.update(train_loss=last_eval["train"], val_loss=last_eval["val"])
-                            say(f"step {s}: train loss {last_eval['train']:.4f}, val loss {last_eval['val']:.4f}")
+                                last_eval = batches.evaluate(state)
+                            record.update(last_eval)
+                            if last_eval:
+                                say(f"step {s}: " + ", ".join(f"{k.replace('_', ' ')} {v:.4f}" for k, v in
+                                                                last_eval.items() if "/" not in k))
                     writer.write(record)
+                writer.append("completions.jsonl", getattr(batches, "take_samples", list)())
                 writer.flush()
                 if failure:
                     raise TrainingError(failure + (f"; the newest checkpoint is in {checkpointer.dir}"
@@ -681,7 +285,7 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
                     checkpointer.check()
                 if is_ckpt:
                     with goodput.phase("checkpoint"):
-                        checkpointer.save(done, state, loader.state())
+                        checkpointer.save(done, state, batches.state())
                 pending.clear()
                 windows.reopen()
             monitor.beat(done)
@@ -713,14 +317,15 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
     summary = {"run_dir": str(run_dir), "steps": t_cfg.steps, "start_step": start, "preempted_at": preempted_at,
                "nonfinite_skips": skips["nonfinite_skips"], "spike_skips": skips["spike_skips"],
                "wall_seconds": time.perf_counter() - goodput.start, "compile_seconds": windows.compile_seconds,
-               "train_loss": last_eval.get("train"), "val_loss": last_eval.get("val"),
-               "unigram_entropy": run.dataset.meta.get("unigram_entropy")}
+               "train_loss": last_eval.get("train_loss"), "val_loss": last_eval.get("val_loss"),
+               # a yardstick for next-token losses only
+               "unigram_entropy": run.dataset.meta.get("unigram_entropy") if t_cfg.objective == "next_token" else None}
     summary.update(peak_flops_per_device=peak, peak_source=peak_source, flops_per_token=flops_per_token,
                    **windows.overall())
     _report_end(summary, last_eval, log)
     if t_cfg.sample_tokens and preempted_at is None:
         with goodput.phase("eval"):
-            summary["sample"] = sample_text(state["params"], cfg, run.tokenizer, t_cfg.sample_prompt,
+            summary["sample"] = step_lib.sample_text(step_lib.model_params(state["params"], frozen, cfg), cfg, run.tokenizer, t_cfg.sample_prompt,
                                             t_cfg.sample_tokens, t_cfg.sample_temperature, t_cfg.sample_top_k)
         log("sample:\n" + t_cfg.sample_prompt + summary["sample"])
     summary["goodput"] = goodput.summary()
@@ -728,13 +333,6 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
     writer.close()
     log(metrics.Goodput.describe(summary["goodput"]))
     return summary
-
-
-def sample_text(params, cfg: Config, tok: tokenizer_lib.Tokenizer, prompt: str, new_tokens: int,
-                temperature: float, top_k: int) -> str:
-    ids = tok.encode(prompt) or [0]
-    out = generate.sample(params, cfg.model, ids, new_tokens, jax.random.key(cfg.seed), temperature, top_k)
-    return tok.decode(out)
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
@@ -745,3 +343,4 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
 def losses_by_step(run_dir: str | Path) -> dict[int, float]:
     """Last recorded training loss of each step (a resumed run re-records the steps after its checkpoint)."""
     return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
+

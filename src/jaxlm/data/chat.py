@@ -32,28 +32,35 @@ def messages_of(rec: dict, where: str) -> list[dict]:
     else:
         raise DataError(f"{where}: a chat record needs `messages` or `prompt` and `completion` (fields: "
                         f"{', '.join(map(str, rec)) or 'none'})")
-    out = []
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict) or "role" not in m or "content" not in m:
-            raise DataError(f"{where}: message {i + 1} must be an object with `role` and `content`")
-        if m["role"] not in ROLES:
-            raise DataError(f"{where}: message {i + 1} has the unknown role {m['role']!r} (allowed: "
-                            f"{', '.join(ROLES)})")
-        if not isinstance(m["content"], str):
-            raise DataError(f"{where}: message {i + 1} content is a {type(m['content']).__name__}, not a string")
-        out.append({"role": m["role"], "content": m["content"]})
+    out = checked_messages(msgs, where)
     if not any(m["role"] == "assistant" for m in out):
         raise DataError(f"{where}: the conversation has no assistant message, so nothing to train on")
     return out
 
 
-def encode_chat(tok: Tokenizer, messages: list[dict]) -> tuple[np.ndarray, np.ndarray]:
-    """(ids_L, mask_L): the rendered conversation's token ids, and 1 on the tokens of assistant turns.
+def checked_messages(msgs: list, where: str, what: str = "message") -> list[dict]:
+    """{role, content} of each message, checked: an object with a known role and string content."""
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise DataError(f"{where}: {what} {i + 1} must be an object with `role` and `content`")
+        if m["role"] not in ROLES:
+            raise DataError(f"{where}: {what} {i + 1} has the unknown role {m['role']!r} (allowed: "
+                            f"{', '.join(ROLES)})")
+        if not isinstance(m["content"], str):
+            raise DataError(f"{where}: {what} {i + 1} content is a {type(m['content']).__name__}, not a string")
+        out.append({"role": m["role"], "content": m["content"]})
+    return out
+
+
+def encode_chat(tok: Tokenizer, messages: list[dict], first: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(ids_L, mask_L): the rendered conversation's token ids, and 1 on the tokens of the assistant turns from
+    message `first` on (a preference pair's reply after its prompt turns; 0: all of them).
     Raises ValueError when the template does not render the conversation prefix by prefix."""
     ids_L = tok.encode_rendered(tok.apply_chat_template(messages, add_generation_prompt=False))
     mask_L = np.zeros(len(ids_L), np.uint8)
     for i, m in enumerate(messages):
-        if m["role"] != "assistant":
+        if m["role"] != "assistant" or i < first:
             continue
         start = tok.encode_rendered(tok.apply_chat_template(messages[:i], add_generation_prompt=True)) if i else []
         end = tok.encode_rendered(tok.apply_chat_template(messages[:i + 1], add_generation_prompt=False))

@@ -88,9 +88,12 @@ class Dataset:
         return self.dir if self.splits["train"].doc_starts_D1 is None else None
 
     def describe(self) -> str:
+        pairs = self.meta.get("kind") == "preference"  # data/preference.py: two documents a pair
+
         def one(name: str) -> str:
             s = self.splits[name]
-            docs = f" in {s.n_documents:,} documents" if s.n_documents is not None else ""
+            docs = (f" in {s.n_documents // 2:,} pairs" if pairs else f" in {s.n_documents:,} documents"
+                    if s.n_documents is not None else "")
             return f"{name} {s.n_tokens:,} tokens{docs}"
 
         ent = self.meta.get("unigram_entropy")
@@ -183,7 +186,8 @@ class Loader:
 LAYOUT_NAMES = {"grad_accum": "training.grad_accum", "batch_size": "training.batch_size (global)",
                 "block_size": "model.block_size", "tokens": "training tokens in the train split",
                 "documents": "training documents in the train split", "sources": "data.mixture's datasets",
-                "weights": "data.mixture's weights", "loss_mask": "data.loss_mask"}
+                "weights": "data.mixture's weights", "loss_mask": "data.loss_mask",
+                "pairs": "preference pairs in the train split", "packing": "data.packing"}
 
 
 def check_layout(state: dict, here: dict) -> None:
@@ -197,7 +201,7 @@ def check_layout(state: dict, here: dict) -> None:
 
 def mode_changed(saved, here: str) -> str:
     name = {"windows": "random windows (data.packing=false)", "packed": "packing (data.packing=true)",
-            "mixture": "a mixture (data.mixture)"}
+            "mixture": "a mixture (data.mixture)", "pairs": "preference pairs (training.objective=dpo|ipo|orpo)"}
     return (f"the checkpoint's data position was saved by {name.get(saved, repr(saved))} and this run reads "
             f"{name[here]}; resume with the saved data settings, or start a new run_dir with "
             f"checkpoint.init_from=<this run> to keep the weights")

@@ -43,7 +43,8 @@ class Packed:
         return Packed(self.pieces, self.shape[1:], self.loss_mask)
 
     def rows(self, split: shards.Split, flat_rows: np.ndarray, T: int) -> dict[str, np.ndarray]:
-        """Tokens, segment ids, positions (int32 [n, R]) and, with a loss mask, mask (uint8) of these rows."""
+        """Tokens, segment ids, positions (int32 [n, R]), sources (int64 [n, R]: each token's offset in the split,
+        -1 for padding) and, with a loss mask, mask (uint8) of these rows."""
         R = T + 1
         starts, lengths, row_of, col_of, seg_of = [], [], [], [], []
         for r, flat in enumerate(flat_rows.ravel()):
@@ -59,8 +60,9 @@ class Packed:
         r_N, c_N = np.asarray(row_of)[piece_N], np.asarray(col_of)[piece_N] + within_N
         n = flat_rows.size
         out = {"tokens": np.full((n, R), PAD_ID, np.int32), "segment_ids": np.zeros((n, R), np.int32),
-               "positions": np.zeros((n, R), np.int32)}
+               "positions": np.zeros((n, R), np.int32), "sources": np.full((n, R), -1, np.int64)}
         out["tokens"][r_N, c_N] = split.take(src_N)
+        out["sources"][r_N, c_N] = src_N
         out["segment_ids"][r_N, c_N] = np.asarray(seg_of, dtype=np.int32)[piece_N]
         out["positions"][r_N, c_N] = within_N
         if self.loss_mask:
@@ -68,11 +70,14 @@ class Packed:
             out["mask"][r_N, c_N] = split.take(src_N, mask=True)
         return out
 
-    def read(self, split: shards.Split, lead_index: tuple, cols: slice, keys: tuple[str, ...], T: int) -> dict:
+    def read(self, split: shards.Split, lead_index: tuple, cols: slice, keys: tuple[str, ...], T: int,
+             reference: np.ndarray | None = None) -> dict:
         """The batch arrays of the rows `lead_index` selects (columns `cols`), reading only those rows'
-        tokens. Whole rows are assembled once per row selection (devices that split a row's columns share it)."""
+        tokens. Whole rows are assembled once per row selection (devices that split a row's columns share it).
+        "ref_logps" (float32, 0 where the target is not counted) come from `reference`, a value per token of the
+        split (reference.py: the reference model's log-probability of that token)."""
         flat = rows_of(self.shape, lead_index)
-        key = (flat.shape, flat.ravel().tobytes())
+        key = (flat.shape, flat.ravel().tobytes(), keys)
         if key not in self._cache:
             rows = self.rows(split, flat, T)
             seg_NR = rows["segment_ids"]
@@ -83,6 +88,9 @@ class Packed:
             full = {"inputs": rows["tokens"][:, :-1], "targets": rows["tokens"][:, 1:],
                     "positions": rows["positions"][:, :-1], "segment_ids": seg_NR[:, :-1],
                     "weights": counted.astype(np.float32)}
+            if "ref_logps" in keys:
+                targets = np.maximum(rows["sources"][:, 1:], 0)
+                full["ref_logps"] = np.where(counted, reference[targets], 0).astype(np.float32)
             self._cache[key] = {k: v.reshape(lead + (T,)) for k, v in full.items() if k in keys}
         return {k: v[..., cols] for k, v in self._cache[key].items()}
 

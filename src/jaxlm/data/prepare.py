@@ -5,9 +5,10 @@ Format 1 (nanoGPT's train.bin / val.bin of flat token ids + meta.json), written 
 `jaxlm prepare python_stdlib` (the offline quickstart corpus) and `jaxlm prepare openwebtext`.
 
 Format 2 (data/shards.py), written by `jaxlm prepare corpus INPUT... --tokenizer T` (`prepare_corpus`: any input
-of data/sources.py through any tokenizer of data/tokenizer.py) and `jaxlm prepare chat FILE --tokenizer T`
-(`prepare_chat`: conversations with a loss mask, data/chat.py). Documents are tokenized in worker processes a
-batch at a time, in input order, and written to shards as they come back (`write_dataset`).
+of data/sources.py through any tokenizer of data/tokenizer.py), `jaxlm prepare chat FILE --tokenizer T`
+(`prepare_chat`: conversations with a loss mask, data/chat.py) and `jaxlm prepare preference FILE --tokenizer T`
+(`prepare_preference`: pairs of replies to one prompt, data/preference.py). Documents are tokenized in worker
+processes a batch at a time, in input order, and written to shards as they come back (`write_dataset`).
 """
 
 from __future__ import annotations
@@ -263,9 +264,10 @@ def _worker_init(spec: dict, chat_template: str | None) -> None:
 
 
 def _work(job: tuple) -> tuple[list, np.ndarray, list | None, collections.Counter | None]:
-    """Encode one batch of documents: ('text', texts), ('chat', conversations) or ('jsonl', sources.JsonLines)
-    -> (per document (ids, mask or None), or for a chat the error text; the batch's token counts per id; for a
-    JSON-lines block the documents' places and what reading it counted, else None, None)."""
+    """Encode one batch of documents: ('text', texts), ('chat', conversations), ('preference', pairs) or ('jsonl',
+    sources.JsonLines) -> (per document (ids, mask or None), per pair a list of two such documents, or for a chat
+    or a pair the error text; the batch's token counts per id; for a JSON-lines block the documents' places and
+    what reading it counted, else None, None)."""
     kind, payload = job
     tok = _WORKER["tok"]
     wheres = stats = None
@@ -277,17 +279,23 @@ def _work(job: tuple) -> tuple[list, np.ndarray, list | None, collections.Counte
     if kind in ("text", "jsonl"):
         docs = _encode_texts(tok, payload)
     else:
-        from jaxlm.data import chat
+        from jaxlm.data import chat, preference
 
+        encode = {"chat": chat.encode_chat, "preference": preference.encode_pair}[kind]
         docs = []
-        for messages in payload:
+        for item in payload:
             try:
-                docs.append(chat.encode_chat(tok, messages))
+                docs.append(encode(tok, item))
             except ValueError as e:  # TokenizerError included: a template that refuses this conversation
                 docs.append(str(e))
-    arrays = [d[0] for d in docs if not isinstance(d, str)]
+    arrays = [part[0] for d in docs if not isinstance(d, str) for part in _parts(d, kind)]
     flat = np.concatenate(arrays) if arrays else np.zeros(0, np.int64)
     return docs, np.bincount(flat[flat >= 0], minlength=tok.vocab_size), wheres, stats
+
+
+def _parts(doc, kind: str) -> list:
+    """The documents (ids, mask) of one encoded item: a pair's two, or the document itself."""
+    return doc if kind == "preference" else [doc]
 
 
 def _encode_texts(tok, texts: list[str]) -> list:
@@ -368,13 +376,15 @@ def _clear_shards(out: Path) -> None:
 def write_dataset(out_dir: str | Path, tok, splits: dict, kind: str = "text", workers: int | None = None,
                   shard_tokens: int | None = None, vocab_size: int | None = None, max_tokens: int | None = None,
                   val_fraction: float = 0.0, chat_template: str | None = None, progress: bool = True,
-                  stats: collections.Counter | None = None, extra: dict | None = None) -> dict:
+                  stats: collections.Counter | None = None, extra: dict | None = None, drop_long: bool = True
+                  ) -> dict:
     """Encode documents into a format-2 folder. `splits` maps a split name to an iterable of (payload, where,
-    nbytes), payload a text (kind='text') or a conversation (kind='chat'); with val_fraction > 0 and no 'val'
-    entry, a val_fraction of the 'train' documents, spread evenly (document n when floor((n + 1) f) >
-    floor(n f)), goes to 'val'. Token ids at or above `vocab_size` (default: the tokenizer's) are refused
-    naming the document; chat documents longer than `max_tokens` are dropped and counted. Returns the meta.json
-    written."""
+    nbytes), payload a text (kind='text'), a conversation (kind='chat') or a pair (kind='preference', two
+    documents kept together in the same split); with val_fraction > 0 and no 'val' entry, a val_fraction of the
+    'train' documents (pairs), spread evenly (document n when floor((n + 1) f) > floor(n f)), goes to 'val'.
+    Token ids at or above `vocab_size` (default: the tokenizer's) are refused naming the document; chat
+    documents and pairs longer than `max_tokens` are dropped and counted, or with drop_long=False refused in one
+    line. Returns the meta.json written."""
     from tqdm import tqdm
 
     from jaxlm.data import shards, tokenizer as tokenizer_lib
@@ -385,7 +395,7 @@ def write_dataset(out_dir: str | Path, tok, splits: dict, kind: str = "text", wo
     workers = (os.cpu_count() or 1) if workers is None else workers
     out = shards.begin(out_dir)
     _clear_shards(out)
-    mask = kind == "chat"
+    mask = kind in ("chat", "preference")
     shard_tokens = shard_tokens or shards.DEFAULT_SHARD_TOKENS
     writers = {name: shards.ShardWriter(out, name, dtype, shard_tokens, loss_mask=mask) for name in ("train", "val")}
     counts = np.zeros(tok.vocab_size, np.int64)
@@ -409,12 +419,19 @@ def write_dataset(out_dir: str | Path, tok, splits: dict, kind: str = "text", wo
                 for doc, where in zip(docs, wheres):
                     if isinstance(doc, str):
                         raise DataError(f"{where}: {doc}")
-                    if max_tokens is not None and len(doc[0]) > max_tokens:
-                        stats["too_long_dropped"] += 1
-                        stats.setdefault("first_too_long", f"{where} ({len(doc[0])} tokens > {max_tokens})")
-                        counts[:len(batch_counts)] -= np.bincount(doc[0], minlength=len(batch_counts))
+                    parts = _parts(doc, kind)
+                    n = sum(len(p[0]) for p in parts)
+                    if max_tokens is not None and n > max_tokens:
+                        if not drop_long:
+                            raise DataError(f"{where}: the pair is {n} tokens (prompt twice and both replies) and "
+                                            f"--max-tokens is {max_tokens}; a pair is never cut: raise --max-tokens "
+                                            "(and model.block_size), or drop such pairs with --drop-long")
+                        stats["long_pairs_dropped" if kind == "preference" else "too_long_dropped"] += 1
+                        stats.setdefault("first_too_long", f"{where} ({n} tokens > {max_tokens})")
+                        for p in parts:
+                            counts[:len(batch_counts)] -= np.bincount(p[0], minlength=len(batch_counts))
                         continue
-                    kept.append(doc)
+                    kept.append(parts)
                 to_val = np.zeros(len(kept), bool)
                 if split == "train" and "val" not in splits and val_fraction > 0:
                     n = n_doc + np.arange(len(kept), dtype=np.float64)
@@ -423,9 +440,10 @@ def write_dataset(out_dir: str | Path, tok, splits: dict, kind: str = "text", wo
                 for name, docs_here in ((split, [d for d, v in zip(kept, to_val) if not v]),
                                         ("val", [d for d, v in zip(kept, to_val) if v])):
                     if docs_here:
-                        writers[name].add_many([d[0] for d in docs_here], [d[1] for d in docs_here] if mask else None)
-                        stats[f"{name}_documents"] += len(docs_here)
-                        stats[f"{name}_tokens"] += sum(len(d[0]) for d in docs_here)
+                        flat = [p for parts in docs_here for p in parts]
+                        writers[name].add_many([p[0] for p in flat], [p[1] for p in flat] if mask else None)
+                        stats[f"{name}_documents"] += len(flat)
+                        stats[f"{name}_tokens"] += sum(len(p[0]) for p in flat)
                 bar.set_postfix(docs=stats["train_documents"] + stats["val_documents"],
                                 tokens=stats["train_tokens"] + stats["val_tokens"], refresh=False)
         entries = {name: w.close() for name, w in writers.items()}
@@ -457,6 +475,7 @@ def describe_stats(stats) -> str:
     parts = [f"{stats.get('files', 0)} file(s)"]
     for key, what in (("empty_documents", "empty documents skipped"),
                       ("too_long_dropped", "chat documents over --max-tokens dropped"),
+                      ("long_pairs_dropped", "pairs over --max-tokens dropped"),
                       ("invalid_utf8", "invalid UTF-8 sequences replaced or dropped")):
         if stats.get(key):
             parts.append(f"{stats[key]:,} {what}")
@@ -534,6 +553,47 @@ def prepare_chat(inputs: list[str], out_dir: str | Path, tokenizer: str, max_tok
     return write_dataset(out_dir, tok, splits, "chat", workers, shard_tokens, vocab_size, max_tokens,
                          0.0 if val else val_fraction, template, progress, stats,
                          extra={"source": _source(inputs), "max_tokens": max_tokens})
+
+
+def _preference_items(inputs, errors, split, streaming, stats):
+    from jaxlm.data import preference, sources
+
+    for path in sources.expand(inputs):
+        stats["files"] += 1
+        for rec, where in sources.records(path, "chosen", errors, False, split, streaming, stats):
+            pair = preference.pair_of(rec, where)
+            yield pair, where, sum(len(m["content"]) if isinstance(m, dict) else len(m)
+                                   for part in pair[1:] for m in ([part] if isinstance(part, str) else part))
+
+
+def prepare_preference(inputs: list[str], out_dir: str | Path, tokenizer: str, max_tokens: int | None = None,
+                       chat_template: str | Path | None = None, drop_long: bool = False, val: list[str] | None = None,
+                       val_fraction: float = 0.01, errors: str = "replace", split: str = "train",
+                       streaming: bool = False, workers: int | None = None, shard_tokens: int | None = None,
+                       vocab_size: int | None = None, progress: bool = True) -> dict:
+    """Preference records (data/preference.py) -> a format-2 folder of pairs, each two documents (prompt + chosen,
+    prompt + rejected) with a loss mask on the replies, meta.json's kind "preference". A pair whose two documents
+    together exceed max_tokens (the training block size) is refused in one line, or with drop_long dropped and
+    counted; dropping is not the default because it silently skews the data toward short replies."""
+    from jaxlm.data import preference, tokenizer as tokenizer_lib
+
+    tok = tokenizer_lib.load(tokenizer)
+    template = None
+    if chat_template is not None:
+        if not Path(chat_template).is_file():
+            raise DataError(f"--chat-template {chat_template} does not exist")
+        template = tok.chat_template = Path(chat_template).read_text()
+    if max_tokens is not None and max_tokens < 4:
+        raise DataError(f"--max-tokens {max_tokens} must be >= 4 (the training block size: a pair is two documents "
+                        "of a prompt token and a reply token at least)")
+    vocab_size = vocab_size or model_vocab_size(tokenizer)
+    stats = collections.Counter()
+    splits = {"train": _preference_items(inputs, errors, split, streaming, stats)}
+    if val:
+        splits["val"] = _preference_items(val, errors, split, streaming, stats)
+    return write_dataset(out_dir, tok, splits, "preference", workers, shard_tokens, vocab_size, max_tokens,
+                         0.0 if val else val_fraction, template, progress, stats, drop_long=drop_long,
+                         extra={"kind": preference.KIND, "source": _source(inputs), "max_tokens": max_tokens})
 
 
 def model_vocab_size(tokenizer: str) -> int | None:

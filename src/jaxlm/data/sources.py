@@ -194,7 +194,8 @@ def _parquet(f, path: str, field: str) -> Iterator[tuple[dict, str]]:
     except Exception as e:  # noqa: BLE001 - pyarrow raises ArrowInvalid and others
         raise DataError(f"{path} is not a readable parquet file: {str(e).splitlines()[0]}") from None
     names = pf.schema_arrow.names
-    columns = [c for c in ("messages", "prompt", "completion", "system", field) if c in names]
+    columns = [c for c in ("messages", "prompt", "completion", "system", "chosen", "rejected", field)
+               if c in names]
     if not columns:
         raise DataError(f"{path}: no column {field!r} (columns: {', '.join(names)}); choose one with --field")
     row = 0

@@ -7,23 +7,28 @@ grow, takes them back when they end, and shares the pages of a common prompt pre
 Since a page holds consecutive positions, a key's position is where it lies in the sequence's pages; masks
 stay functions of query and key positions, as in the uncached pass (causal, windowed for local layers).
 
-Generic over what a layer kind caches: `entry_specs` names, per pattern entry, the arrays a token stores and
-their trailing shape (standard attention: k and v [K, H], with int8 scales k_scale and v_scale [K] when
-quantized; latent attention would store its compressed latent and rotary key). A page stores an entry of
-trailing shape (*lead, last) as (*lead, page, last), the page's tokens on the axis before the last: k [K, H]
-per token is [K, page, H] per page, heads-major as attention multiplies it. The pool of an entry is
-[R, NP, *lead, page, last]: R repeats of cfg.layer_pattern, NP pages; one page id indexes every layer's pool.
+What a token stores is what the slot cache stores (kvcache.widths): k and v [K, H] for standard attention,
+with int8 scales k_scale and v_scale [K] when quantized; for latent attention (model/latent.py) its rotary key
+k [1, r] and its compressed latent v [1, C]. A page stores an entry of trailing shape (*lead, last) as
+(*lead, page, last), the page's tokens on the axis before the last: k [K, H] per token is [K, page, H] per
+page, heads-major as attention multiplies it. The pool of pattern entry j is [R_j, NP, *lead, page, last]: R_j
+layers of that entry (model/stack.py: layer i is entry i mod P, repeat i // P), NP pages; one page id indexes
+every layer's pool. Every layer keeps every position, a sliding-window or chunked layer's too (a page is
+shared by all layers, and the global ones need all): masks by position leave out what such a layer does not
+see.
 
 Two ways to read the pages a query attends to (`attention`):
 - `rows` (prefill chunks, many queries per sequence): each row's pages gathered in table order, [P, K, S, H]
   with S = the table's width x page_size, then dense attention (attention.attend_heads_major).
 - `flat` (decode steps, speculative verification: a few queries per sequence): the pages of all rows listed
   one after another (only those holding keys below each row's end, however the lengths differ), in a loop of
-  blocks of PAGE_BLOCK_TOKENS keys with an online softmax per row. On a 2-core CPU at batch 64 and a
+  blocks of PAGE_BLOCK_TOKENS keys with an online softmax per row (attention sinks enter as its starting
+  point). Latent attention runs it in its absorbed form (latent.absorb_query): one kv head whose keys are the
+  latent and rotary key side by side and whose values are the latents. On a 2-core CPU at batch 64 and a
   long-tailed mix of lengths (mean 296, max 1169 keys), one layer's attention took 20 ms this way, 153 ms with
   each row's pages gathered to the longest row's, and 31 ms over a dense slot cache of the longest length.
 
-Shape legend: P rows (sequences) of a call, C tokens per row, T = tokens, R repeats of the pattern, NP pages,
+Shape legend: P rows (sequences) of a call, C tokens per row, T = tokens, R repeats of an entry, NP pages,
 M pages per row in the table, F pages listed flat, K kv heads, G query heads per kv head, N = K G, H head
 width, D width, S keys.
 """
@@ -37,7 +42,7 @@ import jax.numpy as jnp
 
 from jaxlm.config import ModelConfig
 from jaxlm.model import attention as attention_lib
-from jaxlm.model import kvcache, layers
+from jaxlm.model import kvcache, latent, layers
 
 PAGE_BLOCK_TOKENS = 1024  # keys a step of the flat path's loop reads (64 pages of 16: a few MB, cache-resident)
 FLAT_MAX_QUERIES = 16  # rows of up to this many tokens read their pages flat, longer ones by rows
@@ -46,7 +51,7 @@ FLAT_MAX_QUERIES = 16  # rows of up to this many tokens read their pages flat, l
 @jax.tree_util.register_dataclass
 @dataclass
 class PagedCache:
-    """The pool: kinds[j] maps each entry of pattern entry j (entry_specs) to its pages [R, NP, *lead, page,
+    """The pool: kinds[j] maps each entry of pattern entry j (entry_specs) to its pages [R_j, NP, *lead, page,
     last]. Page tables and lengths live with the caller (the server's allocator) and come in with each call."""
     kinds: tuple[dict, ...]
 
@@ -61,14 +66,19 @@ class PagedCache:
 
 def entry_specs(cfg: ModelConfig, quantize: bool = False) -> tuple[dict, ...]:
     """Per pattern entry: {entry name: (trailing shape per token, dtype)}."""
-    K, H = cfg.kv_heads, cfg.hd
+    K, Hk, Hv = kvcache.widths(cfg)
     if quantize:
-        spec = {"k": ((K, H), jnp.int8), "v": ((K, H), jnp.int8), "k_scale": ((K,), jnp.float32),
+        spec = {"k": ((K, Hk), jnp.int8), "v": ((K, Hv), jnp.int8), "k_scale": ((K,), jnp.float32),
                 "v_scale": ((K,), jnp.float32)}
     else:
         dt = jnp.dtype(cfg.compute_dtype)
-        spec = {"k": ((K, H), dt), "v": ((K, H), dt)}
+        spec = {"k": ((K, Hk), dt), "v": ((K, Hv), dt)}
     return tuple(spec for _ in cfg.pattern)
+
+
+def repeats(cfg: ModelConfig, j: int) -> int:
+    """The layers of pattern entry j (the last repeat of the pattern may be partial)."""
+    return len(range(j, cfg.n_layers, len(cfg.pattern)))
 
 
 def page_shape(trailing: tuple[int, ...], page_size: int) -> tuple[int, ...]:
@@ -77,27 +87,25 @@ def page_shape(trailing: tuple[int, ...], page_size: int) -> tuple[int, ...]:
 
 def init(cfg: ModelConfig, pages: int, page_size: int, quantize: bool = False) -> PagedCache:
     """A pool of `pages` pages of page_size tokens each (zeros: a page's contents matter only once written)."""
-    R = cfg.n_layers // len(cfg.pattern)
-    return PagedCache(tuple({name: jnp.zeros((R, pages, *page_shape(shape, page_size)), dt)
-                             for name, (shape, dt) in spec.items()} for spec in entry_specs(cfg, quantize)))
+    return PagedCache(tuple({name: jnp.zeros((repeats(cfg, j), pages, *page_shape(shape, page_size)), dt)
+                             for name, (shape, dt) in spec.items()}
+                            for j, spec in enumerate(entry_specs(cfg, quantize))))
 
 
 def bytes_per_token(cfg: ModelConfig, quantize: bool = False) -> int:
     """Pool bytes one token's entries take over all layers."""
-    R = cfg.n_layers // len(cfg.pattern)
     total = 0
-    for spec in entry_specs(cfg, quantize):
+    for j, spec in enumerate(entry_specs(cfg, quantize)):
         for shape, dt in spec.values():
             n = 1
             for d in shape:
                 n *= d
-            total += R * n * jnp.dtype(dt).itemsize
+            total += repeats(cfg, j) * n * jnp.dtype(dt).itemsize
     return total
 
 
 def entries(k_PCKH: jax.Array, v_PCKH: jax.Array, arrays: dict) -> dict:
-    """The per-token entries of standard attention [P, C, *trailing] for the pool `arrays` (int8 with scales
-    when it holds scales)."""
+    """The per-token entries [P, C, *trailing] for the pool `arrays` (int8 with scales when it holds scales)."""
     if "k_scale" in arrays:
         (k, k_scale), (v, v_scale) = kvcache.quantize(k_PCKH), kvcache.quantize(v_PCKH)
         return {"k": k, "v": v, "k_scale": k_scale, "v_scale": v_scale}
@@ -116,7 +124,7 @@ def write(arrays: dict, r, new: dict, page_PC: jax.Array, off_PC: jax.Array) -> 
 
 
 def _read_kv(arrays: dict, r, ids: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
-    """Keys and values of pages `ids` [...] of repeat r: [..., K, page, H] in dtype (int8 read with its scales)."""
+    """k and v of pages `ids` [...] of repeat r: [..., K, page, H] in dtype (int8 read with its scales)."""
     def one(name):
         x = arrays[name].at[r, ids].get(mode="clip")
         if f"{name}_scale" in arrays:
@@ -127,15 +135,14 @@ def _read_kv(arrays: dict, r, ids: jax.Array, dtype) -> tuple[jax.Array, jax.Arr
     return one("k"), one("v")
 
 
-def attend_rows(q_PCNH, arrays: dict, r, table_PM, end_P, q_pos_PC, scale, softcap, window):
-    """Each row's queries over its pages gathered in table order (keys at positions < end_P[p]): [P, C, N, H]."""
-    k_PMKAH, v_PMKAH = _read_kv(arrays, r, table_PM, q_PCNH.dtype)
-    P, M, K, A, H = k_PMKAH.shape
-    k_PKSH, v_PKSH = (x.transpose(0, 2, 1, 3, 4).reshape(P, K, M * A, H) for x in (k_PMKAH, v_PMKAH))
+def gather_rows(arrays: dict, r, table_PM, end_P, dtype):
+    """Each row's pages gathered in table order: k, v [P, K, S, H] (S = M x page) and the keys' positions
+    [P, S] (EMPTY at or past end_P[p])."""
+    k_PMKAH, v_PMKAH = _read_kv(arrays, r, table_PM, dtype)
+    P, M, K, A, _ = k_PMKAH.shape
+    k_PKSH, v_PKSH = (x.transpose(0, 2, 1, 3, 4).reshape(P, K, M * A, x.shape[-1]) for x in (k_PMKAH, v_PMKAH))
     s_PS = jnp.broadcast_to(jnp.arange(M * A, dtype=jnp.int32), (P, M * A))
-    k_pos_PS = jnp.where(s_PS < end_P[:, None], s_PS, kvcache.EMPTY)
-    mask_PCS = attention_lib.mask(q_pos_PC, k_pos_PS, window)
-    return attention_lib.attend_heads_major(q_PCNH, k_PKSH, v_PKSH, mask_PCS, scale=scale, softcap=softcap)
+    return k_PKSH, v_PKSH, jnp.where(s_PS < end_P[:, None], s_PS, kvcache.EMPTY)
 
 
 def flat_pages(table_PM: jax.Array, end_P: jax.Array, page_size: int, block: int):
@@ -153,13 +160,14 @@ def flat_pages(table_PM: jax.Array, end_P: jax.Array, page_size: int, block: int
     return page_F, jnp.where(f < cum_P[-1], row_F, P), j_F, cum_P[-1]
 
 
-def attend_flat(q_PCNH, arrays: dict, r, table_PM, end_P, q_pos_PC, scale, softcap, window):
-    """attend_rows' result, reading only the pages that hold keys: every row's listed flat (flat_pages) and
-    taken PAGE_BLOCK_TOKENS keys at a time, the softmax carried across blocks per row (running maximum, sum
-    and output, as flash attention does)."""
+def attend_flat(q_PCNH, read, K: int, A: int, table_PM, end_P, q_pos_PC, scale, softcap, window, chunk,
+                sinks_N=None):
+    """Each row's queries over the keys below its end in its pages (the mask of a window or chunk as
+    attention.mask), reading only the pages that hold keys: every row's listed flat (flat_pages) and taken
+    PAGE_BLOCK_TOKENS keys at a time by `read(ids) -> (k [F, K, A, H], v [F, K, A, Hv])` (A tokens a page),
+    the softmax carried across blocks per row (running maximum, sum and output, as flash attention does; sinks_N,
+    a logit per query head, start them). Returns [P, C, N, Hv]."""
     P, C, N, H = q_PCNH.shape
-    A = next(iter(arrays.values())).shape[-2]
-    K = arrays["k"].shape[2]
     G = N // K
     Fb = max(1, PAGE_BLOCK_TOKENS // A)
     page_F, row_F, j_F, listed = flat_pages(table_PM, end_P, A, Fb)
@@ -167,22 +175,20 @@ def attend_flat(q_PCNH, arrays: dict, r, table_PM, end_P, q_pos_PC, scale, softc
     q_PKQH = q_PCNH.reshape(P, C, K, G, H).transpose(0, 2, 3, 1, 4).reshape(P, K, G * C, H)
     q_pos_PQ = jnp.tile(q_pos_PC, (1, G))
     neg = jnp.finfo(jnp.float32).min
-    scale = H ** -0.5 if scale is None else scale
 
     def block(i, carry):
         m_PKQ, l_PKQ, acc_PKQH = carry
         take = lambda x: jax.lax.dynamic_slice_in_dim(x, i * Fb, Fb)  # noqa: E731
         ids, rows, js = take(page_F), take(row_F), take(j_F)
-        k_FKAH, v_FKAH = _read_kv(arrays, r, ids, q_PCNH.dtype)
+        k_FKAH, v_FKAH = read(ids)
         q_FKQH = jnp.take(q_PKQH, rows, axis=0, mode="clip")
         logits_FKQA = jnp.einsum("FKQH,FKAH->FKQA", q_FKQH, k_FKAH, preferred_element_type=jnp.float32)
         logits_FKQA = layers.softcap(logits_FKQA * scale, softcap)
         k_pos_FA = js[:, None] * A + jnp.arange(A, dtype=jnp.int32)
         q_pos_FQ = jnp.take(q_pos_PQ, rows, axis=0, mode="clip")
         end_F = jnp.take(end_P, rows, mode="clip")
-        ok_FQA = (k_pos_FA[:, None, :] < end_F[:, None, None]) & (k_pos_FA[:, None, :] <= q_pos_FQ[:, :, None])
-        if window is not None:
-            ok_FQA &= k_pos_FA[:, None, :] > q_pos_FQ[:, :, None] - window
+        ok_FQA = attention_lib.mask(q_pos_FQ, k_pos_FA, window, chunk=chunk) & (
+            k_pos_FA[:, None, :] < end_F[:, None, None])
         logits_FKQA = jnp.where(ok_FQA[:, None], logits_FKQA, neg)
         m_new = jnp.maximum(m_PKQ, jax.ops.segment_max(logits_FKQA.max(-1), rows, P, indices_are_sorted=True))
         p_FKQA = jnp.where(ok_FQA[:, None], jnp.exp(logits_FKQA - jnp.take(m_new, rows, axis=0, mode="clip")[
@@ -194,22 +200,44 @@ def attend_flat(q_PCNH, arrays: dict, r, table_PM, end_P, q_pos_PC, scale, softc
         acc_PKQH = acc_PKQH * alpha[..., None] + jax.ops.segment_sum(out_FKQH, rows, P, indices_are_sorted=True)
         return m_new, l_PKQ, acc_PKQH
 
-    init = (jnp.full((P, K, G * C), neg), jnp.zeros((P, K, G * C)), jnp.zeros((P, K, G * C, H)))
+    Hv = jax.eval_shape(read, page_F[:Fb])[1].shape[-1]
+    if sinks_N is None:
+        m0, l0 = jnp.full((P, K, G * C), neg), jnp.zeros((P, K, G * C))
+    else:  # a sink is a key every query sees, of logit sinks_N[n] and value zero: the softmax's starting point
+        m0 = jnp.broadcast_to(jnp.repeat(sinks_N.astype(jnp.float32).reshape(K, G), C, axis=1), (P, K, G * C))
+        l0 = jnp.ones((P, K, G * C))
+    init = (m0, l0, jnp.zeros((P, K, G * C, Hv)))
     _, l_PKQ, acc_PKQH = jax.lax.fori_loop(0, (listed + Fb - 1) // Fb, block, init)
     out_PKQH = acc_PKQH / jnp.maximum(l_PKQ, jnp.finfo(jnp.float32).tiny)[..., None]
-    return out_PKQH.reshape(P, K, G, C, H).transpose(0, 3, 1, 2, 4).reshape(P, C, N, H).astype(q_PCNH.dtype)
+    return out_PKQH.reshape(P, K, G, C, Hv).transpose(0, 3, 1, 2, 4).reshape(P, C, N, Hv).astype(q_PCNH.dtype)
 
 
 def attention(h_PCD, p, cfg: ModelConfig, arrays: dict, r, q_pos_PC, page_PC, off_PC, table_PM, end_P,
-              local: bool, flat: bool):
-    """One layer's attention for tokens [P, C] at positions q_pos_PC over a paged cache: their entries are
-    written first (at page_PC, off_PC; out-of-range pages drop the padding's), then each row's queries attend
-    to its keys below end_P (their own included) through its page table. Returns the output and the layer
-    kind's updated pool."""
-    with jax.named_scope("attention"):
-        q_PCNH, k_PCKH, v_PCKH = attention_lib.project_qkv(h_PCD, p, cfg, q_pos_PC)
+              kind: str, flat: bool):
+    """One layer's attention (of attention kind `kind`; latent attention when cfg.latent) for tokens [P, C] at
+    positions q_pos_PC over a paged cache: their entries are written first (at page_PC, off_PC; out-of-range
+    pages drop the padding's), then each row's queries attend to its keys below end_P (their own included)
+    through its page table. Returns the output and the layer kind's updated pool."""
+    attn_mod = latent if cfg.latent else attention_lib
+    with jax.named_scope("latent_attention" if cfg.latent else "attention"):
+        q_PCNH, (k_PCKH, v_PCKH) = attn_mod.project_entries(h_PCD, p, cfg, q_pos_PC, kind)
         arrays = write(arrays, r, entries(k_PCKH, v_PCKH, arrays), page_PC, off_PC)
-        attend = attend_flat if flat else attend_rows
-        out_PCNH = attend(q_PCNH, arrays, r, table_PM, end_P, q_pos_PC, attention_lib._scale(cfg),
-                          cfg.attn_logit_softcap, cfg.sliding_window if local else None)
-        return attention_lib._project_out(out_PCNH, p), arrays
+        window, chunk = attention_lib.limits(cfg, kind)
+        if not flat:
+            k_PKSH, v_PKSH, k_pos_PS = gather_rows(arrays, r, table_PM, end_P, q_PCNH.dtype)
+            mask_PCS = attention_lib.mask(q_pos_PC, k_pos_PS, window, chunk=chunk)
+            return attn_mod.attend_entries(q_PCNH, k_PKSH, v_PKSH, mask_PCS, p, cfg), arrays
+        A = arrays["k"].shape[-2]
+        K = arrays["k"].shape[2]
+        read = lambda ids: _read_kv(arrays, r, ids, q_PCNH.dtype)  # noqa: E731
+        if cfg.latent:  # absorbed: keys [latent, rotary key], values the latents
+            def read(ids, plain=read):
+                kr_FKAr, c_FKAC = plain(ids)
+                return latent.absorbed_keys(kr_FKAr, c_FKAC), c_FKAC
+
+            q_PCNH = latent.absorb_query(q_PCNH, p, cfg)
+        out_PCNH = attend_flat(q_PCNH, read, K, A, table_PM, end_P, q_pos_PC, attention_lib.scale(cfg),
+                               cfg.attn_logit_softcap, window, chunk, p.get("sinks"))
+        if cfg.latent:
+            return latent.absorbed_output(out_PCNH, p), arrays
+        return attention_lib.project_out(out_PCNH, p), arrays

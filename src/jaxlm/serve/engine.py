@@ -326,7 +326,7 @@ class Engine:
                  rules: tuple[sharding.Rules, sharding.Rules] = (sharding.PARAM_RULES, sharding.ACTIVATION_RULES),
                  decode_steps: int = ServeConfig.decode_steps, page_size: int = ServeConfig.page_size,
                  cache_pages: int | None = None):
-        self.params, self.cfg, self.B, self.S = params, cfg, slots, cache_length
+        self.cfg, self.B, self.S = cfg, slots, cache_length
         # The paged cache (page_size > 0): cache_pages pages (None: as many as give every slot the whole context,
         # the slot cache's memory), each sequence's page table a row of `table` [slots, pages per sequence].
         self.page_size = page_size
@@ -342,11 +342,6 @@ class Engine:
         # it apart and back costs two copies of the rows' cache per call: with one step per call that lost to
         # the scan's copies of one step (benchmarks/serve.py's engine alone, docs/serve.md).
         self.unroll = cfg.n_layers <= generate.UNROLL_LAYERS and (decode_steps > 1 or page_size > 0)
-        # The paged decode program's layers unrolled over weights taken apart once here: taken apart inside the
-        # program, every call copied all the weights (at 125M parameters in float32 on a 2-core CPU, as much CPU
-        # time as a decode step's attention); the copies cost the weights' memory once more.
-        self.layer_params = (jax.jit(transformer.layer_weights, static_argnums=1)(params, cfg)
-                             if self.unroll and page_size else None)
         # rows of the decode program's compiled variants, largest first; on a mesh a bucket must split evenly
         # over the devices as the slots do
         shards = 1 if mesh is None else mesh.size
@@ -378,8 +373,29 @@ class Engine:
         # by the function) do not hold, so a shared one would hand a later engine an earlier one's layout
         self._empty = jax.jit(lambda *a: _empty(*a), static_argnums=(0, 1, 2, 3))
         self._empty_pages = jax.jit(lambda *a: _empty_pages(*a), static_argnums=(0, 1, 2, 3))
+        self.params = params
         with self._ctx():
             self._reset_cache()
+
+    @property
+    def params(self):
+        return self._params
+
+    @params.setter
+    def params(self, params) -> None:
+        """New weights (GRPO's rollouts over the trainer's latest) for the calls from now on."""
+        self._params, self._layer_params = params, None
+
+    def _layer_weights(self):
+        """The paged decode program's layers unrolled over weights taken apart once, at the first call after new
+        params (None: scanned). Taken apart inside the program, every call copied all the weights (at 125M
+        parameters in float32 on a 2-core CPU, as much CPU time as a decode step's attention); the copies cost
+        the weights' memory once more, until release_cache."""
+        if not (self.unroll and self.page_size):
+            return None
+        if self._layer_params is None:
+            self._layer_params = jax.jit(transformer.layer_weights, static_argnums=1)(self._params, self.cfg)
+        return self._layer_params
 
     def _ctx(self):
         if self.mesh is None:
@@ -398,6 +414,16 @@ class Engine:
         self.cache = self._empty(self.cfg, self.B, self.S, self.quantize)
         self.prefix = PrefixCache(self.cfg, self._empty(self.cfg, self.prefix_entries, self.S, self.quantize),
                                   self.S) if self.prefix_entries else None
+
+    def release_cache(self) -> None:
+        """Drop the KV cache (with the prefix cache, the last logits and the weights taken apart by layer) while the
+        engine is stopped and idle: GRPO keeps one engine between batches of rollouts and frees its cache for the
+        update (rl.py). reserve_cache makes it again."""
+        self.cache = self.logits_BV = self.prefix = self._layer_params = None
+
+    def reserve_cache(self) -> None:
+        with self._ctx():
+            self._reset_cache()
 
     # ---- called from other threads ----------------------------------------------------------------------------
 
@@ -749,7 +775,7 @@ class Engine:
         rows_b = np.asarray(rows, np.int32)
         if self.page_size:
             *out, self.logits_BV, self.cache = _paged_decode_loop(
-                self.params, self.layer_params, self.cache, self.logits_BV, rows_b, np.int32(steps), live, length,
+                self.params, self._layer_weights(), self.cache, self.logits_BV, rows_b, np.int32(steps), live, length,
                 self.table[rows_b], *sampled, cfg=self.cfg, max_steps=self.decode_steps)
         else:
             *out, self.logits_BV, self.cache = _decode_loop(

@@ -1,0 +1,194 @@
+"""LoRA adapters in and out of Hugging Face PEFT's format. `jaxlm convert to-hf RUN OUT --adapter-only` writes
+adapter_config.json and adapter_model.safetensors, which `peft.PeftModel.from_pretrained(base, OUT)` loads on the
+Hugging Face base; `jaxlm convert from-hf BASE OUT --adapter PEFT_DIR` converts the base and imports an adapter
+(written by peft or by jaxlm) beside it, to serve it or to go on training it.
+
+PEFT names an adapter after the module it adapts: `base_model.model.{module}.lora_A.weight` [r, in] and
+`.lora_B.weight` [out, r], {module} being the Hugging Face name of the weight without `.weight`
+(model.layers.3.self_attn.q_proj). jaxlm stacks A [L, *in, r] and B [L, r, *out] by layer, so layer i's lora_A is
+A[i] flattened to [in, r] and transposed, its lora_B B[i] flattened to [r, out] and transposed. This holds for the
+families whose projections are plain linear maps (the Hugging Face weight is ours reshaped and transposed:
+Llama, Mistral, Qwen, Gemma); GPT-2's fused c_attn is refused in one line.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+import jax
+import numpy as np
+
+from jaxlm import config as config_lib, convert, families, lora
+from jaxlm.config import Config
+from jaxlm.families import ConvertError
+from jaxlm.model import param_specs
+
+PREFIX = "base_model.model."
+# PEFT settings that change what an adapter computes and that jaxlm does not implement: importing one of them
+# would give other numbers, so it is refused.
+UNSUPPORTED = {"use_rslora": False, "use_dora": False, "fan_in_fan_out": False, "bias": "none", "lora_bias": False,
+               "modules_to_save": None, "layers_to_transform": None, "rank_pattern": {}, "alpha_pattern": {},
+               "target_parameters": None, "layer_replication": None}
+
+
+def modules(cfg: Config) -> dict[tuple[str, str], str]:
+    """(block, name) of every adapted weight -> its Hugging Face module name with `{i}` for the layer. Checks
+    that the family's tensor is our weight reshaped and transposed, which the lora_A / lora_B layout assumes."""
+    fam, model_type = families.for_config(cfg.model)
+    by_ours = {rule.ours: rule for rule in fam.rules(cfg.model)}
+    specs = param_specs(cfg.model)["layers"]
+    out = {}
+    for blk, name in lora.targets(cfg):
+        rule = by_ours.get((f"layers.{blk}.{name}",))
+        if rule is None or not rule.hf.endswith(".weight") or "{i}" not in rule.hf:
+            raise ConvertError(f"the {model_type} family has no Hugging Face module for layers.{blk}.{name}; its "
+                               "adapter cannot be written in PEFT's format")
+        shape = specs[blk][name].shape[1:]
+        k = lora.n_in(name)
+        probe = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
+        if not np.array_equal(rule.to_hf(probe), probe.reshape(int(np.prod(shape[:k])), -1).T):
+            raise ConvertError(f"the {model_type} tensor {rule.hf} is not layers.{blk}.{name} reshaped and transposed "
+                               "(a fused or permuted projection); its LoRA adapter has no PEFT equivalent")
+        out[blk, name] = rule.hf.removesuffix(".weight")
+    return out
+
+
+def _hf_module_names(mods: dict) -> list[str]:
+    return sorted({m.rsplit(".", 1)[-1] for m in mods.values()})
+
+
+def write_peft(path: str | Path, out: str | Path, dtype: str | None = None, log: Callable[[str], None] = print
+               ) -> Path:
+    """The adapters of a LoRA run (or of a folder with an imported adapter) as a PEFT adapter folder."""
+    cfg = convert.load_config(path)
+    if not lora.enabled(cfg):
+        raise ConvertError(f"{path} is not a LoRA run (lora.rank=0): it has no adapter; export the whole model "
+                           "without --adapter-only")
+    mods = modules(cfg)
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    adapters = jax.device_get(convert.restore_adapters(path, cfg, lambda tree: jax.tree.map(lambda _: one, tree)))
+    out_dtype = np.dtype(jax.numpy.dtype(dtype or cfg.model.param_dtype))
+    arrays = {}
+    for (blk, name), module in mods.items():
+        a, b = adapters["layers"][blk][name]["a"], adapters["layers"][blk][name]["b"]
+        r = a.shape[-1]
+        for i in range(cfg.model.n_layers):
+            m = PREFIX + module.format(i=i)
+            arrays[f"{m}.lora_A.weight"] = np.asarray(a[i], np.float32).reshape(-1, r).T
+            arrays[f"{m}.lora_B.weight"] = np.asarray(b[i], np.float32).reshape(r, -1).T
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    entries = [(k, v.shape, out_dtype) for k, v in sorted(arrays.items())]
+    convert.write_safetensors(out / "adapter_model.safetensors", entries, lambda k: arrays[k])
+    fam, model_type = families.for_config(cfg.model)
+    hf_cfg = fam.config_to_hf(cfg.model, model_type)
+    lo = cfg.lora
+    adapter_cfg = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lo.rank, "lora_alpha": lo.alpha,
+                   "lora_dropout": lo.dropout, "target_modules": _hf_module_names(mods),
+                   "base_model_name_or_path": _base_name(path, cfg), "inference_mode": True,
+                   "init_lora_weights": True, "auto_mapping": {"base_model_class": hf_cfg["architectures"][0]},
+                   **UNSUPPORTED}
+    (out / "adapter_config.json").write_text(json.dumps(adapter_cfg, indent=2))
+    log(f"exported the LoRA adapter of {path} (rank {lo.rank}, {len(mods)} projections x {cfg.model.n_layers} "
+        f"layers, {sum(v.size for v in arrays.values()):,} parameters, {out_dtype}) as a PEFT adapter -> {out}")
+    return out
+
+
+def _base_name(path, cfg: Config) -> str | None:
+    """The base model's folder, as the adapter's base_model_name_or_path."""
+    return str(path) if convert.has_adapter_dir(path) else cfg.checkpoint.init_from
+
+
+def check_peft_folder(peft_dir: str | Path) -> dict:
+    """A PEFT adapter folder's adapter_config.json, once its two files are known to be there."""
+    folder = Path(peft_dir)
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        if not (folder / name).is_file():
+            raise ConvertError(f"--adapter {peft_dir} has no {name}; expected a PEFT adapter folder "
+                               "(save_pretrained of a peft model)")
+    try:
+        return json.loads((folder / "adapter_config.json").read_text())
+    except ValueError as e:
+        raise ConvertError(f"{folder / 'adapter_config.json'} is not valid JSON ({e})") from None
+
+
+def read_peft(peft_dir: str | Path, cfg: Config) -> tuple[Config, dict]:
+    """A PEFT LoRA adapter for the model of `cfg`: the config with its lora settings, and the adapters as numpy
+    arrays in jaxlm's layout. Anything that does not fit the model stops with one line naming it."""
+    ac = check_peft_folder(peft_dir)
+    cfg_file, weights = Path(peft_dir) / "adapter_config.json", Path(peft_dir) / "adapter_model.safetensors"
+    if ac.get("peft_type") != "LORA":
+        raise ConvertError(f"{cfg_file}: peft_type={ac.get('peft_type')!r}; only LORA adapters are supported")
+    for key, plain in UNSUPPORTED.items():
+        value = ac.get(key)
+        if value not in (None, plain, [], {}):
+            raise ConvertError(f"{cfg_file}: {key}={ac[key]!r} is not supported (jaxlm's LoRA computes "
+                               f"x W + (alpha / r) x A B on the base's own projections)")
+    fam, model_type = families.for_config(cfg.model)
+    base_class = (ac.get("auto_mapping") or {}).get("base_model_class")
+    ours = fam.config_to_hf(cfg.model, model_type)["architectures"][0]
+    if base_class and base_class != ours:
+        raise ConvertError(f"{cfg_file} adapts a {base_class}, and the base is a {ours}: the adapter belongs to "
+                           "another architecture")
+    target_modules = ac.get("target_modules") or []
+    if isinstance(target_modules, str):
+        raise ConvertError(f"{cfg_file}: target_modules={target_modules!r} is a pattern; give the module names "
+                           "(q_proj, k_proj, ...)")
+    reverse = {hf: ours_ for ours_, hf in lora.HF_NAMES.items()}
+    unknown = [t for t in target_modules if t not in reverse]
+    if unknown:
+        raise ConvertError(f"{cfg_file}: target module {unknown[0]!r} is not a projection jaxlm adapts "
+                           f"({', '.join(reverse)})")
+    r, alpha = int(ac["r"]), float(ac["lora_alpha"])
+    cfg = config_lib.apply_overrides(cfg, {"lora.rank": r, "lora.alpha": alpha,
+                                           "lora.dropout": float(ac.get("lora_dropout") or 0.0),
+                                           "lora.targets": ",".join(t for t in config_lib.LORA_TARGETS
+                                                                    if lora.HF_NAMES[t] in target_modules)})
+    config_lib.validate(cfg)
+    mods = modules(cfg)
+    specs = lora.specs(cfg)["layers"]
+    expected = {}
+    for (blk, name), module in mods.items():
+        for i in range(cfg.model.n_layers):
+            for part in ("A", "B"):
+                expected[f"{PREFIX}{module.format(i=i)}.lora_{part}.weight"] = (blk, name, i, part)
+    out = {"layers": {blk: {name: {"a": np.zeros(specs[blk][name]["a"].shape, np.float32),
+                                   "b": np.zeros(specs[blk][name]["b"].shape, np.float32)} for name in names}
+                      for blk, names in specs.items()}}
+    header, start = convert.read_header(weights)
+    seen = set()
+    with open(weights, "rb") as f:
+        for raw, info in header.items():
+            key = raw.replace(".default.weight", ".weight")
+            if key not in expected:
+                raise ConvertError(f"{weights.name}: tensor {raw} is not an adapter of a {model_type} model with "
+                                   f"lora.targets={cfg.lora.targets} (adapter for another model?)")
+            blk, name, i, part = expected[key]
+            target = out["layers"][blk][name][part.lower()]
+            want = ((r, int(np.prod(target.shape[1:-1]))) if part == "A" else (int(np.prod(target.shape[2:])), r))
+            if tuple(info["shape"]) != want:
+                raise ConvertError(f"{weights.name}: tensor {raw} has shape {tuple(info['shape'])}, and this base "
+                                   f"needs {want}: the adapter was made for a model of another size")
+            tensor = convert.read_tensor(f, info, start, raw).astype(np.float32)
+            target[i] = tensor.T.reshape(target.shape[1:])  # [in, r] -> [*in, r]; [r, out] -> [r, *out]
+            seen.add(key)
+    missing = sorted(set(expected) - seen)
+    if missing:
+        raise ConvertError(f"{weights.name} lacks {missing[0]}" + (f" and {len(missing) - 1} more" if len(missing) > 1
+                                                                   else ""))
+    return cfg, out
+
+
+def import_peft(out: Path, peft_dir: str | Path, log: Callable[[str], None] = print) -> None:
+    """Put a PEFT adapter beside the base converted into `out`: out/adapter (Orbax) and the lora settings in
+    out/config.json, so that `jaxlm.load(out)` and `jaxlm serve out` run base + adapter and `jaxlm train
+    out/config.json` goes on training it."""
+    cfg = convert.load_config(out)
+    cfg, adapters = read_peft(peft_dir, cfg)
+    convert.save_params(out / convert.ADAPTER_DIR, jax.tree.map(
+        lambda a: jax.numpy.asarray(a, jax.numpy.dtype(cfg.model.param_dtype)), adapters))
+    (out / "config.json").write_text(config_lib.to_json(cfg))
+    log(f"imported the PEFT adapter {peft_dir} (rank {cfg.lora.rank}, alpha {cfg.lora.alpha:g}, "
+        f"{cfg.lora.targets}) -> {out / convert.ADAPTER_DIR}")

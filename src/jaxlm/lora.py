@@ -1,0 +1,199 @@
+"""LoRA and QLoRA runs: which weights get adapters (`lora.targets`), the adapters' declarations, the frozen base
+(stored quantized for QLoRA) and the ways the two meet: attached for a forward pass, or merged into one set of
+weights.
+
+A LoRA run (`lora.rank` > 0) trains the adapters only. The train state's params are the adapters, so the
+optimizer keeps state for them alone and checkpoints hold the adapters and their optimizer state; the base,
+read from `checkpoint.init_from` (a converted model folder), rides beside the state as the train step's
+`frozen` argument and is never differentiated. For the forward pass, `attach` puts each adapted weight and its
+adapter together in a layers.LoraWeight, which layers.dot multiplies as x W + (alpha / r) (x A) B.
+
+Adapters are declared like every weight, ParamSpecs with logical axes (the base weight's input axes for A, its
+output axes for B), so FSDP and tensor parallelism shard them with their weights; A is initialized uniform in
++-1/sqrt(fan_in) (Hugging Face PEFT's default), B at zero, so the adapted model starts as the base exactly.
+
+Targets are jaxlm's names of the attention and dense MLP projections: q, k, v, o (q_proj, k_proj, v_proj,
+o_proj in Hugging Face Llama-style models), up, gate, down (up_proj, gate_proj, down_proj). Experts of a
+mixture-of-experts MLP, embeddings, norms and the output layer are not adapted.
+
+Shape legend: L layers, r rank; a weight is [L, *in, *out], its adapter A [L, *in, r] and B [L, r, *out].
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jaxlm import metrics, params as P, quant
+from jaxlm.config import Config, ConfigError
+from jaxlm.model import param_specs
+from jaxlm.model.layers import LoraWeight
+from jaxlm.model.transformer import MATMUL_WEIGHTS
+
+HF_NAMES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "up": "up_proj", "gate": "gate_proj",
+            "down": "down_proj"}
+
+
+def enabled(cfg: Config) -> bool:
+    return cfg.lora.rank > 0
+
+
+def n_in(name: str) -> int:
+    """How many leading axes (after `layers`) of a block weight a matmul contracts: its input side."""
+    return len(quant.BLOCK_WEIGHT_CONTRACTED[name])
+
+
+def _dense_weights(cfg: Config) -> dict[str, dict[str, P.ParamSpec]]:
+    """The block matmul weights that go through layers.dot, by block: every attention projection and, unless
+    the MLP is a mixture of experts, the MLP's."""
+    specs = param_specs(cfg.model)["layers"]
+    return {blk: {n: specs[blk][n] for n in names if n in specs[blk] and not (blk == "mlp" and cfg.model.n_experts)}
+            for blk, names in MATMUL_WEIGHTS.items()}
+
+
+def targets(cfg: Config) -> list[tuple[str, str]]:
+    """(block, name) of every adapted weight: those of lora.targets that this model has."""
+    wanted = [t.strip() for t in cfg.lora.targets.split(",") if t.strip()]
+    dense = _dense_weights(cfg)
+    out = [(blk, n) for blk, names in dense.items() for n in names if n in wanted]
+    if not out:
+        have = ", ".join(n for names in dense.values() for n in names)
+        raise ConfigError(f"lora.targets={cfg.lora.targets!r} names no weight of this model (its attention and "
+                          f"dense MLP projections: {have})")
+    return out
+
+
+def _fan_in_uniform(fan_in: int):
+    bound = 1.0 / math.sqrt(fan_in)
+    return lambda key, shape, dtype: jax.random.uniform(key, shape, jnp.float32, -bound, bound).astype(dtype)
+
+
+def specs(cfg: Config) -> dict:
+    """The adapters' ParamSpecs: {"layers": {block: {name: {"a": A, "b": B}}}}."""
+    dense, r = _dense_weights(cfg), cfg.lora.rank
+    out: dict = {"layers": {}}
+    for blk, name in targets(cfg):
+        w, k = dense[blk][name], n_in(name) + 1  # + the leading layers axis
+        out["layers"].setdefault(blk, {})[name] = {
+            "a": P.ParamSpec((*w.shape[:k], r), (*w.axes[:k], None), _fan_in_uniform(math.prod(w.shape[1:k])),
+                             cfg.model.param_dtype),
+            "b": P.ParamSpec((w.shape[0], r, *w.shape[k:]), (w.axes[0], None, *w.axes[k:]), P.zeros,
+                             cfg.model.param_dtype)}
+    return out
+
+
+def scale(cfg: Config) -> float:
+    return cfg.lora.alpha / cfg.lora.rank
+
+
+def _adapted(tree: dict, adapters: dict, fn) -> dict:
+    """A copy of the weights `tree` with fn(block, name, weight, adapter) in place of each adapted weight."""
+    out = {**tree, "layers": {**tree["layers"]}}
+    for blk, names in adapters["layers"].items():
+        out["layers"][blk] = {**tree["layers"][blk]}
+        for name, ad in names.items():
+            out["layers"][blk][name] = fn(blk, name, tree["layers"][blk][name], ad)
+    return out
+
+
+def attach(base: dict, adapters: dict, cfg: Config, key: jax.Array | None = None) -> dict:
+    """The weights of the forward pass: each adapted weight of `base` with its adapter, in a layers.LoraWeight.
+    With a key and lora.dropout > 0, each adapter drops its input with a key of its own per layer."""
+    drop = cfg.lora.dropout if key is not None else 0.0
+    keys = {}
+    if drop > 0:
+        targets_ = [(blk, n) for blk, names in adapters["layers"].items() for n in names]
+        for (blk, n), k in zip(targets_, jax.random.split(key, len(targets_))):
+            keys[blk, n] = jax.random.split(k, cfg.model.n_layers)
+    return _adapted(base, adapters, lambda blk, name, w, ad: LoraWeight(w, ad["a"], ad["b"], keys.get((blk, name)),
+                                                                        scale(cfg), drop))
+
+
+def merge(base: dict, adapters: dict, cfg: Config) -> dict:
+    """One set of weights, each adapted weight W + (alpha / r) A B in the base's dtype (a quantized base is
+    dequantized first): what inference and a merged export use."""
+    s = scale(cfg)
+
+    def one(blk, name, w, ad):
+        dense = quant.dequantize_base(w, cfg.model.param_dtype)
+        a, b = ad["a"].astype(jnp.float32), ad["b"].astype(jnp.float32)
+        k = a.ndim - 1
+        delta = jnp.einsum("lir,lro->lio", a.reshape(a.shape[0], -1, a.shape[-1]), b.reshape(b.shape[0], b.shape[1], -1))
+        return (dense.astype(jnp.float32) + s * delta.reshape(*a.shape[:k], *b.shape[2:])).astype(dense.dtype)
+
+    return jax.jit(lambda b_, a_: _adapted(b_, a_, one))(base, adapters)
+
+
+# ---- the frozen base ------------------------------------------------------------------------------------------
+
+def frozen_specs(cfg: Config) -> dict:
+    """The base's declarations as the run stores it: the model's own, with every dense block matmul weight
+    (adapted or not) quantized for QLoRA (lora.base_quantization=int8|nf4). Embeddings, norms, the output layer
+    and experts keep the param dtype."""
+    specs_ = param_specs(cfg.model)
+    mode = cfg.lora.base_quantization
+    if mode == "none":
+        return specs_
+    out = {**specs_, "layers": {**specs_["layers"]}}
+    for blk, names in _dense_weights(cfg).items():
+        out["layers"][blk] = {**specs_["layers"][blk]}
+        for name, w in names.items():
+            out["layers"][blk][name] = quantized_spec(w, n_in(name), mode)
+    return out
+
+
+def quantized_spec(w: P.ParamSpec, k: int, mode: str):
+    """The declaration of a stacked weight [L, *in, *out] (k input axes) quantized by `mode`: a QWeight or an
+    NF4Weight whose leaves are ParamSpecs (their initializers are never called: quantize_base fills them)."""
+    lead, out = w.shape[:1 + k], w.shape[1 + k:]
+    lead_axes, out_axes = w.axes[:1 + k], w.axes[1 + k:]
+    never = P.zeros
+    if mode == "int8":  # int8 values, one float32 scale per output channel
+        return quant.QWeight(P.ParamSpec(w.shape, w.axes, never, "int8"),
+                             P.ParamSpec((lead[0], *([1] * k), *out), (lead_axes[0], *([None] * k), *out_axes), never,
+                                         "float32"))
+    O = math.prod(out)
+    bs = quant.nf4_block(O)
+    return quant.NF4Weight(P.ParamSpec((*lead, O // bs, bs // 2), (*lead_axes, out_axes[0], None), never, "uint8"),
+                           P.ParamSpec((*lead, O // bs), (*lead_axes, out_axes[0]), never, "int8"),
+                           P.ParamSpec((*lead, 1), (*lead_axes, None), never, "float32"),
+                           P.ParamSpec((*lead, 1), (*lead_axes, None), never, "float32"), tuple(out))
+
+
+def quantize_base(params: dict, cfg: Config) -> dict:
+    """The base's weights as frozen_specs declares them (unchanged without lora.base_quantization)."""
+    mode = cfg.lora.base_quantization
+    if mode == "none":
+        return params
+    out = {**params, "layers": {**params["layers"]}}
+    for blk, names in _dense_weights(cfg).items():
+        out["layers"][blk] = {**params["layers"][blk]}
+        for name in names:
+            w, k = params["layers"][blk][name], n_in(name)
+            if mode == "int8":
+                value, s = quant.quantize(w, tuple(range(1, 1 + k)), "int8")
+                out["layers"][blk][name] = quant.QWeight(value, s)
+            else:
+                out["layers"][blk][name] = quant.quantize_nf4(w, w.ndim - 1 - k)
+    return out
+
+
+def flops_per_token(cfg: Config, full: float) -> float:
+    """Training FLOPs per token of a LoRA run from the full fine-tune's `full` (metrics.flops_per_token): the base's
+    matmuls run forward and backward to their inputs but compute no weight gradient (2 of the 6 FLOPs per
+    weight), and each adapter costs its own 6 per parameter."""
+    return full - 2.0 * metrics.matmul_weights(cfg.model) + 6.0 * P.count(specs(cfg))
+
+
+def describe(cfg: Config) -> str:
+    """One line for the logs: what is adapted, how many weights train, and the base."""
+    lo = cfg.lora
+    names = [n for _, n in targets(cfg)]
+    trained, total = P.count(specs(cfg)), P.count(param_specs(cfg.model))
+    base = {"none": cfg.model.param_dtype, "int8": "int8, per-channel scales", "nf4": "nf4, blocks of 64"}
+    return (f"LoRA rank {lo.rank}, alpha {lo.alpha:g} (scale {scale(cfg):g}), dropout {lo.dropout:g} on "
+            f"{','.join(names)} of {cfg.model.n_layers} layers: {trained:,} trained parameters, "
+            f"{100 * trained / total:.2f}% of the base's {total:,}; base frozen ({base[lo.base_quantization]}) from "
+            f"{cfg.checkpoint.init_from}")

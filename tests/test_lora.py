@@ -1,0 +1,196 @@
+"""LoRA and QLoRA: the adapted model starts as its base exactly, the adapters' gradients are the chain rule's,
+only adapters change and only they have optimizer state, runs resume exactly and shard like full runs, the
+quantized bases stay close to the float one, and bad settings fail in one line."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import tiny_config
+import jaxlm
+from jaxlm import checkpoint as ckpt, cli, config as config_lib, convert, lora, objectives, params as P, quant, sharding
+from jaxlm import step as step_lib, train
+from jaxlm.model import forward, param_specs
+
+VOCAB = 66  # the characters of the corpus (65) and one more, so that tensor parallelism splits it
+
+
+def make_base(folder, seed=0, **model):
+    """A converted-style folder (config.json + params/) holding a randomly initialized tiny model."""
+    cfg = tiny_config(folder, None, **{"model.vocab_size": VOCAB, **{f"model.{k}": v for k, v in model.items()}})
+    params = P.init(param_specs(cfg.model), jax.random.key(seed), sharding.make_mesh(cfg.mesh, jax.devices()[:1]))
+    folder.mkdir(parents=True, exist_ok=True)
+    convert.save_params(folder / "params", params)
+    (folder / "config.json").write_text(config_lib.to_json(cfg.replace(
+        checkpoint=cfg.checkpoint.__class__(init_from=str(folder)))))
+    return cfg, params
+
+
+def lora_run(char_data, tmp_path, base, **overrides):
+    settings = {"lora.rank": 4, "lora.alpha": 8.0, "checkpoint.init_from": str(base), "model.vocab_size": VOCAB,
+                **overrides}
+    return tiny_config(char_data, tmp_path / "run", **settings)
+
+
+def random_batch(rng, A=1, B=8, T=32):
+    x = rng.integers(0, VOCAB, (A, B, T + 1)).astype(np.int32)
+    return {"inputs": x[..., :-1], "targets": x[..., 1:]}
+
+
+def test_starts_as_the_base_and_only_adapters_train(char_data, tmp_path):
+    base_cfg, base_params = make_base(tmp_path / "base")
+    run = step_lib.setup(lora_run(char_data, tmp_path, tmp_path / "base", **{"optimizer.lr": 1e-2}),
+                         jax.devices()[:1])
+    state = step_lib.init_state(run, 0)
+    frozen = step_lib.load_frozen(run)
+    tokens = np.random.default_rng(0).integers(0, VOCAB, (2, 32))
+    adapted = forward(step_lib.model_params(state["params"], frozen, run.cfg), tokens, run.cfg.model)
+    assert np.array_equal(np.asarray(adapted), np.asarray(forward(base_params, tokens, run.cfg.model)))
+
+    before = jax.tree.map(np.array, frozen)
+    step = step_lib.make_train_step(run.cfg, run.optimizer, run.mesh, run.abstract_state, run.act_rules)
+    rng = np.random.default_rng(1)
+    losses = []
+    for _ in range(50):
+        state, m = step(state, random_batch(rng), frozen)
+        losses.append(float(m["loss"]))
+    assert all(np.array_equal(a, np.asarray(b)) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(frozen)))
+    assert losses[-1] < losses[0]
+    adapter_shapes = {tuple(s.shape) for s in jax.tree.leaves(run.specs, is_leaf=P.is_spec)}
+    assert all(np.abs(np.asarray(b)).max() > 0 for b in jax.tree.leaves(
+        jax.tree.map(lambda ad: ad["b"], state["params"]["layers"], is_leaf=lambda d: "b" in d)))
+    # The state holds adapters and their moments only: no array the size of a base weight.
+    base_shapes = {a.shape for a in jax.tree.leaves(base_params)}
+    for leaf in jax.tree.leaves(state["opt_state"]) + jax.tree.leaves(state["params"]):
+        assert leaf.ndim == 0 or (tuple(leaf.shape) in adapter_shapes and leaf.shape not in base_shapes), leaf.shape
+
+
+def test_adapter_gradients_are_the_chain_rule(char_data, tmp_path):
+    make_base(tmp_path / "base", glu=True, activation="silu")
+    cfg = lora_run(char_data, tmp_path, tmp_path / "base", **{"model.glu": True, "model.activation": "silu",
+                                                               "lora.rank": 3, "lora.alpha": 6.0})
+    run = step_lib.setup(cfg, jax.devices()[:1])
+    frozen = step_lib.load_frozen(run)
+    key = jax.random.key(3)
+    adapters = jax.tree.map(lambda a: 0.1 * jax.random.normal(jax.random.fold_in(key, a.size), a.shape),
+                            step_lib.init_state(run, 0)["params"])  # B != 0, so that A's gradient is not zero
+    batch = random_batch(np.random.default_rng(2))
+    objective = objectives.get("next_token")
+    (_, _), grads = step_lib.loss_and_grads(objective, adapters, batch, run.cfg, None, frozen)
+
+    merged = lora.merge(frozen, adapters, run.cfg)
+    (_, _), full = step_lib.loss_and_grads(objective, merged, batch, run.cfg, None)
+    s = lora.scale(run.cfg)
+    for blk, names in adapters["layers"].items():
+        for name, ad in names.items():
+            k = lora.n_in(name)
+            a, b = np.asarray(ad["a"]), np.asarray(ad["b"])
+            L, r = a.shape[0], a.shape[-1]
+            g = np.asarray(full["layers"][blk][name]).reshape(L, a[0].size // r, -1)  # dW_eff [L, in, out]
+            want_a = s * g @ b.reshape(L, r, -1).transpose(0, 2, 1)
+            want_b = s * a.reshape(L, -1, r).transpose(0, 2, 1) @ g
+            got_a, got_b = (np.asarray(grads["layers"][blk][name][x]) for x in ("a", "b"))
+            assert k in (1, 2)
+            np.testing.assert_allclose(got_a.reshape(want_a.shape), want_a, rtol=2e-4, atol=1e-7)
+            np.testing.assert_allclose(got_b.reshape(want_b.shape), want_b, rtol=2e-4, atol=1e-7)
+
+
+def test_run_resumes_exactly_and_loads_merged(char_data, tmp_path):
+    make_base(tmp_path / "base")
+    common = {"training.steps": 12, "optimizer.decay_steps": 12, "checkpoint.interval": 6, "lora.dropout": 0.1,
+              "optimizer.lr": 1e-2}
+    whole = lora_run(char_data, tmp_path / "whole", tmp_path / "base", **common)
+    train.train(whole, jax.devices()[:1], log=lambda s: None)
+    part = lora_run(char_data, tmp_path / "part", tmp_path / "base", **{**common, "training.steps": 6})
+    train.train(part, jax.devices()[:1], log=lambda s: None)
+    train.train(part.replace(training=whole.training), jax.devices()[:1], log=lambda s: None)
+    a, b = train.losses_by_step(tmp_path / "whole" / "run"), train.losses_by_step(tmp_path / "part" / "run")
+    assert sorted(a) == list(range(1, 13)) and a == b
+
+    # The checkpoint holds adapters only; loading the run merges them into the base it points at.
+    run = step_lib.setup(whole, jax.devices()[:1])
+    restored = ckpt.restore_newest(tmp_path / "whole" / "run", run.abstract_state, print)
+    adapters = restored[1]["params"]
+    assert set(adapters["layers"]["attn"]) == {"q", "k", "v", "o"}
+    model = jaxlm.load(tmp_path / "whole" / "run")
+    tokens = np.random.default_rng(0).integers(0, VOCAB, (2, 32))
+    want = forward(step_lib.model_params(adapters, step_lib.load_frozen(run), run.cfg), tokens, run.cfg.model)
+    np.testing.assert_allclose(model.logits(tokens), np.asarray(want), atol=1e-5)
+
+
+def test_sharded_lora_equals_one_device(char_data, tmp_path):
+    make_base(tmp_path / "base")
+    losses = {}
+    for name, devices, mesh in [("one", jax.devices()[:1], {}),
+                                ("fsdp", jax.devices(), {"mesh.ici_data": 2, "mesh.ici_fsdp": 2, "mesh.ici_tensor": 2})]:
+        cfg = lora_run(char_data, tmp_path / name, tmp_path / "base", **mesh, **{
+            "checkpoint.enabled": False, "training.steps": 8, "training.grad_accum": 2})
+        train.train(cfg, devices, log=lambda s: None)
+        losses[name] = train.losses_by_step(tmp_path / name / "run")
+    np.testing.assert_allclose([losses["fsdp"][s] for s in range(1, 9)], [losses["one"][s] for s in range(1, 9)],
+                               rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode, tolerance", [("int8", 0.02), ("nf4", 0.15)])
+def test_quantized_base_stays_close_and_trains(mode, tolerance, char_data, tmp_path):
+    _, base_params = make_base(tmp_path / "base", d_model=64, n_heads=4)
+    cfg = lora_run(char_data, tmp_path, tmp_path / "base", **{"model.d_model": 64, "lora.base_quantization": mode,
+                                                               "optimizer.lr": 1e-2})
+    run = step_lib.setup(cfg, jax.devices()[:1])
+    frozen = step_lib.load_frozen(run)
+    kind = quant.QWeight if mode == "int8" else quant.NF4Weight
+    assert isinstance(frozen["layers"]["attn"]["q"], kind) and isinstance(frozen["layers"]["mlp"]["down"], kind)
+    stored = quant.nbytes(frozen["layers"]) / quant.nbytes(base_params["layers"])
+    assert stored < (0.3 if mode == "int8" else 0.2), stored
+    for blk, name in (("attn", "q"), ("attn", "o"), ("mlp", "up"), ("mlp", "down")):
+        w = np.asarray(base_params["layers"][blk][name])
+        back = np.asarray(quant.dequantize_base(frozen["layers"][blk][name], jnp.float32))
+        rel = np.sqrt(np.mean((back - w) ** 2)) / np.std(w)
+        assert rel < tolerance, (blk, name, rel)
+    state = step_lib.init_state(run, 0)
+    step = step_lib.make_train_step(run.cfg, run.optimizer, run.mesh, run.abstract_state, run.act_rules)
+    rng = np.random.default_rng(0)
+    batch = random_batch(rng)
+    losses = []
+    for _ in range(30):
+        state, m = step(state, batch, frozen)
+        losses.append(float(m["loss"]))
+    assert losses[-1] < 0.9 * losses[0]
+
+
+def run_cli(args, capsys):
+    code = cli.main(args)
+    return code, capsys.readouterr().err.strip()
+
+
+@pytest.mark.parametrize("settings, message", [
+    (["lora.rank=4", "lora.targets=gate"], "lora.targets='gate' names no weight of this model"),
+    (["lora.rank=4", "lora.targets=q_proj"], "'q_proj' is not a weight jaxlm adapts (did you mean 'q'?)"),
+    (["lora.rank=4", "checkpoint.init_from=None"], "lora.rank=4 trains adapters on frozen base weights"),
+    (["lora.base_quantization=nf4"], "set lora.rank too"),
+])
+def test_bad_lora_settings_fail_in_one_line(settings, message, char_data, tmp_path, capsys):
+    make_base(tmp_path / "base")
+    args = ["train", "quickstart", f"data.dir={char_data}", f"run_dir={tmp_path / 'run'}", "model.n_layers=2",
+            "model.d_model=32", "model.block_size=32", f"model.vocab_size={VOCAB}", "logging.progress=false",
+            f"checkpoint.init_from={tmp_path / 'base'}", *settings]
+    code, err = run_cli(args, capsys)
+    assert code == 2 and message in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_config_json_records_lora_and_a_resume_must_match_it(char_data, tmp_path):
+    make_base(tmp_path / "base")
+    cfg = lora_run(char_data, tmp_path, tmp_path / "base", **{"training.steps": 2, "checkpoint.interval": 2,
+                                                               "optimizer.warmup_steps": 1})
+    train.train(cfg, jax.devices()[:1], log=lambda s: None)
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert saved["lora"]["rank"] == 4 and saved["checkpoint"]["init_from"] == str(tmp_path / "base")
+    make_base(tmp_path / "other", seed=1)
+    for change, message in [({"lora.rank": 8}, "trained with lora.rank=4"),
+                            ({"checkpoint.init_from": str(tmp_path / "other")}, "trained with checkpoint.init_from=")]:
+        with pytest.raises(config_lib.ConfigError, match=message):
+            train.train(config_lib.apply_overrides(cfg, change), jax.devices()[:1], log=lambda s: None)
