@@ -55,9 +55,9 @@ def until_done(e, events: list, timeout: float = 120, started: bool = False) -> 
 
 def log_decode_calls(monkeypatch, log: Callable) -> None:
     """Call log(rows, live rows, steps) before each decode call of either cache."""
-    for name, at in (("_decode_loop", 3), ("_paged_decode_loop", 4)):  # where the rows, steps and live rows are
+    for name, at in (("_decode_loop", 3), ("_paged_decode_loop", 4)):  # the rows; then adapters, steps, live rows
         def logged(*args, fn=getattr(engine_lib, name), at=at, **kw):
-            log(len(args[at]), int(np.asarray(args[at + 2]).sum()), int(args[at + 1]))
+            log(len(args[at]), int(np.asarray(args[at + 3]).sum()), int(args[at + 2]))
             return fn(*args, **kw)
 
         monkeypatch.setattr(engine_lib, name, logged)
@@ -67,17 +67,17 @@ def log_prefill_calls(monkeypatch, log: Callable) -> None:
     """Call log([(slot, start, length) of each real row], chunk length) before each prefill call of either cache."""
     from jaxlm.serve import chunk as chunk_lib
 
-    def slot_chunk(params, cache, logits_BV, tokens_PC, start_P, length_P, slot_P, cfg, *fresh,
+    def slot_chunk(params, cache, logits_BV, tokens_PC, start_P, length_P, slot_P, cfg, *rest,
                    fn=chunk_lib.prefill_chunks):
         log([(int(a), int(b), int(c)) for a, b, c in zip(slot_P, start_P, length_P) if a < len(cache.length)],
             tokens_PC.shape[1])
-        return fn(params, cache, logits_BV, tokens_PC, start_P, length_P, slot_P, cfg, *fresh)
+        return fn(params, cache, logits_BV, tokens_PC, start_P, length_P, slot_P, cfg, *rest)
 
-    def paged_chunk(params, cache, logits_BV, tokens_PC, start_P, length_P, table_PM, slot_P, cfg,
+    def paged_chunk(params, cache, logits_BV, tokens_PC, start_P, length_P, table_PM, slot_P, adapter_P, cfg,
                     fn=engine_lib._paged_prefill):
         log([(int(a), int(b), int(c)) for a, b, c in zip(slot_P, start_P, length_P) if a < logits_BV.shape[0]],
             tokens_PC.shape[1])
-        return fn(params, cache, logits_BV, tokens_PC, start_P, length_P, table_PM, slot_P, cfg)
+        return fn(params, cache, logits_BV, tokens_PC, start_P, length_P, table_PM, slot_P, adapter_P, cfg)
 
     monkeypatch.setattr(chunk_lib, "prefill_chunks", slot_chunk)
     monkeypatch.setattr(engine_lib, "_paged_prefill", paged_chunk)
@@ -1157,3 +1157,103 @@ def test_lm_eval_tasks_through_the_server_match_direct_scoring(trained, shakespe
     assert results["jaxlm_test_mc"]["acc,none"] == pytest.approx(want_acc)
     assert want_acc > 1 / 3  # better than chance: the trained model knows something of the text
     assert results["jaxlm_test_gen"]["exact_match,none"] == 1.0
+
+
+@pytest.fixture(scope="module")
+def adapter_folders(trained, tmp_path_factory):
+    """Eight LoRA adapters of the trained model, random A and B (B is zero at initialization: no effect to test),
+    of ranks 2 to 8, other targets and scales, each in a converted folder beside the base's weights (as `jaxlm
+    convert from-hf BASE OUT --adapter PEFT_DIR` leaves it): serving one alone serves it merged."""
+    from jaxlm import config as config_lib, convert
+    from test_lora import random_adapters
+
+    model = jaxlm.load(trained)
+    root = tmp_path_factory.mktemp("adapters")
+    targets = ["q,k,v,o", "q,v", "o,up,down", "up", "q,k,v,o,up,down", "k,o", "down", "v,up"]
+    folders = []
+    for i, t in enumerate(targets):
+        cfg = config_lib.apply_overrides(model.config, {"lora.rank": 2 + i % 7, "lora.alpha": 4.0 + i,
+                                                        "lora.targets": t})
+        folder = root / f"a{i}"
+        folder.mkdir()
+        (folder / "config.json").write_text(config_lib.to_json(cfg))
+        convert.save_params(folder / "params", model.params)
+        convert.save_params(folder / convert.ADAPTER_DIR, random_adapters(cfg, seed=10 + i, scale=0.2))
+        folders.append(folder)
+    return folders
+
+
+def test_eight_adapters_mixed_in_decode_steps_answer_as_each_merged_alone(trained, adapter_folders,
+                                                                          shakespeare_file, monkeypatch):
+    """One server with serve.adapters naming eight adapters over the base: 27 concurrent requests, three per
+    adapter and three for the base under its own name, share decode steps (one call holds rows of several
+    adapters), and each gets the greedy text and log-probabilities (to float rounding) that a server of that
+    adapter merged into the base (or of the base) gives it alone. /v1/models lists the adapters; an unknown
+    model is refused 400 in OpenAI's error shape; afterwards no page is held."""
+    names = [f"lora{i}" for i in range(len(adapter_folders))]
+    lines = [ln for ln in shakespeare_file.read_text()[:20000].splitlines() if len(ln) > 12]
+    prompts = [lines[7 * i][:5 + i] for i in range(3)]
+    settings = {"serve.max_slots": SLOTS, "serve.max_queue": 64, "max_new_tokens": 16, "serve.decode_steps": 4}
+
+    def ask(srv, model, prompt):
+        got = client(srv).completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0, logprobs=1)
+        return got.choices[0].text, got.choices[0].logprobs.token_logprobs
+
+    alone = {}
+    for name, folder in [("base", trained), *zip(names, adapter_folders)]:
+        srv = serve.Server(serve.build(folder, serve.settings_config({**settings, "serve.model_name": name}),
+                                       log=lambda s: None), "127.0.0.1", 0).start()
+        try:
+            alone[name] = [ask(srv, name, p) for p in prompts]
+        finally:
+            srv.stop()
+    assert len({tuple(t for t, _ in answers) for answers in alone.values()}) == len(alone)  # all differ
+
+    adapters = {}
+    fn = engine_lib._paged_decode_loop
+
+    def logged(*args, **kw):  # each call's adapters of its live rows
+        adapters.setdefault("calls", []).append({int(a) for a, live in zip(args[5], args[7]) if live})
+        return fn(*args, **kw)
+
+    monkeypatch.setattr(engine_lib, "_paged_decode_loop", logged)
+    cfg = serve.settings_config({**settings, "serve.model_name": "base", "serve.adapters": ",".join(
+        f"{n}={f}" for n, f in zip(names, adapter_folders))})
+    srv = serve.Server(serve.build(trained, cfg, log=lambda s: None), "127.0.0.1", 0).start()
+    try:
+        assert [m.id for m in client(srv).models.list().data] == ["base", *names]
+        jobs = [(name, i) for i in range(len(prompts)) for name in alone]
+        with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+            together = list(pool.map(lambda job: ask(srv, job[0], prompts[job[1]]), jobs))
+        for (name, i), (text, lps) in zip(jobs, together):
+            assert text == alone[name][i][0], (name, i)
+            np.testing.assert_allclose(lps, alone[name][i][1], rtol=0, atol=1e-4)
+        assert max(len(a) for a in adapters["calls"]) >= 3  # rows of several adapters in one decode call
+        r = httpx.post(f"http://127.0.0.1:{srv.port}/v1/completions", json={"model": "lora9", "prompt": "To be"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_found"
+        assert "'lora9' is not served here" in r.json()["error"]["message"]
+        assert metric(srv, "jaxlm_kv_pages_used") == 0
+    finally:
+        srv.stop()
+
+
+def test_adapters_that_cannot_be_served_fail_in_one_line(trained, adapter_folders, tmp_path):
+    from jaxlm import adapters, config as config_lib
+    from jaxlm.config import ConfigError
+
+    for value, message in [("lora0", "entry 'lora0' must be NAME=PATH"),
+                           (f"a={adapter_folders[0]},a={adapter_folders[1]}", "names 'a' twice"),
+                           (f"a={tmp_path / 'missing'}", "is not a folder")]:
+        with pytest.raises(ConfigError, match=message):
+            serve.settings_config({"serve.adapters": value})
+    model = jaxlm.load(trained)
+    with pytest.raises(ConfigError, match="the base model's own name"):
+        serve.with_adapters(model, [("tiny", str(adapter_folders[0]))], "tiny")
+    with pytest.raises(ConfigError, match="holds no LoRA adapter"):
+        adapters.for_serving(trained, model.config, None)
+    wide = tmp_path / "wide"
+    wide.mkdir()
+    (wide / "config.json").write_text(config_lib.to_json(config_lib.apply_overrides(
+        model.config, {"model.d_model": 64, "lora.rank": 4})))
+    with pytest.raises(ConfigError, match=r"adapts layers.attn.q of shape \[2, 64, 4, 16\], and the served base's"):
+        adapters.for_serving(wide, model.config, None)

@@ -471,6 +471,10 @@ class ServeConfig:
                                "accelerator")
     max_queue: int = _f(64, "requests waiting for a slot at most; more are answered 429 with Retry-After")
     model_name: str = _f("", "model id of the OpenAI API (/v1/models, the `model` field); '' = the folder's name")
+    adapters: str = _f("", "LoRA adapters served over the model, as NAME=PATH,... (PATH a PEFT adapter folder, a LoRA "
+                           "run directory or a converted folder with an imported adapter): a request whose `model` "
+                           "is NAME runs with that adapter, and requests for different adapters share decode "
+                           "steps; /v1/models lists them")
     api_key: str = _f("", "answer 401 unless a request sends `Authorization: Bearer KEY`; '' = the JAXLM_API_KEY "
                           "environment variable, or no key when that is unset")
     api_key_file: str = _f("", "a file holding the API key (its first line), so that the key is not in the command "
@@ -1130,6 +1134,26 @@ def validate_serve(s: ServeConfig) -> None:
         raise ConfigError(f"serve.api_key_file={s.api_key_file} is not a file; give a file whose first line is the key")
     if s.chat_template and not Path(s.chat_template).is_file():
         raise ConfigError(f"serve.chat_template={s.chat_template} is not a file; give a Jinja chat template file")
+    serve_adapters(s)
+
+
+def serve_adapters(s: ServeConfig) -> list[tuple[str, str]]:
+    """serve.adapters as (name, path) pairs; a malformed entry, a repeated name or a missing path stops in one
+    line."""
+    out = []
+    for entry in (e.strip() for e in s.adapters.split(",")):
+        if not entry:
+            continue
+        name, sep, path = (x.strip() for x in entry.partition("="))
+        if not (sep and name and path):
+            raise ConfigError(f"serve.adapters entry {entry!r} must be NAME=PATH (e.g. sql=runs/sql-lora)")
+        if name in (n for n, _ in out):
+            raise ConfigError(f"serve.adapters names {name!r} twice; give each adapter its own name")
+        if not Path(path).is_dir():
+            raise ConfigError(f"serve.adapters: {name}={path} is not a folder; give a PEFT adapter folder, a LoRA run "
+                              "directory or a converted folder with an imported adapter")
+        out.append((name, path))
+    return out
 
 
 def validate_compile(c: CompileConfig) -> None:

@@ -71,7 +71,9 @@ def build(src: str | Path, cfg: Config, log: Callable[[str], None] = print):
                           f"{model.mesh.size} devices keep serve.replicas=1 (one engine sharded over them)")
     R = sc.replicas
     pages = cache_pages(m, sc, length, d.quantize_kv_cache) // R if sc.page_size else None
-    engines = [engine_lib.Engine(model.params, m, sc.max_slots // R, length, Replicas.split(sc.max_queue, R),
+    name = sc.model_name or Path(src).resolve().name
+    names, params = with_adapters(model, config_lib.serve_adapters(sc), name)
+    engines = [engine_lib.Engine(params, m, sc.max_slots // R, length, Replicas.split(sc.max_queue, R),
                                  d.quantize_kv_cache, model.mesh, sc.prefill_chunk, sc.prefix_cache,
                                  sharding.rules_from_config(cfg.mesh), sc.decode_steps, sc.page_size, pages)
                for _ in range(R)]
@@ -80,10 +82,10 @@ def build(src: str | Path, cfg: Config, log: Callable[[str], None] = print):
     engine.start()
     api_key = api_key_of(sc)
     served = app_lib.Served(engine, tok.encode, lambda text: api.encode_prompt(tok, text), tok.encode_rendered,
-                            tok.decode, sc.model_name or Path(src).resolve().name, m.vocab_size, d, stop,
+                            tok.decode, name, m.vocab_size, d, stop,
                             chat_template(model, sc.chat_template), api_key, tok.bos_id, tok.eos_id,
                             allowed_hosts(sc), frozenset(o.strip() for o in sc.allowed_origins.split(",") if o.strip()),
-                            int(sc.max_body_mb * 2**20), length * (longest_token(tok) + 1))
+                            int(sc.max_body_mb * 2**20), length * (longest_token(tok) + 1), names)
     replicas = f" in {R} replicas" if R > 1 else ""
     if sc.page_size:
         per_page = paged.bytes_per_token(m, d.quantize_kv_cache) * sc.page_size
@@ -94,10 +96,29 @@ def build(src: str | Path, cfg: Config, log: Callable[[str], None] = print):
     log(f"jaxlm serve: {served.name} | {cache} | {sc.max_slots} sequences{replicas} x {length} positions | up to "
         f"{sc.decode_steps} decode steps per call | prefill chunks of "
         f"{sc.prefill_chunk} | prefix cache {sc.prefix_cache or 'off'} | "
+        f"{'LoRA adapters ' + ','.join(names) + ' | ' if names else ''}"
         f"{'API key required' if api_key else 'no API key'}")
     if (warning := exposure_warning(sc.host, api_key)) is not None:
         log(warning)
     return served
+
+
+def with_adapters(model, entries: list[tuple[str, str]], name: str) -> tuple[tuple[str, ...], dict]:
+    """The names of serve.adapters' adapters and the weights that serve them over the model's
+    (lora.serving_weights; the model's own weights when there are none)."""
+    if not entries:
+        return (), model.params
+    import jax
+
+    from jaxlm import adapters as adapters_lib, lora
+
+    if name in (n for n, _ in entries):
+        raise ConfigError(f"serve.adapters names {name!r}, the base model's own name; give the adapter another")
+    leaf = jax.tree.leaves(model.params)[0]
+    one = (jax.sharding.NamedSharding(model.mesh, jax.sharding.PartitionSpec()) if model.mesh is not None
+           else leaf.sharding)
+    loaded = [adapters_lib.for_serving(path, model.config, one) for _, path in entries]
+    return tuple(n for n, _ in entries), lora.serving_weights(model.params, loaded)
 
 
 CPU_CACHE_GIB = 4.0  # the paged cache's memory on a CPU by default (vLLM's CPU backend takes 4 GiB too)

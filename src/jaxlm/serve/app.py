@@ -89,6 +89,7 @@ class Served:
     allowed_origins: frozenset = frozenset()  # Origin header values answered (browsers' cross-origin requests)
     max_body_bytes: int = 8 << 20
     max_prompt_chars: int | None = None  # prompt texts longer than this cannot fit the context (_encode)
+    adapters: tuple[str, ...] = ()  # LoRA adapters served over the model (serve.adapters): engine adapter i's name
     errors: dict = field(default_factory=dict)  # status -> count, for /metrics
     mailbox: Mailbox = field(default_factory=Mailbox)
 
@@ -270,9 +271,10 @@ def _info_routes(app: FastAPI, s: Served) -> None:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": s.name, "object": "model", "created": 0, "owned_by": "jaxlm",
-                                            "max_model_len": s.engine.S, "bos_token_id": s.bos_id,
-                                            "eos_token_id": s.eos_id}]}
+        common = {"object": "model", "created": 0, "owned_by": "jaxlm", "max_model_len": s.engine.S,
+                  "bos_token_id": s.bos_id, "eos_token_id": s.eos_id}
+        return {"object": "list", "data": [{"id": s.name, **common}] + [
+            {"id": name, **common, "parent": s.name} for name in s.adapters]}
 
     @app.get("/metrics")
     async def metrics():
@@ -293,15 +295,15 @@ def _completion_route(app: FastAPI, s: Served) -> None:
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await _body(request)
-        _check_model(s, body)
+        adapter, model = _check_model(s, body)
         req = schemas.completion(body, s.decode_cfg)
         ids = [await _encode(s, p, s.encode_prompt) if isinstance(p, str) else _check_ids(s, p) for p in req.prompts]
         max_tokens = [_max_tokens(s, len(p), req.sampling.max_tokens) for p in ids]
         want_scores = req.echo and req.logprobs is not None
-        scores = await _scores(s, ids, request) if want_scores else [None] * len(ids)
-        choices = _start(s, ids, max_tokens, req.sampling, req.logprobs)
+        scores = await _scores(s, ids, request, adapter) if want_scores else [None] * len(ids)
+        choices = _start(s, ids, max_tokens, req.sampling, req.logprobs, adapter)
         head = {"id": _request_id("cmpl"), "object": "text_completion", "created": int(time.time()),
-                "model": s.name}
+                "model": model}
 
         def prompt_logprobs(i):
             if not want_scores:
@@ -339,7 +341,7 @@ def _chat_route(app: FastAPI, s: Served) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await _body(request)
-        _check_model(s, body)
+        adapter, model = _check_model(s, body)
         req = schemas.chat(body, s.decode_cfg)
         if s.chat_template is None:
             raise RequestError("this model's tokenizer has no chat template: use /v1/completions, or start the "
@@ -350,9 +352,9 @@ def _chat_route(app: FastAPI, s: Served) -> None:
             raise RequestError(f"the chat template failed on these messages: {e}", "messages") from None
         ids = [await _encode(s, prompt, s.encode_chat)]
         choices = _start(s, ids, [_max_tokens(s, len(ids[0]), req.sampling.max_tokens)], req.sampling,
-                         req.top_logprobs if req.logprobs else None)
+                         req.top_logprobs if req.logprobs else None, adapter)
         head = {"id": _request_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()),
-                "model": s.name}
+                "model": model}
         usage = {"prompt_tokens": len(ids[0])}
 
         def logprobs(fresh):
@@ -433,10 +435,16 @@ async def _body(request: Request):
         raise RequestError(f"the request body is not valid JSON: {e}") from None
 
 
-def _check_model(s: Served, body) -> None:
-    if isinstance(body, dict) and body.get("model") not in (None, s.name):
-        raise RequestError(f"model {body.get('model')!r} is not served here; this server serves {s.name!r}",
-                           "model", code="model_not_found")
+def _check_model(s: Served, body) -> tuple[int, str]:
+    """The engine adapter a request's `model` names (-1: the base model, also when none is named) and its name."""
+    name = body.get("model") if isinstance(body, dict) else None
+    if name in (None, s.name):
+        return -1, s.name
+    if name in s.adapters:
+        return s.adapters.index(name), name
+    served = ", ".join(repr(n) for n in (s.name, *s.adapters))
+    raise RequestError(f"model {name!r} is not served here; this server serves {served}", "model",
+                       code="model_not_found")
 
 
 async def _encode(s: Served, text: str, encode: Callable[[str], list[int]] | None = None, bounded: bool = True
@@ -477,7 +485,7 @@ def _max_tokens(s: Served, prompt_len: int, asked: int | None) -> int:
     return asked
 
 
-async def _scores(s: Served, prompts: list[list[int]], request: Request) -> list[tuple]:
+async def _scores(s: Served, prompts: list[list[int]], request: Request, adapter: int = -1) -> list[tuple]:
     """Each prompt's scores (token log-probabilities and alternatives), all prompts submitted or none: when the
     queue refuses one (429) the ones submitted before it are cancelled, and so are all when the client goes."""
     loop = asyncio.get_running_loop()
@@ -486,7 +494,7 @@ async def _scores(s: Served, prompts: list[list[int]], request: Request) -> list
     def emit(done, ev):
         s.mailbox.post(loop, lambda: done.done() or done.set_result(ev))
 
-    items = [engine_lib.Score(p, partial(emit, f)) for p, f in zip(prompts, futures)]
+    items = [engine_lib.Score(p, partial(emit, f), adapter=adapter) for p, f in zip(prompts, futures)]
     try:
         for item in items:
             s.engine.submit(item)
@@ -514,9 +522,10 @@ def _queue_full() -> RequestError:
 
 
 def _start(s: Served, ids: list[list[int]], max_tokens: list[int], sampling: schemas.Sampling,
-           logprobs: int | None) -> list[Choice]:
+           logprobs: int | None, adapter: int = -1) -> list[Choice]:
     """Queue n sequences per prompt (none when max_tokens is 0), with their tokens' log-probabilities and that
-    many alternatives each unless `logprobs` is None; all or none: a full queue cancels the rest."""
+    many alternatives each unless `logprobs` is None, run with LoRA adapter `adapter` (-1 the base); all or
+    none: a full queue cancels the rest."""
     loop = asyncio.get_running_loop()
     seed = sampling.seed if sampling.seed is not None else _random.getrandbits(32)
     choices = []
@@ -525,7 +534,7 @@ def _start(s: Served, ids: list[list[int]], max_tokens: list[int], sampling: sch
             q: asyncio.Queue = asyncio.Queue()
             seq = engine_lib.Sequence(p, m, sampling.temperature, sampling.top_k, sampling.top_p, seed, j,
                                       s.stop_ids, partial(s.mailbox.post, loop, q.put_nowait), logprobs is not None,
-                                      logprobs or 0)
+                                      logprobs or 0, adapter=adapter)
             choices.append(Choice(seq, TextState(s.decode, sampling.stop), q))
     try:
         for c in choices:

@@ -20,13 +20,16 @@ from functools import partial
 import jax
 
 from jaxlm.config import ModelConfig
-from jaxlm.model import kvcache, transformer
+from jaxlm.model import kvcache, layers, transformer
 
 
 @partial(jax.jit, static_argnames=("cfg", "fresh"), donate_argnames=("cache", "logits_BV"))
 def prefill_chunks(params, cache: kvcache.KVCache, logits_BV, tokens_PC, start_P, length_P, slot_P,
-                   cfg: ModelConfig, fresh: bool = False):
+                   cfg: ModelConfig, fresh: bool = False, adapter_P=None):
     """transformer.prefill_chunks, with each row's logits written into logits_BV at its slot (none for a padding
-    row's slot B); returns the cache and logits_BV, both donated."""
+    row's slot B) and each row run with its LoRA adapter adapter_P when given (layers.with_rows; -1 the base);
+    returns the cache and logits_BV, both donated."""
+    if adapter_P is not None:
+        params = layers.with_rows(params, adapter_P)
     cache, logits_PV = transformer.prefill_chunks(params, cache, tokens_PC, start_P, length_P, slot_P, cfg, fresh)
     return cache, logits_BV.at[slot_P].set(logits_PV, mode="drop")

@@ -85,7 +85,7 @@ import numpy as np
 
 from jaxlm import generate, sampling, sharding
 from jaxlm.config import ModelConfig, ServeConfig
-from jaxlm.model import forward, kvcache, paged, transformer
+from jaxlm.model import forward, kvcache, layers, paged, transformer
 from jaxlm.serve import chunk as chunk_lib
 from jaxlm.serve.pages import PagePool
 from jaxlm.serve.prefix_cache import PrefixCache
@@ -138,6 +138,7 @@ class Sequence:
     resumed: list[int] | None = None  # after a preemption: the prompt and the tokens sent before it
     pages: list[int] = field(default_factory=list)  # the paged cache's pages it holds, in position order
     admitted: int = 0  # the engine's count of admissions when it was admitted (the latest is preempted first)
+    adapter: int = -1  # the LoRA adapter it runs with (the engine's params' RowLoraWeight index; -1 the base)
 
     @property
     def context(self) -> list[int]:
@@ -158,6 +159,7 @@ class Score:
     emit: Callable[[tuple], None]
     cancelled: bool = False
     submitted: float = field(default_factory=time.perf_counter)
+    adapter: int = -1
 
 
 def _sampled_steps(decode: Callable, state, logits_bV, steps, live_b, left_b, stop_bM, want_lp_b, seed_b, choice_b,
@@ -198,16 +200,18 @@ def _sampled_steps(decode: Callable, state, logits_bV, steps, live_b, left_b, st
 
 
 @partial(jax.jit, static_argnames=("cfg", "max_steps", "unroll"), donate_argnames=("cache", "logits_BV"))
-def _decode_loop(params, cache, logits_BV, rows_b, steps, live_b, idle_length_b, left_b, stop_bM, want_lp_b,
-                 seed_b, choice_b, count_b, temperature_b, top_k_b, top_p_b, cfg: ModelConfig, max_steps: int,
-                 unroll: bool):
+def _decode_loop(params, cache, logits_BV, rows_b, adapter_b, steps, live_b, idle_length_b, left_b, stop_bM,
+                 want_lp_b, seed_b, choice_b, count_b, temperature_b, top_k_b, top_p_b, cfg: ModelConfig,
+                 max_steps: int, unroll: bool):
     """_sampled_steps over slots rows_b of the slot cache (all slots in order when there are B of them). With
     `unroll` the steps run over the cache taken apart by layer (kvcache.unstack, transformer.decode_layers), as
     generate's loop does for models of up to generate.UNROLL_LAYERS layers: one copy of the rows' part of the
     cache in (the gather of rows_b included) and one out (kvcache.restack, in place into the donated cache) per
     call, where the scan over the stacked cache (unroll False) copies each layer's keys and values out of the
     stack every step. Either way the call takes only the fewest slots of _slot_buckets that hold the positions
-    it reads and writes. Returns _sampled_steps' outputs, the logits and the cache."""
+    it reads and writes. adapter_b: each row's LoRA adapter (layers.with_rows; -1 the base). Returns
+    _sampled_steps' outputs, the logits and the cache."""
+    params = layers.with_rows(params, adapter_b)
     B, b = logits_BV.shape[0], rows_b.shape[0]
     whole = b == B
     logits_bV = logits_BV if whole else jnp.take(logits_BV, rows_b, axis=0)
@@ -253,14 +257,16 @@ def _decode_loop(params, cache, logits_BV, rows_b, steps, live_b, idle_length_b,
 
 
 @partial(jax.jit, static_argnames=("cfg", "max_steps"), donate_argnames=("cache", "logits_BV"))
-def _paged_decode_loop(params, layer_params, cache, logits_BV, rows_b, steps, live_b, length_b, table_bM, left_b,
-                       stop_bM, want_lp_b, seed_b, choice_b, count_b, temperature_b, top_k_b, top_p_b,
+def _paged_decode_loop(params, layer_params, cache, logits_BV, rows_b, adapter_b, steps, live_b, length_b, table_bM,
+                       left_b, stop_bM, want_lp_b, seed_b, choice_b, count_b, temperature_b, top_k_b, top_p_b,
                        cfg: ModelConfig, max_steps: int):
     """_sampled_steps over rows rows_b of the paged cache (model/paged.py): each step writes every live row's
     token at position length_b (plus the steps before) into its pages (table_bM, which the host has made cover
     the call's positions) and attends over its pages; rows not living do nothing. With `layer_params` (the
     layers' weights taken apart once, by the engine: transformer.layer_weights) the layers are unrolled, else
-    scanned. Returns _sampled_steps' outputs, the logits and the cache."""
+    scanned. adapter_b: each row's LoRA adapter (layers.with_rows; -1 the base). Returns _sampled_steps'
+    outputs, the logits and the cache."""
+    params, layer_params = layers.with_rows((params, layer_params), adapter_b)
     logits_bV = jnp.take(logits_BV, rows_b, axis=0)
 
     def decode(tok_b, live_b, state):
@@ -276,10 +282,13 @@ def _paged_decode_loop(params, layer_params, cache, logits_BV, rows_b, steps, li
 
 
 @partial(jax.jit, static_argnames="cfg", donate_argnames=("cache", "logits_BV"))
-def _paged_prefill(params, cache, logits_BV, tokens_PC, start_P, length_P, table_PM, slot_P, cfg: ModelConfig):
+def _paged_prefill(params, cache, logits_BV, tokens_PC, start_P, length_P, table_PM, slot_P, adapter_P,
+                   cfg: ModelConfig):
     """Prompts' chunks into their pages (transformer.paged_forward), each row's logits after its chunk into
-    logits_BV at its slot (none for a padding row's slot B, whose length 0 writes nothing)."""
-    logits_PV, cache = transformer.paged_forward(params, cache, tokens_PC, start_P, length_P, table_PM, cfg)
+    logits_BV at its slot (none for a padding row's slot B, whose length 0 writes nothing); adapter_P each row's
+    LoRA adapter."""
+    logits_PV, cache = transformer.paged_forward(layers.with_rows(params, adapter_P), cache, tokens_PC, start_P,
+                                                 length_P, table_PM, cfg)
     return cache, logits_BV.at[slot_P].set(logits_PV, mode="drop")
 
 
@@ -309,8 +318,8 @@ def _empty_pages(cfg: ModelConfig, pages: int, page_size: int, quantize: bool) -
 
 
 @partial(jax.jit, static_argnames="cfg")
-def _score(params, tokens_1T, cfg: ModelConfig):
-    lp_TV = jax.nn.log_softmax(forward(params, tokens_1T, cfg)[0], axis=-1)
+def _score(params, tokens_1T, adapter_1, cfg: ModelConfig):
+    lp_TV = jax.nn.log_softmax(forward(layers.with_rows(params, adapter_1), tokens_1T, cfg)[0], axis=-1)
     top_lp_TK, top_ids_TK = jax.lax.top_k(lp_TV, TOP_LOGPROBS)
     token_lp_T = jnp.take_along_axis(lp_TV[:-1], tokens_1T[0, 1:, None], axis=-1)[:, 0]
     return token_lp_T, top_ids_TK, top_lp_TK
@@ -374,6 +383,11 @@ class Engine:
         self._empty = jax.jit(lambda *a: _empty(*a), static_argnums=(0, 1, 2, 3))
         self._empty_pages = jax.jit(lambda *a: _empty_pages(*a), static_argnums=(0, 1, 2, 3))
         self.params = params
+        # LoRA adapters over the base (lora.serving_weights: layers.RowLoraWeight), a sequence's picked by its
+        # `adapter`; every call sets each row's (layers.with_rows)
+        rows_lora = [w for w in jax.tree.leaves(params, is_leaf=lambda w: isinstance(w, layers.RowLoraWeight))
+                     if isinstance(w, layers.RowLoraWeight)]
+        self.adapters = rows_lora[0].a.shape[-2] if rows_lora else 0
         with self._ctx():
             self._reset_cache()
 
@@ -558,6 +572,8 @@ class Engine:
                 item.emit(("done", "cancelled") if isinstance(item, Sequence) else ("error", "cancelled"))
                 continue
             try:
+                if not -1 <= item.adapter < self.adapters:
+                    raise ValueError(f"adapter {item.adapter} is not one of this engine's {self.adapters}")
                 if isinstance(item, Score):
                     self._run_score(item)
                     continue
@@ -586,7 +602,7 @@ class Engine:
         if -(-(len(seq.prompt) + seq.max_tokens) // A) > self.NP:
             raise ValueError(f"a prompt of {len(seq.prompt)} tokens + {seq.max_tokens} new ones need more than the "
                              f"{self.NP} pages of {A} positions of the KV cache (serve.cache_gib)")
-        shared = self.pages.match(seq.context)
+        shared = self.pages.match(seq.context, seq.adapter)
         need = -(-n // A) - len(shared)
         if need > self.pages.available():
             self.pages.release(shared)
@@ -675,9 +691,9 @@ class Engine:
             self.prefilling.remove(seq.slot)
         if self.page_size:
             for seq in done:
-                self.pages.register(seq.context, seq.pages)
+                self.pages.register(seq.context, seq.pages, seq.adapter)
         elif self.prefix is not None:  # the last prompts in: keeping more than the store holds would evict them
-            for seq in done[-len(self.prefix.tokens):]:
+            for seq in [seq for seq in done if seq.adapter < 0][-len(self.prefix.tokens):]:
                 self.prefix.save(self.cache, seq.slot, seq.prompt)
         return bool(chunks)
 
@@ -691,11 +707,12 @@ class Engine:
             fresh = all(seq.prefilled == 0 for seq in seqs) and (
                 self.page_size > 0 or kvcache.fresh_fits(self.cache, C))
         tokens_PC, start_P = np.zeros((P, C), np.int32), np.zeros(P, np.int32)
-        length_P, slot_P = np.ones(P, np.int32), np.full(P, self.B, np.int32)
+        length_P, slot_P, adapter_P = np.ones(P, np.int32), np.full(P, self.B, np.int32), np.full(P, -1, np.int32)
         for i, seq in enumerate(seqs):
             n = min(len(seq.context) - seq.prefilled, C)
             tokens_PC[i, :n] = seq.context[seq.prefilled:seq.prefilled + n]
             start_P[i], length_P[i], slot_P[i] = seq.prefilled, len(seq.context), seq.slot
+            adapter_P[i] = seq.adapter
             seq.prefilled += n
             self.prefilled_tokens_total += n
         if self.page_size:
@@ -706,17 +723,18 @@ class Engine:
             table_PM[len(seqs):] = 0
             width = -(-C // self.page_size) if fresh else self.M
             self.cache, self.logits_BV = _paged_prefill(self.params, self.cache, self.logits_BV, tokens_PC, start_P,
-                                                        length_P, table_PM[:, :width], slot_P, self.cfg)
+                                                        length_P, table_PM[:, :width], slot_P, adapter_P, self.cfg)
         else:
             self.cache, self.logits_BV = chunk_lib.prefill_chunks(
-                self.params, self.cache, self.logits_BV, tokens_PC, start_P, length_P, slot_P, self.cfg, fresh)
+                self.params, self.cache, self.logits_BV, tokens_PC, start_P, length_P, slot_P, self.cfg, fresh,
+                adapter_P)
         self.prefill_calls_total += 1
 
     def _reuse_prefix(self, seq: Sequence) -> None:
         """Start seq's prefill: copy what the prefix cache holds of its prompt into its slot (the paged cache shares
-        pages at admission instead)."""
+        pages at admission instead). It holds the base model's prompts only."""
         seq.prefilled = 0
-        if self.prefix is not None:
+        if self.prefix is not None and seq.adapter < 0:
             entry, reused = self.prefix.match(seq.prompt)
             if reused:
                 self.cache = self.prefix.load(self.cache, entry, seq.slot)
@@ -735,7 +753,8 @@ class Engine:
     def _run_score(self, item: Score) -> None:
         tokens_1T = self._padded(item.prompt)
         n = len(item.prompt)
-        token_lp, top_ids, top_lp = jax.device_get(_score(self.params, tokens_1T, self.cfg))
+        token_lp, top_ids, top_lp = jax.device_get(_score(self.params, tokens_1T, np.asarray([item.adapter], np.int32),
+                                                          self.cfg))
         item.emit(("score", token_lp[:n - 1].tolist(), top_ids[:n].tolist(), top_lp[:n].tolist()))
 
     def _call(self, rows: list[int], steps: int) -> tuple[list, tuple]:
@@ -749,7 +768,7 @@ class Engine:
         length = np.zeros(b, np.int32)  # the paged cache's: positions cached (the prompt's and the tokens' so far)
         seed, choice, count = np.zeros(b, np.uint32), np.zeros(b, np.int32), np.zeros(b, np.int32)
         temperature, top_k, top_p = np.zeros(b, np.float32), np.zeros(b, np.int32), np.ones(b, np.float32)
-        want_lp = np.zeros(b, bool)
+        want_lp, adapter = np.zeros(b, bool), np.full(b, -1, np.int32)
         seqs = [self.slots[r] for r in rows]
         width = MIN_STOP_WIDTH
         while any(s is not None and len(s.stop_ids) > width for s in seqs):
@@ -765,7 +784,7 @@ class Engine:
             if s.cancelled or s.planned >= s.max_tokens:  # its last tokens are in flight: idle, as a free slot
                 seqs[j] = None
                 continue
-            live[j], left[j], want_lp[j] = True, s.max_tokens - s.planned, s.logprobs
+            live[j], left[j], want_lp[j], adapter[j] = True, s.max_tokens - s.planned, s.logprobs, s.adapter
             length[j] = len(s.prompt) + s.planned
             seed[j], choice[j], count[j] = s.seed % 2**32, s.choice, s.planned
             temperature[j], top_k[j], top_p[j] = s.temperature, s.top_k, s.top_p
@@ -775,11 +794,11 @@ class Engine:
         rows_b = np.asarray(rows, np.int32)
         if self.page_size:
             *out, self.logits_BV, self.cache = _paged_decode_loop(
-                self.params, self._layer_weights(), self.cache, self.logits_BV, rows_b, np.int32(steps), live, length,
-                self.table[rows_b], *sampled, cfg=self.cfg, max_steps=self.decode_steps)
+                self.params, self._layer_weights(), self.cache, self.logits_BV, rows_b, adapter, np.int32(steps), live,
+                length, self.table[rows_b], *sampled, cfg=self.cfg, max_steps=self.decode_steps)
         else:
             *out, self.logits_BV, self.cache = _decode_loop(
-                self.params, self.cache, self.logits_BV, rows_b, np.int32(steps), live, idle_length, *sampled,
+                self.params, self.cache, self.logits_BV, rows_b, adapter, np.int32(steps), live, idle_length, *sampled,
                 cfg=self.cfg, max_steps=self.decode_steps, unroll=self.unroll)
         self.calls_total += 1
         return seqs, tuple(out)

@@ -66,9 +66,10 @@ class PagePool:
                 else:
                     self.free.append(page)
 
-    def _keys(self, tokens, n: int) -> list[bytes]:
-        """The keys of the first n full pages of `tokens`: each a digest of the key before it and its tokens."""
-        keys, key = [], b""
+    def _keys(self, tokens, n: int, adapter: int) -> list[bytes]:
+        """The keys of the first n full pages of `tokens` run with LoRA adapter `adapter` (-1 the base; another
+        adapter's keys and values differ): each a digest of the key before it and its tokens."""
+        keys, key = [], b"" if adapter < 0 else f"adapter {adapter}".encode()
         A = self.page_size
         ids = np.asarray(tokens[:n * A], np.int64)
         for i in range(n):
@@ -76,13 +77,13 @@ class PagePool:
             keys.append(key)
         return keys
 
-    def match(self, tokens) -> list[int]:
+    def match(self, tokens, adapter: int = -1) -> list[int]:
         """The registered pages holding the longest prefix of `tokens` in full pages, before its last token;
         the sequence now holds them (released with its own)."""
         if not self.share:
             return []
         out = []
-        for key in self._keys(tokens, (len(tokens) - 1) // self.page_size):
+        for key in self._keys(tokens, (len(tokens) - 1) // self.page_size, adapter):
             page = self.page_of.get(key)
             if page is None:
                 break
@@ -92,22 +93,22 @@ class PagePool:
             self.refs[page] += 1
         return out
 
-    def shared(self, tokens) -> int:
+    def shared(self, tokens, adapter: int = -1) -> int:
         """How many tokens of `tokens` match() would find in registered pages (taking none)."""
         if not self.share:
             return 0
         n = 0
-        for key in self._keys(tokens, (len(tokens) - 1) // self.page_size):
+        for key in self._keys(tokens, (len(tokens) - 1) // self.page_size, adapter):
             if key not in self.page_of:
                 break
             n += self.page_size
         return n
 
-    def register(self, tokens, pages: list[int]) -> None:
+    def register(self, tokens, pages: list[int], adapter: int = -1) -> None:
         """Register the pages that `tokens` (a prompt just prefilled into `pages`, in order) fill, unless their
         prefix is registered already."""
         if not self.share:
             return
-        for key, page in zip(self._keys(tokens, len(tokens) // self.page_size), pages):
+        for key, page in zip(self._keys(tokens, len(tokens) // self.page_size, adapter), pages):
             if key not in self.page_of and page not in self.key_of:
                 self.page_of[key], self.key_of[page] = page, key

@@ -48,8 +48,8 @@ class Replicas:
         if not isinstance(item, Sequence):
             return 0
         if e.page_size:
-            return e.pages.shared(item.prompt)
-        return 0 if e.prefix is None else e.prefix.match(item.prompt)[1]
+            return e.pages.shared(item.prompt, item.adapter)
+        return 0 if e.prefix is None or item.adapter >= 0 else e.prefix.match(item.prompt)[1]
 
     def submit(self, item: Sequence | Score) -> None:
         chosen = min(self.engines, key=lambda e: (self._load(e), -self._reuse(e, item)))
