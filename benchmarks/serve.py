@@ -68,6 +68,10 @@ SIZES = {  # a Llama's transformers config; prompt and output lengths (least, mo
                             intermediate_size=2048, vocab_size=32000, max_position_embeddings=2048),
                  prompt=(16, 1024, 128), output=(16, 512, 96), levels=((1, 4), (16, 32), (64, None)), settings=(),
                  slot_sequences=16),
+    "small": dict(model=dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8,
+                             intermediate_size=1408, vocab_size=32000, max_position_embeddings=1024),
+                  prompt=(16, 256, 64), output=(16, 128, 48), levels=((1, 2), (16, None)), settings=(),
+                  slot_sequences=4),
     "tiny": dict(model=dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                             intermediate_size=128, vocab_size=512, max_position_embeddings=256),
                  prompt=(4, 64, 16), output=(4, 32, 8), levels=((1, 2), (4, None)), settings=("serve.max_slots=4",),
@@ -107,6 +111,7 @@ def build(folder: Path, size: str):
 class Request:
     prompt: list[int]
     output: int
+    adapter: int = -1  # the LoRA adapter it runs with (benchmarks/multi_lora.py; -1 the base)
 
 
 def workload(size: str, n: int, seed: int) -> list[Request]:
@@ -351,18 +356,19 @@ def hf_continuous(hf, requests: list[Request], cache_bytes: int) -> float:
 
 # ---- the engine alone --------------------------------------------------------------------------------------------
 
-def engine_run(model, requests: list[Request], slots: int, **engine_kw) -> dict:
-    """The engine in this process on `requests` all submitted at once (at most `slots` decoding): wall time,
-    output tokens/s, and the most sequences in flight."""
+def engine_run(model, requests: list[Request], slots: int, params=None, **engine_kw) -> dict:
+    """The engine in this process on `requests` all submitted at once (at most `slots` decoding), over the model's
+    weights or `params`: wall time, output tokens/s, the most sequences in flight, and the process's CPU time."""
     from jaxlm.serve import engine as engine_lib
 
     m = model.config.model
-    e = engine_lib.Engine(model.params, m, slots, m.block_size, len(requests) + 1, **engine_kw)
+    e = engine_lib.Engine(model.params if params is None else params, m, slots, m.block_size, len(requests) + 1,
+                          **engine_kw)
     e.warm_up()
     e.start()
     try:
-        warm = [engine_lib.Sequence(r.prompt, 2, 0.0, 0, 1.0, 0, 0, (), lambda ev: None, logprobs=False)
-                for r in warm_up_requests(requests)]
+        warm = [engine_lib.Sequence(r.prompt, 2, 0.0, 0, 1.0, 0, 0, (), lambda ev: None, logprobs=False,
+                                    adapter=a.adapter) for r, a in zip(warm_up_requests(requests), requests)]
         for s in warm:
             e.submit(s)
         while any(s.generated < 2 for s in warm):
@@ -374,17 +380,17 @@ def engine_run(model, requests: list[Request], slots: int, **engine_kw) -> dict:
             events[i].append(ev)
             busiest[0] = max(busiest[0], e.busy_slots())
 
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         for i, r in enumerate(requests):
             e.submit(engine_lib.Sequence(r.prompt, r.output, 0.0, 0, 1.0, 0, 0, (), lambda ev, i=i: emit(ev, i),
-                                         logprobs=False))
+                                         logprobs=False, adapter=r.adapter))
         while not all(ev and ev[-1][0] == "done" for ev in events):
             time.sleep(0.01)
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     finally:
         e.stop()
     return dict(wall_s=wall, output_tok_per_s=sum(r.output for r in requests) / wall, in_flight=busiest[0],
-                preempted=e.preempted_total)
+                preempted=e.preempted_total, cpu_s=cpu)
 
 
 # ---- the toy model of the earlier figures ------------------------------------------------------------------------

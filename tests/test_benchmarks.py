@@ -1,8 +1,9 @@
 """The benchmarks run end to end at tiny sizes (their figures mean nothing here; the real sizes are measured by
 hand: docs/serve.md, docs/finetune.md, docs/rl.md): benchmarks/serve.py (every part: the server's levels,
 transformers' generate and continuous batching, the engine alone, paged against slot cache, the toy model),
-benchmarks/speculative.py (two models trained a few steps, with and without the draft), the post-training
-benchmarks printing the figures their docstrings name."""
+benchmarks/multi_lora.py (8 adapters mixed against the base), benchmarks/speculative.py (two models trained a
+few steps, with and without the draft), the post-training benchmarks printing the figures their docstrings
+name."""
 
 import subprocess
 import sys
@@ -37,6 +38,17 @@ def test_serve_benchmark_runs_every_part_at_a_tiny_size(tmp_path):
         assert s[key] > 0, key
     assert report["slots"]["paged"]["in_flight"] > report["slots"]["slot"]["in_flight"] == 1
     assert set(report["serve"]) == {1, 4} and report["serve"][4]["requests"] == 8
+
+
+@pytest.mark.slow
+def test_multi_lora_benchmark_runs_at_a_tiny_size(tmp_path):
+    pytest.importorskip("transformers")
+    import multi_lora
+
+    report = multi_lora.main(["--size", "tiny", "--requests", "8", "--concurrency", "4", "--rounds", "2",
+                              "--model-dir", str(tmp_path)])
+    assert report["multi_lora_vs_base"] > 0 and report["mixed"]["in_flight"] == 4
+    assert report["multi_lora_vs_base_cpu"] > 0 and report["base"]["output_tok_per_s"] > 0
 
 
 @pytest.mark.slow
