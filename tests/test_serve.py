@@ -1,7 +1,8 @@
 """`jaxlm serve`: the official openai client against the server on 127.0.0.1 (greedy text equal to `jaxlm
 generate`'s, streaming equal to the whole answer, echoed log-probabilities equal to the forward pass's),
 concurrent streams that each get the text they get alone, faults answered 4xx without harm, eight LoRA adapters
-mixed in decode calls answering as each merged alone, and the command itself. Every server binds 127.0.0.1 and is shut down; every request loop is bounded."""
+mixed in decode calls answering as each merged alone, and the command itself. Every server binds 127.0.0.1 and
+is shut down; every request loop is bounded."""
 
 import concurrent.futures
 import json
