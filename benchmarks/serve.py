@@ -1,56 +1,51 @@
-"""`jaxlm serve` under load on loopback: throughput and latency at several concurrencies, continuous batching
-against one request at a time, and Hugging Face transformers' `generate` on the same weights, in one run.
+"""`jaxlm serve` at a real model size, as a user would run it: its default settings, a Llama-shaped model of 134M
+parameters (random weights, vocabulary 32,000, context 2,048, float32), requests with long-tailed prompt and
+output lengths, against Hugging Face transformers' `generate` and its continuous batching on the same weights
+and requests, and against this machine's roofline for the workload, all measured in one run.
 
-Each server is a `jaxlm serve` process of its own; the sweep runs one of --slots slots with --settings (by default
-docs/serve.md's settings for a 2-core CPU host: serve.replicas=2, two engines of half the slots, one per core, and
-serve.decode_steps=16), and the same server with default settings is measured at concurrency 16 too. The model is
-benchmarks/decode.py's tiny random Llama (built with transformers, imported with `jaxlm convert from-hf`), given a
-byte-level tokenizer so the server can turn tokens into text. Each client streams one completion of NEW tokens
-after a 16-token prompt (token ids, greedy, no stop token, logprobs=1 so that every chunk lists its tokens even
-where random weights make bytes that are not yet whole UTF-8 text); REQUESTS = 2 x concurrency per level, each
-client sending its next request when its last one has ended. The load generator shares this machine's cores with
-the server, so it is kept light: asyncio in this process, one keep-alive HTTP/1.1 connection per client, reading
-the server-sent events itself (about 1/6 of the CPU the official openai client, a thread per client, spends on
-the same streams). The --slots server is measured at concurrency 16 with the official openai client too.
-A chunk may carry the tokens of several decode steps (serve.decode_steps). Prints the sweep's settings, one line
-per level
-    concurrency=C requests=R output_tok_per_s=X ttft_p50_ms= ttft_p99_ms= itl_p50_ms= itl_p99_ms=
-    chunk_gap_p50_ms= chunk_gap_p99_ms= tokens_per_chunk=
-then `openai_client` (the --slots server at concurrency 16, official openai client), the --slots server at
-concurrency 16 with serve.decode_steps=1 (one decode step per device call), `defaults` (the --slots server with
-default settings: one engine, 8 decode steps per call, at concurrency 16),
-`slots8` (a server with 8 slots) and `one_at_a_time` (a server with one slot), both with default settings at
-concurrency 8, and
-transformers' generate at batch 16. Every figure but the shared-prefix ones is the fastest of --repeats runs
-(new prompts each), the one least disturbed by other load, as the machine may be shared;
-then the engine alone (in this process, no HTTP: 16 greedy sequences submitted together to a --slots engine)
-with serve.decode_steps 8 and 1, and `jaxlm.generate` at batch 16 (prefill included);
-then time to first token of 16 concurrent requests that share a 512-token system prompt (each followed by 16
-tokens of its own, 8 new tokens) on a 16-slot server with the prefix cache (serve.prefix_cache=4) and without
-(serve.prefix_cache=0), and the summary
-    batching_speedup=X/Y (continuous batching in 8 slots over one slot, both at concurrency 8)
-    vs_transformers=X/Z (the server at concurrency 16 over transformers' generate at batch 16)
-    vs_transformers_openai_client=O/Z (the same with the official openai client as the load generator)
-    vs_transformers_defaults=D/Z (the server with default settings at concurrency 16 over the same)
-    decode_steps_speedup=X/W (the server at concurrency 16, its serve.decode_steps over 1)
-    server_vs_engine=D/E (the default server at concurrency 16 over the engine alone with 16 sequences, both
-        one engine with 8 decode steps per call)
-    ttft_p50_prefix_cache= ttft_p50_no_prefix_cache= prefix_cache_ttft_speedup= (ms; the second over the first)
-TTFT counts from sending the request to the first streamed chunk with a token. A chunk gap is the time between
-a stream's successive chunks; tokens_per_chunk is the mean number of tokens a chunk carries; the inter-token
-latency gives each token of a chunk an equal share of the gap before that chunk (gap / tokens).
+The workload (fixed seed): prompt lengths drawn from a log-normal of median 128 tokens clipped to [16, 1024],
+output lengths from one of median 96 clipped to [16, 512], random token ids; every request asks for exactly its
+output length (the server ignores end-of-sequence tokens: decode.stop_at_eos=false, as vLLM's benchmark sets
+ignore_eos). Each client streams one completion at a time (text, no log-probabilities) over a keep-alive
+HTTP/1.1 connection; an asyncio load generator in this process reads the server-sent events itself. Tokens of a
+chunk are counted from its text (the benchmark's tokenizer writes each token as one word).
 
-    python benchmarks/serve.py [--new-tokens 64] [--slots 32] [--settings "serve.replicas=2 serve.decode_steps=16"]
+Measured, in order:
+- `machine`: the matmul rate (float32 2048^3, jitted) and the memory bandwidth (a sum over 512 MiB), the fastest
+  of 5, and the load average;
+- `jaxlm serve` with default settings (its process of its own) at concurrency 1, 16 and 64 (4, 32 and
+  --requests requests): output tokens/s, time to first token and inter-token latency p50/p99 (a chunk's gap
+  shared by its tokens), after a warm-up pass that compiles the shapes the workload needs;
+- transformers' `generate` on the same --requests requests in batches of 16 in arrival order (sdpa attention,
+  greedy, left padding, each batch generating its longest request's output; only the tokens each request asked
+  for count), and its continuous batching (the manager `generate_batch` runs, each request added with its own
+  max_new_tokens), each on the CPU threads torch takes by default;
+- where the server's time goes at concurrency 64: the engine alone in this process (no HTTP) on the same
+  requests, and on their prompts only (one new token each): prefill, decode, and the rest (HTTP, event loop);
+- the paged cache against the slot cache (serve.page_size=0) with the same cache memory (16 sequences of the
+  whole context): the sequences in flight and the throughput of the engine alone on the same requests;
+- the workload's roofline: its prefill FLOPs at the matmul rate, plus its decode at the slower of its FLOPs at
+  the matmul rate and its bytes (the weights once per step of 64 sequences, and each token's keys and values
+  read once per step) at the memory bandwidth; `roofline_bytes_only` counts the decode's bytes alone, as
+  issue 28 proposed (at 64 sequences on a CPU a decode step is bound by arithmetic, not by memory);
+- the toy model of the earlier figures (benchmarks/decode.py's 4-layer, 128-wide random Llama, 16-token prompts,
+  64 new tokens, concurrency 16) against transformers' generate at batch 16: `vs_transformers_toy`.
+
+Then the summary: vs_generate_real (the server at concurrency 64 over transformers' generate), vs_generate_batch_real
+(over its continuous batching), roofline_frac (the server at concurrency 64 over the roofline's tokens/s), and
+vs_transformers_toy. --size tiny runs every part on a tiny model in seconds (the code path only: tests).
+
+    python benchmarks/serve.py [--requests 128] [--parts serve,hf,engine,slots,toy] [--model-dir DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import concurrent.futures
 import contextlib
 import dataclasses
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -64,51 +59,140 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 import decode as decode_bench  # noqa: E402
 
-from jaxlm import api  # noqa: E402
+from jaxlm import api, convert  # noqa: E402
 
-PROMPT = decode_bench.PROMPT
-# The --slots server's settings: docs/serve.md's for a 2-core CPU host (two engines, one per core; 16 decode steps
-# per call). The server with default settings is measured at concurrency 16 as well (`defaults`).
-CPU_SETTINGS = ("serve.replicas=2", "serve.decode_steps=16")
-SYSTEM = 512  # tokens of the system prompt the prefix-cache requests share
+SIZES = {  # a Llama's transformers config; prompt and output lengths (least, most, median); the concurrencies
+    # (with their requests, None: --requests) of which the last is compared; the server's settings besides its
+    # defaults; the slot cache's sequences in the comparison at equal memory
+    "real": dict(model=dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=12,
+                            intermediate_size=2048, vocab_size=32000, max_position_embeddings=2048),
+                 prompt=(16, 1024, 128), output=(16, 512, 96), levels=((1, 4), (16, 32), (64, None)), settings=(),
+                 slot_sequences=16),
+    "small": dict(model=dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8,
+                             intermediate_size=1408, vocab_size=32000, max_position_embeddings=1024),
+                  prompt=(16, 256, 64), output=(16, 128, 48), levels=((1, 2), (16, None)), settings=(),
+                  slot_sequences=4),
+    "tiny": dict(model=dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            intermediate_size=128, vocab_size=512, max_position_embeddings=256),
+                 prompt=(4, 64, 16), output=(4, 32, 8), levels=((1, 2), (4, None)), settings=("serve.max_slots=4",),
+                 slot_sequences=1),
+}
 
 
-def byte_tokenizer(folder: Path) -> None:
-    """A byte-level tokenizer.json of 256 tokens (no merges) for the model folder."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+# ---- the model and the workload --------------------------------------------------------------------------------
 
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
+def word_tokenizer(folder: Path, vocab: int) -> None:
+    """A tokenizer.json whose tokens are the words t0 .. t{vocab-1}: each token decodes to one word."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     (folder / "tokenizer").mkdir(exist_ok=True)
     tok.save(str(folder / "tokenizer" / "tokenizer.json"))
 
 
-def _summary(results: list, concurrency: int, new_tokens: int, wall: float) -> dict:
-    """The level's figures from each request's (start, [(chunk arrival, tokens it carries)], tokens)."""
-    ttft = [chunks[0][0] - start for start, chunks, _ in results if chunks]
-    gaps = [(b - a, n) for _, chunks, _ in results for (a, _), (b, n) in zip(chunks, chunks[1:])]
-    itl = [g / n for g, n in gaps for _ in range(n)]
-    total = sum(n for _, _, n in results)
-    assert total == len(results) * new_tokens, f"{total} tokens of {len(results) * new_tokens}"
-    assert total == sum(n for _, chunks, _ in results for _, n in chunks)
-    pct = lambda xs, p: 1e3 * float(np.percentile(xs, p)) if xs else float("nan")  # noqa: E731
-    return dict(concurrency=concurrency, requests=len(results), output_tok_per_s=total / wall,
-                ttft_p50_ms=pct(ttft, 50), ttft_p99_ms=pct(ttft, 99), itl_p50_ms=pct(itl, 50),
-                itl_p99_ms=pct(itl, 99), chunk_gap_p50_ms=pct([g for g, _ in gaps], 50),
-                chunk_gap_p99_ms=pct([g for g, _ in gaps], 99),
-                tokens_per_chunk=total / sum(len(chunks) for _, chunks, _ in results))
+def build(folder: Path, size: str):
+    """The transformers model (random weights, seed 0) and its jaxlm conversion in folder/jx (reused when there)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    hf_cfg = transformers.LlamaConfig(**SIZES[size]["model"], tie_word_embeddings=False)
+    if not (folder / "hf" / "config.json").is_file():
+        transformers.AutoModelForCausalLM.from_config(hf_cfg).save_pretrained(folder / "hf")
+    if not (folder / "jx" / "config.json").is_file():
+        convert.from_hf(str(folder / "hf"), folder / "jx", log=lambda s: None)
+        word_tokenizer(folder / "jx", hf_cfg.vocab_size)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder / "hf", attn_implementation="sdpa").eval()
+    return hf, folder / "jx"
 
 
-def _request(prompt: list[int], new_tokens: int) -> dict:
-    return dict(model="bench", prompt=prompt, max_tokens=new_tokens, temperature=0, logprobs=1, stream=True,
-                stream_options={"include_usage": True})
+@dataclasses.dataclass
+class Request:
+    prompt: list[int]
+    output: int
+    adapter: int = -1  # the LoRA adapter it runs with (benchmarks/multi_lora.py; -1 the base)
 
+
+def workload(size: str, n: int, seed: int) -> list[Request]:
+    s = SIZES[size]
+    rng = np.random.default_rng(seed)
+    vocab = s["model"]["vocab_size"]
+
+    def lengths(lo, hi, median, sigma):
+        return np.clip(np.round(rng.lognormal(np.log(median), sigma, n)), lo, hi).astype(int)
+
+    prompts, outputs = lengths(*s["prompt"], 1.0), lengths(*s["output"], 0.9)
+    return [Request(rng.integers(0, vocab, p).tolist(), int(o)) for p, o in zip(prompts, outputs)]
+
+
+def warm_up_requests(requests: list[Request], seed: int = 99) -> list[Request]:
+    """Requests of the same prompt lengths with other tokens (no prefix to share with the measured ones) and two
+    new tokens each: they compile the prefill shapes the measured requests take, mostly."""
+    rng = np.random.default_rng(seed)
+    vocab = max(max(r.prompt) for r in requests) + 1
+    return [Request(rng.integers(0, vocab, len(r.prompt)).tolist(), 2) for r in requests]
+
+
+def describe(requests: list[Request]) -> str:
+    p = np.asarray([len(r.prompt) for r in requests])
+    o = np.asarray([r.output for r in requests])
+    return (f"requests={len(requests)} prompt_tokens={p.sum()} output_tokens={o.sum()} prompt_p50={np.median(p):.0f} "
+            f"prompt_p99={np.percentile(p, 99):.0f} prompt_max={p.max()} output_p50={np.median(o):.0f} "
+            f"output_p99={np.percentile(o, 99):.0f} output_max={o.max()}")
+
+
+# ---- the machine and the roofline ------------------------------------------------------------------------------
+
+def machine() -> dict:
+    """The float32 matmul rate (FLOP/s) and memory bandwidth (bytes/s) of this machine, fastest of 5."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jnp.ones((2048, 2048), jnp.float32)
+    x = jnp.ones((128 << 20,), jnp.float32)  # 512 MiB
+    mm, total = jax.jit(lambda a: a @ a), jax.jit(jnp.sum)
+    jax.block_until_ready((mm(a), total(x)))
+    t_mm = t_bw = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        jax.block_until_ready(mm(a))
+        t_mm = min(t_mm, time.perf_counter() - t)
+        t = time.perf_counter()
+        jax.block_until_ready(total(x))
+        t_bw = min(t_bw, time.perf_counter() - t)
+    return dict(flops=2 * 2048 ** 3 / t_mm, bandwidth=x.nbytes / t_bw)
+
+
+def roofline(requests: list[Request], cfg, weight_bytes: int, kv_bytes_per_token: int, m: dict,
+             concurrency: int) -> dict:
+    """The workload's least time on this machine: prefill FLOPs at the matmul rate; decode at the slower of its
+    FLOPs at the matmul rate and its bytes at the memory bandwidth (the weights once per step of `concurrency`
+    sequences, each cached token's keys and values once per step that attends to it)."""
+    L, D, F, V = cfg.n_layers, cfg.d_model, cfg.ff, cfg.vocab_size
+    per_token = 2 * (L * (4 * D * D + 3 * D * F) + D * V)  # the matmuls of one token (attention projections, GLU MLP)
+    attn = 4 * L * D  # FLOPs per cached key a token attends to (q.k and p.v)
+    prefill = sum(len(r.prompt) * per_token + attn * len(r.prompt) * (len(r.prompt) + 1) / 2 for r in requests)
+    decode_flops, kv_read, out = 0.0, 0.0, 0
+    for r in requests:
+        P, O = len(r.prompt), r.output
+        decode_flops += O * per_token + attn * (O * P + O * (O - 1) / 2)
+        kv_read += kv_bytes_per_token * (O * P + O * (O - 1) / 2)
+        out += O
+    decode_bytes = out / concurrency * weight_bytes + kv_read
+    t_prefill = prefill / m["flops"]
+    t_decode = max(decode_flops / m["flops"], decode_bytes / m["bandwidth"])
+    t_bytes_only = t_prefill + decode_bytes / m["bandwidth"]
+    return dict(roofline_tok_per_s=out / (t_prefill + t_decode), roofline_bytes_only_tok_per_s=out / t_bytes_only,
+                prefill_s=t_prefill, decode_compute_s=decode_flops / m["flops"],
+                decode_memory_s=decode_bytes / m["bandwidth"])
+
+
+# ---- jaxlm serve under load --------------------------------------------------------------------------------------
 
 async def _chunks(reader: asyncio.StreamReader):
-    """A response's status and its body's pieces as they arrive (chunked transfer encoding, as a streamed
-    answer comes, or one Content-Length body)."""
+    """A response's status and its body's pieces as they arrive (chunked transfer encoding, or one
+    Content-Length body)."""
     status = int((await reader.readline()).split()[1])
     headers = {}
     while (header := await reader.readline()) not in (b"\r\n", b""):
@@ -122,45 +206,39 @@ async def _chunks(reader: asyncio.StreamReader):
     await reader.readline()
 
 
-async def _stream_completion(conn, port: int, prompt: list[int], new_tokens: int):
+async def _stream_completion(conn, port: int, r: Request):
     """One streamed completion on a keep-alive connection: (start, [(chunk arrival, tokens)], tokens)."""
     reader, writer = conn
-    body = json.dumps(_request(prompt, new_tokens)).encode()
+    body = json.dumps(dict(model="bench", prompt=r.prompt, max_tokens=r.output, temperature=0,
+                           stream=True)).encode()
     t0 = time.perf_counter()
     writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1:%d\r\ncontent-type: application/json\r\n"
                  b"content-length: %d\r\n\r\n%s" % (port, len(body), body))
-    chunks, tokens, pending = [], 0, b""
+    chunks, pending = [], b""
     async for status, data in _chunks(reader):
         if status != 200:
             raise RuntimeError(f"HTTP {status}: {data[:300]!r}")
         events = (pending + data).split(b"\n\n")
         pending = events.pop()
         for event in events:
-            if not event.startswith(b"data: {"):
-                continue
-            d = json.loads(event[6:])
-            if d.get("usage"):
-                tokens = d["usage"]["completion_tokens"]
-            elif d["choices"] and (lp := d["choices"][0]["logprobs"]) and lp["tokens"]:
-                chunks.append((time.perf_counter(), len(lp["tokens"])))
-    return t0, chunks, tokens
+            if event.startswith(b"data: {"):
+                choices = json.loads(event[6:])["choices"]
+                if choices and (n := len(choices[0]["text"].split())):
+                    chunks.append((time.perf_counter(), n))
+    return t0, chunks, sum(n for _, n in chunks)
 
 
-def run_level(port: int, prompts: list[list[int]], concurrency: int, new_tokens: int, client: str = "light") -> dict:
-    """`concurrency` clients, each streaming completions of the next prompts one after another, until all are
-    done. The light client is asyncio in this process, one keep-alive HTTP/1.1 connection per client, reading
-    the server-sent events itself; `openai` is the official client, a thread per client."""
-    if client == "openai":
-        return _run_level_openai(port, prompts, concurrency, new_tokens)
-    todo = list(enumerate(prompts))[::-1]
-    results = [None] * len(prompts)
+def run_level(port: int, requests: list[Request], concurrency: int) -> dict:
+    """`concurrency` clients, each streaming the next request's completion when its last one ends."""
+    todo = list(enumerate(requests))[::-1]
+    results = [None] * len(requests)
 
     async def one_client():
         conn = await asyncio.open_connection("127.0.0.1", port)
         try:
             while todo:
-                i, p = todo.pop()
-                results[i] = await _stream_completion(conn, port, p, new_tokens)
+                i, r = todo.pop()
+                results[i] = await _stream_completion(conn, port, r)
         finally:
             conn[1].close()
 
@@ -170,28 +248,14 @@ def run_level(port: int, prompts: list[list[int]], concurrency: int, new_tokens:
         return time.perf_counter() - t0
 
     wall = asyncio.run(level())
-    return _summary(results, concurrency, new_tokens, wall)
-
-
-def _run_level_openai(port: int, prompts: list[list[int]], concurrency: int, new_tokens: int) -> dict:
-    import openai
-
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=600)
-
-    def one(prompt):
-        t0 = time.perf_counter()
-        chunks, tokens = [], 0  # (arrival time, tokens it carries) of each chunk with tokens
-        for chunk in client.completions.create(**_request(prompt, new_tokens)):
-            if chunk.usage is not None:
-                tokens = chunk.usage.completion_tokens
-            elif chunk.choices and chunk.choices[0].logprobs and chunk.choices[0].logprobs.tokens:
-                chunks.append((time.perf_counter(), len(chunk.choices[0].logprobs.tokens)))
-        return t0, chunks, tokens
-
-    t0 = time.perf_counter()
-    with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
-        results = list(pool.map(one, prompts))
-    return _summary(results, concurrency, new_tokens, time.perf_counter() - t0)
+    total = sum(n for _, _, n in results)
+    assert total == sum(r.output for r in requests), f"{total} tokens of {sum(r.output for r in requests)}"
+    ttft = [chunks[0][0] - start for start, chunks, _ in results if chunks]
+    itl = [(b - a) / n for _, chunks, _ in results for (a, _), (b, n) in zip(chunks, chunks[1:]) for _ in range(n)]
+    pct = lambda xs, p: 1e3 * float(np.percentile(xs, p)) if xs else float("nan")  # noqa: E731
+    return dict(concurrency=concurrency, requests=len(requests), output_tok_per_s=total / wall,
+                ttft_p50_ms=pct(ttft, 50), ttft_p99_ms=pct(ttft, 99), itl_p50_ms=pct(itl, 50),
+                itl_p99_ms=pct(itl, 99), wall_s=wall)
 
 
 def line(r: dict) -> str:
@@ -200,17 +264,16 @@ def line(r: dict) -> str:
 
 @contextlib.contextmanager
 def server(folder: Path, settings: list[str]):
-    """`jaxlm serve` in its own process (its threads do not share this one's interpreter lock with the
-    clients); yields its port once it answers, stops it after."""
+    """`jaxlm serve` in its own process; yields its port once it answers, stops it after."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    settings = ["serve.max_queue=256", "serve.model_name=bench", f"serve.port={port}", "decode.stop_at_eos=false",
+    settings = ["serve.max_queue=4096", "serve.model_name=bench", f"serve.port={port}", "decode.stop_at_eos=false",
                 *settings]
     proc = subprocess.Popen([sys.executable, "-m", "jaxlm.cli", "serve", str(folder), *settings],
                             stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + 1800
         while True:
             if proc.poll() is not None or time.monotonic() > deadline:
                 sys.exit(f"jaxlm serve did not start (exit status {proc.poll()})")
@@ -218,128 +281,253 @@ def server(folder: Path, settings: list[str]):
                 if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
                     break
             except httpx.TransportError:
-                time.sleep(0.2)
+                time.sleep(0.5)
         yield port
     finally:
         proc.terminate()
         proc.wait(timeout=60)
 
 
-def serve_levels(folder: Path, slots: int, levels: list[int], new_tokens: int, repeats: int = 1,
-                 settings: tuple[str, ...] = (), client: str = "light") -> list[dict]:
-    """A server of `slots` slots (and `settings`) at each concurrency of `levels`; of `repeats` runs of a level
-    (new prompts each), the one of highest throughput, the least disturbed by other load on the machine."""
-    with server(folder, [f"serve.max_slots={slots}", f"decode.cache_length={PROMPT + new_tokens}",
-                         *settings]) as port:
-        rng = np.random.default_rng(0)
-        run_level(port, [rng.integers(0, 256, PROMPT).tolist()] * 2, 2, new_tokens)  # warm up
-        out = []
-        for c in levels:
-            runs = [run_level(port, [rng.integers(0, 256, PROMPT).tolist() for _ in range(2 * c)], c, new_tokens,
-                              client) for _ in range(repeats)]
-            out.append(max(runs, key=lambda r: r["output_tok_per_s"]))
-        return out
+def serve_levels(folder: Path, size: str, n: int) -> dict:
+    """The server (default settings) at each concurrency of the size's levels, after a warm-up pass; the last
+    level runs the n requests of seed 0, the ones the other parts run."""
+    out = {}
+    levels = SIZES[size]["levels"]
+    with server(folder, list(SIZES[size]["settings"])) as port:
+        run_level(port, warm_up_requests(workload(size, n, seed=0)), levels[-1][0])
+        for concurrency, count in levels:
+            requests = workload(size, n, seed=0) if count is None else workload(size, count, seed=concurrency)
+            out[concurrency] = run_level(port, requests, concurrency)
+            print(line(out[concurrency]), flush=True)
+    return out
 
 
-def shared_prefix_ttft(folder: Path, prefix_cache: int, new_tokens: int = 8, requests: int = 16) -> dict:
-    """16 concurrent requests: one SYSTEM-token system prompt, then PROMPT tokens of each request's own."""
-    length = SYSTEM + PROMPT + new_tokens
-    settings = [f"serve.max_slots={requests}", f"decode.cache_length={length}", f"serve.prefix_cache={prefix_cache}"]
-    with server(folder, settings) as port:
-        rng = np.random.default_rng(1)
-        warm = rng.integers(0, 256, SYSTEM + PROMPT).tolist()  # another system prompt: compiles the chunk lengths
-        run_level(port, [warm, warm], 1, new_tokens)
-        system = rng.integers(0, 256, SYSTEM).tolist()
-        prompts = [system + rng.integers(0, 256, PROMPT).tolist() for _ in range(requests)]
-        return run_level(port, prompts, requests, new_tokens)
+# ---- transformers ------------------------------------------------------------------------------------------------
+
+def hf_generate(hf, requests: list[Request], batch: int = 16) -> float:
+    """Output tokens/s of transformers' generate in batches of `batch` in arrival order: left-padded, greedy, each
+    batch generating its longest request's output; only the tokens each request asked for count."""
+    import torch
+
+    t0 = time.perf_counter()
+    for i in range(0, len(requests), batch):
+        part = requests[i:i + batch]
+        T = max(len(r.prompt) for r in part)
+        ids = torch.zeros((len(part), T), dtype=torch.long)
+        mask = torch.zeros((len(part), T), dtype=torch.long)
+        for b, r in enumerate(part):
+            ids[b, T - len(r.prompt):] = torch.tensor(r.prompt)
+            mask[b, T - len(r.prompt):] = 1
+        new = max(r.output for r in part)
+        with torch.no_grad():
+            out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                              do_sample=False, pad_token_id=0)
+        assert out.shape[1] == T + new
+    return sum(r.output for r in requests) / (time.perf_counter() - t0)
 
 
-def engine_alone(folder: Path, slots: int, prompts: np.ndarray, new_tokens: int, decode_steps: int,
-                 repeats: int) -> float:
-    """Tokens/s of the serving engine in this process, without HTTP: len(prompts) greedy sequences submitted
-    together to a `slots`-slot engine, the fastest of `repeats` runs."""
+def hf_continuous(hf, requests: list[Request], cache_bytes: int) -> float:
+    """Output tokens/s of transformers' continuous batching (the manager generate_batch runs), each request added
+    with its own max_new_tokens, greedy, end-of-sequence ignored, its paged cache given `cache_bytes` (the
+    jaxlm server's; on a CPU it would otherwise size it by the host's memory)."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    gc = GenerationConfig(max_new_tokens=max(r.output for r in requests), do_sample=False, eos_token_id=-1,
+                          pad_token_id=0)
+    c = hf.config
+    per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * 4
+    cbc = ContinuousBatchingConfig(num_blocks=max(1, cache_bytes // (256 * per_token)))
+    t0 = time.perf_counter()
+    done, total = 0, 0
+    with hf.continuous_batching_context_manager(generation_config=gc, continuous_batching_config=cbc, block=True,
+                                                timeout=5) as manager:
+        for r in requests:
+            manager.add_request(r.prompt, max_new_tokens=r.output, eos_token_id=-1)
+        while done < len(requests):
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                done += 1
+                total += len(result.generated_tokens)
+            elif result is None and not manager.is_running():
+                raise RuntimeError("transformers' continuous batching stopped early")
+    assert total == sum(r.output for r in requests), f"{total} tokens of {sum(r.output for r in requests)}"
+    return total / (time.perf_counter() - t0)
+
+
+# ---- the engine alone --------------------------------------------------------------------------------------------
+
+def engine_run(model, requests: list[Request], slots: int, params=None, **engine_kw) -> dict:
+    """The engine in this process on `requests` all submitted at once (at most `slots` decoding), over the model's
+    weights or `params`: wall time, output tokens/s, the most sequences in flight, and the process's CPU time."""
     from jaxlm.serve import engine as engine_lib
 
-    model = api.load(folder)
-    e = engine_lib.Engine(model.params, model.config.model, slots, PROMPT + new_tokens, len(prompts),
-                          decode_steps=decode_steps)
+    m = model.config.model
+    e = engine_lib.Engine(model.params if params is None else params, m, slots, m.block_size, len(requests) + 1,
+                          **engine_kw)
     e.warm_up()
     e.start()
-    best = 0.0
     try:
-        for _ in range(repeats):
-            events = [[] for _ in prompts]
-            t0 = time.perf_counter()
-            for p, ev in zip(prompts, events):
-                e.submit(engine_lib.Sequence(p.tolist(), new_tokens, 0.0, 0, 1.0, 0, 0, (), ev.append))
-            while not all(ev and ev[-1][0] == "done" for ev in events):
-                time.sleep(0.001)
-            best = max(best, len(prompts) * new_tokens / (time.perf_counter() - t0))
+        warm = [engine_lib.Sequence(r.prompt, 2, 0.0, 0, 1.0, 0, 0, (), lambda ev: None, logprobs=False,
+                                    adapter=a.adapter) for r, a in zip(warm_up_requests(requests), requests)]
+        for s in warm:
+            e.submit(s)
+        while any(s.generated < 2 for s in warm):
+            time.sleep(0.01)
+        events = [[] for _ in requests]
+        busiest = [0]
+
+        def emit(ev, i):
+            events[i].append(ev)
+            busiest[0] = max(busiest[0], e.busy_slots())
+
+        t0, cpu0 = time.perf_counter(), time.process_time()
+        for i, r in enumerate(requests):
+            e.submit(engine_lib.Sequence(r.prompt, r.output, 0.0, 0, 1.0, 0, 0, (), lambda ev, i=i: emit(ev, i),
+                                         logprobs=False, adapter=r.adapter))
+        while not all(ev and ev[-1][0] == "done" for ev in events):
+            time.sleep(0.01)
+        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     finally:
         e.stop()
-    return best
+    return dict(wall_s=wall, output_tok_per_s=sum(r.output for r in requests) / wall, in_flight=busiest[0],
+                preempted=e.preempted_total, cpu_s=cpu)
 
 
-def main():
+# ---- the toy model of the earlier figures ------------------------------------------------------------------------
+
+def toy(tmp: Path, settings: tuple[str, ...] = ()) -> dict:
+    """The earlier benchmark's model and requests: the server (defaults and `settings`) at concurrency 16 against
+    transformers' generate at batch 16."""
+    new = 64
+    _, _, hf = decode_bench.build(tmp, new)
+    folder = tmp / "jx"
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    (folder / "tokenizer").mkdir(exist_ok=True)
+    tok.save(str(folder / "tokenizer" / "tokenizer.json"))
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 256, decode_bench.PROMPT).tolist() for _ in range(2 * 16)]
+    with server(folder, [f"decode.cache_length={decode_bench.PROMPT + new}", *settings]) as port:
+        _toy_level(port, prompts[:4], 4, new)  # warm up
+        served = max(_toy_level(port, prompts, 16, new) for _ in range(3))
+    batch = np.random.default_rng(16).integers(0, 256, (16, decode_bench.PROMPT)).astype(np.int32)
+    hf_tok_s = max(decode_bench.with_transformers(hf, batch, new) for _ in range(3))
+    return dict(server_tok_per_s=served, transformers_batch16_tok_per_s=hf_tok_s, vs_transformers_toy=served / hf_tok_s)
+
+
+def _toy_level(port: int, prompts: list[list[int]], concurrency: int, new: int) -> float:
+    """Output tokens/s of `concurrency` clients streaming `new` greedy tokens after each prompt (counted from the
+    final usage)."""
+    todo = list(prompts)
+
+    async def one():
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=600) as h:
+            while todo:
+                p = todo.pop()
+                r = await h.post("/v1/completions", json=dict(model="bench", prompt=p, max_tokens=new, temperature=0))
+                assert r.json()["usage"]["completion_tokens"] == new
+
+    async def level():
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one() for _ in range(concurrency)))
+        return time.perf_counter() - t0
+
+    return len(prompts) * new / asyncio.run(level())
+
+
+# ---- main ----------------------------------------------------------------------------------------------------------
+
+def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--slots", type=int, default=32)
-    ap.add_argument("--levels", default="1,8,16,32")
-    ap.add_argument("--repeats", type=int, default=3, help="runs of each measurement (the fastest counts)")
-    ap.add_argument("--settings", default=" ".join(CPU_SETTINGS),
-                    help="serve.* settings of the --slots server (default: docs/serve.md's for a 2-core CPU host)")
-    a = ap.parse_args()
-    settings = tuple(a.settings.split())
-    levels = [int(c) for c in a.levels.split(",")]
+    ap.add_argument("--size", choices=list(SIZES), default="real")
+    ap.add_argument("--requests", type=int, default=128, help="requests at concurrency 64 (and for transformers)")
+    ap.add_argument("--parts", default="serve,hf,engine,slots,toy")
+    ap.add_argument("--model-dir", help="keep the built model here for later runs (default: a temporary folder)")
+    a = ap.parse_args(argv)
+    parts = set(a.parts.split(","))
+    report: dict = {"load_avg_start": os.getloadavg()}
     with tempfile.TemporaryDirectory() as tmp:
-        _, _, hf = decode_bench.build(Path(tmp), a.new_tokens)
-        if hf is None:
-            sys.exit("benchmarks/serve.py needs the hf extra (transformers, torch) to build its model")
-        folder = Path(tmp) / "jx"
-        byte_tokenizer(folder)
-        print(f"settings: {' '.join(settings) or '(defaults)'}", flush=True)
-        results = {r["concurrency"]: r for r in serve_levels(folder, a.slots, levels, a.new_tokens, a.repeats,
-                                                             settings)}
-        for r in results.values():
-            print(line(r), flush=True)
-        openai16 = serve_levels(folder, a.slots, [16], a.new_tokens, a.repeats, settings, client="openai")[0]
-        print("openai_client " + line(openai16), flush=True)
-        one_step = serve_levels(folder, a.slots, [16], a.new_tokens, a.repeats,
-                                settings + ("serve.decode_steps=1",))[0]
-        print("decode_steps=1 " + line(one_step), flush=True)
-        defaults16 = serve_levels(folder, a.slots, [16], a.new_tokens, a.repeats)[0]
-        print("defaults " + line(defaults16), flush=True)
-        batched = serve_levels(folder, 8, [8], a.new_tokens, a.repeats)[0]
-        print("slots8 " + line(batched), flush=True)
-        single = serve_levels(folder, 1, [8], a.new_tokens, a.repeats)[0]
-        print("one_at_a_time " + line(single), flush=True)
-        prompts = np.random.default_rng(16).integers(0, 256, (16, PROMPT)).astype(np.int32)
-        hf_tok_s = max(decode_bench.with_transformers(hf, prompts, a.new_tokens) for _ in range(a.repeats))
-        print(f"transformers_batch16_tok_per_s={hf_tok_s:.1f}", flush=True)
-        alone = {n: engine_alone(folder, a.slots, prompts, a.new_tokens, n, a.repeats) for n in (8, 1)}
-        model = api.load(folder)
-        cfg = dataclasses.replace(model.config.model, block_size=PROMPT + a.new_tokens)  # as decode.py's build
-        generate_tok_s = max(decode_bench.cached(model.params, cfg, prompts, a.new_tokens) for _ in range(a.repeats))
-        print(f"engine_alone decode_steps=8 tok_per_s={alone[8]:.1f} decode_steps=1 tok_per_s={alone[1]:.1f} "
-              f"generate_batch16_tok_per_s={generate_tok_s:.1f}", flush=True)
-        cached = shared_prefix_ttft(folder, 4)
-        print("shared_prefix prefix_cache=4 " + line(cached), flush=True)
-        uncached = shared_prefix_ttft(folder, 0)
-        print("shared_prefix prefix_cache=0 " + line(uncached), flush=True)
-    print(f"batching_speedup={batched['output_tok_per_s'] / single['output_tok_per_s']:.2f}")
-    if 16 in results:
-        print(f"vs_transformers={results[16]['output_tok_per_s'] / hf_tok_s:.2f}")
-        print(f"vs_transformers_openai_client={openai16['output_tok_per_s'] / hf_tok_s:.2f}")
-        print(f"vs_transformers_defaults={defaults16['output_tok_per_s'] / hf_tok_s:.2f}")
-        print(f"decode_steps_speedup={results[16]['output_tok_per_s'] / one_step['output_tok_per_s']:.2f}")
-        print(f"server_vs_engine={defaults16['output_tok_per_s'] / alone[8]:.2f}")
-    print(f"ttft_p50_prefix_cache={cached['ttft_p50_ms']:.1f} ttft_p50_no_prefix_cache={uncached['ttft_p50_ms']:.1f} "
-          f"prefix_cache_ttft_speedup={uncached['ttft_p50_ms'] / cached['ttft_p50_ms']:.2f}")
-    print(json.dumps({"settings": settings, "levels": list(results.values()), "openai_client": openai16,
-                      "decode_steps_1": one_step, "defaults": defaults16,
-                      "slots8": batched, "one_at_a_time": single,
-                      "transformers": hf_tok_s, "engine_alone": alone, "generate": generate_tok_s,
-                      "shared_prefix": {"prefix_cache": cached, "no_prefix_cache": uncached}}))
+        folder = Path(a.model_dir or tmp)
+        folder.mkdir(parents=True, exist_ok=True)
+        hf, jx = build(folder, a.size)
+        model = api.load(jx)
+        m = model.config.model
+        requests = workload(a.size, a.requests, seed=0)
+        print("workload " + describe(requests), flush=True)
+        mach = machine()
+        report["machine"] = mach
+        print(f"machine matmul_gflops={mach['flops'] / 1e9:.1f} membw_gbs={mach['bandwidth'] / 1e9:.1f} "
+              f"load_avg={' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+        from jaxlm.model import paged
+
+        weight_bytes = sum(x.nbytes for x in __import__("jax").tree.leaves(model.params))
+        from jaxlm.config import ServeConfig
+        from jaxlm.serve import cache_pages
+
+        server_pages = cache_pages(m, ServeConfig(), m.block_size, False)  # the server's default
+        cache_bytes = server_pages * 16 * paged.bytes_per_token(m)
+        top = SIZES[a.size]["levels"][-1][0]
+        roof = roofline(requests, m, weight_bytes, paged.bytes_per_token(m), mach, top)
+        report["roofline"] = roof
+        print(line(roof), flush=True)
+        if "serve" in parts:
+            report["serve"] = serve_levels(jx, a.size, a.requests)
+        if "hf" in parts:
+            report["transformers_generate_batch16"] = hf_generate(hf, requests)
+            print(f"transformers_generate_batch16 output_tok_per_s={report['transformers_generate_batch16']:.1f}",
+                  flush=True)
+            report["transformers_continuous_batching"] = hf_continuous(hf, requests, cache_bytes)
+            print(f"transformers_continuous_batching output_tok_per_s="
+                  f"{report['transformers_continuous_batching']:.1f}", flush=True)
+        if "engine" in parts:
+            alone = engine_run(model, requests, top, cache_pages=server_pages)
+            prefill = engine_run(model, [dataclasses.replace(r, output=1) for r in requests], top,
+                                 cache_pages=server_pages)
+            report["engine"] = dict(alone=alone, prefill_only=prefill)
+            print("engine_alone " + line(alone), flush=True)
+            print("engine_prefill_only " + line(prefill), flush=True)
+        if "slots" in parts:
+            per_token = paged.bytes_per_token(m)
+            sequences = SIZES[a.size]["slot_sequences"]
+            pages = sequences * m.block_size // 16
+            slot = engine_run(model, requests, sequences, page_size=0, prefix_cache=0)
+            paged_run = engine_run(model, requests, top, cache_pages=pages)
+            report["slots"] = dict(slot=slot, paged=paged_run, cache_gib=pages * 16 * per_token / 2**30)
+            print(f"slot_cache slots={sequences} " + line(slot), flush=True)
+            print(f"paged_cache pages={pages} " + line(paged_run), flush=True)
+        if "toy" in parts:
+            report["toy"] = toy(Path(tmp) / "toy", SIZES[a.size]["settings"])
+            print("toy " + line(report["toy"]), flush=True)
+    report["load_avg_end"] = os.getloadavg()
+    summary = {}
+    if "serve" in parts:
+        s64 = report["serve"][top]["output_tok_per_s"]
+        summary["roofline_frac"] = s64 / roof["roofline_tok_per_s"]
+        summary["roofline_frac_bytes_only"] = s64 / roof["roofline_bytes_only_tok_per_s"]
+        if "hf" in parts:
+            summary["vs_generate_real"] = s64 / report["transformers_generate_batch16"]
+            summary["vs_generate_batch_real"] = s64 / report["transformers_continuous_batching"]
+        if "engine" in parts:
+            e = report["engine"]
+            total = report["serve"][top]["wall_s"]
+            decode = e["alone"]["wall_s"] - e["prefill_only"]["wall_s"]
+            summary.update(time_prefill=e["prefill_only"]["wall_s"] / total, time_decode=decode / total,
+                           time_http_and_host=(total - e["alone"]["wall_s"]) / total)
+    if "slots" in parts:
+        sl = report["slots"]
+        summary["paged_vs_slot_sequences"] = sl["paged"]["in_flight"] / sl["slot"]["in_flight"]
+        summary["paged_vs_slot_throughput"] = sl["paged"]["output_tok_per_s"] / sl["slot"]["output_tok_per_s"]
+    if "toy" in parts:
+        summary["vs_transformers_toy"] = report["toy"]["vs_transformers_toy"]
+    for k, v in summary.items():
+        print(f"{k}={v:.2f}")
+    report["summary"] = summary
+    print(json.dumps(report, default=float))
+    return report
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """PEFT interop both ways, checked with Hugging Face's own code: a tiny random Llama made with transformers ->
 `convert from-hf` -> LoRA SFT -> `convert to-hf --adapter-only` loads in peft on the transformers base with
 jaxlm's logits, the merged export gives them through transformers alone, an adapter written by peft imports
-with peft's logits and goes on training, and adapters that do not fit stop in one line."""
+with peft's logits and goes on training, a PEFT folder served over the base (serve.adapters) gives peft's
+logits on the rows that pick it, and adapters that do not fit stop in one line."""
 
 import json
 
@@ -119,3 +120,29 @@ def test_adapters_that_do_not_fit_fail_in_one_line(tmp_path, capsys):
     code, err = convert(capsys, "from-hf", tmp_path / "hf", tmp_path / "plain")
     code, err = convert(capsys, "to-hf", tmp_path / "plain", tmp_path / "x", "--adapter-only")
     assert code == 2 and "is not a LoRA run" in err, err
+
+
+def test_a_peft_folder_served_over_its_base_gives_peft_logits(tmp_path, capsys):
+    """serve.adapters reads a PEFT folder as it is (adapters.for_serving): stacked with another adapter over the
+    converted base (lora.serving_weights), the rows that pick it get peft's logits, the rows of the base the
+    base's."""
+    from jaxlm import adapters, lora
+    from jaxlm.model import layers
+
+    hf_llama(tmp_path / "hf")
+    torch.manual_seed(2)
+    model = peft.get_peft_model(transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf"), peft.LoraConfig(
+        r=4, lora_alpha=12, target_modules=["k_proj", "o_proj", "up_proj"], init_lora_weights=False))
+    model.save_pretrained(tmp_path / "adapter")
+    code, err = convert(capsys, "from-hf", tmp_path / "hf", tmp_path / "base")
+    assert code == 0, err
+    base = jaxlm.load(tmp_path / "base")
+    one = jax.tree.leaves(base.params)[0].sharding
+    mine = adapters.for_serving(tmp_path / "adapter", base.config, one)
+    other = (jax.tree.map(lambda a: a + 0.1, mine[0]), 2.0)
+    served = lora.serving_weights(base.params, [other, mine])
+    tokens = np.random.default_rng(0).integers(0, 96, (2, 24))
+    got = np.asarray(forward(layers.with_rows(served, np.asarray([1, -1])), tokens, base.config.model))
+    theirs = logits_of(model.eval(), tokens)
+    assert np.abs(got[0] - theirs[0]).max() <= 1e-4 and np.abs(got[1] - base.logits(tokens)[1]).max() <= 1e-4
+    assert np.abs(theirs[0] - base.logits(tokens)[0]).max() > 0.01  # the adapter changes the logits

@@ -1,5 +1,9 @@
-"""The post-training benchmarks run end to end at tiny sizes and print the figures their docstrings name (the real
-sizes are measured by hand: docs/finetune.md, docs/rl.md)."""
+"""The benchmarks run end to end at tiny sizes (their figures mean nothing here; the real sizes are measured by
+hand: docs/serve.md, docs/finetune.md, docs/rl.md): benchmarks/serve.py (every part: the server's levels,
+transformers' generate and continuous batching, the engine alone, paged against slot cache, the toy model),
+benchmarks/multi_lora.py (8 adapters mixed against the base), benchmarks/speculative.py (two models trained a
+few steps, with and without the draft), the post-training benchmarks printing the figures their docstrings
+name."""
 
 import subprocess
 import sys
@@ -10,6 +14,7 @@ import pytest
 from conftest import users_environment, xla_flags
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
 def run(script: str, *args: str) -> dict[str, str]:
@@ -18,6 +23,41 @@ def run(script: str, *args: str) -> dict[str, str]:
                        env=env, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     return dict(line.split("=", 1) for line in p.stdout.splitlines() if "=" in line and " " not in line.split("=")[0])
+
+
+@pytest.mark.slow
+def test_serve_benchmark_runs_every_part_at_a_tiny_size(tmp_path):
+    pytest.importorskip("transformers")
+    pytest.importorskip("fastapi")
+    import serve as serve_bench
+
+    report = serve_bench.main(["--size", "tiny", "--requests", "8", "--model-dir", str(tmp_path)])
+    s = report["summary"]
+    for key in ("vs_generate_real", "vs_generate_batch_real", "roofline_frac", "paged_vs_slot_sequences",
+                "vs_transformers_toy", "time_prefill", "time_decode"):
+        assert s[key] > 0, key
+    assert report["slots"]["paged"]["in_flight"] > report["slots"]["slot"]["in_flight"] == 1
+    assert set(report["serve"]) == {1, 4} and report["serve"][4]["requests"] == 8
+
+
+@pytest.mark.slow
+def test_multi_lora_benchmark_runs_at_a_tiny_size(tmp_path):
+    pytest.importorskip("transformers")
+    import multi_lora
+
+    report = multi_lora.main(["--size", "tiny", "--requests", "8", "--concurrency", "4", "--rounds", "2",
+                              "--model-dir", str(tmp_path)])
+    assert report["multi_lora_vs_base"] > 0 and report["mixed"]["in_flight"] == 4
+    assert report["multi_lora_vs_base_cpu"] > 0 and report["base"]["output_tok_per_s"] > 0
+
+
+@pytest.mark.slow
+def test_speculative_benchmark_runs_at_a_tiny_size(shakespeare_file):
+    import speculative as spec_bench
+
+    results = spec_bench.main(["--tiny", "--corpus", str(shakespeare_file)])
+    assert set(results) == {"greedy", "sampled"}
+    assert all(r["tokens_per_pass"] >= 1 and 0 <= r["acceptance"] <= 1 for r in results.values())
 
 
 @pytest.mark.slow

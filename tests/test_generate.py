@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxlm import config as config_lib, generate, params as P, sharding
+from jaxlm import config as config_lib, generate, params as P, sampling, sharding
 from jaxlm.config import ConfigError, DecodeConfig, MeshConfig
 from jaxlm.configs._models import MODELS
 from jaxlm.model import forward, param_specs, transformer
@@ -89,7 +89,7 @@ def test_int8_cache_stays_close_to_full_forward():
 def draws(logits_V, n=2000, **kw):
     settings = dict(temperature=1.0, top_k=0, top_p=1.0) | kw
     logits_BV = jnp.broadcast_to(jnp.asarray(logits_V, jnp.float32), (n, len(logits_V)))
-    fn = jax.jit(generate.sample_tokens)
+    fn = jax.jit(sampling.sample_tokens)
     return np.asarray(fn(logits_BV, jax.random.key(0), settings["temperature"], settings["top_k"], settings["top_p"]))
 
 
@@ -117,7 +117,7 @@ def test_keep_mask_equals_a_sorting_reference():
     rng = np.random.default_rng(0)
     logits = np.round(rng.normal(size=(6, 1000)) * 3, 1).astype(np.float32)  # rounded: many ties
     logits[0, :5] = 40.0  # one row whose mass sits in a few tied tokens
-    fn = jax.jit(generate.keep_mask)
+    fn = jax.jit(sampling.keep_mask)
     for top_k, top_p in ((0, 0.9), (50, 1.0), (50, 0.5), (1, 1.0), (3, 0.99), (0, 0.3), (999, 0.97), (0, 1e-4)):
         want = np.zeros_like(logits, bool)
         for b, row in enumerate(logits.astype(np.float64)):
@@ -134,7 +134,7 @@ def test_keep_mask_equals_a_sorting_reference():
 def test_zero_temperature_is_greedy_and_seeds_reproduce():
     logits = jax.random.normal(jax.random.key(1), (16, 50))
     greedy = np.argmax(np.asarray(logits), -1)
-    fn = jax.jit(generate.sample_tokens)
+    fn = jax.jit(sampling.sample_tokens)
     np.testing.assert_array_equal(fn(logits, jax.random.key(0), 0.0, 0, 1.0), greedy)
     np.testing.assert_array_equal(fn(logits, jax.random.key(0), 1e-6, 0, 1.0), greedy)
     hot = [np.asarray(fn(logits, jax.random.key(s), 1.0, 0, 1.0)) for s in (0, 0, 1)]
@@ -151,7 +151,7 @@ def test_greedy_tokens_equal_argmax_with_ties_infinities_and_nans():
     logits[4, 299] = 50.0  # the last index
     want = np.asarray(jnp.argmax(jnp.asarray(logits), axis=-1))
     np.testing.assert_array_equal(want[:5], [5, 0, 3, 40, 299])
-    for fn in (generate.greedy_tokens, jax.jit(generate.greedy_tokens)):
+    for fn in (sampling.greedy_tokens, jax.jit(sampling.greedy_tokens)):
         np.testing.assert_array_equal(fn(jnp.asarray(logits)), want)
         np.testing.assert_array_equal(fn(jnp.asarray(logits[4])), want[4])  # one row, no batch axis
 
@@ -228,7 +228,7 @@ def test_generate_equals_the_stacked_decode_step(name, quantize, unroll, monkeyp
     logits, cache = jax.jit(transformer.prefill, static_argnums=(3, 4, 5))(
         params, prompts_BT, np.array([len(p) for p in prompts], np.int32), cfg, 16 + N, quantize)
     step = jax.jit(transformer.decode_step, static_argnums=3)
-    draw = jax.jit(generate.sample_tokens)
+    draw = jax.jit(sampling.sample_tokens)
     key, want = jax.random.key(5), []
     for _ in range(N):
         key, sub = jax.random.split(key)

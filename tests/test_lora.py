@@ -13,7 +13,7 @@ from conftest import tiny_config
 import jaxlm
 from jaxlm import checkpoint as ckpt, cli, config as config_lib, convert, lora, objectives, params as P, quant, sharding
 from jaxlm import step as step_lib, train
-from jaxlm.model import forward, param_specs
+from jaxlm.model import forward, layers, param_specs
 
 VOCAB = 66  # the characters of the corpus (65) and one more, so that tensor parallelism splits it
 
@@ -194,3 +194,34 @@ def test_config_json_records_lora_and_a_resume_must_match_it(char_data, tmp_path
                             ({"checkpoint.init_from": str(tmp_path / "other")}, "trained with checkpoint.init_from=")]:
         with pytest.raises(config_lib.ConfigError, match=message):
             train.train(config_lib.apply_overrides(cfg, change), jax.devices()[:1], log=lambda s: None)
+
+
+def random_adapters(cfg, seed: int, scale: float = 0.3) -> dict:
+    """Adapters of lora.specs(cfg) with A and B both random (B is zero at initialization: no effect to test)."""
+    specs = lora.specs(cfg)
+    keys = iter(jax.random.split(jax.random.key(seed), 64))
+    return jax.tree.map(lambda s: scale * jax.random.normal(next(keys), s.shape, jnp.float32), specs,
+                        is_leaf=lambda s: isinstance(s, P.ParamSpec))
+
+
+def test_each_row_runs_its_own_adapter_as_the_merged_weights_do(tmp_path):
+    """Three adapters of different ranks, scales and targets stacked over one base (lora.serving_weights): rows
+    of one batch picking adapters 0, 1, 2 and the base (-1) each get the logits of the weights with that adapter
+    merged (lora.merge), and of the base; rows of another batch in the other order get them too."""
+    cfg = tiny_config(tmp_path, None, **{"model.vocab_size": VOCAB})
+    base = P.init(param_specs(cfg.model), jax.random.key(0), sharding.make_mesh(cfg.mesh, jax.devices()[:1]))
+    cfgs = [config_lib.apply_overrides(cfg, over) for over in (
+        {"lora.rank": 4, "lora.alpha": 8.0}, {"lora.rank": 2, "lora.alpha": 16.0, "lora.targets": "q,v"},
+        {"lora.rank": 3, "lora.alpha": 3.0, "lora.targets": "o,up,down"})]
+    trees = [random_adapters(c, seed=i + 1) for i, c in enumerate(cfgs)]
+    served = lora.serving_weights(base, [(t, lora.scale(c)) for t, c in zip(trees, cfgs)])
+    q = served["layers"]["attn"]["q"]
+    assert isinstance(q, layers.RowLoraWeight) and q.a.shape[-2:] == (3, 4) and q.b.shape[1:3] == (3, 4)
+    tokens = np.random.default_rng(0).integers(0, VOCAB, (4, 16)).astype(np.int32)
+    wants = [forward(lora.merge(base, t, c), tokens, cfg.model) for t, c in zip(trees, cfgs)]
+    wants.append(forward(base, tokens, cfg.model))
+    for rows in ([0, 1, 2, -1], [-1, 2, 1, 0]):
+        got = jax.jit(lambda p, r: forward(layers.with_rows(p, r), tokens, cfg.model))(served, np.asarray(rows))
+        for b, k in enumerate(rows):
+            np.testing.assert_allclose(got[b], wants[k][b], rtol=0, atol=2e-5)
+    assert min(float(jnp.abs(w - wants[-1]).max()) for w in wants[:-1]) > 0.05  # every adapter changes the logits

@@ -1,10 +1,12 @@
 """`jaxlm serve`: the official openai client against the server on 127.0.0.1 (greedy text equal to `jaxlm
 generate`'s, streaming equal to the whole answer, echoed log-probabilities equal to the forward pass's),
-concurrent streams that each get the text they get alone, faults answered 4xx without harm, and the command
-itself. Every server binds 127.0.0.1 and is shut down; every request loop is bounded."""
+concurrent streams that each get the text they get alone, faults answered 4xx without harm, eight LoRA adapters
+mixed in decode calls answering as each merged alone, and the command itself. Every server binds 127.0.0.1 and
+is shut down; every request loop is bounded."""
 
 import concurrent.futures
 import json
+from typing import Callable
 import os
 import socket
 import subprocess
@@ -50,6 +52,36 @@ def until_done(e, events: list, timeout: float = 120, started: bool = False) -> 
             time.sleep(0.01)
     finally:
         e.stop()
+
+
+def log_decode_calls(monkeypatch, log: Callable) -> None:
+    """Call log(rows, live rows, steps) before each decode call of either cache."""
+    for name, at in (("_decode_loop", 3), ("_paged_decode_loop", 4)):  # the rows; then adapters, steps, live rows
+        def logged(*args, fn=getattr(engine_lib, name), at=at, **kw):
+            log(len(args[at]), int(np.asarray(args[at + 3]).sum()), int(args[at + 2]))
+            return fn(*args, **kw)
+
+        monkeypatch.setattr(engine_lib, name, logged)
+
+
+def log_prefill_calls(monkeypatch, log: Callable) -> None:
+    """Call log([(slot, start, length) of each real row], chunk length) before each prefill call of either cache."""
+    from jaxlm.serve import chunk as chunk_lib
+
+    def slot_chunk(params, cache, logits_BV, tokens_PC, start_P, length_P, slot_P, cfg, *rest,
+                   fn=chunk_lib.prefill_chunks):
+        log([(int(a), int(b), int(c)) for a, b, c in zip(slot_P, start_P, length_P) if a < len(cache.length)],
+            tokens_PC.shape[1])
+        return fn(params, cache, logits_BV, tokens_PC, start_P, length_P, slot_P, cfg, *rest)
+
+    def paged_chunk(params, cache, logits_BV, tokens_PC, start_P, length_P, table_PM, slot_P, adapter_P, cfg,
+                    fn=engine_lib._paged_prefill):
+        log([(int(a), int(b), int(c)) for a, b, c in zip(slot_P, start_P, length_P) if a < logits_BV.shape[0]],
+            tokens_PC.shape[1])
+        return fn(params, cache, logits_BV, tokens_PC, start_P, length_P, table_PM, slot_P, adapter_P, cfg)
+
+    monkeypatch.setattr(chunk_lib, "prefill_chunks", slot_chunk)
+    monkeypatch.setattr(engine_lib, "_paged_prefill", paged_chunk)
 
 
 @pytest.fixture(scope="module")
@@ -215,13 +247,7 @@ def test_faults_are_answered_4xx_and_harm_nothing(server, monkeypatch):
     assert httpx.post(f"{url}/v1/completions", json=good, timeout=60).json()["choices"][0]["text"] == want
 
     # a client dropped mid-stream frees its slot: steps slowed to 20 ms, 50 tokens would take a second
-    decode_loop = engine_lib._decode_loop
-
-    def slow_loop(*args, **kw):
-        time.sleep(0.02 * int(args[4]))  # args[4]: the call's steps
-        return decode_loop(*args, **kw)
-
-    monkeypatch.setattr(engine_lib, "_decode_loop", slow_loop)
+    log_decode_calls(monkeypatch, lambda rows, live, steps: time.sleep(0.02 * steps))
     before = metric(server, "jaxlm_generated_tokens_total")
     with httpx.Client(timeout=60) as h:
         with h.stream("POST", f"{url}/v1/completions", json={**good, "max_tokens": 50, "stream": True}) as r:
@@ -231,7 +257,7 @@ def test_faults_are_answered_4xx_and_harm_nothing(server, monkeypatch):
     deadline = time.monotonic() + 20
     while metric(server, "jaxlm_busy_slots") != 0 and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert metric(server, "jaxlm_busy_slots") == 0
+    assert metric(server, "jaxlm_busy_slots") == 0 and metric(server, "jaxlm_kv_pages_used") == 0
     assert metric(server, "jaxlm_generated_tokens_total") - before < 40  # cancelled, not run to its end
     monkeypatch.undo()
 
@@ -255,6 +281,130 @@ def test_faults_are_answered_4xx_and_harm_nothing(server, monkeypatch):
     finally:
         server.served.api_key = None
     assert metric(server, 'jaxlm_http_errors_total{code="400"}') >= 200
+
+
+def test_a_huge_body_is_refused_while_streams_flow_and_foreign_hosts_and_origins_are_refused(server, monkeypatch):
+    """A 50 MB body is answered 413 before it is read (a body without a Content-Length when it grows past
+    serve.max_body_mb) while 16 streams decode (steps slowed to 5 ms, so that they outlast both bodies) with no
+    gap over 100 ms between their chunks; a request naming another Host (a web page whose name was rebound to
+    127.0.0.1) or sent by a browser from another site (Origin) is refused 403; the loopback names are answered."""
+    import threading
+
+    url = f"http://127.0.0.1:{server.port}"
+    good = {"model": "tiny", "prompt": "To be", "max_tokens": 58, "temperature": 0, "stream": True}
+    gaps, texts, errors = [], [], []  # gaps: (start, end) between a stream's chunks
+    started = threading.Barrier(17)
+    log_decode_calls(monkeypatch, lambda rows, live, steps: time.sleep(0.005 * steps))
+
+    def stream():
+        try:
+            with httpx.Client(timeout=60) as h, h.stream("POST", f"{url}/v1/completions", json=good) as r:
+                last, text = None, ""
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        if last is None:
+                            started.wait(60)
+                        else:
+                            gaps.append((last, time.perf_counter()))
+                        last = time.perf_counter()
+                        text += json.loads(line[6:])["choices"][0]["text"]
+                texts.append(text)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    def huge(chunked: bool) -> bytes:
+        size = 50 << 20 if not chunked else 9 << 20
+        with socket.create_connection(("127.0.0.1", server.port)) as sock:
+            head = ("POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+                    + ("transfer-encoding: chunked\r\n" if chunked else f"content-length: {size}\r\n") + "\r\n")
+            sock.sendall(head.encode())
+            piece = b"[" + b"1," * (1 << 19)
+            try:
+                for _ in range(size // len(piece)):
+                    sock.sendall(b"%x\r\n%s\r\n" % (len(piece), piece) if chunked else piece)
+            except (BrokenPipeError, ConnectionResetError):  # answered and closed before the body was all sent
+                pass
+            return sock.recv(4096)
+
+    threads = [threading.Thread(target=stream) for _ in range(16)]
+    for t in threads:
+        t.start()
+    started.wait(60)  # every stream has its first chunk
+    t0 = time.perf_counter()
+    answer = huge(chunked=False)
+    refused_in = time.perf_counter() - t0
+    chunked_answer = huge(chunked=True)
+    t1 = time.perf_counter()
+    for t in threads:
+        t.join(60)
+    monkeypatch.undo()
+    assert not errors, errors
+    assert answer.startswith(b"HTTP/1.1 413") and b"max_body_mb" in answer, answer[:200]
+    assert chunked_answer.startswith(b"HTTP/1.1 413"), chunked_answer[:200]
+    assert refused_in < 5
+    assert len(texts) == 16 and all(len(t) == 58 for t in texts)  # char tokens: 58 each
+    during = [b - a for a, b in gaps if b > t0 and a < t1]  # the gaps while the bodies were sent and refused
+    assert len(during) >= 16 and max(during) < 0.1, sorted(during)[-5:]
+
+    body = {"model": "tiny", "prompt": "To be", "max_tokens": 2, "temperature": 0}
+    for host, want in (("evil.example", 403), (f"evil.example:{server.port}", 403), ("localhost", 200),
+                       (f"127.0.0.1:{server.port}", 200), (f"[::1]:{server.port}", 200)):
+        r = httpx.post(f"{url}/v1/completions", json=body, headers={"host": host}, timeout=60)
+        assert r.status_code == want, (host, r.status_code)
+    r = httpx.post(f"{url}/v1/completions", json=body, headers={"origin": "http://evil.example"}, timeout=60)
+    assert r.status_code == 403 and r.json()["error"]["code"] == "origin_not_allowed"
+    server.served.allowed_origins = frozenset({"http://app.example"})
+    try:
+        r = httpx.post(f"{url}/v1/completions", json=body, headers={"origin": "http://app.example"}, timeout=60)
+        assert r.status_code == 200
+    finally:
+        server.served.allowed_origins = frozenset()
+    assert metric(server, "jaxlm_busy_slots") == 0
+
+
+def test_a_refused_scoring_job_cancels_its_siblings_and_keys_come_from_a_file(tmp_path):
+    """The prompts of an echo + logprobs request are scored all or none: when the queue refuses one (429), the
+    ones submitted before it are cancelled. serve.api_key_file gives the key (not on the command line); listening
+    beyond loopback without a key prints a warning."""
+    import asyncio
+
+    from jaxlm.config import ServeConfig
+    from jaxlm.serve import app as app_lib
+    from jaxlm.serve.schemas import RequestError
+
+    class Full:  # an engine whose queue takes two items
+        def __init__(self):
+            self.submitted, self.cancelled = [], []
+
+        def submit(self, item):
+            if len(self.submitted) == 2:
+                raise engine_lib.QueueFull
+            self.submitted.append(item)
+
+        def cancel(self, item):
+            self.cancelled.append(item)
+
+    class Served:
+        engine, mailbox = Full(), app_lib.Mailbox()
+
+    async def ask():
+        with pytest.raises(RequestError) as e:
+            await app_lib._scores(Served, [[1, 2], [3, 4], [5, 6], [7, 8]], request=None)
+        return e.value
+
+    e = asyncio.run(ask())
+    assert e.status == 429 and e.code == "queue_full"
+    assert len(Served.engine.submitted) == 2 and all(x in Served.engine.cancelled for x in Served.engine.submitted)
+
+    key_file = tmp_path / "key"
+    key_file.write_text("s3cret\n")
+    sc = serve.settings_config({"serve.api_key_file": str(key_file)}).serve
+    assert serve.api_key_of(sc) == "s3cret"
+    assert serve.api_key_of(ServeConfig(api_key="direct", api_key_file=str(key_file))) == "direct"
+    assert "WARNING" in serve.exposure_warning("0.0.0.0", None)
+    assert serve.exposure_warning("0.0.0.0", "s3cret") is None and serve.exposure_warning("127.0.0.1", None) is None
+    assert serve.allowed_hosts(ServeConfig(host="0.0.0.0")) is None
+    assert serve.allowed_hosts(ServeConfig(allowed_hosts="api.example, [::1]")) == {"api.example", "::1"}
 
 
 def test_engine_queue_is_bounded_and_a_failing_prefill_fails_alone(trained):
@@ -282,10 +432,12 @@ def test_engine_queue_is_bounded_and_a_failing_prefill_fails_alone(trained):
     assert not events[2]
 
 
-def test_a_long_prompt_is_prefilled_in_chunks_between_the_other_slots_steps(trained, shakespeare_file,
-                                                                             monkeypatch):
+@pytest.mark.parametrize("page_size", [0, 16])
+def test_a_long_prompt_is_prefilled_in_chunks_between_the_other_slots_steps(trained, shakespeare_file, monkeypatch,
+                                                                             page_size):
     """A 40-token prompt with serve.prefill_chunk=16 takes three chunks, one per engine turn, and the sequence
-    already decoding gets a token in each of those turns; its greedy text equals `jaxlm generate`'s."""
+    already decoding gets a token in each of those turns; its greedy text equals `jaxlm generate`'s. With the
+    slot cache and with the paged one."""
     from jaxlm.serve import chunk as chunk_lib
 
     model = jaxlm.load(trained)
@@ -293,15 +445,10 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_the_other_slots_steps(trai
     text = shakespeare_file.read_text()[:2000]
     long_prompt = text[100:140]
     log = []
-    chunk = chunk_lib.prefill_chunks
-
-    def logged_chunk(params, cache, logits_BV, tokens_PC, start_P, length_P, slot_P, cfg, *fresh):
-        log.extend(("chunk", int(slot), int(start), tokens_PC.shape[1])
-                   for slot, start in zip(slot_P, start_P) if slot < len(cache.length))
-        return chunk(params, cache, logits_BV, tokens_PC, start_P, length_P, slot_P, cfg, *fresh)
-
-    monkeypatch.setattr(chunk_lib, "prefill_chunks", logged_chunk)
-    e = engine_lib.Engine(model.params, model.config.model, 2, 64, max_queue=4, prefill_chunk=16)
+    programs = (chunk_lib.prefill_chunks, engine_lib._paged_prefill)
+    log_prefill_calls(monkeypatch, lambda rows, C: log.extend(("chunk", slot, start, C) for slot, start, _ in rows))
+    e = engine_lib.Engine(model.params, model.config.model, 2, 64, max_queue=4, prefill_chunk=16,
+                          page_size=page_size)
     a = engine_lib.Sequence(tok.encode("To be"), 12, 0.0, 0, 1.0, 0, 0, (), lambda ev: log.append(("a", ev)))
     b = engine_lib.Sequence(tok.encode(long_prompt), 10, 0.0, 0, 1.0, 0, 0, (), lambda ev: log.append(("b", ev)))
     e.submit(a)
@@ -311,15 +458,16 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_the_other_slots_steps(trai
     while not any(x == ("b", ("done", "length")) for x in log):
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    # another length and other chunk starts: the same program (one per chunk length, here 16)
-    compiled = chunk._cache_size()
+    # another length and other chunk starts: the same programs (one per chunk length, here 16)
+    compiled = [p._cache_size() for p in programs]
     done = []
     e.submit(engine_lib.Sequence(tok.encode(text[300:323]), 2, 0.0, 0, 1.0, 0, 0, (), done.append))
     while not done or done[-1][0] != "done":
         assert time.monotonic() < deadline
         time.sleep(0.01)
     e.stop()
-    assert chunk._cache_size() == compiled
+    assert [p._cache_size() for p in programs] == compiled
+    assert e.pages_used() == 0
     b_chunks = [i for i, x in enumerate(log) if x[0] == "chunk" and x[1] == b.slot]
     assert [log[i][2:] for i in b_chunks] == [(0, 16), (16, 16), (32, 16)]
     b_first = next(i for i, x in enumerate(log) if x[0] == "b")
@@ -430,7 +578,7 @@ def test_first_chunks_prefilled_fresh_equal_the_general_prefill(family, quantize
     B, S, C = 6, 40, 8  # C fits the local layers' 8-slot ring
     rng = np.random.default_rng(1)
     cache = kvcache.init(cfg, B, S, quantize)
-    assert chunk_lib.fresh_fits(cache, C) and chunk_lib.fresh_fits(cache, 16) == ("local" not in cfg.pattern)
+    assert kvcache.fresh_fits(cache, C) and kvcache.fresh_fits(cache, 16) == ("local" not in cfg.pattern)
     logits_BV = np.zeros((B, cfg.vocab_size), np.float32)
     tokens_PC = rng.integers(0, 50, (B, 16)).astype(np.int32)  # earlier occupants of every slot: 16 positions
     cache, logits_BV = chunk_lib.prefill_chunks(params, cache, logits_BV, tokens_PC, np.zeros(B, np.int32),
@@ -468,8 +616,6 @@ def test_prompts_arriving_together_are_prefilled_together_and_change_no_output(t
     waiting prompts' next chunks, oldest first, while their tokens fit in 32, and runs those of the same padded
     length in one call (among them the rest of a 45-token prompt with two new prompts), so there are fewer
     calls than chunks; every text equals `jaxlm generate`'s."""
-    from jaxlm.serve import chunk as chunk_lib
-
     model = jaxlm.load(trained)
     tok = model.tokenizer()
     text = shakespeare_file.read_text()[:6000]
@@ -477,14 +623,7 @@ def test_prompts_arriving_together_are_prefilled_together_and_change_no_output(t
     prompts = [text[400 * i:400 * i + n] for i, n in enumerate(lengths)]
     max_tokens = [10 + 3 * (i % 4) for i in range(len(prompts))]
     calls = []
-    chunk = chunk_lib.prefill_chunks
-
-    def logged_chunk(params, cache, logits_BV, tokens_PC, start_P, length_P, slot_P, cfg, *fresh):
-        calls.append([(int(length), int(start)) for length, start, slot in zip(length_P, start_P, slot_P)
-                      if slot < len(cache.length)])
-        return chunk(params, cache, logits_BV, tokens_PC, start_P, length_P, slot_P, cfg, *fresh)
-
-    monkeypatch.setattr(chunk_lib, "prefill_chunks", logged_chunk)
+    log_prefill_calls(monkeypatch, lambda rows, C: calls.append([(length, start) for _, start, length in rows]))
     e = engine_lib.Engine(model.params, model.config.model, SLOTS, 64, max_queue=16, prefill_chunk=32)
     events = [[] for _ in prompts]
     for i, (p, m) in enumerate(zip(prompts, max_tokens)):
@@ -501,34 +640,40 @@ def test_prompts_arriving_together_are_prefilled_together_and_change_no_output(t
     assert got == [w[:m] for w, m in zip(want, max_tokens)]
 
 
-def test_prefix_cache_reuses_a_shared_prompt_and_changes_no_output(server, trained, shakespeare_file):
-    """Four prompts that share a 40-token system prompt: with the prefix cache the last three copy its keys and
-    values (the counters say how many tokens were reused and how many prefilled), and the answers are the same
-    without it and equal `jaxlm generate`'s."""
+@pytest.mark.parametrize("page_size", [0, 16])
+def test_prefix_cache_reuses_a_shared_prompt_and_changes_no_output(trained, shakespeare_file, page_size):
+    """Four prompts that share a 40-token system prompt: with the prefix cache the last three reuse its keys and
+    values (the slot cache copies a stored prompt's 40; the paged cache shares the first prompt's two full pages
+    of 16, the sequences holding them together), the counters say how many tokens were reused and how many
+    prefilled, and the answers are the same without it and equal `jaxlm generate`'s."""
+    model = jaxlm.load(trained)
+    tok = model.tokenizer()
     text = shakespeare_file.read_text()[3000:6000]
     system = text[:40]
     prompts = [system + text[200 + 50 * i: 208 + 50 * i] for i in range(4)]
-    c = client(server)
-    e = server.served.engine
-    names = ("jaxlm_prefix_cache_hits_total", "jaxlm_prefix_cache_tokens_total", "jaxlm_prefill_tokens_total")
-
-    def answers():
-        before = [metric(server, n) for n in names]
-        out = [c.completions.create(model="tiny", prompt=p, max_tokens=12, temperature=0).choices[0].text
-               for p in prompts]
-        return out, [metric(server, n) - b for n, b in zip(names, before)]
-
-    with_cache, (hits, reused, prefilled) = answers()
-    assert hits >= 3 and reused >= 3 * 40  # the first request may reuse an earlier test's prompt too
-    assert prefilled + reused == sum(map(len, prompts))
-    store = e.prefix
-    e.prefix = None
-    try:
-        without, (hits, reused, prefilled) = answers()
-    finally:
-        e.prefix = store
-    assert (hits, reused, prefilled) == (0, 0, sum(map(len, prompts)))
-    assert with_cache == without == jaxlm.load(trained).generate_text(prompts, max_new_tokens=12, temperature=0)
+    reuse = 40 if page_size == 0 else 32
+    runs = {}
+    for prefix_cache in (4, 0):
+        e = engine_lib.Engine(model.params, model.config.model, 4, 64, max_queue=8, prefix_cache=prefix_cache,
+                              page_size=page_size)
+        events = [[] for _ in prompts]
+        e.submit(engine_lib.Sequence(tok.encode(prompts[0]), 12, 0.0, 0, 1.0, 0, 0, (), events[0].append))
+        until_done(e, events[:1])
+        held = []
+        for i, p in enumerate(prompts[1:], 1):  # together, after the first: they share its pages
+            e.submit(engine_lib.Sequence(tok.encode(p), 12, 0.0, 0, 1.0, 0, 0, (),
+                                         lambda ev, i=i: (events[i].append(ev), held.append(e.pages_used()))))
+        until_done(e, events)
+        runs[prefix_cache] = [tok.decode([t for t, _, _ in token_events(ev)]) for ev in events]
+        if prefix_cache:
+            assert (e.prefix_hits_total, e.prefix_tokens_total) == (3, 3 * reuse)
+            if page_size:  # three sequences of 3 pages (48 prompt tokens + 12 new ones) sharing their first 2
+                assert max(held) == 2 + 3 * 2
+        else:
+            assert (e.prefix_hits_total, e.prefix_tokens_total) == (0, 0)
+        assert e.prefilled_tokens_total + e.prefix_tokens_total == sum(map(len, prompts))
+        assert e.pages_used() == 0
+    assert runs[4] == runs[0] == model.generate_text(prompts, max_new_tokens=12, temperature=0)
 
 
 def test_several_decode_steps_per_call_and_row_buckets_change_no_output(trained, shakespeare_file, monkeypatch):
@@ -538,10 +683,10 @@ def test_several_decode_steps_per_call_and_row_buckets_change_no_output(trained,
     per call, and with the layers scanned over the stacked cache (as a model deeper than generate.UNROLL_LAYERS,
     or one step per call, runs them) as with them unrolled over the cache taken apart, the greedy ones `jaxlm
     generate`'s cut after the stop token; and over the fewest cache slots that hold the rows' positions (16, 32
-    or 64) as over all 64. Each call runs on the smallest bucket that holds the decoding slots, with one step
-    after a prefill and twice the last call's steps else."""
+    or 64) as over all 64; and with the paged cache (layers unrolled and scanned) as with the slot cache. Each
+    call runs on the smallest bucket that holds the decoding slots, with one step after a prefill and the most
+    else."""
     from jaxlm import generate as generate_lib
-    from jaxlm.serve import chunk as chunk_lib
 
     model = jaxlm.load(trained)
     tok = model.tokenizer()
@@ -555,28 +700,21 @@ def test_several_decode_steps_per_call_and_row_buckets_change_no_output(trained,
     assert greedy[4].index("T") == 3 and greedy[6][0] == "e"
     temperature = [0, 0, 0.9, 0, 0, 0.8, 0]
     log = []
-    decode_loop, chunk = engine_lib._decode_loop, chunk_lib.prefill_chunks
-
-    def logged_loop(*args, **kw):
-        log.append((len(args[3]), int(args[5].sum()), int(args[4])))  # rows, live rows, steps
-        return decode_loop(*args, **kw)
-
-    def logged_chunk(*args, **kw):
-        log.append("chunk")
-        return chunk(*args, **kw)
-
-    monkeypatch.setattr(engine_lib, "_decode_loop", logged_loop)
-    monkeypatch.setattr(chunk_lib, "prefill_chunks", logged_chunk)
+    decode_loop = engine_lib._decode_loop
+    log_decode_calls(monkeypatch, lambda *call: log.append(call))  # rows, live rows, steps
+    log_prefill_calls(monkeypatch, lambda rows, C: log.append("chunk"))
     runs = {}
     divisors = engine_lib.SLOT_DIVISORS
-    for most, unroll, cut in ((1, False, True), (8, True, True), (8, False, True), (8, True, False)):
+    for most, unroll, cut, page_size in ((1, False, True, 0), (8, True, True, 0), (8, False, True, 0),
+                                         (8, True, False, 0), (8, True, True, 16), (8, False, True, 16)):
         monkeypatch.setattr(generate_lib, "UNROLL_LAYERS", 16 if most == 1 or unroll else 0)
         monkeypatch.setattr(engine_lib, "SLOT_DIVISORS", divisors if cut else ())
         decode_loop.clear_cache()  # the slot buckets are read when the program is traced
         e = engine_lib.Engine(model.params, model.config.model, SLOTS, 64, max_queue=16, prefill_chunk=16,
-                              decode_steps=most)
-        assert e.unroll == unroll  # one step per call scans whatever the depth
-        assert engine_lib._slot_buckets(e.cfg, e.cache) == ([16, 32, 64] if cut else [64])
+                              decode_steps=most, page_size=page_size)
+        assert e.unroll == unroll  # one step per call scans the slot cache whatever the depth
+        if not page_size:
+            assert engine_lib._slot_buckets(e.cfg, e.cache) == ([16, 32, 64] if cut else [64])
         e.warm_up()
         log.clear()
         events = [[] for _ in prompts]
@@ -595,7 +733,8 @@ def test_several_decode_steps_per_call_and_row_buckets_change_no_output(trained,
             raise
         e.submit(seqs[-1])
         until_done(e, events, started=True)
-        runs[most, unroll, cut] = events
+        assert e.pages_used() == 0
+        runs[most, unroll, cut, page_size] = events
         calls = [x for x in log if x != "chunk"]
         assert e.buckets == [8, 4, 2, 1] and {rows for rows, _, _ in calls} == {8, 4, 2, 1}
         assert all(rows == min(b for b in e.buckets if b >= live) for rows, live, _ in calls)
@@ -604,8 +743,9 @@ def test_several_decode_steps_per_call_and_row_buckets_change_no_output(trained,
         assert max(steps for _, _, steps in calls) == most
     monkeypatch.setattr(engine_lib, "SLOT_DIVISORS", divisors)
     decode_loop.clear_cache()
-    eight = runs[8, True, True]
-    for other in (runs[1, False, True], runs[8, False, True], runs[8, True, False]):
+    eight = runs[8, True, True, 0]
+    for other in (runs[1, False, True, 0], runs[8, False, True, 0], runs[8, True, False, 0], runs[8, True, True, 16],
+                  runs[8, False, True, 16]):
         for a, b in zip(other, eight):
             assert [t for t, _, _ in token_events(a)] == [t for t, _, _ in token_events(b)] and a[-1] == b[-1]
             assert np.allclose([lp for _, lp, _ in token_events(a)], [lp for _, lp, _ in token_events(b)],
@@ -618,6 +758,44 @@ def test_several_decode_steps_per_call_and_row_buckets_change_no_output(trained,
                 want = want[:want.index(tok.decode(list(stops[i]))) + 1]
             assert got == want
         assert events[-1] == ("done", "stop" if stops[i] else "length")
+
+
+def test_the_paged_cache_holds_more_sequences_in_the_same_memory_and_changes_no_output(trained, shakespeare_file):
+    """Eight sequences (greedy, sampled with their seeds, with top-p, one ending at a stop token) in a paged cache
+    of 8 pages of 16 positions: the memory of 2 slots of the slot cache's 64. The paged engine decodes more of them
+    at once (each holds only the pages its tokens fill), runs out of pages as they grow and preempts the latest
+    admitted (they prefill their prompt and the tokens sent so far again, later), and every sequence gets the
+    tokens, log-probabilities (to float rounding) and ending it gets from the slot cache with 8 slots; afterwards
+    no page is held."""
+    model = jaxlm.load(trained)
+    tok = model.tokenizer()
+    text = shakespeare_file.read_text()[:5000]
+    lengths = [5, 17, 9, 20, 3, 12, 7, 15]
+    prompts = [tok.encode(text[500 * i:500 * i + n]) for i, n in enumerate(lengths)]
+    max_tokens = [30, 24, 36, 20, 40, 28, 33, 26]
+    temperature = [0, 0.9, 0, 0.8, 0, 1.0, 0, 0.7]
+    greedy = model.generate_text(text[1000:1009], max_new_tokens=36, temperature=0)
+    stops = [()] * 8
+    stops[2] = tuple(tok.encode(greedy[20]))  # the greedy sequence of prompt 2 ends at its 21st token or before
+    runs, in_flight = {}, []
+    for page_size, slots, pages in ((0, 8, None), (16, 8, 8)):
+        e = engine_lib.Engine(model.params, model.config.model, slots, 64, max_queue=16, prefill_chunk=32,
+                              page_size=page_size, cache_pages=pages)
+        events = [[] for _ in prompts]
+        for i, p in enumerate(prompts):
+            e.submit(engine_lib.Sequence(p, max_tokens[i], temperature[i], 0, 0.9 if i == 5 else 1.0, 11 + i, 0,
+                                         stops[i], lambda ev, i=i: (events[i].append(ev),
+                                                                    in_flight.append((page_size, e.busy_slots())))))
+        until_done(e, events)
+        runs[page_size] = events
+        assert e.pages_used() == 0 and not any(e.slots)
+    assert e.preempted_total > 0
+    assert max(n for p, n in in_flight if p) > 2  # the slot cache holds 2 sequences in this memory
+    for a, b in zip(runs[0], runs[16]):
+        assert [t for t, _, _ in token_events(a)] == [t for t, _, _ in token_events(b)] and a[-1] == b[-1]
+        assert np.allclose([lp for _, lp, _ in token_events(a)], [lp for _, lp, _ in token_events(b)],
+                           rtol=0, atol=1e-4)
+    assert runs[0][2][-1] == ("done", "stop") and len(token_events(runs[0][2])) <= 21
 
 
 @pytest.mark.parametrize("quantize", [False, True])
@@ -680,10 +858,12 @@ def test_restack_puts_back_every_layer_unstack_took_apart(quantize):
                 assert np.array_equal(np.compress(~kept, a, slot_axis), np.compress(~kept, zero, slot_axis))
 
 
-def test_an_int8_cache_decodes_the_same_unrolled_and_scanned(trained, shakespeare_file, monkeypatch):
-    """With decode.quantize_kv_cache the decode program carries int8 keys, values and scales taken apart and
-    stacked back: unrolled it gives the tokens (and log-probabilities within 1e-5) of the scan over the stacked
-    cache, the greedy ones `jaxlm generate`'s with the same int8 cache."""
+@pytest.mark.parametrize("page_size", [0, 16])
+def test_an_int8_cache_decodes_the_same_unrolled_and_scanned(trained, shakespeare_file, monkeypatch, page_size):
+    """With decode.quantize_kv_cache the decode program carries int8 keys, values and scales (the slot cache's
+    taken apart and stacked back, or the paged cache's pages): unrolled it gives the tokens (and
+    log-probabilities within 1e-5) of the scan over the stacked layers, the greedy ones `jaxlm generate`'s with
+    the same int8 cache."""
     from jaxlm import generate as generate_lib
 
     model = jaxlm.load(trained)
@@ -694,8 +874,10 @@ def test_an_int8_cache_decodes_the_same_unrolled_and_scanned(trained, shakespear
     runs = {}
     for unroll in (True, False):
         monkeypatch.setattr(generate_lib, "UNROLL_LAYERS", 16 if unroll else 0)
-        e = engine_lib.Engine(model.params, model.config.model, 4, 64, max_queue=8, quantize_kv_cache=True)
-        assert e.unroll == unroll and e.cache.kinds[0].k.dtype == np.int8
+        e = engine_lib.Engine(model.params, model.config.model, 4, 64, max_queue=8, quantize_kv_cache=True,
+                              page_size=page_size)
+        k = e.cache.kinds[0]["k"] if page_size else e.cache.kinds[0].k
+        assert e.unroll == unroll and k.dtype == np.int8
         events = [[] for _ in prompts]
         for i, (p, t) in enumerate(zip(prompts, temperature)):
             e.submit(engine_lib.Sequence(tok.encode(p), 24, t, 0, 1.0, 7 + i, 0, (), events[i].append))
@@ -715,13 +897,7 @@ def test_while_a_request_waits_for_a_slot_a_call_ends_when_the_first_slot_frees(
     needs to finish, so the third is admitted in the turn right after; then the steps grow again."""
     model = jaxlm.load(trained)
     steps = []
-    decode_loop = engine_lib._decode_loop
-
-    def logged_loop(*args, **kw):
-        steps.append(int(args[4]))
-        return decode_loop(*args, **kw)
-
-    monkeypatch.setattr(engine_lib, "_decode_loop", logged_loop)
+    log_decode_calls(monkeypatch, lambda rows, live, n: steps.append(n))
     e = engine_lib.Engine(model.params, model.config.model, 2, 64, max_queue=4, prefill_chunk=16, decode_steps=8)
     events = [[], [], []]
     for i, m in enumerate((6, 30, 5)):
@@ -734,14 +910,16 @@ def test_while_a_request_waits_for_a_slot_a_call_ends_when_the_first_slot_frees(
 
 
 def test_decode_logprobs_equal_the_log_softmax():
-    """The decode program's log-probabilities (the logits picked, less the row's log-sum-exp) against the
-    log-softmax of the whole row: the token's and the top alternatives', in order."""
+    """The decode program's log-probabilities (sampling.token_logprobs: the logits picked, less the row's
+    log-sum-exp) against the log-softmax of the whole row: the token's and the top alternatives', in order."""
     import jax
     import jax.numpy as jnp
+    from jaxlm import sampling
 
     logits = jax.random.normal(jax.random.key(3), (6, 256)) * 8
     tok = jnp.asarray([0, 5, 255, 17, 3, 100], jnp.int32)
-    token_lp, top_ids, top_lp = jax.jit(engine_lib._logprobs)(logits, tok)
+    K = engine_lib.TOP_LOGPROBS
+    token_lp, top_ids, top_lp = jax.jit(sampling.token_logprobs, static_argnums=2)(logits, tok, K)
     lp = np.asarray(jax.nn.log_softmax(logits, axis=-1))
     np.testing.assert_allclose(token_lp, lp[np.arange(6), np.asarray(tok)], atol=1e-5)
     want_ids = np.argsort(-lp, axis=-1, kind="stable")[:, :engine_lib.TOP_LOGPROBS]
@@ -811,20 +989,27 @@ def test_stop_strings_are_cut_exactly_when_chunks_carry_several_tokens(server, t
 
 
 @pytest.mark.slow
-def test_serving_on_a_mesh_shards_the_weights_and_cache_and_answers_as_one_device(trained):
+@pytest.mark.parametrize("page_size", [0, 16])
+def test_serving_on_a_mesh_shards_the_weights_and_cache_and_answers_as_one_device(trained, page_size):
     """`jaxlm serve ... mesh.ici_data=2 mesh.ici_tensor=2` on 4 fake CPU devices: the weights and the KV cache
-    are sharded (kv heads over `tensor`, slots over `data`), and greedy answers equal one device's. The char
-    vocabulary (65) does not split in two, so mesh.rules keeps it whole."""
-    cfg = serve.settings_config({"serve.max_slots": 4, "max_new_tokens": 16, "serve.model_name": "tiny",
-                                 "mesh.ici_data": 2, "mesh.ici_tensor": 2, "mesh.rules": "param.vocab=;act.vocab=",
-                                 "serve.prefill_chunk": 16})
+    are sharded (kv heads over `tensor`; the slot cache's slots over `data`, the paged cache's pages whole), and
+    greedy answers equal one device's. The char vocabulary (65) does not split in two, so mesh.rules keeps it
+    whole."""
+    settings = {"serve.max_slots": 4, "serve.model_name": "tiny", "serve.prefill_chunk": 16,
+                "serve.page_size": page_size}
+    cfg = serve.settings_config({**settings, "max_new_tokens": 16, "mesh.ici_data": 2, "mesh.ici_tensor": 2,
+                                 "mesh.rules": "param.vocab=;act.vocab="})
     srv = serve.Server(serve.build(trained, cfg, log=lambda s: None), "127.0.0.1", 0).start()
     try:
         e = srv.served.engine
         assert e.mesh.shape == {**e.mesh.shape, "data": 2, "tensor": 2} and e.mesh.size == 4
-        k = e.cache.kinds[0].k  # [R, B, K, S, H]
-        assert k.sharding.shard_shape(k.shape) == (k.shape[0], k.shape[1] // 2, k.shape[2] // 2, *k.shape[3:])
-        assert e.prefix.store.kinds[0].k.sharding.is_equivalent_to(k.sharding, k.ndim)
+        if page_size:
+            k = e.cache.kinds[0]["k"]  # [R, NP, K, page, H]
+            assert k.sharding.shard_shape(k.shape) == (k.shape[0], k.shape[1], k.shape[2] // 2, *k.shape[3:])
+        else:
+            k = e.cache.kinds[0].k  # [R, B, K, S, H]
+            assert k.sharding.shard_shape(k.shape) == (k.shape[0], k.shape[1] // 2, k.shape[2] // 2, *k.shape[3:])
+            assert e.prefix.store.kinds[0].k.sharding.is_equivalent_to(k.sharding, k.ndim)
         wq = e.params["layers"]["attn"]["q"]
         assert len(wq.sharding.device_set) == 4 and wq.sharding.shard_shape(wq.shape) != wq.shape
         prompts = ["To be", "KING RICHARD:\nWhat", "First Citizen:\nBefore we proceed any"]
@@ -835,11 +1020,14 @@ def test_serving_on_a_mesh_shards_the_weights_and_cache_and_answers_as_one_devic
         srv.stop()
     assert got == jaxlm.load(trained).generate_text(prompts, max_new_tokens=16, temperature=0)
     # a server built after it in the same process without a mesh (as `jaxlm eval --tasks` does after other work)
-    # keeps its cache and prefix cache on one device, whatever layouts earlier engines compiled
-    plain_cfg = serve.settings_config({"serve.max_slots": 4, "serve.model_name": "tiny", "serve.prefill_chunk": 16})
-    plain = serve.build(trained, plain_cfg, log=lambda s: None).engine
-    assert plain.mesh is None and plain.prefix is not None
-    devices = [len(c.kinds[0].k.sharding.device_set) for c in (plain.prefix.store, plain.cache)]
+    # keeps its cache (and prefix cache) on one device, whatever layouts earlier engines compiled
+    plain = serve.build(trained, serve.settings_config(settings), log=lambda s: None).engine
+    assert plain.mesh is None
+    if page_size:
+        devices = [len(plain.cache.kinds[0]["k"].sharding.device_set)] * 2
+    else:
+        devices = [len(c.kinds[0].k.sharding.device_set) for c in (plain.prefix.store, plain.cache)]
+    plain.stop()
     assert devices == [1, 1], devices
 
 
@@ -889,6 +1077,10 @@ def test_serve_settings_fail_in_one_line(tmp_path):
         serve.settings_config({"training.steps": 3})
     with pytest.raises(ConfigError, match="not a file"):
         serve.settings_config({"serve.chat_template": str(tmp_path / "missing.jinja")})
+    with pytest.raises(ConfigError, match="serve.api_key_file=.* is not a file"):
+        serve.settings_config({"serve.api_key_file": str(tmp_path / "missing")})
+    with pytest.raises(ConfigError, match="serve.max_body_mb=0.0 must be > 0"):
+        serve.settings_config({"serve.max_body_mb": 0})
 
 
 MC_TASK = """task: jaxlm_test_mc
@@ -966,3 +1158,103 @@ def test_lm_eval_tasks_through_the_server_match_direct_scoring(trained, shakespe
     assert results["jaxlm_test_mc"]["acc,none"] == pytest.approx(want_acc)
     assert want_acc > 1 / 3  # better than chance: the trained model knows something of the text
     assert results["jaxlm_test_gen"]["exact_match,none"] == 1.0
+
+
+@pytest.fixture(scope="module")
+def adapter_folders(trained, tmp_path_factory):
+    """Eight LoRA adapters of the trained model, random A and B (B is zero at initialization: no effect to test),
+    of ranks 2 to 8, other targets and scales, each in a converted folder beside the base's weights (as `jaxlm
+    convert from-hf BASE OUT --adapter PEFT_DIR` leaves it): serving one alone serves it merged."""
+    from jaxlm import config as config_lib, convert
+    from test_lora import random_adapters
+
+    model = jaxlm.load(trained)
+    root = tmp_path_factory.mktemp("adapters")
+    targets = ["q,k,v,o", "q,v", "o,up,down", "up", "q,k,v,o,up,down", "k,o", "down", "v,up"]
+    folders = []
+    for i, t in enumerate(targets):
+        cfg = config_lib.apply_overrides(model.config, {"lora.rank": 2 + i % 7, "lora.alpha": 4.0 + i,
+                                                        "lora.targets": t})
+        folder = root / f"a{i}"
+        folder.mkdir()
+        (folder / "config.json").write_text(config_lib.to_json(cfg))
+        convert.save_params(folder / "params", model.params)
+        convert.save_params(folder / convert.ADAPTER_DIR, random_adapters(cfg, seed=10 + i, scale=0.2))
+        folders.append(folder)
+    return folders
+
+
+def test_eight_adapters_mixed_in_decode_steps_answer_as_each_merged_alone(trained, adapter_folders,
+                                                                          shakespeare_file, monkeypatch):
+    """One server with serve.adapters naming eight adapters over the base: 27 concurrent requests, three per
+    adapter and three for the base under its own name, share decode steps (one call holds rows of several
+    adapters), and each gets the greedy text and log-probabilities (to float rounding) that a server of that
+    adapter merged into the base (or of the base) gives it alone. /v1/models lists the adapters; an unknown
+    model is refused 400 in OpenAI's error shape; afterwards no page is held."""
+    names = [f"lora{i}" for i in range(len(adapter_folders))]
+    lines = [ln for ln in shakespeare_file.read_text()[:20000].splitlines() if len(ln) > 12]
+    prompts = [lines[7 * i][:5 + i] for i in range(3)]
+    settings = {"serve.max_slots": SLOTS, "serve.max_queue": 64, "max_new_tokens": 16, "serve.decode_steps": 4}
+
+    def ask(srv, model, prompt):
+        got = client(srv).completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0, logprobs=1)
+        return got.choices[0].text, got.choices[0].logprobs.token_logprobs
+
+    alone = {}
+    for name, folder in [("base", trained), *zip(names, adapter_folders)]:
+        srv = serve.Server(serve.build(folder, serve.settings_config({**settings, "serve.model_name": name}),
+                                       log=lambda s: None), "127.0.0.1", 0).start()
+        try:
+            alone[name] = [ask(srv, name, p) for p in prompts]
+        finally:
+            srv.stop()
+    assert len({tuple(t for t, _ in answers) for answers in alone.values()}) == len(alone)  # all differ
+
+    adapters = {}
+    fn = engine_lib._paged_decode_loop
+
+    def logged(*args, **kw):  # each call's adapters of its live rows
+        adapters.setdefault("calls", []).append({int(a) for a, live in zip(args[5], args[7]) if live})
+        return fn(*args, **kw)
+
+    monkeypatch.setattr(engine_lib, "_paged_decode_loop", logged)
+    cfg = serve.settings_config({**settings, "serve.model_name": "base", "serve.adapters": ",".join(
+        f"{n}={f}" for n, f in zip(names, adapter_folders))})
+    srv = serve.Server(serve.build(trained, cfg, log=lambda s: None), "127.0.0.1", 0).start()
+    try:
+        assert [m.id for m in client(srv).models.list().data] == ["base", *names]
+        jobs = [(name, i) for i in range(len(prompts)) for name in alone]
+        with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+            together = list(pool.map(lambda job: ask(srv, job[0], prompts[job[1]]), jobs))
+        for (name, i), (text, lps) in zip(jobs, together):
+            assert text == alone[name][i][0], (name, i)
+            np.testing.assert_allclose(lps, alone[name][i][1], rtol=0, atol=1e-4)
+        assert max(len(a) for a in adapters["calls"]) >= 3  # rows of several adapters in one decode call
+        r = httpx.post(f"http://127.0.0.1:{srv.port}/v1/completions", json={"model": "lora9", "prompt": "To be"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_found"
+        assert "'lora9' is not served here" in r.json()["error"]["message"]
+        assert metric(srv, "jaxlm_kv_pages_used") == 0
+    finally:
+        srv.stop()
+
+
+def test_adapters_that_cannot_be_served_fail_in_one_line(trained, adapter_folders, tmp_path):
+    from jaxlm import adapters, config as config_lib
+    from jaxlm.config import ConfigError
+
+    for value, message in [("lora0", "entry 'lora0' must be NAME=PATH"),
+                           (f"a={adapter_folders[0]},a={adapter_folders[1]}", "names 'a' twice"),
+                           (f"a={tmp_path / 'missing'}", "is not a folder")]:
+        with pytest.raises(ConfigError, match=message):
+            serve.settings_config({"serve.adapters": value})
+    model = jaxlm.load(trained)
+    with pytest.raises(ConfigError, match="the base model's own name"):
+        serve.with_adapters(model, [("tiny", str(adapter_folders[0]))], "tiny")
+    with pytest.raises(ConfigError, match="holds no LoRA adapter"):
+        adapters.for_serving(trained, model.config, None)
+    wide = tmp_path / "wide"
+    wide.mkdir()
+    (wide / "config.json").write_text(config_lib.to_json(config_lib.apply_overrides(
+        model.config, {"model.d_model": 64, "lora.rank": 4})))
+    with pytest.raises(ConfigError, match=r"adapts layers.attn.q of shape \[2, 64, 4, 16\], and the served base's"):
+        adapters.for_serving(wide, model.config, None)

@@ -1,7 +1,8 @@
-"""LoRA adapters in and out of Hugging Face PEFT's format. `jaxlm convert to-hf RUN OUT --adapter-only` writes
-adapter_config.json and adapter_model.safetensors, which `peft.PeftModel.from_pretrained(base, OUT)` loads on the
-Hugging Face base; `jaxlm convert from-hf BASE OUT --adapter PEFT_DIR` converts the base and imports an adapter
-(written by peft or by jaxlm) beside it, to serve it or to go on training it.
+"""LoRA adapters in and out of Hugging Face PEFT's format, and read for serving over a base (`serve.adapters`).
+`jaxlm convert to-hf RUN OUT --adapter-only` writes adapter_config.json and adapter_model.safetensors, which
+`peft.PeftModel.from_pretrained(base, OUT)` loads on the Hugging Face base; `jaxlm convert from-hf BASE OUT
+--adapter PEFT_DIR` converts the base and imports an adapter (written by peft or by jaxlm) beside it, to serve
+it or to go on training it.
 
 PEFT names an adapter after the module it adapts: `base_model.model.{module}.lora_A.weight` [r, in] and
 `.lora_B.weight` [out, r], {module} being the Hugging Face name of the weight without `.weight`
@@ -192,3 +193,29 @@ def import_peft(out: Path, peft_dir: str | Path, log: Callable[[str], None] = pr
     (out / "config.json").write_text(config_lib.to_json(cfg))
     log(f"imported the PEFT adapter {peft_dir} (rank {cfg.lora.rank}, alpha {cfg.lora.alpha:g}, "
         f"{cfg.lora.targets}) -> {out / convert.ADAPTER_DIR}")
+
+
+def for_serving(path: str | Path, base_cfg: Config, sharding) -> tuple[dict, float]:
+    """The adapters of one serve.adapters entry, to serve over a base of settings `base_cfg`: a PEFT adapter
+    folder (adapter_config.json), a LoRA run directory or a converted folder with an imported adapter. Returns
+    the adapters in lora.specs' layout in the base's dtype, placed by `sharding`, and their scale alpha / r. An
+    adapter made for a model of other shapes, or adapting a weight the base lacks, stops in one line; that it
+    was trained on this base's weights is the user's word (only shapes can be checked)."""
+    dtype = jax.numpy.dtype(base_cfg.model.param_dtype)
+    if (Path(path) / "adapter_config.json").is_file():
+        cfg, tree = read_peft(path, base_cfg)
+        return jax.device_put(jax.tree.map(lambda a: a.astype(dtype), tree), sharding), lora.scale(cfg)
+    cfg = convert.load_config(path)
+    if not lora.enabled(cfg):
+        raise ConvertError(f"serve.adapters: {path} holds no LoRA adapter (lora.rank=0); give a PEFT adapter "
+                           "folder, a LoRA run directory or a converted folder with an imported adapter")
+    ours, base = param_specs(cfg.model)["layers"], param_specs(base_cfg.model)["layers"]
+    for blk, name in lora.targets(cfg):
+        theirs = base.get(blk, {}).get(name)
+        if theirs is None or theirs.shape != ours[blk][name].shape:
+            have = "none" if theirs is None else list(theirs.shape)
+            raise ConvertError(f"serve.adapters: {path} adapts layers.{blk}.{name} of shape "
+                               f"{list(ours[blk][name].shape)}, and the served base's is {have}: the adapter "
+                               "belongs to another model")
+    tree = convert.restore_adapters(path, cfg, lambda t: jax.tree.map(lambda _: sharding, t))
+    return jax.tree.map(lambda a: a.astype(dtype), tree), lora.scale(cfg)

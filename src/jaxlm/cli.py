@@ -447,14 +447,23 @@ def cmd_generate(argv: list[str]) -> int:
             shown[0] = text
 
     print(f"--- sample 1{' of ' + str(len(ids)) if len(ids) > 1 else ''}\n{prompts[0]}", end="", flush=True)
-    out = generate.generate(model.params, model.config.model, ids, d, stop, on_tokens, mesh=model.mesh)
+    if d.draft:
+        from jaxlm import speculative
+
+        draft = api.load(d.draft, mesh_cfg)
+        out = speculative.generate_speculative(model.params, model.config.model, draft.params, draft.config.model,
+                                               ids, d, stop, on_tokens)
+    else:
+        out = generate.generate(model.params, model.config.model, ids, d, stop, on_tokens, mesh=model.mesh)
     print()
     for i, new in enumerate(out.tokens[1:], start=2):
         print(f"--- sample {i} of {len(ids)}\n{prompts[(i - 1) // d.num_samples]}{tok.decode(new)}")
     n = sum(map(len, out.tokens))
     print(f"--- compile {out.compile_s:.2f} s | prefill {out.prefill_s * 1e3:.1f} ms ({len(ids)} x "
           f"{max(map(len, ids))} tokens) | decode {n} tokens in {out.decode_s:.2f} s = "
-          f"{out.decode_tokens_per_s:,.1f} tokens/s", file=sys.stderr)
+          f"{out.decode_tokens_per_s:,.1f} tokens/s"
+          + (f" | draft tokens accepted {out.accepted:,} of {out.proposed:,} ({out.acceptance:.1%}), "
+             f"{n / max(out.passes, 1):.2f} tokens per pass of the model" if d.draft else ""), file=sys.stderr)
     return 0
 
 

@@ -450,25 +450,50 @@ class DecodeConfig:
     quantize_kv_cache: bool = _f(False, "store cached keys and values as int8 with a float32 scale per position and kv head")
     stop_tokens: str = _f("", "comma-separated token ids that end a sample (it is kept in the output)")
     stop_at_eos: bool = _f(True, "also stop at the model's end-of-sequence token, when its tokenizer names one")
+    draft: str = _f("", "`jaxlm generate`: a smaller model with the same tokenizer (run directory or converted "
+                        "folder) that proposes tokens for the model to verify several at a time (speculative "
+                        "decoding: the same distribution, greedy text identical)")
+    draft_tokens: int = _f(4, "tokens the draft proposes per forward pass of the model (decode.draft)")
 
 
 @dataclass(frozen=True)
 class ServeConfig:
     host: str = _f("127.0.0.1", "`jaxlm serve`: address to listen on; 0.0.0.0 opens the server to the network")
     port: int = _f(8000, "`jaxlm serve`: TCP port")
-    max_slots: int = _f(8, "sequences decoded together, each in its own slot of one KV cache; the decode step "
-                           "compiles once for this count")
+    max_slots: int = _f(64, "sequences in flight at most (decoded together; the decode step compiles for this "
+                            "count and for a half, a quarter and an eighth of it); with the slot cache "
+                            "(serve.page_size=0) each holds the whole context")
+    page_size: int = _f(16, "positions per page of the paged KV cache: a sequence holds the pages its tokens fill, "
+                            "taken as it grows and given back when it ends; 0 = the slot cache (every slot the "
+                            "whole context)")
+    cache_gib: float = _f(0.0, "memory of the paged KV cache's pages, GiB; 0 = as much as gives every slot the "
+                               "whole context, at most 4 GiB on a CPU and 80% of the free memory on an "
+                               "accelerator")
     max_queue: int = _f(64, "requests waiting for a slot at most; more are answered 429 with Retry-After")
     model_name: str = _f("", "model id of the OpenAI API (/v1/models, the `model` field); '' = the folder's name")
+    adapters: str = _f("", "LoRA adapters served over the model, as NAME=PATH,... (PATH a PEFT adapter folder, a LoRA "
+                           "run directory or a converted folder with an imported adapter): a request whose `model` "
+                           "is NAME runs with that adapter, and requests for different adapters share decode "
+                           "steps; /v1/models lists them")
     api_key: str = _f("", "answer 401 unless a request sends `Authorization: Bearer KEY`; '' = the JAXLM_API_KEY "
                           "environment variable, or no key when that is unset")
+    api_key_file: str = _f("", "a file holding the API key (its first line), so that the key is not in the command "
+                               "line that `ps` shows; used when serve.api_key is ''")
+    allowed_hosts: str = _f("", "comma-separated Host header values answered (port left out; '*' = any); '' = "
+                                "localhost, 127.0.0.1 and ::1 when serve.host is a loopback address (a web page "
+                                "that rebinds its name to 127.0.0.1 is refused), any when it is not")
+    allowed_origins: str = _f("", "comma-separated Origin values (e.g. https://app.example) whose cross-origin "
+                                  "requests are answered; '' = none: a request that a browser sends from another "
+                                  "site is refused (403)")
+    max_body_mb: float = _f(8.0, "request bodies larger than this many MiB are refused (413) before they are read")
     chat_template: str = _f("", "a Jinja chat template file for /v1/chat/completions when the tokenizer has none")
     prefill_chunk: int = _f(512, "prompt tokens prefilled per engine turn at most: a longer prompt is prefilled a "
                                  "chunk per turn between the other slots' decode steps; prefill compiles once per "
                                  "chunk length (powers of two from 16 up to this)")
-    prefix_cache: int = _f(4, "recent prompts whose keys and values stay on device for requests that start with the "
-                              "same tokens (a shared system prompt) to reuse instead of prefilling; each costs one "
-                              "slot's cache memory; 0 = off")
+    prefix_cache: int = _f(4, "share prompt prefixes: with the paged cache (any value > 0) a prompt's full pages stay "
+                              "registered and a later prompt that starts with the same tokens takes them instead of "
+                              "prefilling; with the slot cache, this many recent prompts' keys and values stay on "
+                              "device (each one slot's memory) to be copied into a slot; 0 = off")
     decode_steps: int = _f(8, "decode steps run in one device call at most, each row stopping at its stop token or "
                               "max_tokens inside the call; a turn that prefills runs one step (a new request's "
                               "first token), the others this many; 1 = one step per call")
@@ -1077,9 +1102,12 @@ def validate_decode(d: DecodeConfig) -> None:
         raise ConfigError(f"decode.top_k={d.top_k} must be >= 0 (0 = off)")
     if not 0 < d.top_p <= 1:
         raise ConfigError(f"decode.top_p={d.top_p} must be in (0, 1] (1 = off)")
-    for key in ("max_new_tokens", "num_samples"):
+    for key in ("max_new_tokens", "num_samples", "draft_tokens"):
         if getattr(d, key) <= 0:
             raise ConfigError(f"decode.{key}={getattr(d, key)} must be > 0")
+    if d.draft and not Path(d.draft).exists():
+        raise ConfigError(f"decode.draft={d.draft} does not exist; give the draft model's run directory or "
+                          "converted folder")
     if d.cache_length is not None and d.cache_length <= 0:
         raise ConfigError(f"decode.cache_length={d.cache_length} must be > 0 (or None)")
     stop_token_ids(d)
@@ -1096,8 +1124,36 @@ def validate_serve(s: ServeConfig) -> None:
                           "(each replica takes an equal share of the slots)")
     if s.prefix_cache < 0:
         raise ConfigError(f"serve.prefix_cache={s.prefix_cache} must be >= 0 (0 = off)")
+    if s.page_size < 0:
+        raise ConfigError(f"serve.page_size={s.page_size} must be >= 0 (0 = the slot cache)")
+    if s.cache_gib < 0:
+        raise ConfigError(f"serve.cache_gib={s.cache_gib} must be >= 0 (0 = automatic)")
+    if not s.max_body_mb > 0:
+        raise ConfigError(f"serve.max_body_mb={s.max_body_mb} must be > 0")
+    if s.api_key_file and not Path(s.api_key_file).is_file():
+        raise ConfigError(f"serve.api_key_file={s.api_key_file} is not a file; give a file whose first line is the key")
     if s.chat_template and not Path(s.chat_template).is_file():
         raise ConfigError(f"serve.chat_template={s.chat_template} is not a file; give a Jinja chat template file")
+    serve_adapters(s)
+
+
+def serve_adapters(s: ServeConfig) -> list[tuple[str, str]]:
+    """serve.adapters as (name, path) pairs; a malformed entry, a repeated name or a missing path stops in one
+    line."""
+    out = []
+    for entry in (e.strip() for e in s.adapters.split(",")):
+        if not entry:
+            continue
+        name, sep, path = (x.strip() for x in entry.partition("="))
+        if not (sep and name and path):
+            raise ConfigError(f"serve.adapters entry {entry!r} must be NAME=PATH (e.g. sql=runs/sql-lora)")
+        if name in (n for n, _ in out):
+            raise ConfigError(f"serve.adapters names {name!r} twice; give each adapter its own name")
+        if not Path(path).is_dir():
+            raise ConfigError(f"serve.adapters: {name}={path} is not a folder; give a PEFT adapter folder, a LoRA run "
+                              "directory or a converted folder with an imported adapter")
+        out.append((name, path))
+    return out
 
 
 def validate_compile(c: CompileConfig) -> None:

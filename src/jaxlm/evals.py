@@ -1,9 +1,13 @@
 """Downstream evaluation: lm-evaluation-harness tasks run against a model through `jaxlm serve`'s completions API.
 
 `ServerLM` is an lm-eval model class that talks to a jaxlm server over HTTP: log-likelihoods come from
-`echo` + `logprobs` completions on token-id prompts (`max_tokens` 0), generation from plain completions with
-the task's stop strings, tokenization from the server's /tokenize, so the model's own tokenizer is used
-whatever it is (jaxlm's char/byte vocabularies have no Hugging Face tokenizer for lm-eval to load).
+`echo` + `logprobs` completions on token-id prompts (`max_tokens` 0, tokens named by id, so that the greedy
+check compares ids, not text that two tokens may share), generation from plain completions with the task's
+stop strings, tokenization from the server's /tokenize, so the model's own tokenizer is used whatever it is
+(jaxlm's char/byte vocabularies have no Hugging Face tokenizer for lm-eval to load). As lm-eval's own models
+do, a document's first token is scored after a prefix token, the one that starts documents in training: the
+tokenizer's BOS, else its EOS (which ends the document before); a model with neither (jaxlm's char and byte
+vocabularies) cannot score a first token, and rolling log-likelihoods and empty contexts are refused for it.
 `jaxlm eval SRC --tasks ...` starts a server for SRC on 127.0.0.1 in this process (or uses --url), runs the
 tasks from lm-eval's registry and `--include-path` folders of task YAML files, and prints lm-eval's table.
 Nothing is downloaded: tasks must read local data (e.g. `dataset_path: json` with local `data_files`).
@@ -43,6 +47,8 @@ def server_lm(base_url: str, model: str | None = None, api_key: str | None = Non
             self.http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout_s)
             info = self._get("/v1/models")["data"][0]
             self.model, self.max_length = model or info["id"], info["max_model_len"]
+            bos, eos = info.get("bos_token_id"), info.get("eos_token_id")
+            self.prefix_token_id = bos if bos is not None else eos
 
         def _get(self, path):
             r = self.http.get(path)
@@ -64,8 +70,15 @@ def server_lm(base_url: str, model: str | None = None, api_key: str | None = Non
         def tok_encode(self, text: str) -> list[int]:
             return self._post("/tokenize", {"prompt": text})["tokens"] if text else []
 
+        def _prefix(self, what: str) -> int:
+            if self.prefix_token_id is None:
+                raise ConfigError(f"{what} needs a token that starts documents (BOS or EOS) to score a first token "
+                                  "after, and this model's tokenizer has neither")
+            return self.prefix_token_id
+
         def _score(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
-            """Sum of log p(continuation | context) and whether each continuation token is the most likely one."""
+            """Sum of log p(continuation | context) and whether each continuation token is the most likely one
+            (compared by id)."""
             out = []
             for i in range(0, len(pairs), BATCH):
                 chunk = pairs[i:i + BATCH]
@@ -77,7 +90,7 @@ def server_lm(base_url: str, model: str | None = None, api_key: str | None = Non
                                           f"context in the model's {self.max_length} positions")
                     prompts.append(ids)
                 body = {"model": self.model, "prompt": prompts, "max_tokens": 0, "echo": True, "logprobs": 1,
-                        "temperature": 0}
+                        "temperature": 0, "return_tokens_as_token_ids": True}
                 for (ctx, cont), choice in zip(chunk, self._post("/v1/completions", body)["choices"]):
                     lp = choice["logprobs"]
                     n = len(cont)
@@ -90,23 +103,22 @@ def server_lm(base_url: str, model: str | None = None, api_key: str | None = Non
             pairs = []
             for req in requests:
                 context, continuation = req.args
-                if not context:
-                    raise ConfigError("a log-likelihood request with an empty context: this model has no "
-                                      "end-of-text token to condition on")
-                pairs.append((self.tok_encode(context), self.tok_encode(continuation)))
+                ctx = self.tok_encode(context) if context else [self._prefix("a log-likelihood with an empty context")]
+                pairs.append((ctx, self.tok_encode(continuation)))
             return self._score(pairs)
 
         def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+            """Each document's log-likelihood, every token scored: lm-eval's rolling windows (the first after the
+            prefix token, each later one after the tokens before it), of max_length - 1 inputs so that a
+            window's inputs and its last target fit in the server's max_length positions."""
+            from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+            prefix = self._prefix("loglikelihood_rolling (perplexity)")
             out = []
             for req in requests:
-                ids = self.tok_encode(req.args[0])
-                # Windows of max_length tokens; each scores its tokens after the first given the ones before.
-                total, start = 0.0, 0
-                while start < len(ids) - 1:
-                    window = ids[start:start + self.max_length]
-                    total += self._score([(window[:1], window[1:])])[0][0]
-                    start += self.max_length - 1
-                out.append(total)
+                windows = [make_disjoint_window(w) for w in get_rolling_token_windows(
+                    self.tok_encode(req.args[0]), prefix, self.max_length - 1, 1)]
+                out.append(sum(lp for lp, _ in self._score(windows)))
             return out
 
         def generate_until(self, requests, disable_tqdm: bool = False):

@@ -1,4 +1,4 @@
-"""Generation: sampling rules, and two decoders with the loop on device.
+"""Generation: two decoders with the loop on device (the sampling rules are sampling.py's).
 
 `generate` prefills a batch of prompts into a KV cache (model/kvcache.py), then runs one-token decode steps in a
 lax.while_loop that stops each sequence at a stop token or after max_new_tokens and ends when all have
@@ -27,31 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxlm
-from jaxlm import sharding
+from jaxlm import sampling, sharding
 from jaxlm.config import ConfigError, DecodeConfig, ModelConfig, validate_decode
 from jaxlm.model import forward, kvcache, transformer
-
-
-def greedy_tokens(logits_BV: jax.Array) -> jax.Array:
-    """Each row's argmax as jnp.argmax gives it (the first of equal maxima; a NaN counts as the largest), int32,
-    in two passes that XLA vectorizes: the row's maximum, then the least index that holds it. jnp.argmax's
-    single variadic reduction runs 2-4x slower on XLA:CPU (16 rows of 32k logits: 0.82 -> 0.42 ms; of 256
-    logits, a serving step's sampling: 9.3 -> 2.4 us)."""
-    max_B1 = jnp.max(logits_BV, axis=-1, keepdims=True)
-    iota = jax.lax.broadcasted_iota(jnp.int32, logits_BV.shape, logits_BV.ndim - 1)
-    hit = (logits_BV == max_B1) | jnp.isnan(logits_BV)
-    return jnp.min(jnp.where(hit, iota, logits_BV.shape[-1] - 1), axis=-1)
-
-
-def sample_logits(logits_V: jax.Array, key: jax.Array, temperature: float, top_k: int) -> jax.Array:
-    """One token id from float32 logits: greedy at temperature 0, else softmax sampling over the top k."""
-    if temperature == 0.0:
-        return greedy_tokens(logits_V)
-    logits_V = logits_V / temperature
-    if top_k > 0 and top_k < logits_V.shape[-1]:
-        kth = jax.lax.top_k(logits_V, top_k)[0][..., -1:]
-        logits_V = jnp.where(logits_V < kth, -jnp.inf, logits_V)
-    return jax.random.categorical(key, logits_V, axis=-1).astype(jnp.int32)
 
 
 @partial(jax.jit, static_argnames=("cfg", "prompt_len", "new_tokens", "temperature", "top_k"))
@@ -68,7 +46,7 @@ def _sample(params, prompt, key, cfg: ModelConfig, prompt_len: int, new_tokens: 
         logits_TV = forward(params, window_T[None], cfg)[0]
         last_V = jax.lax.dynamic_index_in_dim(logits_TV, n - 1 - start, keepdims=False)
         key, sub = jax.random.split(key)
-        return buf.at[n].set(sample_logits(last_V, sub, temperature, top_k)), key
+        return buf.at[n].set(sampling.sample_tokens(last_V[None], sub, temperature, top_k, 1.0)[0]), key
 
     buf, _ = jax.lax.fori_loop(0, new_tokens, body, (buf, key))
     return buf[prompt_len: prompt_len + new_tokens]
@@ -83,76 +61,6 @@ def sample(params, cfg: ModelConfig, prompt_ids: list[int], new_tokens: int, key
     out = _sample(params, jnp.asarray(prompt_ids, jnp.int32), key, cfg, len(prompt_ids), new_tokens,
                   float(temperature), int(top_k))
     return [int(t) for t in jax.device_get(out)]
-
-
-# ---- sampling rules ---------------------------------------------------------------------------------------------
-
-def sample_tokens(logits_BV: jax.Array, key: jax.Array, temperature, top_k, top_p) -> jax.Array:
-    """One token per row from float32 logits, in the order transformers applies them: temperature, then top-k
-    (the logits at least the k-th largest, ties included, as transformers keeps them; 0 = off), then top-p (the
-    most likely tokens until their probability reaches top_p, at least one; 1 = off). Temperature 0 is greedy.
-    The settings may be traced, so changing them does not recompile.
-
-    Only what the settings need runs (lax.switch): greedy is an argmax, and plain sampling (top-k and top-p
-    off) a draw from the softmax. Top-k and top-p find their cutoffs by bisection (_cutoff) instead of sorting
-    the vocabulary: at batch 16 on a 2-core CPU a draw with top_k=50, top_p=0.9 took 4.7x less time than the
-    sort at 32k tokens and 3.5x less at 128k, with the same tokens drawn."""
-    V = logits_BV.shape[-1]
-
-    def greedy():
-        return greedy_tokens(logits_BV)
-
-    def scaled():
-        return logits_BV / jnp.maximum(temperature, jnp.finfo(jnp.float32).tiny)
-
-    def plain():
-        return jax.random.categorical(key, scaled(), axis=-1).astype(jnp.int32)
-
-    def filtered():
-        scaled_BV = scaled()
-        return jax.random.categorical(key, jnp.where(keep_mask(scaled_BV, top_k, top_p), scaled_BV, -jnp.inf),
-                                      axis=-1).astype(jnp.int32)
-
-    branch = jnp.where(temperature == 0, 0, jnp.where(((top_k > 0) & (top_k < V)) | (top_p < 1), 2, 1))
-    return jax.lax.switch(branch, (greedy, plain, filtered))
-
-
-def keep_mask(logits_BV: jax.Array, top_k, top_p) -> jax.Array:
-    """[B, V] True for the tokens top-k and then top-p keep (see sample_tokens), found without a sort."""
-    V = logits_BV.shape[-1]
-    order_BV = _ordered_int(logits_BV)
-    lo_B1, hi_B1 = jnp.min(order_BV, -1, keepdims=True), jnp.max(order_BV, -1, keepdims=True)
-    k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
-    # The k-th largest: the least t with fewer than k logits above it.
-    kth_B1 = jax.lax.cond(k < V, lambda: _cutoff(lambda t: jnp.sum(order_BV > t, -1, keepdims=True) < k,
-                                                lo_B1, hi_B1), lambda: lo_B1)
-    weights_BV = jnp.where(order_BV >= kth_B1, jnp.exp(logits_BV - jnp.max(logits_BV, -1, keepdims=True)), 0)
-    total_B1 = jnp.sum(weights_BV, -1, keepdims=True)
-    # The least logit whose more likely tokens hold less than top_p of the probability: it is kept, and every
-    # logit at least as large.
-    cut_B1 = jax.lax.cond(top_p < 1, lambda: _cutoff(
-        lambda t: jnp.sum(jnp.where(order_BV > t, weights_BV, 0), -1, keepdims=True) < top_p * total_B1,
-        kth_B1, hi_B1), lambda: kth_B1)
-    return order_BV >= cut_B1
-
-
-def _ordered_int(x: jax.Array) -> jax.Array:
-    """float32 -> int32 in the same order (negative floats' magnitude bits flipped), for exact bisection."""
-    i = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
-    return i ^ ((i >> 31) & 0x7FFFFFFF)
-
-
-def _cutoff(holds: Callable, lo_B1: jax.Array, hi_B1: jax.Array) -> jax.Array:
-    """The least int32 t in [lo, hi] per row at which holds(t) [B, 1] is true, for a `holds` that stays true
-    above it (true at hi): 32 halvings find it exactly. It is a value of the row when holds changes only
-    at the row's values."""
-    def halve(_, bounds):
-        lo, hi = bounds
-        mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)  # (lo + hi) // 2 without overflow
-        ok = holds(mid)
-        return jnp.where(ok, lo, mid + 1), jnp.where(ok, mid, hi)
-
-    return jax.lax.fori_loop(0, 32, halve, (lo_B1, hi_B1))[1]
 
 
 # ---- cached generation ------------------------------------------------------------------------------------------
@@ -227,7 +135,7 @@ def _decode(params, logits_BV, cache, key, temperature, top_k, top_p, stop_S, cf
 
     def body(c):
         key, sub = jax.random.split(c["key"])
-        tok_B = jnp.where(c["done_B"], 0, sample_tokens(c["logits_BV"], sub, temperature, top_k, top_p))
+        tok_B = jnp.where(c["done_B"], 0, sampling.sample_tokens(c["logits_BV"], sub, temperature, top_k, top_p))
         if stream:
             # Replicated first (a few ints a step): the callback reads its operands on one device.
             jax.debug.callback(_emit, c["i"], sharding.constrain(tok_B, (None,)),
@@ -293,7 +201,7 @@ _EXECUTABLES: dict = {}  # (prefill, decode) compiled for a key of shapes, shard
 _MAX_EXECUTABLES = 32
 
 
-def _compiled(params, prompts_BT, lengths_B, key, sampling, stop_S, cfg: ModelConfig, length: int,
+def _compiled(params, prompts_BT, lengths_B, key, settings, stop_S, cfg: ModelConfig, length: int,
               d: DecodeConfig, mesh, stream: bool):
     """The prefill and decode executables for these shapes, compiled once per process and reused by later calls
     with the same shapes (a server or notebook calling generate again compiles nothing)."""
@@ -310,7 +218,7 @@ def _compiled(params, prompts_BT, lengths_B, key, sampling, stop_S, cfg: ModelCo
             logits_shape, cache_shape = jax.eval_shape(partial(transformer.prefill, cfg=cfg, cache_length=first,
                                                                quantize=d.quantize_kv_cache),
                                                        params, prompts_BT, lengths_B)
-            decode = _decode.lower(params, logits_shape, cache_shape, key, *sampling, stop_S, cfg,
+            decode = _decode.lower(params, logits_shape, cache_shape, key, *settings, stop_S, cfg,
                                    d.max_new_tokens, stream, T, length, cfg.n_layers <= UNROLL_LAYERS).compile()
         if len(_EXECUTABLES) >= _MAX_EXECUTABLES:
             _EXECUTABLES.pop(next(iter(_EXECUTABLES)))  # the oldest
@@ -338,18 +246,18 @@ def generate(params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], d: Deco
     for b, p in enumerate(prompts):
         prompts_BT[b, :len(p)] = p
     lengths_B = np.asarray([len(p) for p in prompts], np.int32)
-    sampling = (jnp.float32(d.temperature), jnp.int32(d.top_k), jnp.float32(d.top_p))
+    settings = (jnp.float32(d.temperature), jnp.int32(d.top_k), jnp.float32(d.top_p))
     stop_S = jnp.asarray(list(stop_ids), jnp.int32).reshape(-1)
     key = jax.random.key(d.seed)
     t0 = time.perf_counter()
-    prefill, decode = _compiled(params, prompts_BT, lengths_B, key, sampling, stop_S, cfg, length, d, mesh,
+    prefill, decode = _compiled(params, prompts_BT, lengths_B, key, settings, stop_S, cfg, length, d, mesh,
                                 on_tokens is not None)
     t1 = time.perf_counter()
     logits_BV, cache = jax.block_until_ready(prefill(params, prompts_BT, lengths_B))
     t2 = time.perf_counter()
     _STREAM.append(_InOrder(on_tokens) if on_tokens is not None else None)
     try:
-        out_BN, count_B = jax.block_until_ready(decode(params, logits_BV, cache, key, *sampling, stop_S))
+        out_BN, count_B = jax.block_until_ready(decode(params, logits_BV, cache, key, *settings, stop_S))
         jax.effects_barrier()
     finally:
         _STREAM.pop()

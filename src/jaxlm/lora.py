@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jaxlm import metrics, params as P, quant
 from jaxlm.config import Config, ConfigError
 from jaxlm.model import param_specs
-from jaxlm.model.layers import LoraWeight
+from jaxlm.model.layers import LoraWeight, RowLoraWeight
 from jaxlm.model.transformer import MATMUL_WEIGHTS
 
 HF_NAMES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "up": "up_proj", "gate": "gate_proj",
@@ -124,6 +124,36 @@ def merge(base: dict, adapters: dict, cfg: Config) -> dict:
         return (dense.astype(jnp.float32) + s * delta.reshape(*a.shape[:k], *b.shape[2:])).astype(dense.dtype)
 
     return jax.jit(lambda b_, a_: _adapted(b_, a_, one))(base, adapters)
+
+
+def serving_weights(base: dict, adapters: list[tuple[dict, float]]) -> dict:
+    """The weights that serve several adapters over one base, a request's rows each with its own
+    (layers.RowLoraWeight, the server's serve.adapters): every weight that one of `adapters` (trees laid out as
+    `specs`, each with its scale alpha / r) adapts holds all of them, in the given order, their scales folded
+    into B; an adapter that leaves the weight alone adds zeros there, and smaller ranks are padded with zeros
+    to the largest. Adapter k of a row multiplies as merge(base, adapter k) does, up to float rounding."""
+    adapted = sorted({(blk, name) for tree, _ in adapters for blk, names in tree["layers"].items() for name in names})
+    out = {**base, "layers": {**base["layers"]}}
+    for blk, name in adapted:
+        mine = [(tree["layers"].get(blk, {}).get(name), s) for tree, s in adapters]
+        some = next(ad for ad, _ in mine if ad is not None)
+        L, k = some["a"].shape[0], some["a"].ndim - 2  # a [L, *in, r], b [L, r, *out]
+        in_shape, out_shape = some["a"].shape[1:1 + k], some["b"].shape[2:]
+        r = max(ad["a"].shape[-1] for ad, _ in mine if ad is not None)
+        dt = some["a"].dtype
+        a_parts, b_parts = [], []
+        for ad, s in mine:
+            a_k = jnp.zeros((L, *in_shape, r), dt) if ad is None else jnp.pad(
+                ad["a"].astype(dt), [(0, 0)] * (k + 1) + [(0, r - ad["a"].shape[-1])])
+            b_k = jnp.zeros((L, r, *out_shape), dt) if ad is None else jnp.pad(
+                (s * ad["b"].astype(jnp.float32)).astype(dt), [(0, 0), (0, r - ad["b"].shape[1])]
+                + [(0, 0)] * len(out_shape))
+            a_parts.append(a_k)
+            b_parts.append(b_k)
+        rows = jnp.zeros((L, 0), jnp.int32)  # set by each call (layers.with_rows)
+        out["layers"][blk] = {**out["layers"][blk], name: RowLoraWeight(
+            base["layers"][blk][name], jnp.stack(a_parts, axis=-2), jnp.stack(b_parts, axis=1), rows)}
+    return out
 
 
 # ---- the frozen base ------------------------------------------------------------------------------------------

@@ -378,3 +378,40 @@ def attend_one(q_B1NH, kT_BKHS, v_BKSH, mask_B1S, scale=None, softcap=None, sink
     probs_BKGS = softmax(logits_BKGS, sinks_KG).astype(v_BKSH.dtype)
     out_BKGH = jnp.einsum("BKGS,BKSH->BKGH", probs_BKGS, v_BKSH, preferred_element_type=jnp.float32)
     return out_BKGH.reshape(B, 1, N, v_BKSH.shape[-1]).astype(q_B1NH.dtype)
+
+
+def chunk_entries(entries, rows: dict | None, take_PS, src_PS, quantized: bool, dtype):
+    """The keys and values a chunk of new tokens [P, C] attends to and the slot cache's updated rows
+    (transformer.prefill_chunks): `entries` are the chunk's own (k, v [P, C, K, H]), `rows` its sequences'
+    cached k, v [P, K, S, H] (and scales) of this layer, take_PS which slots take a chunk entry and src_PS from
+    which chunk index (kvcache.chunk_layout). Returns k, v [P, K, X, H] in `dtype` (X = S + C: the cached ones,
+    then the chunk's) and the rows' new k, v (and scales). With `rows` None (chunks that start their prompts,
+    `fresh`) the keys are the chunk's own (X = C) and the update is those, for slots 0..C-1."""
+    keys = []
+    new = {}
+    for name, x_PCKH in zip(("k", "v"), entries):
+        own_PKCH = x_PCKH.transpose(0, 2, 1, 3)
+        if rows is None:
+            keys.append(own_PKCH.astype(dtype))
+            new[name], new[f"{name}_scale"] = kvcache.store(own_PKCH, quantized)
+            continue
+        old_PKSH = kvcache.read(rows[name], rows[f"{name}_scale"], dtype)
+        keys.append(jnp.concatenate([old_PKSH, own_PKCH.astype(dtype)], axis=2))
+        x_PSKH = jnp.take_along_axis(x_PCKH, src_PS[:, :, None, None], axis=1)
+        x_PKSH, scale_PKS = kvcache.store(x_PSKH.transpose(0, 2, 1, 3), quantized)
+        new[name] = jnp.where(take_PS[:, None, :, None], x_PKSH.astype(rows[name].dtype), rows[name])
+        new[f"{name}_scale"] = None if not quantized else jnp.where(take_PS[:, None], scale_PKS,
+                                                                    rows[f"{name}_scale"])
+    return keys[0], keys[1], new
+
+
+def attention_chunk(h_PCD, p, cfg, q_pos_PC, k_pos_PX, rows: dict | None, take_PS, src_PS, kind: str,
+                    quantized: bool):
+    """Attention of chunks of new tokens [P, C] at positions q_pos_PC over their sequences' earlier keys in the
+    slot cache and their own (chunk_entries; k_pos_PX the positions of the keys seen). Returns the output and
+    the rows' updated k, v (and scales)."""
+    with jax.named_scope("attention"):
+        q_PCNH, entries = project_entries(h_PCD, p, cfg, q_pos_PC, kind)
+        k_PKXH, v_PKXH, new = chunk_entries(entries, rows, take_PS, src_PS, quantized, q_PCNH.dtype)
+        mask_PCX = kind_mask(cfg, kind, q_pos_PC, k_pos_PX)
+        return attend_entries(q_PCNH, k_PKXH, v_PKXH, mask_PCX, p, cfg), new

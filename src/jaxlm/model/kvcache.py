@@ -288,3 +288,24 @@ def write_layer(x: jax.Array, new: jax.Array, slot_B: jax.Array, slot_axis: int)
     index = [jnp.arange(x.shape[0])] + [slice(None)] * (x.ndim - 1)
     index[slot_axis] = slot_B
     return x.at[tuple(index)].set(new.astype(x.dtype))
+
+
+def chunk_layout(pos_S, start, end, chunk_k_pos_C):
+    """Where one sequence's chunk of positions [start, end) goes in a kind's S slots that hold positions pos_S
+    (transformer.prefill_chunks): the positions of the keys its queries see [X = S + C] (the slots' earlier ones,
+    then the chunk's own, chunk_k_pos_C), which slots take a chunk entry [S], from which chunk index [S], and the
+    positions the slots then hold [S]. A slot holding a position at or past `start` is left over from an earlier
+    occupant (or a dummy decode step): masked (EMPTY), and overwritten before a later query can see it."""
+    S, C = pos_S.shape[0], chunk_k_pos_C.shape[0]
+    s_S = jnp.arange(S, dtype=jnp.int32)
+    latest_S = s_S + S * jnp.floor_divide(end - 1 - s_S, S)  # the latest position < end held by each slot
+    take_S = latest_S >= start
+    old_k_pos_S = jnp.where(pos_S < start, pos_S, EMPTY)
+    return (jnp.concatenate([old_k_pos_S, chunk_k_pos_C]), take_S, jnp.clip(latest_S - start, 0, C - 1),
+            jnp.where(take_S, latest_S, pos_S))
+
+
+def fresh_fits(cache: KVCache, C: int) -> bool:
+    """Whether chunks of C tokens that start their prompts can take transformer.prefill_chunks' `fresh` path: every kind
+    holds position s in slot s for s < C (C no more than its slots, a ring buffer's included)."""
+    return all(C <= c.pos.shape[1] for c in cache.kinds)

@@ -122,6 +122,25 @@ def attend_entries(q_BTNA, kr_B1Sr, c_B1SC, mask_BTS, p, cfg):
     return attention.project_out(layers.dot("BTNC,CNv->BTNv", ctx_BTNC, p["v_b"]), p)
 
 
+def absorb_query(q_BTNA, p, cfg):
+    """Queries with k_b absorbed [B, T, N, C + r]: (q_nope k_b^T, q_rope), whose product with a cached token's
+    absorbed_keys is its score (before the scale), as attend_entries computes it. A paged decode step (model/
+    paged.py) runs latent attention as one kv head this way, its values the latents (absorbed_output)."""
+    h = cfg.qk_nope_head_dim
+    q_lat_BTNC = layers.dot("BTNh,CNh->BTNC", q_BTNA[..., :h], p["k_b"])
+    return jnp.concatenate([q_lat_BTNC, q_BTNA[..., h:].astype(q_lat_BTNC.dtype)], axis=-1)
+
+
+def absorbed_keys(kr_BKSr, c_BKSC):
+    """The keys absorb_query's queries meet: latent and rotary key side by side [..., C + r]."""
+    return jnp.concatenate([c_BKSC, kr_BKSr.astype(c_BKSC.dtype)], axis=-1)
+
+
+def absorbed_output(ctx_BTNC, p):
+    """The layer's output [B, T, D] from the attention-weighted latents of each head [B, T, N, C]."""
+    return attention.project_out(layers.dot("BTNC,CNv->BTNv", ctx_BTNC, p["v_b"]), p)
+
+
 def attention_decode(x_B1D, p, cfg, positions_B1, cache: dict, r, slot_B, k_positions_BS, kind="global"):
     """`attention.attention_decode` of a latent layer: its stacked cache entry holds the rotary keys in k
     [R, B, 1, S, r] and the latents in v [R, B, 1, S, C]."""
@@ -139,3 +158,13 @@ def attention_decode_layer(x_B1D, p, cfg, positions_B1, layer: dict, slot_B, k_p
         new, krT_B1rS, c_B1SC = attention.store_layer(layer, entries, slot_B, q_B1NA.dtype)
         mask_B1S = attention.kind_mask(cfg, kind, positions_B1, k_positions_BS)
         return attend_entries(q_B1NA, krT_B1rS.swapaxes(2, 3), c_B1SC, mask_B1S, p, cfg), new
+
+
+def attention_chunk(h_PCD, p, cfg, q_pos_PC, k_pos_PX, rows: dict | None, take_PS, src_PS, kind: str,
+                    quantized: bool):
+    """`attention.attention_chunk` of a latent layer (its rows' k the rotary keys, v the latents)."""
+    with jax.named_scope("latent_attention"):
+        q_PCNA, entries = project_entries(h_PCD, p, cfg, q_pos_PC, kind)
+        kr_P1Xr, c_P1XC, new = attention.chunk_entries(entries, rows, take_PS, src_PS, quantized, q_PCNA.dtype)
+        mask_PCX = attention.kind_mask(cfg, kind, q_pos_PC, k_pos_PX)
+        return attend_entries(q_PCNA, kr_P1Xr, c_P1XC, mask_PCX, p, cfg), new

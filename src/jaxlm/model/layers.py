@@ -57,6 +57,50 @@ def _lora_dot(spec: str, x: jax.Array, w: LoraWeight) -> jax.Array:
     return y + low.reshape(*lead, *w.b.shape[1:]).astype(y.dtype)
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["base", "a", "b", "rows"], meta_fields=[])
+@dataclasses.dataclass
+class RowLoraWeight:
+    """A frozen weight with n LoRA adapters, one chosen per row of the batch (S-LoRA, Punica): `dot` multiplies
+    row p of x by base + A_k B_k, k = rows[p] (-1: the base alone), so that requests for different adapters share
+    one matmul of the base. For a weight [*in, *out]: a [*in, n, r], b [n, r, *out] with each adapter's scale
+    (alpha / r) folded in and ranks padded with zeros to the largest; rows [P] (int32). Stacked layers put
+    `layers` first in all four; rows until a call sets them (with_rows) is [*layers, 0]."""
+
+    base: object
+    a: jax.Array
+    b: jax.Array
+    rows: jax.Array
+
+
+def with_rows(params, rows_P: jax.Array):
+    """The weights with every RowLoraWeight's adapter of each row set to rows_P [P] (params unchanged when they
+    hold none)."""
+    def one(w):
+        if not isinstance(w, RowLoraWeight):
+            return w
+        return dataclasses.replace(w, rows=jnp.broadcast_to(rows_P.astype(jnp.int32),
+                                                            (*w.rows.shape[:-1], rows_P.shape[0])))
+
+    return jax.tree.map(one, params, is_leaf=lambda w: isinstance(w, RowLoraWeight))
+
+
+def _row_lora_dot(spec: str, x: jax.Array, w: RowLoraWeight) -> jax.Array:
+    """x base + each row's (x A_k) B_k: the inputs times every adapter's A at once [.., n r] (one matmul; n r is
+    small against the width), the other adapters' columns zeroed, times every adapter's B stacked [n r, out]."""
+    n_in = w.a.ndim - 2
+    lhs, rest = spec.split(",")
+    rhs, out = rest.split("->")
+    if not (rhs[:n_in] == lhs[-n_in:] and out == lhs[:-n_in] + rhs[n_in:]):
+        raise ValueError(f"a LoRA weight multiplies as x[..., *in] @ w[*in, *out]; {spec!r} is not of that form")
+    P, (n, r), k = x.shape[0], w.a.shape[-2:], math.prod(w.a.shape[:n_in])
+    xa = jnp.dot(x.reshape(-1, k), w.a.astype(x.dtype).reshape(k, n * r), preferred_element_type=x.dtype)
+    mine_P1n1 = (w.rows[:, None] == jnp.arange(n, dtype=jnp.int32))[:, None, :, None]
+    xa = jnp.where(mine_P1n1, xa.reshape(P, -1, n, r), 0).reshape(-1, n * r)
+    low = jnp.dot(xa, w.b.astype(x.dtype).reshape(n * r, -1), preferred_element_type=x.dtype)
+    y = dot(spec, x, w.base)
+    return y + low.reshape(y.shape).astype(y.dtype)
+
+
 def dot(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
     """Every dense matmul of the model goes through here: operands and result in x's dtype, accumulated in
     float32 by the matmul itself (TPU's MXU, cuBLAS and XLA:CPU all accumulate bf16 products in float32). A
@@ -68,6 +112,8 @@ def dot(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
     and length at once) goes through a slow transposing copy."""
     if isinstance(w, LoraWeight):
         return _lora_dot(spec, x, w)
+    if isinstance(w, RowLoraWeight):
+        return _row_lora_dot(spec, x, w)
     if isinstance(w, quant.NF4Weight):  # QLoRA's frozen base: dequantized here, one layer at a time
         w = quant.dequantize_nf4(w, x.dtype)
     if quant.applies(w):
@@ -117,6 +163,9 @@ def matmul_weight(w: jax.Array, axes: tuple[str | None, ...], dtype) -> jax.Arra
         return dataclasses.replace(w, base=matmul_weight(w.base, axes, dtype),
                                    a=pin_grad(w.a.astype(dtype), (*axes[:n_in], None)),
                                    b=pin_grad(w.b.astype(dtype), (None, *axes[n_in:])))
+    if isinstance(w, RowLoraWeight):  # served, never differentiated
+        return dataclasses.replace(w, base=matmul_weight(w.base, axes, dtype), a=w.a.astype(dtype),
+                                   b=w.b.astype(dtype))
     if quant.applies(w) or isinstance(w, quant.NF4Weight):
         return w
     return pin_grad(w.astype(dtype), axes)

@@ -1,8 +1,8 @@
 """The one forward pass shared by every family: embed, a scanned stack of pre-norm blocks, norm, logits.
 
 Families differ only through named ModelConfig options (norm kind, biases, post-norms, soft-caps, local or
-global attention per layer, dense or mixture-of-experts MLP); there is no per-family code path. `prefill` and
-`decode_step` are the same blocks run over a KV cache (model/kvcache.py) for generation.
+global attention per layer, dense or mixture-of-experts MLP); there is no per-family code path. `prefill`,
+`decode_step` and `prefill_chunks` are the same blocks run over a KV cache (model/kvcache.py) for generation.
 
 Shape legend: B batch, T length, D model width, V vocab, L layers, N heads, K kv heads, H head width,
 F MLP hidden width, E experts, P layers per repeat of cfg.layer_pattern, S cache slots.
@@ -16,7 +16,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxlm import quant
 from jaxlm.config import ConfigError, ModelConfig
-from jaxlm.model import attention, kvcache, latent, layers, moe, pipeline, stack
+from jaxlm.model import attention, kvcache, latent, layers, moe, paged, pipeline, stack
 from jaxlm.params import ParamSpec, normal
 from jaxlm.sharding import constrain
 from jaxlm.sharding import pipeline as pipeline_settings
@@ -593,3 +593,124 @@ def loss_terms(params: dict, tokens_BT: jax.Array, targets_BT: jax.Array, cfg: M
         terms["load_balancing"] = _aux(stats_L3E, cfg)
         loss = loss + cfg.router_aux_loss_coef * terms["load_balancing"]
     return loss, terms
+
+
+@quant.scoped
+def prefill_chunks(params: dict, cache: kvcache.KVCache, tokens_PC: jax.Array, start_P: jax.Array,
+                   length_P: jax.Array, slot_P: jax.Array, cfg: ModelConfig, fresh: bool = False
+                   ) -> tuple[kvcache.KVCache, jax.Array]:
+    """Run, for each row p (P rows here, of chunks of C tokens), prompt tokens [start_P[p], start_P[p] + C)
+    (tokens_PC[p]; those at or past length_P[p] are padding) in slot slot_P[p], whose cache holds the prompt's
+    positions before start_P[p].
+    Returns the cache with each row's keys and values and length min(start + C, length) in its slot, and each
+    row's logits after its chunk's last real token [P, V] (the next token's, once the chunk reaches the prompt's
+    end). A slot may appear in one row only, or be B, past the last (a padding row: reads slot B - 1, writes
+    nothing). A row's layout and mask depend only on its own start, length and cached positions, so each row
+    gets what it would get alone. The server's slot cache prefills prompts this way, a chunk at a time between
+    decode steps, and after a prefix copied into the slot (serve/engine.py).
+    `fresh` (every start_P 0, and fresh_fits): the slots' earlier contents are neither read nor kept, only
+    written: the chunk's keys and values go to slots 0..C-1 and every later slot is emptied (EMPTY)."""
+    C = tokens_PC.shape[1]
+    positions_PC = start_P[:, None] + jnp.arange(C, dtype=jnp.int32)
+    end_P = jnp.minimum(start_P + C, length_P)
+    # Padding takes the last real position, valid for learned position tables; its keys are masked (EMPTY).
+    q_pos_PC = jnp.minimum(positions_PC, length_P[:, None] - 1)
+    chunk_k_pos_PC = jnp.where(positions_PC < length_P[:, None], positions_PC, kvcache.EMPTY)
+    x_PCD = constrain(embed(params, tokens_PC, cfg, q_pos_PC), ("batch", "length", "embed"))
+    # per kind: key positions [P, X], which slots take a chunk entry [P, S], from where [P, S], new positions
+    if fresh:  # keys: the chunk's own; slots 0..C-1 take its positions, the rest are emptied
+        P = tokens_PC.shape[0]
+        layouts = [(chunk_k_pos_PC, None, None, jnp.concatenate(
+            [chunk_k_pos_PC, jnp.full((P, c.pos.shape[1] - C), kvcache.EMPTY, jnp.int32)], axis=1))
+            for c in cache.kinds]
+    else:
+        layouts = [jax.vmap(kvcache.chunk_layout)(jnp.take(c.pos, slot_P, axis=0, mode="clip"), start_P, end_P,
+                                                  chunk_k_pos_PC) for c in cache.kinds]
+    attn_mod = latent if cfg.latent else attention
+
+    def step(x_PCD, p, kind, j, r, rows_j):
+        k_pos_PX, take_PS, src_PS, _ = layouts[j]
+
+        def attn(h_PCD, p_attn):
+            return attn_mod.attention_chunk(h_PCD, p_attn, cfg, q_pos_PC, k_pos_PX, None if fresh else rows_j,
+                                            take_PS, src_PS, kind.attention, cache.kinds[j].k_scale is not None)
+
+        x_PCD, _, new = _block(x_PCD, p, cfg, attn)
+        return x_PCD, new
+
+    # Slots slot_P of each kind's cache (slot B, a padding row's, reads slot B - 1).
+    names = ("k", "v", "k_scale", "v_scale")
+    rows = None if fresh else tuple({name: None if getattr(c, name) is None else jnp.take(
+        getattr(c, name), slot_P, axis=1, mode="clip") for name in names} for c in cache.kinds)
+    with jax.named_scope("prefill_chunks"):
+        x_PCD, new_rows = stack.run(cfg, params["layers"], step, x_PCD, rows)
+        last_P1D = jnp.take_along_axis(x_PCD, (end_P - 1 - start_P)[:, None, None], axis=1)
+        logits_PV = unembed(params, last_P1D, cfg)[:, 0]
+
+    def put(a, x_P, axis, first=None):  # slot B (padding) is dropped; `first`: into slots 0..first-1 only
+        index = (slice(None),) * axis + (slot_P,) + (() if first is None else (slice(None), slice(0, first)))
+        return a.at[index].set(x_P.astype(a.dtype), mode="drop")
+
+    kinds = []
+    for c, new, layout in zip(cache.kinds, new_rows, layouts):
+        arrays = {name: None if getattr(c, name) is None else constrain(
+            put(getattr(c, name), new[name], 1, C if fresh else None),
+            (None,) + kvcache.CACHE_AXES[:getattr(c, name).ndim - 1]) for name in names}
+        kinds.append(kvcache.KindCache(pos=put(c.pos, layout[3], 0), **arrays))
+    return kvcache.KVCache(tuple(kinds), put(cache.length, end_P, 0)), logits_PV
+
+
+@quant.scoped
+def paged_forward(params: dict, cache: paged.PagedCache, tokens_PC: jax.Array, start_P: jax.Array,
+                  length_P: jax.Array, table_PM: jax.Array, cfg: ModelConfig,
+                  layer_params: tuple[dict, ...] | None = None, all_logits: bool = False
+                  ) -> tuple[jax.Array, paged.PagedCache]:
+    """Run tokens [P, C] of P sequences over the paged cache (model/paged.py), each row from position start_P[p]
+    through its page table table_PM[p]: the tokens below length_P[p] are real (the rest padding: neither
+    written nor attended to), their cache entries are written into the row's pages, and each attends to the
+    row's keys before it. One function for every cached step of the server: a prompt's chunk (C up to the
+    chunk length, after the pages of its earlier chunks or of a shared prefix), a decode step (C = 1; a row
+    with length_P 0 does nothing) and a speculative verification (C = draft tokens + 1). Returns float32 logits,
+    of every token [P, C, V] with `all_logits`, else of each row's last real token [P, V], and the cache.
+
+    `layer_params` (layer_weights: the layers' weights one by one, taken apart once before a decode loop) runs
+    the layers unrolled, each reading and writing its own slice of the stacked pool; else the layers go through
+    stack.run (scanned groups). The table's pages must cover every real token's position (the caller allocates
+    them)."""
+    P, C = tokens_PC.shape
+    A = cache.page_size
+    positions_PC = start_P[:, None] + jnp.arange(C, dtype=jnp.int32)
+    end_P = jnp.clip(length_P, start_P, start_P + C)
+    real_PC = positions_PC < end_P[:, None]
+    # Padding takes the last real position (valid for learned position tables) and is masked as a key.
+    q_pos_PC = jnp.maximum(jnp.minimum(positions_PC, end_P[:, None] - 1), 0)
+    slot_PC = jnp.take_along_axis(table_PM, jnp.clip(positions_PC // A, 0, table_PM.shape[1] - 1), axis=1)
+    page_PC = jnp.where(real_PC, slot_PC, cache.pages)  # past the pool: the write is dropped
+    off_PC = positions_PC % A
+    flat = C <= paged.FLAT_MAX_QUERIES
+    x_PCD = constrain(embed(params, tokens_PC, cfg, q_pos_PC), ("batch", "length", "embed"))
+
+    def layer(carry, p, kind, j, r, _):
+        x_PCD, kinds = carry
+
+        def attn(h_PCD, p_attn):
+            return paged.attention(h_PCD, p_attn, cfg, kinds[j], r, q_pos_PC, page_PC, off_PC, table_PM, end_P,
+                                   kind.attention, flat)
+
+        x_PCD, _, arrays = _block(x_PCD, p, cfg, attn)
+        return (x_PCD, kinds[:j] + (arrays,) + kinds[j + 1:]), None
+
+    kinds = tuple(cache.kinds)
+    P_ = len(cfg.pattern)
+    with jax.named_scope("paged"):
+        if layer_params is not None:
+            lay = stack.layout(cfg)
+            for i, p in enumerate(layer_params):
+                (x_PCD, kinds), _ = layer((x_PCD, kinds), p, lay.kinds[i], i % P_, i // P_, None)
+        else:
+            (x_PCD, kinds), _ = stack.run(cfg, params["layers"], lambda carry, p, *rest: layer(
+                carry, _matmul_weights(p, cfg), *rest), (x_PCD, kinds))
+        if not all_logits:
+            x_PCD = jnp.take_along_axis(x_PCD, jnp.maximum(end_P - 1 - start_P, 0)[:, None, None], axis=1)
+        logits = unembed(params, x_PCD, cfg)
+    return (logits if all_logits else logits[:, 0]), paged.PagedCache(kinds)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 from jaxlm import config as config_lib, sharding
+from jaxlm.model import paged
 from jaxlm.config import Config, ConfigError
 from jaxlm.data import tokenizer as tokenizer_lib
 
@@ -69,22 +70,129 @@ def build(src: str | Path, cfg: Config, log: Callable[[str], None] = print):
         raise ConfigError(f"serve.replicas={sc.replicas} runs engines side by side on one device; with a mesh of "
                           f"{model.mesh.size} devices keep serve.replicas=1 (one engine sharded over them)")
     R = sc.replicas
-    engines = [engine_lib.Engine(model.params, m, sc.max_slots // R, length, Replicas.split(sc.max_queue, R),
+    pages = cache_pages(m, sc, length, d.quantize_kv_cache) // R if sc.page_size else None
+    name = sc.model_name or Path(src).resolve().name
+    names, params = with_adapters(model, config_lib.serve_adapters(sc), name)
+    engines = [engine_lib.Engine(params, m, sc.max_slots // R, length, Replicas.split(sc.max_queue, R),
                                  d.quantize_kv_cache, model.mesh, sc.prefill_chunk, sc.prefix_cache,
-                                 sharding.rules_from_config(cfg.mesh), sc.decode_steps) for _ in range(R)]
+                                 sharding.rules_from_config(cfg.mesh), sc.decode_steps, sc.page_size, pages)
+               for _ in range(R)]
     engine = engines[0] if R == 1 else Replicas(engines)
     engine.warm_up()
     engine.start()
-    api_key = sc.api_key or os.environ.get("JAXLM_API_KEY") or None
+    api_key = api_key_of(sc)
     served = app_lib.Served(engine, tok.encode, lambda text: api.encode_prompt(tok, text), tok.encode_rendered,
-                            tok.decode, sc.model_name or Path(src).resolve().name, m.vocab_size, d, stop,
-                            chat_template(model, sc.chat_template), api_key)
+                            tok.decode, name, m.vocab_size, d, stop,
+                            chat_template(model, sc.chat_template), api_key, tok.bos_id, tok.eos_id,
+                            allowed_hosts(sc), frozenset(o.strip() for o in sc.allowed_origins.split(",") if o.strip()),
+                            int(sc.max_body_mb * 2**20), length * (longest_token(tok) + 1), names)
     replicas = f" in {R} replicas" if R > 1 else ""
-    log(f"jaxlm serve: {served.name} | {sc.max_slots} slots{replicas} x {length} positions | up to "
+    if sc.page_size:
+        per_page = paged.bytes_per_token(m, d.quantize_kv_cache) * sc.page_size
+        cache = (f"KV cache of {pages * R} pages of {sc.page_size} positions ({pages * R * per_page / 2**30:.2f} "
+                 f"GiB, {pages * R * sc.page_size} positions)")
+    else:
+        cache = "slot KV cache"
+    log(f"jaxlm serve: {served.name} | {cache} | {sc.max_slots} sequences{replicas} x {length} positions | up to "
         f"{sc.decode_steps} decode steps per call | prefill chunks of "
         f"{sc.prefill_chunk} | prefix cache {sc.prefix_cache or 'off'} | "
+        f"{'LoRA adapters ' + ','.join(names) + ' | ' if names else ''}"
         f"{'API key required' if api_key else 'no API key'}")
+    if (warning := exposure_warning(sc.host, api_key)) is not None:
+        log(warning)
     return served
+
+
+def with_adapters(model, entries: list[tuple[str, str]], name: str) -> tuple[tuple[str, ...], dict]:
+    """The names of serve.adapters' adapters and the weights that serve them over the model's
+    (lora.serving_weights; the model's own weights when there are none)."""
+    if not entries:
+        return (), model.params
+    import jax
+
+    from jaxlm import adapters as adapters_lib, lora
+
+    if name in (n for n, _ in entries):
+        raise ConfigError(f"serve.adapters names {name!r}, the base model's own name; give the adapter another")
+    leaf = jax.tree.leaves(model.params)[0]
+    one = (jax.sharding.NamedSharding(model.mesh, jax.sharding.PartitionSpec()) if model.mesh is not None
+           else leaf.sharding)
+    loaded = [adapters_lib.for_serving(path, model.config, one) for _, path in entries]
+    return tuple(n for n, _ in entries), lora.serving_weights(model.params, loaded)
+
+
+CPU_CACHE_GIB = 4.0  # the paged cache's memory on a CPU by default (vLLM's CPU backend takes 4 GiB too)
+ACCELERATOR_CACHE_FRACTION = 0.8  # of an accelerator's free memory, by default
+
+
+def cache_pages(m, sc, length: int, quantize: bool) -> int:
+    """Pages of the paged KV cache: serve.cache_gib of them, or by default as many as give each of
+    serve.max_slots the whole context (the slot cache's memory), at most CPU_CACHE_GIB on a CPU and
+    ACCELERATOR_CACHE_FRACTION of the free memory of an accelerator."""
+    import jax
+
+    per_page = paged.bytes_per_token(m, quantize) * sc.page_size
+    if sc.cache_gib:
+        return max(1, int(sc.cache_gib * 2**30 // per_page))
+    pages = sc.max_slots * -(-length // sc.page_size)
+    device = jax.devices()[0]
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    if stats and "bytes_limit" in stats:
+        budget = ACCELERATOR_CACHE_FRACTION * (stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+    else:
+        budget = CPU_CACHE_GIB * 2**30
+    return max(1, min(pages, int(budget // per_page)))
+
+
+def exposure_warning(host: str, api_key: str | None) -> str | None:
+    """The line `jaxlm serve` prints when it listens beyond loopback without an API key."""
+    if api_key or is_loopback(host):
+        return None
+    return (f"jaxlm serve: WARNING: serve.host={host} is reachable beyond this machine and no API key is set: "
+            "anyone who reaches the port can use the model. Set serve.api_key_file (or JAXLM_API_KEY), and put TLS "
+            "in front (docs/serve.md, Security)")
+
+
+def is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def allowed_hosts(sc) -> frozenset | None:
+    """The Host header names answered: serve.allowed_hosts ('*' = any), else the loopback names on a loopback
+    address and any on another (the server cannot know every name that reaches it there)."""
+    from jaxlm.serve import app as app_lib
+
+    names = frozenset(h.strip().lower().strip("[]") for h in sc.allowed_hosts.split(",") if h.strip())
+    if "*" in names:
+        return None
+    if names:
+        return names
+    return app_lib.LOOPBACK_HOSTS if is_loopback(sc.host) else None
+
+
+def api_key_of(sc) -> str | None:
+    """serve.api_key, else the first line of serve.api_key_file, else $JAXLM_API_KEY; None when none is set."""
+    if sc.api_key:
+        return sc.api_key
+    if sc.api_key_file:
+        text = Path(sc.api_key_file).read_text().strip()
+        key = text.splitlines()[0].strip() if text else ""
+        if not key:
+            raise ConfigError(f"serve.api_key_file={sc.api_key_file} is empty; its first line must be the key")
+        return key
+    return os.environ.get("JAXLM_API_KEY") or None
+
+
+def longest_token(tok) -> int:
+    """The most characters one token's text holds, so that a text longer than the context's tokens times this
+    cannot fit in it (app._encode refuses it before tokenizing). One for char and byte vocabularies."""
+    longest = 1
+    for i in range(tok.vocab_size):
+        try:
+            longest = max(longest, len(tok.decode([i])))
+        except Exception:  # noqa: BLE001 - an id a tokenizer cannot decode alone holds no text to count
+            continue
+    return longest
 
 
 class Server:

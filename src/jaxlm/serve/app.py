@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import hmac
-import json
 import random
 import threading
 import time
@@ -31,6 +30,8 @@ from jaxlm.serve import schemas
 from jaxlm.serve.schemas import RequestError, error_body
 
 RETRY_AFTER_S = 1
+LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
+PARSE_OFF_LOOP_BYTES = 1 << 20  # request bodies parsed, and texts tokenized, in a worker thread from this size
 _random = random.Random()  # request ids and the seeds of requests without one (seeded by the OS at import)
 
 
@@ -82,6 +83,13 @@ class Served:
     stop_ids: tuple[int, ...]
     chat_template: Callable[[list[dict]], str] | None
     api_key: str | None
+    bos_id: int | None = None  # the tokenizer's, for clients that score a document's first token (evals.py)
+    eos_id: int | None = None
+    allowed_hosts: frozenset | None = LOOPBACK_HOSTS  # Host header values answered (None: any)
+    allowed_origins: frozenset = frozenset()  # Origin header values answered (browsers' cross-origin requests)
+    max_body_bytes: int = 8 << 20
+    max_prompt_chars: int | None = None  # prompt texts longer than this cannot fit the context (_encode)
+    adapters: tuple[str, ...] = ()  # LoRA adapters served over the model (serve.adapters): engine adapter i's name
     errors: dict = field(default_factory=dict)  # status -> count, for /metrics
     mailbox: Mailbox = field(default_factory=Mailbox)
 
@@ -156,36 +164,87 @@ class Choice:
 
 
 def _json_error(status: int, message: str, param: str | None = None, code: str | None = None, headers=None):
-    kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-            429: "rate_limit_error"}.get(status, "server_error")
+    kind = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+            404: "not_found_error", 413: "invalid_request_error", 429: "rate_limit_error"}.get(status, "server_error")
     return JSONResponse(error_body(message, kind, param, code), status_code=status, headers=headers)
 
 
+class BodyTooLarge(Exception):
+    """A request body without a Content-Length grew past serve.max_body_mb while it was read."""
+
+
+def host_name(header: bytes) -> str:
+    """The name of a Host header, its port left out ("[::1]:8000" -> "::1")."""
+    host = header.decode("latin-1").strip().lower()
+    if host.startswith("["):
+        return host[1:host.find("]")] if "]" in host else host
+    name, _, port = host.rpartition(":")
+    return name if name and port.isdigit() else host
+
+
 class Guard:
-    """ASGI middleware: the API key check (every path but /health) and the count of error answers. Plain ASGI
-    rather than Starlette's BaseHTTPMiddleware, which would hide a client's disconnect from streaming answers."""
+    """ASGI middleware, in front of every route: the Host header's allow-list (a web page whose name was rebound to
+    127.0.0.1 sends its own name: refused, 403), a browser's cross-origin request refused unless its Origin is
+    allowed (403), the API key (every path but /health; 401), the body limit (413: a Content-Length past it is
+    refused before the body is read, a body without one when it grows past it), and the count of error
+    answers. Plain ASGI rather than Starlette's BaseHTTPMiddleware, which would hide a client's disconnect from
+    streaming answers."""
 
     def __init__(self, app, served: Served):
         self.app, self.s = app, served
+
+    async def _refuse(self, scope, receive, send, status: int, message: str, code: str):
+        self.s.errors[status] = self.s.errors.get(status, 0) + 1
+        # A body too large is not read: the connection closes after the answer rather than take in the rest.
+        headers = {"connection": "close"} if status == 413 else None
+        await _json_error(status, message, code=code, headers=headers)(scope, receive, send)
 
     async def __call__(self, scope, receive, send):
         s = self.s
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if s.allowed_hosts is not None and host_name(headers.get(b"host", b"")) not in s.allowed_hosts:
+            return await self._refuse(scope, receive, send, 403, "this Host is not served here (serve.allowed_hosts)",
+                                      "host_not_allowed")
+        origin = headers.get(b"origin")
+        if origin is not None and origin.decode("latin-1") not in s.allowed_origins:
+            return await self._refuse(scope, receive, send, 403, "cross-origin requests are refused unless their "
+                                      "Origin is in serve.allowed_origins", "origin_not_allowed")
         if s.api_key and scope["path"] != "/health":
-            got = dict(scope["headers"]).get(b"authorization", b"")
+            got = headers.get(b"authorization", b"")
             if not hmac.compare_digest(got, f"Bearer {s.api_key}".encode()):
-                s.errors[401] = s.errors.get(401, 0) + 1
-                response = _json_error(401, "missing or wrong API key: send the header Authorization: Bearer KEY",
-                                       code="invalid_api_key")
-                return await response(scope, receive, send)
+                return await self._refuse(scope, receive, send, 401, "missing or wrong API key: send the header "
+                                          "Authorization: Bearer KEY", "invalid_api_key")
+        length = headers.get(b"content-length")
+        too_large = f"the request body is larger than serve.max_body_mb={s.max_body_bytes / 2**20:g} MiB"
+        if length is not None and (not length.isdigit() or int(length) > s.max_body_bytes):
+            return await self._refuse(scope, receive, send, 413, too_large, "request_too_large")
+        received = 0
+
+        async def counted_receive():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > s.max_body_bytes:
+                raise BodyTooLarge
+            return message
+
+        started = False
 
         async def counting_send(message):
-            if message["type"] == "http.response.start" and message["status"] >= 400:
-                s.errors[message["status"]] = s.errors.get(message["status"], 0) + 1
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                if message["status"] >= 400:
+                    s.errors[message["status"]] = s.errors.get(message["status"], 0) + 1
             await send(message)
 
-        await self.app(scope, receive, counting_send)
+        try:
+            await self.app(scope, counted_receive if length is None else receive, counting_send)
+        except BodyTooLarge:
+            if not started:
+                await self._refuse(scope, receive, send, 413, too_large, "request_too_large")
 
 
 def create_app(s: Served) -> FastAPI:
@@ -212,8 +271,10 @@ def _info_routes(app: FastAPI, s: Served) -> None:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": s.name, "object": "model", "created": 0, "owned_by": "jaxlm",
-                                            "max_model_len": s.engine.S}]}
+        common = {"object": "model", "created": 0, "owned_by": "jaxlm", "max_model_len": s.engine.S,
+                  "bos_token_id": s.bos_id, "eos_token_id": s.eos_id}
+        return {"object": "list", "data": [{"id": s.name, **common}] + [
+            {"id": name, **common, "parent": s.name} for name in s.adapters]}
 
     @app.get("/metrics")
     async def metrics():
@@ -224,7 +285,7 @@ def _info_routes(app: FastAPI, s: Served) -> None:
         body = await _body(request)
         if not isinstance(body, dict) or not isinstance(body.get("prompt", body.get("text")), str):
             raise RequestError("give the text to tokenize as {\"prompt\": TEXT}", "prompt")
-        ids = _encode(s, body.get("prompt", body.get("text")))
+        ids = await _encode(s, body.get("prompt", body.get("text")), bounded=False)
         return {"tokens": ids, "count": len(ids), "max_model_len": s.engine.S}
 
 
@@ -234,15 +295,15 @@ def _completion_route(app: FastAPI, s: Served) -> None:
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await _body(request)
-        _check_model(s, body)
+        adapter, model = _check_model(s, body)
         req = schemas.completion(body, s.decode_cfg)
-        ids = [_encode(s, p, s.encode_prompt) if isinstance(p, str) else _check_ids(s, p) for p in req.prompts]
+        ids = [await _encode(s, p, s.encode_prompt) if isinstance(p, str) else _check_ids(s, p) for p in req.prompts]
         max_tokens = [_max_tokens(s, len(p), req.sampling.max_tokens) for p in ids]
         want_scores = req.echo and req.logprobs is not None
-        scores = await asyncio.gather(*(_score(s, p) for p in ids)) if want_scores else [None] * len(ids)
-        choices = _start(s, ids, max_tokens, req.sampling, req.logprobs)
+        scores = await _scores(s, ids, request, adapter) if want_scores else [None] * len(ids)
+        choices = _start(s, ids, max_tokens, req.sampling, req.logprobs, adapter)
         head = {"id": _request_id("cmpl"), "object": "text_completion", "created": int(time.time()),
-                "model": s.name}
+                "model": model}
 
         def prompt_logprobs(i):
             if not want_scores:
@@ -255,7 +316,7 @@ def _completion_route(app: FastAPI, s: Served) -> None:
         def choice_body(k, c: Choice, text: str, fresh: list, finish):
             out = {"index": k, "text": text, "logprobs": None, "finish_reason": finish}
             if req.logprobs is not None:
-                out["logprobs"] = _completion_logprobs(s, fresh, req.logprobs)
+                out["logprobs"] = _completion_logprobs(s, fresh, req.logprobs, req.token_ids)
             return out
 
         prompt_texts = [p if isinstance(p, str) else s.decode(ids[i]) for i, p in enumerate(req.prompts)]
@@ -280,7 +341,7 @@ def _chat_route(app: FastAPI, s: Served) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await _body(request)
-        _check_model(s, body)
+        adapter, model = _check_model(s, body)
         req = schemas.chat(body, s.decode_cfg)
         if s.chat_template is None:
             raise RequestError("this model's tokenizer has no chat template: use /v1/completions, or start the "
@@ -289,11 +350,11 @@ def _chat_route(app: FastAPI, s: Served) -> None:
             prompt = s.chat_template(req.messages)
         except Exception as e:
             raise RequestError(f"the chat template failed on these messages: {e}", "messages") from None
-        ids = [_encode(s, prompt, s.encode_chat)]
+        ids = [await _encode(s, prompt, s.encode_chat)]
         choices = _start(s, ids, [_max_tokens(s, len(ids[0]), req.sampling.max_tokens)], req.sampling,
-                         req.top_logprobs if req.logprobs else None)
+                         req.top_logprobs if req.logprobs else None, adapter)
         head = {"id": _request_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()),
-                "model": s.name}
+                "model": model}
         usage = {"prompt_tokens": len(ids[0])}
 
         def logprobs(fresh):
@@ -363,21 +424,40 @@ class EventStream(Response):
 
 
 async def _body(request: Request):
+    """The request's JSON, parsed by orjson (in a worker thread when the body is large, so that other streams'
+    tokens keep flowing)."""
     raw = await request.body()
     try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        if len(raw) >= PARSE_OFF_LOOP_BYTES:
+            return await asyncio.to_thread(orjson.loads, raw)
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
         raise RequestError(f"the request body is not valid JSON: {e}") from None
 
 
-def _check_model(s: Served, body) -> None:
-    if isinstance(body, dict) and body.get("model") not in (None, s.name):
-        raise RequestError(f"model {body.get('model')!r} is not served here; this server serves {s.name!r}",
-                           "model", code="model_not_found")
+def _check_model(s: Served, body) -> tuple[int, str]:
+    """The engine adapter a request's `model` names (-1: the base model, also when none is named) and its name."""
+    name = body.get("model") if isinstance(body, dict) else None
+    if name in (None, s.name):
+        return -1, s.name
+    if name in s.adapters:
+        return s.adapters.index(name), name
+    served = ", ".join(repr(n) for n in (s.name, *s.adapters))
+    raise RequestError(f"model {name!r} is not served here; this server serves {served}", "model",
+                       code="model_not_found")
 
 
-def _encode(s: Served, text: str, encode: Callable[[str], list[int]] | None = None) -> list[int]:
+async def _encode(s: Served, text: str, encode: Callable[[str], list[int]] | None = None, bounded: bool = True
+                  ) -> list[int]:
+    """The text's tokens. A prompt (`bounded`) with more characters than the context's tokens can hold
+    (s.max_prompt_chars: no token covers more characters than the longest in the vocabulary) is refused before
+    tokenizing it; a long text is tokenized in a worker thread, so that other streams' tokens keep flowing."""
+    if bounded and s.max_prompt_chars is not None and len(text) > s.max_prompt_chars:
+        raise RequestError(f"the prompt of {len(text)} characters is longer than the context of {s.engine.S} "
+                           "tokens can hold", "prompt", code="context_length_exceeded")
     try:
+        if len(text) * 4 >= PARSE_OFF_LOOP_BYTES:
+            return await asyncio.to_thread(encode or s.encode, text)
         return (encode or s.encode)(text)
     except ValueError as e:  # a character outside a char/byte vocabulary (TokenizerError)
         raise RequestError(f"the prompt cannot be tokenized: {e}", "prompt") from None
@@ -405,26 +485,36 @@ def _max_tokens(s: Served, prompt_len: int, asked: int | None) -> int:
     return asked
 
 
-async def _score(s: Served, ids: list[int]):
+async def _scores(s: Served, prompts: list[list[int]], request: Request, adapter: int = -1) -> list[tuple]:
+    """Each prompt's scores (token log-probabilities and alternatives), all prompts submitted or none: when the
+    queue refuses one (429) the ones submitted before it are cancelled, and so are all when the client goes."""
     loop = asyncio.get_running_loop()
-    done: asyncio.Future = loop.create_future()
+    futures = [loop.create_future() for _ in prompts]
 
-    def emit(ev):
+    def emit(done, ev):
         s.mailbox.post(loop, lambda: done.done() or done.set_result(ev))
 
-    item = engine_lib.Score(ids, emit)
+    items = [engine_lib.Score(p, partial(emit, f), adapter=adapter) for p, f in zip(prompts, futures)]
     try:
-        s.engine.submit(item)
+        for item in items:
+            s.engine.submit(item)
     except engine_lib.QueueFull:
+        for item in items:
+            s.engine.cancel(item)
         raise _queue_full() from None
+    watcher = asyncio.create_task(_watch(request, items, s))
     try:
-        ev = await done
+        events = [await f for f in futures]
     except asyncio.CancelledError:
-        s.engine.cancel(item)
+        for item in items:
+            s.engine.cancel(item)
         raise
-    if ev[0] == "error":
-        raise RequestError(f"scoring the prompt failed: {ev[1]}", status=500)
-    return ev[1:]
+    finally:
+        watcher.cancel()
+    for ev in events:
+        if ev[0] == "error":
+            raise RequestError(f"scoring the prompt failed: {ev[1]}", status=500)
+    return [ev[1:] for ev in events]
 
 
 def _queue_full() -> RequestError:
@@ -432,9 +522,10 @@ def _queue_full() -> RequestError:
 
 
 def _start(s: Served, ids: list[list[int]], max_tokens: list[int], sampling: schemas.Sampling,
-           logprobs: int | None) -> list[Choice]:
+           logprobs: int | None, adapter: int = -1) -> list[Choice]:
     """Queue n sequences per prompt (none when max_tokens is 0), with their tokens' log-probabilities and that
-    many alternatives each unless `logprobs` is None; all or none: a full queue cancels the rest."""
+    many alternatives each unless `logprobs` is None, run with LoRA adapter `adapter` (-1 the base); all or
+    none: a full queue cancels the rest."""
     loop = asyncio.get_running_loop()
     seed = sampling.seed if sampling.seed is not None else _random.getrandbits(32)
     choices = []
@@ -443,7 +534,7 @@ def _start(s: Served, ids: list[list[int]], max_tokens: list[int], sampling: sch
             q: asyncio.Queue = asyncio.Queue()
             seq = engine_lib.Sequence(p, m, sampling.temperature, sampling.top_k, sampling.top_p, seed, j,
                                       s.stop_ids, partial(s.mailbox.post, loop, q.put_nowait), logprobs is not None,
-                                      logprobs or 0)
+                                      logprobs or 0, adapter=adapter)
             choices.append(Choice(seq, TextState(s.decode, sampling.stop), q))
     try:
         for c in choices:
@@ -491,17 +582,18 @@ def _apply(s: Served, c: Choice, events: list) -> tuple[str, list, str | None]:
     return text + c.state.flush(), fresh, c.finish_reason
 
 
-async def _watch(request: Request, choices: list[Choice], s: Served) -> None:
+async def _watch(request: Request, items: list, s: Served) -> None:
+    """Cancel the engine's items (sequences, scores) once the client has disconnected."""
     while True:
         await asyncio.sleep(0.1)
         if await request.is_disconnected():
-            for c in choices:
-                s.engine.cancel(c.seq)
+            for item in items:
+                s.engine.cancel(item)
             return
 
 
 async def _wait(s: Served, choices: list[Choice], request: Request) -> None:
-    watcher = asyncio.create_task(_watch(request, choices, s))
+    watcher = asyncio.create_task(_watch(request, [c.seq for c in choices], s))
     try:
         for c in choices:
             while _apply(s, c, await _next(c))[2] is None:
@@ -515,7 +607,8 @@ async def _wait(s: Served, choices: list[Choice], request: Request) -> None:
 async def _stream(s: Served, choices: list[Choice], request: Request):
     """(index, choice, text, logprobs, finish) as events arrive, over all choices; cancels on disconnect (the
     response generator is closed then)."""
-    watcher = asyncio.create_task(_watch(request, choices, s))  # the server may keep writing to a closed socket
+    # the server may keep writing to a closed socket
+    watcher = asyncio.create_task(_watch(request, [c.seq for c in choices], s))
     pending: dict = {}
     try:
         if len(choices) == 1:  # the common case, without a task per piece
@@ -545,14 +638,17 @@ async def _stream(s: Served, choices: list[Choice], request: Request):
             s.engine.cancel(c.seq)
 
 
-def _completion_logprobs(s: Served, fresh: list, top_n: int) -> dict:
-    tokens = [s.token_text(t) for t, _, _ in fresh]
+def _completion_logprobs(s: Served, fresh: list, top_n: int, token_ids: bool = False) -> dict:
+    """The completions API's logprobs object. With `token_ids` (vLLM's return_tokens_as_token_ids) tokens are
+    named "token_id:N" instead of by their text, which two tokens may share (lm-eval's greedy check compares
+    ids this way); text offsets still count the text."""
+    name = (lambda t: f"token_id:{t}") if token_ids else s.token_text
     offsets, at = [], 0
-    for t in tokens:
+    for t, _, _ in fresh:
         offsets.append(at)
-        at += len(t)
-    return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in fresh],
-            "top_logprobs": [None if lp is None else {s.token_text(a): b for a, b in zip(*(x[:top_n] for x in top))}
+        at += len(s.token_text(t))
+    return {"tokens": [name(t) for t, _, _ in fresh], "token_logprobs": [lp for _, lp, _ in fresh],
+            "top_logprobs": [None if lp is None else {name(a): b for a, b in zip(*(x[:top_n] for x in top))}
                              for _, lp, top in fresh],
             "text_offset": offsets}
 
@@ -585,6 +681,10 @@ def prometheus(s: Served) -> str:
     metric("jaxlm_queue_depth", "gauge", "Requests waiting for a decode slot.", [("", e.queue_depth())])
     metric("jaxlm_busy_slots", "gauge", "Decode slots holding a sequence.", [("", e.busy_slots())])
     metric("jaxlm_slots", "gauge", "Decode slots (serve.max_slots).", [("", e.B)])
+    metric("jaxlm_kv_pages_used", "gauge", "Pages of the paged KV cache that sequences hold.", [("", e.pages_used())])
+    metric("jaxlm_kv_pages", "gauge", "Pages of the paged KV cache (0: the slot cache).", [("", e.pages_total())])
+    metric("jaxlm_preemptions_total", "counter", "Sequences preempted (pages given back, recomputed later) when the "
+           "paged cache ran out.", [("", e.preempted_total)])
     metric("jaxlm_generated_tokens_total", "counter", "Tokens generated.", [("", e.tokens_total)])
     metric("jaxlm_decode_calls_total", "counter", "Device calls of the decode program (each runs up to "
            "serve.decode_steps steps).", [("", e.calls_total)])

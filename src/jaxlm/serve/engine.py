@@ -1,4 +1,13 @@
-"""The continuous-batching engine: a fixed number of decode slots sharing one KV cache on device.
+"""The continuous-batching engine: a fixed number of decode slots (rows) sharing one KV cache on device.
+
+The cache is paged by default (serve.page_size > 0; model/paged.py, serve/pages.py): each sequence holds the pages
+its tokens fill, taken when it is admitted (its prompt's, less those it shares with an earlier prompt) and
+before each decode call (the call's positions), and given back when it ends; when too few pages are free the
+sequences admitted last are preempted (their pages given back; they wait at the head of the queue to prefill
+their prompt and the tokens already sent again). Prefill and decode both run transformer.paged_forward through
+the rows' page tables. With serve.page_size=0 each slot holds the whole context of one KV cache
+(model/kvcache.py): the slot cache, kept as the reference the paged cache is tested against. What follows
+holds for both unless it names one.
 
 One thread owns the device. Each turn it admits waiting requests into free slots, prefills prompts, then runs
 the decode program over the slots whose prompt is in: up to serve.decode_steps decode steps in one device call
@@ -74,10 +83,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlm import generate, sharding
+from jaxlm import generate, sampling, sharding
 from jaxlm.config import ModelConfig, ServeConfig
-from jaxlm.model import forward, kvcache, transformer
+from jaxlm.model import forward, kvcache, layers, paged, transformer
 from jaxlm.serve import chunk as chunk_lib
+from jaxlm.serve.pages import PagePool
 from jaxlm.serve.prefix_cache import PrefixCache
 
 TOP_LOGPROBS = 5  # the most alternatives a request may ask for, as the OpenAI completions API allows
@@ -120,14 +130,25 @@ class Sequence:
     alternatives: int = TOP_LOGPROBS  # of each token, with `logprobs` (at most TOP_LOGPROBS)
     cancelled: bool = False
     slot: int = -1
-    prefilled: int | None = None  # prompt tokens in the slot's cache; None until its prefill starts
+    prefilled: int | None = None  # tokens of `context` in the slot's cache; None until its prefill starts
     generated: int = 0  # tokens sent to `emit`
     planned: int = 0  # tokens the decode calls dispatched so far make for it unless it stops at a stop token
     submitted: float = field(default_factory=time.perf_counter)
+    out: list[int] = field(default_factory=list)  # the tokens sent (a preempted sequence prefills them again)
+    resumed: list[int] | None = None  # after a preemption: the prompt and the tokens sent before it
+    pages: list[int] = field(default_factory=list)  # the paged cache's pages it holds, in position order
+    admitted: int = 0  # the engine's count of admissions when it was admitted (the latest is preempted first)
+    adapter: int = -1  # the LoRA adapter it runs with (the engine's params' RowLoraWeight index; -1 the base)
+
+    @property
+    def context(self) -> list[int]:
+        """The tokens its cache must hold before it decodes: the prompt, or after a preemption the prompt and
+        the tokens sent before it."""
+        return self.prompt if self.resumed is None else self.resumed
 
     @property
     def decoding(self) -> bool:
-        return self.prefilled == len(self.prompt)
+        return self.prefilled == len(self.context)
 
 
 @dataclass
@@ -138,103 +159,83 @@ class Score:
     emit: Callable[[tuple], None]
     cancelled: bool = False
     submitted: float = field(default_factory=time.perf_counter)
+    adapter: int = -1
 
 
-def _choice_keys(seed_b, choice_b):
-    """Each row's key(seed) folded with its choice index: made once per call; _row_keys folds in each token's."""
-    return jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seed_b, choice_b)
-
-
-def _row_keys(choice_keys_b, count_b):
-    return jax.vmap(jax.random.fold_in)(choice_keys_b, count_b)
-
-
-def _logprobs(logits_BV, tok_B):
-    """The log-probability of each row's token and its TOP_LOGPROBS most likely: the logits picked, less the
-    row's log-sum-exp (the log-softmax of only those, not of the whole vocabulary)."""
-    max_B1 = jnp.max(logits_BV, axis=-1, keepdims=True)
-    lse_B1 = max_B1 + jnp.log(jnp.sum(jnp.exp(logits_BV - max_B1), axis=-1, keepdims=True))
-    top_BK, top_ids_BK = jax.lax.top_k(logits_BV, TOP_LOGPROBS)
-    token_B = jnp.take_along_axis(logits_BV, tok_B[:, None], axis=-1)
-    return (token_B - lse_B1)[:, 0], top_ids_BK, top_BK - lse_B1
-
-
-def _sample(branch, logits_bV, keys, temperature_b, top_k_b, top_p_b):
-    """Each row's next token: greedy (branch 0), drawn at the row's temperature (1), or through sample_tokens'
-    top-k/top-p (2). A row's token is the same on every branch that can serve it, so it does not depend on the
-    other rows; the batch pays for the sort of top-k/top-p only when a row asks for them, and for the rows'
-    random keys (`keys()`, a threefry hash per row: about a tenth of a small model's step) only when one samples."""
-    def greedy():
-        return generate.greedy_tokens(logits_bV)
-
-    def plain():  # sample_tokens' draw without top-k/top-p, row by row
-        drawn_b = jax.vmap(lambda l, k, t: jax.random.categorical(k, l / jnp.maximum(t, jnp.finfo(jnp.float32).tiny)))(
-            logits_bV, keys(), temperature_b).astype(jnp.int32)
-        return jnp.where(temperature_b > 0, drawn_b, greedy())
-
-    def filtered():  # every row through sample_tokens (vmapped, it computes each branch and selects the row's)
-        return jax.vmap(lambda l, k, t, tk, tp: generate.sample_tokens(l[None], k, t, tk, tp)[0])(
-            logits_bV, keys(), temperature_b, top_k_b, top_p_b)
-
-    return jax.lax.switch(branch, (greedy, plain, filtered))
-
-
-@partial(jax.jit, static_argnames=("cfg", "max_steps", "unroll"), donate_argnames=("cache", "logits_BV"))
-def _decode_loop(params, cache, logits_BV, rows_b, steps, live_b, idle_length_b, left_b, stop_bM, want_lp_b,
-                 seed_b, choice_b, count_b, temperature_b, top_k_b, top_p_b, cfg: ModelConfig, max_steps: int,
-                 unroll: bool):
-    """Up to `steps` (<= max_steps) decode steps over slots rows_b (all slots in order when there are B of
-    them). Each step, every live row samples its next token (its count_b-th plus the step) and the step appends
-    the tokens to the cache; a row stops living after a token in its stop_bM (padded with -1) or its left_b-th
-    token, and the loop ends early once no row lives. With `unroll` the steps run over the cache taken apart
-    by layer (kvcache.unstack, transformer.decode_layers), as generate's loop does for models of up to
-    generate.UNROLL_LAYERS layers: one copy of the rows' part of the cache in (the gather of rows_b included)
-    and one out (kvcache.restack, in place into the donated cache) per call, where the scan over the stacked
-    cache (unroll False) copies each layer's keys and values out of the stack every step. Either way the call
-    takes only the fewest slots of _slot_buckets that hold the positions it reads and writes. Returns tokens,
-    log-probabilities (zeros unless a live row wants them) and top alternatives [N, b(, K)], which of them were
-    produced [N, b], the logits and the cache."""
-    B, b, V = logits_BV.shape[0], rows_b.shape[0], logits_BV.shape[-1]
-    whole = b == B
-    logits_bV = logits_BV if whole else jnp.take(logits_BV, rows_b, axis=0)
-    hot_b = live_b & (temperature_b > 0)
-    filtered_b = hot_b & (((top_k_b > 0) & (top_k_b < V)) | (top_p_b < 1))
-    branch = jnp.where(jnp.any(filtered_b), 2, jnp.where(jnp.any(hot_b), 1, 0))
+def _sampled_steps(decode: Callable, state, logits_bV, steps, live_b, left_b, stop_bM, want_lp_b, seed_b, choice_b,
+                   count_b, temperature_b, top_k_b, top_p_b, max_steps: int):
+    """The decode loop of both caches: up to `steps` (<= max_steps) steps, each sampling every live row's next
+    token (its count_b-th plus the step) and running `decode(tok_b, live_b, state) -> (logits_bV, state)`, which
+    appends them to the cache; a row stops living after a token in its stop_bM (padded with -1) or its
+    left_b-th token, and the loop ends early once no row lives. Returns tokens, log-probabilities (zeros unless
+    a live row wants them) and top alternatives [N, b(, K)], which of them were produced [N, b], the logits and
+    the state."""
+    b, V = logits_bV.shape
+    way = sampling.branch(jnp.where(live_b, temperature_b, 0), top_k_b, top_p_b, V)
     N, K = max_steps, TOP_LOGPROBS
-    zeros = (jnp.zeros((N, b), jnp.int32), jnp.zeros((N, b), jnp.float32), jnp.zeros((N, b, K), jnp.int32),
-             jnp.zeros((N, b, K), jnp.float32), jnp.zeros((N, b), bool))
-    rows = None if whole else rows_b
-    choice_keys_b = _choice_keys(seed_b, choice_b)
+    out = (jnp.zeros((N, b), jnp.int32), jnp.zeros((N, b), jnp.float32), jnp.zeros((N, b, K), jnp.int32),
+           jnp.zeros((N, b, K), jnp.float32), jnp.zeros((N, b), bool))
+    choice_keys_b = sampling.choice_keys(seed_b, choice_b)
 
     def no_logprobs(logits_bV, tok_b):
         return jnp.zeros((b,), jnp.float32), jnp.zeros((b, K), jnp.int32), jnp.zeros((b, K), jnp.float32)
 
-    def run(slots, out, logits_bV, cache):  # the call over the first `slots` slots of the rows' cache
-        decode, sub = transformer.decoder(params, cache, cfg, unroll, rows, slots)
+    def body(loop):
+        i, state, logits_bV, live_b, out = loop
+        tok_b = sampling.sample_rows(way, logits_bV, lambda: sampling.row_keys(choice_keys_b, count_b + i),
+                                     temperature_b, top_k_b, top_p_b)
+        tok_b = jnp.where(live_b, tok_b, 0)
+        lp = jax.lax.cond(jnp.any(live_b & want_lp_b), partial(sampling.token_logprobs, K=K), no_logprobs,
+                          logits_bV, tok_b)
+        out = tuple(o.at[i].set(x) for o, x in zip(out, (tok_b, *lp, live_b)))
+        ended_b = jnp.any(tok_b[:, None] == stop_bM, axis=1) | (i + 1 >= left_b)
+        logits_bV, state = decode(tok_b, live_b, state)
+        return i + 1, state, logits_bV, live_b & ~ended_b, out
 
-        def body(state):
-            i, sub, logits_bV, live_b, out = state
-            tok_b = _sample(branch, logits_bV, lambda: _row_keys(choice_keys_b, count_b + i), temperature_b,
-                            top_k_b, top_p_b)
-            tok_b = jnp.where(live_b, tok_b, 0)
-            lp = jax.lax.cond(jnp.any(live_b & want_lp_b), _logprobs, no_logprobs, logits_bV, tok_b)
-            out = tuple(o.at[i].set(x) for o, x in zip(out, (tok_b, *lp, live_b)))
-            ended_b = jnp.any(tok_b[:, None] == stop_bM, axis=1) | (i + 1 >= left_b)
+    def more(loop):
+        return (loop[0] < steps) & jnp.any(loop[3])
+
+    _, state, logits_bV, _, out = jax.lax.while_loop(more, body, (jnp.int32(0), state, logits_bV, live_b, out))
+    return out, logits_bV, state
+
+
+@partial(jax.jit, static_argnames=("cfg", "max_steps", "unroll"), donate_argnames=("cache", "logits_BV"))
+def _decode_loop(params, cache, logits_BV, rows_b, adapter_b, steps, live_b, idle_length_b, left_b, stop_bM,
+                 want_lp_b, seed_b, choice_b, count_b, temperature_b, top_k_b, top_p_b, cfg: ModelConfig,
+                 max_steps: int, unroll: bool):
+    """_sampled_steps over slots rows_b of the slot cache (all slots in order when there are B of them). With
+    `unroll` the steps run over the cache taken apart by layer (kvcache.unstack, transformer.decode_layers), as
+    generate's loop does for models of up to generate.UNROLL_LAYERS layers: one copy of the rows' part of the
+    cache in (the gather of rows_b included) and one out (kvcache.restack, in place into the donated cache) per
+    call, where the scan over the stacked cache (unroll False) copies each layer's keys and values out of the
+    stack every step. Either way the call takes only the fewest slots of _slot_buckets that hold the positions
+    it reads and writes. adapter_b: each row's LoRA adapter (layers.with_rows; -1 the base). Returns
+    _sampled_steps' outputs, the logits and the cache."""
+    params = layers.with_rows(params, adapter_b)
+    B, b = logits_BV.shape[0], rows_b.shape[0]
+    whole = b == B
+    logits_bV = logits_BV if whole else jnp.take(logits_BV, rows_b, axis=0)
+    rows = None if whole else rows_b
+    sampled = (steps, live_b, left_b, stop_bM, want_lp_b, seed_b, choice_b, count_b, temperature_b, top_k_b, top_p_b,
+               max_steps)
+
+    def run(slots, out, logits_bV, cache):  # the call over the first `slots` slots of the rows' cache
+        step, sub = transformer.decoder(params, cache, cfg, unroll, rows, slots)
+
+        def decode(tok_b, live_b, sub):
             # Rows not living decode a dummy token at idle_length_b: 0 for a free slot or a finished sequence,
             # the next chunk's start for a slot being prefilled, where the chunk masks that entry and then
-            # overwrites it (serve/chunk.py).
-            sub = dataclasses.replace(sub, length=jnp.where(live_b, sub.length, idle_length_b))
-            logits_bV, sub = decode(tok_b, sub)
-            return i + 1, sub, logits_bV, live_b & ~ended_b, out
+            # overwrites it (transformer.prefill_chunks).
+            return step(tok_b, dataclasses.replace(sub, length=jnp.where(live_b, sub.length, idle_length_b)))
 
-        def more(state):
-            return (state[0] < steps) & jnp.any(state[3])
-
-        _, sub, logits_bV, _, out = jax.lax.while_loop(more, body, (jnp.int32(0), sub, logits_bV, live_b, out))
+        out, logits_bV, sub = _sampled_steps(decode, sub, logits_bV, *sampled)
         cache = kvcache.restack(sub, cfg, cache, rows) if unroll else kvcache.put_rows(cache, sub, rows)
         return out, logits_bV, cache
 
     buckets = _slot_buckets(cfg, cache)
+    N, K = max_steps, TOP_LOGPROBS
+    zeros = (jnp.zeros((N, b), jnp.int32), jnp.zeros((N, b), jnp.float32), jnp.zeros((N, b, K), jnp.int32),
+             jnp.zeros((N, b, K), jnp.float32), jnp.zeros((N, b), bool))
     if len(buckets) == 1:
         out, logits_bV, cache = run(None, zeros, logits_bV, cache)
     else:
@@ -255,6 +256,42 @@ def _decode_loop(params, cache, logits_BV, rows_b, steps, live_b, idle_length_b,
     return *out, logits_bV, cache
 
 
+@partial(jax.jit, static_argnames=("cfg", "max_steps"), donate_argnames=("cache", "logits_BV"))
+def _paged_decode_loop(params, layer_params, cache, logits_BV, rows_b, adapter_b, steps, live_b, length_b, table_bM,
+                       left_b, stop_bM, want_lp_b, seed_b, choice_b, count_b, temperature_b, top_k_b, top_p_b,
+                       cfg: ModelConfig, max_steps: int):
+    """_sampled_steps over rows rows_b of the paged cache (model/paged.py): each step writes every live row's
+    token at position length_b (plus the steps before) into its pages (table_bM, which the host has made cover
+    the call's positions) and attends over its pages; rows not living do nothing. With `layer_params` (the
+    layers' weights taken apart once, by the engine: transformer.layer_weights) the layers are unrolled, else
+    scanned. adapter_b: each row's LoRA adapter (layers.with_rows; -1 the base). Returns _sampled_steps'
+    outputs, the logits and the cache."""
+    params, layer_params = layers.with_rows((params, layer_params), adapter_b)
+    logits_bV = jnp.take(logits_BV, rows_b, axis=0)
+
+    def decode(tok_b, live_b, state):
+        cache, length_b = state
+        logits_bV, cache = transformer.paged_forward(params, cache, tok_b[:, None], jnp.where(live_b, length_b, 0),
+                                                     jnp.where(live_b, length_b + 1, 0), table_bM, cfg, layer_params)
+        return logits_bV, (cache, length_b + live_b)
+
+    out, logits_bV, (cache, _) = _sampled_steps(decode, (cache, length_b), logits_bV, steps, live_b, left_b, stop_bM,
+                                                want_lp_b, seed_b, choice_b, count_b, temperature_b, top_k_b, top_p_b,
+                                                max_steps)
+    return *out, logits_BV.at[rows_b].set(logits_bV), cache
+
+
+@partial(jax.jit, static_argnames="cfg", donate_argnames=("cache", "logits_BV"))
+def _paged_prefill(params, cache, logits_BV, tokens_PC, start_P, length_P, table_PM, slot_P, adapter_P,
+                   cfg: ModelConfig):
+    """Prompts' chunks into their pages (transformer.paged_forward), each row's logits after its chunk into
+    logits_BV at its slot (none for a padding row's slot B, whose length 0 writes nothing); adapter_P each row's
+    LoRA adapter."""
+    logits_PV, cache = transformer.paged_forward(layers.with_rows(params, adapter_P), cache, tokens_PC, start_P,
+                                                 length_P, table_PM, cfg)
+    return cache, logits_BV.at[slot_P].set(logits_PV, mode="drop")
+
+
 def _slot_buckets(cfg: ModelConfig, cache: kvcache.KVCache) -> list[int]:
     """The slot counts the decode program is compiled for, fewest first: a call attends over (and copies) the
     fewest that hold its rows' positions (kvcache.kept_slots), S/8, S/4, S/2 or all S of them (from
@@ -273,9 +310,16 @@ def _empty(cfg: ModelConfig, slots: int, length: int, quantize: bool) -> kvcache
     return kvcache.KVCache(kinds, cache.length)
 
 
+def _empty_pages(cfg: ModelConfig, pages: int, page_size: int, quantize: bool) -> paged.PagedCache:
+    """An empty pool of pages; keys and values [R, NP, K, page, H] sharded by kv heads."""
+    cache = paged.init(cfg, pages, page_size, quantize)
+    return paged.PagedCache(tuple({name: sharding.constrain(a, (None, None, "kv_heads", None, "head_dim"))
+                                   if a.ndim == 5 else a for name, a in kind.items()} for kind in cache.kinds))
+
+
 @partial(jax.jit, static_argnames="cfg")
-def _score(params, tokens_1T, cfg: ModelConfig):
-    lp_TV = jax.nn.log_softmax(forward(params, tokens_1T, cfg)[0], axis=-1)
+def _score(params, tokens_1T, adapter_1, cfg: ModelConfig):
+    lp_TV = jax.nn.log_softmax(forward(layers.with_rows(params, adapter_1), tokens_1T, cfg)[0], axis=-1)
     top_lp_TK, top_ids_TK = jax.lax.top_k(lp_TV, TOP_LOGPROBS)
     token_lp_T = jnp.take_along_axis(lp_TV[:-1], tokens_1T[0, 1:, None], axis=-1)[:, 0]
     return token_lp_T, top_ids_TK, top_lp_TK
@@ -289,14 +333,24 @@ class Engine:
                  quantize_kv_cache: bool = False, mesh: jax.sharding.Mesh | None = None,
                  prefill_chunk: int = ServeConfig.prefill_chunk, prefix_cache: int = 0,
                  rules: tuple[sharding.Rules, sharding.Rules] = (sharding.PARAM_RULES, sharding.ACTIVATION_RULES),
-                 decode_steps: int = ServeConfig.decode_steps):
-        self.params, self.cfg, self.B, self.S = params, cfg, slots, cache_length
+                 decode_steps: int = ServeConfig.decode_steps, page_size: int = ServeConfig.page_size,
+                 cache_pages: int | None = None):
+        self.cfg, self.B, self.S = cfg, slots, cache_length
+        # The paged cache (page_size > 0): cache_pages pages (None: as many as give every slot the whole context,
+        # the slot cache's memory), each sequence's page table a row of `table` [slots, pages per sequence].
+        self.page_size = page_size
+        if page_size:
+            self.M = -(-cache_length // page_size)
+            self.NP = cache_pages or slots * self.M
+            self.table = np.zeros((slots, self.M), np.int32)
+        self.admissions = 0
+        self.preempted_total = 0  # sequences preempted when the paged cache ran out of pages
         self.max_queue, self.quantize, self.mesh, self.rules = max_queue, quantize_kv_cache, mesh, rules
         self.prefill_chunk, self.prefix_entries, self.decode_steps = prefill_chunk, prefix_cache, decode_steps
         # The decode program's layers unrolled over the cache taken apart (_decode_loop), else scanned. Taking
         # it apart and back costs two copies of the rows' cache per call: with one step per call that lost to
         # the scan's copies of one step (benchmarks/serve.py's engine alone, docs/serve.md).
-        self.unroll = cfg.n_layers <= generate.UNROLL_LAYERS and decode_steps > 1
+        self.unroll = cfg.n_layers <= generate.UNROLL_LAYERS and (decode_steps > 1 or page_size > 0)
         # rows of the decode program's compiled variants, largest first; on a mesh a bucket must split evenly
         # over the devices as the slots do
         shards = 1 if mesh is None else mesh.size
@@ -327,8 +381,35 @@ class Engine:
         # a function of this engine's own: `constrain` reads the mesh from a context that jax.jit's caches (keyed
         # by the function) do not hold, so a shared one would hand a later engine an earlier one's layout
         self._empty = jax.jit(lambda *a: _empty(*a), static_argnums=(0, 1, 2, 3))
+        self._empty_pages = jax.jit(lambda *a: _empty_pages(*a), static_argnums=(0, 1, 2, 3))
+        self.params = params
+        # LoRA adapters over the base (lora.serving_weights: layers.RowLoraWeight), a sequence's picked by its
+        # `adapter`; every call sets each row's (layers.with_rows)
+        rows_lora = [w for w in jax.tree.leaves(params, is_leaf=lambda w: isinstance(w, layers.RowLoraWeight))
+                     if isinstance(w, layers.RowLoraWeight)]
+        self.adapters = rows_lora[0].a.shape[-2] if rows_lora else 0
         with self._ctx():
             self._reset_cache()
+
+    @property
+    def params(self):
+        return self._params
+
+    @params.setter
+    def params(self, params) -> None:
+        """New weights (GRPO's rollouts over the trainer's latest) for the calls from now on."""
+        self._params, self._layer_params = params, None
+
+    def _layer_weights(self):
+        """The paged decode program's layers unrolled over weights taken apart once, at the first call after new
+        params (None: scanned). Taken apart inside the program, every call copied all the weights (at 125M
+        parameters in float32 on a 2-core CPU, as much CPU time as a decode step's attention); the copies cost
+        the weights' memory once more, until release_cache."""
+        if not (self.unroll and self.page_size):
+            return None
+        if self._layer_params is None:
+            self._layer_params = jax.jit(transformer.layer_weights, static_argnums=1)(self._params, self.cfg)
+        return self._layer_params
 
     def _ctx(self):
         if self.mesh is None:
@@ -336,17 +417,23 @@ class Engine:
         return sharding.activation_sharding(self.mesh, self.rules[1], param_rules=self.rules[0])
 
     def _reset_cache(self) -> None:
-        """Empty slots, logits and prefix cache (at start, and after a failed call consumed the donated ones)."""
-        self.cache = self._empty(self.cfg, self.B, self.S, self.quantize)
+        """Empty cache, logits and prefix cache (at start, and after a failed call consumed the donated ones)."""
         self.logits_BV = jnp.zeros((self.B, self.cfg.vocab_size), jnp.float32)
+        if self.page_size:
+            self.cache = self._empty_pages(self.cfg, self.NP, self.page_size, self.quantize)
+            self.pages = PagePool(self.NP, self.page_size, share_prefixes=self.prefix_entries > 0)
+            self.table[:] = 0
+            self.prefix = None
+            return
+        self.cache = self._empty(self.cfg, self.B, self.S, self.quantize)
         self.prefix = PrefixCache(self.cfg, self._empty(self.cfg, self.prefix_entries, self.S, self.quantize),
                                   self.S) if self.prefix_entries else None
 
     def release_cache(self) -> None:
-        """Drop the KV cache (with the prefix cache and last logits) while the engine is stopped and idle: GRPO keeps
-        one engine between batches of rollouts and frees its cache for the update (rl.py). reserve_cache makes it
-        again."""
-        self.cache = self.logits_BV = self.prefix = None
+        """Drop the KV cache (with the prefix cache, the last logits and the weights taken apart by layer) while the
+        engine is stopped and idle: GRPO keeps one engine between batches of rollouts and frees its cache for the
+        update (rl.py). reserve_cache makes it again."""
+        self.cache = self.logits_BV = self.prefix = self._layer_params = None
 
     def reserve_cache(self) -> None:
         with self._ctx():
@@ -370,6 +457,13 @@ class Engine:
 
     def queue_depth(self) -> int:
         return len(self.waiting)
+
+    def pages_used(self) -> int:
+        """Pages of the paged cache some sequence holds (0 with the slot cache)."""
+        return self.pages.used() if self.page_size else 0
+
+    def pages_total(self) -> int:
+        return self.NP if self.page_size else 0
 
     def tokens_per_s(self, window_s: float = 10.0) -> float:
         now = time.perf_counter()
@@ -455,6 +549,8 @@ class Engine:
                    if s is not None and s.decoding and s.planned < s.max_tokens]
         if self.waiting and planned:  # no slot is free: stop when the first one would be
             steps = min(steps, *planned)
+        if planned and self.page_size:
+            self._reserve(steps)
         launched = self._launch(steps) if planned else None
         if self.in_flight is not None:
             self._collect(self.in_flight)
@@ -462,7 +558,8 @@ class Engine:
 
     def _admit(self) -> None:
         """Waiting requests in order: a score runs now, a sequence takes a free slot and waits there for its
-        prefill."""
+        prefill (with the paged cache, once the pages its context fills, less those of a shared prefix, are
+        free: it takes them now)."""
         while True:
             with self.lock:
                 if not self.waiting:
@@ -475,19 +572,94 @@ class Engine:
                 item.emit(("done", "cancelled") if isinstance(item, Sequence) else ("error", "cancelled"))
                 continue
             try:
+                if not -1 <= item.adapter < self.adapters:
+                    raise ValueError(f"adapter {item.adapter} is not one of this engine's {self.adapters}")
                 if isinstance(item, Score):
                     self._run_score(item)
-                elif len(item.prompt) + item.max_tokens > self.S:
+                    continue
+                if len(item.prompt) + item.max_tokens > self.S:
                     raise ValueError(f"a prompt of {len(item.prompt)} tokens + {item.max_tokens} new ones do not "
                                      f"fit in the {self.S} positions of a slot")
-                else:
-                    item.slot = self.slots.index(None)
-                    self.slots[item.slot] = item
-                    self.prefilling.append(item.slot)
+                if self.page_size and not self._take_pages(item):
+                    with self.lock:
+                        self.waiting.appendleft(item)  # until pages are given back
+                    return
+                item.slot = self.slots.index(None)
+                self.slots[item.slot] = item
+                self.prefilling.append(item.slot)
+                if self.page_size:
+                    self.table[item.slot, :len(item.pages)] = item.pages
+                if item.resumed is None:
                     self.requests_total += 1
                     self.prompt_tokens_total += len(item.prompt)
             except Exception as e:  # this request fails alone; the slots keep decoding
                 item.emit(("error", f"{type(e).__name__}: {e}"))
+
+    def _take_pages(self, seq: Sequence) -> bool:
+        """Give seq the pages its context fills: the registered ones that hold a prefix of it (prefilled already),
+        and free ones for the rest. False (nothing taken) when too few are free."""
+        A, n = self.page_size, len(seq.context)
+        if -(-(len(seq.prompt) + seq.max_tokens) // A) > self.NP:
+            raise ValueError(f"a prompt of {len(seq.prompt)} tokens + {seq.max_tokens} new ones need more than the "
+                             f"{self.NP} pages of {A} positions of the KV cache (serve.cache_gib)")
+        shared = self.pages.match(seq.context, seq.adapter)
+        need = -(-n // A) - len(shared)
+        if need > self.pages.available():
+            self.pages.release(shared)
+            return False
+        seq.pages = shared + self.pages.take(need)
+        seq.prefilled = len(shared) * A
+        self.admissions += 1
+        seq.admitted = self.admissions
+        if shared:
+            self.prefix_hits_total += 1
+            self.prefix_tokens_total += seq.prefilled
+        return True
+
+    def _reserve(self, steps: int) -> None:
+        """Paged cache: give every decoding sequence the pages its next `steps` tokens go to. When too few are
+        free, the call in flight is collected (it may end sequences), then the sequences admitted last are
+        preempted (their pages given back; they wait at the head of the queue, to prefill their prompt and the
+        tokens sent so far again) until the rest fit."""
+        A = self.page_size
+        while True:
+            want = {}
+            for s in self.slots:
+                if s is not None and s.decoding and not s.cancelled and s.planned < s.max_tokens:
+                    n = min(steps, s.max_tokens - s.planned)
+                    more = -(-(len(s.prompt) + s.planned + n) // A) - len(s.pages)
+                    if more > 0:
+                        want[s.slot] = more
+            if sum(want.values()) <= self.pages.available():
+                break
+            if self.in_flight is not None:
+                self._collect(self.in_flight)
+                self.in_flight = None
+                continue
+            victim = max((s for s in self.slots if s is not None), key=lambda s: s.admitted)
+            self._preempt(victim)
+        for slot, more in want.items():
+            s = self.slots[slot]
+            self.table[slot, len(s.pages):len(s.pages) + more] = new = self.pages.take(more)
+            s.pages += new
+
+    def _preempt(self, s: Sequence) -> None:
+        """Free s's slot and pages and queue it first again, to prefill its prompt and the tokens it has sent."""
+        if s.slot in self.prefilling:
+            self.prefilling.remove(s.slot)
+        self.slots[s.slot] = None
+        self._release(s)
+        s.slot, s.prefilled, s.planned = -1, None, s.generated
+        s.resumed = s.prompt + s.out if s.out else None
+        self.preempted_total += 1
+        with self.lock:
+            self.waiting.appendleft(s)
+
+    def _release(self, s: Sequence) -> None:
+        if self.page_size and s.pages:
+            self.pages.release(s.pages)
+            self.table[s.slot] = 0
+            s.pages = []
 
     def _prefill(self) -> bool:
         """Prefill the next chunk of the waiting prompts, oldest first, while this turn's real tokens fit in
@@ -502,7 +674,7 @@ class Engine:
                 continue
             if seq.prefilled is None:
                 self._reuse_prefix(seq)
-            n = min(len(seq.prompt) - seq.prefilled, self.prefill_chunk)
+            n = min(len(seq.context) - seq.prefilled, self.prefill_chunk)
             if chunks and n > budget:
                 break
             chunks.append((seq, n))
@@ -517,35 +689,52 @@ class Engine:
         done = [seq for seq, _ in chunks if seq.decoding]
         for seq in done:
             self.prefilling.remove(seq.slot)
-        if self.prefix is not None:  # the last prompts in: keeping more than the store holds would evict them
-            for seq in done[-len(self.prefix.tokens):]:
+        if self.page_size:
+            for seq in done:
+                self.pages.register(seq.context, seq.pages, seq.adapter)
+        elif self.prefix is not None:  # the last prompts in: keeping more than the store holds would evict them
+            for seq in [seq for seq in done if seq.adapter < 0][-len(self.prefix.tokens):]:
                 self.prefix.save(self.cache, seq.slot, seq.prompt)
         return bool(chunks)
 
     def _prefill_chunk(self, seqs: list[Sequence], C: int, fresh: bool | None = None) -> None:
         """Run the next chunk of each of seqs' prompts (at most C tokens) into its slot, in one call padded to
         the smallest of prefill_rows that holds them (padding rows take slot B, which writes nothing). When all
-        the chunks start their prompts (and fit, chunk.fresh_fits), the call neither reads nor keeps what the
+        the chunks start their prompts (and fit, kvcache.fresh_fits), the call neither reads nor keeps what the
         slots held (`fresh`, unless given)."""
         P = min(p for p in self.prefill_rows if p >= len(seqs))
         if fresh is None:
-            fresh = all(seq.prefilled == 0 for seq in seqs) and chunk_lib.fresh_fits(self.cache, C)
+            fresh = all(seq.prefilled == 0 for seq in seqs) and (
+                self.page_size > 0 or kvcache.fresh_fits(self.cache, C))
         tokens_PC, start_P = np.zeros((P, C), np.int32), np.zeros(P, np.int32)
-        length_P, slot_P = np.ones(P, np.int32), np.full(P, self.B, np.int32)
+        length_P, slot_P, adapter_P = np.ones(P, np.int32), np.full(P, self.B, np.int32), np.full(P, -1, np.int32)
         for i, seq in enumerate(seqs):
-            n = min(len(seq.prompt) - seq.prefilled, C)
-            tokens_PC[i, :n] = seq.prompt[seq.prefilled:seq.prefilled + n]
-            start_P[i], length_P[i], slot_P[i] = seq.prefilled, len(seq.prompt), seq.slot
+            n = min(len(seq.context) - seq.prefilled, C)
+            tokens_PC[i, :n] = seq.context[seq.prefilled:seq.prefilled + n]
+            start_P[i], length_P[i], slot_P[i] = seq.prefilled, len(seq.context), seq.slot
+            adapter_P[i] = seq.adapter
             seq.prefilled += n
             self.prefilled_tokens_total += n
-        self.cache, self.logits_BV = chunk_lib.prefill_chunks(
-            self.params, self.cache, self.logits_BV, tokens_PC, start_P, length_P, slot_P, self.cfg, fresh)
+        if self.page_size:
+            # Rows past the sequences (padding) have length 0: nothing written. Chunks that start their contexts
+            # read only the pages they fill, the others all of their rows' tables.
+            length_P[len(seqs):] = 0
+            table_PM = self.table[np.minimum(slot_P, self.B - 1)]
+            table_PM[len(seqs):] = 0
+            width = -(-C // self.page_size) if fresh else self.M
+            self.cache, self.logits_BV = _paged_prefill(self.params, self.cache, self.logits_BV, tokens_PC, start_P,
+                                                        length_P, table_PM[:, :width], slot_P, adapter_P, self.cfg)
+        else:
+            self.cache, self.logits_BV = chunk_lib.prefill_chunks(
+                self.params, self.cache, self.logits_BV, tokens_PC, start_P, length_P, slot_P, self.cfg, fresh,
+                adapter_P)
         self.prefill_calls_total += 1
 
     def _reuse_prefix(self, seq: Sequence) -> None:
-        """Start seq's prefill: copy what the prefix cache holds of its prompt into its slot."""
+        """Start seq's prefill: copy what the prefix cache holds of its prompt into its slot (the paged cache shares
+        pages at admission instead). It holds the base model's prompts only."""
         seq.prefilled = 0
-        if self.prefix is not None:
+        if self.prefix is not None and seq.adapter < 0:
             entry, reused = self.prefix.match(seq.prompt)
             if reused:
                 self.cache = self.prefix.load(self.cache, entry, seq.slot)
@@ -564,7 +753,8 @@ class Engine:
     def _run_score(self, item: Score) -> None:
         tokens_1T = self._padded(item.prompt)
         n = len(item.prompt)
-        token_lp, top_ids, top_lp = jax.device_get(_score(self.params, tokens_1T, self.cfg))
+        token_lp, top_ids, top_lp = jax.device_get(_score(self.params, tokens_1T, np.asarray([item.adapter], np.int32),
+                                                          self.cfg))
         item.emit(("score", token_lp[:n - 1].tolist(), top_ids[:n].tolist(), top_lp[:n].tolist()))
 
     def _call(self, rows: list[int], steps: int) -> tuple[list, tuple]:
@@ -575,9 +765,10 @@ class Engine:
         them stopped it at a stop token: when one did, the row's tokens from this call are dropped."""
         b = len(rows)
         live, idle_length, left = np.zeros(b, bool), np.zeros(b, np.int32), np.zeros(b, np.int32)
+        length = np.zeros(b, np.int32)  # the paged cache's: positions cached (the prompt's and the tokens' so far)
         seed, choice, count = np.zeros(b, np.uint32), np.zeros(b, np.int32), np.zeros(b, np.int32)
         temperature, top_k, top_p = np.zeros(b, np.float32), np.zeros(b, np.int32), np.ones(b, np.float32)
-        want_lp = np.zeros(b, bool)
+        want_lp, adapter = np.zeros(b, bool), np.full(b, -1, np.int32)
         seqs = [self.slots[r] for r in rows]
         width = MIN_STOP_WIDTH
         while any(s is not None and len(s.stop_ids) > width for s in seqs):
@@ -593,15 +784,22 @@ class Engine:
             if s.cancelled or s.planned >= s.max_tokens:  # its last tokens are in flight: idle, as a free slot
                 seqs[j] = None
                 continue
-            live[j], left[j], want_lp[j] = True, s.max_tokens - s.planned, s.logprobs
+            live[j], left[j], want_lp[j], adapter[j] = True, s.max_tokens - s.planned, s.logprobs, s.adapter
+            length[j] = len(s.prompt) + s.planned
             seed[j], choice[j], count[j] = s.seed % 2**32, s.choice, s.planned
             temperature[j], top_k[j], top_p[j] = s.temperature, s.top_k, s.top_p
             stop[j, :len(s.stop_ids)] = s.stop_ids
             s.planned += min(steps, s.max_tokens - s.planned)
-        *out, self.logits_BV, self.cache = _decode_loop(
-            self.params, self.cache, self.logits_BV, np.asarray(rows, np.int32), np.int32(steps), live, idle_length,
-            left, stop, want_lp, seed, choice, count, temperature, top_k, top_p, cfg=self.cfg,
-            max_steps=self.decode_steps, unroll=self.unroll)
+        sampled = (left, stop, want_lp, seed, choice, count, temperature, top_k, top_p)
+        rows_b = np.asarray(rows, np.int32)
+        if self.page_size:
+            *out, self.logits_BV, self.cache = _paged_decode_loop(
+                self.params, self._layer_weights(), self.cache, self.logits_BV, rows_b, adapter, np.int32(steps), live,
+                length, self.table[rows_b], *sampled, cfg=self.cfg, max_steps=self.decode_steps)
+        else:
+            *out, self.logits_BV, self.cache = _decode_loop(
+                self.params, self.cache, self.logits_BV, rows_b, adapter, np.int32(steps), live, idle_length, *sampled,
+                cfg=self.cfg, max_steps=self.decode_steps, unroll=self.unroll)
         self.calls_total += 1
         return seqs, tuple(out)
 
@@ -647,6 +845,7 @@ class Engine:
             else:
                 s.emit(("tokens", ids, None, None))
             s.generated += k
+            s.out += ids
             n += k
             if ids[-1] in s.stop_ids:  # the call stopped the row at its stop token or at its max_tokens
                 self._finish(s.slot, "stop")
@@ -660,9 +859,10 @@ class Engine:
     def _finish(self, slot: int, reason: str) -> None:
         s = self.slots[slot]
         self.slots[slot] = None
+        self._release(s)
         s.emit(("done", reason))
 
 
 def compiled_step_count() -> int:
     """How many decode programs this process has compiled (one per bucket, engine settings and model)."""
-    return _decode_loop._cache_size()
+    return _decode_loop._cache_size() + _paged_decode_loop._cache_size()

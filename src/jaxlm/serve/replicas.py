@@ -21,7 +21,7 @@ import math
 from jaxlm.serve.engine import Engine, Score, Sequence
 
 COUNTERS = ("tokens_total", "requests_total", "prompt_tokens_total", "prefilled_tokens_total", "prefill_calls_total",
-            "prefix_hits_total", "prefix_tokens_total", "calls_total")
+            "prefix_hits_total", "prefix_tokens_total", "calls_total", "preempted_total")
 
 
 class Replicas:
@@ -45,9 +45,11 @@ class Replicas:
         return e.busy_slots() + e.queue_depth()
 
     def _reuse(self, e: Engine, item: Sequence | Score) -> int:
-        if e.prefix is None or not isinstance(item, Sequence):
+        if not isinstance(item, Sequence):
             return 0
-        return e.prefix.match(item.prompt)[1]
+        if e.page_size:
+            return e.pages.shared(item.prompt, item.adapter)
+        return 0 if e.prefix is None or item.adapter >= 0 else e.prefix.match(item.prompt)[1]
 
     def submit(self, item: Sequence | Score) -> None:
         chosen = min(self.engines, key=lambda e: (self._load(e), -self._reuse(e, item)))
@@ -83,6 +85,12 @@ class Replicas:
 
     def queue_depth(self) -> int:
         return sum(e.queue_depth() for e in self.engines)
+
+    def pages_used(self) -> int:
+        return sum(e.pages_used() for e in self.engines)
+
+    def pages_total(self) -> int:
+        return sum(e.pages_total() for e in self.engines)
 
     def tokens_per_s(self, window_s: float = 10.0) -> float:
         return sum(e.tokens_per_s(window_s) for e in self.engines)

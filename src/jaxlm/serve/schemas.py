@@ -49,6 +49,7 @@ class CompletionRequest:
     sampling: Sampling
     logprobs: int | None
     echo: bool
+    token_ids: bool  # return_tokens_as_token_ids: log-probabilities name tokens "token_id:N", not their text
 
 
 @dataclass(frozen=True)
@@ -151,7 +152,7 @@ def completion(body: Any, d: DecodeConfig) -> CompletionRequest:
         raise RequestError(f"best_of={best_of!r} is not supported (leave it out or equal to n)", "best_of")
     if sampling.stream and sampling.n * len(prompts) > MAX_N:
         raise RequestError(f"streaming takes at most {MAX_N} choices (prompts x n)", "n")
-    return CompletionRequest(prompts, sampling, logprobs, echo)
+    return CompletionRequest(prompts, sampling, logprobs, echo, _bool(body, "return_tokens_as_token_ids"))
 
 
 def chat(body: Any, d: DecodeConfig) -> ChatRequest:

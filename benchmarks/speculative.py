@@ -1,0 +1,102 @@
+"""Speculative decoding at batch 1: a target and a draft model trained here on the same data (tiny Shakespeare,
+characters), then `jaxlm generate`'s decoder with and without the draft (decode.draft), measured in one run.
+
+Trains the target (default 6 layers, 384 wide, 10.7M parameters) and the draft (1 layer, 96 wide) for
+--target-steps and --draft-steps on the same prepared corpus, then generates --new-tokens after a prompt from
+the held-out text at batch 1, greedy and sampled (temperature 0.8), each warmed up first and timed --repeats
+times (the fastest counts, prefill included). Prints one line per setting
+    mode=greedy plain_tok_per_s=X speculative_tok_per_s=Y speedup=Y/X acceptance=A tokens_per_pass=P
+with A the share of draft tokens kept and P the tokens one pass of the target gives, then
+    speculative_speedup=S acceptance=A (greedy, batch 1)
+and checks that greedy speculative text equals the text without the draft. --tiny trains tiny models for a few
+steps (the benchmark's code path in seconds; the figures mean nothing).
+
+    python benchmarks/speculative.py [--target-steps 600] [--draft-steps 600] [--new-tokens 256] [--draft-tokens 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+
+from jaxlm import api, config as config_lib, generate, speculative, train
+from jaxlm.config import DecodeConfig
+from jaxlm.data import prepare
+
+CORPUS = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "tinyshakespeare" / "input.txt"
+
+
+def train_model(data: Path, run: Path, steps: int, layers: int, width: int, heads: int, block: int) -> None:
+    cfg = config_lib.load("shakespeare_char_cpu", {
+        "data.dir": str(data), "run_dir": str(run), "model.n_layers": layers, "model.d_model": width,
+        "model.n_heads": heads, "model.block_size": block, "training.steps": steps,
+        "optimizer.decay_steps": steps, "optimizer.warmup_steps": min(100, steps // 10 + 1),
+        "training.eval_interval": steps, "training.eval_batches": 4, "training.sample_tokens": 0,
+        "checkpoint.interval": steps, "logging.progress": False, "logging.tensorboard": False})
+    t = time.perf_counter()
+    train.train(cfg, jax.devices()[:1], log=lambda s: None)
+    print(f"trained {run.name}: {layers} layers x {width} in {time.perf_counter() - t:.0f} s", flush=True)
+
+
+def timed(fn, repeats: int):
+    fn()  # compile and warm up
+    best, out = float("inf"), None
+    for _ in range(repeats):
+        t = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - t)
+    return best, out
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--corpus", default=os.environ.get("JAXLM_SHAKESPEARE", str(CORPUS)))
+    ap.add_argument("--target-steps", type=int, default=600)
+    ap.add_argument("--draft-steps", type=int, default=600)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--draft-tokens", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--tiny", action="store_true", help="tiny models, a few steps: the code path only")
+    a = ap.parse_args(argv)
+    target = dict(layers=6, width=384, heads=6, block=128)
+    draft = dict(layers=1, width=96, heads=2, block=128)
+    if a.tiny:
+        target, draft = dict(layers=2, width=32, heads=2, block=64), dict(layers=1, width=16, heads=2, block=64)
+        a.target_steps, a.draft_steps, a.new_tokens, a.repeats = 4, 4, 16, 1
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(tmp) / "data"
+        prepare.prepare_shakespeare_char(data, Path(a.corpus))
+        train_model(data, Path(tmp) / "target", a.target_steps, **target)
+        train_model(data, Path(tmp) / "draft", a.draft_steps, **draft)
+        model, small = api.load(Path(tmp) / "target"), api.load(Path(tmp) / "draft")
+        tok = model.tokenizer()
+        text = Path(a.corpus).read_text()
+        prompt = [tok.encode(text[-2000:-1900])]
+        for mode, temperature in (("greedy", 0.0), ("sampled", 0.8)):
+            d = DecodeConfig(max_new_tokens=a.new_tokens, temperature=temperature, seed=1,
+                             draft_tokens=a.draft_tokens)
+            plain_s, plain = timed(lambda: generate.generate(model.params, model.config.model, prompt, d), a.repeats)
+            spec_s, spec = timed(lambda: speculative.generate_speculative(
+                model.params, model.config.model, small.params, small.config.model, prompt, d), a.repeats)
+            if temperature == 0:
+                assert spec.tokens == plain.tokens, "greedy speculative text differs from generate's"
+            n_plain, n_spec = len(plain.tokens[0]), len(spec.tokens[0])
+            r = dict(plain_tok_per_s=n_plain / plain_s, speculative_tok_per_s=n_spec / spec_s,
+                     speedup=(n_spec / spec_s) / (n_plain / plain_s), acceptance=spec.acceptance,
+                     tokens_per_pass=(n_spec - 1) / max(spec.passes, 1))
+            results[mode] = r
+            print(f"mode={mode} " + " ".join(f"{k}={v:.3f}" if k in ("acceptance", "speedup", "tokens_per_pass")
+                                            else f"{k}={v:.1f}" for k, v in r.items()), flush=True)
+    print(f"speculative_speedup={results['greedy']['speedup']:.2f} acceptance={results['greedy']['acceptance']:.3f} "
+          f"(greedy, batch 1, {a.draft_tokens} draft tokens)")
+    return results
+
+
+if __name__ == "__main__":
+    main()

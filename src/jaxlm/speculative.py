@@ -1,0 +1,204 @@
+"""Speculative decoding for `jaxlm generate` (`decode.draft=PATH`): a small draft model with the same tokenizer
+proposes decode.draft_tokens (k) tokens one after another, the target model scores them all in one forward pass,
+and sampling.speculative_accept keeps a prefix of them and draws one more, so that each pass of the target
+gives 1 to k + 1 tokens distributed exactly as its own sampling would give them (greedy tokens identical).
+
+Both models keep a paged cache (model/paged.py), each sequence its own run of pages, and run every cached step
+through transformer.paged_forward with their layers unrolled: the prompts' prefill, the draft's steps, and the
+target's verification of k + 1 tokens at once (its flat read of the pages, every logit). An iteration starts
+from each sequence's pending token (sampled, not yet in the caches): the draft takes it and its own k proposals
+(k + 1 steps, the last only to cache the k-th), the target a chunk of the same k + 1 tokens; then both caches
+are cut back to the tokens kept by setting the sequence's length (positions past it are never read, and are
+written over later; pages hold every position, so no window loses one). Rows advance by their own counts; the
+loop runs on device until every sequence has stopped (a stop token, or max_new_tokens).
+
+When it pays: the target's pass over k + 1 tokens costs about one of its decode steps where a step is bound by
+reading the weights (batch 1 on a CPU, or an accelerator at small batch), and the draft must be much cheaper
+than the target and agree with it often (benchmarks/speculative.py prints both, and the speed-up).
+
+Shape legend: B batch, T prompt length, V vocab, k draft tokens, J = k + 1, N new tokens, M pages per sequence.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxlm import generate, sampling
+from jaxlm.config import ConfigError, DecodeConfig, ModelConfig, validate_decode
+from jaxlm.model import paged, transformer
+
+PAGE = 16  # positions per page of the two caches
+
+
+@dataclass
+class Speculation(generate.Generation):
+    proposed: int = 0  # draft tokens proposed to live sequences
+    accepted: int = 0  # of them, kept
+    passes: int = 0  # target forward passes (iterations of the loop)
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / max(self.proposed, 1)
+
+
+_STREAM: list = []  # the host callback of the running `generate`
+
+
+def _emit(i, tokens_BJ, count_B):
+    _STREAM[-1](i, tokens_BJ, count_B)
+
+
+@partial(jax.jit, static_argnames=("cfg", "draft_cfg", "pages"))
+def _prefill(params, draft_params, prompts_BT, lengths_B, cfg: ModelConfig, draft_cfg: ModelConfig, pages: int):
+    """Both models' caches, each sequence's pages the b-th run of `pages`, holding the prompts; the target's
+    logits after each prompt."""
+    B, T = prompts_BT.shape
+    table_BM = jnp.arange(B * pages, dtype=jnp.int32).reshape(B, pages)
+    zeros_B = jnp.zeros((B,), jnp.int32)
+    logits_BV, cache = transformer.paged_forward(params, paged.init(cfg, B * pages, PAGE), prompts_BT, zeros_B,
+                                                 lengths_B, table_BM, cfg)
+    _, draft_cache = transformer.paged_forward(draft_params, paged.init(draft_cfg, B * pages, PAGE), prompts_BT,
+                                               zeros_B, lengths_B, table_BM, draft_cfg)
+    return logits_BV, cache, draft_cache
+
+
+@partial(jax.jit, static_argnames=("cfg", "draft_cfg", "k", "max_new_tokens", "stream"))
+def _loop(params, draft_params, logits_BV, cache, draft_cache, lengths_B, key, temperature, top_k, top_p, stop_S,
+          cfg: ModelConfig, draft_cfg: ModelConfig, k: int, max_new_tokens: int, stream: bool):
+    """Tokens [B, N] (0 after a sequence stopped), their counts [B], the draft tokens proposed to and kept by
+    live sequences, and the passes of the target."""
+    B, N = logits_BV.shape[0], max_new_tokens
+    J = k + 1
+    settings_B = [jnp.broadcast_to(x, (B,)) for x in (temperature, top_k, top_p)]
+    table_BM = jnp.arange(cache.pages, dtype=jnp.int32).reshape(B, -1)
+    layers, draft_layers = transformer.layer_weights(params, cfg), transformer.layer_weights(draft_params, draft_cfg)
+
+    def emit(c, tokens_BJ, n_B):
+        """Append each row's first n_B tokens, cut after a stop token and at N; returns the state."""
+        i_J = jnp.arange(J)
+        live_BJ = (i_J < n_B[:, None]) & ~c["done_B"][:, None]
+        stop_BJ = jnp.any(tokens_BJ[..., None] == stop_S, axis=-1) & live_BJ
+        # tokens up to and including the first stop token
+        live_BJ &= jnp.cumsum(stop_BJ, axis=1) - stop_BJ < 1
+        live_BJ &= c["count_B"][:, None] + i_J < N
+        at_BJ = jnp.where(live_BJ, c["count_B"][:, None] + i_J, N)
+        out_BN = c["out_BN"].at[jnp.arange(B)[:, None], at_BJ].set(tokens_BJ, mode="drop")
+        count_B = c["count_B"] + jnp.sum(live_BJ, axis=1)
+        done_B = c["done_B"] | jnp.any(stop_BJ & live_BJ, axis=1) | (count_B >= N)
+        if stream:
+            jax.debug.callback(_emit, c["i"], tokens_BJ, jnp.sum(live_BJ, axis=1))
+        return {**c, "out_BN": out_BN, "count_B": count_B, "done_B": done_B, "i": c["i"] + 1}
+
+    def body(c):
+        key, key_draft, key_accept = jax.random.split(c["key"], 3)
+        live_B = ~c["done_B"]
+        length_B = jnp.where(live_B, c["length_B"], 0)  # a sequence that has stopped writes and reads nothing
+        # the draft: the pending token, then its own k proposals, each from its distribution q
+        tok_B, draft_cache, drafted, qs = c["pending_B"], c["draft_cache"], [], []
+        for i in range(J):
+            draft_logits_BV, draft_cache = transformer.paged_forward(
+                draft_params, draft_cache, tok_B[:, None], length_B + i, jnp.where(live_B, length_B + i + 1, 0),
+                table_BM, draft_cfg, draft_layers)
+            if i < k:
+                q_BV = sampling.probabilities(draft_logits_BV, *settings_B)
+                tok_B = jax.random.categorical(jax.random.fold_in(key_draft, i), jnp.log(q_BV)).astype(jnp.int32)
+                drafted.append(tok_B)
+                qs.append(q_BV)
+        d_Bk = jnp.stack(drafted, axis=1)
+        # the target: the same k + 1 tokens in one pass, a distribution p after each
+        chunk_BJ = jnp.concatenate([c["pending_B"][:, None], d_Bk], axis=1)
+        logits_BJV, cache = transformer.paged_forward(params, c["cache"], chunk_BJ, length_B,
+                                                      jnp.where(live_B, length_B + J, 0), table_BM, cfg, layers,
+                                                      all_logits=True)
+        p_BJV = jax.vmap(lambda l, t, tk, tp: sampling.probabilities(l, jnp.full((J,), t), jnp.full((J,), tk),
+                                                                     jnp.full((J,), tp)))(logits_BJV, *settings_B)
+        tokens_BJ, kept_B = sampling.speculative_accept(p_BJV, jnp.stack(qs, axis=1), d_Bk,
+                                                        jax.random.split(key_accept, B))
+        c = emit({**c, "key": key}, tokens_BJ, kept_B + 1)
+        # both caches keep the pending token and the kept drafts; the drawn token is the next pending one
+        return {**c, "pending_B": jnp.take_along_axis(tokens_BJ, kept_B[:, None], axis=1)[:, 0], "cache": cache,
+                "draft_cache": draft_cache, "length_B": jnp.where(live_B, c["length_B"] + kept_B + 1, c["length_B"]),
+                "proposed": c["proposed"] + k * jnp.sum(live_B), "kept": c["kept"] + jnp.sum(kept_B * live_B)}
+
+    key, first = jax.random.split(key)
+    pending_B = sampling.sample_tokens(logits_BV, first, temperature, top_k, top_p)
+    c = {"i": jnp.int32(0), "key": key, "cache": cache, "draft_cache": draft_cache, "pending_B": pending_B,
+         "length_B": lengths_B,
+         "out_BN": jnp.zeros((B, N), jnp.int32), "count_B": jnp.zeros((B,), jnp.int32),
+         "done_B": jnp.zeros((B,), bool), "proposed": jnp.int32(0), "kept": jnp.int32(0)}
+    c = emit(c, jnp.concatenate([pending_B[:, None], jnp.zeros((B, k), jnp.int32)], axis=1), jnp.ones((B,), jnp.int32))
+    c = jax.lax.while_loop(lambda c: ~jnp.all(c["done_B"]), body, c)
+    return c["out_BN"], c["count_B"], c["proposed"], c["kept"], c["i"] - 1
+
+
+def generate_speculative(params, cfg: ModelConfig, draft_params, draft_cfg: ModelConfig,
+                         prompts: Sequence[Sequence[int]], d: DecodeConfig, stop_ids: Sequence[int] = (),
+                         on_tokens: Callable[[np.ndarray, np.ndarray], None] | None = None) -> Speculation:
+    """generate.generate with a draft model proposing d.draft_tokens tokens per pass of the target (see the
+    module docstring). `on_tokens(tokens, live)` is called on the host for each new token of every sequence, as
+    generate calls it."""
+    validate_decode(d)
+    if draft_cfg.vocab_size != cfg.vocab_size:
+        raise ConfigError(f"the draft model's vocabulary ({draft_cfg.vocab_size} tokens) is not the target's "
+                          f"({cfg.vocab_size}); a draft must share the target's tokenizer")
+    k = d.draft_tokens
+    generate.check_prompts(prompts, cfg, d)
+    B, T = len(prompts), -(-max(map(len, prompts)) // generate.PAD) * generate.PAD
+    length = T + d.max_new_tokens + k + 1
+    for c in (cfg, draft_cfg):
+        if c.position == "learned" and length > c.block_size:
+            raise ConfigError(f"speculative decoding needs {length} positions (prompt + max_new_tokens + "
+                              f"draft_tokens + 1) but a model has learned positions up to {c.block_size}")
+    prompts_BT = np.zeros((B, T), np.int32)
+    for b, p in enumerate(prompts):
+        prompts_BT[b, :len(p)] = p
+    lengths_B = np.asarray([len(p) for p in prompts], np.int32)
+    settings = (jnp.float32(d.temperature), jnp.int32(d.top_k), jnp.float32(d.top_p))
+    stop_S = jnp.asarray(list(stop_ids), jnp.int32).reshape(-1)
+    key = jax.random.key(d.seed)
+    t0 = time.perf_counter()
+    logits_BV, cache, draft_cache = jax.block_until_ready(
+        _prefill(params, draft_params, prompts_BT, lengths_B, cfg, draft_cfg, -(-length // PAGE)))
+    t1 = time.perf_counter()
+    stream = on_tokens is not None
+    if stream:
+        lock, state = threading.Lock(), {"next": 0, "held": {}}
+
+        def in_order(i, tokens_BJ, count_B):  # the callback is unordered: passes wait for the ones before
+            with lock:
+                state["held"][int(i)] = (np.asarray(tokens_BJ), np.asarray(count_B))
+                while state["next"] in state["held"]:
+                    toks, n = state["held"].pop(state["next"])
+                    for j in range(int(n.max(initial=0))):
+                        on_tokens(toks[:, j], j < n)
+                    state["next"] += 1
+
+        _STREAM.append(in_order)
+    args = (params, draft_params, logits_BV, cache, draft_cache, lengths_B, key, *settings, stop_S)
+    static = (cfg, draft_cfg, k, d.max_new_tokens, stream)
+    signature = (jax.tree.structure(args), tuple((np.shape(a), str(a.dtype)) for a in jax.tree.leaves(args)),
+                 static)
+    if signature not in _EXECUTABLES:  # compiled once per process for these shapes and settings
+        _EXECUTABLES[signature] = _loop.lower(*args, *static).compile()
+    t2 = time.perf_counter()
+    try:
+        out = jax.block_until_ready(_EXECUTABLES[signature](*args))
+        jax.effects_barrier()
+    finally:
+        if stream:
+            _STREAM.pop()
+    t3 = time.perf_counter()
+    out_BN, count_B, proposed, kept, passes = (np.asarray(x) for x in out)
+    return Speculation([out_BN[b, :count_B[b]].tolist() for b in range(B)], t2 - t1, t1 - t0, t3 - t2,
+                       int(proposed), int(kept), int(passes))
+
+
+_EXECUTABLES: dict = {}
