@@ -19,7 +19,7 @@ import jax
 
 from jaxlm import checkpoint as ckpt
 from jaxlm import config as config_lib
-from jaxlm import diagnostics, distributed, lora, metrics, objectives, params as P, quant, reference, rl
+from jaxlm import diagnostics, distributed, lora, metrics, objectives, optim, params as P, quant, reference, rl
 from jaxlm import saved_step, step as step_lib, storage
 from jaxlm.config import Config, ConfigError
 from jaxlm.step import TrainingError
@@ -82,6 +82,8 @@ def _describe_run(run: step_lib.Run, log: Callable[[str], None]):
         log(lora.describe(cfg))
     log(f"batch: {t_cfg.batch_size} sequences global ({t_cfg.per_device_batch_size:g} per device) x "
         f"{t_cfg.grad_accum} accumulation = {tokens_per_step:,} tokens/step")
+    log(optim.describe(cfg.optimizer, run.specs, adapters=lora.enabled(cfg)) + (
+        f" | MuonClip: QK-clip at attention logits over {cfg.optimizer.qk_clip:g}" if cfg.optimizer.qk_clip else ""))
     log(f"model FLOPs {flops_per_token:,.0f} per token (causal attention counted as half"
         + ("; no weight gradients for the frozen base" if lora.enabled(cfg) else "")
         + ("; its forward pass again as the reference" if base_reference else "") + ") | peak "
@@ -108,9 +110,18 @@ def _first_state(run: step_lib.Run, checkpointer, batches, log: Callable[[str], 
     cfg = run.cfg
     latest = checkpointer.latest if checkpointer else None
     if latest is not None:
-        state, loader_state = checkpointer.restore(latest, run.abstract_state)
+        where = storage.join(checkpointer.dir, str(latest))
+        try:
+            state, loader_state = checkpointer.restore(latest, run.abstract_state)
+        except ckpt.CheckpointError:
+            # The weights fit but the optimizer state does not: the run goes on with another optimizer
+            # (optimizer.name=adamw before, muon now). Anything else fails here as it did above.
+            state, loader_state = checkpointer.restore_without_optimizer(latest, run.abstract_state)
+            state = step_lib.with_fresh_optimizer(run, state)
+            log(f"{where} holds another optimizer's state: continuing its weights and data position with a fresh "
+                f"{cfg.optimizer.name} state (new moments; the learning-rate schedule continues at step {latest})")
         batches.restore(loader_state)
-        log(f"resumed from {storage.join(checkpointer.dir, str(latest))} at step {latest}")
+        log(f"resumed from {where} at step {latest}")
         return state
     if cfg.checkpoint.init_from:
         log(f"initialized the weights from {cfg.checkpoint.init_from}")

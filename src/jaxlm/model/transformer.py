@@ -280,6 +280,31 @@ def forward(params: dict, tokens_BT: jax.Array, cfg: ModelConfig, key: jax.Array
     return forward_with_aux(params, tokens_BT, cfg, key, positions_BT, segment_ids_BT)[0]
 
 
+@quant.scoped
+def attention_logit_max(params: dict, tokens_BT: jax.Array, cfg: ModelConfig, positions_BT: jax.Array | None = None,
+                        segment_ids_BT: jax.Array | None = None) -> jax.Array:
+    """The largest attention logit of every layer's query heads over the batch [L, N] (before soft-capping), from
+    a forward pass without dropout or output layer: what MuonClip's QK-clip watches (attention.clip_qk)."""
+    B, T = tokens_BT.shape
+    if positions_BT is None:
+        positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    x_BTD = constrain(embed(params, tokens_BT, cfg, positions_BT), ("batch", "length", "embed"))
+
+    def step(x_BTD, p_group):
+        tops = []
+        for j, kind in enumerate(cfg.pattern):
+            def attn(h_BTD, p_attn, local=(kind == "local")):
+                return attention.attention_with_logit_max(h_BTD, p_attn, cfg, positions_BT, local, segment_ids_BT)
+
+            x_BTD, _, top_N = _block(x_BTD, _matmul_weights(jax.tree.map(lambda a: a[j], p_group), cfg), cfg, attn)
+            tops.append(top_N)
+        return x_BTD, jnp.stack(tops)
+
+    with jax.named_scope("attention_logit_max"):
+        _, top_RPN = jax.lax.scan(step, x_BTD, _grouped(cfg, params["layers"]))
+    return top_RPN.reshape(cfg.n_layers, -1)
+
+
 def _grouped(cfg: ModelConfig, layer_params: dict) -> dict:
     """Stacked layer weights [L, ...] -> [L / P, P, ...], one scan step per repeat of cfg.layer_pattern."""
     P = len(cfg.pattern)
