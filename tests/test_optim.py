@@ -181,3 +181,223 @@ def test_bad_optimizer_settings_fail_in_one_line():
         with pytest.raises(ConfigError, match=None) as e:
             config_lib.validate(config_lib.apply_overrides(base, overrides))
         assert message in str(e.value) and "\n" not in str(e.value), (overrides, str(e.value))
+
+
+# ---- Muon on sharded weights -------------------------------------------------------------------------------------
+
+
+def _muon_run(char_data, tmp_path, devices, **overrides):
+    def batch_of(rng, run):  # the same rows on every layout: two accumulated micro-batches of 8
+        starts = rng.integers(0, 100_000, size=16).reshape(2, 8)
+        return step_lib.device_batch(run, "train", loader_lib.Windows(starts))
+
+    cfg = tiny_config(char_data, tmp_path, **{"model.vocab_size": 128, "model.n_layers": 3, "optimizer.name": "muon",
+                                              "optimizer.lr": 3e-3, "training.grad_accum": 2, **overrides})
+    return train_losses(cfg, devices, batch_of, steps=20)
+
+
+@pytest.mark.parametrize("scan", [True, False], ids=["scanned", "unscanned"])
+def test_sharded_muon_equals_one_device(scan, char_data, tmp_path):
+    """FSDP x tensor parallelism (fsdp=4 x tensor=2): every matrix is split over 8 devices along both its axes,
+    and the Newton-Schulz products run partitioned; 20 steps' losses and the weights equal one device's."""
+    layers = {"model.scan_layers": scan}
+    ref, ref_state = _muon_run(char_data, tmp_path / "one", jax.devices()[:1], **layers)
+    got, state = _muon_run(char_data, tmp_path / "eight", jax.devices(), **layers, **{
+        "mesh.ici_data": 1, "mesh.ici_fsdp": 4, "mesh.ici_tensor": 2})
+    assert state["params"]["layers"]["attn"]["q"].sharding.spec[1:3] == (("fsdp", "sequence"), "tensor")
+    momentum = [v for k, v in jax.tree_util.tree_flatten_with_path(state["opt_state"])[0]
+                if "momentum" in jax.tree_util.keystr(k) and jax.tree_util.keystr(k).endswith("['attn']['q']")]
+    assert len(momentum) == 1 and momentum[0].sharding == state["params"]["layers"]["attn"]["q"].sharding
+    assert ref[-1] < ref[0] - 0.5
+    np.testing.assert_allclose(got, ref, rtol=1e-5)
+    worst = 0.0
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(ref_state["params"])[0],
+                            jax.tree.leaves(state["params"])):
+        a, b = np.asarray(a), np.asarray(b)
+        err = np.max(np.abs(a - b)) / np.max(np.abs(a))
+        worst = max(worst, err)
+        assert err <= 1e-5, jax.tree_util.keystr(path)
+    print(f"losses: largest relative difference {np.max(np.abs(got / ref - 1)):.2e}; weights: {worst:.2e}")
+
+
+# ---- WSD runs extended, Muon's state in checkpoints --------------------------------------------------------------
+
+WSD = {"optimizer.name": "muon", "optimizer.schedule": "wsd", "optimizer.cooldown_fraction": 0.2,
+       "optimizer.lr": 3e-3, "training.eval_interval": 0, "checkpoint.interval": 10, "checkpoint.keep": 10,
+       "training.log_interval": 1}
+
+
+def stop_at_step(monkeypatch, step: int):
+    """SIGTERM to this process while the loop fetches the batch of `step` (1-based): the run saves that step and
+    returns, as a preempted (or killed with a warning) run does."""
+    real, n = step_lib.device_batch, [0]
+
+    def batch(run, split, plan):
+        if len(plan.shape) == 2:  # the loop's [grad_accum, batch]; evaluation passes [batch]
+            n[0] += 1
+            if n[0] == step:
+                os.kill(os.getpid(), signal.SIGTERM)
+        return real(run, split, plan)
+
+    monkeypatch.setattr(step_lib, "device_batch", batch)
+
+
+def restored(cfg, run_dir):
+    from jaxlm import checkpoint as ckpt
+
+    run = step_lib.setup(cfg)
+    return jax.device_get(ckpt.restore_newest(run_dir, run.abstract_state, log=quiet)[1])
+
+
+def test_wsd_run_extended_in_its_stable_phase_equals_one_long_run(char_data, tmp_path, monkeypatch):
+    """A 40-step Muon run with WSD, stopped at step 13 (its cooldown would begin at 32), extended with
+    training.steps=60: the same losses, learning rates and final state (weights, Muon's momentum, AdamW's
+    moments) as one 60-step run, whose cooldown begins at 48."""
+    long_cfg = tiny_config(char_data, tmp_path / "long", **{**WSD, "training.steps": 60})
+    train.train(long_cfg, log=quiet)
+    stop_at_step(monkeypatch, 13)
+    summary = train.train(tiny_config(char_data, tmp_path / "ext", **{**WSD, "training.steps": 40}), log=quiet)
+    monkeypatch.undo()
+    assert summary["preempted_at"] == 13
+    summary = train.train(tiny_config(char_data, tmp_path / "ext", **{**WSD, "training.steps": 60}), log=quiet)
+    assert summary["start_step"] == 13
+    records = {r["step"]: r for r in train.read_metrics(tmp_path / "long") if "loss" in r}
+    ext = {r["step"]: r for r in train.read_metrics(tmp_path / "ext") if "loss" in r}
+    assert [ext[s]["loss"] for s in range(1, 61)] == [records[s]["loss"] for s in range(1, 61)]
+    assert [ext[s]["lr"] for s in range(1, 61)] == [records[s]["lr"] for s in range(1, 61)]
+    lrs = [records[s]["lr"] for s in range(1, 61)]  # step s is the update at count s - 1
+    assert lrs[5:49] == [pytest.approx(3e-3)] * 44 and lrs[49] < 3e-3  # the cooldown: counts 48-60
+    assert lrs[-1] == pytest.approx(1e-4 + (3e-3 - 1e-4) / 12)
+    assert records[60]["loss"] < records[1]["loss"] - 0.5
+    a, b = restored(long_cfg, tmp_path / "long"), restored(long_cfg, tmp_path / "ext")
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        assert np.array_equal(x, y)
+
+
+def test_a_run_continues_with_muon_from_an_adamw_checkpoint(char_data, tmp_path):
+    run_dir = tmp_path / "run"
+    common = {"training.eval_interval": 0, "optimizer.lr": 1e-2}
+    train.train(tiny_config(char_data, run_dir, **{**common, "training.steps": 10}), log=quiet)
+    lines = []
+    cfg = tiny_config(char_data, run_dir, **{**common, "training.steps": 20, "optimizer.name": "muon"})
+    summary = train.train(cfg, log=lines.append)
+    assert summary["start_step"] == 10
+    said = [line for line in lines if "another optimizer's state" in line]
+    assert len(said) == 1 and "fresh muon state" in said[0] and "schedule continues at step 10" in said[0]
+    records = {r["step"]: r for r in train.read_metrics(run_dir) if "loss" in r}
+    assert records[11]["lr"] == pytest.approx(float(optim.schedule(cfg.optimizer, 20)(10)))
+    # the trained weights, not a fresh start
+    assert records[11]["loss"] < records[1]["loss"] - 0.5 and abs(records[11]["loss"] - records[10]["loss"]) < 0.15
+    state = restored(cfg, run_dir)
+    momentum = [v for k, v in jax.tree_util.tree_flatten_with_path(state["opt_state"])[0]
+                if "momentum" in jax.tree_util.keystr(k)]
+    assert len(momentum) == 6 and all(np.any(m != 0) for m in momentum)  # Muon's, trained for 10 steps
+    with pytest.raises(train.ConfigError, match="different model"):  # the weights must still fit
+        train.train(tiny_config(char_data, run_dir, **{"model.n_layers": 3, "optimizer.name": "adamw"}), log=quiet)
+
+
+# ---- MuonClip ----------------------------------------------------------------------------------------------------
+
+# No QK-norm and no rotary embedding, so the NumPy forward below needs only norms, matmuls, softmax and relu;
+# grouped-query heads (4 query heads over 2 kv heads).
+CLIP = ModelConfig(vocab_size=11, block_size=8, n_layers=2, n_heads=4, n_kv_heads=2, d_model=16, d_ff=32,
+                   qk_norm=False, position="learned", activation="relu")
+
+
+def np_logit_max(p: dict, tokens: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    """[L, N] the largest causal attention logit of each layer's heads, by a direct float64 forward pass."""
+    f = lambda a: np.asarray(a, np.float64)  # noqa: E731
+    B, T = tokens.shape
+    G = cfg.n_heads // cfg.kv_heads
+    rms = lambda x, s: x / np.sqrt(np.mean(x ** 2, -1, keepdims=True) + cfg.norm_eps) * s  # noqa: E731
+    x = f(p["embed"]["tokens"])[tokens] + f(p["embed"]["positions"])[:T]
+    causal = np.tril(np.ones((T, T), bool))
+    out = []
+    for i in range(cfg.n_layers):
+        lp = jax.tree.map(lambda a: f(a[i]), p["layers"])
+        h = rms(x, lp["attn_norm"]["scale"])
+        q = np.einsum("btd,dnh->bnth", h, lp["attn"]["q"])
+        k = np.repeat(np.einsum("btd,dkh->bkth", h, lp["attn"]["k"]), G, axis=1)
+        v = np.repeat(np.einsum("btd,dkh->bkth", h, lp["attn"]["v"]), G, axis=1)
+        logits = np.einsum("bnth,bnsh->bnts", q, k) / np.sqrt(cfg.hd)
+        out.append(np.where(causal, logits, -np.inf).max(axis=(0, 2, 3)))
+        probs = np.exp(np.where(causal, logits, -np.inf) - logits.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        x = x + np.einsum("bnth,nhd->btd", np.einsum("bnts,bnsh->bnth", probs, v), lp["attn"]["o"])
+        h = rms(x, lp["mlp_norm"]["scale"])
+        x = x + np.maximum(h @ lp["mlp"]["up"], 0) @ lp["mlp"]["down"]
+    return np.stack(out)
+
+
+def _clip_params(cfg: ModelConfig, seed=0):
+    mesh = sharding.make_mesh(config_lib.MeshConfig(), jax.devices()[:1])
+    params = P.init(param_specs(cfg), jax.random.key(seed), mesh)
+    # Larger query and key weights than the initializer's, so logits spread well beyond 1.
+    attn = {**params["layers"]["attn"], **{n: params["layers"]["attn"][n] * 25 for n in ("q", "k")}}
+    return {**params, "layers": {**params["layers"], "attn": attn}}
+
+
+def test_attention_logit_max_equals_a_numpy_forward_pass():
+    params = _clip_params(CLIP)
+    tokens = np.random.default_rng(0).integers(0, 11, (3, 8))
+    got = np.asarray(transformer.attention_logit_max(params, jnp.asarray(tokens), CLIP))
+    want = np_logit_max(params, tokens, CLIP)
+    assert got.shape == (2, 4) and np.ptp(want) > 1.0
+    np.testing.assert_allclose(got, want, rtol=2e-5)
+    # computed a few queries at a time (attention_block), with padding, it is the same
+    small = ModelConfig(**{**CLIP.__dict__, "attention_block": 3})
+    np.testing.assert_allclose(np.asarray(transformer.attention_logit_max(params, jnp.asarray(tokens), small)), got,
+                               rtol=1e-6)
+
+
+@pytest.mark.parametrize("kw", [{}, {"n_kv_heads": 4}, {"qk_norm": True}, {"qk_norm": True, "norm_plus_one": True},
+                                {"bias": True}], ids=["gqa", "mha", "qk-norm", "qk-norm-plus-one", "biases"])
+def test_qk_clip_brings_each_offending_head_to_the_threshold(kw):
+    """On the inputs it was measured on, a clipped layer's heads peak at min(max, threshold) (per head), or, with
+    QK-norm, at max x gamma of the layer's worst head; the other heads are left alone."""
+    cfg = ModelConfig(**{**CLIP.__dict__, "position": "rotary", **kw})
+    params = _clip_params(cfg, seed=1)
+    if cfg.bias:  # nonzero biases, which must scale with their projections
+        params["layers"]["attn"] = {**params["layers"]["attn"], **{
+            n: params["layers"]["attn"][n] + 0.5 for n in ("q_bias", "k_bias")}}
+    x = jax.random.normal(jax.random.key(2), (2, 8, 16))
+    positions = jnp.broadcast_to(jnp.arange(8), (2, 8))
+    layer = lambda p: jax.tree.map(lambda a: a[0], p)  # noqa: E731
+    top_N = attention.attention_with_logit_max(x, layer(params["layers"]["attn"]), cfg, positions)[1]
+    threshold = float(np.median(top_N))
+    top_LN = jnp.stack([top_N, top_N + 1e9])  # layer 1 would be clipped hard; only layer 0 is checked here
+    clipped = attention.clip_qk(params["layers"]["attn"], top_LN, threshold, cfg)
+    after_N = np.asarray(attention.attention_with_logit_max(x, layer(clipped), cfg, positions)[1])
+    before = np.asarray(top_N)
+    want = before * min(1.0, threshold / before.max()) if cfg.qk_norm else np.minimum(before, threshold)
+    np.testing.assert_allclose(after_N, want, rtol=1e-5)
+    assert (before > threshold).any() and (before <= threshold).any()
+    untouched = [n for n in clipped if n not in ("q", "k", "q_bias", "k_bias", "q_norm", "k_norm")]
+    assert all(clipped[n] is params["layers"]["attn"][n] for n in untouched)
+
+
+def test_train_step_with_qk_clip_logs_each_layer_and_clips_after_the_update(char_data, tmp_path):
+    base = {"optimizer.name": "muon", "model.qk_norm": False, "checkpoint.enabled": False}
+    runs = {}
+    for name, clip in (("plain", 0.0), ("clip", 1.5)):
+        cfg = tiny_config(char_data, tmp_path, **base, **{"optimizer.qk_clip": clip})
+        run = step_lib.setup(cfg, jax.devices()[:1])
+        state = step_lib.init_state(run, 0)
+        state["params"]["layers"]["attn"] = {**state["params"]["layers"]["attn"], **{
+            n: state["params"]["layers"]["attn"][n] * 6 for n in ("q", "k")}}
+        step = step_lib.make_train_step(run.cfg, run.optimizer, run.mesh, run.abstract_state, run.act_rules)
+        x = np.random.default_rng(0).integers(0, 65, (1, 8, 32)).astype(np.int32)
+        batch = {"inputs": x, "targets": np.roll(x, -1, axis=-1)}
+        before = jax.device_get(state["params"])
+        new, m = step(state, batch)
+        runs[name] = (run.cfg, before, jax.device_get(new["params"]), jax.device_get(m))
+    cfg, before, plain, m = runs["plain"]
+    assert not any(k.startswith("attn_logit_max") for k in m)
+    cfg, _, clipped, m = runs["clip"]
+    top_LN = np.asarray(transformer.attention_logit_max(before, jnp.asarray(x[0]), cfg.model))
+    assert [float(m[f"attn_logit_max/{i}"]) for i in range(2)] == pytest.approx(list(np.max(top_LN, axis=1)), rel=1e-5)
+    assert int(m["qk_clipped_heads"]) == int(np.sum(top_LN > 1.5)) > 0
+    want = attention.clip_qk(plain["layers"]["attn"], top_LN, 1.5, cfg.model)
+    for n in ("q", "k", "v", "o"):
+        np.testing.assert_allclose(clipped["layers"]["attn"][n], want[n], rtol=1e-5, atol=1e-7)
+    assert not np.allclose(clipped["layers"]["attn"]["q"], plain["layers"]["attn"]["q"])

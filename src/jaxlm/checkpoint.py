@@ -283,7 +283,9 @@ class Checkpointer:
     def restore_without_optimizer(self, step: int, abstract_state: dict) -> tuple[dict, dict]:
         """`restore` of all but the optimizer state (returned without an "opt_state"): for a run that goes on
         with another optimizer, whose state a checkpoint of the first does not hold."""
-        return _restore_without_optimizer(self._mngr, self._path(str(step)), step, abstract_state)
+        # A manager of its own: this one has registered the handler its saves use, which takes whole trees only.
+        with _manager(self.dir, read_only=True, create=False, enable_async_checkpointing=False) as mngr:
+            return _restore_without_optimizer(mngr, self._path(str(step)), step, abstract_state)
 
     def save(self, step: int, state: dict, loader_state: dict) -> None:
         """Start saving `state` at `step`. Raises CheckpointError when the previous save failed and

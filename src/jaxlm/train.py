@@ -113,10 +113,13 @@ def _first_state(run: step_lib.Run, checkpointer, batches, log: Callable[[str], 
         where = storage.join(checkpointer.dir, str(latest))
         try:
             state, loader_state = checkpointer.restore(latest, run.abstract_state)
-        except ckpt.CheckpointError:
+        except ckpt.CheckpointError as e:
             # The weights fit but the optimizer state does not: the run goes on with another optimizer
-            # (optimizer.name=adamw before, muon now). Anything else fails here as it did above.
-            state, loader_state = checkpointer.restore_without_optimizer(latest, run.abstract_state)
+            # (optimizer.name=adamw before, muon now). Anything else fails as it did above.
+            try:
+                state, loader_state = checkpointer.restore_without_optimizer(latest, run.abstract_state)
+            except ckpt.CheckpointError:
+                raise e from None
             state = step_lib.with_fresh_optimizer(run, state)
             log(f"{where} holds another optimizer's state: continuing its weights and data position with a fresh "
                 f"{cfg.optimizer.name} state (new moments; the learning-rate schedule continues at step {latest})")
