@@ -191,19 +191,31 @@ def _muon_run(char_data, tmp_path, devices, **overrides):
         starts = rng.integers(0, 100_000, size=16).reshape(2, 8)
         return step_lib.device_batch(run, "train", loader_lib.Windows(starts))
 
-    cfg = tiny_config(char_data, tmp_path, **{"model.vocab_size": 128, "model.n_layers": 3, "optimizer.name": "muon",
+    cfg = tiny_config(char_data, tmp_path, **{"model.vocab_size": 128, "optimizer.name": "muon",
                                               "optimizer.lr": 3e-3, "training.grad_accum": 2, **overrides})
     return train_losses(cfg, devices, batch_of, steps=20)
 
 
-@pytest.mark.parametrize("scan", [True, False], ids=["scanned", "unscanned"])
-def test_sharded_muon_equals_one_device(scan, char_data, tmp_path):
-    """FSDP x tensor parallelism (fsdp=4 x tensor=2): every matrix is split over 8 devices along both its axes,
-    and the Newton-Schulz products run partitioned; 20 steps' losses and the weights equal one device's."""
-    layers = {"model.scan_layers": scan}
-    ref, ref_state = _muon_run(char_data, tmp_path / "one", jax.devices()[:1], **layers)
-    got, state = _muon_run(char_data, tmp_path / "eight", jax.devices(), **layers, **{
-        "mesh.ici_data": 1, "mesh.ici_fsdp": 4, "mesh.ici_tensor": 2})
+# Layers per stack, and how Newton-Schulz lays out the matrices of a stack split over fsdp=4 x tensor=2: its layers
+# over all 8 devices (8 layers), over the 4 of fsdp (4 layers), or every matrix whole on every device (3 layers).
+SPLITS = {8: ("fsdp", "tensor"), 4: ("fsdp",), 3: ()}
+
+
+@pytest.mark.parametrize("scan,layers", [(False, 4), (True, 8), pytest.param(True, 3, marks=pytest.mark.slow)],
+                         ids=["unscanned-4-layers", "scanned-8-layers", "scanned-3-layers"])
+def test_sharded_muon_equals_one_device(scan, layers, char_data, tmp_path):
+    """FSDP x tensor parallelism (fsdp=4 x tensor=2): every matrix is split over 8 devices along both its axes and
+    is gathered whole for Newton-Schulz, its stack's layers spread over the devices as evenly as they divide; 20
+    steps' losses and the weights equal one device's."""
+    settings = {"model.scan_layers": scan, "model.n_layers": layers}
+    mesh = {"mesh.ici_data": 1, "mesh.ici_fsdp": 4, "mesh.ici_tensor": 2}
+    run = step_lib.setup(tiny_config(char_data, None, **settings, **mesh, **{"model.vocab_size": 128}), jax.devices())
+    q = "['layers']['attn']['q']"
+    stack, home = optim.ns_layout(optim.muon_matrices(run.specs)[q], run.specs["layers"]["attn"]["q"], run.mesh,
+                                  run.param_rules)
+    assert tuple(stack.spec) == (("stage", *SPLITS[layers]) if SPLITS[layers] else "stage", None, None)
+    ref, ref_state = _muon_run(char_data, tmp_path / "one", jax.devices()[:1], **settings)
+    got, state = _muon_run(char_data, tmp_path / "eight", jax.devices(), **settings, **mesh)
     assert state["params"]["layers"]["attn"]["q"].sharding.spec[1:3] == (("fsdp", "sequence"), "tensor")
     momentum = [v for k, v in jax.tree_util.tree_flatten_with_path(state["opt_state"])[0]
                 if "momentum" in jax.tree_util.keystr(k) and jax.tree_util.keystr(k).endswith("['attn']['q']")]

@@ -11,9 +11,15 @@ g + mu m (Nesterov) or m by a quintic Newton-Schulz iteration that pushes every 
 scales the result to an RMS of about `muon_rms` (muon_rms * sqrt(max(fan_in, fan_out))), so it can share AdamW's
 learning rate and weight decay. A weight is seen as a stack of matrices: its leading `layers` and `experts` axes
 index independent matrices (one per layer, one per expert of a layer), and the rest split into the fan-in rows and
-the fan-out columns (`matrix_view`). Embeddings, the output layer, norms and biases take AdamW. Sharded weights
-need no special code: the iteration is a few batched matmuls of each matrix with itself, which XLA partitions
-like any other (tests/test_optim.py checks FSDP x tensor parallelism against one device).
+the fan-out columns (`matrix_view`). Embeddings, the output layer, norms and biases take AdamW.
+
+Sharded weights: Newton-Schulz multiplies each matrix by itself ten or fifteen times, and left to XLA's
+partitioner a matrix split over FSDP and tensor devices exchanges partial products at every one of them (about
+nine times the bytes of gathering the matrix once: docs/performance.md). So each stack of matrices is first
+laid out whole on every device (`ns_layout`), its leading layers (or experts) axis split over the devices that
+held the pieces when it divides evenly: each device orthogonalizes whole matrices of its share of the layers, and
+one exchange there and one back replace the iteration's. The result equals one device's to float32 round-off
+(tests/test_optim.py, fsdp=4 x tensor=2).
 
 Shape legend: M rows (fan-in), N columns (fan-out), after any leading batch axes (...).
 """
@@ -21,6 +27,7 @@ Shape legend: M rows (fan-in), N columns (fan-out), after any leading batch axes
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from typing import NamedTuple
 
@@ -28,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxlm import params as P
+from jaxlm import params as P, sharding
 from jaxlm.config import OptimizerConfig
 
 # ---- schedules ------------------------------------------------------------------------------------------------
@@ -148,20 +155,25 @@ NS_COEFFS = (3.4445, -4.7750, 2.0315)
 NS_EPS = 1e-7
 
 
-def orthogonalize(u: jax.Array, view: MatrixView, steps: int) -> jax.Array:
+def orthogonalize(u: jax.Array, view: MatrixView, steps: int, layout=None) -> jax.Array:
     """Newton-Schulz orthogonalization of each matrix of u (float32): X <- X / |X|_F, then `steps` times
-    X <- a X + (b A + c A A) X with A = X X^T, on the wide orientation (A is min(M, N) square)."""
+    X <- a X + (b A + c A A) X with A = X X^T, on the wide orientation (A is min(M, N) square). `layout`, a
+    sharding of the [..., M, N] stack (ns_layout), places the matrices for the iteration."""
     shape = u.shape
     M, N = view.rows_cols(shape)
     x_MN = u.astype(jnp.float32).reshape(*shape[:view.batch], M, N)
     if M > N:
         x_MN = jnp.swapaxes(x_MN, -1, -2)
+    if layout is not None:
+        x_MN = jax.lax.with_sharding_constraint(x_MN, layout)
     x_MN = x_MN / (jnp.sqrt(jnp.sum(jnp.square(x_MN), axis=(-2, -1), keepdims=True)) + NS_EPS)
     a, b, c = NS_COEFFS
     for _ in range(steps):
         A_MM = jnp.einsum("...ij,...kj->...ik", x_MN, x_MN)
         B_MM = b * A_MM + c * jnp.einsum("...ij,...jk->...ik", A_MM, A_MM)
         x_MN = a * x_MN + jnp.einsum("...ij,...jk->...ik", B_MM, x_MN)
+    if layout is not None:  # pinned at both ends: the iteration's products stay on whole matrices
+        x_MN = jax.lax.with_sharding_constraint(x_MN, layout)
     if M > N:
         x_MN = jnp.swapaxes(x_MN, -1, -2)
     return x_MN.reshape(shape)
@@ -174,15 +186,42 @@ def update_scale(view: MatrixView, shape: tuple[int, ...], rms: float) -> float:
     return rms * math.sqrt(max(M, N)) if rms > 0 else max(1.0, N / M) ** 0.5
 
 
+def ns_layout(view: MatrixView, spec: P.ParamSpec, mesh, rules) -> tuple | None:
+    """(sharding of the weight's [..., M, N] stack for Newton-Schulz, the weight's own sharding), or None when its
+    matrices are whole on every device already. The stack keeps the sharding of its leading axes and splits the
+    first of them that divides evenly over as many as it can of the mesh axes its matrix axes were split over
+    (all of them, else the largest group that divides); the devices of the axes left out hold the same matrices,
+    and with no leading axis to split, every device holds every matrix (a gather)."""
+    pspec = sharding.spec(spec.axes, rules)
+    entries = [() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in pspec]
+    entries += [()] * (len(spec.shape) - len(entries))
+    matrix = tuple(a for e in entries[view.batch:] for a in e if mesh.shape[a] > 1)
+    if not matrix:
+        return None
+    size = lambda axes: math.prod(mesh.shape[a] for a in axes)  # noqa: E731
+    groups = sorted((c for r in range(len(matrix), 0, -1) for c in itertools.combinations(matrix, r)), key=size,
+                    reverse=True)
+    batch = entries[:view.batch]
+    for i, e in enumerate(batch):
+        split = next((c for c in groups if spec.shape[i] % (size(e) * size(c)) == 0), None)
+        if split is not None:
+            batch[i] = e + split
+            break
+    stack = jax.sharding.PartitionSpec(*(e if len(e) > 1 else e[0] if e else None for e in batch), None, None)
+    return jax.sharding.NamedSharding(mesh, stack), jax.sharding.NamedSharding(mesh, pspec)
+
+
 class MuonState(NamedTuple):
     momentum: optax.Updates  # one per matrix weight, in the weight's dtype and sharding
 
 
-def scale_by_muon(views: dict[str, MatrixView], momentum: float, nesterov: bool, ns_steps: int,
-                  rms: float) -> optax.GradientTransformation:
+def scale_by_muon(views: dict[str, MatrixView], momentum: float, nesterov: bool, ns_steps: int, rms: float,
+                  layouts: dict[str, tuple] | None = None) -> optax.GradientTransformation:
     """Muon's direction for the weights named in `views` (optax.partition hands this transform those alone; the
     others are empty nodes of the tree): m <- momentum m + g, then orthogonalize(g + momentum m) (Nesterov) or
-    orthogonalize(m), times update_scale."""
+    orthogonalize(m), times update_scale. `layouts` (ns_layout, by path) place sharded matrices for the
+    iteration and the result back where the weight lives."""
+    layouts = layouts or {}
 
     def init(params):
         return MuonState(jax.tree.map(jnp.zeros_like, params))
@@ -192,9 +231,11 @@ def scale_by_muon(views: dict[str, MatrixView], momentum: float, nesterov: bool,
         m = jax.tree.map(lambda m, g: (momentum * m + g).astype(m.dtype), state.momentum, grads)
 
         def direction(path, g, m):
-            view = views[jax.tree_util.keystr(path)]
+            key = jax.tree_util.keystr(path)
+            view, (stack, home) = views[key], layouts.get(key) or (None, None)
             u = g + momentum * m if nesterov else m
-            return (orthogonalize(u, view, ns_steps) * update_scale(view, g.shape, rms)).astype(g.dtype)
+            out = (orthogonalize(u, view, ns_steps, stack) * update_scale(view, g.shape, rms)).astype(g.dtype)
+            return out if home is None else jax.lax.with_sharding_constraint(out, home)
 
         return jax.tree_util.tree_map_with_path(direction, grads, m), MuonState(m)
 
@@ -218,9 +259,11 @@ def decay_mask(params, decay_embeddings: bool):
     return jax.tree_util.tree_map_with_path(keep, params)
 
 
-def make(cfg: OptimizerConfig, total_steps: int, specs=None) -> optax.GradientTransformation:
+def make(cfg: OptimizerConfig, total_steps: int, specs=None, mesh=None,
+         param_rules=sharding.PARAM_RULES) -> optax.GradientTransformation:
     """The run's optimizer. With optimizer.name=muon, `specs` (the trained weights' ParamSpecs) say which weights
-    are matrices for Muon; without them (a LoRA run's adapters) every weight takes AdamW."""
+    are matrices for Muon; without them (a LoRA run's adapters) every weight takes AdamW. With the `mesh` the
+    weights are placed on (and its rules), sharded matrices are laid out whole for Newton-Schulz (ns_layout)."""
     lr = schedule(cfg, total_steps)
     wd = cfg.weight_decay / cfg.lr if cfg.weight_decay_mode == "independent" else cfg.weight_decay
     parts = []
@@ -235,7 +278,12 @@ def make(cfg: OptimizerConfig, total_steps: int, specs=None) -> optax.GradientTr
     muon_wd = cfg.muon_weight_decay if cfg.muon_weight_decay is not None else cfg.weight_decay
     if cfg.weight_decay_mode == "independent":
         muon_wd /= muon_lr
-    muon = optax.chain(scale_by_muon(views, cfg.muon_momentum, cfg.muon_nesterov, cfg.muon_ns_steps, cfg.muon_rms),
+    layouts = {}
+    if mesh is not None and mesh.devices.size > 1:
+        flat = {jax.tree_util.keystr(p): s for p, s in jax.tree_util.tree_flatten_with_path(specs, is_leaf=P.is_spec)[0]}
+        layouts = {k: ns_layout(v, flat[k], mesh, param_rules) for k, v in views.items()}
+    muon = optax.chain(scale_by_muon(views, cfg.muon_momentum, cfg.muon_nesterov, cfg.muon_ns_steps, cfg.muon_rms,
+                                     layouts),
                        optax.add_decayed_weights(muon_wd),
                        optax.scale_by_learning_rate(schedule(cfg, total_steps, muon_lr)))
 

@@ -124,7 +124,7 @@ def setup(cfg: Config, devices=None, data: bool = True) -> Run:
     if cfg.logging.wandb:
         metrics.require_wandb()
     specs = lora.specs(cfg) if lora.enabled(cfg) else param_specs(cfg.model)
-    optimizer = optim.make(cfg.optimizer, cfg.training.steps, None if lora.enabled(cfg) else specs)
+    optimizer = optim.make(cfg.optimizer, cfg.training.steps, None if lora.enabled(cfg) else specs, mesh, param_rules)
     abstract_state = make_abstract_state(specs, mesh, optimizer, param_rules)
     abstract_frozen = placed(lora.frozen_specs(cfg), mesh, param_rules) if lora.enabled(cfg) else None
     run_dir = resolve_run_dir(cfg)
