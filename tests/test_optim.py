@@ -271,8 +271,11 @@ def test_wsd_run_extended_in_its_stable_phase_equals_one_long_run(char_data, tmp
     summary = train.train(tiny_config(char_data, tmp_path / "ext", **{**WSD, "training.steps": 40}), log=quiet)
     monkeypatch.undo()
     assert summary["preempted_at"] == 13
-    summary = train.train(tiny_config(char_data, tmp_path / "ext", **{**WSD, "training.steps": 60}), log=quiet)
+    lines = []
+    summary = train.train(tiny_config(char_data, tmp_path / "ext", **{**WSD, "training.steps": 60}), log=lines.append)
     assert summary["start_step"] == 13
+    assert ("training.steps 40 -> 60 at step 13: still in the stable phase, the cooldown now runs from step 48 to 60 "
+            "(was 32)") in lines
     records = {r["step"]: r for r in train.read_metrics(tmp_path / "long") if "loss" in r}
     ext = {r["step"]: r for r in train.read_metrics(tmp_path / "ext") if "loss" in r}
     assert [ext[s]["loss"] for s in range(1, 61)] == [records[s]["loss"] for s in range(1, 61)]
@@ -413,3 +416,13 @@ def test_train_step_with_qk_clip_logs_each_layer_and_clips_after_the_update(char
     for n in ("q", "k", "v", "o"):
         np.testing.assert_allclose(clipped["layers"]["attn"][n], want[n], rtol=1e-5, atol=1e-7)
     assert not np.allclose(clipped["layers"]["attn"]["q"], plain["layers"]["attn"]["q"])
+
+
+def test_a_resumed_run_with_other_training_steps_says_where_its_schedule_goes():
+    wsd = OptimizerConfig(schedule="wsd", warmup_steps=10, cooldown_fraction=0.2)
+    assert train._schedule_change(wsd, 100, 200, 90) == (
+        "training.steps 100 -> 200 at step 90: the cooldown had begun at step 80; from here the rate follows the new "
+        "schedule (160 to 200), rising from the first run's")
+    assert "jumping" in train._schedule_change(wsd, 200, 100, 150)  # shortened past the new cooldown's start
+    assert "decay now ends at step 200" in train._schedule_change(OptimizerConfig(), 100, 200, 50)
+    assert "unchanged" in train._schedule_change(OptimizerConfig(decay_steps=100), 100, 200, 50)

@@ -649,11 +649,12 @@ def evaluate(eval_step, params, run: Run, plans: dict, frozen: dict | None = Non
     return out
 
 
-def check_resume_config(run_dir: Path | str, cfg: Config) -> None:
-    """A run directory's checkpoint only fits a model with the same settings."""
+def check_resume_config(run_dir: Path | str, cfg: Config) -> dict | None:
+    """A run directory's checkpoint only fits a model with the same settings. Returns the settings the run
+    directory was last trained with (its config.json as a dict; None for a new run)."""
     path = storage.join(run_dir, "config.json")
     if not storage.exists(path):
-        return
+        return None
     whole = json.loads(storage.read_text(path))
     saved = whole.get("model", {})
     for k, v in dataclasses.asdict(cfg.model).items():
@@ -673,6 +674,7 @@ def check_resume_config(run_dir: Path | str, cfg: Config) -> None:
         if there != v:
             raise ConfigError(f"run_dir {run_dir} holds a checkpoint trained with {key}={there!r}, and this run has "
                               f"{v!r}; resume with the same setting or use another run_dir")
+    return whole
 
 
 def sample_text(params, cfg: Config, tok: tokenizer_lib.Tokenizer, prompt: str, new_tokens: int,

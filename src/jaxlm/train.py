@@ -132,6 +132,23 @@ def _first_state(run: step_lib.Run, checkpointer, batches, log: Callable[[str], 
     return step_lib.init_state(run, cfg.seed)
 
 
+def _schedule_change(o: config_lib.OptimizerConfig, before: int, now: int, start: int) -> str:
+    """One line for a run resumed at `start` with training.steps changed from `before` to `now`: where its
+    learning-rate schedule goes from here, and whether it continues the first run's exactly."""
+    head = f"training.steps {before} -> {now} at step {start}: "
+    if o.schedule == "wsd":
+        (was, _), (begins, ends) = optim.wsd_phases(o, before), optim.wsd_phases(o, now)
+        if start <= min(was, begins):
+            return head + f"still in the stable phase, the cooldown now runs from step {begins} to {ends} (was {was})"
+        where = f"the cooldown had begun at step {was}" if start > was else f"the new cooldown began at step {begins}"
+        return head + (f"{where}; from here the rate follows the new schedule ({begins} to {ends}), "
+                       f"{'rising' if start < begins else 'jumping'} from the first run's")
+    if o.schedule in ("cosine", "linear") and o.decay_steps is None:
+        return head + (f"the {o.schedule} decay now ends at step {now}, so the learning rate from here differs from "
+                       "the first run's (optimizer.schedule=wsd extends a run exactly)")
+    return head + f"the {o.schedule} schedule is unchanged by it"
+
+
 def _report_end(summary: dict, last_eval: dict, log: Callable[[str], None]) -> None:
     """The closing lines of a run from its summary: skipped updates, the steps trained and their throughput,
     the final losses."""
@@ -205,7 +222,7 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
                                       step_lib.step_args(run))
     t_cfg = cfg.training
     storage.makedirs(run_dir)
-    step_lib.check_resume_config(run_dir, cfg)
+    saved = step_lib.check_resume_config(run_dir, cfg)
     if main_process:  # atomically: the other processes may be reading it in check_resume_config
         storage.write_text(storage.join(run_dir, "config.json"), config_lib.to_json(cfg))
 
@@ -221,6 +238,8 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
     step_args = (lambda state, batch: (state, batch)) if frozen is None else (
         lambda state, batch: (state, batch, frozen))
     start = int(jax.device_get(state["step"]))
+    if start and saved and (before := saved.get("training", {}).get("steps", t_cfg.steps)) != t_cfg.steps:
+        log(_schedule_change(cfg.optimizer, before, t_cfg.steps, start))
     skips = {k: int(v) for k, v in jax.device_get(state["guard"]).items()}
 
     if loaded_step is not None:
