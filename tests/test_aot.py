@@ -91,6 +91,10 @@ def test_saved_step_trains_like_the_jitted_step_and_refuses_other_runs(char_data
     fails(r"was compiled with optimizer.lr=0.001 and this run has 0.002; the step holds it fixed",
           **{"optimizer.lr": 0.002})
     fails(r"was compiled with training.steps=6 and this run has 7", **{"training.steps": 7})
+    (tmp_path / "p.jsonl").write_text('{"prompt": "ab"}\n')
+    fails(r"is a step of training.objective=next_token and this run has grpo; compile the step for this objective",
+          **{"training.objective": "grpo", "data.prompts": str(tmp_path / "p.jsonl"), "model.vocab_size": 65,
+             "grpo.group_size": 4, "grpo.reward": "jaxlm.rewards:exact_answer", "grpo.max_completion_tokens": 8})
     (tmp_path / "junk").write_bytes(b"not a step\n")
     fails("is not a step saved by `jaxlm compile", **{"compile.load": str(tmp_path / "junk")})
 

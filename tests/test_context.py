@@ -119,7 +119,7 @@ def test_split_attention_equals_one_device_with_gradients(method):
 
     def loss(q, k, v, use_mesh):
         def run():
-            out = attention.self_attention(q, k, v, positions, segments, cfg, local=True)
+            out = attention.self_attention(q, k, v, positions, segments, cfg, kind="local")
             return jnp.sum(out * jnp.cos(jnp.arange(out.size).reshape(out.shape)))
         if not use_mesh:
             return run()

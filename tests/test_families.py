@@ -10,7 +10,7 @@ import pytest
 
 from jaxlm import config as config_lib, params as P, sharding
 from jaxlm.config import ConfigError, MeshConfig, ModelConfig
-from jaxlm.model import attention, forward, forward_with_aux, moe, param_specs
+from jaxlm.model import attention, forward, forward_with_aux, layers, moe, param_specs
 
 # Parameter counts of the released checkpoints (the figures their model cards and safetensors report).
 PUBLISHED = {
@@ -29,12 +29,65 @@ def test_preset_parameter_count_matches_published_figure(name):
     assert P.count(param_specs(cfg.model)) == PUBLISHED[name]  # shapes only: nothing is allocated
 
 
+# The 2025-26 families as their makers publish them: total and active parameters per token, in billions, to
+# the digits they give, and which active count they mean: "active" (every weight a token uses, the embedding
+# table included: Meta, Qwen) or "active_matmul" (without the input embedding table, of which a token reads
+# one row: OpenAI, DeepSeek, Moonshot). Text models: Gemma 3's totals are its report's embedding +
+# non-embedding columns (the 417M vision encoder apart); DeepSeek-V3's 671B leaves out its 11.6B
+# multi-token prediction module (685B on the hub).
+PUBLISHED_2025 = {
+    "qwen3-30b-a3b": ("30.5", None, "active"), "qwen3-235b-a22b": ("235", "22", "active"),
+    "deepseek-v3": ("671", "37", "active_matmul"), "kimi-k2": ("1e3", "32", "active_matmul"),
+    "gpt-oss-20b": ("20.91", "3.61", "active_matmul"), "gpt-oss-120b": ("116.83", "5.13", "active_matmul"),
+    "gemma3-1b": ("1.00", None, "active"), "gemma3-4b": ("3.88", None, "active"),
+    "gemma3-12b": ("11.8", None, "active"), "gemma3-27b": ("27.0", None, "active"),
+    "llama4-scout": (None, "17", "active"), "llama4-maverick": ("4e2", "17", "active"),
+}
+
+
+def significant(x: float, published: str) -> float:
+    """x rounded to the significant digits of a published figure ("4e2": one digit, "20.91": four)."""
+    mantissa = published.split("e")[0].replace(".", "").lstrip("0")
+    return float(f"{x:.{len(mantissa)}g}")
+
+
+@pytest.mark.parametrize("name", PUBLISHED_2025)
+def test_2025_presets_have_the_published_parameter_counts(name):
+    """Total and active parameters (metrics.param_counts, from abstract shapes) equal the published figures to
+    their digits. Not checked: Llama 4 Scout's 109B total, which includes its vision encoder (the text model
+    is 107.8B), and Qwen3-30B-A3B's "3.3B activated", which its model card truncates from 3.35B (checked
+    below as that)."""
+    from jaxlm import metrics
+
+    total, active, convention = PUBLISHED_2025[name]
+    c = metrics.param_counts(config_lib.load(name).model)
+    if total is not None:
+        assert significant(c["total"] / 1e9, total) == float(total), (name, c)
+    if active is not None:
+        assert significant(c[convention] / 1e9, active) == float(active), (name, c)
+    if name == "qwen3-30b-a3b":
+        assert 3.3e9 <= c["active"] < 3.4e9 and significant(c["non_embedding"] / 1e9, "29.9") == 29.9
+
+
+def test_describe_prints_counts_layers_flops_and_cache(capsys):
+    from jaxlm import cli
+
+    assert cli.main(["describe", "deepseek-v3"]) == 0
+    out = capsys.readouterr().out
+    assert "671,026,419,200 total" in out and "36.6B without the input embedding" in out
+    assert "multi-token prediction modules 11,610,068,224" in out and "3 global; 58 global MoE" in out
+    # 61 layers x (latent 512 + rotary key 64) x 2 bytes, against 61 x 2 x 8 x 128 x 2 for GQA with 8 kv heads
+    assert "70,272 bytes" in out and "249,856" in out
+
+
 def test_layer_pattern_errors_are_one_line():
     with pytest.raises(ConfigError, match="set model.sliding_window"):
         config_lib.load("quickstart", ["model.layer_pattern=local,global", "model.n_layers=4"])
-    with pytest.raises(ConfigError, match="does not divide model.n_layers=3"):
-        config_lib.load("quickstart", ["model.layer_pattern=local,global", "model.n_layers=3",
+    with pytest.raises(ConfigError, match="has 3 kinds, more than model.n_layers=2"):
+        config_lib.load("quickstart", ["model.layer_pattern=local,global,local", "model.n_layers=2",
                                        "model.sliding_window=4"])
+    with pytest.raises(ConfigError, match="has chunked layers; set model.attention_chunk"):
+        config_lib.load("quickstart", ["model.layer_pattern=chunked,nope"])
     with pytest.raises(ConfigError, match="'loca'"):
         config_lib.load("quickstart", ["model.layer_pattern=loca"])
 
@@ -61,7 +114,7 @@ def test_moe_dispatch_matches_dense_loop_over_tokens():
     # Route unevenly: a constant input feature pushes every token to expert 0 and away from expert 3.
     p["router"] = p["router"].at[0, 0].set(3.0).at[0, 3].set(-10.0)
     x = jax.random.normal(ks[4], (2, M // 2, D)).at[..., 0].set(3.0)
-    y, stats = moe.moe(x, p, "silu", True, K)
+    y, stats = moe.moe(x, p, layers.Activation("silu", True), moe.Router(K))
     x_MD, y_MD = np.asarray(x, np.float64).reshape(M, D), np.zeros((M, D))
     w = {k: np.asarray(v, np.float64) for k, v in p.items()}
     for m in range(M):
@@ -75,7 +128,7 @@ def test_moe_dispatch_matches_dense_loop_over_tokens():
     np.testing.assert_allclose(np.asarray(y).reshape(M, D), y_MD, atol=1e-4)
     counts = np.asarray(stats[0]) * M
     assert counts.sum() == M * K and counts[0] == M and counts[3] == 0  # uneven, with an idle expert
-    g = jax.grad(lambda p: jnp.sum(moe.moe(x, p, "silu", True, K)[0] ** 2))(p)
+    g = jax.grad(lambda p: jnp.sum(moe.moe(x, p, layers.Activation("silu", True), moe.Router(K))[0] ** 2))(p)
     assert all(float(jnp.abs(v).sum()) > 0 for v in jax.tree.leaves(g))
 
 
@@ -103,3 +156,112 @@ def test_alternating_layers_scan_equals_python_loop():
     assert float(jnp.max(jnp.abs(scanned))) < 3.0  # the final soft-cap bounds the logits
     global_only = forward(params, toks, dataclasses.replace(MIXED, layer_pattern="global"))
     assert float(jnp.max(jnp.abs(global_only - scanned))) > 1e-3  # the window really changes the local layers
+
+
+def _loads(run, params, tokens):
+    """Each MoE layer's max/mean of the token copies its experts receive, over a fixed batch."""
+    from jaxlm.model import transformer
+
+    with sharding.activation_sharding(run.mesh, run.act_rules):
+        stats = jax.jit(lambda p, t: transformer._hidden(p, t, run.cfg.model, None, None, None)[1])(params, tokens)
+    f = np.asarray(stats[:, 0])
+    return f.max(axis=-1) / f.mean(axis=-1)
+
+
+@pytest.mark.slow
+def test_balancing_bias_moves_the_expert_loads_toward_balance(char_data, tmp_path):
+    """DeepSeek-V3's auxiliary-loss-free balancing: with the routing tilted towards expert 0 (a constant
+    embedding feature the router favours; the max/mean of the experts' loads over 4 batches above 2.5), 30 train
+    steps at a learning rate too small to retrain the router
+    leave the load as skewed without the bias update (moe_bias_update_rate=0), and bring it towards balance
+    with it; the biases move by exactly the rate per step, against the load."""
+    from conftest import tiny_config
+    from jaxlm import step as step_lib
+    from jaxlm.data import loader as loader_lib
+
+    skews = {}
+    for rate in (0.0, 0.05):
+        cfg = tiny_config(char_data, tmp_path / str(rate), **{
+            "model.n_experts": 8, "model.experts_per_token": 2, "model.router_score": "sigmoid",
+            "model.router_balance_bias": True, "model.moe_bias_update_rate": rate, "model.glu": True,
+            "model.activation": "silu", "optimizer.lr": 1e-7, "optimizer.min_lr": 0.0, "optimizer.warmup_steps": 0,
+            "training.batch_size": 8})
+        run = step_lib.setup(cfg, jax.devices()[:1])
+        state = step_lib.init_state(run, cfg.seed)
+        p = state["params"]
+        # Routers 10x their init (tokens choose differently), tilted towards expert 0 by a constant feature.
+        p["embed"]["tokens"] = p["embed"]["tokens"].at[:, 0].set(0.03)
+        p["layers"]["mlp"]["router"] = (10 * p["layers"]["mlp"]["router"]).at[:, 0, 0].add(1.5)
+        step = step_lib.make_train_step(run.cfg, run.optimizer, run.mesh, run.abstract_state, run.act_rules)
+        rng = np.random.default_rng(0)
+        batches = [step_lib.device_batch(run, "train", loader_lib.Windows(rng.integers(0, 100_000, size=(1, 8))))
+                   for _ in range(30)]
+        held_out = jnp.concatenate([b["inputs"][0] for b in batches[:4]])
+        before = _loads(run, state["params"], held_out)
+        bias0 = np.asarray(state["params"]["layers"]["mlp"]["balance_bias"])
+        state, _ = step(state, batches[0])
+        moved = np.asarray(state["params"]["layers"]["mlp"]["balance_bias"]) - bias0
+        np.testing.assert_allclose(np.abs(moved), rate, rtol=1e-5, atol=1e-12)  # +-rate, or 0 when frozen
+        assert rate == 0 or moved[:, 0].max() < 0  # expert 0, over-loaded, is pushed down
+        for b in batches[1:]:
+            state, _ = step(state, b)
+        skews[rate] = before, _loads(run, state["params"], held_out)
+    (before0, after0), (before1, after1) = skews[0.0], skews[0.05]
+    assert np.all(before0 > 2.5) and np.allclose(before0, before1)  # an even load gives 1, top-2 of 8 at most 4
+    assert np.all(after0 > 0.9 * before0)  # frozen biases: the skew stays
+    assert np.all(after1 < 0.6 * before1), (before1, after1)
+
+
+def test_layouts_of_the_2025_presets():
+    """Which layers are scanned in groups and which run unrolled, and where each layer's MLP weights lie."""
+    from jaxlm.model import stack
+
+    ds = stack.layout(config_lib.load("deepseek-v3").model)  # 3 dense layers, then 58 MoE layers
+    assert (ds.start, ds.G, ds.groups, ds.unrolled, ds.mixed) == (3, 1, 58, (0, 1, 2), True)
+    assert stack.layers_with(ds, "dense_mlp") == [0, 1, 2] and stack.index(ds, "moe", 3) == 0
+    g3 = stack.layout(config_lib.load("gemma3-1b").model)  # 26 layers: 4 repeats of 6, 2 local layers left
+    assert (g3.start, g3.G, g3.groups, g3.unrolled, g3.mixed) == (0, 6, 4, (24, 25), False)
+    assert [k.attention for k in g3.kinds[22:]] == ["local", "global", "local", "local"]
+    mav = stack.layout(config_lib.load("llama4-maverick").model)  # dense and MoE alternate within the pattern
+    assert (mav.G, mav.groups, mav.unrolled, mav.mixed) == (4, 12, (), True)
+    assert [(k.attention, k.moe) for k in mav.kinds[:4]] == [("chunked", False), ("chunked", True),
+                                                             ("chunked", False), ("nope", True)]
+    odd = ModelConfig(n_layers=7, n_experts=4, moe_layer_interval=2, first_dense_layers=2, layer_pattern="local,global",
+                      sliding_window=4)  # groups of lcm(2, 2) from layer 2: [2, 6), then layer 6 unrolled
+    lay = stack.layout(odd)
+    assert (lay.start, lay.G, lay.groups, lay.unrolled) == (2, 2, 2, (0, 1, 6))
+    assert [i for i, k in enumerate(lay.kinds) if k.moe] == [3, 5]
+    assert stack.layout(config_lib.load("qwen3-30b-a3b").model).simple
+
+
+MIXED_2025 = ModelConfig(vocab_size=40, block_size=16, n_layers=5, n_heads=4, n_kv_heads=2, d_model=32,
+                         qk_norm=False, glu=True, activation="silu", layer_pattern="chunked,nope",
+                         attention_chunk=4, n_experts=4, experts_per_token=2, first_dense_layers=1,
+                         moe_layer_interval=2, n_shared_experts=1, expert_d_ff=24, router_score="sigmoid",
+                         router_balance_bias=True, attn_sinks=True, mtp_layers=1, tie_embeddings=False)
+
+
+@pytest.mark.slow
+def test_irregular_layers_scan_equals_python_loop():
+    """A model with a dense first layer, MoE layers every second layer, a pattern that leaves a last layer
+    over (5 layers of 2 kinds) and an MTP module: the scan with its unrolled layers equals the plain loop, as
+    do the load-balancing loss and the MTP logits; the latent-attention variant too."""
+    from jaxlm.model import transformer
+
+    toks = jax.random.randint(jax.random.key(1), (2, 16), 0, 40)
+    for cfg in (MIXED_2025, dataclasses.replace(MIXED_2025, kv_lora_rank=8, q_lora_rank=8, qk_nope_head_dim=8,
+                                                qk_rope_head_dim=4, v_head_dim=8, attn_sinks=False)):
+        params = init(cfg)
+        assert params["layers"]["mlp"]["router"].shape[0] == 2 and params["layers"]["dense_mlp"]["up"].shape[0] == 3
+        fwd = jax.jit(forward_with_aux, static_argnums=2)
+        scanned, aux_s = fwd(params, toks, cfg)
+        looped, aux_l = fwd(params, toks, dataclasses.replace(cfg, scan_layers=False))
+        np.testing.assert_allclose(np.asarray(scanned), np.asarray(looped), atol=1e-5)
+        assert float(aux_s) == pytest.approx(float(aux_l), rel=1e-5) and float(aux_s) >= 2.0 - 1e-5
+        mtp = jax.jit(transformer.mtp_logits, static_argnums=2)(params, toks, cfg)
+        assert mtp.shape == (1, 2, 16, 40) and float(jnp.abs(mtp - scanned[None]).max()) > 1e-3
+        loss, terms = jax.jit(transformer.loss_terms, static_argnums=3)(params, toks, toks, cfg)
+        assert set(terms) == {"cross_entropy", "mtp", "load_balancing"}
+        want = terms["cross_entropy"] + cfg.mtp_loss_weight * terms["mtp"] + cfg.router_aux_loss_coef * terms[
+            "load_balancing"]
+        assert float(loss) == pytest.approx(float(want), rel=1e-6)

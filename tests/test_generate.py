@@ -335,3 +335,44 @@ def test_generation_on_a_mesh_shards_the_cache_and_matches_one_device():
     assert k.sharding.spec[1:3] == ("data", "tensor")  # slots and head width whole
     assert len(k.sharding.device_set) == 8
     assert k.addressable_shards[0].data.shape == (k.shape[0], 1, 1, 16, k.shape[4])
+
+
+# Tiny models with the options of the 2025-26 families (docs/families.md), for the cached decoders.
+TINY_2025 = {
+    "gemma3": dict(layer_pattern="local,local,global", n_layers=4, local_rope_theta=100.0, rope_scaling="linear",
+                   rope_scaling_factor=4.0, qk_norm=True, norm_plus_one=True, post_norms=True, glu=True),
+    "gpt_oss": dict(layer_pattern="local,global", n_layers=2, qkv_bias=True, attn_out_bias=True, attn_sinks=True,
+                    n_experts=4, router_bias=True, expert_bias=True, swiglu_limit=7.0, glu=True, activation="silu",
+                    rope_scaling="yarn", rope_scaling_factor=4.0, rope_original_context=8),
+    "llama4": dict(layer_pattern="chunked,nope", attention_chunk=4, n_layers=4, qk_l2_norm=True, qk_norm=False,
+                   attn_temperature_tuning=True, attn_temperature_floor=3, n_experts=4, experts_per_token=1,
+                   moe_layer_interval=2, n_shared_experts=1, router_score="sigmoid", router_norm_topk=False,
+                   router_weights_input=True, glu=True, activation="silu"),
+    "deepseek_v3": dict(n_layers=3, qk_norm=False, kv_lora_rank=8, q_lora_rank=8, qk_nope_head_dim=8,
+                        qk_rope_head_dim=4, v_head_dim=8, n_experts=4, first_dense_layers=1, n_shared_experts=1,
+                        router_score="sigmoid", router_groups=2, router_topk_groups=1, router_balance_bias=True,
+                        rope_scaling="yarn", rope_scaling_factor=4.0, rope_original_context=8,
+                        rope_yarn_mscale_all_dim=1.0, glu=True, activation="silu"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", TINY_2025)
+@pytest.mark.parametrize("quantize", [False, True])
+def test_cached_decoding_of_2025_families_equals_full_forward(name, quantize):
+    """Prefill then decode_step (the scan over stacked layers, caches in the carry: ring buffers of windows
+    and chunks, latents and rotary keys, unrolled first and last layers) give the full forward pass's logits
+    at every position; with an int8 cache they stay close."""
+    from jaxlm.config import ModelConfig
+
+    cfg = ModelConfig(**{**TINY, "sliding_window": 3, **TINY_2025[name]})
+    params = init(cfg)
+    T = 12  # past the window of 3 and the chunks of 4
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (3, T)).astype(np.int32)
+    full = np.asarray(jax.jit(forward, static_argnums=2)(params, jnp.asarray(tokens), cfg))
+    lengths = [3, 7, 1]
+    got = cached_logits(params, cfg, tokens, lengths, quantize)
+    for b, n in enumerate(lengths):
+        err = np.abs(np.stack(got[b]) - full[b, n - 1:]).max()
+        assert err < (0.05 * np.abs(full).max() if quantize else 1e-5), (b, err)
+    assert np.abs(np.diff(full, axis=1)).max() > 0.1

@@ -27,7 +27,7 @@ def test_rotary_matches_naive_complex_rotation():
     B, T, N, H, theta = 2, 7, 3, 8, 10000.0
     x = np.random.default_rng(0).normal(size=(B, T, N, H)).astype(np.float32)
     pos = np.tile(np.arange(T), (B, 1)) + 3
-    got = np.asarray(layers.rotary(jnp.asarray(x), jnp.asarray(pos), theta))
+    got = np.asarray(layers.rotary(jnp.asarray(x), jnp.asarray(pos), layers.Rope(theta)))
     want = np.empty_like(x)
     for b in range(B):
         for t in range(T):
@@ -47,13 +47,13 @@ def test_rotary_gradient_is_the_transposed_rotation():
     rng = np.random.default_rng(0)
     x, g = (rng.normal(size=(B, T, N, H)) for _ in range(2))
     pos = np.tile(np.arange(T), (B, 1)) * 7
-    inv_freq = np.asarray(layers.rope_frequencies(H, 500.0, scaling), np.float64)
+    inv_freq = np.asarray(layers.rope_frequencies(H, layers.Rope(500.0, "llama3", *scaling)), np.float64)
     angle = pos[..., None, None] * inv_freq  # [B, T, 1, H/2]
     # d/dx <g, R(angle) x> = R(angle)^T g = R(-angle) g
     g1, g2 = g[..., : H // 2], g[..., H // 2:]
     want = np.concatenate([g1 * np.cos(angle) + g2 * np.sin(angle), g2 * np.cos(angle) - g1 * np.sin(angle)], -1)
     for dtype, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)):
-        _, vjp = jax.vjp(lambda x: layers.rotary(x, jnp.asarray(pos), 500.0, scaling), jnp.asarray(x, dtype))
+        _, vjp = jax.vjp(lambda x: layers.rotary(x, jnp.asarray(pos), layers.Rope(500.0, "llama3", *scaling)), jnp.asarray(x, dtype))
         got = np.asarray(vjp(jnp.asarray(g, dtype))[0], np.float64)
         np.testing.assert_allclose(got, want, atol=tol * 4, rtol=tol)
 
@@ -63,8 +63,8 @@ def test_rotary_scores_depend_only_on_relative_position():
     q = jax.random.normal(jax.random.key(0), (1, 1, 1, H))
     k = jax.random.normal(jax.random.key(1), (1, 1, 1, H))
     def score(pq, pk):
-        rq = layers.rotary(q, jnp.array([[pq]]), 10000.0)
-        rk = layers.rotary(k, jnp.array([[pk]]), 10000.0)
+        rq = layers.rotary(q, jnp.array([[pq]]), layers.Rope(10000.0))
+        rk = layers.rotary(k, jnp.array([[pk]]), layers.Rope(10000.0))
         return float(jnp.sum(rq * rk))
     assert score(5, 2) == pytest.approx(score(13, 10), rel=1e-4)
 

@@ -16,7 +16,7 @@ from conftest import tiny_config, train_losses
 from jaxlm import config as config_lib, optim, params as P, sharding, step as step_lib, train
 from jaxlm.config import ConfigError, ModelConfig, OptimizerConfig
 from jaxlm.data import loader as loader_lib
-from jaxlm.model import attention, param_specs, transformer
+from jaxlm.model import attention, latent, param_specs, transformer
 
 
 def quiet(_):
@@ -348,7 +348,9 @@ def _clip_params(cfg: ModelConfig, seed=0):
     mesh = sharding.make_mesh(config_lib.MeshConfig(), jax.devices()[:1])
     params = P.init(param_specs(cfg), jax.random.key(seed), mesh)
     # Larger query and key weights than the initializer's, so logits spread well beyond 1.
-    attn = {**params["layers"]["attn"], **{n: params["layers"]["attn"][n] * 25 for n in ("q", "k")}}
+    attn = {**params["layers"]["attn"], **{n: params["layers"]["attn"][n] * 25
+                                           for n in ("q", "k", "q_a", "q_b", "kv_a", "k_b", "k_rope")
+                                           if n in params["layers"]["attn"]}}
     return {**params, "layers": {**params["layers"], "attn": attn}}
 
 
@@ -365,12 +367,19 @@ def test_attention_logit_max_equals_a_numpy_forward_pass():
                                rtol=1e-6)
 
 
+LATENT = {"kv_lora_rank": 6, "qk_nope_head_dim": 4, "qk_rope_head_dim": 4, "v_head_dim": 6, "n_kv_heads": None}
+
+
 @pytest.mark.parametrize("kw", [{}, {"n_kv_heads": 4}, {"qk_norm": True}, {"qk_norm": True, "norm_plus_one": True},
-                                {"bias": True}], ids=["gqa", "mha", "qk-norm", "qk-norm-plus-one", "biases"])
+                                {"bias": True}, LATENT, {**LATENT, "q_lora_rank": 8}],
+                         ids=["gqa", "mha", "qk-norm", "qk-norm-plus-one", "biases", "latent", "latent-q-lora"])
 def test_qk_clip_brings_each_offending_head_to_the_threshold(kw):
     """On the inputs it was measured on, a clipped layer's heads peak at min(max, threshold) (per head), or, with
-    QK-norm, at max x gamma of the layer's worst head; the other heads are left alone."""
+    QK-norm, at max x gamma of the layer's worst head; the other heads are left alone. Latent attention's heads
+    (a rotary key shared by all) too."""
     cfg = ModelConfig(**{**CLIP.__dict__, "position": "rotary", **kw})
+    config_lib.validate(config_lib.Config(model=cfg))
+    attn_mod = latent if cfg.latent else attention
     params = _clip_params(cfg, seed=1)
     if cfg.bias:  # nonzero biases, which must scale with their projections
         params["layers"]["attn"] = {**params["layers"]["attn"], **{
@@ -378,17 +387,17 @@ def test_qk_clip_brings_each_offending_head_to_the_threshold(kw):
     x = jax.random.normal(jax.random.key(2), (2, 8, 16))
     positions = jnp.broadcast_to(jnp.arange(8), (2, 8))
     layer = lambda p: jax.tree.map(lambda a: a[0], p)  # noqa: E731
-    top_N = attention.attention_with_logit_max(x, layer(params["layers"]["attn"]), cfg, positions)[1]
+    top_N = attn_mod.attention_with_logit_max(x, layer(params["layers"]["attn"]), cfg, positions)[1]
     threshold = float(np.median(top_N))
     top_LN = jnp.stack([top_N, top_N + 1e9])  # layer 1 would be clipped hard; only layer 0 is checked here
-    clipped = attention.clip_qk(params["layers"]["attn"], top_LN, threshold, cfg)
-    after_N = np.asarray(attention.attention_with_logit_max(x, layer(clipped), cfg, positions)[1])
+    clipped = transformer.clip_qk(params, top_LN, threshold, cfg)["layers"]["attn"]
+    after_N = np.asarray(attn_mod.attention_with_logit_max(x, layer(clipped), cfg, positions)[1])
     before = np.asarray(top_N)
     want = before * min(1.0, threshold / before.max()) if cfg.qk_norm else np.minimum(before, threshold)
     np.testing.assert_allclose(after_N, want, rtol=1e-5)
     assert (before > threshold).any() and (before <= threshold).any()
-    untouched = [n for n in clipped if n not in ("q", "k", "q_bias", "k_bias", "q_norm", "k_norm")]
-    assert all(clipped[n] is params["layers"]["attn"][n] for n in untouched)
+    scaled = ("q", "k", "q_bias", "k_bias", "q_norm", "k_norm", "q_b", "k_b")
+    assert all(clipped[n] is params["layers"]["attn"][n] for n in clipped if n not in scaled)
 
 
 def test_train_step_with_qk_clip_logs_each_layer_and_clips_after_the_update(char_data, tmp_path):

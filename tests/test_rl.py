@@ -127,6 +127,18 @@ def optax_norm(tree):
     return jnp.sqrt(sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(tree)))
 
 
+def test_a_grpo_step_compiles_ahead_of_time_for_8_devices():
+    from jaxlm import aot
+
+    cfg = tiny(**{"compile.topology": "cpu-8", "mesh.ici_data": 2, "mesh.ici_fsdp": 4, "training.batch_size": 8,
+                  "grpo.group_size": 4, "grpo.iterations": 2, "grpo.beta": 0.1, "training.steps": 2,
+                  "checkpoint.interval": 2})
+    config_lib.validate(cfg)
+    r = aot.compile_for(cfg, aot.target(cfg.compile))
+    assert r.fits and set(step_lib.abstract_batch(r.run)) == {"inputs", "targets", "weights", "advantages",
+                                                               "old_logps", "ref_logps"}
+
+
 # ---- a task a CPU learns in a minute ---------------------------------------------------------------------------
 
 def digit_corpus(folder):
@@ -230,18 +242,21 @@ def test_resume_is_exact_with_several_updates_per_batch(digits, tmp_path):
     assert [s for s in a if a[s][2] is not None] == [1, 3, 5]  # a batch of rollouts per two updates
 
 
-def test_eight_devices_and_lora_give_one_device_figures(digits, tmp_path):
+def test_eight_devices_accumulation_and_lora_give_one_device_figures(digits, tmp_path):
     extra = ["training.steps=3", "training.batch_size=16", "grpo.group_size=4", "checkpoint.enabled=false",
              "training.eval_interval=0"]
     figures = {}
     for name, devices, more in [("one", jax.devices()[:1], []),
-                                ("fsdp", jax.devices(), ["mesh.ici_data=2", "mesh.ici_fsdp=4"])]:
+                                ("fsdp", jax.devices(), ["mesh.ici_data=2", "mesh.ici_fsdp=4"]),
+                                ("accum", jax.devices()[:1], ["training.batch_size=8", "training.grad_accum=2"])]:
         cfg = config_lib.load("quickstart", grpo_args(digits, tmp_path / name, *extra, *more))
         train.train(cfg, devices, log=lambda s: None)
         figures[name] = record_of(tmp_path / name)
-    for s in range(1, 4):  # loss and reward within 1e-5; the gradient norm sums in another order
-        (loss, norm, reward), (loss1, norm1, reward1) = figures["fsdp"][s], figures["one"][s]
-        assert abs(loss - loss1) <= 1e-5 and abs(reward - reward1) <= 1e-5 and norm == pytest.approx(norm1, rel=1e-4)
+    for other in ("fsdp", "accum"):
+        for s in range(1, 4):  # loss and reward within 1e-5; the gradient norm sums in another order
+            (loss, norm, reward), (loss1, norm1, reward1) = figures[other][s], figures["one"][s]
+            assert abs(loss - loss1) <= 1e-5 and abs(reward - reward1) <= 1e-5
+            assert norm == pytest.approx(norm1, rel=1e-4)
 
     # LoRA: adapters only, the base with adapters off as the reference (no reference pass, no ref_logps)
     cfg = config_lib.load("quickstart", grpo_args(digits, tmp_path / "lora", *extra, "lora.rank=4", "grpo.beta=0.1"))

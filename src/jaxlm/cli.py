@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import sys
 import textwrap
 
@@ -37,9 +38,10 @@ def cmd_train(argv: list[str]) -> int:
         model = config_lib.apply_parameter_scale(cfg.model)
         if model.vocab_size is None:
             raise config_lib.ConfigError("--print-params needs model.vocab_size (it is otherwise read from the data)")
+        c = metrics.param_counts(model)
         print(f"parameters {params.count(param_specs(model)):,} (non-embedding "
-              f"{metrics.non_embedding_params(model):,}): {model.n_layers} layers, width {model.d_model}, "
-              f"{model.n_heads} heads of {model.hd}, MLP {model.ff}")
+              f"{metrics.non_embedding_params(model):,}; active per token {c['active']:,}): {model.n_layers} layers, "
+              f"width {model.d_model}, {model.n_heads} heads of {model.hd}, MLP {model.ff}")
         return 0
     from jaxlm import train
 
@@ -149,13 +151,30 @@ def cmd_launch(argv: list[str]) -> int:
 
 
 def cmd_describe(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="jaxlm describe", description="What a TPU slice is made of: chips, chip grid, "
-                                "workers (host VMs) and chips per worker, gcloud's accelerator type and version.")
-    p.add_argument("topology", help="a TPU slice such as v4-8, v5e-256, v5p-128, v6e-256")
-    a = p.parse_args(argv)
-    from jaxlm.topology import tpu_slice
+    """A TPU slice (v5e-256: chips, grid, workers, gcloud's accelerator type) or a model (a preset or settings
+    file: parameter counts, layers, FLOPs, KV-cache bytes per token)."""
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: jaxlm describe TOPOLOGY | PRESET_OR_FILE [key=value ...]\n\n"
+              "TOPOLOGY (a TPU slice such as v4-8, v5e-256, v5p-128, v6e-256): its chips, chip grid, workers (host\n"
+              "VMs) and chips per worker, gcloud's accelerator type and version.\n"
+              "PRESET_OR_FILE: the model's parameter counts (total, active per token with and without the input\n"
+              "embedding table, embedding, multi-token prediction modules), layer layout, training FLOPs per token\n"
+              "and KV-cache bytes per token, from its settings alone (nothing is allocated).")
+        return 0 if argv else 2
+    if re.fullmatch(r"v\d+[a-z]?-\d+", argv[0].strip().lower()):
+        from jaxlm.topology import tpu_slice
 
-    print("\n".join(tpu_slice(a.topology).lines()))
+        if len(argv) > 1:
+            raise config_lib.ConfigError(f"jaxlm describe {argv[0]} takes no settings (got {argv[1]!r})")
+        print("\n".join(tpu_slice(argv[0]).lines()))
+        return 0
+    from jaxlm import metrics
+
+    cfg = config_lib.load(argv[0], argv[1:])
+    model = config_lib.apply_parameter_scale(cfg.model)
+    if model.vocab_size is None:
+        raise config_lib.ConfigError("jaxlm describe needs model.vocab_size (it is otherwise read from the data)")
+    print("\n".join(metrics.describe_model(model)))
     return 0
 
 
@@ -488,7 +507,8 @@ def main(argv: list[str] | None = None) -> int:
               "  tokenizer train INPUT... --vocab-size N --out DIR   train a byte-level BPE tokenizer\n"
               "  launch --processes N -- train ...      one job in N local processes (jaxlm launch --help)\n"
               "  launch --scheduler slurm|kubernetes|tpu-vm ... -- train ...  the same through a cluster's scheduler\n"
-              "  describe SLICE                         workers and chips per worker of a TPU slice (v5e-256)\n"
+              "  describe SLICE | PRESET [key=value]   a TPU slice's workers and chips (v5e-256), or a model's\n"
+              "                                         parameters (total, active), layers, FLOPs, KV cache\n"
               "  plot RUN_DIR [RUN_DIR ...]             loss and throughput curves -> PNG (jaxlm plot --help)\n"
               "  convert from-hf|to-hf SRC OUT          Hugging Face checkpoints in and out (jaxlm convert --help)\n"
               "  eval RUN_DIR [key=value ...]           losses and a sample of a trained run, or lm-eval tasks\n"

@@ -33,6 +33,7 @@ def _f(default, help: str, **kw):
 
 
 DType = Literal["float32", "bfloat16"]
+ATTENTION_KINDS = ("global", "local", "chunked", "nope")
 RematPolicy = Literal["none", "full", "minimal", "save_dots", "save_qkv_proj", "save_out_proj", "save_qkv_out_proj",
                       "save_attention", "offload_qkv_proj", "offload_attention", "offload_layer_inputs"]
 
@@ -95,13 +96,48 @@ class ModelConfig:
     attn_logit_softcap: float | None = _f(None, "cap * tanh(logits / cap) on attention logits; None = off (Gemma 2: 50)")
     final_logit_softcap: float | None = _f(None, "cap * tanh(logits / cap) on output logits; None = off (Gemma 2: 30)")
     sliding_window: int | None = _f(None, "keys a `local` layer attends to, itself included (Mistral, Gemma 2)")
-    layer_pattern: str = _f("global", "comma-separated attention kinds (global|local) repeated over the layers, "
-                            "e.g. local,global for Gemma 2; layers are scanned in groups of this length")
-    rope_scaling: Literal["none", "llama3"] = _f("none", "rotary frequency scaling for long context (Llama 3.1)")
-    rope_scaling_factor: float = _f(8.0, "llama3 rope scaling: factor the low frequencies are divided by")
+    layer_pattern: str = _f("global", "comma-separated attention kinds repeated over the layers: global, local "
+                            "(the last model.sliding_window positions), chunked (positions of the same "
+                            "model.attention_chunk block, Llama 4), nope (global without rotary embeddings, "
+                            "Llama 4), e.g. local,global for Gemma 2; layers are scanned in groups of this length "
+                            "(a last group shorter than the pattern runs unrolled, as Gemma 3's 26 layers of 6)")
+    attention_chunk: int | None = _f(None, "positions of one block of `chunked` layers (Llama 4: 8192)")
+    local_rope_theta: float | None = _f(None, "rotary base of `local` layers, which then rotate without "
+                                              "model.rope_scaling (Gemma 3: 10000); None = as global layers")
+    rope_scaling: Literal["none", "llama3", "linear", "yarn"] = _f(
+        "none", "rotary frequency scaling for long context: llama3 (Llama 3.1), linear (positions divided by "
+                "rope_scaling_factor, Gemma 3's global layers), yarn (gpt-oss, DeepSeek-V3)")
+    rope_scaling_factor: float = _f(8.0, "llama3/linear/yarn rope scaling: the context extension factor")
     rope_low_freq_factor: float = _f(1.0, "llama3 rope scaling: low_freq_factor")
     rope_high_freq_factor: float = _f(4.0, "llama3 rope scaling: high_freq_factor")
-    rope_original_context: int = _f(8192, "llama3 rope scaling: context length the model was pretrained with")
+    rope_original_context: int = _f(8192, "llama3/yarn rope scaling: context length the model was pretrained with")
+    rope_yarn_beta_fast: float = _f(32.0, "yarn rope scaling: beta_fast (rotations below which frequencies are "
+                                          "interpolated)")
+    rope_yarn_beta_slow: float = _f(1.0, "yarn rope scaling: beta_slow")
+    rope_yarn_truncate: bool = _f(True, "yarn rope scaling: round the correction range to whole dimensions")
+    rope_yarn_mscale: float = _f(0.0, "yarn rope scaling: mscale (with mscale_all_dim, the rotary attention "
+                                      "factor is their ratio); 0 = unset")
+    rope_yarn_mscale_all_dim: float = _f(0.0, "yarn rope scaling: mscale_all_dim; also multiplies the attention "
+                                              "scale by (0.1 * mscale_all_dim * ln(factor) + 1)^2, as DeepSeek-V3 "
+                                              "does; 0 = unset")
+    rope_attention_factor: float | None = _f(None, "yarn rope scaling: factor on the rotated queries and keys; "
+                                                   "None = from the factor and mscales")
+    attn_out_bias: bool = _f(False, "a bias on the attention output projection (gpt-oss, with qkv_bias)")
+    attn_sinks: bool = _f(False, "a learned logit per query head in every softmax denominator (gpt-oss)")
+    qk_l2_norm: bool = _f(False, "queries and keys divided by their root mean square (no learned scale) after "
+                                 "rotary, on layers with rotary (Llama 4's use_qk_norm)")
+    attn_temperature_tuning: bool = _f(False, "on `nope` layers, queries multiplied by "
+                                              "1 + attn_temperature_scale * ln(1 + floor((position + 1) / "
+                                              "attn_temperature_floor)) (Llama 4)")
+    attn_temperature_floor: int = _f(8192, "attention temperature tuning: floor_scale")
+    attn_temperature_scale: float = _f(0.1, "attention temperature tuning: attn_scale")
+    kv_lora_rank: int = _f(0, "multi-head latent attention (DeepSeek-V2/V3): width of the compressed key/value "
+                              "latent that the KV cache stores; 0 = ordinary attention")
+    q_lora_rank: int = _f(0, "latent attention: width of the compressed query; 0 = a full-rank query projection")
+    qk_nope_head_dim: int = _f(0, "latent attention: per-head query/key width without rotary")
+    qk_rope_head_dim: int = _f(0, "latent attention: width of the rotary query part and of the rotary key shared "
+                                  "by all heads")
+    v_head_dim: int = _f(0, "latent attention: per-head value width")
     n_experts: int = _f(0, "experts per mixture-of-experts MLP; 0 = dense MLP (Mixtral: 8)")
     experts_per_token: int = _f(2, "experts each token is routed to (top-k)")
     expert_capacity_factor: float = _f(
@@ -113,6 +149,43 @@ class ModelConfig:
         "TPU), padded (all_to_all of whole buffers; any platform), auto = ragged on TPU except v5e, whose pod "
         "slices XLA:TPU does not compile it for")
     router_aux_loss_coef: float = _f(0.02, "weight of the load-balancing loss added to the training loss")
+    expert_d_ff: int | None = _f(None, "hidden width of each expert (and, times n_shared_experts, of the shared "
+                                       "expert); None = d_ff (Qwen3-MoE, DeepSeek-V3 and Llama 4 differ)")
+    first_dense_layers: int = _f(0, "with experts: the first this many layers have a dense MLP of width d_ff "
+                                    "(DeepSeek-V3's first_k_dense_replace)")
+    moe_layer_interval: int = _f(1, "with experts: layer i (from 0) has experts when (i + 1) is a multiple of this, "
+                                    "the others a dense MLP of width d_ff (Llama 4's interleave_moe_layer_step)")
+    n_shared_experts: int = _f(0, "shared experts every token goes through besides its routed ones, one MLP of "
+                                  "width n_shared_experts * expert_d_ff (DeepSeek-V3, Llama 4)")
+    router_score: Literal["softmax", "sigmoid"] = _f(
+        "softmax", "router scores: softmax over the experts (Mixtral, Qwen3-MoE, gpt-oss) or a sigmoid per expert "
+                   "(DeepSeek-V3, Llama 4)")
+    router_norm_topk: bool = _f(True, "the chosen experts' weights are their scores divided by the chosen scores' "
+                                      "sum (Qwen3-MoE's norm_topk_prob); false = the scores themselves")
+    router_scale: float = _f(1.0, "the chosen experts' weights are multiplied by this (DeepSeek-V3's "
+                                  "routed_scaling_factor)")
+    router_groups: int = _f(1, "group-limited routing: the experts form this many groups, and a token picks its "
+                               "experts from the router_topk_groups groups whose two best scores sum highest "
+                               "(DeepSeek-V3's n_group)")
+    router_topk_groups: int = _f(1, "group-limited routing: groups a token picks from (DeepSeek-V3's topk_group)")
+    router_bias: bool = _f(False, "a bias on the router logits (gpt-oss)")
+    router_balance_bias: bool = _f(False, "a per-expert bias added to the scores for choosing experts only (not "
+                                          "to their weights), moved towards balanced loads outside the gradient: "
+                                          "DeepSeek-V3's auxiliary-loss-free balancing (e_score_correction_bias)")
+    moe_bias_update_rate: float = _f(0.001, "with router_balance_bias: each step the bias of an expert that got "
+                                            "more than the mean load falls by this, one that got less rises by "
+                                            "this (DeepSeek-V3's gamma); 0 = frozen (fine-tuning)")
+    router_weights_input: bool = _f(False, "the routing weight multiplies an expert's input instead of its output "
+                                           "(Llama 4)")
+    expert_bias: bool = _f(False, "biases on the experts' projections (gpt-oss)")
+    swiglu_limit: float | None = _f(None, "gpt-oss's clamped SwiGLU: gate clipped to <= limit, up to [-limit, "
+                                          "limit], out = (up + 1) * gate * sigmoid(swiglu_alpha * gate); None = "
+                                          "the plain gated MLP")
+    swiglu_alpha: float = _f(1.702, "clamped SwiGLU: the sigmoid's slope")
+    mtp_layers: int = _f(0, "multi-token prediction modules (DeepSeek-V3's num_nextn_predict_layers): module k "
+                            "predicts the token k + 1 positions ahead from the previous depth's hidden state and "
+                            "the embedding of the token k positions ahead")
+    mtp_loss_weight: float = _f(0.3, "weight of the mean multi-token prediction loss added to the training loss")
     quantization: Literal["none", "int8", "fp8", "int8_weights"] = _f(
         "none",
         "matmul quantization: int8 (int8 x int8 -> int32 forward and backward), fp8 (e4m3 forward, e5m2 "
@@ -136,6 +209,24 @@ class ModelConfig:
     @property
     def pattern(self) -> tuple[str, ...]:
         return tuple(k.strip() for k in self.layer_pattern.split(","))
+
+    @property
+    def expert_ff(self) -> int:
+        return self.expert_d_ff or self.ff
+
+    @property
+    def latent(self) -> bool:
+        """Multi-head latent attention (kv_lora_rank > 0)."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def qk_dim(self) -> int:
+        """Width of one head's query and key: head_dim, or the latent attention's nope + rope parts."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.latent else self.hd
+
+    @property
+    def v_dim(self) -> int:
+        return self.v_head_dim if self.latent else self.hd
 
 
 @dataclass(frozen=True)
@@ -689,6 +780,9 @@ def validate(cfg: Config) -> None:
     _validate_common(cfg)
     _validate_model(cfg.model, cfg.mesh)
     _validate_optimizer_and_training(cfg.optimizer, cfg.training, cfg.checkpoint)
+    if cfg.optimizer.qk_clip and cfg.model.qk_l2_norm:
+        raise ConfigError(f"optimizer.qk_clip={cfg.optimizer.qk_clip} scales query and key weights, whose scale "
+                          "model.qk_l2_norm normalizes away (it bounds the logits itself); set optimizer.qk_clip=0")
     _validate_lora(cfg)
     _validate_preference(cfg)
     _validate_grpo(cfg)
@@ -739,19 +833,22 @@ def _validate_model(m: ModelConfig, mesh: MeshConfig) -> None:
         raise ConfigError(f"model.dropout={m.dropout} must be in [0, 1)")
     for key in ("norm_eps", "init_std", "rope_theta"):
         _positive(f"model.{key}", getattr(m, key))
-    for key in ("attn_scale", "attn_logit_softcap", "final_logit_softcap", "sliding_window"):
+    for key in ("attn_scale", "attn_logit_softcap", "final_logit_softcap", "sliding_window", "attention_chunk",
+                "local_rope_theta", "rope_attention_factor", "expert_d_ff", "swiglu_limit"):
         v = getattr(m, key)
         if v is not None:
             _positive(f"model.{key}", v)
-    bad = [k for k in m.pattern if k not in ("global", "local")]
+    bad = [k for k in m.pattern if k not in ATTENTION_KINDS]
     if bad:
-        raise ConfigError(f"model.layer_pattern={m.layer_pattern!r} has {bad[0]!r}; allowed kinds: global, local "
-                          "(comma-separated, e.g. local,global)")
-    if m.n_layers % len(m.pattern):
-        raise ConfigError(f"model.layer_pattern={m.layer_pattern!r} repeats every {len(m.pattern)} layers, which "
-                          f"does not divide model.n_layers={m.n_layers}")
+        raise ConfigError(f"model.layer_pattern={m.layer_pattern!r} has {bad[0]!r}; allowed kinds: "
+                          f"{', '.join(ATTENTION_KINDS)} (comma-separated, e.g. local,global)")
+    if len(m.pattern) > m.n_layers:
+        raise ConfigError(f"model.layer_pattern={m.layer_pattern!r} has {len(m.pattern)} kinds, more than "
+                          f"model.n_layers={m.n_layers}")
     if "local" in m.pattern and m.sliding_window is None:
         raise ConfigError(f"model.layer_pattern={m.layer_pattern!r} has local layers; set model.sliding_window")
+    if "chunked" in m.pattern and m.attention_chunk is None:
+        raise ConfigError(f"model.layer_pattern={m.layer_pattern!r} has chunked layers; set model.attention_chunk")
     if m.n_experts < 0:
         raise ConfigError(f"model.n_experts={m.n_experts} must be >= 0 (0 = dense MLP)")
     if m.experts_per_token < 1 or (m.n_experts and m.experts_per_token > m.n_experts):
@@ -765,8 +862,8 @@ def _validate_model(m: ModelConfig, mesh: MeshConfig) -> None:
     # Checked whether or not rope_scaling uses them: a nonsensical value is a mistake either way.
     for key in ("rope_scaling_factor", "rope_original_context"):
         _positive(f"model.{key}", getattr(m, key))
-    if not 0 < m.rope_low_freq_factor < m.rope_high_freq_factor:
-        raise ConfigError(f"model.rope_low_freq_factor={m.rope_low_freq_factor} must be > 0 and < "
+    if not 0 < m.rope_low_freq_factor <= m.rope_high_freq_factor:
+        raise ConfigError(f"model.rope_low_freq_factor={m.rope_low_freq_factor} must be > 0 and <= "
                           f"model.rope_high_freq_factor={m.rope_high_freq_factor}")
     _positive("model.attention_block", m.attention_block)
     if m.loss_chunk_tokens < 0:
@@ -780,7 +877,49 @@ def _validate_model(m: ModelConfig, mesh: MeshConfig) -> None:
                           f"does not; set model.dropout=0 or mesh.ici_sequence=mesh.dcn_sequence=1")
     if m.global_parameter_scale < 1 or m.global_parameter_scale & (m.global_parameter_scale - 1):
         raise ConfigError(f"model.global_parameter_scale={m.global_parameter_scale} must be a power of 2 (1, 2, 4, ...)")
+    _validate_family_options(m)
 
+
+
+def _validate_family_options(m: ModelConfig) -> None:
+    """The options of the 2025 families: rope scaling, latent attention, routers, layer layouts, MTP."""
+    for key in ("rope_yarn_beta_fast", "rope_yarn_beta_slow", "attn_temperature_floor", "attn_temperature_scale",
+                "router_scale", "swiglu_alpha"):
+        _positive(f"model.{key}", getattr(m, key))
+    for key in ("rope_yarn_mscale", "rope_yarn_mscale_all_dim", "first_dense_layers", "n_shared_experts",
+                "moe_bias_update_rate", "mtp_layers", "mtp_loss_weight", "kv_lora_rank", "q_lora_rank",
+                "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        if getattr(m, key) < 0:
+            raise ConfigError(f"model.{key}={getattr(m, key)} must be >= 0")
+    for key in ("moe_layer_interval", "router_groups", "router_topk_groups"):
+        _positive(f"model.{key}", getattr(m, key))
+    if m.latent:
+        for key in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            if not getattr(m, key):
+                raise ConfigError(f"model.kv_lora_rank={m.kv_lora_rank} (latent attention) needs model.{key} > 0")
+        if m.qk_rope_head_dim % 2:
+            raise ConfigError(f"model.qk_rope_head_dim={m.qk_rope_head_dim} must be even (rotary pairs)")
+        clash = [k for k in ("qk_norm", "qkv_bias", "bias", "attn_out_bias", "qk_l2_norm") if getattr(m, k)]
+        if clash or m.position != "rotary":
+            what = f"model.{clash[0]}=true" if clash else f"model.position={m.position}"
+            raise ConfigError(f"{what} is not supported with latent attention (model.kv_lora_rank > 0); turn it off")
+    elif m.q_lora_rank:
+        raise ConfigError(f"model.q_lora_rank={m.q_lora_rank} needs latent attention (model.kv_lora_rank > 0)")
+    if m.n_experts:
+        if m.n_experts % m.router_groups:
+            raise ConfigError(f"model.router_groups={m.router_groups} must divide model.n_experts={m.n_experts}")
+        if not 1 <= m.router_topk_groups <= m.router_groups:
+            raise ConfigError(f"model.router_topk_groups={m.router_topk_groups} must be in [1, model.router_groups="
+                              f"{m.router_groups}]")
+        reachable = m.router_topk_groups * (m.n_experts // m.router_groups)
+        if m.experts_per_token > reachable:
+            raise ConfigError(f"model.experts_per_token={m.experts_per_token} exceeds the {reachable} experts of "
+                              f"model.router_topk_groups={m.router_topk_groups} groups; raise router_topk_groups")
+        if m.first_dense_layers > m.n_layers:
+            raise ConfigError(f"model.first_dense_layers={m.first_dense_layers} must be <= model.n_layers="
+                              f"{m.n_layers}")
+    if m.mtp_layers and m.position != "rotary":
+        raise ConfigError(f"model.mtp_layers={m.mtp_layers} needs model.position=rotary")
 
 
 def _validate_optimizer_and_training(o: OptimizerConfig, t: TrainingConfig, c: CheckpointConfig) -> None:
@@ -887,14 +1026,14 @@ def _validate_lora(cfg: Config) -> None:
     lo = cfg.lora
     if lo.rank < 0:
         raise ConfigError(f"lora.rank={lo.rank} must be >= 0 (0 = off)")
+    _positive("lora.alpha", lo.alpha)  # checked with or without a rank: a nonsensical value is a mistake either way
+    if not 0.0 <= lo.dropout < 1.0:
+        raise ConfigError(f"lora.dropout={lo.dropout} must be in [0, 1)")
     if not lo.rank:
         if lo.base_quantization != "none":
             raise ConfigError(f"lora.base_quantization={lo.base_quantization} quantizes the frozen base of a LoRA "
                               "run; set lora.rank too (e.g. lora.rank=16)")
         return
-    _positive("lora.alpha", lo.alpha)
-    if not 0.0 <= lo.dropout < 1.0:
-        raise ConfigError(f"lora.dropout={lo.dropout} must be in [0, 1)")
     names = [t.strip() for t in lo.targets.split(",") if t.strip()]
     if not names:
         raise ConfigError(f"lora.targets={lo.targets!r} is empty; name some of: {', '.join(LORA_TARGETS)}")

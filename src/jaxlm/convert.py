@@ -28,7 +28,7 @@ import numpy as np
 from jaxlm import config as config_lib, families, lora, params as P, sharding, storage
 from jaxlm.config import Config, ModelConfig
 from jaxlm.families import ConvertError, Rule
-from jaxlm.model import param_specs
+from jaxlm.model import param_specs, stack
 
 SAFETENSORS_DTYPES = {"F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
                       "BF16": np.dtype(ml_dtypes.bfloat16)}
@@ -37,7 +37,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
                    "chat_template.json")
 ARCH_IGNORED = ("dropout", "init_std", "param_dtype", "compute_dtype", "remat", "scan_layers", "block_size",
                 "attention", "attention_block", "loss_chunk_tokens", "expert_capacity_factor", "expert_all_to_all",
-                "context_parallel")
+                "context_parallel", "moe_bias_update_rate", "mtp_loss_weight")
 
 
 # ---- safetensors, read and written a tensor at a time -------------------------------------------------------
@@ -123,30 +123,56 @@ def flat_specs(cfg: ModelConfig) -> dict[str, P.ParamSpec]:
 
 
 def slots(rule: Rule, cfg: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
-    """(HF tensor name, index into our stacked arrays) for every tensor a rule covers."""
-    layers = range(cfg.n_layers) if "{i}" in rule.hf else [None]
+    """(HF tensor name, index into our stacked arrays) for every tensor a rule covers: `{i}` runs over the
+    layers that have the rule's weight (model/stack.py: dense and MoE layers' MLPs are stacked apart), `{m}`
+    over the multi-token prediction modules (HF layers n_layers + m), `{e}` over the experts."""
+    if "{i}" in rule.hf:
+        lay = stack.layout(cfg)
+        key = rule.ours[0].split(".")[1]
+        layers = [(i, stack.index(lay, stack.group_of(lay, key), i)) for i in stack.layers_with(lay, key)]
+    elif "{m}" in rule.hf:
+        layers = [(cfg.n_layers + m, m) for m in range(cfg.mtp_layers)]
+    else:
+        layers = [(None, None)]
     experts = range(cfg.n_experts) if "{e}" in rule.hf else [None]
-    for i in layers:
+    for i, at in layers:
         for e in experts:
-            yield rule.hf.format(i=i, e=e), tuple(x for x in (i, e) if x is not None)
+            yield rule.hf.format(i=i, e=e, m=i), tuple(x for x in (at, e) if x is not None)
 
 
 def _family_of(cfg: ModelConfig):
     fam, model_type = families.for_config(cfg)
     back = fam.config_from_hf(fam.config_to_hf(cfg, model_type))
     for f in dataclasses.fields(ModelConfig):
-        if f.name in ARCH_IGNORED or (f.name == "router_aux_loss_coef" and not cfg.n_experts):
-            continue
-        if f.name == "sliding_window" and "local" not in cfg.pattern:
+        if f.name in ARCH_IGNORED or _unused(cfg, f.name):
             continue
         mine, theirs = getattr(cfg, f.name), getattr(back, f.name)
-        resolved = {"n_kv_heads": "kv_heads", "head_dim": "hd", "d_ff": "ff"}.get(f.name)
+        resolved = {"n_kv_heads": "kv_heads", "head_dim": "hd", "d_ff": "ff", "expert_d_ff": "expert_ff"}.get(f.name)
         if resolved and getattr(cfg, resolved) == getattr(back, resolved):
             continue
         if mine != theirs:
             raise ConvertError(f"model.{f.name}={mine!r} cannot be expressed as a Hugging Face {model_type} model "
                                f"(it would load as {theirs!r}); only models of a supported family can be exported")
     return fam, model_type
+
+
+def _unused(cfg: ModelConfig, name: str) -> bool:
+    """Whether a model option has no effect on this model (its value need not survive an export)."""
+    scaling = cfg.rope_scaling
+    moe_options = ("experts_per_token", "expert_d_ff", "first_dense_layers", "moe_layer_interval", "n_shared_experts",
+                   "router_aux_loss_coef", "expert_bias", "router_weights_input")
+    return ((name.startswith("router_") or name in moe_options) and not cfg.n_experts
+            or name in ("rope_low_freq_factor", "rope_high_freq_factor") and scaling != "llama3"
+            or name == "rope_scaling_factor" and scaling == "none"
+            or name == "rope_original_context" and scaling not in ("llama3", "yarn")
+            or (name.startswith("rope_yarn_") or name == "rope_attention_factor") and scaling != "yarn"
+            or name == "sliding_window" and "local" not in cfg.pattern
+            or name == "local_rope_theta" and "local" not in cfg.pattern
+            or name == "attention_chunk" and "chunked" not in cfg.pattern
+            or name.startswith("attn_temperature_") and name != "attn_temperature_tuning"
+            and not cfg.attn_temperature_tuning
+            or name == "swiglu_alpha" and cfg.swiglu_limit is None
+            or name in ("head_dim", "n_kv_heads") and cfg.latent)
 
 
 # ---- import ---------------------------------------------------------------------------------------------------
@@ -157,9 +183,13 @@ def read_hf_config(src: str, param_dtype: str = "float32") -> tuple[Path, dict, 
     hf_cfg = json.loads((src_path / "config.json").read_text())
     fam = families.for_model_type(hf_cfg.get("model_type"))
     try:
-        return src_path, hf_cfg, dataclasses.replace(fam.config_from_hf(hf_cfg), param_dtype=param_dtype)
+        model_cfg = dataclasses.replace(fam.config_from_hf(hf_cfg), param_dtype=param_dtype)
     except KeyError as e:
         raise ConvertError(f"{src_path / 'config.json'} lacks {e.args[0]!r}") from None
+    if model_cfg.mtp_layers and not _has_mtp(safetensors_files(src_path), model_cfg,
+                                             getattr(fam, "normalize_name", lambda n: n)):
+        model_cfg = dataclasses.replace(model_cfg, mtp_layers=0)  # save_pretrained of transformers drops them
+    return src_path, hf_cfg, model_cfg
 
 
 def from_hf(src: str, out: str | Path, param_dtype: str = "float32", log: Callable[[str], None] = print) -> Path:
@@ -169,6 +199,11 @@ def from_hf(src: str, out: str | Path, param_dtype: str = "float32", log: Callab
         raise ConvertError(f"{out} already holds a converted checkpoint; choose another OUT or delete it")
     src_path, hf_cfg, model_cfg = read_hf_config(src, param_dtype)
     fam = families.for_model_type(hf_cfg.get("model_type"))
+    files = safetensors_files(src_path)
+    if hf_cfg.get("num_nextn_predict_layers") and not model_cfg.mtp_layers:
+        log(f"{src}: config.json has {hf_cfg['num_nextn_predict_layers']} multi-token prediction module(s) but the "
+            "checkpoint holds none of their tensors (transformers' save_pretrained leaves them out); importing "
+            "without them")
     cfg = Config(model=model_cfg, run_dir=None).replace(
         checkpoint=dataclasses.replace(Config().checkpoint, init_from=str(out.resolve())))
     config_lib.validate(cfg)
@@ -188,7 +223,6 @@ def from_hf(src: str, out: str | Path, param_dtype: str = "float32", log: Callab
     ignored = [re.compile(p) for p in fam.ignored(model_cfg)]
     normalize = getattr(fam, "normalize_name", lambda n: n)
     done: set[str] = set()
-    files = safetensors_files(src_path)
     for file in files:
         header, start = read_header(file)
         with open(file, "rb") as f:
@@ -225,6 +259,12 @@ def from_hf(src: str, out: str | Path, param_dtype: str = "float32", log: Callab
     log(f"converted {src} ({hf_cfg['model_type']}, {n:,} parameters, {len(files)} safetensors file(s)) -> {out}"
         + (f"; tokenizer files: {', '.join(copied)}" if copied else ""))
     return out
+
+
+def _has_mtp(files: list[Path], cfg: ModelConfig, normalize) -> bool:
+    """Whether a checkpoint holds multi-token prediction modules: tensors of the layers after the last."""
+    first = f"model.layers.{cfg.n_layers}."
+    return any(normalize(name).startswith(first) for file in files for name in read_header(file)[0])
 
 
 def hf_shape(rule: Rule, idx: tuple[int, ...], specs: dict[str, P.ParamSpec]) -> tuple[int, ...]:

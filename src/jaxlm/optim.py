@@ -37,6 +37,7 @@ import optax
 
 from jaxlm import params as P, sharding
 from jaxlm.config import OptimizerConfig
+from jaxlm.model.moe import BALANCE_SIGNAL
 
 # ---- schedules ------------------------------------------------------------------------------------------------
 
@@ -273,7 +274,7 @@ def make(cfg: OptimizerConfig, total_steps: int, specs=None, mesh=None,
                         mask=lambda p: decay_mask(p, cfg.decay_embeddings))
     views = muon_matrices(specs) if cfg.name == "muon" and specs is not None else {}
     if not views:
-        return optax.chain(*parts, adamw)
+        return balance_bias_steps(optax.chain(*parts, adamw))
     muon_lr = cfg.muon_lr if cfg.muon_lr is not None else cfg.lr
     muon_wd = cfg.muon_weight_decay if cfg.muon_weight_decay is not None else cfg.weight_decay
     if cfg.weight_decay_mode == "independent":
@@ -291,7 +292,7 @@ def make(cfg: OptimizerConfig, total_steps: int, specs=None, mesh=None,
         return jax.tree_util.tree_map_with_path(
             lambda path, _: "muon" if jax.tree_util.keystr(path) in views else "adamw", params)
 
-    return optax.chain(*parts, optax.partition({"adamw": adamw, "muon": muon}, labels))
+    return balance_bias_steps(optax.chain(*parts, optax.partition({"adamw": adamw, "muon": muon}, labels)))
 
 
 def schedule_at(opt_state, step):
@@ -300,3 +301,23 @@ def schedule_at(opt_state, step):
     is_sched = lambda s: isinstance(s, optax.ScaleByScheduleState)  # noqa: E731
     return jax.tree.map(lambda s: s._replace(count=jnp.asarray(step, s.count.dtype)) if is_sched(s) else s,
                         opt_state, is_leaf=is_sched)
+
+
+def _is_balance_bias(path) -> bool:
+    return jax.tree_util.keystr(path).endswith("['balance_bias']")
+
+
+def balance_bias_steps(inner: optax.GradientTransformation) -> optax.GradientTransformation:
+    """`inner` for every weight but the mixture of experts' balancing biases (model/moe.py), whose gradient
+    slot holds minus the step DeepSeek-V3's auxiliary-loss-free balancing takes, scaled by BALANCE_SIGNAL: they
+    move by exactly that step, and `inner` (clipping, AdamW and its decay) sees zeros in their place. The
+    state is `inner`'s own, so checkpoints of models without such biases keep their layout."""
+    def update(grads, state, params=None):
+        inner_grads = jax.tree_util.tree_map_with_path(
+            lambda path, g: jax.numpy.zeros_like(g) if _is_balance_bias(path) else g, grads)
+        updates, state = inner.update(inner_grads, state, params)
+        updates = jax.tree_util.tree_map_with_path(
+            lambda path, u, g: -g / BALANCE_SIGNAL if _is_balance_bias(path) else u, updates, grads)
+        return updates, state
+
+    return optax.GradientTransformation(inner.init, update)

@@ -110,7 +110,10 @@ class QWeight:
 
 # Axes each stored weight is contracted over in the forward pass, counted after the leading `layers` axis of
 # the stacked block weights; the scale is per remaining axis (per output channel).
-BLOCK_WEIGHT_CONTRACTED = {"q": (0,), "k": (0,), "v": (0,), "o": (0, 1), "up": (0,), "gate": (0,), "down": (0,)}
+BLOCK_WEIGHT_CONTRACTED = {"q": (0,), "k": (0,), "v": (0,), "o": (0, 1), "up": (0,), "gate": (0,), "down": (0,),
+                           "q_a": (0,), "q_b": (0,), "kv_a": (0,), "k_rope": (0,), "shared_up": (0,),
+                           "shared_gate": (0,), "shared_down": (0,)}
+EXPERTS = ("up", "gate", "down")  # a mixture of experts' own (grouped matmuls): left float
 
 
 def quantize_params(params: dict, model_cfg) -> dict:
@@ -122,9 +125,10 @@ def quantize_params(params: dict, model_cfg) -> dict:
         return QWeight(value, scale)
 
     out = jax.tree.map(lambda a: a, params)
-    for group in ("attn", "mlp"):
-        for name, w in params["layers"][group].items():
-            if name in BLOCK_WEIGHT_CONTRACTED:
+    for group in ("attn", "mlp", "dense_mlp"):
+        experts = "router" in params["layers"].get(group, {})
+        for name, w in params["layers"].get(group, {}).items():
+            if name in BLOCK_WEIGHT_CONTRACTED and not (experts and name in EXPERTS):
                 out["layers"][group][name] = q(w, tuple(a + 1 for a in BLOCK_WEIGHT_CONTRACTED[name]))
     if model_cfg.quant_logits:
         if "lm_head" in params:

@@ -102,6 +102,10 @@ def check_signature(saved: dict, here: dict, path) -> None:
         if saved.get(key) != here.get(key):
             raise ConfigError(f"compile.load={path} was compiled with {key} {saved.get(key)} and this process has "
                               f"{here.get(key)}; compile it again with this installation")
+    objective = saved["settings"].get("training.objective", "next_token")
+    if objective != here["settings"]["training.objective"]:  # before the arrays, which the objective decides
+        raise ConfigError(f"compile.load={path} is a step of training.objective={objective} and this run has "
+                          f"{here['settings']['training.objective']}; compile the step for this objective")
     saved_args, here_args = {a[0]: a for a in saved["args"]}, {a[0]: a for a in here["args"]}
     for name in list(saved_args) + [n for n in here_args if n not in saved_args]:
         if name not in here_args or name not in saved_args:

@@ -31,6 +31,8 @@ Rules = dict[str, tuple[str, ...]]
 # have axes of their own.
 PARAM_RULES: Rules = {
     "embed": ("fsdp", "sequence"),
+    "q_lora": ("fsdp", "sequence"),  # latent attention's query and key/value latents (model/latent.py)
+    "kv_lora": ("fsdp", "sequence"),
     "heads": ("tensor",),
     "kv_heads": ("tensor",),
     "mlp": ("tensor",),

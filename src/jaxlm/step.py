@@ -25,7 +25,7 @@ from jaxlm import config as config_lib
 from jaxlm import generate, lora, metrics, objectives, optim, params as P, runtime, sharding, storage
 from jaxlm.config import Config, ConfigError
 from jaxlm.data import loader as loader_lib, mixture, packing, preference, prepare, tokenizer as tokenizer_lib
-from jaxlm.model import attention, param_specs, ring, transformer
+from jaxlm.model import param_specs, ring, transformer
 
 
 class TrainingError(RuntimeError):
@@ -460,9 +460,7 @@ def make_train_step(cfg: Config, optimizer, mesh, abstract_state, act_rules=shar
         new_params = optax.apply_updates(params, updates)
         if top_LN is not None:
             extra = {**extra, **logit_max_metrics(top_LN, o.qk_clip)}
-            layers = new_params["layers"]
-            new_params = {**new_params, "layers": {**layers, "attn": attention.clip_qk(layers["attn"], top_LN,
-                                                                                        o.qk_clip, cfg.model)}}
+            new_params = transformer.clip_qk(new_params, top_LN, o.qk_clip, cfg.model)
         if muon_lr_at is not None:
             extra = {**extra, "muon_lr": muon_lr_at(state["step"] - guard["nonfinite_skips"] - guard["spike_skips"])}
         new_state = {"params": jax.tree.map(keep, new_params, params),

@@ -60,40 +60,99 @@ def activation(name: str | None, key: str) -> str:
     return ACTIVATIONS_FROM_HF[name]
 
 
-def rope_from_hf(hf: dict) -> dict:
-    """Rotary settings from either the transformers 5 `rope_parameters` or the older `rope_theta`/`rope_scaling`."""
+ROPE_TYPES = ("default", "llama3", "linear", "yarn")
+
+
+def rope_parameters(hf: dict) -> dict:
+    """One rotary setting as a transformers 5 `rope_parameters` dict, from it or from the older
+    `rope_theta` / `rope_scaling` keys."""
     params = dict(hf.get("rope_parameters") or {})
-    legacy = hf.get("rope_scaling") or {}
-    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    legacy = dict(hf.get("rope_scaling") or {})
     kind = params.get("rope_type") or legacy.get("rope_type") or legacy.get("type") or "default"
-    scaling = params if params.get("rope_type") not in (None, "default") else legacy
-    out = {"rope_theta": float(theta)}
+    out = {**legacy, **params} if params.get("rope_type") in (None, "default") and kind != "default" else params
+    out.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
+    out["rope_type"] = kind
+    return out
+
+
+def rope_from_hf(hf: dict, params: dict | None = None) -> dict:
+    """Our rotary settings from config.json (or from one layer type's `params`); a rope type we lack stops
+    the import, naming it."""
+    params = rope_parameters(hf) if params is None else params
+    kind = params.get("rope_type") or params.get("type") or "default"
+    out = {"rope_theta": float(params.get("rope_theta", 10000.0))}
+    if kind not in ROPE_TYPES:
+        raise ConvertError(f"config.json rope scaling type {kind!r} is not supported (supported: "
+                           f"{', '.join(ROPE_TYPES)})")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ConvertError(f"config.json partial_rotary_factor={params['partial_rotary_factor']} is not supported")
     if kind == "llama3":
-        out.update(rope_scaling="llama3", rope_scaling_factor=float(scaling["factor"]),
-                   rope_low_freq_factor=float(scaling["low_freq_factor"]),
-                   rope_high_freq_factor=float(scaling["high_freq_factor"]),
-                   rope_original_context=int(scaling["original_max_position_embeddings"]))
-    elif kind != "default":
-        raise ConvertError(f"config.json rope scaling type {kind!r} is not supported (supported: default, llama3)")
+        out.update(rope_scaling="llama3", rope_scaling_factor=float(params["factor"]),
+                   rope_low_freq_factor=float(params["low_freq_factor"]),
+                   rope_high_freq_factor=float(params["high_freq_factor"]),
+                   rope_original_context=int(params["original_max_position_embeddings"]))
+    elif kind == "linear":
+        out.update(rope_scaling="linear", rope_scaling_factor=float(params["factor"]))
+    elif kind == "yarn":
+        original = int(params.get("original_max_position_embeddings") or hf["max_position_embeddings"])
+        factor = params.get("factor") or hf["max_position_embeddings"] / original
+        out.update(rope_scaling="yarn", rope_scaling_factor=float(factor), rope_original_context=original,
+                   rope_yarn_beta_fast=float(params.get("beta_fast") or 32.0),
+                   rope_yarn_beta_slow=float(params.get("beta_slow") or 1.0),
+                   rope_yarn_truncate=bool(params.get("truncate", True)),
+                   rope_yarn_mscale=float(params.get("mscale") or 0.0),
+                   rope_yarn_mscale_all_dim=float(params.get("mscale_all_dim") or 0.0))
+        if params.get("attention_factor") is not None:
+            out["rope_attention_factor"] = float(params["attention_factor"])
     return out
 
 
 def rope_to_hf(cfg: ModelConfig) -> dict:
-    out = {"rope_theta": cfg.rope_theta}
+    """`rope_parameters` (transformers 5) of the global layers."""
+    out = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if cfg.rope_scaling == "llama3":
-        out["rope_scaling"] = {"rope_type": "llama3", "factor": cfg.rope_scaling_factor,
-                               "low_freq_factor": cfg.rope_low_freq_factor,
-                               "high_freq_factor": cfg.rope_high_freq_factor,
-                               "original_max_position_embeddings": cfg.rope_original_context}
-    return out
+        out.update(rope_type="llama3", factor=cfg.rope_scaling_factor, low_freq_factor=cfg.rope_low_freq_factor,
+                   high_freq_factor=cfg.rope_high_freq_factor,
+                   original_max_position_embeddings=cfg.rope_original_context)
+    elif cfg.rope_scaling == "linear":
+        out.update(rope_type="linear", factor=cfg.rope_scaling_factor)
+    elif cfg.rope_scaling == "yarn":
+        out.update(rope_type="yarn", factor=cfg.rope_scaling_factor,
+                   original_max_position_embeddings=cfg.rope_original_context, beta_fast=cfg.rope_yarn_beta_fast,
+                   beta_slow=cfg.rope_yarn_beta_slow, truncate=cfg.rope_yarn_truncate)
+        for key, value in (("mscale", cfg.rope_yarn_mscale), ("mscale_all_dim", cfg.rope_yarn_mscale_all_dim),
+                           ("attention_factor", cfg.rope_attention_factor)):
+            if value:
+                out[key] = value
+    return {"rope_parameters": out}
 
 
-def pattern_from_layer_types(layer_types: list[str]) -> str:
-    """The shortest repeating unit of HF `layer_types` as our layer_pattern ('local,global' for Gemma 2)."""
-    kinds = ["local" if t == "sliding_attention" else "global" for t in layer_types]
-    for period in range(1, len(kinds) + 1):
-        if len(kinds) % period == 0 and kinds == kinds[:period] * (len(kinds) // period):
-            return ",".join(kinds[:period])
+def refuse(hf: dict, key: str, allowed, what: str = "") -> None:
+    """Stop the import with one line when config.json sets `key` to anything but `allowed` (a value or a
+    predicate)."""
+    value = hf.get(key)
+    ok = allowed(value) if callable(allowed) else value == allowed or (allowed is None and not value)
+    if not ok:
+        raise ConvertError(f"config.json {key}={value!r} is not supported" + (f" ({what})" if what else ""))
+
+
+def refuse_quantized(hf: dict) -> None:
+    q = hf.get("quantization_config")
+    if q:
+        method = q.get("quant_method", "?") if isinstance(q, dict) else q
+        raise ConvertError(f"config.json quantization_config.quant_method={method!r} is not supported: convert "
+                           "bf16/f16/f32 weights (dequantize the checkpoint with transformers and save_pretrained it)")
+
+
+def pattern_from_layer_types(layer_types: list[str], kinds: dict | None = None) -> str:
+    """The shortest pattern of HF `layer_types` as our layer_pattern ('local,global' for Gemma 2): the kinds
+    repeat with that period, the last repeat possibly cut short (Gemma 3's 26 layers of 5 local + 1 global).
+    `kinds` maps HF layer types to ours (default: sliding_attention -> local, others global)."""
+    kinds = kinds or {"sliding_attention": "local"}
+    ours = [kinds.get(t, "global") for t in layer_types]
+    for period in range(1, len(ours) + 1):
+        if all(ours[i] == ours[i % period] for i in range(len(ours))):
+            return ",".join(ours[:period])
     raise AssertionError("unreachable: the full list is always a period")
 
 
@@ -103,9 +162,9 @@ def layer_types(cfg: ModelConfig) -> list[str]:
 
 
 def _families():
-    from jaxlm.families import gemma, gpt2, llama
+    from jaxlm.families import deepseek, gemma, gpt2, gpt_oss, llama, llama4
 
-    return {t: m for m in (gpt2, llama, gemma) for t in m.MODEL_TYPES}
+    return {t: m for m in (gpt2, llama, gemma, gpt_oss, llama4, deepseek) for t in m.MODEL_TYPES}
 
 
 def for_model_type(model_type: str | None):
@@ -117,9 +176,9 @@ def for_model_type(model_type: str | None):
 
 def for_config(cfg: ModelConfig):
     """The family and HF model_type that represent this model, chosen from its options."""
-    from jaxlm.families import gemma, gpt2, llama
+    from jaxlm.families import deepseek, gemma, gpt2, gpt_oss, llama, llama4
 
-    for fam in (gpt2, gemma, llama):
+    for fam in (gpt2, deepseek, gpt_oss, llama4, gemma, llama):
         model_type = fam.model_type(cfg)
         if model_type:
             return fam, model_type

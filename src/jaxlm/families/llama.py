@@ -3,18 +3,20 @@
 Hugging Face already stores q and k in the rotate-half rotary layout that `layers.rotary` uses (its
 conversion script permuted Meta's interleaved layout once), so q/k need only reshaping here.
 Differences: Mistral has sliding-window layers, Mixtral a mixture-of-experts MLP, Qwen 2 biases on
-q/k/v, Qwen 3 a per-head RMSNorm on q and k.
+q/k/v, Qwen 3 a per-head RMSNorm on q and k; Qwen3-MoE is Qwen 3 with experts (a softmax router whose top-k
+weights are renormalized when norm_topk_prob, dense layers where mlp_only_layers / decoder_sparse_step say).
 """
 
 from __future__ import annotations
 
 from jaxlm.config import ModelConfig
 from jaxlm.families import (ACTIVATIONS_TO_HF, ConvertError, Rule, activation, layer_types, linear, linear_in,
-                            pattern_from_layer_types, reshaped, rope_from_hf, rope_to_hf)
+                            pattern_from_layer_types, refuse_quantized, reshaped, rope_from_hf, rope_to_hf)
+from jaxlm.model import stack
 
-MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3")
+MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 # Tensors some checkpoints carry that the math does not use (precomputed rotary tables).
 IGNORED = (r".*rotary_emb\.inv_freq",)
 
@@ -33,27 +35,40 @@ def base_config(hf: dict) -> dict:
 
 def config_from_hf(hf: dict) -> ModelConfig:
     t = hf["model_type"]
+    refuse_quantized(hf)
     if hf.get("attention_bias") and t != "qwen2" or hf.get("mlp_bias"):
         raise ConvertError(f"config.json attention_bias/mlp_bias on a {t} model is not supported "
                            "(only Qwen 2's q/k/v biases are)")
     kw = base_config(hf)
     kw["activation"] = activation(hf.get("hidden_act", "silu"), "hidden_act")
     kw["qkv_bias"] = t == "qwen2"
-    kw["qk_norm"] = t == "qwen3"
-    if t in ("qwen2", "qwen3"):
+    kw["qk_norm"] = t in ("qwen3", "qwen3_moe")
+    if t in ("qwen2", "qwen3", "qwen3_moe"):
         if hf.get("use_sliding_window"):
             raise ConvertError(f"config.json use_sliding_window=true on a {t} model is not supported")
     elif hf.get("sliding_window"):
         kw.update(sliding_window=hf["sliding_window"], layer_pattern="local")
-    if hf.get("layer_types") and t not in ("qwen2", "qwen3"):
+    if hf.get("layer_types") and t not in ("qwen2", "qwen3", "qwen3_moe"):
         kw["layer_pattern"] = pattern_from_layer_types(hf["layer_types"])
     if t == "mixtral":
         kw.update(n_experts=hf["num_local_experts"], experts_per_token=hf["num_experts_per_tok"],
                   router_aux_loss_coef=hf.get("router_aux_loss_coef", 0.02))
+    experts = hf.get("num_experts") or hf.get("num_local_experts")  # transformers 5 writes the latter
+    if t == "qwen3_moe" and experts:
+        only = list(hf.get("mlp_only_layers") or [])
+        if only != list(range(len(only))):
+            raise ConvertError(f"config.json mlp_only_layers={only} is not supported (only the first layers, "
+                               f"[0, 1, ..., k - 1], may be dense)")
+        kw.update(n_experts=experts, experts_per_token=hf["num_experts_per_tok"],
+                  expert_d_ff=hf["moe_intermediate_size"], router_norm_topk=bool(hf.get("norm_topk_prob", False)),
+                  first_dense_layers=len(only), moe_layer_interval=hf.get("decoder_sparse_step", 1),
+                  router_aux_loss_coef=hf.get("router_aux_loss_coef", 0.001))
     return ModelConfig(**kw)
 
 
 def model_type(cfg: ModelConfig) -> str:
+    if cfg.n_experts and cfg.qk_norm:
+        return "qwen3_moe"
     if cfg.n_experts:
         return "mixtral"
     if cfg.qk_norm:
@@ -78,11 +93,16 @@ def config_to_hf(cfg: ModelConfig, t: str) -> dict:
     hf.update(hidden_act=ACTIVATIONS_TO_HF[cfg.activation], attention_bias=cfg.qkv_bias, mlp_bias=False)
     if t in ("mistral", "mixtral"):
         hf["sliding_window"] = cfg.sliding_window if "local" in cfg.pattern else None
-    if t in ("qwen2", "qwen3"):
+    if t in ("qwen2", "qwen3", "qwen3_moe"):
         hf.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layers,
                   layer_types=layer_types(cfg))
     if t == "mixtral":
         hf.update(num_local_experts=cfg.n_experts, num_experts_per_tok=cfg.experts_per_token,
+                  router_aux_loss_coef=cfg.router_aux_loss_coef, output_router_logits=False)
+    if t == "qwen3_moe":
+        hf.update(num_experts=cfg.n_experts, num_experts_per_tok=cfg.experts_per_token,
+                  moe_intermediate_size=cfg.expert_ff, norm_topk_prob=cfg.router_norm_topk,
+                  mlp_only_layers=list(range(cfg.first_dense_layers)), decoder_sparse_step=cfg.moe_layer_interval,
                   router_aux_loss_coef=cfg.router_aux_loss_coef, output_router_logits=False)
     return hf
 
@@ -107,16 +127,31 @@ def attention_rules(cfg: ModelConfig) -> list[Rule]:
 
 
 def mlp_rules(cfg: ModelConfig) -> list[Rule]:
-    if cfg.n_experts:
-        m = "model.layers.{i}.block_sparse_moe."
-        return [Rule(m + "gate.weight", ("layers.mlp.router",), **linear()),
-                Rule(m + "experts.{e}.w1.weight", ("layers.mlp.gate",), **linear()),
-                Rule(m + "experts.{e}.w3.weight", ("layers.mlp.up",), **linear()),
-                Rule(m + "experts.{e}.w2.weight", ("layers.mlp.down",), **linear())]
-    m = "model.layers.{i}.mlp."
-    return [Rule(m + "gate_proj.weight", ("layers.mlp.gate",), **linear()),
-            Rule(m + "up_proj.weight", ("layers.mlp.up",), **linear()),
-            Rule(m + "down_proj.weight", ("layers.mlp.down",), **linear())]
+    lay = stack.layout(cfg)
+    dense = dense_mlp_rules("model.layers.{i}.mlp.", dense_path(cfg)) if not all(k.moe for k in lay.kinds) else []
+    if not any(k.moe for k in lay.kinds):
+        return dense
+    if model_type(cfg) == "qwen3_moe":
+        m = "model.layers.{i}.mlp."
+        return dense + [Rule(m + "gate.weight", ("layers.mlp.router",), **linear()),
+                        *dense_mlp_rules(m + "experts.{e}.", "layers.mlp")]
+    m = "model.layers.{i}.block_sparse_moe."
+    return [Rule(m + "gate.weight", ("layers.mlp.router",), **linear()),
+            Rule(m + "experts.{e}.w1.weight", ("layers.mlp.gate",), **linear()),
+            Rule(m + "experts.{e}.w3.weight", ("layers.mlp.up",), **linear()),
+            Rule(m + "experts.{e}.w2.weight", ("layers.mlp.down",), **linear())]
+
+
+def dense_path(cfg: ModelConfig) -> str:
+    """Where the dense MLPs of a model's dense layers lie: layers.dense_mlp when MoE layers hold layers.mlp."""
+    return "layers.dense_mlp" if stack.layout(cfg).mixed else "layers.mlp"
+
+
+def dense_mlp_rules(hf: str, ours: str, prefix: str = "") -> list[Rule]:
+    """A SwiGLU MLP's gate_proj / up_proj / down_proj Linear weights (names behind hf) <-> ours.[prefix]gate/up/down."""
+    return [Rule(hf + "gate_proj.weight", (f"{ours}.{prefix}gate",), **linear()),
+            Rule(hf + "up_proj.weight", (f"{ours}.{prefix}up",), **linear()),
+            Rule(hf + "down_proj.weight", (f"{ours}.{prefix}down",), **linear())]
 
 
 def outer_rules(cfg: ModelConfig) -> list[Rule]:

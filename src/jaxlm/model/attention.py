@@ -15,14 +15,96 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxlm import sharding
+from jaxlm.config import ConfigError
 from jaxlm.model import blockwise, kvcache, layers, ring, splash
+from jaxlm.params import ParamSpec, normal, zeros
 from jaxlm.sharding import constrain
 
 # On CPUs the [T, T] scores are cheaper to materialize than to tile below this many tokens.
 CPU_BLOCKWISE_FROM = 2048
 
 
-def project_qkv(x_BTD, p, cfg, positions_BT):
+def specs(cfg, L: int) -> dict:
+    """The attention weights of L stacked layers: q, k, v [L, D, heads, H], o [L, N, H, D], and the biases,
+    norms and sinks the options ask for (latent attention declares its own, model/latent.py)."""
+    D, N, K, H, dt = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.hd, cfg.param_dtype
+    w, w_out = normal(cfg.init_std), normal(cfg.init_std / (2 * cfg.n_layers) ** 0.5)
+    p = {"q": ParamSpec((L, D, N, H), ("layers", "embed", "heads", "head_dim"), w, dt),
+         "k": ParamSpec((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim"), w, dt),
+         "v": ParamSpec((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim"), w, dt),
+         "o": ParamSpec((L, N, H, D), ("layers", "heads", "head_dim", "embed"), w_out, dt)}
+    if cfg.bias or cfg.qkv_bias:
+        p["q_bias"] = ParamSpec((L, N, H), ("layers", "heads", "head_dim"), zeros, dt)
+        p["k_bias"] = ParamSpec((L, K, H), ("layers", "kv_heads", "head_dim"), zeros, dt)
+        p["v_bias"] = ParamSpec((L, K, H), ("layers", "kv_heads", "head_dim"), zeros, dt)
+    if cfg.bias or cfg.attn_out_bias:
+        p["o_bias"] = ParamSpec((L, D), ("layers", "embed"), zeros, dt)
+    if cfg.qk_norm:
+        p["q_norm"] = layers.norm_specs(cfg, (L, H), ("layers", "head_dim"))
+        p["k_norm"] = layers.norm_specs(cfg, (L, H), ("layers", "head_dim"))
+    if cfg.attn_sinks:
+        p["sinks"] = ParamSpec((L, N), ("layers", "heads"), zeros, "float32")
+    return p
+
+
+def rope_of(cfg, kind: str = "global") -> layers.Rope | None:
+    """The rotary settings of a layer kind: None for `nope` layers (and learned positions); `local` layers
+    take model.local_rope_theta, unscaled, when it is set (Gemma 3)."""
+    if cfg.position != "rotary" or kind == "nope":
+        return None
+    if kind == "local" and cfg.local_rope_theta is not None:
+        return layers.Rope(cfg.local_rope_theta)
+    if cfg.rope_scaling == "none":
+        return layers.Rope(cfg.rope_theta)
+    factor = 1.0
+    if cfg.rope_scaling == "yarn":
+        factor = cfg.rope_attention_factor
+        if factor is None:
+            f, m, m_all = cfg.rope_scaling_factor, cfg.rope_yarn_mscale, cfg.rope_yarn_mscale_all_dim
+            factor = (layers.yarn_mscale(f, m) / layers.yarn_mscale(f, m_all) if m and m_all
+                      else layers.yarn_mscale(f))
+    return layers.Rope(cfg.rope_theta, cfg.rope_scaling, cfg.rope_scaling_factor, cfg.rope_low_freq_factor,
+                       cfg.rope_high_freq_factor, cfg.rope_original_context, cfg.rope_yarn_beta_fast,
+                       cfg.rope_yarn_beta_slow, cfg.rope_yarn_truncate, float(factor))
+
+
+def scale(cfg) -> float:
+    """The factor on q.k: attn_scale ** -0.5 (default the query-key head width), times YaRN's
+    (0.1 mscale_all_dim ln(factor) + 1)^2 when mscale_all_dim is set (DeepSeek-V3)."""
+    base = (cfg.qk_dim if cfg.attn_scale is None else cfg.attn_scale) ** -0.5
+    if cfg.rope_scaling == "yarn" and cfg.rope_yarn_mscale_all_dim:
+        base *= layers.yarn_mscale(cfg.rope_scaling_factor, cfg.rope_yarn_mscale_all_dim) ** 2
+    return base
+
+
+def limits(cfg, kind: str) -> tuple[int | None, int | None]:
+    """(window, chunk) of a layer kind's mask: local layers see the last model.sliding_window positions,
+    chunked layers the positions of their own model.attention_chunk block."""
+    return (cfg.sliding_window if kind == "local" else None, cfg.attention_chunk if kind == "chunked" else None)
+
+
+def temperature(cfg, kind: str, positions_BT):
+    """Llama 4's attention temperature tuning of `nope` layers: a factor per query [B, T, 1, 1], or None."""
+    if not cfg.attn_temperature_tuning or kind != "nope":
+        return None
+    floor = jnp.floor((positions_BT.astype(jnp.float32) + 1.0) / cfg.attn_temperature_floor)
+    return (jnp.log1p(floor) * cfg.attn_temperature_scale + 1.0)[:, :, None, None]
+
+
+def position_qk(q_BTNH, k_BTKH, cfg, positions_BT, kind: str):
+    """Rotary, then (rotary layers) L2 QK-norm, then (nope layers) temperature tuning."""
+    rope = rope_of(cfg, kind)
+    if rope is not None:
+        q_BTNH = layers.rotary(q_BTNH, positions_BT, rope)
+        k_BTKH = layers.rotary(k_BTKH, positions_BT, rope)
+        if cfg.qk_l2_norm:
+            q_BTNH, k_BTKH = layers.rms_scale(q_BTNH, cfg.norm_eps), layers.rms_scale(k_BTKH, cfg.norm_eps)
+    if (t := temperature(cfg, kind, positions_BT)) is not None:
+        q_BTNH = (q_BTNH.astype(jnp.float32) * t).astype(q_BTNH.dtype)
+    return q_BTNH, k_BTKH
+
+
+def project_qkv(x_BTD, p, cfg, positions_BT, kind: str = "global"):
     q_BTNH = layers.dot("BTD,DNH->BTNH", x_BTD, p["q"])
     k_BTKH = layers.dot("BTD,DKH->BTKH", x_BTD, p["k"])
     v_BTKH = layers.dot("BTD,DKH->BTKH", x_BTD, p["v"])
@@ -37,28 +119,34 @@ def project_qkv(x_BTD, p, cfg, positions_BT):
     if cfg.qk_norm:
         q_BTNH = layers.norm(q_BTNH, p["q_norm"], cfg.norm, cfg.norm_eps, cfg.norm_plus_one)
         k_BTKH = layers.norm(k_BTKH, p["k_norm"], cfg.norm, cfg.norm_eps, cfg.norm_plus_one)
-    if cfg.position == "rotary":
-        scaling = None
-        if cfg.rope_scaling == "llama3":
-            scaling = (cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
-                       cfg.rope_original_context)
-        q_BTNH = layers.rotary(q_BTNH, positions_BT, cfg.rope_theta, scaling)
-        k_BTKH = layers.rotary(k_BTKH, positions_BT, cfg.rope_theta, scaling)
+    q_BTNH, k_BTKH = position_qk(q_BTNH, k_BTKH, cfg, positions_BT, kind)
     return q_BTNH, k_BTKH, v_BTKH
 
 
-def attend(q_BTNH, k_BSKH, v_BSKH, mask_BTS, dropout_rate=0.0, key=None, scale=None, softcap=None):
+def attend(q_BTNH, k_BSKH, v_BSKH, mask_BTS, dropout_rate=0.0, key=None, scale=None, softcap=None, sinks_N=None):
     """softmax(softcap(q k^T * scale)) v with the softmax in float32; mask_BTS is True where attention is
-    allowed. `scale` defaults to 1/sqrt(H).
+    allowed. `scale` defaults to 1/sqrt(H); sinks_N (one logit per query head) join every denominator.
 
     Computed heads-major: with (B, K) as leading batch dims both products are plain batched matmuls, and
     the G query heads that share a kv head are folded into the query length (M = G * T)."""
     return attend_heads_major(q_BTNH, k_BSKH.transpose(0, 2, 1, 3), v_BSKH.transpose(0, 2, 1, 3), mask_BTS,
-                              dropout_rate, key, scale, softcap)
+                              dropout_rate, key, scale, softcap, sinks_N)
 
 
-def attend_heads_major(q_BTNH, k_BKSH, v_BKSH, mask_BTS, dropout_rate=0.0, key=None, scale=None, softcap=None):
-    """`attend` with keys and values already heads-major [B, K, S, H] (the KV cache's layout)."""
+def softmax(logits, sinks=None):
+    """Softmax over the last axis in float32; `sinks` (broadcast against logits without that axis) add
+    exp(sink) to the denominator: a key that every query sees and whose value is zero."""
+    if sinks is None:
+        return jax.nn.softmax(logits, axis=-1)
+    m = jnp.maximum(jnp.max(logits, axis=-1), sinks)
+    e = jnp.exp(logits - m[..., None])
+    return e / (jnp.sum(e, axis=-1) + jnp.exp(sinks - m))[..., None]
+
+
+def attend_heads_major(q_BTNH, k_BKSH, v_BKSH, mask_BTS, dropout_rate=0.0, key=None, scale=None, softcap=None,
+                       sinks_N=None):
+    """`attend` with keys and values already heads-major [B, K, S, H] (the KV cache's layout); values may be
+    of another width than queries and keys."""
     B, T, N, H = q_BTNH.shape
     K = k_BKSH.shape[1]
     G = N // K
@@ -68,52 +156,69 @@ def attend_heads_major(q_BTNH, k_BKSH, v_BKSH, mask_BTS, dropout_rate=0.0, key=N
     logits_BKMS = layers.softcap(logits_BKMS, softcap)
     mask_BMS = jnp.tile(mask_BTS, (1, G, 1)) if G > 1 else mask_BTS
     logits_BKMS = jnp.where(mask_BMS[:, None], logits_BKMS, jnp.finfo(jnp.float32).min)
-    probs_BKMS = jax.nn.softmax(logits_BKMS, axis=-1)
+    sinks_KM = None if sinks_N is None else jnp.repeat(sinks_N.astype(jnp.float32).reshape(K, G), T, axis=1)
+    probs_BKMS = softmax(logits_BKMS, sinks_KM)
     probs_BKMS = layers.dropout(probs_BKMS, dropout_rate, key).astype(v_BKSH.dtype)
     out_BKMH = jnp.einsum("BKMS,BKSH->BKMH", probs_BKMS, v_BKSH, preferred_element_type=jnp.float32)
-    out_BTNH = out_BKMH.reshape(B, K, G, T, H).transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
+    Hv = v_BKSH.shape[-1]
+    out_BTNH = out_BKMH.reshape(B, K, G, T, Hv).transpose(0, 3, 1, 2, 4).reshape(B, T, N, Hv)
     return out_BTNH.astype(q_BTNH.dtype)
 
 
 def mask(q_positions_BT: jax.Array, k_positions_BS: jax.Array, window: int | None = None,
-         q_segment_ids_BT: jax.Array | None = None, k_segment_ids_BS: jax.Array | None = None) -> jax.Array:
+         q_segment_ids_BT: jax.Array | None = None, k_segment_ids_BS: jax.Array | None = None,
+         chunk: int | None = None) -> jax.Array:
     """[B, T, S], True where query t may attend to key s: causal, within the last `window` positions (the
-    query's own included) when a window is given, and in the same segment (packed document) when segment ids
-    are given. A function of positions and segment ids, not of array offsets, so a decoder attending from new
-    tokens into a cache of old ones uses the same rule, and positions may restart at each packed document."""
+    query's own included) when a window is given, within the query's block of `chunk` positions when a chunk
+    is given (Llama 4), and in the same segment (packed document) when segment ids are given. A function of
+    positions and segment ids, not of array offsets, so a decoder attending from new tokens into a cache of
+    old ones uses the same rule, and positions may restart at each packed document."""
     q_BT1, k_B1S = q_positions_BT[:, :, None], k_positions_BS[:, None, :]
     allowed_BTS = k_B1S <= q_BT1
     if window is not None:
         allowed_BTS &= k_B1S > q_BT1 - window
+    if chunk is not None:
+        allowed_BTS &= k_B1S // chunk == q_BT1 // chunk
     if q_segment_ids_BT is not None:
         allowed_BTS &= q_segment_ids_BT[:, :, None] == k_segment_ids_BS[:, None, :]
     return allowed_BTS
 
 
-def self_attention(q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, cfg, local=False, key=None):
+def kind_mask(cfg, kind: str, q_positions_BT, k_positions_BS, q_segment_ids_BT=None, k_segment_ids_BS=None):
+    """`mask` of a layer kind (its window or chunk)."""
+    window, chunk = limits(cfg, kind)
+    return mask(q_positions_BT, k_positions_BS, window, q_segment_ids_BT, k_segment_ids_BS, chunk)
+
+
+def self_attention(q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, cfg, kind="global", key=None,
+                   sinks_N=None):
     """The one attention interface of the uncached pass: queries [B, T, N, H], keys and values [B, T, K, H]
     of the same tokens, their positions [B, T] and segment ids [B, T] (int32; tokens attend only within their
     own segment; None = one segment per row). Every implementation takes these arguments; masks are causal by
-    position, windowed for `local` layers, and never cross a segment."""
+    position, windowed for `local` layers, blocked for `chunked` ones, and never cross a segment; sinks_N (a
+    logit per query head) join the softmax denominators."""
     T = q_BTNH.shape[1]
-    window = cfg.sliding_window if local else None
+    window, chunk = limits(cfg, kind)
     if (n := ring.context_devices()) > 1 and T % n == 0:  # the sequence is split: context parallelism
         if key is not None:  # train.setup refuses this for runs; a direct caller gets told too
             raise ValueError("attention dropout (model.dropout > 0) is not supported with context parallelism")
-        return ring.attention(q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, window, _scale(cfg),
+        if chunk is not None or sinks_N is not None:
+            raise ConfigError("context parallelism (a mesh that splits the sequence) does not support chunked "
+                              "attention or attention sinks; keep the `length` axis on one device")
+        return ring.attention(q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, window, scale(cfg),
                               cfg.attn_logit_softcap, cfg.attention_block, cfg.context_parallel)
     platform = mesh_platform()
     impl = choose(cfg, T, q_BTNH.dtype, segment_ids_BT is not None, platform, dropout=key is not None)
     if impl == "blockwise":
-        return blockwise.attention(q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, window, _scale(cfg),
-                                   cfg.attn_logit_softcap, cfg.attention_block)
+        return blockwise.attention(q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, window, scale(cfg),
+                                   cfg.attn_logit_softcap, cfg.attention_block, chunk, sinks_N)
     if impl == "splash":
-        return splash.attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, window, _scale(cfg), cfg.attn_logit_softcap,
-                                cfg.attention_block, interpret=platform != "tpu")
+        return splash.attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, window, scale(cfg), cfg.attn_logit_softcap,
+                                cfg.attention_block, interpret=platform != "tpu", chunk=chunk, sinks_N=sinks_N)
     if impl == "cudnn":
-        return _cudnn(q_BTNH, k_BTKH, v_BTKH, window, _scale(cfg))
-    mask_BTS = mask(positions_BT, positions_BT, window, segment_ids_BT, segment_ids_BT)
-    return attend(q_BTNH, k_BTKH, v_BTKH, mask_BTS, cfg.dropout, key, _scale(cfg), cfg.attn_logit_softcap)
+        return _cudnn(q_BTNH, k_BTKH, v_BTKH, window, scale(cfg))
+    mask_BTS = mask(positions_BT, positions_BT, window, segment_ids_BT, segment_ids_BT, chunk)
+    return attend(q_BTNH, k_BTKH, v_BTKH, mask_BTS, cfg.dropout, key, scale(cfg), cfg.attn_logit_softcap, sinks_N)
 
 
 def mesh_platform() -> str:
@@ -123,15 +228,16 @@ def mesh_platform() -> str:
     return ctx[0].devices.flat[0].platform if ctx is not None else jax.devices()[0].platform
 
 
-def _cudnn_supports(dtype, softcap, has_segments) -> bool:
-    return jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and softcap is None and not has_segments
+def _cudnn_supports(cfg, dtype, has_segments) -> bool:
+    return (jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and cfg.attn_logit_softcap is None and not has_segments
+            and not cfg.attn_sinks and "chunked" not in cfg.pattern)
 
 
 def choose(cfg, T: int, dtype, has_segments: bool, platform: str, dropout: bool = False) -> str:
     """The implementation `self_attention` runs for T tokens of this dtype on this platform. `auto` takes the
     fastest that covers the case; an explicit kernel that lacks the case (splash: T not a multiple of 128;
-    cudnn: not a GPU, float32, soft-cap or segment ids) runs blockwise instead. Splash off TPU runs in Pallas
-    interpret mode: exact but slow, for tests."""
+    cudnn: not a GPU, float32, soft-cap, segment ids, sinks or chunked layers) runs blockwise instead. Splash
+    off TPU runs in Pallas interpret mode: exact but slow, for tests."""
     name = cfg.attention
     if name == "auto":
         if dropout:  # only dot_product drops attention probabilities
@@ -140,8 +246,7 @@ def choose(cfg, T: int, dtype, has_segments: bool, platform: str, dropout: bool 
             platform, "blockwise" if T >= CPU_BLOCKWISE_FROM else "dot_product")
     if name == "splash" and not splash.supports(T):
         return "blockwise"
-    if name == "cudnn" and (platform not in ("gpu", "cuda")
-                            or not _cudnn_supports(dtype, cfg.attn_logit_softcap, has_segments)):
+    if name == "cudnn" and (platform not in ("gpu", "cuda") or not _cudnn_supports(cfg, dtype, has_segments)):
         return "blockwise"
     return name
 
@@ -157,7 +262,8 @@ def describe(cfg, platform: str, dtype=None, mesh=None, rules=None) -> str:
     dtype = jnp.dtype(cfg.compute_dtype) if dtype is None else dtype
     impl = choose(cfg, T, dtype, False, platform)
     return (f"attention {impl} (model.attention={cfg.attention} on {platform} at {T} tokens"
-            + (f", tiles of {cfg.attention_block}" if impl in ("blockwise", "splash") else "") + ")")
+            + (f", tiles of {cfg.attention_block}" if impl in ("blockwise", "splash") else "") + ")"
+            + (" | latent attention (model.kv_lora_rank)" if cfg.latent else ""))
 
 
 def _cudnn(q_BTNH, k_BTKH, v_BTKH, window, scale):
@@ -169,61 +275,71 @@ def _cudnn(q_BTNH, k_BTKH, v_BTKH, window, scale):
                                             implementation="cudnn")
 
 
-def _scale(cfg):
-    return None if cfg.attn_scale is None else cfg.attn_scale ** -0.5
-
-
-def _project_out(out_BTNH, p):
+def project_out(out_BTNH, p):
+    """The output projection o (and its bias) of attention's per-head outputs."""
     out_BTD = layers.dot("BTNH,NHD->BTD", out_BTNH, p["o"])
     if "o_bias" in p:
         out_BTD = out_BTD + p["o_bias"].astype(out_BTD.dtype)
     return out_BTD
 
 
-def attention_with_kv(x_BTD, p, cfg, positions_BT, key=None, local=False, segment_ids_BT=None):
-    """Self-attention over x; `local` layers see only the last cfg.sliding_window positions, and tokens see
-    only their own segment. Also returns the keys and values [B, T, K, H], which prefill stores in the cache."""
+def attention_with_kv(x_BTD, p, cfg, positions_BT, key=None, kind="global", segment_ids_BT=None):
+    """Self-attention over x for a layer of `kind`. Also returns the keys and values [B, T, K, H], which
+    prefill stores in the cache."""
     with jax.named_scope("attention"):
-        q_BTNH, k_BTKH, v_BTKH = project_qkv(x_BTD, p, cfg, positions_BT)
+        q_BTNH, k_BTKH, v_BTKH = project_qkv(x_BTD, p, cfg, positions_BT, kind)
         q_BTNH = constrain(q_BTNH, ("batch", "length", "heads", "head_dim"))
-        out_BTNH = self_attention(q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, cfg, local, key)
+        out_BTNH = self_attention(q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, cfg, kind, key,
+                                  p.get("sinks"))
         out_BTNH = checkpoint_name(out_BTNH, "context")
-        return checkpoint_name(_project_out(out_BTNH, p), "out_proj"), k_BTKH, v_BTKH
+        return checkpoint_name(project_out(out_BTNH, p), "out_proj"), k_BTKH, v_BTKH
 
 
-def attention_with_logit_max(x_BTD, p, cfg, positions_BT, local=False, segment_ids_BT=None):
-    """Self-attention over x (no dropout), and the largest attention logit of each query head over the batch [N]:
-    what MuonClip's QK-clip watches (`logit_max`)."""
+def attention_with_logit_max(x_BTD, p, cfg, positions_BT, kind="global", segment_ids_BT=None):
+    """Self-attention over x (no dropout), and the largest attention logit of each query head over the batch
+    [N]: what MuonClip's QK-clip watches (clip_qk)."""
     with jax.named_scope("attention"):
-        q_BTNH, k_BTKH, v_BTKH = project_qkv(x_BTD, p, cfg, positions_BT)
-        out_BTNH = self_attention(q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, cfg, local)
-        window = cfg.sliding_window if local else None
-        top_N = logit_max(q_BTNH, k_BTKH, positions_BT, segment_ids_BT, window, _scale(cfg), cfg.attention_block)
-        return _project_out(out_BTNH, p), top_N
+        q_BTNH, k_BTKH, v_BTKH = project_qkv(x_BTD, p, cfg, positions_BT, kind)
+        out_BTNH = self_attention(q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, cfg, kind, None,
+                                  p.get("sinks"))
+        return project_out(out_BTNH, p), kind_logit_max(q_BTNH, k_BTKH, positions_BT, segment_ids_BT, cfg, kind)
 
 
-def logit_max(q_BTNH, k_BTKH, positions_BT, segment_ids_BT=None, window=None, scale=None, chunk=512) -> jax.Array:
-    """The largest logit q.k * scale (before any soft-cap) of each query head over every pair the mask allows
-    [N], in float32, `chunk` queries at a time, so the [B, N, T, T] logits never exist at once."""
+def kind_logit_max(q_BTNH, k_BTKH, positions_BT, segment_ids_BT, cfg, kind: str) -> jax.Array:
+    """`logit_max` under the mask and scale of a layer kind."""
+    window, chunk = limits(cfg, kind)
+    return logit_max(q_BTNH, k_BTKH, positions_BT, segment_ids_BT, window, chunk, scale(cfg), cfg.attention_block)
+
+
+def logit_max(q_BTNH, k_BTKH, positions_BT, segment_ids_BT=None, window=None, chunk=None, factor=None,
+              block=512) -> jax.Array:
+    """The largest logit q.k * factor (before any soft-cap; factor defaults to 1/sqrt(H)) of each query head over
+    every pair the mask allows [N], in float32, `block` queries at a time, so the [B, N, T, T] logits never exist
+    at once."""
     B, T, N, H = q_BTNH.shape
     K = k_BTKH.shape[2]
-    scale = H ** -0.5 if scale is None else scale
-    C = min(chunk, T)
+    factor = H ** -0.5 if factor is None else factor
+    C = min(block, T)
     pad = -T % C
     seg_BT = jnp.zeros((B, T), jnp.int32) if segment_ids_BT is None else segment_ids_BT
     # Padded queries get position -1, which no key precedes: they see nothing.
-    q_nBCKGH = jnp.pad(q_BTNH, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(B, (T + pad) // C, C, K, N // K, H)
+    q_nBCKGH = jnp.pad(q_BTNH, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(B, -1, C, K, N // K, H).swapaxes(0, 1)
     pos_nBC = jnp.pad(positions_BT, ((0, 0), (0, pad)), constant_values=-1).reshape(B, -1, C).swapaxes(0, 1)
     seg_nBC = jnp.pad(seg_BT, ((0, 0), (0, pad))).reshape(B, -1, C).swapaxes(0, 1)
 
     def one(inputs):
         q_BCKGH, pos_BC, seg_BC = inputs
-        logits_BKGCS = jnp.einsum("BCKGH,BSKH->BKGCS", q_BCKGH, k_BTKH, preferred_element_type=jnp.float32) * scale
-        allowed_BCS = mask(pos_BC, positions_BT, window, seg_BC, seg_BT)
+        logits_BKGCS = jnp.einsum("BCKGH,BSKH->BKGCS", q_BCKGH, k_BTKH, preferred_element_type=jnp.float32) * factor
+        allowed_BCS = mask(pos_BC, positions_BT, window, seg_BC, seg_BT, chunk)
         logits_BKGCS = jnp.where(allowed_BCS[:, None, None], logits_BKGCS, -jnp.inf)
         return jnp.max(logits_BKGCS, axis=(0, 3, 4)).reshape(N)
 
-    return jnp.max(jax.lax.map(one, (q_nBCKGH.swapaxes(0, 1), pos_nBC, seg_nBC)), axis=0)
+    return jnp.max(jax.lax.map(one, (q_nBCKGH, pos_nBC, seg_nBC)), axis=0)
+
+
+def qk_clip_factors(logit_max_LN: jax.Array, threshold: float) -> jax.Array:
+    """gamma [L, N]: threshold / max for each head whose largest logit exceeded the threshold, else 1."""
+    return jnp.where(logit_max_LN > threshold, threshold / logit_max_LN, 1.0)
 
 
 def clip_qk(p_attn: dict, logit_max_LN: jax.Array, threshold: float, cfg) -> dict:
@@ -233,7 +349,7 @@ def clip_qk(p_attn: dict, logit_max_LN: jax.Array, threshold: float, cfg) -> dic
     grouped-query heads the shared keys stay and the query head takes gamma. With QK-norm the projections' scale
     cancels, so the layer's query and key norm scales, shared by its heads, take sqrt(gamma) of its worst head.
     Biases of the projections scale with them."""
-    gamma_LN = jnp.where(logit_max_LN > threshold, threshold / logit_max_LN, 1.0)
+    gamma_LN = qk_clip_factors(logit_max_LN, threshold)
     L, N = gamma_LN.shape
     K = cfg.kv_heads
     p = {**p_attn}
@@ -256,12 +372,51 @@ def clip_qk(p_attn: dict, logit_max_LN: jax.Array, threshold: float, cfg) -> dic
     return p
 
 
-def attention(x_BTD, p, cfg, positions_BT, key=None, local=False, segment_ids_BT=None):
-    """Self-attention over x; `local` layers see only the last cfg.sliding_window positions."""
-    return attention_with_kv(x_BTD, p, cfg, positions_BT, key, local, segment_ids_BT)[0]
+def project_entries(x_BTD, p, cfg, positions_BT, kind="global"):
+    """Queries [B, T, N, H] and what the cache keeps of each token, (keys, values) [B, T, K, H]."""
+    q_BTNH, k_BTKH, v_BTKH = project_qkv(x_BTD, p, cfg, positions_BT, kind)
+    return q_BTNH, (k_BTKH, v_BTKH)
 
 
-def attention_decode(x_B1D, p, cfg, positions_B1, cache: dict, r, slot_B, k_positions_BS, local=False):
+def attend_entries(q_BTNH, k_BKSH, v_BKSH, mask_BTS, p, cfg):
+    """Queries over cached keys and values (heads-major [B, K, S, H]), projected out [B, T, D]."""
+    out_BTNH = attend_heads_major(q_BTNH, k_BKSH, v_BKSH, mask_BTS, scale=scale(cfg), softcap=cfg.attn_logit_softcap,
+                                  sinks_N=p.get("sinks"))
+    return project_out(out_BTNH, p)
+
+
+def store_stacked(cache: dict, entries, r, slot_B, dtype):
+    """Write one new token's cache entries (k, v [B, 1, K, H]) at [r, b, slot_B[b]] of the stacked k, v
+    [R, B, K, S, H] (and int8 scales), in place; returns the updated stacked cache and repeat r's keys and
+    values read back [B, K, S, H] in `dtype`."""
+    quantized = cache["k_scale"] is not None
+    new = {}
+    for name, x_B1KH in zip(("k", "v"), entries):
+        x_BK1H, scale_BK1 = kvcache.store(x_B1KH.transpose(0, 2, 1, 3), quantized)
+        new[name] = kvcache.write_one(cache[name], x_BK1H[:, :, 0], r, slot_B)
+        new[f"{name}_scale"] = None if not quantized else kvcache.write_one(cache[f"{name}_scale"],
+                                                                            scale_BK1[:, :, 0], r, slot_B)
+    layer = {k: None if v is None else constrain(v[r], kvcache.CACHE_AXES[:v.ndim - 1]) for k, v in new.items()}
+    return new, kvcache.read(layer["k"], layer["k_scale"], dtype), kvcache.read(layer["v"], layer["v_scale"], dtype)
+
+
+def store_layer(layer: dict, entries, slot_B, dtype):
+    """Write one new token's cache entries at slot_B of one layer's own cache (kvcache.LayerCaches: keys
+    transposed [B, K, H, S]), in place; returns the updated layer cache, its keys transposed [B, K, H, S] and
+    its values [B, K, S, H] in `dtype`."""
+    quantized = layer["k_scale"] is not None
+    new = {}
+    for name, x_B1KH, axis in zip(("k", "v"), entries, (3, 2)):
+        x_BK1H, scale_BK1 = kvcache.store(x_B1KH.transpose(0, 2, 1, 3), quantized)
+        new[name] = kvcache.write_layer(layer[name], x_BK1H[:, :, 0], slot_B, axis)
+        new[f"{name}_scale"] = None if not quantized else kvcache.write_layer(layer[f"{name}_scale"],
+                                                                              scale_BK1[:, :, 0], slot_B, 2)
+    kT_BKHS = new["k"] if not quantized else (
+        new["k"].astype(jnp.float32) * new["k_scale"][:, :, None]).astype(dtype)
+    return new, kT_BKHS, kvcache.read(new["v"], new["v_scale"], dtype)
+
+
+def attention_decode(x_B1D, p, cfg, positions_B1, cache: dict, r, slot_B, k_positions_BS, kind="global"):
     """Attention of one new token per sequence over the cache. `cache` holds the k, v [R, B, K, S, H] and
     k_scale, v_scale [R, B, K, S] (None unless int8) of every repeat of this layer's pattern entry; this layer
     is repeat `r`. The new key and value are written at [r, b, slot_B[b]] first, in place (the stacked arrays
@@ -269,46 +424,25 @@ def attention_decode(x_B1D, p, cfg, positions_B1, cache: dict, r, slot_B, k_posi
     k_positions_BS already names the positions every slot holds after that write, so the mask is the same
     function of positions as in the uncached pass. Returns the output and the updated stacked cache."""
     with jax.named_scope("attention"):
-        q_B1NH, k_B1KH, v_B1KH = project_qkv(x_B1D, p, cfg, positions_B1)
-        quantized = cache["k_scale"] is not None
-        new = {}
-        for name, x_B1KH in (("k", k_B1KH), ("v", v_B1KH)):
-            x_BK1H, scale_BK1 = kvcache.store(x_B1KH.transpose(0, 2, 1, 3), quantized)
-            new[name] = kvcache.write_one(cache[name], x_BK1H[:, :, 0], r, slot_B)
-            new[f"{name}_scale"] = None if not quantized else kvcache.write_one(cache[f"{name}_scale"],
-                                                                                scale_BK1[:, :, 0], r, slot_B)
-        layer = {k: None if v is None else constrain(v[r], kvcache.CACHE_AXES[:v.ndim - 1])
-                 for k, v in new.items()}
-        k_BKSH = kvcache.read(layer["k"], layer["k_scale"], q_B1NH.dtype)
-        v_BKSH = kvcache.read(layer["v"], layer["v_scale"], q_B1NH.dtype)
-        mask_B1S = mask(positions_B1, k_positions_BS, cfg.sliding_window if local else None)
-        out_B1NH = attend_heads_major(q_B1NH, k_BKSH, v_BKSH, mask_B1S, scale=_scale(cfg),
-                                      softcap=cfg.attn_logit_softcap)
-        return _project_out(out_B1NH, p), new
+        q_B1NH, entries = project_entries(x_B1D, p, cfg, positions_B1, kind)
+        new, k_BKSH, v_BKSH = store_stacked(cache, entries, r, slot_B, q_B1NH.dtype)
+        mask_B1S = kind_mask(cfg, kind, positions_B1, k_positions_BS)
+        return attend_entries(q_B1NH, k_BKSH, v_BKSH, mask_B1S, p, cfg), new
 
 
-def attention_decode_layer(x_B1D, p, cfg, positions_B1, layer: dict, slot_B, k_positions_BS, local=False):
+def attention_decode_layer(x_B1D, p, cfg, positions_B1, layer: dict, slot_B, k_positions_BS, kind="global"):
     """`attention_decode` over one layer's own cache (kvcache.LayerCaches: keys transposed [B, K, H, S]): the
     new key and value are written at slot_B first, in place, then the token attends over every slot. Returns
     the output and the layer's updated cache."""
     with jax.named_scope("attention"):
-        q_B1NH, k_B1KH, v_B1KH = project_qkv(x_B1D, p, cfg, positions_B1)
-        quantized = layer["k_scale"] is not None
-        new = {}
-        for name, x_B1KH, axis in (("k", k_B1KH, 3), ("v", v_B1KH, 2)):
-            x_BK1H, scale_BK1 = kvcache.store(x_B1KH.transpose(0, 2, 1, 3), quantized)
-            new[name] = kvcache.write_layer(layer[name], x_BK1H[:, :, 0], slot_B, axis)
-            new[f"{name}_scale"] = None if not quantized else kvcache.write_layer(layer[f"{name}_scale"],
-                                                                                  scale_BK1[:, :, 0], slot_B, 2)
-        kT_BKHS = new["k"] if not quantized else (
-            new["k"].astype(jnp.float32) * new["k_scale"][:, :, None]).astype(q_B1NH.dtype)
-        v_BKSH = kvcache.read(new["v"], new["v_scale"], q_B1NH.dtype)
-        mask_B1S = mask(positions_B1, k_positions_BS, cfg.sliding_window if local else None)
-        out_B1NH = attend_one(q_B1NH, kT_BKHS, v_BKSH, mask_B1S, scale=_scale(cfg), softcap=cfg.attn_logit_softcap)
-        return _project_out(out_B1NH, p), new
+        q_B1NH, k_B1KH, v_B1KH = project_qkv(x_B1D, p, cfg, positions_B1, kind)
+        new, kT_BKHS, v_BKSH = store_layer(layer, (k_B1KH, v_B1KH), slot_B, q_B1NH.dtype)
+        mask_B1S = kind_mask(cfg, kind, positions_B1, k_positions_BS)
+        out_B1NH = attend_one(q_B1NH, kT_BKHS, v_BKSH, mask_B1S, scale(cfg), cfg.attn_logit_softcap, p.get("sinks"))
+        return project_out(out_B1NH, p), new
 
 
-def attend_one(q_B1NH, kT_BKHS, v_BKSH, mask_B1S, scale=None, softcap=None):
+def attend_one(q_B1NH, kT_BKHS, v_BKSH, mask_B1S, scale=None, softcap=None, sinks_N=None):
     """`attend` of one query per sequence over keys transposed [B, K, H, S] and values [B, K, S, H]: the G
     query heads of a kv head are the rows of both products, which need no transposed copy of the keys."""
     B, _, N, H = q_B1NH.shape
@@ -317,6 +451,7 @@ def attend_one(q_B1NH, kT_BKHS, v_BKSH, mask_B1S, scale=None, softcap=None):
     logits_BKGS = jnp.einsum("BKGH,BKHS->BKGS", q_BKGH, kT_BKHS, preferred_element_type=jnp.float32)
     logits_BKGS = layers.softcap(logits_BKGS * (H ** -0.5 if scale is None else scale), softcap)
     logits_BKGS = jnp.where(mask_B1S[:, None], logits_BKGS, jnp.finfo(jnp.float32).min)
-    probs_BKGS = jax.nn.softmax(logits_BKGS, axis=-1).astype(v_BKSH.dtype)
+    sinks_KG = None if sinks_N is None else sinks_N.astype(jnp.float32).reshape(K, N // K)
+    probs_BKGS = softmax(logits_BKGS, sinks_KG).astype(v_BKSH.dtype)
     out_BKGH = jnp.einsum("BKGS,BKSH->BKGH", probs_BKGS, v_BKSH, preferred_element_type=jnp.float32)
-    return out_BKGH.reshape(B, 1, N, H).astype(q_B1NH.dtype)
+    return out_BKGH.reshape(B, 1, N, v_BKSH.shape[-1]).astype(q_B1NH.dtype)

@@ -30,10 +30,11 @@ PAD_POSITION = 2 ** 30  # the position of padded keys
 def attend_block(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, q_pos_BT: jax.Array,
                  k_pos_BS: jax.Array, q_seg_BT: jax.Array | None = None, k_seg_BS: jax.Array | None = None,
                  window: int | None = None, scale: float | None = None, softcap: float | None = None,
-                 block_q: int = 512, block_k: int = 512) -> tuple[jax.Array, jax.Array]:
+                 block_q: int = 512, block_k: int = 512, chunk: int | None = None) -> tuple[jax.Array, jax.Array]:
     """Attention of queries [B, T, N, H] over keys and values [B, S, K, H] (N a multiple of K), causal by
     position (key position <= query position), within the last `window` positions when given (the query's
-    own included), and within the same segment when segment ids are given (both or neither).
+    own included), within the query's block of `chunk` positions when given, and within the same segment when
+    segment ids are given (both or neither).
     Logits are q.k * scale (default 1/sqrt(H)), then softcap * tanh(logits / softcap) when softcap is set.
 
     Returns (out [B, T, N, H] float32, lse [B, T, N] float32): the softmax-weighted values and the
@@ -51,7 +52,7 @@ def attend_block(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, q_pos_
     q_BTNH, q_pos_BT, q_seg_BT = (pad_tokens(a, pad_t) for a in (q_BTNH, q_pos_BT, q_seg_BT))
     k_BSKH, v_BSKH, k_seg_BS = (pad_tokens(a, pad_s) for a in (k_BSKH, v_BSKH, k_seg_BS))
     k_pos_BS = pad_tokens(k_pos_BS, pad_s, PAD_POSITION)
-    tiling = _tiling(q_BTNH, k_BSKH, window, scale, softcap, block_q, block_k)
+    tiling = _tiling(q_BTNH, k_BSKH, window, scale, softcap, block_q, block_k, chunk)
     out_BTNH, lse_BTN = _attend(tiling, q_BTNH, k_BSKH, v_BSKH, q_pos_BT.astype(jnp.int32),
                                 k_pos_BS.astype(jnp.int32), q_seg_BT.astype(jnp.int32), k_seg_BS.astype(jnp.int32))
     return out_BTNH[:, :T], lse_BTN[:, :T]
@@ -73,11 +74,15 @@ def pad_tokens(x_BL, n: int, value=0):
 
 
 def attention(q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, window=None, scale=None, softcap=None,
-              block_size: int = 512) -> jax.Array:
-    """Causal self-attention of T tokens, in the query dtype: the `self_attention` implementation."""
+              block_size: int = 512, chunk: int | None = None, sinks_N: jax.Array | None = None) -> jax.Array:
+    """Causal self-attention of T tokens, in the query dtype: the `self_attention` implementation. With
+    sinks_N (a logit per query head that joins every softmax denominator, gpt-oss) the output is rescaled
+    by the share of the probability the keys keep: exp(lse) / (exp(lse) + exp(sink))."""
     with jax.named_scope("blockwise_attention"):
-        out_BTNH, _ = attend_block(q_BTNH, k_BTKH, v_BTKH, positions_BT, positions_BT, segment_ids_BT,
-                                   segment_ids_BT, window, scale, softcap, block_size, block_size)
+        out_BTNH, lse_BTN = attend_block(q_BTNH, k_BTKH, v_BTKH, positions_BT, positions_BT, segment_ids_BT,
+                                         segment_ids_BT, window, scale, softcap, block_size, block_size, chunk)
+        if sinks_N is not None:
+            out_BTNH = out_BTNH * jax.nn.sigmoid(lse_BTN - sinks_N.astype(jnp.float32))[..., None]
         return out_BTNH.astype(q_BTNH.dtype)
 
 
@@ -89,16 +94,17 @@ class _Tiling(NamedTuple):
     scale: float
     window: int | None
     softcap: float | None
+    chunk: int | None = None
 
 
-def _tiling(q_BTNH, k_BSKH, window, scale, softcap, block_q, block_k) -> _Tiling:
+def _tiling(q_BTNH, k_BSKH, window, scale, softcap, block_q, block_k, chunk=None) -> _Tiling:
     B, T, N, H = q_BTNH.shape
     S, K = k_BSKH.shape[1], k_BSKH.shape[2]
     Q, C = min(block_q, T), min(block_k, S)
     if T % Q or S % C:
         raise ValueError(f"blockwise: {T} queries and {S} keys must be multiples of the tiles {Q} and {C}")
     return _Tiling(Q, C, N // K, H ** -0.5 if scale is None else float(scale), window,
-                   None if softcap is None else float(softcap))
+                   None if softcap is None else float(softcap), chunk)
 
 
 def _tile(x, i, size):
@@ -126,6 +132,8 @@ def _mask(t: _Tiling, q_pos_BQ, k_pos_BC, q_seg_BQ, k_seg_BC):
     allowed_BQC = (k_B1C <= q_BQ1) & (q_seg_BQ[:, :, None] == k_seg_BC[:, None, :])
     if t.window is not None:
         allowed_BQC &= k_B1C > q_BQ1 - t.window
+    if t.chunk is not None:
+        allowed_BQC &= k_B1C // t.chunk == q_BQ1 // t.chunk
     return allowed_BQC
 
 

@@ -92,10 +92,11 @@ def capacity(m: int, k: int, n_experts: int, n_devices: int, capacity_factor: fl
 
 
 def moe(plan_: Plan, x_BTD: jax.Array, p: dict, k: int, capacity_factor: float, all_to_all: str,
-        route: Callable, experts: Callable):
-    """The layer of model/moe.py, expert-parallel: route(x_MD, router_DE, k) -> (probs_ME, experts_MK,
-    weights_MK) and experts(x_AD, p, group_sizes_E) -> y_AD are that layer's own. Returns y [B, T, D] and the
-    statistics [3, E] (routed fraction, mean probability, dropped fraction)."""
+        route: Callable, experts: Callable, weights_input: bool = False):
+    """The layer of model/moe.py, expert-parallel: route(x_MD, p) -> (scores_ME, experts_MK, weights_MK)
+    and experts(x_AD, p, group_sizes_E) -> y_AD are that layer's own; with weights_input each copy's weight
+    scales the token it carries instead of the expert's output. Returns y [B, T, D] and the statistics [3, E]
+    (routed fraction, mean score, dropped fraction)."""
     mesh, x_spec, token_axes, mlp_axes = plan_
     E = p["router"].shape[-1]
     X = mesh.shape["expert"]
@@ -105,9 +106,16 @@ def moe(plan_: Plan, x_BTD: jax.Array, p: dict, k: int, capacity_factor: float, 
     w_specs = {"router": P(), "up": P("expert", None, mlp), "down": P("expert", mlp, None)}
     if "gate" in p:
         w_specs["gate"] = P("expert", None, mlp)
+    for name, spec in (("router_bias", P()), ("balance_bias", P()), ("up_bias", P("expert", mlp)),
+                       ("gate_bias", P("expert", mlp)), ("down_bias", P("expert", None))):
+        if name in p:
+            w_specs[name] = spec
     n_token_shards = math.prod(mesh.shape[a] for a in token_axes)
 
     def local(x_bTD, q):
+        if mlp_axes and "down_bias" in q:  # the outputs are summed over `tensor`: one shard adds the bias
+            first = jnp.all(jnp.stack([jax.lax.axis_index(a) == 0 for a in mlp_axes]))
+            q = {**q, "down_bias": jnp.where(first, q["down_bias"], 0)}
         b, T, D = x_bTD.shape
         m = b * T
         a = m * k
@@ -115,7 +123,7 @@ def moe(plan_: Plan, x_BTD: jax.Array, p: dict, k: int, capacity_factor: float, 
         me = jax.lax.axis_index("expert")
         with jax.named_scope("router"):
             x_mD = x_bTD.reshape(m, D)
-            probs_mE, experts_mK, weights_mK = route(x_mD, q["router"], k)
+            probs_mE, experts_mK, weights_mK = route(x_mD, q)
         with jax.named_scope("dispatch"):
             experts_a = experts_mK.reshape(-1)
             order_a = jnp.argsort(experts_a, stable=True)
@@ -131,10 +139,17 @@ def moe(plan_: Plan, x_BTD: jax.Array, p: dict, k: int, capacity_factor: float, 
             slot_a = jnp.zeros((a,), jnp.int32).at[order_a].set(slot_sorted_a)
             got_XG = jax.lax.all_to_all(kept_XG, "expert", 0, 0)  # copies from device i for local expert g
         n = _steps(X * C, D, C)
-        y_aD = _exchange_and_run(x_mD, slot_a, kept_XG.sum(axis=1), got_XG, C, n, k, me, ragged,
-                                 lambda x_nD, g_G: experts(x_nD, q, g_G), token_axes, mlp_axes)
+        if weights_input:  # the rows sent are the copies, each its token times its weight
+            rows, row_a = (x_mD[:, None] * weights_mK[..., None].astype(x_mD.dtype)).reshape(a, D), jnp.arange(a)
+        else:
+            rows, row_a = x_mD, jnp.arange(a) // k
+        y_aD = _exchange_and_run(rows, row_a.astype(jnp.int32), slot_a, kept_XG.sum(axis=1), got_XG, C, n, me,
+                                 ragged, lambda x_nD, g_G: experts(x_nD, q, g_G), token_axes, mlp_axes)
         with jax.named_scope("combine"):
-            y_mD = jnp.einsum("mKD,mK->mD", y_aD.reshape(m, k, D).astype(jnp.float32), weights_mK)
+            if weights_input:
+                y_mD = jnp.sum(y_aD.reshape(m, k, D).astype(jnp.float32), axis=1)
+            else:
+                y_mD = jnp.einsum("mKD,mK->mD", y_aD.reshape(m, k, D).astype(jnp.float32), weights_mK)
         M = m * n_token_shards
         stats_3E = jax.lax.psum(jnp.stack([counts_E.astype(jnp.float32), jnp.sum(probs_mE, axis=0),
                                            (counts_E - kept_XG.reshape(E)).astype(jnp.float32)]), token_axes) / M
@@ -154,10 +169,11 @@ def _steps(rows: int, width: int, C: int) -> int:
     return max(1, min(C, rows // width))
 
 
-def _exchange_and_run(x_mD: jax.Array, slot_a: jax.Array, sent_X: jax.Array, got_XG: jax.Array, C: int,
-                      n: int, k: int, me: jax.Array, ragged: bool, experts: Callable,
+def _exchange_and_run(x_mD: jax.Array, src_a: jax.Array, slot_a: jax.Array, sent_X: jax.Array, got_XG: jax.Array,
+                      C: int, n: int, me: jax.Array, ragged: bool, experts: Callable,
                       token_axes: tuple[str, ...], mlp_axes: tuple[str, ...]) -> jax.Array:
-    """Every copy's expert output [a, D] (zeros for a dropped copy). The X buckets of C rows are exchanged in
+    """Every copy's expert output [a, D] (zeros for a dropped copy), copy a carrying row src_a[a] of x_mD (its
+    token, or its own scaled row). The X buckets of C rows are exchanged in
     n steps of c = C / n rows (rounded up) each: a step sends rows [j c, (j + 1) c) of every bucket, the
     receiver runs its experts on the X c rows it got, and the results come back. The steps run in a
     rematerialized scan, so the exchange buffers and the experts' hidden activations exist for one step at a
@@ -169,9 +185,9 @@ def _exchange_and_run(x_mD: jax.Array, slot_a: jax.Array, sent_X: jax.Array, got
     bucket_a, row_a = slot_a // C, slot_a % C
     local_a = bucket_a * c + row_a % c  # the copy's row in its step's buffer; past the end for a dropped copy
     step_a = jnp.where(bucket_a < X, row_a // c, n)
-    # token_nXc: the token in row (step, bucket, row) of the exchange, m (out of range: zeros) where unfilled
+    # token_nXc: the row of x_mD in row (step, bucket, row) of the exchange, m (out of range: zeros) where unfilled
     token_nXc = jnp.full((X, n * c), m, jnp.int32).at[bucket_a, step_a * c + row_a % c].set(
-        jnp.arange(a, dtype=jnp.int32) // k, mode="drop").reshape(X, n, c).transpose(1, 0, 2)
+        src_a, mode="drop").reshape(X, n, c).transpose(1, 0, 2)
     ends_XG = jnp.cumsum(got_XG, axis=1)
     got_X = ends_XG[:, -1]
 

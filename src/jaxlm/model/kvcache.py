@@ -6,7 +6,10 @@ A global layer keeps every position in slot = position; a local (sliding-window)
 its window, slot = position mod window. Every slot records the position of the key it holds (EMPTY when
 none), so attention masks stay functions of query and key positions, as in the uncached forward pass.
 Only the kv heads are cached (grouped-query attention shares them across query heads). With `quantize`, keys
-and values are stored as int8 with one float32 scale per (position, kv head).
+and values are stored as int8 with one float32 scale per (position, kv head). A `chunked` layer (Llama 4) keeps
+a ring buffer of its chunk. A latent-attention layer (model/latent.py) caches two per-token arrays as one kv
+head: `k` its rotary key [.., 1, S, qk_rope_head_dim], `v` its compressed latent [.., 1, S, kv_lora_rank]
+(`widths`). A pattern entry's layers number R_j (the last repeat of the pattern may be partial).
 
 A decode loop (generate.py) carries the cache as `LayerCaches` instead: each layer's arrays apart, keys
 transposed [B, K, H, S], so that a step reads and writes one layer's buffers where they lie (a layer sliced out
@@ -38,7 +41,8 @@ CACHE_AXES = ("batch", "kv_heads", None, "head_dim")
 @dataclass
 class KindCache:
     """Keys and values of the layers of one pattern entry: k/v [R, B, K, S, H] (int8 when quantized, with
-    scales [R, B, K, S]), and the position held by each slot, pos [B, S], shared by those layers."""
+    scales [R, B, K, S]), and the position held by each slot, pos [B, S], shared by those layers. Latent
+    attention: k the rotary keys [R, B, 1, S, r], v the latents [R, B, 1, S, C]."""
     k: jax.Array
     v: jax.Array
     k_scale: jax.Array | None
@@ -53,20 +57,44 @@ class KVCache:
     length: jax.Array  # [B] tokens cached per sequence = position of the next token
 
 
+def ring(cfg: ModelConfig, kind: str) -> int | None:
+    """The ring buffer's length of a layer kind (its window or chunk), None for a kind that keeps every
+    position."""
+    return cfg.sliding_window if kind == "local" else cfg.attention_chunk if kind == "chunked" else None
+
+
 def slots(cfg: ModelConfig, kind: str, length: int) -> int:
     """Cache slots of a layer kind for sequences of up to `length` tokens."""
-    return min(cfg.sliding_window, length) if kind == "local" else length
+    n = ring(cfg, kind)
+    return length if n is None else min(n, length)
+
+
+def widths(cfg: ModelConfig) -> tuple[int, int, int]:
+    """(kv heads, key width, value width) of a layer's cache entry; latent attention: (1, rotary key width,
+    latent width)."""
+    if cfg.latent:
+        return 1, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+    return cfg.kv_heads, cfg.hd, cfg.hd
+
+
+def bytes_per_token(cfg: ModelConfig, quantize: bool = False) -> int:
+    """Cache bytes each more token of a long sequence takes: the layers that keep every position (the ring
+    buffers of local and chunked layers stop growing at their window or chunk)."""
+    K, Hk, Hv = widths(cfg)
+    per = (K * (Hk + Hv)) * (1 if quantize else jnp.dtype(cfg.compute_dtype).itemsize)
+    growing = sum(ring(cfg, cfg.pattern[i % len(cfg.pattern)]) is None for i in range(cfg.n_layers))
+    return growing * (per + (2 * K * 4 if quantize else 0))
 
 
 def init(cfg: ModelConfig, batch: int, length: int, quantize: bool = False) -> KVCache:
     """An empty cache for `batch` sequences of up to `length` tokens."""
-    R, K, H = cfg.n_layers // len(cfg.pattern), cfg.kv_heads, cfg.hd
+    K, Hk, Hv = widths(cfg)
     kinds = []
-    for kind in cfg.pattern:
-        S = slots(cfg, kind, length)
+    for j, kind in enumerate(cfg.pattern):
+        R, S = len(range(j, cfg.n_layers, len(cfg.pattern))), slots(cfg, kind, length)
         dt = jnp.int8 if quantize else jnp.dtype(cfg.compute_dtype)
         scale = (lambda: jnp.ones((R, batch, K, S), jnp.float32)) if quantize else (lambda: None)
-        kinds.append(KindCache(jnp.zeros((R, batch, K, S, H), dt), jnp.zeros((R, batch, K, S, H), dt),
+        kinds.append(KindCache(jnp.zeros((R, batch, K, S, Hk), dt), jnp.zeros((R, batch, K, S, Hv), dt),
                                scale(), scale(), jnp.full((batch, S), EMPTY, jnp.int32)))
     return KVCache(tuple(kinds), jnp.zeros((batch,), jnp.int32))
 
@@ -127,8 +155,8 @@ def kept_slots(cfg: ModelConfig, j: int, S: int, slots: int | None) -> int:
     position p in slot p (a global layer, or a sliding window longer than the cache) keeps its first `slots`:
     a decoder whose sequences stay below `slots` positions then attends over the same keys as with all of them
     (the slots cut off hold only later positions, which causality masks, or none). A ring buffer keeps all."""
-    ring = cfg.pattern[j] == "local" and S >= cfg.sliding_window
-    return S if slots is None or ring else min(slots, S)
+    n = ring(cfg, cfg.pattern[j])
+    return S if slots is None or (n is not None and S >= n) else min(slots, S)
 
 
 def _at(rows_b: jax.Array | None, row_axis: int, slot_axis: int, L: int, r: int | None = None) -> tuple:

@@ -8,12 +8,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 
 from jaxlm import quant, sharding
+from jaxlm.params import ParamSpec, normal, ones, zeros
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["base", "a", "b", "key"],
@@ -155,52 +157,94 @@ def softcap(x: jax.Array, cap: float | None) -> jax.Array:
     return x if cap is None else cap * jnp.tanh(x / cap)
 
 
-def rope_frequencies(H: int, theta: float, llama3_scaling: tuple[float, float, float, int] | None = None):
-    """Inverse frequencies of the H/2 rotary pairs. `llama3_scaling` = (factor, low_freq_factor,
-    high_freq_factor, original_context): long wavelengths are slowed by `factor`, short ones kept, and the
-    band between interpolated smoothly, as Llama 3.1 was trained."""
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, H, 2, dtype=jnp.float32) / H))
-    if llama3_scaling is None:
-        return inv_freq
-    factor, low, high, original = llama3_scaling
-    wavelen = 2 * jnp.pi / inv_freq
-    smooth = (original / wavelen - low) / (high - low)
-    mid = (1 - smooth) * inv_freq / factor + smooth * inv_freq
-    return jnp.where(wavelen > original / low, inv_freq / factor,
-                     jnp.where(wavelen < original / high, inv_freq, mid))
+class Rope(NamedTuple):
+    """Rotary settings of one layer kind (hashable: a static argument of `rotary`). `scaling`: none, llama3
+    (Llama 3.1: long wavelengths slowed by `factor`, short ones kept, the band between interpolated), linear
+    (every frequency divided by `factor`), yarn (YaRN: llama3's idea with a linear ramp over rotation counts
+    beta_fast..beta_slow, and the rotated vectors multiplied by `attention_factor`)."""
+    theta: float
+    scaling: str = "none"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_context: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def rotary(x_BTNH: jax.Array, positions_BT: jax.Array, theta: float,
-           llama3_scaling: tuple[float, float, float, int] | None = None) -> jax.Array:
-    """Rotary position embedding in the rotate-half layout (the one Hugging Face Llama weights use).
+def rope_frequencies(H: int, rope: Rope) -> jax.Array:
+    """Inverse frequencies of the H/2 rotary pairs, float32, computed as Hugging Face computes them."""
+    inv_freq = 1.0 / (rope.theta ** (jnp.arange(0, H, 2, dtype=jnp.float32) / H))
+    if rope.scaling == "linear":
+        return inv_freq / rope.factor
+    if rope.scaling == "llama3":
+        wavelen = 2 * jnp.pi / inv_freq
+        original, low, high = rope.original_context, rope.low_freq_factor, rope.high_freq_factor
+        smooth = (original / wavelen - low) / max(high - low, 1e-30)  # no band between when low == high
+        mid = (1 - smooth) * inv_freq / rope.factor + smooth * inv_freq
+        return jnp.where(wavelen > original / low, inv_freq / rope.factor,
+                         jnp.where(wavelen < original / high, inv_freq, mid))
+    if rope.scaling == "yarn":
+        def correction_dim(rotations):
+            return H * math.log(rope.original_context / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+        low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+        if rope.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, H - 1)
+        high = high + 0.001 if low == high else high
+        ramp = jnp.clip((jnp.arange(H // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
+        extrapolation = 1 - ramp
+        return inv_freq / rope.factor * (1 - extrapolation) + inv_freq * extrapolation
+    return inv_freq
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction 0.1 * mscale * ln(factor) + 1 (1 for factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def rotary(x_BTNH: jax.Array, positions_BT: jax.Array, rope: Rope) -> jax.Array:
+    """Rotary position embedding in the rotate-half layout (the one Hugging Face Llama weights use), times
+    rope.attention_factor (1 but for YaRN).
 
     Its gradient is the same rotation by minus the angle (a rotation's transpose), computed in one fused pass
     from the output's gradient: differentiated op by op, the backward holds float32 copies of q and k and of
     their rotated halves, several [B, T, N, H] float32 arrays per layer at the peak of the training step."""
-    return _rotate(x_BTNH, positions_BT, theta, llama3_scaling, 1.0)
+    return _rotate(x_BTNH, positions_BT, rope, 1.0)
 
 
-def _rotate(x_BTNH, positions_BT, theta, llama3_scaling, sign: float):
+def _rotate(x_BTNH, positions_BT, rope: Rope, sign: float):
     H = x_BTNH.shape[-1]
-    inv_freq = rope_frequencies(H, theta, llama3_scaling)
+    inv_freq = rope_frequencies(H, rope)
     angle_BTh = positions_BT[..., None].astype(jnp.float32) * inv_freq
     sin, cos = sign * jnp.sin(angle_BTh)[:, :, None, :], jnp.cos(angle_BTh)[:, :, None, :]
+    if rope.attention_factor != 1.0:
+        sin, cos = sin * rope.attention_factor, cos * rope.attention_factor
     x = x_BTNH.astype(jnp.float32)
     x1, x2 = x[..., : H // 2], x[..., H // 2:]
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x_BTNH.dtype)
 
 
-def _rotary_fwd(x_BTNH, positions_BT, theta, llama3_scaling):
-    return _rotate(x_BTNH, positions_BT, theta, llama3_scaling, 1.0), positions_BT
+def _rotary_fwd(x_BTNH, positions_BT, rope):
+    return _rotate(x_BTNH, positions_BT, rope, 1.0), positions_BT
 
 
-def _rotary_bwd(theta, llama3_scaling, positions_BT, g_BTNH):
-    return _rotate(g_BTNH, positions_BT, theta, llama3_scaling, -1.0), None
+def _rotary_bwd(rope, positions_BT, g_BTNH):
+    return _rotate(g_BTNH, positions_BT, rope, -1.0), None
 
 
 rotary.defvjp(_rotary_fwd, _rotary_bwd)
+
+
+def rms_scale(x: jax.Array, eps: float) -> jax.Array:
+    """x divided by its root mean square over the last axis, in float32 (an RMSNorm without weights)."""
+    x32 = x.astype(jnp.float32)
+    return (x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)).astype(x.dtype)
 
 
 def gelu(x: jax.Array) -> jax.Array:
@@ -218,20 +262,64 @@ ACTIVATIONS = {
 }
 
 
-def mlp(x_BTD: jax.Array, p: dict, activation: str, glu: bool) -> jax.Array:
-    act = ACTIVATIONS[activation]
-    h_BTF = dot("BTD,DF->BTF", x_BTD, p["up"])
-    if "up_bias" in p:
-        h_BTF = h_BTF + p["up_bias"].astype(h_BTF.dtype)
-    if glu:
-        h_BTF = act(dot("BTD,DF->BTF", x_BTD, p["gate"])) * h_BTF
-    else:
-        h_BTF = act(h_BTF)
+class Activation(NamedTuple):
+    """How an MLP's hidden layer is formed from its up (and gate) projections: `name` from ACTIVATIONS, gated
+    (GLU: act(gate) * up) or not; with `limit`, gpt-oss's clamped SwiGLU instead (gate clipped to <= limit,
+    up to [-limit, limit], (up + 1) * gate * sigmoid(alpha * gate))."""
+    name: str
+    glu: bool
+    limit: float | None = None
+    alpha: float = 1.702
+
+    def __call__(self, up, gate=None):
+        if self.limit is not None:
+            gate = jnp.minimum(gate, self.limit)
+            up = jnp.clip(up, -self.limit, self.limit)
+            return (up + 1) * gate * jax.nn.sigmoid(self.alpha * gate)
+        act = ACTIVATIONS[self.name]
+        return act(gate) * up if self.glu else act(up)
+
+
+def activation_of(cfg) -> Activation:
+    return Activation(cfg.activation, cfg.glu, cfg.swiglu_limit, cfg.swiglu_alpha)
+
+
+def mlp(x_BTD: jax.Array, p: dict, act: Activation, prefix: str = "") -> jax.Array:
+    """The dense MLP of the weights p[prefix + up/gate/down] (and biases up_bias/down_bias when present):
+    prefix "shared_" is a mixture of experts' shared expert."""
+    h_BTF = dot("BTD,DF->BTF", x_BTD, p[prefix + "up"])
+    if prefix + "up_bias" in p:
+        h_BTF = h_BTF + p[prefix + "up_bias"].astype(h_BTF.dtype)
+    h_BTF = act(h_BTF, dot("BTD,DF->BTF", x_BTD, p[prefix + "gate"]) if act.glu else None)
     h_BTF = checkpoint_name(h_BTF, "mlp_hidden")
-    out_BTD = dot("BTF,FD->BTD", h_BTF, p["down"])
-    if "down_bias" in p:
-        out_BTD = out_BTD + p["down_bias"].astype(out_BTD.dtype)
+    out_BTD = dot("BTF,FD->BTD", h_BTF, p[prefix + "down"])
+    if prefix + "down_bias" in p:
+        out_BTD = out_BTD + p[prefix + "down_bias"].astype(out_BTD.dtype)
     return out_BTD
+
+
+def norm_specs(cfg, shape, axes) -> dict:
+    """A norm's scale (and LayerNorm bias) of the given shape; scales start at 1 (at 0 when it multiplies by
+    1 + scale)."""
+    p = {"scale": ParamSpec(shape, axes, zeros if cfg.norm_plus_one else ones, cfg.param_dtype)}
+    if cfg.norm == "layernorm" and cfg.bias:
+        p["bias"] = ParamSpec(shape, axes, zeros, cfg.param_dtype)
+    return p
+
+
+def mlp_specs(cfg, L: int, F: int, prefix: str = "", bias: bool | None = None) -> dict:
+    """The dense MLP of width F of L stacked layers: up, gate (GLU) [L, D, F], down [L, F, D], and with `bias`
+    (default model.bias) up_bias and down_bias; names behind `prefix`."""
+    D, dt = cfg.d_model, cfg.param_dtype
+    w, w_out = normal(cfg.init_std), normal(cfg.init_std / (2 * cfg.n_layers) ** 0.5)
+    p = {"up": ParamSpec((L, D, F), ("layers", "embed", "mlp"), w, dt),
+         "down": ParamSpec((L, F, D), ("layers", "mlp", "embed"), w_out, dt)}
+    if cfg.glu:
+        p["gate"] = ParamSpec((L, D, F), ("layers", "embed", "mlp"), w, dt)
+    if cfg.bias if bias is None else bias:
+        p["up_bias"] = ParamSpec((L, F), ("layers", "mlp"), zeros, dt)
+        p["down_bias"] = ParamSpec((L, D), ("layers", "embed"), zeros, dt)
+    return {prefix + name: spec for name, spec in p.items()}
 
 
 def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:

@@ -1,73 +1,210 @@
-"""Mixture-of-experts MLP (Mixtral): a softmax router picks the top-k experts of every token, and a dropless
-dispatch sorts the token copies by expert so that one grouped matmul (`jax.lax.ragged_dot`) runs each expert
-on exactly the tokens it received: no capacity factor, no dropped tokens, no dense loop over experts.
+"""Mixture-of-experts MLP: a router picks the top-k experts of every token, and a dropless dispatch sorts the
+token copies by expert so that one grouped matmul (`jax.lax.ragged_dot`) runs each expert on exactly the
+tokens it received: no capacity factor, no dropped tokens, no dense loop over experts.
+
+Routers (`Router`, from the model options): softmax scores over the experts (Mixtral, Qwen3-MoE, gpt-oss with
+a logit bias) or a sigmoid per expert (DeepSeek-V3, Llama 4); top-k by score, or by score plus a balancing
+bias within the best groups of experts (DeepSeek-V3's group-limited routing); the weights are the chosen
+scores, renormalized over the chosen ones or not, times a scale. The weight multiplies the expert's output,
+or its input (Llama 4). Shared experts (DeepSeek-V3, Llama 4) are one dense MLP every token goes through,
+added to the routed experts' output.
+
+Auxiliary-loss-free balancing (DeepSeek-V3): `balance_bias` [E] is added to the scores for choosing experts,
+never to their weights, so the loss does not depend on it. It moves outside the gradient: each step, an expert
+that received more token copies than the mean has its bias lowered by model.moe_bias_update_rate, one that
+received fewer raised by it. The layer hands that step to the optimizer through the bias's gradient slot (the
+loss has no gradient there): `_balance_signal` leaves the forward pass unchanged and gives the bias the
+"gradient" BALANCE_SIGNAL * rate * sign(load - mean load), from the loads of the whole batch (they are
+global arrays under jit, and psum'ed over devices when expert-parallel). The optimizer (optim.py) moves the bias by
+minus that, divided by BALANCE_SIGNAL, instead of AdamW, and leaves it out of clipping, so the gradient norm and every
+other weight see no trace of it. With gradient accumulation the step is the mean of the micro-batches' steps.
 
 When the active mesh splits the experts over devices (an `expert` axis over 1), the layer runs expert-parallel
 instead (model/expert_parallel.py): the token copies travel to their experts' devices and back, dropless
 too unless model.expert_capacity_factor bounds what each expert takes.
 
 Shape legend: B batch, T length, D model width, E experts, K experts per token, F expert hidden width,
-M tokens (B * T), A token copies (M * K), sorted by expert.
+M tokens (B * T), A token copies (M * K), sorted by expert, n groups of experts.
 """
 
 from __future__ import annotations
+
+import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from jaxlm.model import expert_parallel, layers
+from jaxlm.params import ParamSpec, normal, zeros
+
+# The balancing bias's step rides in its gradient slot this much smaller, so that global-norm clipping and the
+# logged gradient norm do not see it (optim.py divides it back out; a power of two: exact both ways).
+BALANCE_SIGNAL = 2.0 ** -40
 
 
-def route(x_MD: jax.Array, router_DE: jax.Array, k: int):
-    """Router probabilities over all experts [M, E] (float32), the chosen experts [M, K] and their
-    weights [M, K], renormalized to sum to 1 over the chosen ones."""
-    logits_ME = layers.dot("MD,DE->ME", x_MD, router_DE)
-    probs_ME = jax.nn.softmax(logits_ME.astype(jnp.float32), axis=-1)
-    weights_MK, experts_MK = jax.lax.top_k(probs_ME, k)
-    return probs_ME, experts_MK, weights_MK / jnp.sum(weights_MK, axis=-1, keepdims=True)
+class Router(NamedTuple):
+    """A MoE layer's routing rule (hashable: static)."""
+    k: int
+    score: str = "softmax"
+    norm_topk: bool = True
+    scale: float = 1.0
+    groups: int = 1
+    topk_groups: int = 1
+    weights_input: bool = False
+    balance_rate: float = 0.0
 
 
-def experts(x_AD: jax.Array, p: dict, group_sizes_E: jax.Array, activation: str, glu: bool) -> jax.Array:
+def router_of(cfg) -> Router:
+    return Router(cfg.experts_per_token, cfg.router_score, cfg.router_norm_topk, cfg.router_scale, cfg.router_groups,
+                  cfg.router_topk_groups, cfg.router_weights_input, cfg.moe_bias_update_rate)
+
+
+def specs(cfg, L: int) -> dict:
+    """The weights of L stacked MoE layers: router [L, D, E], experts' up/gate [L, E, D, F] and down
+    [L, E, F, D], and the biases and shared expert the options ask for."""
+    D, E, F, dt = cfg.d_model, cfg.n_experts, cfg.expert_ff, cfg.param_dtype
+    w, w_out = normal(cfg.init_std), normal(cfg.init_std / (2 * cfg.n_layers) ** 0.5)
+    p = {"router": ParamSpec((L, D, E), ("layers", "embed", None), w, dt),
+         "up": ParamSpec((L, E, D, F), ("layers", "experts", "embed", "mlp"), w, dt),
+         "down": ParamSpec((L, E, F, D), ("layers", "experts", "mlp", "embed"), w_out, dt)}
+    if cfg.glu:
+        p["gate"] = ParamSpec((L, E, D, F), ("layers", "experts", "embed", "mlp"), w, dt)
+    if cfg.router_bias:
+        p["router_bias"] = ParamSpec((L, E), ("layers", None), zeros, dt)
+    if cfg.router_balance_bias:
+        p["balance_bias"] = ParamSpec((L, E), ("layers", None), zeros, "float32")
+    if cfg.expert_bias or cfg.bias:
+        p["up_bias"] = ParamSpec((L, E, F), ("layers", "experts", "mlp"), zeros, dt)
+        p["down_bias"] = ParamSpec((L, E, D), ("layers", "experts", "embed"), zeros, dt)
+        if cfg.glu:
+            p["gate_bias"] = ParamSpec((L, E, F), ("layers", "experts", "mlp"), zeros, dt)
+    if cfg.n_shared_experts:
+        p.update(layers.mlp_specs(cfg, L, cfg.n_shared_experts * cfg.expert_ff, prefix="shared_", bias=False))
+    return p
+
+
+def route(x_MD: jax.Array, p: dict, router: Router):
+    """Router statistics' scores over all experts [M, E] (float32: the softmax, or the sigmoids normalized to
+    sum to 1), the chosen experts [M, K] and their weights [M, K]."""
+    logits_ME = layers.dot("MD,DE->ME", x_MD, p["router"]).astype(jnp.float32)
+    if "router_bias" in p:
+        logits_ME = logits_ME + p["router_bias"].astype(jnp.float32)
+    if router.score == "softmax":
+        scores_ME = jax.nn.softmax(logits_ME, axis=-1)
+        stats_ME = scores_ME
+    else:
+        scores_ME = jax.nn.sigmoid(logits_ME)
+        stats_ME = scores_ME / jnp.sum(scores_ME, axis=-1, keepdims=True)
+    choose_ME = scores_ME
+    if "balance_bias" in p:
+        choose_ME = choose_ME + jax.lax.stop_gradient(p["balance_bias"])
+    if router.groups > 1:
+        choose_ME = _best_groups(choose_ME, router.groups, router.topk_groups)
+    _, experts_MK = jax.lax.top_k(jax.lax.stop_gradient(choose_ME), router.k)
+    weights_MK = jnp.take_along_axis(scores_ME, experts_MK, axis=-1)
+    if router.norm_topk:
+        weights_MK = weights_MK / (jnp.sum(weights_MK, axis=-1, keepdims=True) + (1e-20 if router.score == "sigmoid"
+                                                                                    else 0.0))
+    return stats_ME, experts_MK, weights_MK * router.scale
+
+
+def _best_groups(scores_ME: jax.Array, n: int, topk: int) -> jax.Array:
+    """Scores of the experts outside each token's `topk` best groups (by the sum of a group's two best scores)
+    set to -inf: DeepSeek-V3's group-limited routing."""
+    M, E = scores_ME.shape
+    grouped_MnG = scores_ME.reshape(M, n, E // n)
+    group_Mn = jnp.sum(jax.lax.top_k(grouped_MnG, min(2, E // n))[0], axis=-1)
+    _, best_Mt = jax.lax.top_k(group_Mn, topk)
+    keep_Mn = jnp.zeros((M, n), bool).at[jnp.arange(M)[:, None], best_Mt].set(True)
+    return jnp.where(keep_Mn[:, :, None], grouped_MnG, -jnp.inf).reshape(M, E)
+
+
+def experts(x_AD: jax.Array, p: dict, group_sizes_E: jax.Array, act: layers.Activation) -> jax.Array:
     """The experts' MLPs on token copies sorted by expert, group_sizes_E[e] of them for expert e of p."""
-    act = layers.ACTIVATIONS[activation]
-    h_AF = layers.ragged_dot(x_AD, p["up"], group_sizes_E)
-    h_AF = act(layers.ragged_dot(x_AD, p["gate"], group_sizes_E)) * h_AF if glu else act(h_AF)
-    return layers.ragged_dot(h_AF, p["down"], group_sizes_E)
+    def proj(x, name):
+        y = layers.ragged_dot(x, p[name], group_sizes_E)
+        if name + "_bias" in p:  # each row gets its own expert's bias
+            y = y + jnp.repeat(p[name + "_bias"], group_sizes_E, axis=0, total_repeat_length=x.shape[0]).astype(y.dtype)
+        return y
+
+    h_AF = act(proj(x_AD, "up"), proj(x_AD, "gate") if act.glu else None)
+    return proj(h_AF, "down")
 
 
-def moe(x_BTD: jax.Array, p: dict, activation: str, glu: bool, k: int, capacity_factor: float = 0.0,
+def moe(x_BTD: jax.Array, p: dict, act: layers.Activation, router: Router, capacity_factor: float = 0.0,
         all_to_all: str = "auto"):
     """Returns the MLP output [B, T, D] and this layer's routing statistics [3, E]: the fraction of token
-    copies each expert was routed (the two factors of the load-balancing loss), its mean router probability,
+    copies each expert was routed (the two factors of the load-balancing loss), its mean router score,
     and the fraction of token copies dropped for lack of room (only expert-parallel with a capacity factor
     drops any). capacity_factor and all_to_all: model.expert_capacity_factor / model.expert_all_to_all."""
     sharded = expert_parallel.plan(x_BTD, p["up"].shape[0])
+    routed = {k: v for k, v in p.items() if not k.startswith("shared_")}
     if sharded is not None:
-        return expert_parallel.moe(sharded, x_BTD, p, k, capacity_factor, all_to_all, route,
-                                   lambda x_AD, q, g_E: experts(x_AD, q, g_E, activation, glu))
+        y_BTD, stats_3E = expert_parallel.moe(sharded, x_BTD, routed, router.k, capacity_factor, all_to_all,
+                                              functools.partial(route, router=router),
+                                              lambda x_AD, q, g_E: experts(x_AD, q, g_E, act), router.weights_input)
+    else:
+        y_BTD, stats_3E = _moe_one_device(x_BTD, routed, act, router)
+    if "shared_up" in p:
+        with jax.named_scope("shared_experts"):
+            y_BTD = y_BTD + layers.mlp(x_BTD, p, act, prefix="shared_")
+    if "balance_bias" in p:
+        y_BTD = _balance_signal(y_BTD, p["balance_bias"], stats_3E[0], router.balance_rate)
+    return y_BTD, stats_3E
+
+
+def _moe_one_device(x_BTD, p, act, router: Router):
     B, T, D = x_BTD.shape
+    k = router.k
     E = p["router"].shape[-1]
     with jax.named_scope("router"):
         x_MD = x_BTD.reshape(B * T, D)
-        probs_ME, experts_MK, weights_MK = route(x_MD, p["router"], k)
+        stats_ME, experts_MK, weights_MK = route(x_MD, p, router)
     with jax.named_scope("dispatch"):
         experts_A = experts_MK.reshape(-1)
         order_A = jnp.argsort(experts_A, stable=True)
-        x_AD = jnp.take(x_MD, order_A // k, axis=0)
+        if router.weights_input:  # each copy carries its token scaled by its weight
+            x_AD = (x_MD[:, None, :] * weights_MK[..., None].astype(x_MD.dtype)).reshape(B * T * k, D)[order_A]
+        else:
+            x_AD = jnp.take(x_MD, order_A // k, axis=0)
         group_sizes_E = jnp.bincount(experts_A, length=E).astype(jnp.int32)
     with jax.named_scope("experts"):
-        y_AD = experts(x_AD, p, group_sizes_E, activation, glu)
+        y_AD = experts(x_AD, p, group_sizes_E, act)
     with jax.named_scope("combine"):
         y_AD = jnp.zeros_like(y_AD).at[order_A].set(y_AD)
-        y_MD = jnp.einsum("MKD,MK->MD", y_AD.reshape(B * T, k, D).astype(jnp.float32), weights_MK)
-    stats_3E = jnp.stack([group_sizes_E.astype(jnp.float32) / (B * T), jnp.mean(probs_ME, axis=0),
+        if router.weights_input:
+            y_MD = jnp.sum(y_AD.reshape(B * T, k, D).astype(jnp.float32), axis=1)
+        else:
+            y_MD = jnp.einsum("MKD,MK->MD", y_AD.reshape(B * T, k, D).astype(jnp.float32), weights_MK)
+    stats_3E = jnp.stack([group_sizes_E.astype(jnp.float32) / (B * T), jnp.mean(stats_ME, axis=0),
                           jnp.zeros((E,), jnp.float32)])
     return y_MD.reshape(B, T, D).astype(x_BTD.dtype), stats_3E
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _balance_signal(y, bias_E, load_E, rate: float):
+    """y itself; the balancing bias's gradient slot receives its step (module docstring)."""
+    return y
+
+
+def _balance_signal_fwd(y, bias_E, load_E, rate):
+    return y, (load_E, bias_E)
+
+
+def _balance_signal_bwd(rate, res, g_y):
+    load_E, bias_E = res
+    step_E = BALANCE_SIGNAL * rate * jnp.sign(load_E - jnp.mean(load_E))
+    return g_y, step_E.astype(bias_E.dtype), jnp.zeros_like(load_E)
+
+
+_balance_signal.defvjp(_balance_signal_fwd, _balance_signal_bwd)
+
+
 def load_balancing_loss(stats_L3E: jax.Array) -> jax.Array:
     """Switch-Transformer auxiliary loss over all layers, E * sum_e f_e * P_e, with f_e the fraction of token
-    copies routed to expert e and P_e its mean router probability (pooled over layers, as Mixtral trains)."""
+    copies routed to expert e and P_e its mean router score (pooled over layers, as Mixtral and Qwen3-MoE
+    train)."""
     E = stats_L3E.shape[-1]
     f_E, P_E = jnp.mean(stats_L3E[:, :2], axis=0)
     return E * jnp.sum(f_E * P_E)

@@ -38,36 +38,46 @@ def _block_sizes(T: int, block: int) -> kernel_lib.BlockSizes:
 
 
 @functools.lru_cache(maxsize=64)
-def _kernel(N: int, T: int, window: int | None, softcap: float | None, block: int, interpret: bool):
-    one = (mask_lib.CausalMask((T, T)) if window is None
-           else mask_lib.LocalMask((T, T), window_size=(window - 1, 0), offset=0))
+def _kernel(N: int, T: int, window: int | None, softcap: float | None, block: int, interpret: bool,
+            chunk: int | None = None):
+    if chunk is not None:
+        one = mask_lib.ChunkedCausalMask((T, T), chunk_size=chunk)
+    elif window is not None:
+        one = mask_lib.LocalMask((T, T), window_size=(window - 1, 0), offset=0)
+    else:
+        one = mask_lib.CausalMask((T, T))
     return kernel_lib.make_splash_mha(mask_lib.MultiHeadMask([one] * N), block_sizes=_block_sizes(T, block),
                                       attn_logits_soft_cap=softcap, head_shards=1, q_seq_shards=1,
                                       interpret=interpret)
 
 
 def attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, window=None, scale=None, softcap=None, block_size=512,
-              interpret=False) -> jax.Array:
+              interpret=False, chunk=None, sinks_N=None) -> jax.Array:
     """Causal self-attention of T tokens (T a multiple of 128) in the query dtype; `window` limits each query
-    to the last `window` tokens, itself included. Runs in Pallas interpret mode (any backend) when asked."""
+    to the last `window` tokens, itself included, `chunk` to its own block of that many tokens; sinks_N (a
+    logit per query head) join the softmax denominators. Runs in Pallas interpret mode (any backend) when
+    asked."""
     B, T, N, H = q_BTNH.shape
     K = k_BTKH.shape[2]
     scale = H ** -0.5 if scale is None else scale
-    has_segments = segment_ids_BT is not None
+    has_segments, has_sinks = segment_ids_BT is not None, sinks_N is not None
 
-    def local(q_BTNH, k_BTKH, v_BTKH, *seg):
-        kern = _kernel(q_BTNH.shape[2], T, window, softcap, block_size, interpret)
+    def local(q_BTNH, k_BTKH, v_BTKH, *rest):
+        seg, sinks = (rest[0] if has_segments else None), (rest[-1] if has_sinks else None)
+        kern = _kernel(q_BTNH.shape[2], T, window, softcap, block_size, interpret, chunk)
         q_BNTH = (q_BTNH * jnp.asarray(scale, q_BTNH.dtype)).transpose(0, 2, 1, 3)
         k_BKTH, v_BKTH = k_BTKH.transpose(0, 2, 1, 3), v_BTKH.transpose(0, 2, 1, 3)
-        if seg:
-            ids = kernel_lib.SegmentIds(q=seg[0], kv=seg[0])
-            out_BNTH = jax.vmap(lambda q, k, v, s: kern(q, k, v, segment_ids=s))(q_BNTH, k_BKTH, v_BKTH, ids)
+        if seg is not None:
+            ids = kernel_lib.SegmentIds(q=seg, kv=seg)
+            out_BNTH = jax.vmap(lambda q, k, v, s: kern(q, k, v, segment_ids=s, sinks=sinks))(
+                q_BNTH, k_BKTH, v_BKTH, ids)
         else:
-            out_BNTH = jax.vmap(kern)(q_BNTH, k_BKTH, v_BKTH)
+            out_BNTH = jax.vmap(lambda q, k, v: kern(q, k, v, sinks=sinks))(q_BNTH, k_BKTH, v_BKTH)
         return out_BNTH.transpose(0, 2, 1, 3).astype(q_BTNH.dtype)
 
     with jax.named_scope("splash_attention"):
         seg = (segment_ids_BT.astype(jnp.int32),) if has_segments else ()
+        seg += (sinks_N.astype(jnp.float32),) if has_sinks else ()
         ctx = sharding.active()
         if ctx is None:
             return local(q_BTNH, k_BTKH, v_BTKH, *seg)
@@ -77,7 +87,8 @@ def attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, window=None, scale=None, s
         if heads != kv_heads:  # both split the same way, or neither
             heads = kv_heads = None
         q_spec, kv_spec = PartitionSpec(batch, None, heads, None), PartitionSpec(batch, None, kv_heads, None)
-        in_specs = (q_spec, kv_spec, kv_spec) + ((PartitionSpec(batch, None),) if has_segments else ())
+        in_specs = ((q_spec, kv_spec, kv_spec) + ((PartitionSpec(batch, None),) if has_segments else ())
+                    + ((PartitionSpec(heads),) if has_sinks else ()))
         return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=q_spec,
                              check_vma=False)(q_BTNH, k_BTKH, v_BTKH, *seg)
 

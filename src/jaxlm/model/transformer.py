@@ -15,77 +15,52 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxlm import quant
-from jaxlm.config import ModelConfig
-from jaxlm.model import attention, kvcache, layers, moe, pipeline
-from jaxlm.params import ParamSpec, normal, ones, zeros
+from jaxlm.config import ConfigError, ModelConfig
+from jaxlm.model import attention, kvcache, latent, layers, moe, pipeline, stack
+from jaxlm.params import ParamSpec, normal
 from jaxlm.sharding import constrain
 from jaxlm.sharding import pipeline as pipeline_settings
 
 
-def _norm_specs(cfg: ModelConfig, shape, axes) -> dict:
-    p = {"scale": ParamSpec(shape, axes, zeros if cfg.norm_plus_one else ones, cfg.param_dtype)}
-    if cfg.norm == "layernorm" and cfg.bias:
-        p["bias"] = ParamSpec(shape, axes, zeros, cfg.param_dtype)
+def block_specs(cfg: ModelConfig, L: int, mlp: dict) -> dict:
+    """The weights of L stacked blocks with the MLP weights `mlp`: norms, attention (ordinary or latent)."""
+    attn = latent.specs(cfg, L) if cfg.latent else attention.specs(cfg, L)
+    p = {"attn_norm": layers.norm_specs(cfg, (L, cfg.d_model), ("layers", "embed")), "attn": attn,
+         "mlp_norm": layers.norm_specs(cfg, (L, cfg.d_model), ("layers", "embed")), "mlp": mlp}
+    if cfg.post_norms:
+        p["attn_post_norm"] = layers.norm_specs(cfg, (L, cfg.d_model), ("layers", "embed"))
+        p["mlp_post_norm"] = layers.norm_specs(cfg, (L, cfg.d_model), ("layers", "embed"))
     return p
 
 
 def param_specs(cfg: ModelConfig) -> dict:
-    """Every weight of the model, declared once. Layer weights are stacked along a leading `layers` axis."""
+    """Every weight of the model, declared once. Layer weights are stacked along a leading `layers` axis (over
+    the layers that have them: model/stack.py)."""
     assert cfg.vocab_size is not None, "vocab_size must be resolved before building the model"
-    L, D, N, K, H, F, V = cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.hd, cfg.ff, cfg.vocab_size
-    dt = cfg.param_dtype
+    D, V, dt = cfg.d_model, cfg.vocab_size, cfg.param_dtype
     w = normal(cfg.init_std)
-    w_out = normal(cfg.init_std / (2 * L) ** 0.5)  # residual-branch outputs, as in GPT-2
-    attn = {
-        "q": ParamSpec((L, D, N, H), ("layers", "embed", "heads", "head_dim"), w, dt),
-        "k": ParamSpec((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim"), w, dt),
-        "v": ParamSpec((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim"), w, dt),
-        "o": ParamSpec((L, N, H, D), ("layers", "heads", "head_dim", "embed"), w_out, dt),
-    }
-    if cfg.n_experts:
-        E = cfg.n_experts
-        mlp = {
-            "router": ParamSpec((L, D, E), ("layers", "embed", None), w, dt),
-            "up": ParamSpec((L, E, D, F), ("layers", "experts", "embed", "mlp"), w, dt),
-            "down": ParamSpec((L, E, F, D), ("layers", "experts", "mlp", "embed"), w_out, dt),
-        }
-        if cfg.glu:
-            mlp["gate"] = ParamSpec((L, E, D, F), ("layers", "experts", "embed", "mlp"), w, dt)
-    else:
-        mlp = {
-            "up": ParamSpec((L, D, F), ("layers", "embed", "mlp"), w, dt),
-            "down": ParamSpec((L, F, D), ("layers", "mlp", "embed"), w_out, dt),
-        }
-        if cfg.glu:
-            mlp["gate"] = ParamSpec((L, D, F), ("layers", "embed", "mlp"), w, dt)
-    if cfg.bias or cfg.qkv_bias:
-        attn["q_bias"] = ParamSpec((L, N, H), ("layers", "heads", "head_dim"), zeros, dt)
-        attn["k_bias"] = ParamSpec((L, K, H), ("layers", "kv_heads", "head_dim"), zeros, dt)
-        attn["v_bias"] = ParamSpec((L, K, H), ("layers", "kv_heads", "head_dim"), zeros, dt)
-    if cfg.bias:
-        attn["o_bias"] = ParamSpec((L, D), ("layers", "embed"), zeros, dt)
-        mlp["up_bias"] = ParamSpec((L, F), ("layers", "mlp"), zeros, dt)
-        mlp["down_bias"] = ParamSpec((L, D), ("layers", "embed"), zeros, dt)
-    if cfg.qk_norm:
-        attn["q_norm"] = _norm_specs(cfg, (L, H), ("layers", "head_dim"))
-        attn["k_norm"] = _norm_specs(cfg, (L, H), ("layers", "head_dim"))
+    lay = stack.layout(cfg)
+    n_moe = sum(k.moe for k in lay.kinds)
+    mlp = moe.specs(cfg, n_moe) if n_moe else layers.mlp_specs(cfg, cfg.n_layers, cfg.ff)
     specs = {
         "embed": {"tokens": ParamSpec((V, D), ("vocab", "embed"), w, dt)},
-        "layers": {
-            "attn_norm": _norm_specs(cfg, (L, D), ("layers", "embed")),
-            "attn": attn,
-            "mlp_norm": _norm_specs(cfg, (L, D), ("layers", "embed")),
-            "mlp": mlp,
-        },
-        "final_norm": _norm_specs(cfg, (D,), ("embed",)),
+        "layers": block_specs(cfg, cfg.n_layers, mlp),
+        "final_norm": layers.norm_specs(cfg, (D,), ("embed",)),
     }
-    if cfg.post_norms:
-        specs["layers"]["attn_post_norm"] = _norm_specs(cfg, (L, D), ("layers", "embed"))
-        specs["layers"]["mlp_post_norm"] = _norm_specs(cfg, (L, D), ("layers", "embed"))
+    if lay.mixed:
+        specs["layers"]["dense_mlp"] = layers.mlp_specs(cfg, cfg.n_layers - n_moe, cfg.ff)
     if cfg.position == "learned":
         specs["embed"]["positions"] = ParamSpec((cfg.block_size, D), (None, "embed"), w, dt)
     if not cfg.tie_embeddings:
         specs["lm_head"] = ParamSpec((D, V), ("embed", "vocab"), w, dt)
+    if cfg.mtp_layers:
+        M = cfg.mtp_layers
+        block_mlp = moe.specs(cfg, M) if cfg.n_experts else layers.mlp_specs(cfg, M, cfg.ff)
+        specs["mtp"] = {"embed_norm": layers.norm_specs(cfg, (M, D), ("layers", "embed")),
+                        "hidden_norm": layers.norm_specs(cfg, (M, D), ("layers", "embed")),
+                        "proj": ParamSpec((M, 2 * D, D), ("layers", None, "embed"), w, dt),
+                        "block": block_specs(cfg, M, block_mlp),
+                        "norm": layers.norm_specs(cfg, (M, D), ("layers", "embed"))}
     return specs
 
 
@@ -116,16 +91,25 @@ REMAT_POLICIES = {
 
 
 def block(x_BTD: jax.Array, p: dict, cfg: ModelConfig, positions_BT: jax.Array, key: jax.Array | None,
-          local: bool = False, segment_ids_BT: jax.Array | None = None):
-    """One pre-norm block; returns the new residual stream and the MoE routing statistics [3, E] (an empty
-    [3, 0] array for a dense MLP)."""
+          kind: str = "global", segment_ids_BT: jax.Array | None = None):
+    """One pre-norm block of attention kind `kind`; returns the new residual stream and the MoE routing
+    statistics [3, E] (zeros for a dense MLP in a model with experts; [3, 0] in a model without)."""
     keys = jax.random.split(key, 3) if key is not None else (None, None, None)
     # Every use below reads the named copy, so a policy that offloads it leaves no device copy for the backward.
     x_BTD = checkpoint_name(x_BTD, "decoder_layer_input")
-    attn = lambda h, q: (attention.attention(h, q, cfg, positions_BT, keys[0], local, segment_ids_BT),  # noqa: E731
-                         None)
+    attn_mod = latent if cfg.latent else attention
+    attn = lambda h, q: (attn_mod.attention_with_kv(h, q, cfg, positions_BT, keys[0], kind,  # noqa: E731
+                                                    segment_ids_BT)[0], None)
     x_BTD, stats_3E, _ = _block(x_BTD, p, cfg, attn, keys[1:])
     return x_BTD, stats_3E
+
+
+def _mlp(h_BTD, p, cfg: ModelConfig):
+    """A layer's MLP, mixture of experts when its weights have a router: output and routing statistics."""
+    act = layers.activation_of(cfg)
+    if "router" in p:
+        return moe.moe(h_BTD, p, act, moe.router_of(cfg), cfg.expert_capacity_factor, cfg.expert_all_to_all)
+    return layers.mlp(h_BTD, p, act), jnp.zeros((3, cfg.n_experts), jnp.float32)
 
 
 def _block(x_BTD, p, cfg: ModelConfig, attn, keys=(None, None)):
@@ -138,12 +122,7 @@ def _block(x_BTD, p, cfg: ModelConfig, attn, keys=(None, None)):
             h_BTD = norm(h_BTD, p["attn_post_norm"])
         x_BTD = x_BTD + layers.dropout(h_BTD, cfg.dropout, keys[0])
     with jax.named_scope("mlp_block"):
-        h_BTD = norm(x_BTD, p["mlp_norm"])
-        if cfg.n_experts:
-            h_BTD, stats_3E = moe.moe(h_BTD, p["mlp"], cfg.activation, cfg.glu, cfg.experts_per_token,
-                                       cfg.expert_capacity_factor, cfg.expert_all_to_all)
-        else:
-            h_BTD, stats_3E = layers.mlp(h_BTD, p["mlp"], cfg.activation, cfg.glu), jnp.zeros((3, 0), jnp.float32)
+        h_BTD, stats_3E = _mlp(norm(x_BTD, p["mlp_norm"]), p["mlp"], cfg)
         if cfg.post_norms:
             h_BTD = norm(h_BTD, p["mlp_post_norm"])
         x_BTD = x_BTD + layers.dropout(h_BTD, cfg.dropout, keys[1])
@@ -163,73 +142,71 @@ def embed(params: dict, tokens_BT: jax.Array, cfg: ModelConfig, positions_BT: ja
 
 def unembed(params: dict, x_BTD: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Final norm and output projection: float32 logits [B, T, V]."""
-    cdt = jnp.dtype(cfg.compute_dtype)
     with jax.named_scope("logits"):
         x_BTD = layers.norm(x_BTD, params["final_norm"], cfg.norm, cfg.norm_eps, cfg.norm_plus_one)
-        w = params["embed"]["tokens"] if cfg.tie_embeddings else params["lm_head"]
-        spec = "BTD,VD->BTV" if cfg.tie_embeddings else "BTD,DV->BTV"
-        if quant.applies(w, logits=True):
-            logits_BTV = quant.dot(spec, x_BTD, w)
-        else:
-            # The gradient is pinned in the weights' dtype: the [D, V] sum over the batch is reduced in float32.
-            w = layers.pin_grad(w, ("vocab", "embed") if cfg.tie_embeddings else ("embed", "vocab"))
-            logits_BTV = jnp.einsum(spec, x_BTD, w.astype(cdt), preferred_element_type=jnp.float32)
-        return layers.softcap(logits_BTV, cfg.final_logit_softcap)
+        return _head(params, x_BTD, cfg)
 
 
-# The dense matmul weights of a layer, by block: what _matmul_weights casts and pins.
-MATMUL_WEIGHTS = {"attn": ("q", "k", "v", "o"), "mlp": ("up", "gate", "down")}
+def _head(params, h_BTD, cfg: ModelConfig):
+    """The output projection of normalized hidden states (tied to the embedding or not), soft-capped."""
+    cdt = jnp.dtype(cfg.compute_dtype)
+    w = params["embed"]["tokens"] if cfg.tie_embeddings else params["lm_head"]
+    spec = "BTD,VD->BTV" if cfg.tie_embeddings else "BTD,DV->BTV"
+    if quant.applies(w, logits=True):
+        logits_BTV = quant.dot(spec, h_BTD, w)
+    else:
+        # The gradient is pinned in the weights' dtype: the [D, V] sum over the batch is reduced in float32.
+        w = layers.pin_grad(w, ("vocab", "embed") if cfg.tie_embeddings else ("embed", "vocab"))
+        logits_BTV = jnp.einsum(spec, h_BTD, w.astype(cdt), preferred_element_type=jnp.float32)
+    return layers.softcap(logits_BTV, cfg.final_logit_softcap)
 
 
-def _matmul_weights(p: dict, cfg: ModelConfig) -> dict:
+# The dense matmul weights of a layer, by block: what _matmul_weights casts and pins (the experts' own
+# up/gate/down are left to moe.py).
+MATMUL_WEIGHTS = {"attn": ("q", "k", "v", "o", "q_a", "q_b", "kv_a", "k_rope", "k_b", "v_b"),
+                  "mlp": ("up", "gate", "down", "shared_up", "shared_gate", "shared_down")}
+EXPERT_WEIGHTS = ("up", "gate", "down")
+
+
+def _matmul_weights(p: dict, cfg: ModelConfig, specs: dict | None = None) -> dict:
     """One layer's weights with its dense matmul weights cast to the compute dtype and their gradients
     pinned to their shardings (layers.matmul_weight). Inside the remat'd layer body, so the cast copies are
-    recomputed in the backward pass, never saved. Expert weights are left to moe.py."""
-    specs = param_specs(cfg)["layers"]
+    recomputed in the backward pass, never saved. `specs`: the layer's stacked specs (default the main
+    layers')."""
+    specs = param_specs(cfg)["layers"] if specs is None else specs
     cdt = jnp.dtype(cfg.compute_dtype)
     p = {**p}
     for blk, names in MATMUL_WEIGHTS.items():
-        if blk == "mlp" and cfg.n_experts:
-            continue
-        p[blk] = {**p[blk], **{name: layers.matmul_weight(p[blk][name], specs[blk][name].axes[1:], cdt)
-                               for name in names if name in p[blk]}}
+        experts = blk == "mlp" and "router" in p[blk]
+        blk_specs = specs[blk] if experts or "dense_mlp" not in specs or blk != "mlp" else specs["dense_mlp"]
+        p[blk] = {**p[blk], **{name: layers.matmul_weight(p[blk][name], blk_specs[name].axes[1:], cdt)
+                               for name in names if name in p[blk] and not (experts and name in EXPERT_WEIGHTS)}}
     return p
 
 
 def layer_stack(x_BTD: jax.Array, layer_params: dict, cfg: ModelConfig, positions_BT: jax.Array,
                 segment_ids_BT: jax.Array | None, layer_keys: jax.Array | None) -> tuple[jax.Array, jax.Array]:
-    """Run the n layers stacked in layer_params (n a multiple of len(cfg.pattern); the first is a layer of the
-    pattern's first kind): the new residual stream and the layers' routing statistics [n, 2, E]."""
-    # Layers repeat cfg.layer_pattern (e.g. local, global); a scan step runs one repeat, so alternating
-    # layer kinds still compile once per kind, not once per layer.
-    pattern = cfg.pattern
-    P = len(pattern)
-    n = jax.tree.leaves(layer_params)[0].shape[0]
-    bodies = []
-    for kind in pattern:
-        body = lambda x, p, k, local=(kind == "local"): block(x, _matmul_weights(p, cfg), cfg,  # noqa: E731
-                                                                positions_BT, k, local, segment_ids_BT)
-        if cfg.remat != "none":
-            body = jax.checkpoint(body, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
-        bodies.append(body)
-    if cfg.scan_layers:
-        def step(x, inputs):
-            p_group, k_group = inputs
-            stats = []
-            for j, body in enumerate(bodies):
-                x, s = body(x, jax.tree.map(lambda a: a[j], p_group), None if k_group is None else k_group[j])
-                stats.append(s)
-            return x, jnp.stack(stats)
+    """Run the n layers stacked in layer_params (all of them, or a pipeline stage's n, a multiple of
+    len(cfg.pattern)): the new residual stream and the layers' routing statistics [n, 3, E] in layer order."""
+    n = jax.tree.leaves(layer_params["attn_norm"])[0].shape[0]
+    P = len(cfg.pattern)
+    bodies = {}
 
-        grouped = jax.tree.map(lambda a: a.reshape(n // P, P, *a.shape[1:]), (layer_params, layer_keys))
-        x_BTD, stats_n2E = jax.lax.scan(step, x_BTD, grouped)
-        return x_BTD, stats_n2E.reshape(n, *stats_n2E.shape[2:])
-    stats = []
-    for i in range(n):
-        p = jax.tree.map(lambda a: a[i], layer_params)
-        x_BTD, s = bodies[i % P](x_BTD, p, None if layer_keys is None else layer_keys[i])
-        stats.append(s)
-    return x_BTD, jnp.stack(stats)
+    def body(kind: stack.Kind, scanned: bool):
+        if (kind, scanned) not in bodies:
+            fn = lambda x, p, k: block(x, _matmul_weights(p, cfg), cfg, positions_BT, k,  # noqa: E731
+                                       kind.attention, segment_ids_BT)
+            if cfg.remat != "none":
+                fn = jax.checkpoint(fn, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not scanned)
+            bodies[kind, scanned] = fn
+        return bodies[kind, scanned]
+
+    def step(x_BTD, p, kind, j, r, key):
+        return body(kind, scanned=not isinstance(r, int))(x_BTD, p, key)
+
+    keys = None if layer_keys is None else tuple(layer_keys[j::P] for j in range(P))
+    x_BTD, stats = stack.run(cfg, layer_params, step, x_BTD, keys, scan=cfg.scan_layers, n_layers=n)
+    return x_BTD, stack.in_layer_order(stats, n)
 
 
 @quant.scoped
@@ -249,9 +226,18 @@ def hidden_with_aux(params: dict, tokens_BT: jax.Array, cfg: ModelConfig, key: j
                     positions_BT: jax.Array | None = None, segment_ids_BT: jax.Array | None = None
                     ) -> tuple[jax.Array, jax.Array]:
     """The residual stream after the last block [B, T, D] (before the final norm) and the auxiliary loss."""
+    x_BTD, stats_L3E = _hidden(params, tokens_BT, cfg, key, positions_BT, segment_ids_BT)
+    return x_BTD, _aux(stats_L3E, cfg)
+
+
+def _positions(tokens_BT, positions_BT):
     B, T = tokens_BT.shape
-    if positions_BT is None:
-        positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    return jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)) if positions_BT is None else positions_BT
+
+
+def _hidden(params, tokens_BT, cfg: ModelConfig, key, positions_BT, segment_ids_BT):
+    """The residual stream after the last block and the MoE layers' routing statistics [L_moe, 3, E]."""
+    positions_BT = _positions(tokens_BT, positions_BT)
     if cfg.dropout == 0.0:
         key = None
     x_BTD = embed(params, tokens_BT, cfg, positions_BT)
@@ -263,15 +249,22 @@ def hidden_with_aux(params: dict, tokens_BT: jax.Array, cfg: ModelConfig, key: j
     layer_keys = jax.random.split(key, cfg.n_layers) if key is not None else None
     run = lambda x, p, pos, seg, keys: layer_stack(x, p, cfg, pos, seg, keys)  # noqa: E731
     if (pipe := pipeline_settings()) is not None:
+        if not stack.layout(cfg).simple:
+            raise ConfigError("pipeline stages (mesh stage axis over 1) need every layer in whole model.layer_pattern "
+                              "repeats of one MLP kind; this model's layers differ (dense and MoE layers, or a "
+                              "last partial repeat): set mesh.ici_stage / mesh.dcn_stage to 1")
         axes = jax.tree.map(lambda spec: spec.axes, param_specs(cfg)["layers"],
                             is_leaf=lambda v: isinstance(v, ParamSpec))
-        x_BTD, stats_L2E = pipeline.run(run, x_BTD, params["layers"], axes, positions_BT, segment_ids_BT,
+        x_BTD, stats_L3E = pipeline.run(run, x_BTD, params["layers"], axes, positions_BT, segment_ids_BT,
                                         layer_keys, pipe, len(cfg.pattern))
     else:
-        x_BTD, stats_L2E = run(x_BTD, params["layers"], positions_BT, segment_ids_BT, layer_keys)
+        x_BTD, stats_L3E = run(x_BTD, params["layers"], positions_BT, segment_ids_BT, layer_keys)
+    moe_layers = [i for i, kind in enumerate(stack.layout(cfg).kinds) if kind.moe]
+    return x_BTD, stats_L3E[jnp.asarray(moe_layers, jnp.int32)] if moe_layers else stats_L3E[:0]
 
-    aux = moe.load_balancing_loss(stats_L2E) if cfg.n_experts else jnp.zeros((), jnp.float32)
-    return x_BTD, aux
+
+def _aux(stats_L3E, cfg: ModelConfig) -> jax.Array:
+    return moe.load_balancing_loss(stats_L3E) if stats_L3E.shape[0] else jnp.zeros((), jnp.float32)
 
 
 def forward(params: dict, tokens_BT: jax.Array, cfg: ModelConfig, key: jax.Array | None = None,
@@ -280,35 +273,75 @@ def forward(params: dict, tokens_BT: jax.Array, cfg: ModelConfig, key: jax.Array
     return forward_with_aux(params, tokens_BT, cfg, key, positions_BT, segment_ids_BT)[0]
 
 
+def mtp_hidden(params: dict, x_BTD: jax.Array, tokens_BT: jax.Array, cfg: ModelConfig, positions_BT: jax.Array,
+               segment_ids_BT: jax.Array | None = None):
+    """DeepSeek-V3's multi-token prediction modules over the main model's last residual stream x_BTD: module m
+    (from 0) at position t combines the previous depth's hidden state at t (the main model's after its final
+    norm, for m = 0) with the embedding of token t + m + 1 (tokens_BT here are the *next* tokens, the
+    targets), runs one block at positions t + m + 1 and normalizes; its logits predict token t + m + 2. Returns
+    each module's normalized hidden states [M, B, T, D] and routing statistics [M, 3, E] (positions past the
+    sequence see padding, which the loss masks)."""
+    mtp = params["mtp"]
+    norm = lambda x, q: layers.norm(x, q, cfg.norm, cfg.norm_eps, cfg.norm_plus_one)  # noqa: E731
+    block_specs_ = param_specs(cfg)["mtp"]["block"]
+    h_BTD = norm(x_BTD, params["final_norm"])
+    hidden, stats = [], []
+    for m in range(cfg.mtp_layers):
+        p = jax.tree.map(lambda a: a[m], mtp)
+        ahead_BT = jnp.pad(tokens_BT[:, m:], [(0, 0), (0, m)])
+        pos_BT = positions_BT + m + 1
+        e_BTD = embed(params, ahead_BT, cfg, pos_BT)
+        with jax.named_scope("mtp"):
+            cat_BT2D = jnp.concatenate([norm(e_BTD, p["embed_norm"]), norm(h_BTD, p["hidden_norm"])], axis=-1)
+            h_BTD = layers.dot("BTE,ED->BTD", cat_BT2D, layers.matmul_weight(
+                p["proj"], (None, "embed"), jnp.dtype(cfg.compute_dtype)))
+            h_BTD, stats_3E = block(h_BTD, _matmul_weights(p["block"], cfg, block_specs_), cfg, pos_BT, None,
+                                    "global", segment_ids_BT)
+            h_BTD = norm(h_BTD, p["norm"])
+        hidden.append(h_BTD)
+        stats.append(stats_3E)
+    return jnp.stack(hidden), jnp.stack(stats)
+
+
+@quant.scoped
+def mtp_logits(params: dict, tokens_BT: jax.Array, cfg: ModelConfig, positions_BT: jax.Array | None = None
+               ) -> jax.Array:
+    """The multi-token prediction modules' logits [M, B, T, V] for a batch of tokens: module m's at position t
+    predict token t + m + 2, from tokens up to t + m + 1 (those past the end are padding)."""
+    positions_BT = _positions(tokens_BT, positions_BT)
+    x_BTD, _ = _hidden(params, tokens_BT, cfg, None, positions_BT, None)
+    next_BT = jnp.pad(tokens_BT[:, 1:], [(0, 0), (0, 1)])
+    hidden_MBTD, _ = mtp_hidden(params, x_BTD, next_BT, cfg, positions_BT)
+    return jnp.stack([_head(params, h_BTD, cfg) for h_BTD in hidden_MBTD])
+
+
 @quant.scoped
 def attention_logit_max(params: dict, tokens_BT: jax.Array, cfg: ModelConfig, positions_BT: jax.Array | None = None,
                         segment_ids_BT: jax.Array | None = None) -> jax.Array:
     """The largest attention logit of every layer's query heads over the batch [L, N] (before soft-capping), from
-    a forward pass without dropout or output layer: what MuonClip's QK-clip watches (attention.clip_qk)."""
-    B, T = tokens_BT.shape
-    if positions_BT is None:
-        positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    a forward pass without dropout or output layer: what MuonClip's QK-clip watches (clip_qk)."""
+    positions_BT = _positions(tokens_BT, positions_BT)
     x_BTD = constrain(embed(params, tokens_BT, cfg, positions_BT), ("batch", "length", "embed"))
+    attn_mod = latent if cfg.latent else attention
 
-    def step(x_BTD, p_group):
-        tops = []
-        for j, kind in enumerate(cfg.pattern):
-            def attn(h_BTD, p_attn, local=(kind == "local")):
-                return attention.attention_with_logit_max(h_BTD, p_attn, cfg, positions_BT, local, segment_ids_BT)
+    def step(x_BTD, p, kind, j, r, _):
+        def attn(h_BTD, p_attn):
+            return attn_mod.attention_with_logit_max(h_BTD, p_attn, cfg, positions_BT, kind.attention, segment_ids_BT)
 
-            x_BTD, _, top_N = _block(x_BTD, _matmul_weights(jax.tree.map(lambda a: a[j], p_group), cfg), cfg, attn)
-            tops.append(top_N)
-        return x_BTD, jnp.stack(tops)
+        x_BTD, _, top_N = _block(x_BTD, _matmul_weights(p, cfg), cfg, attn)
+        return x_BTD, top_N
 
     with jax.named_scope("attention_logit_max"):
-        _, top_RPN = jax.lax.scan(step, x_BTD, _grouped(cfg, params["layers"]))
-    return top_RPN.reshape(cfg.n_layers, -1)
+        _, tops = stack.run(cfg, params["layers"], step, x_BTD, scan=cfg.scan_layers)
+    return stack.in_layer_order(tops, cfg.n_layers)
 
 
-def _grouped(cfg: ModelConfig, layer_params: dict) -> dict:
-    """Stacked layer weights [L, ...] -> [L / P, P, ...], one scan step per repeat of cfg.layer_pattern."""
-    P = len(cfg.pattern)
-    return jax.tree.map(lambda a: a.reshape(cfg.n_layers // P, P, *a.shape[1:]), layer_params)
+def clip_qk(params: dict, logit_max_LN: jax.Array, threshold: float, cfg: ModelConfig) -> dict:
+    """`params` with the layers' query and key weights QK-clipped (attention.clip_qk, latent.clip_qk)."""
+    attn_mod = latent if cfg.latent else attention
+    layer_params = params["layers"]
+    return {**params, "layers": {**layer_params, "attn": attn_mod.clip_qk(layer_params["attn"], logit_max_LN,
+                                                                          threshold, cfg)}}
 
 
 @quant.scoped
@@ -322,24 +355,23 @@ def prefill(params: dict, tokens_BT: jax.Array, lengths_B: jax.Array, cfg: Model
     positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     x_BTD = constrain(embed(params, tokens_BT, cfg, positions_BT), ("batch", "length", "embed"))
     layouts = [kvcache.prefill_layout(lengths_B, T, kvcache.slots(cfg, kind, cache_length)) for kind in cfg.pattern]
+    attn_mod = latent if cfg.latent else attention
 
-    def step(x_BTD, p_group):
-        entries = []
-        for j, kind in enumerate(cfg.pattern):
-            def attn(h_BTD, p_attn, local=(kind == "local")):
-                out_BTD, k_BTKH, v_BTKH = attention.attention_with_kv(h_BTD, p_attn, cfg, positions_BT, None, local)
-                return out_BTD, (k_BTKH, v_BTKH)
+    def step(x_BTD, p, kind, j, r, _):
+        def attn(h_BTD, p_attn):
+            out_BTD, k_BTKH, v_BTKH = attn_mod.attention_with_kv(h_BTD, p_attn, cfg, positions_BT, None,
+                                                                 kind.attention)
+            return out_BTD, (k_BTKH, v_BTKH)
 
-            x_BTD, _, kv = _block(x_BTD, jax.tree.map(lambda a: a[j], p_group), cfg, attn)
-            entry = {}
-            for name, x_BTKH in zip(("k", "v"), kv):
-                x_BSKH = jnp.take_along_axis(x_BTKH, layouts[j][0][:, :, None, None], axis=1)
-                entry[name], entry[f"{name}_scale"] = kvcache.store(x_BSKH.transpose(0, 2, 1, 3), quantize)
-            entries.append(entry)
-        return x_BTD, tuple(entries)
+        x_BTD, _, kv = _block(x_BTD, p, cfg, attn)
+        entry = {}
+        for name, x_BTKH in zip(("k", "v"), kv):
+            x_BSKH = jnp.take_along_axis(x_BTKH, layouts[j][0][:, :, None, None], axis=1)
+            entry[name], entry[f"{name}_scale"] = kvcache.store(x_BSKH.transpose(0, 2, 1, 3), quantize)
+        return x_BTD, entry
 
     with jax.named_scope("prefill"):
-        x_BTD, entries = jax.lax.scan(step, x_BTD, _grouped(cfg, params["layers"]))
+        x_BTD, entries = stack.run(cfg, params["layers"], step, x_BTD)
         last_B1D = jnp.take_along_axis(x_BTD, (lengths_B - 1)[:, None, None], axis=1)
         logits_BV = unembed(params, last_B1D, cfg)[:, 0]
     kinds = tuple(kvcache.KindCache(pos=layout[1], **e) for layout, e in zip(layouts, entries))
@@ -366,23 +398,21 @@ def decode_step(params: dict, tokens_B: jax.Array, cache: kvcache.KVCache, cfg: 
     pos_B = cache.length
     x_B1D, positions_B1, slots, k_positions = _decode_inputs(params, tokens_B, pos_B, [c.pos for c in cache.kinds],
                                                              cfg)
+    attn_mod = latent if cfg.latent else attention
 
-    def step(carry, inputs):  # the stacked caches ride in the carry: each layer writes its entries in place
+    def step(carry, p, kind, j, r, _):  # the stacked caches ride in the carry: each layer writes its entries in place
         x_B1D, stacks = carry
-        p_group, r = inputs
-        stacks = list(stacks)
-        for j, kind in enumerate(cfg.pattern):
-            def attn(h_B1D, p_attn, j=j, local=(kind == "local")):
-                return attention.attention_decode(h_B1D, p_attn, cfg, positions_B1, stacks[j], r, slots[j],
-                                                  k_positions[j], local)
 
-            x_B1D, _, stacks[j] = _block(x_B1D, jax.tree.map(lambda a: a[j], p_group), cfg, attn)
-        return (x_B1D, tuple(stacks)), None
+        def attn(h_B1D, p_attn):
+            return attn_mod.attention_decode(h_B1D, p_attn, cfg, positions_B1, stacks[j], r, slots[j],
+                                             k_positions[j], kind.attention)
+
+        x_B1D, _, new_j = _block(x_B1D, p, cfg, attn)
+        return (x_B1D, stacks[:j] + (new_j,) + stacks[j + 1:]), None
 
     stacks = tuple({"k": c.k, "v": c.v, "k_scale": c.k_scale, "v_scale": c.v_scale} for c in cache.kinds)
-    R = cfg.n_layers // len(cfg.pattern)
     with jax.named_scope("decode"):
-        (x_B1D, new), _ = jax.lax.scan(step, (x_B1D, stacks), (_grouped(cfg, params["layers"]), jnp.arange(R)))
+        (x_B1D, new), _ = stack.run(cfg, params["layers"], step, (x_B1D, stacks))
         logits_BV = unembed(params, x_B1D, cfg)[:, 0]
     kinds = tuple(kvcache.KindCache(pos=k_pos, **c) for k_pos, c in zip(k_positions, new))
     return logits_BV, kvcache.KVCache(kinds, pos_B + 1)
@@ -392,7 +422,8 @@ def decode_step(params: dict, tokens_B: jax.Array, cache: kvcache.KVCache, cfg: 
 def layer_weights(params: dict, cfg: ModelConfig) -> tuple[dict, ...]:
     """The layers' weights one by one, dense matmul weights in the compute dtype: taken apart once before a
     decode loop (decode_layers), so that its steps neither slice nor cast the stacked weights."""
-    return tuple(_matmul_weights(jax.tree.map(lambda a: a[i], params["layers"]), cfg) for i in range(cfg.n_layers))
+    lay = stack.layout(cfg)
+    return tuple(_matmul_weights(stack.layer_view(params["layers"], lay, i), cfg) for i in range(cfg.n_layers))
 
 
 @quant.scoped
@@ -405,14 +436,15 @@ def decode_layers(params: dict, layer_params: tuple[dict, ...], tokens_B: jax.Ar
     pos_B = cache.length
     x_B1D, positions_B1, slots, k_positions = _decode_inputs(params, tokens_B, pos_B, cache.pos, cfg)
     P = len(cfg.pattern)
+    attn_mod = latent if cfg.latent else attention
     new = []
     with jax.named_scope("decode"):
         for i, (p, layer) in enumerate(zip(layer_params, cache.layers)):
             j = i % P
 
             def attn(h_B1D, p_attn, j=j, layer=layer):
-                return attention.attention_decode_layer(h_B1D, p_attn, cfg, positions_B1, layer, slots[j],
-                                                        k_positions[j], cfg.pattern[j] == "local")
+                return attn_mod.attention_decode_layer(h_B1D, p_attn, cfg, positions_B1, layer, slots[j],
+                                                       k_positions[j], cfg.pattern[j])
 
             x_B1D, _, layer = _block(x_B1D, p, cfg, attn)
             new.append(layer)
@@ -452,28 +484,30 @@ def _weighted_sum(losses_BT: jax.Array, weights_BT: jax.Array | None) -> jax.Arr
 
 
 def chunked_cross_entropy_sum(params: dict, x_BTD: jax.Array, targets_BT: jax.Array, cfg: ModelConfig,
-                              weights_BT: jax.Array | None = None) -> jax.Array:
+                              weights_BT: jax.Array | None = None, logits_of=None) -> jax.Array:
     """`cross_entropy_sum(unembed(params, x_BTD, cfg), ...)` computed cfg.loss_chunk_tokens positions at a
     time (chunked_token_losses), summed as cross_entropy_sum sums them, so that chunking changes no more than
-    the output projection's rounding, not the order of the sum."""
-    losses_BT = chunked_token_losses(params, x_BTD, targets_BT, cfg)
+    the output projection's rounding, not the order of the sum. `logits_of(x_BCD)` replaces unembed (the MTP
+    modules' normalized states take the output projection alone)."""
+    losses_BT = by_chunks(token_losses, params, x_BTD, targets_BT, cfg, logits_of)
     return _weighted_sum(losses_BT, None if weights_BT is None else weights_BT.astype(jnp.float32))
 
 
-def by_chunks(fn, params: dict, x_BTD: jax.Array, targets_BT: jax.Array, cfg: ModelConfig):
+def by_chunks(fn, params: dict, x_BTD: jax.Array, targets_BT: jax.Array, cfg: ModelConfig, logits_of=None):
     """`fn(unembed(params, x_BTD, cfg), targets_BT)` (a pytree of [B, T] arrays) computed cfg.loss_chunk_tokens
     positions at a time: a scan over chunks of the sequence whose body is rematerialized, so the forward keeps one
     chunk's logits [B, C, V] and the backward recomputes them chunk by chunk (n C chunks cover T, the last
-    padded)."""
+    padded). `logits_of(x_BCD)` replaces unembed."""
     B, T, D = x_BTD.shape
     C = min(cfg.loss_chunk_tokens, T)
     pad = -T % C
     padded = (jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2)) for a in (x_BTD, targets_BT))
     chunks = tuple(a.reshape(B, (T + pad) // C, C, *a.shape[2:]).swapaxes(0, 1) for a in padded)
+    logits_of = logits_of or (lambda x_BCD: unembed(params, x_BCD, cfg))
 
     @jax.checkpoint
     def chunk(x_BCD, targets_BC):
-        return fn(unembed(params, x_BCD, cfg), targets_BC)
+        return fn(logits_of(x_BCD), targets_BC)
 
     with jax.named_scope("chunked_loss"):
         _, out_nBC = jax.lax.scan(lambda carry, xs: (carry, chunk(*xs)), None, chunks)
@@ -484,6 +518,34 @@ def chunked_token_losses(params: dict, x_BTD: jax.Array, targets_BT: jax.Array, 
     """`token_losses(unembed(params, x_BTD, cfg), targets_BT)` [B, T], a chunk of the sequence at a time
     (by_chunks)."""
     return by_chunks(token_losses, params, x_BTD, targets_BT, cfg)
+
+
+def _token_loss_sum(params, x_BTD, targets_BT, cfg: ModelConfig, weights_BT, logits_of=None):
+    if 0 < cfg.loss_chunk_tokens < targets_BT.shape[1]:
+        return chunked_cross_entropy_sum(params, x_BTD, targets_BT, cfg, weights_BT, logits_of)
+    logits_BTV = unembed(params, x_BTD, cfg) if logits_of is None else logits_of(x_BTD)
+    return cross_entropy_sum(logits_BTV, targets_BT, weights_BT)
+
+
+def mtp_loss_sum(params: dict, x_BTD: jax.Array, targets_BT: jax.Array, cfg: ModelConfig, positions_BT: jax.Array,
+                 segment_ids_BT: jax.Array | None, weights_BT: jax.Array | None):
+    """The multi-token prediction modules' cross-entropy sums, averaged over the modules (DeepSeek-V3's
+    L_MTP times the token count: the caller divides by the main loss's normalizer, as DeepSeek divides by T),
+    and their routing statistics. Module m's target at t is targets[t + m + 1], counted where it exists, is
+    weighted (weights_BT shifted alike) and lies in the same packed document."""
+    hidden_MBTD, stats_M3E = mtp_hidden(params, x_BTD, targets_BT, cfg, positions_BT, segment_ids_BT)
+    B, T = targets_BT.shape
+    total = jnp.zeros((), jnp.float32)
+    for m, h_BTD in enumerate(hidden_MBTD):
+        shift = lambda a, fill=0: jnp.pad(a[:, m + 1:], [(0, 0), (0, m + 1)], constant_values=fill)  # noqa: E731
+        valid_BT = (jnp.arange(T) < T - m - 1)[None].astype(jnp.float32)
+        if weights_BT is not None:
+            valid_BT = valid_BT * shift(weights_BT.astype(jnp.float32))
+        if segment_ids_BT is not None:
+            valid_BT = valid_BT * (shift(segment_ids_BT, -1) == segment_ids_BT)
+        total = total + _token_loss_sum(params, h_BTD, shift(targets_BT), cfg, jnp.broadcast_to(valid_BT, (B, T)),
+                                        lambda x: _head(params, x, cfg))
+    return total / cfg.mtp_layers, stats_M3E
 
 
 @quant.scoped
@@ -525,19 +587,38 @@ def loss_fn(params: dict, tokens_BT: jax.Array, targets_BT: jax.Array, cfg: Mode
             key: jax.Array | None = None, positions_BT: jax.Array | None = None,
             segment_ids_BT: jax.Array | None = None, weights_BT: jax.Array | None = None,
             normalizer: jax.Array | None = None) -> jax.Array:
-    """Cross-entropy, plus the weighted load-balancing loss for mixture-of-experts models; for sequences longer than
-    cfg.loss_chunk_tokens tokens the logits are computed a chunk of the sequence at a time (never all at once).
+    """Cross-entropy, plus the weighted load-balancing loss for mixture-of-experts models and the weighted
+    multi-token prediction loss (model.mtp_layers); for sequences longer than cfg.loss_chunk_tokens tokens the
+    logits are computed a chunk of the sequence at a time (never all at once).
 
     Each token's loss counts with its weight (weights_BT: 1 trained, 0 masked such as prompts or padding; None =
     all 1) and the weighted sum is divided by `normalizer` (default: the sum of the weights here). A step that
     accumulates micro-batches passes the weight of the whole step over the number of micro-batches, so that
     the mean over micro-batches is exactly the mean over every counted token of the step."""
-    x_BTD, aux = hidden_with_aux(params, tokens_BT, cfg, key, positions_BT, segment_ids_BT)
+    return loss_terms(params, tokens_BT, targets_BT, cfg, key, positions_BT, segment_ids_BT, weights_BT,
+                      normalizer)[0]
+
+
+@quant.scoped
+def loss_terms(params: dict, tokens_BT: jax.Array, targets_BT: jax.Array, cfg: ModelConfig,
+               key: jax.Array | None = None, positions_BT: jax.Array | None = None,
+               segment_ids_BT: jax.Array | None = None, weights_BT: jax.Array | None = None,
+               normalizer: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """`loss_fn`'s loss and its terms, for the logs: cross_entropy; with experts load_balancing (before
+    router_aux_loss_coef); with MTP modules mtp (their mean cross-entropy, before mtp_loss_weight)."""
+    positions_BT = _positions(tokens_BT, positions_BT)
+    x_BTD, stats_L3E = _hidden(params, tokens_BT, cfg, key, positions_BT, segment_ids_BT)
     if normalizer is None:
         normalizer = targets_BT.size if weights_BT is None else jnp.maximum(jnp.sum(weights_BT), 1e-9)
-    if 0 < cfg.loss_chunk_tokens < targets_BT.shape[1]:
-        total = chunked_cross_entropy_sum(params, x_BTD, targets_BT, cfg, weights_BT)
-    else:
-        total = cross_entropy_sum(unembed(params, x_BTD, cfg), targets_BT, weights_BT)
-    loss = total / normalizer
-    return loss + cfg.router_aux_loss_coef * aux if cfg.n_experts else loss
+    loss = _token_loss_sum(params, x_BTD, targets_BT, cfg, weights_BT) / normalizer
+    terms = {"cross_entropy": loss}
+    if cfg.mtp_layers:
+        mtp_total, mtp_stats = mtp_loss_sum(params, x_BTD, targets_BT, cfg, positions_BT, segment_ids_BT, weights_BT)
+        terms["mtp"] = mtp_total / normalizer
+        loss = loss + cfg.mtp_loss_weight * terms["mtp"]
+        if cfg.n_experts:
+            stats_L3E = jnp.concatenate([stats_L3E, mtp_stats])
+    if cfg.n_experts:
+        terms["load_balancing"] = _aux(stats_L3E, cfg)
+        loss = loss + cfg.router_aux_loss_coef * terms["load_balancing"]
+    return loss, terms

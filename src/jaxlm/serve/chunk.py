@@ -36,7 +36,7 @@ import jax.numpy as jnp
 
 from jaxlm import quant
 from jaxlm.config import ModelConfig
-from jaxlm.model import attention, kvcache, transformer
+from jaxlm.model import attention, kvcache, latent, stack, transformer
 from jaxlm.sharding import constrain
 
 ROW = ("k", "v", "k_scale", "v_scale")
@@ -62,17 +62,18 @@ def _layout(pos_S, start, end, chunk_k_pos_C):
             jnp.where(take_S, latest_S, pos_S))
 
 
-def _attend_chunk(h_PCD, p, cfg: ModelConfig, q_pos_PC, k_pos_PX, rows: dict, take_PS, src_PS, local: bool,
+def _attend_chunk(h_PCD, p, cfg: ModelConfig, q_pos_PC, k_pos_PX, rows: dict, take_PS, src_PS, kind: str,
                   quantized: bool):
     """The chunks' attention over their slots' earlier keys and their own; returns the output and the slots'
     updated k, v (and scales) for this layer. With `rows` None (chunks that start their prompts, `fresh`) the
     queries see the chunk's keys only and the update is the chunk's own k, v (and scales) [P, K, C(, H)], for
-    slots 0..C-1."""
+    slots 0..C-1. A latent-attention layer's k and v are its rotary keys and latents (model/latent.py)."""
+    attn_mod = latent if cfg.latent else attention
     with jax.named_scope("attention"):
-        q_PCNH, k_PCKH, v_PCKH = attention.project_qkv(h_PCD, p, cfg, q_pos_PC)
+        q_PCNH, entries = attn_mod.project_entries(h_PCD, p, cfg, q_pos_PC, kind)
         keys = []
         new = {}
-        for name, x_PCKH in (("k", k_PCKH), ("v", v_PCKH)):
+        for name, x_PCKH in zip(("k", "v"), entries):
             own_PKCH = x_PCKH.transpose(0, 2, 1, 3)
             if rows is None:
                 keys.append(own_PKCH.astype(q_PCNH.dtype))
@@ -85,10 +86,8 @@ def _attend_chunk(h_PCD, p, cfg: ModelConfig, q_pos_PC, k_pos_PX, rows: dict, ta
             new[name] = jnp.where(take_PS[:, None, :, None], x_PKSH.astype(rows[name].dtype), rows[name])
             new[f"{name}_scale"] = None if not quantized else jnp.where(take_PS[:, None], scale_PKS,
                                                                         rows[f"{name}_scale"])
-        mask_PCX = attention.mask(q_pos_PC, k_pos_PX, cfg.sliding_window if local else None)
-        out_PCNH = attention.attend_heads_major(q_PCNH, keys[0], keys[1], mask_PCX, scale=attention._scale(cfg),
-                                                softcap=cfg.attn_logit_softcap)
-        return attention._project_out(out_PCNH, p), new
+        mask_PCX = attention.kind_mask(cfg, kind, q_pos_PC, k_pos_PX)
+        return attn_mod.attend_entries(q_PCNH, keys[0], keys[1], mask_PCX, p, cfg), new
 
 
 def fresh_fits(cache: kvcache.KVCache, C: int) -> bool:
@@ -125,23 +124,19 @@ def prefill_chunks(params, cache: kvcache.KVCache, logits_BV, tokens_PC, start_P
         layouts = [jax.vmap(_layout)(jnp.take(c.pos, slot_P, axis=0, mode="clip"), start_P, end_P,
                                      chunk_k_pos_PC) for c in cache.kinds]
 
-    def step(x_PCD, inputs):
-        p_group, rows = inputs
-        new_rows = []
-        for j, kind in enumerate(cfg.pattern):
-            k_pos_PX, take_PS, src_PS, _ = layouts[j]
+    def step(x_PCD, p, kind, j, r, rows_j):
+        k_pos_PX, take_PS, src_PS, _ = layouts[j]
 
-            def attn(h_PCD, p_attn, j=j, local=(kind == "local")):
-                return _attend_chunk(h_PCD, p_attn, cfg, q_pos_PC, k_pos_PX, None if fresh else rows[j], take_PS,
-                                     src_PS, local, cache.kinds[j].k_scale is not None)
+        def attn(h_PCD, p_attn):
+            return _attend_chunk(h_PCD, p_attn, cfg, q_pos_PC, k_pos_PX, None if fresh else rows_j, take_PS,
+                                 src_PS, kind.attention, cache.kinds[j].k_scale is not None)
 
-            x_PCD, _, new = transformer._block(x_PCD, jax.tree.map(lambda a: a[j], p_group), cfg, attn)
-            new_rows.append(new)
-        return x_PCD, tuple(new_rows)
+        x_PCD, _, new = transformer._block(x_PCD, p, cfg, attn)
+        return x_PCD, new
 
-    rows = () if fresh else tuple(_rows(c, slot_P) for c in cache.kinds)
+    rows = None if fresh else tuple(_rows(c, slot_P) for c in cache.kinds)
     with jax.named_scope("prefill_chunks"):
-        x_PCD, new_rows = jax.lax.scan(step, x_PCD, (transformer._grouped(cfg, params["layers"]), rows))
+        x_PCD, new_rows = stack.run(cfg, params["layers"], step, x_PCD, rows)
         last_P1D = jnp.take_along_axis(x_PCD, (end_P - 1 - start_P)[:, None, None], axis=1)
         logits_PV = transformer.unembed(params, last_P1D, cfg)[:, 0]
 

@@ -39,7 +39,8 @@ class PrefixCache:
         self.tokens: list[np.ndarray | None] = [None] * entries
         self.used = [0] * entries
         self.clock = 0
-        self.ring = kvcache.slots(cfg, "local", length) if "local" in cfg.pattern else None
+        rings = [kvcache.slots(cfg, kind, length) for kind in cfg.pattern if kvcache.ring(cfg, kind) is not None]
+        self.ring = min(rings) if rings else None  # an entry longer than a ring buffer is reusable only whole
 
     def _touch(self, entry: int) -> None:
         self.clock += 1

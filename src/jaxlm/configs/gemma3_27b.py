@@ -1,0 +1,7 @@
+"""gemma3-27b: the published architecture and size (jaxlm train gemma3-27b checkpoint.init_from=CONVERTED)."""
+
+from jaxlm.configs._models import preset
+
+
+def config():
+    return preset("gemma3_27b")

@@ -1,0 +1,7 @@
+"""gpt-oss-20b: the published architecture and size (jaxlm train gpt-oss-20b checkpoint.init_from=CONVERTED)."""
+
+from jaxlm.configs._models import preset
+
+
+def config():
+    return preset("gpt_oss_20b")

@@ -1,0 +1,203 @@
+"""The layer stack's layout and the one loop over it: each layer's kind (its attention kind from
+model.layer_pattern, its MLP dense or mixture-of-experts), where its weights lie in the stacked arrays, and
+`run`, which every pass (training forward, prefill, cached decoding, the server's chunked prefill) uses to go
+through the layers.
+
+Groups. The layers are scanned in groups of G consecutive layers that repeat exactly: G is the pattern's
+length P, or a multiple of it when the MoE interval does not divide P (model.moe_layer_interval), so a scan
+step compiles each kind once however deep the model. Layers before the first group and after the last run
+unrolled, one at a time: DeepSeek-V3's three dense first layers ahead of 58 MoE layers, Gemma 3's two layers
+after four groups of six (26 layers). A model whose layers all fit the groups (every family before 2025) has
+no such layers, and its loop is the scan it always was.
+
+Weights. Every leaf of params["layers"] is stacked along a leading axis over the layers that have it: all L
+layers for the norms and attention. When some layers have experts and others a dense MLP (`mixed`), `mlp`
+holds the experts of the MoE layers only [L_moe, ...] and `dense_mlp` the dense MLPs [L_dense, ...]; a
+layer's view (`layer_view`) then names its own MLP `mlp` either way. Otherwise `mlp` covers all L layers.
+
+Caches. Entry j of the KV cache (model/kvcache.py) holds the layers i with i mod P == j, repeat r = i // P; the
+loop hands each layer its (j, r), and takes and returns per-entry inputs and outputs stacked over r, so the
+cache's layout depends on the attention pattern only.
+
+Shape legend: L layers, P pattern length, G layers per scanned group, n scanned groups, R repeats of an entry.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from jaxlm.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class Kind:
+    """What a layer compiles as: its attention kind (global, local, chunked, nope) and whether its MLP has experts."""
+    attention: str
+    moe: bool
+
+
+@dataclass(frozen=True)
+class Layout:
+    kinds: tuple[Kind, ...]  # one per layer
+    P: int  # pattern length: layer i is cache entry i % P, repeat i // P
+    G: int  # layers per scanned group (a multiple of P)
+    start: int  # the first layer of the scanned groups (a multiple of G)
+    groups: int  # scanned groups: layers [start, start + groups * G)
+    mixed: bool  # both dense and MoE layers: their MLP weights are stacked apart
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.kinds)
+
+    @property
+    def unrolled(self) -> tuple[int, ...]:
+        """The layers outside the scanned groups, in order."""
+        end = self.start + self.groups * self.G
+        return tuple(range(self.start)) + tuple(range(end, self.n_layers))
+
+    @property
+    def simple(self) -> bool:
+        """Every layer in a scanned group of the pattern's length, one MLP kind: the layout before 2025."""
+        return not self.unrolled and not self.mixed and self.G == self.P
+
+
+def is_moe_layer(cfg: ModelConfig, i: int) -> bool:
+    return bool(cfg.n_experts) and i >= cfg.first_dense_layers and (i + 1) % cfg.moe_layer_interval == 0
+
+
+def layout(cfg: ModelConfig, n_layers: int | None = None) -> Layout:
+    """The layout of cfg's layers (of its first n_layers when given: a pipeline stage's share)."""
+    L = cfg.n_layers if n_layers is None else n_layers
+    P = len(cfg.pattern)
+    kinds = tuple(Kind(cfg.pattern[i % P], is_moe_layer(cfg, i)) for i in range(L))
+    moe = [k.moe for k in kinds]
+    mixed = any(moe) and not all(moe)
+    G = P if not cfg.n_experts or P % cfg.moe_layer_interval == 0 else math.lcm(P, cfg.moe_layer_interval)
+    start = -(-min(cfg.first_dense_layers, L) // G) * G if cfg.n_experts else 0
+    return Layout(kinds, P, G, start, max(0, (L - start) // G), mixed)
+
+
+def group_of(lay: Layout, key: str) -> str:
+    """Which layers a top-level leaf of params["layers"] is stacked over: all, moe or dense."""
+    if lay.mixed and key == "mlp":
+        return "moe"
+    return "dense" if key == "dense_mlp" else "all"
+
+
+def _has(lay: Layout, group: str, i: int) -> bool:
+    return group == "all" or lay.kinds[i].moe == (group == "moe")
+
+
+def index(lay: Layout, group: str, i: int) -> int:
+    """Where layer i's weights of `group` lie along the leading axis of that group's stacked arrays."""
+    return i if group == "all" else sum(_has(lay, group, m) for m in range(i))
+
+
+def layers_with(lay: Layout, key: str) -> list[int]:
+    """The layers that have the top-level leaf `key` of params["layers"] (convert.py maps HF tensors by it)."""
+    return [i for i in range(lay.n_layers) if _has(lay, group_of(lay, key), i)]
+
+
+def layer_view(layer_params: dict, lay: Layout, i: int) -> dict:
+    """Layer i's weights sliced out of the stacked arrays; its MLP, dense or not, under `mlp`."""
+    p = {}
+    for key, sub in layer_params.items():
+        group = group_of(lay, key)
+        if _has(lay, group, i):
+            p["mlp" if key == "dense_mlp" else key] = jax.tree.map(lambda a: a[index(lay, group, i)], sub)
+    return p
+
+
+def _body_params(layer_params: dict, lay: Layout) -> dict:
+    """The scanned groups' weights, each leaf [n, G_g, ...] (G_g of its group's layers per scanned group)."""
+    out = {}
+    for key, sub in layer_params.items():
+        group = group_of(lay, key)
+        per_group = sum(_has(lay, group, lay.start + g) for g in range(lay.G))
+        first = index(lay, group, lay.start)
+        out[key] = jax.tree.map(lambda a: a[first:first + lay.groups * per_group].reshape(
+            lay.groups, per_group, *a.shape[1:]), sub)
+    return out
+
+
+def _group_view(body: dict, lay: Layout, g: int) -> dict:
+    """Layer g of a scanned group, from one step's slice of _body_params."""
+    p = {}
+    for key, sub in body.items():
+        group = group_of(lay, key)
+        if _has(lay, group, lay.start + g):
+            rank = sum(_has(lay, group, lay.start + h) for h in range(g))
+            p["mlp" if key == "dense_mlp" else key] = jax.tree.map(lambda a: a[rank], sub)
+    return p
+
+
+Step = Callable[[Any, dict, Kind, int, Any, Any], tuple[Any, Any]]
+
+
+def run(cfg: ModelConfig, layer_params: dict, fn: Step, carry, xs: tuple | None = None, scan: bool = True,
+        n_layers: int | None = None):
+    """Go through the layers in order: carry, y = fn(carry, p, kind, j, r, x) for each, with p the layer's
+    weights (layer_view), kind its Kind, (j, r) its cache entry and repeat (r traced inside the scan) and x its
+    slice of xs, a tuple over pattern entries of pytrees stacked [R_j, ...] (or None). Returns the last carry
+    and the outputs as a tuple over entries of pytrees stacked [R_j, ...] (fn must give the layers of an entry
+    outputs of one structure). With scan=False every layer runs unrolled (model.scan_layers=false)."""
+    lay = layout(cfg, n_layers)
+    P = lay.P
+    parts: list[list] = [[] for _ in range(P)]
+
+    def one(carry, i):
+        j, r = i % P, i // P
+        x = None if xs is None else jax.tree.map(lambda a: a[r], xs[j])
+        carry, y = fn(carry, layer_view(layer_params, lay, i), lay.kinds[i], j, r, x)
+        parts[j].append(jax.tree.map(lambda a: a[None], y))
+        return carry
+
+    if not scan or lay.groups == 0:
+        for i in range(lay.n_layers):
+            carry = one(carry, i)
+        return carry, tuple(_concat(p) for p in parts)
+
+    for i in range(lay.start):
+        carry = one(carry, i)
+    G, per_entry = lay.G, lay.G // P
+    r0 = lay.start // P
+    body_xs = None if xs is None else tuple(jax.tree.map(lambda a: a[r0:r0 + lay.groups * per_entry].reshape(
+        lay.groups, per_entry, *a.shape[1:]), x) for x in xs)
+
+    def step(carry, inputs):
+        n, p_group, x_group = inputs
+        ys = []
+        for g in range(G):
+            j = g % P
+            x = None if x_group is None else jax.tree.map(lambda a: a[g // P], x_group[j])
+            carry, y = fn(carry, _group_view(p_group, lay, g), lay.kinds[lay.start + g], j,
+                          r0 + n * per_entry + g // P, x)
+            ys.append(y)
+        return carry, tuple(ys)
+
+    carry, ys = jax.lax.scan(step, carry, (jnp.arange(lay.groups, dtype=jnp.int32),
+                                           _body_params(layer_params, lay), body_xs))
+    for j in range(P):  # entry j's outputs of the scanned groups, in repeat order: [n, G / P, ...] -> [n G / P]
+        mine = [ys[g] for g in range(j, G, P)]
+        parts[j].append(jax.tree.map(lambda *a: jnp.stack(a, axis=1).reshape(lay.groups * len(a), *a[0].shape[1:]),
+                                     *mine))
+    for i in range(lay.start + lay.groups * G, lay.n_layers):
+        carry = one(carry, i)
+    return carry, tuple(_concat(p) for p in parts)
+
+
+def _concat(parts: list):
+    if len(parts) == 1:
+        return parts[0]
+    return jax.tree.map(lambda *a: jnp.concatenate(a, axis=0), *parts)
+
+
+def in_layer_order(per_entry: tuple, n_layers: int):
+    """Outputs per entry [R_j, ...] (run's) as one array in layer order [L, ...]."""
+    P = len(per_entry)
+    return jax.tree.map(lambda *a: jnp.stack([a[i % P][i // P] for i in range(n_layers)]), *per_entry)
