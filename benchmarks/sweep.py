@@ -1,7 +1,7 @@
 """A sweep of training settings at one token budget: every point trains the preset for the same number of tokens
 (training.steps x batch_size x grad_accum x block_size, the preset's unless --steps says otherwise) and reports
 its final validation loss. The recipe of shakespeare_char_cpu (configs/shakespeare_char_cpu.py) was chosen with
-it; docs/performance.md has the sweeps that were run and their results.
+it; docs/optimizers.md has the sweeps that were run and their results.
 
 A grid is a space-separated list of key=v1,v2,...; the points are its cartesian product, and several --grid
 give the union. Points already in --out (same preset, settings and seed) are skipped, so an interrupted sweep
