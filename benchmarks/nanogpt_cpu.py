@@ -7,11 +7,15 @@ jaxlm runs the preset as a user does (`python -m jaxlm.cli train shakespeare_cha
 process; every line it prints is time-stamped from the process's start, so wall times include imports and
 compiles. Runs alternate (nanoGPT, jaxlm, nanoGPT, ...) so that a change in the machine's load hits both.
 
+--torch-threads N runs nanoGPT with N intra-op threads (OMP_NUM_THREADS; PyTorch's default is one per core):
+on a machine shared with other work, PyTorch's threads spinning for each other can slow it many times over
+(2026-12-03, load 6 to 11 on 2 cores: about 400 tokens/s with the default against 14,000 on the quiet machine).
+
 Prints per run: the val loss at each evaluation with its wall time, the final val loss, the wall time, the time
 of the first evaluation at or below --target, and the median step's tokens/s; then jaxlm over nanoGPT.
 
     python benchmarks/nanogpt_cpu.py --nanogpt PATH/TO/nanoGPT --input ../shared/data/tinyshakespeare/input.txt \
-        [--repeats N] [--target 1.886] [--only jaxlm] [--set key=value ...  (jaxlm settings)]
+        [--repeats N] [--target 1.886] [--only jaxlm] [--torch-threads N] [--set key=value ...  (jaxlm settings)]
 """
 
 from __future__ import annotations
@@ -46,14 +50,15 @@ def timed_lines(cmd: list[str], cwd: Path, env: dict) -> tuple[list[tuple[float,
     return lines, time.perf_counter() - start
 
 
-def run_nanogpt(src: Path, corpus: Path, work: Path) -> dict:
+def run_nanogpt(src: Path, corpus: Path, work: Path, threads: int | None) -> dict:
     root = work / "nanoGPT"
     if not root.exists():
         shutil.copytree(src, root, ignore=shutil.ignore_patterns(".git", "out-*", "*.bin", "*.pkl"))
         shutil.copy(corpus, root / "data" / "shakespeare_char" / "input.txt")
         subprocess.run([sys.executable, "data/shakespeare_char/prepare.py"], cwd=root, check=True, capture_output=True)
     shutil.rmtree(root / "out-shakespeare-char", ignore_errors=True)
-    lines, wall = timed_lines([sys.executable, "train.py", *NANOGPT_ARGS], root, dict(os.environ))
+    env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
+    lines, wall = timed_lines([sys.executable, "train.py", *NANOGPT_ARGS], root, env)
     evals = [(t, int(m[1]), float(m[3])) for t, l in lines if (m := EVAL.search(l))]
     # The first iteration's time holds warm-up; nanoGPT's own log gives each iteration's milliseconds.
     step_ms = [float(m[2]) for _, l in lines if (m := ITER.search(l)) and int(m[1]) > 0]
@@ -86,6 +91,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--target", type=float, default=1.886, help="val loss whose first reaching is timed")
     ap.add_argument("--only", choices=["nanogpt", "jaxlm"])
+    ap.add_argument("--torch-threads", type=int, help="nanoGPT's OMP_NUM_THREADS (default: PyTorch's own choice)")
     ap.add_argument("--set", action="append", default=[], dest="overrides", help="a jaxlm key=value (repeatable)")
     a = ap.parse_args()
     if a.only != "jaxlm" and a.nanogpt is None:
@@ -96,7 +102,7 @@ def main() -> None:
         work = Path(tmp)
         for r in range(a.repeats):
             for name in names:
-                out = (run_nanogpt(a.nanogpt, a.input.resolve(), work) if name == "nanogpt"
+                out = (run_nanogpt(a.nanogpt, a.input.resolve(), work, a.torch_threads) if name == "nanogpt"
                        else run_jaxlm(a.input.resolve(), work, a.overrides))
                 results[name].append(out)
                 reach = first_at(out["evals"], a.target)

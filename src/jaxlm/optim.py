@@ -14,8 +14,8 @@ index independent matrices (one per layer, one per expert of a layer), and the r
 the fan-out columns (`matrix_view`). Embeddings, the output layer, norms and biases take AdamW.
 
 Sharded weights: Newton-Schulz multiplies each matrix by itself ten or fifteen times, and left to XLA's
-partitioner a matrix split over FSDP and tensor devices exchanges partial products at every one of them (about
-nine times the bytes of gathering the matrix once: docs/performance.md). So each stack of matrices is first
+partitioner a matrix split over FSDP and tensor devices exchanges partial products at every one of them
+(`benchmarks/optimizer_step.py --collectives` counts the bytes). So each stack of matrices is first
 laid out whole on every device (`ns_layout`), its leading layers (or experts) axis split over the devices that
 held the pieces when it divides evenly: each device orthogonalizes whole matrices of its share of the layers, and
 one exchange there and one back replace the iteration's. The result equals one device's to float32 round-off
