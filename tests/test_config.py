@@ -23,6 +23,9 @@ def test_presets_load_and_validate():
     cpu = config_lib.load("shakespeare_char_cpu")
     assert (cpu.model.n_layers, cpu.model.n_heads, cpu.model.d_model, cpu.model.block_size) == (4, 4, 128, 64)
     assert (cpu.training.batch_size, cpu.training.steps, cpu.optimizer.decay_steps, cpu.model.dropout) == (12, 2000, 2000, 0.0)
+    assert (config_lib.load("quickstart").optimizer.name, config_lib.load("quickstart").optimizer.lr) == ("muon", 8e-3)
+    o = cpu.optimizer  # the recipe benchmarks/sweep.py found (docs/optimizers.md)
+    assert (o.name, o.lr, o.min_lr, o.warmup_steps, o.schedule, o.weight_decay) == ("muon", 8e-3, 1e-4, 30, "cosine", 0.1)
     owt = config_lib.load("openwebtext")
     assert (owt.model.vocab_size, owt.model.block_size, owt.training.batch_size, owt.training.grad_accum) == (50304, 1024, 128, 16)
 

@@ -198,9 +198,9 @@ def test_two_processes_with_stages_across_them_match_one(char_data, tmp_path):
     1 process x 8 devices with both stages in it."""
     common = ["shakespeare_char_cpu", f"data.dir={char_data}", "model.n_layers=4", "model.d_model=32",
               "model.block_size=32", "model.vocab_size=128", "training.batch_size=8", "training.steps=6",
-              "optimizer.warmup_steps=2", "checkpoint.enabled=false", "training.eval_interval=0",
-              "training.eval_batches=1", "training.sample_tokens=0", "logging.progress=false",
-              "training.log_interval=1", "mesh.ici_data=4"]
+              "optimizer.name=adamw", "optimizer.warmup_steps=2", "checkpoint.enabled=false",
+              "training.eval_interval=0", "training.eval_batches=1", "training.sample_tokens=0",
+              "logging.progress=false", "training.log_interval=1", "mesh.ici_data=4"]
     env = dict(os.environ, XLA_FLAGS=xla_flags())
     two = subprocess.run([sys.executable, "-m", "jaxlm.cli", "launch", "--processes", "2", "--devices-per-process",
                           "4", "--", "train", *common, "mesh.dcn_stage=2", f"run_dir={tmp_path / 'two'}"],
@@ -229,8 +229,8 @@ def test_a_killed_process_is_named_and_the_rerun_resumes_exactly(char_data, tmp_
     args = [sys.executable, "-m", "jaxlm.cli", "launch", "--processes", "2", "--devices-per-process", "4", "--",
             "train", "shakespeare_char_cpu", f"data.dir={char_data}", "model.n_layers=4", "model.d_model=32",
             "model.block_size=32", "model.vocab_size=128", "training.batch_size=8", "training.steps=24",
-            "optimizer.warmup_steps=2", "checkpoint.interval=5", "training.eval_interval=0",
-            "training.eval_batches=1", "training.sample_tokens=0", "logging.progress=false",
+            "optimizer.name=adamw", "optimizer.warmup_steps=2", "checkpoint.interval=5",
+            "training.eval_interval=0", "training.eval_batches=1", "training.sample_tokens=0", "logging.progress=false",
             "training.log_interval=1", "mesh.ici_data=4", "mesh.dcn_stage=2", f"run_dir={run_dir}"]
     env = dict(os.environ, XLA_FLAGS=xla_flags())
     p = subprocess.Popen(args, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -147,10 +147,10 @@ def _sigterm_one_process(args, cwd, run_dir):
 @pytest.mark.default_settings  # several processes, compiled as users' runs are
 def test_two_processes_match_one_and_resume_exactly_after_sigterm_to_one(char_data, tmp_path):
     common = ["shakespeare_char_cpu", f"data.dir={char_data}", "model.n_layers=2", "model.d_model=32",
-              "model.block_size=32", "model.vocab_size=128", "training.batch_size=8", "optimizer.warmup_steps=2",
-              "optimizer.decay_steps=12", "checkpoint.interval=6", "training.eval_interval=6",
-              "training.eval_batches=2", "training.sample_tokens=0", "logging.progress=false", "training.log_interval=1",
-              "mesh.ici_data=1", "mesh.ici_fsdp=8"]
+              "model.block_size=32", "model.vocab_size=128", "training.batch_size=8", "optimizer.name=adamw",
+              "optimizer.warmup_steps=2", "optimizer.decay_steps=12", "checkpoint.interval=6",
+              "training.eval_interval=6", "training.eval_batches=2", "training.sample_tokens=0",
+              "logging.progress=false", "training.log_interval=1", "mesh.ici_data=1", "mesh.ici_fsdp=8"]
     two_procs = ["--processes", "2", "--devices-per-process", "4", "--", "train", *common]
     # SIGTERM to one of two processes: both stop after the same step S, save it and exit 0.
     code, out, seconds = _sigterm_one_process([*two_procs, "training.steps=100000", f"run_dir={tmp_path / 'part'}"],

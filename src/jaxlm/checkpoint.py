@@ -169,6 +169,20 @@ def _restore(mngr: ocp.CheckpointManager, path: str, step: int, abstract_state: 
     return out["state"], out["loader"]
 
 
+def _restore_without_optimizer(mngr: ocp.CheckpointManager, path: str, step: int, abstract_state: dict
+                               ) -> tuple[dict, dict]:
+    """Everything of the train state but its optimizer state (Orbax's partial restore), and the loader's position."""
+    part = {k: v for k, v in abstract_state.items() if k != "opt_state"}
+    args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, global_shape=a.shape, dtype=a.dtype), part)
+    try:
+        out = mngr.restore(step, args=ocp.args.Composite(
+            state=ocp.args.PyTreeRestore(part, restore_args=args, partial_restore=True), loader=ocp.args.JsonRestore()))
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"cannot restore {path} into this model (different model settings?): "
+                              f"{str(e).splitlines()[0]}") from None
+    return out["state"], out["loader"]
+
+
 def checkpoints_dir(run_dir: str | Path) -> str:
     """A run's checkpoint folder: an absolute path, or a URL."""
     return str(storage.orbax_dir(storage.join(run_dir, "checkpoints")))
@@ -265,6 +279,13 @@ class Checkpointer:
     def restore(self, step: int, abstract_state: dict) -> tuple[dict, dict]:
         """Restore into the shapes and shardings of `abstract_state` (a tree of ShapeDtypeStruct)."""
         return _restore(self._mngr, self._path(str(step)), step, abstract_state)
+
+    def restore_without_optimizer(self, step: int, abstract_state: dict) -> tuple[dict, dict]:
+        """`restore` of all but the optimizer state (returned without an "opt_state"): for a run that goes on
+        with another optimizer, whose state a checkpoint of the first does not hold."""
+        # A manager of its own: this one has registered the handler its saves use, which takes whole trees only.
+        with _manager(self.dir, read_only=True, create=False, enable_async_checkpointing=False) as mngr:
+            return _restore_without_optimizer(mngr, self._path(str(step)), step, abstract_state)
 
     def save(self, step: int, state: dict, loader_state: dict) -> None:
         """Start saving `state` at `step`. Raises CheckpointError when the previous save failed and

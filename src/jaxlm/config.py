@@ -254,15 +254,28 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    lr: float = _f(1e-3, "peak learning rate")
-    min_lr: float = _f(1e-4, "learning rate at the end of the decay")
+    name: Literal["adamw", "muon"] = _f(
+        "adamw", "adamw: AdamW on every weight; muon: Muon (orthogonalized momentum) on the hidden matrices of the "
+                 "layers (attention, MLP, experts, router; per layer and per expert) and AdamW on embeddings, "
+                 "output layer, norms and biases (optim.py; a LoRA run's adapters always train with AdamW)")
+    lr: float = _f(1e-3, "peak learning rate (of every weight with adamw; of the AdamW group with muon)")
+    min_lr: float = _f(1e-4, "learning rate at the end of the decay (the muon group's is scaled alike)")
     warmup_steps: int = _f(100, "linear warmup steps from 0 to lr")
     decay_steps: int | None = _f(None, "step at which the decay reaches min_lr; None = training.steps")
-    schedule: Literal["cosine", "linear", "constant"] = _f("cosine", "decay shape after warmup")
+    schedule: Literal["cosine", "wsd", "linear", "constant"] = _f(
+        "cosine", "after warmup: cosine or linear decay to min_lr at decay_steps; wsd = warmup-stable-decay: lr "
+                  "held until the cooldown (cooldown_steps or cooldown_fraction) before decay_steps, then "
+                  "cooldown_shape down to min_lr, so a run extended with a larger training.steps before its "
+                  "cooldown starts continues exactly; constant = lr after warmup")
+    cooldown_fraction: float = _f(0.2, "schedule=wsd: share of the steps up to decay_steps spent cooling down")
+    cooldown_steps: int | None = _f(None, "schedule=wsd: length of the cooldown in steps; None = cooldown_fraction")
+    cooldown_shape: Literal["linear", "cosine", "sqrt"] = _f(
+        "linear", "schedule=wsd: shape of the cooldown from lr to min_lr: linear, cosine, or sqrt "
+                  "(1 - sqrt(progress): most of the drop early; Hagele et al. 2024)")
     beta1: float = _f(0.9, "AdamW beta1")
     beta2: float = _f(0.95, "AdamW beta2")
     eps: float = _f(1e-8, "AdamW epsilon")
-    weight_decay: float = _f(0.1, "weight decay (see weight_decay_mode)")
+    weight_decay: float = _f(0.1, "weight decay (see weight_decay_mode); of the AdamW group with muon")
     weight_decay_mode: Literal["coupled", "independent"] = _f(
         "coupled",
         "coupled: decay multiplied by the scheduled lr (torch AdamW); independent: decay follows the "
@@ -270,6 +283,20 @@ class OptimizerConfig:
     )
     decay_embeddings: bool = _f(True, "apply weight decay to embedding tables (norms and biases never decay)")
     grad_clip: float = _f(1.0, "global gradient-norm clipping threshold; 0 disables")
+    muon_lr: float | None = _f(None, "optimizer.name=muon: peak learning rate of the Muon group; None = lr (the "
+                                     "update is scaled to an RMS of muon_rms, so both groups can share one rate)")
+    muon_weight_decay: float | None = _f(None, "optimizer.name=muon: the Muon group's decoupled weight decay; "
+                                               "None = weight_decay")
+    muon_momentum: float = _f(0.95, "optimizer.name=muon: momentum of the gradient average Muon orthogonalizes")
+    muon_nesterov: bool = _f(True, "optimizer.name=muon: Nesterov momentum (orthogonalize g + momentum * m)")
+    muon_ns_steps: int = _f(5, "optimizer.name=muon: Newton-Schulz iterations per update")
+    muon_rms: float = _f(0.2, "optimizer.name=muon: each orthogonalized update is scaled by muon_rms * "
+                              "sqrt(max(fan_in, fan_out)), giving it about that RMS (AdamW's typical 0.2-0.4: "
+                              "Moonlight); 0 = Keller Jordan's scale max(1, fan_out / fan_in) ** 0.5 instead")
+    qk_clip: float = _f(0.0, "MuonClip (Kimi K2): after each update, a head whose largest attention logit in the "
+                             "step exceeded this threshold has its query and key projections scaled so it would "
+                             "not (per head; with QK-norm, the layer's shared norm scales by its worst head); the "
+                             "largest logit of each layer is logged as attn_logit_max/<layer>. 0 = off (Kimi: 100)")
 
 
 @dataclass(frozen=True)
@@ -778,6 +805,9 @@ def validate(cfg: Config) -> None:
     _validate_common(cfg)
     _validate_model(cfg.model, cfg.mesh)
     _validate_optimizer_and_training(cfg.optimizer, cfg.training, cfg.checkpoint)
+    if cfg.optimizer.qk_clip and cfg.model.qk_l2_norm:
+        raise ConfigError(f"optimizer.qk_clip={cfg.optimizer.qk_clip} scales query and key weights, whose scale "
+                          "model.qk_l2_norm normalizes away (it bounds the logits itself); set optimizer.qk_clip=0")
     _validate_lora(cfg)
     _validate_preference(cfg)
     _validate_grpo(cfg)
@@ -933,6 +963,24 @@ def _validate_optimizer_and_training(o: OptimizerConfig, t: TrainingConfig, c: C
     decay = o.decay_steps if o.decay_steps is not None else t.steps
     if o.schedule != "constant" and decay < o.warmup_steps:
         raise ConfigError(f"optimizer.decay_steps={decay} must be >= optimizer.warmup_steps={o.warmup_steps}")
+    if not 0.0 <= o.cooldown_fraction <= 1.0:
+        raise ConfigError(f"optimizer.cooldown_fraction={o.cooldown_fraction} must be in [0, 1]")
+    if o.cooldown_steps is not None and o.cooldown_steps < 0:
+        raise ConfigError(f"optimizer.cooldown_steps={o.cooldown_steps} must be >= 0 (or None: cooldown_fraction)")
+    if o.schedule == "wsd" and o.cooldown_steps is not None and o.cooldown_steps > decay - o.warmup_steps:
+        raise ConfigError(f"optimizer.cooldown_steps={o.cooldown_steps} is longer than the {decay - o.warmup_steps} "
+                          f"steps between optimizer.warmup_steps={o.warmup_steps} and the end of the decay "
+                          f"(optimizer.decay_steps or training.steps={decay})")
+    if o.muon_lr is not None:
+        _positive("optimizer.muon_lr", o.muon_lr)
+    if o.muon_weight_decay is not None and o.muon_weight_decay < 0:
+        raise ConfigError(f"optimizer.muon_weight_decay={o.muon_weight_decay} must be >= 0")
+    if not 0.0 <= o.muon_momentum < 1.0:
+        raise ConfigError(f"optimizer.muon_momentum={o.muon_momentum} must be in [0, 1)")
+    _positive("optimizer.muon_ns_steps", o.muon_ns_steps)
+    for key in ("muon_rms", "qk_clip"):
+        if getattr(o, key) < 0:
+            raise ConfigError(f"optimizer.{key}={getattr(o, key)} must be >= 0 (0 = off)")
     for key in ("steps", "batch_size", "grad_accum", "eval_batches", "log_interval"):
         _positive(f"training.{key}", getattr(t, key))
     _positive("training.pipeline_repeats", t.pipeline_repeats)
@@ -1023,6 +1071,9 @@ def _validate_lora(cfg: Config) -> None:
     if max(cfg.mesh.ici_stage, cfg.mesh.dcn_stage) > 1:
         raise ConfigError("lora.rank with pipeline stages (mesh.ici_stage / mesh.dcn_stage > 1) is not supported; "
                           "use FSDP (mesh.ici_fsdp) to spread the frozen base instead")
+    if cfg.optimizer.qk_clip:
+        raise ConfigError(f"optimizer.qk_clip={cfg.optimizer.qk_clip} rescales the query and key weights, which a LoRA "
+                          "run keeps frozen; set optimizer.qk_clip=0 for lora.rank > 0")
 
 
 PREFERENCE_OBJECTIVES = ("dpo", "ipo", "orpo")

@@ -25,7 +25,7 @@ from jaxlm import config as config_lib
 from jaxlm import generate, lora, metrics, objectives, optim, params as P, runtime, sharding, storage
 from jaxlm.config import Config, ConfigError
 from jaxlm.data import loader as loader_lib, mixture, packing, preference, prepare, tokenizer as tokenizer_lib
-from jaxlm.model import param_specs, ring
+from jaxlm.model import param_specs, ring, transformer
 
 
 class TrainingError(RuntimeError):
@@ -124,7 +124,7 @@ def setup(cfg: Config, devices=None, data: bool = True) -> Run:
     if cfg.logging.wandb:
         metrics.require_wandb()
     specs = lora.specs(cfg) if lora.enabled(cfg) else param_specs(cfg.model)
-    optimizer = optim.make(cfg.optimizer, cfg.training.steps)
+    optimizer = optim.make(cfg.optimizer, cfg.training.steps, None if lora.enabled(cfg) else specs, mesh, param_rules)
     abstract_state = make_abstract_state(specs, mesh, optimizer, param_rules)
     abstract_frozen = placed(lora.frozen_specs(cfg), mesh, param_rules) if lora.enabled(cfg) else None
     run_dir = resolve_run_dir(cfg)
@@ -306,6 +306,15 @@ def init_state(run: Run, seed: int) -> dict:
     return init(params)
 
 
+def with_fresh_optimizer(run: Run, state: dict) -> dict:
+    """A restored train state without optimizer state (checkpoint.restore_without_optimizer) completed by a fresh
+    one whose learning-rate schedule stands at the updates the weights have had (steps minus skipped ones)."""
+    applied = state["step"] - state["guard"]["nonfinite_skips"] - state["guard"]["spike_skips"]
+    init = jax.jit(lambda p, n: optim.schedule_at(run.optimizer.init(p), n),
+                   out_shardings=shardings_of(run.abstract_state["opt_state"]))
+    return {**state, "opt_state": init(state["params"], applied)}
+
+
 def init_state_from(run: Run, path: str) -> dict:
     """Weights from a converted checkpoint or another run (fine-tuning), fresh optimizer state, step 0. A LoRA
     run takes its base from there (load_frozen) and starts fresh adapters, unless the folder holds an imported
@@ -415,7 +424,9 @@ def make_train_step(cfg: Config, optimizer, mesh, abstract_state, act_rules=shar
     the `lr` metric reports the rate the optimizer used. Metrics: loss, grad_norm, lr, loss_avg and the
     guard counters nonfinite_skips, spike_skips, skips_in_a_row (totals after this step)."""
     objective = objectives.get(cfg.training.objective)
-    lr_at = optim.schedule(cfg.optimizer, cfg.training.steps)
+    o = cfg.optimizer
+    lr_at = optim.schedule(o, cfg.training.steps)
+    muon_lr_at = optim.schedule(o, cfg.training.steps, o.muon_lr) if o.name == "muon" and o.muon_lr else None
     spike = cfg.training.spike_threshold
     base_key = jax.random.key(cfg.seed + 1)
     pipeline = (cfg.training.pipeline_microbatches, cfg.training.pipeline_repeats)
@@ -424,9 +435,10 @@ def make_train_step(cfg: Config, optimizer, mesh, abstract_state, act_rules=shar
     def step_fn(state, batch, frozen=None):
         params = state["params"]
         key = jax.random.fold_in(base_key, state["step"])
+        batch = zigzag_batch(batch, mesh, act_rules)
         with sharding.activation_sharding(mesh, act_rules, pipeline, param_rules):
-            (loss, extra), grads = loss_and_grads(objective, params, zigzag_batch(batch, mesh, act_rules), cfg, key,
-                                                  frozen)
+            (loss, extra), grads = loss_and_grads(objective, params, batch, cfg, key, frozen)
+            top_LN = attention_logit_max(params, batch, cfg) if o.qk_clip else None
         grad_norm = optax.tree.norm(grads)
         guard = state["guard"]
         avg = guard["loss_avg"]
@@ -445,7 +457,13 @@ def make_train_step(cfg: Config, optimizer, mesh, abstract_state, act_rules=shar
             "spike_skips": guard["spike_skips"] + spiked.astype(jnp.int32),
             "skips_in_a_row": jnp.where(finite, 0, guard["skips_in_a_row"] + 1),
         }
-        new_state = {"params": jax.tree.map(keep, optax.apply_updates(params, updates), params),
+        new_params = optax.apply_updates(params, updates)
+        if top_LN is not None:
+            extra = {**extra, **logit_max_metrics(top_LN, o.qk_clip)}
+            new_params = transformer.clip_qk(new_params, top_LN, o.qk_clip, cfg.model)
+        if muon_lr_at is not None:
+            extra = {**extra, "muon_lr": muon_lr_at(state["step"] - guard["nonfinite_skips"] - guard["spike_skips"])}
+        new_state = {"params": jax.tree.map(keep, new_params, params),
                      "opt_state": jax.tree.map(keep, opt_state, state["opt_state"]),
                      "step": state["step"] + 1, "guard": new_guard}
         applied_before = state["step"] - guard["nonfinite_skips"] - guard["spike_skips"]
@@ -455,6 +473,22 @@ def make_train_step(cfg: Config, optimizer, mesh, abstract_state, act_rules=shar
 
     state_sh = shardings_of(abstract_state)
     return jax.jit(step_fn, donate_argnums=0, out_shardings=(state_sh, None))
+
+
+def attention_logit_max(params: dict, batch: dict, cfg: Config) -> jax.Array:
+    """The largest attention logit of each layer's query heads over all the step's micro-batches [L, N]."""
+    def one(b):
+        return transformer.attention_logit_max(params, b["inputs"], cfg.model, b.get("positions"),
+                                               b.get("segment_ids"))
+
+    return jnp.max(jax.lax.map(one, batch), axis=0)
+
+
+def logit_max_metrics(top_LN: jax.Array, threshold: float) -> dict:
+    """attn_logit_max/<layer>: each layer's largest attention logit; qk_clipped_heads: how many heads exceeded
+    the threshold and were scaled down."""
+    return {**{f"attn_logit_max/{i}": top_LN[i].max() for i in range(top_LN.shape[0])},
+            "qk_clipped_heads": jnp.sum(top_LN > threshold)}
 
 
 def step_args(run: Run) -> dict:
@@ -613,11 +647,12 @@ def evaluate(eval_step, params, run: Run, plans: dict, frozen: dict | None = Non
     return out
 
 
-def check_resume_config(run_dir: Path | str, cfg: Config) -> None:
-    """A run directory's checkpoint only fits a model with the same settings."""
+def check_resume_config(run_dir: Path | str, cfg: Config) -> dict | None:
+    """A run directory's checkpoint only fits a model with the same settings. Returns the settings the run
+    directory was last trained with (its config.json as a dict; None for a new run)."""
     path = storage.join(run_dir, "config.json")
     if not storage.exists(path):
-        return
+        return None
     whole = json.loads(storage.read_text(path))
     saved = whole.get("model", {})
     for k, v in dataclasses.asdict(cfg.model).items():
@@ -637,6 +672,7 @@ def check_resume_config(run_dir: Path | str, cfg: Config) -> None:
         if there != v:
             raise ConfigError(f"run_dir {run_dir} holds a checkpoint trained with {key}={there!r}, and this run has "
                               f"{v!r}; resume with the same setting or use another run_dir")
+    return whole
 
 
 def sample_text(params, cfg: Config, tok: tokenizer_lib.Tokenizer, prompt: str, new_tokens: int,

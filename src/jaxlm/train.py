@@ -19,7 +19,7 @@ import jax
 
 from jaxlm import checkpoint as ckpt
 from jaxlm import config as config_lib
-from jaxlm import diagnostics, distributed, lora, metrics, objectives, params as P, quant, reference, rl
+from jaxlm import diagnostics, distributed, lora, metrics, objectives, optim, params as P, quant, reference, rl
 from jaxlm import saved_step, step as step_lib, storage
 from jaxlm.config import Config, ConfigError
 from jaxlm.step import TrainingError
@@ -82,6 +82,8 @@ def _describe_run(run: step_lib.Run, log: Callable[[str], None]):
         log(lora.describe(cfg))
     log(f"batch: {t_cfg.batch_size} sequences global ({t_cfg.per_device_batch_size:g} per device) x "
         f"{t_cfg.grad_accum} accumulation = {tokens_per_step:,} tokens/step")
+    log(optim.describe(cfg.optimizer, run.specs, adapters=lora.enabled(cfg)) + (
+        f" | MuonClip: QK-clip at attention logits over {cfg.optimizer.qk_clip:g}" if cfg.optimizer.qk_clip else ""))
     log(f"model FLOPs {flops_per_token:,.0f} per token (causal attention counted as half"
         + ("; no weight gradients for the frozen base" if lora.enabled(cfg) else "")
         + ("; its forward pass again as the reference" if base_reference else "") + ") | peak "
@@ -108,14 +110,43 @@ def _first_state(run: step_lib.Run, checkpointer, batches, log: Callable[[str], 
     cfg = run.cfg
     latest = checkpointer.latest if checkpointer else None
     if latest is not None:
-        state, loader_state = checkpointer.restore(latest, run.abstract_state)
+        where = storage.join(checkpointer.dir, str(latest))
+        try:
+            state, loader_state = checkpointer.restore(latest, run.abstract_state)
+        except ckpt.CheckpointError as e:
+            # The weights fit but the optimizer state does not: the run goes on with another optimizer
+            # (optimizer.name=adamw before, muon now). Anything else fails as it did above.
+            try:
+                state, loader_state = checkpointer.restore_without_optimizer(latest, run.abstract_state)
+            except ckpt.CheckpointError:
+                raise e from None
+            state = step_lib.with_fresh_optimizer(run, state)
+            log(f"{where} holds another optimizer's state: continuing its weights and data position with a fresh "
+                f"{cfg.optimizer.name} state (new moments; the learning-rate schedule continues at step {latest})")
         batches.restore(loader_state)
-        log(f"resumed from {storage.join(checkpointer.dir, str(latest))} at step {latest}")
+        log(f"resumed from {where} at step {latest}")
         return state
     if cfg.checkpoint.init_from:
         log(f"initialized the weights from {cfg.checkpoint.init_from}")
         return step_lib.init_state_from(run, cfg.checkpoint.init_from)
     return step_lib.init_state(run, cfg.seed)
+
+
+def _schedule_change(o: config_lib.OptimizerConfig, before: int, now: int, start: int) -> str:
+    """One line for a run resumed at `start` with training.steps changed from `before` to `now`: where its
+    learning-rate schedule goes from here, and whether it continues the first run's exactly."""
+    head = f"training.steps {before} -> {now} at step {start}: "
+    if o.schedule == "wsd":
+        (was, _), (begins, ends) = optim.wsd_phases(o, before), optim.wsd_phases(o, now)
+        if start <= min(was, begins):
+            return head + f"still in the stable phase, the cooldown now runs from step {begins} to {ends} (was {was})"
+        where = f"the cooldown had begun at step {was}" if start > was else f"the new cooldown began at step {begins}"
+        return head + (f"{where}; from here the rate follows the new schedule ({begins} to {ends}), "
+                       f"{'rising' if start < begins else 'jumping'} from the first run's")
+    if o.schedule in ("cosine", "linear") and o.decay_steps is None:
+        return head + (f"the {o.schedule} decay now ends at step {now}, so the learning rate from here differs from "
+                       "the first run's (optimizer.schedule=wsd extends a run exactly)")
+    return head + f"the {o.schedule} schedule is unchanged by it"
 
 
 def _report_end(summary: dict, last_eval: dict, log: Callable[[str], None]) -> None:
@@ -191,7 +222,7 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
                                       step_lib.step_args(run))
     t_cfg = cfg.training
     storage.makedirs(run_dir)
-    step_lib.check_resume_config(run_dir, cfg)
+    saved = step_lib.check_resume_config(run_dir, cfg)
     if main_process:  # atomically: the other processes may be reading it in check_resume_config
         storage.write_text(storage.join(run_dir, "config.json"), config_lib.to_json(cfg))
 
@@ -207,6 +238,8 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
     step_args = (lambda state, batch: (state, batch)) if frozen is None else (
         lambda state, batch: (state, batch, frozen))
     start = int(jax.device_get(state["step"]))
+    if start and saved and (before := saved.get("training", {}).get("steps", t_cfg.steps)) != t_cfg.steps:
+        log(_schedule_change(cfg.optimizer, before, t_cfg.steps, start))
     skips = {k: int(v) for k, v in jax.device_get(state["guard"]).items()}
 
     if loaded_step is not None:

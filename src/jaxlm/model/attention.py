@@ -295,6 +295,83 @@ def attention_with_kv(x_BTD, p, cfg, positions_BT, key=None, kind="global", segm
         return checkpoint_name(project_out(out_BTNH, p), "out_proj"), k_BTKH, v_BTKH
 
 
+def attention_with_logit_max(x_BTD, p, cfg, positions_BT, kind="global", segment_ids_BT=None):
+    """Self-attention over x (no dropout), and the largest attention logit of each query head over the batch
+    [N]: what MuonClip's QK-clip watches (clip_qk)."""
+    with jax.named_scope("attention"):
+        q_BTNH, k_BTKH, v_BTKH = project_qkv(x_BTD, p, cfg, positions_BT, kind)
+        out_BTNH = self_attention(q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, cfg, kind, None,
+                                  p.get("sinks"))
+        return project_out(out_BTNH, p), kind_logit_max(q_BTNH, k_BTKH, positions_BT, segment_ids_BT, cfg, kind)
+
+
+def kind_logit_max(q_BTNH, k_BTKH, positions_BT, segment_ids_BT, cfg, kind: str) -> jax.Array:
+    """`logit_max` under the mask and scale of a layer kind."""
+    window, chunk = limits(cfg, kind)
+    return logit_max(q_BTNH, k_BTKH, positions_BT, segment_ids_BT, window, chunk, scale(cfg), cfg.attention_block)
+
+
+def logit_max(q_BTNH, k_BTKH, positions_BT, segment_ids_BT=None, window=None, chunk=None, factor=None,
+              block=512) -> jax.Array:
+    """The largest logit q.k * factor (before any soft-cap; factor defaults to 1/sqrt(H)) of each query head over
+    every pair the mask allows [N], in float32, `block` queries at a time, so the [B, N, T, T] logits never exist
+    at once."""
+    B, T, N, H = q_BTNH.shape
+    K = k_BTKH.shape[2]
+    factor = H ** -0.5 if factor is None else factor
+    C = min(block, T)
+    pad = -T % C
+    seg_BT = jnp.zeros((B, T), jnp.int32) if segment_ids_BT is None else segment_ids_BT
+    # Padded queries get position -1, which no key precedes: they see nothing.
+    q_nBCKGH = jnp.pad(q_BTNH, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(B, -1, C, K, N // K, H).swapaxes(0, 1)
+    pos_nBC = jnp.pad(positions_BT, ((0, 0), (0, pad)), constant_values=-1).reshape(B, -1, C).swapaxes(0, 1)
+    seg_nBC = jnp.pad(seg_BT, ((0, 0), (0, pad))).reshape(B, -1, C).swapaxes(0, 1)
+
+    def one(inputs):
+        q_BCKGH, pos_BC, seg_BC = inputs
+        logits_BKGCS = jnp.einsum("BCKGH,BSKH->BKGCS", q_BCKGH, k_BTKH, preferred_element_type=jnp.float32) * factor
+        allowed_BCS = mask(pos_BC, positions_BT, window, seg_BC, seg_BT, chunk)
+        logits_BKGCS = jnp.where(allowed_BCS[:, None, None], logits_BKGCS, -jnp.inf)
+        return jnp.max(logits_BKGCS, axis=(0, 3, 4)).reshape(N)
+
+    return jnp.max(jax.lax.map(one, (q_nBCKGH, pos_nBC, seg_nBC)), axis=0)
+
+
+def qk_clip_factors(logit_max_LN: jax.Array, threshold: float) -> jax.Array:
+    """gamma [L, N]: threshold / max for each head whose largest logit exceeded the threshold, else 1."""
+    return jnp.where(logit_max_LN > threshold, threshold / logit_max_LN, 1.0)
+
+
+def clip_qk(p_attn: dict, logit_max_LN: jax.Array, threshold: float, cfg) -> dict:
+    """QK-clip (MuonClip, Kimi K2): the stacked attention weights [L, ...] with each head whose largest logit
+    exceeded `threshold` scaled so that, on the same inputs, it would have been `threshold`: gamma = threshold /
+    max. The query and key projections take sqrt(gamma) each when every query head has its own key head; with
+    grouped-query heads the shared keys stay and the query head takes gamma. With QK-norm the projections' scale
+    cancels, so the layer's query and key norm scales, shared by its heads, take sqrt(gamma) of its worst head.
+    Biases of the projections scale with them."""
+    gamma_LN = qk_clip_factors(logit_max_LN, threshold)
+    L, N = gamma_LN.shape
+    K = cfg.kv_heads
+    p = {**p_attn}
+    if cfg.qk_norm:
+        root_L = jnp.sqrt(jnp.min(gamma_LN, axis=1))
+        for name in ("q_norm", "k_norm"):
+            norm = {**p[name]}
+            # The norm multiplies by `scale`, or by (1 + scale) with norm_plus_one (Gemma).
+            shift = 1.0 if cfg.norm_plus_one else 0.0
+            norm["scale"] = ((norm["scale"] + shift) * root_L[:, None] - shift).astype(norm["scale"].dtype)
+            if "bias" in norm:
+                norm["bias"] = (norm["bias"] * root_L[:, None]).astype(norm["bias"].dtype)
+            p[name] = norm
+        return p
+    q_LN, k_LK = (jnp.sqrt(gamma_LN), jnp.sqrt(gamma_LN)) if K == N else (gamma_LN, jnp.ones((L, K)))
+    for name, s_LX in (("q", q_LN), ("k", k_LK)):
+        p[name] = (p[name] * s_LX[:, None, :, None]).astype(p[name].dtype)
+        if f"{name}_bias" in p:
+            p[f"{name}_bias"] = (p[f"{name}_bias"] * s_LX[:, :, None]).astype(p[f"{name}_bias"].dtype)
+    return p
+
+
 def project_entries(x_BTD, p, cfg, positions_BT, kind="global"):
     """Queries [B, T, N, H] and what the cache keeps of each token, (keys, values) [B, T, K, H]."""
     q_BTNH, k_BTKH, v_BTKH = project_qkv(x_BTD, p, cfg, positions_BT, kind)

@@ -78,24 +78,54 @@ def project(x_BTD, p, cfg, positions_BT, kind="global"):
     return jnp.concatenate([q_BTNA[..., :h], qr_BTNr], axis=-1), c_BTC, kr_BT1r[:, :, 0]
 
 
+def _expanded(x_BTD, p, cfg, positions_BT, kind):
+    """Every head's queries and keys [B, T, N, A] and values [B, T, N, A] (padded from v_head_dim to the key
+    width when narrower), with the latents [B, T, C] and rotary keys [B, T, r] they came from."""
+    q_BTNA, c_BTC, kr_BTr = project(x_BTD, p, cfg, positions_BT, kind)
+    q_BTNA = constrain(q_BTNA, ("batch", "length", "heads", "head_dim"))
+    k_BTNh = layers.dot("BTC,CNh->BTNh", c_BTC, p["k_b"])
+    v_BTNv = checkpoint_name(layers.dot("BTC,CNv->BTNv", c_BTC, p["v_b"]), "value_proj")
+    N, A, Hv = q_BTNA.shape[2], q_BTNA.shape[3], v_BTNv.shape[3]
+    kr_BTNr = jnp.broadcast_to(kr_BTr[:, :, None], (*kr_BTr.shape[:2], N, kr_BTr.shape[-1]))
+    k_BTNA = jnp.concatenate([k_BTNh, kr_BTNr.astype(k_BTNh.dtype)], axis=-1)
+    if Hv < A:  # the kernels take values as wide as keys
+        v_BTNv = jnp.pad(v_BTNv, [(0, 0)] * 3 + [(0, A - Hv)])
+    return q_BTNA, k_BTNA, v_BTNv, c_BTC, kr_BTr
+
+
 def attention_with_kv(x_BTD, p, cfg, positions_BT, key=None, kind="global", segment_ids_BT=None):
     """Self-attention of a latent-attention layer, and what the cache keeps of each token: the rotary keys
     [B, T, 1, r] and the latents [B, T, 1, C]."""
     with jax.named_scope("latent_attention"):
-        q_BTNA, c_BTC, kr_BTr = project(x_BTD, p, cfg, positions_BT, kind)
-        q_BTNA = constrain(q_BTNA, ("batch", "length", "heads", "head_dim"))
-        k_BTNh = layers.dot("BTC,CNh->BTNh", c_BTC, p["k_b"])
-        v_BTNv = checkpoint_name(layers.dot("BTC,CNv->BTNv", c_BTC, p["v_b"]), "value_proj")
-        N, A, Hv = q_BTNA.shape[2], q_BTNA.shape[3], v_BTNv.shape[3]
-        kr_BTNr = jnp.broadcast_to(kr_BTr[:, :, None], (*kr_BTr.shape[:2], N, kr_BTr.shape[-1]))
-        k_BTNA = jnp.concatenate([k_BTNh, kr_BTNr.astype(k_BTNh.dtype)], axis=-1)
-        if Hv < A:  # the kernels take values as wide as keys
-            v_BTNv = jnp.pad(v_BTNv, [(0, 0)] * 3 + [(0, A - Hv)])
-        out_BTNv = attention.self_attention(q_BTNA, k_BTNA, v_BTNv, positions_BT, segment_ids_BT, cfg, kind, key,
-                                            p.get("sinks"))[..., :Hv]
+        q_BTNA, k_BTNA, v_BTNA, c_BTC, kr_BTr = _expanded(x_BTD, p, cfg, positions_BT, kind)
+        out_BTNv = attention.self_attention(q_BTNA, k_BTNA, v_BTNA, positions_BT, segment_ids_BT, cfg, kind, key,
+                                            p.get("sinks"))[..., :cfg.v_head_dim]
         out_BTNv = checkpoint_name(out_BTNv, "context")
         out_BTD = checkpoint_name(attention.project_out(out_BTNv, p), "out_proj")
         return out_BTD, kr_BTr[:, :, None], c_BTC[:, :, None]
+
+
+def attention_with_logit_max(x_BTD, p, cfg, positions_BT, kind="global", segment_ids_BT=None):
+    """attention.attention_with_logit_max of a latent-attention layer: output and each head's largest logit [N]."""
+    with jax.named_scope("latent_attention"):
+        q_BTNA, k_BTNA, v_BTNA, _, _ = _expanded(x_BTD, p, cfg, positions_BT, kind)
+        out_BTNv = attention.self_attention(q_BTNA, k_BTNA, v_BTNA, positions_BT, segment_ids_BT, cfg, kind, None,
+                                            p.get("sinks"))[..., :cfg.v_head_dim]
+        top_N = attention.kind_logit_max(q_BTNA, k_BTNA, positions_BT, segment_ids_BT, cfg, kind)
+        return attention.project_out(out_BTNv, p), top_N
+
+
+def clip_qk(p_attn: dict, logit_max_LN: jax.Array, threshold: float, cfg) -> dict:
+    """QK-clip of latent attention (MuonClip, Kimi K2): a head's score is q_nope . k_nope + q_rope . k_rope, so
+    for gamma = threshold / max its rotary-free query columns (of q_b, or q) and its key projection k_b take
+    sqrt(gamma) each, its rotary query columns gamma, and the rotary key, shared by every head, stays."""
+    gamma_LN = attention.qk_clip_factors(logit_max_LN, threshold)
+    h, r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+    root_LN = jnp.sqrt(gamma_LN)
+    name = "q_b" if "q_b" in p_attn else "q"
+    s_LNA = jnp.concatenate([jnp.repeat(root_LN[..., None], h, -1), jnp.repeat(gamma_LN[..., None], r, -1)], -1)
+    return {**p_attn, name: (p_attn[name] * s_LNA[:, None]).astype(p_attn[name].dtype),
+            "k_b": (p_attn["k_b"] * root_LN[:, None, :, None]).astype(p_attn["k_b"].dtype)}
 
 
 def project_entries(x_BTD, p, cfg, positions_BT, kind="global"):

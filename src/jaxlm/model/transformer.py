@@ -316,6 +316,35 @@ def mtp_logits(params: dict, tokens_BT: jax.Array, cfg: ModelConfig, positions_B
 
 
 @quant.scoped
+def attention_logit_max(params: dict, tokens_BT: jax.Array, cfg: ModelConfig, positions_BT: jax.Array | None = None,
+                        segment_ids_BT: jax.Array | None = None) -> jax.Array:
+    """The largest attention logit of every layer's query heads over the batch [L, N] (before soft-capping), from
+    a forward pass without dropout or output layer: what MuonClip's QK-clip watches (clip_qk)."""
+    positions_BT = _positions(tokens_BT, positions_BT)
+    x_BTD = constrain(embed(params, tokens_BT, cfg, positions_BT), ("batch", "length", "embed"))
+    attn_mod = latent if cfg.latent else attention
+
+    def step(x_BTD, p, kind, j, r, _):
+        def attn(h_BTD, p_attn):
+            return attn_mod.attention_with_logit_max(h_BTD, p_attn, cfg, positions_BT, kind.attention, segment_ids_BT)
+
+        x_BTD, _, top_N = _block(x_BTD, _matmul_weights(p, cfg), cfg, attn)
+        return x_BTD, top_N
+
+    with jax.named_scope("attention_logit_max"):
+        _, tops = stack.run(cfg, params["layers"], step, x_BTD, scan=cfg.scan_layers)
+    return stack.in_layer_order(tops, cfg.n_layers)
+
+
+def clip_qk(params: dict, logit_max_LN: jax.Array, threshold: float, cfg: ModelConfig) -> dict:
+    """`params` with the layers' query and key weights QK-clipped (attention.clip_qk, latent.clip_qk)."""
+    attn_mod = latent if cfg.latent else attention
+    layer_params = params["layers"]
+    return {**params, "layers": {**layer_params, "attn": attn_mod.clip_qk(layer_params["attn"], logit_max_LN,
+                                                                          threshold, cfg)}}
+
+
+@quant.scoped
 def prefill(params: dict, tokens_BT: jax.Array, lengths_B: jax.Array, cfg: ModelConfig, cache_length: int,
             quantize: bool = False) -> tuple[jax.Array, kvcache.KVCache]:
     """Run a batch of prompts, right-padded to T (sequence b has lengths_B[b] real tokens, 1 <= length <=
