@@ -38,7 +38,7 @@ def settings(a, tmp: Path) -> list[str]:
             f"grpo.group_size={a.group}", f"grpo.max_completion_tokens={a.completion}",
             f"training.batch_size={a.prompts * a.group}", f"training.steps={a.steps}", "training.eval_interval=0",
             "checkpoint.enabled=false", "logging.progress=false", "logging.tensorboard=false",
-            "training.sample_tokens=0", "optimizer.warmup_steps=1", f"run_dir={tmp / 'run'}"]
+            "training.sample_tokens=0", "optimizer.name=adamw", "optimizer.warmup_steps=1", f"run_dir={tmp / 'run'}"]
 
 
 def engine_alone(params, cfg, prompts: list[list[int]], group: int, repeats: int) -> list[float]:

@@ -31,7 +31,7 @@ def model_settings(a) -> dict:
             "model.n_kv_heads": a.d_model // 192, "model.d_ff": int(a.d_model * 8 / 3) // 64 * 64,
             "model.vocab_size": 32000, "model.block_size": a.block, "model.glu": True, "model.activation": "silu",
             "model.qk_norm": False, "model.tie_embeddings": False, "training.batch_size": a.batch,
-            "optimizer.warmup_steps": 1}
+            "optimizer.name": "adamw", "optimizer.warmup_steps": 1}
 
 
 def make_base(folder: Path, cfg: config_lib.Config) -> None:
