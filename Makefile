@@ -36,10 +36,10 @@ quickstart: $(VENV)/.installed
 	$(VENV)/bin/jaxlm train quickstart
 
 test: $(VENV)/.installed-test slurm
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=25
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 test-fast: $(VENV)/.installed-test slurm
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not slow"
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow"
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/train_throughput.py

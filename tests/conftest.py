@@ -136,13 +136,11 @@ def tiny_config(data_dir: Path, run_dir: Path | None = None, **overrides) -> con
     return cfg
 
 
-# Modules that hold the longest tests (two-process runs, Slurm jobs, S3 and GCS servers, GRPO and DPO runs) run
-# first, so that with two workers (`make test`) the long ones do not start last while the other worker has nothing
-# left to do.
-FIRST = ("test_slurm", "test_sharding", "test_storage", "test_rl", "test_preference")
-# Modules whose module-scoped fixtures train a model: their tests go to one worker (`--dist loadgroup`, as `make
-# test` runs), so that the fixture trains once rather than once per worker.
-ONE_WORKER = ("test_rl", "test_preference", "test_adapters")
+# `make test` gives each module to one worker (`--dist loadfile`), so that a module-scoped fixture (a trained model,
+# a server) is made once rather than once per worker. Modules that hold the longest tests (two-process runs, Slurm
+# jobs, S3 and GCS servers, GRPO, DPO and serving) run first, so that the long ones do not start last while the
+# other worker has nothing left to do.
+FIRST = ("test_slurm", "test_sharding", "test_storage", "test_rl", "test_preference", "test_serve", "test_context")
 
 
 def pytest_configure(config):
@@ -177,12 +175,9 @@ def pytest_pyfunc_call(pyfuncitem):
     return True
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(session, config, items):
-    items.sort(key=lambda item: 0 if item.module.__name__ in FIRST else 1)  # stable: modules stay in order
-    for item in items:
-        if item.module.__name__ in ONE_WORKER:
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+    order = {name: i for i, name in enumerate(FIRST)}  # FIRST in its order, then the rest as collected
+    items.sort(key=lambda item: order.get(item.module.__name__, len(FIRST)))
 
 
 def pytest_sessionfinish(session, exitstatus):
