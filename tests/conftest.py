@@ -96,6 +96,20 @@ def shakespeare_file() -> Path:
     return SHAKESPEARE
 
 
+@pytest.fixture(scope="module")
+def no_persistent_cache_writes():
+    """The module's programs are read from the session's persistent cache but not written to it. Serializing a
+    context-parallel program for the cache crashed an xdist worker (a segmentation fault in XLA's executable
+    serialization, in a worker that had compiled a few thousand programs before; the module alone passes), and
+    xdist then waits for the dead worker's tests until CI's time runs out."""
+    import jax
+
+    was = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e9)
+    yield
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", was)
+
+
 @pytest.fixture(scope="session")
 def char_data(tmp_path_factory, shakespeare_file) -> Path:
     out = tmp_path_factory.mktemp("shakespeare_char")
@@ -137,10 +151,15 @@ def tiny_config(data_dir: Path, run_dir: Path | None = None, **overrides) -> con
 
 
 # `make test` gives each module to one worker (`--dist loadfile`), so that a module-scoped fixture (a trained model,
-# a server) is made once rather than once per worker. Modules that hold the longest tests (two-process runs, Slurm
-# jobs, S3 and GCS servers, GRPO, DPO and serving) run first, so that the long ones do not start last while the
-# other worker has nothing left to do.
-FIRST = ("test_slurm", "test_sharding", "test_storage", "test_rl", "test_preference", "test_serve", "test_context")
+# a server) is made once rather than once per worker, and keeps this order (`--no-loadscope-reorder`; xdist would
+# otherwise start the modules with the most tests first). The modules that take longest run first, so that a long
+# one does not start last while the other worker has nothing left to do: by the durations measured for `make
+# test` (serving, attention, the model, reliability, optimizers, GRPO) and, in `make test-all`, for the slow tier
+# (the benchmark scripts, Slurm jobs, two-process runs, the 2025 families with experts, pipelines, context
+# parallelism).
+FIRST = ("test_serve", "test_benchmarks", "test_slurm", "test_sharding", "test_rl", "test_expert", "test_parallel",
+         "test_context", "test_attention", "test_model", "test_reliability", "test_optim", "test_paged",
+         "test_generate", "test_speculative", "test_lora")
 
 
 def pytest_configure(config):
