@@ -12,7 +12,7 @@ TEST_WORKERS ?= 2
 # (the jaxlm command sets this itself; scripts and tests started from here get it too).
 export GLIBC_TUNABLES := glibc.malloc.hugetlb=1
 
-.PHONY: quickstart test test-fast bench clean slurm
+.PHONY: quickstart test test-all bench clean slurm
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,11 +35,18 @@ slurm:
 quickstart: $(VENV)/.installed
 	$(VENV)/bin/jaxlm train quickstart
 
-test: $(VENV)/.installed-test slurm
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
+# `make test` (CI's command) runs every test not marked `slow`; `make test-all` runs the slow tier too: the longer
+# equivalence runs, every family and layout of them, the multi-process, Slurm and emulator runs and the benchmark
+# scripts at tiny sizes (README, Tests). Each module runs on one worker (`--dist loadfile`: a module-scoped fixture
+# trains or starts its server once), in the order tests/conftest.py gives (`--no-loadscope-reorder`: the longest
+# modules first, not the ones with the most tests).
+PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25
 
-test-fast: $(VENV)/.installed-test slurm
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow"
+test: $(VENV)/.installed-test slurm
+	$(PYTEST) -m "not slow"
+
+test-all: $(VENV)/.installed-test slurm
+	$(PYTEST)
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/train_throughput.py

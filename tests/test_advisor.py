@@ -1,5 +1,7 @@
 """The out-of-memory advisor names the largest buffers of a step that does not fit by name scope."""
 
+import pytest
+
 from conftest import tiny_config
 from jaxlm import advisor, aot
 
@@ -16,6 +18,7 @@ def _advice(char_data, attention):
     return advisor.advise(r, aot.compile_for, aot.target, logs.append), logs
 
 
+@pytest.mark.slow
 def test_advisor_names_the_attention_scores_and_the_setting_that_removes_them(char_data):
     lines, logs = _advice(char_data, "dot_product")
     assert logs == ["advisor: attributing the memory from a compile at per_device_batch_size=1, scaled x2 ..."]

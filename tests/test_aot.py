@@ -165,6 +165,7 @@ def _cli(args, cwd):
                           capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_compile_command_prints_the_report(tmp_path):
     tiny = ["model.vocab_size=65", "model.block_size=32", "model.n_layers=1", "model.n_heads=2", "model.d_model=32",
             "training.per_device_batch_size=1", "compile.topology=cpu-4"]

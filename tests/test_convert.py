@@ -174,6 +174,7 @@ def test_sharded_export_reimports_identically(tmp_path):
     np.testing.assert_array_equal(jaxlm.load(tmp_path / "jx").logits(tokens), jaxlm.load(tmp_path / "jx2").logits(tokens))
 
 
+@pytest.mark.slow
 def test_finetune_imported_model_loss_falls_then_exports(tmp_path, char_data, capsys):
     save_random(CASES["qwen3"](), tmp_path / "hf")  # vocabulary 128 covers the 65 characters of the corpus
     assert cli.main(["convert", "from-hf", str(tmp_path / "hf"), str(tmp_path / "jx")]) == 0

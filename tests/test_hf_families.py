@@ -262,6 +262,7 @@ def test_multimodal_checkpoints_import_their_language_model(tmp_path):
         assert np.abs(ours - want).max() <= 1e-4, name
 
 
+@pytest.mark.slow
 def test_deepseek_mtp_module_matches_transformers_and_round_trips(tmp_path):
     """A DeepSeek-V3 checkpoint with its multi-token prediction module (made with transformers' MtpModel and
     stored as the layers after the last, as the released checkpoints store it): the import keeps it, its

@@ -98,6 +98,7 @@ def test_adapter_gradients_are_the_chain_rule(char_data, tmp_path):
             np.testing.assert_allclose(got_b.reshape(want_b.shape), want_b, rtol=2e-4, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_run_resumes_exactly_and_loads_merged(char_data, tmp_path):
     make_base(tmp_path / "base")
     common = {"training.steps": 12, "optimizer.decay_steps": 12, "checkpoint.interval": 6, "lora.dropout": 0.1,
@@ -121,6 +122,7 @@ def test_run_resumes_exactly_and_loads_merged(char_data, tmp_path):
     np.testing.assert_allclose(model.logits(tokens), np.asarray(want), atol=1e-5)
 
 
+@pytest.mark.slow
 def test_sharded_lora_equals_one_device(char_data, tmp_path):
     make_base(tmp_path / "base")
     losses = {}

@@ -122,6 +122,7 @@ def test_fp8_matches_e4m3_e5m2_reference():
     assert "no fp8 matmul units" in quant.fp8_fallback_message(jax.devices()[0])
 
 
+@pytest.mark.slow
 def test_model_paths(char_data):
     cfg = tiny_config(char_data, **{"model.vocab_size": 65, "model.quant_logits": True})
     run = step_lib.setup(cfg, jax.devices()[:1])

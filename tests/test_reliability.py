@@ -103,6 +103,7 @@ train.train(tiny_config(Path(sys.argv[2]), Path(sys.argv[3]), **json.loads(sys.a
 """
 
 
+@pytest.mark.slow
 def test_sigkill_right_after_an_async_save_starts(reference, char_data, tmp_path):
     cfg, ref_dir, ref = reference
     run_dir = tmp_path / "killed"

@@ -432,7 +432,7 @@ def test_engine_queue_is_bounded_and_a_failing_prefill_fails_alone(trained):
     assert not events[2]
 
 
-@pytest.mark.parametrize("page_size", [0, 16])
+@pytest.mark.parametrize("page_size", [pytest.param(0, marks=pytest.mark.slow), 16])  # the slot cache: slow tier
 def test_a_long_prompt_is_prefilled_in_chunks_between_the_other_slots_steps(trained, shakespeare_file, monkeypatch,
                                                                              page_size):
     """A 40-token prompt with serve.prefill_chunk=16 takes three chunks, one per engine turn, and the sequence
@@ -640,7 +640,7 @@ def test_prompts_arriving_together_are_prefilled_together_and_change_no_output(t
     assert got == [w[:m] for w, m in zip(want, max_tokens)]
 
 
-@pytest.mark.parametrize("page_size", [0, 16])
+@pytest.mark.parametrize("page_size", [pytest.param(0, marks=pytest.mark.slow), 16])  # the slot cache: slow tier
 def test_prefix_cache_reuses_a_shared_prompt_and_changes_no_output(trained, shakespeare_file, page_size):
     """Four prompts that share a 40-token system prompt: with the prefix cache the last three reuse its keys and
     values (the slot cache copies a stored prompt's 40; the paged cache shares the first prompt's two full pages
@@ -676,6 +676,7 @@ def test_prefix_cache_reuses_a_shared_prompt_and_changes_no_output(trained, shak
     assert runs[4] == runs[0] == model.generate_text(prompts, max_new_tokens=12, temperature=0)
 
 
+@pytest.mark.slow
 def test_several_decode_steps_per_call_and_row_buckets_change_no_output(trained, shakespeare_file, monkeypatch):
     """Sequences of mixed prompt lengths (one prefilled in three chunks) and max_tokens, some ending at a stop
     token, some sampled with their own seeds, one arriving while the others decode: with up to 8 decode steps
@@ -858,7 +859,7 @@ def test_restack_puts_back_every_layer_unstack_took_apart(quantize):
                 assert np.array_equal(np.compress(~kept, a, slot_axis), np.compress(~kept, zero, slot_axis))
 
 
-@pytest.mark.parametrize("page_size", [0, 16])
+@pytest.mark.parametrize("page_size", [pytest.param(0, marks=pytest.mark.slow), 16])  # the slot cache: slow tier
 def test_an_int8_cache_decodes_the_same_unrolled_and_scanned(trained, shakespeare_file, monkeypatch, page_size):
     """With decode.quantize_kv_cache the decode program carries int8 keys, values and scales (the slot cache's
     taken apart and stacked back, or the paged cache's pages): unrolled it gives the tokens (and
@@ -1184,6 +1185,7 @@ def adapter_folders(trained, tmp_path_factory):
     return folders
 
 
+@pytest.mark.slow
 def test_eight_adapters_mixed_in_decode_steps_answer_as_each_merged_alone(trained, adapter_folders,
                                                                           shakespeare_file, monkeypatch):
     """One server with serve.adapters naming eight adapters over the base: 27 concurrent requests, three per

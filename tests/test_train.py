@@ -29,6 +29,7 @@ def test_loss_falls_on_a_fixed_batch(char_data, tmp_path):
     assert losses[-1] < 0.5 * losses[0]
 
 
+@pytest.mark.slow
 def test_one_and_eight_devices_give_equal_losses(char_data, tmp_path):
     runs = {}
     for name, devices, mesh in [("1", jax.devices()[:1], {}), ("dp8", jax.devices(), {"mesh.ici_data": 8}),
