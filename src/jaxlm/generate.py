@@ -193,6 +193,21 @@ def check_prompts(prompts: Sequence[Sequence[int]], cfg: ModelConfig, d: DecodeC
 PAD = 16
 
 
+def padded_prompts(prompts: Sequence[Sequence[int]], T: int) -> tuple[np.ndarray, np.ndarray]:
+    """The prompts right-padded with 0 to [B, T] (the padding is masked) and their lengths [B]."""
+    prompts_BT = np.zeros((len(prompts), T), np.int32)
+    for b, p in enumerate(prompts):
+        prompts_BT[b, :len(p)] = p
+    return prompts_BT, np.asarray([len(p) for p in prompts], np.int32)
+
+
+def sampling_inputs(d: DecodeConfig, stop_ids: Sequence[int]) -> tuple[tuple, jax.Array, jax.Array]:
+    """What the compiled decode loops take of the settings: (temperature, top_k, top_p) as arrays (so that new
+    values reuse the program), the stop ids [S] and the key of d.seed."""
+    settings = (jnp.float32(d.temperature), jnp.int32(d.top_k), jnp.float32(d.top_p))
+    return settings, jnp.asarray(list(stop_ids), jnp.int32).reshape(-1), jax.random.key(d.seed)
+
+
 def _round_up(n: int) -> int:
     return -(-n // PAD) * PAD
 
@@ -242,13 +257,8 @@ def generate(params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], d: Deco
         length = T + d.max_new_tokens
     if cfg.position == "learned":
         T, length = min(T, cfg.block_size), min(length, cfg.block_size)
-    prompts_BT = np.zeros((B, T), np.int32)
-    for b, p in enumerate(prompts):
-        prompts_BT[b, :len(p)] = p
-    lengths_B = np.asarray([len(p) for p in prompts], np.int32)
-    settings = (jnp.float32(d.temperature), jnp.int32(d.top_k), jnp.float32(d.top_p))
-    stop_S = jnp.asarray(list(stop_ids), jnp.int32).reshape(-1)
-    key = jax.random.key(d.seed)
+    prompts_BT, lengths_B = padded_prompts(prompts, T)
+    settings, stop_S, key = sampling_inputs(d, stop_ids)
     t0 = time.perf_counter()
     prefill, decode = _compiled(params, prompts_BT, lengths_B, key, settings, stop_S, cfg, length, d, mesh,
                                 on_tokens is not None)

@@ -157,13 +157,8 @@ def generate_speculative(params, cfg: ModelConfig, draft_params, draft_cfg: Mode
         if c.position == "learned" and length > c.block_size:
             raise ConfigError(f"speculative decoding needs {length} positions (prompt + max_new_tokens + "
                               f"draft_tokens + 1) but a model has learned positions up to {c.block_size}")
-    prompts_BT = np.zeros((B, T), np.int32)
-    for b, p in enumerate(prompts):
-        prompts_BT[b, :len(p)] = p
-    lengths_B = np.asarray([len(p) for p in prompts], np.int32)
-    settings = (jnp.float32(d.temperature), jnp.int32(d.top_k), jnp.float32(d.top_p))
-    stop_S = jnp.asarray(list(stop_ids), jnp.int32).reshape(-1)
-    key = jax.random.key(d.seed)
+    prompts_BT, lengths_B = generate.padded_prompts(prompts, T)
+    settings, stop_S, key = generate.sampling_inputs(d, stop_ids)
     t0 = time.perf_counter()
     logits_BV, cache, draft_cache = jax.block_until_ready(
         _prefill(params, draft_params, prompts_BT, lengths_B, cfg, draft_cfg, -(-length // PAGE)))
