@@ -35,7 +35,9 @@ slurm:
 quickstart: $(VENV)/.installed
 	$(VENV)/bin/jaxlm train quickstart
 
-# `make test` (CI's command) runs every test not marked `slow`; `make test-all` runs the slow tier too: the longer
+# `make test` (CI's command) runs every test not marked `slow`, and the slow ones marked `in_ci` (the Slurm jobs,
+# the GPU benchmark at tiny sizes, one equivalence run of each parallelism); `make test-all` runs the whole slow
+# tier too: the longer
 # equivalence runs, every family and layout of them, the multi-process, Slurm and emulator runs and the benchmark
 # scripts at tiny sizes (README, Tests). Each module runs on one worker (`--dist loadfile`: a module-scoped fixture
 # trains or starts its server once), in the order tests/conftest.py gives (`--no-loadscope-reorder`: the longest
@@ -43,7 +45,7 @@ quickstart: $(VENV)/.installed
 PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25
 
 test: $(VENV)/.installed-test slurm
-	$(PYTEST) -m "not slow"
+	$(PYTEST) -m "not slow or in_ci"
 
 test-all: $(VENV)/.installed-test slurm
 	$(PYTEST)

@@ -50,16 +50,23 @@ def _losses(char_data, tmp_path, devices, packed=False, steps=20, **overrides):
 
 @pytest.fixture(scope="module")
 def references(char_data, tmp_path_factory):
-    """The one-device runs (dot_product attention over the whole sequence), plain and packed."""
-    return {packed: _losses(char_data, tmp_path_factory.mktemp("ref"), jax.devices()[:1], packed)
-            for packed in (False, True)}
+    """The one-device runs (dot_product attention over the whole sequence), plain and packed, each made when a
+    test first asks for it."""
+    made = {}
+
+    def reference(packed: bool):
+        if packed not in made:
+            made[packed] = _losses(char_data, tmp_path_factory.mktemp("ref"), jax.devices()[:1], packed)
+        return made[packed]
+
+    return reference
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method,packed", [("ring", False), ("all_gather", False), ("ring", True),
-                                           ("all_gather", True)])
+@pytest.mark.parametrize("method,packed", [pytest.param("ring", False, marks=pytest.mark.in_ci),
+                                           ("all_gather", False), ("ring", True), ("all_gather", True)])
 def test_context_parallel_matches_one_device(method, packed, char_data, tmp_path, references):
-    ref_losses, ref_state = references[packed]
+    ref_losses, ref_state = references(packed)
     losses, state = _losses(char_data, tmp_path, jax.devices(), packed,
                             **CONTEXT4, **{"model.context_parallel": method})
     assert ref_losses[-1] < ref_losses[0] - 0.3

@@ -201,6 +201,7 @@ def _losses(char_data, tmp_path, devices, steps=20, **overrides):
 
 
 @pytest.mark.slow
+@pytest.mark.in_ci
 def test_training_with_expert_parallelism_matches_one_device(char_data, tmp_path):
     """20 steps of a tiny Mixtral (8 experts, top-2, routing tilted towards one expert) at expert=4 x data=2
     give the losses of one device; the load-balancing loss shows how uneven the routing is (1 when even)."""

@@ -29,6 +29,7 @@ def run_script(*args: str) -> tuple[dict[str, str], str]:
 
 
 @pytest.mark.slow
+@pytest.mark.in_ci  # the script runs in CI at tiny sizes
 def test_every_section_runs_at_tiny_sizes_on_cpu(tmp_path):
     kv, text = run_script("--tiny", "--json", str(tmp_path / "gpu.json"))
     states = {name: kv[f"section_{name}"] for name in gpu.BUDGET_S}

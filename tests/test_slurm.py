@@ -96,6 +96,7 @@ def task_pid(job: str, task: int) -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.in_ci  # issue 30: the Slurm jobs run in CI
 def test_two_nodes_match_one_process_and_a_requeued_job_resumes_exactly(cluster, char_data, tmp_path):
     out = tmp_path / "slurm"
     args = common(char_data)
@@ -132,6 +133,7 @@ def test_two_nodes_match_one_process_and_a_requeued_job_resumes_exactly(cluster,
 
 
 @pytest.mark.slow
+@pytest.mark.in_ci
 def test_signal_before_the_time_limit_saves_a_checkpoint(cluster, char_data, tmp_path):
     out, run_dir = tmp_path / "slurm", tmp_path / "run"
     job = submit(cluster, out, "limit", ["train", *common(char_data), "training.steps=100000", f"run_dir={run_dir}"],
