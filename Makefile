@@ -5,8 +5,8 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# pytest workers for `make test` (pytest-xdist): the suite is compile-bound, and two workers keep both cores
-# of a 2-core machine busy (the whole suite takes about 10 minutes on one). TEST_WORKERS=0 runs it without workers.
+# pytest workers for `make test` and `make test-all` (pytest-xdist): the suite is compile-bound, and two workers
+# keep both cores of a 2-core machine busy. TEST_WORKERS=0 runs it without workers.
 TEST_WORKERS ?= 2
 # XLA:CPU mallocs a large scratch buffer every step; transparent huge pages avoid most of its page faults
 # (the jaxlm command sets this itself; scripts and tests started from here get it too).
@@ -36,12 +36,11 @@ quickstart: $(VENV)/.installed
 	$(VENV)/bin/jaxlm train quickstart
 
 # `make test` (CI's command) runs every test not marked `slow`, and the slow ones marked `in_ci` (the Slurm jobs,
-# the GPU benchmark at tiny sizes, one equivalence run of each parallelism); `make test-all` runs the whole slow
-# tier too: the longer
-# equivalence runs, every family and layout of them, the multi-process, Slurm and emulator runs and the benchmark
-# scripts at tiny sizes (README, Tests). Each module runs on one worker (`--dist loadfile`: a module-scoped fixture
-# trains or starts its server once), in the order tests/conftest.py gives (`--no-loadscope-reorder`: the longest
-# modules first, not the ones with the most tests).
+# the GPU benchmark at tiny sizes, one pipeline, expert and context-parallel equivalence run); `make test-all` runs
+# the whole slow tier too: every family and layout of the equivalence runs, the multi-process and emulator runs and
+# the benchmark scripts at tiny sizes (README, Tests). Each module runs on one worker (`--dist loadfile`: a
+# module-scoped fixture trains or starts its server once), in the order tests/conftest.py gives
+# (`--no-loadscope-reorder`: the longest modules first, not the ones with the most tests).
 PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25
 
 test: $(VENV)/.installed-test slurm

@@ -100,7 +100,7 @@ def shakespeare_file() -> Path:
 def no_persistent_cache_writes():
     """The module's programs are read from the session's persistent cache but not written to it. Serializing a
     context-parallel program for the cache crashed an xdist worker (a segmentation fault in XLA's executable
-    serialization, in a worker that had compiled a few thousand programs before; the module alone passes), and
+    serialization, in a worker that had run many modules before; the module alone passes), and
     xdist then waits for the dead worker's tests until CI's time runs out."""
     import jax
 
