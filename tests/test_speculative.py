@@ -44,6 +44,31 @@ def chi_square_quantile(dof: int, z: float = 3.09) -> float:
     return dof * (1 - 2 / (9 * dof) + z * (2 / (9 * dof)) ** 0.5) ** 3
 
 
+def exact_distribution(params, cfg, V: int) -> np.ndarray:
+    """[V, V, V]: the probability of each 3-token continuation of the prompt [1, 2] under the model's sampling at
+    temperature 0.8 and top_k 3 (its own forward pass, filtered as sampling.probabilities filters it)."""
+    prefixes = [(a, b) for a in range(V) for b in range(V)]
+    logits = forward(params, np.asarray([[1, 2, a, b] for a, b in prefixes], np.int32), cfg)[:, 1:]
+    probs = np.asarray(sampling.probabilities(logits.reshape(-1, V), *(np.full(len(prefixes) * 3, x)
+                                                                       for x in (0.8, 3, 1.0))), np.float64)
+    probs = probs.reshape(len(prefixes), 3, V)
+    out = np.zeros((V,) * 3)
+    for i, (a, b) in enumerate(prefixes):
+        out[a, b] = probs[i, 0, a] * probs[i, 1, b] * probs[i, 2]
+    return out
+
+
+def chi_square(counts: np.ndarray, pr: np.ndarray, n: int) -> tuple[float, int]:
+    """Pearson's statistic of `counts` (n draws) against probabilities `pr`, cells expecting fewer than 5 merged
+    into one, and its degrees of freedom."""
+    big = n * pr >= 5
+    rest = n * pr[~big].sum()
+    stat = (((counts - n * pr)[big] ** 2 / (n * pr)[big])).sum()
+    if rest > 0:
+        stat += (counts[~big].sum() - rest) ** 2 / rest
+    return stat, int(big.sum()) + (rest > 0) - 1
+
+
 @pytest.mark.slow
 def test_sampled_tokens_keep_the_models_distribution():
     """3000 continuations of 3 tokens from a 4-token vocabulary at temperature 0.8 and top_k 3, two draft tokens
@@ -60,26 +85,7 @@ def test_sampled_tokens_keep_the_models_distribution():
     for s in out.tokens:
         counts[tuple(s)] += 1
 
-    def exact(p, c):
-        prefixes = [(a, b) for a in range(V) for b in range(V)]
-        logits = forward(p, np.asarray([[1, 2, a, b] for a, b in prefixes], np.int32), c)[:, 1:]
-        probs = np.asarray(sampling.probabilities(logits.reshape(-1, V), *(np.full(len(prefixes) * 3, x)
-                                                                           for x in (0.8, 3, 1.0))), np.float64)
-        probs = probs.reshape(len(prefixes), 3, V)
-        out = np.zeros((V,) * 3)
-        for i, (a, b) in enumerate(prefixes):
-            out[a, b] = probs[i, 0, a] * probs[i, 1, b] * probs[i, 2]
-        return out
-
-    def chi_square(pr):
-        big = n * pr >= 5
-        rest = n * pr[~big].sum()
-        stat = (((counts - n * pr)[big] ** 2 / (n * pr)[big])).sum()
-        if rest > 0:
-            stat += (counts[~big].sum() - rest) ** 2 / rest
-        return stat, int(big.sum()) + (rest > 0) - 1
-
-    stat, dof = chi_square(exact(params, cfg))
+    stat, dof = chi_square(counts, exact_distribution(params, cfg, V), n)
     assert dof >= 20 and stat < chi_square_quantile(dof), (stat, dof)
-    stat, dof = chi_square(exact(draft, draft_cfg))
+    stat, dof = chi_square(counts, exact_distribution(draft, draft_cfg, V), n)
     assert stat > 10 * chi_square_quantile(dof)

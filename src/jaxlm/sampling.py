@@ -99,12 +99,23 @@ def sample_rows(way, logits_BV: jax.Array, keys: Callable[[], jax.Array], temper
 def probabilities(logits_BV: jax.Array, temperature_B, top_k_B, top_p_B) -> jax.Array:
     """[B, V] float32: the distribution each row's token is drawn from by its settings (per row, [B] each): the
     softmax of the scaled logits that top-k and top-p keep, or at temperature 0 all the mass on the greedy
-    token."""
+    token. Only what the rows' settings need runs (`branch`): the filters' bisections when a row filters.
+    Call it on rows, not under vmap, where the branches would all run."""
+    V = logits_BV.shape[-1]
+
+    def greedy():
+        return jax.nn.one_hot(greedy_tokens(logits_BV), V, dtype=jnp.float32)
+
+    def plain():  # top-k and top-p off in every row: no filtering to compute
+        hot = jax.nn.softmax(_scaled(logits_BV, temperature_B[:, None]), axis=-1)
+        return jnp.where(temperature_B[:, None] > 0, hot, greedy())
+
     def one(l, t, tk, tp):
         hot = jax.nn.softmax(filtered(_scaled(l[None], t), tk, tp), axis=-1)[0]
-        return jnp.where(t > 0, hot, jax.nn.one_hot(greedy_tokens(l), l.shape[-1], dtype=jnp.float32))
+        return jnp.where(t > 0, hot, jax.nn.one_hot(greedy_tokens(l), V, dtype=jnp.float32))
 
-    return jax.vmap(one)(logits_BV, temperature_B, top_k_B, top_p_B)
+    return jax.lax.switch(branch(temperature_B, top_k_B, top_p_B, V), (
+        greedy, plain, lambda: jax.vmap(one)(logits_BV, temperature_B, top_k_B, top_p_B)))
 
 
 def keep_mask(logits_BV: jax.Array, top_k, top_p) -> jax.Array:
@@ -148,10 +159,13 @@ def _cutoff(holds: Callable, lo_B1: jax.Array, hi_B1: jax.Array) -> jax.Array:
 def token_logprobs(logits_BV: jax.Array, tok_B: jax.Array, K: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The log-probability of each row's token [B] and its K most likely alternatives (ids and log-probabilities
     [B, K], most likely first): the logits picked, less the row's log-sum-exp (the log-softmax of only those,
-    not of the whole vocabulary)."""
+    not of the whole vocabulary). A vocabulary smaller than K pads the alternatives with id 0 at -inf."""
     max_B1 = jnp.max(logits_BV, axis=-1, keepdims=True)
     lse_B1 = max_B1 + jnp.log(jnp.sum(jnp.exp(logits_BV - max_B1), axis=-1, keepdims=True))
-    top_BK, top_ids_BK = jax.lax.top_k(logits_BV, K)
+    top_BK, top_ids_BK = jax.lax.top_k(logits_BV, min(K, logits_BV.shape[-1]))
+    if top_BK.shape[-1] < K:
+        pad = ((0, 0), (0, K - top_BK.shape[-1]))
+        top_BK, top_ids_BK = jnp.pad(top_BK, pad, constant_values=-jnp.inf), jnp.pad(top_ids_BK, pad)
     token_B = jnp.take_along_axis(logits_BV, tok_B[:, None], axis=-1)
     return (token_B - lse_B1)[:, 0], top_ids_BK, top_BK - lse_B1
 

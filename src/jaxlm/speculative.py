@@ -118,8 +118,8 @@ def _loop(params, draft_params, logits_BV, cache, draft_cache, lengths_B, key, t
         logits_BJV, cache = transformer.paged_forward(params, c["cache"], chunk_BJ, length_B,
                                                       jnp.where(live_B, length_B + J, 0), table_BM, cfg, layers,
                                                       all_logits=True)
-        p_BJV = jax.vmap(lambda l, t, tk, tp: sampling.probabilities(l, jnp.full((J,), t), jnp.full((J,), tk),
-                                                                     jnp.full((J,), tp)))(logits_BJV, *settings_B)
+        p_BJV = sampling.probabilities(logits_BJV.reshape(B * J, -1), *(jnp.repeat(x, J) for x in settings_B)
+                                       ).reshape(logits_BJV.shape)
         tokens_BJ, kept_B = sampling.speculative_accept(p_BJV, jnp.stack(qs, axis=1), d_Bk,
                                                         jax.random.split(key_accept, B))
         c = emit({**c, "key": key}, tokens_BJ, kept_B + 1)
