@@ -1082,6 +1082,10 @@ def test_serve_settings_fail_in_one_line(tmp_path):
         serve.settings_config({"serve.api_key_file": str(tmp_path / "missing")})
     with pytest.raises(ConfigError, match="serve.max_body_mb=0.0 must be > 0"):
         serve.settings_config({"serve.max_body_mb": 0})
+    with pytest.raises(ConfigError, match="decode.draft=.* does not exist"):
+        serve.settings_config({"decode.draft": str(tmp_path / "missing")})
+    with pytest.raises(ConfigError, match="needs the paged KV cache"):
+        serve.settings_config({"decode.draft": str(tmp_path), "serve.page_size": 0})
 
 
 MC_TASK = """task: jaxlm_test_mc
@@ -1260,3 +1264,26 @@ def test_adapters_that_cannot_be_served_fail_in_one_line(trained, adapter_folder
         model.config, {"model.d_model": 64, "lora.rank": 4})))
     with pytest.raises(ConfigError, match=r"adapts layers.attn.q of shape \[2, 64, 4, 16\], and the served base's"):
         adapters.for_serving(wide, model.config, None)
+
+
+def test_the_server_decodes_with_a_draft_and_counts_its_proposals(server, trained):
+    """`jaxlm serve RUN decode.draft=RUN decode.draft_tokens=3` (the model as its own draft): greedy completions
+    over HTTP equal the server's without a draft, and /metrics counts the proposals, all
+    kept. (tests/test_serve_speculative.py checks a smaller draft and sampling against the engine alone.)"""
+    prompts = ["KING:", "To be, or not", "O"]
+
+    def answers(srv):
+        with client(srv) as c:
+            return [c.completions.create(model="tiny", prompt=p, max_tokens=24, temperature=0).choices[0].text
+                    for p in prompts]
+
+    want = answers(server)
+    cfg = serve.settings_config({"serve.max_slots": 4, "max_new_tokens": 16, "serve.model_name": "tiny",
+                                 "decode.draft": str(trained), "decode.draft_tokens": 3})
+    srv = serve.Server(serve.build(trained, cfg, log=lambda s: None), "127.0.0.1", 0).start()
+    try:
+        assert answers(srv) == want
+        proposed, accepted = (metric(srv, f"jaxlm_draft_tokens_{x}_total") for x in ("proposed", "accepted"))
+        assert proposed == accepted > 0
+    finally:
+        srv.stop()

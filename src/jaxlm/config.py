@@ -477,9 +477,9 @@ class DecodeConfig:
     quantize_kv_cache: bool = _f(False, "store cached keys and values as int8 with a float32 scale per position and kv head")
     stop_tokens: str = _f("", "comma-separated token ids that end a sample (it is kept in the output)")
     stop_at_eos: bool = _f(True, "also stop at the model's end-of-sequence token, when its tokenizer names one")
-    draft: str = _f("", "`jaxlm generate`: a smaller model with the same tokenizer (run directory or converted "
-                        "folder) that proposes tokens for the model to verify several at a time (speculative "
-                        "decoding: the same distribution, greedy text identical)")
+    draft: str = _f("", "`jaxlm generate` and `jaxlm serve`: a smaller model with the same tokenizer (run directory "
+                        "or converted folder) that proposes tokens for the model to verify several at a time "
+                        "(speculative decoding: the same distribution, greedy text identical)")
     draft_tokens: int = _f(4, "tokens the draft proposes per forward pass of the model (decode.draft)")
 
 

@@ -35,6 +35,9 @@ def settings_config(overrides: dict) -> Config:
     cfg = config_lib.apply_overrides(Config(), full)
     config_lib.validate_decode(cfg.decode)
     config_lib.validate_serve(cfg.serve)
+    if cfg.decode.draft and not cfg.serve.page_size:
+        raise ConfigError("decode.draft (speculative decoding) in the server needs the paged KV cache; leave "
+                          "serve.page_size > 0")
     return cfg
 
 
@@ -73,9 +76,20 @@ def build(src: str | Path, cfg: Config, log: Callable[[str], None] = print):
     pages = cache_pages(m, sc, length, d.quantize_kv_cache) // R if sc.page_size else None
     name = sc.model_name or Path(src).resolve().name
     names, params = with_adapters(model, config_lib.serve_adapters(sc), name)
+    draft = None
+    if d.draft:
+        drafted = api.load(d.draft, mesh_cfg)
+        if drafted.config.model.vocab_size != m.vocab_size:
+            raise ConfigError(f"decode.draft={d.draft}: its vocabulary ({drafted.config.model.vocab_size} tokens) "
+                              f"is not the model's ({m.vocab_size}); a draft must share the model's tokenizer")
+        dm = drafted.config.model
+        if dm.position == "learned" and length > dm.block_size:
+            raise ConfigError(f"decode.draft={d.draft} has learned positions up to {dm.block_size}, fewer than the "
+                              f"server's {length} per sequence; set decode.cache_length={dm.block_size} or less")
+        draft = (drafted.params, drafted.config.model, d.draft_tokens)
     engines = [engine_lib.Engine(params, m, sc.max_slots // R, length, Replicas.split(sc.max_queue, R),
                                  d.quantize_kv_cache, model.mesh, sc.prefill_chunk, sc.prefix_cache,
-                                 sharding.rules_from_config(cfg.mesh), sc.decode_steps, sc.page_size, pages)
+                                 sharding.rules_from_config(cfg.mesh), sc.decode_steps, sc.page_size, pages, draft)
                for _ in range(R)]
     engine = engines[0] if R == 1 else Replicas(engines)
     engine.warm_up()
@@ -97,6 +111,7 @@ def build(src: str | Path, cfg: Config, log: Callable[[str], None] = print):
         f"{sc.decode_steps} decode steps per call | prefill chunks of "
         f"{sc.prefill_chunk} | prefix cache {sc.prefix_cache or 'off'} | "
         f"{'LoRA adapters ' + ','.join(names) + ' | ' if names else ''}"
+        f"{f'draft {d.draft} proposing {d.draft_tokens} tokens | ' if draft else ''}"
         f"{'API key required' if api_key else 'no API key'}")
     if (warning := exposure_warning(sc.host, api_key)) is not None:
         log(warning)

@@ -697,6 +697,10 @@ def prometheus(s: Served) -> str:
     metric("jaxlm_prefix_cache_tokens_total", "counter", "Prompt tokens reused from the prefix cache.",
            [("", e.prefix_tokens_total)])
     metric("jaxlm_sequences_total", "counter", "Sequences admitted into a slot.", [("", e.requests_total)])
+    metric("jaxlm_draft_tokens_proposed_total", "counter", "Tokens the draft model proposed (decode.draft).",
+           [("", e.draft_proposed_total)])
+    metric("jaxlm_draft_tokens_accepted_total", "counter", "Of them, tokens the model kept.",
+           [("", e.draft_accepted_total)])
     metric("jaxlm_generation_tokens_per_second", "gauge", "Tokens generated per second over the last 10 s.",
            [("", round(e.tokens_per_s(), 3))])
     metric("jaxlm_time_to_first_token_seconds", "summary",

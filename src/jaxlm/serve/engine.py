@@ -86,7 +86,7 @@ import numpy as np
 from jaxlm import generate, sampling, sharding
 from jaxlm.config import ModelConfig, ServeConfig
 from jaxlm.model import forward, kvcache, layers, paged, transformer
-from jaxlm.serve import chunk as chunk_lib
+from jaxlm.serve import chunk as chunk_lib, speculate
 from jaxlm.serve.pages import PagePool
 from jaxlm.serve.prefix_cache import PrefixCache
 
@@ -334,8 +334,18 @@ class Engine:
                  prefill_chunk: int = ServeConfig.prefill_chunk, prefix_cache: int = 0,
                  rules: tuple[sharding.Rules, sharding.Rules] = (sharding.PARAM_RULES, sharding.ACTIVATION_RULES),
                  decode_steps: int = ServeConfig.decode_steps, page_size: int = ServeConfig.page_size,
-                 cache_pages: int | None = None):
+                 cache_pages: int | None = None, draft: tuple | None = None):
         self.cfg, self.B, self.S = cfg, slots, cache_length
+        # Speculative decoding (serve/speculate.py): draft = (its params, its ModelConfig, tokens it proposes)
+        if draft is not None and not page_size:
+            raise ValueError("speculative decoding (decode.draft) in the server needs the paged KV cache "
+                             "(serve.page_size > 0)")
+        if draft is not None and draft[1].vocab_size != cfg.vocab_size:
+            raise ValueError(f"the draft model's vocabulary ({draft[1].vocab_size} tokens) is not the model's "
+                             f"({cfg.vocab_size}); a draft must share the model's tokenizer")
+        self.draft, self._draft_layer_params = draft, None
+        self.pending = np.full(slots, -1, np.int32)  # with a draft: each slot's token sent but not yet cached
+        self.draft_proposed_total = self.draft_accepted_total = 0
         # The paged cache (page_size > 0): cache_pages pages (None: as many as give every slot the whole context,
         # the slot cache's memory), each sequence's page table a row of `table` [slots, pages per sequence].
         self.page_size = page_size
@@ -411,6 +421,15 @@ class Engine:
             self._layer_params = jax.jit(transformer.layer_weights, static_argnums=1)(self._params, self.cfg)
         return self._layer_params
 
+    def _draft_layer_weights(self):
+        """The draft's layers taken apart once, as _layer_weights (None: scanned, for a deep draft)."""
+        params, cfg, _ = self.draft
+        if cfg.n_layers > generate.UNROLL_LAYERS:
+            return None
+        if self._draft_layer_params is None:
+            self._draft_layer_params = jax.jit(transformer.layer_weights, static_argnums=1)(params, cfg)
+        return self._draft_layer_params
+
     def _ctx(self):
         if self.mesh is None:
             return contextlib.nullcontext()
@@ -421,6 +440,9 @@ class Engine:
         self.logits_BV = jnp.zeros((self.B, self.cfg.vocab_size), jnp.float32)
         if self.page_size:
             self.cache = self._empty_pages(self.cfg, self.NP, self.page_size, self.quantize)
+            if self.draft is not None:
+                self.draft_cache = self._empty_pages(self.draft[1], self.NP, self.page_size, self.quantize)
+                self.pending[:] = -1
             self.pages = PagePool(self.NP, self.page_size, share_prefixes=self.prefix_entries > 0)
             self.table[:] = 0
             self.prefix = None
@@ -434,6 +456,7 @@ class Engine:
         engine is stopped and idle: GRPO keeps one engine between batches of rollouts and frees its cache for the
         update (rl.py). reserve_cache makes it again."""
         self.cache = self.logits_BV = self.prefix = self._layer_params = None
+        self.draft_cache = self._draft_layer_params = None
 
     def reserve_cache(self) -> None:
         with self._ctx():
@@ -555,6 +578,10 @@ class Engine:
         if self.in_flight is not None:
             self._collect(self.in_flight)
         self.in_flight = launched
+        if self.draft is not None and launched is not None:
+            # a speculative call sends a count of tokens known only once it ends: the next is planned after it
+            self._collect(launched)
+            self.in_flight = None
 
     def _admit(self) -> None:
         """Waiting requests in order: a score runs now, a sequence takes a free slot and waits there for its
@@ -622,11 +649,12 @@ class Engine:
         preempted (their pages given back; they wait at the head of the queue, to prefill their prompt and the
         tokens sent so far again) until the rest fit."""
         A = self.page_size
+        per_step = 1 if self.draft is None else self.draft[2] + 1
         while True:
             want = {}
             for s in self.slots:
                 if s is not None and s.decoding and not s.cancelled and s.planned < s.max_tokens:
-                    n = min(steps, s.max_tokens - s.planned)
+                    n = min(steps * per_step, s.max_tokens - s.planned)
                     more = -(-(len(s.prompt) + s.planned + n) // A) - len(s.pages)
                     if more > 0:
                         want[s.slot] = more
@@ -724,6 +752,10 @@ class Engine:
             width = -(-C // self.page_size) if fresh else self.M
             self.cache, self.logits_BV = _paged_prefill(self.params, self.cache, self.logits_BV, tokens_PC, start_P,
                                                         length_P, table_PM[:, :width], slot_P, adapter_P, self.cfg)
+            if self.draft is not None:
+                self.draft_cache = speculate.prefill(self.draft[0], self.draft_cache, tokens_PC, start_P, length_P,
+                                                     table_PM[:, :width], self.draft[1])
+                self.pending[slot_P[:len(seqs)]] = -1  # the next token comes from the logits after the chunk
         else:
             self.cache, self.logits_BV = chunk_lib.prefill_chunks(
                 self.params, self.cache, self.logits_BV, tokens_PC, start_P, length_P, slot_P, self.cfg, fresh,
@@ -785,14 +817,24 @@ class Engine:
                 seqs[j] = None
                 continue
             live[j], left[j], want_lp[j], adapter[j] = True, s.max_tokens - s.planned, s.logprobs, s.adapter
-            length[j] = len(s.prompt) + s.planned
+            # with a draft, a slot's pending token (sent, not cached) is not in its length
+            length[j] = len(s.prompt) + s.planned - int(self.draft is not None and self.pending[s.slot] >= 0)
             seed[j], choice[j], count[j] = s.seed % 2**32, s.choice, s.planned
             temperature[j], top_k[j], top_p[j] = s.temperature, s.top_k, s.top_p
             stop[j, :len(s.stop_ids)] = s.stop_ids
-            s.planned += min(steps, s.max_tokens - s.planned)
+            if self.draft is None:  # with one, _collect sets it from the tokens the call sent
+                s.planned += min(steps, s.max_tokens - s.planned)
         sampled = (left, stop, want_lp, seed, choice, count, temperature, top_k, top_p)
         rows_b = np.asarray(rows, np.int32)
-        if self.page_size:
+        if self.draft is not None:
+            limit = np.asarray([0 if s is None else len(s.prompt) + s.max_tokens for s in seqs], np.int32)
+            *out, self.cache, self.draft_cache, proposed, kept = speculate.decode_loop(
+                self.params, self._layer_weights(), self.draft[0], self._draft_layer_weights(), self.cache,
+                self.draft_cache, self.logits_BV, rows_b, adapter, np.int32(steps), live, length,
+                self.pending[rows_b], limit, self.table[rows_b], *sampled, cfg=self.cfg, draft_cfg=self.draft[1],
+                k=self.draft[2], max_steps=self.decode_steps)
+            out.append((proposed, kept))
+        elif self.page_size:
             *out, self.logits_BV, self.cache = _paged_decode_loop(
                 self.params, self._layer_weights(), self.cache, self.logits_BV, rows_b, adapter, np.int32(steps), live,
                 length, self.table[rows_b], *sampled, cfg=self.cfg, max_steps=self.decode_steps)
@@ -822,13 +864,17 @@ class Engine:
     def _collect(self, call: tuple[list, tuple]) -> None:
         """Wait for a dispatched decode call and send each sequence still in its slot the tokens it made."""
         seqs, out = call
+        if self.draft is not None:
+            out, (proposed, kept) = jax.device_get((out[:5], out[5]))
+            self.draft_proposed_total += int(proposed)
+            self.draft_accepted_total += int(kept)
         tok, lp, top_ids, top_lp, made = jax.device_get(out)
         made_b = made.sum(axis=0).tolist()  # a row makes tokens in the first steps of a call, until it stops
         # by row, as Python lists in one conversion each (log-probabilities only when a row wants them)
         tok = tok.T.tolist()
         wanted = [s.alternatives for s in seqs if s is not None and s.logprobs]
         if wanted:
-            K = max(wanted)
+            K = min(max(wanted), self.cfg.vocab_size)
             lp, top_ids, top_lp = lp.T.tolist(), *(x[:, :, :K].transpose(1, 0, 2).tolist() for x in (top_ids, top_lp))
         now = time.perf_counter()
         n = 0
@@ -847,6 +893,9 @@ class Engine:
             s.generated += k
             s.out += ids
             n += k
+            if self.draft is not None:
+                s.planned = s.generated
+                self.pending[s.slot] = ids[-1]
             if ids[-1] in s.stop_ids:  # the call stopped the row at its stop token or at its max_tokens
                 self._finish(s.slot, "stop")
             elif s.generated >= s.max_tokens:
@@ -865,4 +914,4 @@ class Engine:
 
 def compiled_step_count() -> int:
     """How many decode programs this process has compiled (one per bucket, engine settings and model)."""
-    return _decode_loop._cache_size() + _paged_decode_loop._cache_size()
+    return _decode_loop._cache_size() + _paged_decode_loop._cache_size() + speculate.decode_loop._cache_size()

@@ -21,7 +21,8 @@ import math
 from jaxlm.serve.engine import Engine, Score, Sequence
 
 COUNTERS = ("tokens_total", "requests_total", "prompt_tokens_total", "prefilled_tokens_total", "prefill_calls_total",
-            "prefix_hits_total", "prefix_tokens_total", "calls_total", "preempted_total")
+            "prefix_hits_total", "prefix_tokens_total", "calls_total", "preempted_total", "draft_proposed_total",
+            "draft_accepted_total")
 
 
 class Replicas:

@@ -1,0 +1,156 @@
+"""Speculative decoding in the server's engine (`jaxlm serve MODEL decode.draft=PATH`, the setting `jaxlm generate`
+takes): the decode program that engine.py runs instead of its one-token steps when a draft model is set.
+
+A draft model with the target's tokenizer keeps a paged cache of its own with the same pages as the target's (one
+page table serves both: a page holds the same positions of the same sequence in the two pools, so the target's
+page accounting, prefix sharing and preemption hold for the draft as they are). Each row of a call carries a
+pending token: sampled and sent, not yet in either cache. A row that has just been prefilled has none: the call
+first samples it from the row's logits, as the one-token step would. Then each iteration of the call, for every
+live row:
+- the draft runs the pending token and its own k proposals (k + 1 steps, the last only to cache the k-th), each
+  proposal drawn from the draft's distribution under the row's sampling settings (sampling.probabilities);
+- the target runs the same k + 1 tokens in one pass over its pages (transformer.paged_forward, every logit);
+- sampling.speculative_accept keeps a prefix of the proposals and draws one more token from the target's
+  residual distribution (or from the target's own after all k), so that the tokens are distributed as the
+  target's sampling alone would draw them, and greedy rows get the target's greedy tokens;
+- the row sends its kept proposals and the drawn token (cut after a stop token and at its max_tokens), both
+  caches keep the pending token and the kept proposals (the positions past them are written over later, never
+  read: a sequence's length says where its cache ends), and the drawn token is the new pending one.
+
+A call runs up to `steps` iterations and returns each row's tokens in order (1 to k + 1 per iteration, one
+more for a row that starts from its logits), with log-probabilities under the target's logits when a row asks.
+Positions at or past a row's `limit` (its prompt plus max_tokens) are neither written nor read, so the pages the
+engine reserved for its max_tokens always suffice. A row's random stream is its key(seed, choice) folded with
+its count of tokens sent at the start of each iteration: its tokens depend neither on the other rows nor on
+how the engine cuts the iterations into calls. The draft serves no LoRA adapter: a row with an adapter is
+verified by the target with its adapter, and keeps fewer proposals.
+
+Shape legend: B slots, b rows of a call, V vocab, k draft tokens, J = k + 1, L tokens a call returns per row at
+most (1 + steps * J), M stop tokens per row (padded with -1) or pages per row, K top log-probabilities.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from jaxlm import sampling
+from jaxlm.config import ModelConfig
+from jaxlm.model import layers, transformer
+
+TOP_LOGPROBS = 5  # as engine.TOP_LOGPROBS (the engine imports this module)
+
+
+def tokens_per_call(k: int, steps: int) -> int:
+    """The most tokens a row sends in one call of `steps` iterations."""
+    return 1 + steps * (k + 1)
+
+
+@partial(jax.jit, static_argnames=("cfg", "draft_cfg", "k", "max_steps"), donate_argnames=("cache", "draft_cache"))
+def decode_loop(params, layer_params, draft_params, draft_layer_params, cache, draft_cache, logits_BV, rows_b,
+                adapter_b, steps, live_b, length_b, pending_b, limit_b, table_bM, left_b, stop_bM, want_lp_b, seed_b,
+                choice_b, count_b, temperature_b, top_k_b, top_p_b, cfg: ModelConfig, draft_cfg: ModelConfig, k: int,
+                max_steps: int):
+    """Up to `steps` (<= max_steps) iterations of speculative decoding over rows rows_b (see the module
+    docstring): length_b positions cached per row, pending_b its pending token (-1: sample it from the row's
+    logits in logits_BV), limit_b the positions it may use, left_b the tokens it may still send, count_b those it
+    has sent. Returns tokens, log-probabilities, alternatives [L, b(, K)] and which were sent [L, b] (each row's
+    first ones, in order), the two caches, and the draft tokens proposed to live rows and kept by them."""
+    params, layer_params = layers.with_rows((params, layer_params), adapter_b)
+    b, K, J, V = rows_b.shape[0], TOP_LOGPROBS, k + 1, logits_BV.shape[-1]
+    L = tokens_per_call(k, max_steps)
+    settings = (temperature_b, top_k_b, top_p_b)
+    choice_keys_b = sampling.choice_keys(seed_b, choice_b)
+    logits_bV = jnp.take(logits_BV, rows_b, axis=0)
+    rows_b1 = jnp.arange(b)[:, None]
+
+    def no_logprobs(logits_bJV, tokens_bJ):
+        n = tokens_bJ.shape[1]
+        return jnp.zeros((b, n), jnp.float32), jnp.zeros((b, n, K), jnp.int32), jnp.zeros((b, n, K), jnp.float32)
+
+    def logprobs(logits_bJV, tokens_bJ):
+        return jax.vmap(partial(sampling.token_logprobs, K=K), in_axes=1, out_axes=1)(logits_bJV, tokens_bJ)
+
+    def send(c, tokens_bJ, n_b, logits_bJV):
+        """Each live row's first n_b tokens (logits_bJV: the target's logits each was drawn from), cut after a
+        stop token and at left_b, appended to the row's output."""
+        i_J = jnp.arange(tokens_bJ.shape[1])
+        sent_bJ = (i_J < n_b[:, None]) & c["live_b"][:, None]
+        stop_bJ = jnp.any(tokens_bJ[..., None] == stop_bM[:, None, :], axis=-1) & sent_bJ
+        sent_bJ &= jnp.cumsum(stop_bJ, axis=1) - stop_bJ < 1  # up to and including the first stop token
+        sent_bJ &= c["made_b"][:, None] + i_J < left_b[:, None]
+        at_bJ = jnp.where(sent_bJ, c["made_b"][:, None] + i_J, L)  # past the output: dropped
+        lp = jax.lax.cond(jnp.any(sent_bJ & want_lp_b[:, None]), logprobs, no_logprobs, logits_bJV, tokens_bJ)
+        out = tuple(o.at[at_bJ, rows_b1].set(x, mode="drop") for o, x in zip(c["out"], (tokens_bJ, *lp, sent_bJ)))
+        made_b = c["made_b"] + jnp.sum(sent_bJ, axis=1)
+        ended_b = jnp.any(stop_bJ & sent_bJ, axis=1) | (made_b >= left_b)
+        return {**c, "out": out, "made_b": made_b, "live_b": c["live_b"] & ~ended_b}
+
+    def flat(x_bJ):  # [b, J, ...] -> [b * J, ...]
+        return x_bJ.reshape(-1, *x_bJ.shape[2:])
+
+    def body(c):
+        live_b, length_b, pending_b = c["live_b"], c["length_b"], c["pending_b"]
+        keys_b = sampling.row_keys(choice_keys_b, count_b + c["made_b"])
+        way = sampling.branch(jnp.where(live_b, temperature_b, 0), top_k_b, top_p_b, V)
+        # the draft: the pending token, then its own k proposals, each drawn from its distribution q under the
+        # row's settings (as sampling.probabilities gives it)
+        tok_b, draft_cache, drafted, q_logits = pending_b, c["draft_cache"], [], []
+        for i in range(J):
+            at_b = length_b + i
+            logits_i_bV, draft_cache = transformer.paged_forward(
+                draft_params, draft_cache, tok_b[:, None], at_b, jnp.where(live_b & (at_b < limit_b), at_b + 1, 0),
+                table_bM, draft_cfg, draft_layer_params)
+            if i < k:
+                tok_b = sampling.sample_rows(way, logits_i_bV,
+                                             lambda i=i: jax.vmap(lambda key: jax.random.fold_in(key, i + 1))(keys_b),
+                                             *settings)
+                drafted.append(tok_b)
+                q_logits.append(logits_i_bV)
+        d_bk = jnp.stack(drafted, axis=1)
+        # the target: the same k + 1 tokens in one pass, its distribution p after each
+        chunk_bJ = jnp.concatenate([pending_b[:, None], d_bk], axis=1)
+        logits_bJV, cache = transformer.paged_forward(params, c["cache"], chunk_bJ, length_b,
+                                                      jnp.where(live_b, jnp.minimum(length_b + J, limit_b), 0),
+                                                      table_bM, cfg, layer_params, all_logits=True)
+
+        def greedy():  # one-hot p and q: the rule keeps the proposals equal to the model's greedy tokens
+            g_bJ = sampling.greedy_tokens(flat(logits_bJV)).reshape(b, J)
+            kept_b = jnp.sum(jnp.cumprod((d_bk == g_bJ[:, :k]).astype(jnp.int32), axis=1), axis=1)
+            return jnp.where(jnp.arange(J) <= kept_b[:, None], g_bJ, 0), kept_b
+
+        def sampled():
+            def dist(logits_bJV):
+                n = logits_bJV.shape[1]
+                return sampling.probabilities(flat(logits_bJV), *(jnp.repeat(x, n) for x in settings)).reshape(
+                    b, n, V)
+
+            keys = jax.vmap(lambda key: jax.random.fold_in(key, 0))(keys_b)
+            return sampling.speculative_accept(dist(logits_bJV), dist(jnp.stack(q_logits, axis=1)), d_bk, keys)
+
+        tokens_bJ, kept_b = jax.lax.cond(way == sampling.GREEDY, greedy, sampled)
+        c = send({**c, "cache": cache, "draft_cache": draft_cache}, tokens_bJ, kept_b + 1, logits_bJV)
+        return {**c, "i": c["i"] + 1, "length_b": jnp.where(live_b, length_b + kept_b + 1, length_b),
+                "pending_b": jnp.take_along_axis(tokens_bJ, kept_b[:, None], axis=1)[:, 0],
+                "proposed": c["proposed"] + k * jnp.sum(live_b), "kept": c["kept"] + jnp.sum(kept_b * live_b)}
+
+    out = (jnp.zeros((L, b), jnp.int32), jnp.zeros((L, b), jnp.float32), jnp.zeros((L, b, K), jnp.int32),
+           jnp.zeros((L, b, K), jnp.float32), jnp.zeros((L, b), bool))
+    c = {"i": jnp.int32(0), "live_b": live_b, "made_b": jnp.zeros((b,), jnp.int32), "length_b": length_b,
+         "cache": cache, "draft_cache": draft_cache, "out": out, "proposed": jnp.int32(0), "kept": jnp.int32(0)}
+    # rows just prefilled: their first token from their logits, as the one-token step samples it
+    fresh_b = live_b & (pending_b < 0)
+    way = sampling.branch(jnp.where(fresh_b, temperature_b, 0), top_k_b, top_p_b, V)
+    first_b = sampling.sample_rows(way, logits_bV, lambda: sampling.row_keys(choice_keys_b, count_b), *settings)
+    c = send(c, first_b[:, None], fresh_b.astype(jnp.int32), logits_bV[:, None])
+    c["pending_b"] = jnp.where(fresh_b, first_b, pending_b)
+    c = jax.lax.while_loop(lambda c: (c["i"] < steps) & jnp.any(c["live_b"]), body, c)
+    return *c["out"], c["cache"], c["draft_cache"], c["proposed"], c["kept"]
+
+
+@partial(jax.jit, static_argnames="cfg", donate_argnames="cache")
+def prefill(params, cache, tokens_PC, start_P, length_P, table_PM, cfg: ModelConfig):
+    """The draft's cache entries of prompts' chunks (engine._paged_prefill's, without the logits)."""
+    return transformer.paged_forward(params, cache, tokens_PC, start_P, length_P, table_PM, cfg)[1]

@@ -1,0 +1,111 @@
+"""Speculative decoding in the server's engine (serve/speculate.py; `jaxlm serve MODEL decode.draft=PATH`): greedy
+tokens and their log-probabilities equal the engine's without a draft (stop tokens, max_tokens, shared prompt
+prefixes, preemption in a small pool of pages, rows of a call at different points), a draft equal to the model
+keeps every token it proposes, pages all come back, and sampled tokens keep the model's distribution: a
+chi-square test of 3-token continuations against the exact distribution, which the draft's fails. (The command's
+path, decode.draft through serve.build and HTTP, is in test_serve.py.)"""
+
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from jaxlm import params as P, sharding
+from jaxlm.config import MeshConfig, ModelConfig
+from jaxlm.model import param_specs
+from jaxlm.serve import engine as engine_lib
+
+import test_speculative
+from test_speculative import chi_square_quantile
+
+
+def make(seed: int, **kw):
+    cfg = ModelConfig(**{**dict(vocab_size=50, block_size=128, n_layers=2, n_heads=4, n_kv_heads=2, d_model=32,
+                                sliding_window=8, layer_pattern="local,global", init_std=0.3), **kw})
+    return P.init(param_specs(cfg), jax.random.key(seed), sharding.make_mesh(MeshConfig(), jax.devices()[:1])), cfg
+
+
+def run(engine, seqs, timeout=300):
+    events = [[] for _ in seqs]
+    for s, ev in zip(seqs, events):
+        s.emit = ev.append
+        engine.submit(s)
+    engine.start()
+    deadline = time.monotonic() + timeout
+    try:
+        while not all(ev and ev[-1][0] == "done" for ev in events):
+            assert time.monotonic() < deadline, "the engine did not finish in time"
+            time.sleep(0.01)
+    finally:
+        engine.stop()
+    assert engine.pages_used() == 0 and not any(engine.slots)
+    return [([t for e in ev if e[0] == "tokens" for t in e[1]],
+             [lp for e in ev if e[0] == "tokens" for lp in (e[2] or [])], ev[-1]) for ev in events]
+
+
+def test_greedy_tokens_and_logprobs_equal_the_engine_without_a_draft():
+    """Seven greedy sequences (two sharing a two-page prompt prefix, one stopping at a stop token, one without
+    log-probabilities, max_tokens 1 to 30) in 3 slots and a pool of 14 pages of 4 positions, so that sequences
+    are preempted and prefilled again: with a small draft (3 proposals per pass) each gets the tokens, ending
+    and log-probabilities (to 1e-4) of the engine without one; with the model itself as the draft every proposal
+    is kept, in fewer decode calls."""
+    params, cfg = make(0)
+    draft, draft_cfg = make(1, n_layers=1, d_model=16, n_heads=2, n_kv_heads=1, layer_pattern="local")
+    rng = np.random.default_rng(0)
+    shared = rng.integers(0, 50, 9).tolist()
+    prompts = [rng.integers(0, 50, n).tolist() for n in (5, 13, 3, 11, 2)] + [shared + [7], shared + [8, 9]]
+    max_tokens = [30, 14, 24, 1, 20, 16, 12]
+
+    def seqs(stop=()):
+        return [engine_lib.Sequence(p, max_tokens[i], 0.0, 0, 1.0, i, 0, stop if i == 2 else (), None,
+                                    logprobs=i != 4) for i, p in enumerate(prompts)]
+
+    def engine(d):
+        return engine_lib.Engine(params, cfg, 3, 48, max_queue=16, prefill_chunk=8, prefix_cache=2, decode_steps=4,
+                                 page_size=4, cache_pages=14, draft=d)
+
+    plain = engine(None)
+    want = run(plain, seqs())
+    stop = want[2][0][6]
+    want[2] = (want[2][0][:want[2][0].index(stop) + 1], want[2][1][:want[2][0].index(stop) + 1], ("done", "stop"))
+    for d in ((draft, draft_cfg, 3), (params, cfg, 3)):
+        e = engine(d)
+        got = run(e, seqs((stop,)))
+        assert e.preempted_total > 0 and e.prefix_hits_total > 0
+        for (tg, lg, end_g), (tw, lw, end_w), m in zip(got, want, max_tokens):
+            assert tg == tw and end_g == end_w
+            np.testing.assert_allclose(lg, lw, rtol=0, atol=1e-4)
+        assert [len(t) for t, _, _ in got[:2]] == max_tokens[:2] and got[4][1] == []
+        if d[0] is params:
+            assert e.draft_accepted_total == e.draft_proposed_total > 0
+            assert e.calls_total < plain.calls_total
+        else:
+            assert 0 < e.draft_accepted_total < e.draft_proposed_total
+    with pytest.raises(ValueError, match="paged KV cache"):
+        engine_lib.Engine(params, cfg, 3, 48, max_queue=4, page_size=0, draft=(draft, draft_cfg, 3))
+    with pytest.raises(ValueError, match="vocabulary"):
+        engine_lib.Engine(params, cfg, 3, 48, max_queue=4, page_size=4, draft=(*make(2, vocab_size=60), 3))
+
+
+def test_sampled_tokens_keep_the_models_distribution():
+    """1,500 continuations of 3 tokens from a 4-token vocabulary at temperature 0.8 and top_k 3 (each its own
+    seed), two proposals per pass from a draft that disagrees often, 32 slots: the 64 outcomes' frequencies
+    pass a chi-square test (p > 0.001) against the model's exact distribution and fail it against the
+    draft's."""
+    V, n = 4, 1500
+    params, cfg = make(2, vocab_size=V, init_std=0.15)
+    draft, draft_cfg = make(3, vocab_size=V, n_layers=1, layer_pattern="global", init_std=0.5)
+    e = engine_lib.Engine(params, cfg, 32, 16, max_queue=n, prefill_chunk=16, prefix_cache=0, decode_steps=2,
+                          page_size=4, draft=(draft, draft_cfg, 2))
+    out = run(e, [engine_lib.Sequence([1, 2], 3, 0.8, 3, 1.0, 1000 + i, 0, (), None, logprobs=False)
+                  for i in range(n)])
+    assert 0.2 < e.draft_accepted_total / e.draft_proposed_total < 0.9
+    counts = np.zeros((V,) * 3)
+    for tokens, _, _ in out:
+        counts[tuple(tokens)] += 1
+    stat, dof = test_speculative.chi_square(counts, test_speculative.exact_distribution(params, cfg, V), n)
+    assert dof >= 20 and stat < chi_square_quantile(dof), (stat, dof)
+    stat, dof = test_speculative.chi_square(counts, test_speculative.exact_distribution(draft, draft_cfg, V), n)
+    assert stat > 10 * chi_square_quantile(dof)
+
