@@ -8,8 +8,12 @@ times (the fastest counts, prefill included). Prints one line per setting
     mode=greedy plain_tok_per_s=X speculative_tok_per_s=Y speedup=Y/X acceptance=A tokens_per_pass=P
 with A the share of draft tokens kept and P the tokens one pass of the target gives, then
     speculative_speedup=S acceptance=A (greedy, batch 1)
-and checks that greedy speculative text equals the text without the draft. --tiny trains tiny models for a few
-steps (the benchmark's code path in seconds; the figures mean nothing).
+and checks that greedy speculative text equals the text without the draft. Then the same for the server's
+engine (`jaxlm serve MODEL decode.draft=DRAFT`, its default serve settings, one request at a time, from
+submission to the last token: mode=serve_greedy, serve_sampled), with its greedy tokens checked against the
+engine's without the draft, and
+    serve_speculative_speedup=S acceptance=A (greedy, one request)
+--tiny trains tiny models for a few steps (the benchmark's code path in seconds; the figures mean nothing).
 
     python benchmarks/speculative.py [--target-steps 600] [--draft-steps 600] [--new-tokens 256] [--draft-tokens 4]
 """
@@ -19,6 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -27,6 +32,7 @@ import jax
 from jaxlm import api, config as config_lib, generate, speculative, train
 from jaxlm.config import DecodeConfig
 from jaxlm.data import prepare
+from jaxlm.serve import engine as engine_lib
 
 CORPUS = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "tinyshakespeare" / "input.txt"
 
@@ -51,6 +57,32 @@ def timed(fn, repeats: int):
         out = fn()
         best = min(best, time.perf_counter() - t)
     return best, out
+
+
+def served(model, draft, prompt: list[int], d: DecodeConfig, repeats: int):
+    """Tokens per second of the server's engine (serve.* defaults, a paged cache of 4 sequences of the whole
+    context) on one request at a time, with `draft` proposing d.draft_tokens (None: without), the fastest of
+    `repeats` after a warm-up; its tokens and the draft's acceptance."""
+    sc = config_lib.ServeConfig()
+    e = engine_lib.Engine(model.params, model.config.model, 4, len(prompt) + d.max_new_tokens, 8,
+                          decode_steps=sc.decode_steps, page_size=sc.page_size, prefill_chunk=sc.prefill_chunk,
+                          prefix_cache=0, draft=None if draft is None else (draft.params, draft.config.model,
+                                                                            d.draft_tokens))
+    e.warm_up()
+    e.start()
+    try:
+        def once():
+            events, done = [], threading.Event()
+            e.submit(engine_lib.Sequence(prompt, d.max_new_tokens, d.temperature, 0, 1.0, d.seed, 0, (),
+                                         lambda ev: (events.append(ev), ev[0] == "done" and done.set()),
+                                         logprobs=False))
+            assert done.wait(600), "the engine did not finish"
+            return [t for ev in events if ev[0] == "tokens" for t in ev[1]]
+
+        seconds, tokens = timed(once, repeats)
+    finally:
+        e.stop()
+    return len(tokens) / seconds, tokens, e.draft_accepted_total / max(e.draft_proposed_total, 1)
 
 
 def main(argv=None) -> dict:
@@ -93,8 +125,22 @@ def main(argv=None) -> dict:
             results[mode] = r
             print(f"mode={mode} " + " ".join(f"{k}={v:.3f}" if k in ("acceptance", "speedup", "tokens_per_pass")
                                             else f"{k}={v:.1f}" for k, v in r.items()), flush=True)
+        for mode, temperature in (("serve_greedy", 0.0), ("serve_sampled", 0.8)):
+            d = DecodeConfig(max_new_tokens=a.new_tokens, temperature=temperature, seed=1,
+                             draft_tokens=a.draft_tokens)
+            plain_rate, plain, _ = served(model, None, prompt[0], d, a.repeats)
+            spec_rate, spec, acceptance = served(model, small, prompt[0], d, a.repeats)
+            if temperature == 0:
+                assert spec == plain, "the server's greedy speculative tokens differ from its tokens without a draft"
+            r = dict(plain_tok_per_s=plain_rate, speculative_tok_per_s=spec_rate, speedup=spec_rate / plain_rate,
+                     acceptance=acceptance)
+            results[mode] = r
+            print(f"mode={mode} " + " ".join(f"{k}={v:.3f}" if k in ("acceptance", "speedup") else f"{k}={v:.1f}"
+                                            for k, v in r.items()), flush=True)
     print(f"speculative_speedup={results['greedy']['speedup']:.2f} acceptance={results['greedy']['acceptance']:.3f} "
           f"(greedy, batch 1, {a.draft_tokens} draft tokens)")
+    print(f"serve_speculative_speedup={results['serve_greedy']['speedup']:.2f} "
+          f"acceptance={results['serve_greedy']['acceptance']:.3f} (greedy, one request)")
     return results
 
 
