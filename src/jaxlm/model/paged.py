@@ -45,6 +45,9 @@ from jaxlm.model import attention as attention_lib
 from jaxlm.model import kvcache, latent, layers
 
 PAGE_BLOCK_TOKENS = 1024  # keys a step of the flat path's loop reads (64 pages of 16: a few MB, cache-resident)
+# ... and at most this many per row of the call: a block is read whole, the pages past the rows' last padding, so
+# a call of few rows takes smaller blocks (one row of 13 pages in blocks of 64 made a batch-1 step 1.7x slower)
+PAGE_BLOCK_TOKENS_PER_ROW = 256
 FLAT_MAX_QUERIES = 16  # rows of up to this many tokens read their pages flat, longer ones by rows
 
 
@@ -164,12 +167,13 @@ def attend_flat(q_PCNH, read, K: int, A: int, table_PM, end_P, q_pos_PC, scale, 
                 sinks_N=None):
     """Each row's queries over the keys below its end in its pages (the mask of a window or chunk as
     attention.mask), reading only the pages that hold keys: every row's listed flat (flat_pages) and taken
-    PAGE_BLOCK_TOKENS keys at a time by `read(ids) -> (k [F, K, A, H], v [F, K, A, Hv])` (A tokens a page),
+    PAGE_BLOCK_TOKENS keys at a time (PAGE_BLOCK_TOKENS_PER_ROW per row when the call has few rows) by
+    `read(ids) -> (k [F, K, A, H], v [F, K, A, Hv])` (A tokens a page),
     the softmax carried across blocks per row (running maximum, sum and output, as flash attention does; sinks_N,
     a logit per query head, start them). Returns [P, C, N, Hv]."""
     P, C, N, H = q_PCNH.shape
     G = N // K
-    Fb = max(1, PAGE_BLOCK_TOKENS // A)
+    Fb = max(1, min(PAGE_BLOCK_TOKENS, PAGE_BLOCK_TOKENS_PER_ROW * P) // A)
     page_F, row_F, j_F, listed = flat_pages(table_PM, end_P, A, Fb)
     # queries [P, K, G C, H], in (g, c) order; their positions in the same order
     q_PKQH = q_PCNH.reshape(P, C, K, G, H).transpose(0, 2, 3, 1, 4).reshape(P, K, G * C, H)
