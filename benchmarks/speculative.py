@@ -15,7 +15,8 @@ engine's without the draft, and
     serve_speculative_speedup=S acceptance=A (greedy, one request)
 --tiny trains tiny models for a few steps (the benchmark's code path in seconds; the figures mean nothing).
 
-    python benchmarks/speculative.py [--target-steps 600] [--draft-steps 600] [--new-tokens 256] [--draft-tokens 4]
+    python benchmarks/speculative.py [--target-steps 600] [--draft-steps 2000] [--new-tokens 256] [--draft-tokens 4]
+                                     [--models-dir DIR]
 """
 
 from __future__ import annotations
@@ -89,11 +90,12 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--corpus", default=os.environ.get("JAXLM_SHAKESPEARE", str(CORPUS)))
     ap.add_argument("--target-steps", type=int, default=600)
-    ap.add_argument("--draft-steps", type=int, default=600)
+    ap.add_argument("--draft-steps", type=int, default=2000, help="the draft's training is cheap (1 layer)")
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--draft-tokens", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tiny", action="store_true", help="tiny models, a few steps: the code path only")
+    ap.add_argument("--models-dir", help="train the models here, or reuse the ones an earlier run trained here")
     a = ap.parse_args(argv)
     target = dict(layers=6, width=384, heads=6, block=128)
     draft = dict(layers=1, width=96, heads=2, block=128)
@@ -102,10 +104,15 @@ def main(argv=None) -> dict:
         a.target_steps, a.draft_steps, a.new_tokens, a.repeats = 4, 4, 16, 1
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
+        tmp = a.models_dir or tmp
         data = Path(tmp) / "data"
-        prepare.prepare_shakespeare_char(data, Path(a.corpus))
-        train_model(data, Path(tmp) / "target", a.target_steps, **target)
-        train_model(data, Path(tmp) / "draft", a.draft_steps, **draft)
+        if not (data / "meta.json").exists():
+            prepare.prepare_shakespeare_char(data, Path(a.corpus))
+        for name, steps, shape in (("target", a.target_steps, target), ("draft", a.draft_steps, draft)):
+            if a.models_dir and (Path(tmp) / name / "checkpoints").is_dir():
+                print(f"reusing {Path(tmp) / name}", flush=True)
+            else:
+                train_model(data, Path(tmp) / name, steps, **shape)
         model, small = api.load(Path(tmp) / "target"), api.load(Path(tmp) / "draft")
         tok = model.tokenizer()
         text = Path(a.corpus).read_text()
