@@ -109,7 +109,8 @@ def main(argv=None) -> dict:
         if not (data / "meta.json").exists():
             prepare.prepare_shakespeare_char(data, Path(a.corpus))
         for name, steps, shape in (("target", a.target_steps, target), ("draft", a.draft_steps, draft)):
-            if a.models_dir and (Path(tmp) / name / "checkpoints").is_dir():
+            saved = Path(tmp) / name / "checkpoints"
+            if a.models_dir and saved.is_dir() and any(saved.iterdir()):  # a finished run (it saves at its end)
                 print(f"reusing {Path(tmp) / name}", flush=True)
             else:
                 train_model(data, Path(tmp) / name, steps, **shape)
