@@ -5,8 +5,6 @@ keeps every token it proposes, pages all come back, and sampled tokens keep the 
 chi-square test of 3-token continuations against the exact distribution, which the draft's fails. (The command's
 path, decode.draft through serve.build and HTTP, is in test_serve.py.)"""
 
-import time
-
 import jax
 import numpy as np
 import pytest
@@ -17,6 +15,7 @@ from jaxlm.model import param_specs
 from jaxlm.serve import engine as engine_lib
 
 import test_speculative
+from test_serve import until_done
 from test_speculative import chi_square_quantile
 
 
@@ -31,14 +30,7 @@ def run(engine, seqs, timeout=300):
     for s, ev in zip(seqs, events):
         s.emit = ev.append
         engine.submit(s)
-    engine.start()
-    deadline = time.monotonic() + timeout
-    try:
-        while not all(ev and ev[-1][0] == "done" for ev in events):
-            assert time.monotonic() < deadline, "the engine did not finish in time"
-            time.sleep(0.01)
-    finally:
-        engine.stop()
+    until_done(engine, events, timeout)
     assert engine.pages_used() == 0 and not any(engine.slots)
     return [([t for e in ev if e[0] == "tokens" for t in e[1]],
              [lp for e in ev if e[0] == "tokens" for lp in (e[2] or [])], ev[-1]) for ev in events]
