@@ -201,8 +201,9 @@ def _muon_run(char_data, tmp_path, devices, **overrides):
 SPLITS = {8: ("fsdp", "tensor"), 4: ("fsdp",), 3: ()}
 
 
-@pytest.mark.parametrize("scan,layers", [(False, 4), pytest.param(True, 8, marks=pytest.mark.slow),
-                                         pytest.param(True, 3, marks=pytest.mark.slow)],
+# the scanned layouts are slow-tier tests that CI runs too (issue 31's acceptance: scanned and unscanned alike)
+@pytest.mark.parametrize("scan,layers", [(False, 4), pytest.param(True, 8, marks=[pytest.mark.slow, pytest.mark.in_ci]),
+                                         pytest.param(True, 3, marks=[pytest.mark.slow, pytest.mark.in_ci])],
                          ids=["unscanned-4-layers", "scanned-8-layers", "scanned-3-layers"])
 def test_sharded_muon_equals_one_device(scan, layers, char_data, tmp_path):
     """FSDP x tensor parallelism (fsdp=4 x tensor=2): every matrix is split over 8 devices along both its axes and
@@ -263,6 +264,7 @@ def restored(cfg, run_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.in_ci  # issue 31: WSD extension is exact
 def test_wsd_run_extended_in_its_stable_phase_equals_one_long_run(char_data, tmp_path, monkeypatch):
     """A 40-step Muon run with WSD, stopped at step 13 (its cooldown would begin at 32), extended with
     training.steps=60: the same losses, learning rates and final state (weights, Muon's momentum, AdamW's
