@@ -78,6 +78,9 @@ def test_greedy_tokens_and_logprobs_equal_the_engine_without_a_draft():
         engine_lib.Engine(params, cfg, 3, 48, max_queue=4, page_size=0, draft=(draft, draft_cfg, 3))
     with pytest.raises(ValueError, match="vocabulary"):
         engine_lib.Engine(params, cfg, 3, 48, max_queue=4, page_size=4, draft=(*make(2, vocab_size=60), 3))
+    learned = make(3, n_layers=1, layer_pattern="global", position="learned", block_size=32)
+    with pytest.raises(ValueError, match="learned positions up to 32"):
+        engine_lib.Engine(params, cfg, 3, 48, max_queue=4, page_size=4, draft=(*learned, 3))
 
 
 def test_sampled_tokens_keep_the_models_distribution():

@@ -139,6 +139,18 @@ def _loop(params, draft_params, logits_BV, cache, draft_cache, lengths_B, key, t
     return c["out_BN"], c["count_B"], c["proposed"], c["kept"], c["i"] - 1
 
 
+def check_draft(cfg: ModelConfig, draft_cfg: ModelConfig, length: int) -> None:
+    """A draft must share the target's vocabulary, and both models must have `length` positions per sequence
+    (learned position tables end at block_size); else one ConfigError line."""
+    if draft_cfg.vocab_size != cfg.vocab_size:
+        raise ConfigError(f"the draft model's vocabulary ({draft_cfg.vocab_size} tokens) is not the target's "
+                          f"({cfg.vocab_size}); a draft must share the target's tokenizer")
+    for c in (cfg, draft_cfg):
+        if c.position == "learned" and length > c.block_size:
+            raise ConfigError(f"speculative decoding needs {length} positions per sequence but a model has "
+                              f"learned positions up to {c.block_size}")
+
+
 def generate_speculative(params, cfg: ModelConfig, draft_params, draft_cfg: ModelConfig,
                          prompts: Sequence[Sequence[int]], d: DecodeConfig, stop_ids: Sequence[int] = (),
                          on_tokens: Callable[[np.ndarray, np.ndarray], None] | None = None) -> Speculation:
@@ -146,17 +158,11 @@ def generate_speculative(params, cfg: ModelConfig, draft_params, draft_cfg: Mode
     module docstring). `on_tokens(tokens, live)` is called on the host for each new token of every sequence, as
     generate calls it."""
     validate_decode(d)
-    if draft_cfg.vocab_size != cfg.vocab_size:
-        raise ConfigError(f"the draft model's vocabulary ({draft_cfg.vocab_size} tokens) is not the target's "
-                          f"({cfg.vocab_size}); a draft must share the target's tokenizer")
     k = d.draft_tokens
     generate.check_prompts(prompts, cfg, d)
     B, T = len(prompts), -(-max(map(len, prompts)) // generate.PAD) * generate.PAD
     length = T + d.max_new_tokens + k + 1
-    for c in (cfg, draft_cfg):
-        if c.position == "learned" and length > c.block_size:
-            raise ConfigError(f"speculative decoding needs {length} positions (prompt + max_new_tokens + "
-                              f"draft_tokens + 1) but a model has learned positions up to {c.block_size}")
+    check_draft(cfg, draft_cfg, length)
     prompts_BT, lengths_B = generate.padded_prompts(prompts, T)
     settings, stop_S, key = generate.sampling_inputs(d, stop_ids)
     t0 = time.perf_counter()

@@ -79,13 +79,6 @@ def build(src: str | Path, cfg: Config, log: Callable[[str], None] = print):
     draft = None
     if d.draft:
         drafted = api.load(d.draft, mesh_cfg)
-        if drafted.config.model.vocab_size != m.vocab_size:
-            raise ConfigError(f"decode.draft={d.draft}: its vocabulary ({drafted.config.model.vocab_size} tokens) "
-                              f"is not the model's ({m.vocab_size}); a draft must share the model's tokenizer")
-        dm = drafted.config.model
-        if dm.position == "learned" and length > dm.block_size:
-            raise ConfigError(f"decode.draft={d.draft} has learned positions up to {dm.block_size}, fewer than the "
-                              f"server's {length} per sequence; set decode.cache_length={dm.block_size} or less")
         draft = (drafted.params, drafted.config.model, d.draft_tokens)
     engines = [engine_lib.Engine(params, m, sc.max_slots // R, length, Replicas.split(sc.max_queue, R),
                                  d.quantize_kv_cache, model.mesh, sc.prefill_chunk, sc.prefix_cache,

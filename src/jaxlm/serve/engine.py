@@ -83,14 +83,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlm import generate, sampling, sharding
+from jaxlm import generate, sampling, sharding, speculative
 from jaxlm.config import ModelConfig, ServeConfig
 from jaxlm.model import forward, kvcache, layers, paged, transformer
 from jaxlm.serve import chunk as chunk_lib, speculate
 from jaxlm.serve.pages import PagePool
 from jaxlm.serve.prefix_cache import PrefixCache
 
-TOP_LOGPROBS = 5  # the most alternatives a request may ask for, as the OpenAI completions API allows
+TOP_LOGPROBS = speculate.TOP_LOGPROBS  # the most alternatives a request may ask for
 MIN_BUCKET = 16
 MIN_STOP_WIDTH = 4  # stop tokens per row the decode program takes (more compile a wider one, once)
 MAX_PREFILL_ROWS = 16  # prompts' chunks prefilled in one call at most
@@ -340,9 +340,8 @@ class Engine:
         if draft is not None and not page_size:
             raise ValueError("speculative decoding (decode.draft) in the server needs the paged KV cache "
                              "(serve.page_size > 0)")
-        if draft is not None and draft[1].vocab_size != cfg.vocab_size:
-            raise ValueError(f"the draft model's vocabulary ({draft[1].vocab_size} tokens) is not the model's "
-                             f"({cfg.vocab_size}); a draft must share the model's tokenizer")
+        if draft is not None:
+            speculative.check_draft(cfg, draft[1], cache_length)
         self.draft, self._draft_layer_params = draft, None
         self.pending = np.full(slots, -1, np.int32)  # with a draft: each slot's token sent but not yet cached
         self.draft_proposed_total = self.draft_accepted_total = 0

@@ -40,7 +40,7 @@ from jaxlm import sampling
 from jaxlm.config import ModelConfig
 from jaxlm.model import layers, transformer
 
-TOP_LOGPROBS = 5  # as engine.TOP_LOGPROBS (the engine imports this module)
+TOP_LOGPROBS = 5  # the most alternatives a request may ask for, as OpenAI's completions API allows (engine.py uses it)
 
 
 def tokens_per_call(k: int, steps: int) -> int:
