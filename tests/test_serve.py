@@ -74,11 +74,12 @@ def log_prefill_calls(monkeypatch, log: Callable) -> None:
             tokens_PC.shape[1])
         return fn(params, cache, logits_BV, tokens_PC, start_P, length_P, slot_P, cfg, *rest)
 
-    def paged_chunk(params, cache, logits_BV, tokens_PC, start_P, length_P, table_PM, slot_P, adapter_P, cfg,
-                    fn=engine_lib._paged_prefill):
+    def paged_chunk(params, layer_params, cache, logits_BV, tokens_PC, start_P, length_P, table_PM, slot_P,
+                    adapter_P, cfg, fn=engine_lib._paged_prefill):
         log([(int(a), int(b), int(c)) for a, b, c in zip(slot_P, start_P, length_P) if a < logits_BV.shape[0]],
             tokens_PC.shape[1])
-        return fn(params, cache, logits_BV, tokens_PC, start_P, length_P, table_PM, slot_P, adapter_P, cfg)
+        return fn(params, layer_params, cache, logits_BV, tokens_PC, start_P, length_P, table_PM, slot_P, adapter_P,
+                  cfg)
 
     monkeypatch.setattr(chunk_lib, "prefill_chunks", slot_chunk)
     monkeypatch.setattr(engine_lib, "_paged_prefill", paged_chunk)

@@ -151,6 +151,7 @@ def decode_loop(params, layer_params, draft_params, draft_layer_params, cache, d
 
 
 @partial(jax.jit, static_argnames="cfg", donate_argnames="cache")
-def prefill(params, cache, tokens_PC, start_P, length_P, table_PM, cfg: ModelConfig):
-    """The draft's cache entries of prompts' chunks (engine._paged_prefill's, without the logits)."""
-    return transformer.paged_forward(params, cache, tokens_PC, start_P, length_P, table_PM, cfg)[1]
+def prefill(params, layer_params, cache, tokens_PC, start_P, length_P, table_PM, cfg: ModelConfig):
+    """The draft's cache entries of prompts' chunks (engine._paged_prefill's, without the logits; its layers
+    unrolled over `layer_params` when given)."""
+    return transformer.paged_forward(params, cache, tokens_PC, start_P, length_P, table_PM, cfg, layer_params)[1]
