@@ -211,8 +211,10 @@ def greedy_reward(cfg, params, folder) -> float:
 @pytest.mark.slow
 def test_a_tiny_model_learns_from_rewards(digits_learned, tmp_path):
     digits = digits_learned
-    cfg = config_lib.load("quickstart", grpo_args(digits, tmp_path / "rl", "training.steps=60",
-                                                  "training.eval_interval=60", "checkpoint.interval=60"))
+    # 100 steps: at 60 the held-out reward was 0.80 and the last steps' sampled reward 0.62 on one 2-core machine
+    # (the run is deterministic per machine, not across CPUs); at 100 it was 1.00 and 0.87
+    cfg = config_lib.load("quickstart", grpo_args(digits, tmp_path / "rl", "training.steps=100",
+                                                  "training.eval_interval=100", "checkpoint.interval=100"))
     base = jaxlm_load(digits / "sft")
     before = greedy_reward(cfg, base.params, digits)
     summary = train.train(cfg, jax.devices()[:1], log=lambda s: None)
@@ -224,7 +226,7 @@ def test_a_tiny_model_learns_from_rewards(digits_learned, tmp_path):
     assert 0.05 <= before <= 0.3 and np.mean(rewards[:5]) < 0.45
     assert after >= 0.8 and np.mean(rewards[-5:]) >= 0.7
     samples = [json.loads(line) for line in (tmp_path / "rl" / "completions.jsonl").read_text().splitlines()]
-    assert {s["step"] for s in samples} == set(range(0, 60, 10)) and len(samples) == 6 * 64
+    assert {s["step"] for s in samples} == set(range(0, 100, 10)) and len(samples) == 10 * 64
 
 
 def jaxlm_load(path):
