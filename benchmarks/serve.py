@@ -31,11 +31,15 @@ Measured, in order:
 - the toy model of the earlier figures (benchmarks/decode.py's 4-layer, 128-wide random Llama, 16-token prompts,
   64 new tokens, concurrency 16) against transformers' generate at batch 16: `vs_transformers_toy`.
 
+With --tuned, the server with those settings besides the defaults runs the top concurrency too, printed as
+`tuned (...)` with `roofline_frac_tuned`; the summary's other figures stay the defaults'.
+
 Then the summary: vs_generate_real (the server at concurrency 64 over transformers' generate), vs_generate_batch_real
 (over its continuous batching), roofline_frac (the server at concurrency 64 over the roofline's tokens/s), and
 vs_transformers_toy. --size tiny runs every part on a tiny model in seconds (the code path only: tests).
 
     python benchmarks/serve.py [--requests 128] [--parts serve,hf,engine,slots,toy] [--model-dir DIR]
+                               [--tuned KEY=VALUE,...]
 """
 
 from __future__ import annotations
@@ -288,6 +292,15 @@ def server(folder: Path, settings: list[str]):
         proc.wait(timeout=60)
 
 
+def serve_tuned(folder: Path, size: str, n: int, settings: list[str]) -> dict:
+    """The server with `settings` besides the size's at the top concurrency only (its n requests of seed 0), after
+    the same warm-up pass."""
+    top = SIZES[size]["levels"][-1][0]
+    with server(folder, list(SIZES[size]["settings"]) + settings) as port:
+        run_level(port, warm_up_requests(workload(size, n, seed=0)), top)
+        return run_level(port, workload(size, n, seed=0), top)
+
+
 def serve_levels(folder: Path, size: str, n: int) -> dict:
     """The server (default settings) at each concurrency of the size's levels, after a warm-up pass; the last
     level runs the n requests of seed 0, the ones the other parts run."""
@@ -447,6 +460,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--requests", type=int, default=128, help="requests at concurrency 64 (and for transformers)")
     ap.add_argument("--parts", default="serve,hf,engine,slots,toy")
     ap.add_argument("--model-dir", help="keep the built model here for later runs (default: a temporary folder)")
+    ap.add_argument("--tuned", default="", help="comma-separated server settings (e.g. decode.quantize_kv_cache=true) "
+                    "also measured at the top concurrency with the serve part, printed beside the defaults as tuned")
     a = ap.parse_args(argv)
     parts = set(a.parts.split(","))
     report: dict = {"load_avg_start": os.getloadavg()}
@@ -476,6 +491,10 @@ def main(argv=None) -> dict:
         print(line(roof), flush=True)
         if "serve" in parts:
             report["serve"] = serve_levels(jx, a.size, a.requests)
+            if a.tuned:
+                report["serve_tuned"] = dict(settings=a.tuned, **serve_tuned(jx, a.size, a.requests,
+                                                                             a.tuned.split(",")))
+                print(f"tuned ({a.tuned}) " + line(report["serve_tuned"]), flush=True)
         if "hf" in parts:
             report["transformers_generate_batch16"] = hf_generate(hf, requests)
             print(f"transformers_generate_batch16 output_tok_per_s={report['transformers_generate_batch16']:.1f}",
@@ -484,9 +503,13 @@ def main(argv=None) -> dict:
             print(f"transformers_continuous_batching output_tok_per_s="
                   f"{report['transformers_continuous_batching']:.1f}", flush=True)
         if "engine" in parts:
+            prompts_only = [dataclasses.replace(r, output=1) for r in requests]
+            # an untimed pass first: it compiles the prefill programs (chunk lengths x rows) these prompts use, as
+            # the server's lower concurrencies did before its timed level (the engine's warm-up compiles only the
+            # shortest chunk's; without this pass the engine alone ran 9 s slower the first time than the second)
+            engine_run(model, prompts_only, top, cache_pages=server_pages)
             alone = engine_run(model, requests, top, cache_pages=server_pages)
-            prefill = engine_run(model, [dataclasses.replace(r, output=1) for r in requests], top,
-                                 cache_pages=server_pages)
+            prefill = engine_run(model, prompts_only, top, cache_pages=server_pages)
             report["engine"] = dict(alone=alone, prefill_only=prefill)
             print("engine_alone " + line(alone), flush=True)
             print("engine_prefill_only " + line(prefill), flush=True)
@@ -508,6 +531,8 @@ def main(argv=None) -> dict:
         s64 = report["serve"][top]["output_tok_per_s"]
         summary["roofline_frac"] = s64 / roof["roofline_tok_per_s"]
         summary["roofline_frac_bytes_only"] = s64 / roof["roofline_bytes_only_tok_per_s"]
+        if "serve_tuned" in report:
+            summary["roofline_frac_tuned"] = report["serve_tuned"]["output_tok_per_s"] / roof["roofline_tok_per_s"]
         if "hf" in parts:
             summary["vs_generate_real"] = s64 / report["transformers_generate_batch16"]
             summary["vs_generate_batch_real"] = s64 / report["transformers_continuous_batching"]

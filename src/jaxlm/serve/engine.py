@@ -49,9 +49,9 @@ prefills at most that many prompt tokens before its decode call (at least one ch
 chunk per turn while the other slots keep decoding, instead of holding their next tokens back for its whole
 prefill. A turn takes the waiting prompts' next chunks oldest first while they fit, and runs the chunks of the
 same padded length together, several prompts in one device call: 16 short prompts that arrive together cost
-one call, not 16. A chunk is padded to one of a few lengths (`bucket`: 16, 32, 64, 96, 128, 192, ..., at most prefill_chunk)
-and a call's rows to a power of two (`prefill_rows`, up to MAX_PREFILL_ROWS), so prefill compiles once per pair of those. With a
-prefix cache (serve/prefix_cache.py), a prompt that starts with the tokens of a recent one first copies their
+one call, not 16. A chunk is padded to one of a few lengths (`bucket`: 16, 32, 64, 96, 128, 192, ..., at most
+prefill_chunk) and a call's rows to a power of two (`prefill_rows`, up to MAX_PREFILL_ROWS), so prefill compiles
+once per pair of those. With a prefix cache (serve/prefix_cache.py), a prompt that starts with the tokens of a recent one first copies their
 keys and values into its slot and prefills only the rest.
 
 Scoring a prompt (the log-probability of each of its tokens, for `echo` with `logprobs`) runs the uncached
