@@ -51,8 +51,8 @@ prefill. A turn takes the waiting prompts' next chunks oldest first while they f
 same padded length together, several prompts in one device call: 16 short prompts that arrive together cost
 one call, not 16. A chunk is padded to one of a few lengths (`bucket`: 16, 32, 64, 96, 128, 192, ..., at most
 prefill_chunk) and a call's rows to a power of two (`prefill_rows`, up to MAX_PREFILL_ROWS), so prefill compiles
-once per pair of those. With a prefix cache (serve/prefix_cache.py), a prompt that starts with the tokens of a recent one first copies their
-keys and values into its slot and prefills only the rest.
+once per pair of those. With a prefix cache (serve/prefix_cache.py), a prompt that starts with the tokens of a
+recent one first copies their keys and values into its slot and prefills only the rest.
 
 Scoring a prompt (the log-probability of each of its tokens, for `echo` with `logprobs`) runs the uncached
 forward pass on the same thread.
