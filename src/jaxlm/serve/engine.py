@@ -110,7 +110,12 @@ def bucket(n: int, limit: int) -> int:
     steps)."""
     b = MIN_BUCKET
     while b < n:
-        b = b * 3 // 2 if b >= 4 * MIN_BUCKET and b & (b - 1) == 0 else (b * 4 // 3 if b > 4 * MIN_BUCKET else 2 * b)
+        if b < 4 * MIN_BUCKET:
+            b *= 2
+        elif b & (b - 1) == 0:  # a power of two: one and a half times it next
+            b = b * 3 // 2
+        else:  # one and a half times a power of two: the next power of two
+            b = b * 4 // 3
     return min(b, max(limit, n))
 
 
