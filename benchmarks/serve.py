@@ -292,26 +292,18 @@ def server(folder: Path, settings: list[str]):
         proc.wait(timeout=60)
 
 
-def serve_tuned(folder: Path, size: str, n: int, settings: list[str]) -> dict:
-    """The server with `settings` besides the size's at the top concurrency only (its n requests of seed 0), after
-    the same warm-up pass."""
-    top = SIZES[size]["levels"][-1][0]
-    with server(folder, list(SIZES[size]["settings"]) + settings) as port:
-        run_level(port, warm_up_requests(workload(size, n, seed=0)), top)
-        return run_level(port, workload(size, n, seed=0), top)
-
-
-def serve_levels(folder: Path, size: str, n: int) -> dict:
-    """The server (default settings) at each concurrency of the size's levels, after a warm-up pass; the last
-    level runs the n requests of seed 0, the ones the other parts run."""
+def serve_levels(folder: Path, size: str, n: int, settings: tuple[str, ...] = (), top_only: bool = False) -> dict:
+    """The server (default settings, and `settings` besides them) at each concurrency of the size's levels (the
+    last only with top_only), after a warm-up pass; the last level runs the n requests of seed 0, the ones the
+    other parts run."""
     out = {}
-    levels = SIZES[size]["levels"]
-    with server(folder, list(SIZES[size]["settings"])) as port:
+    levels = SIZES[size]["levels"][-1:] if top_only else SIZES[size]["levels"]
+    with server(folder, [*SIZES[size]["settings"], *settings]) as port:
         run_level(port, warm_up_requests(workload(size, n, seed=0)), levels[-1][0])
         for concurrency, count in levels:
             requests = workload(size, n, seed=0) if count is None else workload(size, count, seed=concurrency)
             out[concurrency] = run_level(port, requests, concurrency)
-            print(line(out[concurrency]), flush=True)
+            print((f"tuned ({','.join(settings)}) " if settings else "") + line(out[concurrency]), flush=True)
     return out
 
 
@@ -492,9 +484,8 @@ def main(argv=None) -> dict:
         if "serve" in parts:
             report["serve"] = serve_levels(jx, a.size, a.requests)
             if a.tuned:
-                report["serve_tuned"] = dict(settings=a.tuned, **serve_tuned(jx, a.size, a.requests,
-                                                                             a.tuned.split(",")))
-                print(f"tuned ({a.tuned}) " + line(report["serve_tuned"]), flush=True)
+                tuned = serve_levels(jx, a.size, a.requests, tuple(a.tuned.split(",")), top_only=True)
+                report["serve_tuned"] = dict(settings=a.tuned, **tuned[top])
         if "hf" in parts:
             report["transformers_generate_batch16"] = hf_generate(hf, requests)
             print(f"transformers_generate_batch16 output_tok_per_s={report['transformers_generate_batch16']:.1f}",
