@@ -204,7 +204,9 @@ def longest_token(tok) -> int:
 
 
 class Server:
-    """uvicorn serving an app in a background thread (tests, benchmarks); `stop()` shuts it down."""
+    """uvicorn serving an app in a background thread (tests, benchmarks); `stop()` shuts it down. It leaves the
+    process's logging as it is (log_config=None): uvicorn's own configuration replaces every handler there is,
+    closing their streams (one of them, absl's, held a stream pytest had since replaced)."""
 
     def __init__(self, served, host: str, port: int):
         import uvicorn
@@ -213,7 +215,7 @@ class Server:
 
         self.served = served
         self.server = uvicorn.Server(uvicorn.Config(create_app(served), host=host, port=port, log_level="warning",
-                                                    access_log=False, timeout_graceful_shutdown=5))
+                                                    access_log=False, timeout_graceful_shutdown=5, log_config=None))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def start(self) -> "Server":
