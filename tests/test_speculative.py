@@ -9,7 +9,7 @@ import pytest
 
 from jaxlm import generate, params as P, sampling, sharding, speculative
 from jaxlm.config import ConfigError, DecodeConfig, MeshConfig, ModelConfig
-from jaxlm.model import forward, param_specs
+from jaxlm.model import forward, paged, param_specs, transformer
 
 
 def make(seed: int, **kw):
@@ -37,6 +37,58 @@ def test_greedy_tokens_equal_generate_and_a_perfect_draft_is_always_kept():
     assert same.tokens == want and same.acceptance == 1.0 and same.passes == 10  # 1 + 39 tokens in passes of 4
     with pytest.raises(ConfigError, match="vocabulary"):
         speculative.generate_speculative(params, cfg, *make(2, vocab_size=60), prompts, d)
+
+
+# a DeepSeek-V3 in miniature: latent attention, a dense layer then experts with a shared one, one multi-token
+# prediction module (an MoE block)
+DEEPSEEK = dict(n_layers=3, layer_pattern="global", sliding_window=None, qk_norm=False, kv_lora_rank=8,
+                q_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, n_experts=4,
+                first_dense_layers=1, n_shared_experts=1, router_score="sigmoid", router_groups=2,
+                router_topk_groups=1, glu=True, activation="silu", mtp_layers=1)
+
+
+def test_the_models_multi_token_prediction_module_drafts():
+    """decode.draft=mtp: transformer.paged_mtp position by position over its pool gives the logits of
+    transformer.mtp_logits (the training forward); greedy tokens equal `generate`'s with 1 and 3 draft tokens;
+    with one draft token per pass, the passes and the proposals kept are exactly those that the module's greedy
+    tokens over the final text (mtp_logits) give, so the module's cache held the right entries at every pass;
+    a model without modules is refused in one line."""
+    params, cfg = make(0, vocab_size=12, **DEEPSEEK)
+    seq = np.asarray([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 3, 2, 1, 0, 5, 6, 7, 1, 2]], np.int32)
+    T = seq.shape[1]
+    want = np.asarray(transformer.mtp_logits(params, seq, cfg))[0, 0]
+    table, zero = np.arange(2, dtype=np.int32)[None], np.zeros((1,), np.int32)
+    _, h_BTD, _ = transformer.paged_forward(params, paged.init(cfg, 2, 16), seq, zero, zero + T, table, cfg,
+                                            hidden=True)
+    weights, pool = transformer.mtp_weights(params, cfg), transformer.mtp_pool(cfg, 2, 16)
+    half = T // 2  # a chunk, then position by position
+    logits, _, pool = transformer.paged_mtp(params, weights, pool, seq[:, 1:half + 1], h_BTD[:, :half], zero,
+                                            zero + half, table, cfg)
+    got = [np.asarray(logits[0])]
+    for t in range(half, T - 1):
+        logits, _, pool = transformer.paged_mtp(params, weights, pool, seq[:, t + 1:t + 2], h_BTD[:, t:t + 1],
+                                                zero + t, zero + t + 1, table, cfg)
+        got.append(np.asarray(logits[0]))
+    np.testing.assert_allclose(np.stack(got), want[half - 1:T - 1], atol=1e-4)
+
+    prompts = [[1, 2, 3], [5], list(range(1, 11)) * 2]
+    for k in (1, 3):
+        d = DecodeConfig(max_new_tokens=60, temperature=0.0, draft_tokens=k)
+        want_tokens = generate.generate(params, cfg, prompts, d).tokens
+        got = speculative.generate_speculative(params, cfg, None, None, prompts, d)
+        assert got.tokens == want_tokens and got.proposed > 0
+        if k == 1:
+            proposed = kept = 0
+            for prompt, new in zip(prompts, want_tokens):
+                text = prompt + new
+                greedy = np.argmax(np.asarray(transformer.mtp_logits(params, np.asarray([text]), cfg))[0, 0], -1)
+                at = len(prompt)  # a pass from the pending token at `at`: the module's token after it is proposed
+                while at - len(prompt) + 1 < len(new):
+                    ok = int(greedy[at - 1] == text[at + 1])
+                    proposed, kept, at = proposed + 1, kept + ok, at + 1 + ok
+            assert (got.proposed, got.accepted) == (proposed, kept) and 0 < kept < proposed
+    with pytest.raises(ConfigError, match="no.*multi-token prediction|multi-token prediction.*none"):
+        speculative.generate_speculative(*make(0), None, None, prompts, d)
 
 
 def chi_square_quantile(dof: int, z: float = 3.09) -> float:
@@ -70,22 +122,63 @@ def chi_square(counts: np.ndarray, pr: np.ndarray, n: int) -> tuple[float, int]:
 
 
 @pytest.mark.slow
-def test_sampled_tokens_keep_the_models_distribution():
+@pytest.mark.in_ci  # 10-15 s each
+@pytest.mark.parametrize("drafter", ["model", "mtp"])
+def test_sampled_tokens_keep_the_models_distribution(drafter):
     """3000 continuations of 3 tokens from a 4-token vocabulary at temperature 0.8 and top_k 3, two draft tokens
-    per pass from a draft that disagrees often: the 64 outcomes' frequencies pass a chi-square test (p > 0.001,
-    cells expecting fewer than 5 merged) against the model's exact distribution (its own forward pass, filtered
-    as sampling.probabilities filters it), and fail it against the draft's."""
+    per pass from a draft that disagrees often (a small model; or the model's own multi-token prediction module,
+    random): the 64 outcomes' frequencies pass a chi-square test (p > 0.001, cells expecting fewer than 5
+    merged) against the model's exact distribution (its own forward pass, filtered as sampling.probabilities
+    filters it), and fail it against the draft model's."""
     V, n = 4, 3000
-    params, cfg = make(2, vocab_size=V, init_std=0.15)
-    draft, draft_cfg = make(3, vocab_size=V, n_layers=1, layer_pattern="global", init_std=0.5)
     d = DecodeConfig(max_new_tokens=3, temperature=0.8, top_k=3, draft_tokens=2, seed=7)
+    if drafter == "mtp":
+        params, cfg = make(2, vocab_size=V, init_std=0.15, **DEEPSEEK)
+        draft = draft_cfg = None
+    else:
+        params, cfg = make(2, vocab_size=V, init_std=0.15)
+        draft, draft_cfg = make(3, vocab_size=V, n_layers=1, layer_pattern="global", init_std=0.5)
     out = speculative.generate_speculative(params, cfg, draft, draft_cfg, [[1, 2]] * n, d)
-    assert 0.2 < out.acceptance < 0.9
+    assert 0.2 < out.acceptance < 0.9, out.acceptance
     counts = np.zeros((V,) * 3)
     for s in out.tokens:
         counts[tuple(s)] += 1
 
     stat, dof = chi_square(counts, exact_distribution(params, cfg, V), n)
     assert dof >= 20 and stat < chi_square_quantile(dof), (stat, dof)
-    stat, dof = chi_square(counts, exact_distribution(draft, draft_cfg, V), n)
-    assert stat > 10 * chi_square_quantile(dof)
+    if draft is not None:
+        stat, dof = chi_square(counts, exact_distribution(draft, draft_cfg, V), n)
+        assert stat > 10 * chi_square_quantile(dof)
+
+
+def test_decode_draft_mtp_through_the_commands(char_data, tmp_path, capsys):
+    """`jaxlm generate RUN decode.draft=mtp` and `jaxlm serve RUN decode.draft=mtp` on a run trained with a
+    multi-token prediction module: greedy text equals the text without the draft, the end line counts the
+    proposals; a run without modules is refused in one line."""
+    import httpx
+
+    from conftest import tiny_config
+    from jaxlm import cli, serve, train
+
+    run, plain_run = tmp_path / "mtp", tmp_path / "plain"
+    train.train(tiny_config(char_data, run, **{"model.mtp_layers": 1, "training.steps": 10}), log=lambda s: None)
+    greedy = ["--prompt", "To be", "max_new_tokens=24", "temperature=0"]
+    assert cli.main(["generate", str(run), *greedy]) == 0
+    want = capsys.readouterr().out
+    assert cli.main(["generate", str(run), *greedy, "decode.draft=mtp", "decode.draft_tokens=2"]) == 0
+    out, err = capsys.readouterr()
+    assert out == want and "draft tokens accepted" in err
+    cfg = serve.settings_config({"serve.max_slots": 2, "max_new_tokens": 24, "decode.draft": "mtp",
+                                 "decode.draft_tokens": 2})
+    srv = serve.Server(serve.build(run, cfg, log=lambda s: None), "127.0.0.1", 0).start()
+    try:
+        r = httpx.post(f"http://127.0.0.1:{srv.port}/v1/completions", timeout=120, json={
+            "prompt": "To be", "max_tokens": 24, "temperature": 0})
+        assert "To be" + r.json()["choices"][0]["text"] == want.split("\n", 1)[1].rstrip("\n")
+        assert srv.served.engine.draft_proposed_total > 0
+    finally:
+        srv.stop()
+    train.train(tiny_config(char_data, plain_run, **{"training.steps": 5}), log=lambda s: None)
+    assert cli.main(["generate", str(plain_run), *greedy, "decode.draft=mtp"]) == 2
+    err = capsys.readouterr().err
+    assert "multi-token prediction" in err and err.count("\n") == 1

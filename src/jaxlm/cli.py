@@ -450,9 +450,9 @@ def cmd_generate(argv: list[str]) -> int:
     if d.draft:
         from jaxlm import speculative
 
-        draft = api.load(d.draft, mesh_cfg)
-        out = speculative.generate_speculative(model.params, model.config.model, draft.params, draft.config.model,
-                                               ids, d, stop, on_tokens)
+        draft = None if d.draft == "mtp" else api.load(d.draft, mesh_cfg)
+        out = speculative.generate_speculative(model.params, model.config.model, draft and draft.params,
+                                               draft and draft.config.model, ids, d, stop, on_tokens)
     else:
         out = generate.generate(model.params, model.config.model, ids, d, stop, on_tokens, mesh=model.mesh)
     print()

@@ -479,7 +479,8 @@ class DecodeConfig:
     stop_at_eos: bool = _f(True, "also stop at the model's end-of-sequence token, when its tokenizer names one")
     draft: str = _f("", "`jaxlm generate` and `jaxlm serve`: a smaller model with the same tokenizer (run directory "
                         "or converted folder) that proposes tokens for the model to verify several at a time "
-                        "(speculative decoding: the same distribution, greedy text identical)")
+                        "(speculative decoding: the same distribution, greedy text identical); `mtp`: the model's "
+                        "own first multi-token prediction module drafts (DeepSeek-V3's)")
     draft_tokens: int = _f(4, "tokens the draft proposes per forward pass of the model (decode.draft)")
 
 
@@ -1156,9 +1157,9 @@ def validate_decode(d: DecodeConfig) -> None:
     for key in ("max_new_tokens", "num_samples", "draft_tokens"):
         if getattr(d, key) <= 0:
             raise ConfigError(f"decode.{key}={getattr(d, key)} must be > 0")
-    if d.draft and not Path(d.draft).exists():
+    if d.draft and d.draft != "mtp" and not Path(d.draft).exists():
         raise ConfigError(f"decode.draft={d.draft} does not exist; give the draft model's run directory or "
-                          "converted folder")
+                          "converted folder, or `mtp` for the model's own multi-token prediction module")
     if d.cache_length is not None and d.cache_length <= 0:
         raise ConfigError(f"decode.cache_length={d.cache_length} must be > 0 (or None)")
     stop_token_ids(d)

@@ -70,16 +70,73 @@ def _prefill(params, draft_params, prompts_BT, lengths_B, cfg: ModelConfig, draf
     return logits_BV, cache, draft_cache
 
 
+@partial(jax.jit, static_argnames=("cfg", "pages"))
+def _prefill_mtp(params, prompts_BT, lengths_B, cfg: ModelConfig, pages: int):
+    """The model's cache and its multi-token prediction module's (mtp_pool, the same pages) holding the prompts,
+    the logits after each prompt, and the model's last hidden state there [B, D]. The module's entries are
+    those of positions 0 .. length - 2 (the model's hidden state at t with token t + 1); the loop's first pass
+    adds the last one's with the first sampled token."""
+    B, T = prompts_BT.shape
+    table_BM = jnp.arange(B * pages, dtype=jnp.int32).reshape(B, pages)
+    zeros_B = jnp.zeros((B,), jnp.int32)
+    logits_BV, h_BTD, cache = transformer.paged_forward(params, paged.init(cfg, B * pages, PAGE), prompts_BT,
+                                                        zeros_B, lengths_B, table_BM, cfg, hidden=True)
+    _, _, draft_cache = transformer.paged_mtp(params, transformer.mtp_weights(params, cfg),
+                                              transformer.mtp_pool(cfg, B * pages, PAGE), prompts_BT[:, 1:],
+                                              h_BTD[:, :-1], zeros_B, lengths_B - 1, table_BM, cfg)
+    last_BD = jnp.take_along_axis(h_BTD, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
+    return logits_BV, cache, draft_cache, last_BD
+
+
 @partial(jax.jit, static_argnames=("cfg", "draft_cfg", "k", "max_new_tokens", "stream"))
 def _loop(params, draft_params, logits_BV, cache, draft_cache, lengths_B, key, temperature, top_k, top_p, stop_S,
-          cfg: ModelConfig, draft_cfg: ModelConfig, k: int, max_new_tokens: int, stream: bool):
+          last_BD, cfg: ModelConfig, draft_cfg: ModelConfig | None, k: int, max_new_tokens: int, stream: bool):
     """Tokens [B, N] (0 after a sequence stopped), their counts [B], the draft tokens proposed to and kept by
-    live sequences, and the passes of the target."""
+    live sequences, and the passes of the target. draft_cfg None: the model's first multi-token prediction
+    module drafts (draft_params unused; last_BD the model's hidden state after each prompt)."""
     B, N = logits_BV.shape[0], max_new_tokens
     J = k + 1
+    mtp = draft_cfg is None
     settings_B = [jnp.broadcast_to(x, (B,)) for x in (temperature, top_k, top_p)]
     table_BM = jnp.arange(cache.pages, dtype=jnp.int32).reshape(B, -1)
-    layers, draft_layers = transformer.layer_weights(params, cfg), transformer.layer_weights(draft_params, draft_cfg)
+    layers = transformer.layer_weights(params, cfg)
+    draft_layers = transformer.mtp_weights(params, cfg) if mtp else transformer.layer_weights(draft_params, draft_cfg)
+
+    def draw(logits_BV, key, i):
+        q_BV = sampling.probabilities(logits_BV, *settings_B)
+        return jax.random.categorical(jax.random.fold_in(key, i), jnp.log(q_BV)).astype(jnp.int32), q_BV
+
+    def draft_model(c, live_B, length_B, key_draft):
+        """The pending token, then the draft's own k proposals, each from its distribution q."""
+        tok_B, draft_cache, drafted, qs = c["pending_B"], c["draft_cache"], [], []
+        for i in range(J):
+            draft_logits_BV, draft_cache = transformer.paged_forward(
+                draft_params, draft_cache, tok_B[:, None], length_B + i, jnp.where(live_B, length_B + i + 1, 0),
+                table_BM, draft_cfg, draft_layers)
+            if i < k:
+                tok_B, q_BV = draw(draft_logits_BV, key_draft, i)
+                drafted.append(tok_B)
+                qs.append(q_BV)
+        return drafted, qs, {"draft_cache": draft_cache}
+
+    def draft_mtp(c, live_B, length_B, key_draft):
+        """The module over the positions of the last pass that it kept (the model's hidden states there, with the
+        tokens after them: the kept proposals and the pending token), whose last logits give the first proposal;
+        then each further proposal from the module's own hidden state and the proposal before it."""
+        logits_BV, g_BD, draft_cache = transformer.paged_mtp(
+            params, draft_layers, c["draft_cache"], c["next_BJ"], c["hid_BJD"], c["prev_B"],
+            jnp.where(live_B, length_B, 0), table_BM, cfg)
+        drafted, qs = [], []
+        for i in range(k):
+            tok_B, q_BV = draw(logits_BV, key_draft, i)
+            drafted.append(tok_B)
+            qs.append(q_BV)
+            if i + 1 < k:
+                at_B = length_B + i
+                logits_BV, g_BD, draft_cache = transformer.paged_mtp(
+                    params, draft_layers, draft_cache, tok_B[:, None], g_BD[:, None], at_B,
+                    jnp.where(live_B, at_B + 1, 0), table_BM, cfg)
+        return drafted, qs, {"draft_cache": draft_cache}
 
     def emit(c, tokens_BJ, n_B):
         """Append each row's first n_B tokens, cut after a stop token and at N; returns the state."""
@@ -101,31 +158,25 @@ def _loop(params, draft_params, logits_BV, cache, draft_cache, lengths_B, key, t
         key, key_draft, key_accept = jax.random.split(c["key"], 3)
         live_B = ~c["done_B"]
         length_B = jnp.where(live_B, c["length_B"], 0)  # a sequence that has stopped writes and reads nothing
-        # the draft: the pending token, then its own k proposals, each from its distribution q
-        tok_B, draft_cache, drafted, qs = c["pending_B"], c["draft_cache"], [], []
-        for i in range(J):
-            draft_logits_BV, draft_cache = transformer.paged_forward(
-                draft_params, draft_cache, tok_B[:, None], length_B + i, jnp.where(live_B, length_B + i + 1, 0),
-                table_BM, draft_cfg, draft_layers)
-            if i < k:
-                q_BV = sampling.probabilities(draft_logits_BV, *settings_B)
-                tok_B = jax.random.categorical(jax.random.fold_in(key_draft, i), jnp.log(q_BV)).astype(jnp.int32)
-                drafted.append(tok_B)
-                qs.append(q_BV)
+        drafted, qs, drafts = (draft_mtp if mtp else draft_model)(c, live_B, length_B, key_draft)
         d_Bk = jnp.stack(drafted, axis=1)
         # the target: the same k + 1 tokens in one pass, a distribution p after each
         chunk_BJ = jnp.concatenate([c["pending_B"][:, None], d_Bk], axis=1)
-        logits_BJV, cache = transformer.paged_forward(params, c["cache"], chunk_BJ, length_B,
-                                                      jnp.where(live_B, length_B + J, 0), table_BM, cfg, layers,
-                                                      all_logits=True)
+        logits_BJV, h_BJD, cache = transformer.paged_forward(params, c["cache"], chunk_BJ, length_B,
+                                                             jnp.where(live_B, length_B + J, 0), table_BM, cfg,
+                                                             layers, all_logits=True, hidden=True)
         p_BJV = sampling.probabilities(logits_BJV.reshape(B * J, -1), *(jnp.repeat(x, J) for x in settings_B)
                                        ).reshape(logits_BJV.shape)
         tokens_BJ, kept_B = sampling.speculative_accept(p_BJV, jnp.stack(qs, axis=1), d_Bk,
                                                         jax.random.split(key_accept, B))
-        c = emit({**c, "key": key}, tokens_BJ, kept_B + 1)
+        if mtp:  # the module's next pass starts after this one's first position (its hidden states, new tokens)
+            drafts.update(prev_B=jnp.where(live_B, length_B, c["prev_B"]),
+                          hid_BJD=jnp.where(live_B[:, None, None], h_BJD.astype(c["hid_BJD"].dtype), c["hid_BJD"]),
+                          next_BJ=jnp.where(live_B[:, None], tokens_BJ, c["next_BJ"]))
+        c = emit({**c, "key": key, **drafts}, tokens_BJ, kept_B + 1)
         # both caches keep the pending token and the kept drafts; the drawn token is the next pending one
         return {**c, "pending_B": jnp.take_along_axis(tokens_BJ, kept_B[:, None], axis=1)[:, 0], "cache": cache,
-                "draft_cache": draft_cache, "length_B": jnp.where(live_B, c["length_B"] + kept_B + 1, c["length_B"]),
+                "length_B": jnp.where(live_B, c["length_B"] + kept_B + 1, c["length_B"]),
                 "proposed": c["proposed"] + k * jnp.sum(live_B), "kept": c["kept"] + jnp.sum(kept_B * live_B)}
 
     key, first = jax.random.split(key)
@@ -134,6 +185,9 @@ def _loop(params, draft_params, logits_BV, cache, draft_cache, lengths_B, key, t
          "length_B": lengths_B,
          "out_BN": jnp.zeros((B, N), jnp.int32), "count_B": jnp.zeros((B,), jnp.int32),
          "done_B": jnp.zeros((B,), bool), "proposed": jnp.int32(0), "kept": jnp.int32(0)}
+    if mtp:  # the module's first pass: the first sampled token at the position after each prompt
+        c.update(prev_B=lengths_B - 1, hid_BJD=jnp.zeros((B, J, last_BD.shape[-1]), last_BD.dtype).at[:, 0].set(
+            last_BD), next_BJ=jnp.zeros((B, J), jnp.int32).at[:, 0].set(pending_B))
     c = emit(c, jnp.concatenate([pending_B[:, None], jnp.zeros((B, k), jnp.int32)], axis=1), jnp.ones((B,), jnp.int32))
     c = jax.lax.while_loop(lambda c: ~jnp.all(c["done_B"]), body, c)
     return c["out_BN"], c["count_B"], c["proposed"], c["kept"], c["i"] - 1
@@ -151,23 +205,38 @@ def check_draft(cfg: ModelConfig, draft_cfg: ModelConfig, length: int) -> None:
                               f"learned positions up to {c.block_size}")
 
 
-def generate_speculative(params, cfg: ModelConfig, draft_params, draft_cfg: ModelConfig,
+def check_mtp(cfg: ModelConfig) -> None:
+    """decode.draft=mtp needs a model with multi-token prediction modules; else one ConfigError line."""
+    if not cfg.mtp_layers:
+        raise ConfigError("decode.draft=mtp drafts with the model's multi-token prediction modules, and this model "
+                          "has none (model.mtp_layers=0): give a draft model's directory instead")
+
+
+def generate_speculative(params, cfg: ModelConfig, draft_params, draft_cfg: ModelConfig | None,
                          prompts: Sequence[Sequence[int]], d: DecodeConfig, stop_ids: Sequence[int] = (),
                          on_tokens: Callable[[np.ndarray, np.ndarray], None] | None = None) -> Speculation:
     """generate.generate with a draft model proposing d.draft_tokens tokens per pass of the target (see the
-    module docstring). `on_tokens(tokens, live)` is called on the host for each new token of every sequence, as
-    generate calls it."""
+    module docstring); draft_params and draft_cfg None: the model's own first multi-token prediction module
+    drafts (decode.draft=mtp). `on_tokens(tokens, live)` is called on the host for each new token of every
+    sequence, as generate calls it."""
     validate_decode(d)
     k = d.draft_tokens
     generate.check_prompts(prompts, cfg, d)
     B, T = len(prompts), -(-max(map(len, prompts)) // generate.PAD) * generate.PAD
     length = T + d.max_new_tokens + k + 1
-    check_draft(cfg, draft_cfg, length)
+    if draft_cfg is None:
+        check_mtp(cfg)
+    check_draft(cfg, cfg if draft_cfg is None else draft_cfg, length)
     prompts_BT, lengths_B = generate.padded_prompts(prompts, T)
     settings, stop_S, key = generate.sampling_inputs(d, stop_ids)
     t0 = time.perf_counter()
-    logits_BV, cache, draft_cache = jax.block_until_ready(
-        _prefill(params, draft_params, prompts_BT, lengths_B, cfg, draft_cfg, -(-length // PAGE)))
+    if draft_cfg is None:
+        logits_BV, cache, draft_cache, last_BD = jax.block_until_ready(
+            _prefill_mtp(params, prompts_BT, lengths_B, cfg, -(-length // PAGE)))
+    else:
+        logits_BV, cache, draft_cache = jax.block_until_ready(
+            _prefill(params, draft_params, prompts_BT, lengths_B, cfg, draft_cfg, -(-length // PAGE)))
+        last_BD = jnp.zeros((B, 1), jnp.float32)
     t1 = time.perf_counter()
     stream = on_tokens is not None
     if stream:
@@ -183,7 +252,7 @@ def generate_speculative(params, cfg: ModelConfig, draft_params, draft_cfg: Mode
                     state["next"] += 1
 
         _STREAM.append(in_order)
-    args = (params, draft_params, logits_BV, cache, draft_cache, lengths_B, key, *settings, stop_S)
+    args = (params, draft_params, logits_BV, cache, draft_cache, lengths_B, key, *settings, stop_S, last_BD)
     static = (cfg, draft_cfg, k, d.max_new_tokens, stream)
     signature = (jax.tree.structure(args), tuple((np.shape(a), str(a.dtype)) for a in jax.tree.leaves(args)),
                  static)

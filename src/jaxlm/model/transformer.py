@@ -10,6 +10,8 @@ F MLP hidden width, E experts, P layers per repeat of cfg.layer_pattern, S cache
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
@@ -692,8 +694,8 @@ def prefill_chunks(params: dict, cache: kvcache.KVCache, tokens_PC: jax.Array, s
 @quant.scoped
 def paged_forward(params: dict, cache: paged.PagedCache, tokens_PC: jax.Array, start_P: jax.Array,
                   length_P: jax.Array, table_PM: jax.Array, cfg: ModelConfig,
-                  layer_params: tuple[dict, ...] | None = None, all_logits: bool = False
-                  ) -> tuple[jax.Array, paged.PagedCache]:
+                  layer_params: tuple[dict, ...] | None = None, all_logits: bool = False, hidden: bool = False
+                  ) -> tuple[jax.Array, paged.PagedCache] | tuple[jax.Array, jax.Array, paged.PagedCache]:
     """Run tokens [P, C] of P sequences over the paged cache (model/paged.py), each row from position start_P[p]
     through its page table table_PM[p]: the tokens below length_P[p] are real (the rest padding: neither
     written nor attended to), their cache entries are written into the row's pages, and each attends to the
@@ -705,18 +707,9 @@ def paged_forward(params: dict, cache: paged.PagedCache, tokens_PC: jax.Array, s
     `layer_params` (layer_weights: the layers' weights one by one, taken apart once before a decode loop) runs
     the layers unrolled, each reading and writing its own slice of the stacked pool; else the layers go through
     stack.run (scanned groups). The table's pages must cover every real token's position (the caller allocates
-    them)."""
-    P, C = tokens_PC.shape
-    A = cache.page_size
-    positions_PC = start_P[:, None] + jnp.arange(C, dtype=jnp.int32)
-    end_P = jnp.clip(length_P, start_P, start_P + C)
-    real_PC = positions_PC < end_P[:, None]
-    # Padding takes the last real position (valid for learned position tables) and is masked as a key.
-    q_pos_PC = jnp.maximum(jnp.minimum(positions_PC, end_P[:, None] - 1), 0)
-    slot_PC = jnp.take_along_axis(table_PM, jnp.clip(positions_PC // A, 0, table_PM.shape[1] - 1), axis=1)
-    page_PC = jnp.where(real_PC, slot_PC, cache.pages)  # past the pool: the write is dropped
-    off_PC = positions_PC % A
-    flat = C <= paged.FLAT_MAX_QUERIES
+    them). `hidden` also returns every token's last hidden state after the final norm [P, C, D] (what the
+    multi-token prediction modules take: paged_mtp), as (logits, hidden, cache)."""
+    end_P, q_pos_PC, page_PC, off_PC, flat = _paged_layout(cache, tokens_PC, start_P, length_P, table_PM)
     x_PCD = constrain(embed(params, tokens_PC, cfg, q_pos_PC), ("batch", "length", "embed"))
 
     def layer(carry, p, kind, j, r, _):
@@ -739,7 +732,80 @@ def paged_forward(params: dict, cache: paged.PagedCache, tokens_PC: jax.Array, s
         else:
             (x_PCD, kinds), _ = stack.run(cfg, params["layers"], lambda carry, p, *rest: layer(
                 carry, _matmul_weights(p, cfg), *rest), (x_PCD, kinds))
-        if not all_logits:
-            x_PCD = jnp.take_along_axis(x_PCD, jnp.maximum(end_P - 1 - start_P, 0)[:, None, None], axis=1)
-        logits = unembed(params, x_PCD, cfg)
-    return (logits if all_logits else logits[:, 0]), paged.PagedCache(kinds)
+        h_PCD = layers.norm(x_PCD, params["final_norm"], cfg.norm, cfg.norm_eps, cfg.norm_plus_one)
+        last = h_PCD if all_logits else _last_real(h_PCD, start_P, end_P)
+        logits = _head(params, last, cfg)
+    logits = logits if all_logits else logits[:, 0]
+    return (logits, h_PCD, paged.PagedCache(kinds)) if hidden else (logits, paged.PagedCache(kinds))
+
+
+def _paged_layout(cache: paged.PagedCache, tokens_PC, start_P, length_P, table_PM):
+    """Where tokens [P, C] from start_P (real below length_P) go in a paged pool: each row's end of real tokens
+    [P], the positions its queries take [P, C], the page and offset of each token's entry [P, C] (real tokens'
+    pages from the row's table; padding's past the pool, so that the write is dropped), and whether the rows
+    read their pages flat (paged.attention)."""
+    C = tokens_PC.shape[1]
+    A = cache.page_size
+    positions_PC = start_P[:, None] + jnp.arange(C, dtype=jnp.int32)
+    end_P = jnp.clip(length_P, start_P, start_P + C)
+    real_PC = positions_PC < end_P[:, None]
+    # Padding takes the last real position (valid for learned position tables) and is masked as a key.
+    q_pos_PC = jnp.maximum(jnp.minimum(positions_PC, end_P[:, None] - 1), 0)
+    slot_PC = jnp.take_along_axis(table_PM, jnp.clip(positions_PC // A, 0, table_PM.shape[1] - 1), axis=1)
+    page_PC = jnp.where(real_PC, slot_PC, cache.pages)
+    return end_P, q_pos_PC, page_PC, positions_PC % A, C <= paged.FLAT_MAX_QUERIES
+
+
+def _last_real(x_PCD, start_P, end_P):
+    """Each row's entry at its last real token [P, 1, D] (the first, for a row with none)."""
+    return jnp.take_along_axis(x_PCD, jnp.maximum(end_P - 1 - start_P, 0)[:, None, None], axis=1)
+
+
+def mtp_pool(cfg: ModelConfig, pages: int, page_size: int) -> paged.PagedCache:
+    """A paged pool for the multi-token prediction modules' attention (paged_mtp): one global layer per module."""
+    return paged.init(dataclasses.replace(cfg, n_layers=cfg.mtp_layers, layer_pattern="global"), pages, page_size)
+
+
+@quant.scoped
+def mtp_weights(params: dict, cfg: ModelConfig, m: int = 0) -> dict:
+    """Multi-token prediction module m's weights, its block's dense matmul weights in the compute dtype: taken
+    apart once before a decode loop, as layer_weights takes the layers'."""
+    p = jax.tree.map(lambda a: a[m], params["mtp"])
+    cdt = jnp.dtype(cfg.compute_dtype)
+    return {**p, "proj": layers.matmul_weight(p["proj"], (None, "embed"), cdt),
+            "block": _matmul_weights(p["block"], cfg, param_specs(cfg)["mtp"]["block"])}
+
+
+@quant.scoped
+def paged_mtp(params: dict, module_params: dict, cache: paged.PagedCache, tokens_PC: jax.Array,
+              prev_PCD: jax.Array, start_P: jax.Array, length_P: jax.Array, table_PM: jax.Array, cfg: ModelConfig,
+              m: int = 0) -> tuple[jax.Array, jax.Array, paged.PagedCache]:
+    """Multi-token prediction module m (module_params: mtp_weights(params, cfg, m)) over its own paged pool
+    (mtp_pool), as mtp_hidden runs it in training, at positions t from start_P[p] (real below length_P[p], as in
+    paged_forward): the previous depth's normalized hidden state at t (prev_PCD: the main model's, from
+    paged_forward's `hidden`) with the embedding of the token after it (tokens_PC: the next tokens, as
+    mtp_hidden takes them) through one block whose keys and values go to pool layer m at index t through the
+    row's page table. Training runs the block at t + m + 1 over a sequence that starts there; indices and rotary
+    positions from t give the same attention (rotary attention depends on the difference of positions, and
+    the sequence's start needs no masked entry before it). Returns the logits after each row's last real
+    position [P, V] (they predict the token at t + m + 2: the draft of speculative decoding), the module's
+    normalized hidden state there [P, D] (the previous depth of the next draft), and the pool."""
+    end_P, q_pos_PC, page_PC, off_PC, flat = _paged_layout(cache, tokens_PC, start_P, length_P, table_PM)
+    p = module_params
+    norm = lambda x, q: layers.norm(x, q, cfg.norm, cfg.norm_eps, cfg.norm_plus_one)  # noqa: E731
+    cdt = jnp.dtype(cfg.compute_dtype)
+    with jax.named_scope("mtp"):
+        e_PCD = embed(params, tokens_PC, cfg, q_pos_PC)
+        cat_PC2D = jnp.concatenate([norm(e_PCD, p["embed_norm"]), norm(prev_PCD.astype(cdt), p["hidden_norm"])],
+                                   axis=-1)
+        x_PCD = layers.dot("BTE,ED->BTD", cat_PC2D, p["proj"])
+        arrays = cache.kinds[0]
+
+        def attn(h_PCD, p_attn):
+            return paged.attention(h_PCD, p_attn, cfg, arrays, m, q_pos_PC, page_PC, off_PC, table_PM, end_P,
+                                   "global", flat)
+
+        x_PCD, _, arrays = _block(x_PCD, p["block"], cfg, attn)
+        h_P1D = norm(_last_real(x_PCD, start_P, end_P), p["norm"])
+        logits_PV = _head(params, h_P1D, cfg)[:, 0]
+    return logits_PV, h_P1D[:, 0], paged.PagedCache((arrays,))
