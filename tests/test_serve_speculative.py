@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxlm import params as P, sharding
-from jaxlm.config import MeshConfig, ModelConfig
+from jaxlm.config import ConfigError, MeshConfig, ModelConfig
 from jaxlm.model import param_specs
 from jaxlm.serve import engine as engine_lib
 
@@ -81,6 +81,54 @@ def test_greedy_tokens_and_logprobs_equal_the_engine_without_a_draft():
     learned = make(3, n_layers=1, layer_pattern="global", position="learned", block_size=32)
     with pytest.raises(ValueError, match="learned positions up to 32"):
         engine_lib.Engine(params, cfg, 3, 48, max_queue=4, page_size=4, draft=(*learned, 3))
+
+
+def test_the_models_multi_token_prediction_module_drafts_in_the_engine():
+    """decode.draft=mtp in the engine (a DeepSeek-V3 in miniature, test_speculative.DEEPSEEK): the seven greedy
+    sequences of the test above (shared prefixes, a stop token, preemption) get the engine's tokens, endings and
+    log-probabilities without a draft at 1 and 3 proposals per pass; and one sequence alone, one proposal per
+    pass, keeps exactly the proposals that the module's greedy tokens over its final text (transformer.mtp_logits)
+    give, so the module's pool and the state each slot keeps between calls held the right entries at every pass."""
+    from jaxlm.model import transformer
+
+    params, cfg = make(0, **test_speculative.DEEPSEEK)
+    rng = np.random.default_rng(0)
+    shared = rng.integers(0, 50, 9).tolist()
+    prompts = [rng.integers(0, 50, n).tolist() for n in (5, 13, 3, 11, 2)] + [shared + [7], shared + [8, 9]]
+    max_tokens = [30, 14, 24, 1, 20, 16, 12]
+
+    def seqs(stop=()):
+        return [engine_lib.Sequence(p, max_tokens[i], 0.0, 0, 1.0, i, 0, stop if i == 2 else (), None,
+                                    logprobs=i != 4) for i, p in enumerate(prompts)]
+
+    def engine(d, slots=3, pages=14):
+        return engine_lib.Engine(params, cfg, slots, 48, max_queue=16, prefill_chunk=8, prefix_cache=2,
+                                 decode_steps=4, page_size=4, cache_pages=pages, draft=d)
+
+    want = run(engine(None), seqs())
+    stop = want[2][0][6]
+    want[2] = (want[2][0][:want[2][0].index(stop) + 1], want[2][1][:want[2][0].index(stop) + 1], ("done", "stop"))
+    for k in (1, 3):
+        e = engine((None, None, k))
+        got = run(e, seqs((stop,)))
+        assert e.preempted_total > 0 and e.prefix_hits_total > 0 and e.draft_proposed_total > 0
+        for (tg, lg, end_g), (tw, lw, end_w) in zip(got, want):
+            assert tg == tw and end_g == end_w
+            np.testing.assert_allclose(lg, lw, rtol=0, atol=1e-4)
+
+    prompt = rng.integers(0, 50, 11).tolist()  # two chunks of prefill, then 36 tokens over 9+ calls
+    e = engine((None, None, 1), slots=1, pages=12)
+    (tokens, _, _), = run(e, [engine_lib.Sequence(prompt, 36, 0.0, 0, 1.0, 0, 0, (), None, logprobs=False)])
+    text = prompt + tokens
+    greedy = np.argmax(np.asarray(transformer.mtp_logits(params, np.asarray([text]), cfg))[0, 0], -1)
+    proposed = kept = 0
+    at = len(prompt)  # a pass from the pending token at `at` proposes the module's token after it
+    while at - len(prompt) + 1 < len(tokens):
+        ok = int(greedy[at - 1] == text[at + 1])
+        proposed, kept, at = proposed + 1, kept + ok, at + 1 + ok
+    assert (e.draft_proposed_total, e.draft_accepted_total) == (proposed, kept) and kept > 0
+    with pytest.raises(ConfigError, match="multi-token prediction"):
+        engine_lib.Engine(*make(0), 3, 48, max_queue=4, page_size=4, draft=(None, None, 2))
 
 
 def test_sampled_tokens_keep_the_models_distribution():

@@ -77,7 +77,9 @@ def build(src: str | Path, cfg: Config, log: Callable[[str], None] = print):
     name = sc.model_name or Path(src).resolve().name
     names, params = with_adapters(model, config_lib.serve_adapters(sc), name)
     draft = None
-    if d.draft:
+    if d.draft == "mtp":  # the model's own first multi-token prediction module
+        draft = (None, None, d.draft_tokens)
+    elif d.draft:
         drafted = api.load(d.draft, mesh_cfg)
         draft = (drafted.params, drafted.config.model, d.draft_tokens)
     engines = [engine_lib.Engine(params, m, sc.max_slots // R, length, Replicas.split(sc.max_queue, R),

@@ -348,12 +348,16 @@ class Engine:
                  decode_steps: int = ServeConfig.decode_steps, page_size: int = ServeConfig.page_size,
                  cache_pages: int | None = None, draft: tuple | None = None):
         self.cfg, self.B, self.S = cfg, slots, cache_length
-        # Speculative decoding (serve/speculate.py): draft = (its params, its ModelConfig, tokens it proposes)
+        # Speculative decoding (serve/speculate.py): draft = (its params, its ModelConfig, tokens it proposes);
+        # (None, None, k): the model's first multi-token prediction module drafts (decode.draft=mtp)
         if draft is not None and not page_size:
             raise ValueError("speculative decoding (decode.draft) in the server needs the paged KV cache "
                              "(serve.page_size > 0)")
         if draft is not None:
-            speculative.check_draft(cfg, draft[1], cache_length)
+            if draft[1] is None:
+                speculative.check_mtp(cfg)
+            speculative.check_draft(cfg, draft[1] or cfg, cache_length)
+        self.mtp_draft = draft is not None and draft[1] is None
         self.draft, self._draft_layer_params = draft, None
         self.pending = np.full(slots, -1, np.int32)  # with a draft: each slot's token sent but not yet cached
         self.draft_proposed_total = self.draft_accepted_total = 0
@@ -433,8 +437,13 @@ class Engine:
         return self._layer_params
 
     def _draft_layer_weights(self):
-        """The draft's layers taken apart once, as _layer_weights (None: scanned, for a deep draft)."""
+        """The draft's layers taken apart once, as _layer_weights (None: scanned, for a deep draft); the multi-token
+        prediction module's weights (mtp_weights) when it drafts."""
         params, cfg, _ = self.draft
+        if self.mtp_draft:
+            if self._draft_layer_params is None:
+                self._draft_layer_params = jax.jit(transformer.mtp_weights, static_argnums=1)(self._params, self.cfg)
+            return self._draft_layer_params
         if cfg.n_layers > generate.UNROLL_LAYERS:
             return None
         if self._draft_layer_params is None:
@@ -451,9 +460,14 @@ class Engine:
         self.logits_BV = jnp.zeros((self.B, self.cfg.vocab_size), jnp.float32)
         if self.page_size:
             self.cache = self._empty_pages(self.cfg, self.NP, self.page_size, self.quantize)
-            if self.draft is not None:
+            if self.mtp_draft:  # the module's pool, and each slot's state between calls (speculate.decode_loop)
+                self.draft_cache = transformer.mtp_pool(self.cfg, self.NP, self.page_size)
+                J, D, dt = self.draft[2] + 1, self.cfg.d_model, jnp.dtype(self.cfg.compute_dtype)
+                self.mtp = {"hidden_BD": jnp.zeros((self.B, D), dt), "prev_B": jnp.zeros((self.B,), jnp.int32),
+                            "hid_BJD": jnp.zeros((self.B, J, D), dt), "next_BJ": jnp.zeros((self.B, J), jnp.int32)}
+            elif self.draft is not None:
                 self.draft_cache = self._empty_pages(self.draft[1], self.NP, self.page_size, self.quantize)
-                self.pending[:] = -1
+            self.pending[:] = -1
             self.pages = PagePool(self.NP, self.page_size, share_prefixes=self.prefix_entries > 0)
             self.table[:] = 0
             self.prefix = None
@@ -467,7 +481,7 @@ class Engine:
         engine is stopped and idle: GRPO keeps one engine between batches of rollouts and frees its cache for the
         update (rl.py). reserve_cache makes it again."""
         self.cache = self.logits_BV = self.prefix = self._layer_params = None
-        self.draft_cache = self._draft_layer_params = None
+        self.draft_cache = self._draft_layer_params = self.mtp = None
 
     def reserve_cache(self) -> None:
         with self._ctx():
@@ -747,9 +761,13 @@ class Engine:
                 self.page_size > 0 or kvcache.fresh_fits(self.cache, C))
         tokens_PC, start_P = np.zeros((P, C), np.int32), np.zeros(P, np.int32)
         length_P, slot_P, adapter_P = np.ones(P, np.int32), np.full(P, self.B, np.int32), np.full(P, -1, np.int32)
+        next_PC = np.zeros((P, C), np.int32) if self.mtp_draft else None  # each token's next, for the module
         for i, seq in enumerate(seqs):
             n = min(len(seq.context) - seq.prefilled, C)
             tokens_PC[i, :n] = seq.context[seq.prefilled:seq.prefilled + n]
+            if next_PC is not None:
+                after = seq.context[seq.prefilled + 1:seq.prefilled + n + 1]
+                next_PC[i, :len(after)] = after
             start_P[i], length_P[i], slot_P[i] = seq.prefilled, len(seq.context), seq.slot
             adapter_P[i] = seq.adapter
             seq.prefilled += n
@@ -761,10 +779,17 @@ class Engine:
             table_PM = self.table[np.minimum(slot_P, self.B - 1)]
             table_PM[len(seqs):] = 0
             width = -(-C // self.page_size) if fresh else self.M
-            self.cache, self.logits_BV = _paged_prefill(self.params, self._layer_weights(), self.cache,
-                                                        self.logits_BV, tokens_PC, start_P, length_P,
-                                                        table_PM[:, :width], slot_P, adapter_P, self.cfg)
-            if self.draft is not None:
+            if self.mtp_draft:
+                self.cache, self.draft_cache, self.logits_BV, self.mtp = speculate.prefill_mtp(
+                    self.params, self._layer_weights(), self._draft_layer_weights(), self.cache, self.draft_cache,
+                    self.logits_BV, self.mtp, tokens_PC, next_PC, start_P, length_P, table_PM[:, :width], slot_P,
+                    adapter_P, self.cfg)
+                self.pending[slot_P[:len(seqs)]] = -1
+            else:
+                self.cache, self.logits_BV = _paged_prefill(self.params, self._layer_weights(), self.cache,
+                                                            self.logits_BV, tokens_PC, start_P, length_P,
+                                                            table_PM[:, :width], slot_P, adapter_P, self.cfg)
+            if self.draft is not None and not self.mtp_draft:
                 self.draft_cache = speculate.prefill(self.draft[0], self._draft_layer_weights(), self.draft_cache,
                                                      tokens_PC, start_P, length_P, table_PM[:, :width], self.draft[1])
                 self.pending[slot_P[:len(seqs)]] = -1  # the next token comes from the logits after the chunk
@@ -840,11 +865,13 @@ class Engine:
         rows_b = np.asarray(rows, np.int32)
         if self.draft is not None:
             limit = np.asarray([0 if s is None else len(s.prompt) + s.max_tokens for s in seqs], np.int32)
-            *out, self.cache, self.draft_cache, proposed, kept = speculate.decode_loop(
+            *out, self.cache, self.draft_cache, proposed, kept, mtp = speculate.decode_loop(
                 self.params, self._layer_weights(), self.draft[0], self._draft_layer_weights(), self.cache,
                 self.draft_cache, self.logits_BV, rows_b, adapter, np.int32(steps), live, length,
                 self.pending[rows_b], limit, self.table[rows_b], *sampled, cfg=self.cfg, draft_cfg=self.draft[1],
-                k=self.draft[2], max_steps=self.decode_steps)
+                k=self.draft[2], max_steps=self.decode_steps, mtp=self.mtp if self.mtp_draft else None)
+            if self.mtp_draft:
+                self.mtp = mtp
             out.append((proposed, kept))
         elif self.page_size:
             *out, self.logits_BV, self.cache = _paged_decode_loop(

@@ -48,16 +48,25 @@ def tokens_per_call(k: int, steps: int) -> int:
     return 1 + steps * (k + 1)
 
 
-@partial(jax.jit, static_argnames=("cfg", "draft_cfg", "k", "max_steps"), donate_argnames=("cache", "draft_cache"))
+@partial(jax.jit, static_argnames=("cfg", "draft_cfg", "k", "max_steps"),
+         donate_argnames=("cache", "draft_cache", "mtp"))
 def decode_loop(params, layer_params, draft_params, draft_layer_params, cache, draft_cache, logits_BV, rows_b,
                 adapter_b, steps, live_b, length_b, pending_b, limit_b, table_bM, left_b, stop_bM, want_lp_b, seed_b,
-                choice_b, count_b, temperature_b, top_k_b, top_p_b, cfg: ModelConfig, draft_cfg: ModelConfig, k: int,
-                max_steps: int):
+                choice_b, count_b, temperature_b, top_k_b, top_p_b, cfg: ModelConfig, draft_cfg: ModelConfig | None,
+                k: int, max_steps: int, mtp: dict | None = None):
     """Up to `steps` (<= max_steps) iterations of speculative decoding over rows rows_b (see the module
     docstring): length_b positions cached per row, pending_b its pending token (-1: sample it from the row's
     logits in logits_BV), limit_b the positions it may use, left_b the tokens it may still send, count_b those it
     has sent. Returns tokens, log-probabilities, alternatives [L, b(, K)] and which were sent [L, b] (each row's
-    first ones, in order), the two caches, and the draft tokens proposed to live rows and kept by them."""
+    first ones, in order), the two caches, the draft tokens proposed to live rows and kept by them, and `mtp`.
+
+    draft_cfg None: the model's first multi-token prediction module drafts (draft_layer_params its mtp_weights,
+    draft_cache its pool, draft_params unused), and `mtp` holds every slot's state between calls (see
+    prefill_mtp): the model's hidden state after the prompt (hidden_BD, for a row that starts from its logits),
+    and, for the rows that have decoded, the first position of the last pass (prev_B), the model's hidden states
+    from there [B, J, D] and the tokens after them [B, J] (the module's next pass starts with them, as
+    speculative.py's loop does)."""
+    base = layers.with_rows(params, jnp.full_like(adapter_b, -1))  # the module's embedding and head: no adapter
     params, layer_params = layers.with_rows((params, layer_params), adapter_b)
     b, K, J, V = rows_b.shape[0], TOP_LOGPROBS, k + 1, logits_BV.shape[-1]
     L = tokens_per_call(k, max_steps)
@@ -97,24 +106,41 @@ def decode_loop(params, layer_params, draft_params, draft_layer_params, cache, d
         way = sampling.branch(jnp.where(live_b, temperature_b, 0), top_k_b, top_p_b, V)
         # the draft: the pending token, then its own k proposals, each drawn from its distribution q under the
         # row's settings (as sampling.probabilities gives it)
+        def draw(logits_bV, i):
+            return sampling.sample_rows(way, logits_bV,
+                                        lambda: jax.vmap(lambda key: jax.random.fold_in(key, i + 1))(keys_b),
+                                        *settings)
+
         tok_b, draft_cache, drafted, q_logits = pending_b, c["draft_cache"], [], []
-        for i in range(J):
-            at_b = length_b + i
-            logits_i_bV, draft_cache = transformer.paged_forward(
-                draft_params, draft_cache, tok_b[:, None], at_b, jnp.where(live_b & (at_b < limit_b), at_b + 1, 0),
-                table_bM, draft_cfg, draft_layer_params)
-            if i < k:
-                tok_b = sampling.sample_rows(way, logits_i_bV,
-                                             lambda i=i: jax.vmap(lambda key: jax.random.fold_in(key, i + 1))(keys_b),
-                                             *settings)
+        if draft_cfg is None:  # the module: the last pass's kept positions, then its own proposals one by one
+            logits_i_bV, g_bD, draft_cache = transformer.paged_mtp(
+                base, draft_layer_params, draft_cache, c["next_bJ"], c["hid_bJD"], c["prev_b"],
+                jnp.where(live_b, length_b, 0), table_bM, cfg)
+            for i in range(k):
+                tok_b = draw(logits_i_bV, i)
                 drafted.append(tok_b)
                 q_logits.append(logits_i_bV)
+                if i + 1 < k:
+                    at_b = length_b + i
+                    logits_i_bV, g_bD, draft_cache = transformer.paged_mtp(
+                        base, draft_layer_params, draft_cache, tok_b[:, None], g_bD[:, None], at_b,
+                        jnp.where(live_b & (at_b < limit_b), at_b + 1, 0), table_bM, cfg)
+        else:
+            for i in range(J):
+                at_b = length_b + i
+                logits_i_bV, draft_cache = transformer.paged_forward(
+                    draft_params, draft_cache, tok_b[:, None], at_b,
+                    jnp.where(live_b & (at_b < limit_b), at_b + 1, 0), table_bM, draft_cfg, draft_layer_params)
+                if i < k:
+                    tok_b = draw(logits_i_bV, i)
+                    drafted.append(tok_b)
+                    q_logits.append(logits_i_bV)
         d_bk = jnp.stack(drafted, axis=1)
         # the target: the same k + 1 tokens in one pass, its distribution p after each
         chunk_bJ = jnp.concatenate([pending_b[:, None], d_bk], axis=1)
-        logits_bJV, cache = transformer.paged_forward(params, c["cache"], chunk_bJ, length_b,
-                                                      jnp.where(live_b, jnp.minimum(length_b + J, limit_b), 0),
-                                                      table_bM, cfg, layer_params, all_logits=True)
+        logits_bJV, h_bJD, cache = transformer.paged_forward(
+            params, c["cache"], chunk_bJ, length_b, jnp.where(live_b, jnp.minimum(length_b + J, limit_b), 0),
+            table_bM, cfg, layer_params, all_logits=True, hidden=True)
 
         def greedy():  # one-hot p and q: the rule keeps the proposals equal to the model's greedy tokens
             g_bJ = sampling.greedy_tokens(flat(logits_bJV)).reshape(b, J)
@@ -131,6 +157,10 @@ def decode_loop(params, layer_params, draft_params, draft_layer_params, cache, d
             return sampling.speculative_accept(dist(logits_bJV), dist(jnp.stack(q_logits, axis=1)), d_bk, keys)
 
         tokens_bJ, kept_b = jax.lax.cond(way == sampling.GREEDY, greedy, sampled)
+        if draft_cfg is None:  # the module's next pass starts at this one's first position
+            c = {**c, "prev_b": jnp.where(live_b, length_b, c["prev_b"]),
+                 "hid_bJD": jnp.where(live_b[:, None, None], h_bJD.astype(c["hid_bJD"].dtype), c["hid_bJD"]),
+                 "next_bJ": jnp.where(live_b[:, None], tokens_bJ, c["next_bJ"])}
         c = send({**c, "cache": cache, "draft_cache": draft_cache}, tokens_bJ, kept_b + 1, logits_bJV)
         return {**c, "i": c["i"] + 1, "length_b": jnp.where(live_b, length_b + kept_b + 1, length_b),
                 "pending_b": jnp.take_along_axis(tokens_bJ, kept_b[:, None], axis=1)[:, 0],
@@ -146,8 +176,38 @@ def decode_loop(params, layer_params, draft_params, draft_layer_params, cache, d
     first_b = sampling.sample_rows(way, logits_bV, lambda: sampling.row_keys(choice_keys_b, count_b), *settings)
     c = send(c, first_b[:, None], fresh_b.astype(jnp.int32), logits_bV[:, None])
     c["pending_b"] = jnp.where(fresh_b, first_b, pending_b)
+    if draft_cfg is None:  # a fresh row's module pass: the last prompt position, with the first token after it
+        hid_bJD, next_bJ = jnp.take(mtp["hid_BJD"], rows_b, axis=0), jnp.take(mtp["next_BJ"], rows_b, axis=0)
+        c.update(prev_b=jnp.where(fresh_b, length_b - 1, jnp.take(mtp["prev_B"], rows_b)),
+                 hid_bJD=jnp.where(fresh_b[:, None, None], hid_bJD.at[:, 0].set(
+                     jnp.take(mtp["hidden_BD"], rows_b, axis=0)), hid_bJD),
+                 next_bJ=jnp.where(fresh_b[:, None], next_bJ.at[:, 0].set(first_b), next_bJ))
     c = jax.lax.while_loop(lambda c: (c["i"] < steps) & jnp.any(c["live_b"]), body, c)
-    return *c["out"], c["cache"], c["draft_cache"], c["proposed"], c["kept"]
+    if draft_cfg is None:
+        mtp = {**mtp, "prev_B": mtp["prev_B"].at[rows_b].set(c["prev_b"]),
+               "hid_BJD": mtp["hid_BJD"].at[rows_b].set(c["hid_bJD"]),
+               "next_BJ": mtp["next_BJ"].at[rows_b].set(c["next_bJ"])}
+    return *c["out"], c["cache"], c["draft_cache"], c["proposed"], c["kept"], mtp
+
+
+@partial(jax.jit, static_argnames="cfg", donate_argnames=("cache", "draft_cache", "logits_BV", "mtp"))
+def prefill_mtp(params, layer_params, mtp_weights, cache, draft_cache, logits_BV, mtp, tokens_PC, next_PC, start_P,
+                length_P, table_PM, slot_P, adapter_P, cfg: ModelConfig):
+    """engine._paged_prefill for a model whose first multi-token prediction module drafts: the model's pass
+    over prompts' chunks (its logits and hidden state after each row's last real token into logits_BV and
+    mtp["hidden_BD"] at the row's slot), then the module's entries of the chunk's positions that have a token
+    after them in the prompt (next_PC: the chunk's tokens shifted by one; the prompt's last position waits for
+    the first sampled token, in decode_loop). The module serves no adapter."""
+    base = layers.with_rows(params, jnp.full_like(adapter_P, -1))
+    params, layer_params = layers.with_rows((params, layer_params), adapter_P)
+    logits_PV, h_PCD, cache = transformer.paged_forward(params, cache, tokens_PC, start_P, length_P, table_PM, cfg,
+                                                        layer_params, hidden=True)
+    _, _, draft_cache = transformer.paged_mtp(base, mtp_weights, draft_cache, next_PC, h_PCD, start_P,
+                                              jnp.maximum(length_P - 1, 0), table_PM, cfg)
+    end_P = jnp.clip(length_P, start_P, start_P + tokens_PC.shape[1])
+    last_PD = jnp.take_along_axis(h_PCD, jnp.maximum(end_P - 1 - start_P, 0)[:, None, None], axis=1)[:, 0]
+    mtp = {**mtp, "hidden_BD": mtp["hidden_BD"].at[slot_P].set(last_PD.astype(mtp["hidden_BD"].dtype), mode="drop")}
+    return cache, draft_cache, logits_BV.at[slot_P].set(logits_PV, mode="drop"), mtp
 
 
 @partial(jax.jit, static_argnames="cfg", donate_argnames="cache")
