@@ -13,6 +13,10 @@ engine (`jaxlm serve MODEL decode.draft=DRAFT`, its default serve settings, one 
 submission to the last token: mode=serve_greedy, serve_sampled), with its greedy tokens checked against the
 engine's without the draft, and
     serve_speculative_speedup=S acceptance=A (greedy, one request)
+Then DeepSeek-V3's way (decode.draft=mtp): a third model, the target's shape with one multi-token prediction
+module trained beside it (model.mtp_layers=1, --target-steps), drafting for itself at 1, 2 and 4 draft tokens
+(the module reused for the drafts after the first), against the same model without a draft:
+    mode=mtp_greedy_k1 ... then mtp_speculative_speedup=S acceptance=A (greedy, batch 1, 1 draft token)
 --tiny trains tiny models for a few steps (the benchmark's code path in seconds; the figures mean nothing).
 
     python benchmarks/speculative.py [--target-steps 600] [--draft-steps 2000] [--new-tokens 256] [--draft-tokens 4]
@@ -38,10 +42,11 @@ from jaxlm.serve import engine as engine_lib
 CORPUS = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "tinyshakespeare" / "input.txt"
 
 
-def train_model(data: Path, run: Path, steps: int, layers: int, width: int, heads: int, block: int) -> None:
+def train_model(data: Path, run: Path, steps: int, layers: int, width: int, heads: int, block: int,
+                mtp: int = 0) -> None:
     cfg = config_lib.load("shakespeare_char_cpu", {
         "data.dir": str(data), "run_dir": str(run), "model.n_layers": layers, "model.d_model": width,
-        "model.n_heads": heads, "model.block_size": block, "training.steps": steps,
+        "model.n_heads": heads, "model.block_size": block, "model.mtp_layers": mtp, "training.steps": steps,
         "optimizer.decay_steps": steps, "optimizer.warmup_steps": min(100, steps // 10 + 1),
         "training.eval_interval": steps, "training.eval_batches": 4, "training.sample_tokens": 0,
         "checkpoint.interval": steps, "logging.progress": False, "logging.tensorboard": False})
@@ -108,7 +113,8 @@ def main(argv=None) -> dict:
         data = Path(tmp) / "data"
         if not (data / "meta.json").exists():
             prepare.prepare_shakespeare_char(data, Path(a.corpus))
-        for name, steps, shape in (("target", a.target_steps, target), ("draft", a.draft_steps, draft)):
+        for name, steps, shape in (("target", a.target_steps, target), ("draft", a.draft_steps, draft),
+                                   ("target_mtp", a.target_steps, dict(target, mtp=1))):
             saved = Path(tmp) / name / "checkpoints"
             if a.models_dir and saved.is_dir() and any(saved.iterdir()):  # a finished run (it saves at its end)
                 print(f"reusing {Path(tmp) / name}", flush=True)
@@ -145,10 +151,32 @@ def main(argv=None) -> dict:
             results[mode] = r
             print(f"mode={mode} " + " ".join(f"{k}={v:.3f}" if k in ("acceptance", "speedup") else f"{k}={v:.1f}"
                                             for k, v in r.items()), flush=True)
+        mtp_model = api.load(Path(tmp) / "target_mtp")
+        for k in (1, 2, 4):
+            for mode, temperature in (("greedy", 0.0), ("sampled", 0.8)):
+                d = DecodeConfig(max_new_tokens=a.new_tokens, temperature=temperature, seed=1, draft_tokens=k)
+                m, m_cfg = mtp_model.params, mtp_model.config.model
+                plain_s, plain = timed(lambda: generate.generate(m, m_cfg, prompt, d), a.repeats)
+                spec_s, spec = timed(lambda: speculative.generate_speculative(m, m_cfg, None, None, prompt, d),
+                                     a.repeats)
+                if temperature == 0:
+                    assert spec.tokens == plain.tokens, "greedy text drafted by the MTP module differs from generate's"
+                n_plain, n_spec = len(plain.tokens[0]), len(spec.tokens[0])
+                r = dict(plain_tok_per_s=n_plain / plain_s, speculative_tok_per_s=n_spec / spec_s,
+                         speedup=(n_spec / spec_s) / (n_plain / plain_s), acceptance=spec.acceptance,
+                         tokens_per_pass=(n_spec - 1) / max(spec.passes, 1))
+                results[f"mtp_{mode}_k{k}"] = r
+                print(f"mode=mtp_{mode}_k{k} " + " ".join(
+                    f"{k_}={v:.3f}" if k_ in ("acceptance", "speedup", "tokens_per_pass") else f"{k_}={v:.1f}"
+                    for k_, v in r.items()), flush=True)
     print(f"speculative_speedup={results['greedy']['speedup']:.2f} acceptance={results['greedy']['acceptance']:.3f} "
           f"(greedy, batch 1, {a.draft_tokens} draft tokens)")
     print(f"serve_speculative_speedup={results['serve_greedy']['speedup']:.2f} "
           f"acceptance={results['serve_greedy']['acceptance']:.3f} (greedy, one request)")
+    best = max((1, 2, 4), key=lambda k: results[f"mtp_greedy_k{k}"]["speedup"])
+    print(f"mtp_speculative_speedup={results['mtp_greedy_k1']['speedup']:.2f} "
+          f"acceptance={results['mtp_greedy_k1']['acceptance']:.3f} (greedy, batch 1, 1 draft token; "
+          f"best at {best} draft tokens: {results[f'mtp_greedy_k{best}']['speedup']:.2f})")
     return results
 
 

@@ -59,7 +59,8 @@ def test_speculative_benchmark_runs_at_a_tiny_size(shakespeare_file):
     import speculative as spec_bench
 
     results = spec_bench.main(["--tiny", "--corpus", str(shakespeare_file)])
-    assert set(results) == {"greedy", "sampled", "serve_greedy", "serve_sampled"}
+    assert set(results) == {"greedy", "sampled", "serve_greedy", "serve_sampled"} | {
+        f"mtp_{mode}_k{k}" for mode in ("greedy", "sampled") for k in (1, 2, 4)}
     assert all(r.get("tokens_per_pass", 1) >= 1 and 0 <= r["acceptance"] <= 1 for r in results.values())
 
 
