@@ -101,7 +101,9 @@ def no_persistent_cache_writes():
     """The module's programs are read from the session's persistent cache but not written to it. Serializing a
     context-parallel program for the cache crashed an xdist worker (a segmentation fault in XLA's executable
     serialization, in a worker that had run many modules before; the module alone passes), and
-    xdist then waits for the dead worker's tests until CI's time runs out."""
+    xdist then waits for the dead worker's tests until CI's time runs out. The same crash came once in
+    serializing the server's MTP prefill program (test_serve_speculative, after other modules; alone, and in
+    three runs of the module in one worker, it passes)."""
     import jax
 
     was = jax.config.jax_persistent_cache_min_compile_time_secs

@@ -18,6 +18,8 @@ import test_speculative
 from test_serve import until_done
 from test_speculative import chi_square_quantile
 
+pytestmark = pytest.mark.usefixtures("no_persistent_cache_writes")  # tests/conftest.py says why
+
 
 def make(seed: int, **kw):
     cfg = ModelConfig(**{**dict(vocab_size=50, block_size=128, n_layers=2, n_heads=4, n_kv_heads=2, d_model=32,

@@ -11,6 +11,8 @@ from jaxlm import generate, params as P, sampling, sharding, speculative
 from jaxlm.config import ConfigError, DecodeConfig, MeshConfig, ModelConfig
 from jaxlm.model import forward, paged, param_specs, transformer
 
+pytestmark = pytest.mark.usefixtures("no_persistent_cache_writes")  # tests/conftest.py says why
+
 
 def make(seed: int, **kw):
     cfg = ModelConfig(**{**dict(vocab_size=50, block_size=128, n_layers=2, n_heads=4, n_kv_heads=2, d_model=32,
