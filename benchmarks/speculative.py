@@ -65,6 +65,24 @@ def timed(fn, repeats: int):
     return best, out
 
 
+def against_generate(params, cfg, draft_params, draft_cfg, prompt: list[list[int]], d: DecodeConfig, repeats: int,
+                     mode: str) -> dict:
+    """`generate` without and with the draft (None: the model's MTP module), the fastest of `repeats` each,
+    greedy text checked equal; prints and returns the figures."""
+    plain_s, plain = timed(lambda: generate.generate(params, cfg, prompt, d), repeats)
+    spec_s, spec = timed(lambda: speculative.generate_speculative(params, cfg, draft_params, draft_cfg, prompt, d),
+                         repeats)
+    if d.temperature == 0:
+        assert spec.tokens == plain.tokens, f"{mode}: greedy speculative text differs from generate's"
+    n_plain, n_spec = len(plain.tokens[0]), len(spec.tokens[0])
+    r = dict(plain_tok_per_s=n_plain / plain_s, speculative_tok_per_s=n_spec / spec_s,
+             speedup=(n_spec / spec_s) / (n_plain / plain_s), acceptance=spec.acceptance,
+             tokens_per_pass=(n_spec - 1) / max(spec.passes, 1))
+    print(f"mode={mode} " + " ".join(f"{k}={v:.3f}" if k in ("acceptance", "speedup", "tokens_per_pass")
+                                    else f"{k}={v:.1f}" for k, v in r.items()), flush=True)
+    return r
+
+
 def served(model, draft, prompt: list[int], d: DecodeConfig, repeats: int):
     """Tokens per second of the server's engine (serve.* defaults, a paged cache of 4 sequences of the whole
     context) on one request at a time, with `draft` proposing d.draft_tokens (None: without), the fastest of
@@ -127,18 +145,8 @@ def main(argv=None) -> dict:
         for mode, temperature in (("greedy", 0.0), ("sampled", 0.8)):
             d = DecodeConfig(max_new_tokens=a.new_tokens, temperature=temperature, seed=1,
                              draft_tokens=a.draft_tokens)
-            plain_s, plain = timed(lambda: generate.generate(model.params, model.config.model, prompt, d), a.repeats)
-            spec_s, spec = timed(lambda: speculative.generate_speculative(
-                model.params, model.config.model, small.params, small.config.model, prompt, d), a.repeats)
-            if temperature == 0:
-                assert spec.tokens == plain.tokens, "greedy speculative text differs from generate's"
-            n_plain, n_spec = len(plain.tokens[0]), len(spec.tokens[0])
-            r = dict(plain_tok_per_s=n_plain / plain_s, speculative_tok_per_s=n_spec / spec_s,
-                     speedup=(n_spec / spec_s) / (n_plain / plain_s), acceptance=spec.acceptance,
-                     tokens_per_pass=(n_spec - 1) / max(spec.passes, 1))
-            results[mode] = r
-            print(f"mode={mode} " + " ".join(f"{k}={v:.3f}" if k in ("acceptance", "speedup", "tokens_per_pass")
-                                            else f"{k}={v:.1f}" for k, v in r.items()), flush=True)
+            results[mode] = against_generate(model.params, model.config.model, small.params, small.config.model,
+                                             prompt, d, a.repeats, mode)
         for mode, temperature in (("serve_greedy", 0.0), ("serve_sampled", 0.8)):
             d = DecodeConfig(max_new_tokens=a.new_tokens, temperature=temperature, seed=1,
                              draft_tokens=a.draft_tokens)
@@ -155,20 +163,9 @@ def main(argv=None) -> dict:
         for k in (1, 2, 4):
             for mode, temperature in (("greedy", 0.0), ("sampled", 0.8)):
                 d = DecodeConfig(max_new_tokens=a.new_tokens, temperature=temperature, seed=1, draft_tokens=k)
-                m, m_cfg = mtp_model.params, mtp_model.config.model
-                plain_s, plain = timed(lambda: generate.generate(m, m_cfg, prompt, d), a.repeats)
-                spec_s, spec = timed(lambda: speculative.generate_speculative(m, m_cfg, None, None, prompt, d),
-                                     a.repeats)
-                if temperature == 0:
-                    assert spec.tokens == plain.tokens, "greedy text drafted by the MTP module differs from generate's"
-                n_plain, n_spec = len(plain.tokens[0]), len(spec.tokens[0])
-                r = dict(plain_tok_per_s=n_plain / plain_s, speculative_tok_per_s=n_spec / spec_s,
-                         speedup=(n_spec / spec_s) / (n_plain / plain_s), acceptance=spec.acceptance,
-                         tokens_per_pass=(n_spec - 1) / max(spec.passes, 1))
-                results[f"mtp_{mode}_k{k}"] = r
-                print(f"mode=mtp_{mode}_k{k} " + " ".join(
-                    f"{k_}={v:.3f}" if k_ in ("acceptance", "speedup", "tokens_per_pass") else f"{k_}={v:.1f}"
-                    for k_, v in r.items()), flush=True)
+                name = f"mtp_{mode}_k{k}"
+                results[name] = against_generate(mtp_model.params, mtp_model.config.model, None, None, prompt, d,
+                                                 a.repeats, name)
     print(f"speculative_speedup={results['greedy']['speedup']:.2f} acceptance={results['greedy']['acceptance']:.3f} "
           f"(greedy, batch 1, {a.draft_tokens} draft tokens)")
     print(f"serve_speculative_speedup={results['serve_greedy']['speedup']:.2f} "

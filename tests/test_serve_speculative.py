@@ -38,14 +38,10 @@ def run(engine, seqs, timeout=300):
              [lp for e in ev if e[0] == "tokens" for lp in (e[2] or [])], ev[-1]) for ev in events]
 
 
-def test_greedy_tokens_and_logprobs_equal_the_engine_without_a_draft():
-    """Seven greedy sequences (two sharing a two-page prompt prefix, one stopping at a stop token, one without
-    log-probabilities, max_tokens 1 to 30) in 3 slots and a pool of 14 pages of 4 positions, so that sequences
-    are preempted and prefilled again: with a small draft (3 proposals per pass) each gets the tokens, ending
-    and log-probabilities (to 1e-4) of the engine without one; with the model itself as the draft every proposal
-    is kept, in fewer decode calls."""
-    params, cfg = make(0)
-    draft, draft_cfg = make(1, n_layers=1, d_model=16, n_heads=2, n_kv_heads=1, layer_pattern="local")
+def seven_sequences():
+    """Seven greedy prompts of a 50-token vocabulary (two sharing a two-page prefix of 4-position pages), their
+    max_tokens, and `seqs(stop)` making their Sequences (the third stops at `stop`, the fifth wants no
+    log-probabilities)."""
     rng = np.random.default_rng(0)
     shared = rng.integers(0, 50, 9).tolist()
     prompts = [rng.integers(0, 50, n).tolist() for n in (5, 13, 3, 11, 2)] + [shared + [7], shared + [8, 9]]
@@ -54,6 +50,19 @@ def test_greedy_tokens_and_logprobs_equal_the_engine_without_a_draft():
     def seqs(stop=()):
         return [engine_lib.Sequence(p, max_tokens[i], 0.0, 0, 1.0, i, 0, stop if i == 2 else (), None,
                                     logprobs=i != 4) for i, p in enumerate(prompts)]
+
+    return rng, max_tokens, seqs
+
+
+def test_greedy_tokens_and_logprobs_equal_the_engine_without_a_draft():
+    """Seven greedy sequences (two sharing a two-page prompt prefix, one stopping at a stop token, one without
+    log-probabilities, max_tokens 1 to 30) in 3 slots and a pool of 14 pages of 4 positions, so that sequences
+    are preempted and prefilled again: with a small draft (3 proposals per pass) each gets the tokens, ending
+    and log-probabilities (to 1e-4) of the engine without one; with the model itself as the draft every proposal
+    is kept, in fewer decode calls."""
+    params, cfg = make(0)
+    draft, draft_cfg = make(1, n_layers=1, d_model=16, n_heads=2, n_kv_heads=1, layer_pattern="local")
+    _, max_tokens, seqs = seven_sequences()
 
     def engine(d):
         return engine_lib.Engine(params, cfg, 3, 48, max_queue=16, prefill_chunk=8, prefix_cache=2, decode_steps=4,
@@ -94,14 +103,7 @@ def test_the_models_multi_token_prediction_module_drafts_in_the_engine():
     from jaxlm.model import transformer
 
     params, cfg = make(0, **test_speculative.DEEPSEEK)
-    rng = np.random.default_rng(0)
-    shared = rng.integers(0, 50, 9).tolist()
-    prompts = [rng.integers(0, 50, n).tolist() for n in (5, 13, 3, 11, 2)] + [shared + [7], shared + [8, 9]]
-    max_tokens = [30, 14, 24, 1, 20, 16, 12]
-
-    def seqs(stop=()):
-        return [engine_lib.Sequence(p, max_tokens[i], 0.0, 0, 1.0, i, 0, stop if i == 2 else (), None,
-                                    logprobs=i != 4) for i, p in enumerate(prompts)]
+    rng, max_tokens, seqs = seven_sequences()
 
     def engine(d, slots=3, pages=14):
         return engine_lib.Engine(params, cfg, slots, 48, max_queue=16, prefill_chunk=8, prefix_cache=2,

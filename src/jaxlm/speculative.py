@@ -88,6 +88,30 @@ def _prefill_mtp(params, prompts_BT, lengths_B, cfg: ModelConfig, pages: int):
     return logits_BV, cache, draft_cache, last_BD
 
 
+def mtp_proposals(params, module_params, pool, next_BJ, hid_BJD, prev_B, length_B, live_B, limit_B, table_BM,
+                  cfg: ModelConfig, k: int, draw: Callable):
+    """k proposals of the model's first multi-token prediction module (module_params: transformer.mtp_weights)
+    for rows holding length_B positions: the module runs over the positions of the last pass that the rows kept
+    (from prev_B: the model's hidden states there hid_BJD, with the tokens after them next_BJ, the kept
+    proposals and the pending token), whose last logits give the first proposal; each further one comes from
+    the module's own hidden state and the proposal before it (positions at or past limit_B are not written).
+    `draw(logits_BV, i)` -> (token_B, what the caller keeps of it). Returns the tokens, the kept values and the
+    module's pool. `jaxlm generate`'s loop and the server's (serve/speculate.py) both draft with it."""
+    logits_BV, g_BD, pool = transformer.paged_mtp(params, module_params, pool, next_BJ, hid_BJD, prev_B,
+                                                  jnp.where(live_B, length_B, 0), table_BM, cfg)
+    drafted, kept = [], []
+    for i in range(k):
+        tok_B, x = draw(logits_BV, i)
+        drafted.append(tok_B)
+        kept.append(x)
+        if i + 1 < k:
+            at_B = length_B + i
+            logits_BV, g_BD, pool = transformer.paged_mtp(params, module_params, pool, tok_B[:, None], g_BD[:, None],
+                                                          at_B, jnp.where(live_B & (at_B < limit_B), at_B + 1, 0),
+                                                          table_BM, cfg)
+    return drafted, kept, pool
+
+
 @partial(jax.jit, static_argnames=("cfg", "draft_cfg", "k", "max_new_tokens", "stream"))
 def _loop(params, draft_params, logits_BV, cache, draft_cache, lengths_B, key, temperature, top_k, top_p, stop_S,
           last_BD, cfg: ModelConfig, draft_cfg: ModelConfig | None, k: int, max_new_tokens: int, stream: bool):
@@ -120,22 +144,9 @@ def _loop(params, draft_params, logits_BV, cache, draft_cache, lengths_B, key, t
         return drafted, qs, {"draft_cache": draft_cache}
 
     def draft_mtp(c, live_B, length_B, key_draft):
-        """The module over the positions of the last pass that it kept (the model's hidden states there, with the
-        tokens after them: the kept proposals and the pending token), whose last logits give the first proposal;
-        then each further proposal from the module's own hidden state and the proposal before it."""
-        logits_BV, g_BD, draft_cache = transformer.paged_mtp(
-            params, draft_layers, c["draft_cache"], c["next_BJ"], c["hid_BJD"], c["prev_B"],
-            jnp.where(live_B, length_B, 0), table_BM, cfg)
-        drafted, qs = [], []
-        for i in range(k):
-            tok_B, q_BV = draw(logits_BV, key_draft, i)
-            drafted.append(tok_B)
-            qs.append(q_BV)
-            if i + 1 < k:
-                at_B = length_B + i
-                logits_BV, g_BD, draft_cache = transformer.paged_mtp(
-                    params, draft_layers, draft_cache, tok_B[:, None], g_BD[:, None], at_B,
-                    jnp.where(live_B, at_B + 1, 0), table_BM, cfg)
+        drafted, qs, draft_cache = mtp_proposals(
+            params, draft_layers, c["draft_cache"], c["next_BJ"], c["hid_BJD"], c["prev_B"], length_B, live_B,
+            length_B + J, table_BM, cfg, k, lambda logits_BV, i: draw(logits_BV, key_draft, i))
         return drafted, qs, {"draft_cache": draft_cache}
 
     def emit(c, tokens_BJ, n_B):

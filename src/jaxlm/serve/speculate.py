@@ -36,7 +36,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from jaxlm import sampling
+from jaxlm import sampling, speculative
 from jaxlm.config import ModelConfig
 from jaxlm.model import layers, transformer
 
@@ -113,18 +113,9 @@ def decode_loop(params, layer_params, draft_params, draft_layer_params, cache, d
 
         tok_b, draft_cache, drafted, q_logits = pending_b, c["draft_cache"], [], []
         if draft_cfg is None:  # the module: the last pass's kept positions, then its own proposals one by one
-            logits_i_bV, g_bD, draft_cache = transformer.paged_mtp(
-                base, draft_layer_params, draft_cache, c["next_bJ"], c["hid_bJD"], c["prev_b"],
-                jnp.where(live_b, length_b, 0), table_bM, cfg)
-            for i in range(k):
-                tok_b = draw(logits_i_bV, i)
-                drafted.append(tok_b)
-                q_logits.append(logits_i_bV)
-                if i + 1 < k:
-                    at_b = length_b + i
-                    logits_i_bV, g_bD, draft_cache = transformer.paged_mtp(
-                        base, draft_layer_params, draft_cache, tok_b[:, None], g_bD[:, None], at_b,
-                        jnp.where(live_b & (at_b < limit_b), at_b + 1, 0), table_bM, cfg)
+            drafted, q_logits, draft_cache = speculative.mtp_proposals(
+                base, draft_layer_params, draft_cache, c["next_bJ"], c["hid_bJD"], c["prev_b"], length_b, live_b,
+                limit_b, table_bM, cfg, k, lambda logits_bV, i: (draw(logits_bV, i), logits_bV))
         else:
             for i in range(J):
                 at_b = length_b + i
