@@ -732,9 +732,10 @@ def paged_forward(params: dict, cache: paged.PagedCache, tokens_PC: jax.Array, s
         else:
             (x_PCD, kinds), _ = stack.run(cfg, params["layers"], lambda carry, p, *rest: layer(
                 carry, _matmul_weights(p, cfg), *rest), (x_PCD, kinds))
+        if not (all_logits or hidden):  # a prompt chunk's call: only its last real token is normalized
+            x_PCD = _last_real(x_PCD, start_P, end_P)
         h_PCD = layers.norm(x_PCD, params["final_norm"], cfg.norm, cfg.norm_eps, cfg.norm_plus_one)
-        last = h_PCD if all_logits else _last_real(h_PCD, start_P, end_P)
-        logits = _head(params, last, cfg)
+        logits = _head(params, h_PCD if all_logits or not hidden else _last_real(h_PCD, start_P, end_P), cfg)
     logits = logits if all_logits else logits[:, 0]
     return (logits, h_PCD, paged.PagedCache(kinds)) if hidden else (logits, paged.PagedCache(kinds))
 
