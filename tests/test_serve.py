@@ -286,9 +286,9 @@ def test_faults_are_answered_4xx_and_harm_nothing(server, monkeypatch):
 
 def test_a_huge_body_is_refused_while_streams_flow_and_foreign_hosts_and_origins_are_refused(server, monkeypatch):
     """A 50 MB body is answered 413 before it is read (a body without a Content-Length when it grows past
-    serve.max_body_mb), and a 7 MiB one is read, parsed and its prompt refused before tokenizing, while 16 streams
-    decode (steps slowed to 5 ms, so that they outlast the bodies) with no gap over 100 ms between their chunks
-    (their readers keep reading: a stream waiting with its chunks buffered would show none); a request naming
+    serve.max_body_mb) while 16 streams decode (steps slowed to 5 ms, so that they outlast both bodies) with no
+    gap over 100 ms between their chunks (their readers keep reading: a stream waiting with its chunks buffered
+    would show none); a request naming
     another Host (a web page whose name was rebound to 127.0.0.1) or sent by a browser from another site (Origin) is
     refused 403; the loopback names are answered."""
     import threading
@@ -331,7 +331,6 @@ def test_a_huge_body_is_refused_while_streams_flow_and_foreign_hosts_and_origins
                 pass
             return sock.recv(4096)
 
-    long_body = json.dumps({**good, "stream": False, "prompt": "To be " * ((7 << 20) // 6)}).encode()
     threads = [threading.Thread(target=stream) for _ in range(16)]
     for t in threads:
         t.start()
@@ -340,9 +339,6 @@ def test_a_huge_body_is_refused_while_streams_flow_and_foreign_hosts_and_origins
     answer = huge(chunked=False)
     refused_in = time.perf_counter() - t0
     chunked_answer = huge(chunked=True)
-    # a body under the limit is read and parsed (off the event loop) and its prompt refused before tokenizing
-    long = httpx.post(f"{url}/v1/completions", content=long_body, headers={"content-type": "application/json"},
-                      timeout=60)
     t1 = time.perf_counter()
     for t in threads:
         t.join(60)
@@ -351,7 +347,6 @@ def test_a_huge_body_is_refused_while_streams_flow_and_foreign_hosts_and_origins
     assert answer.startswith(b"HTTP/1.1 413") and b"max_body_mb" in answer, answer[:200]
     assert chunked_answer.startswith(b"HTTP/1.1 413"), chunked_answer[:200]
     assert refused_in < 5
-    assert long.status_code == 400 and long.json()["error"]["code"] == "context_length_exceeded", long.text[:200]
     assert len(texts) == 16 and all(len(t) == 58 for t in texts)  # char tokens: 58 each
     during = [b - a for a, b in gaps if b > t0 and a < t1]  # the gaps while the bodies were sent and refused
     assert len(during) >= 16 and max(during) < 0.1, sorted(during)[-5:]

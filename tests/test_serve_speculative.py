@@ -5,6 +5,8 @@ keeps every token it proposes, pages all come back, and sampled tokens keep the 
 chi-square test of 3-token continuations against the exact distribution, which the draft's fails. (The command's
 path, decode.draft through serve.build and HTTP, is in test_serve.py.)"""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -132,7 +134,8 @@ def test_the_models_multi_token_prediction_module_drafts_in_the_engine():
         proposed, kept, at = proposed + 1, kept + ok, at + 1 + ok
     assert (e.draft_proposed_total, e.draft_accepted_total) == (proposed, kept) and kept > 0
     with pytest.raises(ConfigError, match="multi-token prediction"):
-        engine_lib.Engine(*make(0), 3, 48, max_queue=4, page_size=4, draft=(None, None, 2))
+        engine_lib.Engine(params, dataclasses.replace(cfg, mtp_layers=0), 3, 48, max_queue=4, page_size=4,
+                          draft=(None, None, 2))
 
 
 def test_sampled_tokens_keep_the_models_distribution():
