@@ -5,6 +5,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import warnings
 
 # The tests compile hundreds of tiny programs and run each for a few steps: LLVM's optimizations cost more there
 # than they save (tests/test_model.py: 94 s with XLA's default, 56 s without). Every program of the suite, in this
@@ -96,20 +97,33 @@ def shakespeare_file() -> Path:
     return SHAKESPEARE
 
 
-@pytest.fixture(scope="module")
-def no_persistent_cache_writes():
-    """The module's programs are read from the session's persistent cache but not written to it. Serializing a
-    context-parallel program for the cache crashed an xdist worker (a segmentation fault in XLA's executable
-    serialization, in a worker that had run many modules before; the module alone passes), and
-    xdist then waits for the dead worker's tests until CI's time runs out. The same crash came once in
-    serializing the server's MTP prefill program (test_serve_speculative, after other modules; alone, and in
-    three runs of the module in one worker, it passes)."""
+def memory_mappings() -> int:
+    """How many memory mappings this process has (Linux; 0 elsewhere)."""
+    try:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return 0
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _jax_caches_cleared_after_each_module():
+    """Each module's compiled programs are let go when it ends. XLA:CPU maps every executable's machine code in
+    memory mappings of its own (a module of this suite leaves ~2,000-3,000), and JAX's in-memory caches keep the
+    executables of every function still referenced; an xdist worker that ran ~25 modules reached the kernel's
+    limit (vm.max_map_count, 65,530), and the next mmap failed inside XLA ("Failed to materialize symbols"):
+    the C++ exception it threw crashed in the unwinder (a segmentation fault, seen in compiles and in the
+    persistent cache's serialization, in whichever module came then). The persistent cache on disk stays."""
+    yield
+    import gc
+
     import jax
 
-    was = jax.config.jax_persistent_cache_min_compile_time_secs
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e9)
-    yield
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", was)
+    jax.clear_caches()
+    gc.collect()
+    if (left := memory_mappings()) > 30_000:  # half the usual limit: a module now keeps what it compiled
+        warnings.warn(f"{left:,} memory mappings remain after this module's caches were cleared (Linux's "
+                      "vm.max_map_count is usually 65,530)")
 
 
 @pytest.fixture(scope="session")

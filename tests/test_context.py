@@ -25,7 +25,6 @@ LLAMA = {"model.vocab_size": 128, "model.block_size": T, "model.n_layers": 2, "m
          "model.glu": True, "model.activation": "silu", "model.layer_pattern": "local,global",
          "model.sliding_window": 200, "model.attention_block": 128, "training.batch_size": 4}
 CONTEXT4 = {"mesh.ici_data": 2, "mesh.ici_sequence": 4}
-pytestmark = pytest.mark.usefixtures("no_persistent_cache_writes")  # tests/conftest.py says why
 
 
 def _packed(rng, B: int) -> dict[str, np.ndarray]:

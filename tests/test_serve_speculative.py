@@ -20,7 +20,6 @@ import test_speculative
 from test_serve import until_done
 from test_speculative import chi_square_quantile
 
-pytestmark = pytest.mark.usefixtures("no_persistent_cache_writes")  # tests/conftest.py says why
 
 
 def make(seed: int, **kw):

@@ -11,7 +11,6 @@ from jaxlm import generate, params as P, sampling, sharding, speculative
 from jaxlm.config import ConfigError, DecodeConfig, MeshConfig, ModelConfig
 from jaxlm.model import forward, paged, param_specs, transformer
 
-pytestmark = pytest.mark.usefixtures("no_persistent_cache_writes")  # tests/conftest.py says why
 
 
 def make(seed: int, **kw):
