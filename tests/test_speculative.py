@@ -50,10 +50,10 @@ DEEPSEEK = dict(n_layers=3, layer_pattern="global", sliding_window=None, qk_norm
 
 def test_the_models_multi_token_prediction_module_drafts():
     """decode.draft=mtp: transformer.paged_mtp position by position over its pool gives the logits of
-    transformer.mtp_logits (the training forward); greedy tokens equal `generate`'s with 1 and 3 draft tokens;
-    with one draft token per pass, the passes and the proposals kept are exactly those that the module's greedy
-    tokens over the final text (mtp_logits) give, so the module's cache held the right entries at every pass;
-    a model without modules is refused in one line."""
+    transformer.mtp_logits (the training forward); greedy tokens equal `generate`'s with 1 (decode.draft_tokens'
+    default for the module) and 3 draft tokens; with one draft token per pass, the passes and the proposals kept
+    are exactly those that the module's greedy tokens over the final text (mtp_logits) give, so the module's cache
+    held the right entries at every pass; a model without modules is refused in one line."""
     params, cfg = make(0, vocab_size=12, **DEEPSEEK)
     seq = np.asarray([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 3, 2, 1, 0, 5, 6, 7, 1, 2]], np.int32)
     T = seq.shape[1]
@@ -73,12 +73,12 @@ def test_the_models_multi_token_prediction_module_drafts():
     np.testing.assert_allclose(np.stack(got), want[half - 1:T - 1], atol=1e-4)
 
     prompts = [[1, 2, 3], [5], list(range(1, 11)) * 2]
-    for k in (1, 3):
+    for k in (None, 3):  # None: the default for the module, one proposal per pass
         d = DecodeConfig(max_new_tokens=60, temperature=0.0, draft_tokens=k)
         want_tokens = generate.generate(params, cfg, prompts, d).tokens
         got = speculative.generate_speculative(params, cfg, None, None, prompts, d)
         assert got.tokens == want_tokens and got.proposed > 0
-        if k == 1:
+        if k is None:
             proposed = kept = 0
             for prompt, new in zip(prompts, want_tokens):
                 text = prompt + new
@@ -154,8 +154,9 @@ def test_sampled_tokens_keep_the_models_distribution(drafter):
 
 def test_decode_draft_mtp_through_the_commands(char_data, tmp_path, capsys):
     """`jaxlm generate RUN decode.draft=mtp` and `jaxlm serve RUN decode.draft=mtp` on a run trained with a
-    multi-token prediction module: greedy text equals the text without the draft, the end line counts the
-    proposals; a run without modules is refused in one line."""
+    multi-token prediction module: greedy text equals the text without the draft (2 draft tokens, and the
+    default of 1 in the server), the end line counts the proposals; a run without modules is refused in one
+    line."""
     import httpx
 
     from conftest import tiny_config
@@ -169,10 +170,10 @@ def test_decode_draft_mtp_through_the_commands(char_data, tmp_path, capsys):
     assert cli.main(["generate", str(run), *greedy, "decode.draft=mtp", "decode.draft_tokens=2"]) == 0
     out, err = capsys.readouterr()
     assert out == want and "draft tokens accepted" in err
-    cfg = serve.settings_config({"serve.max_slots": 2, "max_new_tokens": 24, "decode.draft": "mtp",
-                                 "decode.draft_tokens": 2})
+    cfg = serve.settings_config({"serve.max_slots": 2, "max_new_tokens": 24, "decode.draft": "mtp"})
     srv = serve.Server(serve.build(run, cfg, log=lambda s: None), "127.0.0.1", 0).start()
     try:
+        assert srv.served.engine.draft[2] == 1  # decode.draft_tokens' default for the module
         r = httpx.post(f"http://127.0.0.1:{srv.port}/v1/completions", timeout=120, json={
             "prompt": "To be", "max_tokens": 24, "temperature": 0})
         assert "To be" + r.json()["choices"][0]["text"] == want.split("\n", 1)[1].rstrip("\n")

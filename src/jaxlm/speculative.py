@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlm import generate, sampling
-from jaxlm.config import ConfigError, DecodeConfig, ModelConfig, validate_decode
+from jaxlm.config import ConfigError, DecodeConfig, ModelConfig, draft_tokens, validate_decode
 from jaxlm.model import paged, transformer
 
 PAGE = 16  # positions per page of the two caches
@@ -226,12 +226,12 @@ def check_mtp(cfg: ModelConfig) -> None:
 def generate_speculative(params, cfg: ModelConfig, draft_params, draft_cfg: ModelConfig | None,
                          prompts: Sequence[Sequence[int]], d: DecodeConfig, stop_ids: Sequence[int] = (),
                          on_tokens: Callable[[np.ndarray, np.ndarray], None] | None = None) -> Speculation:
-    """generate.generate with a draft model proposing d.draft_tokens tokens per pass of the target (see the
+    """generate.generate with a draft model proposing config.draft_tokens(d) tokens per pass of the target (see the
     module docstring); draft_params and draft_cfg None: the model's own first multi-token prediction module
     drafts (decode.draft=mtp). `on_tokens(tokens, live)` is called on the host for each new token of every
     sequence, as generate calls it."""
     validate_decode(d)
-    k = d.draft_tokens
+    k = draft_tokens(d, mtp=draft_cfg is None)
     generate.check_prompts(prompts, cfg, d)
     B, T = len(prompts), -(-max(map(len, prompts)) // generate.PAD) * generate.PAD
     length = T + d.max_new_tokens + k + 1

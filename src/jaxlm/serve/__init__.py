@@ -78,10 +78,10 @@ def build(src: str | Path, cfg: Config, log: Callable[[str], None] = print):
     names, params = with_adapters(model, config_lib.serve_adapters(sc), name)
     draft = None
     if d.draft == "mtp":  # the model's own first multi-token prediction module
-        draft = (None, None, d.draft_tokens)
+        draft = (None, None, config_lib.draft_tokens(d))
     elif d.draft:
         drafted = api.load(d.draft, mesh_cfg)
-        draft = (drafted.params, drafted.config.model, d.draft_tokens)
+        draft = (drafted.params, drafted.config.model, config_lib.draft_tokens(d))
     engines = [engine_lib.Engine(params, m, sc.max_slots // R, length, Replicas.split(sc.max_queue, R),
                                  d.quantize_kv_cache, model.mesh, sc.prefill_chunk, sc.prefix_cache,
                                  sharding.rules_from_config(cfg.mesh), sc.decode_steps, sc.page_size, pages, draft)
@@ -106,7 +106,7 @@ def build(src: str | Path, cfg: Config, log: Callable[[str], None] = print):
         f"{sc.decode_steps} decode steps per call | prefill chunks of "
         f"{sc.prefill_chunk} | prefix cache {sc.prefix_cache or 'off'} | "
         f"{'LoRA adapters ' + ','.join(names) + ' | ' if names else ''}"
-        f"{f'draft {d.draft} proposing {d.draft_tokens} tokens | ' if draft else ''}"
+        f"{f'draft {d.draft} proposing {draft[2]} tokens | ' if draft else ''}"
         f"{'API key required' if api_key else 'no API key'}")
     if (warning := exposure_warning(sc.host, api_key)) is not None:
         log(warning)
