@@ -36,9 +36,9 @@ quickstart: $(VENV)/.installed
 	$(VENV)/bin/jaxlm train quickstart
 
 # `make test` (CI's command) runs every test not marked `slow`, and the slow ones marked `in_ci` (the Slurm jobs,
-# the GPU benchmark at tiny sizes, one pipeline, expert and context-parallel equivalence run); `make test-all` runs
-# the whole slow tier too: every family and layout of the equivalence runs, the multi-process and emulator runs and
-# the benchmark scripts at tiny sizes (README, Tests). Each module runs on one worker (`--dist loadfile`: a
+# the GPU benchmark at tiny sizes, a 20 s soak of the server, one pipeline, expert and context-parallel
+# equivalence run); `make test-all` runs the whole slow tier too: every family and layout of the equivalence runs,
+# the multi-process and emulator runs and the benchmark scripts at tiny sizes (README, Tests). Each module runs on one worker (`--dist loadfile`: a
 # module-scoped fixture trains or starts its server once), in the order tests/conftest.py gives
 # (`--no-loadscope-reorder`: the longest modules first, not the ones with the most tests). A worker that dies has its
 # test reported failed and the run stops there, the tests left unrun (`--max-worker-restart=0`): pytest-xdist 3.8's

@@ -11,7 +11,11 @@ and a bad request (invalid JSON, or a prompt token outside the vocabulary), whic
 Checked and printed: the answers by status (no 5xx may occur; 400 only for the bad requests), requests per
 second, then after the load stops: busy slots, waiting requests and pages held (all must be 0 within 30 s), and
 the server's resident memory (VmRSS) sampled every 10 s: its last sample against the first taken after 60 s
-(`rss_growth`, within 5% for a pass). Exits 1 when a check fails.
+(`rss_growth`, within 5% for a pass), and its memory mappings sampled with it: `maps_growth`, the last sample
+against the first of the run's second half, within 1% (each program XLA:CPU compiles maps its code in mappings
+of its own, and a process reaching vm.max_map_count crashes in its next compile: the shapes a server meets
+first compile early, and one that kept compiling under a steady load would fail here). Exits 1 when a check
+fails.
 
     python benchmarks/soak.py [--seconds 600] [--clients 32] [--size tiny]
 """
@@ -38,6 +42,12 @@ def rss_kib(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1])
     return 0
+
+
+def maps_count(pid: int) -> int:
+    """The process's memory mappings (lines of /proc/PID/maps)."""
+    with open(f"/proc/{pid}/maps") as f:
+        return sum(1 for _ in f)
 
 
 def metric(text: str, name: str) -> float:
@@ -96,7 +106,7 @@ def main(argv=None) -> int:
 
                     async def sample_rss():
                         while time.monotonic() < until:
-                            rss.append((time.monotonic() - start, rss_kib(proc_pid)))
+                            rss.append((time.monotonic() - start, rss_kib(proc_pid), maps_count(proc_pid)))
                             await asyncio.sleep(10)
 
                     await asyncio.gather(sample_rss(), *(client(h, random.Random(i), vocab, context, until, codes,
@@ -112,17 +122,22 @@ def main(argv=None) -> int:
                 if idle == [0, 0, 0] or time.monotonic() > deadline:
                     break
                 time.sleep(0.5)
-            rss.append((time.monotonic() - start, rss_kib(proc_pid)))
+            rss.append((time.monotonic() - start, rss_kib(proc_pid), maps_count(proc_pid)))
     answered = sum(v for k, v in codes.items() if isinstance(k, int))
     print(f"seconds={wall:.0f} clients={a.clients} requests={answered + sum(bad_codes.values())} "
           f"requests_per_s={(answered + sum(bad_codes.values())) / wall:.1f}")
     print("status " + " ".join(f"{k}={v}" for k, v in sorted(codes.items(), key=str)))
     print("bad_requests_status " + " ".join(f"{k}={v}" for k, v in sorted(bad_codes.items(), key=str)))
     print(f"after busy_slots={idle[0]:.0f} queue_depth={idle[1]:.0f} kv_pages_used={idle[2]:.0f}")
-    after_minute = next((kib for t, kib in rss if t >= 60), rss[0][1])
-    growth = rss[-1][1] / after_minute - 1
-    print("rss_mib " + " ".join(f"{t:.0f}s:{kib / 1024:.0f}" for t, kib in rss))
+    after_minute = next((x for x in rss if x[0] >= 60), rss[0])
+    growth = rss[-1][1] / after_minute[1] - 1
+    half = next(x for x in rss if x[0] >= rss[-1][0] / 2)
+    maps_growth = rss[-1][2] / half[2] - 1
+    print("rss_mib " + " ".join(f"{t:.0f}s:{kib / 1024:.0f}" for t, kib, _ in rss))
     print(f"rss_growth={growth:+.3f} (last sample against the first after 60 s)")
+    print("maps " + " ".join(f"{t:.0f}s:{n}" for t, _, n in rss))
+    print(f"maps_growth={maps_growth:+.3f} (last sample against the first after {half[0]:.0f} s: {half[2]} -> "
+          f"{rss[-1][2]} mappings; {after_minute[2]} after 60 s)")
     if any(not isinstance(k, int) or k >= 500 or k != 200 for k in codes):
         print("FAIL: answers other than 200 to good requests")
         ok = False
@@ -134,6 +149,9 @@ def main(argv=None) -> int:
         ok = False
     if abs(growth) > 0.05 and wall >= 120:
         print("FAIL: resident memory moved more than 5%")
+        ok = False
+    if maps_growth > 0.01 and wall >= 120:
+        print("FAIL: the server's memory mappings grew more than 1% in the second half (it keeps compiling)")
         ok = False
     print("soak " + ("passed" if ok else "failed"))
     return 0 if ok else 1

@@ -78,3 +78,22 @@ def test_grpo_benchmark_prints_rollouts_over_engine():
               "--completion", "8")
     assert {"grpo_rollout_tok_per_s", "engine_tok_per_s", "rollout_over_engine", "rollout_s", "update_s"} <= set(out)
     assert float(out["rollout_over_engine"]) > 0
+
+
+
+@pytest.mark.slow
+@pytest.mark.in_ci  # ~40 s: the hardened surface under mixed load, through the soak's own checks
+def test_soak_runs_briefly_with_no_5xx_and_the_server_idle_after():
+    """benchmarks/soak.py for 20 s with 4 clients: every good request answered 200 and every bad one 400 (the
+    script exits 1 otherwise, or when slots, queue or pages are not back to zero after); its memory checks
+    need 2 minutes of load and are measured by hand (docs/serve.md, Soak)."""
+    env = users_environment(XLA_FLAGS=xla_flags(), PYTHONPATH=str(ROOT / "src"), JAX_PLATFORMS="cpu")
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--seconds", "20", "--clients", "4"],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 0 and "soak passed" in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in p.stdout.splitlines() if " " in line)
+    good = dict(x.split("=") for x in lines["status"].split())
+    bad = dict(x.split("=") for x in lines["bad_requests_status"].split())
+    assert set(good) == {"200"} and int(good["200"]) > 20 and set(bad) == {"400"} and int(bad["400"]) > 0
+    assert lines["after"] == "busy_slots=0 queue_depth=0 kv_pages_used=0"
+    assert "maps_growth=" in p.stdout and "rss_growth=" in p.stdout
