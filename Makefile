@@ -38,12 +38,12 @@ quickstart: $(VENV)/.installed
 # `make test` (CI's command) runs every test not marked `slow`, and the slow ones marked `in_ci` (the Slurm jobs,
 # the GPU benchmark at tiny sizes, a 20 s soak of the server, one pipeline, expert and context-parallel
 # equivalence run); `make test-all` runs the whole slow tier too: every family and layout of the equivalence runs,
-# the multi-process and emulator runs and the benchmark scripts at tiny sizes (README, Tests). Each module runs on one worker (`--dist loadfile`: a
-# module-scoped fixture trains or starts its server once), in the order tests/conftest.py gives
-# (`--no-loadscope-reorder`: the longest modules first, not the ones with the most tests). A worker that dies has its
-# test reported failed and the run stops there, the tests left unrun (`--max-worker-restart=0`): pytest-xdist 3.8's
-# loadfile scheduler, replacing it, can hand the new worker work it never starts and wait for it until CI's time
-# limit. (Workers died of a segmentation fault in XLA while they kept every module's programs: tests/conftest.py
+# the multi-process and emulator runs and the benchmark scripts at tiny sizes (README, Tests). Each module runs on
+# one worker (`--dist loadfile`: a module-scoped fixture trains or starts its server once), in the order
+# tests/conftest.py gives (`--no-loadscope-reorder`: the longest modules first, not the ones with the most tests).
+# A worker that dies has its test reported failed and the run stops there, the tests left unrun
+# (`--max-worker-restart=0`): pytest-xdist 3.8's loadfile scheduler, replacing it, can hand the new worker work it
+# never starts and wait for it until CI's time limit. (Workers died of a segmentation fault in XLA while they kept every module's programs: tests/conftest.py
 # clears JAX's caches after each module.)
 PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --max-worker-restart=0 \
 	--durations=25

@@ -80,7 +80,6 @@ def test_grpo_benchmark_prints_rollouts_over_engine():
     assert float(out["rollout_over_engine"]) > 0
 
 
-
 @pytest.mark.slow
 @pytest.mark.in_ci  # ~40 s: the hardened surface under mixed load, through the soak's own checks
 def test_soak_runs_briefly_with_no_5xx_and_the_server_idle_after():

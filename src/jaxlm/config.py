@@ -1149,14 +1149,14 @@ def stop_token_ids(d: DecodeConfig) -> tuple[int, ...]:
     return ids
 
 
-def draft_tokens(d: DecodeConfig, mtp: bool | None = None) -> int:
+def draft_tokens(d: DecodeConfig, mtp: bool) -> int:
     """The tokens the draft proposes per pass of the model: decode.draft_tokens, or by default 4 for a draft
-    model and 1 for the model's own multi-token prediction module (`mtp`; None: decode.draft == "mtp").
+    model and 1 for the model's own multi-token prediction module (`mtp`).
     docs/generate.md: the module at 1 proposal had 0.86 of them kept and ran 1.3-1.5x; at 4, reused on its own
     output for the later proposals, 0.9-1.0x."""
     if d.draft_tokens is not None:
         return d.draft_tokens
-    return 1 if (d.draft == "mtp" if mtp is None else mtp) else 4
+    return 1 if mtp else 4
 
 
 def validate_decode(d: DecodeConfig) -> None:

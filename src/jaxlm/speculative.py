@@ -226,7 +226,7 @@ def check_mtp(cfg: ModelConfig) -> None:
 def generate_speculative(params, cfg: ModelConfig, draft_params, draft_cfg: ModelConfig | None,
                          prompts: Sequence[Sequence[int]], d: DecodeConfig, stop_ids: Sequence[int] = (),
                          on_tokens: Callable[[np.ndarray, np.ndarray], None] | None = None) -> Speculation:
-    """generate.generate with a draft model proposing config.draft_tokens(d) tokens per pass of the target (see the
+    """generate.generate with a draft model proposing config.draft_tokens tokens per pass of the target (see the
     module docstring); draft_params and draft_cfg None: the model's own first multi-token prediction module
     drafts (decode.draft=mtp). `on_tokens(tokens, live)` is called on the host for each new token of every
     sequence, as generate calls it."""

@@ -78,10 +78,10 @@ def build(src: str | Path, cfg: Config, log: Callable[[str], None] = print):
     names, params = with_adapters(model, config_lib.serve_adapters(sc), name)
     draft = None
     if d.draft == "mtp":  # the model's own first multi-token prediction module
-        draft = (None, None, config_lib.draft_tokens(d))
+        draft = (None, None, config_lib.draft_tokens(d, mtp=True))
     elif d.draft:
         drafted = api.load(d.draft, mesh_cfg)
-        draft = (drafted.params, drafted.config.model, config_lib.draft_tokens(d))
+        draft = (drafted.params, drafted.config.model, config_lib.draft_tokens(d, mtp=False))
     engines = [engine_lib.Engine(params, m, sc.max_slots // R, length, Replicas.split(sc.max_queue, R),
                                  d.quantize_kv_cache, model.mesh, sc.prefill_chunk, sc.prefix_cache,
                                  sharding.rules_from_config(cfg.mesh), sc.decode_steps, sc.page_size, pages, draft)
