@@ -43,8 +43,8 @@ quickstart: $(VENV)/.installed
 # tests/conftest.py gives (`--no-loadscope-reorder`: the longest modules first, not the ones with the most tests).
 # A worker that dies has its test reported failed and the run stops there, the tests left unrun
 # (`--max-worker-restart=0`): pytest-xdist 3.8's loadfile scheduler, replacing it, can hand the new worker work it
-# never starts and wait for it until CI's time limit. (Workers died of a segmentation fault in XLA while they kept every module's programs: tests/conftest.py
-# clears JAX's caches after each module.)
+# never starts and wait for it until CI's time limit. (Workers died of a segmentation fault in XLA while they
+# kept every module's programs: tests/conftest.py clears JAX's caches after each module.)
 PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --max-worker-restart=0 \
 	--durations=25
 
