@@ -482,7 +482,7 @@ class DecodeConfig:
                         "(speculative decoding: the same distribution, greedy text identical); `mtp`: the model's "
                         "own first multi-token prediction module drafts (DeepSeek-V3's)")
     draft_tokens: int | None = _f(None, "tokens the draft proposes per forward pass of the model (decode.draft); "
-                                        "None = 4 for a draft model, 1 for `mtp` (DeepSeek-V3's setting: the "
+                                        "None = 3 for a draft model, 1 for `mtp` (DeepSeek-V3's setting: the "
                                         "module reused on its own output rarely proposes right)")
 
 
@@ -1150,13 +1150,14 @@ def stop_token_ids(d: DecodeConfig) -> tuple[int, ...]:
 
 
 def draft_tokens(d: DecodeConfig, mtp: bool) -> int:
-    """The tokens the draft proposes per pass of the model: decode.draft_tokens, or by default 4 for a draft
+    """The tokens the draft proposes per pass of the model: decode.draft_tokens, or by default 3 for a draft
     model and 1 for the model's own multi-token prediction module (`mtp`).
-    docs/generate.md: the module at 1 proposal had 0.86 of them kept and ran 1.3-1.5x; at 4, reused on its own
-    output for the later proposals, 0.9-1.0x."""
+    docs/generate.md: a draft model at batch 1 ran fastest at 3 proposals (against 2 and 4, two drafts); the
+    module at 1 proposal had 0.86 of them kept and ran 1.3-1.5x; at 4, reused on its own output for the later
+    proposals, 0.9-1.0x."""
     if d.draft_tokens is not None:
         return d.draft_tokens
-    return 1 if mtp else 4
+    return 1 if mtp else 3
 
 
 def validate_decode(d: DecodeConfig) -> None:
