@@ -1272,9 +1272,9 @@ def test_adapters_that_cannot_be_served_fail_in_one_line(trained, adapter_folder
 
 
 def test_the_server_decodes_with_a_draft_and_counts_its_proposals(server, trained):
-    """`jaxlm serve RUN decode.draft=RUN decode.draft_tokens=3` (the model as its own draft): greedy completions
-    over HTTP equal the server's without a draft, and /metrics counts the proposals, all
-    kept. (tests/test_serve_speculative.py checks a smaller draft and sampling against the engine alone.)"""
+    """`jaxlm serve RUN decode.draft=RUN` (the model as its own draft, proposing decode.draft_tokens' default of 3
+    a pass): greedy completions over HTTP equal the server's without a draft, and /metrics counts the proposals,
+    all kept. (tests/test_serve_speculative.py checks a smaller draft and sampling against the engine alone.)"""
     prompts = ["KING:", "To be, or not", "O"]
 
     def answers(srv):
@@ -1284,11 +1284,12 @@ def test_the_server_decodes_with_a_draft_and_counts_its_proposals(server, traine
 
     want = answers(server)
     cfg = serve.settings_config({"serve.max_slots": 4, "max_new_tokens": 16, "serve.model_name": "tiny",
-                                 "decode.draft": str(trained), "decode.draft_tokens": 3})
+                                 "decode.draft": str(trained)})
     srv = serve.Server(serve.build(trained, cfg, log=lambda s: None), "127.0.0.1", 0).start()
     try:
+        assert srv.served.engine.draft[2] == 3
         assert answers(srv) == want
         proposed, accepted = (metric(srv, f"jaxlm_draft_tokens_{x}_total") for x in ("proposed", "accepted"))
-        assert proposed == accepted > 0
+        assert proposed == accepted > 0 and proposed % 3 == 0
     finally:
         srv.stop()
