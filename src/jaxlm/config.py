@@ -491,7 +491,7 @@ class ServeConfig:
     host: str = _f("127.0.0.1", "`jaxlm serve`: address to listen on; 0.0.0.0 opens the server to the network")
     port: int = _f(8000, "`jaxlm serve`: TCP port")
     max_slots: int = _f(64, "sequences in flight at most (decoded together; the decode step compiles for this "
-                            "count and for a half, a quarter and an eighth of it); with the slot cache "
+                            "count, a half, a quarter and an eighth of it, and 4 and 1); with the slot cache "
                             "(serve.page_size=0) each holds the whole context")
     page_size: int = _f(16, "positions per page of the paged KV cache: a sequence holds the pages its tokens fill, "
                             "taken as it grows and given back when it ends; 0 = the slot cache (every slot the "
