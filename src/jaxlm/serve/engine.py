@@ -98,7 +98,7 @@ MAX_PREFILL_ROWS = 16  # prompts' chunks prefilled in one call at most
 # rows of the decode program's variants below an eighth of the slots: a call of one to four live sequences (one
 # request alone, the last long ones of a burst) runs on 1 or 4 rows, not 8 (134M parameters on a 2-core CPU: a
 # step of 1 row 23 ms, of 8 rows 44 ms)
-ROW_BUCKETS_SMALL = [1, 4]
+ROW_BUCKETS_SMALL = (1, 4)
 SLOT_DIVISORS = (8, 4, 2)  # the decode program's slot buckets besides all slots: S / each (_slot_buckets)
 
 
@@ -384,7 +384,7 @@ class Engine:
         # rows of the decode program's compiled variants, largest first; on a mesh a bucket must split evenly
         # over the devices as the slots do
         shards = 1 if mesh is None else mesh.size
-        self.buckets = sorted({b for b in [slots // d for d in (1, 2, 4, 8) if slots % d == 0] + ROW_BUCKETS_SMALL
+        self.buckets = sorted({b for b in [slots // d for d in (1, 2, 4, 8) if slots % d == 0] + list(ROW_BUCKETS_SMALL)
                                if b <= slots and b % shards == 0} | {slots}, reverse=True)
         self.turn_hooks: list[Callable[[], None]] = []  # called after each turn, from the engine thread
         self.calls_total = 0  # decode calls run
