@@ -105,12 +105,11 @@ def against_generate(params, cfg, draft_params, draft_cfg, prompts: list[list[in
 
 def engine(model, draft, d: DecodeConfig, context: int):
     """The server's engine (serve.* defaults, a paged cache of 4 sequences of `context` positions), started, with
-    `draft` proposing the default count of tokens or d.draft_tokens (None: without a draft)."""
+    `draft` proposing d.draft_tokens (None: without a draft)."""
     sc = config_lib.ServeConfig()
-    k = config_lib.draft_tokens(d, mtp=False)
     e = engine_lib.Engine(model.params, model.config.model, 4, context, 8, decode_steps=sc.decode_steps,
                           page_size=sc.page_size, prefill_chunk=sc.prefill_chunk, prefix_cache=0,
-                          draft=None if draft is None else (draft.params, draft.config.model, k))
+                          draft=None if draft is None else (draft.params, draft.config.model, d.draft_tokens))
     e.warm_up()
     e.start()
     return e
