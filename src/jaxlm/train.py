@@ -204,6 +204,26 @@ class _Windows:
                     mfu=o["mfu"])
 
 
+def _record(step: int, m: dict, host: dict) -> dict:
+    """A step's line of metrics.jsonl: its metrics fetched from the device (the step guard's skip counters as
+    ints, the rest as floats) and its batch's metrics from the host."""
+    return {"step": step, "loss": float(m["loss"]), "lr": float(m["lr"]), "grad_norm": float(m["grad_norm"]),
+            "nonfinite_skips": int(m["nonfinite_skips"]), "spike_skips": int(m["spike_skips"]),
+            **{k: float(v) for k, v in m.items() if k not in STEP_GUARD_METRICS}, **host}
+
+
+def _close_on_error(closers, writer, checkpointer, log) -> None:
+    """Whatever ended the loop: a save already under way is committed (it holds a good state) and the metrics
+    recorded so far reach the disk."""
+    for close in (*closers, writer.close):
+        close()
+    if checkpointer:
+        try:
+            checkpointer.close()
+        except ckpt.CheckpointError as e:
+            log(f"warning: {e}")
+
+
 def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict:
     """Train (or resume) a run; returns a summary with the final losses and throughput."""
     goodput = metrics.Goodput()
@@ -289,10 +309,7 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
                 elapsed, window = windows.close(first=done == start + 1)
                 failure = None
                 for (s, _, host), m in zip(pending, fetched):
-                    record = {"step": s, "loss": float(m["loss"]), "lr": float(m["lr"]),
-                              "grad_norm": float(m["grad_norm"]), "nonfinite_skips": int(m["nonfinite_skips"]),
-                              "spike_skips": int(m["spike_skips"]),
-                              **{k: float(v) for k, v in m.items() if k not in STEP_GUARD_METRICS}, **host}
+                    record = _record(s, m, host)
                     failure = failure or _report_skips(s, m, skips, t_cfg, say)
                     if s == done:
                         record.update({"compile_s": elapsed} if done == start + 1 else window)
@@ -326,15 +343,7 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
                 preempted_at = done
                 break
     except BaseException:
-        # Whatever ends the loop, a save already under way is committed (it holds a good state) and the
-        # metrics recorded so far reach the disk.
-        for close in (*closers, writer.close):
-            close()
-        if checkpointer:
-            try:
-                checkpointer.close()
-            except ckpt.CheckpointError as e:
-                log(f"warning: {e}")
+        _close_on_error(closers, writer, checkpointer, log)
         raise
     for close in closers:
         close()
@@ -358,8 +367,9 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
     _report_end(summary, last_eval, log)
     if t_cfg.sample_tokens and preempted_at is None:
         with goodput.phase("eval"):
-            summary["sample"] = step_lib.sample_text(step_lib.model_params(state["params"], frozen, cfg), cfg, run.tokenizer, t_cfg.sample_prompt,
-                                            t_cfg.sample_tokens, t_cfg.sample_temperature, t_cfg.sample_top_k)
+            summary["sample"] = step_lib.sample_text(
+                step_lib.model_params(state["params"], frozen, cfg), cfg, run.tokenizer, t_cfg.sample_prompt,
+                t_cfg.sample_tokens, t_cfg.sample_temperature, t_cfg.sample_top_k)
         log("sample:\n" + t_cfg.sample_prompt + summary["sample"])
     summary["goodput"] = goodput.summary()
     writer.write({"step": preempted_at or t_cfg.steps, **summary["goodput"]})  # the last step run

@@ -48,6 +48,80 @@ def tokens_per_call(k: int, steps: int) -> int:
     return 1 + steps * (k + 1)
 
 
+def _flat(x_bJ):  # [b, J, ...] -> [b * J, ...]
+    return x_bJ.reshape(-1, *x_bJ.shape[2:])
+
+
+def _send(c: dict, tokens_bJ, n_b, logits_bJV, stop_bM, left_b, want_lp_b) -> dict:
+    """The loop state `c` with each live row's first n_b tokens (logits_bJV: the target's logits each was drawn
+    from) appended to the row's output, cut after a stop token and at left_b tokens in all; rows that stop or
+    reach left_b are no longer live."""
+    b, n = tokens_bJ.shape
+    L, K = c["out"][0].shape[0], TOP_LOGPROBS
+    i_J = jnp.arange(n)
+    sent_bJ = (i_J < n_b[:, None]) & c["live_b"][:, None]
+    stop_bJ = jnp.any(tokens_bJ[..., None] == stop_bM[:, None, :], axis=-1) & sent_bJ
+    sent_bJ &= jnp.cumsum(stop_bJ, axis=1) - stop_bJ < 1  # up to and including the first stop token
+    sent_bJ &= c["made_b"][:, None] + i_J < left_b[:, None]
+    at_bJ = jnp.where(sent_bJ, c["made_b"][:, None] + i_J, L)  # past the output: dropped
+
+    def logprobs(logits_bJV, tokens_bJ):
+        return jax.vmap(partial(sampling.token_logprobs, K=K), in_axes=1, out_axes=1)(logits_bJV, tokens_bJ)
+
+    def no_logprobs(logits_bJV, tokens_bJ):
+        return jnp.zeros((b, n), jnp.float32), jnp.zeros((b, n, K), jnp.int32), jnp.zeros((b, n, K), jnp.float32)
+
+    lp = jax.lax.cond(jnp.any(sent_bJ & want_lp_b[:, None]), logprobs, no_logprobs, logits_bJV, tokens_bJ)
+    rows_b1 = jnp.arange(b)[:, None]
+    out = tuple(o.at[at_bJ, rows_b1].set(x, mode="drop") for o, x in zip(c["out"], (tokens_bJ, *lp, sent_bJ)))
+    made_b = c["made_b"] + jnp.sum(sent_bJ, axis=1)
+    ended_b = jnp.any(stop_bJ & sent_bJ, axis=1) | (made_b >= left_b)
+    return {**c, "out": out, "made_b": made_b, "live_b": c["live_b"] & ~ended_b}
+
+
+def _draft_proposals(draft_params, draft_layer_params, draft_cache, pending_b, length_b, live_b, limit_b, table_bM,
+                     draft_cfg: ModelConfig, k: int, draw):
+    """A draft model's k proposals per row: it runs the pending token, then each proposal drawn from its
+    logits by `draw(logits_bV, i)`, and once more to cache the k-th (positions at or past limit_b are not
+    written). Returns the proposals [b, k], the draft's logits they were drawn from (a list of k [b, V]) and its
+    cache."""
+    tok_b, drafted, q_logits = pending_b, [], []
+    for i in range(k + 1):
+        at_b = length_b + i
+        logits_i_bV, draft_cache = transformer.paged_forward(
+            draft_params, draft_cache, tok_b[:, None], at_b, jnp.where(live_b & (at_b < limit_b), at_b + 1, 0),
+            table_bM, draft_cfg, draft_layer_params)
+        if i < k:
+            tok_b = draw(logits_i_bV, i)
+            drafted.append(tok_b)
+            q_logits.append(logits_i_bV)
+    return jnp.stack(drafted, axis=1), q_logits, draft_cache
+
+
+def _verify(way, logits_bJV, q_logits: list, d_bk, keys_b, settings):
+    """The target's verdict on proposals d_bk [b, k] given its logits after the pending token and each proposal
+    [b, J, V] and the draft's logits they were drawn from (q_logits): the tokens [b, J] (the kept proposals, then
+    one drawn from the target's residual distribution, or its own after all k) and how many proposals each row
+    keeps [b]. Greedy rows (way GREEDY) keep the proposals equal to the target's greedy tokens."""
+    b, J, V = logits_bJV.shape
+    k = J - 1
+
+    def greedy():  # one-hot p and q: the rule keeps the proposals equal to the model's greedy tokens
+        g_bJ = sampling.greedy_tokens(_flat(logits_bJV)).reshape(b, J)
+        kept_b = jnp.sum(jnp.cumprod((d_bk == g_bJ[:, :k]).astype(jnp.int32), axis=1), axis=1)
+        return jnp.where(jnp.arange(J) <= kept_b[:, None], g_bJ, 0), kept_b
+
+    def sampled():
+        def dist(logits_bnV):
+            n = logits_bnV.shape[1]
+            return sampling.probabilities(_flat(logits_bnV), *(jnp.repeat(x, n) for x in settings)).reshape(b, n, V)
+
+        keys = jax.vmap(lambda key: jax.random.fold_in(key, 0))(keys_b)
+        return sampling.speculative_accept(dist(logits_bJV), dist(jnp.stack(q_logits, axis=1)), d_bk, keys)
+
+    return jax.lax.cond(way == sampling.GREEDY, greedy, sampled)
+
+
 @partial(jax.jit, static_argnames=("cfg", "draft_cfg", "k", "max_steps"),
          donate_argnames=("cache", "draft_cache", "mtp"))
 def decode_loop(params, layer_params, draft_params, draft_layer_params, cache, draft_cache, logits_BV, rows_b,
@@ -73,81 +147,33 @@ def decode_loop(params, layer_params, draft_params, draft_layer_params, cache, d
     settings = (temperature_b, top_k_b, top_p_b)
     choice_keys_b = sampling.choice_keys(seed_b, choice_b)
     logits_bV = jnp.take(logits_BV, rows_b, axis=0)
-    rows_b1 = jnp.arange(b)[:, None]
-
-    def no_logprobs(logits_bJV, tokens_bJ):
-        n = tokens_bJ.shape[1]
-        return jnp.zeros((b, n), jnp.float32), jnp.zeros((b, n, K), jnp.int32), jnp.zeros((b, n, K), jnp.float32)
-
-    def logprobs(logits_bJV, tokens_bJ):
-        return jax.vmap(partial(sampling.token_logprobs, K=K), in_axes=1, out_axes=1)(logits_bJV, tokens_bJ)
-
-    def send(c, tokens_bJ, n_b, logits_bJV):
-        """Each live row's first n_b tokens (logits_bJV: the target's logits each was drawn from), cut after a
-        stop token and at left_b, appended to the row's output."""
-        i_J = jnp.arange(tokens_bJ.shape[1])
-        sent_bJ = (i_J < n_b[:, None]) & c["live_b"][:, None]
-        stop_bJ = jnp.any(tokens_bJ[..., None] == stop_bM[:, None, :], axis=-1) & sent_bJ
-        sent_bJ &= jnp.cumsum(stop_bJ, axis=1) - stop_bJ < 1  # up to and including the first stop token
-        sent_bJ &= c["made_b"][:, None] + i_J < left_b[:, None]
-        at_bJ = jnp.where(sent_bJ, c["made_b"][:, None] + i_J, L)  # past the output: dropped
-        lp = jax.lax.cond(jnp.any(sent_bJ & want_lp_b[:, None]), logprobs, no_logprobs, logits_bJV, tokens_bJ)
-        out = tuple(o.at[at_bJ, rows_b1].set(x, mode="drop") for o, x in zip(c["out"], (tokens_bJ, *lp, sent_bJ)))
-        made_b = c["made_b"] + jnp.sum(sent_bJ, axis=1)
-        ended_b = jnp.any(stop_bJ & sent_bJ, axis=1) | (made_b >= left_b)
-        return {**c, "out": out, "made_b": made_b, "live_b": c["live_b"] & ~ended_b}
-
-    def flat(x_bJ):  # [b, J, ...] -> [b * J, ...]
-        return x_bJ.reshape(-1, *x_bJ.shape[2:])
+    send = partial(_send, stop_bM=stop_bM, left_b=left_b, want_lp_b=want_lp_b)
 
     def body(c):
         live_b, length_b, pending_b = c["live_b"], c["length_b"], c["pending_b"]
         keys_b = sampling.row_keys(choice_keys_b, count_b + c["made_b"])
         way = sampling.branch(jnp.where(live_b, temperature_b, 0), top_k_b, top_p_b, V)
-        # the draft: the pending token, then its own k proposals, each drawn from its distribution q under the
-        # row's settings (as sampling.probabilities gives it)
-        def draw(logits_bV, i):
+
+        def draw(logits_bV, i):  # a proposal from the draft's distribution q under the row's settings
             return sampling.sample_rows(way, logits_bV,
                                         lambda: jax.vmap(lambda key: jax.random.fold_in(key, i + 1))(keys_b),
                                         *settings)
 
-        tok_b, draft_cache, drafted, q_logits = pending_b, c["draft_cache"], [], []
         if draft_cfg is None:  # the module: the last pass's kept positions, then its own proposals one by one
             drafted, q_logits, draft_cache = speculative.mtp_proposals(
-                base, draft_layer_params, draft_cache, c["next_bJ"], c["hid_bJD"], c["prev_b"], length_b, live_b,
-                limit_b, table_bM, cfg, k, lambda logits_bV, i: (draw(logits_bV, i), logits_bV))
+                base, draft_layer_params, c["draft_cache"], c["next_bJ"], c["hid_bJD"], c["prev_b"], length_b,
+                live_b, limit_b, table_bM, cfg, k, lambda logits_bV, i: (draw(logits_bV, i), logits_bV))
+            d_bk = jnp.stack(drafted, axis=1)
         else:
-            for i in range(J):
-                at_b = length_b + i
-                logits_i_bV, draft_cache = transformer.paged_forward(
-                    draft_params, draft_cache, tok_b[:, None], at_b,
-                    jnp.where(live_b & (at_b < limit_b), at_b + 1, 0), table_bM, draft_cfg, draft_layer_params)
-                if i < k:
-                    tok_b = draw(logits_i_bV, i)
-                    drafted.append(tok_b)
-                    q_logits.append(logits_i_bV)
-        d_bk = jnp.stack(drafted, axis=1)
+            d_bk, q_logits, draft_cache = _draft_proposals(draft_params, draft_layer_params, c["draft_cache"],
+                                                           pending_b, length_b, live_b, limit_b, table_bM,
+                                                           draft_cfg, k, draw)
         # the target: the same k + 1 tokens in one pass, its distribution p after each
         chunk_bJ = jnp.concatenate([pending_b[:, None], d_bk], axis=1)
         logits_bJV, h_bJD, cache = transformer.paged_forward(
             params, c["cache"], chunk_bJ, length_b, jnp.where(live_b, jnp.minimum(length_b + J, limit_b), 0),
             table_bM, cfg, layer_params, all_logits=True, hidden=True)
-
-        def greedy():  # one-hot p and q: the rule keeps the proposals equal to the model's greedy tokens
-            g_bJ = sampling.greedy_tokens(flat(logits_bJV)).reshape(b, J)
-            kept_b = jnp.sum(jnp.cumprod((d_bk == g_bJ[:, :k]).astype(jnp.int32), axis=1), axis=1)
-            return jnp.where(jnp.arange(J) <= kept_b[:, None], g_bJ, 0), kept_b
-
-        def sampled():
-            def dist(logits_bJV):
-                n = logits_bJV.shape[1]
-                return sampling.probabilities(flat(logits_bJV), *(jnp.repeat(x, n) for x in settings)).reshape(
-                    b, n, V)
-
-            keys = jax.vmap(lambda key: jax.random.fold_in(key, 0))(keys_b)
-            return sampling.speculative_accept(dist(logits_bJV), dist(jnp.stack(q_logits, axis=1)), d_bk, keys)
-
-        tokens_bJ, kept_b = jax.lax.cond(way == sampling.GREEDY, greedy, sampled)
+        tokens_bJ, kept_b = _verify(way, logits_bJV, q_logits, d_bk, keys_b, settings)
         if draft_cfg is None:  # the module's next pass starts at this one's first position
             c = {**c, "prev_b": jnp.where(live_b, length_b, c["prev_b"]),
                  "hid_bJD": jnp.where(live_b[:, None, None], h_bJD.astype(c["hid_bJD"].dtype), c["hid_bJD"]),
