@@ -212,6 +212,79 @@ def _record(step: int, m: dict, host: dict) -> dict:
             **{k: float(v) for k, v in m.items() if k not in STEP_GUARD_METRICS}, **host}
 
 
+@dataclasses.dataclass
+class _Output:
+    """Where the loop's windows end: each step's metrics line, the window's throughput, an evaluation and a
+    checkpoint when due, the progress bar; `pending` holds the steps dispatched since the last window."""
+    t_cfg: config_lib.TrainingConfig
+    batches: object
+    writer: metrics.MetricWriter
+    progress: metrics.Progress
+    say: Callable[[str], None]
+    skips: dict  # the step guard's counters as of the last step reported
+    checkpointer: ckpt.Checkpointer | None
+    goodput: metrics.Goodput
+    windows: _Windows
+    pending: list = dataclasses.field(default_factory=list)  # (step, its metrics on device, the batch's on host)
+    last_eval: dict = dataclasses.field(default_factory=dict)
+
+    def end_window(self, state: dict, done: int, first: bool, is_eval: bool, is_ckpt: bool) -> None:
+        """Fetch the window's metrics and write a line per step (the last with the window's throughput, or its
+        compile time for the first step, and an evaluation when due); raise TrainingError when a step failed
+        the guard; then the progress bar, and a checkpoint of step `done` when due."""
+        with self.goodput.phase("compute"):
+            fetched = jax.device_get([m for _, m, _ in self.pending])
+        elapsed, window = self.windows.close(first=first)
+        failure = None
+        for (s, _, host), m in zip(self.pending, fetched):
+            record = _record(s, m, host)
+            failure = failure or _report_skips(s, m, self.skips, self.t_cfg, self.say)
+            if s == done:
+                record.update({"compile_s": elapsed} if first else window)
+                if is_eval and not failure:
+                    with self.goodput.phase("eval"):
+                        self.last_eval = self.batches.evaluate(state)
+                    record.update(self.last_eval)
+                    if self.last_eval:
+                        self.say(f"step {s}: " + ", ".join(f"{k.replace('_', ' ')} {v:.4f}" for k, v in
+                                                           self.last_eval.items() if "/" not in k))
+            self.writer.write(record)
+        self.writer.append("completions.jsonl", getattr(self.batches, "take_samples", list)())
+        self.writer.flush()
+        if failure:
+            raise TrainingError(failure + (f"; the newest checkpoint is in {self.checkpointer.dir}"
+                                           if self.checkpointer else ""))
+        last = fetched[-1]
+        self.progress.update(self.windows.steps, {"loss": f"{float(last['loss']):.4f}",
+                                                  "lr": f"{float(last['lr']):.2e}",
+                                                  "tok/s": f"{window['tokens_per_s']:,.0f}",
+                                                  "MFU": f"{100 * window['mfu']:.1f}%"})
+        if self.checkpointer:
+            self.checkpointer.check()
+        if is_ckpt:
+            with self.goodput.phase("checkpoint"):
+                self.checkpointer.save(done, state, self.batches.state())
+        self.pending.clear()
+        self.windows.reopen()
+
+
+def _summary(run: step_lib.Run, start: int, preempted_at: int | None, out: _Output, described: tuple) -> dict:
+    """The run's summary (before its sample and goodput): steps, skipped updates, time, final losses and the
+    timed windows' throughput against the peak (`described`: _describe_run's peak, its source, FLOPs per token)."""
+    t_cfg, skips = run.cfg.training, out.skips
+    summary = {"run_dir": str(run.run_dir), "steps": t_cfg.steps, "start_step": start, "preempted_at": preempted_at,
+               "nonfinite_skips": skips["nonfinite_skips"], "spike_skips": skips["spike_skips"],
+               "wall_seconds": time.perf_counter() - out.goodput.start,
+               "compile_seconds": out.windows.compile_seconds,
+               "train_loss": out.last_eval.get("train_loss"), "val_loss": out.last_eval.get("val_loss"),
+               # a yardstick for next-token losses only
+               "unigram_entropy": run.dataset.meta.get("unigram_entropy") if t_cfg.objective == "next_token" else None}
+    peak, peak_source, flops_per_token = described
+    summary.update(peak_flops_per_device=peak, peak_source=peak_source, flops_per_token=flops_per_token,
+                   **out.windows.overall())
+    return summary
+
+
 def _close_on_error(closers, writer, checkpointer, log) -> None:
     """Whatever ended the loop: a save already under way is committed (it holds a good state) and the metrics
     recorded so far reach the disk."""
@@ -277,10 +350,9 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
     preemption = distributed.Preemption(use_ckpt and cfg.checkpoint.save_on_preemption, say)
     goodput.charge_unaccounted("init")
 
-    pending: list[tuple[int, dict, dict]] = []  # (step, the step's metrics on device, the batch's on the host)
-    last_eval: dict = {}
     preempted_at = None
     windows = _Windows(meter)
+    out = _Output(t_cfg, batches, writer, progress, say, skips, checkpointer, goodput, windows)
     closers = (preemption.close, monitor.close, profiler.close, progress.close)  # the writer closes last
     try:
         for step in range(start, t_cfg.steps):
@@ -294,50 +366,17 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
                         jax.block_until_ready(step_metrics)  # the first call compiles; keep that out of compute
             done = step + 1
             profiler.after(done, state)
-            pending.append((done, step_metrics, batches.metrics()))
-            if len(pending) > MAX_STEPS_IN_FLIGHT:
+            out.pending.append((done, step_metrics, batches.metrics()))
+            if len(out.pending) > MAX_STEPS_IN_FLIGHT:
                 with goodput.phase("compute"):
-                    jax.block_until_ready(pending[-MAX_STEPS_IN_FLIGHT][1])
+                    jax.block_until_ready(out.pending[-MAX_STEPS_IN_FLIGHT][1])
             windows.steps += 1
             stop = preemption.reached(done) and batches.boundary(done)
             is_eval = not stop and (done == t_cfg.steps or (t_cfg.eval_interval and done % t_cfg.eval_interval == 0))
             is_ckpt = use_ckpt and batches.boundary(done) and (
                 stop or done == t_cfg.steps or (cfg.checkpoint.interval and done % cfg.checkpoint.interval == 0))
             if done == start + 1 or done % t_cfg.log_interval == 0 or is_eval or is_ckpt:
-                with goodput.phase("compute"):
-                    fetched = jax.device_get([m for _, m, _ in pending])
-                elapsed, window = windows.close(first=done == start + 1)
-                failure = None
-                for (s, _, host), m in zip(pending, fetched):
-                    record = _record(s, m, host)
-                    failure = failure or _report_skips(s, m, skips, t_cfg, say)
-                    if s == done:
-                        record.update({"compile_s": elapsed} if done == start + 1 else window)
-                        if is_eval and not failure:
-                            with goodput.phase("eval"):
-                                last_eval = batches.evaluate(state)
-                            record.update(last_eval)
-                            if last_eval:
-                                say(f"step {s}: " + ", ".join(f"{k.replace('_', ' ')} {v:.4f}" for k, v in
-                                                                last_eval.items() if "/" not in k))
-                    writer.write(record)
-                writer.append("completions.jsonl", getattr(batches, "take_samples", list)())
-                writer.flush()
-                if failure:
-                    raise TrainingError(failure + (f"; the newest checkpoint is in {checkpointer.dir}"
-                                                   if checkpointer else ""))
-                last = fetched[-1]
-                progress.update(windows.steps, {"loss": f"{float(last['loss']):.4f}",
-                                               "lr": f"{float(last['lr']):.2e}",
-                                               "tok/s": f"{window['tokens_per_s']:,.0f}",
-                                               "MFU": f"{100 * window['mfu']:.1f}%"})
-                if checkpointer:
-                    checkpointer.check()
-                if is_ckpt:
-                    with goodput.phase("checkpoint"):
-                        checkpointer.save(done, state, batches.state())
-                pending.clear()
-                windows.reopen()
+                out.end_window(state, done, done == start + 1, is_eval, is_ckpt)
             monitor.beat(done)
             if stop:
                 preempted_at = done
@@ -356,15 +395,8 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
             f"process {jax.process_index()}: stopped for preemption after step {preempted_at}; its checkpoint "
             f"is committed in {storage.join(checkpointer.dir, str(preempted_at))}")
 
-    summary = {"run_dir": str(run_dir), "steps": t_cfg.steps, "start_step": start, "preempted_at": preempted_at,
-               "nonfinite_skips": skips["nonfinite_skips"], "spike_skips": skips["spike_skips"],
-               "wall_seconds": time.perf_counter() - goodput.start, "compile_seconds": windows.compile_seconds,
-               "train_loss": last_eval.get("train_loss"), "val_loss": last_eval.get("val_loss"),
-               # a yardstick for next-token losses only
-               "unigram_entropy": run.dataset.meta.get("unigram_entropy") if t_cfg.objective == "next_token" else None}
-    summary.update(peak_flops_per_device=peak, peak_source=peak_source, flops_per_token=flops_per_token,
-                   **windows.overall())
-    _report_end(summary, last_eval, log)
+    summary = _summary(run, start, preempted_at, out, (peak, peak_source, flops_per_token))
+    _report_end(summary, out.last_eval, log)
     if t_cfg.sample_tokens and preempted_at is None:
         with goodput.phase("eval"):
             summary["sample"] = step_lib.sample_text(
