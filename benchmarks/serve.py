@@ -210,14 +210,18 @@ async def _chunks(reader: asyncio.StreamReader):
     await reader.readline()
 
 
+def _post(writer: asyncio.StreamWriter, port: int, body: dict) -> None:
+    """Send a completions request (JSON) on a keep-alive connection."""
+    data = json.dumps(body).encode()
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1:%d\r\ncontent-type: application/json\r\n"
+                 b"content-length: %d\r\n\r\n%s" % (port, len(data), data))
+
+
 async def _stream_completion(conn, port: int, r: Request):
     """One streamed completion on a keep-alive connection: (start, [(chunk arrival, tokens)], tokens)."""
     reader, writer = conn
-    body = json.dumps(dict(model="bench", prompt=r.prompt, max_tokens=r.output, temperature=0,
-                           stream=True)).encode()
     t0 = time.perf_counter()
-    writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1:%d\r\ncontent-type: application/json\r\n"
-                 b"content-length: %d\r\n\r\n%s" % (port, len(body), body))
+    _post(writer, port, dict(model="bench", prompt=r.prompt, max_tokens=r.output, temperature=0, stream=True))
     chunks, pending = [], b""
     async for status, data in _chunks(reader):
         if status != 200:
@@ -435,10 +439,7 @@ def _toy_level(port: int, prompts: list[list[int]], concurrency: int, new: int) 
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         try:
             while todo:
-                body = json.dumps(dict(model="bench", prompt=todo.pop(), max_tokens=new, temperature=0)).encode()
-                writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1:%d\r\n"
-                             b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
-                             % (port, len(body), body))
+                _post(writer, port, dict(model="bench", prompt=todo.pop(), max_tokens=new, temperature=0))
                 async for status, data in _chunks(reader):
                     if status != 200:
                         raise RuntimeError(f"HTTP {status}: {data[:300]!r}")
