@@ -1,10 +1,10 @@
-"""The serving engine's decode program alone (serve/engine.py's `_decode_loop`, no engine thread, no HTTP) over
+"""The serving engine's decode program alone (serve/programs.py's `decode_loop`, no engine thread, no HTTP) over
 slot buckets and over all slots, and `jaxlm.generate` on the same batch, in one run.
 
 benchmarks/decode.py's tiny random Llama (4 layers, width 128, vocab 256) in an engine of --slots slots with an
 80-position cache. A session is what benchmarks/serve.py's engine alone asks of the program: 16 rows whose
 16-token prompts are in (16 busy slots of 32 run in the half bucket) each decode 64 greedy tokens with
-logprobs=1, in calls of k steps. Prints, for the program with slot buckets (serve/engine.py's SLOT_DIVISORS)
+logprobs=1, in calls of k steps. Prints, for the program with slot buckets (serve/programs.py's SLOT_DIVISORS)
 and with all slots (none), one line
     slots=buckets|all k1_ms_per_step= k8_ms_per_step= per_call_ms= per_step_ms= early_ms_per_step= late_ms_per_step=
 per_call and per_step are fitted from k=1 and k=8 (time = 64 steps x per_step + calls x per_call); early and
@@ -31,7 +31,7 @@ import decode as decode_bench  # noqa: E402
 
 from jaxlm import generate  # noqa: E402
 from jaxlm.config import DecodeConfig  # noqa: E402
-from jaxlm.serve import engine as engine_lib  # noqa: E402
+from jaxlm.serve import engine as engine_lib, programs  # noqa: E402
 
 ROWS, PROMPT, NEW, LENGTH = 16, 16, 64, 80
 
@@ -47,7 +47,7 @@ def sessions(params, cfg, slots: int, repeats: int) -> dict:
         b = len(rows)
         live = np.ones(b, bool)
         seeds, zeros = np.zeros(b, np.uint32), np.zeros(b, np.int32)
-        *out, e.logits_BV, e.cache = engine_lib._decode_loop(
+        *out, e.logits_BV, e.cache = programs.decode_loop(
             params, e.cache, e.logits_BV, rows, np.int32(steps), live, zeros, np.full(b, 1000, np.int32),
             np.full((b, engine_lib.MIN_STOP_WIDTH), -1, np.int32), live, seeds, zeros, zeros + done,
             np.zeros(b, np.float32), zeros, np.ones(b, np.float32), cfg=cfg, max_steps=8, unroll=e.unroll)
@@ -78,9 +78,9 @@ def main():
         params, cfg, _ = decode_bench.build(Path(tmp), NEW)
         params = jax.device_put(params)  # in memory before the folder goes
     results = {}
-    for name, divisors in (("buckets", engine_lib.SLOT_DIVISORS), ("all", ())):
-        engine_lib.SLOT_DIVISORS = divisors
-        engine_lib._decode_loop.clear_cache()  # the slot buckets are read when the program is traced
+    for name, divisors in (("buckets", programs.SLOT_DIVISORS), ("all", ())):
+        programs.SLOT_DIVISORS = divisors
+        programs.decode_loop.clear_cache()  # the slot buckets are read when the program is traced
         results[name] = sessions(params, cfg, a.slots, a.repeats)
         print(f"slots={name} " + " ".join(f"{k}={v:.3f}" for k, v in results[name].items()), flush=True)
     prompts = np.random.default_rng(16).integers(0, cfg.vocab_size, (ROWS, PROMPT)).tolist()

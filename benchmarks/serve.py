@@ -431,8 +431,8 @@ def toy(tmp: Path, settings: tuple[str, ...] = ()) -> dict:
 def _toy_level(port: int, prompts: list[list[int]], concurrency: int, new: int) -> float:
     """Output tokens/s of `concurrency` clients, each on a keep-alive connection of its own, asking for `new`
     greedy tokens after each prompt in turn (counted from each answer's usage). The clients are this file's own
-    asyncio ones, as the real size's are: httpx's cost as much CPU a request as the toy model does, and with
-    them this measured the clients (2,900-3,900 tokens/s where these measure 12,200-13,600)."""
+    asyncio ones, as the real size's are: httpx's cost as much CPU a request as the toy model does, so with
+    them this measured the clients (docs/serve.md, "Measured")."""
     todo = list(prompts)
 
     async def one():

@@ -22,7 +22,7 @@ pytest.importorskip("fastapi")
 
 import jaxlm  # noqa: E402
 from jaxlm import serve  # noqa: E402
-from jaxlm.serve import engine as engine_lib  # noqa: E402
+from jaxlm.serve import engine as engine_lib, programs  # noqa: E402
 
 TEMPLATE = "{% for m in messages %}{{ m['role'] | upper }}: {{ m['content'] }}\n{% endfor %}" \
            "{% if add_generation_prompt %}ASSISTANT: {% endif %}"
@@ -56,12 +56,12 @@ def until_done(e, events: list, timeout: float = 120, started: bool = False) -> 
 
 def log_decode_calls(monkeypatch, log: Callable) -> None:
     """Call log(rows, live rows, steps) before each decode call of either cache."""
-    for name, at in (("_decode_loop", 3), ("_paged_decode_loop", 4)):  # the rows; then adapters, steps, live rows
-        def logged(*args, fn=getattr(engine_lib, name), at=at, **kw):
+    for name, at in (("decode_loop", 3), ("paged_decode_loop", 4)):  # the rows; then adapters, steps, live rows
+        def logged(*args, fn=getattr(programs, name), at=at, **kw):
             log(len(args[at]), int(np.asarray(args[at + 3]).sum()), int(args[at + 2]))
             return fn(*args, **kw)
 
-        monkeypatch.setattr(engine_lib, name, logged)
+        monkeypatch.setattr(programs, name, logged)
 
 
 def log_prefill_calls(monkeypatch, log: Callable) -> None:
@@ -75,14 +75,14 @@ def log_prefill_calls(monkeypatch, log: Callable) -> None:
         return fn(params, cache, logits_BV, tokens_PC, start_P, length_P, slot_P, cfg, *rest)
 
     def paged_chunk(params, layer_params, cache, logits_BV, tokens_PC, start_P, length_P, table_PM, slot_P,
-                    adapter_P, cfg, fn=engine_lib._paged_prefill):
+                    adapter_P, cfg, fn=programs.paged_prefill):
         log([(int(a), int(b), int(c)) for a, b, c in zip(slot_P, start_P, length_P) if a < logits_BV.shape[0]],
             tokens_PC.shape[1])
         return fn(params, layer_params, cache, logits_BV, tokens_PC, start_P, length_P, table_PM, slot_P, adapter_P,
                   cfg)
 
     monkeypatch.setattr(chunk_lib, "prefill_chunks", slot_chunk)
-    monkeypatch.setattr(engine_lib, "_paged_prefill", paged_chunk)
+    monkeypatch.setattr(programs, "paged_prefill", paged_chunk)
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +122,7 @@ def metric(srv, name):
 
 
 def test_openai_client_completions_chat_and_streaming(server, trained):
-    compiled = engine_lib.compiled_step_count()
+    compiled = programs.compiled_step_count()
     c = client(server)
     assert [m.id for m in c.models.list().data] == ["tiny"]
     model = jaxlm.load(trained)
@@ -167,7 +167,7 @@ def test_openai_client_completions_chat_and_streaming(server, trained):
     b = c.completions.create(model="tiny", prompt="To be", max_tokens=16, temperature=1.0, seed=5, n=3)
     assert [x.text for x in a.choices] == [x.text for x in b.choices]
     assert len({x.text for x in a.choices}) == 3
-    assert engine_lib.compiled_step_count() == compiled  # one decode program per bucket, compiled at warm-up
+    assert programs.compiled_step_count() == compiled  # one decode program per bucket, compiled at warm-up
 
 
 def test_concurrent_streams_get_the_text_they_get_alone(server, shakespeare_file):
@@ -460,7 +460,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_the_other_slots_steps(trai
     text = shakespeare_file.read_text()[:2000]
     long_prompt = text[100:140]
     log = []
-    programs = (chunk_lib.prefill_chunks, engine_lib._paged_prefill)
+    prefill_programs = (chunk_lib.prefill_chunks, programs.paged_prefill)
     log_prefill_calls(monkeypatch, lambda rows, C: log.extend(("chunk", slot, start, C) for slot, start, _ in rows))
     e = engine_lib.Engine(model.params, model.config.model, 2, 64, max_queue=4, prefill_chunk=16,
                           page_size=page_size)
@@ -474,14 +474,14 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_the_other_slots_steps(trai
         assert time.monotonic() < deadline
         time.sleep(0.01)
     # another length and other chunk starts: the same programs (one per chunk length, here 16)
-    compiled = [p._cache_size() for p in programs]
+    compiled = [p._cache_size() for p in prefill_programs]
     done = []
     e.submit(engine_lib.Sequence(tok.encode(text[300:323]), 2, 0.0, 0, 1.0, 0, 0, (), done.append))
     while not done or done[-1][0] != "done":
         assert time.monotonic() < deadline
         time.sleep(0.01)
     e.stop()
-    assert [p._cache_size() for p in programs] == compiled
+    assert [p._cache_size() for p in prefill_programs] == compiled
     assert e.pages_used() == 0
     b_chunks = [i for i, x in enumerate(log) if x[0] == "chunk" and x[1] == b.slot]
     assert [log[i][2:] for i in b_chunks] == [(0, 16), (16, 16), (32, 16)]
@@ -716,21 +716,21 @@ def test_several_decode_steps_per_call_and_row_buckets_change_no_output(trained,
     assert greedy[4].index("T") == 3 and greedy[6][0] == "e"
     temperature = [0, 0, 0.9, 0, 0, 0.8, 0]
     log = []
-    decode_loop = engine_lib._decode_loop
+    decode_loop = programs.decode_loop
     log_decode_calls(monkeypatch, lambda *call: log.append(call))  # rows, live rows, steps
     log_prefill_calls(monkeypatch, lambda rows, C: log.append("chunk"))
     runs = {}
-    divisors = engine_lib.SLOT_DIVISORS
+    divisors = programs.SLOT_DIVISORS
     for most, unroll, cut, page_size in ((1, False, True, 0), (8, True, True, 0), (8, False, True, 0),
                                          (8, True, False, 0), (8, True, True, 16), (8, False, True, 16)):
         monkeypatch.setattr(generate_lib, "UNROLL_LAYERS", 16 if most == 1 or unroll else 0)
-        monkeypatch.setattr(engine_lib, "SLOT_DIVISORS", divisors if cut else ())
+        monkeypatch.setattr(programs, "SLOT_DIVISORS", divisors if cut else ())
         decode_loop.clear_cache()  # the slot buckets are read when the program is traced
         e = engine_lib.Engine(model.params, model.config.model, SLOTS, 64, max_queue=16, prefill_chunk=16,
                               decode_steps=most, page_size=page_size)
         assert e.unroll == unroll  # one step per call scans the slot cache whatever the depth
         if not page_size:
-            assert engine_lib._slot_buckets(e.cfg, e.cache) == ([16, 32, 64] if cut else [64])
+            assert programs.slot_buckets(e.cfg, e.cache) == ([16, 32, 64] if cut else [64])
         e.warm_up()
         log.clear()
         events = [[] for _ in prompts]
@@ -757,7 +757,7 @@ def test_several_decode_steps_per_call_and_row_buckets_change_no_output(trained,
         assert all(x[2] == (1 if before == "chunk" else most)
                    for before, x in zip(log, log[1:]) if x != "chunk")
         assert max(steps for _, _, steps in calls) == most
-    monkeypatch.setattr(engine_lib, "SLOT_DIVISORS", divisors)
+    monkeypatch.setattr(programs, "SLOT_DIVISORS", divisors)
     decode_loop.clear_cache()
     eight = runs[8, True, True, 0]
     for other in (runs[1, False, True, 0], runs[8, False, True, 0], runs[8, True, False, 0], runs[8, True, True, 16],
@@ -1232,13 +1232,13 @@ def test_eight_adapters_mixed_in_decode_steps_answer_as_each_merged_alone(traine
     assert len({tuple(t for t, _ in answers) for answers in alone.values()}) == len(alone)  # all differ
 
     adapters = {}
-    fn = engine_lib._paged_decode_loop
+    fn = programs.paged_decode_loop
 
     def logged(*args, **kw):  # each call's adapters of its live rows
         adapters.setdefault("calls", []).append({int(a) for a, live in zip(args[5], args[7]) if live})
         return fn(*args, **kw)
 
-    monkeypatch.setattr(engine_lib, "_paged_decode_loop", logged)
+    monkeypatch.setattr(programs, "paged_decode_loop", logged)
     cfg = serve.settings_config({**settings, "serve.model_name": "base", "serve.adapters": ",".join(
         f"{n}={f}" for n, f in zip(names, adapter_folders))})
     srv = serve.Server(serve.build(trained, cfg, log=lambda s: None), "127.0.0.1", 0).start()

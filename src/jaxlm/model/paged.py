@@ -151,9 +151,8 @@ def gather_rows(arrays: dict, r, table_PM, end_P, dtype):
 def flat_pages(table_PM: jax.Array, end_P: jax.Array, page_size: int, block: int):
     """The pages holding keys below each row's end, listed row after row: page ids [F], their rows [F] (P past
     the last listed), their index in the row's table [F], and how many are listed. F = P M rounded up to a
-    multiple of `block`, and at least two blocks: for a call of one row whose list was one block, XLA:CPU copied
-    the whole pool every call (a 1-row step of a 4-layer model with 8-page tables: 0.45 ms over 20 pages, 8.3 ms
-    over 2,000, 140 ms over 20,000; 0.32 ms at any size with two blocks)."""
+    multiple of `block`, and at least two blocks: where a call of one row listed a single block, XLA:CPU copied
+    the whole pool every call (docs/serve.md, "Measured")."""
     P, M = table_PM.shape
     count_P = (end_P + page_size - 1) // page_size
     cum_P = jnp.cumsum(count_P)

@@ -1,8 +1,8 @@
 """`jaxlm serve`: an OpenAI-compatible HTTP server over a continuous-batching engine (docs/serve.md).
 
-engine.py owns the device (decode slots sharing one KV cache), chunk.py prefills prompts into their slots a chunk
-at a time (several prompts per call), prefix_cache.py keeps recent prompts' keys and values for reuse,
-replicas.py runs several engines side by side as one (serve.replicas),
+engine.py owns the device (decode slots sharing one KV cache) and runs programs.py's device programs, chunk.py
+prefills prompts into their slots a chunk at a time (several prompts per call), prefix_cache.py keeps recent
+prompts' keys and values for reuse, replicas.py runs several engines side by side as one (serve.replicas),
 schemas.py validates requests, app.py is the HTTP API; this module builds them from a model folder and settings,
 and runs the server (uvicorn).
 """

@@ -42,7 +42,7 @@ requests compile nothing (but one whose sequences have more than MIN_STOP_WIDTH 
 once).
 
 Slot buckets: a call takes (and attends over) only the fewest cache slots that hold every position it reads or
-writes, an eighth, a quarter, a half or all of them (_slot_buckets, kvcache.kept_slots), chosen on device by
+writes, an eighth, a quarter, a half or all of them (programs.slot_buckets, kvcache.kept_slots), chosen on device by
 one lax.cond per bucket inside the same program.
 
 Prompts are prefilled into their slots in chunks (serve/chunk.py) of at most `prefill_chunk` tokens, and a turn
@@ -62,6 +62,8 @@ A row's random stream is key(seed) folded with its choice index and then with it
 samples from its own logits, so a request's tokens do not depend on what the other slots hold, nor on how many
 steps a call runs.
 
+The device programs a turn runs (decode loops, prefill, scoring) are in serve/programs.py.
+
 After each turn the engine calls its `turn_hooks` (the app hands the turn's events to the event loop at once).
 
 Shape legend: B slots, b rows of a bucket, N steps of a decode call at most, M stop tokens of a row (padded),
@@ -73,21 +75,19 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import threading
 import time
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlm import generate, sampling, sharding, speculative
+from jaxlm import generate, sharding, speculative
 from jaxlm.config import ModelConfig, ServeConfig
-from jaxlm.model import forward, kvcache, layers, paged, transformer
-from jaxlm.serve import chunk as chunk_lib, speculate
+from jaxlm.model import kvcache, layers, transformer
+from jaxlm.serve import chunk as chunk_lib, programs, speculate
 from jaxlm.serve.pages import PagePool
 from jaxlm.serve.prefix_cache import PrefixCache
 
@@ -99,7 +99,6 @@ MAX_PREFILL_ROWS = 16  # prompts' chunks prefilled in one call at most
 # request alone, the last long ones of a burst) runs on 1 or 4 rows, not 8 (134M parameters on a 2-core CPU: a
 # step of 1 row 23 ms, of 8 rows 44 ms)
 ROW_BUCKETS_SMALL = (1, 4)
-SLOT_DIVISORS = (8, 4, 2)  # the decode program's slot buckets besides all slots: S / each (_slot_buckets)
 
 
 class QueueFull(Exception):
@@ -176,172 +175,6 @@ class Score:
     adapter: int = -1
 
 
-def _sampled_steps(decode: Callable, state, logits_bV, steps, live_b, left_b, stop_bM, want_lp_b, seed_b, choice_b,
-                   count_b, temperature_b, top_k_b, top_p_b, max_steps: int):
-    """The decode loop of both caches: up to `steps` (<= max_steps) steps, each sampling every live row's next
-    token (its count_b-th plus the step) and running `decode(tok_b, live_b, state) -> (logits_bV, state)`, which
-    appends them to the cache; a row stops living after a token in its stop_bM (padded with -1) or its
-    left_b-th token, and the loop ends early once no row lives. Returns tokens, log-probabilities (zeros unless
-    a live row wants them) and top alternatives [N, b(, K)], which of them were produced [N, b], the logits and
-    the state."""
-    b, V = logits_bV.shape
-    way = sampling.branch(jnp.where(live_b, temperature_b, 0), top_k_b, top_p_b, V)
-    N, K = max_steps, TOP_LOGPROBS
-    out = (jnp.zeros((N, b), jnp.int32), jnp.zeros((N, b), jnp.float32), jnp.zeros((N, b, K), jnp.int32),
-           jnp.zeros((N, b, K), jnp.float32), jnp.zeros((N, b), bool))
-    choice_keys_b = sampling.choice_keys(seed_b, choice_b)
-
-    def no_logprobs(logits_bV, tok_b):
-        return jnp.zeros((b,), jnp.float32), jnp.zeros((b, K), jnp.int32), jnp.zeros((b, K), jnp.float32)
-
-    def body(loop):
-        i, state, logits_bV, live_b, out = loop
-        tok_b = sampling.sample_rows(way, logits_bV, lambda: sampling.row_keys(choice_keys_b, count_b + i),
-                                     temperature_b, top_k_b, top_p_b)
-        tok_b = jnp.where(live_b, tok_b, 0)
-        lp = jax.lax.cond(jnp.any(live_b & want_lp_b), partial(sampling.token_logprobs, K=K), no_logprobs,
-                          logits_bV, tok_b)
-        out = tuple(o.at[i].set(x) for o, x in zip(out, (tok_b, *lp, live_b)))
-        ended_b = jnp.any(tok_b[:, None] == stop_bM, axis=1) | (i + 1 >= left_b)
-        logits_bV, state = decode(tok_b, live_b, state)
-        return i + 1, state, logits_bV, live_b & ~ended_b, out
-
-    def more(loop):
-        return (loop[0] < steps) & jnp.any(loop[3])
-
-    _, state, logits_bV, _, out = jax.lax.while_loop(more, body, (jnp.int32(0), state, logits_bV, live_b, out))
-    return out, logits_bV, state
-
-
-@partial(jax.jit, static_argnames=("cfg", "max_steps", "unroll"), donate_argnames=("cache", "logits_BV"))
-def _decode_loop(params, cache, logits_BV, rows_b, adapter_b, steps, live_b, idle_length_b, left_b, stop_bM,
-                 want_lp_b, seed_b, choice_b, count_b, temperature_b, top_k_b, top_p_b, cfg: ModelConfig,
-                 max_steps: int, unroll: bool):
-    """_sampled_steps over slots rows_b of the slot cache (all slots in order when there are B of them). With
-    `unroll` the steps run over the cache taken apart by layer (kvcache.unstack, transformer.decode_layers), as
-    generate's loop does for models of up to generate.UNROLL_LAYERS layers: one copy of the rows' part of the
-    cache in (the gather of rows_b included) and one out (kvcache.restack, in place into the donated cache) per
-    call, where the scan over the stacked cache (unroll False) copies each layer's keys and values out of the
-    stack every step. Either way the call takes only the fewest slots of _slot_buckets that hold the positions
-    it reads and writes. adapter_b: each row's LoRA adapter (layers.with_rows; -1 the base). Returns
-    _sampled_steps' outputs, the logits and the cache."""
-    params = layers.with_rows(params, adapter_b)
-    B, b = logits_BV.shape[0], rows_b.shape[0]
-    whole = b == B
-    logits_bV = logits_BV if whole else jnp.take(logits_BV, rows_b, axis=0)
-    rows = None if whole else rows_b
-    sampled = (steps, live_b, left_b, stop_bM, want_lp_b, seed_b, choice_b, count_b, temperature_b, top_k_b, top_p_b,
-               max_steps)
-
-    def run(slots, out, logits_bV, cache):  # the call over the first `slots` slots of the rows' cache
-        step, sub = transformer.decoder(params, cache, cfg, unroll, rows, slots)
-
-        def decode(tok_b, live_b, sub):
-            # Rows not living decode a dummy token at idle_length_b: 0 for a free slot or a finished sequence,
-            # the next chunk's start for a slot being prefilled, where the chunk masks that entry and then
-            # overwrites it (transformer.prefill_chunks).
-            return step(tok_b, dataclasses.replace(sub, length=jnp.where(live_b, sub.length, idle_length_b)))
-
-        out, logits_bV, sub = _sampled_steps(decode, sub, logits_bV, *sampled)
-        cache = kvcache.restack(sub, cfg, cache, rows) if unroll else kvcache.put_rows(cache, sub, rows)
-        return out, logits_bV, cache
-
-    buckets = _slot_buckets(cfg, cache)
-    N, K = max_steps, TOP_LOGPROBS
-    zeros = (jnp.zeros((N, b), jnp.int32), jnp.zeros((N, b), jnp.float32), jnp.zeros((N, b, K), jnp.int32),
-             jnp.zeros((N, b, K), jnp.float32), jnp.zeros((N, b), bool))
-    if len(buckets) == 1:
-        out, logits_bV, cache = run(None, zeros, logits_bV, cache)
-    else:
-        # The fewest slots that hold every position this call reads or writes: a live row's cached ones and the
-        # ones its steps append, a dummy token's (idle_length_b).
-        length_b = cache.length if whole else cache.length[rows_b]
-        reach = jnp.maximum(jnp.max(jnp.where(live_b, length_b + jnp.minimum(steps, left_b), 0)),
-                            jnp.max(idle_length_b) + 1)
-        which = jnp.sum(jnp.asarray(buckets[:-1]) < reach)
-        # One cond per bucket rather than a lax.switch: XLA then updates the donated cache in place, where the
-        # switch's branches each copied all of it.
-        state = (zeros, logits_bV, cache)
-        for j, S in enumerate(buckets):
-            state = jax.lax.cond(which == j, partial(run, S), lambda *state: state, *state)
-        out, logits_bV, cache = state
-    if not whole:
-        logits_bV = logits_BV.at[rows_b].set(logits_bV)
-    return *out, logits_bV, cache
-
-
-@partial(jax.jit, static_argnames=("cfg", "max_steps"), donate_argnames=("cache", "logits_BV"))
-def _paged_decode_loop(params, layer_params, cache, logits_BV, rows_b, adapter_b, steps, live_b, length_b, table_bM,
-                       left_b, stop_bM, want_lp_b, seed_b, choice_b, count_b, temperature_b, top_k_b, top_p_b,
-                       cfg: ModelConfig, max_steps: int):
-    """_sampled_steps over rows rows_b of the paged cache (model/paged.py): each step writes every live row's
-    token at position length_b (plus the steps before) into its pages (table_bM, which the host has made cover
-    the call's positions) and attends over its pages; rows not living do nothing. With `layer_params` (the
-    layers' weights taken apart once, by the engine: transformer.layer_weights) the layers are unrolled, else
-    scanned. adapter_b: each row's LoRA adapter (layers.with_rows; -1 the base). Returns _sampled_steps'
-    outputs, the logits and the cache."""
-    params, layer_params = layers.with_rows((params, layer_params), adapter_b)
-    logits_bV = jnp.take(logits_BV, rows_b, axis=0)
-
-    def decode(tok_b, live_b, state):
-        cache, length_b = state
-        logits_bV, cache = transformer.paged_forward(params, cache, tok_b[:, None], jnp.where(live_b, length_b, 0),
-                                                     jnp.where(live_b, length_b + 1, 0), table_bM, cfg, layer_params)
-        return logits_bV, (cache, length_b + live_b)
-
-    out, logits_bV, (cache, _) = _sampled_steps(decode, (cache, length_b), logits_bV, steps, live_b, left_b, stop_bM,
-                                                want_lp_b, seed_b, choice_b, count_b, temperature_b, top_k_b, top_p_b,
-                                                max_steps)
-    return *out, logits_BV.at[rows_b].set(logits_bV), cache
-
-
-@partial(jax.jit, static_argnames="cfg", donate_argnames=("cache", "logits_BV"))
-def _paged_prefill(params, layer_params, cache, logits_BV, tokens_PC, start_P, length_P, table_PM, slot_P, adapter_P,
-                   cfg: ModelConfig):
-    """Prompts' chunks into their pages (transformer.paged_forward), each row's logits after its chunk into
-    logits_BV at its slot (none for a padding row's slot B, whose length 0 writes nothing); adapter_P each row's
-    LoRA adapter. With `layer_params` (the engine's, as the decode loop's) the layers are unrolled: scanned over
-    the stacked weights, the call sliced and cast every layer's weights afresh, 130-180 ms a call whatever its
-    length at 134M parameters on a 2-core CPU (a 64-token chunk 214 ms scanned, 90 ms unrolled)."""
-    params, layer_params = layers.with_rows((params, layer_params), adapter_P)
-    logits_PV, cache = transformer.paged_forward(params, cache, tokens_PC, start_P, length_P, table_PM, cfg,
-                                                 layer_params)
-    return cache, logits_BV.at[slot_P].set(logits_PV, mode="drop")
-
-
-def _slot_buckets(cfg: ModelConfig, cache: kvcache.KVCache) -> list[int]:
-    """The slot counts the decode program is compiled for, fewest first: a call attends over (and copies) the
-    fewest that hold its rows' positions (kvcache.kept_slots), S/8, S/4, S/2 or all S of them (from
-    MIN_BUCKET slots), where a full cache's slots all cost every step. Only all S when no layer can be cut."""
-    S = max(c.pos.shape[1] for c in cache.kinds)
-    if all(kvcache.kept_slots(cfg, j, c.pos.shape[1], 1) == c.pos.shape[1] for j, c in enumerate(cache.kinds)):
-        return [S]
-    return sorted({S // d for d in SLOT_DIVISORS if S // d >= MIN_BUCKET} | {S})
-
-
-def _empty(cfg: ModelConfig, slots: int, length: int, quantize: bool) -> kvcache.KVCache:
-    """An empty cache for `slots` sequences, its keys and values sharded by kv heads (and slots by `batch`)."""
-    cache = kvcache.init(cfg, slots, length, quantize)
-    kinds = tuple(kvcache.KindCache(*(None if a is None else sharding.constrain(a, (None,) + kvcache.CACHE_AXES[
-        :a.ndim - 1]) for a in (c.k, c.v, c.k_scale, c.v_scale)), c.pos) for c in cache.kinds)
-    return kvcache.KVCache(kinds, cache.length)
-
-
-def _empty_pages(cfg: ModelConfig, pages: int, page_size: int, quantize: bool) -> paged.PagedCache:
-    """An empty pool of pages; keys and values [R, NP, K, page, H] sharded by kv heads."""
-    cache = paged.init(cfg, pages, page_size, quantize)
-    return paged.PagedCache(tuple({name: sharding.constrain(a, (None, None, "kv_heads", None, "head_dim"))
-                                   if a.ndim == 5 else a for name, a in kind.items()} for kind in cache.kinds))
-
-
-@partial(jax.jit, static_argnames="cfg")
-def _score(params, tokens_1T, adapter_1, cfg: ModelConfig):
-    lp_TV = jax.nn.log_softmax(forward(layers.with_rows(params, adapter_1), tokens_1T, cfg)[0], axis=-1)
-    top_lp_TK, top_ids_TK = jax.lax.top_k(lp_TV, TOP_LOGPROBS)
-    token_lp_T = jnp.take_along_axis(lp_TV[:-1], tokens_1T[0, 1:, None], axis=-1)[:, 0]
-    return token_lp_T, top_ids_TK, top_lp_TK
-
-
 class Engine:
     """`submit(seq)` queues a sequence (raises QueueFull past max_queue waiting), `cancel(seq)` ends it; the
     engine thread runs from `start()` to `stop()`. /metrics reads its counters (the *_total attributes)."""
@@ -377,7 +210,7 @@ class Engine:
         self.preempted_total = 0  # sequences preempted when the paged cache ran out of pages
         self.max_queue, self.quantize, self.mesh, self.rules = max_queue, quantize_kv_cache, mesh, rules
         self.prefill_chunk, self.prefix_entries, self.decode_steps = prefill_chunk, prefix_cache, decode_steps
-        # The decode program's layers unrolled over the cache taken apart (_decode_loop), else scanned. Taking
+        # The decode program's layers unrolled over the cache taken apart (programs.decode_loop), else scanned. Taking
         # it apart and back costs two copies of the rows' cache per call: with one step per call that lost to
         # the scan's copies of one step (benchmarks/serve.py's engine alone, docs/serve.md).
         self.unroll = cfg.n_layers <= generate.UNROLL_LAYERS and (decode_steps > 1 or page_size > 0)
@@ -410,8 +243,8 @@ class Engine:
         self.error: str | None = None
         # a function of this engine's own: `constrain` reads the mesh from a context that jax.jit's caches (keyed
         # by the function) do not hold, so a shared one would hand a later engine an earlier one's layout
-        self._empty = jax.jit(lambda *a: _empty(*a), static_argnums=(0, 1, 2, 3))
-        self._empty_pages = jax.jit(lambda *a: _empty_pages(*a), static_argnums=(0, 1, 2, 3))
+        self._empty = jax.jit(lambda *a: programs.empty_slots(*a), static_argnums=(0, 1, 2, 3))
+        self._empty_pages = jax.jit(lambda *a: programs.empty_pages(*a), static_argnums=(0, 1, 2, 3))
         self.params = params
         # LoRA adapters over the base (lora.serving_weights: layers.RowLoraWeight), a sequence's picked by its
         # `adapter`; every call sets each row's (layers.with_rows)
@@ -791,7 +624,7 @@ class Engine:
                     adapter_P, self.cfg)
                 self.pending[slot_P[:len(seqs)]] = -1
             else:
-                self.cache, self.logits_BV = _paged_prefill(self.params, self._layer_weights(), self.cache,
+                self.cache, self.logits_BV = programs.paged_prefill(self.params, self._layer_weights(), self.cache,
                                                             self.logits_BV, tokens_PC, start_P, length_P,
                                                             table_PM[:, :width], slot_P, adapter_P, self.cfg)
             if self.draft is not None and not self.mtp_draft:
@@ -827,8 +660,8 @@ class Engine:
     def _run_score(self, item: Score) -> None:
         tokens_1T = self._padded(item.prompt)
         n = len(item.prompt)
-        token_lp, top_ids, top_lp = jax.device_get(_score(self.params, tokens_1T, np.asarray([item.adapter], np.int32),
-                                                          self.cfg))
+        token_lp, top_ids, top_lp = jax.device_get(programs.score(
+            self.params, tokens_1T, np.asarray([item.adapter], np.int32), self.cfg))
         item.emit(("score", token_lp[:n - 1].tolist(), top_ids[:n].tolist(), top_lp[:n].tolist()))
 
     def _call(self, rows: list[int], steps: int) -> tuple[list, tuple]:
@@ -879,11 +712,11 @@ class Engine:
                 self.mtp = mtp
             out.append((proposed, kept))
         elif self.page_size:
-            *out, self.logits_BV, self.cache = _paged_decode_loop(
+            *out, self.logits_BV, self.cache = programs.paged_decode_loop(
                 self.params, self._layer_weights(), self.cache, self.logits_BV, rows_b, adapter, np.int32(steps), live,
                 length, self.table[rows_b], *sampled, cfg=self.cfg, max_steps=self.decode_steps)
         else:
-            *out, self.logits_BV, self.cache = _decode_loop(
+            *out, self.logits_BV, self.cache = programs.decode_loop(
                 self.params, self.cache, self.logits_BV, rows_b, adapter, np.int32(steps), live, idle_length, *sampled,
                 cfg=self.cfg, max_steps=self.decode_steps, unroll=self.unroll)
         self.calls_total += 1
@@ -955,7 +788,3 @@ class Engine:
         self._release(s)
         s.emit(("done", reason))
 
-
-def compiled_step_count() -> int:
-    """How many decode programs this process has compiled (one per bucket, engine settings and model)."""
-    return _decode_loop._cache_size() + _paged_decode_loop._cache_size() + speculate.decode_loop._cache_size()

@@ -210,7 +210,7 @@ def decode_loop(params, layer_params, draft_params, draft_layer_params, cache, d
 @partial(jax.jit, static_argnames="cfg", donate_argnames=("cache", "draft_cache", "logits_BV", "mtp"))
 def prefill_mtp(params, layer_params, mtp_weights, cache, draft_cache, logits_BV, mtp, tokens_PC, next_PC, start_P,
                 length_P, table_PM, slot_P, adapter_P, cfg: ModelConfig):
-    """engine._paged_prefill for a model whose first multi-token prediction module drafts: the model's pass
+    """programs.paged_prefill for a model whose first multi-token prediction module drafts: the model's pass
     over prompts' chunks (its logits and hidden state after each row's last real token into logits_BV and
     mtp["hidden_BD"] at the row's slot), then the module's entries of the chunk's positions that have a token
     after them in the prompt (next_PC: the chunk's tokens shifted by one; the prompt's last position waits for
@@ -229,6 +229,6 @@ def prefill_mtp(params, layer_params, mtp_weights, cache, draft_cache, logits_BV
 
 @partial(jax.jit, static_argnames="cfg", donate_argnames="cache")
 def prefill(params, layer_params, cache, tokens_PC, start_P, length_P, table_PM, cfg: ModelConfig):
-    """The draft's cache entries of prompts' chunks (engine._paged_prefill's, without the logits; its layers
+    """The draft's cache entries of prompts' chunks (programs.paged_prefill's, without the logits; its layers
     unrolled over `layer_params` when given)."""
     return transformer.paged_forward(params, cache, tokens_PC, start_P, length_P, table_PM, cfg, layer_params)[1]

@@ -1,0 +1,199 @@
+"""The continuous-batching engine's device programs (serve/engine.py runs them): the decode loop over the slot
+cache and over the paged cache, prompts' chunks prefilled into pages, an empty cache of either kind, and a
+prompt's log-probabilities for scoring. Each is a jitted function of arrays and static settings; the engine
+owns the host side (slots, queues, pages, which rows a call takes).
+
+Shape legend: B slots, b rows of a call, N steps of a decode call at most, M stop tokens of a row (padded), S
+cache slots per sequence, V vocab, K top log-probabilities, P rows of a prefill call, C chunk length, T tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from jaxlm import sampling, sharding
+from jaxlm.config import ModelConfig
+from jaxlm.model import forward, kvcache, layers, paged, transformer
+from jaxlm.serve import speculate
+
+TOP_LOGPROBS = speculate.TOP_LOGPROBS  # the most alternatives a request may ask for
+SLOT_DIVISORS = (8, 4, 2)  # the decode program's slot buckets besides all slots: S / each (slot_buckets)
+MIN_SLOTS = 16  # the fewest slots of a slot bucket
+
+
+def sampled_steps(decode: Callable, state, logits_bV, steps, live_b, left_b, stop_bM, want_lp_b, seed_b, choice_b,
+                  count_b, temperature_b, top_k_b, top_p_b, max_steps: int):
+    """The decode loop of both caches: up to `steps` (<= max_steps) steps, each sampling every live row's next
+    token (its count_b-th plus the step) and running `decode(tok_b, live_b, state) -> (logits_bV, state)`, which
+    appends them to the cache; a row stops living after a token in its stop_bM (padded with -1) or its
+    left_b-th token, and the loop ends early once no row lives. Returns tokens, log-probabilities (zeros unless
+    a live row wants them) and top alternatives [N, b(, K)], which of them were produced [N, b], the logits and
+    the state."""
+    b, V = logits_bV.shape
+    way = sampling.branch(jnp.where(live_b, temperature_b, 0), top_k_b, top_p_b, V)
+    N, K = max_steps, TOP_LOGPROBS
+    out = (jnp.zeros((N, b), jnp.int32), jnp.zeros((N, b), jnp.float32), jnp.zeros((N, b, K), jnp.int32),
+           jnp.zeros((N, b, K), jnp.float32), jnp.zeros((N, b), bool))
+    choice_keys_b = sampling.choice_keys(seed_b, choice_b)
+
+    def no_logprobs(logits_bV, tok_b):
+        return jnp.zeros((b,), jnp.float32), jnp.zeros((b, K), jnp.int32), jnp.zeros((b, K), jnp.float32)
+
+    def body(loop):
+        i, state, logits_bV, live_b, out = loop
+        tok_b = sampling.sample_rows(way, logits_bV, lambda: sampling.row_keys(choice_keys_b, count_b + i),
+                                     temperature_b, top_k_b, top_p_b)
+        tok_b = jnp.where(live_b, tok_b, 0)
+        lp = jax.lax.cond(jnp.any(live_b & want_lp_b), partial(sampling.token_logprobs, K=K), no_logprobs,
+                          logits_bV, tok_b)
+        out = tuple(o.at[i].set(x) for o, x in zip(out, (tok_b, *lp, live_b)))
+        ended_b = jnp.any(tok_b[:, None] == stop_bM, axis=1) | (i + 1 >= left_b)
+        logits_bV, state = decode(tok_b, live_b, state)
+        return i + 1, state, logits_bV, live_b & ~ended_b, out
+
+    def more(loop):
+        return (loop[0] < steps) & jnp.any(loop[3])
+
+    _, state, logits_bV, _, out = jax.lax.while_loop(more, body, (jnp.int32(0), state, logits_bV, live_b, out))
+    return out, logits_bV, state
+
+
+@partial(jax.jit, static_argnames=("cfg", "max_steps", "unroll"), donate_argnames=("cache", "logits_BV"))
+def decode_loop(params, cache, logits_BV, rows_b, adapter_b, steps, live_b, idle_length_b, left_b, stop_bM,
+                want_lp_b, seed_b, choice_b, count_b, temperature_b, top_k_b, top_p_b, cfg: ModelConfig,
+                max_steps: int, unroll: bool):
+    """sampled_steps over slots rows_b of the slot cache (all slots in order when there are B of them). With
+    `unroll` the steps run over the cache taken apart by layer (kvcache.unstack, transformer.decode_layers), as
+    generate's loop does for models of up to generate.UNROLL_LAYERS layers: one copy of the rows' part of the
+    cache in (the gather of rows_b included) and one out (kvcache.restack, in place into the donated cache) per
+    call, where the scan over the stacked cache (unroll False) copies each layer's keys and values out of the
+    stack every step. Either way the call takes only the fewest slots of slot_buckets that hold the positions
+    it reads and writes. adapter_b: each row's LoRA adapter (layers.with_rows; -1 the base). Returns
+    sampled_steps' outputs, the logits and the cache."""
+    params = layers.with_rows(params, adapter_b)
+    B, b = logits_BV.shape[0], rows_b.shape[0]
+    whole = b == B
+    logits_bV = logits_BV if whole else jnp.take(logits_BV, rows_b, axis=0)
+    rows = None if whole else rows_b
+    sampled = (steps, live_b, left_b, stop_bM, want_lp_b, seed_b, choice_b, count_b, temperature_b, top_k_b, top_p_b,
+               max_steps)
+
+    def run(slots, out, logits_bV, cache):  # the call over the first `slots` slots of the rows' cache
+        step, sub = transformer.decoder(params, cache, cfg, unroll, rows, slots)
+
+        def decode(tok_b, live_b, sub):
+            # Rows not living decode a dummy token at idle_length_b: 0 for a free slot or a finished sequence,
+            # the next chunk's start for a slot being prefilled, where the chunk masks that entry and then
+            # overwrites it (transformer.prefill_chunks).
+            return step(tok_b, dataclasses.replace(sub, length=jnp.where(live_b, sub.length, idle_length_b)))
+
+        out, logits_bV, sub = sampled_steps(decode, sub, logits_bV, *sampled)
+        cache = kvcache.restack(sub, cfg, cache, rows) if unroll else kvcache.put_rows(cache, sub, rows)
+        return out, logits_bV, cache
+
+    buckets = slot_buckets(cfg, cache)
+    N, K = max_steps, TOP_LOGPROBS
+    zeros = (jnp.zeros((N, b), jnp.int32), jnp.zeros((N, b), jnp.float32), jnp.zeros((N, b, K), jnp.int32),
+             jnp.zeros((N, b, K), jnp.float32), jnp.zeros((N, b), bool))
+    if len(buckets) == 1:
+        out, logits_bV, cache = run(None, zeros, logits_bV, cache)
+    else:
+        # The fewest slots that hold every position this call reads or writes: a live row's cached ones and the
+        # ones its steps append, a dummy token's (idle_length_b).
+        length_b = cache.length if whole else cache.length[rows_b]
+        reach = jnp.maximum(jnp.max(jnp.where(live_b, length_b + jnp.minimum(steps, left_b), 0)),
+                            jnp.max(idle_length_b) + 1)
+        which = jnp.sum(jnp.asarray(buckets[:-1]) < reach)
+        # One cond per bucket rather than a lax.switch: XLA then updates the donated cache in place, where the
+        # switch's branches each copied all of it.
+        state = (zeros, logits_bV, cache)
+        for j, S in enumerate(buckets):
+            state = jax.lax.cond(which == j, partial(run, S), lambda *state: state, *state)
+        out, logits_bV, cache = state
+    if not whole:
+        logits_bV = logits_BV.at[rows_b].set(logits_bV)
+    return *out, logits_bV, cache
+
+
+@partial(jax.jit, static_argnames=("cfg", "max_steps"), donate_argnames=("cache", "logits_BV"))
+def paged_decode_loop(params, layer_params, cache, logits_BV, rows_b, adapter_b, steps, live_b, length_b, table_bM,
+                      left_b, stop_bM, want_lp_b, seed_b, choice_b, count_b, temperature_b, top_k_b, top_p_b,
+                      cfg: ModelConfig, max_steps: int):
+    """sampled_steps over rows rows_b of the paged cache (model/paged.py): each step writes every live row's
+    token at position length_b (plus the steps before) into its pages (table_bM, which the host has made cover
+    the call's positions) and attends over its pages; rows not living do nothing. With `layer_params` (the
+    layers' weights taken apart once, by the engine: transformer.layer_weights) the layers are unrolled, else
+    scanned. adapter_b: each row's LoRA adapter (layers.with_rows; -1 the base). Returns sampled_steps'
+    outputs, the logits and the cache."""
+    params, layer_params = layers.with_rows((params, layer_params), adapter_b)
+    logits_bV = jnp.take(logits_BV, rows_b, axis=0)
+
+    def decode(tok_b, live_b, state):
+        cache, length_b = state
+        logits_bV, cache = transformer.paged_forward(params, cache, tok_b[:, None], jnp.where(live_b, length_b, 0),
+                                                     jnp.where(live_b, length_b + 1, 0), table_bM, cfg, layer_params)
+        return logits_bV, (cache, length_b + live_b)
+
+    out, logits_bV, (cache, _) = sampled_steps(decode, (cache, length_b), logits_bV, steps, live_b, left_b, stop_bM,
+                                               want_lp_b, seed_b, choice_b, count_b, temperature_b, top_k_b, top_p_b,
+                                               max_steps)
+    return *out, logits_BV.at[rows_b].set(logits_bV), cache
+
+
+@partial(jax.jit, static_argnames="cfg", donate_argnames=("cache", "logits_BV"))
+def paged_prefill(params, layer_params, cache, logits_BV, tokens_PC, start_P, length_P, table_PM, slot_P, adapter_P,
+                  cfg: ModelConfig):
+    """Prompts' chunks into their pages (transformer.paged_forward), each row's logits after its chunk into
+    logits_BV at its slot (none for a padding row's slot B, whose length 0 writes nothing); adapter_P each row's
+    LoRA adapter. With `layer_params` (the engine's, as the decode loop's) the layers are unrolled: scanned over
+    the stacked weights, the call sliced and cast every layer's weights afresh, a fixed cost that dominated short
+    chunks (docs/serve.md, "Measured")."""
+    params, layer_params = layers.with_rows((params, layer_params), adapter_P)
+    logits_PV, cache = transformer.paged_forward(params, cache, tokens_PC, start_P, length_P, table_PM, cfg,
+                                                 layer_params)
+    return cache, logits_BV.at[slot_P].set(logits_PV, mode="drop")
+
+
+def slot_buckets(cfg: ModelConfig, cache: kvcache.KVCache) -> list[int]:
+    """The slot counts the decode program is compiled for, fewest first: a call attends over (and copies) the
+    fewest that hold its rows' positions (kvcache.kept_slots), S/8, S/4, S/2 or all S of them (from
+    MIN_SLOTS slots), where a full cache's slots all cost every step. Only all S when no layer can be cut."""
+    S = max(c.pos.shape[1] for c in cache.kinds)
+    if all(kvcache.kept_slots(cfg, j, c.pos.shape[1], 1) == c.pos.shape[1] for j, c in enumerate(cache.kinds)):
+        return [S]
+    return sorted({S // d for d in SLOT_DIVISORS if S // d >= MIN_SLOTS} | {S})
+
+
+def empty_slots(cfg: ModelConfig, slots: int, length: int, quantize: bool) -> kvcache.KVCache:
+    """An empty cache for `slots` sequences, its keys and values sharded by kv heads (and slots by `batch`)."""
+    cache = kvcache.init(cfg, slots, length, quantize)
+    kinds = tuple(kvcache.KindCache(*(None if a is None else sharding.constrain(a, (None,) + kvcache.CACHE_AXES[
+        :a.ndim - 1]) for a in (c.k, c.v, c.k_scale, c.v_scale)), c.pos) for c in cache.kinds)
+    return kvcache.KVCache(kinds, cache.length)
+
+
+def empty_pages(cfg: ModelConfig, pages: int, page_size: int, quantize: bool) -> paged.PagedCache:
+    """An empty pool of pages; keys and values [R, NP, K, page, H] sharded by kv heads."""
+    cache = paged.init(cfg, pages, page_size, quantize)
+    return paged.PagedCache(tuple({name: sharding.constrain(a, (None, None, "kv_heads", None, "head_dim"))
+                                   if a.ndim == 5 else a for name, a in kind.items()} for kind in cache.kinds))
+
+
+@partial(jax.jit, static_argnames="cfg")
+def score(params, tokens_1T, adapter_1, cfg: ModelConfig):
+    """A prompt's log-probabilities by the uncached forward pass: each token's after the ones before it [T - 1], and
+    the TOP_LOGPROBS most likely tokens at every position with theirs [T, K]."""
+    lp_TV = jax.nn.log_softmax(forward(layers.with_rows(params, adapter_1), tokens_1T, cfg)[0], axis=-1)
+    top_lp_TK, top_ids_TK = jax.lax.top_k(lp_TV, TOP_LOGPROBS)
+    token_lp_T = jnp.take_along_axis(lp_TV[:-1], tokens_1T[0, 1:, None], axis=-1)[:, 0]
+    return token_lp_T, top_ids_TK, top_lp_TK
+
+
+def compiled_step_count() -> int:
+    """How many decode programs this process has compiled (one per bucket, engine settings and model)."""
+    return decode_loop._cache_size() + paged_decode_loop._cache_size() + speculate.decode_loop._cache_size()
