@@ -35,8 +35,10 @@ With --tuned, the server with those settings besides the defaults runs the top c
 `tuned (...)` with `roofline_frac_tuned`; the summary's other figures stay the defaults'.
 
 Then the summary: vs_generate_real (the server at concurrency 64 over transformers' generate), vs_generate_batch_real
-(over its continuous batching), roofline_frac (the server at concurrency 64 over the roofline's tokens/s), and
-vs_transformers_toy. --size tiny runs every part on a tiny model in seconds (the code path only: tests).
+(over its continuous batching), roofline_frac (the server at concurrency 64 over the roofline's tokens/s),
+engine_roofline_frac (the engine alone, no HTTP, over the same roofline: the figure where no server can run, as
+on a machine that opens no sockets), and vs_transformers_toy. --size tiny runs every part on a tiny model in
+seconds (the code path only: tests).
 
     python benchmarks/serve.py [--requests 128] [--parts serve,hf,engine,slots,toy] [--model-dir DIR]
                                [--tuned KEY=VALUE,...]
@@ -489,7 +491,7 @@ def main(argv=None) -> dict:
         server_pages = cache_pages(m, ServeConfig(), m.block_size, False)  # the server's default
         cache_bytes = server_pages * 16 * paged.bytes_per_token(m)
         top = SIZES[a.size]["levels"][-1][0]
-        roof = roofline(requests, m, weight_bytes, paged.bytes_per_token(m), mach, top)
+        roof = roofline(requests, m, weight_bytes, paged.bytes_per_token(m, lane=1), mach, top)  # unpadded
         report["roofline"] = roof
         print(line(roof), flush=True)
         if "serve" in parts:
@@ -544,6 +546,8 @@ def main(argv=None) -> dict:
             decode = e["alone"]["wall_s"] - e["prefill_only"]["wall_s"]
             summary.update(time_prefill=e["prefill_only"]["wall_s"] / total, time_decode=decode / total,
                            time_http_and_host=(total - e["alone"]["wall_s"]) / total)
+    if "engine" in parts:  # the engine alone (no HTTP): where no server can run (no sockets), this is the figure
+        summary["engine_roofline_frac"] = report["engine"]["alone"]["output_tok_per_s"] / roof["roofline_tok_per_s"]
     if "slots" in parts:
         sl = report["slots"]
         summary["paged_vs_slot_sequences"] = sl["paged"]["in_flight"] / sl["slot"]["in_flight"]

@@ -35,7 +35,7 @@ def test_serve_benchmark_runs_every_part_at_a_tiny_size(tmp_path):
                                "--tuned", "decode.quantize_kv_cache=true"])
     s = report["summary"]
     for key in ("vs_generate_real", "vs_generate_batch_real", "roofline_frac", "paged_vs_slot_sequences",
-                "vs_transformers_toy", "time_prefill", "time_decode", "roofline_frac_tuned"):
+                "vs_transformers_toy", "time_prefill", "time_decode", "roofline_frac_tuned", "engine_roofline_frac"):
         assert s[key] > 0, key
     assert report["slots"]["paged"]["in_flight"] > report["slots"]["slot"]["in_flight"] == 1
     assert set(report["serve"]) == {1, 4} and report["serve"][4]["requests"] == 8

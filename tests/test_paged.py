@@ -5,6 +5,7 @@ no-rope layers, dense and MoE layers stacked apart); the paged engine serves tho
 does; the host's page pool counts references, shares prompt prefixes by full pages and hands cached pages out
 again oldest first."""
 
+import contextlib
 import time
 
 import jax
@@ -28,17 +29,19 @@ MODELS = {  # grouped-query heads; a sliding window over every layer; Gemma 2's 
 }
 
 
-@pytest.mark.parametrize("family,quantize", [
-    ("gqa", False), ("sliding", True), ("gemma2", False), ("learned_moe", False), ("deepseek_v3", False),
+@pytest.mark.parametrize("family,quantize,lane", [
+    ("gqa", False, 1), ("sliding", True, 1), ("gemma2", False, 1), ("learned_moe", False, 1),
+    ("deepseek_v3", False, 1), ("gqa", False, 128), ("sliding", True, 128), ("deepseek_v3", False, 128),
     *(pytest.param(*case, marks=pytest.mark.slow)
-      for case in (("gpt_oss", False), ("deepseek_v3", True), ("llama4", False), ("gemma3", False)))])
-def test_paged_forward_equals_the_uncached_forward(family, quantize):
+      for case in (("gpt_oss", False, 1), ("deepseek_v3", True, 1), ("llama4", False, 1), ("gemma3", False, 1)))])
+def test_paged_forward_equals_the_uncached_forward(family, quantize, lane, monkeypatch):
     """Three sequences in pages of 4 positions taken at random from a 64-page pool (a window of 8: the local
     layers' keys span pages): a first chunk of 32 (read by rows; the prompts 5 to 22 tokens, the rest padding),
     six decode steps with the layers unrolled in which one row sits out every other step (length 0: it writes
     and reads nothing), then three tokens at once with every logit (flat, scanned layers). Each gives the logits
     of the uncached forward pass at its positions (int8 within its rounding); the pages no row holds keep their
-    zeros."""
+    zeros. With lane 128 (what TPUs take) the pool's vectors are padded to 128 wide, to the same logits."""
+    monkeypatch.setattr(paged, "LANES", lane)
     cfg = ModelConfig(**{**dict(vocab_size=50, block_size=64, n_layers=2, n_heads=4, n_kv_heads=2, d_model=32,
                                 sliding_window=8), **MODELS[family]})
     params = P.init(param_specs(cfg), jax.random.key(0), sharding.make_mesh(MeshConfig(), jax.devices()[:1]))
@@ -75,8 +78,8 @@ def test_paged_forward_equals_the_uncached_forward(family, quantize):
     unheld = np.setdiff1d(np.arange(NP), held)
     for kind in cache.kinds:
         for pool in kind.values():
-            assert not np.asarray(pool)[:, unheld].any()
-            assert np.asarray(pool)[:, held].any()
+            assert not np.take(np.asarray(pool), unheld, axis=-3).any()  # [..., NP, page, last]
+            assert np.take(np.asarray(pool), held, axis=-3).any()
 
 
 def test_a_pages_layout_and_size_follow_the_entries():
@@ -84,9 +87,84 @@ def test_a_pages_layout_and_size_follow_the_entries():
     cache = paged.init(cfg, 10, 16, quantize=True)
     assert cache.pages == 10 and cache.page_size == 16
     assert {name: a.shape for name, a in cache.kinds[0].items()} == {
-        "k": (4, 10, 2, 16, 8), "v": (4, 10, 2, 16, 8), "k_scale": (4, 10, 16, 2), "v_scale": (4, 10, 16, 2)}
+        "k": (2, 4, 10, 16, 8), "v": (2, 4, 10, 16, 8), "k_scale": (4, 10, 16, 2), "v_scale": (4, 10, 16, 2)}
     assert paged.bytes_per_token(cfg, quantize=True) == 4 * 2 * (2 * 8 + 2 * 4)
     assert paged.bytes_per_token(cfg) == 4 * 2 * 2 * 8 * 4  # float32: layers x (k, v) x heads x width x 4 bytes
+    # on TPU (lanes() 128) keys and values are padded to 128 wide, the scales are not
+    padded = paged.init(cfg, 10, 16, quantize=True, lane=128)
+    assert {name: a.shape for name, a in padded.kinds[0].items()} == {
+        "k": (2, 4, 10, 16, 128), "v": (2, 4, 10, 16, 128), "k_scale": (4, 10, 16, 2), "v_scale": (4, 10, 16, 2)}
+    assert paged.bytes_per_token(cfg, quantize=True, lane=128) == 4 * 2 * (2 * 128 + 2 * 4)
+
+
+@pytest.fixture
+def page_kernel(monkeypatch):
+    """JAX's Pallas paged-attention kernel as paged.DECODE_KERNEL, counting its calls: on a TPU compiled for the
+    chip, elsewhere run in TPU interpret mode (the kernel's own program, its DMAs and semaphores simulated on the
+    CPU). The jit caches are cleared before and after: the kernel is chosen while a step is traced."""
+    from jax.experimental.pallas import tpu as pltpu
+    from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
+
+    calls = []
+
+    def kernel(*args, **kw):  # called while a step is traced, in whichever thread traces it (the engine's too)
+        calls.append(kw["pages_per_compute_block"])
+        with contextlib.nullcontext() if jax.default_backend() == "tpu" else pltpu.force_tpu_interpret_mode():
+            return paged_attention(*args, **kw)
+
+    jax.clear_caches()
+    monkeypatch.setattr(paged, "DECODE_KERNEL", kernel)
+    yield calls
+    jax.clear_caches()
+
+
+@pytest.mark.parametrize("family,lane", [("gqa", 1), ("gemma2", 1), ("gqa", 128)])
+def test_decode_steps_through_the_page_attention_kernel_give_the_flat_paths_logits(family, lane, page_kernel,
+                                                                                     monkeypatch):
+    """Decode steps whose global layers read their pages with the Pallas kernel (paged.kernel_decode: the pool's
+    layers seen as one axis of pages, the page table offset by the layer) give the logits of the flat path, the
+    layers scanned and unrolled, with a row that sits out a step (length 0); Gemma 2's local layers (a window)
+    and soft-capped logits: the kernel caps them, the window's layers keep the flat path. With lane 128 (TPU's
+    pool) the query is padded to the pool's width and the output cut back."""
+    monkeypatch.setattr(paged, "LANES", lane)
+    cfg = ModelConfig(**{**dict(vocab_size=50, block_size=64, n_layers=2, n_heads=4, n_kv_heads=2, d_model=32,
+                                sliding_window=8), **MODELS[family]})
+    params = P.init(param_specs(cfg), jax.random.key(0), sharding.make_mesh(MeshConfig(), jax.devices()[:1]))
+    A, NP, M = 8, 64, 8
+    rng = np.random.default_rng(0)
+    lengths = np.asarray([13, 5, 22], np.int32)
+    seqs = [rng.integers(0, 50, 40).astype(np.int32) for _ in lengths]
+    table = rng.permutation(NP)[:3 * M].reshape(3, M).astype(np.int32)
+    tokens = np.zeros((3, 32), np.int32)
+    for b, n in enumerate(lengths):
+        tokens[b, :n] = seqs[b][:n]
+    lw = transformer.layer_weights(params, cfg)
+    monkeypatch.setattr(paged, "KERNEL_BLOCK_TOKENS", 32)
+
+    def steps(kernel):
+        monkeypatch.setattr(paged, "DECODE_KERNEL", kernel)
+        jax.clear_caches()
+        _, cache = transformer.paged_forward(params, paged.init(cfg, NP, A), tokens, np.zeros(3, np.int32), lengths,
+                                             table, cfg)
+        L, out = lengths.copy(), []
+        for step in range(4):
+            tok = np.asarray([seqs[b][L[b]] for b in range(3)], np.int32)[:, None]
+            length = np.where(np.arange(3) == 1, 0, L + 1).astype(np.int32) if step == 1 else L + 1
+            logits, cache = jax.jit(transformer.paged_forward, static_argnames="cfg")(
+                params, cache, tok, L, length, table, cfg, lw if step % 2 else None)
+            out.append(np.asarray(logits)[length > 0])
+            L = np.where(length > 0, L + 1, L).astype(np.int32)
+        return out
+
+    kernel = paged.DECODE_KERNEL
+    flat = steps(None)
+    through_kernel = steps(kernel)
+    layers = cfg.n_layers // 2 if family == "gemma2" else cfg.n_layers
+    assert len(page_kernel) == 1 + layers  # traced once with the layers scanned, once per layer unrolled
+    assert set(page_kernel) == {4}  # blocks of 32 keys: a table of 8 pages of 8 in two
+    for a, b in zip(flat, through_kernel):
+        assert np.abs(a).max() > 0.1
+        np.testing.assert_allclose(b, a, rtol=0, atol=1e-3)  # float32 sums in another order
 
 
 @pytest.mark.parametrize("rows,table_width", [(1, 5), (4, 5), (1, 16), (8, 8)])
@@ -106,6 +184,88 @@ def test_a_decode_step_updates_the_pool_in_place_whatever_its_table_width(rows, 
     memory = step.lower(*args).compile().memory_analysis()
     assert memory.alias_size_in_bytes == pool  # the pool in is the pool out
     assert memory.temp_size_in_bytes < pool / 20, (memory.temp_size_in_bytes, pool)
+
+
+@pytest.mark.parametrize("rows,chunk,table_width,kernel", [(1, 16, 1, False), (8, 512, 32, False),
+                                                            (64, 1, 128, False), (64, 1, 128, True)])
+def test_paged_steps_compiled_for_a_tpu_update_the_pool_in_place(rows, chunk, table_width, kernel, monkeypatch):
+    """The engine's paged programs compiled for a TPU v5e (libtpu, from this CPU host) with heads of 64, as the
+    134M benchmark model has: a short prompt chunk (flat), a long one (by rows) and a decode step of 64 rows (flat
+    and through the Pallas kernel) need no pool-sized temporaries. Before the pool was padded to 128 lanes, its
+    writes indexed per head and the flat path's dots taken at full precision, XLA:TPU copied or cast the whole pool
+    in each (the engine ran out of the chip's memory at its warm-up at the default cache size)."""
+    from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
+    from jax.sharding import SingleDeviceSharding
+
+    from jaxlm import aot
+    from jaxlm.serve import programs
+
+    device = aot.tpu_topology("v5e:1x1", 1)[0]
+    jax.clear_caches()  # the kernel is chosen while a program is traced
+    monkeypatch.setattr(paged, "LANES", 128)  # what lanes() gives on a TPU
+    monkeypatch.setattr(paged, "DECODE_KERNEL", paged_attention if kernel else None)
+    cfg = ModelConfig(vocab_size=1024, block_size=2048, n_layers=2, n_heads=12, n_kv_heads=12, d_model=768,
+                      d_ff=2048, norm="rmsnorm", glu=True, activation="silu")
+
+    def on_tpu(tree):
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=SingleDeviceSharding(device)),
+                            tree)
+
+    params = on_tpu(P.abstract(param_specs(cfg)))
+    lw = on_tpu(jax.eval_shape(lambda p: transformer.layer_weights(p, cfg), params))
+    cache = on_tpu(jax.eval_shape(lambda: paged.init(cfg, 8192, 16)))  # 3.2 GB
+    assert cache.kinds[0]["k"].shape == (12, 2, 8192, 16, 128)
+    i32 = lambda *shape: on_tpu(jax.ShapeDtypeStruct(shape, np.int32))  # noqa: E731
+    logits = on_tpu(jax.ShapeDtypeStruct((64, cfg.vocab_size), np.float32))
+    compiled = programs.paged_prefill.lower(params, lw, cache, logits, i32(rows, chunk), i32(rows), i32(rows),
+                                            i32(rows, table_width), i32(rows), i32(rows), cfg).compile()
+    memory = compiled.memory_analysis()
+    pool = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))
+    assert memory.alias_size_in_bytes >= pool  # the pool in is the pool out
+    assert memory.temp_size_in_bytes < pool / 20, (memory.temp_size_in_bytes, pool)
+    assert ("jit(paged_attention)/pallas_call" in compiled.as_text()) == kernel  # the Pallas kernel, if asked for
+    jax.clear_caches()
+
+
+def test_the_paged_engine_through_the_page_attention_kernel_gives_the_flat_paths_tokens(page_kernel,
+                                                                                         monkeypatch):
+    """The paged engine whose decode steps read pages with the Pallas kernel gives the tokens and log-probabilities
+    (to float rounding) of the flat path: greedy and seeded sampling, a shared prompt prefix, preemption (a pool
+    of 16 pages of 4 positions for 4 sequences of up to 30), speculation off; afterwards no page is held."""
+    from jaxlm.serve import engine as engine_lib
+
+    cfg = ModelConfig(vocab_size=50, block_size=64, n_layers=2, n_heads=4, n_kv_heads=2, d_model=32)
+    params = P.init(param_specs(cfg), jax.random.key(1), sharding.make_mesh(MeshConfig(), jax.devices()[:1]))
+    rng = np.random.default_rng(1)
+    shared = rng.integers(0, 50, 9).tolist()
+    prompts = [rng.integers(0, 50, n).tolist() for n in (5, 13, 3)] + [shared + [7], shared + [8, 9]]
+    max_tokens, temperature = [16, 12, 18, 10, 14], [0, 0.9, 0, 1.0, 0]
+    kernel, runs = paged.DECODE_KERNEL, []
+    for decode_kernel in (None, kernel):
+        monkeypatch.setattr(paged, "DECODE_KERNEL", decode_kernel)
+        jax.clear_caches()
+        e = engine_lib.Engine(params, cfg, 4, 48, max_queue=8, prefill_chunk=8, decode_steps=4, page_size=4,
+                              cache_pages=16)
+        events = [[] for _ in prompts]
+        for i, p in enumerate(prompts):
+            e.submit(engine_lib.Sequence(p, max_tokens[i], temperature[i], 0, 1.0, 5 + i, 0, (), events[i].append))
+        e.start()
+        deadline = time.monotonic() + 300
+        try:
+            while not all(ev and ev[-1][0] == "done" for ev in events):
+                assert time.monotonic() < deadline, "the engine did not finish in time"
+                time.sleep(0.01)
+        finally:
+            e.stop()
+        assert e.pages.used() == 0
+        runs.append(([[t for ev in evs if ev[0] == "tokens" for t in ev[1]] for evs in events],
+                     [[lp for ev in evs if ev[0] == "tokens" for lp in ev[2]] for evs in events], e.preempted_total))
+    assert page_kernel, "the kernel was not used"
+    (tokens_flat, lp_flat, preempted), (tokens_kernel, lp_kernel, _) = runs
+    assert preempted > 0 and [len(t) for t in tokens_flat] == max_tokens
+    assert tokens_kernel == tokens_flat
+    for a, b in zip(lp_flat, lp_kernel):
+        np.testing.assert_allclose(b, a, rtol=0, atol=1e-3)
 
 
 def test_page_pool_counts_references_shares_prefixes_and_evicts_the_oldest():

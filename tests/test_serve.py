@@ -1020,8 +1020,8 @@ def test_serving_on_a_mesh_shards_the_weights_and_cache_and_answers_as_one_devic
         e = srv.served.engine
         assert e.mesh.shape == {**e.mesh.shape, "data": 2, "tensor": 2} and e.mesh.size == 4
         if page_size:
-            k = e.cache.kinds[0]["k"]  # [R, NP, K, page, H]
-            assert k.sharding.shard_shape(k.shape) == (k.shape[0], k.shape[1], k.shape[2] // 2, *k.shape[3:])
+            k = e.cache.kinds[0]["k"]  # [K, R, NP, page, H]
+            assert k.sharding.shard_shape(k.shape) == (k.shape[0] // 2, *k.shape[1:])
         else:
             k = e.cache.kinds[0].k  # [R, B, K, S, H]
             assert k.sharding.shard_shape(k.shape) == (k.shape[0], k.shape[1] // 2, k.shape[2] // 2, *k.shape[3:])

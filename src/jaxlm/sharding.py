@@ -182,6 +182,12 @@ def activation_sharding(mesh: Mesh, rules: Rules = ACTIVATION_RULES, pipeline: t
         _CTX.reset(token)
 
 
+def mesh_size() -> int:
+    """The devices of the mesh activations are pinned to in this block (1 outside `activation_sharding`)."""
+    ctx = _CTX.get()
+    return 1 if ctx is None else ctx[0].size
+
+
 def pipeline() -> Pipeline | None:
     """The pipeline the forward pass runs in this block, or None (no mesh, or one stage)."""
     ctx = _CTX.get()

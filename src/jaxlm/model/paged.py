@@ -9,15 +9,15 @@ stay functions of query and key positions, as in the uncached pass (causal, wind
 
 What a token stores is what the slot cache stores (kvcache.widths): k and v [K, H] for standard attention,
 with int8 scales k_scale and v_scale [K] when quantized; for latent attention (model/latent.py) its rotary key
-k [1, r] and its compressed latent v [1, C]. A page stores an entry of trailing shape (*lead, last) as
-(*lead, page, last), the page's tokens on the axis before the last: k [K, H] per token is [K, page, H] per
-page, heads-major as attention multiplies it. The pool of pattern entry j is [R_j, NP, *lead, page, last]: R_j
-layers of that entry (model/stack.py: layer i is entry i mod P, repeat i // P), NP pages; one page id indexes
-every layer's pool. Every layer keeps every position, a sliding-window or chunked layer's too (a page is
-shared by all layers, and the global ones need all): masks by position leave out what such a layer does not
-see.
+k [1, r] and its compressed latent v [1, C]. The pool of pattern entry j keeps an entry of trailing shape
+(*lead, last) as [*lead, R_j, NP, page, last]: R_j layers of that entry (model/stack.py: layer i is entry i mod
+P, repeat i // P), NP pages, the page's tokens on the axis before the last; one page id indexes every layer's
+pool. k [K, H] per token is [K, R, NP, page, H], kv heads outermost: reshaped (for free) to [K, R NP, page, H],
+the pages of every layer are one axis that a page-attention kernel indexes with table + r NP (`kernel_decode`).
+Every layer keeps every position, a sliding-window or chunked layer's too (a page is shared by all layers, and
+the global ones need all): masks by position leave out what such a layer does not see.
 
-Two ways to read the pages a query attends to (`attention`):
+Three ways to read the pages a query attends to (`attention`):
 - `rows` (prefill chunks, many queries per sequence): each row's pages gathered in table order, [P, K, S, H]
   with S = the table's width x page_size, then dense attention (attention.attend_heads_major).
 - `flat` (decode steps, speculative verification: a few queries per sequence): the pages of all rows listed
@@ -27,6 +27,9 @@ Two ways to read the pages a query attends to (`attention`):
   latent and rotary key side by side and whose values are the latents. On a 2-core CPU at batch 64 and a
   long-tailed mix of lengths (mean 296, max 1169 keys), one layer's attention took 20 ms this way, 153 ms with
   each row's pages gathered to the longest row's, and 31 ms over a dense slot cache of the longest length.
+- a page-attention kernel (decode steps of standard attention, where DECODE_KERNEL gives one: JAX's Pallas
+  kernel on TPU; `kernel_decode`), over the pool seen as [K, R NP, page, H].
+On TPU the pool's vectors are padded to 128 wide (lanes(); docs/serve.md, "The paged KV cache").
 
 Shape legend: P rows (sequences) of a call, C tokens per row, T = tokens, R repeats of an entry, NP pages,
 M pages per row in the table, F pages listed flat, K kv heads, G query heads per kv head, N = K G, H head
@@ -40,6 +43,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from jaxlm import sharding
 from jaxlm.config import ModelConfig
 from jaxlm.model import attention as attention_lib
 from jaxlm.model import kvcache, latent, layers
@@ -49,18 +53,24 @@ PAGE_BLOCK_TOKENS = 1024  # keys a step of the flat path's loop reads (64 pages 
 # a call of few rows takes smaller blocks (one row of 13 pages in blocks of 64 made a batch-1 step 1.7x slower)
 PAGE_BLOCK_TOKENS_PER_ROW = 256
 FLAT_MAX_QUERIES = 16  # rows of up to this many tokens read their pages flat, longer ones by rows
+# Decode steps (one query per row) of standard attention read their pages with a page-attention kernel where
+# there is one: "auto" takes JAX's Pallas kernel on TPU (jax.experimental.pallas.ops.tpu.paged_attention);
+# None never; a function of that kernel's signature is used everywhere (tests: a reference of its contract).
+DECODE_KERNEL = "auto"
+LANES = "auto"  # the pool's vectors padded to a multiple of this (lanes())
+KERNEL_BLOCK_TOKENS = 256  # keys of a row the kernel reads per block (pages_per_compute_block x page_size at most)
 
 
 @jax.tree_util.register_dataclass
 @dataclass
 class PagedCache:
-    """The pool: kinds[j] maps each entry of pattern entry j (entry_specs) to its pages [R_j, NP, *lead, page,
+    """The pool: kinds[j] maps each entry of pattern entry j (entry_specs) to its pages [*lead, R_j, NP, page,
     last]. Page tables and lengths live with the caller (the server's allocator) and come in with each call."""
     kinds: tuple[dict, ...]
 
     @property
     def pages(self) -> int:
-        return next(iter(self.kinds[0].values())).shape[1]
+        return next(iter(self.kinds[0].values())).shape[-3]
 
     @property
     def page_size(self) -> int:
@@ -84,24 +94,41 @@ def repeats(cfg: ModelConfig, j: int) -> int:
     return len(range(j, cfg.n_layers, len(cfg.pattern)))
 
 
-def page_shape(trailing: tuple[int, ...], page_size: int) -> tuple[int, ...]:
-    return (*trailing[:-1], page_size, trailing[-1])
+def lanes() -> int:
+    """What the pool's vectors (keys, values, latents: entries of shape (*lead, last)) are padded to a multiple of:
+    LANES, or with "auto" 128 on TPU (a vector register's lanes; narrower ones, as heads of 64, made XLA lay the
+    pool out with the pages innermost and copy all of it at every write and read: 10.9 GB of temporaries for a
+    1.2 GB pool in a decode step), else 1. Scales are not padded."""
+    if LANES != "auto":
+        return LANES
+    return 128 if jax.default_backend() == "tpu" else 1
 
 
-def init(cfg: ModelConfig, pages: int, page_size: int, quantize: bool = False) -> PagedCache:
-    """A pool of `pages` pages of page_size tokens each (zeros: a page's contents matter only once written)."""
-    return PagedCache(tuple({name: jnp.zeros((repeats(cfg, j), pages, *page_shape(shape, page_size)), dt)
+def pool_shape(trailing: tuple[int, ...], layers: int, pages: int, page_size: int, lane: int = 1) -> tuple[int, ...]:
+    """[*lead, R, NP, page, last] for an entry of trailing shape (*lead, last), a vector's last padded to a
+    multiple of `lane`."""
+    last = -(-trailing[-1] // lane) * lane if len(trailing) > 1 else trailing[-1]
+    return (*trailing[:-1], layers, pages, page_size, last)
+
+
+def init(cfg: ModelConfig, pages: int, page_size: int, quantize: bool = False, lane: int | None = None
+         ) -> PagedCache:
+    """A pool of `pages` pages of page_size tokens each (zeros: a page's contents matter only once written), its
+    vectors padded to a multiple of `lane` (default: lanes())."""
+    lane = lanes() if lane is None else lane
+    return PagedCache(tuple({name: jnp.zeros(pool_shape(shape, repeats(cfg, j), pages, page_size, lane), dt)
                              for name, (shape, dt) in spec.items()}
                             for j, spec in enumerate(entry_specs(cfg, quantize))))
 
 
-def bytes_per_token(cfg: ModelConfig, quantize: bool = False) -> int:
-    """Pool bytes one token's entries take over all layers."""
+def bytes_per_token(cfg: ModelConfig, quantize: bool = False, lane: int | None = None) -> int:
+    """Pool bytes one token's entries take over all layers (vectors padded as init pads them)."""
+    lane = lanes() if lane is None else lane
     total = 0
     for j, spec in enumerate(entry_specs(cfg, quantize)):
         for shape, dt in spec.values():
             n = 1
-            for d in shape:
+            for d in pool_shape(shape, 1, 1, 1, lane):
                 n *= d
             total += repeats(cfg, j) * n * jnp.dtype(dt).itemsize
     return total
@@ -116,32 +143,41 @@ def entries(k_PCKH: jax.Array, v_PCKH: jax.Array, arrays: dict) -> dict:
 
 
 def write(arrays: dict, r, new: dict, page_PC: jax.Array, off_PC: jax.Array) -> dict:
-    """The pool of one pattern entry with repeat r's entries of tokens [P, C] written at their pages and offsets;
-    a token whose page is out of range (the pool's page count) is dropped."""
+    """The pool of one pattern entry with repeat r's entries of tokens [P, C] written at their pages and offsets
+    (vectors padded with zeros to the pool's width); a token whose page is out of range (the pool's page count) is
+    dropped. Every lead index (kv head) is indexed, not sliced, so that each write is one contiguous vector: with
+    a slice over the heads XLA:TPU laid the pool out anew for a prompt's chunk, copying all of it."""
     out = {}
     for name, pool in arrays.items():
-        lead = pool.ndim - 4  # [R, NP, *lead, page, last]
-        index = (r, page_PC) + (slice(None),) * lead + (off_PC, slice(None))
-        out[name] = pool.at[index].set(new[name].astype(pool.dtype), mode="drop")
+        lead = pool.ndim - 4  # [*lead, R, NP, page, last]
+        value = jnp.moveaxis(new[name], tuple(range(2, 2 + lead)), tuple(range(lead)))  # [*lead, P, C, last]
+        value = jnp.pad(value, [(0, 0)] * (value.ndim - 1) + [(0, pool.shape[-1] - value.shape[-1])])
+        heads = tuple(jnp.arange(d).reshape((d,) + (1,) * (lead - i + 1)) for i, d in enumerate(pool.shape[:lead]))
+        index = heads + (r, page_PC, off_PC, slice(None))
+        out[name] = pool.at[index].set(value.astype(pool.dtype), mode="drop")
     return out
 
 
-def _read_kv(arrays: dict, r, ids: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
-    """k and v of pages `ids` [...] of repeat r: [..., K, page, H] in dtype (int8 read with its scales)."""
-    def one(name):
-        x = arrays[name].at[r, ids].get(mode="clip")
+def _read_kv(arrays: dict, r, ids: jax.Array, dtype, widths: tuple[int, int]) -> tuple[jax.Array, jax.Array]:
+    """k and v of pages `ids` [...] of repeat r: [..., K, page, H] in dtype (int8 read with its scales), H the
+    entries' own widths (Hk, Hv) without the pool's padding."""
+    def one(name, width):
+        pool = arrays[name]
+        lead = pool.ndim - 4
+        x = pool.at[(slice(None),) * lead + (r, ids)].get(mode="clip")[..., :width]  # [*lead, ..., page, H]
+        x = jnp.moveaxis(x, tuple(range(lead)), tuple(range(x.ndim - 2 - lead, x.ndim - 2)))
         if f"{name}_scale" in arrays:
             scale = arrays[f"{name}_scale"].at[r, ids].get(mode="clip")  # [..., page, K]
             return (x.astype(jnp.float32) * jnp.swapaxes(scale, -1, -2)[..., None]).astype(dtype)
         return x.astype(dtype)
 
-    return one("k"), one("v")
+    return one("k", widths[0]), one("v", widths[1])
 
 
-def gather_rows(arrays: dict, r, table_PM, end_P, dtype):
-    """Each row's pages gathered in table order: k, v [P, K, S, H] (S = M x page) and the keys' positions
-    [P, S] (EMPTY at or past end_P[p])."""
-    k_PMKAH, v_PMKAH = _read_kv(arrays, r, table_PM, dtype)
+def gather_rows(arrays: dict, r, table_PM, end_P, dtype, widths: tuple[int, int]):
+    """Each row's pages gathered in table order: k, v [P, K, S, H] (S = M x page; H: widths) and the keys'
+    positions [P, S] (EMPTY at or past end_P[p])."""
+    k_PMKAH, v_PMKAH = _read_kv(arrays, r, table_PM, dtype, widths)
     P, M, K, A, _ = k_PMKAH.shape
     k_PKSH, v_PKSH = (x.transpose(0, 2, 1, 3, 4).reshape(P, K, M * A, x.shape[-1]) for x in (k_PMKAH, v_PMKAH))
     s_PS = jnp.broadcast_to(jnp.arange(M * A, dtype=jnp.int32), (P, M * A))
@@ -187,7 +223,10 @@ def attend_flat(q_PCNH, read, K: int, A: int, table_PM, end_P, q_pos_PC, scale, 
         ids, rows, js = take(page_F), take(row_F), take(j_F)
         k_FKAH, v_FKAH = read(ids)
         q_FKQH = jnp.take(q_PKQH, rows, axis=0, mode="clip")
-        logits_FKQA = jnp.einsum("FKQH,FKAH->FKQA", q_FKQH, k_FKAH, preferred_element_type=jnp.float32)
+        # precision "highest": at the default, XLA:TPU cast the whole pool to bfloat16 for these dots, before the
+        # gather and outside the loop (4.9 GB of temporaries for a 16-token chunk over a 9.7 GB pool)
+        logits_FKQA = jnp.einsum("FKQH,FKAH->FKQA", q_FKQH, k_FKAH, preferred_element_type=jnp.float32,
+                                 precision="highest")
         logits_FKQA = layers.softcap(logits_FKQA * scale, softcap)
         k_pos_FA = js[:, None] * A + jnp.arange(A, dtype=jnp.int32)
         q_pos_FQ = jnp.take(q_pos_PQ, rows, axis=0, mode="clip")
@@ -201,7 +240,7 @@ def attend_flat(q_PCNH, read, K: int, A: int, table_PM, end_P, q_pos_PC, scale, 
         alpha = jnp.exp(m_PKQ - m_new)
         l_PKQ = l_PKQ * alpha + jax.ops.segment_sum(p_FKQA.sum(-1), rows, P, indices_are_sorted=True)
         out_FKQH = jnp.einsum("FKQA,FKAH->FKQH", p_FKQA.astype(v_FKAH.dtype), v_FKAH,
-                              preferred_element_type=jnp.float32)
+                              preferred_element_type=jnp.float32, precision="highest")
         acc_PKQH = acc_PKQH * alpha[..., None] + jax.ops.segment_sum(out_FKQH, rows, P, indices_are_sorted=True)
         return m_new, l_PKQ, acc_PKQH
 
@@ -217,6 +256,38 @@ def attend_flat(q_PCNH, read, K: int, A: int, table_PM, end_P, q_pos_PC, scale, 
     return out_PKQH.reshape(P, K, G, C, Hv).transpose(0, 3, 1, 2, 4).reshape(P, C, N, Hv).astype(q_PCNH.dtype)
 
 
+def decode_kernel(arrays: dict, C: int, window, chunk, sinks, latent_attention: bool):
+    """The page-attention kernel this call can use (DECODE_KERNEL), or None: decode steps (C = 1) of standard
+    attention over an unquantized pool, without windows, chunks or sinks, and on one device (the kernel is not
+    partitioned over a mesh)."""
+    if C != 1 or latent_attention or "k_scale" in arrays or window is not None or chunk is not None or (
+            sinks is not None) or arrays["k"].shape[-1] != arrays["v"].shape[-1] or sharding.mesh_size() > 1:
+        return None
+    if callable(DECODE_KERNEL):
+        return DECODE_KERNEL
+    if DECODE_KERNEL != "auto" or jax.default_backend() != "tpu":
+        return None
+    from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
+
+    return paged_attention
+
+
+def kernel_decode(kernel, q_P1NH, arrays: dict, r, table_PM, end_P, scale: float, softcap) -> jax.Array:
+    """Each row's query over its keys below end_P by `kernel` (JAX's paged_attention signature: q [P, N, H],
+    pages [K, pages, page, H], lengths [P], page indices [P, M]), the pool's layers seen as one axis of pages
+    (repeat r's page i is r NP + i); the query padded with zeros to the pool's width (lanes()), the output cut back
+    to the query's. Rows with no keys give zeros. Returns [P, 1, N, H]."""
+    K, R, NP, A, Hp = arrays["k"].shape
+    M, H = table_PM.shape[1], q_P1NH.shape[-1]
+    per_block = max(d for d in range(1, M + 1) if M % d == 0 and d * A <= max(KERNEL_BLOCK_TOKENS, A))
+    ids_PM = jnp.clip(table_PM, 0, NP - 1).astype(jnp.int32) + r * NP
+    k, v = (arrays[name].reshape(K, R * NP, A, Hp) for name in ("k", "v"))
+    q_PNH = jnp.pad(q_P1NH[:, 0] * scale, ((0, 0), (0, 0), (0, Hp - H))).astype(k.dtype)
+    out_PNH = kernel(q_PNH, k, v, end_P.astype(jnp.int32), ids_PM, attn_logits_soft_cap=softcap,
+                     pages_per_compute_block=per_block)[..., :H]
+    return jnp.where(end_P[:, None, None] > 0, out_PNH, 0).astype(q_P1NH.dtype)[:, None]
+
+
 def attention(h_PCD, p, cfg: ModelConfig, arrays: dict, r, q_pos_PC, page_PC, off_PC, table_PM, end_P,
               kind: str, flat: bool):
     """One layer's attention (of attention kind `kind`; latent attention when cfg.latent) for tokens [P, C] at
@@ -228,13 +299,19 @@ def attention(h_PCD, p, cfg: ModelConfig, arrays: dict, r, q_pos_PC, page_PC, of
         q_PCNH, (k_PCKH, v_PCKH) = attn_mod.project_entries(h_PCD, p, cfg, q_pos_PC, kind)
         arrays = write(arrays, r, entries(k_PCKH, v_PCKH, arrays), page_PC, off_PC)
         window, chunk = attention_lib.limits(cfg, kind)
+        widths = kvcache.widths(cfg)[1:]
         if not flat:
-            k_PKSH, v_PKSH, k_pos_PS = gather_rows(arrays, r, table_PM, end_P, q_PCNH.dtype)
+            k_PKSH, v_PKSH, k_pos_PS = gather_rows(arrays, r, table_PM, end_P, q_PCNH.dtype, widths)
             mask_PCS = attention_lib.mask(q_pos_PC, k_pos_PS, window, chunk=chunk)
             return attn_mod.attend_entries(q_PCNH, k_PKSH, v_PKSH, mask_PCS, p, cfg), arrays
+        kernel = decode_kernel(arrays, q_PCNH.shape[1], window, chunk, p.get("sinks"), cfg.latent)
+        if kernel is not None:
+            out_P1NH = kernel_decode(kernel, q_PCNH, arrays, r, table_PM, end_P, attention_lib.scale(cfg),
+                                     cfg.attn_logit_softcap)
+            return attention_lib.project_out(out_P1NH, p), arrays
         A = arrays["k"].shape[-2]
-        K = arrays["k"].shape[2]
-        read = lambda ids: _read_kv(arrays, r, ids, q_PCNH.dtype)  # noqa: E731
+        K = arrays["k"].shape[0]
+        read = lambda ids: _read_kv(arrays, r, ids, q_PCNH.dtype, widths)  # noqa: E731
         if cfg.latent:  # absorbed: keys [latent, rotary key], values the latents
             def read(ids, plain=read):
                 kr_FKAr, c_FKAC = plain(ids)

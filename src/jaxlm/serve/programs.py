@@ -178,9 +178,9 @@ def empty_slots(cfg: ModelConfig, slots: int, length: int, quantize: bool) -> kv
 
 
 def empty_pages(cfg: ModelConfig, pages: int, page_size: int, quantize: bool) -> paged.PagedCache:
-    """An empty pool of pages; keys and values [R, NP, K, page, H] sharded by kv heads."""
+    """An empty pool of pages; keys and values [K, R, NP, page, H] sharded by kv heads."""
     cache = paged.init(cfg, pages, page_size, quantize)
-    return paged.PagedCache(tuple({name: sharding.constrain(a, (None, None, "kv_heads", None, "head_dim"))
+    return paged.PagedCache(tuple({name: sharding.constrain(a, ("kv_heads", None, None, None, "head_dim"))
                                    if a.ndim == 5 else a for name, a in kind.items()} for kind in cache.kinds))
 
 
