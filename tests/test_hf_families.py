@@ -8,13 +8,13 @@ generation equals transformers' `generate` for 32 tokens, and the serving engine
 from __future__ import annotations
 
 import shutil
-import time
 
 import numpy as np
 import pytest
 
 import jaxlm
 from jaxlm import convert
+from test_serve import until_done
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -120,14 +120,7 @@ def test_greedy_generation_and_serving_match_transformers(name, tmp_path):
     events = [[] for _ in PROMPTS]
     for i, prompt in enumerate(PROMPTS):
         e.submit(engine_lib.Sequence(list(prompt), 32, 0.0, 0, 1.0, i, 0, (), events[i].append))
-    e.start()
-    deadline = time.monotonic() + 300
-    try:
-        while not all(ev and ev[-1][0] == "done" for ev in events):
-            assert time.monotonic() < deadline, "the engine did not finish in time"
-            time.sleep(0.01)
-    finally:
-        e.stop()
+    until_done(e, events, timeout=300)
     for ev, want in zip(events, wants):
         assert [t for kind, *rest in ev if kind == "tokens" for t in rest[0]] == want
 

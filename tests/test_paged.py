@@ -6,7 +6,6 @@ does; the host's page pool counts references, shares prompt prefixes by full pag
 again oldest first."""
 
 import contextlib
-import time
 
 import jax
 import numpy as np
@@ -17,6 +16,7 @@ from jaxlm.config import MeshConfig, ModelConfig
 from jaxlm.model import forward, paged, param_specs, transformer
 from jaxlm.serve.pages import PagePool
 from test_generate import TINY_2025
+from test_serve import until_done
 
 MODELS = {  # grouped-query heads; a sliding window over every layer; Gemma 2's local/global pattern with soft-caps;
     # learned positions with a mixture-of-experts MLP
@@ -249,14 +249,7 @@ def test_the_paged_engine_through_the_page_attention_kernel_gives_the_flat_paths
         events = [[] for _ in prompts]
         for i, p in enumerate(prompts):
             e.submit(engine_lib.Sequence(p, max_tokens[i], temperature[i], 0, 1.0, 5 + i, 0, (), events[i].append))
-        e.start()
-        deadline = time.monotonic() + 300
-        try:
-            while not all(ev and ev[-1][0] == "done" for ev in events):
-                assert time.monotonic() < deadline, "the engine did not finish in time"
-                time.sleep(0.01)
-        finally:
-            e.stop()
+        until_done(e, events, timeout=300)
         assert e.pages.used() == 0
         runs.append(([[t for ev in evs if ev[0] == "tokens" for t in ev[1]] for evs in events],
                      [[lp for ev in evs if ev[0] == "tokens" for lp in ev[2]] for evs in events], e.preempted_total))
@@ -325,14 +318,7 @@ def test_the_paged_engine_serves_the_2025_families_as_the_slot_engine(family):
         for i, p in enumerate(prompts):
             stop = (tokens(runs[0][2])[0][5],) if page_size and i == 2 else ()
             e.submit(engine_lib.Sequence(p, max_tokens[i], temperature[i], 0, 1.0, 5 + i, 0, stop, events[i].append))
-        e.start()
-        deadline = time.monotonic() + 300
-        try:
-            while not all(ev and ev[-1][0] == "done" for ev in events):
-                assert time.monotonic() < deadline, "the engine did not finish in time"
-                time.sleep(0.01)
-        finally:
-            e.stop()
+        until_done(e, events, timeout=300)
         runs[page_size] = events
         assert e.pages_used() == 0 and not any(e.slots)
     assert e.preempted_total > 0 and e.prefix_hits_total > 0
