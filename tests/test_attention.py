@@ -292,3 +292,43 @@ def test_splash_runs_per_device_under_the_mesh():
     with sharding.activation_sharding(mesh):
         got = jax.jit(lambda q, k, v: splash.attention(q, k, v, seg, 40, None, None, 128, interpret=True))(q, k, v)
     assert_close(got, reference(q, k, v, pos, seg, 40, None))
+
+
+def test_splash_trains_evaluates_and_trains_again_in_one_process(char_data, tmp_path):
+    """The kernel is cached across traces (splash._kernel): nothing made while one step is traced may reach the
+    next trace. A run traces the train step, then the evaluation step, then trains on (each a new trace of the
+    kernel's cached constants); before the kernel's tables were made eagerly, the second trace failed with
+    UnexpectedTracerError (on a TPU at the quickstart's first evaluation)."""
+    from conftest import tiny_config
+    from jaxlm import train
+
+    splash._kernel.cache_clear()
+    cfg = tiny_config(char_data, tmp_path / "run", **{
+        "model.attention": "splash", "model.block_size": 128, "training.steps": 4, "training.eval_interval": 2,
+        "optimizer.warmup_steps": 1, "checkpoint.interval": 0})
+    summary = train.train(cfg, log=lambda s: None)
+    assert summary["steps"] == 4 and np.isfinite(summary["train_loss"]) and np.isfinite(summary["val_loss"])
+    assert splash._kernel.cache_info().hits > 0  # the later traces did take the cached kernel
+
+
+def test_two_models_with_the_same_attention_shape_share_the_splash_kernel():
+    """Two models whose attention has the same heads and length (so the same cached kernel), one traced after
+    the other, each with gradients: the second takes the first's kernel and must still trace and equal the
+    reference."""
+    splash._kernel.cache_clear()
+    T = 128
+    q, k, v = inputs(T, 8)
+    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (2, T))
+    want = reference(q, k, v, pos, None, None, None)
+    for depth in (1, 2):  # two programs: one and two layers of the same attention
+        def model(q, k, v, depth=depth):
+            out = q
+            for _ in range(depth):
+                out = splash.attention(out, k, v, None, None, None, None, block_size=128, interpret=True)
+            return jnp.sum(out ** 2), out
+
+        (_, out), grads = jax.jit(jax.value_and_grad(model, has_aux=True))(q, k, v)
+        if depth == 1:
+            assert_close(out, want)
+        assert all(bool(jnp.isfinite(g).all()) for g in jax.tree.leaves(grads))
+    assert splash._kernel.cache_info().hits > 0

@@ -40,6 +40,15 @@ def _block_sizes(T: int, block: int) -> kernel_lib.BlockSizes:
 @functools.lru_cache(maxsize=64)
 def _kernel(N: int, T: int, window: int | None, softcap: float | None, block: int, interpret: bool,
             chunk: int | None = None):
+    """The kernel for these static settings, cached across traces. Its constructor turns the mask's block tables
+    (numpy) into arrays; made during a trace, those would be that trace's tracers, and the cache would hand them
+    to the next trace (UnexpectedTracerError at a second trace of the step, or the evaluation step). So they are
+    made eagerly, as constants that any trace can capture."""
+    with jax.ensure_compile_time_eval():
+        return _make_kernel(N, T, window, softcap, block, interpret, chunk)
+
+
+def _make_kernel(N, T, window, softcap, block, interpret, chunk):
     if chunk is not None:
         one = mask_lib.ChunkedCausalMask((T, T), chunk_size=chunk)
     elif window is not None:
