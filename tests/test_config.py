@@ -186,3 +186,24 @@ def test_config_fuzz_fails_before_compiling_with_one_line_naming_the_key(char_da
         assert code == 2, (args, err)
         assert err.count("\n") == 1 and err.startswith("error: ") and "Traceback" not in err, (args, err)
         assert key in err, (args, err)
+
+
+def test_a_run_shorter_than_its_presets_warmup_trains_with_the_warmup_cut(tmp_path, capsys):
+    # `jaxlm train quickstart training.steps=6`, a first run on a new machine: the preset's 50 warmup steps are cut
+    # to a tenth of the run, with one line saying so; a warmup the user wrote is theirs (refused if too long).
+    cfg = config_lib.load("quickstart", ["training.steps=6"])
+    assert cfg.optimizer.warmup_steps == 0 and cfg.training.steps == 6
+    err = capsys.readouterr().err
+    assert err == ("note: optimizer.warmup_steps=50 is longer than this run's 6 steps of schedule: warmup cut to 0 "
+                   "(a tenth of them); set optimizer.warmup_steps to choose\n")
+    assert config_lib.load("quickstart", ["training.steps=40"]).optimizer.warmup_steps == 4
+    assert config_lib.load("quickstart", ["training.steps=60"]).optimizer.warmup_steps == 50  # long enough: kept
+    assert capsys.readouterr().err.count("note:") == 1
+    with pytest.raises(ConfigError, match=r"^training.steps=6 must be >= optimizer.warmup_steps=10 "):
+        config_lib.load("quickstart", ["training.steps=6", "optimizer.warmup_steps=10"])
+    run = tmp_path / "run.yaml"  # a file's warmup is written too
+    run.write_text("base: quickstart\noptimizer:\n  warmup_steps: 10\ntraining:\n  steps: 6\n")
+    with pytest.raises(ConfigError, match=r"optimizer.warmup_steps=10"):
+        config_lib.load(str(run))
+    assert config_lib.load("quickstart", ["training.steps=6", "optimizer.schedule=constant"]).optimizer.warmup_steps \
+        == 50  # a constant schedule has no decay to fit in

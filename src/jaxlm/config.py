@@ -14,6 +14,7 @@ import importlib
 import json
 import math
 import pkgutil
+import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -741,8 +742,9 @@ def preset_names() -> list[str]:
     return sorted(m.name for m in pkgutil.iter_modules(configs.__path__) if not m.name.startswith("_"))
 
 
-def load_base(name_or_file: str) -> Config:
-    """A preset by name (`shakespeare_char`) or a YAML/JSON file of nested settings."""
+def load_base(name_or_file: str, written: set[str] | None = None) -> Config:
+    """A preset by name (`shakespeare_char`) or a YAML/JSON file of nested settings; the dotted keys a file (or
+    the files it is based on) sets are added to `written`."""
     path = Path(name_or_file)
     if path.suffix in (".yaml", ".yml", ".json") or path.is_file():
         if not path.is_file():
@@ -760,8 +762,11 @@ def load_base(name_or_file: str) -> Config:
         data = data or {}
         if not isinstance(data, dict):
             raise ConfigError(f"{name_or_file} must hold a mapping of settings, not {type(data).__name__}")
-        base = load_base(data.pop("base")) if "base" in data else Config()
-        return apply_overrides(base, flatten(data))
+        base = load_base(data.pop("base"), written) if "base" in data else Config()
+        settings = flatten(data)
+        if written is not None:
+            written.update(ALIASES.get(k, k) for k in settings)
+        return apply_overrides(base, settings)
     name = name_or_file.replace("-", "_").replace(".", "_")
     names = preset_names()
     if name not in names:
@@ -775,9 +780,28 @@ def load(name_or_file: str, overrides: dict[str, Any] | list[str] | None = None)
     """Base + overrides, validated."""
     if isinstance(overrides, list):
         overrides = parse_overrides(overrides)
-    cfg = apply_overrides(load_base(name_or_file), overrides or {})
+    overrides = overrides or {}
+    written = {ALIASES.get(k, k) for k in overrides}
+    cfg = apply_overrides(load_base(name_or_file, written), overrides)
+    cfg, note = fit_warmup(cfg, explicit="optimizer.warmup_steps" in written)
+    if note:
+        print(f"note: {note}", file=sys.stderr)
     validate(cfg)
     return cfg
+
+
+def fit_warmup(cfg: Config, explicit: bool) -> tuple[Config, str | None]:
+    """A run shorter than the warmup it inherited (a preset's, or the default) trains: the warmup is cut to a
+    tenth of the steps the schedule decays over, and the note says so. A warmup the user wrote is kept (and
+    `validate` refuses it if the run is shorter)."""
+    o = cfg.optimizer
+    decay = o.decay_steps if o.decay_steps is not None else cfg.training.steps
+    if explicit or o.schedule == "constant" or decay >= o.warmup_steps or decay < 0:
+        return cfg, None
+    cut = decay // 10
+    return cfg.replace(optimizer=dataclasses.replace(o, warmup_steps=cut)), (
+        f"optimizer.warmup_steps={o.warmup_steps} is longer than this run's {decay} steps of schedule: warmup cut "
+        f"to {cut} (a tenth of them); set optimizer.warmup_steps to choose")
 
 
 def _divisors(n: int) -> str:
@@ -965,7 +989,9 @@ def _validate_optimizer_and_training(o: OptimizerConfig, t: TrainingConfig, c: C
         raise ConfigError(f"optimizer.warmup_steps={o.warmup_steps} must be >= 0")
     decay = o.decay_steps if o.decay_steps is not None else t.steps
     if o.schedule != "constant" and decay < o.warmup_steps:
-        raise ConfigError(f"optimizer.decay_steps={decay} must be >= optimizer.warmup_steps={o.warmup_steps}")
+        length = f"optimizer.decay_steps={decay}" if o.decay_steps is not None else f"training.steps={decay}"
+        raise ConfigError(f"{length} must be >= optimizer.warmup_steps={o.warmup_steps} (the schedule's length "
+                          "includes its warmup): shorten the warmup or lengthen the run")
     if not 0.0 <= o.cooldown_fraction <= 1.0:
         raise ConfigError(f"optimizer.cooldown_fraction={o.cooldown_fraction} must be in [0, 1]")
     if o.cooldown_steps is not None and o.cooldown_steps < 0:
