@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import require
 from jaxlm import config as config_lib, generate, params as P, sampling, sharding
 from jaxlm.config import ConfigError, DecodeConfig, MeshConfig
 from jaxlm.configs._models import MODELS
@@ -241,8 +242,8 @@ def test_generate_equals_the_stacked_decode_step(name, quantize, unroll, monkeyp
 # ---- against transformers, and the command line ------------------------------------------------------------------
 
 def test_greedy_generation_matches_transformers(tmp_path):
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    torch = require("torch")
+    transformers = require("transformers", "hf")
     import jaxlm
     from jaxlm import convert
 
@@ -328,9 +329,8 @@ def test_generation_on_a_mesh_shards_the_cache_and_matches_one_device():
                             on_tokens=lambda tok, live: streamed.append(np.where(live, tok, -1))).tokens
     assert got == want
     assert [[int(t) for t in col if t >= 0] for col in np.array(streamed).T] == want
-    with sharding.activation_sharding(mesh):
-        _, cache = generate._prefill(params, np.array([[1, 2], [3, 4], [5, 6], [7, 8]], np.int32),
-                                     np.array([2, 2, 1, 2], np.int32), cfg, 16, False)
+    _, cache = generate._prefill(params, np.array([[1, 2], [3, 4], [5, 6], [7, 8]], np.int32),
+                                 np.array([2, 2, 1, 2], np.int32), cfg, 16, False, sharding.layout(mesh))
     k = cache.kinds[0].k  # [R, B, K, S, H]
     assert k.sharding.spec[1:3] == ("data", "tensor")  # slots and head width whole
     assert len(k.sharding.device_set) == 8

@@ -16,7 +16,7 @@ from jaxlm.config import MeshConfig, ModelConfig
 from jaxlm.model import forward, paged, param_specs, transformer
 from jaxlm.serve.pages import PagePool
 from test_generate import TINY_2025
-from test_serve import until_done
+from conftest import until_done
 
 MODELS = {  # grouped-query heads; a sliding window over every layer; Gemma 2's local/global pattern with soft-caps;
     # learned positions with a mixture-of-experts MLP
@@ -34,19 +34,18 @@ MODELS = {  # grouped-query heads; a sliding window over every layer; Gemma 2's 
     ("deepseek_v3", False, 1), ("gqa", False, 128), ("sliding", True, 128), ("deepseek_v3", False, 128),
     *(pytest.param(*case, marks=pytest.mark.slow)
       for case in (("gpt_oss", False, 1), ("deepseek_v3", True, 1), ("llama4", False, 1), ("gemma3", False, 1)))])
-def test_paged_forward_equals_the_uncached_forward(family, quantize, lane, monkeypatch):
+def test_paged_forward_equals_the_uncached_forward(family, quantize, lane):
     """Three sequences in pages of 4 positions taken at random from a 64-page pool (a window of 8: the local
     layers' keys span pages): a first chunk of 32 (read by rows; the prompts 5 to 22 tokens, the rest padding),
     six decode steps with the layers unrolled in which one row sits out every other step (length 0: it writes
     and reads nothing), then three tokens at once with every logit (flat, scanned layers). Each gives the logits
     of the uncached forward pass at its positions (int8 within its rounding); the pages no row holds keep their
     zeros. With lane 128 (what TPUs take) the pool's vectors are padded to 128 wide, to the same logits."""
-    monkeypatch.setattr(paged, "LANES", lane)
     cfg = ModelConfig(**{**dict(vocab_size=50, block_size=64, n_layers=2, n_heads=4, n_kv_heads=2, d_model=32,
                                 sliding_window=8), **MODELS[family]})
     params = P.init(param_specs(cfg), jax.random.key(0), sharding.make_mesh(MeshConfig(), jax.devices()[:1]))
     A, NP, M = 4, 64, 12
-    cache = paged.init(cfg, NP, A, quantize)
+    cache = paged.init(cfg, NP, A, quantize, paged.PoolFormat(lane))
     rng = np.random.default_rng(0)
     lengths = np.asarray([13, 5, 22], np.int32)
     seqs = [rng.integers(0, 50, 40).astype(np.int32) for _ in lengths]
@@ -90,18 +89,19 @@ def test_a_pages_layout_and_size_follow_the_entries():
         "k": (2, 4, 10, 16, 8), "v": (2, 4, 10, 16, 8), "k_scale": (4, 10, 16, 2), "v_scale": (4, 10, 16, 2)}
     assert paged.bytes_per_token(cfg, quantize=True) == 4 * 2 * (2 * 8 + 2 * 4)
     assert paged.bytes_per_token(cfg) == 4 * 2 * 2 * 8 * 4  # float32: layers x (k, v) x heads x width x 4 bytes
-    # on TPU (lanes() 128) keys and values are padded to 128 wide, the scales are not
-    padded = paged.init(cfg, 10, 16, quantize=True, lane=128)
+    # on TPU (lanes 128) keys and values are padded to 128 wide, the scales are not
+    assert paged.pool_format("tpu").lane == 128 and paged.pool_format("cpu") == paged.PoolFormat(1, None)
+    padded = paged.init(cfg, 10, 16, quantize=True, fmt=paged.PoolFormat(lane=128))
     assert {name: a.shape for name, a in padded.kinds[0].items()} == {
         "k": (2, 4, 10, 16, 128), "v": (2, 4, 10, 16, 128), "k_scale": (4, 10, 16, 2), "v_scale": (4, 10, 16, 2)}
     assert paged.bytes_per_token(cfg, quantize=True, lane=128) == 4 * 2 * (2 * 128 + 2 * 4)
 
 
 @pytest.fixture
-def page_kernel(monkeypatch):
-    """JAX's Pallas paged-attention kernel as paged.DECODE_KERNEL, counting its calls: on a TPU compiled for the
-    chip, elsewhere run in TPU interpret mode (the kernel's own program, its DMAs and semaphores simulated on the
-    CPU). The jit caches are cleared before and after: the kernel is chosen while a step is traced."""
+def page_kernel():
+    """JAX's Pallas paged-attention kernel, for a pool's format (paged.PoolFormat), counting its calls in
+    `page_kernel.calls`: on a TPU compiled for the chip, elsewhere run in TPU interpret mode (the kernel's own
+    program, its DMAs and semaphores simulated on the CPU)."""
     from jax.experimental.pallas import tpu as pltpu
     from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
 
@@ -112,10 +112,8 @@ def page_kernel(monkeypatch):
         with contextlib.nullcontext() if jax.default_backend() == "tpu" else pltpu.force_tpu_interpret_mode():
             return paged_attention(*args, **kw)
 
-    jax.clear_caches()
-    monkeypatch.setattr(paged, "DECODE_KERNEL", kernel)
-    yield calls
-    jax.clear_caches()
+    kernel.calls = calls
+    return kernel
 
 
 @pytest.mark.parametrize("family,lane", [("gqa", 1), ("gemma2", 1), ("gqa", 128)])
@@ -126,7 +124,6 @@ def test_decode_steps_through_the_page_attention_kernel_give_the_flat_paths_logi
     layers scanned and unrolled, with a row that sits out a step (length 0); Gemma 2's local layers (a window)
     and soft-capped logits: the kernel caps them, the window's layers keep the flat path. With lane 128 (TPU's
     pool) the query is padded to the pool's width and the output cut back."""
-    monkeypatch.setattr(paged, "LANES", lane)
     cfg = ModelConfig(**{**dict(vocab_size=50, block_size=64, n_layers=2, n_heads=4, n_kv_heads=2, d_model=32,
                                 sliding_window=8), **MODELS[family]})
     params = P.init(param_specs(cfg), jax.random.key(0), sharding.make_mesh(MeshConfig(), jax.devices()[:1]))
@@ -142,10 +139,9 @@ def test_decode_steps_through_the_page_attention_kernel_give_the_flat_paths_logi
     monkeypatch.setattr(paged, "KERNEL_BLOCK_TOKENS", 32)
 
     def steps(kernel):
-        monkeypatch.setattr(paged, "DECODE_KERNEL", kernel)
         jax.clear_caches()
-        _, cache = transformer.paged_forward(params, paged.init(cfg, NP, A), tokens, np.zeros(3, np.int32), lengths,
-                                             table, cfg)
+        _, cache = transformer.paged_forward(params, paged.init(cfg, NP, A, fmt=paged.PoolFormat(lane, kernel)),
+                                             tokens, np.zeros(3, np.int32), lengths, table, cfg)
         L, out = lengths.copy(), []
         for step in range(4):
             tok = np.asarray([seqs[b][L[b]] for b in range(3)], np.int32)[:, None]
@@ -156,12 +152,11 @@ def test_decode_steps_through_the_page_attention_kernel_give_the_flat_paths_logi
             L = np.where(length > 0, L + 1, L).astype(np.int32)
         return out
 
-    kernel = paged.DECODE_KERNEL
     flat = steps(None)
-    through_kernel = steps(kernel)
+    through_kernel = steps(page_kernel)
     layers = cfg.n_layers // 2 if family == "gemma2" else cfg.n_layers
-    assert len(page_kernel) == 1 + layers  # traced once with the layers scanned, once per layer unrolled
-    assert set(page_kernel) == {4}  # blocks of 32 keys: a table of 8 pages of 8 in two
+    assert len(page_kernel.calls) == 1 + layers  # traced once with the layers scanned, once per layer unrolled
+    assert set(page_kernel.calls) == {4}  # blocks of 32 keys: a table of 8 pages of 8 in two
     for a, b in zip(flat, through_kernel):
         assert np.abs(a).max() > 0.1
         np.testing.assert_allclose(b, a, rtol=0, atol=1e-3)  # float32 sums in another order
@@ -188,7 +183,7 @@ def test_a_decode_step_updates_the_pool_in_place_whatever_its_table_width(rows, 
 
 @pytest.mark.parametrize("rows,chunk,table_width,kernel", [(1, 16, 1, False), (8, 512, 32, False),
                                                             (64, 1, 128, False), (64, 1, 128, True)])
-def test_paged_steps_compiled_for_a_tpu_update_the_pool_in_place(rows, chunk, table_width, kernel, monkeypatch):
+def test_paged_steps_compiled_for_a_tpu_update_the_pool_in_place(rows, chunk, table_width, kernel):
     """The engine's paged programs compiled for a TPU v5e (libtpu, from this CPU host) with heads of 64, as the
     134M benchmark model has: a short prompt chunk (flat), a long one (by rows) and a decode step of 64 rows (flat
     and through the Pallas kernel) need no pool-sized temporaries. Before the pool was padded to 128 lanes, its
@@ -201,9 +196,9 @@ def test_paged_steps_compiled_for_a_tpu_update_the_pool_in_place(rows, chunk, ta
     from jaxlm.serve import programs
 
     device = aot.tpu_topology("v5e:1x1", 1)[0]
-    jax.clear_caches()  # the kernel is chosen while a program is traced
-    monkeypatch.setattr(paged, "LANES", 128)  # what lanes() gives on a TPU
-    monkeypatch.setattr(paged, "DECODE_KERNEL", paged_attention if kernel else None)
+    fmt = paged.pool_format(device.platform)  # 128 lanes, the Pallas kernel
+    assert fmt.kernel is paged_attention
+    fmt = fmt if kernel else fmt._replace(kernel=None)
     cfg = ModelConfig(vocab_size=1024, block_size=2048, n_layers=2, n_heads=12, n_kv_heads=12, d_model=768,
                       d_ff=2048, norm="rmsnorm", glu=True, activation="silu")
 
@@ -213,7 +208,7 @@ def test_paged_steps_compiled_for_a_tpu_update_the_pool_in_place(rows, chunk, ta
 
     params = on_tpu(P.abstract(param_specs(cfg)))
     lw = on_tpu(jax.eval_shape(lambda p: transformer.layer_weights(p, cfg), params))
-    cache = on_tpu(jax.eval_shape(lambda: paged.init(cfg, 8192, 16)))  # 3.2 GB
+    cache = on_tpu(jax.eval_shape(lambda: paged.init(cfg, 8192, 16, fmt=fmt)))  # 3.2 GB
     assert cache.kinds[0]["k"].shape == (12, 2, 8192, 16, 128)
     i32 = lambda *shape: on_tpu(jax.ShapeDtypeStruct(shape, np.int32))  # noqa: E731
     logits = on_tpu(jax.ShapeDtypeStruct((64, cfg.vocab_size), np.float32))
@@ -224,11 +219,9 @@ def test_paged_steps_compiled_for_a_tpu_update_the_pool_in_place(rows, chunk, ta
     assert memory.alias_size_in_bytes >= pool  # the pool in is the pool out
     assert memory.temp_size_in_bytes < pool / 20, (memory.temp_size_in_bytes, pool)
     assert ("jit(paged_attention)/pallas_call" in compiled.as_text()) == kernel  # the Pallas kernel, if asked for
-    jax.clear_caches()
 
 
-def test_the_paged_engine_through_the_page_attention_kernel_gives_the_flat_paths_tokens(page_kernel,
-                                                                                         monkeypatch):
+def test_the_paged_engine_through_the_page_attention_kernel_gives_the_flat_paths_tokens(page_kernel):
     """The paged engine whose decode steps read pages with the Pallas kernel gives the tokens and log-probabilities
     (to float rounding) of the flat path: greedy and seeded sampling, a shared prompt prefix, preemption (a pool
     of 16 pages of 4 positions for 4 sequences of up to 30), speculation off; afterwards no page is held."""
@@ -240,12 +233,10 @@ def test_the_paged_engine_through_the_page_attention_kernel_gives_the_flat_paths
     shared = rng.integers(0, 50, 9).tolist()
     prompts = [rng.integers(0, 50, n).tolist() for n in (5, 13, 3)] + [shared + [7], shared + [8, 9]]
     max_tokens, temperature = [16, 12, 18, 10, 14], [0, 0.9, 0, 1.0, 0]
-    kernel, runs = paged.DECODE_KERNEL, []
-    for decode_kernel in (None, kernel):
-        monkeypatch.setattr(paged, "DECODE_KERNEL", decode_kernel)
-        jax.clear_caches()
+    runs = []
+    for decode_kernel in (None, page_kernel):
         e = engine_lib.Engine(params, cfg, 4, 48, max_queue=8, prefill_chunk=8, decode_steps=4, page_size=4,
-                              cache_pages=16)
+                              cache_pages=16, page_format=paged.PoolFormat(kernel=decode_kernel))
         events = [[] for _ in prompts]
         for i, p in enumerate(prompts):
             e.submit(engine_lib.Sequence(p, max_tokens[i], temperature[i], 0, 1.0, 5 + i, 0, (), events[i].append))
@@ -253,7 +244,7 @@ def test_the_paged_engine_through_the_page_attention_kernel_gives_the_flat_paths
         assert e.pages.used() == 0
         runs.append(([[t for ev in evs if ev[0] == "tokens" for t in ev[1]] for evs in events],
                      [[lp for ev in evs if ev[0] == "tokens" for lp in ev[2]] for evs in events], e.preempted_total))
-    assert page_kernel, "the kernel was not used"
+    assert page_kernel.calls, "the kernel was not used"
     (tokens_flat, lp_flat, preempted), (tokens_kernel, lp_kernel, _) = runs
     assert preempted > 0 and [len(t) for t in tokens_flat] == max_tokens
     assert tokens_kernel == tokens_flat

@@ -5,7 +5,6 @@ written by `jaxlm convert from-hf`."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 from dataclasses import dataclass
@@ -22,9 +21,10 @@ from jaxlm.data import tokenizer as tokenizer_lib
 from jaxlm.model import forward
 
 
-@partial(jax.jit, static_argnames="cfg")
-def _logits(params, tokens_BT, cfg: ModelConfig):
-    return forward(params, tokens_BT, cfg)
+@partial(jax.jit, static_argnames=("cfg", "layout"))
+def _logits(params, tokens_BT, cfg: ModelConfig, layout: sharding.Layout | None):
+    with sharding.within(layout):
+        return forward(params, tokens_BT, cfg)
 
 
 @dataclass
@@ -43,8 +43,8 @@ class Model:
         V = self.config.model.vocab_size
         if tokens_BT.size and (tokens_BT.min() < 0 or tokens_BT.max() >= V):
             raise ValueError(f"token ids must be in [0, {V}), got [{tokens_BT.min()}, {tokens_BT.max()}]")
-        with sharding.activation_sharding(self.mesh) if self.mesh is not None else contextlib.nullcontext():
-            return np.asarray(_logits(self.params, jnp.asarray(tokens_BT, jnp.int32), self.config.model))
+        return np.asarray(_logits(self.params, jnp.asarray(tokens_BT, jnp.int32), self.config.model,
+                                  sharding.layout(self.mesh)))
 
     def generate(self, prompt_ids: list[int], new_tokens: int = 200, temperature: float = 0.8, top_k: int = 0,
                  top_p: float = 1.0, seed: int = 0, stop_ids: tuple[int, ...] | None = None) -> list[int]:

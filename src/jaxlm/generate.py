@@ -16,11 +16,12 @@ from __future__ import annotations
 from functools import partial
 
 import contextlib
+import itertools
 import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -81,16 +82,40 @@ class _InOrder:
                 self.next += 1
 
 
-_STREAM: list[_InOrder | None] = []  # the host callback of the running `generate`
+# The host callbacks of the decode loops running now, by stream id. A compiled loop is shared by every call of its
+# shapes, in any thread: each call passes its own id in (an argument, not a constant of the program), and `emit`
+# hands the loop's values to that call's callback.
+_STREAMS: dict[int, Callable] = {}
+_STREAMS_LOCK = threading.Lock()
+_STREAM_IDS = itertools.count(1)  # 0: no stream
 
 
-def _emit(i, tokens_B, live_B):
-    _STREAM[-1](i, tokens_B, live_B)
+@contextlib.contextmanager
+def streaming(fn: Callable) -> Iterator[np.ndarray]:
+    """A stream id (an int32 scalar for a decode loop's argument) whose `emit`s call fn until the block ends."""
+    with _STREAMS_LOCK:
+        i = next(_STREAM_IDS) % 2**31
+        _STREAMS[i] = fn
+    try:
+        yield np.int32(i)
+    finally:
+        with _STREAMS_LOCK:
+            del _STREAMS[i]
 
 
-@partial(jax.jit, static_argnames=("cfg", "cache_length", "quantize"))
-def _prefill(params, prompts_BT, lengths_B, cfg: ModelConfig, cache_length: int, quantize: bool):
-    return transformer.prefill(params, prompts_BT, lengths_B, cfg, cache_length, quantize)
+def emit(stream_id, *values) -> None:
+    """A decode loop's host callback (jax.debug.callback): values to the callback of stream_id."""
+    with _STREAMS_LOCK:
+        fn = _STREAMS.get(int(stream_id))
+    if fn is not None:
+        fn(*values)
+
+
+@partial(jax.jit, static_argnames=("cfg", "cache_length", "quantize", "layout"))
+def _prefill(params, prompts_BT, lengths_B, cfg: ModelConfig, cache_length: int, quantize: bool,
+             layout: sharding.Layout | None = None):
+    with sharding.within(layout):
+        return transformer.prefill(params, prompts_BT, lengths_B, cfg, cache_length, quantize)
 
 
 FIRST_SEGMENT = 64  # cache slots of the first decode segment at least; each next one doubles
@@ -123,36 +148,41 @@ def segments(prompt_len: int, cache_length: int, max_new_tokens: int) -> list[tu
     return out + [(cache_length, max_new_tokens)]
 
 
-@partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "stream", "prompt_len", "cache_length", "unroll"))
-def _decode(params, logits_BV, cache, key, temperature, top_k, top_p, stop_S, cfg: ModelConfig,
-            max_new_tokens: int, stream: bool, prompt_len: int, cache_length: int, unroll: bool):
+@partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "stream", "prompt_len", "cache_length", "unroll",
+                                   "layout"))
+def _decode(params, logits_BV, cache, key, temperature, top_k, top_p, stop_S, stream_id, cfg: ModelConfig,
+            max_new_tokens: int, stream: bool, prompt_len: int, cache_length: int, unroll: bool,
+            layout: sharding.Layout | None = None):
     """Sample up to max_new_tokens per sequence: [B, N] tokens (0 after a sequence stopped) and counts [B].
     With `unroll` the layers are unrolled, else scanned. `cache` comes from prefill of prompts padded to
     prompt_len, with the slots of the first of the segments up to cache_length; the loop of a segment ends at
-    its last step or once every sequence has stopped, and the next one grows the cache."""
+    its last step or once every sequence has stopped, and the next one grows the cache. With `stream` each
+    step's tokens go to the host callback of stream_id (`streaming`)."""
     B = logits_BV.shape[0]
-    step, cache = transformer.decoder(params, cache, cfg, unroll)
+    with sharding.within(layout):
+        step, cache = transformer.decoder(params, cache, cfg, unroll)
 
-    def body(c):
-        key, sub = jax.random.split(c["key"])
-        tok_B = jnp.where(c["done_B"], 0, sampling.sample_tokens(c["logits_BV"], sub, temperature, top_k, top_p))
-        if stream:
-            # Replicated first (a few ints a step): the callback reads its operands on one device.
-            jax.debug.callback(_emit, c["i"], sharding.constrain(tok_B, (None,)),
-                               sharding.constrain(~c["done_B"], (None,)))
-        out_BN = c["out_BN"].at[:, c["i"]].set(tok_B)
-        count_B = c["count_B"] + (~c["done_B"]).astype(jnp.int32)
-        done_B = c["done_B"] | jnp.any(tok_B[:, None] == stop_S[None, :], axis=-1)
-        logits_BV, cache = step(tok_B, c["cache"])
-        return dict(i=c["i"] + 1, key=key, logits_BV=logits_BV, cache=cache, out_BN=out_BN, count_B=count_B,
-                    done_B=done_B)
+        def body(c):
+            key, sub = jax.random.split(c["key"])
+            tok_B = jnp.where(c["done_B"], 0, sampling.sample_tokens(c["logits_BV"], sub, temperature, top_k,
+                                                                     top_p))
+            if stream:
+                # Replicated first (a few ints a step): the callback reads its operands on one device.
+                jax.debug.callback(emit, stream_id, c["i"], sharding.constrain(tok_B, (None,)),
+                                   sharding.constrain(~c["done_B"], (None,)))
+            out_BN = c["out_BN"].at[:, c["i"]].set(tok_B)
+            count_B = c["count_B"] + (~c["done_B"]).astype(jnp.int32)
+            done_B = c["done_B"] | jnp.any(tok_B[:, None] == stop_S[None, :], axis=-1)
+            logits_BV, cache = step(tok_B, c["cache"])
+            return dict(i=c["i"] + 1, key=key, logits_BV=logits_BV, cache=cache, out_BN=out_BN, count_B=count_B,
+                        done_B=done_B)
 
-    c = dict(i=jnp.int32(0), key=key, logits_BV=logits_BV, cache=cache,
-             out_BN=jnp.zeros((B, max_new_tokens), jnp.int32), count_B=jnp.zeros((B,), jnp.int32),
-             done_B=jnp.zeros((B,), bool))
-    for S, end in segments(prompt_len, cache_length, max_new_tokens):
-        c["cache"] = kvcache.grow(c["cache"], cfg, S)
-        c = jax.lax.while_loop(lambda c, end=end: (c["i"] < end) & ~jnp.all(c["done_B"]), body, c)
+        c = dict(i=jnp.int32(0), key=key, logits_BV=logits_BV, cache=cache,
+                 out_BN=jnp.zeros((B, max_new_tokens), jnp.int32), count_B=jnp.zeros((B,), jnp.int32),
+                 done_B=jnp.zeros((B,), bool))
+        for S, end in segments(prompt_len, cache_length, max_new_tokens):
+            c["cache"] = kvcache.grow(c["cache"], cfg, S)
+            c = jax.lax.while_loop(lambda c, end=end: (c["i"] < end) & ~jnp.all(c["done_B"]), body, c)
     return c["out_BN"], c["count_B"]
 
 
@@ -213,32 +243,50 @@ def _round_up(n: int) -> int:
 
 
 _EXECUTABLES: dict = {}  # (prefill, decode) compiled for a key of shapes, shardings and static settings
-_MAX_EXECUTABLES = 32
+MAX_EXECUTABLES = 32  # kept in such a dict (here and in speculative.py); the oldest is dropped first
+_EXECUTABLES_LOCK = threading.Lock()
+
+
+def signature(args) -> tuple:
+    """What of a call's arguments selects its compiled program: their structure, shapes, dtypes and shardings."""
+    return jax.tree.structure(args), tuple((np.shape(a), str(a.dtype), getattr(a, "sharding", None))
+                                           for a in jax.tree.leaves(args))
+
+
+def compiled_once(executables: dict, key, compile: Callable):
+    """executables[key], made by compile() when it is missing (compiled once per process: a server or notebook
+    calling again with the same shapes compiles nothing); at most MAX_EXECUTABLES are kept, the oldest dropped
+    first. Threads may call it at once (two may then compile the same program)."""
+    with _EXECUTABLES_LOCK:
+        found = executables.get(key)
+    if found is not None:
+        return found
+    made = compile()
+    with _EXECUTABLES_LOCK:
+        while len(executables) >= MAX_EXECUTABLES:
+            executables.pop(next(iter(executables)))  # the oldest
+        return executables.setdefault(key, made)
 
 
 def _compiled(params, prompts_BT, lengths_B, key, settings, stop_S, cfg: ModelConfig, length: int,
               d: DecodeConfig, mesh, stream: bool):
-    """The prefill and decode executables for these shapes, compiled once per process and reused by later calls
-    with the same shapes (a server or notebook calling generate again compiles nothing)."""
-    args = (params, prompts_BT, lengths_B, stop_S)
-    k = (jax.tree.structure(args), tuple((np.shape(a), np.dtype(a.dtype), getattr(a, "sharding", None))
-                                         for a in jax.tree.leaves(args)),
-         cfg, length, d.quantize_kv_cache, d.max_new_tokens, mesh, stream, cfg.n_layers <= UNROLL_LAYERS)
-    if k not in _EXECUTABLES:
-        ctx = sharding.activation_sharding(mesh) if mesh is not None else contextlib.nullcontext()
+    """The prefill and decode executables for these shapes, on this mesh, compiled once per process."""
+    layout = sharding.layout(mesh)
+    unroll = cfg.n_layers <= UNROLL_LAYERS
+    k = (signature((params, prompts_BT, lengths_B, stop_S)), cfg, length, d.quantize_kv_cache, d.max_new_tokens,
+         layout, stream, unroll)
+
+    def compile():
         T = prompts_BT.shape[1]
         first = segments(T, length, d.max_new_tokens)[0][0]
-        with ctx:
-            prefill = _prefill.lower(params, prompts_BT, lengths_B, cfg, first, d.quantize_kv_cache).compile()
-            logits_shape, cache_shape = jax.eval_shape(partial(transformer.prefill, cfg=cfg, cache_length=first,
-                                                               quantize=d.quantize_kv_cache),
-                                                       params, prompts_BT, lengths_B)
-            decode = _decode.lower(params, logits_shape, cache_shape, key, *settings, stop_S, cfg,
-                                   d.max_new_tokens, stream, T, length, cfg.n_layers <= UNROLL_LAYERS).compile()
-        if len(_EXECUTABLES) >= _MAX_EXECUTABLES:
-            _EXECUTABLES.pop(next(iter(_EXECUTABLES)))  # the oldest
-        _EXECUTABLES[k] = (prefill, decode)
-    return _EXECUTABLES[k]
+        static = dict(cfg=cfg, cache_length=first, quantize=d.quantize_kv_cache, layout=layout)
+        prefill = _prefill.lower(params, prompts_BT, lengths_B, **static).compile()
+        logits_shape, cache_shape = jax.eval_shape(partial(_prefill, **static), params, prompts_BT, lengths_B)
+        decode = _decode.lower(params, logits_shape, cache_shape, key, *settings, stop_S, np.int32(0), cfg,
+                               d.max_new_tokens, stream, T, length, unroll, layout).compile()
+        return prefill, decode
+
+    return compiled_once(_EXECUTABLES, k, compile)
 
 
 def generate(params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], d: DecodeConfig,
@@ -265,12 +313,10 @@ def generate(params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], d: Deco
     t1 = time.perf_counter()
     logits_BV, cache = jax.block_until_ready(prefill(params, prompts_BT, lengths_B))
     t2 = time.perf_counter()
-    _STREAM.append(_InOrder(on_tokens) if on_tokens is not None else None)
-    try:
-        out_BN, count_B = jax.block_until_ready(decode(params, logits_BV, cache, key, *settings, stop_S))
+    streamed = streaming(_InOrder(on_tokens)) if on_tokens is not None else contextlib.nullcontext(np.int32(0))
+    with streamed as stream_id:
+        out_BN, count_B = jax.block_until_ready(decode(params, logits_BV, cache, key, *settings, stop_S, stream_id))
         jax.effects_barrier()
-    finally:
-        _STREAM.pop()
     t3 = time.perf_counter()
     out_BN, count_B = np.asarray(out_BN), np.asarray(count_B)
     return Generation([out_BN[b, :count_B[b]].tolist() for b in range(B)], t1 - t0, t2 - t1, t3 - t2)

@@ -174,8 +174,42 @@ def activation_sharding(mesh: Mesh, rules: Rules = ACTIVATION_RULES, pipeline: t
                         param_rules: Rules = PARAM_RULES):
     """Within this block (while tracing), `constrain` pins activations to the mesh, and a mesh with a `stage`
     axis over 1 runs the layers as a pipeline of (micro-batches, repeats) = `pipeline` (training.pipeline_*)
-    whose weights `constrain_param` pins by `param_rules`."""
+    whose weights `constrain_param` pins by `param_rules`. Open it inside the jitted function (a program built for
+    one mesh, as the train step is, or `within` a static Layout argument), never around a call of a jitted
+    function that other blocks call too: jax.jit would reuse the program traced under the first."""
     token = _CTX.set((mesh, rules, pipeline, param_rules))
+    try:
+        yield
+    finally:
+        _CTX.reset(token)
+
+
+class Layout(NamedTuple):
+    """The arguments of an `activation_sharding` block, frozen (rules as sorted (name, axes) pairs): hashable, so
+    that a jitted program takes it as a static argument and enters it while traced (`within`). Model code reads
+    the block while it is traced, which jax.jit's caches do not see: a program traced inside a block opened
+    outside it would be reused under another mesh or other rules."""
+    mesh: Mesh
+    rules: tuple[tuple[str, tuple[str, ...]], ...]
+    pipeline: tuple[int, int]
+    param_rules: tuple[tuple[str, tuple[str, ...]], ...]
+
+
+def layout(mesh: Mesh | None, rules: Rules = ACTIVATION_RULES, pipeline: tuple[int, int] = (0, 1),
+           param_rules: Rules = PARAM_RULES) -> Layout | None:
+    """The Layout of activation_sharding(mesh, rules, pipeline, param_rules); None without a mesh."""
+    if mesh is None:
+        return None
+    frozen = lambda r: tuple(sorted((k, tuple(v)) for k, v in r.items()))  # noqa: E731
+    return Layout(mesh, frozen(rules), tuple(pipeline), frozen(param_rules))
+
+
+@contextlib.contextmanager
+def within(layout: Layout | None):
+    """The block of a program's static `layout` argument, opened inside the program: activation_sharding of it, or
+    none at all for None (a block opened around the call does not reach in)."""
+    token = _CTX.set(None if layout is None else (layout.mesh, dict(layout.rules), layout.pipeline,
+                                                  dict(layout.param_rules)))
     try:
         yield
     finally:

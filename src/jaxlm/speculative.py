@@ -21,6 +21,7 @@ Shape legend: B batch, T prompt length, V vocab, k draft tokens, J = k + 1, N ne
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from dataclasses import dataclass
@@ -49,40 +50,34 @@ class Speculation(generate.Generation):
         return self.accepted / max(self.proposed, 1)
 
 
-_STREAM: list = []  # the host callback of the running `generate`
-
-
-def _emit(i, tokens_BJ, count_B):
-    _STREAM[-1](i, tokens_BJ, count_B)
-
-
-@partial(jax.jit, static_argnames=("cfg", "draft_cfg", "pages"))
-def _prefill(params, draft_params, prompts_BT, lengths_B, cfg: ModelConfig, draft_cfg: ModelConfig, pages: int):
-    """Both models' caches, each sequence's pages the b-th run of `pages`, holding the prompts; the target's
-    logits after each prompt."""
+@partial(jax.jit, static_argnames=("cfg", "draft_cfg", "pages", "fmt"))
+def _prefill(params, draft_params, prompts_BT, lengths_B, cfg: ModelConfig, draft_cfg: ModelConfig, pages: int,
+             fmt: paged.PoolFormat):
+    """Both models' caches (pools of format `fmt`), each sequence's pages the b-th run of `pages`, holding the
+    prompts; the target's logits after each prompt."""
     B, T = prompts_BT.shape
     table_BM = jnp.arange(B * pages, dtype=jnp.int32).reshape(B, pages)
     zeros_B = jnp.zeros((B,), jnp.int32)
-    logits_BV, cache = transformer.paged_forward(params, paged.init(cfg, B * pages, PAGE), prompts_BT, zeros_B,
-                                                 lengths_B, table_BM, cfg)
-    _, draft_cache = transformer.paged_forward(draft_params, paged.init(draft_cfg, B * pages, PAGE), prompts_BT,
-                                               zeros_B, lengths_B, table_BM, draft_cfg)
+    logits_BV, cache = transformer.paged_forward(params, paged.init(cfg, B * pages, PAGE, fmt=fmt), prompts_BT,
+                                                 zeros_B, lengths_B, table_BM, cfg)
+    _, draft_cache = transformer.paged_forward(draft_params, paged.init(draft_cfg, B * pages, PAGE, fmt=fmt),
+                                               prompts_BT, zeros_B, lengths_B, table_BM, draft_cfg)
     return logits_BV, cache, draft_cache
 
 
-@partial(jax.jit, static_argnames=("cfg", "pages"))
-def _prefill_mtp(params, prompts_BT, lengths_B, cfg: ModelConfig, pages: int):
-    """The model's cache and its multi-token prediction module's (mtp_pool, the same pages) holding the prompts,
-    the logits after each prompt, and the model's last hidden state there [B, D]. The module's entries are
-    those of positions 0 .. length - 2 (the model's hidden state at t with token t + 1); the loop's first pass
-    adds the last one's with the first sampled token."""
+@partial(jax.jit, static_argnames=("cfg", "pages", "fmt"))
+def _prefill_mtp(params, prompts_BT, lengths_B, cfg: ModelConfig, pages: int, fmt: paged.PoolFormat):
+    """The model's cache and its multi-token prediction module's (mtp_pool, the same pages; both of format `fmt`)
+    holding the prompts, the logits after each prompt, and the model's last hidden state there [B, D]. The
+    module's entries are those of positions 0 .. length - 2 (the model's hidden state at t with token t + 1); the
+    loop's first pass adds the last one's with the first sampled token."""
     B, T = prompts_BT.shape
     table_BM = jnp.arange(B * pages, dtype=jnp.int32).reshape(B, pages)
     zeros_B = jnp.zeros((B,), jnp.int32)
-    logits_BV, h_BTD, cache = transformer.paged_forward(params, paged.init(cfg, B * pages, PAGE), prompts_BT,
-                                                        zeros_B, lengths_B, table_BM, cfg, hidden=True)
+    logits_BV, h_BTD, cache = transformer.paged_forward(params, paged.init(cfg, B * pages, PAGE, fmt=fmt),
+                                                        prompts_BT, zeros_B, lengths_B, table_BM, cfg, hidden=True)
     _, _, draft_cache = transformer.paged_mtp(params, transformer.mtp_weights(params, cfg),
-                                              transformer.mtp_pool(cfg, B * pages, PAGE), prompts_BT[:, 1:],
+                                              transformer.mtp_pool(cfg, B * pages, PAGE, fmt), prompts_BT[:, 1:],
                                               h_BTD[:, :-1], zeros_B, lengths_B - 1, table_BM, cfg)
     last_BD = jnp.take_along_axis(h_BTD, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
     return logits_BV, cache, draft_cache, last_BD
@@ -114,10 +109,12 @@ def mtp_proposals(params, module_params, pool, next_BJ, hid_BJD, prev_B, length_
 
 @partial(jax.jit, static_argnames=("cfg", "draft_cfg", "k", "max_new_tokens", "stream"))
 def _loop(params, draft_params, logits_BV, cache, draft_cache, lengths_B, key, temperature, top_k, top_p, stop_S,
-          last_BD, cfg: ModelConfig, draft_cfg: ModelConfig | None, k: int, max_new_tokens: int, stream: bool):
+          last_BD, stream_id, cfg: ModelConfig, draft_cfg: ModelConfig | None, k: int, max_new_tokens: int,
+          stream: bool):
     """Tokens [B, N] (0 after a sequence stopped), their counts [B], the draft tokens proposed to and kept by
     live sequences, and the passes of the target. draft_cfg None: the model's first multi-token prediction
-    module drafts (draft_params unused; last_BD the model's hidden state after each prompt)."""
+    module drafts (draft_params unused; last_BD the model's hidden state after each prompt). With `stream` each
+    pass's tokens go to the host callback of stream_id (generate.streaming)."""
     B, N = logits_BV.shape[0], max_new_tokens
     J = k + 1
     mtp = draft_cfg is None
@@ -162,7 +159,7 @@ def _loop(params, draft_params, logits_BV, cache, draft_cache, lengths_B, key, t
         count_B = c["count_B"] + jnp.sum(live_BJ, axis=1)
         done_B = c["done_B"] | jnp.any(stop_BJ & live_BJ, axis=1) | (count_B >= N)
         if stream:
-            jax.debug.callback(_emit, c["i"], tokens_BJ, jnp.sum(live_BJ, axis=1))
+            jax.debug.callback(generate.emit, stream_id, c["i"], tokens_BJ, jnp.sum(live_BJ, axis=1))
         return {**c, "out_BN": out_BN, "count_B": count_B, "done_B": done_B, "i": c["i"] + 1}
 
     def body(c):
@@ -240,16 +237,18 @@ def generate_speculative(params, cfg: ModelConfig, draft_params, draft_cfg: Mode
     check_draft(cfg, cfg if draft_cfg is None else draft_cfg, length)
     prompts_BT, lengths_B = generate.padded_prompts(prompts, T)
     settings, stop_S, key = generate.sampling_inputs(d, stop_ids)
+    fmt = paged.pool_format(jax.devices()[0].platform)  # the pools' format on the devices the call runs on
     t0 = time.perf_counter()
     if draft_cfg is None:
         logits_BV, cache, draft_cache, last_BD = jax.block_until_ready(
-            _prefill_mtp(params, prompts_BT, lengths_B, cfg, -(-length // PAGE)))
+            _prefill_mtp(params, prompts_BT, lengths_B, cfg, -(-length // PAGE), fmt))
     else:
         logits_BV, cache, draft_cache = jax.block_until_ready(
-            _prefill(params, draft_params, prompts_BT, lengths_B, cfg, draft_cfg, -(-length // PAGE)))
+            _prefill(params, draft_params, prompts_BT, lengths_B, cfg, draft_cfg, -(-length // PAGE), fmt))
         last_BD = jnp.zeros((B, 1), jnp.float32)
     t1 = time.perf_counter()
     stream = on_tokens is not None
+    streamed = contextlib.nullcontext(np.int32(0))
     if stream:
         lock, state = threading.Lock(), {"next": 0, "held": {}}
 
@@ -262,24 +261,19 @@ def generate_speculative(params, cfg: ModelConfig, draft_params, draft_cfg: Mode
                         on_tokens(toks[:, j], j < n)
                     state["next"] += 1
 
-        _STREAM.append(in_order)
+        streamed = generate.streaming(in_order)
     args = (params, draft_params, logits_BV, cache, draft_cache, lengths_B, key, *settings, stop_S, last_BD)
     static = (cfg, draft_cfg, k, d.max_new_tokens, stream)
-    signature = (jax.tree.structure(args), tuple((np.shape(a), str(a.dtype)) for a in jax.tree.leaves(args)),
-                 static)
-    if signature not in _EXECUTABLES:  # compiled once per process for these shapes and settings
-        _EXECUTABLES[signature] = _loop.lower(*args, *static).compile()
+    loop = generate.compiled_once(_EXECUTABLES, (generate.signature(args), static),
+                                  lambda: _loop.lower(*args, np.int32(0), *static).compile())
     t2 = time.perf_counter()
-    try:
-        out = jax.block_until_ready(_EXECUTABLES[signature](*args))
+    with streamed as stream_id:
+        out = jax.block_until_ready(loop(*args, stream_id))
         jax.effects_barrier()
-    finally:
-        if stream:
-            _STREAM.pop()
     t3 = time.perf_counter()
     out_BN, count_B, proposed, kept, passes = (np.asarray(x) for x in out)
     return Speculation([out_BN[b, :count_B[b]].tolist() for b in range(B)], t2 - t1, t1 - t0, t3 - t2,
                        int(proposed), int(kept), int(passes))
 
 
-_EXECUTABLES: dict = {}
+_EXECUTABLES: dict = {}  # the loop compiled per key of shapes, shardings and settings (generate.compiled_once)

@@ -27,9 +27,12 @@ Three ways to read the pages a query attends to (`attention`):
   latent and rotary key side by side and whose values are the latents. On a 2-core CPU at batch 64 and a
   long-tailed mix of lengths (mean 296, max 1169 keys), one layer's attention took 20 ms this way, 153 ms with
   each row's pages gathered to the longest row's, and 31 ms over a dense slot cache of the longest length.
-- a page-attention kernel (decode steps of standard attention, where DECODE_KERNEL gives one: JAX's Pallas
-  kernel on TPU; `kernel_decode`), over the pool seen as [K, R NP, page, H].
-On TPU the pool's vectors are padded to 128 wide (lanes(); docs/serve.md, "The paged KV cache").
+- a page-attention kernel (decode steps of standard attention, where the pool has one: JAX's Pallas kernel on
+  TPU; `kernel_decode`), over the pool seen as [K, R NP, page, H].
+On TPU the pool's vectors are padded to 128 wide (lanes; docs/serve.md, "The paged KV cache"). The padding and
+the kernel are the pool's format (PoolFormat), decided once from the platform of the devices the pool is made
+for (pool_format: a server compiled ahead of time for a TPU from a CPU host gets the TPU's), and the kernel is
+part of the pool's static structure, so that a program's cache key holds both.
 
 Shape legend: P rows (sequences) of a call, C tokens per row, T = tokens, R repeats of an entry, NP pages,
 M pages per row in the table, F pages listed flat, K kv heads, G query heads per kv head, N = K G, H head
@@ -38,7 +41,8 @@ width, D width, S keys.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -53,20 +57,43 @@ PAGE_BLOCK_TOKENS = 1024  # keys a step of the flat path's loop reads (64 pages 
 # a call of few rows takes smaller blocks (one row of 13 pages in blocks of 64 made a batch-1 step 1.7x slower)
 PAGE_BLOCK_TOKENS_PER_ROW = 256
 FLAT_MAX_QUERIES = 16  # rows of up to this many tokens read their pages flat, longer ones by rows
-# Decode steps (one query per row) of standard attention read their pages with a page-attention kernel where
-# there is one: "auto" takes JAX's Pallas kernel on TPU (jax.experimental.pallas.ops.tpu.paged_attention);
-# None never; a function of that kernel's signature is used everywhere (tests: a reference of its contract).
-DECODE_KERNEL = "auto"
-LANES = "auto"  # the pool's vectors padded to a multiple of this (lanes())
 KERNEL_BLOCK_TOKENS = 256  # keys of a row the kernel reads per block (pages_per_compute_block x page_size at most)
+
+
+class PoolFormat(NamedTuple):
+    """How a pool is laid out and read: its vectors padded to a multiple of `lane` (lanes), and decode steps of
+    standard attention reading its pages with `kernel`, a page-attention kernel of the signature of JAX's Pallas
+    paged_attention (None: the flat path). pool_format gives a platform's; tests pass their own."""
+    lane: int = 1
+    kernel: Callable | None = None
+
+
+def lanes(platform: str) -> int:
+    """What a pool's vectors (keys, values, latents: entries of shape (*lead, last)) on devices of `platform` are
+    padded to a multiple of: 128 on TPU (a vector register's lanes; narrower ones, as heads of 64, made XLA lay the
+    pool out with the pages innermost and copy all of it at every write and read: 10.9 GB of temporaries for a
+    1.2 GB pool in a decode step), else 1. Scales are not padded."""
+    return 128 if platform == "tpu" else 1
+
+
+def pool_format(platform: str) -> PoolFormat:
+    """The format of a pool on devices of `platform`: on TPU 128 lanes and JAX's Pallas paged-attention kernel
+    (jax.experimental.pallas.ops.tpu.paged_attention), elsewhere neither."""
+    if platform != "tpu":
+        return PoolFormat(lanes(platform))
+    from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
+
+    return PoolFormat(lanes(platform), paged_attention)
 
 
 @jax.tree_util.register_dataclass
 @dataclass
 class PagedCache:
     """The pool: kinds[j] maps each entry of pattern entry j (entry_specs) to its pages [*lead, R_j, NP, page,
-    last]. Page tables and lengths live with the caller (the server's allocator) and come in with each call."""
+    last]. Page tables and lengths live with the caller (the server's allocator) and come in with each call.
+    `kernel`, static (a program over the pool is compiled for it): its format's page-attention kernel."""
     kinds: tuple[dict, ...]
+    kernel: Callable | None = field(default=None, metadata=dict(static=True))
 
     @property
     def pages(self) -> int:
@@ -94,16 +121,6 @@ def repeats(cfg: ModelConfig, j: int) -> int:
     return len(range(j, cfg.n_layers, len(cfg.pattern)))
 
 
-def lanes() -> int:
-    """What the pool's vectors (keys, values, latents: entries of shape (*lead, last)) are padded to a multiple of:
-    LANES, or with "auto" 128 on TPU (a vector register's lanes; narrower ones, as heads of 64, made XLA lay the
-    pool out with the pages innermost and copy all of it at every write and read: 10.9 GB of temporaries for a
-    1.2 GB pool in a decode step), else 1. Scales are not padded."""
-    if LANES != "auto":
-        return LANES
-    return 128 if jax.default_backend() == "tpu" else 1
-
-
 def pool_shape(trailing: tuple[int, ...], layers: int, pages: int, page_size: int, lane: int = 1) -> tuple[int, ...]:
     """[*lead, R, NP, page, last] for an entry of trailing shape (*lead, last), a vector's last padded to a
     multiple of `lane`."""
@@ -111,19 +128,19 @@ def pool_shape(trailing: tuple[int, ...], layers: int, pages: int, page_size: in
     return (*trailing[:-1], layers, pages, page_size, last)
 
 
-def init(cfg: ModelConfig, pages: int, page_size: int, quantize: bool = False, lane: int | None = None
+def init(cfg: ModelConfig, pages: int, page_size: int, quantize: bool = False, fmt: PoolFormat = PoolFormat()
          ) -> PagedCache:
-    """A pool of `pages` pages of page_size tokens each (zeros: a page's contents matter only once written), its
-    vectors padded to a multiple of `lane` (default: lanes())."""
-    lane = lanes() if lane is None else lane
-    return PagedCache(tuple({name: jnp.zeros(pool_shape(shape, repeats(cfg, j), pages, page_size, lane), dt)
+    """A pool of `pages` pages of page_size tokens each (zeros: a page's contents matter only once written), of
+    format `fmt` (default: unpadded, no kernel)."""
+    return PagedCache(tuple({name: jnp.zeros(pool_shape(shape, repeats(cfg, j), pages, page_size, fmt.lane), dt)
                              for name, (shape, dt) in spec.items()}
-                            for j, spec in enumerate(entry_specs(cfg, quantize))))
+                            for j, spec in enumerate(entry_specs(cfg, quantize))), fmt.kernel)
 
 
 def bytes_per_token(cfg: ModelConfig, quantize: bool = False, lane: int | None = None) -> int:
-    """Pool bytes one token's entries take over all layers (vectors padded as init pads them)."""
-    lane = lanes() if lane is None else lane
+    """Pool bytes one token's entries take over all layers (vectors padded as init pads them to `lane`; None: as on
+    this process's default devices, where the server sizes its pool)."""
+    lane = lanes(jax.devices()[0].platform) if lane is None else lane
     total = 0
     for j, spec in enumerate(entry_specs(cfg, quantize)):
         for shape, dt in spec.values():
@@ -256,26 +273,20 @@ def attend_flat(q_PCNH, read, K: int, A: int, table_PM, end_P, q_pos_PC, scale, 
     return out_PKQH.reshape(P, K, G, C, Hv).transpose(0, 3, 1, 2, 4).reshape(P, C, N, Hv).astype(q_PCNH.dtype)
 
 
-def decode_kernel(arrays: dict, C: int, window, chunk, sinks, latent_attention: bool):
-    """The page-attention kernel this call can use (DECODE_KERNEL), or None: decode steps (C = 1) of standard
+def decode_kernel(kernel: Callable | None, arrays: dict, C: int, window, chunk, sinks, latent_attention: bool):
+    """The pool's page-attention kernel if this call can use it, else None: decode steps (C = 1) of standard
     attention over an unquantized pool, without windows, chunks or sinks, and on one device (the kernel is not
     partitioned over a mesh)."""
     if C != 1 or latent_attention or "k_scale" in arrays or window is not None or chunk is not None or (
             sinks is not None) or arrays["k"].shape[-1] != arrays["v"].shape[-1] or sharding.mesh_size() > 1:
         return None
-    if callable(DECODE_KERNEL):
-        return DECODE_KERNEL
-    if DECODE_KERNEL != "auto" or jax.default_backend() != "tpu":
-        return None
-    from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
-
-    return paged_attention
+    return kernel
 
 
 def kernel_decode(kernel, q_P1NH, arrays: dict, r, table_PM, end_P, scale: float, softcap) -> jax.Array:
     """Each row's query over its keys below end_P by `kernel` (JAX's paged_attention signature: q [P, N, H],
     pages [K, pages, page, H], lengths [P], page indices [P, M]), the pool's layers seen as one axis of pages
-    (repeat r's page i is r NP + i); the query padded with zeros to the pool's width (lanes()), the output cut back
+    (repeat r's page i is r NP + i); the query padded with zeros to the pool's width (its lanes), the output cut back
     to the query's. Rows with no keys give zeros. Returns [P, 1, N, H]."""
     K, R, NP, A, Hp = arrays["k"].shape
     M, H = table_PM.shape[1], q_P1NH.shape[-1]
@@ -289,11 +300,12 @@ def kernel_decode(kernel, q_P1NH, arrays: dict, r, table_PM, end_P, scale: float
 
 
 def attention(h_PCD, p, cfg: ModelConfig, arrays: dict, r, q_pos_PC, page_PC, off_PC, table_PM, end_P,
-              kind: str, flat: bool):
+              kind: str, flat: bool, kernel: Callable | None = None):
     """One layer's attention (of attention kind `kind`; latent attention when cfg.latent) for tokens [P, C] at
     positions q_pos_PC over a paged cache: their entries are written first (at page_PC, off_PC; out-of-range
     pages drop the padding's), then each row's queries attend to its keys below end_P (their own included)
-    through its page table. Returns the output and the layer kind's updated pool."""
+    through its page table (flat, or by the pool's page-attention `kernel` where decode_kernel takes it).
+    Returns the output and the layer kind's updated pool."""
     attn_mod = latent if cfg.latent else attention_lib
     with jax.named_scope("latent_attention" if cfg.latent else "attention"):
         q_PCNH, (k_PCKH, v_PCKH) = attn_mod.project_entries(h_PCD, p, cfg, q_pos_PC, kind)
@@ -304,7 +316,7 @@ def attention(h_PCD, p, cfg: ModelConfig, arrays: dict, r, q_pos_PC, page_PC, of
             k_PKSH, v_PKSH, k_pos_PS = gather_rows(arrays, r, table_PM, end_P, q_PCNH.dtype, widths)
             mask_PCS = attention_lib.mask(q_pos_PC, k_pos_PS, window, chunk=chunk)
             return attn_mod.attend_entries(q_PCNH, k_PKSH, v_PKSH, mask_PCS, p, cfg), arrays
-        kernel = decode_kernel(arrays, q_PCNH.shape[1], window, chunk, p.get("sinks"), cfg.latent)
+        kernel = decode_kernel(kernel, arrays, q_PCNH.shape[1], window, chunk, p.get("sinks"), cfg.latent)
         if kernel is not None:
             out_P1NH = kernel_decode(kernel, q_PCNH, arrays, r, table_PM, end_P, attention_lib.scale(cfg),
                                      cfg.attn_logit_softcap)

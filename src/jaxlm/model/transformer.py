@@ -717,7 +717,7 @@ def paged_forward(params: dict, cache: paged.PagedCache, tokens_PC: jax.Array, s
 
         def attn(h_PCD, p_attn):
             return paged.attention(h_PCD, p_attn, cfg, kinds[j], r, q_pos_PC, page_PC, off_PC, table_PM, end_P,
-                                   kind.attention, flat)
+                                   kind.attention, flat, cache.kernel)
 
         x_PCD, _, arrays = _block(x_PCD, p, cfg, attn)
         return (x_PCD, kinds[:j] + (arrays,) + kinds[j + 1:]), None
@@ -737,7 +737,8 @@ def paged_forward(params: dict, cache: paged.PagedCache, tokens_PC: jax.Array, s
         h_PCD = layers.norm(x_PCD, params["final_norm"], cfg.norm, cfg.norm_eps, cfg.norm_plus_one)
         logits = _head(params, h_PCD if all_logits or not hidden else _last_real(h_PCD, start_P, end_P), cfg)
     logits = logits if all_logits else logits[:, 0]
-    return (logits, h_PCD, paged.PagedCache(kinds)) if hidden else (logits, paged.PagedCache(kinds))
+    cache = paged.PagedCache(kinds, cache.kernel)
+    return (logits, h_PCD, cache) if hidden else (logits, cache)
 
 
 def _paged_layout(cache: paged.PagedCache, tokens_PC, start_P, length_P, table_PM):
@@ -762,9 +763,12 @@ def _last_real(x_PCD, start_P, end_P):
     return jnp.take_along_axis(x_PCD, jnp.maximum(end_P - 1 - start_P, 0)[:, None, None], axis=1)
 
 
-def mtp_pool(cfg: ModelConfig, pages: int, page_size: int) -> paged.PagedCache:
-    """A paged pool for the multi-token prediction modules' attention (paged_mtp): one global layer per module."""
-    return paged.init(dataclasses.replace(cfg, n_layers=cfg.mtp_layers, layer_pattern="global"), pages, page_size)
+def mtp_pool(cfg: ModelConfig, pages: int, page_size: int, fmt: paged.PoolFormat = paged.PoolFormat()
+             ) -> paged.PagedCache:
+    """A paged pool (of format fmt) for the multi-token prediction modules' attention (paged_mtp): one global layer
+    per module."""
+    return paged.init(dataclasses.replace(cfg, n_layers=cfg.mtp_layers, layer_pattern="global"), pages, page_size,
+                      fmt=fmt)
 
 
 @quant.scoped
@@ -804,9 +808,9 @@ def paged_mtp(params: dict, module_params: dict, cache: paged.PagedCache, tokens
 
         def attn(h_PCD, p_attn):
             return paged.attention(h_PCD, p_attn, cfg, arrays, m, q_pos_PC, page_PC, off_PC, table_PM, end_P,
-                                   "global", flat)
+                                   "global", flat, cache.kernel)
 
         x_PCD, _, arrays = _block(x_PCD, p["block"], cfg, attn)
         h_P1D = norm(_last_real(x_PCD, start_P, end_P), p["norm"])
         logits_PV = _head(params, h_P1D, cfg)[:, 0]
-    return logits_PV, h_P1D[:, 0], paged.PagedCache((arrays,))
+    return logits_PV, h_P1D[:, 0], paged.PagedCache((arrays,), cache.kernel)

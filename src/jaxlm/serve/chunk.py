@@ -19,17 +19,20 @@ from functools import partial
 
 import jax
 
+from jaxlm import sharding
 from jaxlm.config import ModelConfig
 from jaxlm.model import kvcache, layers, transformer
 
 
-@partial(jax.jit, static_argnames=("cfg", "fresh"), donate_argnames=("cache", "logits_BV"))
+@partial(jax.jit, static_argnames=("cfg", "fresh", "layout"), donate_argnames=("cache", "logits_BV"))
 def prefill_chunks(params, cache: kvcache.KVCache, logits_BV, tokens_PC, start_P, length_P, slot_P,
-                   cfg: ModelConfig, fresh: bool = False, adapter_P=None):
+                   cfg: ModelConfig, fresh: bool = False, adapter_P=None, layout: sharding.Layout | None = None):
     """transformer.prefill_chunks, with each row's logits written into logits_BV at its slot (none for a padding
-    row's slot B) and each row run with its LoRA adapter adapter_P when given (layers.with_rows; -1 the base);
-    returns the cache and logits_BV, both donated."""
+    row's slot B) and each row run with its LoRA adapter adapter_P when given (layers.with_rows; -1 the base),
+    traced in the engine's mesh and rules (`layout`); returns the cache and logits_BV, both donated."""
     if adapter_P is not None:
         params = layers.with_rows(params, adapter_P)
-    cache, logits_PV = transformer.prefill_chunks(params, cache, tokens_PC, start_P, length_P, slot_P, cfg, fresh)
+    with sharding.within(layout):
+        cache, logits_PV = transformer.prefill_chunks(params, cache, tokens_PC, start_P, length_P, slot_P, cfg,
+                                                      fresh)
     return cache, logits_BV.at[slot_P].set(logits_PV, mode="drop")

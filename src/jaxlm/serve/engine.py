@@ -74,7 +74,6 @@ C chunk length.
 from __future__ import annotations
 
 import collections
-import contextlib
 import threading
 import time
 from dataclasses import dataclass, field
@@ -86,7 +85,7 @@ import numpy as np
 
 from jaxlm import generate, sharding, speculative
 from jaxlm.config import ModelConfig, ServeConfig
-from jaxlm.model import kvcache, layers, transformer
+from jaxlm.model import kvcache, layers, paged, transformer
 from jaxlm.serve import chunk as chunk_lib, programs, speculate
 from jaxlm.serve.pages import PagePool
 from jaxlm.serve.prefix_cache import PrefixCache
@@ -184,7 +183,8 @@ class Engine:
                  prefill_chunk: int = ServeConfig.prefill_chunk, prefix_cache: int = 0,
                  rules: tuple[sharding.Rules, sharding.Rules] = (sharding.PARAM_RULES, sharding.ACTIVATION_RULES),
                  decode_steps: int = ServeConfig.decode_steps, page_size: int = ServeConfig.page_size,
-                 cache_pages: int | None = None, draft: tuple | None = None):
+                 cache_pages: int | None = None, draft: tuple | None = None,
+                 page_format: paged.PoolFormat | None = None):
         self.cfg, self.B, self.S = cfg, slots, cache_length
         # Speculative decoding (serve/speculate.py): draft = (its params, its ModelConfig, tokens it proposes);
         # (None, None, k): the model's first multi-token prediction module drafts (decode.draft=mtp)
@@ -241,18 +241,20 @@ class Engine:
         self.ttft_s: collections.deque = collections.deque(maxlen=1000)  # the latest times to first token
         self.recent: collections.deque = collections.deque()  # (time, tokens) of the last steps, for tokens/s
         self.error: str | None = None
-        # a function of this engine's own: `constrain` reads the mesh from a context that jax.jit's caches (keyed
-        # by the function) do not hold, so a shared one would hand a later engine an earlier one's layout
-        self._empty = jax.jit(lambda *a: programs.empty_slots(*a), static_argnums=(0, 1, 2, 3))
-        self._empty_pages = jax.jit(lambda *a: programs.empty_pages(*a), static_argnums=(0, 1, 2, 3))
+        # Every program is traced in the mesh and rules of `layout`, its static argument (programs.py). The paged
+        # cache's format (padding, page-attention kernel) is the devices' (None: paged.pool_format of their
+        # platform; tests give their own), decided here once: a server compiled for a TPU from a CPU host gets the
+        # TPU's.
+        self.layout = sharding.layout(mesh, rules[1], param_rules=rules[0])
+        platform = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
+        self.page_format = paged.pool_format(platform) if page_format is None else page_format
         self.params = params
         # LoRA adapters over the base (lora.serving_weights: layers.RowLoraWeight), a sequence's picked by its
         # `adapter`; every call sets each row's (layers.with_rows)
         rows_lora = [w for w in jax.tree.leaves(params, is_leaf=lambda w: isinstance(w, layers.RowLoraWeight))
                      if isinstance(w, layers.RowLoraWeight)]
         self.adapters = rows_lora[0].a.shape[-2] if rows_lora else 0
-        with self._ctx():
-            self._reset_cache()
+        self._reset_cache()
 
     @property
     def params(self):
@@ -288,31 +290,29 @@ class Engine:
             self._draft_layer_params = jax.jit(transformer.layer_weights, static_argnums=1)(params, cfg)
         return self._draft_layer_params
 
-    def _ctx(self):
-        if self.mesh is None:
-            return contextlib.nullcontext()
-        return sharding.activation_sharding(self.mesh, self.rules[1], param_rules=self.rules[0])
-
     def _reset_cache(self) -> None:
         """Empty cache, logits and prefix cache (at start, and after a failed call consumed the donated ones)."""
         self.logits_BV = jnp.zeros((self.B, self.cfg.vocab_size), jnp.float32)
         if self.page_size:
-            self.cache = self._empty_pages(self.cfg, self.NP, self.page_size, self.quantize)
+            self.cache = programs.empty_pages(self.cfg, self.NP, self.page_size, self.quantize, self.page_format,
+                                              self.layout)
             if self.mtp_draft:  # the module's pool, and each slot's state between calls (speculate.decode_loop)
-                self.draft_cache = transformer.mtp_pool(self.cfg, self.NP, self.page_size)
+                self.draft_cache = transformer.mtp_pool(self.cfg, self.NP, self.page_size, self.page_format)
                 J, D, dt = self.draft[2] + 1, self.cfg.d_model, jnp.dtype(self.cfg.compute_dtype)
                 self.mtp = {"hidden_BD": jnp.zeros((self.B, D), dt), "prev_B": jnp.zeros((self.B,), jnp.int32),
                             "hid_BJD": jnp.zeros((self.B, J, D), dt), "next_BJ": jnp.zeros((self.B, J), jnp.int32)}
             elif self.draft is not None:
-                self.draft_cache = self._empty_pages(self.draft[1], self.NP, self.page_size, self.quantize)
+                self.draft_cache = programs.empty_pages(self.draft[1], self.NP, self.page_size, self.quantize,
+                                                        self.page_format, self.layout)
             self.pending[:] = -1
             self.pages = PagePool(self.NP, self.page_size, share_prefixes=self.prefix_entries > 0)
             self.table[:] = 0
             self.prefix = None
             return
-        self.cache = self._empty(self.cfg, self.B, self.S, self.quantize)
-        self.prefix = PrefixCache(self.cfg, self._empty(self.cfg, self.prefix_entries, self.S, self.quantize),
-                                  self.S) if self.prefix_entries else None
+        self.cache = programs.empty_slots(self.cfg, self.B, self.S, self.quantize, self.layout)
+        self.prefix = PrefixCache(self.cfg, programs.empty_slots(self.cfg, self.prefix_entries, self.S, self.quantize,
+                                                                 self.layout),
+                                  self.S, self.layout) if self.prefix_entries else None
 
     def release_cache(self) -> None:
         """Drop the KV cache (with the prefix cache, the last logits and the weights taken apart by layer) while the
@@ -322,8 +322,7 @@ class Engine:
         self.draft_cache = self._draft_layer_params = self.mtp = None
 
     def reserve_cache(self) -> None:
-        with self._ctx():
-            self._reset_cache()
+        self._reset_cache()
 
     # ---- called from other threads ----------------------------------------------------------------------------
 
@@ -360,19 +359,18 @@ class Engine:
         """Compile the decode program of each bucket, the shortest chunk's prefill for each of prefill_rows,
         scoring and the prefix cache's copies before the first request: one-token prompts in slots that stay
         idle, then idle decode calls."""
-        with self._ctx():
-            for P in self.prefill_rows:
-                for fresh in (True, False):  # prompts' first chunks, and later chunks or after a prefix
-                    self._prefill_chunk([Sequence([0], 1, 0.0, 0, 1.0, 0, 0, (), lambda ev: None, slot=i,
-                                                  prefilled=0) for i in range(P)], bucket(1, self.prefill_chunk),
-                                        fresh)
-            if self.prefix is not None:
-                self.cache = self.prefix.warm_up(self.cache)
-            self.prefilled_tokens_total = self.prefill_calls_total = 0
-            self._run_score(Score([0, 0], lambda ev: None))
-            for b in self.buckets:
-                jax.device_get(self._call(list(range(b)), 1)[1])
-            jax.block_until_ready((self.cache, self.logits_BV))
+        for P in self.prefill_rows:
+            for fresh in (True, False):  # prompts' first chunks, and later chunks or after a prefix
+                self._prefill_chunk([Sequence([0], 1, 0.0, 0, 1.0, 0, 0, (), lambda ev: None, slot=i,
+                                              prefilled=0) for i in range(P)], bucket(1, self.prefill_chunk),
+                                    fresh)
+        if self.prefix is not None:
+            self.cache = self.prefix.warm_up(self.cache)
+        self.prefilled_tokens_total = self.prefill_calls_total = 0
+        self._run_score(Score([0, 0], lambda ev: None))
+        for b in self.buckets:
+            jax.device_get(self._call(list(range(b)), 1)[1])
+        jax.block_until_ready((self.cache, self.logits_BV))
 
     def start(self) -> None:
         self.running = True
@@ -389,21 +387,20 @@ class Engine:
 
     def _loop(self) -> None:
         while self.running:
-            with self._ctx():
-                self._admit()
-                busy = any(s is not None for s in self.slots) or self.in_flight is not None
-                if busy:
-                    try:
-                        self._turn()
-                    except Exception as e:  # the cache was donated to the failed call: fail every slot, start afresh
-                        self.in_flight = None
-                        self.error = f"{type(e).__name__}: {e}"
-                        for i, s in enumerate(self.slots):
-                            if s is not None:
-                                self.slots[i] = None
-                                s.emit(("error", self.error))
-                        self.prefilling.clear()
-                        self._reset_cache()
+            self._admit()
+            busy = any(s is not None for s in self.slots) or self.in_flight is not None
+            if busy:
+                try:
+                    self._turn()
+                except Exception as e:  # the cache was donated to the failed call: fail every slot, start afresh
+                    self.in_flight = None
+                    self.error = f"{type(e).__name__}: {e}"
+                    for i, s in enumerate(self.slots):
+                        if s is not None:
+                            self.slots[i] = None
+                            s.emit(("error", self.error))
+                    self.prefilling.clear()
+                    self._reset_cache()
             self._hand_over()
             if not busy:
                 self.wake.wait(0.05)
@@ -621,20 +618,22 @@ class Engine:
                 self.cache, self.draft_cache, self.logits_BV, self.mtp = speculate.prefill_mtp(
                     self.params, self._layer_weights(), self._draft_layer_weights(), self.cache, self.draft_cache,
                     self.logits_BV, self.mtp, tokens_PC, next_PC, start_P, length_P, table_PM[:, :width], slot_P,
-                    adapter_P, self.cfg)
+                    adapter_P, self.cfg, layout=self.layout)
                 self.pending[slot_P[:len(seqs)]] = -1
             else:
                 self.cache, self.logits_BV = programs.paged_prefill(self.params, self._layer_weights(), self.cache,
                                                             self.logits_BV, tokens_PC, start_P, length_P,
-                                                            table_PM[:, :width], slot_P, adapter_P, self.cfg)
+                                                            table_PM[:, :width], slot_P, adapter_P, self.cfg,
+                                                            layout=self.layout)
             if self.draft is not None and not self.mtp_draft:
                 self.draft_cache = speculate.prefill(self.draft[0], self._draft_layer_weights(), self.draft_cache,
-                                                     tokens_PC, start_P, length_P, table_PM[:, :width], self.draft[1])
+                                                     tokens_PC, start_P, length_P, table_PM[:, :width], self.draft[1],
+                                                     layout=self.layout)
                 self.pending[slot_P[:len(seqs)]] = -1  # the next token comes from the logits after the chunk
         else:
             self.cache, self.logits_BV = chunk_lib.prefill_chunks(
                 self.params, self.cache, self.logits_BV, tokens_PC, start_P, length_P, slot_P, self.cfg, fresh,
-                adapter_P)
+                adapter_P, layout=self.layout)
         self.prefill_calls_total += 1
 
     def _reuse_prefix(self, seq: Sequence) -> None:
@@ -661,7 +660,7 @@ class Engine:
         tokens_1T = self._padded(item.prompt)
         n = len(item.prompt)
         token_lp, top_ids, top_lp = jax.device_get(programs.score(
-            self.params, tokens_1T, np.asarray([item.adapter], np.int32), self.cfg))
+            self.params, tokens_1T, np.asarray([item.adapter], np.int32), self.cfg, layout=self.layout))
         item.emit(("score", token_lp[:n - 1].tolist(), top_ids[:n].tolist(), top_lp[:n].tolist()))
 
     def _call(self, rows: list[int], steps: int) -> tuple[list, tuple]:
@@ -707,18 +706,19 @@ class Engine:
                 self.params, self._layer_weights(), self.draft[0], self._draft_layer_weights(), self.cache,
                 self.draft_cache, self.logits_BV, rows_b, adapter, np.int32(steps), live, length,
                 self.pending[rows_b], limit, self.table[rows_b], *sampled, cfg=self.cfg, draft_cfg=self.draft[1],
-                k=self.draft[2], max_steps=self.decode_steps, mtp=self.mtp if self.mtp_draft else None)
+                k=self.draft[2], max_steps=self.decode_steps, mtp=self.mtp if self.mtp_draft else None,
+                layout=self.layout)
             if self.mtp_draft:
                 self.mtp = mtp
             out.append((proposed, kept))
         elif self.page_size:
             *out, self.logits_BV, self.cache = programs.paged_decode_loop(
                 self.params, self._layer_weights(), self.cache, self.logits_BV, rows_b, adapter, np.int32(steps), live,
-                length, self.table[rows_b], *sampled, cfg=self.cfg, max_steps=self.decode_steps)
+                length, self.table[rows_b], *sampled, cfg=self.cfg, max_steps=self.decode_steps, layout=self.layout)
         else:
             *out, self.logits_BV, self.cache = programs.decode_loop(
                 self.params, self.cache, self.logits_BV, rows_b, adapter, np.int32(steps), live, idle_length, *sampled,
-                cfg=self.cfg, max_steps=self.decode_steps, unroll=self.unroll)
+                cfg=self.cfg, max_steps=self.decode_steps, unroll=self.unroll, layout=self.layout)
         self.calls_total += 1
         return seqs, tuple(out)
 

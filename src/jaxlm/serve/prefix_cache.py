@@ -18,23 +18,26 @@ from functools import partial
 import jax
 import numpy as np
 
+from jaxlm import sharding
 from jaxlm.config import ModelConfig
 from jaxlm.model import kvcache
 
 MIN_REUSE = 16  # fewer shared tokens (a BOS token, a common first word) are not worth a copy of the slot
 
 
-@partial(jax.jit, donate_argnums=0)
-def _copy(dst: kvcache.KVCache, src: kvcache.KVCache, dst_row, src_row) -> kvcache.KVCache:
-    return kvcache.copy_row(dst, src, dst_row, src_row)
+@partial(jax.jit, donate_argnums=0, static_argnums=4)
+def _copy(dst: kvcache.KVCache, src: kvcache.KVCache, dst_row, src_row, layout: sharding.Layout | None
+          ) -> kvcache.KVCache:
+    with sharding.within(layout):
+        return kvcache.copy_row(dst, src, dst_row, src_row)
 
 
 class PrefixCache:
     """`match(prompt)` finds the entry to reuse, `load` copies it into a slot, `save` keeps a slot's prompt.
-    `store` is the on-device cache of the entries, made by the engine (sharded as its own)."""
+    `store` is the on-device cache of the entries, made by the engine (sharded as its own, by `layout`)."""
 
-    def __init__(self, cfg: ModelConfig, store: kvcache.KVCache, length: int):
-        self.store = store
+    def __init__(self, cfg: ModelConfig, store: kvcache.KVCache, length: int, layout: sharding.Layout | None = None):
+        self.store, self.layout = store, layout
         entries = int(store.length.shape[0])
         self.tokens: list[np.ndarray | None] = [None] * entries
         self.used = [0] * entries
@@ -65,12 +68,12 @@ class PrefixCache:
     def load(self, cache: kvcache.KVCache, entry: int, slot: int) -> kvcache.KVCache:
         """`cache` (donated) with slot `slot` holding the entry's rows."""
         self._touch(entry)
-        return _copy(cache, self.store, np.int32(slot), np.int32(entry))
+        return _copy(cache, self.store, np.int32(slot), np.int32(entry), self.layout)
 
     def warm_up(self, cache: kvcache.KVCache) -> kvcache.KVCache:
         """Compile both copies (slot 0 to entry 0 and back, entry 0 still counted empty); returns `cache`."""
-        self.store = _copy(self.store, cache, np.int32(0), np.int32(0))
-        return _copy(cache, self.store, np.int32(0), np.int32(0))
+        self.store = _copy(self.store, cache, np.int32(0), np.int32(0), self.layout)
+        return _copy(cache, self.store, np.int32(0), np.int32(0), self.layout)
 
     def save(self, cache: kvcache.KVCache, slot: int, prompt: list[int]) -> None:
         """Keep the rows of slot `slot`, just prefilled with `prompt`, unless an entry holds that prompt already."""
@@ -82,6 +85,6 @@ class PrefixCache:
                 self._touch(i)
                 return
         entry = min(range(len(self.tokens)), key=lambda i: self.used[i])
-        self.store = _copy(self.store, cache, np.int32(entry), np.int32(slot))
+        self.store = _copy(self.store, cache, np.int32(entry), np.int32(slot), self.layout)
         self.tokens[entry] = p
         self._touch(entry)

@@ -1,7 +1,9 @@
 """The continuous-batching engine's device programs (serve/engine.py runs them): the decode loop over the slot
 cache and over the paged cache, prompts' chunks prefilled into pages, an empty cache of either kind, and a
-prompt's log-probabilities for scoring. Each is a jitted function of arrays and static settings; the engine
-owns the host side (slots, queues, pages, which rows a call takes).
+prompt's log-probabilities for scoring. Each is a jitted function of arrays and static settings, among them the
+engine's mesh and rules (`layout`, a sharding.Layout the program traces in: never a block opened around the call,
+which jax.jit's cache would not see); the engine owns the host side (slots, queues, pages, which rows a call
+takes).
 
 Shape legend: B slots, b rows of a call, N steps of a decode call at most, M stop tokens of a row (padded), S
 cache slots per sequence, V vocab, K top log-probabilities, P rows of a prefill call, C chunk length, T tokens.
@@ -63,18 +65,19 @@ def sampled_steps(decode: Callable, state, logits_bV, steps, live_b, left_b, sto
     return out, logits_bV, state
 
 
-@partial(jax.jit, static_argnames=("cfg", "max_steps", "unroll"), donate_argnames=("cache", "logits_BV"))
+@partial(jax.jit, static_argnames=("cfg", "max_steps", "unroll", "layout"), donate_argnames=("cache", "logits_BV"))
 def decode_loop(params, cache, logits_BV, rows_b, adapter_b, steps, live_b, idle_length_b, left_b, stop_bM,
                 want_lp_b, seed_b, choice_b, count_b, temperature_b, top_k_b, top_p_b, cfg: ModelConfig,
-                max_steps: int, unroll: bool):
+                max_steps: int, unroll: bool, layout: sharding.Layout | None = None):
     """sampled_steps over slots rows_b of the slot cache (all slots in order when there are B of them). With
     `unroll` the steps run over the cache taken apart by layer (kvcache.unstack, transformer.decode_layers), as
     generate's loop does for models of up to generate.UNROLL_LAYERS layers: one copy of the rows' part of the
     cache in (the gather of rows_b included) and one out (kvcache.restack, in place into the donated cache) per
     call, where the scan over the stacked cache (unroll False) copies each layer's keys and values out of the
     stack every step. Either way the call takes only the fewest slots of slot_buckets that hold the positions
-    it reads and writes. adapter_b: each row's LoRA adapter (layers.with_rows; -1 the base). Returns
-    sampled_steps' outputs, the logits and the cache."""
+    it reads and writes. adapter_b: each row's LoRA adapter (layers.with_rows; -1 the base). `layout`: the
+    engine's mesh and rules (every program here traces in it). Returns sampled_steps' outputs, the logits and the
+    cache."""
     params = layers.with_rows(params, adapter_b)
     B, b = logits_BV.shape[0], rows_b.shape[0]
     whole = b == B
@@ -96,34 +99,35 @@ def decode_loop(params, cache, logits_BV, rows_b, adapter_b, steps, live_b, idle
         cache = kvcache.restack(sub, cfg, cache, rows) if unroll else kvcache.put_rows(cache, sub, rows)
         return out, logits_bV, cache
 
-    buckets = slot_buckets(cfg, cache)
-    N, K = max_steps, TOP_LOGPROBS
-    zeros = (jnp.zeros((N, b), jnp.int32), jnp.zeros((N, b), jnp.float32), jnp.zeros((N, b, K), jnp.int32),
-             jnp.zeros((N, b, K), jnp.float32), jnp.zeros((N, b), bool))
-    if len(buckets) == 1:
-        out, logits_bV, cache = run(None, zeros, logits_bV, cache)
-    else:
-        # The fewest slots that hold every position this call reads or writes: a live row's cached ones and the
-        # ones its steps append, a dummy token's (idle_length_b).
-        length_b = cache.length if whole else cache.length[rows_b]
-        reach = jnp.maximum(jnp.max(jnp.where(live_b, length_b + jnp.minimum(steps, left_b), 0)),
-                            jnp.max(idle_length_b) + 1)
-        which = jnp.sum(jnp.asarray(buckets[:-1]) < reach)
-        # One cond per bucket rather than a lax.switch: XLA then updates the donated cache in place, where the
-        # switch's branches each copied all of it.
-        state = (zeros, logits_bV, cache)
-        for j, S in enumerate(buckets):
-            state = jax.lax.cond(which == j, partial(run, S), lambda *state: state, *state)
-        out, logits_bV, cache = state
+    with sharding.within(layout):
+        buckets = slot_buckets(cfg, cache)
+        N, K = max_steps, TOP_LOGPROBS
+        zeros = (jnp.zeros((N, b), jnp.int32), jnp.zeros((N, b), jnp.float32), jnp.zeros((N, b, K), jnp.int32),
+                 jnp.zeros((N, b, K), jnp.float32), jnp.zeros((N, b), bool))
+        if len(buckets) == 1:
+            out, logits_bV, cache = run(None, zeros, logits_bV, cache)
+        else:
+            # The fewest slots that hold every position this call reads or writes: a live row's cached ones and the
+            # ones its steps append, a dummy token's (idle_length_b).
+            length_b = cache.length if whole else cache.length[rows_b]
+            reach = jnp.maximum(jnp.max(jnp.where(live_b, length_b + jnp.minimum(steps, left_b), 0)),
+                                jnp.max(idle_length_b) + 1)
+            which = jnp.sum(jnp.asarray(buckets[:-1]) < reach)
+            # One cond per bucket rather than a lax.switch: XLA then updates the donated cache in place, where the
+            # switch's branches each copied all of it.
+            state = (zeros, logits_bV, cache)
+            for j, S in enumerate(buckets):
+                state = jax.lax.cond(which == j, partial(run, S), lambda *state: state, *state)
+            out, logits_bV, cache = state
     if not whole:
         logits_bV = logits_BV.at[rows_b].set(logits_bV)
     return *out, logits_bV, cache
 
 
-@partial(jax.jit, static_argnames=("cfg", "max_steps"), donate_argnames=("cache", "logits_BV"))
+@partial(jax.jit, static_argnames=("cfg", "max_steps", "layout"), donate_argnames=("cache", "logits_BV"))
 def paged_decode_loop(params, layer_params, cache, logits_BV, rows_b, adapter_b, steps, live_b, length_b, table_bM,
                       left_b, stop_bM, want_lp_b, seed_b, choice_b, count_b, temperature_b, top_k_b, top_p_b,
-                      cfg: ModelConfig, max_steps: int):
+                      cfg: ModelConfig, max_steps: int, layout: sharding.Layout | None = None):
     """sampled_steps over rows rows_b of the paged cache (model/paged.py): each step writes every live row's
     token at position length_b (plus the steps before) into its pages (table_bM, which the host has made cover
     the call's positions) and attends over its pages; rows not living do nothing. With `layer_params` (the
@@ -139,23 +143,25 @@ def paged_decode_loop(params, layer_params, cache, logits_BV, rows_b, adapter_b,
                                                      jnp.where(live_b, length_b + 1, 0), table_bM, cfg, layer_params)
         return logits_bV, (cache, length_b + live_b)
 
-    out, logits_bV, (cache, _) = sampled_steps(decode, (cache, length_b), logits_bV, steps, live_b, left_b, stop_bM,
-                                               want_lp_b, seed_b, choice_b, count_b, temperature_b, top_k_b, top_p_b,
-                                               max_steps)
+    with sharding.within(layout):
+        out, logits_bV, (cache, _) = sampled_steps(decode, (cache, length_b), logits_bV, steps, live_b, left_b,
+                                                   stop_bM, want_lp_b, seed_b, choice_b, count_b, temperature_b,
+                                                   top_k_b, top_p_b, max_steps)
     return *out, logits_BV.at[rows_b].set(logits_bV), cache
 
 
-@partial(jax.jit, static_argnames="cfg", donate_argnames=("cache", "logits_BV"))
+@partial(jax.jit, static_argnames=("cfg", "layout"), donate_argnames=("cache", "logits_BV"))
 def paged_prefill(params, layer_params, cache, logits_BV, tokens_PC, start_P, length_P, table_PM, slot_P, adapter_P,
-                  cfg: ModelConfig):
+                  cfg: ModelConfig, layout: sharding.Layout | None = None):
     """Prompts' chunks into their pages (transformer.paged_forward), each row's logits after its chunk into
     logits_BV at its slot (none for a padding row's slot B, whose length 0 writes nothing); adapter_P each row's
     LoRA adapter. With `layer_params` (the engine's, as the decode loop's) the layers are unrolled: scanned over
     the stacked weights, the call sliced and cast every layer's weights afresh, a fixed cost that dominated short
     chunks (docs/serve.md, "Measured")."""
     params, layer_params = layers.with_rows((params, layer_params), adapter_P)
-    logits_PV, cache = transformer.paged_forward(params, cache, tokens_PC, start_P, length_P, table_PM, cfg,
-                                                 layer_params)
+    with sharding.within(layout):
+        logits_PV, cache = transformer.paged_forward(params, cache, tokens_PC, start_P, length_P, table_PM, cfg,
+                                                     layer_params)
     return cache, logits_BV.at[slot_P].set(logits_PV, mode="drop")
 
 
@@ -169,26 +175,34 @@ def slot_buckets(cfg: ModelConfig, cache: kvcache.KVCache) -> list[int]:
     return sorted({S // d for d in SLOT_DIVISORS if S // d >= MIN_SLOTS} | {S})
 
 
-def empty_slots(cfg: ModelConfig, slots: int, length: int, quantize: bool) -> kvcache.KVCache:
+@partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
+def empty_slots(cfg: ModelConfig, slots: int, length: int, quantize: bool, layout: sharding.Layout | None
+                ) -> kvcache.KVCache:
     """An empty cache for `slots` sequences, its keys and values sharded by kv heads (and slots by `batch`)."""
-    cache = kvcache.init(cfg, slots, length, quantize)
-    kinds = tuple(kvcache.KindCache(*(None if a is None else sharding.constrain(a, (None,) + kvcache.CACHE_AXES[
-        :a.ndim - 1]) for a in (c.k, c.v, c.k_scale, c.v_scale)), c.pos) for c in cache.kinds)
-    return kvcache.KVCache(kinds, cache.length)
+    with sharding.within(layout):
+        cache = kvcache.init(cfg, slots, length, quantize)
+        kinds = tuple(kvcache.KindCache(*(None if a is None else sharding.constrain(a, (None,) + kvcache.CACHE_AXES[
+            :a.ndim - 1]) for a in (c.k, c.v, c.k_scale, c.v_scale)), c.pos) for c in cache.kinds)
+        return kvcache.KVCache(kinds, cache.length)
 
 
-def empty_pages(cfg: ModelConfig, pages: int, page_size: int, quantize: bool) -> paged.PagedCache:
-    """An empty pool of pages; keys and values [K, R, NP, page, H] sharded by kv heads."""
-    cache = paged.init(cfg, pages, page_size, quantize)
-    return paged.PagedCache(tuple({name: sharding.constrain(a, ("kv_heads", None, None, None, "head_dim"))
-                                   if a.ndim == 5 else a for name, a in kind.items()} for kind in cache.kinds))
+@partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5))
+def empty_pages(cfg: ModelConfig, pages: int, page_size: int, quantize: bool, fmt: paged.PoolFormat,
+                layout: sharding.Layout | None) -> paged.PagedCache:
+    """An empty pool of pages of format fmt; keys and values [K, R, NP, page, H] sharded by kv heads."""
+    with sharding.within(layout):
+        cache = paged.init(cfg, pages, page_size, quantize, fmt)
+        return paged.PagedCache(tuple({name: sharding.constrain(a, ("kv_heads", None, None, None, "head_dim"))
+                                       if a.ndim == 5 else a for name, a in kind.items()} for kind in cache.kinds),
+                                cache.kernel)
 
 
-@partial(jax.jit, static_argnames="cfg")
-def score(params, tokens_1T, adapter_1, cfg: ModelConfig):
+@partial(jax.jit, static_argnames=("cfg", "layout"))
+def score(params, tokens_1T, adapter_1, cfg: ModelConfig, layout: sharding.Layout | None = None):
     """A prompt's log-probabilities by the uncached forward pass: each token's after the ones before it [T - 1], and
     the TOP_LOGPROBS most likely tokens at every position with theirs [T, K]."""
-    lp_TV = jax.nn.log_softmax(forward(layers.with_rows(params, adapter_1), tokens_1T, cfg)[0], axis=-1)
+    with sharding.within(layout):
+        lp_TV = jax.nn.log_softmax(forward(layers.with_rows(params, adapter_1), tokens_1T, cfg)[0], axis=-1)
     top_lp_TK, top_ids_TK = jax.lax.top_k(lp_TV, TOP_LOGPROBS)
     token_lp_T = jnp.take_along_axis(lp_TV[:-1], tokens_1T[0, 1:, None], axis=-1)[:, 0]
     return token_lp_T, top_ids_TK, top_lp_TK

@@ -36,7 +36,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from jaxlm import sampling, speculative
+from jaxlm import sampling, sharding, speculative
 from jaxlm.config import ModelConfig
 from jaxlm.model import layers, transformer
 
@@ -122,12 +122,12 @@ def _verify(way, logits_bJV, q_logits: list, d_bk, keys_b, settings):
     return jax.lax.cond(way == sampling.GREEDY, greedy, sampled)
 
 
-@partial(jax.jit, static_argnames=("cfg", "draft_cfg", "k", "max_steps"),
+@partial(jax.jit, static_argnames=("cfg", "draft_cfg", "k", "max_steps", "layout"),
          donate_argnames=("cache", "draft_cache", "mtp"))
 def decode_loop(params, layer_params, draft_params, draft_layer_params, cache, draft_cache, logits_BV, rows_b,
                 adapter_b, steps, live_b, length_b, pending_b, limit_b, table_bM, left_b, stop_bM, want_lp_b, seed_b,
                 choice_b, count_b, temperature_b, top_k_b, top_p_b, cfg: ModelConfig, draft_cfg: ModelConfig | None,
-                k: int, max_steps: int, mtp: dict | None = None):
+                k: int, max_steps: int, mtp: dict | None = None, layout: sharding.Layout | None = None):
     """Up to `steps` (<= max_steps) iterations of speculative decoding over rows rows_b (see the module
     docstring): length_b positions cached per row, pending_b its pending token (-1: sample it from the row's
     logits in logits_BV), limit_b the positions it may use, left_b the tokens it may still send, count_b those it
@@ -139,7 +139,7 @@ def decode_loop(params, layer_params, draft_params, draft_layer_params, cache, d
     prefill_mtp): the model's hidden state after the prompt (hidden_BD, for a row that starts from its logits),
     and, for the rows that have decoded, the first position of the last pass (prev_B), the model's hidden states
     from there [B, J, D] and the tokens after them [B, J] (the module's next pass starts with them, as
-    speculative.py's loop does)."""
+    speculative.py's loop does). `layout`: the engine's mesh and rules (programs.py)."""
     base = layers.with_rows(params, jnp.full_like(adapter_b, -1))  # the module's embedding and head: no adapter
     params, layer_params = layers.with_rows((params, layer_params), adapter_b)
     b, K, J, V = rows_b.shape[0], TOP_LOGPROBS, k + 1, logits_BV.shape[-1]
@@ -183,23 +183,24 @@ def decode_loop(params, layer_params, draft_params, draft_layer_params, cache, d
                 "pending_b": jnp.take_along_axis(tokens_bJ, kept_b[:, None], axis=1)[:, 0],
                 "proposed": c["proposed"] + k * jnp.sum(live_b), "kept": c["kept"] + jnp.sum(kept_b * live_b)}
 
-    out = (jnp.zeros((L, b), jnp.int32), jnp.zeros((L, b), jnp.float32), jnp.zeros((L, b, K), jnp.int32),
-           jnp.zeros((L, b, K), jnp.float32), jnp.zeros((L, b), bool))
-    c = {"i": jnp.int32(0), "live_b": live_b, "made_b": jnp.zeros((b,), jnp.int32), "length_b": length_b,
-         "cache": cache, "draft_cache": draft_cache, "out": out, "proposed": jnp.int32(0), "kept": jnp.int32(0)}
-    # rows just prefilled: their first token from their logits, as the one-token step samples it
-    fresh_b = live_b & (pending_b < 0)
-    way = sampling.branch(jnp.where(fresh_b, temperature_b, 0), top_k_b, top_p_b, V)
-    first_b = sampling.sample_rows(way, logits_bV, lambda: sampling.row_keys(choice_keys_b, count_b), *settings)
-    c = send(c, first_b[:, None], fresh_b.astype(jnp.int32), logits_bV[:, None])
-    c["pending_b"] = jnp.where(fresh_b, first_b, pending_b)
-    if draft_cfg is None:  # a fresh row's module pass: the last prompt position, with the first token after it
-        hid_bJD, next_bJ = jnp.take(mtp["hid_BJD"], rows_b, axis=0), jnp.take(mtp["next_BJ"], rows_b, axis=0)
-        c.update(prev_b=jnp.where(fresh_b, length_b - 1, jnp.take(mtp["prev_B"], rows_b)),
-                 hid_bJD=jnp.where(fresh_b[:, None, None], hid_bJD.at[:, 0].set(
-                     jnp.take(mtp["hidden_BD"], rows_b, axis=0)), hid_bJD),
-                 next_bJ=jnp.where(fresh_b[:, None], next_bJ.at[:, 0].set(first_b), next_bJ))
-    c = jax.lax.while_loop(lambda c: (c["i"] < steps) & jnp.any(c["live_b"]), body, c)
+    with sharding.within(layout):
+        out = (jnp.zeros((L, b), jnp.int32), jnp.zeros((L, b), jnp.float32), jnp.zeros((L, b, K), jnp.int32),
+               jnp.zeros((L, b, K), jnp.float32), jnp.zeros((L, b), bool))
+        c = {"i": jnp.int32(0), "live_b": live_b, "made_b": jnp.zeros((b,), jnp.int32), "length_b": length_b,
+             "cache": cache, "draft_cache": draft_cache, "out": out, "proposed": jnp.int32(0), "kept": jnp.int32(0)}
+        # rows just prefilled: their first token from their logits, as the one-token step samples it
+        fresh_b = live_b & (pending_b < 0)
+        way = sampling.branch(jnp.where(fresh_b, temperature_b, 0), top_k_b, top_p_b, V)
+        first_b = sampling.sample_rows(way, logits_bV, lambda: sampling.row_keys(choice_keys_b, count_b), *settings)
+        c = send(c, first_b[:, None], fresh_b.astype(jnp.int32), logits_bV[:, None])
+        c["pending_b"] = jnp.where(fresh_b, first_b, pending_b)
+        if draft_cfg is None:  # a fresh row's module pass: the last prompt position, with the first token after it
+            hid_bJD, next_bJ = jnp.take(mtp["hid_BJD"], rows_b, axis=0), jnp.take(mtp["next_BJ"], rows_b, axis=0)
+            c.update(prev_b=jnp.where(fresh_b, length_b - 1, jnp.take(mtp["prev_B"], rows_b)),
+                     hid_bJD=jnp.where(fresh_b[:, None, None], hid_bJD.at[:, 0].set(
+                         jnp.take(mtp["hidden_BD"], rows_b, axis=0)), hid_bJD),
+                     next_bJ=jnp.where(fresh_b[:, None], next_bJ.at[:, 0].set(first_b), next_bJ))
+        c = jax.lax.while_loop(lambda c: (c["i"] < steps) & jnp.any(c["live_b"]), body, c)
     if draft_cfg is None:
         mtp = {**mtp, "prev_B": mtp["prev_B"].at[rows_b].set(c["prev_b"]),
                "hid_BJD": mtp["hid_BJD"].at[rows_b].set(c["hid_bJD"]),
@@ -207,9 +208,9 @@ def decode_loop(params, layer_params, draft_params, draft_layer_params, cache, d
     return *c["out"], c["cache"], c["draft_cache"], c["proposed"], c["kept"], mtp
 
 
-@partial(jax.jit, static_argnames="cfg", donate_argnames=("cache", "draft_cache", "logits_BV", "mtp"))
+@partial(jax.jit, static_argnames=("cfg", "layout"), donate_argnames=("cache", "draft_cache", "logits_BV", "mtp"))
 def prefill_mtp(params, layer_params, mtp_weights, cache, draft_cache, logits_BV, mtp, tokens_PC, next_PC, start_P,
-                length_P, table_PM, slot_P, adapter_P, cfg: ModelConfig):
+                length_P, table_PM, slot_P, adapter_P, cfg: ModelConfig, layout: sharding.Layout | None = None):
     """programs.paged_prefill for a model whose first multi-token prediction module drafts: the model's pass
     over prompts' chunks (its logits and hidden state after each row's last real token into logits_BV and
     mtp["hidden_BD"] at the row's slot), then the module's entries of the chunk's positions that have a token
@@ -217,18 +218,21 @@ def prefill_mtp(params, layer_params, mtp_weights, cache, draft_cache, logits_BV
     the first sampled token, in decode_loop). The module serves no adapter."""
     base = layers.with_rows(params, jnp.full_like(adapter_P, -1))
     params, layer_params = layers.with_rows((params, layer_params), adapter_P)
-    logits_PV, h_PCD, cache = transformer.paged_forward(params, cache, tokens_PC, start_P, length_P, table_PM, cfg,
-                                                        layer_params, hidden=True)
-    _, _, draft_cache = transformer.paged_mtp(base, mtp_weights, draft_cache, next_PC, h_PCD, start_P,
-                                              jnp.maximum(length_P - 1, 0), table_PM, cfg)
+    with sharding.within(layout):
+        logits_PV, h_PCD, cache = transformer.paged_forward(params, cache, tokens_PC, start_P, length_P, table_PM,
+                                                            cfg, layer_params, hidden=True)
+        _, _, draft_cache = transformer.paged_mtp(base, mtp_weights, draft_cache, next_PC, h_PCD, start_P,
+                                                  jnp.maximum(length_P - 1, 0), table_PM, cfg)
     end_P = jnp.clip(length_P, start_P, start_P + tokens_PC.shape[1])
     last_PD = jnp.take_along_axis(h_PCD, jnp.maximum(end_P - 1 - start_P, 0)[:, None, None], axis=1)[:, 0]
     mtp = {**mtp, "hidden_BD": mtp["hidden_BD"].at[slot_P].set(last_PD.astype(mtp["hidden_BD"].dtype), mode="drop")}
     return cache, draft_cache, logits_BV.at[slot_P].set(logits_PV, mode="drop"), mtp
 
 
-@partial(jax.jit, static_argnames="cfg", donate_argnames="cache")
-def prefill(params, layer_params, cache, tokens_PC, start_P, length_P, table_PM, cfg: ModelConfig):
+@partial(jax.jit, static_argnames=("cfg", "layout"), donate_argnames="cache")
+def prefill(params, layer_params, cache, tokens_PC, start_P, length_P, table_PM, cfg: ModelConfig,
+            layout: sharding.Layout | None = None):
     """The draft's cache entries of prompts' chunks (programs.paged_prefill's, without the logits; its layers
     unrolled over `layer_params` when given)."""
-    return transformer.paged_forward(params, cache, tokens_PC, start_P, length_P, table_PM, cfg, layer_params)[1]
+    with sharding.within(layout):
+        return transformer.paged_forward(params, cache, tokens_PC, start_P, length_P, table_PM, cfg, layer_params)[1]
