@@ -320,6 +320,61 @@ def source_rows(source):
     return source.last_rollout
 
 
+def test_the_rollout_engine_takes_the_servers_cache_settings():
+    """rl.rollout_engine's KV cache follows serve.page_size, serve.cache_gib and decode.quantize_kv_cache as `jaxlm
+    serve`'s does (with the batch's rows as its slots); by default every row holds the whole context, and the
+    rollouts are those of the engine rl made before it read the settings (a full-context float pool, no prefix
+    sharing), token for token and log-probability for log-probability."""
+    from jaxlm.model import paged
+    from jaxlm.serve import engine as engine_lib
+
+    cfg = tiny()
+    params = step_lib.init_state(step_lib.setup(cfg, jax.devices()[:1], data=False), 0)["params"]
+    prompts, seeds, rows = [[1, 2, 3], [4, 5, 6, 7, 8]], [3, 4], 4
+
+    def pool(e):  # pages, page size, bytes and dtypes of the pool a batch of rollouts takes
+        e.reserve_cache()
+        leaves = jax.tree.leaves(e.cache)
+        out = (e.pages_total(), e.page_size, sum(x.nbytes for x in leaves), {str(x.dtype) for x in leaves})
+        e.release_cache()
+        return out
+
+    def rollouts(e):
+        got = rl.generate(e, params, cfg, prompts, seeds, 2, (5,), 1.0, 0, 1.0)
+        return [(c.ids, c.logprobs, c.truncated) for c in got]
+
+    e = rl.rollout_engine(params, cfg, rows)
+    per_token = paged.bytes_per_token(cfg.model)
+    assert pool(e) == (rows * 1, 16, rows * 16 * per_token, {"float32"})  # block_size 16: one page of 16 a row
+    before = engine_lib.Engine(params, cfg.model, rows, cfg.model.block_size, rows,
+                               decode_steps=cfg.serve.decode_steps, prefill_chunk=cfg.serve.prefill_chunk)
+    before.release_cache()
+    want, got = rollouts(before), rollouts(e)
+    print(f"rollout lengths {[len(ids) for ids, _, _ in got]}")
+    assert got == want and all(len(ids) == 8 or ids[-1] == 5 for ids, _, _ in got)
+
+    # pages of 4 positions, int8 keys and values with scales, and 5 pages (each row needs 3 to 4): the rows wait
+    # for each other's pages, and every rollout still ends
+    per_token = paged.bytes_per_token(cfg.model, quantize=True)
+    gib = 5.5 * 4 * per_token / 2**30
+    small = tiny(**{"serve.page_size": 4, "serve.cache_gib": gib, "decode.quantize_kv_cache": True})
+    e = rl.rollout_engine(params, small, rows)
+    assert pool(e) == (5, 4, 5 * 4 * per_token, {"int8", "float32"}) and 5 * 4 * per_token <= gib * 2**30
+    quantized = rollouts(e)
+    first = max(abs(q[1][0] - w[1][0]) for q, w in zip(quantized, want))
+    print(f"int8 pool of 5 pages: {e.preempted_total} preemptions, lengths {[len(ids) for ids, _, _ in quantized]}, "
+          f"first tokens' log-probabilities within {first:.2g} of the float pool's")
+    assert e.preempted_total > 0 and all(len(ids) == len(lps) for ids, lps, _ in quantized)
+    assert all(len(ids) == 8 or ids[-1] == 5 for ids, _, _ in quantized)
+    assert [q[0][0] for q in quantized] == [w[0][0] for w in want] and first <= 0.05
+
+    slot = rl.rollout_engine(params, tiny(**{"serve.page_size": 0}), rows)
+    assert slot.pages_total() == 0
+    with pytest.raises(config_lib.ConfigError, match=r"serve.cache_gib=.* holds 3 pages of 4 positions"):
+        rl.rollout_engine(params, tiny(**{"serve.page_size": 4, "serve.cache_gib": 3.5 * 4 * per_token / 2**30,
+                                          "decode.quantize_kv_cache": True}), rows)
+
+
 # ---- bad input ---------------------------------------------------------------------------------------------------
 
 def test_bad_input_fails_in_one_line(digits, tmp_path, capsys):

@@ -4,7 +4,8 @@ the trainer's current weights (the same device buffers: no copy, no second frame
 
 One batch of rollouts per `grpo.iterations` train steps (RolloutBatches, the loop's batch source):
   prompts (a seeded order over data.prompts, resumable) -> the engine samples grpo.group_size completions of
-  each (its KV cache sized to the batch, made for the rollouts and dropped before the update) -> every reward
+  each (its KV cache as `jaxlm serve` makes it for the batch's rows: serve.page_size, serve.cache_gib,
+  decode.quantize_kv_cache; made for the rollouts and dropped before the update) -> every reward
   function scores them -> advantages (reward minus the group's mean, divided by its std unless
   grpo.scale_rewards says otherwise) -> rows of prompt + completion with the completion's tokens weighted ->
   with grpo.iterations > 1 the old policy's log-probabilities, with grpo.beta > 0 (and no LoRA) the reference
@@ -32,7 +33,7 @@ from typing import Callable
 import jax
 import numpy as np
 
-from jaxlm import step as step_lib
+from jaxlm import runtime, step as step_lib
 from jaxlm.config import Config, ConfigError
 from jaxlm.data.errors import DataError
 from jaxlm.data.tokenizer import Tokenizer
@@ -222,13 +223,25 @@ class Completion:
 
 def rollout_engine(params, cfg: Config, rows: int, mesh=None, rules=None):
     """A serving engine of `rows` slots over `params` for rollouts, its cache released (generate reserves it). Its
-    programs compile on first use and stay compiled for the run's later batches of rollouts."""
-    from jaxlm import sharding
+    KV cache follows `jaxlm serve`'s settings with `rows` slots of model.block_size positions: serve.page_size
+    (0: the slot cache), serve.cache_gib (serve.cache_pages: 0 = every row the whole context),
+    decode.quantize_kv_cache, serve.prefix_cache, serve.prefill_chunk and serve.decode_steps. Its programs compile
+    on first use and stay compiled for the run's later batches of rollouts."""
+    from jaxlm import serve, sharding
     from jaxlm.serve import engine as engine_lib
 
-    e = engine_lib.Engine(params, cfg.model, rows, cfg.model.block_size, rows, mesh=mesh,
+    sc, quantize, length = cfg.serve, cfg.decode.quantize_kv_cache, cfg.model.block_size
+    pages = None
+    if sc.page_size:
+        pages = serve.cache_pages(cfg.model, dataclasses.replace(sc, max_slots=rows), length, quantize)
+        if pages * sc.page_size < length:
+            raise ConfigError(f"serve.cache_gib={sc.cache_gib} holds {pages} pages of {sc.page_size} positions, and a "
+                              f"rollout may take model.block_size={length} positions; raise serve.cache_gib (0 = "
+                              "every rollout the whole context)")
+    e = engine_lib.Engine(params, cfg.model, rows, length, rows, quantize_kv_cache=quantize, mesh=mesh,
+                          prefill_chunk=sc.prefill_chunk, prefix_cache=sc.prefix_cache,
                           rules=rules or (sharding.PARAM_RULES, sharding.ACTIVATION_RULES),
-                          decode_steps=cfg.serve.decode_steps, prefill_chunk=cfg.serve.prefill_chunk)
+                          decode_steps=sc.decode_steps, page_size=sc.page_size, cache_pages=pages)
     e.release_cache()
     return e
 
@@ -267,6 +280,10 @@ def generate(engine, params, cfg: Config, prompts: list[list[int]], seeds: list[
     finally:
         engine.stop()
         engine.release_cache()
+        # what the rollouts freed (the cache, the weights taken apart, the programs' scratch and compilations)
+        # stays in malloc's arenas otherwise, and the update allocates anew beside it: the resident memory grew
+        # by about 0.2 GB per batch of rollouts (docs/rl.md, Memory)
+        runtime.release_free_memory()
     out = []
     for events in got:
         if events[-1][0] == "error":

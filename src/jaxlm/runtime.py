@@ -9,6 +9,8 @@ defaults, about 10,000 with the settings below). `tune_for_xla_cpu()` raises the
 such blocks come from the heap, and raises the trim threshold so that the heap keeps them between steps
 instead of returning them to the kernel. The price is that up to TRIM_BYTES of freed memory stays in the
 process. It only applies to glibc (Linux); JAXLM_TUNE_MALLOC=0 leaves the allocator as it is.
+`release_free_memory()` hands freed memory back at the end of a phase whose memory the next one does not reuse
+(GRPO's rollouts).
 
 Compilation cache. `use_compilation_cache(path)` points JAX's persistent cache at `path`
 (`compile.cache_dir`), so that rerunning a command (a resumed run, the same config again, the processes
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 
 MMAP_THRESHOLD_BYTES = 1 << 30  # blocks below this come from the heap, not from a fresh mapping
@@ -53,6 +56,30 @@ def _apply() -> bool:
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return all(mallopt(param, value) == 1 for param, value in (
         (_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES), (_M_TRIM_THRESHOLD, TRIM_BYTES), (_M_TOP_PAD, TOP_PAD_BYTES)))
+
+
+def release_free_memory() -> bool:
+    """Give the free pages of every malloc arena back to the kernel (glibc's malloc_trim): the memory the
+    settings above keep for the next step and the free holes between live blocks, which no threshold returns.
+    For the end of a phase whose memory the next one does not reuse: GRPO's rollouts (rl.generate), which
+    interleaved with updates grew the resident memory by about 0.2 GB per batch (docs/rl.md). True if it ran."""
+    trim = _malloc_trim()
+    if trim is None:
+        return False
+    trim(0)
+    return True
+
+
+@functools.cache
+def _malloc_trim():
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):  # not glibc (musl, macOS)
+        return None
+    if trim is not None:
+        trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
 
 
 def use_compilation_cache(path: str) -> str | None:
