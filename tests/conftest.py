@@ -1,10 +1,12 @@
 """Shared fixtures: 8 fake CPU devices, tiny configs and a small prepared corpus."""
 
+import importlib
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import warnings
 
 # The tests compile hundreds of tiny programs and run each for a few steps: LLVM's optimizations cost more there
@@ -33,7 +35,14 @@ import warnings
 # - The allocator settings (src/jaxlm/runtime.py): the suite leaves them on, as users' runs have them
 #   (tests/test_runtime.py checks that JAXLM_TUNE_MALLOC=0 turns them off).
 DEFAULT_SETTINGS = os.environ.get("JAXLM_TEST_DEFAULT_SETTINGS") == "1"
-TEST_XLA_FLAGS = "" if DEFAULT_SETTINGS else "--xla_backend_optimization_level=0"
+# The TPU tier (`make test-tpu`, tests marked `tpu`) runs on a TPU machine as users run there: JAX picks the chip,
+# programs compile at XLA's default settings, and no suite-wide compilation cache is set. Its tests may still
+# use the CPU next to the chip for reference values (jax.devices("cpu")).
+TPU_TIER = os.environ.get("JAXLM_TEST_TPU") == "1"
+# JAXLM_TEST_TPU_DRY_RUN=1 with it runs the tier's in-process tests on whatever JAX sees (a CPU: Pallas kernels in
+# interpret mode), to develop the tier's code without a chip; it proves nothing about a TPU.
+DRY_RUN = TPU_TIER and os.environ.get("JAXLM_TEST_TPU_DRY_RUN") == "1"
+TEST_XLA_FLAGS = "" if DEFAULT_SETTINGS or TPU_TIER else "--xla_backend_optimization_level=0"
 
 
 def xla_flags(devices: int | None = None) -> str:
@@ -62,18 +71,20 @@ def users_environment(**extra) -> dict:
 
 
 _OWN_XLA_FLAGS = os.environ.get("XLA_FLAGS", "")  # as pytest was started
-os.environ["XLA_FLAGS"] = f"{_OWN_XLA_FLAGS} {xla_flags(8)}".strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if not TPU_TIER:
+    os.environ["XLA_FLAGS"] = f"{_OWN_XLA_FLAGS} {xla_flags(8)}".strip()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache for the session and the processes its tests start (the CLI's default,
 # ~/.cache/jaxlm/xla, is left alone): repeated runs of the same tiny configs load instead of compiling.
 # Every program is cached, however quick its compile: most tests train the same tiny models again (in this
 # process or in the ones they start), and a load is faster than any compile; the executables, and so the
 # losses, are the same.
 _XLA_CACHE = None
-if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+if not os.environ.get("JAX_COMPILATION_CACHE_DIR") and not TPU_TIER:
     _XLA_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxlm-test-xla-cache-")
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+if not TPU_TIER:
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 from pathlib import Path  # noqa: E402
 
@@ -89,12 +100,45 @@ SHAKESPEARE = Path(os.environ.get("JAXLM_TEST_SHAKESPEARE") or Path(__file__).re
 
 
 @pytest.fixture(scope="session")
-def shakespeare_file() -> Path:
+def shakespeare_file(tmp_path_factory) -> Path:
+    if TPU_TIER and not SHAKESPEARE.is_file():
+        return stdlib_text(tmp_path_factory.mktemp("stdlib_text") / "input.txt")
     if not SHAKESPEARE.is_file():
         pytest.fail(f"{SHAKESPEARE} not found: these tests need the tiny Shakespeare corpus (1,115,394 bytes) there, "
                     "in ../shared/data/tinyshakespeare/ beside the repository, or named by JAXLM_TEST_SHAKESPEARE",
                     pytrace=False)
     return SHAKESPEARE
+
+
+def require(module: str, extra: str = "dev"):
+    """`module`, imported. The packages the tests need are in the test extras (`make test` installs dev, hf and
+    tpu): without one, the tests that need it fail in one line naming it and its extra, rather than pass by
+    skipping (at a module's top, its collection fails)."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        error = e  # failed outside the handler: one line, without the ImportError chained to it
+    pytest.fail(f"cannot import {module} ({error}): the tests need the {extra} extra: pip install -e '.[{extra}]'",
+                pytrace=False)
+
+
+def stdlib_text(path: Path, size: int = 1_115_394) -> Path:
+    """A character corpus the size of tiny Shakespeare from the Python standard library's own source (ASCII lines):
+    the TPU tier's stand-in where ../shared is not beside the checkout (a TPU machine gets the checkout alone)."""
+    import sysconfig
+
+    out, total = [], 0
+    for f in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+        for line in f.read_text(errors="replace").splitlines(keepends=True):
+            if line.isascii():
+                out.append(line)
+                total += len(line)
+        if total >= size:
+            break
+    # Tiny Shakespeare's 65 characters (tests size their models' vocabularies for it); any other becomes a space.
+    keep = set("\n !$&',-.3:;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
+    path.write_text("".join(c if c in keep else " " for c in "".join(out)[:size]))
+    return path
 
 
 def memory_mappings() -> int:
@@ -166,6 +210,19 @@ def tiny_config(data_dir: Path, run_dir: Path | None = None, **overrides) -> con
     return cfg
 
 
+def until_done(e, events: list, timeout: float = 120, started: bool = False) -> None:
+    """Start serving engine `e` (unless `started`), wait until every sequence's events end with "done", stop it."""
+    if not started:
+        e.start()
+    deadline = time.monotonic() + timeout
+    try:
+        while not all(ev and ev[-1][0] == "done" for ev in events):
+            assert time.monotonic() < deadline, "the engine did not finish in time"
+            time.sleep(0.01)
+    finally:
+        e.stop()
+
+
 # `make test` gives each module to one worker (`--dist loadfile`), so that a module-scoped fixture (a trained model,
 # a server) is made once rather than once per worker, and keeps this order (`--no-loadscope-reorder`; xdist would
 # otherwise start the modules with the most tests first). The modules that take longest run first, so that a long
@@ -181,6 +238,87 @@ FIRST = ("test_serve", "test_benchmarks", "test_slurm", "test_sharding", "test_r
 def pytest_configure(config):
     config.addinivalue_line("markers", "default_settings: run at XLA's default compiler settings, in a fresh "
                             "pytest process with the users' environment (tests/conftest.py)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """The CPU suite's modules in the order above (FIRST). Tests marked `tpu` run only in the TPU tier (`make test-tpu`, JAXLM_TEST_TPU=1), and there only they run:
+    `make test` deselects them by marker, and a run that selects them without the tier's setting (or the tier
+    without a chip) fails them in one line rather than skipping: a tier that skips proves nothing."""
+    if not TPU_TIER:
+        order = {name: i for i, name in enumerate(FIRST)}  # FIRST in its order, then the rest as collected
+        items.sort(key=lambda item: order.get(item.module.__name__, len(FIRST)))
+        return
+    kept = [item for item in items if item.get_closest_marker("tpu") is not None]
+    if len(kept) < len(items):
+        config.hook.pytest_deselected(items=[item for item in items if item.get_closest_marker("tpu") is None])
+    # The commands run as processes of their own (test_tpu_cli) go first: once this process has opened the chip,
+    # no other can until it ends.
+    items[:] = sorted(kept, key=lambda item: item.module.__name__ != "test_tpu_cli")
+
+
+def chip_free_for_processes():
+    """For a TPU-tier test whose commands open the chip in processes of their own: this process must not hold it."""
+    from jax._src import xla_bridge
+
+    if xla_bridge._backends:
+        pytest.fail("this test starts processes that need the chip, but this pytest process holds it already (run "
+                    "tests/test_tpu_cli.py first, as `make test-tpu` does)", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def tpu_quickstart_run(tmp_path_factory):
+    """`jaxlm train quickstart` on the chip, its defaults shortened to 240 steps (so that the evaluation at step 200
+    and the final one both run), with a checkpoint at 100 and 200 and the sample: (run directory, its output).
+    Made by test_tpu_cli's first test, in a process of its own, while the pytest process does not hold the chip;
+    the later tests read the run."""
+    import subprocess
+
+    from jaxlm.data import prepare
+
+    base = tmp_path_factory.mktemp("tpu_quickstart")
+    prepare.prepare_python_stdlib(base / "data")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(
+        filter(None, [str(Path(__file__).resolve().parents[1] / "src"), os.environ.get("PYTHONPATH")])))
+    p = subprocess.run([sys.executable, "-m", "jaxlm.cli", "train", "quickstart", f"data.dir={base / 'data'}",
+                        f"run_dir={base / 'run'}", "training.steps=240", "checkpoint.interval=100",
+                        "logging.progress=false"], cwd=base, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, f"jaxlm train quickstart exited {p.returncode}:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+    return base / "run", p.stdout + p.stderr
+
+
+def pytest_report_header(config):
+    """The TPU tier's report names what it ran with (docs/tpu.md keeps it); read without opening the chip."""
+    if not TPU_TIER:
+        return None
+    import importlib.metadata
+
+    def version(name):
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return "absent"
+
+    names = ("jax", "jaxlib", "libtpu", "optax", "orbax-checkpoint", "numpy", "fastapi", "uvicorn", "openai", "httpx")
+    return "tpu tier: " + ", ".join(f"{n} {version(n)}" for n in names)
+
+
+def pytest_runtest_setup(item):
+    if not TPU_TIER and item.get_closest_marker("tpu") is not None:
+        pytest.fail("tests marked `tpu` run on a TPU machine through `make test-tpu` (JAXLM_TEST_TPU=1)", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def tpu():
+    """The TPU chip of the tier. Without one the tier's tests fail in one line (a tier that skips proves nothing)."""
+    import jax
+
+    devices = jax.devices()
+    if DRY_RUN:
+        return devices[0]
+    if devices[0].platform != "tpu":
+        pytest.fail(f"the TPU tier needs a TPU; JAX sees {devices[0].platform} devices ({devices[0].device_kind}): run "
+                    "it on a TPU machine (docs/tpu.md)", pytrace=False)
+    return devices[0]
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -208,11 +346,6 @@ def pytest_pyfunc_call(pyfuncitem):
     if p.returncode != 0:
         pytest.fail(f"at XLA's default settings (a child pytest process):\n{out[-6000:]}", pytrace=False)
     return True
-
-
-def pytest_collection_modifyitems(session, config, items):
-    order = {name: i for i, name in enumerate(FIRST)}  # FIRST in its order, then the rest as collected
-    items.sort(key=lambda item: order.get(item.module.__name__, len(FIRST)))
 
 
 def pytest_sessionfinish(session, exitstatus):

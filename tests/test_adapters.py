@@ -10,9 +10,11 @@ import jax
 import numpy as np
 import pytest
 
-peft = pytest.importorskip("peft")
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+from conftest import require
+
+peft = require("peft")
+torch = require("torch")
+transformers = require("transformers", "hf")
 
 import jaxlm  # noqa: E402
 from jaxlm import cli, step as step_lib  # noqa: E402

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import users_environment, xla_flags
+from conftest import require, users_environment, xla_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -27,8 +27,8 @@ def run(script: str, *args: str) -> dict[str, str]:
 
 @pytest.mark.slow
 def test_serve_benchmark_runs_every_part_at_a_tiny_size(tmp_path):
-    pytest.importorskip("transformers")
-    pytest.importorskip("fastapi")
+    require("transformers", "hf")
+    require("fastapi")
     import serve as serve_bench
 
     report = serve_bench.main(["--size", "tiny", "--requests", "8", "--model-dir", str(tmp_path),
@@ -45,7 +45,7 @@ def test_serve_benchmark_runs_every_part_at_a_tiny_size(tmp_path):
 
 @pytest.mark.slow
 def test_multi_lora_benchmark_runs_at_a_tiny_size(tmp_path):
-    pytest.importorskip("transformers")
+    require("transformers", "hf")
     import multi_lora
 
     report = multi_lora.main(["--size", "tiny", "--requests", "8", "--concurrency", "4", "--rounds", "2",

@@ -12,8 +12,10 @@ import pytest
 import jaxlm
 from jaxlm import cli, convert, train
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+from conftest import require
+
+torch = require("torch")
+transformers = require("transformers", "hf")
 
 C = dict(num_hidden_layers=2, num_attention_heads=4, hidden_size=64, intermediate_size=96, vocab_size=128)
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,

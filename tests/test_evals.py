@@ -11,10 +11,12 @@ import pytest
 
 import jaxlm
 
-pytest.importorskip("lm_eval")
-pytest.importorskip("fastapi")
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+from conftest import require
+
+require("lm_eval")
+require("fastapi")
+torch = require("torch")
+transformers = require("transformers", "hf")
 
 EOT = "<|endoftext|>"
 CONTEXT = 32  # the server's positions (decode.cache_length): the longer documents take several windows

@@ -14,10 +14,10 @@ import pytest
 
 import jaxlm
 from jaxlm import convert
-from test_serve import until_done
+from conftest import require, until_done
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+torch = require("torch")
+transformers = require("transformers", "hf")
 
 C = dict(num_attention_heads=4, hidden_size=64, intermediate_size=96, vocab_size=128)
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,

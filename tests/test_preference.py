@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import tiny_config
+from conftest import require, tiny_config
 from jaxlm import cli, config as config_lib, objectives, reference, step as step_lib, train
 from jaxlm.data import preference, prepare, shards, tokenizer
 from jaxlm.data.prepare import DataError
@@ -244,8 +244,8 @@ def test_loader_resumes_exactly(pairs_data):
 def hf_pair(tmp_path_factory):
     """Two tiny random Llamas made with transformers (the policy and another model to serve as reference),
     each converted with `jaxlm convert from-hf`, and preference data in their byte vocabulary."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    torch = require("torch")
+    transformers = require("transformers", "hf")
     from jaxlm import convert
 
     d = tmp_path_factory.mktemp("hf")

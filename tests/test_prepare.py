@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import jaxlm
+from conftest import require
 from jaxlm import cli
 from jaxlm.data import prepare, shards, tokenizer
 from jaxlm.data.prepare import DataError
@@ -267,8 +268,8 @@ def test_end_to_end_convert_prepare_train_export_with_the_models_tokenizer(tmp_p
     """A tiny random Llama built with transformers plus a tokenizer trained here -> `jaxlm convert from-hf` ->
     prepare a text corpus and a chat jsonl with `--tokenizer` set to the converted folder -> `jaxlm train` on each
     (loss falls) -> `jaxlm convert to-hf` -> transformers loads it and generates through the same tokenizer."""
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("torch")
+    transformers = require("transformers", "hf")
+    require("torch")
     from jaxlm import convert
 
     raw = tokenizer.train_bpe([str(shakespeare_file)], 384, tmp_path / "bpe",

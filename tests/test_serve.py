@@ -1,10 +1,12 @@
 """`jaxlm serve`: the official openai client against the server on 127.0.0.1 (greedy text equal to `jaxlm
 generate`'s, streaming equal to the whole answer, echoed log-probabilities equal to the forward pass's),
 concurrent streams that each get the text they get alone, faults answered 4xx without harm, eight LoRA adapters
-mixed in decode calls answering as each merged alone, and the command itself. Every server binds 127.0.0.1 and
-is shut down; every request loop is bounded."""
+mixed in decode calls answering as each merged alone, the same answers over a unix socket, and the command
+itself. Every server binds 127.0.0.1 (or a unix socket in the test's temporary folder) and is shut down; every
+request loop is bounded."""
 
 import concurrent.futures
+import http.client
 import json
 from typing import Callable
 import os
@@ -17,8 +19,10 @@ import httpx
 import numpy as np
 import pytest
 
-openai = pytest.importorskip("openai")
-pytest.importorskip("fastapi")
+from conftest import require, until_done
+
+openai = require("openai")
+require("fastapi")
 
 import jaxlm  # noqa: E402
 from jaxlm import serve  # noqa: E402
@@ -41,19 +45,6 @@ def token_events(events: list) -> list:
     return out
 
 
-def until_done(e, events: list, timeout: float = 120, started: bool = False) -> None:
-    """Start engine `e` (unless `started`), wait until every sequence's events end with "done", stop it."""
-    if not started:
-        e.start()
-    deadline = time.monotonic() + timeout
-    try:
-        while not all(ev and ev[-1][0] == "done" for ev in events):
-            assert time.monotonic() < deadline, "the engine did not finish in time"
-            time.sleep(0.01)
-    finally:
-        e.stop()
-
-
 def log_decode_calls(monkeypatch, log: Callable) -> None:
     """Call log(rows, live rows, steps) before each decode call of either cache."""
     for name, at in (("decode_loop", 3), ("paged_decode_loop", 4)):  # the rows; then adapters, steps, live rows
@@ -69,17 +60,17 @@ def log_prefill_calls(monkeypatch, log: Callable) -> None:
     from jaxlm.serve import chunk as chunk_lib
 
     def slot_chunk(params, cache, logits_BV, tokens_PC, start_P, length_P, slot_P, cfg, *rest,
-                   fn=chunk_lib.prefill_chunks):
+                   fn=chunk_lib.prefill_chunks, **kw):
         log([(int(a), int(b), int(c)) for a, b, c in zip(slot_P, start_P, length_P) if a < len(cache.length)],
             tokens_PC.shape[1])
-        return fn(params, cache, logits_BV, tokens_PC, start_P, length_P, slot_P, cfg, *rest)
+        return fn(params, cache, logits_BV, tokens_PC, start_P, length_P, slot_P, cfg, *rest, **kw)
 
     def paged_chunk(params, layer_params, cache, logits_BV, tokens_PC, start_P, length_P, table_PM, slot_P,
-                    adapter_P, cfg, fn=programs.paged_prefill):
+                    adapter_P, cfg, fn=programs.paged_prefill, **kw):
         log([(int(a), int(b), int(c)) for a, b, c in zip(slot_P, start_P, length_P) if a < logits_BV.shape[0]],
             tokens_PC.shape[1])
         return fn(params, layer_params, cache, logits_BV, tokens_PC, start_P, length_P, table_PM, slot_P, adapter_P,
-                  cfg)
+                  cfg, **kw)
 
     monkeypatch.setattr(chunk_lib, "prefill_chunks", slot_chunk)
     monkeypatch.setattr(programs, "paged_prefill", paged_chunk)
@@ -284,15 +275,38 @@ def test_faults_are_answered_4xx_and_harm_nothing(server, monkeypatch):
     assert metric(server, 'jaxlm_http_errors_total{code="400"}') >= 200
 
 
+# The client of the huge bodies below, run by its own interpreter: it makes both, says so, and sends them when told.
+HUGE_BODIES = """
+import http.client, json, sys, time
+
+def send(body):
+    conn = http.client.HTTPConnection("127.0.0.1", int(sys.argv[1]), timeout=60)
+    try:
+        start = time.perf_counter()
+        conn.request("POST", "/v1/completions", body, {"content-type": "application/json"})
+        answer = conn.getresponse()
+        return answer.status, json.loads(answer.read()), time.perf_counter() - start
+    finally:
+        conn.close()
+
+whole, chunks = b" " * (50 << 20), [b" " * (1 << 20)] * 9
+print("ready", flush=True)
+sys.stdin.readline()
+print(json.dumps([send(whole), send(iter(chunks))]))  # an iterable goes chunked
+"""
+
+
 def test_a_huge_body_is_refused_while_streams_flow_and_foreign_hosts_and_origins_are_refused(server, monkeypatch):
-    """A 50 MB body is answered 413 before it is read (a body without a Content-Length when it grows past
-    serve.max_body_mb) while 16 streams decode (steps slowed to 5 ms, so that they outlast both bodies) with no
-    gap over 100 ms between their chunks (their readers keep reading: a stream waiting with its chunks buffered
-    would show none). The same 16 streams run first without the bodies: where the machine is so loaded (CI's 2
-    cores, another test beside) that their chunks come further apart than 100 ms already, the bound is 1.25x
-    their longest gap then (on a quiet machine their chunks come every 40-47 ms). A request naming
-    another Host (a web page whose name was rebound to 127.0.0.1) or sent by a browser from another site (Origin) is
-    refused 403; the loopback names are answered."""
+    """A 50 MB body sent by http.client (from a process of its own), which sends a body whole before it reads the
+    answer (as requests and httpx do), reads the 413 and its JSON error: the server answers before reading the body,
+    then reads and throws away the rest before it closes (a connection closed while the client still sent lost the
+    answer to a reset); so does a 9 MB chunked body, refused when it grows past serve.max_body_mb. Meanwhile 16
+    streams decode (steps slowed to 5 ms, so that they outlast both bodies) with no gap over 100 ms between their
+    chunks (their readers keep reading: a stream waiting with its chunks buffered would show none). The same 16
+    streams run first without the bodies: where the machine is so loaded (CI's 2 cores, another test beside) that
+    their chunks come further apart than 100 ms already, the bound is 1.25x their longest gap then (on a quiet
+    machine their chunks come every 40-47 ms). A request naming another Host (a web page whose name was rebound to
+    127.0.0.1) or sent by a browser from another site (Origin) is refused 403; the loopback names are answered."""
     import threading
 
     url = f"http://127.0.0.1:{server.port}"
@@ -319,44 +333,48 @@ def test_a_huge_body_is_refused_while_streams_flow_and_foreign_hosts_and_origins
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
-    def huge(chunked: bool) -> bytes:
-        size = 50 << 20 if not chunked else 9 << 20
-        with socket.create_connection(("127.0.0.1", server.port)) as sock:
-            head = ("POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
-                    + ("transfer-encoding: chunked\r\n" if chunked else f"content-length: {size}\r\n") + "\r\n")
-            sock.sendall(head.encode())
-            piece = b"[" + b"1," * (1 << 19)
-            try:
-                for _ in range(size // len(piece)):
-                    sock.sendall(b"%x\r\n%s\r\n" % (len(piece), piece) if chunked else piece)
-            except (BrokenPipeError, ConnectionResetError):  # answered and closed before the body was all sent
-                pass
-            return sock.recv(4096)
+    def huge_bodies() -> subprocess.Popen:
+        """http.client in a process of its own, as a user's client is, its bodies made: sent on a line from us, it
+        prints (status, JSON error, seconds) of each. Made in this process, the 50 MB body held the GIL, and so the
+        server and the streams' readers, while the kernel mapped its pages (30-40 ms on a quiet machine; gaps of
+        0.2-0.6 s on a loaded one)."""
+        sender = subprocess.Popen([sys.executable, "-c", HUGE_BODIES, str(server.port)], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        if sender.stdout.readline() != "ready\n":
+            sender.kill()
+            pytest.fail(f"the client of the huge bodies did not start: {sender.communicate()[1]}")
+        return sender
 
-    def streams(bodies: bool):
-        """16 streams, and the two bodies once all have their first chunk; the gaps between chunks while the
-        bodies were sent and refused (without bodies: all of them after the first chunks)."""
+    def streams(sender: subprocess.Popen | None):
+        """16 streams, and the sender's two bodies once all have their first chunk; the gaps between chunks while
+        the bodies were sent and refused (without a sender: all of them after the first chunks), the answers."""
         for x in (gaps, texts, first):
             x.clear()
         all_started.clear()
         threads = [threading.Thread(target=stream) for _ in range(16)]
         for t in threads:
             t.start()
-        assert all_started.wait(60)  # every stream has its first chunk (the server has 16 slots: all decode at once)
-        t0 = time.perf_counter()
-        answers = (huge(chunked=False), time.perf_counter() - t0, huge(chunked=True)) if bodies else None
-        t1 = time.perf_counter()
+        try:
+            assert all_started.wait(60)  # every stream has its first chunk (16 slots: all decode at once)
+            t0 = time.perf_counter()
+            out, err = sender.communicate("send\n", timeout=60) if sender else ("null", "")
+            t1 = time.perf_counter()
+        finally:
+            if sender:
+                sender.kill()
+        assert not sender or sender.returncode == 0, err  # a reset (the body not drained) ends it with a traceback
         for t in threads:
             t.join(60)
         assert not errors, errors
         assert len(texts) == 16 and all(len(t) == 58 for t in texts)  # char tokens: 58 each
-        return [b - a for a, b in gaps if b > t0 and (a < t1 or not bodies)], answers
+        return [b - a for a, b in gaps if b > t0 and (a < t1 or not sender)], json.loads(out)
 
-    quiet, _ = streams(bodies=False)
-    during, (answer, refused_in, chunked_answer) = streams(bodies=True)
+    quiet, _ = streams(None)
+    during, ((*answer, refused_in), (*chunked_answer, _)) = streams(huge_bodies())
     monkeypatch.undo()
-    assert answer.startswith(b"HTTP/1.1 413") and b"max_body_mb" in answer, answer[:200]
-    assert chunked_answer.startswith(b"HTTP/1.1 413"), chunked_answer[:200]
+    for status, error in (answer, chunked_answer):
+        assert status == 413 and error["error"]["code"] == "request_too_large", (status, error)
+        assert "serve.max_body_mb=8 MiB" in error["error"]["message"], error
     assert refused_in < 5
     limit = max(0.1, 1.25 * max(quiet))
     assert len(during) >= 16 and max(during) < limit, (sorted(during)[-5:], sorted(quiet)[-5:])
@@ -375,6 +393,47 @@ def test_a_huge_body_is_refused_while_streams_flow_and_foreign_hosts_and_origins
     finally:
         server.served.allowed_origins = frozenset()
     assert metric(server, "jaxlm_busy_slots") == 0
+
+
+def test_the_server_answers_on_a_unix_socket(server, tmp_path):
+    """serve.uds: the server listens on a unix socket (a machine that refuses TCP sockets; a proxy or sidecar in
+    front), and the openai client, through httpx's transport for one, gets the chat completion and the streamed
+    completion it gets over TCP (this server shares the fixture's engine). A socket file left by a server that is
+    gone is replaced; a second server on a socket one listens on, and a path holding a file that is not a socket,
+    stop in one line; the socket file goes when the server stops."""
+    from jaxlm.config import ConfigError
+
+    path = tmp_path / "jaxlm.sock"
+    with socket.socket(socket.AF_UNIX) as stale:  # bound and never listened on: what a killed server leaves
+        stale.bind(str(path))
+    cfg = serve.settings_config({"serve.uds": str(path)})
+    assert serve.address(cfg.serve) == f"unix:{path} (http://localhost/v1 through the socket)"
+    assert serve.allowed_hosts(cfg.serve) is None  # no browser reaches a unix socket; a proxy sends its own names
+    srv = serve.Server(server.served, uds=cfg.serve.uds).start()
+    try:
+        with pytest.raises(ConfigError, match=f"serve.uds={path}: a server is listening on this socket already"):
+            serve.Server(server.served, uds=str(path))
+        messages, ask = [{"role": "user", "content": "Speak"}], dict(model="tiny", max_tokens=12, temperature=0)
+        with httpx.Client(transport=httpx.HTTPTransport(uds=str(path))) as h:
+            c = openai.OpenAI(base_url="http://localhost/v1", api_key="none", http_client=h, max_retries=0,
+                              timeout=60)
+            chat = c.chat.completions.create(messages=messages, **ask).choices[0].message.content
+            streamed = "".join(ch.choices[0].text for ch in c.completions.create(prompt="To be", stream=True, **ask))
+        tcp = client(server)
+        assert chat == tcp.chat.completions.create(messages=messages, **ask).choices[0].message.content
+        assert streamed == tcp.completions.create(prompt="To be", **ask).choices[0].text
+        assert len(chat) == len(streamed) == 12  # char tokens
+    finally:
+        srv.stop(engine=False)
+    assert not path.exists() and server.served.engine.running
+    (tmp_path / "notes.txt").write_text("not a socket")
+    with pytest.raises(ConfigError, match=r"serve.uds=.*notes.txt exists and is not a socket; remove it"):
+        serve.settings_config({"serve.uds": str(tmp_path / "notes.txt")})
+    assert (tmp_path / "notes.txt").read_text() == "not a socket"
+    with pytest.raises(ConfigError, match="the folder .*missing does not exist"):
+        serve.settings_config({"serve.uds": str(tmp_path / "missing" / "jaxlm.sock")})
+    with pytest.raises(ConfigError, match="is 125 bytes long; a unix socket path holds at most 107"):
+        serve.settings_config({"serve.uds": "/tmp/" + "s" * 120})
 
 
 def test_a_refused_scoring_job_cancels_its_siblings_and_keys_come_from_a_file(tmp_path):
@@ -1054,28 +1113,41 @@ def free_port():
 
 
 @pytest.mark.slow
-def test_cli_serves_with_an_api_key_from_the_environment(trained):
-    port = free_port()
+@pytest.mark.parametrize("over", ["tcp", "uds"])
+def test_cli_serves_with_an_api_key_from_the_environment(trained, over, tmp_path):
+    """`jaxlm serve` on a TCP port, or on a unix socket (serve.uds) where a killed server left its socket file:
+    the start-up line names where it listens; the socket file is gone after the server stops."""
+    sock = tmp_path / "jaxlm.sock"
+    if over == "uds":
+        with socket.socket(socket.AF_UNIX) as stale:
+            stale.bind(str(sock))
+        where, base, listening = f"serve.uds={sock}", "http://localhost", f"listening on unix:{sock} "
+    else:
+        port = free_port()
+        where, base, listening = f"serve.port={port}", f"http://127.0.0.1:{port}", "listening on http://127.0.0.1:"
+    h = httpx.Client(base_url=base, transport=httpx.HTTPTransport(uds=str(sock)) if over == "uds" else None)
     env = dict(os.environ, JAXLM_API_KEY="k1")
-    proc = subprocess.Popen([sys.executable, "-m", "jaxlm.cli", "serve", str(trained), f"serve.port={port}",
+    proc = subprocess.Popen([sys.executable, "-m", "jaxlm.cli", "serve", str(trained), where,
                              "serve.max_slots=2", "temperature=0"], env=env, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
         while True:
             assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
             try:
-                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                if h.get("/health").status_code == 200:
                     break
             except httpx.TransportError:
                 time.sleep(0.2)
-        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k1", max_retries=0, timeout=60)
+        c = openai.OpenAI(base_url=f"{base}/v1", api_key="k1", http_client=h, max_retries=0, timeout=60)
         got = c.completions.create(model=trained.name, prompt="To be", max_tokens=8)
         assert got.choices[0].text == jaxlm.generate(trained, "To be", max_new_tokens=8, temperature=0)
-        assert httpx.get(f"http://127.0.0.1:{port}/v1/models").status_code == 401
+        assert h.get("/v1/models").status_code == 401
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-    assert "listening on http://127.0.0.1:" in proc.stderr.read()
+        h.close()
+    assert listening in proc.stderr.read()
+    assert not sock.exists()
 
 
 def test_serve_settings_fail_in_one_line(tmp_path):
@@ -1140,7 +1212,7 @@ def test_lm_eval_tasks_through_the_server_match_direct_scoring(trained, shakespe
     """A multiple-choice task (the true next words of a Shakespeare line against two others) and a generation
     task, run by lm-evaluation-harness through `jaxlm eval --tasks` (a server on 127.0.0.1): the accuracy equals
     choosing by log-likelihoods from `jaxlm.load(...).logits`, and generation equals `jaxlm generate`'s."""
-    pytest.importorskip("lm_eval")
+    require("lm_eval")
     from jaxlm import cli
 
     model = jaxlm.load(trained)

@@ -17,7 +17,7 @@ from jaxlm.model import param_specs
 from jaxlm.serve import engine as engine_lib
 
 import test_speculative
-from test_serve import until_done
+from conftest import until_done
 from test_speculative import chi_square_quantile
 
 

@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 
+from conftest import require
 from jaxlm import cli
 from jaxlm.data import chat, prepare, shards, tokenizer
 from jaxlm.data.tokenizer import TokenizerError
@@ -29,7 +30,7 @@ CONVERSATION = [{"role": "system", "content": "Speak as a Roman."},
 @pytest.fixture(scope="session")
 def hf_dir(tmp_path_factory, shakespeare_file):
     """A byte-level BPE trained by `jaxlm tokenizer train`, then saved through transformers with a chat template."""
-    transformers = pytest.importorskip("transformers")
+    transformers = require("transformers", "hf")
     raw = tmp_path_factory.mktemp("bpe")
     args = ["tokenizer", "train", str(shakespeare_file), "--vocab-size", "600", "--out", str(raw), "--per-line"]
     assert cli.main(args + [a for s in SPECIALS for a in ("--special-token", s)]) == 0
@@ -42,7 +43,7 @@ def hf_dir(tmp_path_factory, shakespeare_file):
 
 @pytest.fixture(scope="session")
 def sp_model(tmp_path_factory, shakespeare_file):
-    spm = pytest.importorskip("sentencepiece")
+    spm = require("sentencepiece")
     prefix = tmp_path_factory.mktemp("sp") / "shakespeare"
     spm.SentencePieceTrainer.train(input=str(shakespeare_file), model_prefix=str(prefix), vocab_size=300,
                                    model_type="bpe", character_coverage=1.0, normalization_rule_name="identity",
@@ -134,7 +135,7 @@ def test_sentencepiece_prepare_adds_bos_and_eos_and_round_trips(sp_model, shakes
 
 
 def test_local_tiktoken_file_matches_tiktoken(tmp_path):
-    tiktoken = pytest.importorskip("tiktoken")
+    tiktoken = require("tiktoken")
     merges = [b"th", b"he", b"the", b" the", b"an", b"and"]
     ranks = {bytes([b]): b for b in range(256)} | {m: 256 + i for i, m in enumerate(merges)}
     path = tmp_path / "mini.tiktoken"

@@ -491,6 +491,9 @@ class DecodeConfig:
 class ServeConfig:
     host: str = _f("127.0.0.1", "`jaxlm serve`: address to listen on; 0.0.0.0 opens the server to the network")
     port: int = _f(8000, "`jaxlm serve`: TCP port")
+    uds: str = _f("", "`jaxlm serve`: listen on a unix domain socket at this path instead of serve.host:port (a "
+                      "machine that refuses TCP sockets, a reverse proxy or sidecar in front); a socket file left by "
+                      "a server that is gone is replaced; '' = TCP")
     max_slots: int = _f(64, "sequences in flight at most (decoded together; the decode step compiles for this "
                             "count, a half, a quarter and an eighth of it, and 4 and 1); with the slot cache "
                             "(serve.page_size=0) each holds the whole context")
@@ -512,11 +515,14 @@ class ServeConfig:
                                "line that `ps` shows; used when serve.api_key is ''")
     allowed_hosts: str = _f("", "comma-separated Host header values answered (port left out; '*' = any); '' = "
                                 "localhost, 127.0.0.1 and ::1 when serve.host is a loopback address (a web page "
-                                "that rebinds its name to 127.0.0.1 is refused), any when it is not")
+                                "that rebinds its name to 127.0.0.1 is refused), any when it is not or when "
+                                "serve.uds is set (a browser cannot reach a unix socket; a proxy in front decides)")
     allowed_origins: str = _f("", "comma-separated Origin values (e.g. https://app.example) whose cross-origin "
                                   "requests are answered; '' = none: a request that a browser sends from another "
                                   "site is refused (403)")
-    max_body_mb: float = _f(8.0, "request bodies larger than this many MiB are refused (413) before they are read")
+    max_body_mb: float = _f(8.0, "request bodies larger than this many MiB are refused (413) before they are read; "
+                                 "the rest is read and thrown away (up to 256 MiB, for 30 s at most) so that "
+                                 "clients that send the whole body first read the 413")
     chat_template: str = _f("", "a Jinja chat template file for /v1/chat/completions when the tokenizer has none")
     prefill_chunk: int = _f(512, "prompt tokens prefilled per engine turn at most: a longer prompt is prefilled a "
                                  "chunk per turn between the other slots' decode steps; prefill compiles once per "
@@ -1221,11 +1227,30 @@ def validate_serve(s: ServeConfig) -> None:
         raise ConfigError(f"serve.cache_gib={s.cache_gib} must be >= 0 (0 = automatic)")
     if not s.max_body_mb > 0:
         raise ConfigError(f"serve.max_body_mb={s.max_body_mb} must be > 0")
+    if s.uds:
+        validate_uds(s.uds)
     if s.api_key_file and not Path(s.api_key_file).is_file():
         raise ConfigError(f"serve.api_key_file={s.api_key_file} is not a file; give a file whose first line is the key")
     if s.chat_template and not Path(s.chat_template).is_file():
         raise ConfigError(f"serve.chat_template={s.chat_template} is not a file; give a Jinja chat template file")
     serve_adapters(s)
+
+
+UDS_MAX_BYTES = 107  # a unix socket's path, as sockaddr_un holds it on Linux (108 bytes with its final NUL)
+
+
+def validate_uds(path: str) -> None:
+    """serve.uds: a path a unix socket can be bound at; a file already there must be a socket (a stale one is
+    replaced at start, as uvicorn and gunicorn do), never a file the server would destroy."""
+    size = len(path.encode("utf-8", "surrogateescape"))  # the bytes the OS is given
+    if size > UDS_MAX_BYTES:
+        raise ConfigError(f"serve.uds={path} is {size} bytes long; a unix socket path holds at most {UDS_MAX_BYTES}: "
+                          "choose a shorter one")
+    p = Path(path)
+    if not p.parent.is_dir():
+        raise ConfigError(f"serve.uds={path}: the folder {p.parent} does not exist; create it or choose another path")
+    if (p.exists() or p.is_symlink()) and not p.is_socket():
+        raise ConfigError(f"serve.uds={path} exists and is not a socket; remove it or choose another path")
 
 
 def serve_adapters(s: ServeConfig) -> list[tuple[str, str]]:

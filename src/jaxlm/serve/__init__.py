@@ -10,6 +10,7 @@ and runs the server (uvicorn).
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import threading
 from pathlib import Path
@@ -108,7 +109,7 @@ def build(src: str | Path, cfg: Config, log: Callable[[str], None] = print):
         f"{'LoRA adapters ' + ','.join(names) + ' | ' if names else ''}"
         f"{f'draft {d.draft} proposing {draft[2]} tokens | ' if draft else ''}"
         f"{'API key required' if api_key else 'no API key'}")
-    if (warning := exposure_warning(sc.host, api_key)) is not None:
+    if not sc.uds and (warning := exposure_warning(sc.host, api_key)) is not None:
         log(warning)
     return served
 
@@ -169,7 +170,8 @@ def is_loopback(host: str) -> bool:
 
 def allowed_hosts(sc) -> frozenset | None:
     """The Host header names answered: serve.allowed_hosts ('*' = any), else the loopback names on a loopback
-    address and any on another (the server cannot know every name that reaches it there)."""
+    address and any on another (the server cannot know every name that reaches it there) or on a unix socket
+    (serve.uds: no browser reaches it but through a proxy, which sends the names it serves)."""
     from jaxlm.serve import app as app_lib
 
     names = frozenset(h.strip().lower().strip("[]") for h in sc.allowed_hosts.split(",") if h.strip())
@@ -177,7 +179,7 @@ def allowed_hosts(sc) -> frozenset | None:
         return None
     if names:
         return names
-    return app_lib.LOOPBACK_HOSTS if is_loopback(sc.host) else None
+    return app_lib.LOOPBACK_HOSTS if is_loopback(sc.host) and not sc.uds else None
 
 
 def api_key_of(sc) -> str | None:
@@ -205,19 +207,48 @@ def longest_token(tok) -> int:
     return longest
 
 
-class Server:
-    """uvicorn serving an app in a background thread (tests, benchmarks); `stop()` shuts it down. It leaves the
-    process's logging as it is (log_config=None): uvicorn's own configuration replaces every handler there is,
-    closing their streams (one of them, absl's, held a stream pytest had since replaced)."""
+def address(sc) -> str:
+    """Where `jaxlm serve` listens, as its start-up line names it."""
+    if sc.uds:
+        return f"unix:{sc.uds} (http://localhost/v1 through the socket)"
+    return f"http://{sc.host}:{sc.port}/v1"
 
-    def __init__(self, served, host: str, port: int):
+
+def claim_uds(path: str) -> None:
+    """Stop in one line when a server listens on the unix socket at serve.uds already. A socket file nobody
+    listens on (left by a server that was killed) is replaced when the new server binds (asyncio and uvloop
+    remove it first, keeping its permissions, as uvicorn and gunicorn do); config.validate_uds refused any file
+    that is not a socket."""
+    import socket
+
+    if not Path(path).is_socket():
+        return
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(path)
+        except OSError:  # refused: stale
+            return
+    raise ConfigError(f"serve.uds={path}: a server is listening on this socket already; stop it or choose another "
+                      "path")
+
+
+class Server:
+    """uvicorn serving an app in a background thread (tests, benchmarks), on host:port or, with `uds`, a unix
+    socket; `stop()` shuts it down. It leaves the process's logging as it is (log_config=None): uvicorn's own
+    configuration replaces every handler there is, closing their streams (one of them, absl's, held a stream pytest
+    had since replaced)."""
+
+    def __init__(self, served, host: str = "127.0.0.1", port: int = 0, uds: str = ""):
         import uvicorn
 
         from jaxlm.serve.app import create_app
 
-        self.served = served
-        self.server = uvicorn.Server(uvicorn.Config(create_app(served), host=host, port=port, log_level="warning",
-                                                    access_log=False, timeout_graceful_shutdown=5, log_config=None))
+        if uds:
+            claim_uds(uds)
+        self.served, self.uds = served, uds
+        self.server = uvicorn.Server(uvicorn.Config(create_app(served), host=host, port=port, uds=uds or None,
+                                                    log_level="warning", access_log=False,
+                                                    timeout_graceful_shutdown=5, log_config=None))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def start(self) -> "Server":
@@ -235,10 +266,15 @@ class Server:
     def port(self) -> int:
         return self.server.servers[0].sockets[0].getsockname()[1]
 
-    def stop(self) -> None:
+    def stop(self, engine: bool = True) -> None:
+        """Shut the HTTP server down (its socket file too), and its engine unless `engine` is False (another
+        server shares it)."""
         self.server.should_exit = True
         self.thread.join(timeout=30)
-        self.served.engine.stop()
+        if self.uds and Path(self.uds).is_socket():
+            os.remove(self.uds)
+        if engine:
+            self.served.engine.stop()
 
 
 def run(src: str, overrides: dict) -> int:
@@ -248,11 +284,17 @@ def run(src: str, overrides: dict) -> int:
     from jaxlm.serve.app import create_app
 
     cfg = settings_config(overrides)
-    served = build(src, cfg, log=lambda s: print(s, file=sys.stderr, flush=True))
     sc = cfg.serve
-    print(f"listening on http://{sc.host}:{sc.port}/v1", file=sys.stderr, flush=True)
+    if sc.uds:
+        claim_uds(sc.uds)  # before the model loads and compiles
+    served = build(src, cfg, log=lambda s: print(s, file=sys.stderr, flush=True))
+    print(f"listening on {address(sc)}", file=sys.stderr, flush=True)
+    # uvicorn shuts down gracefully on SIGTERM, then raises it again: here as SystemExit, so that the engine stops
+    # and uvicorn.run removes serve.uds's socket file (the signal's default action would end the process first).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
-        uvicorn.run(create_app(served), host=sc.host, port=sc.port, log_level="warning", access_log=False)
+        uvicorn.run(create_app(served), host=sc.host, port=sc.port, uds=sc.uds or None, log_level="warning",
+                    access_log=False)
     finally:
         served.engine.stop()
     return 0

@@ -32,6 +32,12 @@ from jaxlm.serve.schemas import RequestError, error_body
 RETRY_AFTER_S = 1
 LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 PARSE_OFF_LOOP_BYTES = 1 << 20  # request bodies parsed, and texts tokenized, in a worker thread from this size
+# After a 413 the rest of the body is read and thrown away before the connection closes (nginx's lingering close),
+# at most this many bytes, for at most LINGER_S (nginx's lingering_time) while the client sends something every
+# LINGER_IDLE_S (its lingering_timeout); serve.max_body_mb's help names these figures.
+LINGER_BYTES = 256 << 20
+LINGER_S = 30.0
+LINGER_IDLE_S = 5.0
 _random = random.Random()  # request ids and the seeds of requests without one (seeded by the OS at import)
 
 
@@ -172,6 +178,9 @@ def _json_error(status: int, message: str, param: str | None = None, code: str |
 class BodyTooLarge(Exception):
     """A request body without a Content-Length grew past serve.max_body_mb while it was read."""
 
+    def __init__(self, more: bool):
+        self.more = more  # more of the body is on its way
+
 
 def host_name(header: bytes) -> str:
     """The name of a Host header, its port left out ("[::1]:8000" -> "::1")."""
@@ -186,18 +195,41 @@ class Guard:
     """ASGI middleware, in front of every route: the Host header's allow-list (a web page whose name was rebound to
     127.0.0.1 sends its own name: refused, 403), a browser's cross-origin request refused unless its Origin is
     allowed (403), the API key (every path but /health; 401), the body limit (413: a Content-Length past it is
-    refused before the body is read, a body without one when it grows past it), and the count of error
-    answers. Plain ASGI rather than Starlette's BaseHTTPMiddleware, which would hide a client's disconnect from
-    streaming answers."""
+    refused before the body is read, a body without one when it grows past it; see _too_large), and the count of
+    error answers. Plain ASGI rather than Starlette's BaseHTTPMiddleware, which would hide a client's disconnect
+    from streaming answers."""
 
     def __init__(self, app, served: Served):
         self.app, self.s = app, served
 
     async def _refuse(self, scope, receive, send, status: int, message: str, code: str):
         self.s.errors[status] = self.s.errors.get(status, 0) + 1
-        # A body too large is not read: the connection closes after the answer rather than take in the rest.
-        headers = {"connection": "close"} if status == 413 else None
-        await _json_error(status, message, code=code, headers=headers)(scope, receive, send)
+        await _json_error(status, message, code=code)(scope, receive, send)
+
+    async def _too_large(self, receive, send, unread: int) -> None:
+        """Answer 413, then read and throw away the rest of the body (`unread` bytes at most; none when that is past
+        LINGER_BYTES, which would be cut off anyway) before closing the connection: http.client, requests and httpx
+        send the whole body before they read, and a connection closed under them while they send loses the
+        answer to a reset. Each read takes what has arrived (uvicorn stops reading the socket past 64 KiB: a few
+        hundred kB) and the next one waits on the socket, a turn of the event loop in which other streams flow."""
+        s = self.s
+        s.errors[413] = s.errors.get(413, 0) + 1
+        response = _json_error(413, f"the request body is larger than serve.max_body_mb={s.max_body_bytes / 2**20:g} "
+                               "MiB", code="request_too_large", headers={"connection": "close"})
+        await send({"type": "http.response.start", "status": 413, "headers": response.raw_headers})
+        await send({"type": "http.response.body", "body": response.body, "more_body": True})
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + LINGER_S
+        while 0 < unread <= LINGER_BYTES:
+            try:
+                async with asyncio.timeout(min(LINGER_IDLE_S, deadline - loop.time())):
+                    message = await receive()
+            except TimeoutError:
+                break
+            unread -= len(message.get("body", b""))
+            if message["type"] != "http.request" or not message.get("more_body"):
+                break
+        await send({"type": "http.response.body", "body": b""})  # the server closes the connection after it
 
     async def __call__(self, scope, receive, send):
         s = self.s
@@ -217,9 +249,10 @@ class Guard:
                 return await self._refuse(scope, receive, send, 401, "missing or wrong API key: send the header "
                                           "Authorization: Bearer KEY", "invalid_api_key")
         length = headers.get(b"content-length")
-        too_large = f"the request body is larger than serve.max_body_mb={s.max_body_bytes / 2**20:g} MiB"
         if length is not None and (not length.isdigit() or int(length) > s.max_body_bytes):
-            return await self._refuse(scope, receive, send, 413, too_large, "request_too_large")
+            # A client that asked to be told to go on (Expect: 100-continue) sends no body after a refusal.
+            waits = b"100-continue" in headers.get(b"expect", b"").lower()
+            return await self._too_large(receive, send, int(length) if length.isdigit() and not waits else 0)
         received = 0
 
         async def counted_receive():
@@ -227,7 +260,7 @@ class Guard:
             message = await receive()
             received += len(message.get("body", b""))
             if received > s.max_body_bytes:
-                raise BodyTooLarge
+                raise BodyTooLarge(message.get("more_body", False))
             return message
 
         started = False
@@ -242,9 +275,9 @@ class Guard:
 
         try:
             await self.app(scope, counted_receive if length is None else receive, counting_send)
-        except BodyTooLarge:
+        except BodyTooLarge as e:
             if not started:
-                await self._refuse(scope, receive, send, 413, too_large, "request_too_large")
+                await self._too_large(receive, send, LINGER_BYTES if e.more else 0)
 
 
 def create_app(s: Served) -> FastAPI:
