@@ -12,7 +12,7 @@ TEST_WORKERS ?= 2
 # (the jaxlm command sets this itself; scripts and tests started from here get it too).
 export GLIBC_TUNABLES := glibc.malloc.hugetlb=1
 
-.PHONY: quickstart test test-all bench clean slurm
+.PHONY: quickstart test test-all test-tpu bench clean slurm
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -49,10 +49,21 @@ PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-r
 	--durations=25
 
 test: $(VENV)/.installed-test slurm
-	$(PYTEST) -m "not slow or in_ci"
+	$(PYTEST) -m "(not slow or in_ci) and not tpu"
 
 test-all: $(VENV)/.installed-test slurm
-	$(PYTEST)
+	$(PYTEST) -m "not tpu"
+
+# `make test-tpu`: the TPU tier (tests/test_tpu_*.py, marked `tpu`) on a TPU machine whose Python already has JAX
+# and libtpu: no venv (that JAX stays the one imported), the packages it lacks installed by pip into TPU_SITE
+# (tests/tpu_setup.py; TPU_PIP_ARGS gives pip its index where the machine has no network, docs/tpu.md), src/ on
+# the path, and one pytest process, since one program at a time can hold a chip. docs/tpu.md keeps the last run.
+TPU_SITE ?= .tpu-site
+TPU_PIP_ARGS ?=
+test-tpu:
+	$(PYTHON) tests/tpu_setup.py $(TPU_SITE) $(TPU_PIP_ARGS)
+	PYTHONPATH="$(CURDIR)/src:$${PYTHONPATH:+$$PYTHONPATH:}$(abspath $(TPU_SITE))" JAXLM_TEST_TPU=1 PYTHONUNBUFFERED=1 \
+	$(PYTHON) -m pytest -p no:cacheprovider -p no:xdist -m tpu --durations=0 -rfE tests/test_tpu_*.py
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/train_throughput.py
