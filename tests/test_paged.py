@@ -116,6 +116,23 @@ def page_kernel():
     return kernel
 
 
+DECODE_PAGE, DECODE_PAGES, DECODE_TABLE = 8, 64, 8  # the kernel tests' pool: pages of 8 tokens, tables of 8 pages
+
+
+def decode_inputs(cfg: ModelConfig, device):
+    """The kernel tests' decode steps (here and in tests/test_tpu_numerics.py): the model's weights on `device`,
+    three rows' prompt lengths, their token sequences, page tables, padded prompts and layer weights."""
+    params = P.init(param_specs(cfg), jax.random.key(0), sharding.make_mesh(MeshConfig(), [device]))
+    rng = np.random.default_rng(0)
+    lengths = np.asarray([13, 5, 22], np.int32)
+    seqs = [rng.integers(0, cfg.vocab_size, 40).astype(np.int32) for _ in lengths]
+    table = rng.permutation(DECODE_PAGES)[:3 * DECODE_TABLE].reshape(3, DECODE_TABLE).astype(np.int32)
+    tokens = np.zeros((3, 32), np.int32)
+    for b, n in enumerate(lengths):
+        tokens[b, :n] = seqs[b][:n]
+    return params, lengths, seqs, table, tokens, transformer.layer_weights(params, cfg)
+
+
 @pytest.mark.parametrize("family,lane", [("gqa", 1), ("gemma2", 1), ("gqa", 128)])
 def test_decode_steps_through_the_page_attention_kernel_give_the_flat_paths_logits(family, lane, page_kernel,
                                                                                      monkeypatch):
@@ -126,16 +143,8 @@ def test_decode_steps_through_the_page_attention_kernel_give_the_flat_paths_logi
     pool) the query is padded to the pool's width and the output cut back."""
     cfg = ModelConfig(**{**dict(vocab_size=50, block_size=64, n_layers=2, n_heads=4, n_kv_heads=2, d_model=32,
                                 sliding_window=8), **MODELS[family]})
-    params = P.init(param_specs(cfg), jax.random.key(0), sharding.make_mesh(MeshConfig(), jax.devices()[:1]))
-    A, NP, M = 8, 64, 8
-    rng = np.random.default_rng(0)
-    lengths = np.asarray([13, 5, 22], np.int32)
-    seqs = [rng.integers(0, 50, 40).astype(np.int32) for _ in lengths]
-    table = rng.permutation(NP)[:3 * M].reshape(3, M).astype(np.int32)
-    tokens = np.zeros((3, 32), np.int32)
-    for b, n in enumerate(lengths):
-        tokens[b, :n] = seqs[b][:n]
-    lw = transformer.layer_weights(params, cfg)
+    params, lengths, seqs, table, tokens, lw = decode_inputs(cfg, jax.devices()[0])
+    A, NP = DECODE_PAGE, DECODE_PAGES
     monkeypatch.setattr(paged, "KERNEL_BLOCK_TOKENS", 32)
 
     def steps(kernel):

@@ -17,11 +17,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxlm import params as P, sharding
-from jaxlm.config import MeshConfig, ModelConfig
-from jaxlm.model import attention, forward, paged, param_specs, splash, transformer
+from jaxlm.config import ModelConfig
+from jaxlm.model import attention, forward, paged, splash, transformer
 from test_attention import CASES, inputs, loss_of, reference, segments
-from test_paged import MODELS, page_kernel  # noqa: F401 - page_kernel: a fixture (the Pallas kernel, counting traces)
+from test_paged import (DECODE_PAGE, DECODE_PAGES, MODELS, decode_inputs,  # noqa: F401 - page_kernel: a fixture
+                        page_kernel)
 
 pytestmark = pytest.mark.tpu
 
@@ -177,16 +177,8 @@ def test_decode_steps_through_the_kernel_give_the_flat_paths_logits(tpu, page_ke
     cfg = ModelConfig(**{**dict(vocab_size=50, block_size=64, n_heads=4, n_kv_heads=2, d_model=512, sliding_window=8,
                                 compute_dtype="bfloat16"), **MODELS["gemma2"]})
     assert cfg.hd == 128 and cfg.n_layers == 4
-    params = P.init(param_specs(cfg), jax.random.key(0), sharding.make_mesh(MeshConfig(), [tpu]))
-    A, NP, M = 8, 64, 8
-    rng = np.random.default_rng(0)
-    lengths = np.asarray([13, 5, 22], np.int32)
-    seqs = [rng.integers(0, 50, 40).astype(np.int32) for _ in lengths]
-    table = rng.permutation(NP)[:3 * M].reshape(3, M).astype(np.int32)
-    tokens = np.zeros((3, 32), np.int32)
-    for b, n in enumerate(lengths):
-        tokens[b, :n] = seqs[b][:n]
-    lw = transformer.layer_weights(params, cfg)
+    params, lengths, seqs, table, tokens, lw = decode_inputs(cfg, tpu)
+    A, NP = DECODE_PAGE, DECODE_PAGES
     run = jax.jit(transformer.paged_forward, static_argnames="cfg")
 
     def steps(kernel):

@@ -45,13 +45,8 @@ def tune_for_xla_cpu() -> bool:
 def _apply() -> bool:
     if os.environ.get("JAXLM_TUNE_MALLOC", "1").strip().lower() in ("0", "false", "no", "off"):
         return False
-    name = ctypes.util.find_library("c")
-    if not name:
-        return False
-    try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to tune
+    mallopt = _glibc("mallopt")
+    if mallopt is None:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return all(mallopt(param, value) == 1 for param, value in (
@@ -63,23 +58,22 @@ def release_free_memory() -> bool:
     settings above keep for the next step and the free holes between live blocks, which no threshold returns.
     For the end of a phase whose memory the next one does not reuse: GRPO's rollouts (rl.generate), which
     interleaved with updates grew the resident memory by about 0.2 GB per batch (docs/rl.md). True if it ran."""
-    trim = _malloc_trim()
+    trim = _glibc("malloc_trim")
     if trim is None:
         return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
     trim(0)
     return True
 
 
 @functools.cache
-def _malloc_trim():
+def _glibc(function: str):
+    """A function of the C library by name, or None where the library lacks it (musl, macOS: not glibc)."""
     name = ctypes.util.find_library("c")
     try:
-        trim = ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):  # not glibc (musl, macOS)
+        return getattr(ctypes.CDLL(name), function) if name else None
+    except (OSError, AttributeError):
         return None
-    if trim is not None:
-        trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    return trim
 
 
 def use_compilation_cache(path: str) -> str | None:
