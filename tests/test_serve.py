@@ -253,13 +253,17 @@ def test_faults_are_answered_4xx_and_harm_nothing(server, monkeypatch):
     assert metric(server, "jaxlm_generated_tokens_total") - before < 40  # cancelled, not run to its end
     monkeypatch.undo()
 
-    # a full queue answers 429 with Retry-After
-    server.served.engine.max_queue = 0
-    try:
-        r = httpx.post(f"{url}/v1/completions", json=good, timeout=60)
-        assert r.status_code == 429 and r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "queue_full"
-    finally:
-        server.served.engine.max_queue = 64
+    # a full queue answers 429 with Retry-After (the queue made full by refusing every submission); a request of
+    # more sequences than the queue ever holds, 400 naming the limit
+    def full(item):
+        raise engine_lib.QueueFull
+
+    monkeypatch.setattr(server.served.engine, "submit", full)
+    r = httpx.post(f"{url}/v1/completions", json=good, timeout=60)
+    assert r.status_code == 429 and r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "queue_full"
+    monkeypatch.undo()
+    r = httpx.post(f"{url}/v1/completions", json={**good, "prompt": ["To be"] * 5, "n": 16}, timeout=60)
+    assert r.status_code == 400 and "serve.max_queue=64" in r.json()["error"]["message"], r.text
 
     # an API key: 401 without it or with a wrong one, served with it; /health stays open
     server.served.api_key = "sesame"
@@ -498,8 +502,7 @@ def test_engine_queue_is_bounded_and_a_failing_prefill_fails_alone(trained):
         assert time.monotonic() < deadline
         time.sleep(0.01)
     e.stop()
-    assert events[3] == [("error", "ValueError: a prompt of 100 tokens + 4 new ones do not fit in the 64 "
-                                   "positions of a slot")]
+    assert events[3] == [("error", "104 positions (prompt and new tokens) do not fit in the 64 of a sequence", 400)]
     assert {ev[0] for ev in events[0][:-1]} == {"tokens"} and events[0][-1] == ("done", "length")
     assert len(token_events(events[0])) == 4
     assert events[0] == events[1]  # both ran after the failure, with the same greedy tokens and logprobs

@@ -94,6 +94,20 @@ def test_plain_text_never_yields_special_tokens(hf_dir):
     assert tok.encode_rendered(text) == ref(text, add_special_tokens=False)["input_ids"]
 
 
+def test_a_long_text_is_encoded_as_a_short_one_is(hf_dir, shakespeare_file):
+    """From tokenizer.LONG_TEXT_CHARS characters the HF tokenizer encodes through encode_batch (which lets other
+    threads run): the same ids as the Rust tokenizer's encode, specials in the text staying plain text."""
+    from tokenizers import Tokenizer as RustTokenizer
+
+    tok = tokenizer.load(hf_dir)
+    rust = RustTokenizer.from_file(str(hf_dir / "tokenizer.json"))
+    rust.encode_special_tokens = True
+    text = shakespeare_file.read_text()[:3 * tokenizer.LONG_TEXT_CHARS] + " <|endoftext|>"
+    assert len(text) >= tokenizer.LONG_TEXT_CHARS
+    assert tok.encode(text) == rust.encode(text, add_special_tokens=False).ids
+    assert tok.eos_id not in tok.encode(text)
+
+
 def test_chat_template_and_assistant_mask_match_transformers(hf_dir):
     from transformers import AutoTokenizer
 

@@ -503,7 +503,8 @@ class ServeConfig:
     cache_gib: float = _f(0.0, "memory of the paged KV cache's pages, GiB; 0 = as much as gives every slot the "
                                "whole context, at most 4 GiB on a CPU and 80% of the free memory on an "
                                "accelerator")
-    max_queue: int = _f(64, "requests waiting for a slot at most; more are answered 429 with Retry-After")
+    max_queue: int = _f(64, "sequences waiting for a slot at most; more are answered 429 with Retry-After, and a "
+                            "request of more sequences than this (prompts x n) 400")
     model_name: str = _f("", "model id of the OpenAI API (/v1/models, the `model` field); '' = the folder's name")
     adapters: str = _f("", "LoRA adapters served over the model, as NAME=PATH,... (PATH a PEFT adapter folder, a LoRA "
                            "run directory or a converted folder with an imported adapter): a request whose `model` "
@@ -523,6 +524,15 @@ class ServeConfig:
     max_body_mb: float = _f(8.0, "request bodies larger than this many MiB are refused (413) before they are read; "
                                  "the rest is read and thrown away (up to 256 MiB, for 30 s at most) so that "
                                  "clients that send the whole body first read the 413")
+    max_header_kb: float = _f(32.0, "a request's line and headers larger than this many KiB are answered 431 and the "
+                                    "connection closed, before more of them is read (nginx takes 32 KiB)")
+    max_headers: int = _f(100, "headers per request at most; more are answered 431")
+    header_timeout_s: float = _f(10.0, "a connection must send a request's line and headers within this many seconds "
+                                       "of opening, or of its previous answer: 408 and closed (closed silently "
+                                       "when nothing of a request came)")
+    body_timeout_s: float = _f(60.0, "a request's body must arrive within this many seconds of its headers (408)")
+    max_connections: int = _f(1024, "open connections at most; past them new requests are answered 503")
+    max_tokenize_chars: int = _f(1 << 20, "/tokenize texts longer than this many characters are answered 413")
     chat_template: str = _f("", "a Jinja chat template file for /v1/chat/completions when the tokenizer has none")
     prefill_chunk: int = _f(512, "prompt tokens prefilled per engine turn at most: a longer prompt is prefilled a "
                                  "chunk per turn between the other slots' decode steps; prefill compiles once per "
@@ -1225,8 +1235,12 @@ def validate_serve(s: ServeConfig) -> None:
         raise ConfigError(f"serve.page_size={s.page_size} must be >= 0 (0 = the slot cache)")
     if s.cache_gib < 0:
         raise ConfigError(f"serve.cache_gib={s.cache_gib} must be >= 0 (0 = automatic)")
-    if not s.max_body_mb > 0:
-        raise ConfigError(f"serve.max_body_mb={s.max_body_mb} must be > 0")
+    for key in ("max_body_mb", "max_header_kb", "header_timeout_s", "body_timeout_s"):
+        if not getattr(s, key) > 0:
+            raise ConfigError(f"serve.{key}={getattr(s, key)} must be > 0")
+    for key in ("max_headers", "max_connections", "max_tokenize_chars"):
+        if getattr(s, key) < 1:
+            raise ConfigError(f"serve.{key}={getattr(s, key)} must be >= 1")
     if s.uds:
         validate_uds(s.uds)
     if s.api_key_file and not Path(s.api_key_file).is_file():

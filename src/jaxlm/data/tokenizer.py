@@ -36,6 +36,12 @@ TIKTOKEN_NAMES = ("gpt2", "r50k_base", "p50k_base", "p50k_edit", "cl100k_base", 
 ROLES = ("system", "user", "assistant", "tool")
 
 
+# From this many characters HFTokenizer.encode goes through the tokenizers package's encode_batch, which releases
+# Python's GIL while the Rust code runs (its encode does not): a server tokenizing a long text in a worker thread
+# then leaves its event loop free (a 1 MB /tokenize held every stream for up to 0.5 s, docs/serve.md).
+LONG_TEXT_CHARS = 16 << 10
+
+
 class TokenizerError(ValueError):
     """Text that a tokenizer cannot encode, a tokenizer that cannot be found or loaded, or a mismatch."""
 
@@ -311,6 +317,8 @@ class HFTokenizer(Tokenizer):
         return None if token is None else self._hf.token_to_id(token)
 
     def encode(self, text: str) -> list[int]:
+        if len(text) >= LONG_TEXT_CHARS:  # the same ids; encode_batch lets go of the GIL while it works
+            return self._hf.encode_batch([text], add_special_tokens=False)[0].ids
         return self._hf.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:

@@ -9,6 +9,7 @@ and runs the server (uvicorn).
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import sys
@@ -89,13 +90,19 @@ def build(src: str | Path, cfg: Config, log: Callable[[str], None] = print):
                for _ in range(R)]
     engine = engines[0] if R == 1 else Replicas(engines)
     engine.warm_up()
+    # What exists now (weights, compiled programs, modules) lives as long as the server: frozen out of the garbage
+    # collector's sight, so that its full collections scan only what requests make (they stopped every stream for
+    # up to 0.2 s on a 2-core CPU before; docs/serve.md, Security)
+    gc.collect()
+    gc.freeze()
     engine.start()
     api_key = api_key_of(sc)
     served = app_lib.Served(engine, tok.encode, lambda text: api.encode_prompt(tok, text), tok.encode_rendered,
                             tok.decode, name, m.vocab_size, d, stop,
                             chat_template(model, sc.chat_template), api_key, tok.bos_id, tok.eos_id,
                             allowed_hosts(sc), frozenset(o.strip() for o in sc.allowed_origins.split(",") if o.strip()),
-                            int(sc.max_body_mb * 2**20), length * (longest_token(tok) + 1), names)
+                            int(sc.max_body_mb * 2**20), length * (longest_token(tok) + 1), names,
+                            sc.max_tokenize_chars)
     replicas = f" in {R} replicas" if R > 1 else ""
     if sc.page_size:
         per_page = paged.bytes_per_token(m, d.quantize_kv_cache) * sc.page_size
@@ -234,13 +241,15 @@ def claim_uds(path: str) -> None:
 
 class Server:
     """uvicorn serving an app in a background thread (tests, benchmarks), on host:port or, with `uds`, a unix
-    socket; `stop()` shuts it down. It leaves the process's logging as it is (log_config=None): uvicorn's own
-    configuration replaces every handler there is, closing their streams (one of them, absl's, held a stream pytest
-    had since replaced)."""
+    socket, its connections under `limits` (serve.* settings: the defaults when None); `stop()` shuts it down. It
+    leaves the process's logging as it is (log_config=None): uvicorn's own configuration replaces every handler
+    there is, closing their streams (one of them, absl's, held a stream pytest had since replaced)."""
 
-    def __init__(self, served, host: str = "127.0.0.1", port: int = 0, uds: str = ""):
+    def __init__(self, served, host: str = "127.0.0.1", port: int = 0, uds: str = "", limits=None):
         import uvicorn
 
+        from jaxlm.config import ServeConfig
+        from jaxlm.serve import protocol
         from jaxlm.serve.app import create_app
 
         if uds:
@@ -248,7 +257,9 @@ class Server:
         self.served, self.uds = served, uds
         self.server = uvicorn.Server(uvicorn.Config(create_app(served), host=host, port=port, uds=uds or None,
                                                     log_level="warning", access_log=False,
-                                                    timeout_graceful_shutdown=5, log_config=None))
+                                                    timeout_graceful_shutdown=5, log_config=None,
+                                                    http=protocol.protocol(limits or ServeConfig(),
+                                                                           protocol.counter(served.errors))))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def start(self) -> "Server":
@@ -281,6 +292,7 @@ def run(src: str, overrides: dict) -> int:
     """`jaxlm serve SRC [key=value ...]`: serve until interrupted."""
     import uvicorn
 
+    from jaxlm.serve import protocol
     from jaxlm.serve.app import create_app
 
     cfg = settings_config(overrides)
@@ -294,7 +306,7 @@ def run(src: str, overrides: dict) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
         uvicorn.run(create_app(served), host=sc.host, port=sc.port, uds=sc.uds or None, log_level="warning",
-                    access_log=False)
+                    access_log=False, http=protocol.protocol(sc, protocol.counter(served.errors)))
     finally:
         served.engine.stop()
     return 0

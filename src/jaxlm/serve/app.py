@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import hmac
+import logging
 import random
 import threading
 import time
@@ -23,15 +24,20 @@ from typing import Callable
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.requests import ClientDisconnect
 
 from jaxlm.config import DecodeConfig
 from jaxlm.serve import engine as engine_lib
 from jaxlm.serve import schemas
-from jaxlm.serve.schemas import RequestError, error_body
+from jaxlm.serve.schemas import RequestError, error_body, shown
 
 RETRY_AFTER_S = 1
 LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
-PARSE_OFF_LOOP_BYTES = 1 << 20  # request bodies parsed, and texts tokenized, in a worker thread from this size
+# Work done in a worker thread from these sizes, so that no request holds the event loop (other streams' tokens)
+# for long: bodies parsed and validated, chat templates rendered, answers serialized from OFF_LOOP_BYTES, texts
+# tokenized from OFF_LOOP_CHARS characters.
+OFF_LOOP_BYTES = 256 << 10
+OFF_LOOP_CHARS = 32 << 10
 # After a 413 the rest of the body is read and thrown away before the connection closes (nginx's lingering close),
 # at most this many bytes, for at most LINGER_S (nginx's lingering_time) while the client sends something every
 # LINGER_IDLE_S (its lingering_timeout); serve.max_body_mb's help names these figures.
@@ -39,6 +45,7 @@ LINGER_BYTES = 256 << 20
 LINGER_S = 30.0
 LINGER_IDLE_S = 5.0
 _random = random.Random()  # request ids and the seeds of requests without one (seeded by the OS at import)
+log = logging.getLogger("jaxlm.serve")
 
 
 def _request_id(kind: str) -> str:
@@ -96,7 +103,9 @@ class Served:
     max_body_bytes: int = 8 << 20
     max_prompt_chars: int | None = None  # prompt texts longer than this cannot fit the context (_encode)
     adapters: tuple[str, ...] = ()  # LoRA adapters served over the model (serve.adapters): engine adapter i's name
+    max_tokenize_chars: int = 1 << 20  # /tokenize texts longer than this are refused (413)
     errors: dict = field(default_factory=dict)  # status -> count, for /metrics
+    stream_errors: int = 0  # streams ended by an error event after their 200, for /metrics
     mailbox: Mailbox = field(default_factory=Mailbox)
 
     def __post_init__(self):
@@ -171,8 +180,13 @@ class Choice:
 
 def _json_error(status: int, message: str, param: str | None = None, code: str | None = None, headers=None):
     kind = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-            404: "not_found_error", 413: "invalid_request_error", 429: "rate_limit_error"}.get(status, "server_error")
+            404: "not_found_error", 405: "invalid_request_error", 408: "invalid_request_error",
+            413: "invalid_request_error", 429: "rate_limit_error"}.get(status, "server_error")
     return JSONResponse(error_body(message, kind, param, code), status_code=status, headers=headers)
+
+
+class Gone(Exception):
+    """The client left before its request's body arrived: nobody to answer (nginx logs these as 499)."""
 
 
 class BodyTooLarge(Exception):
@@ -236,6 +250,9 @@ class Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
+        if sum(name == b"host" for name, _ in scope["headers"]) > 1:  # RFC 9112 3.2: a request with two is refused
+            return await self._refuse(scope, receive, send, 400, "a request must carry one Host header",
+                                      "invalid_host")
         if s.allowed_hosts is not None and host_name(headers.get(b"host", b"")) not in s.allowed_hosts:
             return await self._refuse(scope, receive, send, 403, "this Host is not served here (serve.allowed_hosts)",
                                       "host_not_allowed")
@@ -269,7 +286,7 @@ class Guard:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
-                if message["status"] >= 400:
+                if message["status"] >= 400 and message["status"] != 499:
                     s.errors[message["status"]] = s.errors.get(message["status"], 0) + 1
             await send(message)
 
@@ -287,7 +304,13 @@ def create_app(s: Served) -> FastAPI:
     @app.exception_handler(RequestError)
     async def request_error(request: Request, e: RequestError):
         headers = {"Retry-After": str(RETRY_AFTER_S)} if e.status == 429 else None
+        if e.status >= 500:
+            log.warning("jaxlm serve: %s %s answered %d: %s", request.method, request.url.path, e.status, e)
         return _json_error(e.status, str(e), e.param, e.code, headers)
+
+    @app.exception_handler(Gone)
+    async def gone(request: Request, e: Gone):
+        return Response(status_code=499)  # never sent: the connection is closed (Guard does not count it)
 
     _info_routes(app, s)
     _completion_route(app, s)
@@ -298,28 +321,32 @@ def create_app(s: Served) -> FastAPI:
 def _info_routes(app: FastAPI, s: Served) -> None:
     """/health, /v1/models, /metrics and /tokenize."""
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         return {"status": "ok" if s.engine.running else "stopped"}
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models():
         common = {"object": "model", "created": 0, "owned_by": "jaxlm", "max_model_len": s.engine.S,
                   "bos_token_id": s.bos_id, "eos_token_id": s.eos_id}
         return {"object": "list", "data": [{"id": s.name, **common}] + [
             {"id": name, **common, "parent": s.name} for name in s.adapters]}
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def metrics():
         return PlainTextResponse(prometheus(s), media_type="text/plain; version=0.0.4")
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
         body = await _body(request)
-        if not isinstance(body, dict) or not isinstance(body.get("prompt", body.get("text")), str):
+        text = body.get("prompt", body.get("text")) if isinstance(body, dict) else None
+        if not isinstance(text, str):
             raise RequestError("give the text to tokenize as {\"prompt\": TEXT}", "prompt")
-        ids = await _encode(s, body.get("prompt", body.get("text")), bounded=False)
-        return {"tokens": ids, "count": len(ids), "max_model_len": s.engine.S}
+        if len(text) > s.max_tokenize_chars:
+            raise RequestError(f"the text of {len(text)} characters is longer than serve.max_tokenize_chars="
+                               f"{s.max_tokenize_chars}", "prompt", status=413, code="request_too_large")
+        ids = await _encode(s, text, bounded=False)
+        return await _answer({"tokens": ids, "count": len(ids), "max_model_len": s.engine.S}, len(ids) * 8)
 
 
 def _completion_route(app: FastAPI, s: Served) -> None:
@@ -327,12 +354,13 @@ def _completion_route(app: FastAPI, s: Served) -> None:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = await _body(request)
+        body, size = await _body(request, sized=True)
         adapter, model = _check_model(s, body)
-        req = schemas.completion(body, s.decode_cfg)
+        req = await _off_loop(size, schemas.completion, body, s.decode_cfg)
         ids = [await _encode(s, p, s.encode_prompt) if isinstance(p, str) else _check_ids(s, p) for p in req.prompts]
         max_tokens = [_max_tokens(s, len(p), req.sampling.max_tokens) for p in ids]
         want_scores = req.echo and req.logprobs is not None
+        _check_room(s, len(ids) * req.sampling.n)  # the prompts scored first, then their sequences
         scores = await _scores(s, ids, request, adapter) if want_scores else [None] * len(ids)
         choices = _start(s, ids, max_tokens, req.sampling, req.logprobs, adapter)
         head = {"id": _request_id("cmpl"), "object": "text_completion", "created": int(time.time()),
@@ -365,7 +393,7 @@ def _completion_route(app: FastAPI, s: Served) -> None:
             i = k // req.sampling.n
             text = (prompt_texts[i] if req.echo else "") + c.state.text
             out.append(choice_body(k, c, text, prompt_logprobs(i) + c.logprobs, c.finish_reason))
-        return {**head, "choices": out, "usage": _usage(usage, choices)}
+        return await _answer({**head, "choices": out, "usage": _usage(usage, choices)})
 
 
 def _chat_route(app: FastAPI, s: Served) -> None:
@@ -373,17 +401,18 @@ def _chat_route(app: FastAPI, s: Served) -> None:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = await _body(request)
+        body, size = await _body(request, sized=True)
         adapter, model = _check_model(s, body)
-        req = schemas.chat(body, s.decode_cfg)
+        req = await _off_loop(size, schemas.chat, body, s.decode_cfg)
         if s.chat_template is None:
             raise RequestError("this model's tokenizer has no chat template: use /v1/completions, or start the "
                                "server with serve.chat_template=FILE (a Jinja chat template)", "messages")
         try:
-            prompt = s.chat_template(req.messages)
-        except Exception as e:
-            raise RequestError(f"the chat template failed on these messages: {e}", "messages") from None
+            prompt = await _off_loop(size, s.chat_template, req.messages)
+        except Exception as e:  # noqa: BLE001 - the template's own error (e.g. raise_exception) names the fault
+            raise RequestError(f"the chat template failed on these messages: {shown(str(e))}", "messages") from None
         ids = [await _encode(s, prompt, s.encode_chat)]
+        _check_room(s, req.sampling.n)
         choices = _start(s, ids, [_max_tokens(s, len(ids[0]), req.sampling.max_tokens)], req.sampling,
                          req.top_logprobs if req.logprobs else None, adapter)
         head = {"id": _request_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()),
@@ -408,10 +437,11 @@ def _chat_route(app: FastAPI, s: Served) -> None:
             return _event_stream(s, request, choices, {**head, "object": "chat.completion.chunk"}, roles, chunk,
                                  usage if req.sampling.include_usage else None)
         await _wait(s, choices, request)
-        return {**head, "choices": [{"index": k, "message": {"role": "assistant", "content": c.state.text},
-                                     "logprobs": logprobs(c.logprobs), "finish_reason": c.finish_reason}
-                                    for k, c in enumerate(choices)],
-                "usage": _usage(usage, choices)}
+        return await _answer({**head, "choices": [{"index": k, "message": {"role": "assistant",
+                                                                         "content": c.state.text},
+                                                   "logprobs": logprobs(c.logprobs), "finish_reason": c.finish_reason}
+                                                  for k, c in enumerate(choices)],
+                              "usage": _usage(usage, choices)})
 
 
 def _event_stream(s: Served, request: Request, choices: list[Choice], head: dict, opening: list[dict],
@@ -423,13 +453,21 @@ def _event_stream(s: Served, request: Request, choices: list[Choice], head: dict
         for choice in opening:
             yield _sse({**head, "choices": [choice]}), False
         last, unfinished = b"", len(choices)
-        async for k, c, text, fresh, finish in _stream(s, choices, request):
-            piece = _sse({**head, "choices": [choice_chunk(k, c, text, fresh, finish)]})
-            unfinished -= finish is not None
-            if unfinished:
-                yield piece, False
-            else:  # the last choice's last piece goes out with the usage, [DONE] and the body's end, in one write
-                last = piece
+        try:
+            async for k, c, text, fresh, finish in _stream(s, choices, request):
+                piece = _sse({**head, "choices": [choice_chunk(k, c, text, fresh, finish)]})
+                unfinished -= finish is not None
+                if unfinished:
+                    yield piece, False
+                else:  # the last choice's last piece goes out with the usage, [DONE] and the body's end, in one write
+                    last = piece
+        except RequestError as e:  # after the 200: an error event ends the stream (as vLLM's and OpenAI's do)
+            s.stream_errors += 1
+            log.warning("jaxlm serve: a stream (%s) ended with an error: %s", head["id"], e)
+            error = error_body(str(e), "server_error" if e.status >= 500 else "invalid_request_error", e.param,
+                               e.code)
+            yield _sse(error) + b"data: [DONE]\n\n", True
+            return
         if usage is not None:
             last += _sse({**head, "choices": [], "usage": _usage(usage, choices)})
         yield last + b"data: [DONE]\n\n", True
@@ -456,16 +494,40 @@ class EventStream(Response):
             await send({"type": "http.response.body", "body": piece, "more_body": not last})
 
 
-async def _body(request: Request):
+async def _body(request: Request, sized: bool = False):
     """The request's JSON, parsed by orjson (in a worker thread when the body is large, so that other streams'
-    tokens keep flowing)."""
-    raw = await request.body()
+    tokens keep flowing); with `sized`, (the JSON, the body's bytes)."""
     try:
-        if len(raw) >= PARSE_OFF_LOOP_BYTES:
-            return await asyncio.to_thread(orjson.loads, raw)
-        return orjson.loads(raw)
+        raw = await request.body()
+    except ClientDisconnect:  # gone, or cut off by serve.body_timeout_s (answered 408 by serve/protocol.py)
+        raise Gone from None
+    try:
+        body = await _off_loop(len(raw), orjson.loads, raw)
     except orjson.JSONDecodeError as e:
-        raise RequestError(f"the request body is not valid JSON: {e}") from None
+        raise RequestError(f"the request body is not valid JSON: {shown(str(e))}") from None
+    return (body, len(raw)) if sized else body
+
+
+async def _off_loop(size: int, fn: Callable, *args):
+    """fn(*args), in a worker thread when `size` (bytes of what it works on) is OFF_LOOP_BYTES or more."""
+    if size >= OFF_LOOP_BYTES:
+        return await asyncio.to_thread(fn, *args)
+    return fn(*args)
+
+
+async def _answer(obj: dict, size: int = 0) -> Response:
+    """A JSON answer serialized by orjson (FastAPI's own encoder walks every value in Python: a large answer held
+    the event loop for seconds), in a worker thread when `size` (its estimated bytes) is large."""
+    return Response(await _off_loop(size, orjson.dumps, obj), media_type="application/json")
+
+
+def _check_room(s: Served, sequences: int) -> None:
+    """A request of more sequences (prompts x n) than the queue holds can never be queued: 400 naming the limit,
+    rather than a 429 that retrying cannot cure."""
+    if sequences > s.engine.max_queue:
+        raise RequestError(f"this request asks for {sequences} sequences (prompts x n); the "
+                           f"server queues at most serve.max_queue={s.engine.max_queue} at once", "n",
+                           code="request_too_large")
 
 
 def _check_model(s: Served, body) -> tuple[int, str]:
@@ -476,7 +538,7 @@ def _check_model(s: Served, body) -> tuple[int, str]:
     if name in s.adapters:
         return s.adapters.index(name), name
     served = ", ".join(repr(n) for n in (s.name, *s.adapters))
-    raise RequestError(f"model {name!r} is not served here; this server serves {served}", "model",
+    raise RequestError(f"model {shown(name)} is not served here; this server serves {served}", "model",
                        code="model_not_found")
 
 
@@ -489,11 +551,11 @@ async def _encode(s: Served, text: str, encode: Callable[[str], list[int]] | Non
         raise RequestError(f"the prompt of {len(text)} characters is longer than the context of {s.engine.S} "
                            "tokens can hold", "prompt", code="context_length_exceeded")
     try:
-        if len(text) * 4 >= PARSE_OFF_LOOP_BYTES:
+        if len(text) >= OFF_LOOP_CHARS:
             return await asyncio.to_thread(encode or s.encode, text)
         return (encode or s.encode)(text)
     except ValueError as e:  # a character outside a char/byte vocabulary (TokenizerError)
-        raise RequestError(f"the prompt cannot be tokenized: {e}", "prompt") from None
+        raise RequestError(f"the prompt cannot be tokenized: {shown(str(e))}", "prompt") from None
 
 
 def _check_ids(s: Served, ids: list[int]) -> list[int]:
@@ -511,10 +573,12 @@ def _max_tokens(s: Served, prompt_len: int, asked: int | None) -> int:
         raise RequestError(f"the prompt of {prompt_len} tokens is longer than the context of {S} tokens",
                            "prompt", code="context_length_exceeded")
     if asked is None:
-        return min(s.decode_cfg.max_new_tokens, S - prompt_len)
-    if prompt_len + asked > S:
+        asked = min(s.decode_cfg.max_new_tokens, S - prompt_len)
+    elif prompt_len + asked > S:
         raise RequestError(f"max_tokens={asked} with a prompt of {prompt_len} tokens runs past the context of {S} "
                            f"tokens: at most {S - prompt_len}", "max_tokens", code="context_length_exceeded")
+    if (why := s.engine.never_fits(prompt_len + asked)) is not None:
+        raise RequestError(f"this request can never run here: {why}", "max_tokens", code="context_length_exceeded")
     return asked
 
 
@@ -546,7 +610,7 @@ async def _scores(s: Served, prompts: list[list[int]], request: Request, adapter
         watcher.cancel()
     for ev in events:
         if ev[0] == "error":
-            raise RequestError(f"scoring the prompt failed: {ev[1]}", status=500)
+            raise RequestError(f"scoring the prompt failed: {ev[1]}", "prompt", status=ev[2])
     return [ev[1:] for ev in events]
 
 
@@ -561,11 +625,12 @@ def _start(s: Served, ids: list[list[int]], max_tokens: list[int], sampling: sch
     none: a full queue cancels the rest."""
     loop = asyncio.get_running_loop()
     seed = sampling.seed if sampling.seed is not None else _random.getrandbits(32)
+    top_k = sampling.top_k if sampling.top_k < s.vocab_size else 0  # every token kept either way
     choices = []
     for p, m in zip(ids, max_tokens):
         for j in range(sampling.n):
             q: asyncio.Queue = asyncio.Queue()
-            seq = engine_lib.Sequence(p, m, sampling.temperature, sampling.top_k, sampling.top_p, seed, j,
+            seq = engine_lib.Sequence(p, m, sampling.temperature, top_k, sampling.top_p, seed, j,
                                       s.stop_ids, partial(s.mailbox.post, loop, q.put_nowait), logprobs is not None,
                                       logprobs or 0, adapter=adapter)
             choices.append(Choice(seq, TextState(s.decode, sampling.stop), q))
@@ -607,7 +672,7 @@ def _apply(s: Served, c: Choice, events: list) -> tuple[str, list, str | None]:
         text += c.state.flush()
     end = events[-1]
     if end[0] == "error":
-        raise RequestError(f"generation failed: {end[1]}", status=500)
+        raise RequestError(f"generation failed: {end[1]}", status=end[2])
     if end[0] != "done":
         return text, fresh, None
     if c.finish_reason != "stop":
@@ -742,4 +807,6 @@ def prometheus(s: Served) -> str:
             ("_count", len(ttft))])
     metric("jaxlm_http_errors_total", "counter", "Answers with an error status.",
            [(f'{{code="{k}"}}', v) for k, v in sorted(s.errors.items())])
+    metric("jaxlm_stream_errors_total", "counter", "Streamed answers ended by an error event after their 200.",
+           [("", s.stream_errors)])
     return "\n".join(lines) + "\n"

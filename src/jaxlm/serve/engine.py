@@ -56,7 +56,14 @@ once per pair of those. With a prefix cache (serve/prefix_cache.py), a prompt th
 recent one first copies their keys and values into its slot and prefills only the rest.
 
 Scoring a prompt (the log-probability of each of its tokens, for `echo` with `logprobs`) runs the uncached
-forward pass on the same thread.
+forward pass on the same thread, within the prefill's budget: a turn scores waiting prompts while their padded
+tokens fit in prefill_chunk (at least one), so 64 prompts to score take turns with the decoding slots instead of
+holding their next tokens back for all 64.
+
+A request is checked again where it enters (`check`): a value the decode program cannot hold (a top_k past int32,
+a token id outside the vocabulary) fails that request alone at its admission; only a failure of a device call
+fails the sequences that share it (their cache was donated to the call), each told so in one line, the error
+logged once with its traceback.
 
 A row's random stream is key(seed) folded with its choice index and then with its token index, and every row
 samples from its own logits, so a request's tokens do not depend on what the other slots hold, nor on how many
@@ -74,6 +81,8 @@ C chunk length.
 from __future__ import annotations
 
 import collections
+import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -91,6 +100,9 @@ from jaxlm.serve.pages import PagePool
 from jaxlm.serve.prefix_cache import PrefixCache
 
 TOP_LOGPROBS = speculate.TOP_LOGPROBS  # the most alternatives a request may ask for
+INT32_MAX = 2**31 - 1
+ENGINE_FAILED = "the engine failed while running this request (the server's log has the error)"
+log = logging.getLogger("jaxlm.serve")
 MIN_BUCKET = 16
 MIN_STOP_WIDTH = 4  # stop tokens per row the decode program takes (more compile a wider one, once)
 MAX_PREFILL_ROWS = 16  # prompts' chunks prefilled in one call at most
@@ -98,6 +110,15 @@ MAX_PREFILL_ROWS = 16  # prompts' chunks prefilled in one call at most
 # request alone, the last long ones of a burst) runs on 1 or 4 rows, not 8 (134M parameters on a 2-core CPU: a
 # step of 1 row 23 ms, of 8 rows 44 ms)
 ROW_BUCKETS_SMALL = (1, 4)
+
+
+def whole_numbers(values, lo: int, hi: int) -> bool:
+    """Whether `values` (a list or array) are whole numbers (not bools) in [lo, hi]; an empty one is."""
+    try:
+        a = np.asarray(values)
+    except (OverflowError, ValueError, TypeError):
+        return False
+    return a.ndim == 1 and (a.size == 0 or (a.dtype.kind in "iu" and lo <= a.min() and a.max() <= hi))
 
 
 class QueueFull(Exception):
@@ -128,7 +149,8 @@ class Sequence:
     ("tokens", ids, logprobs, alternatives) once per decode call that made tokens for it (ids [n]; logprobs [n]
     and alternatives (ids [n][A], logprobs [n][A]), most likely first, A >= `alternatives`, when `logprobs`,
     else None), then ("done", reason) once, reason
-    being "stop" (a stop token), "length" (max_tokens) or "cancelled"."""
+    being "stop" (a stop token), "length" (max_tokens) or "cancelled"; or, instead of ("done", ...), ("error",
+    text, status): 400 for a value the programs cannot hold (Engine.check), 500 when the engine failed."""
     prompt: list[int]
     max_tokens: int
     temperature: float
@@ -166,7 +188,8 @@ class Sequence:
 @dataclass
 class Score:
     """The log-probability of each prompt token after the ones before it (the first has none), with the
-    TOP_LOGPROBS most likely alternatives; `emit(("score", token_lp, top_ids, top_lp))` or ("error", text)."""
+    TOP_LOGPROBS most likely alternatives; `emit(("score", token_lp, top_ids, top_lp))` or ("error", text, status)
+    (as a Sequence's)."""
     prompt: list[int]
     emit: Callable[[tuple], None]
     cancelled: bool = False
@@ -387,7 +410,7 @@ class Engine:
 
     def _loop(self) -> None:
         while self.running:
-            self._admit()
+            more = self._admit()
             busy = any(s is not None for s in self.slots) or self.in_flight is not None
             if busy:
                 try:
@@ -395,14 +418,17 @@ class Engine:
                 except Exception as e:  # the cache was donated to the failed call: fail every slot, start afresh
                     self.in_flight = None
                     self.error = f"{type(e).__name__}: {e}"
+                    failed = [s for s in self.slots if s is not None]
+                    log.error("jaxlm serve: a device call failed; its %d sequences end with an error", len(failed),
+                              exc_info=True)
                     for i, s in enumerate(self.slots):
                         if s is not None:
                             self.slots[i] = None
-                            s.emit(("error", self.error))
+                            s.emit(("error", ENGINE_FAILED, 500))
                     self.prefilling.clear()
                     self._reset_cache()
             self._hand_over()
-            if not busy:
+            if not busy and not more:
                 self.wake.wait(0.05)
                 self.wake.clear()
         for i, s in enumerate(self.slots):
@@ -443,34 +469,37 @@ class Engine:
             self._collect(launched)
             self.in_flight = None
 
-    def _admit(self) -> None:
-        """Waiting requests in order: a score runs now, a sequence takes a free slot and waits there for its
-        prefill (with the paged cache, once the pages its context fills, less those of a shared prefix, are
-        free: it takes them now)."""
+    def _admit(self) -> bool:
+        """Waiting requests in order: a score runs now while the turn's scoring budget lasts (the padded tokens
+        of prefill_chunk, at least one score), a sequence takes a free slot and waits there for its prefill (with
+        the paged cache, once the pages its context fills, less those of a shared prefix, are free: it takes them
+        now). Returns whether a score waits for the next turn's budget."""
+        budget = self.prefill_chunk
         while True:
             with self.lock:
                 if not self.waiting:
-                    return
+                    return False
                 item = self.waiting[0]
                 if isinstance(item, Sequence) and not item.cancelled and None not in self.slots:
-                    return
+                    return False
+                if isinstance(item, Score) and not item.cancelled:
+                    cost = self._padded(item.prompt).shape[1] if item.prompt else 0
+                    if budget < min(cost, self.prefill_chunk):
+                        return True
+                    budget -= cost
                 self.waiting.popleft()
             if item.cancelled:
-                item.emit(("done", "cancelled") if isinstance(item, Sequence) else ("error", "cancelled"))
+                item.emit(("done", "cancelled") if isinstance(item, Sequence) else ("error", "cancelled", 499))
                 continue
             try:
-                if not -1 <= item.adapter < self.adapters:
-                    raise ValueError(f"adapter {item.adapter} is not one of this engine's {self.adapters}")
+                self.check(item)
                 if isinstance(item, Score):
                     self._run_score(item)
                     continue
-                if len(item.prompt) + item.max_tokens > self.S:
-                    raise ValueError(f"a prompt of {len(item.prompt)} tokens + {item.max_tokens} new ones do not "
-                                     f"fit in the {self.S} positions of a slot")
                 if self.page_size and not self._take_pages(item):
                     with self.lock:
                         self.waiting.appendleft(item)  # until pages are given back
-                    return
+                    return False
                 item.slot = self.slots.index(None)
                 self.slots[item.slot] = item
                 self.prefilling.append(item.slot)
@@ -479,16 +508,56 @@ class Engine:
                 if item.resumed is None:
                     self.requests_total += 1
                     self.prompt_tokens_total += len(item.prompt)
-            except Exception as e:  # this request fails alone; the slots keep decoding
-                item.emit(("error", f"{type(e).__name__}: {e}"))
+            except ValueError as e:  # a value the programs cannot hold: this request fails alone
+                item.emit(("error", str(e), 400))
+            except Exception:  # noqa: BLE001 - scoring's call failed: this request fails alone; the slots keep decoding
+                log.error("jaxlm serve: a request failed at its admission", exc_info=True)
+                item.emit(("error", ENGINE_FAILED, 500))
+
+    def never_fits(self, tokens: int) -> str | None:
+        """Why a sequence of `tokens` positions (prompt and new tokens) can never run here, or None: past a slot's
+        positions, or (paged) past the pages of the whole cache."""
+        if tokens > self.S:
+            return f"{tokens} positions (prompt and new tokens) do not fit in the {self.S} of a sequence"
+        if self.page_size and -(-tokens // self.page_size) > self.NP:
+            return (f"{tokens} positions (prompt and new tokens) need more than the {self.NP} pages of "
+                    f"{self.page_size} positions of the KV cache (serve.cache_gib)")
+        return None
+
+    def check(self, item: Sequence | Score) -> None:
+        """Raise ValueError unless the decode and scoring programs can hold every value of `item` (run on the
+        engine thread at admission: a bad request fails alone, never inside a call it would share)."""
+        V = self.cfg.vocab_size
+        if not -1 <= item.adapter < self.adapters:
+            raise ValueError(f"adapter {item.adapter} is not one of this engine's {self.adapters}")
+        if not whole_numbers(item.prompt, 0, V - 1) or not len(item.prompt):
+            raise ValueError(f"a prompt must hold at least one token, each in [0, {V})")
+        if isinstance(item, Score):
+            if len(item.prompt) > self.S:
+                raise ValueError(f"a prompt of {len(item.prompt)} tokens is longer than the {self.S} positions")
+            return
+        if not whole_numbers([item.max_tokens], 1, INT32_MAX):
+            raise ValueError(f"max_tokens={item.max_tokens} must be a whole number >= 1")
+        if (why := self.never_fits(len(item.prompt) + item.max_tokens)) is not None:
+            raise ValueError(why)
+        if not (isinstance(item.temperature, (int, float)) and math.isfinite(item.temperature)
+                and item.temperature >= 0):
+            raise ValueError(f"temperature={item.temperature} must be a finite number >= 0")
+        if not whole_numbers([item.top_k], 0, INT32_MAX):
+            raise ValueError(f"top_k={item.top_k} must be in [0, {INT32_MAX}]")
+        if not (isinstance(item.top_p, (int, float)) and 0 < item.top_p <= 1):
+            raise ValueError(f"top_p={item.top_p} must be in (0, 1]")
+        if not (isinstance(item.seed, (int, np.integer)) and whole_numbers([item.choice], 0, INT32_MAX)):
+            raise ValueError("seed and choice must be whole numbers (choice in int32)")
+        if not whole_numbers(item.stop_ids, 0, V - 1):
+            raise ValueError(f"stop token ids must be in [0, {V})")
+        if not 0 <= item.alternatives <= TOP_LOGPROBS:
+            raise ValueError(f"alternatives={item.alternatives} must be in [0, {TOP_LOGPROBS}]")
 
     def _take_pages(self, seq: Sequence) -> bool:
         """Give seq the pages its context fills: the registered ones that hold a prefix of it (prefilled already),
         and free ones for the rest. False (nothing taken) when too few are free."""
         A, n = self.page_size, len(seq.context)
-        if -(-(len(seq.prompt) + seq.max_tokens) // A) > self.NP:
-            raise ValueError(f"a prompt of {len(seq.prompt)} tokens + {seq.max_tokens} new ones need more than the "
-                             f"{self.NP} pages of {A} positions of the KV cache (serve.cache_gib)")
         shared = self.pages.match(seq.context, seq.adapter)
         need = -(-n // A) - len(shared)
         if need > self.pages.available():

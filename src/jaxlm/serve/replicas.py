@@ -36,6 +36,8 @@ class Replicas:
             e.turn_hooks = self.turn_hooks  # one list: the app's hook runs after every replica's turns
         self.S = engines[0].S
         self.B = sum(e.B for e in engines)
+        self.max_queue = sum(e.max_queue for e in engines)  # requests' sequences queue in any of them
+        self.never_fits = engines[0].never_fits  # the replicas are alike
 
     @staticmethod
     def split(total: int, replicas: int) -> int:

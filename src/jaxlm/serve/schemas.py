@@ -2,7 +2,9 @@
 naming the field, the bad value and what is allowed (answered as 400 with an OpenAI-style error body).
 
 Sampling defaults come from the server's decode.* settings; a request's max_tokens must fit in the cache with
-its prompt, and when it is left out it is decode.max_new_tokens cut to what fits.
+its prompt, and when it is left out it is decode.max_new_tokens cut to what fits. Every number is bounded here
+or by the app (max_tokens by the context, top_k by the vocabulary, the count of sequences by the queue) before it
+reaches the engine, and a message quotes at most SHOWN_CHARS characters of what the client sent.
 """
 
 from __future__ import annotations
@@ -16,7 +18,17 @@ from jaxlm.serve.engine import TOP_LOGPROBS
 
 MAX_N = 16
 MAX_STOP = 4
+MAX_PROMPTS = 256
+SEED_RANGE = (-2**63, 2**64 - 1)  # any 64-bit seed, signed or not (the engine draws from it modulo 2^32)
 UNSUPPORTED_ZERO = ("presence_penalty", "frequency_penalty")
+SHOWN_CHARS = 60  # of a client's value quoted back in an error message
+
+
+def shown(value: Any) -> str:
+    """A client's value as an error message quotes it: its repr, cut to SHOWN_CHARS characters (a 1 MB model name
+    is not sent back whole)."""
+    text = repr(value)
+    return text if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS]}... ({len(text)} characters)"
 
 
 class RequestError(ValueError):
@@ -65,9 +77,9 @@ def _int(body: dict, key: str, default, lo: int | None = None, hi: int | None = 
     if v is None and allow_none:
         return default
     if isinstance(v, bool) or not isinstance(v, int):
-        raise RequestError(f"{key} must be an integer, got {v!r}", key)
+        raise RequestError(f"{key} must be an integer, got {shown(v)}", key)
     if (lo is not None and v < lo) or (hi is not None and v > hi):
-        raise RequestError(f"{key}={v} is out of range: allowed {lo if lo is not None else '-inf'} to "
+        raise RequestError(f"{key}={shown(v)} is out of range: allowed {lo if lo is not None else '-inf'} to "
                            f"{hi if hi is not None else 'inf'}", key)
     return v
 
@@ -77,9 +89,9 @@ def _float(body: dict, key: str, default: float, lo: float, hi: float, lo_open=F
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise RequestError(f"{key} must be a finite number, got {v!r}", key)
+        raise RequestError(f"{key} must be a finite number, got {shown(v)}", key)
     if v < lo or v > hi or (lo_open and v == lo):
-        raise RequestError(f"{key}={v} is out of range: allowed {'(' if lo_open else '['}{lo}, {hi}]", key)
+        raise RequestError(f"{key}={shown(v)} is out of range: allowed {'(' if lo_open else '['}{lo}, {hi}]", key)
     return float(v)
 
 
@@ -88,7 +100,7 @@ def _bool(body: dict, key: str, default: bool = False) -> bool:
     if v is None:
         return default
     if not isinstance(v, bool):
-        raise RequestError(f"{key} must be true or false, got {v!r}", key)
+        raise RequestError(f"{key} must be true or false, got {shown(v)}", key)
     return v
 
 
@@ -96,13 +108,13 @@ def _sampling(body: dict, d: DecodeConfig, max_tokens_key: str = "max_tokens") -
     for key in UNSUPPORTED_ZERO:
         v = body.get(key)
         if v not in (None, 0, 0.0):
-            raise RequestError(f"{key}={v!r} is not supported by this server (only 0)", key)
+            raise RequestError(f"{key}={shown(v)} is not supported by this server (only 0)", key)
     if body.get("logit_bias"):
         raise RequestError("logit_bias is not supported by this server", "logit_bias")
     max_tokens = _int(body, max_tokens_key, None, 0)
     if max_tokens is None and max_tokens_key != "max_tokens":
         max_tokens = _int(body, "max_tokens", None, 0)
-    top_k = _int(body, "top_k", d.top_k, -1)
+    top_k = _int(body, "top_k", d.top_k, -1)  # past the vocabulary it keeps every token, as 0 and -1 do (app._start)
     stop = body.get("stop")
     if stop is None:
         stop = []
@@ -110,13 +122,11 @@ def _sampling(body: dict, d: DecodeConfig, max_tokens_key: str = "max_tokens") -
         stop = [stop]
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > MAX_STOP:
         raise RequestError(f"stop must be a non-empty string or a list of at most {MAX_STOP} of them, got "
-                           f"{body.get('stop')!r}", "stop")
-    seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise RequestError(f"seed must be an integer, got {seed!r}", "seed")
+                           f"{shown(body.get('stop'))}", "stop")
+    seed = _int(body, "seed", None, *SEED_RANGE)
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
-        raise RequestError(f"stream_options must be an object, got {options!r}", "stream_options")
+        raise RequestError(f"stream_options must be an object, got {shown(options)}", "stream_options")
     return Sampling(max_tokens=max_tokens, temperature=_float(body, "temperature", d.temperature, 0.0, 2.0),
                     top_k=max(top_k, 0), top_p=_float(body, "top_p", d.top_p, 0.0, 1.0, lo_open=True),
                     n=_int(body, "n", 1, 1, MAX_N), seed=seed, stop=tuple(stop), stream=_bool(body, "stream"),
@@ -142,14 +152,14 @@ def completion(body: Any, d: DecodeConfig) -> CompletionRequest:
     else:
         raise RequestError("prompt must be a string, a list of strings, a list of token ids or a list of lists of "
                            "token ids (none empty)", "prompt")
-    if len(prompts) > 256:
-        raise RequestError(f"at most 256 prompts per request, got {len(prompts)}", "prompt")
+    if len(prompts) > MAX_PROMPTS:
+        raise RequestError(f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}", "prompt")
     sampling = _sampling(body, d)
     logprobs = _int(body, "logprobs", None, 0, TOP_LOGPROBS)
     echo = _bool(body, "echo")
     best_of = body.get("best_of")
     if best_of not in (None, sampling.n):
-        raise RequestError(f"best_of={best_of!r} is not supported (leave it out or equal to n)", "best_of")
+        raise RequestError(f"best_of={shown(best_of)} is not supported (leave it out or equal to n)", "best_of")
     if sampling.stream and sampling.n * len(prompts) > MAX_N:
         raise RequestError(f"streaming takes at most {MAX_N} choices (prompts x n)", "n")
     return CompletionRequest(prompts, sampling, logprobs, echo, _bool(body, "return_tokens_as_token_ids"))
