@@ -81,18 +81,32 @@ def test_grpo_benchmark_prints_rollouts_over_engine():
 
 
 @pytest.mark.slow
-@pytest.mark.in_ci  # ~40 s: the hardened surface under mixed load, through the soak's own checks
+@pytest.mark.in_ci  # ~40 s: the hardened surface under mixed and hostile load, through the soak's own checks
 def test_soak_runs_briefly_with_no_5xx_and_the_server_idle_after():
-    """benchmarks/soak.py for 20 s with 4 clients: every good request answered 200 and every bad one 400 (the
-    script exits 1 otherwise, or when slots, queue or pages are not back to zero after); its memory checks
-    need 2 minutes of load and are measured by hand (docs/serve.md, Soak)."""
+    """benchmarks/soak.py for 20 s with 4 clients, each hostile kind drawn at least once (--each-hostile): every
+    good request answered 200, every bad one 400, each hostile kind its expected answer (the script exits 1
+    otherwise, or when slots, queue or pages are not back to zero after); its memory checks need 2 minutes of load
+    and are measured by hand (docs/serve.md, Soak)."""
     env = users_environment(XLA_FLAGS=xla_flags(), PYTHONPATH=str(ROOT / "src"), JAX_PLATFORMS="cpu")
-    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--seconds", "20", "--clients", "4"],
-                       capture_output=True, text=True, env=env, timeout=600)
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--seconds", "20", "--clients", "4",
+                        "--each-hostile"], capture_output=True, text=True, env=env, timeout=600)
     assert p.returncode == 0 and "soak passed" in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]
     lines = dict(line.split(" ", 1) for line in p.stdout.splitlines() if " " in line)
-    good = dict(x.split("=") for x in lines["status"].split())
-    bad = dict(x.split("=") for x in lines["bad_requests_status"].split())
-    assert set(good) == {"200"} and int(good["200"]) > 20 and set(bad) == {"400"} and int(bad["400"]) > 0
+    answers = {k: dict(x.split("=") for x in v.split()) for k, v in lines.items()
+               if k in ("status", "bad_requests_status") or k.startswith("hostile_")}
+    assert set(answers["status"]) == {"200"} and int(answers["status"]["200"]) > 20
+    assert set(answers["bad_requests_status"]) == {"400"} and int(answers["bad_requests_status"]["400"]) > 0
+    allowed = {"never_fits": {"400"}, "tokenize_big": {"413"}, "big_header": {"431", "closed"}, "dup_host": {"400"},
+               "slowloris": {"408", "closed"}}
+    for kind, statuses in allowed.items():
+        counts = answers[f"hostile_{kind}"]
+        assert counts and set(counts) <= statuses and all(int(v) > 0 for v in counts.values()), (kind, counts)
+    extreme = answers["hostile_extreme"]
+    assert extreme and all(k == "200" or k.startswith("4") and len(k) == 3 for k in extreme), extreme
+    out = dict(word.split("=", 1) for line in p.stdout.splitlines() if "=" in line.split(" ")[0]
+               for word in line.split() if "=" in word)
+    assert 0 < float(out["slowloris_worst_close_s"]) <= 15
+    assert float(out["worst_stream_gap_ms"]) >= float(out["p99_stream_gap_ms"]) >= 0
+    assert float(out["worst_stream_gap_ms"]) > 0
     assert lines["after"] == "busy_slots=0 queue_depth=0 kv_pages_used=0"
-    assert "maps_growth=" in p.stdout and "rss_growth=" in p.stdout
+    assert "maps_growth" in out and "rss_growth" in out
