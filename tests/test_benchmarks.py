@@ -110,3 +110,23 @@ def test_soak_runs_briefly_with_no_5xx_and_the_server_idle_after():
     assert float(out["worst_stream_gap_ms"]) > 0
     assert lines["after"] == "busy_slots=0 queue_depth=0 kv_pages_used=0"
     assert "maps_growth" in out and "rss_growth" in out
+
+
+@pytest.mark.slow
+def test_stream_gaps_runs_each_kind_and_gets_its_answers():
+    """benchmarks/stream_gaps.py at phases of 12 s: a line per phase with its gaps, and the answers each kind
+    is owed (413 past serve.max_tokenize_chars, 200 under it, 400 for the chat past the context, the long header
+    cut off, the slowloris connections closed at serve.header_timeout_s)."""
+    env = users_environment(XLA_FLAGS=xla_flags(), PYTHONPATH=str(ROOT / "src"), JAX_PLATFORMS="cpu")
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "stream_gaps.py"), "--phase-seconds", "12"],
+                       capture_output=True, text=True, env=env, timeout=900)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    lines = {line.split()[0]: line for line in p.stdout.splitlines() if "worst_gap_ms=" in line}
+    assert set(lines) == {"baseline", "tokenize_7mb", "tokenize_1m_chars", "chat_6mb", "header_256mb",
+                          "slowloris_100"}, p.stdout
+    for kind, answer in (("tokenize_7mb", "[413 x"), ("tokenize_1m_chars", "[200 x"), ("chat_6mb", "[400 x"),
+                         ("header_256mb", "[closed x"), ("slowloris_100", "[closed after 10 s x")):
+        assert answer in lines[kind], lines[kind]
+    for line in lines.values():
+        words = dict(w.split("=", 1) for w in line.split() if "=" in w and not w.startswith("answers"))
+        assert float(words["worst_gap_ms"]) >= float(words["p99_gap_ms"]) > 0 and int(words["chunks"]) > 100
