@@ -315,3 +315,48 @@ def test_a_connection_past_max_connections_is_answered_503(served):
         assert errors(srv, 503) == before + refusals
     finally:
         srv.stop(engine=False)
+
+
+def test_requests_pipelined_behind_a_long_answer_are_read_a_read_at_a_time(server, monkeypatch):
+    """A streamed completion of 20 tokens (decode calls slowed to 0.1 s: about 2 s) and, on the same connection,
+    4,000 requests pipelined behind it in chunks of 100 over its first half second: while the stream runs the
+    connection has parsed only what its first read after the stream's request brought (its app's disconnect polls,
+    every 0.1 s, used to resume reading: all 4,000 queued), and every request is answered after it."""
+    from test_serve import log_decode_calls
+
+    log_decode_calls(monkeypatch, lambda rows, live, steps: time.sleep(0.1))
+    body = b'{"prompt": "ab", "max_tokens": 20, "stream": true}'
+    stream = (b"POST /v1/completions HTTP/1.1\r\n" + HOST + b"Content-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    queued, sampling = [0], threading.Event()
+    sampling.set()
+
+    def watch():  # the longest pipeline of any connection while the stream runs
+        while sampling.is_set():
+            try:
+                queued[0] = max([queued[0]] + [len(p.pipeline) for p in list(server.server.server_state.connections)])
+            except RuntimeError:  # the set changed while it was copied
+                pass
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        with Conn(server, timeout=30) as c:
+            c.send(stream)
+            for _ in range(40):
+                c.send(HEALTH * 100)
+                time.sleep(0.01)
+            time.sleep(0.5)  # the stream still runs: reading must have stayed paused
+            sampling.clear()
+            watcher.join()
+            data, deadline = b"", time.monotonic() + 60
+            while data.count(b"HTTP/1.1 200") < 4001:
+                assert time.monotonic() < deadline, data.count(b"HTTP/1.1 200")
+                data += c.sock.recv(1 << 16)
+    finally:
+        sampling.clear()
+        watcher.join()
+    assert data.index(b"[DONE]") < data.index(b'{"status":"ok"}')  # the stream was still running while sampled
+    assert data.count(b'{"status":"ok"}') == 4000
+    assert 0 < queued[0] <= 1000, queued[0]

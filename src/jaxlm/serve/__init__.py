@@ -90,11 +90,6 @@ def build(src: str | Path, cfg: Config, log: Callable[[str], None] = print):
                for _ in range(R)]
     engine = engines[0] if R == 1 else Replicas(engines)
     engine.warm_up()
-    # What exists now (weights, compiled programs, modules) lives as long as the server: frozen out of the garbage
-    # collector's sight, so that its full collections scan only what requests make (they stopped every stream for
-    # up to 0.2 s on a 2-core CPU before; docs/serve.md, Security)
-    gc.collect()
-    gc.freeze()
     engine.start()
     api_key = api_key_of(sc)
     served = app_lib.Served(engine, tok.encode, lambda text: api.encode_prompt(tok, text), tok.encode_rendered,
@@ -300,6 +295,11 @@ def run(src: str, overrides: dict) -> int:
     if sc.uds:
         claim_uds(sc.uds)  # before the model loads and compiles
     served = build(src, cfg, log=lambda s: print(s, file=sys.stderr, flush=True))
+    # What exists now (weights, compiled programs, modules) lives as long as the server: frozen out of the garbage
+    # collector's sight, so that its full collections scan only what requests make (they stopped every stream for
+    # up to 0.2 s on a 2-core CPU before; docs/serve.md, Security)
+    gc.collect()
+    gc.freeze()
     print(f"listening on {address(sc)}", file=sys.stderr, flush=True)
     # uvicorn shuts down gracefully on SIGTERM, then raises it again: here as SystemExit, so that the engine stops
     # and uvicorn.run removes serve.uds's socket file (the signal's default action would end the process first).

@@ -38,6 +38,7 @@ LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 # tokenized from OFF_LOOP_CHARS characters.
 OFF_LOOP_BYTES = 256 << 10
 OFF_LOOP_CHARS = 32 << 10
+ANSWER_BYTES_PER_TOKEN = 48  # of a completion answer, about, per token and per log-probability (to pick the thread)
 # After a 413 the rest of the body is read and thrown away before the connection closes (nginx's lingering close),
 # at most this many bytes, for at most LINGER_S (nginx's lingering_time) while the client sends something every
 # LINGER_IDLE_S (its lingering_timeout); serve.max_body_mb's help names these figures.
@@ -360,7 +361,8 @@ def _completion_route(app: FastAPI, s: Served) -> None:
         ids = [await _encode(s, p, s.encode_prompt) if isinstance(p, str) else _check_ids(s, p) for p in req.prompts]
         max_tokens = [_max_tokens(s, len(p), req.sampling.max_tokens) for p in ids]
         want_scores = req.echo and req.logprobs is not None
-        _check_room(s, len(ids) * req.sampling.n)  # the prompts scored first, then their sequences
+        # the prompts are scored first (all queued at once), then their sequences (none for max_tokens 0)
+        _check_room(s, max(len(ids) if want_scores else 0, req.sampling.n * sum(m > 0 for m in max_tokens)))
         scores = await _scores(s, ids, request, adapter) if want_scores else [None] * len(ids)
         choices = _start(s, ids, max_tokens, req.sampling, req.logprobs, adapter)
         head = {"id": _request_id("cmpl"), "object": "text_completion", "created": int(time.time()),
@@ -380,20 +382,34 @@ def _completion_route(app: FastAPI, s: Served) -> None:
                 out["logprobs"] = _completion_logprobs(s, fresh, req.logprobs, req.token_ids)
             return out
 
-        prompt_texts = [p if isinstance(p, str) else s.decode(ids[i]) for i, p in enumerate(req.prompts)]
+        def prompt_texts():
+            return [p if isinstance(p, str) else s.decode(ids[i]) for i, p in enumerate(req.prompts)]
+
+        # the bytes an answer's echoed prompts and log-probabilities come to, about: large ones are built off the loop
+        per_token = ANSWER_BYTES_PER_TOKEN * (1 + (req.logprobs or 0))
+        echoed_bytes = per_token * req.sampling.n * sum(map(len, ids)) if req.echo else 0
         usage = {"prompt_tokens": sum(map(len, ids))}
         if req.sampling.stream:
-            echoed = [choice_body(k, c, prompt_texts[k // req.sampling.n], prompt_logprobs(k // req.sampling.n),
-                                  None) for k, c in enumerate(choices)] if req.echo else []
+            def opening():
+                texts = prompt_texts()
+                return [choice_body(k, c, texts[k // req.sampling.n], prompt_logprobs(k // req.sampling.n), None)
+                        for k, c in enumerate(choices)]
+
+            echoed = await _off_loop(echoed_bytes, opening) if req.echo else []
             return _event_stream(s, request, choices, head, echoed, choice_body,
                                  usage if req.sampling.include_usage else None)
         await _wait(s, choices, request)
-        out = []
-        for k, c in enumerate(choices):
-            i = k // req.sampling.n
-            text = (prompt_texts[i] if req.echo else "") + c.state.text
-            out.append(choice_body(k, c, text, prompt_logprobs(i) + c.logprobs, c.finish_reason))
-        return await _answer({**head, "choices": out, "usage": _usage(usage, choices)})
+
+        def answer():
+            texts, out = prompt_texts() if req.echo else None, []
+            for k, c in enumerate(choices):
+                i = k // req.sampling.n
+                text = (texts[i] if req.echo else "") + c.state.text
+                out.append(choice_body(k, c, text, prompt_logprobs(i) + c.logprobs, c.finish_reason))
+            return orjson.dumps({**head, "choices": out, "usage": _usage(usage, choices)})
+
+        size = echoed_bytes + per_token * sum(len(c.state.tokens) for c in choices)
+        return Response(await _off_loop(size, answer), media_type="application/json")
 
 
 def _chat_route(app: FastAPI, s: Served) -> None:
@@ -437,11 +453,17 @@ def _chat_route(app: FastAPI, s: Served) -> None:
             return _event_stream(s, request, choices, {**head, "object": "chat.completion.chunk"}, roles, chunk,
                                  usage if req.sampling.include_usage else None)
         await _wait(s, choices, request)
-        return await _answer({**head, "choices": [{"index": k, "message": {"role": "assistant",
-                                                                         "content": c.state.text},
-                                                   "logprobs": logprobs(c.logprobs), "finish_reason": c.finish_reason}
-                                                  for k, c in enumerate(choices)],
-                              "usage": _usage(usage, choices)})
+
+        def answer():
+            return orjson.dumps({**head, "choices": [{"index": k, "message": {"role": "assistant",
+                                                                            "content": c.state.text},
+                                                      "logprobs": logprobs(c.logprobs),
+                                                      "finish_reason": c.finish_reason}
+                                                     for k, c in enumerate(choices)],
+                                 "usage": _usage(usage, choices)})
+
+        size = ANSWER_BYTES_PER_TOKEN * (1 + req.top_logprobs) * sum(len(c.state.tokens) for c in choices)
+        return Response(await _off_loop(size, answer), media_type="application/json")
 
 
 def _event_stream(s: Served, request: Request, choices: list[Choice], head: dict, opening: list[dict],
@@ -515,9 +537,10 @@ async def _off_loop(size: int, fn: Callable, *args):
     return fn(*args)
 
 
-async def _answer(obj: dict, size: int = 0) -> Response:
+async def _answer(obj: dict, size: int) -> Response:
     """A JSON answer serialized by orjson (FastAPI's own encoder walks every value in Python: a large answer held
-    the event loop for seconds), in a worker thread when `size` (its estimated bytes) is large."""
+    the event loop for seconds), in a worker thread when `size` (its estimated bytes) is large. The completion
+    routes build their answers in the thread too (`answer()` there), from the same estimate."""
     return Response(await _off_loop(size, orjson.dumps, obj), media_type="application/json")
 
 
@@ -559,6 +582,9 @@ async def _encode(s: Served, text: str, encode: Callable[[str], list[int]] | Non
 
 
 def _check_ids(s: Served, ids: list[int]) -> list[int]:
+    if len(ids) > s.engine.S:  # before the ids are read: a body of millions of them is refused at once
+        raise RequestError(f"the prompt of {len(ids)} tokens is longer than the context of {s.engine.S} tokens",
+                           "prompt", code="context_length_exceeded")
     if min(ids) < 0 or max(ids) >= s.vocab_size:
         raise RequestError(f"prompt token ids must be in [0, {s.vocab_size}), got [{min(ids)}, {max(ids)}]",
                            "prompt")
@@ -577,7 +603,7 @@ def _max_tokens(s: Served, prompt_len: int, asked: int | None) -> int:
     elif prompt_len + asked > S:
         raise RequestError(f"max_tokens={asked} with a prompt of {prompt_len} tokens runs past the context of {S} "
                            f"tokens: at most {S - prompt_len}", "max_tokens", code="context_length_exceeded")
-    if (why := s.engine.never_fits(prompt_len + asked)) is not None:
+    if asked and (why := s.engine.never_fits(prompt_len + asked)) is not None:  # none for 0 (only scored)
         raise RequestError(f"this request can never run here: {why}", "max_tokens", code="context_length_exceeded")
     return asked
 

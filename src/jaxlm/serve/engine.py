@@ -483,7 +483,7 @@ class Engine:
                 if isinstance(item, Sequence) and not item.cancelled and None not in self.slots:
                     return False
                 if isinstance(item, Score) and not item.cancelled:
-                    cost = self._padded(item.prompt).shape[1] if item.prompt else 0
+                    cost = self._padded_length(len(item.prompt))
                     if budget < min(cost, self.prefill_chunk):
                         return True
                     budget -= cost
@@ -493,6 +493,10 @@ class Engine:
                 continue
             try:
                 self.check(item)
+            except ValueError as e:  # a value the programs cannot hold: this request fails alone
+                item.emit(("error", str(e), 400))
+                continue
+            try:
                 if isinstance(item, Score):
                     self._run_score(item)
                     continue
@@ -508,8 +512,6 @@ class Engine:
                 if item.resumed is None:
                     self.requests_total += 1
                     self.prompt_tokens_total += len(item.prompt)
-            except ValueError as e:  # a value the programs cannot hold: this request fails alone
-                item.emit(("error", str(e), 400))
             except Exception:  # noqa: BLE001 - scoring's call failed: this request fails alone; the slots keep decoding
                 log.error("jaxlm serve: a request failed at its admission", exc_info=True)
                 item.emit(("error", ENGINE_FAILED, 500))
@@ -549,8 +551,8 @@ class Engine:
             raise ValueError(f"top_p={item.top_p} must be in (0, 1]")
         if not (isinstance(item.seed, (int, np.integer)) and whole_numbers([item.choice], 0, INT32_MAX)):
             raise ValueError("seed and choice must be whole numbers (choice in int32)")
-        if not whole_numbers(item.stop_ids, 0, V - 1):
-            raise ValueError(f"stop token ids must be in [0, {V})")
+        if not whole_numbers(item.stop_ids, -INT32_MAX - 1, INT32_MAX):  # one past the vocabulary never comes
+            raise ValueError("stop token ids must be int32 numbers")
         if not 0 <= item.alternatives <= TOP_LOGPROBS:
             raise ValueError(f"alternatives={item.alternatives} must be in [0, {TOP_LOGPROBS}]")
 
@@ -717,10 +719,13 @@ class Engine:
                 self.prefix_hits_total += 1
                 self.prefix_tokens_total += reused
 
+    def _padded_length(self, n: int) -> int:
+        """The length a prompt of n tokens is scored at."""
+        T = bucket(n, self.S)
+        return min(T, self.cfg.block_size) if self.cfg.position == "learned" else T
+
     def _padded(self, prompt: list[int]) -> np.ndarray:
-        T = bucket(len(prompt), self.S)
-        if self.cfg.position == "learned":
-            T = min(T, self.cfg.block_size)
+        T = self._padded_length(len(prompt))
         tokens_1T = np.zeros((1, T), np.int32)
         tokens_1T[0, :len(prompt)] = prompt
         return tokens_1T

@@ -23,7 +23,9 @@ The limits are serve.* settings (config.ServeConfig):
 Each refusal is an OpenAI-style JSON error with `connection: close`, counted by the `count` callable the server
 hands over (the app's error counter, /metrics); then the connection is closed. A request refused while requests
 pipelined before it are being answered is answered after them (the connection reads nothing more meanwhile); a
-request whose body timed out after its response had started is not answered, only closed. An app awaiting the
+request whose body timed out after its response had started is not answered, only closed. While requests wait in a
+connection's pipeline behind the one being answered, it reads nothing more (uvicorn resumes reading whenever an
+app awaits its request: resume_unless_queued), so what a client pipelines is queued one read's worth at most. An app awaiting the
 body of a request that timed out reads a disconnect.
 
 The work added to the hot path (data_received, the body's callbacks) is a comparison or two per call.
@@ -92,6 +94,16 @@ class LimitedProtocol(HttpToolsProtocol):
         super().connection_made(transport)
         self.over_limit = len(self.connections) > self.limits.max_connections
         self.head_timer = self.loop.call_later(self.limits.header_timeout_s, self.head_timed_out)
+        self.resume_reading = self.flow.resume_reading
+        self.flow.resume_reading = self.resume_unless_queued
+
+    def resume_unless_queued(self) -> None:
+        """uvicorn resumes reading whenever an app awaits its request, and so does every is_disconnected() poll
+        of a long answer: not while requests wait in the pipeline or a refusal is pending, so that a client that
+        pipelines requests behind a long answer has at most one read's worth parsed and queued (unbounded before:
+        70,867 requests queued in 2 s behind one stream)."""
+        if not self.pipeline and self.refusal is None:
+            self.resume_reading()
 
     def connection_lost(self, exc) -> None:
         self.cancel_timers()
@@ -139,7 +151,7 @@ class LimitedProtocol(HttpToolsProtocol):
 
     def refuse_head(self, refusal: tuple[int, str, str]) -> None:
         """Refuse the request whose head is being read: answer (status, message, code) and close the connection,
-        once the answers to the requests pipelined before it have ended (reading stops until then)."""
+        once the answers to the requests pipelined before it have ended (reading stays stopped until then)."""
         self.refusal = refusal
         if self.transport.is_closing():
             return
@@ -262,6 +274,7 @@ class LimitedProtocol(HttpToolsProtocol):
         super().on_response_complete()  # starts the next pipelined request, if one is waiting
         if self.transport.is_closing():
             return
+        self.resume_unless_queued()  # the pipeline's last request started: what follows it may be read
         if self.idle():
             if self.refusal is not None:  # a later request's head was refused meanwhile
                 self.close_with(*self.refusal)
