@@ -308,14 +308,27 @@ CHAT = st.fixed_dictionaries(
     {"model": st.just("tiny"), "messages": st.lists(MESSAGE, max_size=3) | JSON_VALUES},
     optional={k: NUMBERS | JSON_VALUES for k in FIELDS} | {"stream": st.booleans(), "logprobs": JSON_VALUES,
                                                             "stop": JSON_VALUES})
-REQUESTS = (st.tuples(st.just("/v1/completions"), COMPLETION) | st.tuples(st.just("/v1/chat/completions"), CHAT)
+WORDS = st.text(alphabet="abcdefghijklmnopqrstuvwxyz ,.", min_size=1, max_size=20)  # in the char vocabulary
+SAMPLING = {"temperature": st.floats(0, 2), "top_p": st.floats(0.01, 1), "top_k": st.integers(-1, 2**40),
+            "n": st.integers(1, 3), "seed": st.integers(-2**63, 2**64 - 1), "stream": st.booleans()}
+WELL_FORMED = (st.tuples(st.just("/v1/completions"), st.fixed_dictionaries(
+    {"model": st.just("tiny"), "prompt": WORDS, "max_tokens": st.integers(1, 8)},
+    optional={**SAMPLING, "logprobs": st.integers(0, 5), "echo": st.booleans()}))
+    | st.tuples(st.just("/v1/chat/completions"), st.fixed_dictionaries(
+        {"model": st.just("tiny"), "messages": st.lists(st.fixed_dictionaries({"role": st.just("user"),
+                                                                               "content": WORDS}), min_size=1,
+                                                        max_size=2), "max_tokens": st.integers(1, 8)},
+        optional={**SAMPLING, "logprobs": st.booleans()})))
+REQUESTS = (WELL_FORMED | st.tuples(st.just("/v1/completions"), COMPLETION)
+            | st.tuples(st.just("/v1/chat/completions"), CHAT)
             | st.tuples(st.just("/tokenize"), JSON_VALUES | st.fixed_dictionaries({"prompt": st.text(max_size=50)})))
 
 
 def test_fuzzed_requests_are_answered_2xx_or_4xx_and_streams_are_unaffected(server, prompts):
-    """hypothesis draws request bodies over the schemas (right and wrong types, extremes, nesting) for the three
-    POST routes while 4 greedy streams run: every answer is 2xx or 4xx (a stream's body ends with [DONE]), and
-    every stream's text is the one it gets alone."""
+    """hypothesis draws request bodies over the schemas (well-formed ones with sampling values anywhere in their
+    ranges, and right and wrong types, extremes, nesting) for the three POST routes while 4 greedy streams run:
+    every answer is 2xx or 4xx (a stream's body ends with [DONE]), and every stream's text is the one it gets
+    alone."""
     seen = {}
 
     @hypothesis.settings(max_examples=150, deadline=None, database=None, derandomize=True,
@@ -335,5 +348,5 @@ def test_fuzzed_requests_are_answered_2xx_or_4xx_and_streams_are_unaffected(serv
     with Streams(server, prompts[:4]) as streams:
         check()
     streams.check()
-    assert seen.get(200, 0) >= 5 and seen.get(400, 0) >= 50, seen
+    assert seen.get(200, 0) >= 10 and seen.get(400, 0) >= 20, seen  # both kinds drawn (the mix varies by version)
     assert metric(server, "jaxlm_busy_slots") == 0 and metric(server, "jaxlm_kv_pages_used") == 0
