@@ -140,16 +140,15 @@ def streamed_rows(steps: list, rows: int) -> list[list[int]]:
     return [[int(tok[b]) for tok, live in steps if live[b]] for b in range(rows)]
 
 
-def test_two_generate_calls_at_once_each_stream_their_own_tokens():
-    """Two generate calls in two threads at once (different prompts, batch sizes, seeds and devices; the first
-    slowed by its callback so that they overlap): each call's on_tokens gets exactly its own tokens. Before, the
-    loop's callback went to the newest call's (a process-wide stack), so the second call received the first's."""
+def two_streaming_calls(decode, settings: dict, own: tuple[dict, dict], sleep: float) -> None:
+    """`decode(params, cfg, prompts, d, on_tokens=...)` called twice at once (different weights on two devices,
+    on_tokens slowed by `sleep` so that they overlap): each call's on_tokens gets exactly its own tokens."""
     one = on(jax.devices()[:1])[1]
     other = jax.device_put(on(jax.devices()[:1], seed=1)[1], jax.devices()[1])
-    calls = [(one, [[1, 2, 3], [4, 5]], DecodeConfig(max_new_tokens=40, temperature=1.0, seed=3)),
-             (other, [[9], [8, 7], [6, 5, 4]], DecodeConfig(max_new_tokens=12, temperature=1.0, seed=4))]
+    calls = [(one, [[1, 2, 3], [4, 5]], DecodeConfig(max_new_tokens=40, **settings, **own[0])),
+             (other, [[9], [8, 7], [6, 5, 4]], DecodeConfig(max_new_tokens=12, **settings, **own[1]))]
     for params, prompts, d in calls:  # compiled before, so that the calls overlap
-        generate.generate(params, CFG, prompts, d, on_tokens=lambda tok, live: None)
+        decode(params, CFG, prompts, d, on_tokens=lambda tok, live: None)
     streams = [[], []]
 
     def call(i, started=None):
@@ -159,42 +158,29 @@ def test_two_generate_calls_at_once_each_stream_their_own_tokens():
             streams[i].append((tok, live))
             if started is not None:
                 started.set()
-            time.sleep(0.02)
+            time.sleep(sleep)
 
-        return generate.generate(params, CFG, prompts, d, on_tokens=on_tokens).tokens
+        return decode(params, CFG, prompts, d, on_tokens=on_tokens).tokens
 
     first, second = two_at_once(partial(call, 0), partial(call, 1))
     assert max(map(len, first)) == 40 and len(second) == 3
     assert streamed_rows(streams[0], 2) == first
     assert streamed_rows(streams[1], 3) == second
+
+
+def test_two_generate_calls_at_once_each_stream_their_own_tokens():
+    """Two generate calls in two threads at once (different prompts, batch sizes, seeds and devices; the first
+    slowed by its callback so that they overlap): each call's on_tokens gets exactly its own tokens. Before, the
+    loop's callback went to the newest call's (a process-wide stack), so the second call received the first's."""
+    two_streaming_calls(generate.generate, dict(temperature=1.0), (dict(seed=3), dict(seed=4)), sleep=0.02)
 
 
 def test_two_speculative_calls_at_once_each_stream_their_own_tokens():
     """As test_two_generate_calls_at_once_each_stream_their_own_tokens, for speculative decoding (the model drafts
     for itself: every proposal kept)."""
-    one = on(jax.devices()[:1])[1]
-    other = jax.device_put(on(jax.devices()[:1], seed=1)[1], jax.devices()[1])
-    calls = [(one, [[1, 2, 3], [4, 5]], DecodeConfig(max_new_tokens=40, temperature=0.0, draft_tokens=3)),
-             (other, [[9], [8, 7], [6, 5, 4]], DecodeConfig(max_new_tokens=12, temperature=0.0, draft_tokens=3))]
-    for params, prompts, d in calls:
-        speculative.generate_speculative(params, CFG, params, CFG, prompts, d, on_tokens=lambda tok, live: None)
-    streams = [[], []]
-
-    def call(i, started=None):
-        params, prompts, d = calls[i]
-
-        def on_tokens(tok, live):
-            streams[i].append((tok, live))
-            if started is not None:
-                started.set()
-            time.sleep(0.01)
-
-        return speculative.generate_speculative(params, CFG, params, CFG, prompts, d, on_tokens=on_tokens).tokens
-
-    first, second = two_at_once(partial(call, 0), partial(call, 1))
-    assert max(map(len, first)) == 40 and len(second) == 3
-    assert streamed_rows(streams[0], 2) == first
-    assert streamed_rows(streams[1], 3) == second
+    two_streaming_calls(lambda params, cfg, *a, **kw: speculative.generate_speculative(params, cfg, params, cfg, *a,
+                                                                                       **kw),
+                        dict(temperature=0.0, draft_tokens=3), ({}, {}), sleep=0.01)
 
 
 def test_speculative_executables_are_bounded_and_keyed_by_sharding(monkeypatch):
