@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import argparse
 
-from jaxlm import aot, config as config_lib
+from jaxlm import config as config_lib
+from jaxlm.train import aot
 
 LLAMA2_70B = ["compile.topology=v5e-256", "compile.num_slices=2", "mesh.ici_data=1", "mesh.ici_fsdp=-1",
               "model.block_size=2048", "training.per_device_batch_size=4", "model.remat=full"]

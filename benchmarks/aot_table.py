@@ -8,7 +8,8 @@ bound), fits= (XLA:TPU's verdict: the compile did not run out of memory), tempor
 
 import argparse
 
-from jaxlm import aot, config as config_lib, params as P
+from jaxlm import config as config_lib, params as P
+from jaxlm.train import aot
 from jaxlm.model import param_specs
 
 ROWS = {16: 6, 32: 4, 64: 2}  # global_parameter_scale: per_device_batch_size

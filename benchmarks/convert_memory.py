@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxlm import convert
+from jaxlm.store import convert
 
 
 def write_model(folder: Path, gb: float) -> int:

@@ -4,7 +4,7 @@ with `jaxlm convert from-hf`, so both libraries run the same weights), all measu
 
 For batch 1 and 16 and NEW new tokens after a 16-token prompt, prints one line
     batch=B cached_tok_per_s=X uncached_tok_per_s=Y hf_tok_per_s=Z cache_speedup=X/Y vs_transformers=X/Z
-`cached` is jaxlm.generate.generate: prefill + the on-device decode loop over the cache, both timed (a first
+`cached` is jaxlm.infer.generate.generate: prefill + the on-device decode loop over the cache, both timed (a first
 call compiles and warms up). `uncached` recomputes the forward pass over the whole prefix (prompt + tokens so
 far) for every new token, as a decoder without a cache must: the prefix is padded up to a multiple of 16 tokens
 so that 17 compiled programs cover every length, all compiled before timing. `hf` is transformers' greedy
@@ -32,7 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlm import api, convert, generate
+from jaxlm.infer import api, generate
+from jaxlm.store import convert
 from jaxlm.config import DecodeConfig, ModelConfig
 from jaxlm.model import forward, transformer
 

@@ -1,5 +1,5 @@
 """The serving engine's decode program alone (serve/programs.py's `decode_loop`, no engine thread, no HTTP) over
-slot buckets and over all slots, and `jaxlm.generate` on the same batch, in one run.
+slot buckets and over all slots, and `jaxlm.infer.generate` on the same batch, in one run.
 
 benchmarks/decode.py's tiny random Llama (4 layers, width 128, vocab 256) in an engine of --slots slots with an
 80-position cache. A session is what benchmarks/serve.py's engine alone asks of the program: 16 rows whose
@@ -29,7 +29,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 import decode as decode_bench  # noqa: E402
 
-from jaxlm import generate  # noqa: E402
+from jaxlm.infer import generate  # noqa: E402
 from jaxlm.config import DecodeConfig  # noqa: E402
 from jaxlm.serve import engine as engine_lib, programs  # noqa: E402
 

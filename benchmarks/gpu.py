@@ -26,7 +26,7 @@ Sections and what they report:
   precision   a small model, 100 steps in bf16 on the device against float32 on the CPU of the same machine in the
               same run (the reference) and float32 on the device, on a synthetic Markov corpus of known entropy
   quant       int8 and fp8 training against bf16 on one model: step throughput, loss after 200 steps
-  decode      jaxlm.generate.generate (what `jaxlm generate` runs) at batch 1 and 64 on the 1B model in bf16;
+  decode      jaxlm.infer.generate.generate (what `jaxlm generate` runs) at batch 1 and 64 on the 1B model in bf16;
               batch 1's bytes per token (weights + filled cache) over the measured HBM bandwidth
   serve       the serving engine with 64 slots and 64 requests at once: output tokens/s
 

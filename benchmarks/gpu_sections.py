@@ -129,7 +129,7 @@ def yardsticks(ctx: Ctx) -> None:
     import jax.numpy as jnp
     import jaxlib
 
-    from jaxlm import metrics
+    from jaxlm.train import metrics
 
     z = ctx.sizes
     dev = jax.devices()[0]
@@ -186,7 +186,7 @@ def memory_bytes(compiled) -> int | None:
 def compile_step(cfg, batch: int, device, quick: bool = False):
     """(run, compiled train step, bytes per device, seconds). `quick` turns XLA:GPU's autotuning off: enough for
     the memory analysis of the batch search, not for timing."""
-    from jaxlm import step as step_lib
+    from jaxlm.train import step as step_lib
 
     run = step_lib.setup(with_batch(cfg, batch), [device], data=False)
     t = time.perf_counter()
@@ -206,7 +206,7 @@ def random_batch(run, seed: int = 0) -> dict:
     """Random tokens for every array of the run's batch, placed as the compiled step expects them."""
     import jax
 
-    from jaxlm import step as step_lib
+    from jaxlm.train import step as step_lib
 
     rng = np.random.default_rng(seed)
     out = {}
@@ -270,7 +270,8 @@ def fit_variant(cfg, batch: int, device, budget: int | None, fixed: int, quick_f
 def train(ctx: Ctx) -> None:
     import jax
 
-    from jaxlm import metrics, params as P, step as step_lib
+    from jaxlm import params as P
+    from jaxlm.train import metrics, step as step_lib
     from jaxlm.model import attention, param_specs
 
     z = ctx.sizes
@@ -644,7 +645,7 @@ def train_losses(cfg, device, tokens: np.ndarray, timing_chunk: int = 0):
     wait at each chunk's end, and the median chunk gives the time per step."""
     import jax
 
-    from jaxlm import step as step_lib
+    from jaxlm.train import step as step_lib
 
     run = step_lib.setup(cfg, [device], data=False)
     state = step_lib.init_state(run, cfg.seed)
@@ -706,7 +707,7 @@ def quant(ctx: Ctx) -> None:
     on the same model, data and initialization; all with bf16 compute over float32 weights."""
     import jax
 
-    from jaxlm import quant as quant_lib
+    from jaxlm.model import quant as quant_lib
 
     z = ctx.sizes
     steps = z["quant_steps"]
@@ -751,10 +752,11 @@ def inference_model(z: dict):
 
 
 def decode(ctx: Ctx) -> None:
-    """`jaxlm generate`'s decoder (jaxlm.generate.generate: prefill, then the on-device loop over the KV cache)
+    """`jaxlm generate`'s decoder (jaxlm.infer.generate.generate: prefill, then the on-device loop over the KV cache)
     at batch 1 and 64, greedy, no stop token; and what batch 1 reads per token: every weight (the tied embedding
     is the output projection, read whole) and the cache's filled part."""
-    from jaxlm import generate, quant as quant_lib
+    from jaxlm.infer import generate
+    from jaxlm.model import quant as quant_lib
     from jaxlm.config import DecodeConfig
 
     z = ctx.sizes

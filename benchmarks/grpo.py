@@ -34,7 +34,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxlm import config as config_lib, rl, runtime, step as step_lib, train
+from jaxlm import config as config_lib, runtime
+from jaxlm.train import grpo as rl, step as step_lib, loop as train
 
 REWARD = "def length(completions, **_):\n    return [len(c) / 100 for c in completions]\n"
 

@@ -23,7 +23,8 @@ import time
 import jax
 import numpy as np
 
-from jaxlm import config as config_lib, step as step_lib
+from jaxlm import config as config_lib
+from jaxlm.train import step as step_lib
 from jaxlm.data import packing, shards
 
 

@@ -22,7 +22,10 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxlm import config as config_lib, convert, lora, metrics, params as P, runtime, step as step_lib
+from jaxlm import config as config_lib, params as P, runtime
+from jaxlm.store import convert
+from jaxlm.model import lora
+from jaxlm.train import metrics, step as step_lib
 from jaxlm.model import param_specs
 
 

@@ -33,7 +33,9 @@ import jax
 sys.path.insert(0, str(Path(__file__).parent))
 import serve as serve_bench  # noqa: E402
 
-from jaxlm import api, config as config_lib, lora, params as P  # noqa: E402
+from jaxlm import config as config_lib, params as P
+from jaxlm.infer import api
+from jaxlm.model import lora  # noqa: E402
 from jaxlm.config import ServeConfig  # noqa: E402
 from jaxlm.serve import cache_pages  # noqa: E402
 

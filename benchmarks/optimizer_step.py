@@ -35,7 +35,8 @@ if "--collectives" in sys.argv:  # before jax is imported: 8 fake devices
 import jax
 import numpy as np
 
-from jaxlm import config as config_lib, optim, step as step_lib
+from jaxlm import config as config_lib
+from jaxlm.train import optim, step as step_lib
 
 OPTIMIZERS = {"adamw": {"optimizer.name": "adamw"}, "muon": {"optimizer.name": "muon"},
               "muon+qk_clip": {"optimizer.name": "muon", "optimizer.qk_clip": 100.0}}

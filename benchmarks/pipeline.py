@@ -24,7 +24,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxlm import config as config_lib, step as step_lib  # noqa: E402
+from jaxlm import config as config_lib
+from jaxlm.train import step as step_lib  # noqa: E402
 from jaxlm.model import pipeline  # noqa: E402
 
 SCHEDULES = [(2, 2, 1), (2, 8, 1), (4, 4, 1), (4, 16, 1), (4, 4, 2), (4, 4, 4), (8, 8, 1), (8, 8, 2)]

@@ -21,7 +21,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlm import config as config_lib, quant, step as step_lib
+from jaxlm import config as config_lib
+from jaxlm.model import quant
+from jaxlm.train import step as step_lib
 from jaxlm.model import forward
 
 

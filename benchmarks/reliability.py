@@ -51,7 +51,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxlm import checkpoint as ckpt, cli, train, step as step_lib  # noqa: E402
+from jaxlm import cli
+from jaxlm.store import checkpoint as ckpt
+from jaxlm.train import loop as train, step as step_lib  # noqa: E402
 from jaxlm.config import CheckpointConfig  # noqa: E402
 from jaxlm.data import loader as loader_lib, prepare  # noqa: E402
 
@@ -63,7 +65,7 @@ import hashlib, json, sys
 from pathlib import Path
 sys.path[:0] = [sys.argv[1], sys.argv[6]]
 from conftest import tiny_config
-from jaxlm import train, step as step_lib
+from jaxlm.train import loop as train, step as step_lib
 from reliability import training_draws
 
 draws = open(sys.argv[4], "a")

@@ -65,7 +65,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 import decode as decode_bench  # noqa: E402
 
-from jaxlm import api, convert  # noqa: E402
+from jaxlm.infer import api
+from jaxlm.store import convert  # noqa: E402
 
 SIZES = {  # a Llama's transformers config; prompt and output lengths (least, most, median); the concurrencies
     # (with their requests, None: --requests) of which the last is compared; the server's settings besides its

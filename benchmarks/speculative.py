@@ -40,7 +40,9 @@ from pathlib import Path
 
 import jax
 
-from jaxlm import api, config as config_lib, generate, speculative, train
+from jaxlm import config as config_lib
+from jaxlm.infer import api, generate, speculative
+from jaxlm.train import loop as train
 from jaxlm.config import DecodeConfig
 from jaxlm.data import prepare
 from jaxlm.serve import engine as engine_lib

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import jax
 
-from jaxlm import config as config_lib, train
+from jaxlm import config as config_lib
+from jaxlm.train import loop as train
 
 
 def points(grids: list[str]) -> list[dict[str, str]]:

@@ -19,7 +19,8 @@ import time
 import jax
 import numpy as np
 
-from jaxlm import config as config_lib, metrics, runtime, step as step_lib
+from jaxlm import config as config_lib, runtime
+from jaxlm.train import metrics, step as step_lib
 
 
 def configs() -> dict[str, config_lib.Config]:

@@ -183,7 +183,7 @@ def train_losses(cfg: config_lib.Config, devices, batch_of, steps: int = 20):
     import jax
     import numpy as np
 
-    from jaxlm import step as step_lib
+    from jaxlm.train import step as step_lib
 
     run = step_lib.setup(cfg, devices)
     state = step_lib.init_state(run, cfg.seed)

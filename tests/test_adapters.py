@@ -17,7 +17,8 @@ torch = require("torch")
 transformers = require("transformers", "hf")
 
 import jaxlm  # noqa: E402
-from jaxlm import cli, step as step_lib  # noqa: E402
+from jaxlm import cli
+from jaxlm.train import step as step_lib  # noqa: E402
 from jaxlm import config as config_lib  # noqa: E402
 from jaxlm.model import forward  # noqa: E402
 
@@ -128,7 +129,8 @@ def test_a_peft_folder_served_over_its_base_gives_peft_logits(tmp_path, capsys):
     """serve.adapters reads a PEFT folder as it is (adapters.for_serving): stacked with another adapter over the
     converted base (lora.serving_weights), the rows that pick it get peft's logits, the rows of the base the
     base's."""
-    from jaxlm import adapters, lora
+    from jaxlm.store import adapters
+    from jaxlm.model import lora
     from jaxlm.model import layers
 
     hf_llama(tmp_path / "hf")

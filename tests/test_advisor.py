@@ -3,7 +3,7 @@
 import pytest
 
 from conftest import tiny_config
-from jaxlm import advisor, aot
+from jaxlm.train import advisor, aot
 
 
 def _advice(char_data, attention):

@@ -8,7 +8,8 @@ import jax
 import pytest
 
 from conftest import tiny_config, users_environment, xla_flags
-from jaxlm import aot, config as config_lib, saved_step, train
+from jaxlm import config as config_lib
+from jaxlm.train import aot, saved_step, loop as train
 from jaxlm.config import ConfigError
 
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None

@@ -12,7 +12,8 @@ import numpy as np
 import optax
 import pytest
 
-from jaxlm import params as P, saved_step, sharding
+from jaxlm import params as P, sharding
+from jaxlm.train import saved_step
 from jaxlm.config import ConfigError, MeshConfig, ModelConfig, apply_overrides, Config, validate
 from jaxlm.model import attention, blockwise, loss_fn, param_specs, splash
 
@@ -300,7 +301,7 @@ def test_splash_trains_evaluates_and_trains_again_in_one_process(char_data, tmp_
     kernel's cached constants); before the kernel's tables were made eagerly, the second trace failed with
     UnexpectedTracerError (on a TPU at the quickstart's first evaluation)."""
     from conftest import tiny_config
-    from jaxlm import train
+    from jaxlm.train import loop as train
 
     splash._kernel.cache_clear()
     cfg = tiny_config(char_data, tmp_path / "run", **{

@@ -11,7 +11,8 @@ import subprocess
 import pytest
 import yaml
 
-from jaxlm import cli, distributed, topology
+from jaxlm import cli
+from jaxlm.launch import distributed, topology
 from jaxlm.config import ConfigError, DistributedConfig
 
 KUBERNETES = "1.33.0"  # the API version validated against (GKE's regular channel in 2026)

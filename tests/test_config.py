@@ -166,7 +166,8 @@ def config_mutations(seed: int = 0) -> list[tuple[list[str], str]]:
 
 
 def test_config_fuzz_fails_before_compiling_with_one_line_naming_the_key(char_data, tmp_path, monkeypatch, capsys):
-    from jaxlm import cli, step as step_lib
+    from jaxlm import cli
+    from jaxlm.train import step as step_lib
 
     def compiled(*args, **kwargs):
         raise AssertionError("a bad config got as far as compiling")

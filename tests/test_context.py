@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config, train_losses
-from jaxlm import checkpoint as ckpt, config as config_lib, params as P, sharding, train, step as step_lib
+from jaxlm import config as config_lib, params as P, sharding
+from jaxlm.store import checkpoint as ckpt
+from jaxlm.train import loop as train, step as step_lib
 from jaxlm.config import ConfigError
 from jaxlm.data import loader as loader_lib
 from jaxlm.model import attention, loss_fn, param_specs, ring

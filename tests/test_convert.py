@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 
 import jaxlm
-from jaxlm import cli, convert, train
+from jaxlm import cli
+from jaxlm.store import convert
+from jaxlm.train import loop as train
 
 from conftest import require
 
@@ -83,7 +85,7 @@ def test_features_under_test_change_the_logits(tmp_path):
     model = jaxlm.load(tmp_path / "jx")
     tokens = np.random.default_rng(0).integers(0, 128, (1, T))
     import dataclasses
-    plain = jaxlm.api.Model(model.config.replace(model=dataclasses.replace(model.config.model, rope_scaling="none")),
+    plain = jaxlm.infer.api.Model(model.config.replace(model=dataclasses.replace(model.config.model, rope_scaling="none")),
                             model.params, model.path)
     assert np.abs(plain.logits(tokens) - model.logits(tokens)).max() > 1e-3
 

@@ -10,7 +10,8 @@ import jax
 import pytest
 
 from conftest import tiny_config, xla_flags
-from jaxlm import config as config_lib, diagnostics, train
+from jaxlm import config as config_lib
+from jaxlm.train import diagnostics, loop as train
 
 
 def test_dump_stacks_names_a_waiting_threads_file_and_line():
@@ -62,7 +63,8 @@ def test_watchdog_reports_a_stall_once_per_stall_and_names_the_step(tmp_path):
 HANG_SCRIPT = """
 import sys, time
 from pathlib import Path
-from jaxlm import config as config_lib, train, step as step_lib
+from jaxlm import config as config_lib
+from jaxlm.train import loop as train, step as step_lib
 
 marker = Path(sys.argv[2])
 original_batch = step_lib.device_batch

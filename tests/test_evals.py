@@ -40,7 +40,7 @@ def byte_model(tmp_path_factory):
     """A converted 2-layer random Llama of 257 tokens: the 256 bytes and EOT, the tokenizer's eos_token."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-    from jaxlm import convert
+    from jaxlm.store import convert
 
     root = tmp_path_factory.mktemp("evals")
     torch.manual_seed(0)
@@ -81,7 +81,8 @@ def rolling_reference(logits_of, tokens: list[int], prefix: int, window: int) ->
 
 @pytest.mark.slow
 def test_perplexity_through_jaxlm_eval_equals_the_models_own_logits(byte_model, tmp_path):
-    from jaxlm import cli, evals, serve
+    from jaxlm import cli, serve
+    from jaxlm.eval import harness as evals
 
     model = jaxlm.load(byte_model)
     tok = model.tokenizer()

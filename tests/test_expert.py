@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config
-from jaxlm import checkpoint as ckpt, sharding, train, step as step_lib
+from jaxlm import sharding
+from jaxlm.store import checkpoint as ckpt
+from jaxlm.train import loop as train, step as step_lib
 from jaxlm.config import ConfigError, MeshConfig
 from jaxlm.data import loader as loader_lib
 from jaxlm.model import expert_parallel, layers, moe, transformer

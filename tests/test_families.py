@@ -58,7 +58,7 @@ def test_2025_presets_have_the_published_parameter_counts(name):
     their digits. Not checked: Llama 4 Scout's 109B total, which includes its vision encoder (the text model
     is 107.8B), and Qwen3-30B-A3B's "3.3B activated", which its model card truncates from 3.35B (checked
     below as that)."""
-    from jaxlm import metrics
+    from jaxlm.train import metrics
 
     total, active, convention = PUBLISHED_2025[name]
     c = metrics.param_counts(config_lib.load(name).model)
@@ -177,7 +177,7 @@ def test_balancing_bias_moves_the_expert_loads_toward_balance(char_data, tmp_pat
     leave the load as skewed without the bias update (moe_bias_update_rate=0), and bring it towards balance
     with it; the biases move by exactly the rate per step, against the load."""
     from conftest import tiny_config
-    from jaxlm import step as step_lib
+    from jaxlm.train import step as step_lib
     from jaxlm.data import loader as loader_lib
 
     skews = {}

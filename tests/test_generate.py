@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from conftest import require
-from jaxlm import config as config_lib, generate, params as P, sampling, sharding
+from jaxlm import config as config_lib, params as P, sharding
+from jaxlm.infer import generate, sampling
 from jaxlm.config import ConfigError, DecodeConfig, MeshConfig
 from jaxlm.configs._models import MODELS
 from jaxlm.model import forward, param_specs, transformer
@@ -245,7 +246,7 @@ def test_greedy_generation_matches_transformers(tmp_path):
     torch = require("torch")
     transformers = require("transformers", "hf")
     import jaxlm
-    from jaxlm import convert
+    from jaxlm.store import convert
 
     hf_cfg = transformers.LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                       hidden_size=64, intermediate_size=96, vocab_size=128, eos_token_id=2)
@@ -273,7 +274,8 @@ def test_cli_generates_from_a_run_streams_and_matches_the_python_api(char_data, 
 
     import jaxlm
     from conftest import tiny_config
-    from jaxlm import cli, train
+    from jaxlm import cli
+    from jaxlm.train import loop as train
 
     run = tmp_path / "run"
     train.train(tiny_config(char_data, run, **{"training.steps": 10}), log=lambda s: None)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import jaxlm
-from jaxlm import convert
+from jaxlm.store import convert
 from conftest import require, until_done
 
 torch = require("torch")
@@ -168,7 +168,7 @@ def test_features_under_test_change_the_logits(name, tmp_path):
             change(params)
         else:
             cfg = dataclasses.replace(cfg, **change)
-        other = jaxlm.api.Model(model.config.replace(model=cfg), params, model.path).logits(tokens)
+        other = jaxlm.infer.api.Model(model.config.replace(model=cfg), params, model.path).logits(tokens)
         assert np.abs(other - base).max() > 1e-3, feature
 
 

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config, xla_flags
-from jaxlm import aot, config as config_lib, objectives, saved_step, sharding, step as step_lib, train
+from jaxlm import config as config_lib, sharding
+from jaxlm.train import aot, objectives, saved_step, step as step_lib, loop as train
 from jaxlm.config import ConfigError
 from jaxlm.data import loader as loader_lib, packing, shards
 from jaxlm.data.prepare import DataError
@@ -287,7 +288,8 @@ def test_a_saved_step_records_the_batch_arrays_and_refuses_others(docs_data, tmp
 KILL_DURING_PACKED_RUN = """
 import json, os, signal, sys, time
 from pathlib import Path
-from jaxlm import config as config_lib, train, step as step_lib
+from jaxlm import config as config_lib
+from jaxlm.train import loop as train, step as step_lib
 
 cfg = config_lib.from_dict(json.loads(sys.argv[1]))
 run_dir, real, n = Path(cfg.run_dir), step_lib.device_batch, [0]
@@ -333,7 +335,8 @@ def test_sigkill_during_a_packed_shuffled_run_then_rerun_continues_exactly(docs_
 PACKED_READER = """
 import json, sys
 import numpy as np
-from jaxlm import distributed, train, step as step_lib
+from jaxlm.launch import distributed
+from jaxlm.train import loop as train, step as step_lib
 from jaxlm.config import DistributedConfig, apply_overrides, Config
 distributed.initialize(DistributedConfig())
 cfg = apply_overrides(Config(), {"data.dir": sys.argv[1], "data.packing": True, "model.block_size": 16,
@@ -366,7 +369,7 @@ def test_two_processes_read_disjoint_documents(docs_data, tmp_path):
     _, _, plain, _ = docs_data
     script = tmp_path / "reader.py"
     script.write_text(PACKED_READER)
-    from jaxlm.launch import free_port
+    from jaxlm.launch.local import free_port
 
     port = free_port()
     procs = [subprocess.Popen([sys.executable, str(script), str(plain), str(tmp_path / "r")],

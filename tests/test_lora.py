@@ -11,8 +11,11 @@ import pytest
 
 from conftest import tiny_config
 import jaxlm
-from jaxlm import checkpoint as ckpt, cli, config as config_lib, convert, lora, objectives, params as P, quant, sharding
-from jaxlm import step as step_lib, train
+from jaxlm import cli, config as config_lib, params as P, sharding
+from jaxlm.store import checkpoint as ckpt, convert
+from jaxlm.model import lora, quant
+from jaxlm.train import objectives
+from jaxlm.train import step as step_lib, loop as train
 from jaxlm.model import forward, layers, param_specs
 
 VOCAB = 66  # the characters of the corpus (65) and one more, so that tensor parallelism splits it

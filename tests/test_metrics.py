@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config
-from jaxlm import config as config_lib, metrics, train, step as step_lib
+from jaxlm import config as config_lib
+from jaxlm.train import metrics, loop as train, step as step_lib
 from jaxlm.model import param_specs
 
 

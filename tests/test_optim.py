@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config, train_losses
-from jaxlm import config as config_lib, optim, params as P, sharding, step as step_lib, train
+from jaxlm import config as config_lib, params as P, sharding
+from jaxlm.train import optim, step as step_lib, loop as train
 from jaxlm.config import ConfigError, ModelConfig, OptimizerConfig
 from jaxlm.data import loader as loader_lib
 from jaxlm.model import attention, latent, param_specs, transformer
@@ -257,7 +258,7 @@ def stop_at_step(monkeypatch, step: int):
 
 
 def restored(cfg, run_dir):
-    from jaxlm import checkpoint as ckpt
+    from jaxlm.store import checkpoint as ckpt
 
     run = step_lib.setup(cfg)
     return jax.device_get(ckpt.restore_newest(run_dir, run.abstract_state, log=quiet)[1])

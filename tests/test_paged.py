@@ -201,7 +201,7 @@ def test_paged_steps_compiled_for_a_tpu_update_the_pool_in_place(rows, chunk, ta
     from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
     from jax.sharding import SingleDeviceSharding
 
-    from jaxlm import aot
+    from jaxlm.train import aot
     from jaxlm.serve import programs
 
     device = aot.tpu_topology("v5e:1x1", 1)[0]

@@ -19,7 +19,9 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config, train_losses, xla_flags
-from jaxlm import checkpoint as ckpt, config as config_lib, sharding, train, step as step_lib
+from jaxlm import config as config_lib, sharding
+from jaxlm.store import checkpoint as ckpt
+from jaxlm.train import loop as train, step as step_lib
 from jaxlm.config import ConfigError
 from jaxlm.data import loader as loader_lib
 from jaxlm.model import pipeline
@@ -267,7 +269,7 @@ def test_a_survivor_stuck_where_no_error_comes_leaves_when_the_launcher_records_
     naming the lost process."""
     events = tmp_path / "events"
     env = dict(os.environ, JAXLM_LAUNCH_EVENTS=str(events), JAXLM_NUM_PROCESSES="2", JAXLM_PROCESS_ID="0")
-    stuck = subprocess.Popen([sys.executable, "-c", "import time; from jaxlm.launch import watch_peers\n"
+    stuck = subprocess.Popen([sys.executable, "-c", "import time; from jaxlm.launch.local import watch_peers\n"
                               "watch_peers(); print('waiting', flush=True); time.sleep(120)"],
                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert stuck.stdout.readline() == "waiting\n"

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from conftest import require, tiny_config
-from jaxlm import cli, config as config_lib, objectives, reference, step as step_lib, train
+from jaxlm import cli, config as config_lib
+from jaxlm.train import objectives, reference, step as step_lib, loop as train
 from jaxlm.data import preference, prepare, shards, tokenizer
 from jaxlm.data.prepare import DataError
 
@@ -246,7 +247,7 @@ def hf_pair(tmp_path_factory):
     each converted with `jaxlm convert from-hf`, and preference data in their byte vocabulary."""
     torch = require("torch")
     transformers = require("transformers", "hf")
-    from jaxlm import convert
+    from jaxlm.store import convert
 
     d = tmp_path_factory.mktemp("hf")
     hf_cfg = transformers.LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -306,7 +307,7 @@ def preference_run(folder, data, run_dir, devices=None, **settings):
 def test_first_step_equals_pytorch_on_the_same_model(hf_pair, tmp_path, objective):
     """One train step on the first batch of a packed run: its loss, rewards and log-probabilities equal TRL's
     formulas evaluated in PyTorch on the transformers models, each reply scored as a sequence of its own."""
-    from jaxlm import convert
+    from jaxlm.store import convert
 
     d, models, data = hf_pair
     beta, eps, lam = 0.2, 0.1 if objective == "dpo" else 0.0, 0.3
@@ -346,7 +347,8 @@ def test_a_lora_run_takes_its_base_as_the_reference(hf_pair, tmp_path):
     """A LoRA dpo run reads no reference log-probabilities: its base, the adapters switched off, is the
     reference. Its first step is ln 2 (the adapters start at zero), and with trained adapters its step equals a
     full-weight step on the merged weights whose reference pass ran on the base."""
-    from jaxlm import convert, lora
+    from jaxlm.store import convert
+    from jaxlm.model import lora
 
     d, _, data = hf_pair
     settings = {"training.objective": "dpo", "dpo.beta": 0.5}
@@ -443,7 +445,7 @@ def test_dpo_run_resumes_exactly(pairs_data, tmp_path):
     """A DPO run stopped after its checkpoint at step 5 and resumed (its reference files deleted in between, so
     the resumed run computes them again from the starting weights) records the losses and rewards of a run that
     went through; its first loss is ln 2; `jaxlm eval` gives the run's last evaluation."""
-    from jaxlm import evaluate
+    from jaxlm.eval import heldout as evaluate
 
     common = {"training.steps": 10, "optimizer.decay_steps": 10, "checkpoint.interval": 5,
               "training.eval_interval": 5}

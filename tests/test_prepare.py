@@ -270,7 +270,7 @@ def test_end_to_end_convert_prepare_train_export_with_the_models_tokenizer(tmp_p
     (loss falls) -> `jaxlm convert to-hf` -> transformers loads it and generates through the same tokenizer."""
     transformers = require("transformers", "hf")
     require("torch")
-    from jaxlm import convert
+    from jaxlm.store import convert
 
     raw = tokenizer.train_bpe([str(shakespeare_file)], 384, tmp_path / "bpe",
                               special_tokens=("<|endoftext|>", "<|im_start|>", "<|im_end|>"), per_line=True)
@@ -324,7 +324,7 @@ def test_end_to_end_convert_prepare_train_export_with_the_models_tokenizer(tmp_p
 
     # The second half: train on both folders (packed text, then packed chat from the text run's weights), the loss
     # falls each time; `jaxlm convert to-hf` and transformers loads the result and generates through the tokenizer.
-    from jaxlm import train as train_lib
+    from jaxlm.train import loop as train_lib
 
     common = ["model.block_size=64", "training.batch_size=8", "training.eval_batches=2", "training.sample_tokens=0",
               "optimizer.lr=3e-3", "optimizer.warmup_steps=5", "logging.progress=false", "logging.tensorboard=false",

@@ -11,7 +11,10 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config
-from jaxlm import cli, config as config_lib, evaluate, quant, train, step as step_lib
+from jaxlm import cli, config as config_lib
+from jaxlm.eval import heldout as evaluate
+from jaxlm.model import quant
+from jaxlm.train import loop as train, step as step_lib
 from jaxlm.config import ConfigError
 from jaxlm.model import forward
 

@@ -21,7 +21,9 @@ import orbax.checkpoint as ocp
 import pytest
 
 from conftest import tiny_config, xla_flags
-from jaxlm import checkpoint as ckpt, config as config_lib, optim, step as step_lib, train
+from jaxlm import config as config_lib
+from jaxlm.store import checkpoint as ckpt
+from jaxlm.train import optim, step as step_lib, loop as train
 from jaxlm.config import CheckpointConfig
 from jaxlm.data import loader as loader_lib
 
@@ -88,7 +90,8 @@ import json, os, signal, sys
 from pathlib import Path
 sys.path.insert(0, sys.argv[1])
 from conftest import tiny_config
-from jaxlm import checkpoint, train, step as step_lib
+from jaxlm.store import checkpoint
+from jaxlm.train import loop as train, step as step_lib
 
 kill_at = int(sys.argv[4])
 save = checkpoint.Checkpointer.save
@@ -123,7 +126,7 @@ def test_sigkill_right_after_an_async_save_starts(reference, char_data, tmp_path
 SAVE_AND_KILL = """
 import json, os, random, signal, sys, time
 from pathlib import Path
-from jaxlm import checkpoint  # imports jax and orbax but touches no device, so forking is safe
+from jaxlm.store import checkpoint  # imports jax and orbax but touches no device, so forking is safe
 from jaxlm.config import CheckpointConfig
 
 run_dir, results, kills, seed = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from conftest import SHAKESPEARE  # noqa: F401 - the suite's corpus check runs for every module
-from jaxlm import cli, config as config_lib, objectives, rl, step as step_lib, train
+from jaxlm import cli, config as config_lib
+from jaxlm.train import objectives, grpo as rl, step as step_lib, loop as train
 from jaxlm.data import prepare
 from jaxlm.model import forward
 
@@ -128,7 +129,7 @@ def optax_norm(tree):
 
 
 def test_a_grpo_step_compiles_ahead_of_time_for_8_devices():
-    from jaxlm import aot
+    from jaxlm.train import aot
 
     cfg = tiny(**{"compile.topology": "cpu-8", "mesh.ici_data": 2, "mesh.ici_fsdp": 4, "training.batch_size": 8,
                   "grpo.group_size": 4, "grpo.iterations": 2, "grpo.beta": 0.1, "training.steps": 2,

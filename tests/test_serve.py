@@ -81,7 +81,7 @@ def trained(char_data, tmp_path_factory):
     """A char model trained for 200 steps on tiny Shakespeare (val loss about 2.4 nats against the corpus's
     unigram entropy of 3.3): its greedy text has no near-ties to flip, unlike random weights."""
     from conftest import tiny_config
-    from jaxlm import train
+    from jaxlm.train import loop as train
 
     run = tmp_path_factory.mktemp("serve") / "run"
     train.train(tiny_config(char_data, run, **{"training.steps": 200, "model.block_size": 64,
@@ -764,7 +764,7 @@ def test_several_decode_steps_per_call_and_row_buckets_change_no_output(trained,
     or 64) as over all 64; and with the paged cache (layers unrolled and scanned) as with the slot cache. Each
     call runs on the smallest bucket that holds the decoding slots, with one step after a prefill and the most
     else."""
-    from jaxlm import generate as generate_lib
+    from jaxlm.infer import generate as generate_lib
 
     model = jaxlm.load(trained)
     tok = model.tokenizer()
@@ -942,7 +942,7 @@ def test_an_int8_cache_decodes_the_same_unrolled_and_scanned(trained, shakespear
     taken apart and stacked back, or the paged cache's pages): unrolled it gives the tokens (and
     log-probabilities within 1e-5) of the scan over the stacked layers, the greedy ones `jaxlm generate`'s with
     the same int8 cache."""
-    from jaxlm import generate as generate_lib
+    from jaxlm.infer import generate as generate_lib
 
     model = jaxlm.load(trained)
     tok = model.tokenizer()
@@ -992,7 +992,7 @@ def test_decode_logprobs_equal_the_log_softmax():
     log-sum-exp) against the log-softmax of the whole row: the token's and the top alternatives', in order."""
     import jax
     import jax.numpy as jnp
-    from jaxlm import sampling
+    from jaxlm.infer import sampling
 
     logits = jax.random.normal(jax.random.key(3), (6, 256)) * 8
     tok = jnp.asarray([0, 5, 255, 17, 3, 100], jnp.int32)
@@ -1260,7 +1260,8 @@ def adapter_folders(trained, tmp_path_factory):
     """Eight LoRA adapters of the trained model, random A and B (B is zero at initialization: no effect to test),
     of ranks 2 to 8, other targets and scales, each in a converted folder beside the base's weights (as `jaxlm
     convert from-hf BASE OUT --adapter PEFT_DIR` leaves it): serving one alone serves it merged."""
-    from jaxlm import config as config_lib, convert
+    from jaxlm import config as config_lib
+    from jaxlm.store import convert
     from test_lora import random_adapters
 
     model = jaxlm.load(trained)
@@ -1335,7 +1336,8 @@ def test_eight_adapters_mixed_in_decode_steps_answer_as_each_merged_alone(traine
 
 
 def test_adapters_that_cannot_be_served_fail_in_one_line(trained, adapter_folders, tmp_path):
-    from jaxlm import adapters, config as config_lib
+    from jaxlm import config as config_lib
+    from jaxlm.store import adapters
     from jaxlm.config import ConfigError
 
     for value, message in [("lora0", "entry 'lora0' must be NAME=PATH"),

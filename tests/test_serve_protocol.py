@@ -32,7 +32,7 @@ HEALTH = b"GET /health HTTP/1.1\r\n" + HOST + b"\r\n"
 def served(char_data, tmp_path_factory):
     """The smallest model the server takes (a tiny char model trained for one step) behind the app."""
     from conftest import tiny_config
-    from jaxlm import train
+    from jaxlm.train import loop as train
 
     run = tmp_path_factory.mktemp("protocol") / "run"
     train.train(tiny_config(char_data, run, **{"training.steps": 1, "checkpoint.interval": 1,

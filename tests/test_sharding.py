@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config, train_losses, xla_flags
-from jaxlm import checkpoint as ckpt, config as config_lib, sharding, train, step as step_lib
+from jaxlm import config as config_lib, sharding
+from jaxlm.store import checkpoint as ckpt
+from jaxlm.train import loop as train, step as step_lib
 from jaxlm.config import ConfigError, MeshConfig
 from jaxlm.data import loader as loader_lib
 
@@ -97,7 +99,7 @@ def test_rules_override_and_hybrid_mesh_shape():
 
 
 def test_global_parameter_scale_multiplies_non_embedding_params():
-    from jaxlm import metrics
+    from jaxlm.train import metrics
 
     base = config_lib.load("openwebtext").model
     n = metrics.non_embedding_params(base)
@@ -195,7 +197,8 @@ def test_two_processes_match_one_and_resume_exactly_after_sigterm_to_one(char_da
 READER = """
 import json, sys
 import numpy as np
-from jaxlm import distributed, train, step as step_lib
+from jaxlm.launch import distributed
+from jaxlm.train import loop as train, step as step_lib
 from jaxlm.data import loader
 from jaxlm.config import DistributedConfig, apply_overrides, Config
 distributed.initialize(DistributedConfig())
@@ -225,7 +228,7 @@ def test_processes_read_disjoint_examples(char_data, tmp_path):
     script = tmp_path / "reader.py"
     script.write_text(READER)
     env = dict(os.environ, XLA_FLAGS=xla_flags())
-    from jaxlm.launch import free_port
+    from jaxlm.launch.local import free_port
 
     port = free_port()
     procs = [subprocess.Popen([sys.executable, str(script), str(char_data), str(tmp_path / "r")],

@@ -18,7 +18,10 @@ import numpy as np
 import pytest
 
 from conftest import xla_flags
-from jaxlm import checkpoint as ckpt, config as config_lib, distributed, train
+from jaxlm import config as config_lib
+from jaxlm.store import checkpoint as ckpt
+from jaxlm.launch import distributed
+from jaxlm.train import loop as train
 from jaxlm.config import DistributedConfig
 
 ROOT = Path(__file__).resolve().parents[1]

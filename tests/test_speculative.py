@@ -7,7 +7,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxlm import generate, params as P, sampling, sharding, speculative
+from jaxlm import params as P, sharding
+from jaxlm.infer import generate, sampling, speculative
 from jaxlm.config import ConfigError, DecodeConfig, MeshConfig, ModelConfig
 from jaxlm.model import forward, paged, param_specs, transformer
 
@@ -160,7 +161,8 @@ def test_decode_draft_mtp_through_the_commands(char_data, tmp_path, capsys):
     import httpx
 
     from conftest import tiny_config
-    from jaxlm import cli, serve, train
+    from jaxlm import cli, serve
+    from jaxlm.train import loop as train
 
     run, plain_run = tmp_path / "mtp", tmp_path / "plain"
     train.train(tiny_config(char_data, run, **{"model.mtp_layers": 1, "training.steps": 10}), log=lambda s: None)

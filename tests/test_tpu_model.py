@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config, train_losses
-from jaxlm import api, generate, speculative
+from jaxlm.infer import api, generate, speculative
 from jaxlm.config import DecodeConfig
 from jaxlm.model import forward
 
@@ -25,7 +25,7 @@ LLAMA_SHAPED = {  # Llama's choices (RMSNorm, SwiGLU, rotary, grouped-query atte
 def test_llama_shaped_splash_with_accumulation_and_remat_trains_as_materialized_attention(tpu, char_data, tmp_path):
     """12 steps (2 micro-batches each, full remat, bf16 compute) with splash attention on the chip, then the same
     steps on the same rows with dot_product attention: the losses agree to bf16 accuracy, and fall."""
-    from jaxlm import step as step_lib
+    from jaxlm.train import step as step_lib
     from jaxlm.data import loader as loader_lib
 
     def batch_of(rng, run):

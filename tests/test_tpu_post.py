@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config, train_losses
-from jaxlm import config as config_lib, quant, rl, step as step_lib, train
+from jaxlm import config as config_lib
+from jaxlm.model import quant
+from jaxlm.train import grpo as rl, step as step_lib, loop as train
 from jaxlm.data import loader as loader_lib
 from jaxlm.model import paged
 from test_lora import lora_run, make_base, random_batch

@@ -8,7 +8,8 @@ import httpx
 import openai
 import pytest
 
-from jaxlm import api, generate, serve
+from jaxlm import serve
+from jaxlm.infer import api, generate
 from jaxlm.config import DecodeConfig
 
 pytestmark = pytest.mark.tpu

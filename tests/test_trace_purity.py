@@ -13,7 +13,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxlm import api, generate, params as P, sharding, speculative
+from jaxlm import params as P, sharding
+from jaxlm.infer import api, generate, speculative
 from jaxlm.config import Config, DecodeConfig, MeshConfig, ModelConfig
 from jaxlm.model import forward, paged, param_specs
 
@@ -83,7 +84,7 @@ def test_paged_programs_compiled_for_a_tpu_from_this_host_take_the_tpus_pool_for
     traced with one setting was reused under another."""
     from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
 
-    from jaxlm import aot
+    from jaxlm.train import aot
     from jaxlm.serve import programs
 
     tpu = sharding.make_mesh(MeshConfig(), aot.tpu_topology("v5e:1x1", 1))

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config, xla_flags
-from jaxlm import train, step as step_lib
+from jaxlm.train import loop as train, step as step_lib
 
 
 def test_loss_falls_on_a_fixed_batch(char_data, tmp_path):

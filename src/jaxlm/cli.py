@@ -32,7 +32,8 @@ def cmd_train(argv: list[str]) -> int:
     argv = [a for a in argv if a != "--print-params"]
     cfg = config_lib.load(argv[0], argv[1:])
     if print_params:
-        from jaxlm import metrics, params
+        from jaxlm import params
+        from jaxlm.train import metrics
         from jaxlm.model import param_specs
 
         model = config_lib.apply_parameter_scale(cfg.model)
@@ -43,7 +44,7 @@ def cmd_train(argv: list[str]) -> int:
               f"{metrics.non_embedding_params(model):,}; active per token {c['active']:,}): {model.n_layers} layers, "
               f"width {model.d_model}, {model.n_heads} heads of {model.hd}, MLP {model.ff}")
         return 0
-    from jaxlm import train
+    from jaxlm.train import loop as train
 
     train.train(cfg)
     return 0
@@ -62,14 +63,14 @@ def cmd_compile(argv: list[str]) -> int:
               "guide: docs/aot.md.")
         return 0 if argv else 2
     cfg = config_lib.load(argv[0], argv[1:])
-    from jaxlm import aot
+    from jaxlm.train import aot
 
     aot.prepare_process(cfg.compile)
     return 0 if aot.compile_command(cfg)["fits"] else 1
 
 
 def cmd_launch(argv: list[str]) -> int:
-    from jaxlm import clusters
+    from jaxlm.launch import clusters
 
     p = argparse.ArgumentParser(
         prog="jaxlm launch", description="Run a jaxlm command as one JAX job of several processes: here (local: "
@@ -110,7 +111,7 @@ def cmd_launch(argv: list[str]) -> int:
     if a.scheduler == "local":
         if a.processes is None or a.processes < 1:
             p.error("--processes N (>= 1) is needed for local processes")
-        from jaxlm.launch import launch
+        from jaxlm.launch.local import launch
 
         return launch(command, a.processes, a.devices_per_process, a.port, a.gpus_per_process)
     if a.scheduler == "slurm":
@@ -132,7 +133,7 @@ def cmd_launch(argv: list[str]) -> int:
             p.error("--image IMAGE (with jaxlm installed) is needed for --scheduler kubernetes")
         import yaml
 
-        from jaxlm.topology import tpu_slice
+        from jaxlm.launch.topology import tpu_slice
 
         hosts = a.nodes if a.nodes is not None else tpu_slice(a.topology).workers
         manifest = yaml.safe_dump_all(clusters.kubernetes_manifest(
@@ -162,13 +163,13 @@ def cmd_describe(argv: list[str]) -> int:
               "and KV-cache bytes per token, from its settings alone (nothing is allocated).")
         return 0 if argv else 2
     if re.fullmatch(r"v\d+[a-z]?-\d+", argv[0].strip().lower()):
-        from jaxlm.topology import tpu_slice
+        from jaxlm.launch.topology import tpu_slice
 
         if len(argv) > 1:
             raise config_lib.ConfigError(f"jaxlm describe {argv[0]} takes no settings (got {argv[1]!r})")
         print("\n".join(tpu_slice(argv[0]).lines()))
         return 0
-    from jaxlm import metrics
+    from jaxlm.train import metrics
 
     cfg = config_lib.load(argv[0], argv[1:])
     model = config_lib.apply_parameter_scale(cfg.model)
@@ -331,7 +332,7 @@ def cmd_convert(argv: list[str]) -> int:
     b.add_argument("--adapter-only", action="store_true", help="write a LoRA run's adapter as a PEFT adapter folder "
                    "(adapter_config.json, adapter_model.safetensors) instead of the merged model")
     args = p.parse_args(argv)
-    from jaxlm import adapters, convert
+    from jaxlm.store import adapters, convert
 
     if args.direction == "from-hf":
         if args.adapter:  # read before the base is converted: an adapter that does not fit leaves nothing behind
@@ -348,7 +349,7 @@ def cmd_convert(argv: list[str]) -> int:
 
 
 def cmd_plot(argv: list[str]) -> int:
-    from jaxlm import plot
+    from jaxlm.train import plot
 
     p = argparse.ArgumentParser(prog="jaxlm plot", description="Plot loss, val loss, tokens/s and MFU of runs.")
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories holding metrics.jsonl")
@@ -378,12 +379,12 @@ def cmd_eval(argv: list[str]) -> int:
               "docs/serve.md.")
         return 0 if argv else 2
     if any(a == "--tasks" or a.startswith("--tasks=") for a in argv):
-        from jaxlm import evals
+        from jaxlm.eval import harness
 
-        return evals.main(argv)
-    from jaxlm import evaluate
+        return harness.main(argv)
+    from jaxlm.eval import heldout
 
-    evaluate.evaluate_run(argv[0], config_lib.parse_overrides(argv[1:]))
+    heldout.evaluate_run(argv[0], config_lib.parse_overrides(argv[1:]))
     return 0
 
 
@@ -406,7 +407,7 @@ def cmd_generate(argv: list[str]) -> int:
     a, rest = p.parse_known_args(argv)
     from pathlib import Path
 
-    from jaxlm import api, generate
+    from jaxlm.infer import api, generate
 
     a.settings += rest  # key=value settings may come before or after the options
 
@@ -448,7 +449,7 @@ def cmd_generate(argv: list[str]) -> int:
 
     print(f"--- sample 1{' of ' + str(len(ids)) if len(ids) > 1 else ''}\n{prompts[0]}", end="", flush=True)
     if d.draft:
-        from jaxlm import speculative
+        from jaxlm.infer import speculative
 
         draft = None if d.draft == "mtp" else api.load(d.draft, mesh_cfg)
         out = speculative.generate_speculative(model.params, model.config.model, draft and draft.params,
@@ -527,9 +528,9 @@ def main(argv: list[str] | None = None) -> int:
               "  serve SRC [key=value ...]              OpenAI-compatible HTTP server (jaxlm serve --help)")
         return 0 if not argv or argv[0] in ("-h", "--help") else 2
     if argv[0] != "launch":
-        from jaxlm.launch import watch_peers
+        from jaxlm.launch.local import watch_peers
         watch_peers()  # under `jaxlm launch`: leave when another process of the job has failed
-    from jaxlm.checkpoint import CheckpointError
+    from jaxlm.store.checkpoint import CheckpointError
     from jaxlm.data.prepare import DataError
     from jaxlm.data.tokenizer import TokenizerError
 
@@ -539,11 +540,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except RuntimeError as e:
-        from jaxlm import distributed
+        from jaxlm.launch import distributed
         if (lost := distributed.lost_peer(e)) is not None:
-            from jaxlm.launch import leave
+            from jaxlm.launch.local import leave
             leave(lost)
-        train = sys.modules.get("jaxlm.train")  # imported only by the commands that train
+        train = sys.modules.get("jaxlm.train.loop")  # imported only by the commands that train
         if train is None or not isinstance(e, train.TrainingError):
             raise
         print(f"error: {e}", file=sys.stderr)

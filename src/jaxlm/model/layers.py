@@ -14,7 +14,8 @@ import jax
 from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 
-from jaxlm import quant, sharding
+from jaxlm import sharding
+from jaxlm.model import quant
 from jaxlm.params import ParamSpec, normal, ones, zeros
 
 

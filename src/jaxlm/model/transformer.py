@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxlm import quant
+from jaxlm.model import quant
 from jaxlm.config import ConfigError, ModelConfig
 from jaxlm.model import attention, kvcache, latent, layers, moe, paged, pipeline, stack
 from jaxlm.params import ParamSpec, normal

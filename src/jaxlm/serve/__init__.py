@@ -57,7 +57,7 @@ def chat_template(model, template_file: str) -> Callable[[list[dict]], str] | No
 
 def build(src: str | Path, cfg: Config, log: Callable[[str], None] = print):
     """The engine (started, compiled) and the app's state for the model at `src`."""
-    from jaxlm import api
+    from jaxlm.infer import api
     from jaxlm.serve import app as app_lib, engine as engine_lib
     from jaxlm.serve.replicas import Replicas
 
@@ -123,7 +123,8 @@ def with_adapters(model, entries: list[tuple[str, str]], name: str) -> tuple[tup
         return (), model.params
     import jax
 
-    from jaxlm import adapters as adapters_lib, lora
+    from jaxlm.store import adapters as adapters_lib
+    from jaxlm.model import lora
 
     if name in (n for n, _ in entries):
         raise ConfigError(f"serve.adapters names {name!r}, the base model's own name; give the adapter another")

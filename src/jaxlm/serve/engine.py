@@ -92,7 +92,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlm import generate, sharding, speculative
+from jaxlm import sharding
+from jaxlm.infer import generate, speculative
 from jaxlm.config import ModelConfig, ServeConfig
 from jaxlm.model import kvcache, layers, paged, transformer
 from jaxlm.serve import chunk as chunk_lib, programs, speculate

@@ -18,7 +18,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxlm import sampling, sharding
+from jaxlm import sharding
+from jaxlm.infer import sampling
 from jaxlm.config import ModelConfig
 from jaxlm.model import forward, kvcache, layers, paged, transformer
 from jaxlm.serve import speculate

@@ -36,7 +36,8 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from jaxlm import sampling, sharding, speculative
+from jaxlm import sharding
+from jaxlm.infer import sampling, speculative
 from jaxlm.config import ModelConfig
 from jaxlm.model import layers, transformer
 

@@ -15,7 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlm import config as config_lib, convert, generate, runtime, sharding
+from jaxlm import config as config_lib, runtime, sharding
+from jaxlm.store import convert
+from jaxlm.infer import generate
 from jaxlm.config import Config, ConfigError, DecodeConfig, MeshConfig, ModelConfig
 from jaxlm.data import tokenizer as tokenizer_lib
 from jaxlm.model import forward

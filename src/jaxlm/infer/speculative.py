@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlm import generate, sampling
+from jaxlm.infer import generate, sampling
 from jaxlm.config import ConfigError, DecodeConfig, ModelConfig, draft_tokens, validate_decode
 from jaxlm.model import paged, transformer
 

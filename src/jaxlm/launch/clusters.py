@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 from jaxlm.config import ConfigError
-from jaxlm.topology import tpu_slice
+from jaxlm.launch.topology import tpu_slice
 
 SCHEDULERS = ("local", "slurm", "kubernetes", "tpu-vm")
 COORDINATOR_PORT = 8476  # the coordinator's port in a pod or on TPU worker 0 (JAX's default on Cloud TPU)

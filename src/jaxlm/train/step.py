@@ -22,7 +22,10 @@ import numpy as np
 import optax
 
 from jaxlm import config as config_lib
-from jaxlm import generate, lora, metrics, objectives, optim, params as P, runtime, sharding, storage
+from jaxlm import params as P, runtime, sharding, storage
+from jaxlm.infer import generate
+from jaxlm.model import lora
+from jaxlm.train import metrics, objectives, optim
 from jaxlm.config import Config, ConfigError
 from jaxlm.data import loader as loader_lib, mixture, packing, preference, prepare, tokenizer as tokenizer_lib
 from jaxlm.model import param_specs, ring, transformer
@@ -154,7 +157,7 @@ def run_tokenizer(cfg: Config, dataset) -> tokenizer_lib.Tokenizer:
     """The run's tokenizer by the precedence of data/tokenizer.py: data.tokenizer, else the tokenizer/ folder of
     the converted model the run starts from (checkpoint.init_from, followed back through runs fine-tuned from
     it), else the dataset's meta.json. The dataset must have been prepared with it: one line otherwise."""
-    from jaxlm import convert
+    from jaxlm.store import convert
 
     init = cfg.checkpoint.init_from
     model_tok = convert.tokenizer_source(Path(init), cfg) if init and Path(init).is_dir() else None
@@ -169,7 +172,7 @@ def run_tokenizer(cfg: Config, dataset) -> tokenizer_lib.Tokenizer:
 def rollout_tokenizer(cfg: Config) -> tokenizer_lib.Tokenizer:
     """A GRPO run's tokenizer: data.tokenizer, else the converted model's (checkpoint.init_from), else the one
     recorded by the prepared data in data.dir / data.dataset (the data the model was trained on)."""
-    from jaxlm import convert
+    from jaxlm.store import convert
 
     init = cfg.checkpoint.init_from
     model_tok = convert.tokenizer_source(Path(init), cfg) if init and Path(init).is_dir() else None
@@ -319,7 +322,7 @@ def init_state_from(run: Run, path: str) -> dict:
     """Weights from a converted checkpoint or another run (fine-tuning), fresh optimizer state, step 0. A LoRA
     run takes its base from there (load_frozen) and starts fresh adapters, unless the folder holds an imported
     adapter (`jaxlm convert from-hf ... --adapter`), which it goes on training."""
-    from jaxlm import convert
+    from jaxlm.store import convert
 
     if lora.enabled(run.cfg):
         if not convert.has_adapter_dir(path):
@@ -333,7 +336,7 @@ def init_state_from(run: Run, path: str) -> dict:
 
 def load_frozen(run: Run) -> dict | None:
     """A LoRA run's frozen base, placed and (QLoRA) quantized as run.abstract_frozen says; None otherwise."""
-    from jaxlm import convert
+    from jaxlm.store import convert
 
     if run.abstract_frozen is None:
         return None

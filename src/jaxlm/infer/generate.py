@@ -17,7 +17,6 @@ from functools import partial
 
 import contextlib
 import itertools
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -27,8 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import jaxlm
-from jaxlm import sampling, sharding
+from jaxlm import sharding
+from jaxlm.infer import sampling
 from jaxlm.config import ConfigError, DecodeConfig, ModelConfig, validate_decode
 from jaxlm.model import forward, kvcache, transformer
 
@@ -321,6 +320,3 @@ def generate(params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], d: Deco
     out_BN, count_B = np.asarray(out_BN), np.asarray(count_B)
     return Generation([out_BN[b, :count_B[b]].tolist() for b in range(B)], t1 - t0, t2 - t1, t3 - t2)
 
-
-
-sys.modules[__name__].__class__ = jaxlm.CallableModule  # jaxlm.generate(PATH, "def ") works

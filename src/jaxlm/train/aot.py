@@ -30,10 +30,10 @@ from typing import Callable
 import jax
 from jax.experimental import serialize_executable
 
-from jaxlm import advisor, saved_step, step as step_lib
+from jaxlm.train import advisor, saved_step, step as step_lib
 from jaxlm.model import attention, transformer
 from jaxlm.config import MESH_AXES, CompileConfig, Config, ConfigError
-from jaxlm.topology import TPU_GENERATIONS, tpu_grid  # noqa: F401 - tpu_grid is part of this module's interface
+from jaxlm.launch.topology import TPU_GENERATIONS, tpu_grid  # noqa: F401 - tpu_grid is part of this module's interface
 
 GiB = 2**30
 

@@ -32,7 +32,8 @@ from typing import Callable
 import jax
 import numpy as np
 
-from jaxlm import params as P, sharding, storage, step as step_lib
+from jaxlm import params as P, sharding, storage
+from jaxlm.train import step as step_lib
 from jaxlm.data import preference
 from jaxlm.model import transformer
 
@@ -99,7 +100,7 @@ def _mismatch(run: step_lib.Run, want: dict) -> str | None:
 def starting_params(run: step_lib.Run) -> dict:
     """The weights the run started from (a resumed run's state holds trained ones): checkpoint.init_from's, or
     the fresh initialization of its seed, as step.init_state_from / init_state make them."""
-    from jaxlm import convert
+    from jaxlm.store import convert
 
     if run.cfg.checkpoint.init_from:
         return convert.restore_params(run.cfg.checkpoint.init_from, run.abstract_state["params"])

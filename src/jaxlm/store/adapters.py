@@ -21,7 +21,9 @@ from typing import Callable
 import jax
 import numpy as np
 
-from jaxlm import config as config_lib, convert, families, lora
+from jaxlm import config as config_lib, families
+from jaxlm.store import convert
+from jaxlm.model import lora
 from jaxlm.config import Config
 from jaxlm.families import ConvertError
 from jaxlm.model import param_specs

@@ -9,9 +9,11 @@ import json
 from pathlib import Path
 from typing import Callable
 
-from jaxlm import checkpoint as ckpt
+from jaxlm.store import checkpoint as ckpt
 from jaxlm import config as config_lib
-from jaxlm import lora, objectives, quant, reference, storage, step as step_lib
+from jaxlm import storage
+from jaxlm.model import lora, quant
+from jaxlm.train import objectives, reference, step as step_lib
 from jaxlm.config import ConfigError
 
 

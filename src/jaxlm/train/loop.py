@@ -17,12 +17,16 @@ from typing import Callable
 
 import jax
 
-from jaxlm import checkpoint as ckpt
+from jaxlm.store import checkpoint as ckpt
 from jaxlm import config as config_lib
-from jaxlm import diagnostics, distributed, lora, metrics, objectives, optim, params as P, quant, reference, rl
-from jaxlm import saved_step, step as step_lib, storage
+from jaxlm import params as P
+from jaxlm.train import diagnostics, metrics, objectives, optim, grpo, reference
+from jaxlm.launch import distributed
+from jaxlm.model import lora, quant
+from jaxlm import storage
+from jaxlm.train import saved_step, step as step_lib
 from jaxlm.config import Config, ConfigError
-from jaxlm.step import TrainingError
+from jaxlm.train.step import TrainingError
 from jaxlm.model import attention, transformer
 
 # Steps dispatched ahead of the host before it waits for the oldest: enough to keep any device busy, few
@@ -324,7 +328,7 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
     use_ckpt = cfg.checkpoint.enabled and not cfg.debug
     checkpointer = ckpt.Checkpointer(run_dir, cfg.checkpoint, log) if use_ckpt else None
     frozen = step_lib.load_frozen(run)
-    batches = rl.RolloutBatches(run, frozen) if t_cfg.objective == "grpo" else step_lib.train_batches(run, frozen)
+    batches = grpo.RolloutBatches(run, frozen) if t_cfg.objective == "grpo" else step_lib.train_batches(run, frozen)
     state = _first_state(run, checkpointer, batches, log)
     if step_lib.reference_in_batch(cfg):  # dpo, ipo: the starting weights' log-probabilities, before any step
         reference.ensure(run, state, log)

@@ -25,7 +25,8 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from jaxlm import config as config_lib, families, lora, params as P, sharding, storage
+from jaxlm import config as config_lib, families, params as P, sharding, storage
+from jaxlm.model import lora
 from jaxlm.config import Config, ModelConfig
 from jaxlm.families import ConvertError, Rule
 from jaxlm.model import param_specs, stack
@@ -318,7 +319,7 @@ def load_config(path: str | Path) -> Config:
 def params_location(path: str | Path) -> tuple[Path, bool]:
     """Where a folder keeps its weights: (folder, is_train_state). A converted checkpoint has params/, a run
     directory has checkpoints/<step>/state holding params next to the optimizer state."""
-    from jaxlm import checkpoint
+    from jaxlm.store import checkpoint
 
     path = storage.local_folder(path, "loading weights").absolute()
     if (path / "params").is_dir():

@@ -33,7 +33,8 @@ from typing import Callable
 import jax
 import numpy as np
 
-from jaxlm import runtime, step as step_lib
+from jaxlm import runtime
+from jaxlm.train import step as step_lib
 from jaxlm.config import Config, ConfigError
 from jaxlm.data.errors import DataError
 from jaxlm.data.tokenizer import Tokenizer
@@ -56,7 +57,7 @@ class Prompt:
 def read_prompts(path: str, tok: Tokenizer, max_tokens: int) -> list[Prompt]:
     """Every record of a jsonl file of prompts, tokenized as `jaxlm generate` tokenizes a prompt (BOS first when
     the tokenizer uses one; chat `messages` through the chat template with the generation prompt)."""
-    from jaxlm.api import encode_prompt
+    from jaxlm.infer.api import encode_prompt
 
     file = Path(path)
     if not file.is_file():

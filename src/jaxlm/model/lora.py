@@ -26,7 +26,9 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxlm import metrics, params as P, quant
+from jaxlm import params as P
+from jaxlm.train import metrics
+from jaxlm.model import quant
 from jaxlm.config import Config, ConfigError
 from jaxlm.model import param_specs
 from jaxlm.model.layers import LoraWeight, RowLoraWeight

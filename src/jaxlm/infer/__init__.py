@@ -1,0 +1,1 @@
+"""Inference: sampling, generate, speculative decoding and the Python API."""

@@ -1,0 +1,1 @@
+"""Storage of runs and models: checkpoints, model folders, Hugging Face conversion, PEFT adapters."""

@@ -1,0 +1,1 @@
+"""Training: the run's setup and step, the loop, objectives, optimizers, GRPO rollouts, metrics, AOT compilation."""
