@@ -1,18 +1,12 @@
 """DeepSeek-V3 (and R1, V3.1, Kimi K2, which share its architecture): multi-head latent attention with YaRN,
-the first first_k_dense_replace layers dense and the others a mixture of experts with shared experts,
-sigmoid scores, group-limited top-k (n_group, topk_group) chosen with the score-correction bias
-(e_score_correction_bias: DeepSeek-V3's auxiliary-loss-free balancing, moved outside the gradient when
-training), weights renormalized and scaled by routed_scaling_factor; multi-token prediction modules
-(num_nextn_predict_layers) stored as extra layers after the last.
+the first first_k_dense_replace layers dense and the others a mixture of experts with shared experts, sigmoid
+scores, group-limited top-k chosen with the score-correction bias (e_score_correction_bias), weights renormalized
+and scaled by routed_scaling_factor; multi-token prediction modules stored as extra layers after the last.
 
-Layout: the rotary parts of the query (q_b_proj's last qk_rope_head_dim rows of each head) and of the key
-(kv_a_proj_with_mqa's last rows) are interleaved pairs when rope_interleave (the default): the import moves
-each one's even dimensions before its odd ones, turning the pairwise rotation into `layers.rotary`'s
-rotate-half (q.k is unchanged when q and k are permuted alike), and the export moves them back.
-kv_a_proj_with_mqa is split into the latent projection kv_a and the rotary key projection k_rope, kv_b_proj
-into k_b and v_b. The MTP modules' copies of the embedding and output tables (embed_tokens, shared_head.head)
-are the main model's: the import skips them and the export leaves them out (transformers' MtpModel ties them
-to the main model's).
+Layout (docs/families.md): the rotary rows of q_b_proj and kv_a_proj_with_mqa are interleaved pairs when
+rope_interleave; the import moves their even dimensions first (rotate-half) and the export back.
+kv_a_proj_with_mqa splits into kv_a and k_rope, kv_b_proj into k_b and v_b. The MTP modules' copies of the
+embedding and output tables are the main model's: skipped on import, left out on export.
 """
 
 from __future__ import annotations
@@ -22,8 +16,9 @@ import dataclasses
 import numpy as np
 
 from jaxlm.config import ModelConfig
-from jaxlm.families import (ACTIVATIONS_TO_HF, Rule, activation, linear, linear_in, llama, refuse, refuse_quantized,
-                            rope_from_hf, rope_to_hf)
+from jaxlm.families import llama
+from jaxlm.families.rules import (ACTIVATIONS_TO_HF, Rule, activation, linear, linear_in, refuse,
+                                  refuse_quantized, rope_from_hf, rope_to_hf)
 from jaxlm.model import stack
 
 MODEL_TYPES = ("deepseek_v3", "kimi_k2")

@@ -10,9 +10,10 @@ with the vision tower left out."""
 from __future__ import annotations
 
 from jaxlm.config import ModelConfig
-from jaxlm.families import (ACTIVATIONS_TO_HF, ConvertError, Rule, activation, layer_types, llama,
-                            pattern_from_layer_types, refuse, refuse_quantized, rope_from_hf, rope_parameters,
-                            rope_to_hf)
+from jaxlm.families import llama
+from jaxlm.families.rules import (ACTIVATIONS_TO_HF, ConvertError, Rule, activation, layer_types,
+                                  pattern_from_layer_types, refuse, refuse_quantized, rope_from_hf,
+                                  rope_parameters, rope_to_hf)
 
 MODEL_TYPES = ("gemma", "gemma2", "gemma3_text", "gemma3")
 ARCHITECTURES = {"gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}

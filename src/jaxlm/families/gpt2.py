@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxlm.config import ModelConfig
-from jaxlm.families import ACTIVATIONS_TO_HF, ConvertError, Rule, activation, linear
+from jaxlm.families.rules import ACTIVATIONS_TO_HF, ConvertError, Rule, activation, linear
 
 MODEL_TYPES = ("gpt2",)
 # Causal-mask buffers that older checkpoints saved with the weights.

@@ -14,7 +14,8 @@ from __future__ import annotations
 import numpy as np
 
 from jaxlm.config import ModelConfig
-from jaxlm.families import Rule, layer_types, linear, llama, pattern_from_layer_types, refuse, refuse_quantized
+from jaxlm.families import llama
+from jaxlm.families.rules import Rule, layer_types, linear, pattern_from_layer_types, refuse, refuse_quantized
 
 MODEL_TYPES = ("gpt_oss",)
 ARCHITECTURE = "GptOssForCausalLM"

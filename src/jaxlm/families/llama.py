@@ -10,8 +10,9 @@ weights are renormalized when norm_topk_prob, dense layers where mlp_only_layers
 from __future__ import annotations
 
 from jaxlm.config import ModelConfig
-from jaxlm.families import (ACTIVATIONS_TO_HF, ConvertError, Rule, activation, layer_types, linear, linear_in,
-                            pattern_from_layer_types, refuse_quantized, reshaped, rope_from_hf, rope_to_hf)
+from jaxlm.families.rules import (ACTIVATIONS_TO_HF, ConvertError, Rule, activation, layer_types, linear,
+                                  linear_in, pattern_from_layer_types, refuse_quantized, reshaped, rope_from_hf,
+                                  rope_to_hf)
 from jaxlm.model import stack
 
 MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe")

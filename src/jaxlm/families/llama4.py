@@ -1,15 +1,12 @@
 """Llama 4 (Scout, Maverick; the text model): mixture-of-experts layers of top-1 sigmoid-routed experts plus one
-shared expert, the routing weight scaling the expert's input (interleaved with dense layers every
-interleave_moe_layer_step), chunked attention on rotary layers and no rotary on every fourth layer
-(no_rope_layers), where queries get attention temperature tuning; rotary layers L2-normalize q and k
-(use_qk_norm).
+shared expert, the routing weight scaling the expert's input (every interleave_moe_layer_step), chunked
+attention on rotary layers and no rotary on every fourth layer (no_rope_layers, with attention temperature
+tuning); rotary layers L2-normalize q and k (use_qk_norm).
 
-Layout: Hugging Face rotates q and k as complex numbers over interleaved pairs (x0, x1), (x2, x3), ...; the
-import moves each head's even dimensions before its odd ones, which turns that rotation into the rotate-half
-rotation of `layers.rotary` (q.k, and the L2 norm, do not change under the same permutation of q and k), and
-the export moves them back. Experts are stored fused: gate_up_proj [E, D, 2F] (gate then up), down_proj
-[E, F, D]. The multimodal checkpoints (model_type llama4: Llama4ForConditionalGeneration) import their
-language model, under language_model.*, with the vision tower left out.
+Layout (docs/families.md): HF rotates q and k over interleaved pairs; the import moves each head's even
+dimensions first (rotate-half) and the export back. Experts are stored fused: gate_up_proj [E, D, 2F] (gate
+then up), down_proj [E, F, D]. The multimodal checkpoints (model_type llama4) import their language model,
+under language_model.*, without the vision tower.
 """
 
 from __future__ import annotations
@@ -17,7 +14,8 @@ from __future__ import annotations
 import numpy as np
 
 from jaxlm.config import ModelConfig
-from jaxlm.families import ConvertError, Rule, linear, linear_in, llama, refuse, refuse_quantized
+from jaxlm.families import llama
+from jaxlm.families.rules import ConvertError, Rule, linear, linear_in, refuse, refuse_quantized
 from jaxlm.model import stack
 
 MODEL_TYPES = ("llama4_text", "llama4")

@@ -25,7 +25,7 @@ from jaxlm import config as config_lib, families
 from jaxlm.store import convert
 from jaxlm.model import lora
 from jaxlm.config import Config
-from jaxlm.families import ConvertError
+from jaxlm.families.rules import ConvertError
 from jaxlm.model import param_specs
 
 PREFIX = "base_model.model."

@@ -28,7 +28,7 @@ import numpy as np
 from jaxlm import config as config_lib, families, params as P, sharding, storage
 from jaxlm.model import lora
 from jaxlm.config import Config, ModelConfig
-from jaxlm.families import ConvertError, Rule
+from jaxlm.families.rules import ConvertError, Rule
 from jaxlm.model import param_specs, stack
 
 SAFETENSORS_DTYPES = {"F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
