@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from jaxlm.data import prepare, tokenizer
+from jaxlm.data import bpe, prepare
 
 SHAKESPEARE = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
 
@@ -78,7 +78,7 @@ def main() -> None:
         (tmp / "corpus").mkdir()
         files = make_corpus(tmp / "corpus", Path(a.input), a.copies, a.files)
         mb = sum(os.path.getsize(f) for f in files) / 1e6
-        tok_dir = tokenizer.train_bpe([a.input], a.vocab_size, tmp / "tok")
+        tok_dir = bpe.train_bpe([a.input], a.vocab_size, tmp / "tok")
         t, c = time.perf_counter(), cpu_seconds()
         meta = prepare.prepare_corpus(files, tmp / "ours", str(tok_dir), val_fraction=0.001, workers=a.workers,
                                       progress=False)

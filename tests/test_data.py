@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jaxlm.data import loader as loader_lib, prepare, tokenizer
-from jaxlm.data.prepare import DataError
+from jaxlm.data.errors import DataError
 
 
 def test_shakespeare_char_token_counts(char_data, shakespeare_file):

@@ -13,7 +13,7 @@ import pytest
 from conftest import require, tiny_config
 from jaxlm import cli, config as config_lib
 from jaxlm.train import objectives, reference, step as step_lib, loop as train
-from jaxlm.data import preference, prepare, shards, tokenizer
+from jaxlm.data import bpe, preference, prepare, shards, tokenizer
 from jaxlm.data.prepare import DataError
 
 TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}"
@@ -59,7 +59,7 @@ def chat_tok(tmp_path):
     """A byte-level BPE saved with a tokenizer_config.json and this file's chat template."""
     text = tmp_path / "t.txt"
     text.write_text("the user asks and the assistant answers\n" * 50)
-    d = tokenizer.train_bpe([str(text)], 300, tmp_path / "tok", special_tokens=("</s>",))
+    d = bpe.train_bpe([str(text)], 300, tmp_path / "tok", special_tokens=("</s>",))
     cfg = json.loads((d / "tokenizer_config.json").read_text()) | {"chat_template": TEMPLATE}
     (d / "tokenizer_config.json").write_text(json.dumps(cfg))
     return d

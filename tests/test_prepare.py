@@ -12,8 +12,8 @@ import pytest
 import jaxlm
 from conftest import require
 from jaxlm import cli
-from jaxlm.data import prepare, shards, tokenizer
-from jaxlm.data.prepare import DataError
+from jaxlm.data import bpe, prepare, shards, tokenizer
+from jaxlm.data.errors import DataError
 
 DOCS = ["First Citizen: Before we proceed", "héllo wörld, twice\nover", "All: Speak, speak."]
 TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}"
@@ -128,7 +128,7 @@ def chat_tok(tmp_path):
     """A byte-level BPE saved with a tokenizer_config.json and this file's chat template."""
     text = tmp_path / "t.txt"
     text.write_text("the user asks and the assistant answers\n" * 50)
-    d = tokenizer.train_bpe([str(text)], 300, tmp_path / "tok", special_tokens=("</s>",))
+    d = bpe.train_bpe([str(text)], 300, tmp_path / "tok", special_tokens=("</s>",))
     cfg = json.loads((d / "tokenizer_config.json").read_text()) | {"chat_template": TEMPLATE}
     (d / "tokenizer_config.json").write_text(json.dumps(cfg))
     return d
@@ -272,7 +272,7 @@ def test_end_to_end_convert_prepare_train_export_with_the_models_tokenizer(tmp_p
     require("torch")
     from jaxlm.store import convert
 
-    raw = tokenizer.train_bpe([str(shakespeare_file)], 384, tmp_path / "bpe",
+    raw = bpe.train_bpe([str(shakespeare_file)], 384, tmp_path / "bpe",
                               special_tokens=("<|endoftext|>", "<|im_start|>", "<|im_end|>"), per_line=True)
     hf_tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(raw / "tokenizer.json"),
                                                   eos_token="<|endoftext|>", chat_template=CHATML)

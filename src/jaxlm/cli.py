@@ -303,10 +303,10 @@ def cmd_tokenizer(argv: list[str]) -> int:
     t.add_argument("--per-line", action="store_true", help="each line of a .txt file is a document")
     t.add_argument("--special-token", action="append", help="special tokens (default <|endoftext|>, the EOS)")
     a = p.parse_args(argv)
-    from jaxlm.data import tokenizer
+    from jaxlm.data import bpe, tokenizer
 
-    out = tokenizer.train_bpe(a.inputs, a.vocab_size, a.out, a.field, tuple(a.special_token or ["<|endoftext|>"]),
-                              a.per_line)
+    out = bpe.train_bpe(a.inputs, a.vocab_size, a.out, a.field, tuple(a.special_token or ["<|endoftext|>"]),
+                        a.per_line)
     tok = tokenizer.load(out)
     print(f"wrote {out / 'tokenizer.json'}: byte-level BPE, vocab {tok.vocab_size:,}, EOS id {tok.eos_id}; use "
           f"it with --tokenizer {out}")

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxlm.data import shards
-from jaxlm.data.prepare import DataError
+from jaxlm.data.errors import DataError
 
 PACKED_KEYS = ("positions", "segment_ids", "weights")
 

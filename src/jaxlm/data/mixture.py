@@ -16,7 +16,8 @@ import json
 import numpy as np
 
 from jaxlm.data import loader as loader_lib, packing, shards
-from jaxlm.data.loader import DataError, check_layout, mode_changed, rows_of
+from jaxlm.data.errors import DataError
+from jaxlm.data.loader import check_layout, mode_changed, rows_of
 
 
 class MixedSplit:

@@ -25,7 +25,8 @@ from __future__ import annotations
 import numpy as np
 
 from jaxlm.data import shards
-from jaxlm.data.loader import DataError, check_layout, mode_changed, rows_of
+from jaxlm.data.errors import DataError
+from jaxlm.data.loader import check_layout, mode_changed, rows_of
 
 PAD_ID = 0  # the token id of padding: any id in the vocabulary does, it is never attended to or trained
 

@@ -4,11 +4,10 @@ Format 1 (nanoGPT's train.bin / val.bin of flat token ids + meta.json), written 
 `jaxlm prepare shakespeare_char [--input FILE]`, `jaxlm prepare text FILE... --vocab char|byte`,
 `jaxlm prepare python_stdlib` (the offline quickstart corpus) and `jaxlm prepare openwebtext`.
 
-Format 2 (data/shards.py), written by `jaxlm prepare corpus INPUT... --tokenizer T` (`prepare_corpus`: any input
-of data/sources.py through any tokenizer of data/tokenizer.py), `jaxlm prepare chat FILE --tokenizer T`
-(`prepare_chat`: conversations with a loss mask, data/chat.py) and `jaxlm prepare preference FILE --tokenizer T`
-(`prepare_preference`: pairs of replies to one prompt, data/preference.py). Documents are tokenized in worker
-processes a batch at a time, in input order, and written to shards as they come back (`write_dataset`).
+Format 2 (data/shards.py), written by `jaxlm prepare corpus|chat|preference ... --tokenizer T`
+(`prepare_corpus`: any input of data/sources.py; `prepare_chat`: conversations with a loss mask, data/chat.py;
+`prepare_preference`: pairs of replies to one prompt, data/preference.py). `write_dataset` writes the shards as
+data/encode.py's worker processes hand back the documents, in input order.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxlm.data.errors import UTF8_ERRORS, DataError  # noqa: F401 - prepare.DataError is the public name
+from jaxlm.data.errors import UTF8_ERRORS, DataError
 
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 
@@ -249,122 +248,6 @@ def describe(meta: dict) -> str:
 
 # ---- format 2: any corpus through any tokenizer, in worker processes ------------------------------------------
 
-_WORKER: dict = {}  # the tokenizer of a worker process (or of this process when workers=0)
-BATCH_DOCUMENTS, BATCH_BYTES = 512, 1 << 21  # documents handed to a worker at a time
-
-
-def _worker_init(spec: dict, chat_template: str | None) -> None:
-    os.environ["RAYON_NUM_THREADS"] = "1"  # one tokenizer thread per worker: the workers fill the cores
-    from jaxlm.data import tokenizer as tokenizer_lib
-
-    tok = tokenizer_lib.from_spec(spec)
-    if chat_template:
-        tok.chat_template = chat_template
-    _WORKER["tok"] = tok
-
-
-def _work(job: tuple) -> tuple[list, np.ndarray, list | None, collections.Counter | None]:
-    """Encode one batch of documents: ('text', texts), ('chat', conversations), ('preference', pairs) or ('jsonl',
-    sources.JsonLines) -> (per document (ids, mask or None), per pair a list of two such documents, or for a chat
-    or a pair the error text; the batch's token counts per id; for a JSON-lines block the documents' places and
-    what reading it counted, else None, None)."""
-    kind, payload = job
-    tok = _WORKER["tok"]
-    wheres = stats = None
-    if kind == "jsonl":
-        from jaxlm.data import sources
-
-        stats = collections.Counter()
-        payload, wheres = sources.block_texts(payload, stats)
-    if kind in ("text", "jsonl"):
-        docs = _encode_texts(tok, payload)
-    else:
-        from jaxlm.data import chat, preference
-
-        encode = {"chat": chat.encode_chat, "preference": preference.encode_pair}[kind]
-        docs = []
-        for item in payload:
-            try:
-                docs.append(encode(tok, item))
-            except ValueError as e:  # TokenizerError included: a template that refuses this conversation
-                docs.append(str(e))
-    arrays = [part[0] for d in docs if not isinstance(d, str) for part in _parts(d, kind)]
-    flat = np.concatenate(arrays) if arrays else np.zeros(0, np.int64)
-    return docs, np.bincount(flat[flat >= 0], minlength=tok.vocab_size), wheres, stats
-
-
-def _parts(doc, kind: str) -> list:
-    """The documents (ids, mask) of one encoded item: a pair's two, or the document itself."""
-    return doc if kind == "preference" else [doc]
-
-
-def _encode_texts(tok, texts: list[str]) -> list:
-    try:
-        return [(np.asarray(ids, np.int64), None) for ids in tok.encode_documents(texts)]
-    except ValueError:  # a text this tokenizer cannot encode (a char vocabulary): find it, say where
-        docs = []
-        for text in texts:
-            try:
-                docs.append((np.asarray(tok.encode_document(text), np.int64), None))
-            except ValueError as e:
-                docs.append(str(e))
-        return docs
-
-
-def _batches(items, kind: str):
-    """Group (payload, where, nbytes) items into jobs of about BATCH_DOCUMENTS documents or BATCH_BYTES; a
-    sources.JsonLines block among them is a job of its own."""
-    from jaxlm.data import sources
-
-    payloads, wheres, size = [], [], 0
-    for item in items:
-        if isinstance(item, sources.JsonLines):
-            if payloads:
-                yield (kind, payloads), wheres, size
-                payloads, wheres, size = [], [], 0
-            yield ("jsonl", item), None, len(item.data)
-            continue
-        payload, where, nbytes = item
-        payloads.append(payload)
-        wheres.append(where)
-        size += nbytes
-        if len(payloads) >= BATCH_DOCUMENTS or size >= BATCH_BYTES:
-            yield (kind, payloads), wheres, size
-            payloads, wheres, size = [], [], 0
-    if payloads:
-        yield (kind, payloads), wheres, size
-
-
-def _encoded(items, kind: str, workers: int, tok, chat_template: str | None):
-    """(documents, counts, wheres, nbytes, counted) per batch in input order (see _work), encoded by `workers`
-    processes (0: this one). At most a few batches per worker are in flight, so memory stays bounded however
-    large the corpus."""
-    jobs = _batches(items, kind)
-    if workers == 0:
-        _WORKER["tok"] = tok
-        for job, wheres, size in jobs:
-            yield _result(_work(job), wheres, size)
-        return
-    import multiprocessing
-
-    ctx = multiprocessing.get_context("spawn")  # no fork of a process that may hold threads
-    with ctx.Pool(workers, initializer=_worker_init, initargs=(tok.spec, chat_template)) as pool:
-        pending: collections.deque = collections.deque()
-        for job, wheres, size in jobs:
-            pending.append((pool.apply_async(_work, (job,)), wheres, size))
-            if len(pending) >= 2 * workers + 1:
-                result, wheres, size = pending.popleft()
-                yield _result(result.get(), wheres, size)
-        while pending:
-            result, wheres, size = pending.popleft()
-            yield _result(result.get(), wheres, size)
-
-
-def _result(result, wheres, size):
-    docs, counts, block_wheres, counted = result
-    return docs, counts, wheres if block_wheres is None else block_wheres, size, counted
-
-
 def _clear_shards(out: Path) -> None:
     """Remove the shards of an earlier prepare into the same folder (its meta.json is already gone)."""
     shard_file = re.compile(r"\.?(train|val)-\d{5}\.(bin|mask\.bin|idx\.npy|bin\.tmp|mask\.bin\.tmp|idx\.tmp\.npy)")
@@ -387,7 +270,7 @@ def write_dataset(out_dir: str | Path, tok, splits: dict, kind: str = "text", wo
     line. Returns the meta.json written."""
     from tqdm import tqdm
 
-    from jaxlm.data import shards, tokenizer as tokenizer_lib
+    from jaxlm.data import encode, shards, tokenizer as tokenizer_lib
 
     stats = collections.Counter() if stats is None else stats
     limit = int(vocab_size or tok.vocab_size)
@@ -404,7 +287,7 @@ def write_dataset(out_dir: str | Path, tok, splits: dict, kind: str = "text", wo
     n_doc = 0
     try:
         for split, items in splits.items():
-            for docs, batch_counts, wheres, nbytes, counted in _encoded(items, kind, workers, tok, chat_template):
+            for docs, batch_counts, wheres, nbytes, counted in encode.encoded(items, kind, workers, tok, chat_template):
                 bar.update(nbytes)
                 stats.update(counted or {})
                 if len(batch_counts) > len(counts):
@@ -419,7 +302,7 @@ def write_dataset(out_dir: str | Path, tok, splits: dict, kind: str = "text", wo
                 for doc, where in zip(docs, wheres):
                     if isinstance(doc, str):
                         raise DataError(f"{where}: {doc}")
-                    parts = _parts(doc, kind)
+                    parts = encode.parts(doc, kind)
                     n = sum(len(p[0]) for p in parts)
                     if max_tokens is not None and n > max_tokens:
                         if not drop_long:
@@ -506,10 +389,7 @@ def prepare_corpus(inputs: list[str], out_dir: str | Path, tokenizer: str, val: 
 
     tok = tokenizer_lib.load(tokenizer)
     vocab_size = vocab_size or model_vocab_size(tokenizer)
-    stats = collections.Counter()
-    splits = {"train": _text_items(inputs, field, errors, per_line, split, streaming, stats)}
-    if val:
-        splits["val"] = _text_items(val, field, errors, per_line, split, streaming, stats)
+    splits, stats = _splits(_text_items, inputs, val, field, errors, per_line, split, streaming)
     meta = write_dataset(out_dir, tok, splits, "text", workers, shard_tokens, vocab_size,
                          val_fraction=0.0 if val else val_fraction, progress=progress, stats=stats,
                          extra={"source": _source(inputs), "utf8_errors": errors})
@@ -532,27 +412,30 @@ def prepare_chat(inputs: list[str], out_dir: str | Path, tokenizer: str, max_tok
                  shard_tokens: int | None = None, vocab_size: int | None = None, progress: bool = True) -> dict:
     """Chat records (see chat.py) -> a format-2 folder with a loss mask that is 1 on assistant tokens only.
     Conversations longer than max_tokens (the training block size) are dropped and counted, never cut."""
-    from jaxlm.data import tokenizer as tokenizer_lib
-
-    tok = tokenizer_lib.load(tokenizer)
-    template = None
-    if chat_template is not None:
-        if not Path(chat_template).is_file():
-            raise DataError(f"--chat-template {chat_template} does not exist")
-        template = tok.chat_template = Path(chat_template).read_text()
-    elif not tok.chat_template:
+    tok, template = _with_template(tokenizer, chat_template)
+    if template is None and not tok.chat_template:
         raise DataError(f"the tokenizer {tok.describe()} has no chat template; give one with --chat-template FILE "
                         "(a Jinja template as in tokenizer_config.json)")
     if max_tokens is not None and max_tokens < 2:
         raise DataError(f"--max-tokens {max_tokens} must be >= 2 (the training block size)")
     vocab_size = vocab_size or model_vocab_size(tokenizer)
-    stats = collections.Counter()
-    splits = {"train": _chat_items(inputs, errors, split, streaming, stats)}
-    if val:
-        splits["val"] = _chat_items(val, errors, split, streaming, stats)
+    splits, stats = _splits(_chat_items, inputs, val, errors, split, streaming)
     return write_dataset(out_dir, tok, splits, "chat", workers, shard_tokens, vocab_size, max_tokens,
                          0.0 if val else val_fraction, template, progress, stats,
                          extra={"source": _source(inputs), "max_tokens": max_tokens})
+
+
+def _with_template(tokenizer: str, chat_template: str | Path | None):
+    """The tokenizer, and the chat template read from the file `chat_template` (set on it) or None."""
+    from jaxlm.data import tokenizer as tokenizer_lib
+
+    tok = tokenizer_lib.load(tokenizer)
+    if chat_template is None:
+        return tok, None
+    if not Path(chat_template).is_file():
+        raise DataError(f"--chat-template {chat_template} does not exist")
+    tok.chat_template = Path(chat_template).read_text()
+    return tok, tok.chat_template
 
 
 def _preference_items(inputs, errors, split, streaming, stats):
@@ -575,25 +458,27 @@ def prepare_preference(inputs: list[str], out_dir: str | Path, tokenizer: str, m
     prompt + rejected) with a loss mask on the replies, meta.json's kind "preference". A pair whose two documents
     together exceed max_tokens (the training block size) is refused in one line, or with drop_long dropped and
     counted; dropping is not the default because it silently skews the data toward short replies."""
-    from jaxlm.data import preference, tokenizer as tokenizer_lib
+    from jaxlm.data import preference
 
-    tok = tokenizer_lib.load(tokenizer)
-    template = None
-    if chat_template is not None:
-        if not Path(chat_template).is_file():
-            raise DataError(f"--chat-template {chat_template} does not exist")
-        template = tok.chat_template = Path(chat_template).read_text()
+    tok, template = _with_template(tokenizer, chat_template)
     if max_tokens is not None and max_tokens < 4:
         raise DataError(f"--max-tokens {max_tokens} must be >= 4 (the training block size: a pair is two documents "
                         "of a prompt token and a reply token at least)")
     vocab_size = vocab_size or model_vocab_size(tokenizer)
-    stats = collections.Counter()
-    splits = {"train": _preference_items(inputs, errors, split, streaming, stats)}
-    if val:
-        splits["val"] = _preference_items(val, errors, split, streaming, stats)
+    splits, stats = _splits(_preference_items, inputs, val, errors, split, streaming)
     return write_dataset(out_dir, tok, splits, "preference", workers, shard_tokens, vocab_size, max_tokens,
                          0.0 if val else val_fraction, template, progress, stats, drop_long=drop_long,
                          extra={"kind": preference.KIND, "source": _source(inputs), "max_tokens": max_tokens})
+
+
+def _splits(items, inputs: list[str], val: list[str] | None, *args) -> tuple[dict, collections.Counter]:
+    """The split name -> items(inputs, *args, stats) that write_dataset reads ('val' from the `val` inputs if
+    given), and the stats they count into."""
+    stats = collections.Counter()
+    splits = {"train": items(inputs, *args, stats)}
+    if val:
+        splits["val"] = items(val, *args, stats)
+    return splits, stats
 
 
 def model_vocab_size(tokenizer: str) -> int | None:

@@ -1,26 +1,12 @@
 """Tokenizers behind one interface, the resolver that finds one from a name or path, and the rule that decides
-which tokenizer a command uses.
+which tokenizer a command uses (`resolve`; docs/data.md, "Tokenizers").
 
-Kinds: `char` (the corpus's sorted characters, nanoGPT's shakespeare_char), `byte` (UTF-8 bytes), `tiktoken`
-(an encoding name such as gpt2 or cl100k_base, or a local `.tiktoken` ranks file), `sentencepiece` (a `.model`
-file) and `huggingface` (a `tokenizer.json`, a folder holding one, a `jaxlm convert from-hf` folder through its
-`tokenizer/` subfolder, or a hub id).
-
-Every tokenizer offers the same calls: `encode(text)` (plain text: special-token strings inside it are encoded
-as text, never as special tokens), `decode(ids)`, `vocab_size`, `bos_id`/`eos_id` (None when the tokenizer has
-none), `encode_document(text)` (BOS and EOS added as the tokenizer's own conventions say: a Hugging Face
-tokenizer's post-processor decides the BOS, a SentencePiece model adds its BOS when it has one; EOS ends every
-document when the tokenizer has one), `apply_chat_template(messages, add_generation_prompt=True)` (a Jinja chat
-template, rendered as transformers renders it) and `encode_rendered(text)` (text rendered by a chat template,
-whose special-token strings are special tokens). `spec` is the tokenizer's description for a dataset's
-meta.json, from which `from_meta` rebuilds it; its `fingerprint` tells whether two tokenizers encode alike.
-
-Which tokenizer a command uses (`resolve`), highest first:
-  1. the one named explicitly: `--tokenizer` on prepare/generate/eval, or `data.tokenizer` in a config;
-  2. a converted model's `tokenizer/` folder (the model being generated from, or a run's checkpoint.init_from);
-  3. the dataset's meta.json (what `jaxlm prepare` recorded).
-When more than one is known they must agree (`check_same`): a dataset prepared with another tokenizer than the
-model's is refused in one line.
+Kinds: `char` (the corpus's sorted characters), `byte` (UTF-8 bytes), `tiktoken` (an encoding name or a local
+`.tiktoken` ranks file), `sentencepiece` (a `.model` file) and `huggingface` (a `tokenizer.json`, a folder holding
+one, a `jaxlm convert from-hf` folder, or a hub id). Every one encodes plain text as text (special-token strings
+never become special tokens), frames a document with BOS/EOS by its own conventions (`encode_document`), renders
+chat templates as transformers does, and has a `spec` for meta.json whose `fingerprint` tells whether two
+tokenizers encode alike.
 """
 
 from __future__ import annotations
@@ -38,7 +24,7 @@ ROLES = ("system", "user", "assistant", "tool")
 
 # From this many characters HFTokenizer.encode goes through the tokenizers package's encode_batch, which releases
 # Python's GIL while the Rust code runs (its encode does not): a server tokenizing a long text in a worker thread
-# then leaves its event loop free (a 1 MB /tokenize held every stream for up to 0.5 s, docs/serve.md).
+# then leaves its event loop free (docs/serve.md).
 LONG_TEXT_CHARS = 16 << 10
 
 
@@ -522,7 +508,9 @@ def _describe_spec(spec: dict) -> str:
 
 def resolve(explicit: str | None = None, model_dir: str | Path | None = None, meta: dict | None = None,
             dataset: str = "the dataset") -> Tokenizer:
-    """The tokenizer a command uses, by the precedence in this file's docstring; the others must agree."""
+    """The tokenizer a command uses, highest first: the one named explicitly (--tokenizer, data.tokenizer), a
+    converted model's tokenizer/ folder (`model_dir`), the dataset's meta.json; the dataset's must agree with a
+    higher one (check_same)."""
     if explicit:
         tok, who = load(explicit), f"--tokenizer/data.tokenizer {explicit}"
     elif model_dir is not None:
@@ -590,36 +578,3 @@ def _generation_tag():
             return jinja2.nodes.Scope(body).set_lineno(lineno)
 
     return Generation
-
-
-def train_bpe(inputs: list[str], vocab_size: int, out_dir: str | Path, field: str = "text",
-              special_tokens: tuple[str, ...] = ("<|endoftext|>",), per_line: bool = False) -> Path:
-    """Train a byte-level BPE (Hugging Face `tokenizers`) on the texts of `inputs` (any sources.py input) and
-    write tokenizer.json plus a tokenizer_config.json naming the first special token as EOS, a folder that
-    transformers' PreTrainedTokenizerFast and `--tokenizer DIR` load as they are. Returns the folder."""
-    try:
-        from tokenizers import Tokenizer as RustTokenizer, decoders, models, pre_tokenizers, processors, trainers
-    except ImportError:
-        raise TokenizerError("tokenizer training needs the tokenizers package: pip install 'jaxlm[data]'") from None
-    from jaxlm.data import sources
-
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    if vocab_size < len(alphabet) + len(special_tokens):
-        raise TokenizerError(f"--vocab-size {vocab_size} is too small for a byte-level BPE: at least "
-                             f"{len(alphabet) + len(special_tokens)} (256 bytes + special tokens)")
-    tok = RustTokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(special_tokens),
-                                  initial_alphabet=alphabet, show_progress=False)
-    texts = (text for text, _ in sources.texts(inputs, field, per_line=per_line))
-    tok.train_from_iterator(texts, trainer=trainer)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tok.save(str(out / "tokenizer.json"))
-    eos = special_tokens[0] if special_tokens else None
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 1 << 30, "eos_token": eos,
-              "bos_token": None, "unk_token": None, "pad_token": None, "clean_up_tokenization_spaces": False}
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
-    return out
