@@ -1,13 +1,10 @@
 """Chat records -> token ids and a loss mask that trains on the assistant's tokens only (SFT).
 
-A record holds `messages` ([{"role", "content"}, ...], the OpenAI / Hugging Face chat format) or a
-`prompt`/`completion` pair (with an optional `system`), which becomes a user turn and an assistant turn. The
-conversation is rendered with the tokenizer's chat template (tokenizer.apply_chat_template) and tokenized with
-its special tokens. The assistant spans are found exactly, by token ids rather than by searching the text:
-the ids of the conversation up to each assistant turn, rendered with the generation prompt, are a prefix of the
-whole conversation's ids, and the ids up to the end of that turn are a longer prefix; the tokens between the
-two are that turn's, end-of-turn token included. A conversation where this does not hold (a template that
-rewrites earlier turns, or tokens that merge across the end of a prefix) is refused in one line.
+A record holds `messages` ([{"role", "content"}, ...]) or a `prompt`/`completion` pair (optional `system`),
+rendered with the tokenizer's chat template and tokenized with its special tokens. Assistant spans are found by
+token ids, not by searching the text: the conversation up to an assistant turn, rendered with the generation
+prompt, tokenizes to a prefix of the whole, and up to the end of that turn to a longer one; the tokens between
+are the turn's. A conversation where this does not hold is refused in one line (docs/data.md, "Chat data").
 
 Legend: L tokens of one conversation.
 """

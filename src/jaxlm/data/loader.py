@@ -1,16 +1,11 @@
 """The reading side of a prepared dataset: its checks, and the loaders that turn it into training batches
-whose position can be saved in a checkpoint and restored exactly.
+whose position can be saved in a checkpoint and restored exactly (docs/packing.md).
 
-Two ways to cut rows out of a split (shards.Split, formats 1 and 2):
-- random windows (`Loader`, nanoGPT's way): block_size + 1 consecutive tokens from a random offset, drawn
-  from one seeded generator whose state is the loader's position;
-- packing (`data.packing=true`, `packing.PackedLoader`): whole documents back to back, each with its own
-  segment id and positions from 0, so attention never crosses a document.
-
-A loader's `next()` returns a plan of the global batch (which tokens go in which row), which every process
-makes in full and cheaply, so the data order never depends on the number of processes; `read` then fetches
-only the rows a process's devices hold. Batches are dicts of int32 "inputs", "targets" and, when a run needs
-them, int32 "positions", "segment_ids" and float32 "weights" (1 = the target is trained, 0 = not).
+Rows are cut from a split (shards.Split) as random windows (`Loader`, nanoGPT's way: block_size + 1 tokens from a
+random offset, one seeded generator's state the position) or as packed whole documents (packing.py). `next()`
+plans the whole global batch alike in every process, so the order never depends on the number of processes;
+`read` fetches only the rows a process's devices hold. Batches are dicts of int32 "inputs", "targets" and, when
+a run needs them, int32 "positions", "segment_ids" and float32 "weights" (1 = the target is trained).
 
 Legend: A micro-batches per step, B rows per micro-batch, T block_size, R = T + 1 tokens per row.
 """

@@ -1,21 +1,11 @@
-"""Packing (`data.packing=true`): whole documents back to back in rows of R = block_size + 1 tokens, each
-with its own segment id (1, 2, ... within a row; 0 = padding) and positions restarting at 0, so the model's
-attention never crosses a document (model/attention.py masks by segment).
+"""Packing (`data.packing=true`): whole documents back to back in rows of R = block_size + 1 tokens, each with
+its own segment id (1, 2, ... within a row; 0 = padding) and positions from 0, so attention never crosses a
+document (model/attention.py masks by segment); a target is trained only inside its own document piece.
 
-Where the documents come from: each epoch is a permutation of the split's documents drawn from
-(seed, epoch); the infinite sequence epoch 0, epoch 1, ... is dealt round-robin to B streams, one per row of
-the global batch (stream b takes documents b, b + B, b + 2B, ...). Stream b fills row b of each of the A
-micro-batches in turn. So rows read disjoint documents within an epoch, the order does not depend on the
-number of devices or processes, and the position of the whole loader is two integers per stream (documents
-consumed, tokens consumed of the current one), which go into checkpoints for an exact resume.
-
-How a row is filled: documents in stream order while they fit; a document that fits in a row but not in
-what is left of this one starts the next row (the rest is padding). A document longer than a row is split:
-it fills what is left of the current row and continues in the next rows, each piece overlapping the previous
-by one token so that no target is lost.
-
-Inputs are a row's first T tokens and targets its last T. A target is trained (weight 1) only when it is in
-the same document piece as its input, and, with a loss mask (chat data), only where the mask marks it.
+Each epoch is a permutation of the split's documents drawn from (seed, epoch), dealt round-robin to B streams,
+one per row of the global batch; stream b fills row b of each micro-batch in turn. So the order does not depend
+on the number of devices or processes, and the position is two integers per stream (documents consumed, tokens
+consumed of the current one), saved in checkpoints for an exact resume (docs/packing.md).
 
 Legend: A micro-batches per step, B rows per micro-batch, T block_size, R = T + 1, D documents.
 """
@@ -116,14 +106,7 @@ class PackedLoader:
 
     def _document(self, b: int) -> int:
         """The document stream b is on: number b + consumed * B of the sequence of epochs."""
-        i = b + int(self.consumed_B[b]) * self.shape[1]
-        epoch, k = divmod(i, self.n_docs)
-        if epoch not in self._perms:
-            if len(self._perms) > 1:  # streams stay within an epoch of each other: two are enough
-                self._perms.pop(min(self._perms))
-            rng = np.random.Generator(np.random.PCG64([self.seed, epoch]))
-            self._perms[epoch] = rng.permutation(self.n_docs)
-        return int(self._perms[epoch][k])
+        return stream_item(self._perms, self.seed, b + int(self.consumed_B[b]) * self.shape[1], self.n_docs)
 
     def row(self, b: int) -> list[tuple[int, int]]:
         """Fill one row from stream b; advance the stream past what it placed."""
@@ -147,12 +130,7 @@ class PackedLoader:
         return pieces
 
     def next(self) -> Packed:
-        A, B = self.shape
-        pieces: list = [None] * (A * B)
-        for b in range(B):
-            for a in range(A):
-                pieces[a * B + b] = self.row(b)
-        return Packed(pieces, self.shape, self.loss_mask)
+        return plan(self.row, self.shape, self.loss_mask)
 
     def _layout(self) -> dict:
         return {"grad_accum": self.shape[0], "batch_size": self.shape[1], "block_size": self.T,
@@ -163,14 +141,42 @@ class PackedLoader:
                 "offset": self.offset_B.tolist(), **self._layout()}
 
     def restore(self, state: dict) -> None:
-        if state.get("kind", "windows") != "packed":
-            raise DataError(mode_changed(state.get("kind", "windows"), "packed"))
-        check_layout(state, self._layout())
-        try:
-            self.seed = int(state["seed"])
-            self.consumed_B = np.asarray(state["consumed"], np.int64).reshape(self.shape[1])
-            self.offset_B = np.asarray(state["offset"], np.int64).reshape(self.shape[1])
-        except (KeyError, TypeError, ValueError) as e:
-            raise DataError(f"the checkpoint's data-loader state cannot be restored ({e}); "
-                            f"it was written by an incompatible loader") from None
+        self.seed, (self.consumed_B, self.offset_B) = restored_streams(state, "packed", self._layout(),
+                                                                       ("consumed", "offset"), self.shape[1])
         self._perms.clear()
+
+
+def stream_item(perms: dict[int, np.ndarray], seed: int, i: int, n: int) -> int:
+    """Item i of the sequence of epochs, each a permutation of n items drawn from (seed, epoch); `perms` keeps the
+    permutations of the epochs in use."""
+    epoch, k = divmod(i, n)
+    if epoch not in perms:
+        if len(perms) > 1:  # streams stay within an epoch of each other: two are enough
+            perms.pop(min(perms))
+        rng = np.random.Generator(np.random.PCG64([seed, epoch]))
+        perms[epoch] = rng.permutation(n)
+    return int(perms[epoch][k])
+
+
+def plan(row, shape: tuple[int, int], loss_mask: bool) -> Packed:
+    """A Packed plan of [A, B] rows, row b of each micro-batch filled in turn by `row(b)` from stream b."""
+    A, B = shape
+    pieces: list = [None] * (A * B)
+    for b in range(B):
+        for a in range(A):
+            pieces[a * B + b] = row(b)
+    return Packed(pieces, shape, loss_mask)
+
+
+def restored_streams(state: dict, kind: str, layout: dict, keys: tuple[str, ...], B: int
+                     ) -> tuple[int, list[np.ndarray]]:
+    """The seed and the per-stream counters `keys` ([B] each) of a saved loader `state` of this `kind` and
+    `layout`; one line when the checkpoint was written by another kind of loader or with other settings."""
+    if state.get("kind", "windows") != kind:
+        raise DataError(mode_changed(state.get("kind", "windows"), kind))
+    check_layout(state, layout)
+    try:
+        return int(state["seed"]), [np.asarray(state[k], np.int64).reshape(B) for k in keys]
+    except (KeyError, TypeError, ValueError) as e:
+        raise DataError(f"the checkpoint's data-loader state cannot be restored ({e}); "
+                        f"it was written by an incompatible loader") from None

@@ -1,24 +1,11 @@
 """Preference pairs (DPO, IPO, ORPO): records -> a prompt with a chosen and a rejected reply, stored as two
-documents with a loss mask on the reply's tokens; and the loader that lays whole pairs into rows.
+documents with a loss mask on the reply's tokens; and the loader that lays whole pairs into rows (PairLoader).
 
-Records (JSON lines, parquet or datasets: inputs; TRL's preference formats):
-  {"prompt": str, "chosen": str, "rejected": str}  plain text, no chat template (as TRL treats strings): the
-      prompt's ids (after the tokenizer's BOS, if it has one), then the reply's ids and EOS, each part tokenized
-      on its own, so the reply's span is exact.
-  {"prompt": [messages], "chosen": [messages] or str, "rejected": ...}  the conversation so far and the
-      assistant's reply (a string is one assistant message), rendered with the tokenizer's chat template; the
-      reply's span is found by data/chat.py's exact prefix method.
-  {"chosen": [messages], "rejected": [messages]}  two whole conversations: the prompt is the turns they share.
-
-A prepared folder (format 2, data/shards.py; meta.json's kind is "preference") holds pair p as documents 2p
-(prompt + chosen) and 2p + 1 (prompt + rejected), the loss mask 1 on the reply's tokens. A pair is never cut.
-
-Rows (PairLoader): data.packing=false puts one pair in a row (chosen, then rejected, then padding),
-data.packing=true as many whole pairs as fit. Pair k of a row is segments 2k + 1 (chosen) and 2k + 2 (rejected):
-positions restart at each and attention never crosses one; a target counts (weight 1) where it is a reply token of
-its own segment. The order is packing.PackedLoader's with pairs for documents: each epoch a permutation of the
-pairs drawn from (seed, epoch), dealt round-robin to the B rows' streams, so the loader's position is the number
-of pairs each stream has consumed, saved in checkpoints for an exact resume.
+Records (TRL's formats, docs/data.md): {"prompt", "chosen", "rejected"} as strings (no chat template; each part
+tokenized on its own, so the reply's span is exact) or as messages rendered with the tokenizer's chat template
+(the reply's span found by data/chat.py's prefix method); {"chosen", "rejected"} alone are two conversations
+whose shared first turns are the prompt. A prepared folder (meta.json's kind "preference") holds pair p as
+documents 2p (prompt + chosen) and 2p + 1 (prompt + rejected); a pair is never cut.
 
 Legend: A micro-batches per step, B rows per micro-batch, T block_size, R = T + 1 tokens per row, P pairs.
 """
@@ -29,7 +16,6 @@ import numpy as np
 
 from jaxlm.data import chat, packing, shards
 from jaxlm.data.errors import DataError
-from jaxlm.data.loader import check_layout, mode_changed
 from jaxlm.data.tokenizer import Tokenizer
 
 KIND = "preference"  # meta.json's "kind" for a folder of pairs
@@ -137,8 +123,11 @@ def check_fits(split: shards.Split, block_size: int) -> None:
 
 
 class PairLoader:
-    """Rows of whole pairs from one split (module docstring): a packing.Packed plan of [grad_accum, batch] rows
-    per `next()`, resumable exactly."""
+    """Rows of whole pairs from one split: a packing.Packed plan of [grad_accum, batch] rows per `next()`,
+    resumable exactly. packed=False puts one pair in a row (chosen, rejected, padding), True as many whole pairs as
+    fit; pair k of a row is segments 2k + 1 (chosen) and 2k + 2 (rejected), a target counting where it is a reply
+    token of its own segment. The order is packing.PackedLoader's with pairs for documents, so the position is
+    the number of pairs each stream has consumed."""
 
     def __init__(self, split: shards.Split, block_size: int, batch_size: int, grad_accum: int, seed: int,
                  packed: bool):
@@ -151,12 +140,7 @@ class PairLoader:
 
     def _pair(self, b: int) -> int:
         """The pair stream b is on: number b + consumed * B of the sequence of epochs."""
-        epoch, k = divmod(b + int(self.consumed_B[b]) * self.shape[1], self.n_pairs)
-        if epoch not in self._perms:
-            if len(self._perms) > 1:  # streams stay within an epoch of each other: two are enough
-                self._perms.pop(min(self._perms))
-            self._perms[epoch] = np.random.Generator(np.random.PCG64([self.seed, epoch])).permutation(self.n_pairs)
-        return int(self._perms[epoch][k])
+        return packing.stream_item(self._perms, self.seed, b + int(self.consumed_B[b]) * self.shape[1], self.n_pairs)
 
     def row(self, b: int) -> list[tuple[int, int]]:
         """One row from stream b as pieces (offset, length): each pair's chosen, then its rejected document."""
@@ -173,12 +157,7 @@ class PairLoader:
                 return pieces
 
     def next(self) -> packing.Packed:
-        A, B = self.shape
-        pieces: list = [None] * (A * B)
-        for b in range(B):
-            for a in range(A):
-                pieces[a * B + b] = self.row(b)
-        return packing.Packed(pieces, self.shape, loss_mask=True)
+        return packing.plan(self.row, self.shape, loss_mask=True)
 
     def _layout(self) -> dict:
         return {"grad_accum": self.shape[0], "batch_size": self.shape[1], "block_size": self.T,
@@ -188,15 +167,8 @@ class PairLoader:
         return {"kind": "pairs", "seed": self.seed, "consumed": self.consumed_B.tolist(), **self._layout()}
 
     def restore(self, state: dict) -> None:
-        if state.get("kind", "windows") != "pairs":
-            raise DataError(mode_changed(state.get("kind", "windows"), "pairs"))
-        check_layout(state, self._layout())
-        try:
-            self.seed = int(state["seed"])
-            self.consumed_B = np.asarray(state["consumed"], np.int64).reshape(self.shape[1])
-        except (KeyError, TypeError, ValueError) as e:
-            raise DataError(f"the checkpoint's data-loader state cannot be restored ({e}); "
-                            f"it was written by an incompatible loader") from None
+        self.seed, (self.consumed_B,) = packing.restored_streams(state, "pairs", self._layout(), ("consumed",),
+                                                                 self.shape[1])
         self._perms.clear()
 
 

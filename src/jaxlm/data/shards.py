@@ -1,18 +1,11 @@
-"""The prepared-dataset format: token shards of bounded size, an index of document boundaries per shard and,
-for chat data, a loss mask; written so that an interrupted prepare never leaves a folder that looks finished.
+"""The prepared-dataset format (docs/data.md, "The prepared folder"): token shards of bounded size, an index of
+document boundaries per shard and, for chat data, a loss mask; written so that an interrupted prepare never
+leaves a folder that looks finished (meta.json is written last, by an atomic rename).
 
-A prepared folder (format 2):
-
-    meta.json                 written last, by an atomic rename: vocab_size, dtype, tokenizer, format=2 and
-                              splits = {name: {"tokens": n, "documents": d, "shards": [{"name", "tokens",
-                              "documents"}, ...]}}, plus has_loss_mask and whatever prepare adds
-    {split}-{k:05d}.bin       token ids (meta's dtype), whole documents back to back
-    {split}-{k:05d}.idx.npy   int64 [documents + 1]: where each document starts in the shard, then the shard's length
-    {split}-{k:05d}.mask.bin  uint8, one per token (only with has_loss_mask): 1 where the token is a trained target
-
-A shard is closed at the first document boundary past `shard_tokens`, so documents never span shards (a single
-document longer than a shard gets a shard of its own). nanoGPT's layout (train.bin and val.bin, a meta.json
-without `splits`) is format 1 and stays readable: one shard per split, document boundaries unknown.
+Format 2: meta.json (vocab_size, dtype, tokenizer, format=2, splits with their shards' token and document counts)
+and per shard {split}-{k:05d}.bin (token ids, whole documents back to back), .idx.npy (int64 [documents + 1]:
+document starts, then the length) and .mask.bin (uint8 per token, 1 = trained). A shard closes at the first
+document boundary past `shard_tokens`. nanoGPT's train.bin/val.bin (format 1) stay readable: one shard per split.
 
 Legend: N tokens of a split (all shards), D documents, S shards.
 """

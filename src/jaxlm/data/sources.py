@@ -1,18 +1,12 @@
 """Input corpora as a stream of records, each with the place it came from (`file:line`), read one at a time so
-that a corpus far larger than memory never has to fit in it.
+that a corpus far larger than memory never has to fit in it (docs/data.md, "Inputs").
 
-An input is a file, a folder (its files of known kinds, recursively, in sorted order), a glob, an s3:// or gs://
-URL (through storage.py's fsspec filesystems; globs work there too), or `datasets:NAME` (a Hugging Face
-`datasets` name from the hub or its cache, a local folder written by `save_to_disk`, or a folder of data
-files), read with a split and optionally streamed.
-
-File kinds, by suffix (after an optional .gz, .zst or .zstd): .txt (the whole file is one document, or with
-`per_line` each non-empty line is), .jsonl and .json (JSON lines; a .json file starting with `[` is a list of
-records), .parquet (row groups read in batches). A record is a dict; text inputs give {field: text}.
-
-Bad input never passes silently: a broken JSON line, a record that is not an object, invalid UTF-8 under
-errors="strict" end in a DataError naming `file:line`; invalid UTF-8 is otherwise replaced (U+FFFD) or dropped
-and counted in `stats`.
+An input is a file, a folder (its files of known kinds, recursively, sorted), a glob, an s3:// or gs:// URL
+(storage.py's fsspec filesystems), or `datasets:NAME` (a Hugging Face `datasets` name, a `save_to_disk` folder or
+a folder of data files), read with a split and optionally streamed. File kinds, by suffix (after an optional .gz,
+.zst or .zstd): .txt (one document, or one per line with `per_line`), .jsonl and .json (JSON lines, or a list of
+records), .parquet. Bad input never passes silently: a broken JSON line, a record that is not an object or strict
+invalid UTF-8 end in a DataError naming `file:line`; invalid UTF-8 is otherwise replaced or dropped and counted.
 """
 
 from __future__ import annotations
