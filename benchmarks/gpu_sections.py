@@ -186,9 +186,9 @@ def memory_bytes(compiled) -> int | None:
 def compile_step(cfg, batch: int, device, quick: bool = False):
     """(run, compiled train step, bytes per device, seconds). `quick` turns XLA:GPU's autotuning off: enough for
     the memory analysis of the batch search, not for timing."""
-    from jaxlm.train import step as step_lib
+    from jaxlm.train import run as run_lib, step as step_lib
 
-    run = step_lib.setup(with_batch(cfg, batch), [device], data=False)
+    run = run_lib.setup(with_batch(cfg, batch), [device], data=False)
     t = time.perf_counter()
     lowered = step_lib.lower_train_step(run)
     compiled = None
@@ -271,7 +271,7 @@ def train(ctx: Ctx) -> None:
     import jax
 
     from jaxlm import params as P
-    from jaxlm.train import metrics, step as step_lib
+    from jaxlm.train import metrics, state as state_lib
     from jaxlm.model import attention, param_specs
 
     z = ctx.sizes
@@ -318,7 +318,7 @@ def train(ctx: Ctx) -> None:
         while budget and mem and mem > budget and batch > 1:
             batch = max(1, batch - math.ceil((mem - budget) / max(slope, 1)))
             run, compiled, mem, csec = compile_step(cfg, batch, dev)
-        state = step_lib.init_state(run, cfg.seed)
+        state = state_lib.init_state(run, cfg.seed)
         batch_arrays = random_batch(run)
         try:
             state, times = time_steps(compiled, state, batch_arrays, z["train_steps"], ctx, reserve=0.25 * ctx.left())
@@ -362,7 +362,7 @@ def train(ctx: Ctx) -> None:
             del vcomp, vbatch
         except Exception as e:  # noqa: BLE001 - one variant failing (out of memory, say) leaves the others
             record(label, batch, [], None, None, f"error: {one_line(e)}")
-            state = step_lib.init_state(run, cfg.seed)  # a failed call may have consumed the donated state
+            state = state_lib.init_state(run, cfg.seed)  # a failed call may have consumed the donated state
 
 
 # ---- the profile's top operations -----------------------------------------------------------------------------
@@ -645,16 +645,16 @@ def train_losses(cfg, device, tokens: np.ndarray, timing_chunk: int = 0):
     wait at each chunk's end, and the median chunk gives the time per step."""
     import jax
 
-    from jaxlm.train import step as step_lib
+    from jaxlm.train import batches as batch_lib, run as run_lib, state as state_lib, step as step_lib
 
-    run = step_lib.setup(cfg, [device], data=False)
-    state = step_lib.init_state(run, cfg.seed)
+    run = run_lib.setup(cfg, [device], data=False)
+    state = state_lib.init_state(run, cfg.seed)
     step = step_lib.make_train_step(run.cfg, run.optimizer, run.mesh, run.abstract_state, run.act_rules)
     B = cfg.training.batch_size
     batches = [tokens[i:i + B][None] for i in range(0, len(tokens), B)]
 
     def put(x):
-        return step_lib.put_batch(run.mesh, np.ascontiguousarray(x), 1, run.act_rules)
+        return batch_lib.put_batch(run.mesh, np.ascontiguousarray(x), 1, run.act_rules)
 
     losses, chunks = [], []
     t = time.perf_counter()

@@ -35,7 +35,7 @@ import jax
 import numpy as np
 
 from jaxlm import config as config_lib, runtime
-from jaxlm.train import grpo as rl, step as step_lib, loop as train
+from jaxlm.train import grpo as rl, loop as train, run as run_lib, state as state_lib
 
 REWARD = "def length(completions, **_):\n    return [len(c) / 100 for c in completions]\n"
 
@@ -131,8 +131,8 @@ def main() -> None:
         records = [json.loads(line) for line in (tmp / "run" / "metrics.jsonl").read_text().splitlines()]
         steps = [r for r in records if "rollout_tokens_per_s" in r][2:]  # prompts of new lengths compile at first
         print("rollout_s by step: " + " ".join(f"{r['rollout_s']:.3f}" for r in records if "rollout_s" in r))
-        run = step_lib.setup(cfg, jax.devices()[:1])
-        params = step_lib.init_state(run, cfg.seed)["params"]
+        run = run_lib.setup(cfg, jax.devices()[:1])
+        params = state_lib.init_state(run, cfg.seed)["params"]
         source = rl.RolloutBatches(run)
         prompts = [source.prompts[i].ids for i in range(a.prompts)]
         alone = engine_alone(params, run.cfg, prompts, a.group, max(3, len(steps)))

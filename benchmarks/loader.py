@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 from jaxlm import config as config_lib
-from jaxlm.train import step as step_lib
+from jaxlm.train import batches as batch_lib, run as run_lib, state as state_lib, step as step_lib
 from jaxlm.data import packing, shards
 
 
@@ -84,12 +84,12 @@ def grain_rate(split: shards.Split, T: int, B: int, seconds: float) -> float:
 def step_rows_per_s(steps: int) -> float:
     cfg = config_lib.load("quickstart")
     cfg = cfg.replace(model=dataclasses.replace(cfg.model, vocab_size=256))
-    run = step_lib.setup(cfg, jax.devices()[:1], data=False)
+    run = run_lib.setup(cfg, jax.devices()[:1], data=False)
     cfg, t = run.cfg, run.cfg.training
-    state = step_lib.init_state(run, cfg.seed)
+    state = state_lib.init_state(run, cfg.seed)
     step = step_lib.make_train_step(cfg, run.optimizer, run.mesh, run.abstract_state, run.act_rules)
     x = np.random.default_rng(0).integers(0, 256, (t.grad_accum, t.batch_size, cfg.model.block_size), np.int32)
-    batch = {"inputs": step_lib.put_batch(run.mesh, x, 1), "targets": step_lib.put_batch(run.mesh, np.roll(x, -1, -1), 1)}
+    batch = {"inputs": batch_lib.put_batch(run.mesh, x, 1), "targets": batch_lib.put_batch(run.mesh, np.roll(x, -1, -1), 1)}
     for _ in range(2):
         state, m = step(state, batch)
     jax.block_until_ready(m)

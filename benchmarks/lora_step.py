@@ -22,10 +22,10 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxlm import config as config_lib, params as P, runtime
+from jaxlm import config as config_lib, params as P, runtime, sharding
 from jaxlm.store import convert
 from jaxlm.model import lora
-from jaxlm.train import metrics, step as step_lib
+from jaxlm.train import metrics, run as run_lib, state as state_lib, step as step_lib
 from jaxlm.model import param_specs
 
 
@@ -39,7 +39,7 @@ def model_settings(a) -> dict:
 
 def make_base(folder: Path, cfg: config_lib.Config) -> None:
     """A converted-style folder holding the model's randomly initialized weights: the LoRA runs' base."""
-    mesh = step_lib.sharding.make_mesh(cfg.mesh, jax.devices()[:1])
+    mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
     convert.save_params(folder / "params", P.init(param_specs(cfg.model), jax.random.key(0), mesh))
     (folder / "config.json").write_text(config_lib.to_json(cfg))
 
@@ -48,9 +48,9 @@ class Stepper:
     """One kind of train step, ready to run on fixed random batches."""
 
     def __init__(self, cfg: config_lib.Config):
-        self.run = step_lib.setup(cfg, jax.devices()[:1], data=False)
-        self.state = step_lib.init_state(self.run, 0)
-        self.frozen = step_lib.load_frozen(self.run) if lora.enabled(cfg) else None
+        self.run = run_lib.setup(cfg, jax.devices()[:1], data=False)
+        self.state = state_lib.init_state(self.run, 0)
+        self.frozen = state_lib.load_frozen(self.run) if lora.enabled(cfg) else None
         self.step = step_lib.make_train_step(self.run.cfg, self.run.optimizer, self.run.mesh,
                                              self.run.abstract_state, self.run.act_rules)
         t, m = self.run.cfg.training, self.run.cfg.model

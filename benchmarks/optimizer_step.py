@@ -36,7 +36,7 @@ import jax
 import numpy as np
 
 from jaxlm import config as config_lib
-from jaxlm.train import optim, step as step_lib
+from jaxlm.train import batches as batch_lib, optim, run as run_lib, state as state_lib, step as step_lib
 
 OPTIMIZERS = {"adamw": {"optimizer.name": "adamw"}, "muon": {"optimizer.name": "muon"},
               "muon+qk_clip": {"optimizer.name": "muon", "optimizer.qk_clip": 100.0}}
@@ -55,15 +55,15 @@ class Stepper:
     """One compiled train step and its state, fed random tokens."""
 
     def __init__(self, cfg: config_lib.Config):
-        run = step_lib.setup(cfg, jax.devices()[:1], data=False)  # the vocabulary is set: no corpus is read
+        run = run_lib.setup(cfg, jax.devices()[:1], data=False)  # the vocabulary is set: no corpus is read
         self.cfg, t = run.cfg, run.cfg.training
-        self.state = step_lib.init_state(run, 0)
+        self.state = state_lib.init_state(run, 0)
         self.step = step_lib.make_train_step(run.cfg, run.optimizer, run.mesh, run.abstract_state, run.act_rules)
         self.tokens = t.grad_accum * t.batch_size * run.cfg.model.block_size
         rng = np.random.default_rng(0)
         shape = (t.grad_accum, t.batch_size, run.cfg.model.block_size)
-        self.batches = [step_lib.put_batch(run.mesh, rng.integers(0, run.cfg.model.vocab_size, shape).astype(np.int32),
-                                           1) for _ in range(3)]
+        self.batches = [batch_lib.put_batch(run.mesh, rng.integers(0, run.cfg.model.vocab_size, shape).astype(np.int32),
+                                            1) for _ in range(3)]
         self.run(2)  # compile and warm up
 
     def run(self, steps: int) -> float:
@@ -82,7 +82,7 @@ BYTES = {"f32": 4, "bf16": 2, "s32": 4, "u32": 4, "f16": 2, "pred": 1, "s8": 1, 
 
 def collectives(cfg: config_lib.Config) -> dict[str, tuple[int, int]]:
     """op -> (count, bytes of their results per device) in the compiled train step."""
-    run = step_lib.setup(cfg, jax.devices(), data=False)
+    run = run_lib.setup(cfg, jax.devices(), data=False)
     step = step_lib.make_train_step(run.cfg, run.optimizer, run.mesh, run.abstract_state, run.act_rules)
     hlo = step.lower(*step_lib.step_args(run).values()).compile().as_text()
     out: dict[str, tuple[int, int]] = {}
@@ -102,7 +102,7 @@ def report_collectives() -> None:
         print(f"optimizer={o} " + " ".join(f"{op}={n}:{b / 2**20:.1f}MiB" for op, b in sorted(
             (op, b) for op, (n, b) in ops.items()) for n in [ops[op][0]]), flush=True)
     extra = sum(b for _, b in found["muon"].values()) - sum(b for _, b in found["adamw"].values())
-    run = step_lib.setup(base, jax.devices(), data=False)
+    run = run_lib.setup(base, jax.devices(), data=False)
     views = optim.muon_matrices(run.specs)
     flat = {jax.tree_util.keystr(p): s for p, s in
             jax.tree_util.tree_flatten_with_path(run.specs, is_leaf=lambda x: hasattr(x, "axes"))[0]}

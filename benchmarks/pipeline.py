@@ -25,7 +25,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxlm import config as config_lib
-from jaxlm.train import step as step_lib  # noqa: E402
+from jaxlm.train import batches as batch_lib, run as run_lib, state as state_lib, step as step_lib  # noqa: E402
 from jaxlm.model import pipeline  # noqa: E402
 
 SCHEDULES = [(2, 2, 1), (2, 8, 1), (4, 4, 1), (4, 16, 1), (4, 4, 2), (4, 4, 4), (8, 8, 1), (8, 8, 2)]
@@ -47,14 +47,14 @@ def config(layout: dict, batch: int) -> config_lib.Config:
 
 
 def losses_and_times(layout: dict, devices, steps: int, batch: int = 16) -> tuple[np.ndarray, float]:
-    run = step_lib.setup(config(layout, batch), devices, data=False)
-    state = step_lib.init_state(run, 0)
+    run = run_lib.setup(config(layout, batch), devices, data=False)
+    state = state_lib.init_state(run, 0)
     step = step_lib.make_train_step(run.cfg, run.optimizer, run.mesh, run.abstract_state, run.act_rules)
     rng = np.random.default_rng(0)
     losses, times = [], []
     for _ in range(steps):
         tokens = rng.integers(0, 128, size=(1, batch, 65)).astype(np.int32)
-        x, y = (step_lib.put_batch(run.mesh, a, 1, run.act_rules) for a in (tokens[..., :-1], tokens[..., 1:]))
+        x, y = (batch_lib.put_batch(run.mesh, a, 1, run.act_rules) for a in (tokens[..., :-1], tokens[..., 1:]))
         start = time.perf_counter()
         state, m = step(state, {"inputs": x, "targets": y})
         losses.append(float(m["loss"]))

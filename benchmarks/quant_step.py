@@ -23,7 +23,7 @@ import numpy as np
 
 from jaxlm import config as config_lib
 from jaxlm.model import quant
-from jaxlm.train import step as step_lib
+from jaxlm.train import run as run_lib, state as state_lib, step as step_lib
 from jaxlm.model import forward
 
 
@@ -35,9 +35,9 @@ def base_config(args) -> config_lib.Config:
 
 
 def train_runner(cfg: config_lib.Config, batches):
-    run = step_lib.setup(cfg, jax.devices()[:1], data=False)  # the vocabulary is set, so no corpus is read
+    run = run_lib.setup(cfg, jax.devices()[:1], data=False)  # the vocabulary is set, so no corpus is read
     cfg, mesh = run.cfg, run.mesh
-    state = step_lib.init_state(run, cfg.seed)
+    state = state_lib.init_state(run, cfg.seed)
     step = step_lib.make_train_step(cfg, run.optimizer, mesh, run.abstract_state, run.act_rules)
     params = jax.tree.map(jnp.copy, state["params"])  # the step donates the state it is given
     holder = {"state": state}

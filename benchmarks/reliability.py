@@ -53,7 +53,7 @@ import numpy as np  # noqa: E402
 
 from jaxlm import cli
 from jaxlm.store import checkpoint as ckpt
-from jaxlm.train import loop as train, step as step_lib  # noqa: E402
+from jaxlm.train import batches as batch_lib, loop as train, state as state_lib, step as step_lib  # noqa: E402
 from jaxlm.config import CheckpointConfig  # noqa: E402
 from jaxlm.data import loader as loader_lib, prepare  # noqa: E402
 
@@ -65,7 +65,7 @@ import hashlib, json, sys
 from pathlib import Path
 sys.path[:0] = [sys.argv[1], sys.argv[6]]
 from conftest import tiny_config
-from jaxlm.train import loop as train, step as step_lib
+from jaxlm.train import batches as batch_lib, loop as train
 from reliability import training_draws
 
 draws = open(sys.argv[4], "a")
@@ -74,7 +74,7 @@ def record(starts):
     draws.write(hashlib.sha256(starts.tobytes()).hexdigest()[:16] + "\\n")
     draws.flush()
 
-step_lib.make_loader = training_draws(step_lib.make_loader, record)
+batch_lib.make_loader = training_draws(batch_lib.make_loader, record)
 summary = train.train(tiny_config(Path(sys.argv[2]), Path(sys.argv[3]), **json.loads(sys.argv[5])), log=print)
 print("START", summary["start_step"], flush=True)
 """
@@ -105,14 +105,14 @@ def train_under_faults(data: Path, work: Path, n_faults: int, rng: random.Random
     (SIGTERM) at a random moment and restarted, until one finishes."""
     ref_dir = work / "reference"
     ref_draws = []
-    make_loader = step_lib.make_loader
-    step_lib.make_loader = training_draws(make_loader, lambda starts: ref_draws.append(
+    make_loader = batch_lib.make_loader
+    batch_lib.make_loader = training_draws(make_loader, lambda starts: ref_draws.append(
         hashlib.sha256(starts.tobytes()).hexdigest()[:16]))
     try:
         cfg = tiny_config(data, ref_dir, **RUN)
         train.train(cfg, log=lambda s: None)
     finally:
-        step_lib.make_loader = make_loader
+        batch_lib.make_loader = make_loader
 
     run_dir, lineage, lost, injected, sigterms, clean_exits = work / "faulty", {}, 0, 0, 0, 0
     steps = RUN["training.steps"]
@@ -158,14 +158,14 @@ def nan_batches(data: Path, work: Path) -> dict:
     """Three NaN batches in one run: survived when each leaves params and optimizer state as they were and
     no committed checkpoint holds a non-finite value."""
     poisoned = {4, 9, 10}
-    real = step_lib.device_batch
-    step_lib.device_batch = T.poisoned(real, poisoned)
+    real = batch_lib.device_batch
+    batch_lib.device_batch = T.poisoned(real, poisoned)
     try:
         settings = {**T.RUN, "training.steps": 12, "checkpoint.interval": 1, "checkpoint.keep": 20}
         cfg = tiny_config(data, work / "nan", **settings)
         summary = train.train(cfg, log=lambda s: None)
     finally:
-        step_lib.device_batch = real
+        batch_lib.device_batch = real
     states = {s: T.restore_step(cfg, work / "nan", s) for s in ckpt.step_numbers(work / "nan" / "checkpoints")}
     finite = all(np.isfinite(leaf).all() for st in states.values() for leaf in jax.tree.leaves(st)
                  if np.issubdtype(np.asarray(leaf).dtype, np.floating))
@@ -238,9 +238,10 @@ def config_fuzz(data: Path, work: Path, seeds: int) -> tuple[int, int]:
     def compiled(*args, **kwargs):
         raise AssertionError("a bad config got as far as compiling")
 
-    for name in ("init_state", "init_state_from", "make_train_step", "make_eval_step"):
-        blocked[name] = getattr(step_lib, name)
-        setattr(step_lib, name, compiled)
+    for module, name in ((state_lib, "init_state"), (state_lib, "init_state_from"), (step_lib, "make_train_step"),
+                         (step_lib, "make_eval_step")):
+        blocked[module, name] = getattr(module, name)
+        setattr(module, name, compiled)
     base = ["shakespeare_char_cpu", f"data.dir={data}", "model.n_layers=2", "model.d_model=32", "model.n_heads=4",
             "model.block_size=32", "training.batch_size=8", "training.steps=20", "optimizer.warmup_steps=5",
             "logging.progress=false", "logging.tensorboard=false"]
@@ -258,8 +259,8 @@ def config_fuzz(data: Path, work: Path, seeds: int) -> tuple[int, int]:
                 msg = err.getvalue()
                 clear += code == 2 and msg.count("\n") == 1 and key in msg and "Traceback" not in msg
     finally:
-        for name, fn in blocked.items():
-            setattr(step_lib, name, fn)
+        for (module, name), fn in blocked.items():
+            setattr(module, name, fn)
     return tried, clear
 
 

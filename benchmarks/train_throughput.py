@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from jaxlm import config as config_lib, runtime
-from jaxlm.train import metrics, step as step_lib
+from jaxlm.train import batches as batch_lib, metrics, run as run_lib, state as state_lib, step as step_lib
 
 
 def configs() -> dict[str, config_lib.Config]:
@@ -34,14 +34,14 @@ def configs() -> dict[str, config_lib.Config]:
 
 def measure(cfg: config_lib.Config, steps: int, warmup: int = 3) -> float:
     """Tokens per second of the jitted, donated train step over `steps` steps after `warmup`."""
-    run = step_lib.setup(cfg, None, data=False)  # the vocabulary is set, so no corpus is read
+    run = run_lib.setup(cfg, None, data=False)  # the vocabulary is set, so no corpus is read
     cfg, mesh = run.cfg, run.mesh
-    state = step_lib.init_state(run, cfg.seed)
+    state = state_lib.init_state(run, cfg.seed)
     step = step_lib.make_train_step(cfg, run.optimizer, mesh, run.abstract_state, run.act_rules)
     t = cfg.training
     rng = np.random.default_rng(0)
     shape = (t.grad_accum, t.batch_size, cfg.model.block_size)
-    batches = [step_lib.put_batch(mesh, rng.integers(0, cfg.model.vocab_size, shape).astype(np.int32), 1)
+    batches = [batch_lib.put_batch(mesh, rng.integers(0, cfg.model.vocab_size, shape).astype(np.int32), 1)
                for _ in range(4)]
     for i in range(warmup):
         state, m = step(state, {"inputs": batches[i % 4], "targets": batches[(i + 1) % 4]})

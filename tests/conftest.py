@@ -183,10 +183,10 @@ def train_losses(cfg: config_lib.Config, devices, batch_of, steps: int = 20):
     import jax
     import numpy as np
 
-    from jaxlm.train import step as step_lib
+    from jaxlm.train import run as run_lib, state as state_lib, step as step_lib
 
-    run = step_lib.setup(cfg, devices)
-    state = step_lib.init_state(run, cfg.seed)
+    run = run_lib.setup(cfg, devices)
+    state = state_lib.init_state(run, cfg.seed)
     step = step_lib.make_train_step(run.cfg, run.optimizer, run.mesh, run.abstract_state, run.act_rules)
     rng = np.random.default_rng(0)
     losses = []

@@ -18,7 +18,7 @@ transformers = require("transformers", "hf")
 
 import jaxlm  # noqa: E402
 from jaxlm import cli
-from jaxlm.train import step as step_lib  # noqa: E402
+from jaxlm.train import run as run_lib, state as state_lib  # noqa: E402
 from jaxlm import config as config_lib  # noqa: E402
 from jaxlm.model import forward  # noqa: E402
 
@@ -98,9 +98,9 @@ def test_an_adapter_written_by_peft_imports_with_peft_logits_and_trains_on(tmp_p
     # Training from the folder starts from the imported adapter, on the unmerged base.
     cfg = config_lib.load(str(tmp_path / "out" / "config.json"), [f"data.dir={char_data}", "model.block_size=32",
                                                                   f"run_dir={tmp_path / 'run'}"])
-    run = step_lib.setup(cfg, jax.devices()[:1])
-    state = step_lib.init_state_from(run, cfg.checkpoint.init_from)
-    start = forward(step_lib.model_params(state["params"], step_lib.load_frozen(run), run.cfg), tokens, run.cfg.model)
+    run = run_lib.setup(cfg, jax.devices()[:1])
+    state = state_lib.init_state_from(run, cfg.checkpoint.init_from)
+    start = forward(state_lib.model_params(state["params"], state_lib.load_frozen(run), run.cfg), tokens, run.cfg.model)
     assert np.abs(np.asarray(start) - theirs).max() <= 1e-4
 
 

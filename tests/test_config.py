@@ -167,13 +167,14 @@ def config_mutations(seed: int = 0) -> list[tuple[list[str], str]]:
 
 def test_config_fuzz_fails_before_compiling_with_one_line_naming_the_key(char_data, tmp_path, monkeypatch, capsys):
     from jaxlm import cli
-    from jaxlm.train import step as step_lib
+    from jaxlm.train import state as state_lib, step as step_lib
 
     def compiled(*args, **kwargs):
         raise AssertionError("a bad config got as far as compiling")
 
-    for name in ("init_state", "init_state_from", "make_train_step", "make_eval_step"):
-        monkeypatch.setattr(step_lib, name, compiled)
+    for module, name in ((state_lib, "init_state"), (state_lib, "init_state_from"), (step_lib, "make_train_step"),
+                         (step_lib, "make_eval_step")):
+        monkeypatch.setattr(module, name, compiled)
     base = ["shakespeare_char_cpu", f"data.dir={char_data}", "model.n_layers=2", "model.d_model=32",
             "model.n_heads=4", "model.block_size=32", "training.batch_size=8", "training.steps=20",
             "optimizer.warmup_steps=5", "logging.progress=false", "logging.tensorboard=false"]

@@ -14,7 +14,7 @@ import pytest
 from conftest import tiny_config, train_losses
 from jaxlm import config as config_lib, params as P, sharding
 from jaxlm.store import checkpoint as ckpt
-from jaxlm.train import loop as train, step as step_lib
+from jaxlm.train import batches as batch_lib, loop as train, run as run_lib, step as step_lib
 from jaxlm.config import ConfigError
 from jaxlm.data import loader as loader_lib
 from jaxlm.model import attention, loss_fn, param_specs, ring
@@ -41,9 +41,9 @@ def _packed(rng, B: int) -> dict[str, np.ndarray]:
 
 def _losses(char_data, tmp_path, devices, packed=False, steps=20, **overrides):
     def batch_of(rng, run):
-        batch = step_lib.device_batch(run, "train", loader_lib.Windows(rng.integers(0, 100_000, size=(1, 4))))
+        batch = batch_lib.device_batch(run, "train", loader_lib.Windows(rng.integers(0, 100_000, size=(1, 4))))
         if packed:
-            batch |= {k: step_lib.put_batch(run.mesh, v, 1, run.act_rules) for k, v in _packed(rng, 4).items()}
+            batch |= {k: batch_lib.put_batch(run.mesh, v, 1, run.act_rules) for k, v in _packed(rng, 4).items()}
         return batch
 
     return train_losses(tiny_config(char_data, tmp_path, **{**LLAMA, **overrides}), devices, batch_of, steps)
@@ -90,7 +90,7 @@ def test_zigzag_order_balances_causal_work():
 def _attention_collectives(char_data, method: str) -> set[tuple[str, str]]:
     """(op, result shape) of the compiled train step's collectives that the attention's shard_map issues."""
     cfg = tiny_config(char_data, None, **{**LLAMA, **CONTEXT4, "model.context_parallel": method})
-    run = step_lib.setup(cfg, jax.devices())
+    run = run_lib.setup(cfg, jax.devices())
     step = step_lib.make_train_step(run.cfg, run.optimizer, run.mesh, run.abstract_state, run.act_rules)
     hlo = step.lower(run.abstract_state, step_lib.abstract_batch(run)).compile().as_text()
     return set(re.findall(rf"= \(?([a-z0-9]+\[[0-9,]*\])[^=\n]*? (all-gather|collective-permute)(?:-start)?\("
@@ -237,7 +237,7 @@ def test_checkpoints_restore_across_context_layouts(char_data, tmp_path):
     for name in ("context", "one"):
         hashes = set()
         for mesh, devices in ((CONTEXT4, 8), ({"mesh.ici_data": 1}, 1), ({"mesh.ici_sequence": 8, "mesh.ici_data": 1}, 8)):
-            run = step_lib.setup(tiny_config(char_data, tmp_path / name, **common, **mesh), jax.devices()[:devices])
+            run = run_lib.setup(tiny_config(char_data, tmp_path / name, **common, **mesh), jax.devices()[:devices])
             hashes.add(_state_hash(ckpt.restore_newest(tmp_path / name, run.abstract_state, log=lambda s: None)[1]))
         assert len(hashes) == 1, name
 
@@ -251,10 +251,10 @@ def test_context_parallel_setting_errors_are_one_line(char_data, tmp_path):
         tiny_config(char_data, tmp_path, **{"model.dropout": 0.1, "mesh.ici_sequence": 4})
     # a sequence split through mesh.rules (or a -1 that fills the sequence axis) is refused when the run is set up
     with pytest.raises(ConfigError, match=r"model.dropout=0.1 .*\(the sequence split over 2 devices by the mesh"):
-        step_lib.setup(tiny_config(char_data, tmp_path, **{"model.dropout": 0.1, "model.attention": "dot_product",
-                                                        "mesh.ici_data": 2, "mesh.ici_fsdp": 1,
-                                                        "mesh.rules": "act.length=data;act.batch="}),
-                    jax.devices()[:2])
+        run_lib.setup(tiny_config(char_data, tmp_path, **{"model.dropout": 0.1, "model.attention": "dot_product",
+                                                       "mesh.ici_data": 2, "mesh.ici_fsdp": 1,
+                                                       "mesh.rules": "act.length=data;act.batch="}),
+                   jax.devices()[:2])
     with pytest.raises(ConfigError, match="model.block_size=36 must be a multiple of 8"):
         _losses(char_data, tmp_path, jax.devices(), steps=1,
                 **{**CONTEXT4, "model.block_size": 36, "model.sliding_window": None, "model.layer_pattern": "global"})

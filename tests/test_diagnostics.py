@@ -64,10 +64,10 @@ HANG_SCRIPT = """
 import sys, time
 from pathlib import Path
 from jaxlm import config as config_lib
-from jaxlm.train import loop as train, step as step_lib
+from jaxlm.train import batches as batch_lib, loop as train
 
 marker = Path(sys.argv[2])
-original_batch = step_lib.device_batch
+original_batch = batch_lib.device_batch
 calls = []
 
 def next_that_hangs(run, split, plan):  # the 4th training batch never comes (evaluation batches pass)
@@ -77,7 +77,7 @@ def next_that_hangs(run, split, plan):  # the 4th training batch never comes (ev
         time.sleep(600)  # HANG HERE
     return original_batch(run, split, plan)
 
-step_lib.device_batch = next_that_hangs
+batch_lib.device_batch = next_that_hangs
 train.train(config_lib.load(sys.argv[1]))
 """
 

@@ -13,7 +13,7 @@ import pytest
 from conftest import tiny_config
 from jaxlm import sharding
 from jaxlm.store import checkpoint as ckpt
-from jaxlm.train import loop as train, step as step_lib
+from jaxlm.train import batches as batch_lib, loop as train, run as run_lib, state as state_lib, step as step_lib
 from jaxlm.config import ConfigError, MeshConfig
 from jaxlm.data import loader as loader_lib
 from jaxlm.model import expert_parallel, layers, moe, transformer
@@ -185,14 +185,14 @@ def _uneven(params):
 
 def _losses(char_data, tmp_path, devices, steps=20, **overrides):
     cfg = tiny_config(char_data, tmp_path, **{**MIXTRAL, "training.batch_size": 16, **overrides})
-    run = step_lib.setup(cfg, devices)
-    state = step_lib.init_state(run, cfg.seed)
+    run = run_lib.setup(cfg, devices)
+    state = state_lib.init_state(run, cfg.seed)
     state["params"] = _uneven(state["params"])
     step = step_lib.make_train_step(run.cfg, run.optimizer, run.mesh, run.abstract_state, run.act_rules)
     rng = np.random.default_rng(0)
     losses, aux = [], None
     for i in range(steps):
-        batch = step_lib.device_batch(run, "train", loader_lib.Windows(rng.integers(0, 100_000, size=(1, 16))))
+        batch = batch_lib.device_batch(run, "train", loader_lib.Windows(rng.integers(0, 100_000, size=(1, 16))))
         if i == 0:
             with sharding.activation_sharding(run.mesh, run.act_rules):
                 aux = jax.jit(lambda p, t: transformer.forward_with_aux(p, t, run.cfg.model)[1])(
@@ -225,7 +225,7 @@ def test_checkpoints_restore_across_expert_layouts(char_data, tmp_path):
     def hashes(run_dir):
         out = set()
         for mesh, devices in ((ep, 8), ({"mesh.ici_data": 1}, 1)):
-            run = step_lib.setup(tiny_config(char_data, run_dir, **common, **mesh), jax.devices()[:devices])
+            run = run_lib.setup(tiny_config(char_data, run_dir, **common, **mesh), jax.devices()[:devices])
             out.add(_state_hash(ckpt.restore_newest(run_dir, run.abstract_state, log=lambda s: None)[1]))
         return out
 

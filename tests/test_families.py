@@ -177,7 +177,7 @@ def test_balancing_bias_moves_the_expert_loads_toward_balance(char_data, tmp_pat
     leave the load as skewed without the bias update (moe_bias_update_rate=0), and bring it towards balance
     with it; the biases move by exactly the rate per step, against the load."""
     from conftest import tiny_config
-    from jaxlm.train import step as step_lib
+    from jaxlm.train import batches as batch_lib, run as run_lib, state as state_lib, step as step_lib
     from jaxlm.data import loader as loader_lib
 
     skews = {}
@@ -187,15 +187,15 @@ def test_balancing_bias_moves_the_expert_loads_toward_balance(char_data, tmp_pat
             "model.router_balance_bias": True, "model.moe_bias_update_rate": rate, "model.glu": True,
             "model.activation": "silu", "optimizer.lr": 1e-7, "optimizer.min_lr": 0.0, "optimizer.warmup_steps": 0,
             "training.batch_size": 8})
-        run = step_lib.setup(cfg, jax.devices()[:1])
-        state = step_lib.init_state(run, cfg.seed)
+        run = run_lib.setup(cfg, jax.devices()[:1])
+        state = state_lib.init_state(run, cfg.seed)
         p = state["params"]
         # Routers 10x their init (tokens choose differently), tilted towards expert 0 by a constant feature.
         p["embed"]["tokens"] = p["embed"]["tokens"].at[:, 0].set(0.03)
         p["layers"]["mlp"]["router"] = (10 * p["layers"]["mlp"]["router"]).at[:, 0, 0].add(1.5)
         step = step_lib.make_train_step(run.cfg, run.optimizer, run.mesh, run.abstract_state, run.act_rules)
         rng = np.random.default_rng(0)
-        batches = [step_lib.device_batch(run, "train", loader_lib.Windows(rng.integers(0, 100_000, size=(1, 8))))
+        batches = [batch_lib.device_batch(run, "train", loader_lib.Windows(rng.integers(0, 100_000, size=(1, 8))))
                    for _ in range(30)]
         held_out = jnp.concatenate([b["inputs"][0] for b in batches[:4]])
         before = _loads(run, state["params"], held_out)

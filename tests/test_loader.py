@@ -12,7 +12,8 @@ import pytest
 
 from conftest import tiny_config, xla_flags
 from jaxlm import config as config_lib, sharding
-from jaxlm.train import aot, objectives, saved_step, step as step_lib, loop as train
+from jaxlm.train import (aot, batches as batch_lib, loop as train, objectives, run as run_lib, saved_step,
+                         state as state_lib, step as step_lib)
 from jaxlm.config import ConfigError
 from jaxlm.data import loader as loader_lib, packing, shards
 from jaxlm.data.prepare import DataError
@@ -164,15 +165,15 @@ def test_streams_read_disjoint_documents_and_resume_exactly(docs_data):
 def _run(data, tmp_path, devices=None, **overrides):
     cfg = tiny_config(data, tmp_path, **{"model.compute_dtype": "float32", "model.block_size": 16,
                                          "data.packing": True, **overrides})
-    return step_lib.setup(cfg, devices or jax.devices()[:1])
+    return run_lib.setup(cfg, devices or jax.devices()[:1])
 
 
 def test_each_document_in_a_packed_row_gets_its_own_logits(docs_data, tmp_path):
     docs, _, plain, _ = docs_data
     run = _run(plain, tmp_path)
-    params = step_lib.init_state(run, 0)["params"]
-    plan = step_lib.make_loader(run).next()
-    batch = jax.device_get(step_lib.device_batch(run, "train", plan))
+    params = state_lib.init_state(run, 0)["params"]
+    plan = batch_lib.make_loader(run).next()
+    batch = jax.device_get(batch_lib.device_batch(run, "train", plan))
     b = {k: v[0] for k, v in batch.items()}
     logits = np.asarray(forward(params, b["inputs"], run.cfg.model, positions_BT=b["positions"],
                                 segment_ids_BT=b["segment_ids"]))
@@ -199,9 +200,9 @@ def _loss_and_grads(run, params, batch):
 def test_a_masked_target_changes_no_gradient(docs_data, tmp_path):
     _, _, _, masked = docs_data
     run = _run(masked, tmp_path)
-    assert step_lib.batch_keys(run.cfg) == ("inputs", "targets", "positions", "segment_ids", "weights")
-    params = step_lib.init_state(run, 0)["params"]
-    batch = jax.device_get(step_lib.device_batch(run, "train", step_lib.make_loader(run).next()))
+    assert run_lib.batch_keys(run.cfg) == ("inputs", "targets", "positions", "segment_ids", "weights")
+    params = state_lib.init_state(run, 0)["params"]
+    batch = jax.device_get(batch_lib.device_batch(run, "train", batch_lib.make_loader(run).next()))
     grads = jax.jit(lambda p, b: _loss_and_grads(run, p, b))
     loss, g = grads(params, batch)
     zero = np.argwhere(batch["weights"] == 0)
@@ -222,18 +223,18 @@ def test_accumulation_and_devices_average_exactly_over_counted_tokens(docs_data,
     equal 1, in the loss and in every gradient."""
     _, _, _, masked = docs_data
     one = _run(masked, tmp_path / "a", **{"training.grad_accum": 4, "training.batch_size": 2})
-    batch = {k: np.array(v) for k, v in jax.device_get(step_lib.device_batch(one, "train",
-                                                                           step_lib.make_loader(one).next())).items()}
+    batch = {k: np.array(v) for k, v in jax.device_get(batch_lib.device_batch(one, "train",
+                                                                           batch_lib.make_loader(one).next())).items()}
     batch["weights"][0] = 0  # micro-batch 0 counts nothing, micro-batch 1 one token, 2 and 3 their mask
     batch["weights"][1] = 0
     batch["weights"][1, 0, 3] = 1
     counts = batch["weights"].sum(axis=(1, 2))
     assert counts[0] == 0 and counts[1] == 1 and counts[2] > 10
-    params = jax.device_get(step_lib.init_state(one, 0)["params"])
+    params = jax.device_get(state_lib.init_state(one, 0)["params"])
 
     def result(run, b):
         fn = jax.jit(lambda p, x: _loss_and_grads(run, p, x))
-        p = jax.device_put(params, step_lib.shardings_of(run.abstract_state["params"]))
+        p = jax.device_put(params, state_lib.shardings_of(run.abstract_state["params"]))
         with sharding.activation_sharding(run.mesh, run.act_rules):
             loss, g = fn(p, b)
         return float(loss), np.concatenate([np.ravel(x) for x in jax.tree.leaves(jax.device_get(g))])
@@ -261,16 +262,16 @@ def test_accumulation_and_devices_average_exactly_over_counted_tokens(docs_data,
 def test_settings_that_cannot_work_fail_in_one_line(docs_data, char_data, tmp_path):
     _, _, plain, masked = docs_data
     with pytest.raises(DataError, match="data.packing=true needs document boundaries"):
-        step_lib.setup(tiny_config(char_data, tmp_path, **{"data.packing": True}), jax.devices()[:1])
+        run_lib.setup(tiny_config(char_data, tmp_path, **{"data.packing": True}), jax.devices()[:1])
     with pytest.raises(DataError, match="data.loss_mask=on but .* has no loss mask"):
         _run(plain, tmp_path, **{"data.loss_mask": "on"})
     with pytest.raises(ConfigError, match="data.loss_mask='yes' is not allowed"):
         tiny_config(masked, tmp_path, **{"data.loss_mask": "yes"})
     assert _run(masked, tmp_path).cfg.data.loss_mask == "on"
-    assert step_lib.batch_keys(_run(masked, tmp_path, **{"data.loss_mask": "off"}).cfg) == (
+    assert run_lib.batch_keys(_run(masked, tmp_path, **{"data.loss_mask": "off"}).cfg) == (
         "inputs", "targets", "positions", "segment_ids", "weights")
-    assert step_lib.batch_keys(_run(masked, tmp_path, **{"data.packing": False}).cfg) == ("inputs", "targets", "weights")
-    assert step_lib.batch_keys(_run(plain, tmp_path, **{"data.packing": False}).cfg) == ("inputs", "targets")
+    assert run_lib.batch_keys(_run(masked, tmp_path, **{"data.packing": False}).cfg) == ("inputs", "targets", "weights")
+    assert run_lib.batch_keys(_run(plain, tmp_path, **{"data.packing": False}).cfg) == ("inputs", "targets")
 
 
 def test_a_saved_step_records_the_batch_arrays_and_refuses_others(docs_data, tmp_path):
@@ -289,10 +290,10 @@ KILL_DURING_PACKED_RUN = """
 import json, os, signal, sys, time
 from pathlib import Path
 from jaxlm import config as config_lib
-from jaxlm.train import loop as train, step as step_lib
+from jaxlm.train import batches as batch_lib, loop as train
 
 cfg = config_lib.from_dict(json.loads(sys.argv[1]))
-run_dir, real, n = Path(cfg.run_dir), step_lib.device_batch, [0]
+run_dir, real, n = Path(cfg.run_dir), batch_lib.device_batch, [0]
 
 def batch(run, split, plan):
     if len(plan.shape) == 2:  # the loop's batches; evaluation's are [B]
@@ -303,7 +304,7 @@ def batch(run, split, plan):
             os.kill(os.getpid(), signal.SIGKILL)
     return real(run, split, plan)
 
-step_lib.device_batch = batch
+batch_lib.device_batch = batch
 train.train(cfg, log=lambda s: None)
 """
 
@@ -336,13 +337,13 @@ PACKED_READER = """
 import json, sys
 import numpy as np
 from jaxlm.launch import distributed
-from jaxlm.train import loop as train, step as step_lib
+from jaxlm.train import batches as batch_lib, loop as train, run as run_lib
 from jaxlm.config import DistributedConfig, apply_overrides, Config
 distributed.initialize(DistributedConfig())
 cfg = apply_overrides(Config(), {"data.dir": sys.argv[1], "data.packing": True, "model.block_size": 16,
                                  "model.n_layers": 1, "model.d_model": 16, "model.n_heads": 2, "model.vocab_size": 64,
                                  "training.batch_size": 8, "run_dir": sys.argv[2]})
-run = step_lib.setup(cfg)
+run = run_lib.setup(cfg)
 split = run.dataset.splits["train"]
 read = set()
 
@@ -356,9 +357,9 @@ class Recording:
         return self.data.take(idx, mask)
 
 run.dataset.splits["train"] = Recording(split)
-loader = step_lib.make_loader(run)
+loader = batch_lib.make_loader(run)
 for _ in range(3):
-    batch = step_lib.device_batch(run, "train", loader.next())
+    batch = batch_lib.device_batch(run, "train", loader.next())
     assert batch["inputs"].shape == (1, 8, 16)
 print("DOCS", json.dumps(sorted(int(d) for d in read)))
 """
@@ -389,13 +390,13 @@ def test_a_mixture_draws_rows_by_weight_and_resumes_exactly(docs_data, tmp_path)
     other_docs = {"train": [rng.integers(1, VOCAB, 20) for _ in range(30)], "val": [rng.integers(1, VOCAB, 20)] * 3}
     other = write_dataset(tmp_path / "other", other_docs)
     run = _run(plain, tmp_path, **{"data.mixture": f"{plain}:3,{other}:1", "training.grad_accum": 2})
-    loader = step_lib.make_loader(run)
+    loader = batch_lib.make_loader(run)
     plans = [loader.next() for _ in range(40)]
     sources = np.array([s for p in plans for s, _ in p.items])
     assert 0.68 < np.mean(sources == 0) < 0.82  # 640 rows drawn 3:1
     # Rows of the second source hold its documents, read from its own shards.
     plan = plans[0]
-    b = jax.device_get(step_lib.device_batch(run, "train", plan))
+    b = jax.device_get(batch_lib.device_batch(run, "train", plan))
     tokens = [np.concatenate(docs["train"]), np.concatenate(other_docs["train"])]
     assert set(s for s, _ in plan.items) == {0, 1}
     for flat, (s, pieces) in enumerate(plan.items):
@@ -405,18 +406,18 @@ def test_a_mixture_draws_rows_by_weight_and_resumes_exactly(docs_data, tmp_path)
             np.testing.assert_array_equal(row[col:col + n], tokens[s][start:start + n])
             col += length
     windows = _run(plain, tmp_path, **{"data.mixture": f"{plain}:3,{other}:1", "data.packing": False})
-    plan = step_lib.make_loader(windows).next()
-    b = jax.device_get(step_lib.device_batch(windows, "train", plan))
+    plan = batch_lib.make_loader(windows).next()
+    b = jax.device_get(batch_lib.device_batch(windows, "train", plan))
     for flat, (s, start) in enumerate(plan.items):
         np.testing.assert_array_equal(b["targets"].reshape(-1, 16)[flat], tokens[s][start + 1:start + 17])
     state = json.loads(json.dumps(loader.state()))
     expected = [loader.next().items for _ in range(5)]
-    again = step_lib.make_loader(run)
+    again = batch_lib.make_loader(run)
     again.restore(state)
     assert [again.next().items for _ in range(5)] == expected
     with pytest.raises(DataError, match="data.mixture's weights"):
-        step_lib.make_loader(_run(plain, tmp_path, **{"data.mixture": f"{plain}:1,{other}:1",
-                                                   "training.grad_accum": 2})).restore(state)
+        batch_lib.make_loader(_run(plain, tmp_path, **{"data.mixture": f"{plain}:1,{other}:1",
+                                                    "training.grad_accum": 2})).restore(state)
     meta = json.loads((other / "meta.json").read_text())
     shards.write_meta(other, dict(meta, tokenizer={"kind": "char", "chars": "ab"}))
     with pytest.raises(DataError, match="different tokenizers"):

@@ -15,7 +15,7 @@ from jaxlm import cli, config as config_lib, params as P, sharding
 from jaxlm.store import checkpoint as ckpt, convert
 from jaxlm.model import lora, quant
 from jaxlm.train import objectives
-from jaxlm.train import step as step_lib, loop as train
+from jaxlm.train import loop as train, run as run_lib, state as state_lib, step as step_lib
 from jaxlm.model import forward, layers, param_specs
 
 VOCAB = 66  # the characters of the corpus (65) and one more, so that tensor parallelism splits it
@@ -45,12 +45,12 @@ def random_batch(rng, A=1, B=8, T=32):
 
 def test_starts_as_the_base_and_only_adapters_train(char_data, tmp_path):
     base_cfg, base_params = make_base(tmp_path / "base")
-    run = step_lib.setup(lora_run(char_data, tmp_path, tmp_path / "base", **{"optimizer.lr": 1e-2}),
-                         jax.devices()[:1])
-    state = step_lib.init_state(run, 0)
-    frozen = step_lib.load_frozen(run)
+    run = run_lib.setup(lora_run(char_data, tmp_path, tmp_path / "base", **{"optimizer.lr": 1e-2}),
+                        jax.devices()[:1])
+    state = state_lib.init_state(run, 0)
+    frozen = state_lib.load_frozen(run)
     tokens = np.random.default_rng(0).integers(0, VOCAB, (2, 32))
-    adapted = forward(step_lib.model_params(state["params"], frozen, run.cfg), tokens, run.cfg.model)
+    adapted = forward(state_lib.model_params(state["params"], frozen, run.cfg), tokens, run.cfg.model)
     assert np.array_equal(np.asarray(adapted), np.asarray(forward(base_params, tokens, run.cfg.model)))
 
     before = jax.tree.map(np.array, frozen)
@@ -75,11 +75,11 @@ def test_adapter_gradients_are_the_chain_rule(char_data, tmp_path):
     make_base(tmp_path / "base", glu=True, activation="silu")
     cfg = lora_run(char_data, tmp_path, tmp_path / "base", **{"model.glu": True, "model.activation": "silu",
                                                                "lora.rank": 3, "lora.alpha": 6.0})
-    run = step_lib.setup(cfg, jax.devices()[:1])
-    frozen = step_lib.load_frozen(run)
+    run = run_lib.setup(cfg, jax.devices()[:1])
+    frozen = state_lib.load_frozen(run)
     key = jax.random.key(3)
     adapters = jax.tree.map(lambda a: 0.1 * jax.random.normal(jax.random.fold_in(key, a.size), a.shape),
-                            step_lib.init_state(run, 0)["params"])  # B != 0, so that A's gradient is not zero
+                            state_lib.init_state(run, 0)["params"])  # B != 0, so that A's gradient is not zero
     batch = random_batch(np.random.default_rng(2))
     objective = objectives.get("next_token")
     (_, _), grads = step_lib.loss_and_grads(objective, adapters, batch, run.cfg, None, frozen)
@@ -115,13 +115,13 @@ def test_run_resumes_exactly_and_loads_merged(char_data, tmp_path):
     assert sorted(a) == list(range(1, 13)) and a == b
 
     # The checkpoint holds adapters only; loading the run merges them into the base it points at.
-    run = step_lib.setup(whole, jax.devices()[:1])
+    run = run_lib.setup(whole, jax.devices()[:1])
     restored = ckpt.restore_newest(tmp_path / "whole" / "run", run.abstract_state, print)
     adapters = restored[1]["params"]
     assert set(adapters["layers"]["attn"]) == {"q", "k", "v", "o"}
     model = jaxlm.load(tmp_path / "whole" / "run")
     tokens = np.random.default_rng(0).integers(0, VOCAB, (2, 32))
-    want = forward(step_lib.model_params(adapters, step_lib.load_frozen(run), run.cfg), tokens, run.cfg.model)
+    want = forward(state_lib.model_params(adapters, state_lib.load_frozen(run), run.cfg), tokens, run.cfg.model)
     np.testing.assert_allclose(model.logits(tokens), np.asarray(want), atol=1e-5)
 
 
@@ -144,8 +144,8 @@ def test_quantized_base_stays_close_and_trains(mode, tolerance, char_data, tmp_p
     _, base_params = make_base(tmp_path / "base", d_model=64, n_heads=4)
     cfg = lora_run(char_data, tmp_path, tmp_path / "base", **{"model.d_model": 64, "lora.base_quantization": mode,
                                                                "optimizer.lr": 1e-2})
-    run = step_lib.setup(cfg, jax.devices()[:1])
-    frozen = step_lib.load_frozen(run)
+    run = run_lib.setup(cfg, jax.devices()[:1])
+    frozen = state_lib.load_frozen(run)
     kind = quant.QWeight if mode == "int8" else quant.NF4Weight
     assert isinstance(frozen["layers"]["attn"]["q"], kind) and isinstance(frozen["layers"]["mlp"]["down"], kind)
     stored = quant.nbytes(frozen["layers"]) / quant.nbytes(base_params["layers"])
@@ -155,7 +155,7 @@ def test_quantized_base_stays_close_and_trains(mode, tolerance, char_data, tmp_p
         back = np.asarray(quant.dequantize_base(frozen["layers"][blk][name], jnp.float32))
         rel = np.sqrt(np.mean((back - w) ** 2)) / np.std(w)
         assert rel < tolerance, (blk, name, rel)
-    state = step_lib.init_state(run, 0)
+    state = state_lib.init_state(run, 0)
     step = step_lib.make_train_step(run.cfg, run.optimizer, run.mesh, run.abstract_state, run.act_rules)
     rng = np.random.default_rng(0)
     batch = random_batch(rng)

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import tiny_config
 from jaxlm import config as config_lib
-from jaxlm.train import metrics, loop as train, step as step_lib
+from jaxlm.train import loop as train, metrics, run as run_lib
 from jaxlm.model import param_specs
 
 
@@ -147,4 +147,4 @@ def test_wandb_missing_is_a_config_error(char_data, tmp_path, monkeypatch):
 
     monkeypatch.setattr(builtins, "__import__", no_wandb)
     with pytest.raises(config_lib.ConfigError, match=r"logging.wandb=true needs the wandb package"):
-        step_lib.setup(tiny_config(char_data, tmp_path / "r", **{"logging.wandb": True}), jax.devices()[:1])
+        run_lib.setup(tiny_config(char_data, tmp_path / "r", **{"logging.wandb": True}), jax.devices()[:1])

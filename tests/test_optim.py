@@ -14,7 +14,7 @@ import pytest
 
 from conftest import tiny_config, train_losses
 from jaxlm import config as config_lib, params as P, sharding
-from jaxlm.train import optim, step as step_lib, loop as train
+from jaxlm.train import batches as batch_lib, loop as train, optim, run as run_lib, state as state_lib, step as step_lib
 from jaxlm.config import ConfigError, ModelConfig, OptimizerConfig
 from jaxlm.data import loader as loader_lib
 from jaxlm.model import attention, latent, param_specs, transformer
@@ -190,7 +190,7 @@ def test_bad_optimizer_settings_fail_in_one_line():
 def _muon_run(char_data, tmp_path, devices, **overrides):
     def batch_of(rng, run):  # the same rows on every layout: two accumulated micro-batches of 8
         starts = rng.integers(0, 100_000, size=16).reshape(2, 8)
-        return step_lib.device_batch(run, "train", loader_lib.Windows(starts))
+        return batch_lib.device_batch(run, "train", loader_lib.Windows(starts))
 
     cfg = tiny_config(char_data, tmp_path, **{"model.vocab_size": 128, "optimizer.name": "muon",
                                               "optimizer.lr": 3e-3, "training.grad_accum": 2, **overrides})
@@ -212,7 +212,7 @@ def test_sharded_muon_equals_one_device(scan, layers, char_data, tmp_path):
     steps' losses and the weights equal one device's."""
     settings = {"model.scan_layers": scan, "model.n_layers": layers}
     mesh = {"mesh.ici_data": 1, "mesh.ici_fsdp": 4, "mesh.ici_tensor": 2}
-    run = step_lib.setup(tiny_config(char_data, None, **settings, **mesh, **{"model.vocab_size": 128}), jax.devices())
+    run = run_lib.setup(tiny_config(char_data, None, **settings, **mesh, **{"model.vocab_size": 128}), jax.devices())
     q = "['layers']['attn']['q']"
     stack, home = optim.ns_layout(optim.muon_matrices(run.specs)[q], run.specs["layers"]["attn"]["q"], run.mesh,
                                   run.param_rules)
@@ -245,7 +245,7 @@ WSD = {"optimizer.name": "muon", "optimizer.schedule": "wsd", "optimizer.cooldow
 def stop_at_step(monkeypatch, step: int):
     """SIGTERM to this process while the loop fetches the batch of `step` (1-based): the run saves that step and
     returns, as a preempted (or killed with a warning) run does."""
-    real, n = step_lib.device_batch, [0]
+    real, n = batch_lib.device_batch, [0]
 
     def batch(run, split, plan):
         if len(plan.shape) == 2:  # the loop's [grad_accum, batch]; evaluation passes [batch]
@@ -254,13 +254,13 @@ def stop_at_step(monkeypatch, step: int):
                 os.kill(os.getpid(), signal.SIGTERM)
         return real(run, split, plan)
 
-    monkeypatch.setattr(step_lib, "device_batch", batch)
+    monkeypatch.setattr(batch_lib, "device_batch", batch)
 
 
 def restored(cfg, run_dir):
     from jaxlm.store import checkpoint as ckpt
 
-    run = step_lib.setup(cfg)
+    run = run_lib.setup(cfg)
     return jax.device_get(ckpt.restore_newest(run_dir, run.abstract_state, log=quiet)[1])
 
 
@@ -410,8 +410,8 @@ def test_train_step_with_qk_clip_logs_each_layer_and_clips_after_the_update(char
     runs = {}
     for name, clip in (("plain", 0.0), ("clip", 1.5)):
         cfg = tiny_config(char_data, tmp_path, **base, **{"optimizer.qk_clip": clip})
-        run = step_lib.setup(cfg, jax.devices()[:1])
-        state = step_lib.init_state(run, 0)
+        run = run_lib.setup(cfg, jax.devices()[:1])
+        state = state_lib.init_state(run, 0)
         state["params"]["layers"]["attn"] = {**state["params"]["layers"]["attn"], **{
             n: state["params"]["layers"]["attn"][n] * 6 for n in ("q", "k")}}
         step = step_lib.make_train_step(run.cfg, run.optimizer, run.mesh, run.abstract_state, run.act_rules)

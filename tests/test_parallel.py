@@ -21,7 +21,7 @@ import pytest
 from conftest import tiny_config, train_losses, xla_flags
 from jaxlm import config as config_lib, sharding
 from jaxlm.store import checkpoint as ckpt
-from jaxlm.train import loop as train, step as step_lib
+from jaxlm.train import batches as batch_lib, loop as train, run as run_lib, state as state_lib, step as step_lib
 from jaxlm.config import ConfigError
 from jaxlm.data import loader as loader_lib
 from jaxlm.model import pipeline
@@ -58,7 +58,7 @@ def test_schedule_runs_every_chunk_once_in_order(S, M, R):
 def _losses(char_data, tmp_path, devices, steps=20, **overrides):
     def batch_of(rng, run):  # the same 16 rows each step: two accumulated micro-batches of 8, or one batch
         starts = rng.integers(0, 100_000, size=16).reshape(run.cfg.training.grad_accum, -1)
-        return step_lib.device_batch(run, "train", loader_lib.Windows(starts))
+        return batch_lib.device_batch(run, "train", loader_lib.Windows(starts))
 
     cfg = tiny_config(char_data, tmp_path, **{"model.vocab_size": 128, "model.n_layers": LAYERS, **overrides})
     return train_losses(cfg, devices, batch_of, steps)
@@ -107,8 +107,8 @@ def test_pipeline_loss_and_grads_match_for_families(family, char_data, tmp_path)
         cfg = tiny_config(char_data, tmp_path, **{"model.vocab_size": 128, "model.n_layers": LAYERS,
                                                   **FAMILIES[family], **mesh})
         devices = jax.devices()[:1] if mesh["mesh.ici_data"] == 1 else jax.devices()
-        run = step_lib.setup(cfg, devices)
-        state = step_lib.init_state(run, 0)
+        run = run_lib.setup(cfg, devices)
+        state = state_lib.init_state(run, 0)
         rng = np.random.default_rng(1)
         tokens = rng.integers(0, 128, size=(8, 32)).astype(np.int32)
         segments = np.cumsum(rng.random((8, 32)) < 0.1, axis=1).astype(np.int32)
@@ -145,7 +145,7 @@ def test_checkpoints_restore_across_pipeline_layouts(char_data, tmp_path):
                ({"mesh.ici_data": 1, "mesh.ici_fsdp": 2, "mesh.ici_stage": 2}, 4))
     hashes = set()
     for mesh, devices in layouts:
-        run = step_lib.setup(tiny_config(char_data, tmp_path / "piped", **common, **mesh), jax.devices()[:devices])
+        run = run_lib.setup(tiny_config(char_data, tmp_path / "piped", **common, **mesh), jax.devices()[:devices])
         hashes.add(_state_hash(ckpt.restore_newest(tmp_path / "piped", run.abstract_state, log=lambda s: None)[1]))
     assert len(hashes) == 1
     # The pipelined run's step-10 checkpoint, resumed without a pipeline.
@@ -161,7 +161,7 @@ def _collectives(char_data, overrides: dict) -> dict[str, list[str]]:
     """The compiled train step's collectives: op name -> the shapes of their results."""
     cfg = tiny_config(char_data, None, **{"model.vocab_size": 128, "model.n_layers": LAYERS,
                                           "training.batch_size": 16, **overrides})
-    run = step_lib.setup(cfg, jax.devices())
+    run = run_lib.setup(cfg, jax.devices())
     step = step_lib.make_train_step(run.cfg, run.optimizer, run.mesh, run.abstract_state, run.act_rules)
     hlo = step.lower(run.abstract_state, step_lib.abstract_batch(run)).compile().as_text()
     found: dict[str, list[str]] = {}
@@ -290,7 +290,7 @@ def _stacked_activations(char_data, overrides: dict, pipe: tuple[int, int]) -> i
     cfg = tiny_config(char_data, None, **{"model.vocab_size": 128, "model.n_layers": LAYERS, "model.block_size": T,
                                           "model.d_model": D, "model.remat": "full", "training.batch_size": 16,
                                           **overrides})
-    run = step_lib.setup(cfg, jax.devices())
+    run = run_lib.setup(cfg, jax.devices())
     tokens = jax.ShapeDtypeStruct((16, T), np.int32)
 
     def f(params, tokens_BT):

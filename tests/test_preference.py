@@ -12,8 +12,9 @@ import pytest
 
 from conftest import require, tiny_config
 from jaxlm import cli, config as config_lib
-from jaxlm.train import objectives, reference, step as step_lib, loop as train
-from jaxlm.data import bpe, preference, prepare, shards, tokenizer
+from jaxlm.train import (batches as batch_lib, loop as train, objectives, reference, run as run_lib, state as state_lib,
+                         step as step_lib)
+from jaxlm.data import bpe, loader as loader_lib, preference, prepare, shards, tokenizer
 from jaxlm.data.prepare import DataError
 
 TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}"
@@ -194,7 +195,7 @@ def test_rows_hold_whole_pairs_as_two_segments(pairs_data, packed):
     seen = []
     for _ in range(4):
         plan = loader.next()
-        b = plan.read(split, (slice(None), slice(None)), slice(None), step_lib.loader_lib.batch_keys(True, True), T)
+        b = plan.read(split, (slice(None), slice(None)), slice(None), loader_lib.batch_keys(True, True), T)
         rows = plan.rows(split, np.arange(2 * B), T)
         for r in range(2 * B):
             tokens, seg, pos = rows["tokens"][r], rows["segment_ids"][r], rows["positions"][r]
@@ -300,7 +301,7 @@ def preference_run(folder, data, run_dir, devices=None, **settings):
         "training.steps": 10, "training.eval_interval": 5, "training.eval_batches": 1, "training.log_interval": 1,
         "training.sample_tokens": 0, "optimizer.warmup_steps": 1, "optimizer.lr": 1e-3, "logging.progress": False,
         "logging.tensorboard": False, "data.packing": True, **settings})
-    return step_lib.setup(cfg, devices or jax.devices()[:1])
+    return run_lib.setup(cfg, devices or jax.devices()[:1])
 
 
 @pytest.mark.parametrize("objective", ["dpo", "ipo", "orpo"])
@@ -313,12 +314,12 @@ def test_first_step_equals_pytorch_on_the_same_model(hf_pair, tmp_path, objectiv
     beta, eps, lam = 0.2, 0.1 if objective == "dpo" else 0.0, 0.3
     run = preference_run(d / "policy-jx", data, tmp_path / "run", **{
         "training.objective": objective, "dpo.beta": beta, "dpo.label_smoothing": eps, "orpo.lambda": lam})
-    state = step_lib.init_state_from(run, str(d / "policy-jx"))
-    if step_lib.reference_in_batch(run.cfg):  # the reference pass, run with the other model
+    state = state_lib.init_state_from(run, str(d / "policy-jx"))
+    if run_lib.reference_in_batch(run.cfg):  # the reference pass, run with the other model
         run.reference = reference.compute(run, convert.restore_params(str(d / "reference-jx"),
                                                                       run.abstract_state["params"]), lambda s: None)
-    plan = step_lib.make_loader(run).next()
-    batch = step_lib.device_batch(run, "train", plan)
+    plan = batch_lib.make_loader(run).next()
+    batch = batch_lib.device_batch(run, "train", plan)
     step = step_lib.make_train_step(run.cfg, run.optimizer, run.mesh, run.abstract_state, run.act_rules)
     _, got = step(state, batch)
 
@@ -353,25 +354,25 @@ def test_a_lora_run_takes_its_base_as_the_reference(hf_pair, tmp_path):
     d, _, data = hf_pair
     settings = {"training.objective": "dpo", "dpo.beta": 0.5}
     run = preference_run(d / "policy-jx", data, tmp_path / "lora", **settings, **{"lora.rank": 4, "lora.alpha": 8.0})
-    assert not step_lib.reference_in_batch(run.cfg) and "ref_logps" not in step_lib.batch_keys(run.cfg)
-    state, frozen = step_lib.init_state_from(run, str(d / "policy-jx")), step_lib.load_frozen(run)
-    plan = step_lib.make_loader(run).next()
+    assert not run_lib.reference_in_batch(run.cfg) and "ref_logps" not in run_lib.batch_keys(run.cfg)
+    state, frozen = state_lib.init_state_from(run, str(d / "policy-jx")), state_lib.load_frozen(run)
+    plan = batch_lib.make_loader(run).next()
     step = step_lib.make_train_step(run.cfg, run.optimizer, run.mesh, run.abstract_state, run.act_rules)
-    _, first = step(jax.tree.map(jax.numpy.copy, state), step_lib.device_batch(run, "train", plan), frozen)
+    _, first = step(jax.tree.map(jax.numpy.copy, state), batch_lib.device_batch(run, "train", plan), frozen)
     assert abs(float(first["loss"]) - math.log(2)) < 1e-6 and float(first["rewards/chosen"]) == 0
 
     key = jax.random.key(3)
     adapters = jax.tree.map(lambda a: 0.2 * jax.random.normal(jax.random.fold_in(key, a.size), a.shape),
                             state["params"])
     merged = lora.merge(frozen, adapters, run.cfg)
-    _, got = step(dict(state, params=adapters), step_lib.device_batch(run, "train", plan), frozen)
+    _, got = step(dict(state, params=adapters), batch_lib.device_batch(run, "train", plan), frozen)
     full = preference_run(d / "policy-jx", data, tmp_path / "full", **settings)
     full.reference = reference.compute(full, convert.restore_params(str(d / "policy-jx"),
                                                                     full.abstract_state["params"]), lambda s: None)
-    full_state = step_lib.init_state_from(full, str(d / "policy-jx"))
+    full_state = state_lib.init_state_from(full, str(d / "policy-jx"))
     full_state = dict(full_state, params=merged)
     full_step = step_lib.make_train_step(full.cfg, full.optimizer, full.mesh, full.abstract_state, full.act_rules)
-    _, want = full_step(full_state, step_lib.device_batch(full, "train", plan))
+    _, want = full_step(full_state, batch_lib.device_batch(full, "train", plan))
     assert abs(float(want["rewards/margins"])) > 0.01
     for k in ("loss", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected"):
         assert abs(float(got[k]) - float(want[k])) < 1e-4, (k, got[k], want[k])
@@ -385,7 +386,7 @@ def small_config(data, run_dir, **settings):
 
 
 def small_run(data, run_dir, devices=None, **settings):
-    return step_lib.setup(small_config(data, run_dir, **settings), devices or jax.devices()[:1])
+    return run_lib.setup(small_config(data, run_dir, **settings), devices or jax.devices()[:1])
 
 
 @pytest.mark.slow
@@ -402,26 +403,26 @@ def test_accumulation_and_eight_devices_give_the_one_device_steps(pairs_data, tm
     runs = {name: small_run(pairs_data, tmp_path / name, devices, **{"training.objective": objective, **settings})
             for name, (settings, devices) in layouts.items()}
     one = runs["one"]
-    plans = [step_lib.make_loader(one).next() for _ in range(4)]
-    if step_lib.reference_in_batch(one.cfg):
+    plans = [batch_lib.make_loader(one).next() for _ in range(4)]
+    if run_lib.reference_in_batch(one.cfg):
         start = P.init(one.specs, jax.random.key(one.cfg.seed), one.mesh, one.param_rules)
         for name, run in runs.items():
-            run.reference = reference.compute(run, jax.device_put(start, step_lib.shardings_of(
+            run.reference = reference.compute(run, jax.device_put(start, state_lib.shardings_of(
                 run.abstract_state["params"])), lambda s: None)
         for split in ("train", "val"):
             np.testing.assert_allclose(runs["fsdp"].reference[split], one.reference[split], atol=1e-5)
-    keys = step_lib.batch_keys(one.cfg)
+    keys = run_lib.batch_keys(one.cfg)
     split = one.dataset.splits["train"]
     results = {}
     for name, run in runs.items():
-        state = step_lib.init_state(run, run.cfg.seed)
+        state = state_lib.init_state(run, run.cfg.seed)
         step = step_lib.make_train_step(run.cfg, run.optimizer, run.mesh, run.abstract_state, run.act_rules)
         A, B = run.cfg.training.grad_accum, run.cfg.training.batch_size
         out = []
         for plan in plans:
             host = plan.read(split, (slice(None), slice(None)), slice(None), keys, 48,
                              **({"reference": one.reference["train"]} if "ref_logps" in keys else {}))
-            batch = {k: step_lib.put_batch(run.mesh, v.reshape(A, B, 48), 1, run.act_rules) for k, v in host.items()}
+            batch = {k: batch_lib.put_batch(run.mesh, v.reshape(A, B, 48), 1, run.act_rules) for k, v in host.items()}
             state, m = step(state, batch)
             out.append(jax.device_get(m))
         results[name] = out

@@ -14,7 +14,7 @@ from conftest import tiny_config
 from jaxlm import cli, config as config_lib
 from jaxlm.eval import heldout as evaluate
 from jaxlm.model import quant
-from jaxlm.train import loop as train, step as step_lib
+from jaxlm.train import loop as train, run as run_lib, state as state_lib, step as step_lib
 from jaxlm.config import ConfigError
 from jaxlm.model import forward
 
@@ -128,8 +128,8 @@ def test_fp8_matches_e4m3_e5m2_reference():
 @pytest.mark.slow
 def test_model_paths(char_data):
     cfg = tiny_config(char_data, **{"model.vocab_size": 65, "model.quant_logits": True})
-    run = step_lib.setup(cfg, jax.devices()[:1])
-    params = step_lib.init_state(run, 0)["params"]
+    run = run_lib.setup(cfg, jax.devices()[:1])
+    params = state_lib.init_state(run, 0)["params"]
     tokens = jax.random.randint(jax.random.key(1), (2, 32), 0, 65)
     ref = forward(params, tokens, cfg.model)
     for mode, tol in [("int8", 0.02), ("fp8", 0.1), ("int8_weights", 0.01)]:
@@ -151,7 +151,7 @@ def test_model_paths(char_data):
 
 def test_int8_train_step_hlo_has_integer_dots(char_data):
     cfg = tiny_config(char_data, **{"model.quantization": "int8", "model.vocab_size": 65})
-    run = step_lib.setup(cfg, jax.devices()[:1])
+    run = run_lib.setup(cfg, jax.devices()[:1])
     step = step_lib.make_train_step(run.cfg, run.optimizer, run.mesh, run.abstract_state)
     xs = jax.ShapeDtypeStruct((1, 8, 32), jnp.int32)
     lowered = step.lower(run.abstract_state, {"inputs": xs, "targets": xs})

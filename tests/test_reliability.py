@@ -23,7 +23,7 @@ import pytest
 from conftest import tiny_config, xla_flags
 from jaxlm import config as config_lib
 from jaxlm.store import checkpoint as ckpt
-from jaxlm.train import optim, step as step_lib, loop as train
+from jaxlm.train import batches as batch_lib, loop as train, optim, run as run_lib, state as state_lib, step as step_lib
 from jaxlm.config import CheckpointConfig
 from jaxlm.data import loader as loader_lib
 
@@ -40,7 +40,7 @@ def quiet(_):
 
 def restore_step(cfg, run_dir: Path, step: int) -> dict:
     """The train state of one checkpoint, read without the jaxlm checks (a test's independent reader)."""
-    run = step_lib.setup(cfg)
+    run = run_lib.setup(cfg)
     options = ocp.CheckpointManagerOptions(read_only=True, create=False)
     with ocp.CheckpointManager((run_dir / "checkpoints").absolute(), options=options) as mngr:
         out = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(run.abstract_state)))
@@ -91,7 +91,7 @@ from pathlib import Path
 sys.path.insert(0, sys.argv[1])
 from conftest import tiny_config
 from jaxlm.store import checkpoint
-from jaxlm.train import loop as train, step as step_lib
+from jaxlm.train import loop as train
 
 kill_at = int(sys.argv[4])
 save = checkpoint.Checkpointer.save
@@ -277,7 +277,7 @@ def test_no_usable_checkpoint_fails_clearly_and_unfinished_saves_are_not_errors(
 
 def signal_at_step(monkeypatch, step: int, sig=signal.SIGTERM):
     """Send `sig` to this process while the loop fetches the batch of `step` (1-based)."""
-    real, n = step_lib.device_batch, [0]
+    real, n = batch_lib.device_batch, [0]
 
     def batch(run, split, plan):
         if len(plan.shape) == 2:  # the loop's [grad_accum, batch]; evaluation passes [batch]
@@ -286,7 +286,7 @@ def signal_at_step(monkeypatch, step: int, sig=signal.SIGTERM):
                 os.kill(os.getpid(), sig)
         return real(run, split, plan)
 
-    monkeypatch.setattr(step_lib, "device_batch", batch)
+    monkeypatch.setattr(batch_lib, "device_batch", batch)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
@@ -330,7 +330,7 @@ def poisoned(real, steps: set[int]):
 
 
 def poison_steps(monkeypatch, steps: set[int]):
-    monkeypatch.setattr(step_lib, "device_batch", poisoned(step_lib.device_batch, steps))
+    monkeypatch.setattr(batch_lib, "device_batch", poisoned(batch_lib.device_batch, steps))
 
 
 @contextlib.contextmanager
@@ -346,11 +346,11 @@ def file_size_limit(nbytes: int):
 
 def test_train_step_leaves_state_unchanged_on_nan_and_on_spikes(char_data, tmp_path):
     cfg = tiny_config(char_data, tmp_path, **RUN, **{"training.spike_threshold": 1.5})
-    run = step_lib.setup(cfg)
+    run = run_lib.setup(cfg)
     step = step_lib.make_train_step(run.cfg, run.optimizer, run.mesh, run.abstract_state, run.act_rules)
     starts = np.random.default_rng(0).integers(0, 100_000, (4, 1, 8))
-    batches = [step_lib.device_batch(run, "train", loader_lib.Windows(s)) for s in starts]
-    state = step_lib.init_state(run, 0)
+    batches = [batch_lib.device_batch(run, "train", loader_lib.Windows(s)) for s in starts]
+    state = state_lib.init_state(run, 0)
     for b in batches[:2]:
         state, m = step(state, b)
     assert int(m["nonfinite_skips"]) == int(m["spike_skips"]) == 0 and float(m["loss_avg"]) > 0
@@ -448,7 +448,7 @@ def test_restore_on_other_meshes_is_bit_equal_and_the_loader_continues(char_data
               "fsdp4_tensor2": ({"mesh.ici_data": 1, "mesh.ici_fsdp": 4, "mesh.ici_tensor": 2}, 8),
               "fsdp4_on_4": ({"mesh.ici_data": 1, "mesh.ici_fsdp": 4}, 4),
               "one_device": ({}, 1)}
-    runs = {name: step_lib.setup(tiny_config(char_data, tmp_path, **base, **mesh), jax.devices()[:n])
+    runs = {name: run_lib.setup(tiny_config(char_data, tmp_path, **base, **mesh), jax.devices()[:n])
             for name, (mesh, n) in meshes.items()}
     saved = runs["fsdp8"]
     # Random values in every leaf (init would leave the Adam moments all zero), placed on the fsdp8 shardings.
@@ -480,8 +480,8 @@ def test_restore_on_other_meshes_is_bit_equal_and_the_loader_continues(char_data
         assert all((resumed.next_starts() == s).all() for s in expected_starts), name
 
     # A global batch that follows the device count cannot continue the same data order: say why.
-    per_device = step_lib.setup(tiny_config(char_data, tmp_path, **base, **{"training.per_device_batch_size": 1}),
-                             jax.devices()[:4])
+    per_device = run_lib.setup(tiny_config(char_data, tmp_path, **base, **{"training.per_device_batch_size": 1}),
+                               jax.devices()[:4])
     other = loader_lib.Loader(per_device.dataset.splits["train"], 32, per_device.cfg.training.batch_size, 1, seed=0)
     with pytest.raises(loader_lib.DataError, match=r"training.batch_size \(global\) 8 there, 4 here"):
         other.restore(loader_state)

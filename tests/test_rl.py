@@ -13,7 +13,7 @@ import pytest
 
 from conftest import SHAKESPEARE  # noqa: F401 - the suite's corpus check runs for every module
 from jaxlm import cli, config as config_lib
-from jaxlm.train import objectives, grpo as rl, step as step_lib, loop as train
+from jaxlm.train import grpo as rl, loop as train, objectives, run as run_lib, state as state_lib, step as step_lib
 from jaxlm.data import prepare
 from jaxlm.model import forward
 
@@ -80,8 +80,8 @@ def test_each_loss_and_gradient_equal_trl_formulas(loss_type):
     cfg = tiny(**{"grpo.loss_type": loss_type, "grpo.beta": 0.04, "grpo.iterations": 2, "grpo.epsilon": 0.2,
                   "grpo.epsilon_high": 0.28, "grpo.temperature": 0.7, "training.grad_accum": 2})
     config_lib.validate(cfg)
-    run = step_lib.setup(cfg, jax.devices()[:1], data=False)
-    params = step_lib.init_state(run, 0)["params"]
+    run = run_lib.setup(cfg, jax.devices()[:1], data=False)
+    params = state_lib.init_state(run, 0)["params"]
     rng = np.random.default_rng(0)
     A, B, T = 2, 4, 16
     batch = fixed_batch(rng, A, B, T, 40, with_old=True, with_ref=True)
@@ -111,8 +111,8 @@ def test_each_loss_and_gradient_equal_trl_formulas(loss_type):
 
 def test_one_update_per_batch_has_ratio_one_and_no_clip():
     cfg = tiny(**{"grpo.epsilon": 1e-6})  # any ratio off 1 would be clipped
-    run = step_lib.setup(cfg, jax.devices()[:1], data=False)
-    params = step_lib.init_state(run, 0)["params"]
+    run = run_lib.setup(cfg, jax.devices()[:1], data=False)
+    params = state_lib.init_state(run, 0)["params"]
     batch = {k: v[0] for k, v in fixed_batch(np.random.default_rng(1), 1, 4, 16, 40, False, False).items()}
     loss, metrics = objectives.grpo(params, batch, run.cfg, None)
     assert float(metrics["clip_ratio"]) == 0.0
@@ -121,7 +121,7 @@ def test_one_update_per_batch_has_ratio_one_and_no_clip():
     assert float(loss) == pytest.approx(float(-(adv * w).sum() / w.sum()), rel=1e-6)
     g = jax.grad(lambda p: objectives.grpo(p, batch, run.cfg, None)[0])(params)
     assert float(optax_norm(g)) > 0
-    assert step_lib.batch_keys(run.cfg) == ("inputs", "targets", "weights", "advantages")  # no old, no reference
+    assert run_lib.batch_keys(run.cfg) == ("inputs", "targets", "weights", "advantages")  # no old, no reference
 
 
 def optax_norm(tree):
@@ -204,7 +204,7 @@ def grpo_args(folder, run_dir, *extra):
 
 def greedy_reward(cfg, params, folder) -> float:
     """Mean exact-answer reward of greedy answers to the held-out prompts."""
-    run = step_lib.setup(cfg, jax.devices()[:1])
+    run = run_lib.setup(cfg, jax.devices()[:1])
     source = rl.RolloutBatches(run)
     return source.evaluate({"params": params})["eval_reward"]
 
@@ -280,7 +280,7 @@ def test_eight_devices_accumulation_and_lora_give_one_device_figures(digits, tmp
 
     # LoRA: adapters only, the base with adapters off as the reference (no reference pass, no ref_logps)
     cfg = config_lib.load("quickstart", grpo_args(digits, tmp_path / "lora", *extra, "lora.rank=4", "grpo.beta=0.1"))
-    assert "ref_logps" not in step_lib.batch_keys(cfg)
+    assert "ref_logps" not in run_lib.batch_keys(cfg)
     train.train(cfg, jax.devices()[:1], log=lambda s: None)
     lora_records = [json.loads(line) for line in (tmp_path / "lora" / "metrics.jsonl").read_text().splitlines()]
     assert all("kl" in r for r in lora_records if "reward" in r)
@@ -289,8 +289,8 @@ def test_eight_devices_accumulation_and_lora_give_one_device_figures(digits, tmp
 def test_rollouts_run_on_the_trainers_buffers_and_engine_logprobs_match_the_forward(digits, tmp_path, monkeypatch):
     cfg = config_lib.load("quickstart", grpo_args(digits, tmp_path / "r", "training.batch_size=16",
                                                   "grpo.group_size=4"))
-    run = step_lib.setup(cfg, jax.devices()[:1])
-    state = step_lib.init_state_from(run, cfg.checkpoint.init_from)
+    run = run_lib.setup(cfg, jax.devices()[:1])
+    state = state_lib.init_state_from(run, cfg.checkpoint.init_from)
     source = rl.RolloutBatches(run)
     from jaxlm.serve import engine as engine_lib
 
@@ -330,7 +330,7 @@ def test_the_rollout_engine_takes_the_servers_cache_settings():
     from jaxlm.serve import engine as engine_lib
 
     cfg = tiny()
-    params = step_lib.init_state(step_lib.setup(cfg, jax.devices()[:1], data=False), 0)["params"]
+    params = state_lib.init_state(run_lib.setup(cfg, jax.devices()[:1], data=False), 0)["params"]
     prompts, seeds, rows = [[1, 2, 3], [4, 5, 6, 7, 8]], [3, 4], 4
 
     def pool(e):  # pages, page size, bytes and dtypes of the pool a batch of rollouts takes

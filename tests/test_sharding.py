@@ -14,7 +14,7 @@ import pytest
 from conftest import tiny_config, train_losses, xla_flags
 from jaxlm import config as config_lib, sharding
 from jaxlm.store import checkpoint as ckpt
-from jaxlm.train import loop as train, step as step_lib
+from jaxlm.train import batches as batch_lib, loop as train, run as run_lib, step as step_lib
 from jaxlm.config import ConfigError, MeshConfig
 from jaxlm.data import loader as loader_lib
 
@@ -30,7 +30,7 @@ STRATEGIES = {
 def step_losses(char_data, tmp_path, devices, steps=20, **overrides):
     def batch_of(rng, run):
         starts = rng.integers(0, 100_000, size=(1, run.cfg.training.batch_size))
-        return step_lib.device_batch(run, "train", loader_lib.Windows(starts))
+        return batch_lib.device_batch(run, "train", loader_lib.Windows(starts))
 
     return train_losses(tiny_config(char_data, tmp_path, **{"model.vocab_size": 128, **overrides}), devices, batch_of,
                         steps)
@@ -53,7 +53,7 @@ def test_strategy_matches_one_device(name, char_data, tmp_path, reference):
 
 
 def _argument_bytes(cfg, devices):
-    run = step_lib.setup(cfg, devices)
+    run = run_lib.setup(cfg, devices)
     step = step_lib.make_train_step(run.cfg, run.optimizer, run.mesh, run.abstract_state, run.act_rules)
     tok = jax.ShapeDtypeStruct((1, run.cfg.training.batch_size, run.cfg.model.block_size), np.int32,
                                sharding=sharding.batch_sharding(run.mesh, 3, 1, run.act_rules))
@@ -74,12 +74,12 @@ def test_sharded_state_bytes_per_device(mesh, char_data, tmp_path):
 
 def test_mesh_errors_are_clear(char_data, tmp_path):
     with pytest.raises(ConfigError, match=r"mesh.ici_data=3 multiply to 3 devices but 8 are available"):
-        step_lib.setup(tiny_config(char_data, tmp_path, **{"mesh.ici_data": 3}), jax.devices())
+        run_lib.setup(tiny_config(char_data, tmp_path, **{"mesh.ici_data": 3}), jax.devices())
     with pytest.raises(ConfigError, match=r"heads' dimension of size 4 is sharded over mesh axes tensor \(8 devices\)"):
-        step_lib.setup(tiny_config(char_data, tmp_path, **{"mesh.ici_data": 1, "mesh.ici_tensor": 8,
-                                                         "model.vocab_size": 128}), jax.devices())
+        run_lib.setup(tiny_config(char_data, tmp_path, **{"mesh.ici_data": 1, "mesh.ici_tensor": 8,
+                                                        "model.vocab_size": 128}), jax.devices())
     with pytest.raises(ConfigError, match="training.per_device_batch_size=0.3 times 8 devices is 2.4"):
-        step_lib.setup(tiny_config(char_data, tmp_path, **{"training.per_device_batch_size": 0.3}), jax.devices())
+        run_lib.setup(tiny_config(char_data, tmp_path, **{"training.per_device_batch_size": 0.3}), jax.devices())
     with pytest.raises(ConfigError, match="unknown mesh axis 'tensr'"):
         sharding.rules_from_config(MeshConfig(rules="param.mlp=tensr"))
 
@@ -87,7 +87,7 @@ def test_mesh_errors_are_clear(char_data, tmp_path):
 def test_per_device_batch_size_may_be_fractional(char_data, tmp_path):
     cfg = tiny_config(char_data, tmp_path, **{"mesh.ici_data": 1, "mesh.ici_sequence": 2, "mesh.ici_fsdp": 4,
                                               "training.per_device_batch_size": 0.5})
-    run = step_lib.setup(cfg, jax.devices())
+    run = run_lib.setup(cfg, jax.devices())
     assert run.cfg.training.batch_size == 4 and run.cfg.training.per_device_batch_size == 0.5
 
 
@@ -186,7 +186,7 @@ def test_two_processes_match_one_and_resume_exactly_after_sigterm_to_one(char_da
     hashes = set()
     for mesh, devices in ((["mesh.ici_fsdp=8"], 8), (["mesh.ici_fsdp=4", "mesh.ici_tensor=2"], 8),
                           (["mesh.ici_fsdp=4"], 4)):
-        run = step_lib.setup(config_lib.load(common[0], common[1:] + mesh), jax.devices()[:devices])
+        run = run_lib.setup(config_lib.load(common[0], common[1:] + mesh), jax.devices()[:devices])
         for name in ("two", "part"):
             state = ckpt.restore_newest(tmp_path / name, run.abstract_state, log=lambda s: None)[1]
             hashes.add(hashlib.sha256(b"".join(np.asarray(x).tobytes()
@@ -198,14 +198,14 @@ READER = """
 import json, sys
 import numpy as np
 from jaxlm.launch import distributed
-from jaxlm.train import loop as train, step as step_lib
+from jaxlm.train import batches as batch_lib, loop as train, run as run_lib
 from jaxlm.data import loader
 from jaxlm.config import DistributedConfig, apply_overrides, Config
 distributed.initialize(DistributedConfig())
 cfg = apply_overrides(Config(), {"data.dir": sys.argv[1], "model.block_size": 16, "model.n_layers": 1,
                                  "model.d_model": 16, "model.n_heads": 2, "training.batch_size": 8,
                                  "run_dir": sys.argv[2]})
-run = step_lib.setup(cfg)
+run = run_lib.setup(cfg)
 
 class Recording:
     def __init__(self, data):
@@ -217,7 +217,7 @@ class Recording:
         return self.data.take(idx, mask)
 
 rec = run.dataset.splits["train"] = Recording(run.dataset.splits["train"])
-batch = step_lib.device_batch(run, "train", loader.Windows(np.arange(8).reshape(1, 8) * 1000))
+batch = batch_lib.device_batch(run, "train", loader.Windows(np.arange(8).reshape(1, 8) * 1000))
 assert batch["inputs"].shape == (1, 8, 16)
 print("ROWS", json.dumps(sorted(rec.rows)))
 """

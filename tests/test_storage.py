@@ -130,14 +130,14 @@ def test_checkpoints_on_s3_resume_exactly_and_a_corrupted_one_is_rejected(s3, ch
     from conftest import tiny_config
     from jaxlm.store import checkpoint as ckpt
     from jaxlm.eval import heldout as evaluate
-    from jaxlm.train import loop as train, step as step_lib
+    from jaxlm.train import loop as train, run as run_lib
 
     run = {"training.steps": 20, "optimizer.decay_steps": 20, "checkpoint.interval": 5, "training.eval_interval": 0}
     train.train(tiny_config(char_data, tmp_path / "reference", **run), log=lambda s: None)
     ref = train.losses_by_step(tmp_path / "reference")
 
     with pytest.raises(ConfigError, match=r"^run_dir s3://no-such-bucket/run: bucket no-such-bucket does not exist"):
-        step_lib.setup(tiny_config(char_data, "s3://no-such-bucket/run"))  # fsspec would create the bucket
+        run_lib.setup(tiny_config(char_data, "s3://no-such-bucket/run"))  # fsspec would create the bucket
     url, bucket_dir = "s3://jaxlm-test/run", "jaxlm-test/run"
     train.train(tiny_config(char_data, url, **{**run, "training.steps": 10}), log=lambda s: None)
     assert ckpt.step_numbers(f"{url}/checkpoints") == [5, 10]
@@ -175,13 +175,13 @@ def test_object_store_urls_that_cannot_work_fail_with_one_line(monkeypatch, char
     import s3fs
     from conftest import tiny_config
     from fsspec.registry import _registry
-    from jaxlm.train import step as step_lib
+    from jaxlm.train import run as run_lib
 
     monkeypatch.delitem(_registry, "s3", raising=False)
     monkeypatch.setitem(sys.modules, "s3fs", None)  # as if not installed
     with pytest.raises(ConfigError, match=r"^run_dir s3://jaxlm-test/run: no filesystem for s3:// URLs "
                                           r"\(pip install s3fs\)$"):
-        step_lib.setup(tiny_config(char_data, "s3://jaxlm-test/run"))
+        run_lib.setup(tiny_config(char_data, "s3://jaxlm-test/run"))
     monkeypatch.undo()
 
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # the discard port: nothing listens there
@@ -191,7 +191,7 @@ def test_object_store_urls_that_cannot_work_fail_with_one_line(monkeypatch, char
     s3fs.S3FileSystem.clear_instance_cache()
     try:
         with pytest.raises(ConfigError) as e:
-            step_lib.setup(tiny_config(char_data, "s3://jaxlm-test/run"))
+            run_lib.setup(tiny_config(char_data, "s3://jaxlm-test/run"))
     finally:
         s3fs.S3FileSystem.clear_instance_cache()
     assert "\n" not in str(e.value) and "cannot be reached" in str(e.value) and "127.0.0.1:9" in str(e.value)

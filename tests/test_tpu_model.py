@@ -25,12 +25,12 @@ LLAMA_SHAPED = {  # Llama's choices (RMSNorm, SwiGLU, rotary, grouped-query atte
 def test_llama_shaped_splash_with_accumulation_and_remat_trains_as_materialized_attention(tpu, char_data, tmp_path):
     """12 steps (2 micro-batches each, full remat, bf16 compute) with splash attention on the chip, then the same
     steps on the same rows with dot_product attention: the losses agree to bf16 accuracy, and fall."""
-    from jaxlm.train import step as step_lib
+    from jaxlm.train import batches as batch_lib
     from jaxlm.data import loader as loader_lib
 
     def batch_of(rng, run):
         starts = rng.integers(0, 100_000, size=8).reshape(run.cfg.training.grad_accum, -1)
-        return step_lib.device_batch(run, "train", loader_lib.Windows(starts))
+        return batch_lib.device_batch(run, "train", loader_lib.Windows(starts))
 
     def losses(attention):
         cfg = tiny_config(char_data, tmp_path / attention, **{**LLAMA_SHAPED, "model.attention": attention})

@@ -14,7 +14,8 @@ import pytest
 from conftest import tiny_config, train_losses
 from jaxlm import config as config_lib
 from jaxlm.model import quant
-from jaxlm.train import grpo as rl, step as step_lib, loop as train
+from jaxlm.train import (batches as batch_lib, grpo as rl, loop as train, run as run_lib, state as state_lib,
+                         step as step_lib)
 from jaxlm.data import loader as loader_lib
 from jaxlm.model import paged
 from test_lora import lora_run, make_base, random_batch
@@ -47,10 +48,10 @@ def lora_steps(cfg, device):
     """LORA_STEPS train steps of the adapters on one batch on `device`: the losses, the adapters before and after
     (host copies), the frozen base before (a host copy) and the frozen base itself after the steps."""
     with jax.default_device(device):
-        run = step_lib.setup(cfg, [device])
-        frozen = step_lib.load_frozen(run)
+        run = run_lib.setup(cfg, [device])
+        frozen = state_lib.load_frozen(run)
         base_before = jax.tree.map(np.array, frozen)
-        state = step_lib.init_state(run, 0)
+        state = state_lib.init_state(run, 0)
         adapters_before = jax.tree.map(np.array, state["params"])
         step = step_lib.make_train_step(run.cfg, run.optimizer, run.mesh, run.abstract_state, run.act_rules)
         batch = random_batch(np.random.default_rng(0))
@@ -96,7 +97,7 @@ def test_int8_training_tracks_float_training(tpu, char_data, tmp_path):
     gradients) on the chip, and the same steps on the same rows in float: the float run learns, the int8 run
     ends within 0.05 of it (as on the CPU: tests/test_quant.py) and is not the float run."""
     def batch_of(rng, run):
-        return step_lib.device_batch(run, "train", loader_lib.Windows(rng.integers(0, 100_000, size=(1, 8))))
+        return batch_lib.device_batch(run, "train", loader_lib.Windows(rng.integers(0, 100_000, size=(1, 8))))
 
     losses = {}
     for mode in ("none", "int8"):
@@ -166,12 +167,12 @@ def test_grpo_updates_with_rollouts_from_the_engine_through_the_paged_kernel(tpu
     R = 32
     cfg = config_lib.load("quickstart", grpo_args(folder, tmp_path / "rl", f"training.batch_size={R}",
                                                   "grpo.group_size=8", "training.steps=2"))
-    run = step_lib.setup(cfg, [tpu])
-    state = step_lib.init_state_from(run, cfg.checkpoint.init_from)
+    run = run_lib.setup(cfg, [tpu])
+    state = state_lib.init_state_from(run, cfg.checkpoint.init_from)
     source = rl.RolloutBatches(run)
     step = step_lib.make_train_step(run.cfg, run.optimizer, run.mesh, run.abstract_state, run.act_rules)
     logprobs = rl.token_logprobs_fn(run.cfg, run.mesh, run.act_rules, 1.0)
-    on_cpu = step_lib.setup(cfg, [cpu()])
+    on_cpu = run_lib.setup(cfg, [cpu()])
     exact_logprobs = rl.token_logprobs_fn(on_cpu.cfg, on_cpu.mesh, on_cpu.act_rules, 1.0)
     gradient_norms = []
     for update in range(2):

@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config, xla_flags
-from jaxlm.train import loop as train, step as step_lib
+from jaxlm.train import loop as train, run as run_lib, state as state_lib, step as step_lib
 
 
 def test_loss_falls_on_a_fixed_batch(char_data, tmp_path):
     cfg = tiny_config(char_data, tmp_path / "run", **{"optimizer.lr": 1e-2, "optimizer.schedule": "constant",
                                                              "checkpoint.enabled": False})
-    run = step_lib.setup(cfg, jax.devices()[:1])
-    state = step_lib.init_state(run, 0)
+    run = run_lib.setup(cfg, jax.devices()[:1])
+    state = state_lib.init_state(run, 0)
     step = step_lib.make_train_step(run.cfg, run.optimizer, run.mesh, run.abstract_state, run.act_rules)
     x = np.random.default_rng(0).integers(0, 65, (1, 8, 32)).astype(np.int32)
     y = np.roll(x, -1, axis=-1)
@@ -54,10 +54,10 @@ def test_resume_with_a_different_model_fails_clearly(char_data, tmp_path):
 def test_batch_that_does_not_split_over_devices_fails_before_compiling(char_data, tmp_path):
     cfg = tiny_config(char_data, tmp_path / "r", **{"training.batch_size": 12, "mesh.ici_data": 8})
     with pytest.raises(train.ConfigError, match="training.batch_size=12 must be a multiple of the 8 devices that split"):
-        step_lib.setup(cfg, jax.devices())
+        run_lib.setup(cfg, jax.devices())
     cfg = tiny_config(char_data, tmp_path / "r", **{"mesh.ici_data": 3})
     with pytest.raises(train.ConfigError, match="multiply to 3 devices but 8 are available"):
-        step_lib.setup(cfg, jax.devices())
+        run_lib.setup(cfg, jax.devices())
 
 
 def _cli(args, cwd, **kw):

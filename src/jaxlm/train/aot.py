@@ -30,7 +30,7 @@ from typing import Callable
 import jax
 from jax.experimental import serialize_executable
 
-from jaxlm.train import advisor, saved_step, step as step_lib
+from jaxlm.train import advisor, run as run_lib, saved_step, step as step_lib
 from jaxlm.model import attention, transformer
 from jaxlm.config import MESH_AXES, CompileConfig, Config, ConfigError
 from jaxlm.launch.topology import TPU_GENERATIONS, tpu_grid  # noqa: F401 - tpu_grid is part of this module's interface
@@ -217,7 +217,7 @@ class Memory:
 class Result:
     """One compile for a target: the executable, or the compiler's out-of-memory message when it refused."""
 
-    run: step_lib.Run
+    run: run_lib.Run
     target: Target
     seconds: float
     executable: jax.stages.Compiled | None
@@ -250,7 +250,7 @@ def _shard_bytes(a: jax.ShapeDtypeStruct) -> int:
     return math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
 
 
-def argument_shares(run: step_lib.Run) -> dict[str, int]:
+def argument_shares(run: run_lib.Run) -> dict[str, int]:
     """Bytes per device of the step's arguments by kind: the frozen base of a LoRA run, the trained weights,
     the optimizer state (with the step counters) and the batch."""
     args = step_lib.step_args(run)
@@ -285,7 +285,7 @@ def compile_for(cfg: Config, tgt: Target) -> Result:
     if tgt.num_slices > 1 and all(getattr(cfg.mesh, f"dcn_{a}") == 1 for a in MESH_AXES):
         raise ConfigError(f"compile.num_slices={tgt.num_slices}: set the mesh axes that span the slices, e.g. "
                           f"mesh.dcn_data={tgt.num_slices} (or mesh.dcn_fsdp)")
-    run = step_lib.setup(cfg, list(tgt.devices), data=False)
+    run = run_lib.setup(cfg, list(tgt.devices), data=False)
     argument_bytes = sum(_shard_bytes(a) for a in jax.tree.leaves(step_lib.step_args(run)))
     start = time.perf_counter()
     lowered = step_lib.lower_train_step(run)
@@ -310,7 +310,7 @@ def _gib(n: int) -> str:
     return f"{n / GiB:.2f} GiB" if abs(n) >= GiB else f"{n / 2**20:.2f} MiB"
 
 
-def remedies(run: step_lib.Run, tgt: Target) -> list[str]:
+def remedies(run: run_lib.Run, tgt: Target) -> list[str]:
     """Settings that lower a step's memory per device, from what this run uses."""
     cfg, mesh = run.cfg, run.mesh
     out = []
@@ -422,7 +422,7 @@ def find_batch_size(cfg: Config, tgt: Target, log: Callable[[str], None] = print
 # --- saved steps ------------------------------------------------------------------------------------------
 
 
-def signature(run: step_lib.Run, topology: str = "", num_slices: int = 1) -> dict:
+def signature(run: run_lib.Run, topology: str = "", num_slices: int = 1) -> dict:
     """What a step compiled for this run is compiled for (saved_step.signature)."""
     return saved_step.signature(run.cfg, run.mesh, step_lib.step_args(run), topology, num_slices)
 

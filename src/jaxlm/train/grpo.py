@@ -34,14 +34,14 @@ import jax
 import numpy as np
 
 from jaxlm import runtime
-from jaxlm.train import step as step_lib
+from jaxlm.train import batches as batch_lib, run as run_lib, state as state_lib
 from jaxlm.config import Config, ConfigError
 from jaxlm.data.errors import DataError
 from jaxlm.data.tokenizer import Tokenizer
 from jaxlm.model import transformer
 
 
-class RewardError(step_lib.TrainingError):
+class RewardError(run_lib.TrainingError):
     """A reward function failed or answered wrongly; the message names it and the prompt."""
 
 
@@ -328,7 +328,7 @@ class RolloutBatches:
     """The loop's batch source for GRPO: one batch of rollouts per grpo.iterations steps (module docstring). Its
     `metrics()` after `next` are the host's figures of the step: rewards, lengths and the time split."""
 
-    def __init__(self, run: step_lib.Run, frozen: dict | None = None):
+    def __init__(self, run: run_lib.Run, frozen: dict | None = None):
         cfg = self.cfg = run.cfg
         self.run, self.frozen, self.tok = run, frozen, run.tokenizer
         g = cfg.grpo
@@ -376,7 +376,7 @@ class RolloutBatches:
     # -- one batch of rollouts --
 
     def _policy_params(self, state: dict):
-        return step_lib.model_params(state["params"], self.frozen, self.cfg)
+        return state_lib.model_params(state["params"], self.frozen, self.cfg)
 
     def _rollout(self, state: dict, step: int) -> dict:
         g, cfg = self.cfg.grpo, self.cfg
@@ -434,16 +434,16 @@ class RolloutBatches:
         return self.engines[name]
 
     def _put(self, rows_RT: np.ndarray):
-        return step_lib.put_batch(self.run.mesh, rows_RT.reshape(self.A, self.B, self.T), 1, self.run.act_rules)
+        return batch_lib.put_batch(self.run.mesh, rows_RT.reshape(self.A, self.B, self.T), 1, self.run.act_rules)
 
     def _reference(self):
         """The weights the run started from (checkpoint.init_from, else the seed's initialization)."""
         if self.reference is None:
             run, cfg = self.run, self.cfg
             if cfg.checkpoint.init_from:
-                self.reference = step_lib.init_state_from(run, cfg.checkpoint.init_from)["params"]
+                self.reference = state_lib.init_state_from(run, cfg.checkpoint.init_from)["params"]
             else:
-                self.reference = step_lib.init_state(run, cfg.seed)["params"]
+                self.reference = state_lib.init_state(run, cfg.seed)["params"]
         return self.reference
 
     def evaluate(self, state: dict) -> dict:

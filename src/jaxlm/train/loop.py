@@ -24,9 +24,9 @@ from jaxlm.train import diagnostics, metrics, objectives, optim, grpo, reference
 from jaxlm.launch import distributed
 from jaxlm.model import lora, quant
 from jaxlm import storage
-from jaxlm.train import saved_step, step as step_lib
+from jaxlm.train import batches as batch_lib, run as run_lib, saved_step, state as state_lib, step as step_lib
 from jaxlm.config import Config, ConfigError
-from jaxlm.train.step import TrainingError
+from jaxlm.train.run import TrainingError
 from jaxlm.model import attention, transformer
 
 # Steps dispatched ahead of the host before it waits for the oldest: enough to keep any device busy, few
@@ -61,7 +61,7 @@ def _report_skips(step: int, m: dict, seen: dict, t_cfg: config_lib.TrainingConf
     return failure
 
 
-def _describe_run(run: step_lib.Run, log: Callable[[str], None]):
+def _describe_run(run: run_lib.Run, log: Callable[[str], None]):
     """Log what the run is (parameters, mesh, batch, FLOPs, attention, data); returns its throughput meter, the
     peak FLOP/s per device and where that figure comes from, and the model FLOPs per token."""
     cfg, run_dir, mesh = run.cfg, run.run_dir, run.mesh
@@ -108,7 +108,7 @@ def _describe_run(run: step_lib.Run, log: Callable[[str], None]):
     return meter, peak, peak_source, flops_per_token
 
 
-def _first_state(run: step_lib.Run, checkpointer, batches, log: Callable[[str], None]) -> dict:
+def _first_state(run: run_lib.Run, checkpointer, batches, log: Callable[[str], None]) -> dict:
     """The train state to start from: the newest checkpoint (and the loader's position in it), else the weights
     of checkpoint.init_from, else a fresh initialization."""
     cfg = run.cfg
@@ -124,7 +124,7 @@ def _first_state(run: step_lib.Run, checkpointer, batches, log: Callable[[str], 
                 state, loader_state = checkpointer.restore_without_optimizer(latest, run.abstract_state)
             except ckpt.CheckpointError:
                 raise e from None
-            state = step_lib.with_fresh_optimizer(run, state)
+            state = state_lib.with_fresh_optimizer(run, state)
             log(f"{where} holds another optimizer's state: continuing its weights and data position with a fresh "
                 f"{cfg.optimizer.name} state (new moments; the learning-rate schedule continues at step {latest})")
         batches.restore(loader_state)
@@ -132,8 +132,8 @@ def _first_state(run: step_lib.Run, checkpointer, batches, log: Callable[[str], 
         return state
     if cfg.checkpoint.init_from:
         log(f"initialized the weights from {cfg.checkpoint.init_from}")
-        return step_lib.init_state_from(run, cfg.checkpoint.init_from)
-    return step_lib.init_state(run, cfg.seed)
+        return state_lib.init_state_from(run, cfg.checkpoint.init_from)
+    return state_lib.init_state(run, cfg.seed)
 
 
 def _schedule_change(o: config_lib.OptimizerConfig, before: int, now: int, start: int) -> str:
@@ -272,7 +272,7 @@ class _Output:
         self.windows.reopen()
 
 
-def _summary(run: step_lib.Run, start: int, preempted_at: int | None, out: _Output, described: tuple) -> dict:
+def _summary(run: run_lib.Run, start: int, preempted_at: int | None, out: _Output, described: tuple) -> dict:
     """The run's summary (before its sample and goodput): steps, skipped updates, time, final losses and the
     timed windows' throughput against the peak (`described`: _describe_run's peak, its source, FLOPs per token)."""
     t_cfg, skips = run.cfg.training, out.skips
@@ -301,6 +301,106 @@ def _close_on_error(closers, writer, checkpointer, log) -> None:
             log(f"warning: {e}")
 
 
+def _prepare(cfg: Config, devices, main_process: bool) -> tuple[run_lib.Run, object, dict | None]:
+    """The run's settings, its saved step (compile.load) checked against them before any state exists (so a
+    mismatch costs nothing), and its run directory with config.json; returns the settings the directory was
+    last trained with (None for a new run)."""
+    if cfg.model.quantization == "int8_weights":
+        raise ConfigError("model.quantization=int8_weights is for inference and cannot be trained; train with "
+                          "none, int8 or fp8, then `jaxlm eval RUN_DIR model.quantization=int8_weights`")
+    run = run_lib.setup(cfg, devices)
+    cfg, run_dir = run.cfg, run.run_dir
+    loaded_step = None
+    if cfg.compile.load:
+        loaded_step = saved_step.load(cfg.compile.load, cfg, run.mesh, step_lib.step_args(run))
+    storage.makedirs(run_dir)
+    saved = run_lib.check_resume_config(run_dir, cfg)
+    if main_process:  # atomically: the other processes may be reading it in check_resume_config
+        storage.write_text(storage.join(run_dir, "config.json"), config_lib.to_json(cfg))
+    return run, loaded_step, saved
+
+
+def _start(run: run_lib.Run, checkpointer, saved: dict | None, log: Callable[[str], None]):
+    """A LoRA run's frozen base, the batch source and the state to start from (for dpo and ipo with the
+    reference log-probabilities ready); a resumed run whose training.steps changed says where its schedule goes."""
+    cfg, t_cfg = run.cfg, run.cfg.training
+    frozen = state_lib.load_frozen(run)
+    batches = grpo.RolloutBatches(run, frozen) if t_cfg.objective == "grpo" else batch_lib.train_batches(run, frozen)
+    state = _first_state(run, checkpointer, batches, log)
+    if run_lib.reference_in_batch(cfg):  # dpo, ipo: the starting weights' log-probabilities, before any step
+        reference.ensure(run, state, log)
+    start = int(jax.device_get(state["step"]))
+    if start and saved and (before := saved.get("training", {}).get("steps", t_cfg.steps)) != t_cfg.steps:
+        log(_schedule_change(cfg.optimizer, before, t_cfg.steps, start))
+    return frozen, batches, state, start
+
+
+def _train_step(run: run_lib.Run, loaded_step, log: Callable[[str], None]) -> Callable:
+    """The step the loop runs: the one saved ahead of time (compile.load), else the jitted one."""
+    cfg = run.cfg
+    if loaded_step is not None:
+        log(f"train step loaded from {cfg.compile.load} (compiled ahead of time; not compiled here)")
+        return loaded_step
+    return step_lib.make_train_step(cfg, run.optimizer, run.mesh, run.abstract_state, run.act_rules)
+
+
+def _run_steps(run: run_lib.Run, state: dict, start: int, train_step, frozen: dict | None, out: _Output,
+               profiler: diagnostics.Profiler, monitor: diagnostics.Monitor,
+               preemption: distributed.Preemption) -> tuple[dict, int | None]:
+    """The steps from `start` on, a few in flight, each window ended by `out`; returns the last state and the
+    step a preemption stopped the run after (None when it ran to the end)."""
+    cfg, t_cfg, batches, goodput = run.cfg, run.cfg.training, out.batches, out.goodput
+    use_ckpt = out.checkpointer is not None
+    step_args = (lambda state, batch: (state, batch)) if frozen is None else (
+        lambda state, batch: (state, batch, frozen))
+    for step in range(start, t_cfg.steps):
+        profiler.before(step)
+        with jax.profiler.StepTraceAnnotation("train", step_num=step):
+            with goodput.phase("data"):
+                batch = batches.next(state)
+            with goodput.phase("compile" if step == start else "compute"):
+                state, step_metrics = train_step(*step_args(state, batch))
+                if step == start:
+                    jax.block_until_ready(step_metrics)  # the first call compiles; keep that out of compute
+        done = step + 1
+        profiler.after(done, state)
+        out.pending.append((done, step_metrics, batches.metrics()))
+        if len(out.pending) > MAX_STEPS_IN_FLIGHT:
+            with goodput.phase("compute"):
+                jax.block_until_ready(out.pending[-MAX_STEPS_IN_FLIGHT][1])
+        out.windows.steps += 1
+        stop = preemption.reached(done) and batches.boundary(done)
+        is_eval = not stop and (done == t_cfg.steps or (t_cfg.eval_interval and done % t_cfg.eval_interval == 0))
+        is_ckpt = use_ckpt and batches.boundary(done) and (
+            stop or done == t_cfg.steps or (cfg.checkpoint.interval and done % cfg.checkpoint.interval == 0))
+        if done == start + 1 or done % t_cfg.log_interval == 0 or is_eval or is_ckpt:
+            out.end_window(state, done, done == start + 1, is_eval, is_ckpt)
+        monitor.beat(done)
+        if stop:
+            return state, done
+    return state, None
+
+
+def _finish(run: run_lib.Run, state: dict, frozen: dict | None, start: int, preempted_at: int | None, out: _Output,
+            described: tuple, log: Callable[[str], None]) -> dict:
+    """The run's summary and closing lines, the end-of-run sample (not after a preemption), and the goodput
+    line that closes metrics.jsonl."""
+    cfg, t_cfg, goodput = run.cfg, run.cfg.training, out.goodput
+    summary = _summary(run, start, preempted_at, out, described)
+    _report_end(summary, out.last_eval, log)
+    if t_cfg.sample_tokens and preempted_at is None:
+        with goodput.phase("eval"):
+            summary["sample"] = step_lib.sample_text(
+                state_lib.model_params(state["params"], frozen, cfg), cfg, run.tokenizer, t_cfg.sample_prompt,
+                t_cfg.sample_tokens, t_cfg.sample_temperature, t_cfg.sample_top_k)
+        log("sample:\n" + t_cfg.sample_prompt + summary["sample"])
+    summary["goodput"] = goodput.summary()
+    out.writer.write({"step": preempted_at or t_cfg.steps, **summary["goodput"]})  # the last step run
+    out.writer.close()
+    log(metrics.Goodput.describe(summary["goodput"]))
+    return summary
+
+
 def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict:
     """Train (or resume) a run; returns a summary with the final losses and throughput."""
     goodput = metrics.Goodput()
@@ -308,42 +408,15 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
     main_process = distributed.is_main()
     if not main_process:
         log = lambda s: None  # noqa: E731 - only process 0 speaks
-    if cfg.model.quantization == "int8_weights":
-        raise ConfigError("model.quantization=int8_weights is for inference and cannot be trained; train with "
-                          "none, int8 or fp8, then `jaxlm eval RUN_DIR model.quantization=int8_weights`")
-    run = step_lib.setup(cfg, devices)
-    cfg, run_dir, mesh = run.cfg, run.run_dir, run.mesh
-    loaded_step = None
-    if cfg.compile.load:  # checked before any state exists, so a mismatch costs nothing
-        loaded_step = saved_step.load(cfg.compile.load, cfg, run.mesh,
-                                      step_lib.step_args(run))
-    t_cfg = cfg.training
-    storage.makedirs(run_dir)
-    saved = step_lib.check_resume_config(run_dir, cfg)
-    if main_process:  # atomically: the other processes may be reading it in check_resume_config
-        storage.write_text(storage.join(run_dir, "config.json"), config_lib.to_json(cfg))
-
+    run, loaded_step, saved = _prepare(cfg, devices, main_process)
+    cfg, run_dir, t_cfg = run.cfg, run.run_dir, run.cfg.training
     meter, peak, peak_source, flops_per_token = _describe_run(run, log)
 
     use_ckpt = cfg.checkpoint.enabled and not cfg.debug
     checkpointer = ckpt.Checkpointer(run_dir, cfg.checkpoint, log) if use_ckpt else None
-    frozen = step_lib.load_frozen(run)
-    batches = grpo.RolloutBatches(run, frozen) if t_cfg.objective == "grpo" else step_lib.train_batches(run, frozen)
-    state = _first_state(run, checkpointer, batches, log)
-    if step_lib.reference_in_batch(cfg):  # dpo, ipo: the starting weights' log-probabilities, before any step
-        reference.ensure(run, state, log)
-    step_args = (lambda state, batch: (state, batch)) if frozen is None else (
-        lambda state, batch: (state, batch, frozen))
-    start = int(jax.device_get(state["step"]))
-    if start and saved and (before := saved.get("training", {}).get("steps", t_cfg.steps)) != t_cfg.steps:
-        log(_schedule_change(cfg.optimizer, before, t_cfg.steps, start))
+    frozen, batches, state, start = _start(run, checkpointer, saved, log)
     skips = {k: int(v) for k, v in jax.device_get(state["guard"]).items()}
-
-    if loaded_step is not None:
-        train_step = loaded_step
-        log(f"train step loaded from {cfg.compile.load} (compiled ahead of time; not compiled here)")
-    else:
-        train_step = step_lib.make_train_step(cfg, run.optimizer, mesh, run.abstract_state, run.act_rules)
+    train_step = _train_step(run, loaded_step, log)
     writer = metrics.MetricWriter(run_dir, tensorboard=cfg.logging.tensorboard, enabled=main_process,
                                   wandb_run=metrics.start_wandb(cfg, run_dir) if cfg.logging.wandb and main_process
                                   else None)
@@ -354,37 +427,10 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
     preemption = distributed.Preemption(use_ckpt and cfg.checkpoint.save_on_preemption, say)
     goodput.charge_unaccounted("init")
 
-    preempted_at = None
-    windows = _Windows(meter)
-    out = _Output(t_cfg, batches, writer, progress, say, skips, checkpointer, goodput, windows)
+    out = _Output(t_cfg, batches, writer, progress, say, skips, checkpointer, goodput, _Windows(meter))
     closers = (preemption.close, monitor.close, profiler.close, progress.close)  # the writer closes last
     try:
-        for step in range(start, t_cfg.steps):
-            profiler.before(step)
-            with jax.profiler.StepTraceAnnotation("train", step_num=step):
-                with goodput.phase("data"):
-                    batch = batches.next(state)
-                with goodput.phase("compile" if step == start else "compute"):
-                    state, step_metrics = train_step(*step_args(state, batch))
-                    if step == start:
-                        jax.block_until_ready(step_metrics)  # the first call compiles; keep that out of compute
-            done = step + 1
-            profiler.after(done, state)
-            out.pending.append((done, step_metrics, batches.metrics()))
-            if len(out.pending) > MAX_STEPS_IN_FLIGHT:
-                with goodput.phase("compute"):
-                    jax.block_until_ready(out.pending[-MAX_STEPS_IN_FLIGHT][1])
-            windows.steps += 1
-            stop = preemption.reached(done) and batches.boundary(done)
-            is_eval = not stop and (done == t_cfg.steps or (t_cfg.eval_interval and done % t_cfg.eval_interval == 0))
-            is_ckpt = use_ckpt and batches.boundary(done) and (
-                stop or done == t_cfg.steps or (cfg.checkpoint.interval and done % cfg.checkpoint.interval == 0))
-            if done == start + 1 or done % t_cfg.log_interval == 0 or is_eval or is_ckpt:
-                out.end_window(state, done, done == start + 1, is_eval, is_ckpt)
-            monitor.beat(done)
-            if stop:
-                preempted_at = done
-                break
+        state, preempted_at = _run_steps(run, state, start, train_step, frozen, out, profiler, monitor, preemption)
     except BaseException:
         _close_on_error(closers, writer, checkpointer, log)
         raise
@@ -398,20 +444,7 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
         (log if main_process else print)(
             f"process {jax.process_index()}: stopped for preemption after step {preempted_at}; its checkpoint "
             f"is committed in {storage.join(checkpointer.dir, str(preempted_at))}")
-
-    summary = _summary(run, start, preempted_at, out, (peak, peak_source, flops_per_token))
-    _report_end(summary, out.last_eval, log)
-    if t_cfg.sample_tokens and preempted_at is None:
-        with goodput.phase("eval"):
-            summary["sample"] = step_lib.sample_text(
-                step_lib.model_params(state["params"], frozen, cfg), cfg, run.tokenizer, t_cfg.sample_prompt,
-                t_cfg.sample_tokens, t_cfg.sample_temperature, t_cfg.sample_top_k)
-        log("sample:\n" + t_cfg.sample_prompt + summary["sample"])
-    summary["goodput"] = goodput.summary()
-    writer.write({"step": preempted_at or t_cfg.steps, **summary["goodput"]})  # the last step run
-    writer.close()
-    log(metrics.Goodput.describe(summary["goodput"]))
-    return summary
+    return _finish(run, state, frozen, start, preempted_at, out, (peak, peak_source, flops_per_token), log)
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:

@@ -33,7 +33,7 @@ import jax
 import numpy as np
 
 from jaxlm import params as P, sharding, storage
-from jaxlm.train import step as step_lib
+from jaxlm.train import batches as batch_lib, run as run_lib
 from jaxlm.data import preference
 from jaxlm.model import transformer
 
@@ -43,11 +43,11 @@ FORMAT = 1
 RUNTIME_SETTINGS = ("remat", "scan_layers", "attention", "attention_block", "loss_chunk_tokens", "dropout")
 
 
-def folder(run: step_lib.Run) -> str:
+def folder(run: run_lib.Run) -> str:
     return storage.join(run.run_dir, "reference")
 
 
-def describe(run: step_lib.Run) -> dict:
+def describe(run: run_lib.Run) -> dict:
     """What the reference files of this run must have been computed from (reference.json)."""
     cfg = run.cfg
     weights = {"init_from": str(cfg.checkpoint.init_from)} if cfg.checkpoint.init_from else {"seed": cfg.seed}
@@ -59,7 +59,7 @@ def describe(run: step_lib.Run) -> dict:
                        for name, split in run.dataset.splits.items()}}
 
 
-def ensure(run: step_lib.Run, state: dict, log: Callable[[str], None] = print) -> None:
+def ensure(run: run_lib.Run, state: dict, log: Callable[[str], None] = print) -> None:
     """Set run.reference to the reference log-probabilities of each split: the run's files when they match it,
     else computed now from the starting weights (`state`'s at step 0, else read again) and written first."""
     want = describe(run)
@@ -78,7 +78,7 @@ def _weights(want: dict) -> str:
     return f"checkpoint.init_from={w['init_from']}" if "init_from" in w else f"the initialization of seed={w['seed']}"
 
 
-def _mismatch(run: step_lib.Run, want: dict) -> str | None:
+def _mismatch(run: run_lib.Run, want: dict) -> str | None:
     """Why the run's reference files cannot serve (None when they can)."""
     path = storage.join(folder(run), "reference.json")
     if not storage.exists(path):
@@ -97,7 +97,7 @@ def _mismatch(run: step_lib.Run, want: dict) -> str | None:
     return None
 
 
-def starting_params(run: step_lib.Run) -> dict:
+def starting_params(run: run_lib.Run) -> dict:
     """The weights the run started from (a resumed run's state holds trained ones): checkpoint.init_from's, or
     the fresh initialization of its seed, as step.init_state_from / init_state make them."""
     from jaxlm.store import convert
@@ -107,7 +107,7 @@ def starting_params(run: step_lib.Run) -> dict:
     return P.init(run.specs, jax.random.key(run.cfg.seed), run.mesh, run.param_rules)
 
 
-def compute(run: step_lib.Run, params: dict, log: Callable[[str], None] = print) -> dict[str, np.ndarray]:
+def compute(run: run_lib.Run, params: dict, log: Callable[[str], None] = print) -> dict[str, np.ndarray]:
     """Each split's reference log-probabilities [N] (module docstring) under `params`: every pair once, packed
     whole into rows of training.batch_size, placed and sharded like training batches. A few batches are in
     flight while the host fills in the last one's results."""
@@ -139,7 +139,7 @@ def compute(run: step_lib.Run, params: dict, log: Callable[[str], None] = print)
             within = (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] > 0)  # targets in their input's document
             batch = {"inputs": rows["tokens"][:, :-1], "targets": rows["tokens"][:, 1:],
                      "positions": rows["positions"][:, :-1], "segment_ids": seg[:, :-1]}
-            placed = {k: step_lib.put_batch(mesh, v, 0, run.act_rules) for k, v in batch.items()}
+            placed = {k: batch_lib.put_batch(mesh, v, 0, run.act_rules) for k, v in batch.items()}
             pending.append((rows["sources"][:, 1:][within], within, logps(params, placed)))
             n_batches += 1
             while len(pending) > 2:
@@ -154,7 +154,7 @@ def compute(run: step_lib.Run, params: dict, log: Callable[[str], None] = print)
     return out
 
 
-def write(run: step_lib.Run, values: dict[str, np.ndarray], want: dict) -> None:
+def write(run: run_lib.Run, values: dict[str, np.ndarray], want: dict) -> None:
     """Store the reference files (only the main process writes; the others wait until they are whole)."""
     where = folder(run)
     if jax.process_index() == 0:
@@ -177,7 +177,7 @@ def write(run: step_lib.Run, values: dict[str, np.ndarray], want: dict) -> None:
         multihost_utils.sync_global_devices("jaxlm reference written")
 
 
-def read(run: step_lib.Run, want: dict) -> dict[str, np.ndarray]:
+def read(run: run_lib.Run, want: dict) -> dict[str, np.ndarray]:
     """Each split's reference file: memory-mapped from a local run_dir, read whole from an object store."""
     out = {}
     for name, entry in want["splits"].items():

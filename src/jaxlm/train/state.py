@@ -1,0 +1,117 @@
+"""The train state: its layout ({params, opt_state, step, guard}), its abstract shapes and shardings (nothing
+allocated), and its sharded initialization: fresh from a seed, from a converted model or another run
+(checkpoint.init_from), or a restored one given a fresh optimizer; a LoRA run's frozen base and the weights the
+forward pass takes. `run` is the run's settings (run.Run).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxlm import params as P, sharding
+from jaxlm.model import lora
+from jaxlm.train import optim
+from jaxlm.config import Config
+from jaxlm.model import param_specs
+
+
+def _init_guard() -> dict:
+    """Scalars the train step keeps about updates it refused: the running loss average (0 = none yet), how
+    many steps were skipped for a NaN/inf loss or gradient norm or for a loss spike, and the current run of
+    non-finite steps. They live in the state so a resumed run continues them exactly."""
+    i32 = lambda: jnp.zeros((), jnp.int32)  # noqa: E731
+    return {"loss_avg": jnp.zeros((), jnp.float32), "nonfinite_skips": i32(), "spike_skips": i32(),
+            "skips_in_a_row": i32()}
+
+
+def _init_state_fn(optimizer):
+    return lambda params: {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), jnp.int32),
+                           "guard": _init_guard()}
+
+
+def placed(specs, mesh, param_rules=sharding.PARAM_RULES) -> dict:
+    """Shapes, dtypes and shardings of the weights `specs` declares (nothing allocated)."""
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), P.abstract(specs),
+                        P.shardings(specs, mesh, param_rules))
+
+
+def make_abstract_state(specs, mesh, optimizer, param_rules=sharding.PARAM_RULES) -> dict:
+    """Shapes, dtypes and shardings of the full train state, derived without allocating it. Optimizer
+    moments take the sharding of the parameter they belong to (found by tree path), so FSDP and tensor
+    parallelism shard them too; scalars such as step counts are replicated."""
+    p_abstract = placed(specs, mesh, param_rules)
+    by_path = {jax.tree_util.keystr(path): a for path, a in jax.tree_util.tree_flatten_with_path(p_abstract)[0]}
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+    def place(path, leaf):
+        key = jax.tree_util.keystr(path)
+        for p_key, p in by_path.items():
+            if key.endswith(p_key) and leaf.shape == p.shape:
+                return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=p.sharding)
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=replicated)
+
+    shapes = jax.eval_shape(_init_state_fn(optimizer), p_abstract)
+    return jax.tree_util.tree_map_with_path(place, shapes)
+
+
+def shardings_of(abstract_tree):
+    return jax.tree.map(lambda a: a.sharding, abstract_tree)
+
+
+def init_state(run, seed: int) -> dict:
+    """A fresh state: the weights (a LoRA run's adapters) initialized from `seed`, the optimizer's state."""
+    params = P.init(run.specs, jax.random.key(seed), run.mesh, run.param_rules)
+    init = jax.jit(_init_state_fn(run.optimizer), out_shardings=shardings_of(run.abstract_state))
+    return init(params)
+
+
+def with_fresh_optimizer(run, state: dict) -> dict:
+    """A restored train state without optimizer state (checkpoint.restore_without_optimizer) completed by a fresh
+    one whose learning-rate schedule stands at the updates the weights have had (steps minus skipped ones)."""
+    applied = state["step"] - state["guard"]["nonfinite_skips"] - state["guard"]["spike_skips"]
+    init = jax.jit(lambda p, n: optim.schedule_at(run.optimizer.init(p), n),
+                   out_shardings=shardings_of(run.abstract_state["opt_state"]))
+    return {**state, "opt_state": init(state["params"], applied)}
+
+
+def init_state_from(run, path: str) -> dict:
+    """Weights from a converted checkpoint or another run (fine-tuning), fresh optimizer state, step 0. A LoRA
+    run takes its base from there (load_frozen) and starts fresh adapters, unless the folder holds an imported
+    adapter (`jaxlm convert from-hf ... --adapter`), which it goes on training."""
+    from jaxlm.store import convert
+
+    if lora.enabled(run.cfg):
+        if not convert.has_adapter_dir(path):
+            return init_state(run, run.cfg.seed)
+        params = convert.restore_adapters(path, run.cfg, lambda tree: shardings_of(run.abstract_state["params"]))
+    else:
+        params = convert.restore_params(path, run.abstract_state["params"])
+    init = jax.jit(_init_state_fn(run.optimizer), out_shardings=shardings_of(run.abstract_state))
+    return init(params)
+
+
+def load_frozen(run) -> dict | None:
+    """A LoRA run's frozen base, placed and (QLoRA) quantized as run.abstract_frozen says; None otherwise."""
+    from jaxlm.store import convert
+
+    if run.abstract_frozen is None:
+        return None
+    path, cfg = run.cfg.checkpoint.init_from, run.cfg
+    dense = placed(param_specs(cfg.model), run.mesh, run.param_rules)
+    base = (convert.restore_base_params(path, convert.load_config(path), dense) if convert.has_adapter_dir(path)
+            else convert.restore_params(path, dense))
+    quantize = jax.jit(lambda p: lora.quantize_base(p, cfg),
+                       out_shardings=shardings_of(run.abstract_frozen))
+    return quantize(base)
+
+
+def model_params(params: dict, frozen: dict | None, cfg: Config, key: jax.Array | None = None) -> dict:
+    """The weights the forward pass takes: the trained ones, or a LoRA run's adapters attached to the frozen base
+    (with `key`, for the adapters' dropout)."""
+    if frozen is None:
+        return params
+    return lora.attach(frozen, params, cfg, None if key is None else jax.random.fold_in(key, LORA_DROPOUT_SALT))
+
+
+LORA_DROPOUT_SALT = 0x10A  # the adapters' dropout keys, apart from the model's own (model.dropout)
