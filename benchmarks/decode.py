@@ -12,7 +12,7 @@ generate with its own cache, fp32, eager attention, prefill included. Tokens/s c
 sequences; greedy throughout. Each line ends with the load average of the machine when it was printed.
 
 With --compare-ref the line also holds `stacked_tok_per_s`: the same prefill and greedy loop, but each step
-`transformer.decode_step` (the server's step) over the stacked full-length cache, as generate decoded before
+`decode.decode_step` (the server's step) over the stacked full-length cache, as generate decoded before
 its loop took the layers and the cache apart and grew the cache in segments; `vs_stacked` is cached/stacked.
 
     python benchmarks/decode.py [--new-tokens 256] [--batches 1,16] [--compare-ref]
@@ -35,7 +35,7 @@ import numpy as np
 from jaxlm.infer import api, generate
 from jaxlm.store import convert
 from jaxlm.config import DecodeConfig, ModelConfig
-from jaxlm.model import forward, transformer
+from jaxlm.model import decode, forward
 
 PROMPT = 16
 HF = dict(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, hidden_size=128,
@@ -80,14 +80,14 @@ def cached(params, cfg, prompts, new_tokens) -> float:
 
 @partial(jax.jit, static_argnames=("cfg", "new_tokens"))
 def _stacked(params, prompts_BT, cfg, new_tokens: int):
-    """Greedy tokens [B, N] by prefill and transformer.decode_step over the stacked cache of every position."""
+    """Greedy tokens [B, N] by prefill and decode.decode_step over the stacked cache of every position."""
     B, T = prompts_BT.shape
-    logits_BV, cache = transformer.prefill(params, prompts_BT, jnp.full((B,), T, jnp.int32), cfg, T + new_tokens)
+    logits_BV, cache = decode.prefill(params, prompts_BT, jnp.full((B,), T, jnp.int32), cfg, T + new_tokens)
 
     def body(i, c):
         logits_BV, cache, out_BN = c
         tok_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
-        logits_BV, cache = transformer.decode_step(params, tok_B, cache, cfg)
+        logits_BV, cache = decode.decode_step(params, tok_B, cache, cfg)
         return logits_BV, cache, out_BN.at[:, i].set(tok_B)
 
     return jax.lax.fori_loop(0, new_tokens, body, (logits_BV, cache, jnp.zeros((B, new_tokens), jnp.int32)))[2]

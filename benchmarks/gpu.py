@@ -17,7 +17,7 @@ Sections and what they report:
               tokens; bf16 matmuls over float32 weights and Adam moments; full remat; attention auto; loss in chunks
               of 512), at the batch that fills 92% of the device's memory (two quick compiles give bytes per
               sequence from compiled.memory_analysis(), then the estimate is compiled and stepped down until it
-              fits); tokens/s, model TFLOP/s (metrics.flops_per_token, causal), MFU against the spec sheet and
+              fits); tokens/s, model TFLOP/s (flops.flops_per_token, causal), MFU against the spec sheet and
               against the measured matmul; the step's time by operation from a jax.profiler trace (attributed to
               the model's named scopes through the optimized HLO; the compiler's cost analysis when no trace can
               be read); then the same step with attention=blockwise and other remat policies while time is left

@@ -271,8 +271,8 @@ def train(ctx: Ctx) -> None:
     import jax
 
     from jaxlm import params as P
-    from jaxlm.train import metrics, state as state_lib
-    from jaxlm.model import attention, param_specs
+    from jaxlm.train import state as state_lib
+    from jaxlm.model import attention, flops, param_specs
 
     z = ctx.sizes
     dev = jax.devices()[0]
@@ -280,7 +280,7 @@ def train(ctx: Ctx) -> None:
     T = cfg.model.block_size
     ctx.put(train_model="llama3.2-1b shape" + (" (tiny)" if ctx.tiny else ""),
             train_params=P.count(param_specs(cfg.model)), train_block=T,
-            train_flops_per_token=metrics.flops_per_token(cfg.model, causal=True),
+            train_flops_per_token=flops.flops_per_token(cfg.model, causal=True),
             train_attention=attention.describe(cfg.model, dev.platform), train_remat=cfg.model.remat)
     limit = (dev.memory_stats() or {}).get("bytes_limit")
     budget = int(limit * z["train_memory_fraction"]) if limit and not ctx.tiny else z.get("train_budget_bytes")

@@ -24,8 +24,8 @@ import numpy as np
 
 from jaxlm import config as config_lib, params as P, runtime, sharding
 from jaxlm.store import convert
-from jaxlm.model import lora
-from jaxlm.train import metrics, run as run_lib, state as state_lib, step as step_lib
+from jaxlm.model import flops, lora
+from jaxlm.train import run as run_lib, state as state_lib, step as step_lib
 from jaxlm.model import param_specs
 
 
@@ -100,7 +100,7 @@ def main() -> None:
             print(f"round {r + 1}/{a.rounds}: " + " ".join(f"{k} {v[-1]:.3f} s/step" for k, v in times.items()),
                   file=sys.stderr, flush=True)
     med = {name: float(np.median(t)) for name, t in times.items()}
-    full_flops = metrics.flops_per_token(base_cfg.model, causal=True)
+    full_flops = flops.flops_per_token(base_cfg.model, causal=True)
     tokens = steppers["full"].tokens
     n_base = P.count(param_specs(base_cfg.model))
     print(f"model: d {a.d_model}, {a.layers} layers, block {a.block}, batch {a.batch}, {n_base:,} parameters; "

@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from jaxlm import config as config_lib, runtime
+from jaxlm.model import flops
 from jaxlm.train import batches as batch_lib, metrics, run as run_lib, state as state_lib, step as step_lib
 
 
@@ -78,7 +79,7 @@ def main() -> None:
             steps = max(3, int(10.0 * probe / tokens))
         tok_s = measure(cfg, steps)
         peak = max(peak, matmul_peak())  # measured again next to this config's run; the higher figure counts
-        frac = tok_s * metrics.flops_per_token(cfg.model) / peak
+        frac = tok_s * flops.flops_per_token(cfg.model) / peak
         print(f"config={name} tok_per_s={tok_s:.0f} model_flops_frac={frac:.3f} matmul_f32_gflops={peak / 1e9:.1f}",
               flush=True)
 

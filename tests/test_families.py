@@ -54,14 +54,14 @@ def significant(x: float, published: str) -> float:
 
 @pytest.mark.parametrize("name", PUBLISHED_2025)
 def test_2025_presets_have_the_published_parameter_counts(name):
-    """Total and active parameters (metrics.param_counts, from abstract shapes) equal the published figures to
+    """Total and active parameters (flops.param_counts, from abstract shapes) equal the published figures to
     their digits. Not checked: Llama 4 Scout's 109B total, which includes its vision encoder (the text model
     is 107.8B), and Qwen3-30B-A3B's "3.3B activated", which its model card truncates from 3.35B (checked
     below as that)."""
-    from jaxlm.train import metrics
+    from jaxlm.model import flops
 
     total, active, convention = PUBLISHED_2025[name]
-    c = metrics.param_counts(config_lib.load(name).model)
+    c = flops.param_counts(config_lib.load(name).model)
     if total is not None:
         assert significant(c["total"] / 1e9, total) == float(total), (name, c)
     if active is not None:
@@ -164,7 +164,8 @@ def _loads(run, params, tokens):
     from jaxlm.model import transformer
 
     with sharding.activation_sharding(run.mesh, run.act_rules):
-        stats = jax.jit(lambda p, t: transformer._hidden(p, t, run.cfg.model, None, None, None)[1])(params, tokens)
+        stats = jax.jit(lambda p, t: transformer.hidden_with_stats(p, t, run.cfg.model, None, None, None)[1])(
+            params, tokens)
     f = np.asarray(stats[:, 0])
     return f.max(axis=-1) / f.mean(axis=-1)
 
@@ -247,7 +248,8 @@ def test_irregular_layers_scan_equals_python_loop():
     """A model with a dense first layer, MoE layers every second layer, a pattern that leaves a last layer
     over (5 layers of 2 kinds) and an MTP module: the scan with its unrolled layers equals the plain loop, as
     do the load-balancing loss and the MTP logits; the latent-attention variant too."""
-    from jaxlm.model import transformer
+    from jaxlm.model.loss import loss_terms
+    from jaxlm.model.mtp import mtp_logits
 
     toks = jax.random.randint(jax.random.key(1), (2, 16), 0, 40)
     for cfg in (MIXED_2025, dataclasses.replace(MIXED_2025, kv_lora_rank=8, q_lora_rank=8, qk_nope_head_dim=8,
@@ -259,9 +261,9 @@ def test_irregular_layers_scan_equals_python_loop():
         looped, aux_l = fwd(params, toks, dataclasses.replace(cfg, scan_layers=False))
         np.testing.assert_allclose(np.asarray(scanned), np.asarray(looped), atol=1e-5)
         assert float(aux_s) == pytest.approx(float(aux_l), rel=1e-5) and float(aux_s) >= 2.0 - 1e-5
-        mtp = jax.jit(transformer.mtp_logits, static_argnums=2)(params, toks, cfg)
+        mtp = jax.jit(mtp_logits, static_argnums=2)(params, toks, cfg)
         assert mtp.shape == (1, 2, 16, 40) and float(jnp.abs(mtp - scanned[None]).max()) > 1e-3
-        loss, terms = jax.jit(transformer.loss_terms, static_argnums=3)(params, toks, toks, cfg)
+        loss, terms = jax.jit(loss_terms, static_argnums=3)(params, toks, toks, cfg)
         assert set(terms) == {"cross_entropy", "mtp", "load_balancing"}
         want = terms["cross_entropy"] + cfg.mtp_loss_weight * terms["mtp"] + cfg.router_aux_loss_coef * terms[
             "load_balancing"]

@@ -13,7 +13,7 @@ from jaxlm import config as config_lib, params as P, sharding
 from jaxlm.infer import generate, sampling
 from jaxlm.config import ConfigError, DecodeConfig, MeshConfig
 from jaxlm.configs._models import MODELS
-from jaxlm.model import forward, param_specs, transformer
+from jaxlm.model import decode, forward, param_specs
 
 TINY = dict(vocab_size=64, block_size=64, n_heads=4, n_kv_heads=2, d_model=32, head_dim=8, d_ff=48,
             sliding_window=5, compute_dtype="float32", param_dtype="float32", init_std=0.2)
@@ -41,9 +41,9 @@ def cached_logits(params, cfg, tokens_BT, prompt_lengths, quantize=False):
     for b, n in enumerate(prompt_lengths):
         prompts[b, :n] = tokens_BT[b, :n]
     lengths = jnp.asarray(prompt_lengths, jnp.int32)
-    logits, cache = jax.jit(transformer.prefill, static_argnums=(3, 4, 5))(
+    logits, cache = jax.jit(decode.prefill, static_argnums=(3, 4, 5))(
         params, jnp.asarray(prompts), lengths, cfg, T, quantize)
-    step = jax.jit(transformer.decode_step, static_argnums=3)
+    step = jax.jit(decode.decode_step, static_argnums=3)
     out = [[] for _ in range(B)]
     for i in range(T - min(prompt_lengths) + 1):
         for b, n in enumerate(prompt_lengths):
@@ -212,7 +212,7 @@ def test_decode_segments_cover_the_steps_and_hold_their_positions():
     + [pytest.param(n, q, False, marks=pytest.mark.slow) for n, q in (("gemma2_2b", False), ("llama3_1_8b", True))])
 def test_generate_equals_the_stacked_decode_step(name, quantize, unroll, monkeypatch):
     """generate's loop (the cache growing over three segments; layers and cache taken apart, keys transposed,
-    or, for deep models, the scan over stacked layers) samples the tokens of transformer.decode_step over the
+    or, for deep models, the scan over stacked layers) samples the tokens of decode.decode_step over the
     stacked full-length cache, step by step, with the same keys (sampled, not greedy: a tiny random model's
     greedy output soon repeats one token)."""
     monkeypatch.setattr(generate, "UNROLL_LAYERS", 1000 if unroll else 0)
@@ -227,9 +227,9 @@ def test_generate_equals_the_stacked_decode_step(name, quantize, unroll, monkeyp
     prompts_BT = np.zeros((3, 16), np.int32)
     for b, p in enumerate(prompts):
         prompts_BT[b, :len(p)] = p
-    logits, cache = jax.jit(transformer.prefill, static_argnums=(3, 4, 5))(
+    logits, cache = jax.jit(decode.prefill, static_argnums=(3, 4, 5))(
         params, prompts_BT, np.array([len(p) for p in prompts], np.int32), cfg, 16 + N, quantize)
-    step = jax.jit(transformer.decode_step, static_argnums=3)
+    step = jax.jit(decode.decode_step, static_argnums=3)
     draw = jax.jit(sampling.sample_tokens)
     key, want = jax.random.key(5), []
     for _ in range(N):

@@ -259,14 +259,14 @@ def test_multimodal_checkpoints_import_their_language_model(tmp_path):
 def test_deepseek_mtp_module_matches_transformers_and_round_trips(tmp_path):
     """A DeepSeek-V3 checkpoint with its multi-token prediction module (made with transformers' MtpModel and
     stored as the layers after the last, as the released checkpoints store it): the import keeps it, its
-    logits (transformer.mtp_logits: module 0 at position t, from the embedding of token t + 1) equal
+    logits (mtp_logits: module 0 at position t, from the embedding of token t + 1) equal
     MtpModel's, and the export writes every tensor back bit for bit, but the module's copies of the embedding
     and output tables (transformers ties them to the main model's)."""
     import jax.numpy as jnp
     from safetensors.torch import load_file, save_file
     from transformers.modeling_layers import MtpModel
 
-    from jaxlm.model import transformer
+    from jaxlm.model.mtp import mtp_logits
 
     cfg = CASES["deepseek_v3"]()
     cfg.num_hidden_layers, cfg.first_k_dense_replace, cfg.num_nextn_predict_layers = 2, 1, 1
@@ -303,7 +303,7 @@ def test_deepseek_mtp_module_matches_transformers_and_round_trips(tmp_path):
     convert.from_hf(str(tmp_path / "hf"), tmp_path / "jx", log=lambda s: None)
     ours = jaxlm.load(tmp_path / "jx")
     assert ours.config.model.mtp_layers == 1
-    got = np.asarray(transformer.mtp_logits(ours.params, jnp.asarray(tokens), ours.config.model))[0, :, :-1]
+    got = np.asarray(mtp_logits(ours.params, jnp.asarray(tokens), ours.config.model))[0, :, :-1]
     assert np.abs(got - want.float().numpy()).max() <= 1e-4 and np.abs(want.numpy()).max() > 0.5
     convert.to_hf(tmp_path / "jx", tmp_path / "back", log=lambda s: None)
     back = load_file(tmp_path / "back" / "model.safetensors")

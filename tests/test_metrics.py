@@ -10,7 +10,7 @@ import pytest
 from conftest import tiny_config
 from jaxlm import config as config_lib
 from jaxlm.train import loop as train, metrics, run as run_lib
-from jaxlm.model import param_specs
+from jaxlm.model import flops, param_specs
 
 
 def _gqa_swiglu_untied():
@@ -24,16 +24,16 @@ def test_flops_per_token_match_a_hand_count():
     # matmul weights; 6 x that = 741,408,768. Attention, full square: 12 * 12 layers * 12 heads * 64 * 1024
     # = 113,246,208. (nanoGPT's 6N + 12LHQT differs only by its 85,248 LayerNorm and bias weights.)
     gpt2 = config_lib.load_base("openwebtext").model
-    assert metrics.matmul_weights(gpt2) == 123_568_128
-    assert metrics.flops_per_token(gpt2) == 741_408_768 + 113_246_208
-    assert metrics.flops_per_token(gpt2, causal=True) == 741_408_768 + 113_246_208 // 2
+    assert flops.matmul_weights(gpt2) == 123_568_128
+    assert flops.flops_per_token(gpt2) == 741_408_768 + 113_246_208
+    assert flops.flops_per_token(gpt2, causal=True) == 741_408_768 + 113_246_208 // 2
     # Llama-style: GQA (4 query, 2 kv heads of 16), SwiGLU 172 wide, untied head. Per layer q 64*4*16 = 4,096,
     # k and v 64*2*16 = 2,048 each, o 4,096, MLP 3*64*172 = 33,024: 45,312; x 2 layers + head 64*100 = 6,400
     # -> 97,024; 6 x = 582,144. Attention: 12 * 2 * 4 * 16 * 32 = 49,152 full, 24,576 causal.
     llama = _gqa_swiglu_untied()
-    assert metrics.matmul_weights(llama) == 97_024
-    assert metrics.flops_per_token(llama) == 582_144 + 49_152
-    assert metrics.flops_per_token(llama, causal=True) == 582_144 + 24_576
+    assert flops.matmul_weights(llama) == 97_024
+    assert flops.flops_per_token(llama) == 582_144 + 49_152
+    assert flops.flops_per_token(llama, causal=True) == 582_144 + 24_576
 
 
 @pytest.mark.parametrize("cfg", [config_lib.load_base("openwebtext").model, _gqa_swiglu_untied()])
@@ -42,7 +42,7 @@ def test_matmul_weights_equal_the_declared_matmul_parameters(cfg):
     head = specs["lm_head"] if "lm_head" in specs else specs["embed"]["tokens"]
     matrices = [specs["layers"]["attn"][k] for k in ("q", "k", "v", "o")] + \
         [v for k, v in specs["layers"]["mlp"].items() if not k.endswith("bias")] + [head]
-    assert metrics.matmul_weights(cfg) == sum(int(np.prod(s.shape)) for s in matrices)
+    assert flops.matmul_weights(cfg) == sum(int(np.prod(s.shape)) for s in matrices)
 
 
 @pytest.mark.parametrize("kind, dtype, peak", [
@@ -84,7 +84,7 @@ def test_cpu_run_reports_mfu_against_the_measured_peak_and_goodput_that_sums_to_
     peak = summary["peak_flops_per_device"]
     assert "measured" in summary["peak_source"]
     assert peak / 3 < metrics.matmul_flops_per_second() < peak * 3  # the same yardstick, measured again
-    flops_per_token = metrics.flops_per_token(dataclasses.replace(cfg.model, vocab_size=65), causal=True)
+    flops_per_token = flops.flops_per_token(dataclasses.replace(cfg.model, vocab_size=65), causal=True)
     assert summary["model_tflops_per_s"] * 1e12 == pytest.approx(flops_per_token * summary["tokens_per_s"])
     assert summary["mfu"] == pytest.approx(summary["model_tflops_per_s_per_device"] * 1e12 / peak, rel=1e-12)
     (line,) = [line for line in logged if "MFU" in line]

@@ -1,4 +1,4 @@
-"""The paged KV cache: transformer.paged_forward over pages scattered through a pool gives the logits of the
+"""The paged KV cache: decode.paged_forward over pages scattered through a pool gives the logits of the
 uncached forward pass (prefill chunks read by rows, decode steps and verification flat, layers unrolled and
 scanned) for the families' attention variants, the 2025-26 families' too (latent attention, sinks, chunked and
 no-rope layers, dense and MoE layers stacked apart); the paged engine serves those families as the slot engine
@@ -13,7 +13,7 @@ import pytest
 
 from jaxlm import params as P, sharding
 from jaxlm.config import MeshConfig, ModelConfig
-from jaxlm.model import forward, paged, param_specs, transformer
+from jaxlm.model import decode, forward, paged, param_specs
 from jaxlm.serve.pages import PagePool
 from test_generate import TINY_2025
 from conftest import until_done
@@ -51,7 +51,7 @@ def test_paged_forward_equals_the_uncached_forward(family, quantize, lane):
     seqs = [rng.integers(0, 50, 40).astype(np.int32) for _ in lengths]
     table = rng.permutation(NP)[:3 * M].reshape(3, M).astype(np.int32)
     full = [np.asarray(forward(params, s[None], cfg)[0]) for s in seqs]
-    run = jax.jit(transformer.paged_forward, static_argnames=("cfg", "all_logits"))
+    run = jax.jit(decode.paged_forward, static_argnames=("cfg", "all_logits"))
     assert np.abs(np.diff(full[2], axis=0)).max() > 0.1  # logits that differ from token to token
     tol = 0.02 * max(np.abs(f).max() for f in full) if quantize else 2e-5  # int8: within its rounding
     tokens = np.zeros((3, 32), np.int32)
@@ -60,7 +60,7 @@ def test_paged_forward_equals_the_uncached_forward(family, quantize, lane):
     logits, cache = run(params, cache, tokens, np.zeros(3, np.int32), lengths, table, cfg)
     for b, n in enumerate(lengths):
         np.testing.assert_allclose(logits[b], full[b][n - 1], rtol=0, atol=tol)
-    layer_params = transformer.layer_weights(params, cfg)
+    layer_params = decode.layer_weights(params, cfg)
     L = lengths.copy()
     for i in range(6):
         live = np.asarray([1, 1, i % 2], np.int32)
@@ -130,7 +130,7 @@ def decode_inputs(cfg: ModelConfig, device):
     tokens = np.zeros((3, 32), np.int32)
     for b, n in enumerate(lengths):
         tokens[b, :n] = seqs[b][:n]
-    return params, lengths, seqs, table, tokens, transformer.layer_weights(params, cfg)
+    return params, lengths, seqs, table, tokens, decode.layer_weights(params, cfg)
 
 
 @pytest.mark.parametrize("family,lane", [("gqa", 1), ("gemma2", 1), ("gqa", 128)])
@@ -149,13 +149,13 @@ def test_decode_steps_through_the_page_attention_kernel_give_the_flat_paths_logi
 
     def steps(kernel):
         jax.clear_caches()
-        _, cache = transformer.paged_forward(params, paged.init(cfg, NP, A, fmt=paged.PoolFormat(lane, kernel)),
-                                             tokens, np.zeros(3, np.int32), lengths, table, cfg)
+        _, cache = decode.paged_forward(params, paged.init(cfg, NP, A, fmt=paged.PoolFormat(lane, kernel)),
+                                        tokens, np.zeros(3, np.int32), lengths, table, cfg)
         L, out = lengths.copy(), []
         for step in range(4):
             tok = np.asarray([seqs[b][L[b]] for b in range(3)], np.int32)[:, None]
             length = np.where(np.arange(3) == 1, 0, L + 1).astype(np.int32) if step == 1 else L + 1
-            logits, cache = jax.jit(transformer.paged_forward, static_argnames="cfg")(
+            logits, cache = jax.jit(decode.paged_forward, static_argnames="cfg")(
                 params, cache, tok, L, length, table, cfg, lw if step % 2 else None)
             out.append(np.asarray(logits)[length > 0])
             L = np.where(length > 0, L + 1, L).astype(np.int32)
@@ -181,9 +181,9 @@ def test_a_decode_step_updates_the_pool_in_place_whatever_its_table_width(rows, 
     params = P.init(param_specs(cfg), jax.random.key(0), sharding.make_mesh(MeshConfig(), jax.devices()[:1]))
     cache = paged.init(cfg, 2000, 16)
     pool = sum(x.nbytes for x in jax.tree.leaves(cache))
-    args = (params, transformer.layer_weights(params, cfg), cache, np.zeros((rows, 1), np.int32),
+    args = (params, decode.layer_weights(params, cfg), cache, np.zeros((rows, 1), np.int32),
             np.full(rows, 20, np.int32), np.full(rows, 21, np.int32), np.zeros((rows, table_width), np.int32))
-    step = jax.jit(lambda params, lw, cache, tok, start, length, table: transformer.paged_forward(
+    step = jax.jit(lambda params, lw, cache, tok, start, length, table: decode.paged_forward(
         params, cache, tok, start, length, table, cfg, lw), donate_argnums=2)
     memory = step.lower(*args).compile().memory_analysis()
     assert memory.alias_size_in_bytes == pool  # the pool in is the pool out
@@ -216,7 +216,7 @@ def test_paged_steps_compiled_for_a_tpu_update_the_pool_in_place(rows, chunk, ta
                             tree)
 
     params = on_tpu(P.abstract(param_specs(cfg)))
-    lw = on_tpu(jax.eval_shape(lambda p: transformer.layer_weights(p, cfg), params))
+    lw = on_tpu(jax.eval_shape(lambda p: decode.layer_weights(p, cfg), params))
     cache = on_tpu(jax.eval_shape(lambda: paged.init(cfg, 8192, 16, fmt=fmt)))  # 3.2 GB
     assert cache.kinds[0]["k"].shape == (12, 2, 8192, 16, 128)
     i32 = lambda *shape: on_tpu(jax.ShapeDtypeStruct(shape, np.int32))  # noqa: E731

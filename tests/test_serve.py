@@ -574,13 +574,13 @@ def test_several_prompts_chunks_in_one_call_equal_them_one_at_a_time(family, qua
     """One prefill_chunks call over four prompts' chunks (different lengths; two continue a chunk run earlier,
     one of them past the 8-slot ring of the local layers; one stops short of its prompt's end) and four padding
     rows gives each slot the cache, length and logits that the chunks run one at a time give, and those of
-    `transformer.prefill` of the whole prompt where the prompt is all in (float caches). The slots not in the
+    `decode.prefill` of the whole prompt where the prompt is all in (float caches). The slots not in the
     call, among them slot B - 1 that the padding rows read, keep their cache bit for bit. Every slot first
     holds an earlier occupant's 16 positions, which the new prompts must mask and overwrite."""
     import jax
     from jaxlm import params as P, sharding
     from jaxlm.config import MeshConfig, ModelConfig
-    from jaxlm.model import kvcache, param_specs, transformer
+    from jaxlm.model import decode, kvcache, param_specs
     from jaxlm.serve import chunk as chunk_lib
 
     cfg = ModelConfig(**{**dict(vocab_size=50, block_size=64, n_layers=2, n_heads=4, n_kv_heads=2, d_model=32,
@@ -626,7 +626,7 @@ def test_several_prompts_chunks_in_one_call_equal_them_one_at_a_time(family, qua
         return
     for slot in (1, 4):  # prompts now all in: the whole prompt's prefill into a fresh cache
         n = len(prompts[slot])
-        want_logits, fresh = transformer.prefill(params, prompts[slot][None], np.asarray([n]), cfg, S)
+        want_logits, fresh = decode.prefill(params, prompts[slot][None], np.asarray([n]), cfg, S)
         assert np.allclose(logits_BV[slot], want_logits[0], rtol=0, atol=1e-4)
         for c, f in zip(cache.kinds, fresh.kinds):
             held = np.asarray(f.pos[0]) != kvcache.EMPTY  # the others hold the earlier occupant's, masked

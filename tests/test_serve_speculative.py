@@ -99,9 +99,9 @@ def test_the_models_multi_token_prediction_module_drafts_in_the_engine():
     """decode.draft=mtp in the engine (a DeepSeek-V3 in miniature, test_speculative.DEEPSEEK): the seven greedy
     sequences of the test above (shared prefixes, a stop token, preemption) get the engine's tokens, endings and
     log-probabilities without a draft at 1 and 3 proposals per pass; and one sequence alone, one proposal per
-    pass, keeps exactly the proposals that the module's greedy tokens over its final text (transformer.mtp_logits)
+    pass, keeps exactly the proposals that the module's greedy tokens over its final text (mtp_logits)
     give, so the module's pool and the state each slot keeps between calls held the right entries at every pass."""
-    from jaxlm.model import transformer
+    from jaxlm.model.mtp import mtp_logits
 
     params, cfg = make(0, **test_speculative.DEEPSEEK)
     rng, max_tokens, seqs = seven_sequences()
@@ -125,7 +125,7 @@ def test_the_models_multi_token_prediction_module_drafts_in_the_engine():
     e = engine((None, None, 1), slots=1, pages=12)
     (tokens, _, _), = run(e, [engine_lib.Sequence(prompt, 36, 0.0, 0, 1.0, 0, 0, (), None, logprobs=False)])
     text = prompt + tokens
-    greedy = np.argmax(np.asarray(transformer.mtp_logits(params, np.asarray([text]), cfg))[0, 0], -1)
+    greedy = np.argmax(np.asarray(mtp_logits(params, np.asarray([text]), cfg))[0, 0], -1)
     proposed = kept = 0
     at = len(prompt)  # a pass from the pending token at `at` proposes the module's token after it
     while at - len(prompt) + 1 < len(tokens):

@@ -99,13 +99,13 @@ def test_rules_override_and_hybrid_mesh_shape():
 
 
 def test_global_parameter_scale_multiplies_non_embedding_params():
-    from jaxlm.train import metrics
+    from jaxlm.model import flops
 
     base = config_lib.load("openwebtext").model
-    n = metrics.non_embedding_params(base)
+    n = flops.non_embedding_params(base)
     for scale in (2, 4, 8, 16):
         m = config_lib.apply_parameter_scale(config_lib.ModelConfig(**{**base.__dict__, "global_parameter_scale": scale}))
-        assert metrics.non_embedding_params(m) / n == pytest.approx(scale, rel=0.02)
+        assert flops.non_embedding_params(m) / n == pytest.approx(scale, rel=0.02)
         assert m.hd == base.hd
 
 

@@ -10,7 +10,8 @@ import pytest
 from jaxlm import params as P, sharding
 from jaxlm.infer import generate, sampling, speculative
 from jaxlm.config import ConfigError, DecodeConfig, MeshConfig, ModelConfig
-from jaxlm.model import forward, paged, param_specs, transformer
+from jaxlm.model import decode, forward, paged, param_specs
+from jaxlm.model.mtp import mtp_logits, mtp_pool, mtp_weights, paged_mtp
 
 
 
@@ -50,26 +51,26 @@ DEEPSEEK = dict(n_layers=3, layer_pattern="global", sliding_window=None, qk_norm
 
 
 def test_the_models_multi_token_prediction_module_drafts():
-    """decode.draft=mtp: transformer.paged_mtp position by position over its pool gives the logits of
-    transformer.mtp_logits (the training forward); greedy tokens equal `generate`'s with 1 (decode.draft_tokens'
+    """decode.draft=mtp: paged_mtp position by position over its pool gives the logits of
+    mtp_logits (the training forward); greedy tokens equal `generate`'s with 1 (decode.draft_tokens'
     default for the module) and 3 draft tokens; with one draft token per pass, the passes and the proposals kept
     are exactly those that the module's greedy tokens over the final text (mtp_logits) give, so the module's cache
     held the right entries at every pass; a model without modules is refused in one line."""
     params, cfg = make(0, vocab_size=12, **DEEPSEEK)
     seq = np.asarray([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 3, 2, 1, 0, 5, 6, 7, 1, 2]], np.int32)
     T = seq.shape[1]
-    want = np.asarray(transformer.mtp_logits(params, seq, cfg))[0, 0]
+    want = np.asarray(mtp_logits(params, seq, cfg))[0, 0]
     table, zero = np.arange(2, dtype=np.int32)[None], np.zeros((1,), np.int32)
-    _, h_BTD, _ = transformer.paged_forward(params, paged.init(cfg, 2, 16), seq, zero, zero + T, table, cfg,
-                                            hidden=True)
-    weights, pool = transformer.mtp_weights(params, cfg), transformer.mtp_pool(cfg, 2, 16)
+    _, h_BTD, _ = decode.paged_forward(params, paged.init(cfg, 2, 16), seq, zero, zero + T, table, cfg,
+                                       hidden=True)
+    weights, pool = mtp_weights(params, cfg), mtp_pool(cfg, 2, 16)
     half = T // 2  # a chunk, then position by position
-    logits, _, pool = transformer.paged_mtp(params, weights, pool, seq[:, 1:half + 1], h_BTD[:, :half], zero,
-                                            zero + half, table, cfg)
+    logits, _, pool = paged_mtp(params, weights, pool, seq[:, 1:half + 1], h_BTD[:, :half], zero,
+                                zero + half, table, cfg)
     got = [np.asarray(logits[0])]
     for t in range(half, T - 1):
-        logits, _, pool = transformer.paged_mtp(params, weights, pool, seq[:, t + 1:t + 2], h_BTD[:, t:t + 1],
-                                                zero + t, zero + t + 1, table, cfg)
+        logits, _, pool = paged_mtp(params, weights, pool, seq[:, t + 1:t + 2], h_BTD[:, t:t + 1],
+                                    zero + t, zero + t + 1, table, cfg)
         got.append(np.asarray(logits[0]))
     np.testing.assert_allclose(np.stack(got), want[half - 1:T - 1], atol=1e-4)
 
@@ -83,7 +84,7 @@ def test_the_models_multi_token_prediction_module_drafts():
             proposed = kept = 0
             for prompt, new in zip(prompts, want_tokens):
                 text = prompt + new
-                greedy = np.argmax(np.asarray(transformer.mtp_logits(params, np.asarray([text]), cfg))[0, 0], -1)
+                greedy = np.argmax(np.asarray(mtp_logits(params, np.asarray([text]), cfg))[0, 0], -1)
                 at = len(prompt)  # a pass from the pending token at `at`: the module's token after it is proposed
                 while at - len(prompt) + 1 < len(new):
                     ok = int(greedy[at - 1] == text[at + 1])

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from jaxlm.config import ModelConfig
-from jaxlm.model import attention, forward, paged, splash, transformer
+from jaxlm.model import attention, decode, forward, paged, splash
 from test_attention import CASES, inputs, loss_of, reference, segments
 from test_paged import (DECODE_PAGE, DECODE_PAGES, MODELS, decode_inputs,  # noqa: F401 - page_kernel: a fixture
                         page_kernel)
@@ -179,7 +179,7 @@ def test_decode_steps_through_the_kernel_give_the_flat_paths_logits(tpu, page_ke
     assert cfg.hd == 128 and cfg.n_layers == 4
     params, lengths, seqs, table, tokens, lw = decode_inputs(cfg, tpu)
     A, NP = DECODE_PAGE, DECODE_PAGES
-    run = jax.jit(transformer.paged_forward, static_argnames="cfg")
+    run = jax.jit(decode.paged_forward, static_argnames="cfg")
 
     def steps(kernel):
         """The logits of each decode step's live rows, and their positions."""

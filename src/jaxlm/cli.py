@@ -33,15 +33,14 @@ def cmd_train(argv: list[str]) -> int:
     cfg = config_lib.load(argv[0], argv[1:])
     if print_params:
         from jaxlm import params
-        from jaxlm.train import metrics
-        from jaxlm.model import param_specs
+        from jaxlm.model import flops, param_specs
 
         model = config_lib.apply_parameter_scale(cfg.model)
         if model.vocab_size is None:
             raise config_lib.ConfigError("--print-params needs model.vocab_size (it is otherwise read from the data)")
-        c = metrics.param_counts(model)
+        c = flops.param_counts(model)
         print(f"parameters {params.count(param_specs(model)):,} (non-embedding "
-              f"{metrics.non_embedding_params(model):,}; active per token {c['active']:,}): {model.n_layers} layers, "
+              f"{flops.non_embedding_params(model):,}; active per token {c['active']:,}): {model.n_layers} layers, "
               f"width {model.d_model}, {model.n_heads} heads of {model.hd}, MLP {model.ff}")
         return 0
     from jaxlm.train import loop as train
@@ -169,13 +168,13 @@ def cmd_describe(argv: list[str]) -> int:
             raise config_lib.ConfigError(f"jaxlm describe {argv[0]} takes no settings (got {argv[1]!r})")
         print("\n".join(tpu_slice(argv[0]).lines()))
         return 0
-    from jaxlm.train import metrics
+    from jaxlm.model import flops
 
     cfg = config_lib.load(argv[0], argv[1:])
     model = config_lib.apply_parameter_scale(cfg.model)
     if model.vocab_size is None:
         raise config_lib.ConfigError("jaxlm describe needs model.vocab_size (it is otherwise read from the data)")
-    print("\n".join(metrics.describe_model(model)))
+    print("\n".join(flops.describe_model(model)))
     return 0
 
 

@@ -4,7 +4,7 @@
 lax.while_loop that stops each sequence at a stop token or after max_new_tokens and ends when all have
 stopped; new tokens can be streamed to the host as they come. The loop runs in segments whose cache doubles in
 length (`segments`) and, unless the model is deep, carries each layer's weights and cache apart
-(transformer.decode_layers). `sample` is the plain decoder without a cache (it re-runs the forward pass over a
+(decode.decode_layers). `sample` is the plain decoder without a cache (it re-runs the forward pass over a
 sliding window for every token), used for the end-of-training sample and as the baseline of
 benchmarks/decode.py.
 
@@ -29,7 +29,7 @@ import numpy as np
 from jaxlm import sharding
 from jaxlm.infer import sampling
 from jaxlm.config import ConfigError, DecodeConfig, ModelConfig, validate_decode
-from jaxlm.model import forward, kvcache, transformer
+from jaxlm.model import decode, forward, kvcache
 
 
 @partial(jax.jit, static_argnames=("cfg", "prompt_len", "new_tokens", "temperature", "top_k"))
@@ -114,13 +114,13 @@ def emit(stream_id, *values) -> None:
 def _prefill(params, prompts_BT, lengths_B, cfg: ModelConfig, cache_length: int, quantize: bool,
              layout: sharding.Layout | None = None):
     with sharding.within(layout):
-        return transformer.prefill(params, prompts_BT, lengths_B, cfg, cache_length, quantize)
+        return decode.prefill(params, prompts_BT, lengths_B, cfg, cache_length, quantize)
 
 
 FIRST_SEGMENT = 64  # cache slots of the first decode segment at least; each next one doubles
 MAX_SEGMENTS = 4  # each compiles its own copy of the decode step
-# Models of up to this many layers decode with the layers unrolled (transformer.decode_layers), deeper ones with
-# the scan over stacked layers (transformer.decode_step), whose compile time does not grow with depth. On a
+# Models of up to this many layers decode with the layers unrolled (decode.decode_layers), deeper ones with
+# the scan over stacked layers (decode.decode_step), whose compile time does not grow with depth. On a
 # 2-core CPU at load 1.5 (batch 16, 256 new tokens, width 128) unrolling gave 2.2x the tokens/s of the scan
 # at 4 layers (compile 3.3 s against 2.7) and 1.5x at 32 layers (compile 15 s against 2.8).
 UNROLL_LAYERS = 16
@@ -159,7 +159,7 @@ def _decode(params, logits_BV, cache, key, temperature, top_k, top_p, stop_S, st
     step's tokens go to the host callback of stream_id (`streaming`)."""
     B = logits_BV.shape[0]
     with sharding.within(layout):
-        step, cache = transformer.decoder(params, cache, cfg, unroll)
+        step, cache = decode.decoder(params, cache, cfg, unroll)
 
         def body(c):
             key, sub = jax.random.split(c["key"])

@@ -4,7 +4,7 @@ and sampling.speculative_accept keeps a prefix of them and draws one more, so th
 gives 1 to k + 1 tokens distributed exactly as its own sampling would give them (greedy tokens identical).
 
 Both models keep a paged cache (model/paged.py), each sequence its own run of pages, and run every cached step
-through transformer.paged_forward with their layers unrolled: the prompts' prefill, the draft's steps, and the
+through decode.paged_forward with their layers unrolled: the prompts' prefill, the draft's steps, and the
 target's verification of k + 1 tokens at once (its flat read of the pages, every logit). An iteration starts
 from each sequence's pending token (sampled, not yet in the caches): the draft takes it and its own k proposals
 (k + 1 steps, the last only to cache the k-th), the target a chunk of the same k + 1 tokens; then both caches
@@ -34,7 +34,8 @@ import numpy as np
 
 from jaxlm.infer import generate, sampling
 from jaxlm.config import ConfigError, DecodeConfig, ModelConfig, draft_tokens, validate_decode
-from jaxlm.model import paged, transformer
+from jaxlm.model import decode, paged
+from jaxlm.model.mtp import mtp_pool, mtp_weights, paged_mtp
 
 PAGE = 16  # positions per page of the two caches
 
@@ -58,10 +59,10 @@ def _prefill(params, draft_params, prompts_BT, lengths_B, cfg: ModelConfig, draf
     B, T = prompts_BT.shape
     table_BM = jnp.arange(B * pages, dtype=jnp.int32).reshape(B, pages)
     zeros_B = jnp.zeros((B,), jnp.int32)
-    logits_BV, cache = transformer.paged_forward(params, paged.init(cfg, B * pages, PAGE, fmt=fmt), prompts_BT,
-                                                 zeros_B, lengths_B, table_BM, cfg)
-    _, draft_cache = transformer.paged_forward(draft_params, paged.init(draft_cfg, B * pages, PAGE, fmt=fmt),
-                                               prompts_BT, zeros_B, lengths_B, table_BM, draft_cfg)
+    logits_BV, cache = decode.paged_forward(params, paged.init(cfg, B * pages, PAGE, fmt=fmt), prompts_BT,
+                                            zeros_B, lengths_B, table_BM, cfg)
+    _, draft_cache = decode.paged_forward(draft_params, paged.init(draft_cfg, B * pages, PAGE, fmt=fmt),
+                                          prompts_BT, zeros_B, lengths_B, table_BM, draft_cfg)
     return logits_BV, cache, draft_cache
 
 
@@ -74,26 +75,26 @@ def _prefill_mtp(params, prompts_BT, lengths_B, cfg: ModelConfig, pages: int, fm
     B, T = prompts_BT.shape
     table_BM = jnp.arange(B * pages, dtype=jnp.int32).reshape(B, pages)
     zeros_B = jnp.zeros((B,), jnp.int32)
-    logits_BV, h_BTD, cache = transformer.paged_forward(params, paged.init(cfg, B * pages, PAGE, fmt=fmt),
-                                                        prompts_BT, zeros_B, lengths_B, table_BM, cfg, hidden=True)
-    _, _, draft_cache = transformer.paged_mtp(params, transformer.mtp_weights(params, cfg),
-                                              transformer.mtp_pool(cfg, B * pages, PAGE, fmt), prompts_BT[:, 1:],
-                                              h_BTD[:, :-1], zeros_B, lengths_B - 1, table_BM, cfg)
+    logits_BV, h_BTD, cache = decode.paged_forward(params, paged.init(cfg, B * pages, PAGE, fmt=fmt),
+                                                   prompts_BT, zeros_B, lengths_B, table_BM, cfg, hidden=True)
+    _, _, draft_cache = paged_mtp(params, mtp_weights(params, cfg),
+                                  mtp_pool(cfg, B * pages, PAGE, fmt), prompts_BT[:, 1:],
+                                  h_BTD[:, :-1], zeros_B, lengths_B - 1, table_BM, cfg)
     last_BD = jnp.take_along_axis(h_BTD, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
     return logits_BV, cache, draft_cache, last_BD
 
 
 def mtp_proposals(params, module_params, pool, next_BJ, hid_BJD, prev_B, length_B, live_B, limit_B, table_BM,
                   cfg: ModelConfig, k: int, draw: Callable):
-    """k proposals of the model's first multi-token prediction module (module_params: transformer.mtp_weights)
+    """k proposals of the model's first multi-token prediction module (module_params: mtp_weights)
     for rows holding length_B positions: the module runs over the positions of the last pass that the rows kept
     (from prev_B: the model's hidden states there hid_BJD, with the tokens after them next_BJ, the kept
     proposals and the pending token), whose last logits give the first proposal; each further one comes from
     the module's own hidden state and the proposal before it (positions at or past limit_B are not written).
     `draw(logits_BV, i)` -> (token_B, what the caller keeps of it). Returns the tokens, the kept values and the
     module's pool. `jaxlm generate`'s loop and the server's (serve/speculate.py) both draft with it."""
-    logits_BV, g_BD, pool = transformer.paged_mtp(params, module_params, pool, next_BJ, hid_BJD, prev_B,
-                                                  jnp.where(live_B, length_B, 0), table_BM, cfg)
+    logits_BV, g_BD, pool = paged_mtp(params, module_params, pool, next_BJ, hid_BJD, prev_B,
+                                      jnp.where(live_B, length_B, 0), table_BM, cfg)
     drafted, kept = [], []
     for i in range(k):
         tok_B, x = draw(logits_BV, i)
@@ -101,9 +102,9 @@ def mtp_proposals(params, module_params, pool, next_BJ, hid_BJD, prev_B, length_
         kept.append(x)
         if i + 1 < k:
             at_B = length_B + i
-            logits_BV, g_BD, pool = transformer.paged_mtp(params, module_params, pool, tok_B[:, None], g_BD[:, None],
-                                                          at_B, jnp.where(live_B & (at_B < limit_B), at_B + 1, 0),
-                                                          table_BM, cfg)
+            logits_BV, g_BD, pool = paged_mtp(params, module_params, pool, tok_B[:, None], g_BD[:, None],
+                                              at_B, jnp.where(live_B & (at_B < limit_B), at_B + 1, 0),
+                                              table_BM, cfg)
     return drafted, kept, pool
 
 
@@ -120,8 +121,8 @@ def _loop(params, draft_params, logits_BV, cache, draft_cache, lengths_B, key, t
     mtp = draft_cfg is None
     settings_B = [jnp.broadcast_to(x, (B,)) for x in (temperature, top_k, top_p)]
     table_BM = jnp.arange(cache.pages, dtype=jnp.int32).reshape(B, -1)
-    layers = transformer.layer_weights(params, cfg)
-    draft_layers = transformer.mtp_weights(params, cfg) if mtp else transformer.layer_weights(draft_params, draft_cfg)
+    layers = decode.layer_weights(params, cfg)
+    draft_layers = mtp_weights(params, cfg) if mtp else decode.layer_weights(draft_params, draft_cfg)
 
     def draw(logits_BV, key, i):
         q_BV = sampling.probabilities(logits_BV, *settings_B)
@@ -131,7 +132,7 @@ def _loop(params, draft_params, logits_BV, cache, draft_cache, lengths_B, key, t
         """The pending token, then the draft's own k proposals, each from its distribution q."""
         tok_B, draft_cache, drafted, qs = c["pending_B"], c["draft_cache"], [], []
         for i in range(J):
-            draft_logits_BV, draft_cache = transformer.paged_forward(
+            draft_logits_BV, draft_cache = decode.paged_forward(
                 draft_params, draft_cache, tok_B[:, None], length_B + i, jnp.where(live_B, length_B + i + 1, 0),
                 table_BM, draft_cfg, draft_layers)
             if i < k:
@@ -170,9 +171,9 @@ def _loop(params, draft_params, logits_BV, cache, draft_cache, lengths_B, key, t
         d_Bk = jnp.stack(drafted, axis=1)
         # the target: the same k + 1 tokens in one pass, a distribution p after each
         chunk_BJ = jnp.concatenate([c["pending_B"][:, None], d_Bk], axis=1)
-        logits_BJV, h_BJD, cache = transformer.paged_forward(params, c["cache"], chunk_BJ, length_B,
-                                                             jnp.where(live_B, length_B + J, 0), table_BM, cfg,
-                                                             layers, all_logits=True, hidden=True)
+        logits_BJV, h_BJD, cache = decode.paged_forward(params, c["cache"], chunk_BJ, length_B,
+                                                        jnp.where(live_B, length_B + J, 0), table_BM, cfg,
+                                                        layers, all_logits=True, hidden=True)
         p_BJV = sampling.probabilities(logits_BJV.reshape(B * J, -1), *(jnp.repeat(x, J) for x in settings_B)
                                        ).reshape(logits_BJV.shape)
         tokens_BJ, kept_B = sampling.speculative_accept(p_BJV, jnp.stack(qs, axis=1), d_Bk,

@@ -459,7 +459,7 @@ def attend_one(q_B1NH, kT_BKHS, v_BKSH, mask_B1S, scale=None, softcap=None, sink
 
 def chunk_entries(entries, rows: dict | None, take_PS, src_PS, quantized: bool, dtype):
     """The keys and values a chunk of new tokens [P, C] attends to and the slot cache's updated rows
-    (transformer.prefill_chunks): `entries` are the chunk's own (k, v [P, C, K, H]), `rows` its sequences'
+    (decode.prefill_chunks): `entries` are the chunk's own (k, v [P, C, K, H]), `rows` its sequences'
     cached k, v [P, K, S, H] (and scales) of this layer, take_PS which slots take a chunk entry and src_PS from
     which chunk index (kvcache.chunk_layout). Returns k, v [P, K, X, H] in `dtype` (X = S + C: the cached ones,
     then the chunk's) and the rows' new k, v (and scales). With `rows` None (chunks that start their prompts,

@@ -292,7 +292,7 @@ def write_layer(x: jax.Array, new: jax.Array, slot_B: jax.Array, slot_axis: int)
 
 def chunk_layout(pos_S, start, end, chunk_k_pos_C):
     """Where one sequence's chunk of positions [start, end) goes in a kind's S slots that hold positions pos_S
-    (transformer.prefill_chunks): the positions of the keys its queries see [X = S + C] (the slots' earlier ones,
+    (decode.prefill_chunks): the positions of the keys its queries see [X = S + C] (the slots' earlier ones,
     then the chunk's own, chunk_k_pos_C), which slots take a chunk entry [S], from which chunk index [S], and the
     positions the slots then hold [S]. A slot holding a position at or past `start` is left over from an earlier
     occupant (or a dummy decode step): masked (EMPTY), and overwritten before a later query can see it."""
@@ -306,6 +306,6 @@ def chunk_layout(pos_S, start, end, chunk_k_pos_C):
 
 
 def fresh_fits(cache: KVCache, C: int) -> bool:
-    """Whether chunks of C tokens that start their prompts can take transformer.prefill_chunks' `fresh` path: every kind
+    """Whether chunks of C tokens that start their prompts can take decode.prefill_chunks' `fresh` path: every kind
     holds position s in slot s for s < C (C no more than its slots, a ring buffer's included)."""
     return all(C <= c.pos.shape[1] for c in cache.kinds)

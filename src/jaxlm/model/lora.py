@@ -27,10 +27,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxlm import params as P
-from jaxlm.train import metrics
-from jaxlm.model import quant
 from jaxlm.config import Config, ConfigError
-from jaxlm.model import param_specs
+from jaxlm.model import flops, param_specs, quant
 from jaxlm.model.layers import LoraWeight, RowLoraWeight
 from jaxlm.model.transformer import MATMUL_WEIGHTS
 
@@ -213,10 +211,10 @@ def quantize_base(params: dict, cfg: Config) -> dict:
 
 
 def flops_per_token(cfg: Config, full: float) -> float:
-    """Training FLOPs per token of a LoRA run from the full fine-tune's `full` (metrics.flops_per_token): the base's
+    """Training FLOPs per token of a LoRA run from the full fine-tune's `full` (flops.flops_per_token): the base's
     matmuls run forward and backward to their inputs but compute no weight gradient (2 of the 6 FLOPs per
     weight), and each adapter costs its own 6 per parameter."""
-    return full - 2.0 * metrics.matmul_weights(cfg.model) + 6.0 * P.count(specs(cfg))
+    return full - 2.0 * flops.matmul_weights(cfg.model) + 6.0 * P.count(specs(cfg))
 
 
 def describe(cfg: Config) -> str:

@@ -1,7 +1,7 @@
 """Chunked prefill for the engine: the next chunks of several prompts run through the model, in one call, into
 their slots of the engine's KV cache, and the logits after each chunk into the slots' rows of the engine's logits.
 
-The model math is transformer.prefill_chunks (a chunk starts at any position of a slot that already holds the
+The model math is decode.prefill_chunks (a chunk starts at any position of a slot that already holds the
 earlier ones: the engine prefills a long prompt a chunk per turn, between the other slots' decode steps, and after
 a prefix copied into the slot by the prefix cache). The engine pads the chunks to one of a few lengths C
 (engine.bucket) and the rows of a call to a power of two P, padding rows taking slot B (past the last), which
@@ -21,18 +21,18 @@ import jax
 
 from jaxlm import sharding
 from jaxlm.config import ModelConfig
-from jaxlm.model import kvcache, layers, transformer
+from jaxlm.model import decode, kvcache, layers
 
 
 @partial(jax.jit, static_argnames=("cfg", "fresh", "layout"), donate_argnames=("cache", "logits_BV"))
 def prefill_chunks(params, cache: kvcache.KVCache, logits_BV, tokens_PC, start_P, length_P, slot_P,
                    cfg: ModelConfig, fresh: bool = False, adapter_P=None, layout: sharding.Layout | None = None):
-    """transformer.prefill_chunks, with each row's logits written into logits_BV at its slot (none for a padding
+    """decode.prefill_chunks, with each row's logits written into logits_BV at its slot (none for a padding
     row's slot B) and each row run with its LoRA adapter adapter_P when given (layers.with_rows; -1 the base),
     traced in the engine's mesh and rules (`layout`); returns the cache and logits_BV, both donated."""
     if adapter_P is not None:
         params = layers.with_rows(params, adapter_P)
     with sharding.within(layout):
-        cache, logits_PV = transformer.prefill_chunks(params, cache, tokens_PC, start_P, length_P, slot_P, cfg,
-                                                      fresh)
+        cache, logits_PV = decode.prefill_chunks(params, cache, tokens_PC, start_P, length_P, slot_P, cfg,
+                                                 fresh)
     return cache, logits_BV.at[slot_P].set(logits_PV, mode="drop")

@@ -4,7 +4,7 @@ The cache is paged by default (serve.page_size > 0; model/paged.py, serve/pages.
 its tokens fill, taken when it is admitted (its prompt's, less those it shares with an earlier prompt) and
 before each decode call (the call's positions), and given back when it ends; when too few pages are free the
 sequences admitted last are preempted (their pages given back; they wait at the head of the queue to prefill
-their prompt and the tokens already sent again). Prefill and decode both run transformer.paged_forward through
+their prompt and the tokens already sent again). Prefill and decode both run decode.paged_forward through
 the rows' page tables. With serve.page_size=0 each slot holds the whole context of one KV cache
 (model/kvcache.py): the slot cache, kept as the reference the paged cache is tested against. What follows
 holds for both unless it names one.
@@ -95,7 +95,8 @@ import numpy as np
 from jaxlm import sharding
 from jaxlm.infer import generate, speculative
 from jaxlm.config import ModelConfig, ServeConfig
-from jaxlm.model import kvcache, layers, paged, transformer
+from jaxlm.model import decode, kvcache, layers, paged
+from jaxlm.model.mtp import mtp_pool, mtp_weights
 from jaxlm.serve import chunk as chunk_lib, programs, speculate
 from jaxlm.serve.pages import PagePool
 from jaxlm.serve.prefix_cache import PrefixCache
@@ -297,7 +298,7 @@ class Engine:
         if not (self.unroll and self.page_size):
             return None
         if self._layer_params is None:
-            self._layer_params = jax.jit(transformer.layer_weights, static_argnums=1)(self._params, self.cfg)
+            self._layer_params = jax.jit(decode.layer_weights, static_argnums=1)(self._params, self.cfg)
         return self._layer_params
 
     def _draft_layer_weights(self):
@@ -306,12 +307,12 @@ class Engine:
         params, cfg, _ = self.draft
         if self.mtp_draft:
             if self._draft_layer_params is None:
-                self._draft_layer_params = jax.jit(transformer.mtp_weights, static_argnums=1)(self._params, self.cfg)
+                self._draft_layer_params = jax.jit(mtp_weights, static_argnums=1)(self._params, self.cfg)
             return self._draft_layer_params
         if cfg.n_layers > generate.UNROLL_LAYERS:
             return None
         if self._draft_layer_params is None:
-            self._draft_layer_params = jax.jit(transformer.layer_weights, static_argnums=1)(params, cfg)
+            self._draft_layer_params = jax.jit(decode.layer_weights, static_argnums=1)(params, cfg)
         return self._draft_layer_params
 
     def _reset_cache(self) -> None:
@@ -321,7 +322,7 @@ class Engine:
             self.cache = programs.empty_pages(self.cfg, self.NP, self.page_size, self.quantize, self.page_format,
                                               self.layout)
             if self.mtp_draft:  # the module's pool, and each slot's state between calls (speculate.decode_loop)
-                self.draft_cache = transformer.mtp_pool(self.cfg, self.NP, self.page_size, self.page_format)
+                self.draft_cache = mtp_pool(self.cfg, self.NP, self.page_size, self.page_format)
                 J, D, dt = self.draft[2] + 1, self.cfg.d_model, jnp.dtype(self.cfg.compute_dtype)
                 self.mtp = {"hidden_BD": jnp.zeros((self.B, D), dt), "prev_B": jnp.zeros((self.B,), jnp.int32),
                             "hid_BJD": jnp.zeros((self.B, J, D), dt), "next_BJ": jnp.zeros((self.B, J), jnp.int32)}

@@ -21,7 +21,8 @@ import jax.numpy as jnp
 from jaxlm import sharding
 from jaxlm.infer import sampling
 from jaxlm.config import ModelConfig
-from jaxlm.model import forward, kvcache, layers, paged, transformer
+from jaxlm.model import forward, kvcache, layers, paged
+from jaxlm.model.decode import decoder, paged_forward
 from jaxlm.serve import speculate
 
 TOP_LOGPROBS = speculate.TOP_LOGPROBS  # the most alternatives a request may ask for
@@ -71,7 +72,7 @@ def decode_loop(params, cache, logits_BV, rows_b, adapter_b, steps, live_b, idle
                 want_lp_b, seed_b, choice_b, count_b, temperature_b, top_k_b, top_p_b, cfg: ModelConfig,
                 max_steps: int, unroll: bool, layout: sharding.Layout | None = None):
     """sampled_steps over slots rows_b of the slot cache (all slots in order when there are B of them). With
-    `unroll` the steps run over the cache taken apart by layer (kvcache.unstack, transformer.decode_layers), as
+    `unroll` the steps run over the cache taken apart by layer (kvcache.unstack, decode.decode_layers), as
     generate's loop does for models of up to generate.UNROLL_LAYERS layers: one copy of the rows' part of the
     cache in (the gather of rows_b included) and one out (kvcache.restack, in place into the donated cache) per
     call, where the scan over the stacked cache (unroll False) copies each layer's keys and values out of the
@@ -88,12 +89,12 @@ def decode_loop(params, cache, logits_BV, rows_b, adapter_b, steps, live_b, idle
                max_steps)
 
     def run(slots, out, logits_bV, cache):  # the call over the first `slots` slots of the rows' cache
-        step, sub = transformer.decoder(params, cache, cfg, unroll, rows, slots)
+        step, sub = decoder(params, cache, cfg, unroll, rows, slots)
 
         def decode(tok_b, live_b, sub):
             # Rows not living decode a dummy token at idle_length_b: 0 for a free slot or a finished sequence,
             # the next chunk's start for a slot being prefilled, where the chunk masks that entry and then
-            # overwrites it (transformer.prefill_chunks).
+            # overwrites it (decode.prefill_chunks).
             return step(tok_b, dataclasses.replace(sub, length=jnp.where(live_b, sub.length, idle_length_b)))
 
         out, logits_bV, sub = sampled_steps(decode, sub, logits_bV, *sampled)
@@ -132,7 +133,7 @@ def paged_decode_loop(params, layer_params, cache, logits_BV, rows_b, adapter_b,
     """sampled_steps over rows rows_b of the paged cache (model/paged.py): each step writes every live row's
     token at position length_b (plus the steps before) into its pages (table_bM, which the host has made cover
     the call's positions) and attends over its pages; rows not living do nothing. With `layer_params` (the
-    layers' weights taken apart once, by the engine: transformer.layer_weights) the layers are unrolled, else
+    layers' weights taken apart once, by the engine: decode.layer_weights) the layers are unrolled, else
     scanned. adapter_b: each row's LoRA adapter (layers.with_rows; -1 the base). Returns sampled_steps'
     outputs, the logits and the cache."""
     params, layer_params = layers.with_rows((params, layer_params), adapter_b)
@@ -140,8 +141,8 @@ def paged_decode_loop(params, layer_params, cache, logits_BV, rows_b, adapter_b,
 
     def decode(tok_b, live_b, state):
         cache, length_b = state
-        logits_bV, cache = transformer.paged_forward(params, cache, tok_b[:, None], jnp.where(live_b, length_b, 0),
-                                                     jnp.where(live_b, length_b + 1, 0), table_bM, cfg, layer_params)
+        logits_bV, cache = paged_forward(params, cache, tok_b[:, None], jnp.where(live_b, length_b, 0),
+                                         jnp.where(live_b, length_b + 1, 0), table_bM, cfg, layer_params)
         return logits_bV, (cache, length_b + live_b)
 
     with sharding.within(layout):
@@ -154,15 +155,15 @@ def paged_decode_loop(params, layer_params, cache, logits_BV, rows_b, adapter_b,
 @partial(jax.jit, static_argnames=("cfg", "layout"), donate_argnames=("cache", "logits_BV"))
 def paged_prefill(params, layer_params, cache, logits_BV, tokens_PC, start_P, length_P, table_PM, slot_P, adapter_P,
                   cfg: ModelConfig, layout: sharding.Layout | None = None):
-    """Prompts' chunks into their pages (transformer.paged_forward), each row's logits after its chunk into
+    """Prompts' chunks into their pages (paged_forward), each row's logits after its chunk into
     logits_BV at its slot (none for a padding row's slot B, whose length 0 writes nothing); adapter_P each row's
     LoRA adapter. With `layer_params` (the engine's, as the decode loop's) the layers are unrolled: scanned over
     the stacked weights, the call sliced and cast every layer's weights afresh, a fixed cost that dominated short
     chunks (docs/serve.md, "Measured")."""
     params, layer_params = layers.with_rows((params, layer_params), adapter_P)
     with sharding.within(layout):
-        logits_PV, cache = transformer.paged_forward(params, cache, tokens_PC, start_P, length_P, table_PM, cfg,
-                                                     layer_params)
+        logits_PV, cache = paged_forward(params, cache, tokens_PC, start_P, length_P, table_PM, cfg,
+                                         layer_params)
     return cache, logits_BV.at[slot_P].set(logits_PV, mode="drop")
 
 

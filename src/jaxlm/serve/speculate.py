@@ -9,7 +9,7 @@ first samples it from the row's logits, as the one-token step would. Then each i
 live row:
 - the draft runs the pending token and its own k proposals (k + 1 steps, the last only to cache the k-th), each
   proposal drawn from the draft's distribution under the row's sampling settings (sampling.probabilities);
-- the target runs the same k + 1 tokens in one pass over its pages (transformer.paged_forward, every logit);
+- the target runs the same k + 1 tokens in one pass over its pages (decode.paged_forward, every logit);
 - sampling.speculative_accept keeps a prefix of the proposals and draws one more token from the target's
   residual distribution (or from the target's own after all k), so that the tokens are distributed as the
   target's sampling alone would draw them, and greedy rows get the target's greedy tokens;
@@ -39,7 +39,8 @@ import jax.numpy as jnp
 from jaxlm import sharding
 from jaxlm.infer import sampling, speculative
 from jaxlm.config import ModelConfig
-from jaxlm.model import layers, transformer
+from jaxlm.model import decode, layers
+from jaxlm.model.mtp import paged_mtp
 
 TOP_LOGPROBS = 5  # the most alternatives a request may ask for, as OpenAI's completions API allows (engine.py uses it)
 
@@ -89,7 +90,7 @@ def _draft_proposals(draft_params, draft_layer_params, draft_cache, pending_b, l
     tok_b, drafted, q_logits = pending_b, [], []
     for i in range(k + 1):
         at_b = length_b + i
-        logits_i_bV, draft_cache = transformer.paged_forward(
+        logits_i_bV, draft_cache = decode.paged_forward(
             draft_params, draft_cache, tok_b[:, None], at_b, jnp.where(live_b & (at_b < limit_b), at_b + 1, 0),
             table_bM, draft_cfg, draft_layer_params)
         if i < k:
@@ -171,7 +172,7 @@ def decode_loop(params, layer_params, draft_params, draft_layer_params, cache, d
                                                            draft_cfg, k, draw)
         # the target: the same k + 1 tokens in one pass, its distribution p after each
         chunk_bJ = jnp.concatenate([pending_b[:, None], d_bk], axis=1)
-        logits_bJV, h_bJD, cache = transformer.paged_forward(
+        logits_bJV, h_bJD, cache = decode.paged_forward(
             params, c["cache"], chunk_bJ, length_b, jnp.where(live_b, jnp.minimum(length_b + J, limit_b), 0),
             table_bM, cfg, layer_params, all_logits=True, hidden=True)
         tokens_bJ, kept_b = _verify(way, logits_bJV, q_logits, d_bk, keys_b, settings)
@@ -220,10 +221,10 @@ def prefill_mtp(params, layer_params, mtp_weights, cache, draft_cache, logits_BV
     base = layers.with_rows(params, jnp.full_like(adapter_P, -1))
     params, layer_params = layers.with_rows((params, layer_params), adapter_P)
     with sharding.within(layout):
-        logits_PV, h_PCD, cache = transformer.paged_forward(params, cache, tokens_PC, start_P, length_P, table_PM,
-                                                            cfg, layer_params, hidden=True)
-        _, _, draft_cache = transformer.paged_mtp(base, mtp_weights, draft_cache, next_PC, h_PCD, start_P,
-                                                  jnp.maximum(length_P - 1, 0), table_PM, cfg)
+        logits_PV, h_PCD, cache = decode.paged_forward(params, cache, tokens_PC, start_P, length_P, table_PM,
+                                                       cfg, layer_params, hidden=True)
+        _, _, draft_cache = paged_mtp(base, mtp_weights, draft_cache, next_PC, h_PCD, start_P,
+                                      jnp.maximum(length_P - 1, 0), table_PM, cfg)
     end_P = jnp.clip(length_P, start_P, start_P + tokens_PC.shape[1])
     last_PD = jnp.take_along_axis(h_PCD, jnp.maximum(end_P - 1 - start_P, 0)[:, None, None], axis=1)[:, 0]
     mtp = {**mtp, "hidden_BD": mtp["hidden_BD"].at[slot_P].set(last_PD.astype(mtp["hidden_BD"].dtype), mode="drop")}
@@ -236,4 +237,4 @@ def prefill(params, layer_params, cache, tokens_PC, start_P, length_P, table_PM,
     """The draft's cache entries of prompts' chunks (programs.paged_prefill's, without the logits; its layers
     unrolled over `layer_params` when given)."""
     with sharding.within(layout):
-        return transformer.paged_forward(params, cache, tokens_PC, start_P, length_P, table_PM, cfg, layer_params)[1]
+        return decode.paged_forward(params, cache, tokens_PC, start_P, length_P, table_PM, cfg, layer_params)[1]

@@ -31,7 +31,8 @@ import jax
 from jax.experimental import serialize_executable
 
 from jaxlm.train import advisor, run as run_lib, saved_step, step as step_lib
-from jaxlm.model import attention, transformer
+from jaxlm.model import attention
+from jaxlm.model.loss import describe_loss
 from jaxlm.config import MESH_AXES, CompileConfig, Config, ConfigError
 from jaxlm.launch.topology import TPU_GENERATIONS, tpu_grid  # noqa: F401 - tpu_grid is part of this module's interface
 
@@ -338,7 +339,7 @@ def report(r: Result) -> list[str]:
              f"mesh {shape} | batch {t.batch_size} sequences ({t.per_device_batch_size:g} per device) x "
              f"{t.grad_accum} accumulation x {m_cfg.block_size} tokens | remat {m_cfg.remat} | "
              + attention.describe(m_cfg, tgt.platform, mesh=run.mesh, rules=run.act_rules)
-             + transformer.describe_loss(m_cfg)]
+             + describe_loss(m_cfg)]
     if r.memory is not None:
         mem = r.memory
         shares = argument_shares(run)

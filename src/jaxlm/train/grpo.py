@@ -38,7 +38,7 @@ from jaxlm.train import batches as batch_lib, run as run_lib, state as state_lib
 from jaxlm.config import Config, ConfigError
 from jaxlm.data.errors import DataError
 from jaxlm.data.tokenizer import Tokenizer
-from jaxlm.model import transformer
+from jaxlm.model.loss import token_logprobs
 
 
 class RewardError(run_lib.TrainingError):
@@ -318,8 +318,8 @@ def token_logprobs_fn(cfg: Config, mesh, act_rules, temperature: float):
 
     def fn(params, batch):
         with sharding.activation_sharding(mesh, act_rules):
-            return jax.lax.map(lambda b: transformer.token_logprobs(params, b["inputs"], b["targets"], cfg.model,
-                                                                    temperature=temperature)[0], batch)
+            return jax.lax.map(lambda b: token_logprobs(params, b["inputs"], b["targets"], cfg.model,
+                                                        temperature=temperature)[0], batch)
 
     return jax.jit(fn)
 

@@ -27,7 +27,8 @@ from jaxlm import storage
 from jaxlm.train import batches as batch_lib, run as run_lib, saved_step, state as state_lib, step as step_lib
 from jaxlm.config import Config, ConfigError
 from jaxlm.train.run import TrainingError
-from jaxlm.model import attention, transformer
+from jaxlm.model import attention, flops
+from jaxlm.model.loss import describe_loss
 
 # Steps dispatched ahead of the host before it waits for the oldest: enough to keep any device busy, few
 # enough to bound the memory of queued batches (and XLA:CPU's in-process collectives can stall when many
@@ -68,7 +69,7 @@ def _describe_run(run: run_lib.Run, log: Callable[[str], None]):
     t_cfg, m_cfg = cfg.training, cfg.model
     n_params = P.count(run.specs)
     tokens_per_step = t_cfg.batch_size * t_cfg.grad_accum * m_cfg.block_size
-    flops_per_token = full = metrics.flops_per_token(m_cfg, causal=True)
+    flops_per_token = full = flops.flops_per_token(m_cfg, causal=True)
     base_reference = lora.enabled(cfg) and cfg.training.objective in objectives.NEEDS_REFERENCE
     if lora.enabled(cfg):
         flops_per_token = lora.flops_per_token(cfg, flops_per_token)
@@ -93,7 +94,7 @@ def _describe_run(run: run_lib.Run, log: Callable[[str], None]):
         + ("; its forward pass again as the reference" if base_reference else "") + ") | peak "
         f"{peak / 1e12:.3f} TFLOP/s per device ({peak_source})")
     log(attention.describe(m_cfg, mesh.devices.flat[0].platform, mesh=mesh, rules=run.act_rules)
-        + transformer.describe_loss(m_cfg))
+        + describe_loss(m_cfg))
     if run.dataset is not None:
         log(f"data {run.dataset.dir}: {run.dataset.describe()}" + (" | packed rows" if cfg.data.packing else "")
             + (" | loss mask on" if cfg.data.loss_mask == "on" else ""))

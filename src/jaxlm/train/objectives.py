@@ -35,7 +35,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxlm.config import PREFERENCE_OBJECTIVES, Config, ConfigError
-from jaxlm.model import layers, transformer
+from jaxlm.model import layers
+from jaxlm.model.loss import loss_fn, token_logprobs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,9 +52,9 @@ class Objective:
 
 def next_token(params: dict, batch: dict, cfg: Config, rng: jax.Array | None) -> tuple[jax.Array, dict]:
     """Mean cross-entropy of the targets, each counted with its weight (loss masks, packing), plus the
-    mixture-of-experts load-balancing term (transformer.loss_fn)."""
-    loss = transformer.loss_fn(params, batch["inputs"], batch["targets"], cfg.model, rng, batch.get("positions"),
-                               batch.get("segment_ids"), batch.get("weights"), batch.get("normalizer"))
+    mixture-of-experts load-balancing term (loss_fn)."""
+    loss = loss_fn(params, batch["inputs"], batch["targets"], cfg.model, rng, batch.get("positions"),
+                   batch.get("segment_ids"), batch.get("weights"), batch.get("normalizer"))
     return loss, {}
 
 
@@ -72,9 +73,9 @@ def grpo(params: dict, batch: dict, cfg: Config, rng: jax.Array | None) -> tuple
     Metrics: kl, clip_ratio (the share of completion tokens whose term is clipped) and entropy, the micro-batch's
     means over completion tokens."""
     g = cfg.grpo
-    logp_BT, entropy_BT, _ = transformer.token_logprobs(params, batch["inputs"], batch["targets"], cfg.model, rng,
-                                                        batch.get("positions"), batch.get("segment_ids"),
-                                                        g.temperature)
+    logp_BT, entropy_BT, _ = token_logprobs(params, batch["inputs"], batch["targets"], cfg.model, rng,
+                                            batch.get("positions"), batch.get("segment_ids"),
+                                            g.temperature)
     w_BT, adv_BT = batch["weights"], batch["advantages"]
     old_BT = batch["old_logps"] if "old_logps" in batch else jax.lax.stop_gradient(logp_BT)
     ratio_BT = jnp.exp(logp_BT - old_BT)
@@ -88,7 +89,7 @@ def grpo(params: dict, batch: dict, cfg: Config, rng: jax.Array | None) -> tuple
         if "ref_logps" in batch:
             ref_BT = batch["ref_logps"]
         else:  # a LoRA run: its base is the reference
-            ref_BT = jax.lax.stop_gradient(transformer.token_logprobs(
+            ref_BT = jax.lax.stop_gradient(token_logprobs(
                 layers.without_adapters(params), batch["inputs"], batch["targets"], cfg.model, None,
                 batch.get("positions"), batch.get("segment_ids"), g.temperature)[0])
         d_BT = ref_BT - logp_BT
@@ -129,8 +130,8 @@ def _has_adapters(params) -> bool:
 
 
 def _token_logps(params, batch: dict, cfg: Config, rng) -> tuple[jax.Array, jax.Array]:
-    logps_BT, _, aux = transformer.token_logprobs(params, batch["inputs"], batch["targets"], cfg.model, rng,
-                                                  batch["positions"], batch["segment_ids"])
+    logps_BT, _, aux = token_logprobs(params, batch["inputs"], batch["targets"], cfg.model, rng,
+                                      batch["positions"], batch["segment_ids"])
     return logps_BT, aux
 
 

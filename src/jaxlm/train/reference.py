@@ -35,7 +35,7 @@ import numpy as np
 from jaxlm import params as P, sharding, storage
 from jaxlm.train import batches as batch_lib, run as run_lib
 from jaxlm.data import preference
-from jaxlm.model import transformer
+from jaxlm.model.loss import token_logprobs
 
 FORMAT = 1
 # Model settings that change how a run computes, not what it computes: a reference made under other values of
@@ -117,8 +117,8 @@ def compute(run: run_lib.Run, params: dict, log: Callable[[str], None] = print) 
     @jax.jit
     def logps(params, batch):
         with sharding.activation_sharding(mesh, run.act_rules, pipeline, run.param_rules):
-            return transformer.token_logprobs(params, batch["inputs"], batch["targets"], cfg.model, None,
-                                               batch["positions"], batch["segment_ids"])[0]
+            return token_logprobs(params, batch["inputs"], batch["targets"], cfg.model, None,
+                                   batch["positions"], batch["segment_ids"])[0]
 
     def fetch(x):
         if jax.process_count() > 1:
