@@ -1,21 +1,12 @@
-"""Process-wide runtime settings: the host allocator for XLA:CPU and the persistent compilation cache.
+"""Process-wide runtime settings: the platform programs run on, the host allocator for XLA:CPU and the
+persistent compilation cache.
 
-Allocator. XLA:CPU takes the scratch memory of a whole step (every intermediate of forward, backward and
-update) as one allocation from malloc and frees it when the step ends. That block is usually larger than
-glibc's mmap threshold, so glibc maps it fresh from the kernel on every step and unmaps it afterwards: each
-step page-faults its whole working set in again and the kernel zero-fills it. On small models that costs
-as much as the arithmetic (shakespeare_char_cpu on a 2-core machine: 6,300 to 7,200 tokens/s with glibc's
-defaults, about 10,000 with the settings below). `tune_for_xla_cpu()` raises the mmap threshold so that
-such blocks come from the heap, and raises the trim threshold so that the heap keeps them between steps
-instead of returning them to the kernel. The price is that up to TRIM_BYTES of freed memory stays in the
-process. It only applies to glibc (Linux); JAXLM_TUNE_MALLOC=0 leaves the allocator as it is.
-`release_free_memory()` hands freed memory back at the end of a phase whose memory the next one does not reuse
-(GRPO's rollouts).
-
-Compilation cache. `use_compilation_cache(path)` points JAX's persistent cache at `path`
-(`compile.cache_dir`), so that rerunning a command (a resumed run, the same config again, the processes
-of a multi-host job on one machine) loads compiled executables instead of compiling them again. The cache
-is keyed by the program, the devices, the flags and the JAX version, so a stale entry is never used.
+Allocator (docs/diagnostics.md, "CPU runs"): XLA:CPU takes a step's scratch memory as one malloc'd block, which
+glibc maps fresh and page-faults in again on every step. `tune_for_xla_cpu()` raises the mmap and trim thresholds
+so that the block comes from the heap and stays there between steps (up to TRIM_BYTES of freed memory stays in
+the process; glibc only; JAXLM_TUNE_MALLOC=0 leaves the allocator as it is). Compilation cache:
+`use_compilation_cache(path)` points JAX's persistent cache at compile.cache_dir, so that a rerun loads compiled
+executables; the cache is keyed by the program, the devices, the flags and the JAX version.
 """
 from __future__ import annotations
 
@@ -32,6 +23,14 @@ TOP_PAD_BYTES = 64 << 20  # extra heap grown at once, so that growing the heap i
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
 
 _applied: bool | None = None
+
+
+def platform(mesh=None) -> str:
+    """The platform ('cpu', 'gpu', 'tpu') of `mesh`'s devices, else of the default backend's: the one programs are
+    compiled for (an ahead-of-time compile for a TPU runs on a CPU host with a mesh of TPU devices)."""
+    import jax
+
+    return (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
 
 
 def tune_for_xla_cpu() -> bool:
@@ -57,7 +56,7 @@ def release_free_memory() -> bool:
     """Give the free pages of every malloc arena back to the kernel (glibc's malloc_trim): the memory the
     settings above keep for the next step and the free holes between live blocks, which no threshold returns.
     For the end of a phase whose memory the next one does not reuse: GRPO's rollouts (rl.generate), which
-    interleaved with updates grew the resident memory by about 0.2 GB per batch (docs/rl.md). True if it ran."""
+    interleaved with updates grew the resident memory batch after batch (docs/rl.md). True if it ran."""
     trim = _glibc("malloc_trim")
     if trim is None:
         return False
