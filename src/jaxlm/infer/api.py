@@ -140,7 +140,7 @@ def load(path: str | Path, mesh: jax.sharding.Mesh | MeshConfig | None = None) -
     logits and generation on it; None keeps everything on one device."""
     if not Path(path).exists():
         raise ConfigError(f"{path} does not exist; give a run directory or a `jaxlm convert from-hf` folder")
-    if jax.default_backend() == "cpu":
+    if runtime.platform() == "cpu":
         runtime.tune_for_xla_cpu()
     runtime.use_compilation_cache(Config().compile.cache_dir)
     rules = None

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxlm import runtime
 from jaxlm.infer import generate, sampling
 from jaxlm.config import ConfigError, DecodeConfig, ModelConfig, draft_tokens, validate_decode
 from jaxlm.model import decode, paged
@@ -238,7 +239,7 @@ def generate_speculative(params, cfg: ModelConfig, draft_params, draft_cfg: Mode
     check_draft(cfg, cfg if draft_cfg is None else draft_cfg, length)
     prompts_BT, lengths_B = generate.padded_prompts(prompts, T)
     settings, stop_S, key = generate.sampling_inputs(d, stop_ids)
-    fmt = paged.pool_format(jax.devices()[0].platform)  # the pools' format on the devices the call runs on
+    fmt = paged.pool_format(runtime.platform())  # the pools' format on the devices the call runs on
     t0 = time.perf_counter()
     if draft_cfg is None:
         logits_BV, cache, draft_cache, last_BD = jax.block_until_ready(

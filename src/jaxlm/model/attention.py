@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxlm import sharding
+from jaxlm import runtime, sharding
 from jaxlm.config import ConfigError
 from jaxlm.model import blockwise, kvcache, layers, ring, splash
 from jaxlm.params import ParamSpec, normal, zeros
@@ -225,7 +225,7 @@ def mesh_platform() -> str:
     """The platform of the devices the step is traced for: the active mesh's (an ahead-of-time compile for
     TPU runs on a CPU host), else the default backend's."""
     ctx = sharding.active()
-    return ctx[0].devices.flat[0].platform if ctx is not None else jax.devices()[0].platform
+    return runtime.platform(ctx[0] if ctx is not None else None)
 
 
 def _cudnn_supports(cfg, dtype, has_segments) -> bool:

@@ -47,7 +47,7 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxlm import sharding
+from jaxlm import runtime, sharding
 from jaxlm.config import ModelConfig
 from jaxlm.model import attention as attention_lib
 from jaxlm.model import kvcache, latent, layers
@@ -140,7 +140,7 @@ def init(cfg: ModelConfig, pages: int, page_size: int, quantize: bool = False, f
 def bytes_per_token(cfg: ModelConfig, quantize: bool = False, lane: int | None = None) -> int:
     """Pool bytes one token's entries take over all layers (vectors padded as init pads them to `lane`; None: as on
     this process's default devices, where the server sizes its pool)."""
-    lane = lanes(jax.devices()[0].platform) if lane is None else lane
+    lane = lanes(runtime.platform()) if lane is None else lane
     total = 0
     for j, spec in enumerate(entry_specs(cfg, quantize)):
         for shape, dt in spec.values():

@@ -104,7 +104,7 @@ def setup(cfg: Config, devices=None, data: bool = True) -> Run:
     cfg = cfg.replace(model=config_lib.apply_parameter_scale(cfg.model),
                       data=dataclasses.replace(cfg.data, loss_mask=resolve_loss_mask(cfg, dataset)))
     mesh = sharding.make_mesh(cfg.mesh, devices)
-    if mesh.devices.flat[0].platform == "cpu":
+    if runtime.platform(mesh) == "cpu":
         runtime.tune_for_xla_cpu()  # keep each step's scratch memory mapped between steps
     runtime.use_compilation_cache(cfg.compile.cache_dir)
     param_rules, act_rules = sharding.rules_from_config(cfg.mesh)
