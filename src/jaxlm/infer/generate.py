@@ -1,12 +1,11 @@
 """Generation: two decoders with the loop on device (the sampling rules are sampling.py's).
 
 `generate` prefills a batch of prompts into a KV cache (model/kvcache.py), then runs one-token decode steps in a
-lax.while_loop that stops each sequence at a stop token or after max_new_tokens and ends when all have
-stopped; new tokens can be streamed to the host as they come. The loop runs in segments whose cache doubles in
-length (`segments`) and, unless the model is deep, carries each layer's weights and cache apart
-(decode.decode_layers). `sample` is the plain decoder without a cache (it re-runs the forward pass over a
-sliding window for every token), used for the end-of-training sample and as the baseline of
-benchmarks/decode.py.
+lax.while_loop that stops each sequence at a stop token or after max_new_tokens; new tokens can be streamed to
+the host as they come. The loop runs in segments whose cache doubles in length (`segments`) and, unless the
+model is deep, carries each layer's weights and cache apart (decode.decode_layers). `sample` is the plain decoder
+without a cache (the forward pass over a sliding window per token): the end-of-training sample and the baseline
+of benchmarks/decode.py.
 
 Shape legend: B batch, T prompt length, V vocab, N new tokens.
 """
@@ -319,4 +318,3 @@ def generate(params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], d: Deco
     t3 = time.perf_counter()
     out_BN, count_B = np.asarray(out_BN), np.asarray(count_B)
     return Generation([out_BN[b, :count_B[b]].tolist() for b in range(B)], t1 - t0, t2 - t1, t3 - t2)
-

@@ -1,20 +1,11 @@
 """Sampling: the one home of the rules that turn logits into tokens, shared by `generate`'s decode loop, the
-server's engine (serve/engine.py) and speculative decoding (speculative.py).
-
-- `sample_tokens`: one token per row with settings shared by the batch (temperature, top-k, top-p; greedy at
-  temperature 0), the settings traced so that changing them does not recompile.
-- `sample_rows`: each row with its own settings and its own random key (the server's rows), paying for the
-  rows' keys and for top-k/top-p only when a row needs them.
-- `probabilities`: the distribution those rules draw from (speculative decoding's rejection rule needs it).
-- `token_logprobs`: a token's log-probability and the most likely alternatives.
-- `row_keys`: a row's random stream, key(seed) folded with its choice index and then its token index, so a
-  row's tokens depend neither on the other rows nor on how a loop is cut into calls.
-
-Temperature, top-k and top-p apply in that order (as in transformers). Top-k keeps every logit tied with the
-k-th largest; top-p keeps the most likely tokens until their probability reaches top_p (at least one). The
-cutoffs are found by bisection on the logits instead of a sort of the vocabulary, which XLA:CPU runs slowly:
-at batch 16 on a 2-core CPU a draw with top_k=50, top_p=0.9 took 4.7x less time than the sort at 32k tokens
-and 3.5x less at 128k, with the same tokens drawn (docs/generate.md).
+server's engine and speculative decoding: `sample_tokens` (settings shared by the batch, traced so that changing
+them does not recompile), `sample_rows` (each row its own settings and key), `probabilities` (the distribution
+they draw from), `token_logprobs` (a token's log-probability and the likeliest alternatives) and `row_keys` (a
+row's stream: key(seed) folded with its choice and token index, so its tokens depend neither on other rows nor
+on how a loop is cut into calls). Temperature, top-k and top-p apply in that order (as in transformers); the
+cutoffs are found by bisection on the logits, not by a sort of the vocabulary, which XLA:CPU runs slowly
+(docs/generate.md).
 
 Shape legend: B batch (rows), V vocab, K alternatives.
 """

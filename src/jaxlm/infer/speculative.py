@@ -1,20 +1,11 @@
-"""Speculative decoding for `jaxlm generate` (`decode.draft=PATH`): a small draft model with the same tokenizer
-proposes decode.draft_tokens (k) tokens one after another, the target model scores them all in one forward pass,
-and sampling.speculative_accept keeps a prefix of them and draws one more, so that each pass of the target
-gives 1 to k + 1 tokens distributed exactly as its own sampling would give them (greedy tokens identical).
-
-Both models keep a paged cache (model/paged.py), each sequence its own run of pages, and run every cached step
-through decode.paged_forward with their layers unrolled: the prompts' prefill, the draft's steps, and the
-target's verification of k + 1 tokens at once (its flat read of the pages, every logit). An iteration starts
-from each sequence's pending token (sampled, not yet in the caches): the draft takes it and its own k proposals
-(k + 1 steps, the last only to cache the k-th), the target a chunk of the same k + 1 tokens; then both caches
-are cut back to the tokens kept by setting the sequence's length (positions past it are never read, and are
-written over later; pages hold every position, so no window loses one). Rows advance by their own counts; the
-loop runs on device until every sequence has stopped (a stop token, or max_new_tokens).
-
-When it pays: the target's pass over k + 1 tokens costs about one of its decode steps where a step is bound by
-reading the weights (batch 1 on a CPU, or an accelerator at small batch), and the draft must be much cheaper
-than the target and agree with it often (benchmarks/speculative.py prints both, and the speed-up).
+"""Speculative decoding for `jaxlm generate` (`decode.draft=PATH`, docs/generate.md): a small draft model with
+the same tokenizer proposes decode.draft_tokens (k) tokens, the target scores them all in one forward pass, and
+sampling.speculative_accept keeps a prefix and draws one more: 1 to k + 1 tokens per pass of the target,
+distributed exactly as its own sampling (greedy tokens identical). Both models keep a paged cache (model/paged.py)
+and run every cached step through decode.paged_forward with their layers unrolled. An iteration starts from each
+sequence's pending token: the draft takes k + 1 steps, the target verifies the same k + 1 tokens at once; both
+caches are then cut back to the kept tokens by the sequence's length (pages hold every position). Rows advance
+by their own counts, the loop on device until every sequence has stopped.
 
 Shape legend: B batch, T prompt length, V vocab, k draft tokens, J = k + 1, N new tokens, M pages per sequence.
 """
