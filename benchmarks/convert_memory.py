@@ -54,7 +54,7 @@ def main():
     shutil.rmtree(folder / "jaxlm", ignore_errors=True)  # from_hf refuses to overwrite an earlier import
     size = write_model(folder / "hf", a.gb)
     t = time.perf_counter()
-    subprocess.run([sys.executable, "-c", "import sys; from jaxlm import convert; "
+    subprocess.run([sys.executable, "-c", "import sys; from jaxlm.store import convert; "
                     "convert.from_hf(sys.argv[1], sys.argv[2], log=lambda s: None)",
                     str(folder / "hf"), str(folder / "jaxlm")], check=True, env={"JAX_PLATFORMS": "cpu",
                                                                                    **__import__("os").environ})

@@ -23,7 +23,7 @@ import jax
 import numpy as np
 
 from jaxlm import config as config_lib, params as P, runtime, sharding
-from jaxlm.store import convert
+from jaxlm.store import weights
 from jaxlm.model import flops, lora
 from jaxlm.train import run as run_lib, state as state_lib, step as step_lib
 from jaxlm.model import param_specs
@@ -40,7 +40,7 @@ def model_settings(a) -> dict:
 def make_base(folder: Path, cfg: config_lib.Config) -> None:
     """A converted-style folder holding the model's randomly initialized weights: the LoRA runs' base."""
     mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
-    convert.save_params(folder / "params", P.init(param_specs(cfg.model), jax.random.key(0), mesh))
+    weights.save_params(folder / "params", P.init(param_specs(cfg.model), jax.random.key(0), mesh))
     (folder / "config.json").write_text(config_lib.to_json(cfg))
 
 

@@ -12,7 +12,7 @@ import pytest
 from conftest import tiny_config
 import jaxlm
 from jaxlm import cli, config as config_lib, params as P, sharding
-from jaxlm.store import checkpoint as ckpt, convert
+from jaxlm.store import checkpoint as ckpt, weights
 from jaxlm.model import lora, quant
 from jaxlm.train import objectives
 from jaxlm.train import loop as train, run as run_lib, state as state_lib, step as step_lib
@@ -26,7 +26,7 @@ def make_base(folder, seed=0, **model):
     cfg = tiny_config(folder, None, **{"model.vocab_size": VOCAB, **{f"model.{k}": v for k, v in model.items()}})
     params = P.init(param_specs(cfg.model), jax.random.key(seed), sharding.make_mesh(cfg.mesh, jax.devices()[:1]))
     folder.mkdir(parents=True, exist_ok=True)
-    convert.save_params(folder / "params", params)
+    weights.save_params(folder / "params", params)
     (folder / "config.json").write_text(config_lib.to_json(cfg.replace(
         checkpoint=cfg.checkpoint.__class__(init_from=str(folder)))))
     return cfg, params

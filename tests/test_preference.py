@@ -308,7 +308,7 @@ def preference_run(folder, data, run_dir, devices=None, **settings):
 def test_first_step_equals_pytorch_on_the_same_model(hf_pair, tmp_path, objective):
     """One train step on the first batch of a packed run: its loss, rewards and log-probabilities equal TRL's
     formulas evaluated in PyTorch on the transformers models, each reply scored as a sequence of its own."""
-    from jaxlm.store import convert
+    from jaxlm.store import weights
 
     d, models, data = hf_pair
     beta, eps, lam = 0.2, 0.1 if objective == "dpo" else 0.0, 0.3
@@ -316,7 +316,7 @@ def test_first_step_equals_pytorch_on_the_same_model(hf_pair, tmp_path, objectiv
         "training.objective": objective, "dpo.beta": beta, "dpo.label_smoothing": eps, "orpo.lambda": lam})
     state = state_lib.init_state_from(run, str(d / "policy-jx"))
     if run_lib.reference_in_batch(run.cfg):  # the reference pass, run with the other model
-        run.reference = reference.compute(run, convert.restore_params(str(d / "reference-jx"),
+        run.reference = reference.compute(run, weights.restore_params(str(d / "reference-jx"),
                                                                       run.abstract_state["params"]), lambda s: None)
     plan = batch_lib.make_loader(run).next()
     batch = batch_lib.device_batch(run, "train", plan)
@@ -348,7 +348,7 @@ def test_a_lora_run_takes_its_base_as_the_reference(hf_pair, tmp_path):
     """A LoRA dpo run reads no reference log-probabilities: its base, the adapters switched off, is the
     reference. Its first step is ln 2 (the adapters start at zero), and with trained adapters its step equals a
     full-weight step on the merged weights whose reference pass ran on the base."""
-    from jaxlm.store import convert
+    from jaxlm.store import weights
     from jaxlm.model import lora
 
     d, _, data = hf_pair
@@ -367,7 +367,7 @@ def test_a_lora_run_takes_its_base_as_the_reference(hf_pair, tmp_path):
     merged = lora.merge(frozen, adapters, run.cfg)
     _, got = step(dict(state, params=adapters), batch_lib.device_batch(run, "train", plan), frozen)
     full = preference_run(d / "policy-jx", data, tmp_path / "full", **settings)
-    full.reference = reference.compute(full, convert.restore_params(str(d / "policy-jx"),
+    full.reference = reference.compute(full, weights.restore_params(str(d / "policy-jx"),
                                                                     full.abstract_state["params"]), lambda s: None)
     full_state = state_lib.init_state_from(full, str(d / "policy-jx"))
     full_state = dict(full_state, params=merged)

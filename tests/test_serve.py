@@ -1261,7 +1261,7 @@ def adapter_folders(trained, tmp_path_factory):
     of ranks 2 to 8, other targets and scales, each in a converted folder beside the base's weights (as `jaxlm
     convert from-hf BASE OUT --adapter PEFT_DIR` leaves it): serving one alone serves it merged."""
     from jaxlm import config as config_lib
-    from jaxlm.store import convert
+    from jaxlm.store import weights
     from test_lora import random_adapters
 
     model = jaxlm.load(trained)
@@ -1274,8 +1274,8 @@ def adapter_folders(trained, tmp_path_factory):
         folder = root / f"a{i}"
         folder.mkdir()
         (folder / "config.json").write_text(config_lib.to_json(cfg))
-        convert.save_params(folder / "params", model.params)
-        convert.save_params(folder / convert.ADAPTER_DIR, random_adapters(cfg, seed=10 + i, scale=0.2))
+        weights.save_params(folder / "params", model.params)
+        weights.save_params(folder / weights.ADAPTER_DIR, random_adapters(cfg, seed=10 + i, scale=0.2))
         folders.append(folder)
     return folders
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlm import config as config_lib, runtime, sharding
-from jaxlm.store import convert
+from jaxlm.store import weights
 from jaxlm.infer import generate
 from jaxlm.config import Config, ConfigError, DecodeConfig, MeshConfig, ModelConfig
 from jaxlm.data import tokenizer as tokenizer_lib
@@ -60,7 +60,7 @@ class Model:
     def eos_ids(self) -> tuple[int, ...]:
         """End-of-sequence ids: a converted model's (from its hf_config.json); none for jaxlm's own
         char/byte vocabularies."""
-        tok_dir = convert.tokenizer_source(self.path, self.config)
+        tok_dir = weights.tokenizer_source(self.path, self.config)
         hf_cfg = tok_dir.parent / "hf_config.json" if tok_dir is not None else None
         eos = json.loads(hf_cfg.read_text()).get("eos_token_id") if hf_cfg and hf_cfg.is_file() else None
         return tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
@@ -70,7 +70,7 @@ class Model:
         tokenizer files copied from Hugging Face by `jaxlm convert from-hf`, else the run's prepared data
         (meta.json). Its eos_ids include the model's end-of-sequence ids (hf_config.json)."""
         explicit = self.config.data.tokenizer
-        tok_dir = convert.tokenizer_source(self.path, self.config)
+        tok_dir = weights.tokenizer_source(self.path, self.config)
         data = self.config.data
         meta_file = Path(data.dir or f"data/{data.dataset}") / "meta.json"
         meta = json.loads(meta_file.read_text()) if meta_file.is_file() and not explicit and tok_dir is None else None
@@ -147,7 +147,7 @@ def load(path: str | Path, mesh: jax.sharding.Mesh | MeshConfig | None = None) -
     if isinstance(mesh, MeshConfig):
         rules = sharding.rules_from_config(mesh)[0]
         mesh = serving_mesh(mesh)
-    cfg, params = convert.load_params(path, mesh=mesh, rules=rules)
+    cfg, params = weights.load_params(path, mesh=mesh, rules=rules)
     return Model(cfg, params, Path(path), mesh)
 
 

@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 from jaxlm import config as config_lib, families
-from jaxlm.store import convert
+from jaxlm.store import convert, weights
 from jaxlm.model import lora
 from jaxlm.config import Config
 from jaxlm.families.rules import ConvertError
@@ -65,13 +65,13 @@ def _hf_module_names(mods: dict) -> list[str]:
 def write_peft(path: str | Path, out: str | Path, dtype: str | None = None, log: Callable[[str], None] = print
                ) -> Path:
     """The adapters of a LoRA run (or of a folder with an imported adapter) as a PEFT adapter folder."""
-    cfg = convert.load_config(path)
+    cfg = weights.load_config(path)
     if not lora.enabled(cfg):
         raise ConvertError(f"{path} is not a LoRA run (lora.rank=0): it has no adapter; export the whole model "
                            "without --adapter-only")
     mods = modules(cfg)
     one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    adapters = jax.device_get(convert.restore_adapters(path, cfg, lambda tree: jax.tree.map(lambda _: one, tree)))
+    adapters = jax.device_get(weights.restore_adapters(path, cfg, lambda tree: jax.tree.map(lambda _: one, tree)))
     out_dtype = np.dtype(jax.numpy.dtype(dtype or cfg.model.param_dtype))
     arrays = {}
     for (blk, name), module in mods.items():
@@ -101,7 +101,7 @@ def write_peft(path: str | Path, out: str | Path, dtype: str | None = None, log:
 
 def _base_name(path, cfg: Config) -> str | None:
     """The base model's folder, as the adapter's base_model_name_or_path."""
-    return str(path) if convert.has_adapter_dir(path) else cfg.checkpoint.init_from
+    return str(path) if weights.has_adapter_dir(path) else cfg.checkpoint.init_from
 
 
 def check_peft_folder(peft_dir: str | Path) -> dict:
@@ -121,7 +121,7 @@ def read_peft(peft_dir: str | Path, cfg: Config) -> tuple[Config, dict]:
     """A PEFT LoRA adapter for the model of `cfg`: the config with its lora settings, and the adapters as numpy
     arrays in jaxlm's layout. Anything that does not fit the model stops with one line naming it."""
     ac = check_peft_folder(peft_dir)
-    cfg_file, weights = Path(peft_dir) / "adapter_config.json", Path(peft_dir) / "adapter_model.safetensors"
+    cfg_file, tensors = Path(peft_dir) / "adapter_config.json", Path(peft_dir) / "adapter_model.safetensors"
     if ac.get("peft_type") != "LORA":
         raise ConvertError(f"{cfg_file}: peft_type={ac.get('peft_type')!r}; only LORA adapters are supported")
     for key, plain in UNSUPPORTED.items():
@@ -160,26 +160,26 @@ def read_peft(peft_dir: str | Path, cfg: Config) -> tuple[Config, dict]:
     out = {"layers": {blk: {name: {"a": np.zeros(specs[blk][name]["a"].shape, np.float32),
                                    "b": np.zeros(specs[blk][name]["b"].shape, np.float32)} for name in names}
                       for blk, names in specs.items()}}
-    header, start = convert.read_header(weights)
+    header, start = convert.read_header(tensors)
     seen = set()
-    with open(weights, "rb") as f:
+    with open(tensors, "rb") as f:
         for raw, info in header.items():
             key = raw.replace(".default.weight", ".weight")
             if key not in expected:
-                raise ConvertError(f"{weights.name}: tensor {raw} is not an adapter of a {model_type} model with "
+                raise ConvertError(f"{tensors.name}: tensor {raw} is not an adapter of a {model_type} model with "
                                    f"lora.targets={cfg.lora.targets} (adapter for another model?)")
             blk, name, i, part = expected[key]
             target = out["layers"][blk][name][part.lower()]
             want = ((r, int(np.prod(target.shape[1:-1]))) if part == "A" else (int(np.prod(target.shape[2:])), r))
             if tuple(info["shape"]) != want:
-                raise ConvertError(f"{weights.name}: tensor {raw} has shape {tuple(info['shape'])}, and this base "
+                raise ConvertError(f"{tensors.name}: tensor {raw} has shape {tuple(info['shape'])}, and this base "
                                    f"needs {want}: the adapter was made for a model of another size")
             tensor = convert.read_tensor(f, info, start, raw).astype(np.float32)
             target[i] = tensor.T.reshape(target.shape[1:])  # [in, r] -> [*in, r]; [r, out] -> [r, *out]
             seen.add(key)
     missing = sorted(set(expected) - seen)
     if missing:
-        raise ConvertError(f"{weights.name} lacks {missing[0]}" + (f" and {len(missing) - 1} more" if len(missing) > 1
+        raise ConvertError(f"{tensors.name} lacks {missing[0]}" + (f" and {len(missing) - 1} more" if len(missing) > 1
                                                                    else ""))
     return cfg, out
 
@@ -188,13 +188,13 @@ def import_peft(out: Path, peft_dir: str | Path, log: Callable[[str], None] = pr
     """Put a PEFT adapter beside the base converted into `out`: out/adapter (Orbax) and the lora settings in
     out/config.json, so that `jaxlm.load(out)` and `jaxlm serve out` run base + adapter and `jaxlm train
     out/config.json` goes on training it."""
-    cfg = convert.load_config(out)
+    cfg = weights.load_config(out)
     cfg, adapters = read_peft(peft_dir, cfg)
-    convert.save_params(out / convert.ADAPTER_DIR, jax.tree.map(
+    weights.save_params(out / weights.ADAPTER_DIR, jax.tree.map(
         lambda a: jax.numpy.asarray(a, jax.numpy.dtype(cfg.model.param_dtype)), adapters))
     (out / "config.json").write_text(config_lib.to_json(cfg))
     log(f"imported the PEFT adapter {peft_dir} (rank {cfg.lora.rank}, alpha {cfg.lora.alpha:g}, "
-        f"{cfg.lora.targets}) -> {out / convert.ADAPTER_DIR}")
+        f"{cfg.lora.targets}) -> {out / weights.ADAPTER_DIR}")
 
 
 def for_serving(path: str | Path, base_cfg: Config, sharding) -> tuple[dict, float]:
@@ -207,7 +207,7 @@ def for_serving(path: str | Path, base_cfg: Config, sharding) -> tuple[dict, flo
     if (Path(path) / "adapter_config.json").is_file():
         cfg, tree = read_peft(path, base_cfg)
         return jax.device_put(jax.tree.map(lambda a: a.astype(dtype), tree), sharding), lora.scale(cfg)
-    cfg = convert.load_config(path)
+    cfg = weights.load_config(path)
     if not lora.enabled(cfg):
         raise ConvertError(f"serve.adapters: {path} holds no LoRA adapter (lora.rank=0); give a PEFT adapter "
                            "folder, a LoRA run directory or a converted folder with an imported adapter")
@@ -219,5 +219,5 @@ def for_serving(path: str | Path, base_cfg: Config, sharding) -> tuple[dict, flo
             raise ConvertError(f"serve.adapters: {path} adapts layers.{blk}.{name} of shape "
                                f"{list(ours[blk][name].shape)}, and the served base's is {have}: the adapter "
                                "belongs to another model")
-    tree = convert.restore_adapters(path, cfg, lambda t: jax.tree.map(lambda _: sharding, t))
+    tree = weights.restore_adapters(path, cfg, lambda t: jax.tree.map(lambda _: sharding, t))
     return jax.tree.map(lambda a: a.astype(dtype), tree), lora.scale(cfg)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import re
 import shutil
 import struct
@@ -25,8 +24,8 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from jaxlm import config as config_lib, families, params as P, sharding, storage
-from jaxlm.model import lora
+from jaxlm import config as config_lib, families, params as P
+from jaxlm.store import weights
 from jaxlm.config import Config, ModelConfig
 from jaxlm.families.rules import ConvertError, Rule
 from jaxlm.model import param_specs, stack
@@ -251,7 +250,7 @@ def from_hf(src: str, out: str | Path, param_dtype: str = "float32", log: Callab
     out.mkdir(parents=True, exist_ok=True)
     for path in list(arrays):  # hand each array to JAX and drop the numpy copy before the next one
         arrays[path] = jax.device_put(arrays.pop(path))
-    save_params(out / "params", unflatten(arrays))
+    weights.save_params(out / "params", unflatten(arrays))
     del arrays
     (out / "config.json").write_text(config_lib.to_json(cfg))
     (out / "hf_config.json").write_text(json.dumps(hf_cfg, indent=2))
@@ -294,137 +293,12 @@ def copy_tokenizer(src: Path, dst: Path) -> list[str]:
     return names
 
 
-# ---- jaxlm checkpoints: converted folders and run directories -------------------------------------------------
-
-def save_params(path: Path, params: dict) -> None:
-    """Write the weights as one Orbax checkpoint. Orbax stages every array it writes in host memory, all at once
-    by default (a second copy of the model); capping the bytes in flight at the largest array (or 256 MB) keeps
-    the import near one copy at little cost in speed."""
-    import orbax.checkpoint as ocp
-
-    largest = max((a.nbytes for a in jax.tree.leaves(params)), default=0)
-    limit_gb = math.ceil(max(largest, 2**28) / 1e6 + 1) / 1e3  # a MB of slack: Orbax compares as floats
-    handler = ocp.StandardCheckpointHandler(save_concurrent_gb=limit_gb)
-    with ocp.Checkpointer(handler) as ckptr:
-        ckptr.save(path.absolute(), args=ocp.args.StandardSave(params))
-
-
-def load_config(path: str | Path) -> Config:
-    file = storage.local_folder(path, "loading weights") / "config.json"
-    if not file.is_file():
-        raise ConvertError(f"{path} has no config.json; expected a jaxlm run directory or converted checkpoint")
-    return config_lib.from_dict(json.loads(file.read_text()))
-
-
-def params_location(path: str | Path) -> tuple[Path, bool]:
-    """Where a folder keeps its weights: (folder, is_train_state). A converted checkpoint has params/, a run
-    directory has checkpoints/<step>/state holding params next to the optimizer state."""
-    from jaxlm.store import checkpoint
-
-    path = storage.local_folder(path, "loading weights").absolute()
-    if (path / "params").is_dir():
-        return path / "params", False
-    try:
-        step = checkpoint.select(path / "checkpoints", print)
-    except checkpoint.CheckpointError as e:
-        raise ConvertError(str(e)) from None
-    if step is None:
-        raise ConvertError(f"{path} holds no weights (no params/ and no committed checkpoints/<step>)")
-    return path / "checkpoints" / str(step) / "state", True
-
-
-ADAPTER_DIR = "adapter"  # a converted folder's LoRA adapter (Orbax), imported from PEFT: `from-hf --adapter`
-
-
-def has_adapter_dir(path: str | Path) -> bool:
-    return (storage.local_folder(path, "loading weights") / ADAPTER_DIR).is_dir()
-
-
-def restore_params(path: str | Path, abstract_params: dict) -> dict:
-    """The model weights of a folder in the shapes and shardings of `abstract_params` (a tree of
-    ShapeDtypeStruct with shardings): a converted checkpoint, or a run's latest checkpoint (its optimizer state
-    is not read). A LoRA run, or a converted folder with an imported adapter, gives its base with the
-    adapters merged in."""
-    cfg = load_config(path) if (storage.local_folder(path, "loading weights") / "config.json").is_file() else None
-    if cfg is not None and cfg.lora.rank > 0:
-        base = restore_base_params(path, cfg, abstract_params)
-        adapters = restore_adapters(path, cfg, _replicated_like(abstract_params))
-        merged = lora.merge(base, adapters, cfg)
-        return jax.tree.map(lambda a, m: jax.device_put(m, a.sharding), abstract_params, merged)
-    return _restore_plain(path, abstract_params)
-
-
-def restore_base_params(path: str | Path, cfg: Config, abstract_params: dict) -> dict:
-    """The base weights of a LoRA folder (its adapters not merged): a converted folder's own params/, or for a
-    run directory the model it was started from (checkpoint.init_from, itself merged if it had adapters)."""
-    if has_adapter_dir(path):
-        return _restore_plain(path, abstract_params)
-    if not cfg.checkpoint.init_from:
-        raise ConvertError(f"{path} is a LoRA run without checkpoint.init_from, so its base weights are unknown")
-    return restore_params(cfg.checkpoint.init_from, abstract_params)
-
-
-def restore_adapters(path: str | Path, cfg: Config, shardings_of) -> dict:
-    """A LoRA folder's adapters (an imported adapter/, or a run's latest checkpoint), placed by shardings_of(a
-    ShapeDtypeStruct tree) -> a tree of shardings."""
-    abstract = P.abstract(lora.specs(cfg))
-    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract,
-                            shardings_of(abstract))
-    folder = storage.local_folder(path, "loading weights")
-    if (folder / ADAPTER_DIR).is_dir():
-        import orbax.checkpoint as ocp
-
-        with ocp.StandardCheckpointer() as ckptr:
-            return ckptr.restore((folder / ADAPTER_DIR).absolute(), abstract)
-    return _restore_plain(path, abstract)
-
-
-def _replicated_like(abstract_params: dict):
-    """A function giving every leaf of a tree the replicated sharding on the device(s) of `abstract_params`."""
-    sh = jax.tree.leaves(abstract_params)[0].sharding
-    one = (jax.sharding.NamedSharding(sh.mesh, jax.sharding.PartitionSpec())
-           if isinstance(sh, jax.sharding.NamedSharding) else sh)
-    return lambda tree: jax.tree.map(lambda _: one, tree)
-
-
-def _restore_plain(path: str | Path, abstract_params: dict) -> dict:
-    import orbax.checkpoint as ocp
-
-    location, is_state = params_location(path)
-    try:
-        if not is_state:
-            with ocp.StandardCheckpointer() as ckptr:
-                return ckptr.restore(location, abstract_params)
-        item = {"params": abstract_params}
-        with ocp.PyTreeCheckpointer() as ckptr:
-            out = ckptr.restore(location, args=ocp.args.PyTreeRestore(
-                item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True))
-        return out["params"]
-    except (ValueError, KeyError, TypeError) as e:
-        raise ConvertError(f"cannot load weights from {location} into this model (different model settings?): "
-                           f"{str(e).splitlines()[0]}") from None
-
-
-def load_params(path: str | Path, device: jax.Device | None = None, mesh: jax.sharding.Mesh | None = None,
-                rules=None) -> tuple[Config, dict]:
-    """The config and weights of a run directory (newest checkpoint) or converted folder, on one device or
-    sharded over `mesh` by the parameter rules (default sharding.PARAM_RULES)."""
-    cfg = load_config(path)
-    specs = param_specs(cfg.model)
-    one = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
-    shardings = (P.shardings(specs, mesh, rules or sharding.PARAM_RULES) if mesh is not None
-                 else jax.tree.map(lambda _: one, P.abstract(specs)))
-    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), P.abstract(specs),
-                            shardings)
-    return cfg, restore_params(path, abstract)
-
-
 # ---- export ---------------------------------------------------------------------------------------------------
 
 def to_hf(path: str | Path, out: str | Path, dtype: str | None = None, shard_bytes: int = 5 * 2**30,
           log: Callable[[str], None] = print) -> Path:
     """Write config.json + safetensors (+ tokenizer files when known) that transformers loads."""
-    cfg, params = load_params(path)
+    cfg, params = weights.load_params(path)
     fam, model_type = _family_of(cfg.model)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -460,7 +334,7 @@ def to_hf(path: str | Path, out: str | Path, dtype: str | None = None, shard_byt
             {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     hf_cfg = fam.config_to_hf(cfg.model, model_type)
     hf_cfg["dtype"] = hf_cfg["torch_dtype"] = out_dtype.name
-    tok = tokenizer_source(Path(path), cfg)
+    tok = weights.tokenizer_source(Path(path), cfg)
     copied = copy_tokenizer(tok, out) if tok else []
     if tok and (tok.parent / "hf_config.json").is_file():
         src_cfg = json.loads((tok.parent / "hf_config.json").read_text())
@@ -469,20 +343,3 @@ def to_hf(path: str | Path, out: str | Path, dtype: str | None = None, shard_byt
     log(f"exported {path} as a Hugging Face {model_type} model ({len(entries)} tensors, {len(shards)} file(s), "
         f"{out_dtype}) -> {out}" + (f"; tokenizer files: {', '.join(copied)}" if copied else ""))
     return out
-
-
-def tokenizer_source(path: Path, cfg: Config) -> Path | None:
-    """The tokenizer/ folder of this checkpoint, or of the converted checkpoint it descends from: a run fine-tuned
-    from a converted model (checkpoint.init_from), or from a run that was, and so on back."""
-    seen: set[Path] = set()
-    base = Path(path)
-    while base not in seen:
-        seen.add(base)
-        if (base / "tokenizer").is_dir():
-            return base / "tokenizer"
-        if cfg is None or not cfg.checkpoint.init_from:
-            return None
-        base = Path(cfg.checkpoint.init_from)
-        cfg_file = base / "config.json"
-        cfg = config_lib.load(str(cfg_file)) if cfg_file.is_file() else None
-    return None

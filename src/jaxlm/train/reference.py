@@ -100,10 +100,10 @@ def _mismatch(run: run_lib.Run, want: dict) -> str | None:
 def starting_params(run: run_lib.Run) -> dict:
     """The weights the run started from (a resumed run's state holds trained ones): checkpoint.init_from's, or
     the fresh initialization of its seed, as step.init_state_from / init_state make them."""
-    from jaxlm.store import convert
+    from jaxlm.store import weights
 
     if run.cfg.checkpoint.init_from:
-        return convert.restore_params(run.cfg.checkpoint.init_from, run.abstract_state["params"])
+        return weights.restore_params(run.cfg.checkpoint.init_from, run.abstract_state["params"])
     return P.init(run.specs, jax.random.key(run.cfg.seed), run.mesh, run.param_rules)
 
 

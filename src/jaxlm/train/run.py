@@ -147,10 +147,10 @@ def run_tokenizer(cfg: Config, dataset) -> tokenizer_lib.Tokenizer:
     """The run's tokenizer by the precedence of data/tokenizer.py: data.tokenizer, else the tokenizer/ folder of
     the converted model the run starts from (checkpoint.init_from, followed back through runs fine-tuned from
     it), else the dataset's meta.json. The dataset must have been prepared with it: one line otherwise."""
-    from jaxlm.store import convert
+    from jaxlm.store import weights
 
     init = cfg.checkpoint.init_from
-    model_tok = convert.tokenizer_source(Path(init), cfg) if init and Path(init).is_dir() else None
+    model_tok = weights.tokenizer_source(Path(init), cfg) if init and Path(init).is_dir() else None
     if model_tok is not None and not any((model_tok / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
         model_tok = None  # weights imported without tokenizer files: the dataset's tokenizer is the run's
     try:
@@ -162,10 +162,10 @@ def run_tokenizer(cfg: Config, dataset) -> tokenizer_lib.Tokenizer:
 def rollout_tokenizer(cfg: Config) -> tokenizer_lib.Tokenizer:
     """A GRPO run's tokenizer: data.tokenizer, else the converted model's (checkpoint.init_from), else the one
     recorded by the prepared data in data.dir / data.dataset (the data the model was trained on)."""
-    from jaxlm.store import convert
+    from jaxlm.store import weights
 
     init = cfg.checkpoint.init_from
-    model_tok = convert.tokenizer_source(Path(init), cfg) if init and Path(init).is_dir() else None
+    model_tok = weights.tokenizer_source(Path(init), cfg) if init and Path(init).is_dir() else None
     meta_file = resolve_data_dir(cfg) / "meta.json"
     meta = loader_lib.read_meta(meta_file.parent) if meta_file.is_file() and not model_tok else None
     try:

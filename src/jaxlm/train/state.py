@@ -79,28 +79,28 @@ def init_state_from(run, path: str) -> dict:
     """Weights from a converted checkpoint or another run (fine-tuning), fresh optimizer state, step 0. A LoRA
     run takes its base from there (load_frozen) and starts fresh adapters, unless the folder holds an imported
     adapter (`jaxlm convert from-hf ... --adapter`), which it goes on training."""
-    from jaxlm.store import convert
+    from jaxlm.store import weights
 
     if lora.enabled(run.cfg):
-        if not convert.has_adapter_dir(path):
+        if not weights.has_adapter_dir(path):
             return init_state(run, run.cfg.seed)
-        params = convert.restore_adapters(path, run.cfg, lambda tree: shardings_of(run.abstract_state["params"]))
+        params = weights.restore_adapters(path, run.cfg, lambda tree: shardings_of(run.abstract_state["params"]))
     else:
-        params = convert.restore_params(path, run.abstract_state["params"])
+        params = weights.restore_params(path, run.abstract_state["params"])
     init = jax.jit(_init_state_fn(run.optimizer), out_shardings=shardings_of(run.abstract_state))
     return init(params)
 
 
 def load_frozen(run) -> dict | None:
     """A LoRA run's frozen base, placed and (QLoRA) quantized as run.abstract_frozen says; None otherwise."""
-    from jaxlm.store import convert
+    from jaxlm.store import weights
 
     if run.abstract_frozen is None:
         return None
     path, cfg = run.cfg.checkpoint.init_from, run.cfg
     dense = placed(param_specs(cfg.model), run.mesh, run.param_rules)
-    base = (convert.restore_base_params(path, convert.load_config(path), dense) if convert.has_adapter_dir(path)
-            else convert.restore_params(path, dense))
+    base = (weights.restore_base_params(path, weights.load_config(path), dense) if weights.has_adapter_dir(path)
+            else weights.restore_params(path, dense))
     quantize = jax.jit(lambda p: lora.quantize_base(p, cfg),
                        out_shardings=shardings_of(run.abstract_frozen))
     return quantize(base)
