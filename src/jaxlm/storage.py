@@ -1,20 +1,12 @@
-"""Run directories on local disk or on storage that every host sees.
+"""Run directories on local disk or on storage that every host sees (docs/scaling.md).
 
-`run_dir` may be a path or a URL: `gs://bucket/runs/a`, `s3://...`, `file:///shared/runs/a`, or any other
-filesystem fsspec knows (`memory://` in tests). jaxlm's file operations on a run directory go through fsspec,
-which serves local paths too, so one code path covers both: the small files of a run (config.json,
-metrics.jsonl, TensorBoard events, stack dumps) and everything jaxlm does to a checkpoint folder (its manifest,
-verification, listing, rejection, deletion). Object stores cannot append to a file, so a URL run's
-append-only files are written to a local mirror folder and uploaded whole at every flush (`Mirror`); nor can
-they rename, so a folder moves there by copy and delete (`move`).
-
-Checkpoints themselves go through Orbax and tensorstore, which write local paths, gs:// and s3:// URLs
-(`orbax_dir`). S3-compatible servers other than AWS are reached by setting `AWS_ENDPOINT_URL` (or
-`AWS_ENDPOINT_URL_S3`): botocore reads it for s3fs, and jaxlm hands it to tensorstore, which does not read it.
-Credentials come from the usual AWS variables or files (`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`,
-~/.aws/credentials), which both read themselves; gs:// uses Google's default credentials. A GCS emulator or other
-GCS-compatible endpoint is reached by setting `STORAGE_EMULATOR_HOST` (gcsfs and Google's client libraries read
-it): jaxlm hands it to tensorstore as TENSORSTORE_GCS_HTTP_URL, its own name for the same setting.
+`run_dir` may be a path or a URL (`gs://`, `s3://`, `file://`, any filesystem fsspec knows; `memory://` in tests):
+a run's small files (config.json, metrics.jsonl, TensorBoard events, stack dumps) and everything jaxlm does to a
+checkpoint folder go through fsspec, which serves local paths too. Object stores can neither append (a URL run's
+append-only files are written to a local mirror and uploaded whole at every flush: `Mirror`) nor rename (`move`
+copies and deletes). Checkpoints go through Orbax and tensorstore (`orbax_dir`): the endpoint settings s3fs and
+gcsfs read (AWS_ENDPOINT_URL, STORAGE_EMULATOR_HOST) are handed to tensorstore, which does not read them.
+Credentials come from the usual AWS variables or files and Google's default credentials.
 """
 
 from __future__ import annotations

@@ -61,7 +61,7 @@ class Dataset:
 
     def _check_ids(self, split: shards.Split) -> None:
         """Every token id must index the embedding table: out of range, a lookup yields NaN (or another
-        row), never an error. One pass over each shard in 64M-token chunks (about a second per 10 GB)."""
+        row), never an error. One pass over each shard in 64M-token chunks (docs/reliability.md)."""
         chunk = 1 << 26
         for k, data in enumerate(split.tokens_S):
             for i in range(0, len(data), chunk):

@@ -1,16 +1,13 @@
 """`jaxlm launch --scheduler slurm|kubernetes|tpu-vm`: what a cluster's scheduler needs to run one jaxlm command
 on many hosts as one JAX job (docs/scaling.md has a worked example of each).
 
-- slurm: an sbatch script (`slurm_script`) whose `srun` starts one process per task; every task gets the
-  coordinator (the first node, a free port there) in JAXLM_COORDINATOR and numbers itself from SLURM_PROCID /
-  SLURM_NTASKS (distributed.py). The job is requeued, within a budget, when a task fails (`srun
-  --kill-on-bad-exit` ends the others) or when the run stopped for the preemption signal Slurm sends before the
-  time limit (`--signal`); the rerun resumes from the run directory's last complete checkpoint.
+- slurm: an sbatch script (`slurm_script`) whose `srun` starts one process per task, each told the coordinator in
+  JAXLM_COORDINATOR (distributed.py); the job is requeued, within a budget, when a task fails or the run stopped
+  for Slurm's preemption signal, and the rerun resumes from the run directory's last complete checkpoint.
 - kubernetes: an indexed Job with a headless Service, so that pod 0 is reachable as NAME-0.NAME
   (`kubernetes_manifest`); a failed container restarts in its pod and the job resumes.
-- tpu-vm: the `gcloud compute tpus tpu-vm` command lines that create a slice, copy this source tree to every
-  worker, install it and run the command on all workers (`tpu_vm_commands`), as midGPT's and MaxText's
-  scripts do; JAX finds the coordinator from the TPU metadata.
+- tpu-vm: the `gcloud compute tpus tpu-vm` command lines that create a slice, copy this tree to every worker,
+  install it and run the command on all (`tpu_vm_commands`); JAX finds the coordinator from the TPU metadata.
 """
 
 from __future__ import annotations
@@ -180,7 +177,7 @@ def apply_kubernetes(manifest: str) -> int:
 
 def source_tree() -> Path:
     """The folder of this jaxlm checkout (pyproject.toml beside src/), copied to every TPU worker."""
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     if not (root / "pyproject.toml").is_file():
         raise ConfigError(f"jaxlm is installed from a package, not a source tree ({root}); run `jaxlm launch "
                           "--scheduler tpu-vm` from a checkout of jaxlm")
