@@ -1,16 +1,19 @@
 import importlib.util
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import jax
+import numpy as np
 import pytest
 
+import jaxlm
 from conftest import tiny_config, users_environment, xla_flags
 from jaxlm import config as config_lib
 from jaxlm.train import aot, saved_step, loop as train
-from jaxlm.config import ConfigError
+from jaxlm.config import Config, ConfigError
 
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 SRC = str(Path(__file__).resolve().parents[1] / "src")
@@ -140,6 +143,22 @@ def test_cpu_steps_saved_in_format_1_are_refused(tmp_path):
         saved_step.read_signature(old)
     old.write_bytes(saved_step.HEADER_1 + b'{"platform": "tpu"}\n')
     assert saved_step.read_signature(old) == ({"platform": "tpu"}, len(saved_step.HEADER_1) + 20)
+
+
+def test_steps_saved_by_another_jaxlm_are_refused_before_unpickling(tmp_path):
+    # A step saved by another jaxlm (here 0.1.0, whose pickled paths name modules since moved) is refused in one
+    # line naming both versions; its payload, not a pickle at all, is never read. Everything else matches.
+    cfg, mesh = Config(), jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    here = saved_step.signature(cfg, mesh, {})
+    assert here["jaxlm"] == jaxlm.__version__ == "0.2.0"
+    path = tmp_path / "old.jaxlm"
+    for version in ("0.1.0", None):  # None: a format-2 file from before the version was recorded
+        sig = {**here, "jaxlm": version} if version else {k: v for k, v in here.items() if k != "jaxlm"}
+        path.write_bytes(saved_step.HEADER + json.dumps(sig).encode() + b"\nnot a pickle")
+        with pytest.raises(ConfigError) as e:
+            saved_step.load(path, cfg, mesh, {})
+        msg = str(e.value)
+        assert "\n" not in msg and f"was saved by jaxlm {version or '0.1.0 or earlier'} and this is jaxlm 0.2.0" in msg
 
 
 @pytest.mark.slow

@@ -3,7 +3,7 @@
 The Python API: `jaxlm.load(PATH)` and `jaxlm.generate(PATH, "def ")` (both in jaxlm.infer.api). Imported on
 first call, so that `import jaxlm` stays light."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 
 def load(path, mesh=None):

@@ -15,6 +15,7 @@ from pathlib import Path
 import jax
 from jax.experimental import serialize_executable
 
+import jaxlm
 from jaxlm.config import Config, ConfigError
 
 HEADER = b"jaxlm-compiled-step 2\n"
@@ -61,7 +62,7 @@ def signature(cfg: Config, mesh: jax.sharding.Mesh, step_args, topology: str = "
             for path, a in jax.tree_util.tree_flatten_with_path(step_args)[0]]
     return {"topology": topology, "num_slices": num_slices, "platform": device.platform,
             "device_kind": device.device_kind, "n_devices": int(mesh.devices.size), "mesh": dict(mesh.shape),
-            "jax": jax.__version__, "jaxlib": _version("jaxlib"),
+            "jaxlm": jaxlm.__version__, "jax": jax.__version__, "jaxlib": _version("jaxlib"),
             "libtpu": _version("libtpu") if device.platform == "tpu" else None,
             "args": args, "settings": baked_settings(cfg)}
 
@@ -93,7 +94,11 @@ def _describe(sig: dict) -> str:
 
 
 def check_signature(saved: dict, here: dict, path) -> None:
-    """One line naming the first difference that stops `here`'s run from using the saved step."""
+    """One line naming the first difference that stops `here`'s run from using the saved step. Another jaxlm
+    comes first: its signature and pickled executable may name what this version no longer has."""
+    if saved.get("jaxlm") != here["jaxlm"]:  # format-2 files before 0.2.0 carry no version
+        raise ConfigError(f"compile.load={path} was saved by jaxlm {saved.get('jaxlm') or '0.1.0 or earlier'} and "
+                          f"this is jaxlm {here['jaxlm']}; compile it again with this installation")
     if (saved["platform"], saved["device_kind"], saved["n_devices"]) != (here["platform"], here["device_kind"],
                                                                           here["n_devices"]):
         raise ConfigError(f"compile.load={path} was compiled for {_describe(saved)} but this run has "
