@@ -12,6 +12,7 @@ import pytest
 import jaxlm
 from conftest import tiny_config, users_environment, xla_flags
 from jaxlm import config as config_lib
+from jaxlm.launch import topology
 from jaxlm.train import aot, saved_step, loop as train
 from jaxlm.config import Config, ConfigError
 
@@ -26,13 +27,13 @@ def _cfg(data, run_dir=None, **kw):
 
 def test_tpu_slice_names_map_to_chip_grids():
     # Cloud TPU's published slice shapes: v5e-8 is 2x4, v5e-256 16x16, v4-8 (4 chips) 2x2x1, v5p-128 4x4x4.
-    assert [aot.tpu_grid(2, n) for n in (1, 4, 8, 16, 32, 64, 128, 256)] == [
+    assert [topology.tpu_grid(2, n) for n in (1, 4, 8, 16, 32, 64, 128, 256)] == [
         (1, 1), (2, 2), (2, 4), (4, 4), (4, 8), (8, 8), (8, 16), (16, 16)]
-    assert [aot.tpu_grid(3, n) for n in (4, 8, 16, 32, 64, 128, 256, 512)] == [
+    assert [topology.tpu_grid(3, n) for n in (4, 8, 16, 32, 64, 128, 256, 512)] == [
         (2, 2, 1), (2, 2, 2), (2, 2, 4), (2, 4, 4), (4, 4, 4), (4, 4, 8), (4, 8, 8), (8, 8, 8)]
     for rank, n in ((2, 12), (2, 512), (3, 2)):
         with pytest.raises(ValueError):
-            aot.tpu_grid(rank, n)
+            topology.tpu_grid(rank, n)
     with pytest.raises(ConfigError, match="compile.topology='v9-8' is not a known target"):
         aot.target(config_lib.CompileConfig(topology="v9-8"))
     with pytest.raises(ConfigError, match="v4 slices with a power-of-two chip grid"):

@@ -37,6 +37,15 @@ def tpu_grid(rank: int, chips: int) -> tuple[int, ...]:
     return tuple(grid)
 
 
+def slice_grid(gen: str, count: int) -> tuple[int, ...]:
+    """The chip grid of the slice {gen}-{count} (count in chips for v5e and v6e, TensorCores for v4 and v5p);
+    ValueError when no slice has that many."""
+    _, _, rank, cores = TPU_GENERATIONS[gen]
+    if count % cores:
+        raise ValueError
+    return tpu_grid(rank, count // cores)
+
+
 @dataclasses.dataclass(frozen=True)
 class Slice:
     name: str  # as jaxlm names it: v5e-256
@@ -71,9 +80,7 @@ def tpu_slice(name: str) -> Slice:
     gen, count = m[1], int(m[2])
     _, _, rank, cores = TPU_GENERATIONS[gen]
     try:
-        if count % cores:
-            raise ValueError
-        grid = tpu_grid(rank, count // cores)
+        grid = slice_grid(gen, count)
     except ValueError:
         raise ConfigError(f"{name!r}: {gen} slices are named by their {'TensorCores' if cores > 1 else 'chips'}, a "
                           f"power of two from {cores * (4 if rank == 3 else 1)}") from None

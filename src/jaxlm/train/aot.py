@@ -34,7 +34,7 @@ from jaxlm.train import advisor, run as run_lib, saved_step, step as step_lib
 from jaxlm.model import attention
 from jaxlm.model.loss import describe_loss
 from jaxlm.config import MESH_AXES, CompileConfig, Config, ConfigError
-from jaxlm.launch.topology import TPU_GENERATIONS, tpu_grid  # noqa: F401 - tpu_grid is part of this module's interface
+from jaxlm.launch.topology import TPU_GENERATIONS, slice_grid
 
 GiB = 2**30
 
@@ -103,9 +103,7 @@ def tpu_topology(name: str, num_slices: int) -> tuple:
             raise _unknown_topology(name)
         topo_gen, chip_config, rank, cores = TPU_GENERATIONS[gen]
         try:
-            if count % cores:
-                raise ValueError
-            grid = tpu_grid(rank, count // cores)
+            grid = slice_grid(gen, count)
         except ValueError:
             raise ConfigError(f"compile.topology={name!r}: {gen} slices with a power-of-two chip grid are "
                               f"named like {gen}-{8 * cores if rank == 3 else 16}; give other shapes as "
