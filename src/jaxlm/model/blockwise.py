@@ -1,15 +1,9 @@
 """Blockwise attention in plain JAX: an online softmax over key blocks (flash attention's algorithm) with a
 hand-written backward pass, so that neither the forward nor the gradient step ever holds more than one
-[query block x key block] tile of scores per head. Runs on every backend; it is the fallback of the Pallas
-and cuDNN kernels and what long sequences use on CPUs.
-
-`attend_block` is the building block: attention of some queries over some keys, any positions, returning
-the output in float32 and the log-sum-exp of each query's scores. Two results over disjoint key sets merge
-exactly with `merge`; both results are differentiable, the log-sum-exp included. Ring attention instead
-continues one online softmax over the key sets that pass by (`empty_state`, `accumulate`, `finish`) and runs
-its own backward pass, adding each key set's part of the gradient into accumulators (`accumulate_grads`).
-Both kernels slice their tiles where the arrays lie and update their accumulators in place, so neither holds
-a copy of the inputs beyond one tile (but for a whole padded copy when a length is not a multiple of its tile).
+[query block x key block] tile of scores per head. Runs on every backend: the fallback of the Pallas and cuDNN
+kernels and what long sequences use on CPUs. `attend_block` (with `merge`) serves the uncached pass; ring
+attention continues one online softmax over the key sets that pass by (`accumulate`, `accumulate_grads`). The
+kernels slice their tiles where the arrays lie (docs/performance.md, "Attention").
 
 Shape legend: B batch, T query length, S key length, N query heads, K kv heads, G query heads per kv head
 (N = K * G), H head width, Q query block, C key block.

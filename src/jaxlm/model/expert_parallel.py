@@ -1,38 +1,13 @@
-"""Expert parallelism: a mixture-of-experts layer whose experts are split over the `expert` mesh axis runs
-under `shard_map`, and the token copies travel to their experts' devices and back with all-to-all.
+"""Expert parallelism: a mixture-of-experts layer whose experts are split over the `expert` mesh axis runs under
+`shard_map`. Each device routes its own tokens and sorts the token copies by expert, so by destination, into one
+bucket per device; an all-to-all delivers the buckets (ragged or padded: `uses_ragged`), the receiver runs its
+experts with one grouped matmul (`ragged_dot`) and the inverse all-to-all brings the results back. Routing and
+statistics are the single-device layer's (the statistics summed over devices). Buffers (`capacity`), the exchange
+in rematerialized steps (`_steps`) and the other axes: docs/scaling.md, "Expert parallelism".
 
-Each device routes its own tokens (the batch is split over the expert axis too), sorts the token copies by
-expert, which is also by destination device, and lays them out in one bucket of Cd rows per destination.
-An all-to-all delivers the buckets; the receiver regroups what it got by local expert, runs its experts with
-one grouped matmul (`ragged_dot`), and the inverse all-to-all brings the results back to the copies' slots.
-The combine weights and the routing statistics are the single-device layer's: the statistics are summed
-over every device that holds different tokens, so the load-balancing loss is the whole batch's.
-
-Buffers. Dropless (capacity factor 0), a bucket holds the worst case: every token of the sender sends as
-many copies to one device as that device has experts, up to K: Cd = m * min(K, E / X). With a capacity
-factor c, each expert takes at most Ce = ceil(c * m * K / E) copies from each device (an even share times c,
-as in Switch Transformer and MaxText); the later copies of an expert, in token order, are dropped, their
-output is zero (their weight stays with the residual stream), and the statistics count them.
-
-Steps. The buckets are not built whole: the exchange runs in n steps, each sending the next c = Cd / n rows
-of every bucket, running the experts on them and bringing the results back, in a rematerialized scan. Only
-one step's buffers [X c, D] and the experts' hidden activations for them [X c, F] exist at a time, forward and
-backward, so dropless costs little more than a capacity factor once the steps are small. A step holds at least
-D rows (`_steps`); the token rows move by gathers through integer maps, never by scatters of rows.
-
-Exchange. On TPU `jax.lax.ragged_all_to_all` sends only the filled rows of each bucket; XLA:CPU, GPU and v5e
-pod slices run the padded `jax.lax.all_to_all` of whole buckets (`uses_ragged`). The layout on both ends is
-the same, so the rest of the layer does not know which one ran.
-
-Other axes. Expert MLP width split over `tensor` composes: each tensor shard holds the same tokens and a
-slice of F, and the output is summed over `tensor`. FSDP gathers the experts' weights over `fsdp` as the
-shard_map's input specs ask (and reduce-scatters their gradients). Inside a pipeline (a stage axis over 1)
-expert parallelism is refused with a ConfigError.
-
-Shape legend: B batch, T length, D model width, E experts, K experts per token, F expert hidden width,
-X devices on the expert axis, G experts per device (E / X), m tokens per device, a token copies per device
-(m * K), C rows per bucket (Cd), n steps, c rows of each bucket per step (C / n, rounded up), R rows
-received per step (X * c).
+Shape legend: B batch, T length, D model width, E experts, K experts per token, F expert hidden width, X devices
+on the expert axis, G experts per device (E / X), m tokens per device, a token copies per device (m * K), C rows
+per bucket (Cd), n steps, c rows of each bucket per step (C / n, rounded up), R rows received per step (X * c).
 """
 
 from __future__ import annotations

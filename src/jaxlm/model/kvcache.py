@@ -1,24 +1,13 @@
-"""The key/value cache of autoregressive decoding, a pytree that lives on device between jitted steps.
+"""The key/value cache of autoregressive decoding, a pytree that lives on device between jitted steps: one
+`KindCache` per entry of cfg.layer_pattern, its arrays stacked over the R_j repeats of that entry, so prefill and
+decode scan the layers and their caches together. A global layer keeps slot = position, a local or chunked layer a
+ring buffer of its window or chunk; every slot records the position it holds (EMPTY when none), so masks stay
+functions of positions. Only kv heads are cached (`quantize`: int8, a float32 scale per position and kv head); a
+latent-attention layer caches its rotary key and latent as one kv head (`widths`). A decode loop carries
+`LayerCaches` instead: each layer apart, keys transposed [B, K, H, S], the slots grown as the sequences lengthen
+(`grow`; docs/generate.md, "How it works").
 
-Layers are grouped as the forward pass scans them: one `KindCache` per entry of cfg.layer_pattern, its arrays
-stacked over the R repeats of the pattern, so prefill and decode scan the layers and their caches together.
-A global layer keeps every position in slot = position; a local (sliding-window) layer keeps a ring buffer of
-its window, slot = position mod window. Every slot records the position of the key it holds (EMPTY when
-none), so attention masks stay functions of query and key positions, as in the uncached forward pass.
-Only the kv heads are cached (grouped-query attention shares them across query heads). With `quantize`, keys
-and values are stored as int8 with one float32 scale per (position, kv head). A `chunked` layer (Llama 4) keeps
-a ring buffer of its chunk. A latent-attention layer (model/latent.py) caches two per-token arrays as one kv
-head: `k` its rotary key [.., 1, S, qk_rope_head_dim], `v` its compressed latent [.., 1, S, kv_lora_rank]
-(`widths`). A pattern entry's layers number R_j (the last repeat of the pattern may be partial).
-
-A decode loop (generate.py) carries the cache as `LayerCaches` instead: each layer's arrays apart, keys
-transposed [B, K, H, S], so that a step reads and writes one layer's buffers where they lie (a layer sliced out
-of the stacked [R, ...] arrays is a copy, and at batch 16 those copies cost about as much as the attention's
-arithmetic), and `grow` widens the slots as the sequences lengthen so that a step attends over the
-filled part of the cache rather than all of it.
-
-Shape legend: R repeats of the layer pattern, B batch, T prompt length, S cache slots, K kv heads,
-H head width.
+Shape legend: R repeats of the layer pattern, B batch, T prompt length, S cache slots, K kv heads, H head width.
 """
 
 from __future__ import annotations

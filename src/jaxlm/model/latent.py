@@ -1,21 +1,10 @@
-"""Multi-head latent attention (DeepSeek-V2/V3, Kimi K2): keys and values come from one low-rank latent per
-token, so the KV cache stores that latent and a small rotary key instead of every head's keys and values.
-
-Per token: the query is q_b(norm(q_a x)) (or q x without a query latent, model.q_lora_rank=0), each head's
-split into a part without rotary [qk_nope_head_dim] and a rotary part [qk_rope_head_dim]. The latent
-c = norm(kv_a x) [kv_lora_rank] gives each head's key part k_b c and value v_b c; the rotary key k_rope x
-[qk_rope_head_dim] is one vector shared by every head. A head's score is q_nope . (k_b c) + q_rope . k_rope.
-
-Training and prefill expand the latent into per-head keys and values and run the ordinary attention
-(`attention.self_attention`: every implementation, mask and kernel), the values padded to the key width when
-the two differ. A decode step instead absorbs k_b into the query and v_b into the output (the products are
-associative): scores = (q_nope k_b^T) . c + q_rope . k_rope and out = v_b (probs . c), so it reads the cached
-latents as they lie, kv_lora_rank + qk_rope_head_dim numbers per token and layer (576 for DeepSeek-V3, against
-2 x 128 heads x 128 = 32,768 for its heads' keys and values).
-
-Cache layout (model/kvcache.py): the entry of a latent layer is an ordinary one with one kv head, `k` the
-rotary key [..., 1, S, qk_rope_head_dim] and `v` the latent [..., 1, S, kv_lora_rank]; every cache operation
-(prefill layouts, slots, ring buffers, int8, the server's rows) applies unchanged.
+"""Multi-head latent attention (DeepSeek-V2/V3, Kimi K2): keys and values come from one low-rank latent per token,
+so the KV cache stores that latent and a small rotary key instead of every head's keys and values. The query is
+q_b(norm(q_a x)) (or q x, model.q_lora_rank=0); the latent c = norm(kv_a x) gives each head's key part k_b c and
+value v_b c, and one rotary key k_rope x is shared by the heads. Training and prefill expand the latent and run
+the ordinary attention; a decode step absorbs k_b into the query and v_b into the output, reading the cached
+latents as they lie, in an ordinary cache entry of one kv head: `k` the rotary key, `v` the latent
+(docs/families.md, "Multi-head latent attention").
 
 Shape legend: B batch, T length, S cache slots, D width, N heads, Q query latent (q_lora_rank), C key/value
 latent (kv_lora_rank), h rotary-free head width, r rotary width, v value head width, A = h + r.

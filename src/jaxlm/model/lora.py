@@ -1,20 +1,9 @@
-"""LoRA and QLoRA runs: which weights get adapters (`lora.targets`), the adapters' declarations, the frozen base
-(stored quantized for QLoRA) and the ways the two meet: attached for a forward pass, or merged into one set of
-weights.
-
-A LoRA run (`lora.rank` > 0) trains the adapters only. The train state's params are the adapters, so the
-optimizer keeps state for them alone and checkpoints hold the adapters and their optimizer state; the base,
-read from `checkpoint.init_from` (a converted model folder), rides beside the state as the train step's
-`frozen` argument and is never differentiated. For the forward pass, `attach` puts each adapted weight and its
-adapter together in a layers.LoraWeight, which layers.dot multiplies as x W + (alpha / r) (x A) B.
-
-Adapters are declared like every weight, ParamSpecs with logical axes (the base weight's input axes for A, its
-output axes for B), so FSDP and tensor parallelism shard them with their weights; A is initialized uniform in
-+-1/sqrt(fan_in) (Hugging Face PEFT's default), B at zero, so the adapted model starts as the base exactly.
-
-Targets are jaxlm's names of the attention and dense MLP projections: q, k, v, o (q_proj, k_proj, v_proj,
-o_proj in Hugging Face Llama-style models), up, gate, down (up_proj, gate_proj, down_proj). Experts of a
-mixture-of-experts MLP, embeddings, norms and the output layer are not adapted.
+"""LoRA and QLoRA runs: which weights get adapters (`lora.targets`: q, k, v, o, up, gate, down), the adapters'
+declarations, the frozen base (stored quantized for QLoRA) and the ways the two meet: attached for a forward pass
+(layers.LoraWeight, which layers.dot multiplies as x W + (alpha / r) (x A) B), or merged into one set of weights.
+A LoRA run trains the adapters only: the train state holds them, and the base rides beside it as the train step's
+`frozen` argument. Adapters are ParamSpecs with their base weight's logical axes, A uniform in +-1/sqrt(fan_in),
+B zero (docs/finetune.md, "LoRA").
 
 Shape legend: L layers, r rank; a weight is [L, *in, *out], its adapter A [L, *in, r] and B [L, r, *out].
 """

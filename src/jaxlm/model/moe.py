@@ -1,27 +1,10 @@
-"""Mixture-of-experts MLP: a router picks the top-k experts of every token, and a dropless dispatch sorts the
-token copies by expert so that one grouped matmul (`jax.lax.ragged_dot`) runs each expert on exactly the
-tokens it received: no capacity factor, no dropped tokens, no dense loop over experts.
-
-Routers (`Router`, from the model options): softmax scores over the experts (Mixtral, Qwen3-MoE, gpt-oss with
-a logit bias) or a sigmoid per expert (DeepSeek-V3, Llama 4); top-k by score, or by score plus a balancing
-bias within the best groups of experts (DeepSeek-V3's group-limited routing); the weights are the chosen
-scores, renormalized over the chosen ones or not, times a scale. The weight multiplies the expert's output,
-or its input (Llama 4). Shared experts (DeepSeek-V3, Llama 4) are one dense MLP every token goes through,
-added to the routed experts' output.
-
-Auxiliary-loss-free balancing (DeepSeek-V3): `balance_bias` [E] is added to the scores for choosing experts,
-never to their weights, so the loss does not depend on it. It moves outside the gradient: each step, an expert
-that received more token copies than the mean has its bias lowered by model.moe_bias_update_rate, one that
-received fewer raised by it. The layer hands that step to the optimizer through the bias's gradient slot (the
-loss has no gradient there): `_balance_signal` leaves the forward pass unchanged and gives the bias the
-"gradient" BALANCE_SIGNAL * rate * sign(load - mean load), from the loads of the whole batch (they are
-global arrays under jit, and psum'ed over devices when expert-parallel). The optimizer (optim.py) moves the bias by
-minus that, divided by BALANCE_SIGNAL, instead of AdamW, and leaves it out of clipping, so the gradient norm and every
-other weight see no trace of it. With gradient accumulation the step is the mean of the micro-batches' steps.
-
-When the active mesh splits the experts over devices (an `expert` axis over 1), the layer runs expert-parallel
-instead (model/expert_parallel.py): the token copies travel to their experts' devices and back, dropless
-too unless model.expert_capacity_factor bounds what each expert takes.
+"""Mixture-of-experts MLP: a router picks the top-k experts of every token, and a dropless dispatch sorts the token
+copies by expert so that one grouped matmul (`jax.lax.ragged_dot`) runs each expert on exactly the tokens it
+received. Routers (`Router`, from the model options): softmax or sigmoid scores, plain or group-limited top-k,
+the weight on the expert's output or its input; shared experts are one dense MLP every token goes through.
+DeepSeek-V3's auxiliary-loss-free balancing bias moves outside the gradient (`_balance_signal`). A mesh that
+splits the experts runs the layer expert-parallel instead (model/expert_parallel.py). docs/families.md, "The
+options".
 
 Shape legend: B batch, T length, D model width, E experts, K experts per token, F expert hidden width,
 M tokens (B * T), A token copies (M * K), sorted by expert, n groups of experts.
@@ -39,7 +22,7 @@ from jaxlm.model import expert_parallel, layers
 from jaxlm.params import ParamSpec, normal, zeros
 
 # The balancing bias's step rides in its gradient slot this much smaller, so that global-norm clipping and the
-# logged gradient norm do not see it (optim.py divides it back out; a power of two: exact both ways).
+# logged gradient norm do not see it (train/optim.py divides it back out; a power of two: exact both ways).
 BALANCE_SIGNAL = 2.0 ** -40
 
 
@@ -184,7 +167,10 @@ def _moe_one_device(x_BTD, p, act, router: Router):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _balance_signal(y, bias_E, load_E, rate: float):
-    """y itself; the balancing bias's gradient slot receives its step (module docstring)."""
+    """y itself; the balancing bias's gradient slot (the loss has none there) receives its step,
+    BALANCE_SIGNAL * rate * sign(load - mean load) from the whole batch's loads (global under jit, psum'ed when
+    expert-parallel): the optimizer (train/optim.py) moves the bias by minus that over BALANCE_SIGNAL instead of
+    AdamW and leaves it out of clipping, so no other weight or the gradient norm sees it (docs/families.md)."""
     return y
 
 

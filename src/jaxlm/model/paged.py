@@ -1,38 +1,9 @@
-"""The paged KV cache: what every sequence caches, in fixed-size pages of one pool, found through a page table.
-
-The slot cache (kvcache.py) gives each sequence the whole context, so the sequences in flight are bounded by
-slots x context. Here a sequence holds only the pages its tokens fill: position p of a sequence lies in page
-table[p // page_size] at offset p % page_size, and the server (serve/pages.py) hands pages out as sequences
-grow, takes them back when they end, and shares the pages of a common prompt prefix between sequences.
-Since a page holds consecutive positions, a key's position is where it lies in the sequence's pages; masks
-stay functions of query and key positions, as in the uncached pass (causal, windowed for local layers).
-
-What a token stores is what the slot cache stores (kvcache.widths): k and v [K, H] for standard attention,
-with int8 scales k_scale and v_scale [K] when quantized; for latent attention (model/latent.py) its rotary key
-k [1, r] and its compressed latent v [1, C]. The pool of pattern entry j keeps an entry of trailing shape
-(*lead, last) as [*lead, R_j, NP, page, last]: R_j layers of that entry (model/stack.py: layer i is entry i mod
-P, repeat i // P), NP pages, the page's tokens on the axis before the last; one page id indexes every layer's
-pool. k [K, H] per token is [K, R, NP, page, H], kv heads outermost: reshaped (for free) to [K, R NP, page, H],
-the pages of every layer are one axis that a page-attention kernel indexes with table + r NP (`kernel_decode`).
-Every layer keeps every position, a sliding-window or chunked layer's too (a page is shared by all layers, and
-the global ones need all): masks by position leave out what such a layer does not see.
-
-Three ways to read the pages a query attends to (`attention`):
-- `rows` (prefill chunks, many queries per sequence): each row's pages gathered in table order, [P, K, S, H]
-  with S = the table's width x page_size, then dense attention (attention.attend_heads_major).
-- `flat` (decode steps, speculative verification: a few queries per sequence): the pages of all rows listed
-  one after another (only those holding keys below each row's end, however the lengths differ), in a loop of
-  blocks of PAGE_BLOCK_TOKENS keys with an online softmax per row (attention sinks enter as its starting
-  point). Latent attention runs it in its absorbed form (latent.absorb_query): one kv head whose keys are the
-  latent and rotary key side by side and whose values are the latents. On a 2-core CPU at batch 64 and a
-  long-tailed mix of lengths (mean 296, max 1169 keys), one layer's attention took 20 ms this way, 153 ms with
-  each row's pages gathered to the longest row's, and 31 ms over a dense slot cache of the longest length.
-- a page-attention kernel (decode steps of standard attention, where the pool has one: JAX's Pallas kernel on
-  TPU; `kernel_decode`), over the pool seen as [K, R NP, page, H].
-On TPU the pool's vectors are padded to 128 wide (lanes; docs/serve.md, "The paged KV cache"). The padding and
-the kernel are the pool's format (PoolFormat), decided once from the platform of the devices the pool is made
-for (pool_format: a server compiled ahead of time for a TPU from a CPU host gets the TPU's), and the kernel is
-part of the pool's static structure, so that a program's cache key holds both.
+"""The paged KV cache: every sequence's keys and values in fixed-size pages of one pool, found through a page table
+(position p in page table[p // page_size] at offset p % page_size; serve/pages.py hands the pages out). Pattern
+entry j's pool keeps a token's entry (*lead, last) as [*lead, R_j, NP, page, last]; every layer keeps every
+position. `attention` reads a row's pages `rows` (prefill chunks: gathered per row), `flat` (a few queries per
+row: the rows' pages listed one after another, an online softmax per row) or through a page-attention kernel on
+TPU (`kernel_decode`), as the pool's format says (PoolFormat; docs/serve.md, "The paged KV cache").
 
 Shape legend: P rows (sequences) of a call, C tokens per row, T = tokens, R repeats of an entry, NP pages,
 M pages per row in the table, F pages listed flat, K kv heads, G query heads per kv head, N = K G, H head
@@ -54,7 +25,7 @@ from jaxlm.model import kvcache, latent, layers
 
 PAGE_BLOCK_TOKENS = 1024  # keys a step of the flat path's loop reads (64 pages of 16: a few MB, cache-resident)
 # ... and at most this many per row of the call: a block is read whole, the pages past the rows' last padding, so
-# a call of few rows takes smaller blocks (one row of 13 pages in blocks of 64 made a batch-1 step 1.7x slower)
+# a call of few rows takes smaller blocks (docs/serve.md, "The paged KV cache")
 PAGE_BLOCK_TOKENS_PER_ROW = 256
 FLAT_MAX_QUERIES = 16  # rows of up to this many tokens read their pages flat, longer ones by rows
 KERNEL_BLOCK_TOKENS = 256  # keys of a row the kernel reads per block (pages_per_compute_block x page_size at most)
@@ -71,8 +42,8 @@ class PoolFormat(NamedTuple):
 def lanes(platform: str) -> int:
     """What a pool's vectors (keys, values, latents: entries of shape (*lead, last)) on devices of `platform` are
     padded to a multiple of: 128 on TPU (a vector register's lanes; narrower ones, as heads of 64, made XLA lay the
-    pool out with the pages innermost and copy all of it at every write and read: 10.9 GB of temporaries for a
-    1.2 GB pool in a decode step), else 1. Scales are not padded."""
+    pool out with the pages innermost and copy all of it at every write and read: docs/serve.md), else 1. Scales
+    are not padded."""
     return 128 if platform == "tpu" else 1
 
 
@@ -241,7 +212,7 @@ def attend_flat(q_PCNH, read, K: int, A: int, table_PM, end_P, q_pos_PC, scale, 
         k_FKAH, v_FKAH = read(ids)
         q_FKQH = jnp.take(q_PKQH, rows, axis=0, mode="clip")
         # precision "highest": at the default, XLA:TPU cast the whole pool to bfloat16 for these dots, before the
-        # gather and outside the loop (4.9 GB of temporaries for a 16-token chunk over a 9.7 GB pool)
+        # gather and outside the loop (docs/serve.md, "The paged KV cache")
         logits_FKQA = jnp.einsum("FKQH,FKAH->FKQA", q_FKQH, k_FKAH, preferred_element_type=jnp.float32,
                                  precision="highest")
         logits_FKQA = layers.softcap(logits_FKQA * scale, softcap)

@@ -1,31 +1,10 @@
-"""Pipeline parallelism: the layer stack split into stages over the `stage` mesh axis, with micro-batches
-flowing through the stages on a circular schedule. It runs inside the forward pass (transformer.py calls
-`run` when the mesh has more than one stage), so the train step, gradient accumulation, remat and every
-family need no change, and the weights keep their one layout [L, ...]: a checkpoint written with or without
-a pipeline restores into the other.
-
-The schedule ("circular GPipe", the one MaxText runs). S stages, M micro-batches, R repeats. The L layers
-form R * S chunks of C = L / (R * S) consecutive layers; chunk r * S + s runs on stage s, so a micro-batch
-goes through stages 0..S-1 R times. At iteration t (0 <= t < R * M + S - 1) stage s runs micro-batch
-m = (t - s) mod M in repeat r = (t - s) // M when 0 <= t - s < R * M, and idles otherwise (the bubble).
-After each iteration every stage's output moves one stage on (a collective permute over `stage`); stage 0
-takes a new micro-batch while there is one and then, in the next repeat, the output of the last stage, which
-waits for it in the same buffer (so R > 1 needs M >= S). That buffer of M micro-batches has a copy on each
-stage, split over the batch axes like the batch itself, so that no stage reads another's at a traced index.
-The bubble is S (S - 1) of the S (R M + S - 1) stage-steps: (S - 1) / (R M + S - 1), R times less than
-GPipe's (S - 1) / (M + S - 1), each stage-step being R times shorter. `schedule` is the table the loop
-runs, and benchmarks/pipeline.py counts its bubble.
-
-The backward pass is autodiff of the loop: all forward iterations, then all backward ones in reverse. Each
-iteration's stages are rematerialized (as MaxText's pipeline does): the loop keeps only the stage inputs of
-every iteration, R M + S - 1 micro-batch activations per stage, and each backward iteration reruns its C layers
-for one micro-batch, keeping what model.remat lets them keep, before differentiating them. That costs one more
-forward pass of the layers than the same model.remat without a pipeline.
-
-Weights: with R = 1, stage s holds layers [s L / S, (s + 1) L / S), exactly the block the `layers` ->
-`stage` rule already puts on it: no weight moves. With R > 1 a stage needs the chunks s, S + s, 2 S + s, ...,
-which the contiguous layout spreads over all stages: the step regathers them round-robin with one all-to-all
-over `stage` (and its transpose for the gradients), which suits ICI, not a slow DCN link.
+"""Pipeline parallelism: the layer stack split into stages over the `stage` mesh axis, micro-batches flowing through
+the stages on a circular schedule (circular GPipe, as MaxText runs it). `run` runs inside the forward pass
+(transformer.py calls it when the mesh has more than one stage), so the train step, remat and every family need no
+change, and the weights keep their one layout [L, ...]. The L layers form R * S chunks of C = L / (R * S) layers,
+chunk r * S + s on stage s; at iteration t stage s runs micro-batch (t - s) mod M in repeat (t - s) // M while
+0 <= t - s < R * M (`schedule`), then every stage's output moves one stage on. Each iteration is rematerialized;
+with R > 1 the weights are regathered round-robin over `stage` (docs/scaling.md, "Pipeline parallelism").
 
 Shape legend: B batch, T length, D model width, E experts, S stages, R repeats, C layers per chunk, M
 micro-batches, b rows per micro-batch (B / M), I iterations of the schedule.

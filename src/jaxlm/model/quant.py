@@ -1,22 +1,9 @@
-"""Quantized matmuls: int8 and fp8 training (forward and both backward matmuls) and int8 weight storage
-for inference, all entered through `layers.dot` (the one place the model multiplies by a weight).
-
-Modes (`model.quantization`):
-  none          float matmuls; `layers.dot` keeps its own path.
-  int8          y = x w as int8 x int8 -> int32 with absmax scales along the contracted axes: per token for
-                activations, per output channel for weights. The backward pass requantizes: dx = g w^T and
-                dw = x^T g are int8 x int8 -> int32 too, each operand scaled along its own contracted axes;
-                the incoming gradient g may be rounded stochastically (unbiased).
-  fp8           e4m3 operands forward, e5m2 gradients backward, per-tensor current scaling (the scale comes
-                from this step's absmax, so no amax history has to live in the train state).
-  int8_weights  inference: each weight is stored as int8 values plus one float32 scale per output channel
-                (`quantize_params`); activations stay in the compute dtype, and the scale is applied to the
-                matmul's output, where it factors out exactly.
-
-Why not AQT (aqtp) or Qwix: with JAX 0.10.2, aqtp's DotGeneral is unhashable and `jnp.einsum(_dot_general=)`
-takes it as a static argument, so it cannot be injected into an einsum; Qwix's public API intercepts Flax
-modules, and its pure dot_general lives under a private `_src` path with Flax-struct noise functions. Both
-pull in Flax, which a model of plain pytrees has no use for. The module here is one custom_vjp.
+"""Quantized matmuls: int8 and fp8 training (forward and both backward matmuls) and int8 weight storage for
+inference, all entered through `layers.dot` (the one place the model multiplies by a weight). `model.quantization`:
+int8 (int8 x int8 -> int32 with absmax scales along the contracted axes, requantized for dx and dw, the incoming
+gradient rounded stochastically or not), fp8 (e4m3 forward, e5m2 gradients, per-tensor current scaling) or
+int8_weights (inference: int8 values and one float32 scale per output channel, `quantize_params`). One
+custom_vjp, no Flax (why not AQT or Qwix: docs/quantization.md).
 
 Einsum letters come from the caller's spec. Scales keep their operand's rank, with size 1 on the
 contracted axes, so the scale of x has shape x.shape with the contracted axes set to 1.

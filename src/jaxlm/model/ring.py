@@ -1,23 +1,10 @@
-"""Context parallelism: self-attention of a sequence split over the mesh axes of the logical `length` axis (the
-`sequence` mesh axis by the default rules), so that no device ever holds the whole sequence's queries, keys and
-values at once. `self_attention` runs `attention` here whenever the active mesh splits the length.
-
-Two ways, chosen by model.context_parallel:
-- ring: each device keeps its queries and passes its block of keys and values (with their positions and
-  segment ids) around the ring of the n sequence devices with `ppermute`; at each of the n steps it continues
-  one online softmax of its queries over the block it holds (`blockwise.accumulate`). The backward pass is a
-  second ring (a custom VJP): the key blocks go round again, carrying their dk, dv, and each step adds its part
-  of dq, dk, dv in place (`blockwise.accumulate_grads`, with the log-sum-exp saved by the forward), so what a
-  device keeps for the backward is its own q, k, v, output and log-sum-exp, nothing per step.
-- all_gather: keys and values (and their positions and segment ids) are all-gathered over the sequence axes
-  and each device attends its own queries to all of them; the gradient reduce-scatters back. Simpler, one
-  collective per layer, but every device holds the whole sequence's keys and values.
-
-Masks go by position and segment id, never by array index, so any order of the tokens along the sequence gives
-the same result. The train step uses that to balance causal work: `zigzag_order` puts chunks i and 2n-1-i of
-the sequence on device i, so every device holds early and late tokens alike (train.py permutes its batch
-once). Blocks of keys that no query of the device may see (all after its queries, or all outside the window)
-are skipped whole, and inside a block the blockwise kernels skip the masked tiles.
+"""Context parallelism: self-attention of a sequence split over the mesh axes of the logical `length` axis, so that
+no device holds the whole sequence's queries, keys and values at once; `self_attention` runs `attention` here
+whenever the active mesh splits the length. model.context_parallel `ring` passes each device's block of keys and
+values around the ring (`ppermute`), continuing one online softmax (`blockwise.accumulate`), and its custom VJP is
+a second ring that carries dk, dv home; `all_gather` gathers them once per layer. Masks go by position and segment
+id, so `zigzag_order` can balance causal work; key blocks no query of a device may see are skipped whole
+(docs/scaling.md, "Context parallelism").
 
 Shape legend: B batch, T query length (this device's share in the shard_map bodies), S key length, N query
 heads, K kv heads, H head width.

@@ -1,23 +1,11 @@
-"""The layer stack's layout and the one loop over it: each layer's kind (its attention kind from
-model.layer_pattern, its MLP dense or mixture-of-experts), where its weights lie in the stacked arrays, and
-`run`, which every pass (training forward, prefill, cached decoding, the server's chunked prefill) uses to go
-through the layers.
-
-Groups. The layers are scanned in groups of G consecutive layers that repeat exactly: G is the pattern's
-length P, or a multiple of it when the MoE interval does not divide P (model.moe_layer_interval), so a scan
-step compiles each kind once however deep the model. Layers before the first group and after the last run
-unrolled, one at a time: DeepSeek-V3's three dense first layers ahead of 58 MoE layers, Gemma 3's two layers
-after four groups of six (26 layers). A model whose layers all fit the groups (every family before 2025) has
-no such layers, and its loop is the scan it always was.
-
-Weights. Every leaf of params["layers"] is stacked along a leading axis over the layers that have it: all L
-layers for the norms and attention. When some layers have experts and others a dense MLP (`mixed`), `mlp`
-holds the experts of the MoE layers only [L_moe, ...] and `dense_mlp` the dense MLPs [L_dense, ...]; a
-layer's view (`layer_view`) then names its own MLP `mlp` either way. Otherwise `mlp` covers all L layers.
-
-Caches. Entry j of the KV cache (model/kvcache.py) holds the layers i with i mod P == j, repeat r = i // P; the
-loop hands each layer its (j, r), and takes and returns per-entry inputs and outputs stacked over r, so the
-cache's layout depends on the attention pattern only.
+"""The layer stack's layout and the one loop over it: each layer's kind (attention kind from model.layer_pattern,
+MLP dense or mixture-of-experts), where its weights lie in the stacked arrays, and `run`, which every pass
+(training forward, prefill, cached decoding, the server's chunked prefill) uses to go through the layers. Layers
+are scanned in groups of G consecutive layers that repeat exactly (P, or a multiple of it when
+model.moe_layer_interval does not divide P); those before the first group and after the last run unrolled. Every
+leaf of params["layers"] is stacked over the layers that have it (`mixed`: `mlp` over the MoE layers, `dense_mlp`
+over the dense ones; `layer_view`). Entry j of the KV cache holds the layers i with i mod P == j, repeat i // P
+(docs/families.md, "The options").
 
 Shape legend: L layers, P pattern length, G layers per scanned group, n scanned groups, R repeats of an entry.
 """
@@ -99,7 +87,7 @@ def index(lay: Layout, group: str, i: int) -> int:
 
 
 def layers_with(lay: Layout, key: str) -> list[int]:
-    """The layers that have the top-level leaf `key` of params["layers"] (convert.py maps HF tensors by it)."""
+    """The layers that have the top-level leaf `key` of params["layers"] (store/convert.py maps HF tensors by it)."""
     return [i for i in range(lay.n_layers) if _has(lay, group_of(lay, key), i)]
 
 
