@@ -81,7 +81,7 @@ print("START", summary["start_step"], flush=True)
 
 
 def training_draws(make_loader, record):
-    """step.make_loader whose training loader hands the start offsets of every batch it draws to `record`:
+    """batches.make_loader whose training loader hands the start offsets of every batch it draws to `record`:
     the windows of the training steps only, not those of the fixed evaluation batches, which come from
     loaders of their own (seed + 2, one micro-batch) that every start of a run makes again."""
     def make(run, split="train", grad_accum=None, seed=None):

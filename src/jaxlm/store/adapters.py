@@ -1,15 +1,13 @@
 """LoRA adapters in and out of Hugging Face PEFT's format, and read for serving over a base (`serve.adapters`).
 `jaxlm convert to-hf RUN OUT --adapter-only` writes adapter_config.json and adapter_model.safetensors, which
-`peft.PeftModel.from_pretrained(base, OUT)` loads on the Hugging Face base; `jaxlm convert from-hf BASE OUT
---adapter PEFT_DIR` converts the base and imports an adapter (written by peft or by jaxlm) beside it, to serve
-it or to go on training it.
+`peft.PeftModel.from_pretrained(base, OUT)` loads; `jaxlm convert from-hf BASE OUT --adapter PEFT_DIR` imports an
+adapter (written by peft or by jaxlm) beside the converted base, to serve it or to go on training it.
 
 PEFT names an adapter after the module it adapts: `base_model.model.{module}.lora_A.weight` [r, in] and
-`.lora_B.weight` [out, r], {module} being the Hugging Face name of the weight without `.weight`
-(model.layers.3.self_attn.q_proj). jaxlm stacks A [L, *in, r] and B [L, r, *out] by layer, so layer i's lora_A is
-A[i] flattened to [in, r] and transposed, its lora_B B[i] flattened to [r, out] and transposed. This holds for the
-families whose projections are plain linear maps (the Hugging Face weight is ours reshaped and transposed:
-Llama, Mistral, Qwen, Gemma); GPT-2's fused c_attn is refused in one line.
+`.lora_B.weight` [out, r]. jaxlm stacks A [L, *in, r] and B [L, r, *out] by layer, so layer i's lora_A is A[i]
+flattened to [in, r] and transposed, its lora_B B[i] flattened to [r, out] and transposed. This holds for the
+families whose projections are plain linear maps (Llama, Mistral, Qwen, Gemma: `modules` checks it); GPT-2's
+fused c_attn is refused in one line.
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """Checkpoints of a run: train state (params, optimizer state, step, skip counters) plus the data loader's
-position, written by Orbax and sealed by a jaxlm manifest.
+position, written by Orbax and sealed by a jaxlm manifest (the size and CRC32 of every file, written by process 0
+once Orbax has committed the step).
 
-Layout: <run_dir>/checkpoints/<step>/{state/, loader/, jaxlm_manifest.json}. A checkpoint counts only once
-it is committed, in two stages: Orbax writes every process's files and marks them done, on a local disk by
-writing into `<step>.orbax-checkpoint-tmp` and renaming it to `<step>`, on an object store (which cannot
-rename) by writing `<step>/commit_success.txt` last; then process 0 writes `jaxlm_manifest.json`, the size and
-CRC32 of every file in the folder (locally to a temporary name, then renamed). A run killed at any moment
-leaves either a committed checkpoint or one that restore recognizes as incomplete.
-
-Restore takes the newest checkpoint whose manifest verifies (every listed file present, same size, same
-CRC32: a truncated, emptied or bit-flipped file fails). Newer ones that do not verify are skipped with a
-warning naming the folder and moved to checkpoints/rejected/ (with a note saying when and why), so the
-resumed run can save those steps again; leftover temporary folders are deleted. Old checkpoints are deleted
-only after a newer one is committed, and a state holding NaN or infinity is never saved.
-
-The folder may be local or a gs:// or s3:// URL: every file operation here goes through `storage`.
+Layout: <run_dir>/checkpoints/<step>/{state/, loader/, jaxlm_manifest.json}. Restore takes the newest checkpoint
+whose manifest verifies and moves newer ones that do not to checkpoints/rejected/; old checkpoints go only after a
+newer one is committed, and a state holding NaN or infinity is never saved. The folder may be local or a gs:// or
+s3:// URL: every file operation here goes through `storage`. docs/reliability.md has the whole protocol.
 """
 
 from __future__ import annotations
@@ -50,7 +41,7 @@ class CheckpointError(RuntimeError):
 
 def file_crc32(path: str | Path) -> tuple[int, int]:
     """(size, CRC32) of a file's bytes. CRC32 catches every single-bit flip and every burst of up to 32 bits;
-    it runs at about 2 GB/s here, so sealing or checking a checkpoint costs a fraction of writing it."""
+    sealing or checking a checkpoint costs a fraction of writing it (docs/reliability.md)."""
     crc, size = 0, 0
     with storage.open_file(path, "rb") as f:
         while chunk := f.read(_CHUNK):

@@ -3,14 +3,10 @@ host's devices) from abstract shapes, its memory per device against the target's
 largest batch that fits, and saved steps that `jaxlm train ... compile.load=FILE` runs without compiling.
 
 Flow: compile.topology -> the target's devices (compile-only TPU devices from libtpu's topology
-description need no TPU) -> step.setup on them (mesh, shardings, abstract state; nothing allocated)
+description need no TPU) -> run.setup on them (mesh, shardings, abstract state; nothing allocated)
 -> step.lower_train_step, the very lowering `jaxlm train` jits -> compile -> memory report -> saved file.
-
-A saved step is one file (its format and its loading are in saved_step.py, which `train` reads without
-this module). A saved step is always compiled in the saving process, never read back from JAX's persistent compilation
-cache: an XLA:CPU executable loaded from its serialized form (which is what a cache hit is) keeps its
-functions but not their object code, so serializing it again writes a file whose first step fails with
-"NOT_FOUND: Function ... not found" (jaxlib 0.10.2).
+A saved step's format and loading are in saved_step.py, which `train` reads without this module. A step to save
+is always compiled in the saving process, never read back from JAX's persistent compilation cache (docs/aot.md).
 """
 
 from __future__ import annotations

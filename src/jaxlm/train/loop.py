@@ -1,7 +1,7 @@
 """`jaxlm train`: the loop that runs the train step (step.py) over the run's batches and ties them to
 checkpoints, evaluation, metrics, the progress bar and the end-of-run sample.
 
-Flow: step.setup -> the first state (newest checkpoint, checkpoint.init_from, or a fresh init) -> for dpo and ipo,
+Flow: run.setup -> the first state (newest checkpoint, checkpoint.init_from, or a fresh init) -> for dpo and ipo,
 the reference log-probabilities (reference.py: computed from the starting weights once, then reused) -> train steps,
 a few in flight -> every log interval: metrics.jsonl, TensorBoard, progress; every eval interval: held-out
 losses; every checkpoint interval: state + the loader's position -> the run's summary and a sample.

@@ -3,25 +3,9 @@
 An objective's loss is `loss(params, batch, cfg, rng) -> (loss, metrics)`: `params` the weights as the forward
 pass takes them (with LoRA, the frozen base and the adapters together, lora.attach), `batch` a dict of [B, T]
 arrays, `cfg` the run's Config and `rng` a key for dropout (None in evaluation). The step (step.py) never names
-a loss: it accumulates micro-batches, differentiates and applies the update whatever the objective.
-
-Averages. Each objective averages over units of its own: counted target tokens for next_token, preference pairs
-for dpo/ipo/orpo. Before computing anything, the step counts the units of all its micro-batches (`units`) and
-hands every micro-batch `batch["normalizer"]` = that count / A, so the micro-batch losses, summed and divided
-by A, are exactly the mean over the step's units however unevenly they fall, and, the sums running over the
-global batch, across devices too. Metrics are averaged the same way. Without a normalizer (evaluation, a
-direct call) an objective averages over the units of the batch it is given.
-
-Objectives that need several forward passes (a preference pair's chosen and rejected completions ride in one
-batch as two segments of a row) or a generation step (reinforcement learning: the rollouts are made outside the
-jitted step and arrive as a batch) fit the same signature.
-
-Preference objectives (dpo, ipo, orpo) read batches of whole pairs (data/preference.py): pair k of a row is
-segment 2k + 1 (prompt + chosen) and 2k + 2 (prompt + rejected), weights 1 on the replies' targets. Each reply's
-log-probability is the sum (dpo) or mean (ipo, orpo) of its tokens' log-probabilities, as TRL computes them. The
-reference model's come in the batch ("ref_logps", per token, from the pass over the data before training that
-reference.py runs with the starting weights) or, in a LoRA run whose batches carry none, from the same forward pass
-with the adapters switched off (layers.without_adapters): the base is the reference there.
+a loss: it accumulates micro-batches, differentiates and applies the update whatever the objective. Objectives
+that need several forward passes (a preference pair's two replies ride in one row) or a generation step
+(reinforcement learning's rollouts, made outside the jitted step) fit the same signature.
 
 Shape legend: B rows, T tokens per row, P pair slots per row.
 """
@@ -41,6 +25,13 @@ from jaxlm.model.loss import loss_fn, token_logprobs
 
 @dataclasses.dataclass(frozen=True)
 class Objective:
+    """An objective's loss and the units it averages over: counted target tokens for next_token, preference pairs
+    for dpo/ipo/orpo. Before computing anything, the step counts the units of all its micro-batches (`units`) and
+    hands every micro-batch `batch["normalizer"]` = that count / A, so the micro-batch losses, summed and divided
+    by A, are exactly the mean over the step's units however unevenly they fall, and, the sums running over the
+    global batch, across devices too. Metrics are averaged the same way. Without a normalizer (evaluation, a
+    direct call) an objective averages over the units of the batch it is given."""
+
     name: str
     loss: Callable[[dict, dict, Config, jax.Array | None], tuple[jax.Array, dict]]
     # The units the loss averages over in a batch of arrays with any leading dims ([A, B, T] or [B, T]); None
@@ -114,6 +105,12 @@ def _grpo_units(batch: dict, cfg: Config) -> jax.Array | None:
 
 
 # ---- preference pairs: DPO, IPO, ORPO ---------------------------------------------------------------------------
+# Batches of whole pairs (data/preference.py): pair k of a row is segment 2k + 1 (prompt + chosen) and 2k + 2
+# (prompt + rejected), weights 1 on the replies' targets. Each reply's log-probability is the sum (dpo) or mean
+# (ipo, orpo) of its tokens' log-probabilities, as TRL computes them. The reference model's come in the batch
+# ("ref_logps", per token, from the pass over the data before training that reference.py runs with the starting
+# weights) or, in a LoRA run whose batches carry none, from the same forward pass with the adapters switched off
+# (layers.without_adapters): the base is the reference there.
 
 def _pair_sums(values_BT: jax.Array, segment_ids_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Sums of a per-token value over each pair's chosen and rejected segment, ([B, P], [B, P]): P = T // 2 + 1

@@ -1,27 +1,13 @@
 """Optimizers (`optimizer.name`): AdamW on every weight, or Muon on the layers' hidden matrices with AdamW on the
 rest; learning-rate schedules (cosine, linear, constant, warmup-stable-decay); global-norm clipping; weight-decay
-masks and both decay conventions.
+masks and both decay conventions:
 
 coupled      p <- p - lr_t * (update_t + wd * p)                    (torch.optim.AdamW, optax.adamw)
 independent  p <- p - lr_t * update_t - (lr_t / lr_peak) * wd * p   (midGPT; decay follows the schedule's
                                                                      shape but not the peak learning rate)
-
-Muon (Keller Jordan 2024; Moonlight, Liu et al. 2025) keeps a momentum m <- mu m + g per matrix, orthogonalizes
-g + mu m (Nesterov) or m by a quintic Newton-Schulz iteration that pushes every singular value towards 1, and
-scales the result to an RMS of about `muon_rms` (muon_rms * sqrt(max(fan_in, fan_out))), so it can share AdamW's
-learning rate and weight decay. A weight is seen as a stack of matrices: its leading `layers` and `experts` axes
-index independent matrices (one per layer, one per expert of a layer), and the rest split into the fan-in rows and
-the fan-out columns (`matrix_view`). Embeddings, the output layer, norms and biases take AdamW.
-
-Sharded weights: Newton-Schulz multiplies each matrix by itself ten or fifteen times, and left to XLA's
-partitioner a matrix split over FSDP and tensor devices exchanges partial products at every one of them
-(`benchmarks/optimizer_step.py --collectives` counts the bytes). So each stack of matrices is first
-laid out whole on every device (`ns_layout`), its leading layers (or experts) axis split over the devices that
-held the pieces when it divides evenly: each device orthogonalizes whole matrices of its share of the layers, and
-one exchange there and one back replace the iteration's. The result equals one device's to float32 round-off
-(tests/test_optim.py, fsdp=4 x tensor=2).
-
-Shape legend: M rows (fan-in), N columns (fan-out), after any leading batch axes (...).
+Muon (`scale_by_muon`) orthogonalizes each matrix's momentum by Newton-Schulz, sharded matrices first laid out
+whole (`ns_layout`); docs/optimizers.md explains both. Shape legend: M rows (fan-in), N columns (fan-out), after
+any leading batch axes (...).
 """
 
 from __future__ import annotations

@@ -2,19 +2,10 @@
 preference data, computed in one pass over both splits before training and stored with the run, so that training
 holds one model in memory (the policy) and reads the reference's figures with each batch ("ref_logps").
 
-In <run_dir>/reference/, written so that an interrupted pass leaves nothing that looks finished
-(reference.json is removed first and written last):
-
-    {split}.logps.f32   float32 [N], one per token of the split as the prepared folder stores it (data/shards.py):
-                        the token's log-probability given the tokens before it in its document; 0 for a
-                        document's first token
-    reference.json      what they were computed from: the starting weights (checkpoint.init_from, or the seed of
-                        a fresh initialization), the model settings, the dataset (its folder and a hash of its
-                        meta.json) and the token count of each split
-
-A run, fresh or resumed, reuses files that match it; otherwise it computes them from its starting weights: the
-state at step 0, or, resuming, the weights it started from, read again. A LoRA run needs none: the adapters
-switched off give its reference (objectives.py).
+<run_dir>/reference/ holds {split}.logps.f32 (float32 [N], one per token of the split as the prepared folder
+stores it; 0 for a document's first token) and reference.json (what they were computed from), removed first and
+written last so that an interrupted pass leaves nothing that looks finished (docs/preference.md). A run reuses
+files that match it, else computes them from its starting weights; a LoRA run needs none (objectives.py).
 
 Legend: B rows per batch, T block_size, R = T + 1, N tokens of a split.
 """
@@ -99,7 +90,7 @@ def _mismatch(run: run_lib.Run, want: dict) -> str | None:
 
 def starting_params(run: run_lib.Run) -> dict:
     """The weights the run started from (a resumed run's state holds trained ones): checkpoint.init_from's, or
-    the fresh initialization of its seed, as step.init_state_from / init_state make them."""
+    the fresh initialization of its seed, as state.init_state_from / init_state make them."""
     from jaxlm.store import weights
 
     if run.cfg.checkpoint.init_from:
