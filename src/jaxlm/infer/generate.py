@@ -156,7 +156,7 @@ def _decode(params, logits_BV, cache, key, temperature, top_k, top_p, stop_S, st
     prompt_len, with the slots of the first of the segments up to cache_length; the loop of a segment ends at
     its last step or once every sequence has stopped, and the next one grows the cache. With `stream` each
     step's tokens go to the host callback of stream_id (`streaming`)."""
-    B = logits_BV.shape[0]
+    B, S_stop = logits_BV.shape[0], stop_S.shape[0]
     with sharding.within(layout):
         step, cache = decode.decoder(params, cache, cfg, unroll)
 
@@ -170,7 +170,9 @@ def _decode(params, logits_BV, cache, key, temperature, top_k, top_p, stop_S, st
                                    sharding.constrain(~c["done_B"], (None,)))
             out_BN = c["out_BN"].at[:, c["i"]].set(tok_B)
             count_B = c["count_B"] + (~c["done_B"]).astype(jnp.int32)
-            done_B = c["done_B"] | jnp.any(tok_B[:, None] == stop_S[None, :], axis=-1)
+            _, ended_B = sampling.kept_tokens(tok_B[:, None], jnp.ones((B,), jnp.int32), ~c["done_B"], c["count_B"],
+                                              jnp.full((B,), max_new_tokens), jnp.broadcast_to(stop_S, (B, S_stop)))
+            done_B = c["done_B"] | ended_B
             logits_BV, cache = step(tok_B, c["cache"])
             return dict(i=c["i"] + 1, key=key, logits_BV=logits_BV, cache=cache, out_BN=out_BN, count_B=count_B,
                         done_B=done_B)
@@ -318,3 +320,4 @@ def generate(params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], d: Deco
     t3 = time.perf_counter()
     out_BN, count_B = np.asarray(out_BN), np.asarray(count_B)
     return Generation([out_BN[b, :count_B[b]].tolist() for b in range(B)], t1 - t0, t2 - t1, t3 - t2)
+

@@ -198,3 +198,18 @@ def speculative_accept(p_BJV: jax.Array, q_BkV: jax.Array, draft_Bk: jax.Array, 
         return jnp.where(i_J == j, t, out_J), j
 
     return jax.vmap(row)(p_BJV, q_BkV, draft_Bk, keys_B)
+
+
+def kept_tokens(tokens_BJ: jax.Array, n_B: jax.Array, live_B: jax.Array, made_B: jax.Array, left_B: jax.Array,
+                stop_BM: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The stop rule of every decode loop: of each live row's first n_B new tokens (tokens_BJ), the row keeps those
+    up to and including its first stop token (stop_BM, padded with -1) and up to left_B tokens in all (made_B
+    made before). Returns which tokens it keeps [B, J] and whether the row ended [B] (a stop token kept, or
+    left_B reached)."""
+    i_J = jnp.arange(tokens_BJ.shape[1])
+    kept_BJ = (i_J < n_B[:, None]) & live_B[:, None]
+    stop_BJ = jnp.any(tokens_BJ[..., None] == stop_BM[:, None, :], axis=-1) & kept_BJ
+    kept_BJ &= jnp.cumsum(stop_BJ, axis=1) - stop_BJ < 1  # up to and including the first stop token
+    kept_BJ &= made_B[:, None] + i_J < left_B[:, None]
+    ended_B = jnp.any(stop_BJ & kept_BJ, axis=1) | (made_B + jnp.sum(kept_BJ, axis=1) >= left_B)
+    return kept_BJ, ended_B

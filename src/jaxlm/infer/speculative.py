@@ -141,16 +141,12 @@ def _loop(params, draft_params, logits_BV, cache, draft_cache, lengths_B, key, t
 
     def emit(c, tokens_BJ, n_B):
         """Append each row's first n_B tokens, cut after a stop token and at N; returns the state."""
-        i_J = jnp.arange(J)
-        live_BJ = (i_J < n_B[:, None]) & ~c["done_B"][:, None]
-        stop_BJ = jnp.any(tokens_BJ[..., None] == stop_S, axis=-1) & live_BJ
-        # tokens up to and including the first stop token
-        live_BJ &= jnp.cumsum(stop_BJ, axis=1) - stop_BJ < 1
-        live_BJ &= c["count_B"][:, None] + i_J < N
-        at_BJ = jnp.where(live_BJ, c["count_B"][:, None] + i_J, N)
+        live_BJ, ended_B = sampling.kept_tokens(tokens_BJ, n_B, ~c["done_B"], c["count_B"], jnp.full((B,), N),
+                                                jnp.broadcast_to(stop_S, (B, stop_S.shape[0])))
+        at_BJ = jnp.where(live_BJ, c["count_B"][:, None] + jnp.arange(J), N)
         out_BN = c["out_BN"].at[jnp.arange(B)[:, None], at_BJ].set(tokens_BJ, mode="drop")
         count_B = c["count_B"] + jnp.sum(live_BJ, axis=1)
-        done_B = c["done_B"] | jnp.any(stop_BJ & live_BJ, axis=1) | (count_B >= N)
+        done_B = c["done_B"] | ended_B
         if stream:
             jax.debug.callback(generate.emit, stream_id, c["i"], tokens_BJ, jnp.sum(live_BJ, axis=1))
         return {**c, "out_BN": out_BN, "count_B": count_B, "done_B": done_B, "i": c["i"] + 1}
