@@ -11,6 +11,7 @@ import sys
 import textwrap
 
 from jaxlm import config as config_lib
+from jaxlm.errors import UserError
 
 
 def _train_help() -> str:
@@ -529,25 +530,17 @@ def main(argv: list[str] | None = None) -> int:
     if argv[0] != "launch":
         from jaxlm.launch.local import watch_peers
         watch_peers()  # under `jaxlm launch`: leave when another process of the job has failed
-    from jaxlm.store.checkpoint import CheckpointError
-    from jaxlm.data.prepare import DataError
-    from jaxlm.data.tokenizer import TokenizerError
-
     try:
         return COMMANDS[argv[0]](argv[1:])
-    except (config_lib.ConfigError, DataError, TokenizerError, CheckpointError) as e:
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return e.exit_status
     except RuntimeError as e:
         from jaxlm.launch import distributed
         if (lost := distributed.lost_peer(e)) is not None:
             from jaxlm.launch.local import leave
             leave(lost)
-        train = sys.modules.get("jaxlm.train.loop")  # imported only by the commands that train
-        if train is None or not isinstance(e, train.TrainingError):
-            raise
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        raise
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -1,7 +1,9 @@
 """What every data module raises and shares: the one-line data error, and the ways invalid UTF-8 may be treated."""
 
+from jaxlm.errors import UserError
 
-class DataError(ValueError):
+
+class DataError(UserError, ValueError):
     """Missing, unreadable or inconsistent data; the message says how to fix it."""
 
 

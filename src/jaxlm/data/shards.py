@@ -18,11 +18,13 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxlm.errors import UserError
+
 FORMAT = 2
 DEFAULT_SHARD_TOKENS = 1 << 28  # 512 MiB of uint16 ids; a shard is memory-mapped, never read whole
 
 
-class FormatError(ValueError):
+class FormatError(UserError, ValueError):
     """A prepared folder whose files do not match its meta.json; the message names the file."""
 
 

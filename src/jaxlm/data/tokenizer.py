@@ -18,6 +18,8 @@ import json
 import re
 from pathlib import Path
 
+from jaxlm.errors import UserError
+
 TIKTOKEN_NAMES = ("gpt2", "r50k_base", "p50k_base", "p50k_edit", "cl100k_base", "o200k_base")
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -28,7 +30,7 @@ ROLES = ("system", "user", "assistant", "tool")
 LONG_TEXT_CHARS = 16 << 10
 
 
-class TokenizerError(ValueError):
+class TokenizerError(UserError, ValueError):
     """Text that a tokenizer cannot encode, a tokenizer that cannot be found or loaded, or a mismatch."""
 
 

@@ -24,6 +24,7 @@ import orbax.checkpoint as ocp
 
 from jaxlm import storage
 from jaxlm.config import CheckpointConfig
+from jaxlm.errors import UserError
 
 MANIFEST = "jaxlm_manifest.json"
 MANIFEST_FORMAT = 1
@@ -33,7 +34,7 @@ _TMP_MARK = ".orbax-checkpoint-tmp"
 _CHUNK = 16 << 20
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint that cannot be written or restored; the message says which and why."""
 
 

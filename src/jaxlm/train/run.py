@@ -16,6 +16,7 @@ import optax
 
 from jaxlm import config as config_lib
 from jaxlm import runtime, sharding, storage
+from jaxlm.errors import UserError
 from jaxlm.model import lora
 from jaxlm.train import metrics, objectives, optim
 from jaxlm.train.state import make_abstract_state, placed
@@ -24,7 +25,7 @@ from jaxlm.data import loader as loader_lib, mixture, preference, prepare, token
 from jaxlm.model import param_specs, ring
 
 
-class TrainingError(RuntimeError):
+class TrainingError(UserError, RuntimeError, exit_status=1):
     """Training cannot go on (e.g. the loss stays NaN, a reward function fails); the message says at which step
     and why."""
 
