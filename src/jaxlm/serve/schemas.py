@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jaxlm.config import DecodeConfig
+from jaxlm.errors import UserError
 from jaxlm.serve.engine import TOP_LOGPROBS
 
 MAX_N = 16
@@ -31,7 +32,7 @@ def shown(value: Any) -> str:
     return text if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS]}... ({len(text)} characters)"
 
 
-class RequestError(ValueError):
+class RequestError(UserError, ValueError):
     def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None):
         super().__init__(message)
         self.param, self.status, self.code = param, status, code
