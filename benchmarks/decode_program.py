@@ -30,15 +30,17 @@ sys.path.insert(0, str(Path(__file__).parent))
 import decode as decode_bench  # noqa: E402
 
 from jaxlm.infer import generate  # noqa: E402
-from jaxlm.config import DecodeConfig  # noqa: E402
-from jaxlm.serve import engine as engine_lib, programs  # noqa: E402
+from jaxlm.config import DecodeConfig, ServeConfig  # noqa: E402
+from jaxlm.serve import programs  # noqa: E402
+from jaxlm.serve.engine import MIN_STOP_WIDTH, Engine  # noqa: E402
 
 ROWS, PROMPT, NEW, LENGTH = 16, 16, 64, 80
 
 
 def sessions(params, cfg, slots: int, repeats: int) -> dict:
     """ms per step of the sessions the module docstring lists, the fastest of `repeats` each."""
-    e = engine_lib.Engine(params, cfg, slots, LENGTH, 64, decode_steps=8)
+    e = Engine(params, cfg, ServeConfig(max_slots=slots, max_queue=64, prefix_cache=0, decode_steps=8, page_size=0),
+               LENGTH)
     e.warm_up()
     rows = np.arange(0, 2 * ROWS, 2, dtype=np.int32)  # not a prefix of the slots: the bucket gathers its rows
     set_length = jax.jit(lambda c, n: dataclasses.replace(c, length=n), donate_argnums=0)
@@ -47,16 +49,16 @@ def sessions(params, cfg, slots: int, repeats: int) -> dict:
         b = len(rows)
         live = np.ones(b, bool)
         seeds, zeros = np.zeros(b, np.uint32), np.zeros(b, np.int32)
-        *out, e.logits_BV, e.cache = programs.decode_loop(
-            params, e.cache, e.logits_BV, rows, np.int32(steps), live, zeros, np.full(b, 1000, np.int32),
-            np.full((b, engine_lib.MIN_STOP_WIDTH), -1, np.int32), live, seeds, zeros, zeros + done,
-            np.zeros(b, np.float32), zeros, np.ones(b, np.float32), cfg=cfg, max_steps=8, unroll=e.unroll)
+        *out, e.kv.logits_BV, e.kv.cache = programs.decode_loop(
+            params, e.kv.cache, e.kv.logits_BV, rows, np.full(b, -1, np.int32), np.int32(steps), live, zeros,
+            np.full(b, 1000, np.int32), np.full((b, MIN_STOP_WIDTH), -1, np.int32), live, seeds, zeros, zeros + done,
+            np.zeros(b, np.float32), zeros, np.ones(b, np.float32), cfg=cfg, max_steps=8, unroll=e.kv.unroll)
         jax.device_get(out)
 
     def session(k: int, start: int, steps: int) -> float:
         length = np.zeros(slots, np.int32)
         length[rows] = start
-        e.cache = jax.block_until_ready(set_length(e.cache, length))
+        e.kv.cache = jax.block_until_ready(set_length(e.kv.cache, length))
         t0 = time.perf_counter()
         for c in range(steps // k):
             call(k, c * k)

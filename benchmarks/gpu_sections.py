@@ -790,27 +790,25 @@ def decode(ctx: Ctx) -> None:
 def serve(ctx: Ctx) -> None:
     """The serving engine (continuous batching over one KV cache, the loop `jaxlm serve` runs without HTTP) with C
     slots and C greedy requests submitted at once: output tokens/s of the third round (the first two compile)."""
-    from jaxlm.serve import engine as engine_lib
+    from jaxlm.config import ServeConfig
+    from jaxlm.serve.engine import Engine
+    from jaxlm.serve.requests import Sequence
 
     z = ctx.sizes
     C, P0, N = z["serve_concurrency"], z["serve_prompt"], z["serve_new"]
     params, cfg = inference_model(z)
     # A turn prefills every waiting prompt (16 rows a call), so the decode program runs at all C rows from the start
     # and only that bucket compiles.
-    e = engine_lib.Engine(params, cfg, C, P0 + N, C, prefill_chunk=C * P0)
+    e = Engine(params, cfg, ServeConfig(max_slots=C, max_queue=C, prefill_chunk=C * P0, prefix_cache=0), P0 + N)
     e.start()
     rounds = []
     try:
         for r in range(3):  # the first two compile (prefill into fresh slots, then into used ones)
             prompts = np.random.default_rng(r).integers(0, cfg.vocab_size, (C, P0))
-            events = [[] for _ in range(C)]
             t = time.perf_counter()
-            for p, ev in zip(prompts, events):
-                e.submit(engine_lib.Sequence(p.tolist(), N, 0.0, 0, 1.0, 0, 0, (), ev.append, logprobs=False))
-            while not all(ev and ev[-1][0] == "done" for ev in events):
-                if e.error:
-                    raise RuntimeError(f"engine: {e.error}")
-                time.sleep(0.002)
+            events = e.run([Sequence(p.tolist(), N, 0.0, 0, 1.0, 0, 0, (), None, logprobs=False) for p in prompts])
+            if e.error:
+                raise RuntimeError(f"engine: {e.error}")
             wall = time.perf_counter() - t
             tokens = sum(len(x[1]) for ev in events for x in ev if x[0] == "tokens")
             rounds.append(dict(wall_s=wall, tokens=tokens, output_tokens_per_s=tokens / wall))

@@ -27,7 +27,6 @@ import math
 import random
 import resource
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -67,7 +66,7 @@ def peak_rss_gib() -> float:
 def engine_alone(params, cfg, prompts: list[list[int]], group: int, repeats: int) -> list[float]:
     """Tokens/s of one warmed engine over the same sequences, `repeats` times: the rollouts' own engine
     (rl.rollout_engine, the same cache settings) with its cache kept and its programs compiled up front."""
-    from jaxlm.serve import engine as engine_lib
+    from jaxlm.serve.requests import Sequence
 
     g = cfg.grpo
     rows = len(prompts) * group
@@ -80,24 +79,11 @@ def engine_alone(params, cfg, prompts: list[list[int]], group: int, repeats: int
     out = []
     try:
         for r in range(repeats):
-            done = threading.Semaphore(0)
-            counts = [0] * rows
-
-            def emit(ev, i):
-                if ev[0] == "tokens":
-                    counts[i] += len(ev[1])
-                elif ev[0] in ("done", "error"):
-                    done.release()
-
             start = time.perf_counter()
-            for p, ids in enumerate(prompts):
-                for k in range(group):
-                    i = p * group + k
-                    e.submit(engine_lib.Sequence(list(ids), g.max_completion_tokens, g.temperature, g.top_k, g.top_p,
-                                                 r, k, (), lambda ev, i=i: emit(ev, i), logprobs=True, alternatives=1))
-            for _ in range(rows):
-                done.acquire()
-            out.append(sum(counts) / (time.perf_counter() - start))
+            got = e.run([Sequence(list(ids), g.max_completion_tokens, g.temperature, g.top_k, g.top_p, r, k, (), None,
+                                  logprobs=True, alternatives=1) for ids in prompts for k in range(group)])
+            out.append(sum(len(ev[1]) for events in got for ev in events if ev[0] == "tokens")
+                       / (time.perf_counter() - start))
     finally:
         e.stop()
     return out

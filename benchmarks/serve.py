@@ -368,36 +368,31 @@ def hf_continuous(hf, requests: list[Request], cache_bytes: int) -> float:
 
 # ---- the engine alone --------------------------------------------------------------------------------------------
 
-def engine_run(model, requests: list[Request], slots: int, params=None, **engine_kw) -> dict:
+def engine_run(model, requests: list[Request], slots: int, params=None, cache_pages: int | None = None,
+               **settings) -> dict:
     """The engine in this process on `requests` all submitted at once (at most `slots` decoding), over the model's
-    weights or `params`: wall time, output tokens/s, the most sequences in flight, and the process's CPU time."""
-    from jaxlm.serve import engine as engine_lib
+    weights or `params`, with serve.* `settings` (prefix_cache 0 unless given): wall time, output tokens/s, the
+    most sequences in flight, and the process's CPU time."""
+    from jaxlm.config import ServeConfig
+    from jaxlm.serve.engine import Engine
+    from jaxlm.serve.requests import Sequence
 
     m = model.config.model
-    e = engine_lib.Engine(model.params if params is None else params, m, slots, m.block_size, len(requests) + 1,
-                          **engine_kw)
+    sc = ServeConfig(**{"max_slots": slots, "max_queue": len(requests) + 1, "prefix_cache": 0, **settings})
+    e = Engine(model.params if params is None else params, m, sc, m.block_size, cache_pages=cache_pages)
     e.warm_up()
     e.start()
     try:
-        warm = [engine_lib.Sequence(r.prompt, 2, 0.0, 0, 1.0, 0, 0, (), lambda ev: None, logprobs=False,
-                                    adapter=a.adapter) for r, a in zip(warm_up_requests(requests), requests)]
-        for s in warm:
-            e.submit(s)
-        while any(s.generated < 2 for s in warm):
-            time.sleep(0.01)
-        events = [[] for _ in requests]
+        e.run([Sequence(r.prompt, 2, 0.0, 0, 1.0, 0, 0, (), None, logprobs=False, adapter=a.adapter)
+               for r, a in zip(warm_up_requests(requests), requests)])
         busiest = [0]
 
-        def emit(ev, i):
-            events[i].append(ev)
+        def emit(ev):
             busiest[0] = max(busiest[0], e.busy_slots())
 
         t0, cpu0 = time.perf_counter(), time.process_time()
-        for i, r in enumerate(requests):
-            e.submit(engine_lib.Sequence(r.prompt, r.output, 0.0, 0, 1.0, 0, 0, (), lambda ev, i=i: emit(ev, i),
-                                         logprobs=False, adapter=r.adapter))
-        while not all(ev and ev[-1][0] == "done" for ev in events):
-            time.sleep(0.01)
+        e.run([Sequence(r.prompt, r.output, 0.0, 0, 1.0, 0, 0, (), emit, logprobs=False, adapter=r.adapter)
+               for r in requests])
         wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     finally:
         e.stop()

@@ -34,7 +34,6 @@ import json
 import os
 import shutil
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -45,7 +44,9 @@ from jaxlm.infer import api, generate, speculative
 from jaxlm.train import loop as train
 from jaxlm.config import DecodeConfig
 from jaxlm.data import prepare
-from jaxlm.serve import engine as engine_lib
+from jaxlm.serve.engine import Engine
+from jaxlm.serve.requests import Sequence
+from jaxlm.serve.speculate import Draft
 
 CORPUS = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "tinyshakespeare" / "input.txt"
 
@@ -108,10 +109,9 @@ def against_generate(params, cfg, draft_params, draft_cfg, prompts: list[list[in
 def engine(model, draft, d: DecodeConfig, context: int):
     """The server's engine (serve.* defaults, a paged cache of 4 sequences of `context` positions), started, with
     `draft` proposing d.draft_tokens (None: without a draft)."""
-    sc = config_lib.ServeConfig()
-    e = engine_lib.Engine(model.params, model.config.model, 4, context, 8, decode_steps=sc.decode_steps,
-                          page_size=sc.page_size, prefill_chunk=sc.prefill_chunk, prefix_cache=0,
-                          draft=None if draft is None else (draft.params, draft.config.model, d.draft_tokens))
+    sc = config_lib.ServeConfig(max_slots=4, max_queue=8, prefix_cache=0)
+    e = Engine(model.params, model.config.model, sc, context,
+               draft=None if draft is None else Draft(draft.params, draft.config.model, d.draft_tokens))
     e.warm_up()
     e.start()
     return e
@@ -125,11 +125,8 @@ def served(model, draft, prompts: list[list[int]], d: DecodeConfig, repeats: int
     engines = {"plain": engine(model, None, d, context), "spec": engine(model, draft, d, context)}
 
     def once(e, prompt):
-        events, done = [], threading.Event()
-        e.submit(engine_lib.Sequence(prompt, d.max_new_tokens, d.temperature, 0, 1.0, d.seed, 0, (),
-                                     lambda ev: (events.append(ev), ev[0] == "done" and done.set()),
-                                     logprobs=False))
-        assert done.wait(600), "the engine did not finish"
+        events, = e.run([Sequence(prompt, d.max_new_tokens, d.temperature, 0, 1.0, d.seed, 0, (), None,
+                                  logprobs=False)], timeout=600)
         return [t for ev in events if ev[0] == "tokens" for t in ev[1]]
 
     try:

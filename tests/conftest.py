@@ -6,7 +6,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 import warnings
 
 # The tests compile hundreds of tiny programs and run each for a few steps: LLVM's optimizations cost more there
@@ -208,19 +207,6 @@ def tiny_config(data_dir: Path, run_dir: Path | None = None, **overrides) -> con
     cfg = config_lib.apply_overrides(config_lib.Config(), base)
     config_lib.validate(cfg)
     return cfg
-
-
-def until_done(e, events: list, timeout: float = 120, started: bool = False) -> None:
-    """Start serving engine `e` (unless `started`), wait until every sequence's events end with "done", stop it."""
-    if not started:
-        e.start()
-    deadline = time.monotonic() + timeout
-    try:
-        while not all(ev and ev[-1][0] == "done" for ev in events):
-            assert time.monotonic() < deadline, "the engine did not finish in time"
-            time.sleep(0.01)
-    finally:
-        e.stop()
 
 
 # `make test` gives each module to one worker (`--dist loadfile`), so that a module-scoped fixture (a trained model,

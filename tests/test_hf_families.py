@@ -14,7 +14,7 @@ import pytest
 
 import jaxlm
 from jaxlm.store import convert
-from conftest import require, until_done
+from conftest import require
 
 torch = require("torch")
 transformers = require("transformers", "hf")
@@ -103,7 +103,9 @@ def test_greedy_generation_and_serving_match_transformers(name, tmp_path):
     latents) equal transformers' `generate`; the serving engine (chunked prefill of 8 tokens, several decode
     steps per call) gives the same tokens for both prompts decoded together. The weights are large enough
     (0.3) for greedy decoding to wander instead of repeating one token."""
-    from jaxlm.serve import engine as engine_lib
+    from jaxlm.config import ServeConfig
+    from jaxlm.serve.engine import Engine
+    from jaxlm.serve.requests import Sequence
 
     model = converted(name, tmp_path, 0.3 if name != "gemma3" else 0.15)
     ours = jaxlm.load(tmp_path / "jx")
@@ -116,11 +118,10 @@ def test_greedy_generation_and_serving_match_transformers(name, tmp_path):
         wants.append(want)
     assert max(len(set(w)) for w in wants) > 8  # not one token repeated
 
-    e = engine_lib.Engine(ours.params, ours.config.model, 2, 64, max_queue=4, prefill_chunk=8, decode_steps=4)
-    events = [[] for _ in PROMPTS]
-    for i, prompt in enumerate(PROMPTS):
-        e.submit(engine_lib.Sequence(list(prompt), 32, 0.0, 0, 1.0, i, 0, (), events[i].append))
-    until_done(e, events, timeout=300)
+    e = Engine(ours.params, ours.config.model,
+               ServeConfig(max_slots=2, max_queue=4, prefill_chunk=8, prefix_cache=0, decode_steps=4), 64)
+    events = e.run([Sequence(list(prompt), 32, 0.0, 0, 1.0, i, 0, (), None) for i, prompt in enumerate(PROMPTS)],
+                   timeout=300)
     for ev, want in zip(events, wants):
         assert [t for kind, *rest in ev if kind == "tokens" for t in rest[0]] == want
 

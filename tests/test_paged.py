@@ -12,11 +12,10 @@ import numpy as np
 import pytest
 
 from jaxlm import params as P, sharding
-from jaxlm.config import MeshConfig, ModelConfig
+from jaxlm.config import MeshConfig, ModelConfig, ServeConfig
 from jaxlm.model import decode, forward, paged, param_specs
 from jaxlm.serve.pages import PagePool
 from test_generate import TINY_2025
-from conftest import until_done
 
 MODELS = {  # grouped-query heads; a sliding window over every layer; Gemma 2's local/global pattern with soft-caps;
     # learned positions with a mixture-of-experts MLP
@@ -234,7 +233,8 @@ def test_the_paged_engine_through_the_page_attention_kernel_gives_the_flat_paths
     """The paged engine whose decode steps read pages with the Pallas kernel gives the tokens and log-probabilities
     (to float rounding) of the flat path: greedy and seeded sampling, a shared prompt prefix, preemption (a pool
     of 16 pages of 4 positions for 4 sequences of up to 30), speculation off; afterwards no page is held."""
-    from jaxlm.serve import engine as engine_lib
+    from jaxlm.serve.engine import Engine
+    from jaxlm.serve.requests import Sequence
 
     cfg = ModelConfig(vocab_size=50, block_size=64, n_layers=2, n_heads=4, n_kv_heads=2, d_model=32)
     params = P.init(param_specs(cfg), jax.random.key(1), sharding.make_mesh(MeshConfig(), jax.devices()[:1]))
@@ -244,13 +244,12 @@ def test_the_paged_engine_through_the_page_attention_kernel_gives_the_flat_paths
     max_tokens, temperature = [16, 12, 18, 10, 14], [0, 0.9, 0, 1.0, 0]
     runs = []
     for decode_kernel in (None, page_kernel):
-        e = engine_lib.Engine(params, cfg, 4, 48, max_queue=8, prefill_chunk=8, decode_steps=4, page_size=4,
-                              cache_pages=16, page_format=paged.PoolFormat(kernel=decode_kernel))
-        events = [[] for _ in prompts]
-        for i, p in enumerate(prompts):
-            e.submit(engine_lib.Sequence(p, max_tokens[i], temperature[i], 0, 1.0, 5 + i, 0, (), events[i].append))
-        until_done(e, events, timeout=300)
-        assert e.pages.used() == 0
+        e = Engine(params, cfg, ServeConfig(max_slots=4, max_queue=8, prefill_chunk=8, prefix_cache=0,
+                                            decode_steps=4, page_size=4), 48,
+                   cache_pages=16, page_format=paged.PoolFormat(kernel=decode_kernel))
+        events = e.run([Sequence(p, max_tokens[i], temperature[i], 0, 1.0, 5 + i, 0, (), None)
+                        for i, p in enumerate(prompts)], timeout=300)
+        assert e.kv.pages.used() == 0
         runs.append(([[t for ev in evs if ev[0] == "tokens" for t in ev[1]] for evs in events],
                      [[lp for ev in evs if ev[0] == "tokens" for lp in ev[2]] for evs in events], e.preempted_total))
     assert page_kernel.calls, "the kernel was not used"
@@ -297,7 +296,8 @@ def test_the_paged_engine_serves_the_2025_families_as_the_slot_engine(family):
     pool of 16 pages of 4 positions, a third of what the 4 slots of the slot cache hold, so sequences are
     preempted and prefilled again. Each gets the tokens, ending and log-probabilities (to float rounding) that
     the slot engine gives it; afterwards no page is held."""
-    from jaxlm.serve import engine as engine_lib
+    from jaxlm.serve.engine import Engine
+    from jaxlm.serve.requests import Sequence
 
     cfg = ModelConfig(**{**dict(vocab_size=50, block_size=64, n_heads=4, n_kv_heads=2, d_model=32, sliding_window=6),
                          **MODELS[family]})
@@ -312,14 +312,11 @@ def test_the_paged_engine_serves_the_2025_families_as_the_slot_engine(family):
 
     runs = {}
     for page_size, pages in ((0, None), (4, 16)):
-        e = engine_lib.Engine(params, cfg, 4, 48, max_queue=8, prefill_chunk=8, prefix_cache=2, decode_steps=4,
-                              page_size=page_size, cache_pages=pages)
-        events = [[] for _ in prompts]
-        for i, p in enumerate(prompts):
-            stop = (tokens(runs[0][2])[0][5],) if page_size and i == 2 else ()
-            e.submit(engine_lib.Sequence(p, max_tokens[i], temperature[i], 0, 1.0, 5 + i, 0, stop, events[i].append))
-        until_done(e, events, timeout=300)
-        runs[page_size] = events
+        e = Engine(params, cfg, ServeConfig(max_slots=4, max_queue=8, prefill_chunk=8, prefix_cache=2,
+                                            decode_steps=4, page_size=page_size), 48, cache_pages=pages)
+        stops = [(tokens(runs[0][2])[0][5],) if page_size and i == 2 else () for i in range(len(prompts))]
+        runs[page_size] = e.run([Sequence(p, max_tokens[i], temperature[i], 0, 1.0, 5 + i, 0, stops[i], None)
+                                 for i, p in enumerate(prompts)], timeout=300)
         assert e.pages_used() == 0 and not any(e.slots)
     assert e.preempted_total > 0 and e.prefix_hits_total > 0
 

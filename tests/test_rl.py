@@ -326,6 +326,7 @@ def test_the_rollout_engine_takes_the_servers_cache_settings():
     serve`'s does (with the batch's rows as its slots); by default every row holds the whole context, and the
     rollouts are those of the engine rl made before it read the settings (a full-context float pool, no prefix
     sharing), token for token and log-probability for log-probability."""
+    from jaxlm.config import ServeConfig
     from jaxlm.model import paged
     from jaxlm.serve import engine as engine_lib
 
@@ -335,8 +336,8 @@ def test_the_rollout_engine_takes_the_servers_cache_settings():
 
     def pool(e):  # pages, page size, bytes and dtypes of the pool a batch of rollouts takes
         e.reserve_cache()
-        leaves = jax.tree.leaves(e.cache)
-        out = (e.pages_total(), e.page_size, sum(x.nbytes for x in leaves), {str(x.dtype) for x in leaves})
+        leaves = jax.tree.leaves(e.kv.cache)
+        out = (e.pages_total(), e.kv.page_size, sum(x.nbytes for x in leaves), {str(x.dtype) for x in leaves})
         e.release_cache()
         return out
 
@@ -347,8 +348,10 @@ def test_the_rollout_engine_takes_the_servers_cache_settings():
     e = rl.rollout_engine(params, cfg, rows)
     per_token = paged.bytes_per_token(cfg.model)
     assert pool(e) == (rows * 1, 16, rows * 16 * per_token, {"float32"})  # block_size 16: one page of 16 a row
-    before = engine_lib.Engine(params, cfg.model, rows, cfg.model.block_size, rows,
-                               decode_steps=cfg.serve.decode_steps, prefill_chunk=cfg.serve.prefill_chunk)
+    before = engine_lib.Engine(params, cfg.model, ServeConfig(max_slots=rows, max_queue=rows, prefix_cache=0,
+                                                              decode_steps=cfg.serve.decode_steps,
+                                                              prefill_chunk=cfg.serve.prefill_chunk),
+                               cfg.model.block_size)
     before.release_cache()
     want, got = rollouts(before), rollouts(e)
     print(f"rollout lengths {[len(ids) for ids, _, _ in got]}")

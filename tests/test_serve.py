@@ -19,14 +19,17 @@ import httpx
 import numpy as np
 import pytest
 
-from conftest import require, until_done
+from conftest import require
 
 openai = require("openai")
 require("fastapi")
 
 import jaxlm  # noqa: E402
 from jaxlm import serve  # noqa: E402
-from jaxlm.serve import engine as engine_lib, programs  # noqa: E402
+from jaxlm.config import ServeConfig  # noqa: E402
+from jaxlm.serve import programs  # noqa: E402
+from jaxlm.serve.engine import Engine  # noqa: E402
+from jaxlm.serve.requests import TOP_LOGPROBS, QueueFull, Sequence  # noqa: E402
 
 TEMPLATE = "{% for m in messages %}{{ m['role'] | upper }}: {{ m['content'] }}\n{% endfor %}" \
            "{% if add_generation_prompt %}ASSISTANT: {% endif %}"
@@ -256,7 +259,7 @@ def test_faults_are_answered_4xx_and_harm_nothing(server, monkeypatch):
     # a full queue answers 429 with Retry-After (the queue made full by refusing every submission); a request of
     # more sequences than the queue ever holds, 400 naming the limit
     def full(item):
-        raise engine_lib.QueueFull
+        raise QueueFull
 
     monkeypatch.setattr(server.served.engine, "submit", full)
     r = httpx.post(f"{url}/v1/completions", json=good, timeout=60)
@@ -446,9 +449,9 @@ def test_a_refused_scoring_job_cancels_its_siblings_and_keys_come_from_a_file(tm
     beyond loopback without a key prints a warning."""
     import asyncio
 
-    from jaxlm.config import ServeConfig
-    from jaxlm.serve import app as app_lib
+    from jaxlm.serve.choices import score_prompts
     from jaxlm.serve.schemas import RequestError
+    from jaxlm.serve.served import Mailbox
 
     class Full:  # an engine whose queue takes two items
         def __init__(self):
@@ -456,18 +459,18 @@ def test_a_refused_scoring_job_cancels_its_siblings_and_keys_come_from_a_file(tm
 
         def submit(self, item):
             if len(self.submitted) == 2:
-                raise engine_lib.QueueFull
+                raise QueueFull
             self.submitted.append(item)
 
         def cancel(self, item):
             self.cancelled.append(item)
 
     class Served:
-        engine, mailbox = Full(), app_lib.Mailbox()
+        engine, mailbox = Full(), Mailbox()
 
     async def ask():
         with pytest.raises(RequestError) as e:
-            await app_lib._scores(Served, [[1, 2], [3, 4], [5, 6], [7, 8]], request=None)
+            await score_prompts(Served, [[1, 2], [3, 4], [5, 6], [7, 8]], request=None)
         return e.value
 
     e = asyncio.run(ask())
@@ -487,14 +490,14 @@ def test_a_refused_scoring_job_cancels_its_siblings_and_keys_come_from_a_file(tm
 
 def test_engine_queue_is_bounded_and_a_failing_prefill_fails_alone(trained):
     model = jaxlm.load(trained)
-    e = engine_lib.Engine(model.params, model.config.model, 2, 64, max_queue=2)
+    e = Engine(model.params, model.config.model, ServeConfig(max_slots=2, max_queue=2, prefix_cache=0), 64)
     events = [[], [], [], []]
-    seqs = [engine_lib.Sequence([1, 2, 3], 4, 0.0, 0, 1.0, 0, 0, (), events[i].append) for i in range(3)]
+    seqs = [Sequence([1, 2, 3], 4, 0.0, 0, 1.0, 0, 0, (), events[i].append) for i in range(3)]
     e.submit(seqs[0])
     e.submit(seqs[1])
-    with pytest.raises(engine_lib.QueueFull):
+    with pytest.raises(QueueFull):
         e.submit(seqs[2])
-    bad = engine_lib.Sequence([1] * 100, 4, 0.0, 0, 1.0, 0, 0, (), events[3].append)  # past the 64 positions
+    bad = Sequence([1] * 100, 4, 0.0, 0, 1.0, 0, 0, (), events[3].append)  # past the 64 positions
     e.waiting.appendleft(bad)
     e.start()
     deadline = time.monotonic() + 60
@@ -524,25 +527,15 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_the_other_slots_steps(trai
     log = []
     prefill_programs = (chunk_lib.prefill_chunks, programs.paged_prefill)
     log_prefill_calls(monkeypatch, lambda rows, C: log.extend(("chunk", slot, start, C) for slot, start, _ in rows))
-    e = engine_lib.Engine(model.params, model.config.model, 2, 64, max_queue=4, prefill_chunk=16,
-                          page_size=page_size)
-    a = engine_lib.Sequence(tok.encode("To be"), 12, 0.0, 0, 1.0, 0, 0, (), lambda ev: log.append(("a", ev)))
-    b = engine_lib.Sequence(tok.encode(long_prompt), 10, 0.0, 0, 1.0, 0, 0, (), lambda ev: log.append(("b", ev)))
-    e.submit(a)
-    e.submit(b)  # both wait before the engine starts: the order of events below does not depend on timing
-    e.start()
-    deadline = time.monotonic() + 120
-    while not any(x == ("b", ("done", "length")) for x in log):
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    e = Engine(model.params, model.config.model,
+               ServeConfig(max_slots=2, max_queue=4, prefill_chunk=16, prefix_cache=0, page_size=page_size), 64)
+    a = Sequence(tok.encode("To be"), 12, 0.0, 0, 1.0, 0, 0, (), lambda ev: log.append(("a", ev)))
+    b = Sequence(tok.encode(long_prompt), 10, 0.0, 0, 1.0, 0, 0, (), lambda ev: log.append(("b", ev)))
+    e.run([a, b], timeout=120)  # both wait before the engine starts: the order of events below is not timing's
     # another length and other chunk starts: the same programs (one per chunk length, here 16)
     compiled = [p._cache_size() for p in prefill_programs]
-    done = []
-    e.submit(engine_lib.Sequence(tok.encode(text[300:323]), 2, 0.0, 0, 1.0, 0, 0, (), done.append))
-    while not done or done[-1][0] != "done":
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    e.stop()
+    (*_, end), = e.run([Sequence(tok.encode(text[300:323]), 2, 0.0, 0, 1.0, 0, 0, (), None)], timeout=120)
+    assert end == ("done", "length")
     assert [p._cache_size() for p in prefill_programs] == compiled
     assert e.pages_used() == 0
     b_chunks = [i for i, x in enumerate(log) if x[0] == "chunk" and x[1] == b.slot]
@@ -701,11 +694,10 @@ def test_prompts_arriving_together_are_prefilled_together_and_change_no_output(t
     max_tokens = [10 + 3 * (i % 4) for i in range(len(prompts))]
     calls = []
     log_prefill_calls(monkeypatch, lambda rows, C: calls.append([(length, start) for _, start, length in rows]))
-    e = engine_lib.Engine(model.params, model.config.model, SLOTS, 64, max_queue=16, prefill_chunk=32)
-    events = [[] for _ in prompts]
-    for i, (p, m) in enumerate(zip(prompts, max_tokens)):
-        e.submit(engine_lib.Sequence(tok.encode(p), m, 0.0, 0, 1.0, 0, 0, (), events[i].append))
-    until_done(e, events)
+    e = Engine(model.params, model.config.model,
+               ServeConfig(max_slots=SLOTS, max_queue=16, prefill_chunk=32, prefix_cache=0), 64)
+    events = e.run([Sequence(tok.encode(p), m, 0.0, 0, 1.0, 0, 0, (), None) for p, m in zip(prompts, max_tokens)],
+                   timeout=120)
     chunks = sum(map(len, calls))
     assert chunks == len(prompts) + 2  # the 45- and 40-token prompts take two chunks each
     # a prompt's second chunk with two first ones, then three first ones: the other chunks run alone
@@ -731,16 +723,12 @@ def test_prefix_cache_reuses_a_shared_prompt_and_changes_no_output(trained, shak
     reuse = 40 if page_size == 0 else 32
     runs = {}
     for prefix_cache in (4, 0):
-        e = engine_lib.Engine(model.params, model.config.model, 4, 64, max_queue=8, prefix_cache=prefix_cache,
-                              page_size=page_size)
-        events = [[] for _ in prompts]
-        e.submit(engine_lib.Sequence(tok.encode(prompts[0]), 12, 0.0, 0, 1.0, 0, 0, (), events[0].append))
-        until_done(e, events[:1])
+        e = Engine(model.params, model.config.model,
+                   ServeConfig(max_slots=4, max_queue=8, prefix_cache=prefix_cache, page_size=page_size), 64)
+        events = e.run([Sequence(tok.encode(prompts[0]), 12, 0.0, 0, 1.0, 0, 0, (), None)], timeout=120)
         held = []
-        for i, p in enumerate(prompts[1:], 1):  # together, after the first: they share its pages
-            e.submit(engine_lib.Sequence(tok.encode(p), 12, 0.0, 0, 1.0, 0, 0, (),
-                                         lambda ev, i=i: (events[i].append(ev), held.append(e.pages_used()))))
-        until_done(e, events)
+        events += e.run([Sequence(tok.encode(p), 12, 0.0, 0, 1.0, 0, 0, (), lambda ev: held.append(e.pages_used()))
+                         for p in prompts[1:]], timeout=120)  # together, after the first: they share its pages
         runs[prefix_cache] = [tok.decode([t for t, _, _ in token_events(ev)]) for ev in events]
         if prefix_cache:
             assert (e.prefix_hits_total, e.prefix_tokens_total) == (3, 3 * reuse)
@@ -788,15 +776,16 @@ def test_several_decode_steps_per_call_and_row_buckets_change_no_output(trained,
         monkeypatch.setattr(generate_lib, "UNROLL_LAYERS", 16 if most == 1 or unroll else 0)
         monkeypatch.setattr(programs, "SLOT_DIVISORS", divisors if cut else ())
         decode_loop.clear_cache()  # the slot buckets are read when the program is traced
-        e = engine_lib.Engine(model.params, model.config.model, SLOTS, 64, max_queue=16, prefill_chunk=16,
-                              decode_steps=most, page_size=page_size)
-        assert e.unroll == unroll  # one step per call scans the slot cache whatever the depth
+        e = Engine(model.params, model.config.model, ServeConfig(max_slots=SLOTS, max_queue=16, prefill_chunk=16,
+                                                                 prefix_cache=0, decode_steps=most,
+                                                                 page_size=page_size), 64)
+        assert e.kv.unroll == unroll  # one step per call scans the slot cache whatever the depth
         if not page_size:
-            assert programs.slot_buckets(e.cfg, e.cache) == ([16, 32, 64] if cut else [64])
+            assert programs.slot_buckets(e.cfg, e.kv.cache) == ([16, 32, 64] if cut else [64])
         e.warm_up()
         log.clear()
         events = [[] for _ in prompts]
-        seqs = [engine_lib.Sequence(tok.encode(p), m, t, 0, 1.0, 40 + i, 0, stop, events[i].append)
+        seqs = [Sequence(tok.encode(p), m, t, 0, 1.0, 40 + i, 0, stop, events[i].append)
                 for i, (p, m, t, stop) in enumerate(zip(prompts, max_tokens, temperature, stops))]
         for s in seqs[:-1]:
             e.submit(s)
@@ -810,7 +799,12 @@ def test_several_decode_steps_per_call_and_row_buckets_change_no_output(trained,
             e.stop()
             raise
         e.submit(seqs[-1])
-        until_done(e, events, started=True)
+        try:
+            while not all(ev and ev[-1][0] == "done" for ev in events):
+                assert time.monotonic() < deadline, "the engine did not finish in time"
+                time.sleep(0.01)
+        finally:
+            e.stop()
         assert e.pages_used() == 0
         runs[most, unroll, cut, page_size] = events
         calls = [x for x in log if x != "chunk"]
@@ -857,14 +851,12 @@ def test_the_paged_cache_holds_more_sequences_in_the_same_memory_and_changes_no_
     stops[2] = tuple(tok.encode(greedy[20]))  # the greedy sequence of prompt 2 ends at its 21st token or before
     runs, in_flight = {}, []
     for page_size, slots, pages in ((0, 8, None), (16, 8, 8)):
-        e = engine_lib.Engine(model.params, model.config.model, slots, 64, max_queue=16, prefill_chunk=32,
-                              page_size=page_size, cache_pages=pages)
-        events = [[] for _ in prompts]
-        for i, p in enumerate(prompts):
-            e.submit(engine_lib.Sequence(p, max_tokens[i], temperature[i], 0, 0.9 if i == 5 else 1.0, 11 + i, 0,
-                                         stops[i], lambda ev, i=i: (events[i].append(ev),
-                                                                    in_flight.append((page_size, e.busy_slots())))))
-        until_done(e, events)
+        e = Engine(model.params, model.config.model, ServeConfig(max_slots=slots, max_queue=16, prefill_chunk=32,
+                                                                 prefix_cache=0, page_size=page_size), 64,
+                   cache_pages=pages)
+        events = e.run([Sequence(p, max_tokens[i], temperature[i], 0, 0.9 if i == 5 else 1.0, 11 + i, 0, stops[i],
+                                 lambda ev: in_flight.append((page_size, e.busy_slots())))
+                        for i, p in enumerate(prompts)], timeout=120)
         runs[page_size] = events
         assert e.pages_used() == 0 and not any(e.slots)
     assert e.preempted_total > 0
@@ -952,14 +944,13 @@ def test_an_int8_cache_decodes_the_same_unrolled_and_scanned(trained, shakespear
     runs = {}
     for unroll in (True, False):
         monkeypatch.setattr(generate_lib, "UNROLL_LAYERS", 16 if unroll else 0)
-        e = engine_lib.Engine(model.params, model.config.model, 4, 64, max_queue=8, quantize_kv_cache=True,
-                              page_size=page_size)
-        k = e.cache.kinds[0]["k"] if page_size else e.cache.kinds[0].k
-        assert e.unroll == unroll and k.dtype == np.int8
-        events = [[] for _ in prompts]
-        for i, (p, t) in enumerate(zip(prompts, temperature)):
-            e.submit(engine_lib.Sequence(tok.encode(p), 24, t, 0, 1.0, 7 + i, 0, (), events[i].append))
-        until_done(e, events)
+        e = Engine(model.params, model.config.model,
+                   ServeConfig(max_slots=4, max_queue=8, prefix_cache=0, page_size=page_size), 64,
+                   quantize_kv_cache=True)
+        k = e.kv.cache.kinds[0]["k"] if page_size else e.kv.cache.kinds[0].k
+        assert e.kv.unroll == unroll and k.dtype == np.int8
+        events = e.run([Sequence(tok.encode(p), 24, t, 0, 1.0, 7 + i, 0, (), None)
+                        for i, (p, t) in enumerate(zip(prompts, temperature))], timeout=120)
         runs[unroll] = events
     for a, b in zip(runs[True], runs[False]):
         assert [t for t, _, _ in token_events(a)] == [t for t, _, _ in token_events(b)]
@@ -976,11 +967,9 @@ def test_while_a_request_waits_for_a_slot_a_call_ends_when_the_first_slot_frees(
     model = jaxlm.load(trained)
     steps = []
     log_decode_calls(monkeypatch, lambda rows, live, n: steps.append(n))
-    e = engine_lib.Engine(model.params, model.config.model, 2, 64, max_queue=4, prefill_chunk=16, decode_steps=8)
-    events = [[], [], []]
-    for i, m in enumerate((6, 30, 5)):
-        e.submit(engine_lib.Sequence([1, 2, 3], m, 0.0, 0, 1.0, 0, 0, (), events[i].append))
-    until_done(e, events, timeout=60)
+    e = Engine(model.params, model.config.model,
+               ServeConfig(max_slots=2, max_queue=4, prefill_chunk=16, prefix_cache=0, decode_steps=8), 64)
+    events = e.run([Sequence([1, 2, 3], m, 0.0, 0, 1.0, 0, 0, (), None) for m in (6, 30, 5)], timeout=60)
     # a and b prefilled (in one call): 1 step; then 5 (not 8) end a while c waits; c prefilled: 1; then 8 (c
     # ends after 4 of them), 8 and the 8 that end b
     assert steps == [1, 5, 1, 8, 8, 8]
@@ -996,11 +985,11 @@ def test_decode_logprobs_equal_the_log_softmax():
 
     logits = jax.random.normal(jax.random.key(3), (6, 256)) * 8
     tok = jnp.asarray([0, 5, 255, 17, 3, 100], jnp.int32)
-    K = engine_lib.TOP_LOGPROBS
+    K = TOP_LOGPROBS
     token_lp, top_ids, top_lp = jax.jit(sampling.token_logprobs, static_argnums=2)(logits, tok, K)
     lp = np.asarray(jax.nn.log_softmax(logits, axis=-1))
     np.testing.assert_allclose(token_lp, lp[np.arange(6), np.asarray(tok)], atol=1e-5)
-    want_ids = np.argsort(-lp, axis=-1, kind="stable")[:, :engine_lib.TOP_LOGPROBS]
+    want_ids = np.argsort(-lp, axis=-1, kind="stable")[:, :TOP_LOGPROBS]
     np.testing.assert_array_equal(top_ids, want_ids)
     np.testing.assert_allclose(top_lp, np.take_along_axis(lp, want_ids, axis=-1), atol=1e-5)
 
@@ -1009,7 +998,7 @@ def test_text_of_several_tokens_at_once_equals_token_by_token():
     """TextState over byte tokens (UTF-8 characters split across tokens) with stop strings: fed in chunks of
     every size, it shows the same text as token by token, never past a stop string, and takes the tokens up to
     the one that completes it."""
-    from jaxlm.serve.app import TextState
+    from jaxlm.serve.choices import TextState
 
     def decode(ids):
         return bytes(ids).decode("utf-8", errors="replace")
@@ -1082,12 +1071,12 @@ def test_serving_on_a_mesh_shards_the_weights_and_cache_and_answers_as_one_devic
         e = srv.served.engine
         assert e.mesh.shape == {**e.mesh.shape, "data": 2, "tensor": 2} and e.mesh.size == 4
         if page_size:
-            k = e.cache.kinds[0]["k"]  # [K, R, NP, page, H]
+            k = e.kv.cache.kinds[0]["k"]  # [K, R, NP, page, H]
             assert k.sharding.shard_shape(k.shape) == (k.shape[0] // 2, *k.shape[1:])
         else:
-            k = e.cache.kinds[0].k  # [R, B, K, S, H]
+            k = e.kv.cache.kinds[0].k  # [R, B, K, S, H]
             assert k.sharding.shard_shape(k.shape) == (k.shape[0], k.shape[1] // 2, k.shape[2] // 2, *k.shape[3:])
-            assert e.prefix.store.kinds[0].k.sharding.is_equivalent_to(k.sharding, k.ndim)
+            assert e.kv.prefix.store.kinds[0].k.sharding.is_equivalent_to(k.sharding, k.ndim)
         wq = e.params["layers"]["attn"]["q"]
         assert len(wq.sharding.device_set) == 4 and wq.sharding.shard_shape(wq.shape) != wq.shape
         prompts = ["To be", "KING RICHARD:\nWhat", "First Citizen:\nBefore we proceed any"]
@@ -1102,9 +1091,9 @@ def test_serving_on_a_mesh_shards_the_weights_and_cache_and_answers_as_one_devic
     plain = serve.build(trained, serve.settings_config(settings), log=lambda s: None).engine
     assert plain.mesh is None
     if page_size:
-        devices = [len(plain.cache.kinds[0]["k"].sharding.device_set)] * 2
+        devices = [len(plain.kv.cache.kinds[0]["k"].sharding.device_set)] * 2
     else:
-        devices = [len(c.kinds[0].k.sharding.device_set) for c in (plain.prefix.store, plain.cache)]
+        devices = [len(c.kinds[0].k.sharding.device_set) for c in (plain.kv.prefix.store, plain.kv.cache)]
     plain.stop()
     assert devices == [1, 1], devices
 
@@ -1374,7 +1363,7 @@ def test_the_server_decodes_with_a_draft_and_counts_its_proposals(server, traine
                                  "decode.draft": str(trained)})
     srv = serve.Server(serve.build(trained, cfg, log=lambda s: None), "127.0.0.1", 0).start()
     try:
-        assert srv.served.engine.draft[2] == 3
+        assert srv.served.engine.draft.k == 3
         assert answers(srv) == want
         proposed, accepted = (metric(srv, f"jaxlm_draft_tokens_{x}_total") for x in ("proposed", "accepted"))
         assert proposed == accepted > 0 and proposed % 3 == 0

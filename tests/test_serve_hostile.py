@@ -23,7 +23,10 @@ hypothesis = require("hypothesis")
 import jaxlm  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from jaxlm import serve  # noqa: E402
-from jaxlm.serve import engine as engine_lib, programs  # noqa: E402
+from jaxlm.config import ServeConfig  # noqa: E402
+from jaxlm.serve import programs  # noqa: E402
+from jaxlm.serve.engine import ENGINE_FAILED, Engine  # noqa: E402
+from jaxlm.serve.requests import Score, Sequence  # noqa: E402
 from test_serve import TEMPLATE, log_decode_calls, metric, token_events, trained  # noqa: E402,F401
 
 EXTREMES = [0, -1, 2**31, 2**63 - 1, -2**63, 2**64, 1e308, "NaN", 0.5, True, None, "x", [], {}]
@@ -149,19 +152,12 @@ def test_a_value_the_decode_program_cannot_hold_fails_its_request_alone(trained)
     past the vocabulary, one with a NaN temperature, among good ones. The bad ones end with a 400 error event at
     their admission; the good ones decode the tokens they decode alone."""
     model = jaxlm.load(trained)
-    e = engine_lib.Engine(model.params, model.config.model, 4, 64, max_queue=16, decode_steps=4)
+    e = Engine(model.params, model.config.model, ServeConfig(max_slots=4, max_queue=16, prefix_cache=0,
+                                                             decode_steps=4), 64)
     good = [[1, 2, 3], [5, 6, 7, 8], [9, 10]]
 
     def run(specs):
-        events = [[] for _ in specs]
-        seqs = [engine_lib.Sequence(p, 12, t, k, 1.0, 0, 0, (), events[i].append) for i, (p, t, k) in enumerate(specs)]
-        for s in seqs:
-            e.submit(s)
-        deadline = time.monotonic() + 60
-        while not all(ev and ev[-1][0] in ("done", "error") for ev in events):
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        return events
+        return e.run([Sequence(p, 12, t, k, 1.0, 0, 0, (), None) for p, t, k in specs], timeout=60)
 
     e.start()
     try:
@@ -219,7 +215,7 @@ def test_a_device_failure_mid_stream_ends_each_stream_with_an_error_event(server
     for status, lines in streams:
         assert status == 200 and lines[-1] == "data: [DONE]", lines[-3:]
         error = json.loads(lines[-2][6:])["error"]
-        assert error["type"] == "server_error" and error["message"] == f"generation failed: {engine_lib.ENGINE_FAILED}"
+        assert error["type"] == "server_error" and error["message"] == f"generation failed: {ENGINE_FAILED}"
     assert answer[0] == 500 and "7f3a" not in answer[1], answer
     assert all("7f3a" not in ln for _, lines in streams for ln in lines)
     records = [r for r in caplog.records if r.name == "jaxlm.serve"]
@@ -234,27 +230,20 @@ def test_scoring_takes_turns_with_the_decoding_slots(trained):
     """64 prompts to score arrive while 2 sequences decode: each turn scores at most prefill_chunk padded tokens
     (here one prompt), so the decoding sequences get tokens between the scores instead of after all 64."""
     model = jaxlm.load(trained)
-    e = engine_lib.Engine(model.params, model.config.model, 2, 64, max_queue=80, decode_steps=1, prefill_chunk=32)
+    e = Engine(model.params, model.config.model, ServeConfig(max_slots=2, max_queue=80, prefix_cache=0,
+                                                             decode_steps=1, prefill_chunk=32), 64)
     turns = []  # (scores done, tokens made) after each turn
     scored = []
     e.turn_hooks.append(lambda: turns.append((len(scored), e.tokens_total)))
-    done = threading.Event()
-    events = [[], []]
-
-    def emit(i, ev):
-        events[i].append(ev)
-
     e.start()
     try:
-        for i in range(2):
-            e.submit(engine_lib.Sequence([1, 2, 3], 60, 0.0, 0, 1.0, 0, 0, (), lambda ev, i=i: emit(i, ev)))
-        while e.tokens_total < 4:
-            time.sleep(0.01)
-        for j in range(64):
-            e.submit(engine_lib.Score([1 + j % 20] * 20, lambda ev: (scored.append(ev), len(scored) == 64 and done.set())))
-        assert done.wait(120)
-        while not all(ev and ev[-1][0] == "done" for ev in events):
-            time.sleep(0.01)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            decoding = pool.submit(e.run, [Sequence([1, 2, 3], 60, 0.0, 0, 1.0, 0, 0, (), None) for _ in range(2)],
+                                   120)
+            while e.tokens_total < 4:
+                time.sleep(0.01)
+            e.run([Score([1 + j % 20] * 20, scored.append) for j in range(64)], timeout=120)
+            assert all(ev[-1] == ("done", "length") for ev in decoding.result())
     finally:
         e.stop()
     assert all(ev[0] == "score" for ev in scored)

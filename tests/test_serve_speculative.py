@@ -12,12 +12,13 @@ import numpy as np
 import pytest
 
 from jaxlm import params as P, sharding
-from jaxlm.config import ConfigError, MeshConfig, ModelConfig
+from jaxlm.config import ConfigError, MeshConfig, ModelConfig, ServeConfig
 from jaxlm.model import param_specs
-from jaxlm.serve import engine as engine_lib
+from jaxlm.serve.engine import Engine
+from jaxlm.serve.requests import Sequence
+from jaxlm.serve.speculate import Draft
 
 import test_speculative
-from conftest import until_done
 from test_speculative import chi_square_quantile
 
 
@@ -29,11 +30,7 @@ def make(seed: int, **kw):
 
 
 def run(engine, seqs, timeout=300):
-    events = [[] for _ in seqs]
-    for s, ev in zip(seqs, events):
-        s.emit = ev.append
-        engine.submit(s)
-    until_done(engine, events, timeout)
+    events = engine.run(seqs, timeout)
     assert engine.pages_used() == 0 and not any(engine.slots)
     return [([t for e in ev if e[0] == "tokens" for t in e[1]],
              [lp for e in ev if e[0] == "tokens" for lp in (e[2] or [])], ev[-1]) for ev in events]
@@ -49,8 +46,8 @@ def seven_sequences():
     max_tokens = [30, 14, 24, 1, 20, 16, 12]
 
     def seqs(stop=()):
-        return [engine_lib.Sequence(p, max_tokens[i], 0.0, 0, 1.0, i, 0, stop if i == 2 else (), None,
-                                    logprobs=i != 4) for i, p in enumerate(prompts)]
+        return [Sequence(p, max_tokens[i], 0.0, 0, 1.0, i, 0, stop if i == 2 else (), None, logprobs=i != 4)
+                for i, p in enumerate(prompts)]
 
     return rng, max_tokens, seqs
 
@@ -66,14 +63,14 @@ def test_greedy_tokens_and_logprobs_equal_the_engine_without_a_draft():
     _, max_tokens, seqs = seven_sequences()
 
     def engine(d):
-        return engine_lib.Engine(params, cfg, 3, 48, max_queue=16, prefill_chunk=8, prefix_cache=2, decode_steps=4,
-                                 page_size=4, cache_pages=14, draft=d)
+        return Engine(params, cfg, ServeConfig(max_slots=3, max_queue=16, prefill_chunk=8, prefix_cache=2,
+                                               decode_steps=4, page_size=4), 48, cache_pages=14, draft=d)
 
     plain = engine(None)
     want = run(plain, seqs())
     stop = want[2][0][6]
     want[2] = (want[2][0][:want[2][0].index(stop) + 1], want[2][1][:want[2][0].index(stop) + 1], ("done", "stop"))
-    for d in ((draft, draft_cfg, 3), (params, cfg, 3)):
+    for d in (Draft(draft, draft_cfg, 3), Draft(params, cfg, 3)):
         e = engine(d)
         got = run(e, seqs((stop,)))
         assert e.preempted_total > 0 and e.prefix_hits_total > 0
@@ -81,18 +78,21 @@ def test_greedy_tokens_and_logprobs_equal_the_engine_without_a_draft():
             assert tg == tw and end_g == end_w
             np.testing.assert_allclose(lg, lw, rtol=0, atol=1e-4)
         assert [len(t) for t, _, _ in got[:2]] == max_tokens[:2] and got[4][1] == []
-        if d[0] is params:
+        if d.params is params:
             assert e.draft_accepted_total == e.draft_proposed_total > 0
             assert e.calls_total < plain.calls_total
         else:
             assert 0 < e.draft_accepted_total < e.draft_proposed_total
     with pytest.raises(ValueError, match="paged KV cache"):
-        engine_lib.Engine(params, cfg, 3, 48, max_queue=4, page_size=0, draft=(draft, draft_cfg, 3))
+        Engine(params, cfg, ServeConfig(max_slots=3, max_queue=4, prefix_cache=0, page_size=0), 48,
+               draft=Draft(draft, draft_cfg, 3))
     with pytest.raises(ValueError, match="vocabulary"):
-        engine_lib.Engine(params, cfg, 3, 48, max_queue=4, page_size=4, draft=(*make(2, vocab_size=60), 3))
+        Engine(params, cfg, ServeConfig(max_slots=3, max_queue=4, prefix_cache=0, page_size=4), 48,
+               draft=Draft(*make(2, vocab_size=60), 3))
     learned = make(3, n_layers=1, layer_pattern="global", position="learned", block_size=32)
     with pytest.raises(ValueError, match="learned positions up to 32"):
-        engine_lib.Engine(params, cfg, 3, 48, max_queue=4, page_size=4, draft=(*learned, 3))
+        Engine(params, cfg, ServeConfig(max_slots=3, max_queue=4, prefix_cache=0, page_size=4), 48,
+               draft=Draft(*learned, 3))
 
 
 def test_the_models_multi_token_prediction_module_drafts_in_the_engine():
@@ -107,14 +107,14 @@ def test_the_models_multi_token_prediction_module_drafts_in_the_engine():
     rng, max_tokens, seqs = seven_sequences()
 
     def engine(d, slots=3, pages=14):
-        return engine_lib.Engine(params, cfg, slots, 48, max_queue=16, prefill_chunk=8, prefix_cache=2,
-                                 decode_steps=4, page_size=4, cache_pages=pages, draft=d)
+        return Engine(params, cfg, ServeConfig(max_slots=slots, max_queue=16, prefill_chunk=8, prefix_cache=2,
+                                               decode_steps=4, page_size=4), 48, cache_pages=pages, draft=d)
 
     want = run(engine(None), seqs())
     stop = want[2][0][6]
     want[2] = (want[2][0][:want[2][0].index(stop) + 1], want[2][1][:want[2][0].index(stop) + 1], ("done", "stop"))
     for k in (1, 3):
-        e = engine((None, None, k))
+        e = engine(Draft(None, None, k))
         got = run(e, seqs((stop,)))
         assert e.preempted_total > 0 and e.prefix_hits_total > 0 and e.draft_proposed_total > 0
         for (tg, lg, end_g), (tw, lw, end_w) in zip(got, want):
@@ -122,8 +122,8 @@ def test_the_models_multi_token_prediction_module_drafts_in_the_engine():
             np.testing.assert_allclose(lg, lw, rtol=0, atol=1e-4)
 
     prompt = rng.integers(0, 50, 11).tolist()  # two chunks of prefill, then 36 tokens over 9+ calls
-    e = engine((None, None, 1), slots=1, pages=12)
-    (tokens, _, _), = run(e, [engine_lib.Sequence(prompt, 36, 0.0, 0, 1.0, 0, 0, (), None, logprobs=False)])
+    e = engine(Draft(None, None, 1), slots=1, pages=12)
+    (tokens, _, _), = run(e, [Sequence(prompt, 36, 0.0, 0, 1.0, 0, 0, (), None, logprobs=False)])
     text = prompt + tokens
     greedy = np.argmax(np.asarray(mtp_logits(params, np.asarray([text]), cfg))[0, 0], -1)
     proposed = kept = 0
@@ -133,8 +133,8 @@ def test_the_models_multi_token_prediction_module_drafts_in_the_engine():
         proposed, kept, at = proposed + 1, kept + ok, at + 1 + ok
     assert (e.draft_proposed_total, e.draft_accepted_total) == (proposed, kept) and kept > 0
     with pytest.raises(ConfigError, match="multi-token prediction"):
-        engine_lib.Engine(params, dataclasses.replace(cfg, mtp_layers=0), 3, 48, max_queue=4, page_size=4,
-                          draft=(None, None, 2))
+        Engine(params, dataclasses.replace(cfg, mtp_layers=0),
+               ServeConfig(max_slots=3, max_queue=4, prefix_cache=0, page_size=4), 48, draft=Draft(None, None, 2))
 
 
 def test_sampled_tokens_keep_the_models_distribution():
@@ -145,10 +145,9 @@ def test_sampled_tokens_keep_the_models_distribution():
     V, n = 4, 1500
     params, cfg = make(2, vocab_size=V, init_std=0.15)
     draft, draft_cfg = make(3, vocab_size=V, n_layers=1, layer_pattern="global", init_std=0.5)
-    e = engine_lib.Engine(params, cfg, 32, 16, max_queue=n, prefill_chunk=16, prefix_cache=0, decode_steps=2,
-                          page_size=4, draft=(draft, draft_cfg, 2))
-    out = run(e, [engine_lib.Sequence([1, 2], 3, 0.8, 3, 1.0, 1000 + i, 0, (), None, logprobs=False)
-                  for i in range(n)])
+    e = Engine(params, cfg, ServeConfig(max_slots=32, max_queue=n, prefill_chunk=16, prefix_cache=0, decode_steps=2,
+                                        page_size=4), 16, draft=Draft(draft, draft_cfg, 2))
+    out = run(e, [Sequence([1, 2], 3, 0.8, 3, 1.0, 1000 + i, 0, (), None, logprobs=False) for i in range(n)])
     assert 0.2 < e.draft_accepted_total / e.draft_proposed_total < 0.9
     counts = np.zeros((V,) * 3)
     for tokens, _, _ in out:

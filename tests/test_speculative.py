@@ -176,7 +176,7 @@ def test_decode_draft_mtp_through_the_commands(char_data, tmp_path, capsys):
     cfg = serve.settings_config({"serve.max_slots": 2, "max_new_tokens": 24, "decode.draft": "mtp"})
     srv = serve.Server(serve.build(run, cfg, log=lambda s: None), "127.0.0.1", 0).start()
     try:
-        assert srv.served.engine.draft[2] == 1  # decode.draft_tokens' default for the module
+        assert srv.served.engine.draft.k == 1  # decode.draft_tokens' default for the module
         r = httpx.post(f"http://127.0.0.1:{srv.port}/v1/completions", timeout=120, json={
             "prompt": "To be", "max_tokens": 24, "temperature": 0})
         assert "To be" + r.json()["choices"][0]["text"] == want.split("\n", 1)[1].rstrip("\n")

@@ -201,4 +201,4 @@ def test_grpo_updates_with_rollouts_from_the_engine_through_the_paged_kernel(tpu
     assert any(gradient_norms) and all(g is None or g > 0 for g in gradient_norms), gradient_norms
     assert page_kernel.calls, "no decode step went through the paged-attention kernel"
     engine = source.engines["rollouts"]
-    assert engine.page_format.kernel is page_kernel and engine.page_size > 0
+    assert engine.kv.page_format.kernel is page_kernel and engine.kv.page_size > 0

@@ -55,22 +55,18 @@ def test_the_engine_on_one_mesh_then_another():
     """The serving engine on devices 0-1, then on devices 2-3: each serves a request the tokens of generate on one
     device. Before, the second engine's calls ran programs traced in the first engine's mesh (its block opened
     around every call) and the request ended in an error."""
-    from jaxlm.serve import engine as engine_lib
+    from jaxlm.config import ServeConfig
+    from jaxlm.serve.engine import Engine
+    from jaxlm.serve.requests import Sequence
 
     _, one = on(jax.devices()[:1])
     prompt = [3, 1, 4, 1, 5]
     want = generate.generate(one, CFG, [prompt], DecodeConfig(max_new_tokens=6, temperature=0.0)).tokens[0]
     for devices in (jax.devices()[0:2], jax.devices()[2:4]):
         mesh, params = on(devices)
-        e = engine_lib.Engine(params, CFG, 2, 32, max_queue=2, mesh=mesh, prefill_chunk=16, decode_steps=2,
-                              page_size=4)
-        events = []
-        e.submit(engine_lib.Sequence(prompt, 6, 0.0, 0, 1.0, 0, 0, (), events.append))
-        e.start()
-        deadline = time.monotonic() + 300
-        while not (events and events[-1][0] in ("done", "error")) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        e.stop()
+        e = Engine(params, CFG, ServeConfig(max_slots=2, max_queue=2, prefill_chunk=16, prefix_cache=0,
+                                            decode_steps=2, page_size=4), 32, mesh=mesh)
+        events, = e.run([Sequence(prompt, 6, 0.0, 0, 1.0, 0, 0, (), None)], timeout=300)
         assert events[-1] == ("done", "length")
         assert [t for ev in events if ev[0] == "tokens" for t in ev[1]] == want
 

@@ -1,14 +1,16 @@
 """`jaxlm serve`: an OpenAI-compatible HTTP server over a continuous-batching engine (docs/serve.md).
 
-engine.py owns the device (decode slots sharing one KV cache) and runs programs.py's device programs, chunk.py
-prefills prompts into their slots a chunk at a time (several prompts per call), prefix_cache.py keeps recent
-prompts' keys and values for reuse, replicas.py runs several engines side by side as one (serve.replicas),
-schemas.py validates requests, app.py is the HTTP API; this module builds them from a model folder and settings,
+engine.py owns the device (decode slots sharing one KV cache, cache.py) and serves requests.py's sequences and
+scores with programs.py's device programs, chunk.py prefills prompts into their slots a chunk at a time, pages.py
+and prefix_cache.py share prompts' keys and values, replicas.py runs several engines side by side as one
+(serve.replicas), schemas.py validates requests, app.py is the HTTP API (routes; guard.py in front, choices.py
+streaming the answers), protocol.py bounds connections; this module builds them from a model folder and settings,
 and runs the server (uvicorn).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import signal
@@ -58,8 +60,10 @@ def chat_template(model, template_file: str) -> Callable[[list[dict]], str] | No
 def build(src: str | Path, cfg: Config, log: Callable[[str], None] = print):
     """The engine (started, compiled) and the app's state for the model at `src`."""
     from jaxlm.infer import api
-    from jaxlm.serve import app as app_lib, engine as engine_lib
+    from jaxlm.serve.engine import Engine
     from jaxlm.serve.replicas import Replicas
+    from jaxlm.serve.served import Served
+    from jaxlm.serve.speculate import Draft
 
     d, sc = cfg.decode, cfg.serve
     mesh_cfg = cfg.mesh if cfg.mesh != Config().mesh else None
@@ -80,24 +84,23 @@ def build(src: str | Path, cfg: Config, log: Callable[[str], None] = print):
     names, params = with_adapters(model, config_lib.serve_adapters(sc), name)
     draft = None
     if d.draft == "mtp":  # the model's own first multi-token prediction module
-        draft = (None, None, config_lib.draft_tokens(d, mtp=True))
+        draft = Draft(None, None, config_lib.draft_tokens(d, mtp=True))
     elif d.draft:
         drafted = api.load(d.draft, mesh_cfg)
-        draft = (drafted.params, drafted.config.model, config_lib.draft_tokens(d, mtp=False))
-    engines = [engine_lib.Engine(params, m, sc.max_slots // R, length, Replicas.split(sc.max_queue, R),
-                                 d.quantize_kv_cache, model.mesh, sc.prefill_chunk, sc.prefix_cache,
-                                 sharding.rules_from_config(cfg.mesh), sc.decode_steps, sc.page_size, pages, draft)
-               for _ in range(R)]
+        draft = Draft(drafted.params, drafted.config.model, config_lib.draft_tokens(d, mtp=False))
+    each = dataclasses.replace(sc, max_slots=sc.max_slots // R, max_queue=Replicas.split(sc.max_queue, R))
+    engines = [Engine(params, m, each, length, quantize_kv_cache=d.quantize_kv_cache, cache_pages=pages, draft=draft,
+                      mesh=model.mesh, rules=sharding.rules_from_config(cfg.mesh)) for _ in range(R)]
     engine = engines[0] if R == 1 else Replicas(engines)
     engine.warm_up()
     engine.start()
     api_key = api_key_of(sc)
-    served = app_lib.Served(engine, tok.encode, lambda text: api.encode_prompt(tok, text), tok.encode_rendered,
-                            tok.decode, name, m.vocab_size, d, stop,
-                            chat_template(model, sc.chat_template), api_key, tok.bos_id, tok.eos_id,
-                            allowed_hosts(sc), frozenset(o.strip() for o in sc.allowed_origins.split(",") if o.strip()),
-                            int(sc.max_body_mb * 2**20), length * (longest_token(tok) + 1), names,
-                            sc.max_tokenize_chars)
+    served = Served(engine, tok.encode, lambda text: api.encode_prompt(tok, text), tok.encode_rendered,
+                    tok.decode, name, m.vocab_size, d, stop,
+                    chat_template(model, sc.chat_template), api_key, tok.bos_id, tok.eos_id,
+                    allowed_hosts(sc), frozenset(o.strip() for o in sc.allowed_origins.split(",") if o.strip()),
+                    int(sc.max_body_mb * 2**20), length * (longest_token(tok) + 1), names,
+                    sc.max_tokenize_chars)
     replicas = f" in {R} replicas" if R > 1 else ""
     if sc.page_size:
         per_page = paged.bytes_per_token(m, d.quantize_kv_cache) * sc.page_size
@@ -109,7 +112,7 @@ def build(src: str | Path, cfg: Config, log: Callable[[str], None] = print):
         f"{sc.decode_steps} decode steps per call | prefill chunks of "
         f"{sc.prefill_chunk} | prefix cache {sc.prefix_cache or 'off'} | "
         f"{'LoRA adapters ' + ','.join(names) + ' | ' if names else ''}"
-        f"{f'draft {d.draft} proposing {draft[2]} tokens | ' if draft else ''}"
+        f"{f'draft {d.draft} proposing {draft.k} tokens | ' if draft else ''}"
         f"{'API key required' if api_key else 'no API key'}")
     if not sc.uds and (warning := exposure_warning(sc.host, api_key)) is not None:
         log(warning)
@@ -175,14 +178,14 @@ def allowed_hosts(sc) -> frozenset | None:
     """The Host header names answered: serve.allowed_hosts ('*' = any), else the loopback names on a loopback
     address and any on another (the server cannot know every name that reaches it there) or on a unix socket
     (serve.uds: no browser reaches it but through a proxy, which sends the names it serves)."""
-    from jaxlm.serve import app as app_lib
+    from jaxlm.serve.served import LOOPBACK_HOSTS
 
     names = frozenset(h.strip().lower().strip("[]") for h in sc.allowed_hosts.split(",") if h.strip())
     if "*" in names:
         return None
     if names:
         return names
-    return app_lib.LOOPBACK_HOSTS if is_loopback(sc.host) and not sc.uds else None
+    return LOOPBACK_HOSTS if is_loopback(sc.host) and not sc.uds else None
 
 
 def api_key_of(sc) -> str | None:
@@ -255,7 +258,7 @@ class Server:
                                                     log_level="warning", access_log=False,
                                                     timeout_graceful_shutdown=5, log_config=None,
                                                     http=protocol.protocol(limits or ServeConfig(),
-                                                                           protocol.counter(served.errors))))
+                                                                           served.count_error)))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def start(self) -> "Server":
@@ -307,7 +310,7 @@ def run(src: str, overrides: dict) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
         uvicorn.run(create_app(served), host=sc.host, port=sc.port, uds=sc.uds or None, log_level="warning",
-                    access_log=False, http=protocol.protocol(sc, protocol.counter(served.errors)))
+                    access_log=False, http=protocol.protocol(sc, served.count_error))
     finally:
         served.engine.stop()
     return 0

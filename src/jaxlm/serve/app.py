@@ -1,301 +1,37 @@
 """The HTTP API: OpenAI-compatible /v1/models, /v1/completions and /v1/chat/completions (streamed as server-sent
-events with `stream: true`), /tokenize, /health and /metrics (Prometheus text), over the engine's slots.
-
-The engine thread posts each sequence's events (its tokens, then its end) to a Mailbox, which hands all that
-one engine turn posted to the event loop in one wake-up, into the requests' asyncio queues. This module turns
-them into text (stop strings cut here, on the text), log-probabilities and usage counts; a streamed choice
-sends one chunk with everything that arrived together (the tokens of a turn's decode steps). A client that
-disconnects cancels its sequences, which frees their slots at the next engine turn.
+events with `stream: true`), /tokenize, /health and /metrics (Prometheus text), over the engine's slots. A request
+passes guard.py's Guard, is read and validated (schemas.py), and its prompts are tokenized and bounded here; its
+choices are queued, waited for or streamed by choices.py. Work on large bodies, texts and answers runs in a worker
+thread, so that no request holds the event loop (other streams' tokens) for long.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
-import hmac
 import logging
-import random
-import threading
 import time
-from dataclasses import dataclass, field
-from functools import partial
 from typing import Callable
 
 import orjson
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import PlainTextResponse, Response
 from starlette.requests import ClientDisconnect
 
-from jaxlm.config import DecodeConfig
-from jaxlm.serve import engine as engine_lib
 from jaxlm.serve import schemas
-from jaxlm.serve.schemas import RequestError, error_body, shown
+from jaxlm.serve.choices import (Choice, completion_logprobs, event_stream, request_id, score_prompts, start_choices,
+                                 usage_counts, wait_choices)
+from jaxlm.serve.guard import Gone, Guard, json_error
+from jaxlm.serve.schemas import RequestError, shown
+from jaxlm.serve.served import Served
 
 RETRY_AFTER_S = 1
-LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 # Work done in a worker thread from these sizes, so that no request holds the event loop (other streams' tokens)
 # for long: bodies parsed and validated, chat templates rendered, answers serialized from OFF_LOOP_BYTES, texts
 # tokenized from OFF_LOOP_CHARS characters.
 OFF_LOOP_BYTES = 256 << 10
 OFF_LOOP_CHARS = 32 << 10
 ANSWER_BYTES_PER_TOKEN = 48  # of a completion answer, about, per token and per log-probability (to pick the thread)
-# After a 413 the rest of the body is read and thrown away before the connection closes (nginx's lingering close),
-# at most this many bytes, for at most LINGER_S (nginx's lingering_time) while the client sends something every
-# LINGER_IDLE_S (its lingering_timeout); serve.max_body_mb's help names these figures.
-LINGER_BYTES = 256 << 20
-LINGER_S = 30.0
-LINGER_IDLE_S = 5.0
-_random = random.Random()  # request ids and the seeds of requests without one (seeded by the OS at import)
 log = logging.getLogger("jaxlm.serve")
-
-
-def _request_id(kind: str) -> str:
-    return f"{kind}-{_random.getrandbits(128):032x}"
-
-
-class Mailbox:
-    """Calls from the engine thread to event loops, handed over once per engine turn: `post(loop, fn, *args)`
-    keeps a call, `flush()` (an engine turn hook) wakes each loop once to make the calls kept for it, in order."""
-
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.calls: list = []
-
-    def post(self, loop: asyncio.AbstractEventLoop, fn: Callable, *args) -> None:
-        with self.lock:
-            self.calls.append((loop, fn, args))
-
-    def flush(self) -> None:
-        with self.lock:
-            calls, self.calls = self.calls, []
-        by_loop: dict = {}
-        for loop, fn, args in calls:
-            by_loop.setdefault(loop, []).append((fn, args))
-        for loop, batch in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_deliver, batch)
-            except RuntimeError:  # the server is shutting down: nobody is waiting any more
-                pass
-
-
-def _deliver(batch: list) -> None:
-    for fn, args in batch:
-        fn(*args)
-
-
-@dataclass
-class Served:
-    """What the app serves: the engine, the tokenizer, the model's name and context, the decode.* defaults."""
-    engine: engine_lib.Engine
-    encode: Callable[[str], list[int]]  # plain text, as /tokenize answers
-    encode_prompt: Callable[[str], list[int]]  # a completion prompt: the tokenizer's BOS first when it uses one
-    encode_chat: Callable[[str], list[int]]  # a rendered chat: its special-token strings are special tokens
-    decode: Callable[[list[int]], str]
-    name: str
-    vocab_size: int
-    decode_cfg: DecodeConfig
-    stop_ids: tuple[int, ...]
-    chat_template: Callable[[list[dict]], str] | None
-    api_key: str | None
-    bos_id: int | None = None  # the tokenizer's, for clients that score a document's first token (evals.py)
-    eos_id: int | None = None
-    allowed_hosts: frozenset | None = LOOPBACK_HOSTS  # Host header values answered (None: any)
-    allowed_origins: frozenset = frozenset()  # Origin header values answered (browsers' cross-origin requests)
-    max_body_bytes: int = 8 << 20
-    max_prompt_chars: int | None = None  # prompt texts longer than this cannot fit the context (_encode)
-    adapters: tuple[str, ...] = ()  # LoRA adapters served over the model (serve.adapters): engine adapter i's name
-    max_tokenize_chars: int = 1 << 20  # /tokenize texts longer than this are refused (413)
-    errors: dict = field(default_factory=dict)  # status -> count, for /metrics
-    stream_errors: int = 0  # streams ended by an error event after their 200, for /metrics
-    mailbox: Mailbox = field(default_factory=Mailbox)
-
-    def __post_init__(self):
-        self.engine.turn_hooks.append(self.mailbox.flush)
-        self.token_text = functools.lru_cache(maxsize=None)(lambda t: self.decode([t]))  # one token's text
-
-
-class TextState:
-    """The text of one sequence as tokens arrive: the part safe to show (no half UTF-8 character, no text that
-    may be the start of a stop string), and whether a stop string has appeared (the text ends before it)."""
-
-    def __init__(self, decode: Callable[[list[int]], str], stop: tuple[str, ...]):
-        self.decode_fn, self.stop = decode, stop
-        self.tokens: list[int] = []
-        self.text = ""
-        self.shown = 0
-        self.stopped = False
-
-    def add(self, tokens: list[int]) -> tuple[str, int]:
-        """Append tokens up to the one that completes a stop string, if one does; returns the newly safe text
-        and how many of the tokens were taken."""
-        if self.stopped:
-            return "", 0
-        text = self.decode_fn(self.tokens + tokens)
-        if not any(text.find(s, max(0, self.shown - len(s))) >= 0 for s in self.stop):
-            self.tokens.extend(tokens)
-            self.text = text
-            return self._show(self._safe()), len(tokens)
-        shown = []  # a stop string: token by token, to take none after the one that completes it
-        for n, token in enumerate(tokens, 1):
-            shown.append(self._add_one(token))
-            if self.stopped:
-                return "".join(shown), n
-        return "".join(shown), len(tokens)
-
-    def _safe(self) -> int:
-        safe = len(self.text)
-        if not self.stopped:
-            if self.stop:
-                safe -= max(len(s) for s in self.stop) - 1
-            while safe > self.shown and self.text[safe - 1] == "\ufffd":
-                safe -= 1
-        return max(safe, self.shown)
-
-    def _add_one(self, token: int) -> str:
-        self.tokens.append(token)
-        self.text = self.decode_fn(self.tokens)
-        for s in self.stop:
-            at = self.text.find(s, max(0, self.shown - len(s)))
-            if at >= 0:
-                self.text, self.stopped = self.text[:at], True
-        return self._show(self._safe())
-
-    def flush(self) -> str:
-        return self._show(len(self.text))
-
-    def _show(self, upto: int) -> str:
-        new = self.text[self.shown:upto]
-        self.shown = max(self.shown, upto)
-        return new
-
-
-@dataclass
-class Choice:
-    """One sequence of a request as the API reports it."""
-    seq: engine_lib.Sequence
-    state: TextState
-    events: asyncio.Queue
-    logprobs: list = field(default_factory=list)  # (token id, logprob, top [(id, logprob)])
-    finish_reason: str | None = None
-
-
-def _json_error(status: int, message: str, param: str | None = None, code: str | None = None, headers=None):
-    kind = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-            404: "not_found_error", 405: "invalid_request_error", 408: "invalid_request_error",
-            413: "invalid_request_error", 429: "rate_limit_error"}.get(status, "server_error")
-    return JSONResponse(error_body(message, kind, param, code), status_code=status, headers=headers)
-
-
-class Gone(Exception):
-    """The client left before its request's body arrived: nobody to answer (nginx logs these as 499)."""
-
-
-class BodyTooLarge(Exception):
-    """A request body without a Content-Length grew past serve.max_body_mb while it was read."""
-
-    def __init__(self, more: bool):
-        self.more = more  # more of the body is on its way
-
-
-def host_name(header: bytes) -> str:
-    """The name of a Host header, its port left out ("[::1]:8000" -> "::1")."""
-    host = header.decode("latin-1").strip().lower()
-    if host.startswith("["):
-        return host[1:host.find("]")] if "]" in host else host
-    name, _, port = host.rpartition(":")
-    return name if name and port.isdigit() else host
-
-
-class Guard:
-    """ASGI middleware, in front of every route: the Host header's allow-list (a web page whose name was rebound to
-    127.0.0.1 sends its own name: refused, 403), a browser's cross-origin request refused unless its Origin is
-    allowed (403), the API key (every path but /health; 401), the body limit (413: a Content-Length past it is
-    refused before the body is read, a body without one when it grows past it; see _too_large), and the count of
-    error answers. Plain ASGI rather than Starlette's BaseHTTPMiddleware, which would hide a client's disconnect
-    from streaming answers."""
-
-    def __init__(self, app, served: Served):
-        self.app, self.s = app, served
-
-    async def _refuse(self, scope, receive, send, status: int, message: str, code: str):
-        self.s.errors[status] = self.s.errors.get(status, 0) + 1
-        await _json_error(status, message, code=code)(scope, receive, send)
-
-    async def _too_large(self, receive, send, unread: int) -> None:
-        """Answer 413, then read and throw away the rest of the body (`unread` bytes at most; none when that is past
-        LINGER_BYTES, which would be cut off anyway) before closing the connection: http.client, requests and httpx
-        send the whole body before they read, and a connection closed under them while they send loses the
-        answer to a reset. Each read takes what has arrived (uvicorn stops reading the socket past 64 KiB: a few
-        hundred kB) and the next one waits on the socket, a turn of the event loop in which other streams flow."""
-        s = self.s
-        s.errors[413] = s.errors.get(413, 0) + 1
-        response = _json_error(413, f"the request body is larger than serve.max_body_mb={s.max_body_bytes / 2**20:g} "
-                               "MiB", code="request_too_large", headers={"connection": "close"})
-        await send({"type": "http.response.start", "status": 413, "headers": response.raw_headers})
-        await send({"type": "http.response.body", "body": response.body, "more_body": True})
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + LINGER_S
-        while 0 < unread <= LINGER_BYTES:
-            try:
-                async with asyncio.timeout(min(LINGER_IDLE_S, deadline - loop.time())):
-                    message = await receive()
-            except TimeoutError:
-                break
-            unread -= len(message.get("body", b""))
-            if message["type"] != "http.request" or not message.get("more_body"):
-                break
-        await send({"type": "http.response.body", "body": b""})  # the server closes the connection after it
-
-    async def __call__(self, scope, receive, send):
-        s = self.s
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        headers = dict(scope["headers"])
-        if sum(name == b"host" for name, _ in scope["headers"]) > 1:  # RFC 9112 3.2: a request with two is refused
-            return await self._refuse(scope, receive, send, 400, "a request must carry one Host header",
-                                      "invalid_host")
-        if s.allowed_hosts is not None and host_name(headers.get(b"host", b"")) not in s.allowed_hosts:
-            return await self._refuse(scope, receive, send, 403, "this Host is not served here (serve.allowed_hosts)",
-                                      "host_not_allowed")
-        origin = headers.get(b"origin")
-        if origin is not None and origin.decode("latin-1") not in s.allowed_origins:
-            return await self._refuse(scope, receive, send, 403, "cross-origin requests are refused unless their "
-                                      "Origin is in serve.allowed_origins", "origin_not_allowed")
-        if s.api_key and scope["path"] != "/health":
-            got = headers.get(b"authorization", b"")
-            if not hmac.compare_digest(got, f"Bearer {s.api_key}".encode()):
-                return await self._refuse(scope, receive, send, 401, "missing or wrong API key: send the header "
-                                          "Authorization: Bearer KEY", "invalid_api_key")
-        length = headers.get(b"content-length")
-        if length is not None and (not length.isdigit() or int(length) > s.max_body_bytes):
-            # A client that asked to be told to go on (Expect: 100-continue) sends no body after a refusal.
-            waits = b"100-continue" in headers.get(b"expect", b"").lower()
-            return await self._too_large(receive, send, int(length) if length.isdigit() and not waits else 0)
-        received = 0
-
-        async def counted_receive():
-            nonlocal received
-            message = await receive()
-            received += len(message.get("body", b""))
-            if received > s.max_body_bytes:
-                raise BodyTooLarge(message.get("more_body", False))
-            return message
-
-        started = False
-
-        async def counting_send(message):
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-                if message["status"] >= 400 and message["status"] != 499:
-                    s.errors[message["status"]] = s.errors.get(message["status"], 0) + 1
-            await send(message)
-
-        try:
-            await self.app(scope, counted_receive if length is None else receive, counting_send)
-        except BodyTooLarge as e:
-            if not started:
-                await self._too_large(receive, send, LINGER_BYTES if e.more else 0)
 
 
 def create_app(s: Served) -> FastAPI:
@@ -307,7 +43,7 @@ def create_app(s: Served) -> FastAPI:
         headers = {"Retry-After": str(RETRY_AFTER_S)} if e.status == 429 else None
         if e.status >= 500:
             log.warning("jaxlm serve: %s %s answered %d: %s", request.method, request.url.path, e.status, e)
-        return _json_error(e.status, str(e), e.param, e.code, headers)
+        return json_error(e.status, str(e), e.param, e.code, headers)
 
     @app.exception_handler(Gone)
     async def gone(request: Request, e: Gone):
@@ -363,9 +99,9 @@ def _completion_route(app: FastAPI, s: Served) -> None:
         want_scores = req.echo and req.logprobs is not None
         # the prompts are scored first (all queued at once), then their sequences (none for max_tokens 0)
         _check_room(s, max(len(ids) if want_scores else 0, req.sampling.n * sum(m > 0 for m in max_tokens)))
-        scores = await _scores(s, ids, request, adapter) if want_scores else [None] * len(ids)
-        choices = _start(s, ids, max_tokens, req.sampling, req.logprobs, adapter)
-        head = {"id": _request_id("cmpl"), "object": "text_completion", "created": int(time.time()),
+        scores = await score_prompts(s, ids, request, adapter) if want_scores else [None] * len(ids)
+        choices = start_choices(s, ids, max_tokens, req.sampling, req.logprobs, adapter)
+        head = {"id": request_id("cmpl"), "object": "text_completion", "created": int(time.time()),
                 "model": model}
 
         def prompt_logprobs(i):
@@ -379,7 +115,7 @@ def _completion_route(app: FastAPI, s: Served) -> None:
         def choice_body(k, c: Choice, text: str, fresh: list, finish):
             out = {"index": k, "text": text, "logprobs": None, "finish_reason": finish}
             if req.logprobs is not None:
-                out["logprobs"] = _completion_logprobs(s, fresh, req.logprobs, req.token_ids)
+                out["logprobs"] = completion_logprobs(s, fresh, req.logprobs, req.token_ids)
             return out
 
         def prompt_texts():
@@ -396,9 +132,9 @@ def _completion_route(app: FastAPI, s: Served) -> None:
                         for k, c in enumerate(choices)]
 
             echoed = await _off_loop(echoed_bytes, opening) if req.echo else []
-            return _event_stream(s, request, choices, head, echoed, choice_body,
-                                 usage if req.sampling.include_usage else None)
-        await _wait(s, choices, request)
+            return event_stream(s, request, choices, head, echoed, choice_body,
+                                usage if req.sampling.include_usage else None)
+        await wait_choices(s, choices, request)
 
         def answer():
             texts, out = prompt_texts() if req.echo else None, []
@@ -406,7 +142,7 @@ def _completion_route(app: FastAPI, s: Served) -> None:
                 i = k // req.sampling.n
                 text = (texts[i] if req.echo else "") + c.state.text
                 out.append(choice_body(k, c, text, prompt_logprobs(i) + c.logprobs, c.finish_reason))
-            return orjson.dumps({**head, "choices": out, "usage": _usage(usage, choices)})
+            return orjson.dumps({**head, "choices": out, "usage": usage_counts(usage, choices)})
 
         size = echoed_bytes + per_token * sum(len(c.state.tokens) for c in choices)
         return Response(await _off_loop(size, answer), media_type="application/json")
@@ -429,9 +165,9 @@ def _chat_route(app: FastAPI, s: Served) -> None:
             raise RequestError(f"the chat template failed on these messages: {shown(str(e))}", "messages") from None
         ids = [await _encode(s, prompt, s.encode_chat)]
         _check_room(s, req.sampling.n)
-        choices = _start(s, ids, [_max_tokens(s, len(ids[0]), req.sampling.max_tokens)], req.sampling,
-                         req.top_logprobs if req.logprobs else None, adapter)
-        head = {"id": _request_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()),
+        choices = start_choices(s, ids, [_max_tokens(s, len(ids[0]), req.sampling.max_tokens)], req.sampling,
+                                req.top_logprobs if req.logprobs else None, adapter)
+        head = {"id": request_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()),
                 "model": model}
         usage = {"prompt_tokens": len(ids[0])}
 
@@ -450,9 +186,9 @@ def _chat_route(app: FastAPI, s: Served) -> None:
         if req.sampling.stream:
             roles = [{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None} for k in range(len(choices))]
-            return _event_stream(s, request, choices, {**head, "object": "chat.completion.chunk"}, roles, chunk,
-                                 usage if req.sampling.include_usage else None)
-        await _wait(s, choices, request)
+            return event_stream(s, request, choices, {**head, "object": "chat.completion.chunk"}, roles, chunk,
+                                usage if req.sampling.include_usage else None)
+        await wait_choices(s, choices, request)
 
         def answer():
             return orjson.dumps({**head, "choices": [{"index": k, "message": {"role": "assistant",
@@ -460,60 +196,10 @@ def _chat_route(app: FastAPI, s: Served) -> None:
                                                       "logprobs": logprobs(c.logprobs),
                                                       "finish_reason": c.finish_reason}
                                                      for k, c in enumerate(choices)],
-                                 "usage": _usage(usage, choices)})
+                                 "usage": usage_counts(usage, choices)})
 
         size = ANSWER_BYTES_PER_TOKEN * (1 + req.top_logprobs) * sum(len(c.state.tokens) for c in choices)
         return Response(await _off_loop(size, answer), media_type="application/json")
-
-
-def _event_stream(s: Served, request: Request, choices: list[Choice], head: dict, opening: list[dict],
-                  choice_chunk: Callable, usage: dict | None) -> EventStream:
-    """A streamed answer as server-sent events: a chunk for each of `opening` (choices' first chunks), then one
-    per piece of the choices' text as it comes (`choice_chunk(index, choice, text, logprobs, finish)`), the usage
-    when asked for (`usage` not None), and [DONE]. Every chunk carries `head` (id, object, created, model)."""
-    async def events():  # (piece, whether it ends the body)
-        for choice in opening:
-            yield _sse({**head, "choices": [choice]}), False
-        last, unfinished = b"", len(choices)
-        try:
-            async for k, c, text, fresh, finish in _stream(s, choices, request):
-                piece = _sse({**head, "choices": [choice_chunk(k, c, text, fresh, finish)]})
-                unfinished -= finish is not None
-                if unfinished:
-                    yield piece, False
-                else:  # the last choice's last piece goes out with the usage, [DONE] and the body's end, in one write
-                    last = piece
-        except RequestError as e:  # after the 200: an error event ends the stream (as vLLM's and OpenAI's do)
-            s.stream_errors += 1
-            log.warning("jaxlm serve: a stream (%s) ended with an error: %s", head["id"], e)
-            error = error_body(str(e), "server_error" if e.status >= 500 else "invalid_request_error", e.param,
-                               e.code)
-            yield _sse(error) + b"data: [DONE]\n\n", True
-            return
-        if usage is not None:
-            last += _sse({**head, "choices": [], "usage": _usage(usage, choices)})
-        yield last + b"data: [DONE]\n\n", True
-
-    return EventStream(events())
-
-
-class EventStream(Response):
-    """A text/event-stream answer sent piece by piece as `events` yields (piece, last), the last piece with the
-    end of the body in one write. Starlette's StreamingResponse, on this server's ASGI version, runs each answer
-    in a task group that also waits for the client to disconnect: a fifth of the event loop's time per short
-    streamed request. Here a disconnect is seen by _watch, which cancels the sequences and so ends `events`."""
-    media_type = "text/event-stream"
-
-    def __init__(self, events):
-        self.events = events
-        self.status_code = 200
-        self.background = None
-        self.init_headers(None)
-
-    async def __call__(self, scope, receive, send) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-        async for piece, last in self.events:
-            await send({"type": "http.response.body", "body": piece, "more_body": not last})
 
 
 async def _body(request: Request, sized: bool = False):
@@ -606,187 +292,6 @@ def _max_tokens(s: Served, prompt_len: int, asked: int | None) -> int:
     if asked and (why := s.engine.never_fits(prompt_len + asked)) is not None:  # none for 0 (only scored)
         raise RequestError(f"this request can never run here: {why}", "max_tokens", code="context_length_exceeded")
     return asked
-
-
-async def _scores(s: Served, prompts: list[list[int]], request: Request, adapter: int = -1) -> list[tuple]:
-    """Each prompt's scores (token log-probabilities and alternatives), all prompts submitted or none: when the
-    queue refuses one (429) the ones submitted before it are cancelled, and so are all when the client goes."""
-    loop = asyncio.get_running_loop()
-    futures = [loop.create_future() for _ in prompts]
-
-    def emit(done, ev):
-        s.mailbox.post(loop, lambda: done.done() or done.set_result(ev))
-
-    items = [engine_lib.Score(p, partial(emit, f), adapter=adapter) for p, f in zip(prompts, futures)]
-    try:
-        for item in items:
-            s.engine.submit(item)
-    except engine_lib.QueueFull:
-        for item in items:
-            s.engine.cancel(item)
-        raise _queue_full() from None
-    watcher = asyncio.create_task(_watch(request, items, s))
-    try:
-        events = [await f for f in futures]
-    except asyncio.CancelledError:
-        for item in items:
-            s.engine.cancel(item)
-        raise
-    finally:
-        watcher.cancel()
-    for ev in events:
-        if ev[0] == "error":
-            raise RequestError(f"scoring the prompt failed: {ev[1]}", "prompt", status=ev[2])
-    return [ev[1:] for ev in events]
-
-
-def _queue_full() -> RequestError:
-    return RequestError("the server's queue is full; retry later", status=429, code="queue_full")
-
-
-def _start(s: Served, ids: list[list[int]], max_tokens: list[int], sampling: schemas.Sampling,
-           logprobs: int | None, adapter: int = -1) -> list[Choice]:
-    """Queue n sequences per prompt (none when max_tokens is 0), with their tokens' log-probabilities and that
-    many alternatives each unless `logprobs` is None, run with LoRA adapter `adapter` (-1 the base); all or
-    none: a full queue cancels the rest."""
-    loop = asyncio.get_running_loop()
-    seed = sampling.seed if sampling.seed is not None else _random.getrandbits(32)
-    top_k = sampling.top_k if sampling.top_k < s.vocab_size else 0  # every token kept either way
-    choices = []
-    for p, m in zip(ids, max_tokens):
-        for j in range(sampling.n):
-            q: asyncio.Queue = asyncio.Queue()
-            seq = engine_lib.Sequence(p, m, sampling.temperature, top_k, sampling.top_p, seed, j,
-                                      s.stop_ids, partial(s.mailbox.post, loop, q.put_nowait), logprobs is not None,
-                                      logprobs or 0, adapter=adapter)
-            choices.append(Choice(seq, TextState(s.decode, sampling.stop), q))
-    try:
-        for c in choices:
-            if c.seq.max_tokens == 0:
-                c.finish_reason = "length"
-                c.events.put_nowait(("done", "length"))
-            else:
-                s.engine.submit(c.seq)
-    except engine_lib.QueueFull:
-        for c in choices:
-            s.engine.cancel(c.seq)
-        raise _queue_full() from None
-    return choices
-
-
-async def _next(c: Choice) -> list:
-    """The choice's next events: all that have arrived, at least one."""
-    events = [await c.events.get()]
-    while not c.events.empty():
-        events.append(c.events.get_nowait())
-    return events
-
-
-def _apply(s: Served, c: Choice, events: list) -> tuple[str, list, str | None]:
-    """Engine events into (new text, new logprobs, finish reason or None)."""
-    fresh = []  # (token id, logprob or None, alternatives (ids, logprobs), most likely first)
-    for ev in events:
-        if ev[0] == "tokens":
-            _, ids, lps, tops = ev
-            fresh.extend(zip(ids, lps, zip(*tops)) if lps is not None else ((t, None, ((), ())) for t in ids))
-    text, taken = c.state.add([t for t, _, _ in fresh])
-    fresh = fresh[:taken]  # none past the token that completed a stop string
-    c.logprobs.extend(fresh)
-    if c.state.stopped and c.finish_reason != "stop":
-        s.engine.cancel(c.seq)
-        c.finish_reason = "stop"
-        text += c.state.flush()
-    end = events[-1]
-    if end[0] == "error":
-        raise RequestError(f"generation failed: {end[1]}", status=end[2])
-    if end[0] != "done":
-        return text, fresh, None
-    if c.finish_reason != "stop":
-        c.finish_reason = "stop" if end[1] in ("stop", "cancelled") else end[1]
-    return text + c.state.flush(), fresh, c.finish_reason
-
-
-async def _watch(request: Request, items: list, s: Served) -> None:
-    """Cancel the engine's items (sequences, scores) once the client has disconnected."""
-    while True:
-        await asyncio.sleep(0.1)
-        if await request.is_disconnected():
-            for item in items:
-                s.engine.cancel(item)
-            return
-
-
-async def _wait(s: Served, choices: list[Choice], request: Request) -> None:
-    watcher = asyncio.create_task(_watch(request, [c.seq for c in choices], s))
-    try:
-        for c in choices:
-            while _apply(s, c, await _next(c))[2] is None:
-                pass
-    finally:
-        watcher.cancel()
-        for c in choices:
-            s.engine.cancel(c.seq)
-
-
-async def _stream(s: Served, choices: list[Choice], request: Request):
-    """(index, choice, text, logprobs, finish) as events arrive, over all choices; cancels on disconnect (the
-    response generator is closed then)."""
-    # the server may keep writing to a closed socket
-    watcher = asyncio.create_task(_watch(request, [c.seq for c in choices], s))
-    pending: dict = {}
-    try:
-        if len(choices) == 1:  # the common case, without a task per piece
-            c = choices[0]
-            while True:
-                text, fresh, finish = _apply(s, c, await _next(c))
-                if text or fresh or finish:
-                    yield 0, c, text, fresh, finish
-                if finish is not None:
-                    return
-        pending = {asyncio.ensure_future(_next(c)): k for k, c in enumerate(choices)}
-        while pending:
-            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for fut in done:
-                k = pending.pop(fut)
-                c = choices[k]
-                text, fresh, finish = _apply(s, c, fut.result())
-                if text or fresh or finish:
-                    yield k, c, text, fresh, finish
-                if finish is None:
-                    pending[asyncio.ensure_future(_next(c))] = k
-    finally:
-        watcher.cancel()
-        for fut in pending:
-            fut.cancel()
-        for c in choices:
-            s.engine.cancel(c.seq)
-
-
-def _completion_logprobs(s: Served, fresh: list, top_n: int, token_ids: bool = False) -> dict:
-    """The completions API's logprobs object. With `token_ids` (vLLM's return_tokens_as_token_ids) tokens are
-    named "token_id:N" instead of by their text, which two tokens may share (lm-eval's greedy check compares
-    ids this way); text offsets still count the text."""
-    name = (lambda t: f"token_id:{t}") if token_ids else s.token_text
-    offsets, at = [], 0
-    for t, _, _ in fresh:
-        offsets.append(at)
-        at += len(s.token_text(t))
-    return {"tokens": [name(t) for t, _, _ in fresh], "token_logprobs": [lp for _, lp, _ in fresh],
-            "top_logprobs": [None if lp is None else {name(a): b for a, b in zip(*(x[:top_n] for x in top))}
-                             for _, lp, top in fresh],
-            "text_offset": offsets}
-
-
-def _usage(usage: dict, choices: list[Choice]) -> dict:
-    completion = sum(len(c.state.tokens) for c in choices)
-    return {"prompt_tokens": usage["prompt_tokens"], "completion_tokens": completion,
-            "total_tokens": usage["prompt_tokens"] + completion}
-
-
-def _sse(obj: dict) -> bytes:
-    """One server-sent event. orjson: a streamed chunk's JSON in a fifth of the time of json.dumps, which took
-    a tenth of the event loop's time under load (benchmarks/serve.py)."""
-    return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
 def prometheus(s: Served) -> str:

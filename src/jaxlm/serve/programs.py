@@ -24,8 +24,8 @@ from jaxlm.config import ModelConfig
 from jaxlm.model import forward, kvcache, layers, paged
 from jaxlm.model.decode import decoder, paged_forward
 from jaxlm.serve import speculate
+from jaxlm.serve.requests import TOP_LOGPROBS
 
-TOP_LOGPROBS = speculate.TOP_LOGPROBS  # the most alternatives a request may ask for
 SLOT_DIVISORS = (8, 4, 2)  # the decode program's slot buckets besides all slots: S / each (slot_buckets)
 MIN_SLOTS = 16  # the fewest slots of a slot bucket
 
@@ -56,7 +56,8 @@ def sampled_steps(decode: Callable, state, logits_bV, steps, live_b, left_b, sto
         lp = jax.lax.cond(jnp.any(live_b & want_lp_b), partial(sampling.token_logprobs, K=K), no_logprobs,
                           logits_bV, tok_b)
         out = tuple(o.at[i].set(x) for o, x in zip(out, (tok_b, *lp, live_b)))
-        ended_b = jnp.any(tok_b[:, None] == stop_bM, axis=1) | (i + 1 >= left_b)
+        _, ended_b = sampling.kept_tokens(tok_b[:, None], jnp.ones_like(left_b), live_b, jnp.broadcast_to(i, (b,)),
+                                          left_b, stop_bM)
         logits_bV, state = decode(tok_b, live_b, state)
         return i + 1, state, logits_bV, live_b & ~ended_b, out
 

@@ -1,34 +1,11 @@
 """HTTP/1.1 connections with limits (issue 47): uvicorn's httptools protocol, plus a bound on each request's head
-(its line and headers), on the count of its headers, on the time its head and its body take to arrive, and on the
-connections open at once. Without them one client could hold the server's memory and its clients' connections:
-httptools keeps a header's value until it ends (a 256 MB header took 760 MiB that were never given back, and
-slowed every other request while it arrived), and a request that never finishes held its connection forever.
-
-The limits are serve.* settings (config.ServeConfig):
-- serve.max_header_kb: the head's bytes are counted as they arrive, in data_received, before the parser keeps any
-  of them; past the limit the parser is given only the bytes within it, and unless the head ended there the
-  request is answered 431. A head that starts inside a read, after the body of the request before it, is counted
-  from the next read, and its headers again as the parser hands them over, so that what is kept stays within the
-  limit and one read (uvloop and asyncio read about 256 KB at most at once).
-- serve.max_headers: more headers are answered 431.
-- serve.header_timeout_s: the head must arrive within this of the connection's opening, or of the end of the
-  answer before it (a timer that runs only while the connection owes the server a request): 408, or a silent
-  close when nothing of a request has come (as nginx; a 408 then would be read by a client that sends its next
-  request on the idle connection as the answer to it).
-- serve.body_timeout_s: the body must arrive within this of the head (timed from when the request starts to be
-  served, since a pipelined request's body is not read before): 408.
-- serve.max_connections: a connection opened while that many are open is answered 503 to its first request and
-  closed; the open ones go on. (uvicorn's own limit_concurrency counts running requests as well as connections
-  and, past its limit, refuses every connection's next request, in plain text and uncounted.)
-Each refusal is an OpenAI-style JSON error with `connection: close`, counted by the `count` callable the server
-hands over (the app's error counter, /metrics); then the connection is closed. A request refused while requests
-pipelined before it are being answered is answered after them (the connection reads nothing more meanwhile); a
-request whose body timed out after its response had started is not answered, only closed. While requests wait in a
-connection's pipeline behind the one being answered, it reads nothing more (uvicorn resumes reading whenever an
-app awaits its request: resume_unless_queued), so what a client pipelines is queued one read's worth at most. An app awaiting the
-body of a request that timed out reads a disconnect.
-
-The work added to the hot path (data_received, the body's callbacks) is a comparison or two per call.
+(its line and headers: serve.max_header_kb, its bytes counted as they arrive, before the parser keeps any of them;
+serve.max_headers), on the time its head and its body take to arrive (serve.header_timeout_s, serve.body_timeout_s)
+and on the connections open at once (serve.max_connections). Without them one client could hold the server's
+memory and its clients' connections. Each refusal (431, 408, 503) is an OpenAI-style JSON error with `connection:
+close`, counted by the `count` callable the server hands over (the app's error counter, /metrics), then the
+connection is closed; a request refused behind pipelined ones is answered after them, and what a client pipelines
+behind a long answer is read one read's worth at a time. docs/serve.md ("Security") has the details and figures.
 """
 
 from __future__ import annotations
@@ -54,18 +31,9 @@ def protocol(limits: ServeConfig, count: Callable[[int], None]) -> Callable[...,
     return functools.partial(LimitedProtocol, limits=limits, count=count)
 
 
-def counter(errors: dict) -> Callable[[int], None]:
-    """count(status) adding to a status -> count dict: the app's error answers (app.Served.errors, /metrics)."""
-    def count(status: int) -> None:
-        errors[status] = errors.get(status, 0) + 1
-
-    return count
-
-
 def error_answer(status: int, message: str, code: str, default_headers: list[tuple[bytes, bytes]]) -> bytes:
     """A whole HTTP answer: an OpenAI-style JSON error body, and `connection: close`."""
-    kind = "server_error" if status >= 500 else "invalid_request_error"
-    body = json.dumps(error_body(message, kind, None, code), separators=(",", ":")).encode()
+    body = json.dumps(error_body(status, message, None, code), separators=(",", ":")).encode()
     head = [STATUS_LINE[status]]
     head += [name + b": " + value + b"\r\n" for name, value in default_headers]  # date, server
     head += [b"content-type: application/json\r\n", b"content-length: %d\r\n" % len(body), b"connection: close\r\n"]

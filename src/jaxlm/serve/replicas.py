@@ -1,24 +1,20 @@
 """Engine replicas: several continuous-batching engines over the same weights on one device, each with its own
-slots, KV cache and thread, behind the interface of one engine (`serve.replicas`).
-
-Why: XLA:CPU runs a decode program's operations one after another, so a small model's decode call keeps about
-one core busy however many the host has (an engine alone: its two XLA threads together used 47.5 ms of CPU
-in a 47.4 ms round of decoding), while two calls dispatched from two threads run side by side. On a 2-core
-host, 16 sequences decoded as 8 + 8 by two engines made 17-20% more tokens per second than 16 in one, and the
-server at 16 concurrent streams 8% more (docs/serve.md). On an accelerator one program fills the device: keep
-one replica there.
+slots, KV cache and thread, behind the interface of one engine (`serve.replicas`). XLA:CPU runs a decode program's
+operations one after another (about one core's worth), while calls dispatched from two threads run side by side:
+on a CPU host two replicas make more tokens per second than one (docs/serve.md, "On a CPU host"). On an
+accelerator one program fills the device: keep one replica there.
 
 A new request goes to the replica with the fewest sequences (busy slots plus waiting requests), ties broken
-towards the one whose prefix cache holds more of its prompt, then the first. Each replica has serve.max_slots /
+towards the one whose cache holds more of its prompt, then the first. Each replica has serve.max_slots /
 replicas slots and its share of serve.max_queue; the queue is full (429) when the chosen replica's is. The
-weights are shared (one copy on device), and replicas of equal slots share their compiled programs.
-"""
+weights are shared (one copy on device), and replicas of equal slots share their compiled programs."""
 
 from __future__ import annotations
 
 import math
 
-from jaxlm.serve.engine import Engine, Score, Sequence
+from jaxlm.serve.engine import Engine
+from jaxlm.serve.requests import Score, Sequence
 
 COUNTERS = ("tokens_total", "requests_total", "prompt_tokens_total", "prefilled_tokens_total", "prefill_calls_total",
             "prefix_hits_total", "prefix_tokens_total", "calls_total", "preempted_total", "draft_proposed_total",
@@ -47,15 +43,8 @@ class Replicas:
     def _load(self, e: Engine) -> int:
         return e.busy_slots() + e.queue_depth()
 
-    def _reuse(self, e: Engine, item: Sequence | Score) -> int:
-        if not isinstance(item, Sequence):
-            return 0
-        if e.page_size:
-            return e.pages.shared(item.prompt, item.adapter)
-        return 0 if e.prefix is None or item.adapter >= 0 else e.prefix.match(item.prompt)[1]
-
     def submit(self, item: Sequence | Score) -> None:
-        chosen = min(self.engines, key=lambda e: (self._load(e), -self._reuse(e, item)))
+        chosen = min(self.engines, key=lambda e: (self._load(e), -e.kv.reusable(item)))
         chosen.submit(item)  # QueueFull when its queue is full
 
     def cancel(self, item: Sequence | Score) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 
 from jaxlm.config import DecodeConfig
 from jaxlm.errors import UserError
-from jaxlm.serve.engine import TOP_LOGPROBS
+from jaxlm.serve.requests import TOP_LOGPROBS
 
 MAX_N = 16
 MAX_STOP = 4
@@ -23,6 +23,10 @@ MAX_PROMPTS = 256
 SEED_RANGE = (-2**63, 2**64 - 1)  # any 64-bit seed, signed or not (the engine draws from it modulo 2^32)
 UNSUPPORTED_ZERO = ("presence_penalty", "frequency_penalty")
 SHOWN_CHARS = 60  # of a client's value quoted back in an error message
+# the error body's `type` of each status (every other one: server_error)
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 405: "invalid_request_error", 408: "invalid_request_error",
+               413: "invalid_request_error", 429: "rate_limit_error", 431: "invalid_request_error"}
 
 
 def shown(value: Any) -> str:
@@ -38,9 +42,10 @@ class RequestError(UserError, ValueError):
         self.param, self.status, self.code = param, status, code
 
 
-def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    """The OpenAI-style error body of an answer with `status` (or of a stream's error event)."""
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"), "param": param,
+                      "code": code}}
 
 
 @dataclass(frozen=True)
@@ -115,7 +120,7 @@ def _sampling(body: dict, d: DecodeConfig, max_tokens_key: str = "max_tokens") -
     max_tokens = _int(body, max_tokens_key, None, 0)
     if max_tokens is None and max_tokens_key != "max_tokens":
         max_tokens = _int(body, "max_tokens", None, 0)
-    top_k = _int(body, "top_k", d.top_k, -1)  # past the vocabulary it keeps every token, as 0 and -1 do (app._start)
+    top_k = _int(body, "top_k", d.top_k, -1)  # past the vocabulary it keeps every token, as 0 and -1 do (choices.start_choices)
     stop = body.get("stop")
     if stop is None:
         stop = []

@@ -1,29 +1,9 @@
 """Speculative decoding in the server's engine (`jaxlm serve MODEL decode.draft=PATH`, the setting `jaxlm generate`
-takes): the decode program that engine.py runs instead of its one-token steps when a draft model is set.
-
-A draft model with the target's tokenizer keeps a paged cache of its own with the same pages as the target's (one
-page table serves both: a page holds the same positions of the same sequence in the two pools, so the target's
-page accounting, prefix sharing and preemption hold for the draft as they are). Each row of a call carries a
-pending token: sampled and sent, not yet in either cache. A row that has just been prefilled has none: the call
-first samples it from the row's logits, as the one-token step would. Then each iteration of the call, for every
-live row:
-- the draft runs the pending token and its own k proposals (k + 1 steps, the last only to cache the k-th), each
-  proposal drawn from the draft's distribution under the row's sampling settings (sampling.probabilities);
-- the target runs the same k + 1 tokens in one pass over its pages (decode.paged_forward, every logit);
-- sampling.speculative_accept keeps a prefix of the proposals and draws one more token from the target's
-  residual distribution (or from the target's own after all k), so that the tokens are distributed as the
-  target's sampling alone would draw them, and greedy rows get the target's greedy tokens;
-- the row sends its kept proposals and the drawn token (cut after a stop token and at its max_tokens), both
-  caches keep the pending token and the kept proposals (the positions past them are written over later, never
-  read: a sequence's length says where its cache ends), and the drawn token is the new pending one.
-
-A call runs up to `steps` iterations and returns each row's tokens in order (1 to k + 1 per iteration, one
-more for a row that starts from its logits), with log-probabilities under the target's logits when a row asks.
-Positions at or past a row's `limit` (its prompt plus max_tokens) are neither written nor read, so the pages the
-engine reserved for its max_tokens always suffice. A row's random stream is its key(seed, choice) folded with
-its count of tokens sent at the start of each iteration: its tokens depend neither on the other rows nor on
-how the engine cuts the iterations into calls. The draft serves no LoRA adapter: a row with an adapter is
-verified by the target with its adapter, and keeps fewer proposals.
+takes): the decode program that engine.py runs instead of its one-token steps when a draft is set, and the draft's
+prefill. The draft keeps a paged cache of its own with the target's pages (one page table serves both), and each
+row carries a pending token, sent but not yet cached: each iteration the draft proposes k tokens after it, the
+target runs the k + 1 in one pass, and sampling.speculative_accept keeps a prefix and draws one more, so that the
+tokens are distributed as the target's sampling alone draws them (docs/serve.md, "Speculative decoding").
 
 Shape legend: B slots, b rows of a call, V vocab, k draft tokens, J = k + 1, L tokens a call returns per row at
 most (1 + steps * J), M stop tokens per row (padded with -1) or pages per row, K top log-probabilities.
@@ -31,7 +11,9 @@ most (1 + steps * J), M stop tokens per row (padded with -1) or pages per row, K
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -41,8 +23,22 @@ from jaxlm.infer import sampling, speculative
 from jaxlm.config import ModelConfig
 from jaxlm.model import decode, layers
 from jaxlm.model.mtp import paged_mtp
+from jaxlm.serve.requests import TOP_LOGPROBS, RowSampling
 
-TOP_LOGPROBS = 5  # the most alternatives a request may ask for, as OpenAI's completions API allows (engine.py uses it)
+
+@partial(jax.tree_util.register_dataclass, data_fields=["params"], meta_fields=["cfg", "k"])
+@dataclass(frozen=True)
+class Draft:
+    """The draft model's pieces: its params and ModelConfig (both None: the model's first multi-token prediction
+    module drafts, decode.draft=mtp) and the tokens it proposes per pass. A pytree: the params are arrays, the
+    config and k are static."""
+    params: Any
+    cfg: ModelConfig | None
+    k: int
+
+    @property
+    def mtp(self) -> bool:
+        return self.cfg is None
 
 
 def tokens_per_call(k: int, steps: int) -> int:
@@ -61,10 +57,7 @@ def _send(c: dict, tokens_bJ, n_b, logits_bJV, stop_bM, left_b, want_lp_b) -> di
     b, n = tokens_bJ.shape
     L, K = c["out"][0].shape[0], TOP_LOGPROBS
     i_J = jnp.arange(n)
-    sent_bJ = (i_J < n_b[:, None]) & c["live_b"][:, None]
-    stop_bJ = jnp.any(tokens_bJ[..., None] == stop_bM[:, None, :], axis=-1) & sent_bJ
-    sent_bJ &= jnp.cumsum(stop_bJ, axis=1) - stop_bJ < 1  # up to and including the first stop token
-    sent_bJ &= c["made_b"][:, None] + i_J < left_b[:, None]
+    sent_bJ, ended_b = sampling.kept_tokens(tokens_bJ, n_b, c["live_b"], c["made_b"], left_b, stop_bM)
     at_bJ = jnp.where(sent_bJ, c["made_b"][:, None] + i_J, L)  # past the output: dropped
 
     def logprobs(logits_bJV, tokens_bJ):
@@ -77,7 +70,6 @@ def _send(c: dict, tokens_bJ, n_b, logits_bJV, stop_bM, left_b, want_lp_b) -> di
     rows_b1 = jnp.arange(b)[:, None]
     out = tuple(o.at[at_bJ, rows_b1].set(x, mode="drop") for o, x in zip(c["out"], (tokens_bJ, *lp, sent_bJ)))
     made_b = c["made_b"] + jnp.sum(sent_bJ, axis=1)
-    ended_b = jnp.any(stop_bJ & sent_bJ, axis=1) | (made_b >= left_b)
     return {**c, "out": out, "made_b": made_b, "live_b": c["live_b"] & ~ended_b}
 
 
@@ -124,24 +116,25 @@ def _verify(way, logits_bJV, q_logits: list, d_bk, keys_b, settings):
     return jax.lax.cond(way == sampling.GREEDY, greedy, sampled)
 
 
-@partial(jax.jit, static_argnames=("cfg", "draft_cfg", "k", "max_steps", "layout"),
-         donate_argnames=("cache", "draft_cache", "mtp"))
-def decode_loop(params, layer_params, draft_params, draft_layer_params, cache, draft_cache, logits_BV, rows_b,
-                adapter_b, steps, live_b, length_b, pending_b, limit_b, table_bM, left_b, stop_bM, want_lp_b, seed_b,
-                choice_b, count_b, temperature_b, top_k_b, top_p_b, cfg: ModelConfig, draft_cfg: ModelConfig | None,
-                k: int, max_steps: int, mtp: dict | None = None, layout: sharding.Layout | None = None):
+@partial(jax.jit, static_argnames=("cfg", "max_steps", "layout"), donate_argnames=("cache", "draft_cache", "mtp"))
+def decode_loop(params, layer_params, draft: Draft, draft_layer_params, cache, draft_cache, logits_BV, rows_b,
+                adapter_b, steps, live_b, length_b, pending_b, limit_b, table_bM, sampled: RowSampling,
+                cfg: ModelConfig, max_steps: int, mtp: dict | None = None, layout: sharding.Layout | None = None):
     """Up to `steps` (<= max_steps) iterations of speculative decoding over rows rows_b (see the module
     docstring): length_b positions cached per row, pending_b its pending token (-1: sample it from the row's
-    logits in logits_BV), limit_b the positions it may use, left_b the tokens it may still send, count_b those it
-    has sent. Returns tokens, log-probabilities, alternatives [L, b(, K)] and which were sent [L, b] (each row's
-    first ones, in order), the two caches, the draft tokens proposed to live rows and kept by them, and `mtp`.
+    logits in logits_BV), limit_b the positions it may use, `sampled` its sampling settings (left_b the tokens it
+    may still send, count_b those it has sent). Returns tokens, log-probabilities, alternatives [L, b(, K)] and
+    which were sent [L, b] (each row's first ones, in order), the two caches, the draft tokens proposed to live
+    rows and kept by them, and `mtp`.
 
-    draft_cfg None: the model's first multi-token prediction module drafts (draft_layer_params its mtp_weights,
-    draft_cache its pool, draft_params unused), and `mtp` holds every slot's state between calls (see
+    draft.cfg None: the model's first multi-token prediction module drafts (draft_layer_params its mtp_weights,
+    draft_cache its pool, draft.params unused), and `mtp` holds every slot's state between calls (see
     prefill_mtp): the model's hidden state after the prompt (hidden_BD, for a row that starts from its logits),
     and, for the rows that have decoded, the first position of the last pass (prev_B), the model's hidden states
     from there [B, J, D] and the tokens after them [B, J] (the module's next pass starts with them, as
     speculative.py's loop does). `layout`: the engine's mesh and rules (programs.py)."""
+    draft_params, draft_cfg, k = draft.params, draft.cfg, draft.k
+    left_b, stop_bM, want_lp_b, seed_b, choice_b, count_b, temperature_b, top_k_b, top_p_b = sampled.arrays()
     base = layers.with_rows(params, jnp.full_like(adapter_b, -1))  # the module's embedding and head: no adapter
     params, layer_params = layers.with_rows((params, layer_params), adapter_b)
     b, K, J, V = rows_b.shape[0], TOP_LOGPROBS, k + 1, logits_BV.shape[-1]

@@ -16,7 +16,6 @@ import dataclasses
 import importlib
 import importlib.util
 import json
-import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -220,7 +219,7 @@ def rollout_engine(params, cfg: Config, rows: int, mesh=None, rules=None):
     decode.quantize_kv_cache, serve.prefix_cache, serve.prefill_chunk and serve.decode_steps. Its programs compile
     on first use and stay compiled for the run's later batches of rollouts."""
     from jaxlm import serve, sharding
-    from jaxlm.serve import engine as engine_lib
+    from jaxlm.serve.engine import Engine
 
     sc, quantize, length = cfg.serve, cfg.decode.quantize_kv_cache, cfg.model.block_size
     pages = None
@@ -230,10 +229,9 @@ def rollout_engine(params, cfg: Config, rows: int, mesh=None, rules=None):
             raise ConfigError(f"serve.cache_gib={sc.cache_gib} holds {pages} pages of {sc.page_size} positions, and a "
                               f"rollout may take model.block_size={length} positions; raise serve.cache_gib (0 = "
                               "every rollout the whole context)")
-    e = engine_lib.Engine(params, cfg.model, rows, length, rows, quantize_kv_cache=quantize, mesh=mesh,
-                          prefill_chunk=sc.prefill_chunk, prefix_cache=sc.prefix_cache,
-                          rules=rules or (sharding.PARAM_RULES, sharding.ACTIVATION_RULES),
-                          decode_steps=sc.decode_steps, page_size=sc.page_size, cache_pages=pages)
+    e = Engine(params, cfg.model, dataclasses.replace(sc, max_slots=rows, max_queue=rows), length,
+               quantize_kv_cache=quantize, cache_pages=pages, mesh=mesh,
+               rules=rules or (sharding.PARAM_RULES, sharding.ACTIVATION_RULES))
     e.release_cache()
     return e
 
@@ -243,34 +241,17 @@ def generate(engine, params, cfg: Config, prompts: list[list[int]], seeds: list[
     """`group` completions of each prompt by the serving engine over `params` (the trainer's own buffers), the
     rows prompt-major. The engine's KV cache, sized to these rows, exists for this call only. Sequence i of a
     prompt samples with key(seed) folded with i, as the server does for a request's choices."""
-    from jaxlm.serve import engine as engine_lib
+    from jaxlm.serve.requests import Sequence
 
     rows = len(prompts) * group
     assert rows <= engine.B, (rows, engine.B)
     engine.params = params
     engine.reserve_cache()
-    got: list[list] = [[] for _ in range(rows)]
-    done = threading.Semaphore(0)
-    seqs = []
-    for p, (ids, seed) in enumerate(zip(prompts, seeds)):
-        for g in range(group):
-            events = got[p * group + g]
-
-            def emit(ev, events=events):
-                events.append(ev)
-                if ev[0] in ("done", "error"):
-                    done.release()
-
-            seqs.append(engine_lib.Sequence(list(ids), cfg.grpo.max_completion_tokens, temperature, top_k, top_p,
-                                            seed, g, stop_ids, emit, logprobs=True, alternatives=1))
-    for s in seqs:
-        engine.submit(s)
-    engine.start()
+    seqs = [Sequence(list(ids), cfg.grpo.max_completion_tokens, temperature, top_k, top_p, seed, g, stop_ids, None,
+                     logprobs=True, alternatives=1) for ids, seed in zip(prompts, seeds) for g in range(group)]
     try:
-        for _ in seqs:
-            done.acquire()
+        got = engine.run(seqs)  # started for the batch and stopped after it
     finally:
-        engine.stop()
         engine.release_cache()
         # what the rollouts freed (the cache, the weights taken apart, the programs' scratch and compilations)
         # stays in malloc's arenas otherwise, and the update allocates anew beside it: the resident memory grew
