@@ -1,14 +1,10 @@
-"""Chunked prefill for the engine: the next chunks of several prompts run through the model, in one call, into
-their slots of the engine's KV cache, and the logits after each chunk into the slots' rows of the engine's logits.
-
-The model math is decode.prefill_chunks (a chunk starts at any position of a slot that already holds the
-earlier ones: the engine prefills a long prompt a chunk per turn, between the other slots' decode steps, and after
-a prefix copied into the slot by the prefix cache). The engine pads the chunks to one of a few lengths C
-(engine.bucket) and the rows of a call to a power of two P, padding rows taking slot B (past the last), which
-writes nothing; so the program compiles once per (P, C), starts, lengths and slots being traced. When every chunk
-of a call starts its prompt (`fresh`, the common case of new requests without a reused prefix) the slots' earlier
-contents are neither gathered nor attended to (kvcache.fresh_fits: C must fit every kind's slots, so a ring buffer
-shorter than C takes the general path).
+"""Chunked prefill for the engine: the next chunks of several prompts run through the model (decode.prefill_chunks:
+a chunk starts at any position of a slot that already holds the earlier ones, or a prefix the prefix cache copied
+there), in one call, into their slots of the engine's KV cache, and the logits after each chunk into the slots'
+rows of the engine's logits. The engine pads the chunks to one of a few lengths C (cache.bucket) and the rows of a
+call to a power of two P, padding rows taking slot B (past the last), which writes nothing: the program compiles
+once per (P, C). When every chunk of a call starts its prompt (`fresh`) the slots' earlier contents are neither
+gathered nor attended to (kvcache.fresh_fits: C must fit every kind's slots, a ring buffer's included).
 
 Shape legend: B slots, P rows of a call, C chunk length, V vocab.
 """

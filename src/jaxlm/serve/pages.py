@@ -1,15 +1,12 @@
 """The host side of the paged KV cache (model/paged.py): which pages are free, which sequences hold which, and the
-prompt prefixes they hold, shared between sequences.
-
-A sequence takes pages as it grows and gives them back when it ends, is cancelled or is preempted. Pages are
-reference-counted: the full pages of a prompt (page_size tokens each) are registered under a key that
-chains the keys of the pages before them (a digest of every token up to the page's end), so a later prompt
-that starts with the same tokens takes those pages instead of prefilling them again, and the pages stay
-shared while any sequence uses them. A sequence never writes into a registered page: it registers only pages
-its prompt fills, and reuses at most the full pages before its last prompt token (whose logits the prefill
-must give), so its own tokens go to pages of its own. A page no sequence holds any more but that keeps a
-registered prefix stays cached, and is handed out again (its prefix forgotten) only when no free page is left,
-the least recently used first.
+prompt prefixes they hold, shared between sequences. A sequence takes pages as it grows and gives them back when
+it ends, is cancelled or is preempted. Pages are reference-counted: the full pages of a prompt (page_size tokens
+each) are registered under a key that chains the keys of the pages before them (a digest of every token up to the
+page's end), so a later prompt that starts with the same tokens takes those pages instead of prefilling them
+again. A sequence never writes into a registered page: it registers only pages its prompt fills, and reuses at
+most the full pages before its last prompt token (whose logits the prefill must give). A page no sequence holds
+any more but that keeps a registered prefix stays cached, and is handed out again (its prefix forgotten) only when
+no free page is left, the least recently used first.
 """
 
 from __future__ import annotations

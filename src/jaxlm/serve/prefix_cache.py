@@ -1,14 +1,12 @@
 """The prefix cache: recent prompts' keys and values kept on device, so that a request whose prompt starts with
 the same tokens (a shared system prompt, the other choices of an `n` > 1 request, a conversation's earlier
-turns) copies them into its slot and prefills only the rest.
-
-An entry is one slot's cache rows (a kvcache.KVCache of `entries` sequences, laid out as the engine's), saved
-when a prompt's prefill ends, with the prompt's tokens on the host. A new prompt takes the entry that shares
-its longest prefix, at least MIN_REUSE tokens and at most all but its last token (whose logits the prefill
-must give); the positions the entry holds past the shared prefix are masked by the chunked prefill
-(serve/chunk.py) and overwritten. A local (sliding-window) layer's ring buffer keeps only its last window, so an
-entry whose prompt outgrew the ring is reused only whole, by a prompt that extends it. The least recently used
-entry is replaced first.
+turns) copies them into its slot and prefills only the rest. An entry is one slot's cache rows (a kvcache.KVCache
+of `entries` sequences, laid out as the engine's), saved when a prompt's prefill ends, with the prompt's tokens on
+the host. A new prompt takes the entry that shares its longest prefix, at least MIN_REUSE tokens and at most all
+but its last token (whose logits the prefill must give); the positions the entry holds past the shared prefix are
+masked by the chunked prefill (serve/chunk.py) and overwritten. A local (sliding-window) layer's ring buffer keeps
+only its last window, so an entry whose prompt outgrew the ring is reused only whole, by a prompt that extends
+it. The least recently used entry is replaced first.
 """
 
 from __future__ import annotations
