@@ -1,16 +1,11 @@
 """Downstream evaluation: lm-evaluation-harness tasks run against a model through `jaxlm serve`'s completions API.
-
-`ServerLM` is an lm-eval model class that talks to a jaxlm server over HTTP: log-likelihoods come from
-`echo` + `logprobs` completions on token-id prompts (`max_tokens` 0, tokens named by id, so that the greedy
-check compares ids, not text that two tokens may share), generation from plain completions with the task's
-stop strings, tokenization from the server's /tokenize, so the model's own tokenizer is used whatever it is
-(jaxlm's char/byte vocabularies have no Hugging Face tokenizer for lm-eval to load). As lm-eval's own models
-do, a document's first token is scored after a prefix token, the one that starts documents in training: the
-tokenizer's BOS, else its EOS (which ends the document before); a model with neither (jaxlm's char and byte
-vocabularies) cannot score a first token, and rolling log-likelihoods and empty contexts are refused for it.
-`jaxlm eval SRC --tasks ...` starts a server for SRC on 127.0.0.1 in this process (or uses --url), runs the
-tasks from lm-eval's registry and `--include-path` folders of task YAML files, and prints lm-eval's table.
-Nothing is downloaded: tasks must read local data (e.g. `dataset_path: json` with local `data_files`).
+`server_lm` is an lm-eval model over a jaxlm server (ServerClient's requests): log-likelihoods from `echo` +
+`logprobs` completions on token-id prompts (tokens named by id, so the greedy check compares ids), generation from
+plain completions with the task's stop strings, tokens from the server's /tokenize (the model's own tokenizer,
+whatever it is). A document's first token is scored after the token that starts documents in training (BOS, else
+EOS); a model with neither cannot score one. `jaxlm eval SRC --tasks ...` starts a server for SRC on 127.0.0.1 in
+this process (or uses --url), runs the tasks from lm-eval's registry and `--include-path` folders of task YAML
+files, and prints lm-eval's table; nothing is downloaded (docs/serve.md, "Downstream evaluation").
 """
 
 from __future__ import annotations
@@ -36,110 +31,119 @@ def _lm_base():
     return LM
 
 
+class ServerClient:
+    """lm-eval's LM methods (loglikelihood, loglikelihood_rolling, generate_until) answered by the jaxlm server at
+    base_url (e.g. http://127.0.0.1:8000); server_lm makes an lm-eval LM of it."""
+
+    def __init__(self, base_url: str, model: str | None = None, api_key: str | None = None,
+                 timeout_s: float = 600.0):
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout_s)
+        info = self._get("/v1/models")["data"][0]
+        self.model, self.max_length = model or info["id"], info["max_model_len"]
+        bos, eos = info.get("bos_token_id"), info.get("eos_token_id")
+        self.prefix_token_id = bos if bos is not None else eos
+
+    def _get(self, path):
+        r = self.http.get(path)
+        return self._check(r)
+
+    def _post(self, path, body):
+        return self._check(self.http.post(path, json=body))
+
+    @staticmethod
+    def _check(r):
+        if r.status_code != 200:
+            try:
+                message = r.json()["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                message = r.text[:200]
+            raise ConfigError(f"the jaxlm server answered {r.status_code}: {message}")
+        return r.json()
+
+    def tok_encode(self, text: str) -> list[int]:
+        return self._post("/tokenize", {"prompt": text})["tokens"] if text else []
+
+    def _prefix(self, what: str) -> int:
+        if self.prefix_token_id is None:
+            raise ConfigError(f"{what} needs a token that starts documents (BOS or EOS) to score a first token "
+                              "after, and this model's tokenizer has neither")
+        return self.prefix_token_id
+
+    def _score(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
+        """Sum of log p(continuation | context) and whether each continuation token is the most likely one
+        (compared by id)."""
+        out = []
+        for i in range(0, len(pairs), BATCH):
+            chunk = pairs[i:i + BATCH]
+            prompts = []
+            for ctx, cont in chunk:
+                ids = (ctx + cont)[-self.max_length:]
+                if len(ids) <= len(cont):
+                    raise ConfigError(f"a context + continuation of {len(ctx) + len(cont)} tokens leaves no "
+                                      f"context in the model's {self.max_length} positions")
+                prompts.append(ids)
+            body = {"model": self.model, "prompt": prompts, "max_tokens": 0, "echo": True, "logprobs": 1,
+                    "temperature": 0, "return_tokens_as_token_ids": True}
+            for (ctx, cont), choice in zip(chunk, self._post("/v1/completions", body)["choices"]):
+                lp = choice["logprobs"]
+                n = len(cont)
+                tokens, token_lp, top = lp["tokens"][-n:], lp["token_logprobs"][-n:], lp["top_logprobs"][-n:]
+                greedy = all(max(t, key=t.get) == tok for t, tok in zip(top, tokens))
+                out.append((float(sum(token_lp)), greedy))
+        return out
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False):
+        pairs = []
+        for req in requests:
+            context, continuation = req.args
+            ctx = self.tok_encode(context) if context else [self._prefix("a log-likelihood with an empty context")]
+            pairs.append((ctx, self.tok_encode(continuation)))
+        return self._score(pairs)
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+        """Each document's log-likelihood, every token scored: lm-eval's rolling windows (the first after the
+        prefix token, each later one after the tokens before it), of max_length - 1 inputs so that a
+        window's inputs and its last target fit in the server's max_length positions."""
+        from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+        prefix = self._prefix("loglikelihood_rolling (perplexity)")
+        out = []
+        for req in requests:
+            windows = [make_disjoint_window(w) for w in get_rolling_token_windows(
+                self.tok_encode(req.args[0]), prefix, self.max_length - 1, 1)]
+            out.append(sum(lp for lp, _ in self._score(windows)))
+        return out
+
+    def generate_until(self, requests, disable_tqdm: bool = False):
+        out = []
+        for req in requests:
+            context, kwargs = req.args
+            kwargs = dict(kwargs or {})
+            until = kwargs.pop("until", None) or []
+            until = [until] if isinstance(until, str) else list(until)
+            ids = self.tok_encode(context)[-(self.max_length - 1):]
+            max_tokens = min(int(kwargs.pop("max_gen_toks", 256)), self.max_length - len(ids))
+            sample = kwargs.pop("do_sample", False)
+            body = {"model": self.model, "prompt": ids, "max_tokens": max_tokens,
+                    "temperature": float(kwargs.pop("temperature", 1.0)) if sample else 0.0,
+                    "stop": [u for u in until if u][:4] or None}
+            text = self._post("/v1/completions", body)["choices"][0]["text"]
+            for u in until[4:]:  # the API takes 4 stop strings; cut at any others here
+                if u and u in text:
+                    text = text[:text.index(u)]
+            out.append(text)
+        return out
+
+
 def server_lm(base_url: str, model: str | None = None, api_key: str | None = None, timeout_s: float = 600.0):
     """An lm-eval LM over the jaxlm server at base_url (e.g. http://127.0.0.1:8000)."""
     LM = _lm_base()
 
-    class ServerLM(LM):
+    class ServerLM(ServerClient, LM):
         def __init__(self):
-            super().__init__()
-            headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-            self.http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout_s)
-            info = self._get("/v1/models")["data"][0]
-            self.model, self.max_length = model or info["id"], info["max_model_len"]
-            bos, eos = info.get("bos_token_id"), info.get("eos_token_id")
-            self.prefix_token_id = bos if bos is not None else eos
-
-        def _get(self, path):
-            r = self.http.get(path)
-            return self._check(r)
-
-        def _post(self, path, body):
-            return self._check(self.http.post(path, json=body))
-
-        @staticmethod
-        def _check(r):
-            if r.status_code != 200:
-                try:
-                    message = r.json()["error"]["message"]
-                except (ValueError, KeyError, TypeError):
-                    message = r.text[:200]
-                raise ConfigError(f"the jaxlm server answered {r.status_code}: {message}")
-            return r.json()
-
-        def tok_encode(self, text: str) -> list[int]:
-            return self._post("/tokenize", {"prompt": text})["tokens"] if text else []
-
-        def _prefix(self, what: str) -> int:
-            if self.prefix_token_id is None:
-                raise ConfigError(f"{what} needs a token that starts documents (BOS or EOS) to score a first token "
-                                  "after, and this model's tokenizer has neither")
-            return self.prefix_token_id
-
-        def _score(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
-            """Sum of log p(continuation | context) and whether each continuation token is the most likely one
-            (compared by id)."""
-            out = []
-            for i in range(0, len(pairs), BATCH):
-                chunk = pairs[i:i + BATCH]
-                prompts = []
-                for ctx, cont in chunk:
-                    ids = (ctx + cont)[-self.max_length:]
-                    if len(ids) <= len(cont):
-                        raise ConfigError(f"a context + continuation of {len(ctx) + len(cont)} tokens leaves no "
-                                          f"context in the model's {self.max_length} positions")
-                    prompts.append(ids)
-                body = {"model": self.model, "prompt": prompts, "max_tokens": 0, "echo": True, "logprobs": 1,
-                        "temperature": 0, "return_tokens_as_token_ids": True}
-                for (ctx, cont), choice in zip(chunk, self._post("/v1/completions", body)["choices"]):
-                    lp = choice["logprobs"]
-                    n = len(cont)
-                    tokens, token_lp, top = lp["tokens"][-n:], lp["token_logprobs"][-n:], lp["top_logprobs"][-n:]
-                    greedy = all(max(t, key=t.get) == tok for t, tok in zip(top, tokens))
-                    out.append((float(sum(token_lp)), greedy))
-            return out
-
-        def loglikelihood(self, requests, disable_tqdm: bool = False):
-            pairs = []
-            for req in requests:
-                context, continuation = req.args
-                ctx = self.tok_encode(context) if context else [self._prefix("a log-likelihood with an empty context")]
-                pairs.append((ctx, self.tok_encode(continuation)))
-            return self._score(pairs)
-
-        def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
-            """Each document's log-likelihood, every token scored: lm-eval's rolling windows (the first after the
-            prefix token, each later one after the tokens before it), of max_length - 1 inputs so that a
-            window's inputs and its last target fit in the server's max_length positions."""
-            from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
-
-            prefix = self._prefix("loglikelihood_rolling (perplexity)")
-            out = []
-            for req in requests:
-                windows = [make_disjoint_window(w) for w in get_rolling_token_windows(
-                    self.tok_encode(req.args[0]), prefix, self.max_length - 1, 1)]
-                out.append(sum(lp for lp, _ in self._score(windows)))
-            return out
-
-        def generate_until(self, requests, disable_tqdm: bool = False):
-            out = []
-            for req in requests:
-                context, kwargs = req.args
-                kwargs = dict(kwargs or {})
-                until = kwargs.pop("until", None) or []
-                until = [until] if isinstance(until, str) else list(until)
-                ids = self.tok_encode(context)[-(self.max_length - 1):]
-                max_tokens = min(int(kwargs.pop("max_gen_toks", 256)), self.max_length - len(ids))
-                sample = kwargs.pop("do_sample", False)
-                body = {"model": self.model, "prompt": ids, "max_tokens": max_tokens,
-                        "temperature": float(kwargs.pop("temperature", 1.0)) if sample else 0.0,
-                        "stop": [u for u in until if u][:4] or None}
-                text = self._post("/v1/completions", body)["choices"][0]["text"]
-                for u in until[4:]:  # the API takes 4 stop strings; cut at any others here
-                    if u and u in text:
-                        text = text[:text.index(u)]
-                out.append(text)
-            return out
+            LM.__init__(self)
+            ServerClient.__init__(self, base_url, model, api_key, timeout_s)
 
     return ServerLM()
 
