@@ -46,7 +46,7 @@ from jaxlm.config import DecodeConfig
 from jaxlm.data import prepare
 from jaxlm.serve.engine import Engine
 from jaxlm.serve.requests import Sequence
-from jaxlm.serve.speculate import Draft
+from jaxlm.infer.speculative import Draft
 
 CORPUS = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "tinyshakespeare" / "input.txt"
 

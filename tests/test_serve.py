@@ -29,7 +29,8 @@ from jaxlm import serve  # noqa: E402
 from jaxlm.config import ServeConfig  # noqa: E402
 from jaxlm.serve import programs  # noqa: E402
 from jaxlm.serve.engine import Engine  # noqa: E402
-from jaxlm.serve.requests import TOP_LOGPROBS, QueueFull, Sequence  # noqa: E402
+from jaxlm.infer.sampling import TOP_LOGPROBS  # noqa: E402
+from jaxlm.serve.requests import QueueFull, Sequence  # noqa: E402
 
 TEMPLATE = "{% for m in messages %}{{ m['role'] | upper }}: {{ m['content'] }}\n{% endfor %}" \
            "{% if add_generation_prompt %}ASSISTANT: {% endif %}"

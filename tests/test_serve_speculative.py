@@ -16,7 +16,7 @@ from jaxlm.config import ConfigError, MeshConfig, ModelConfig, ServeConfig
 from jaxlm.model import param_specs
 from jaxlm.serve.engine import Engine
 from jaxlm.serve.requests import Sequence
-from jaxlm.serve.speculate import Draft
+from jaxlm.infer.speculative import Draft
 
 import test_speculative
 from test_speculative import chi_square_quantile

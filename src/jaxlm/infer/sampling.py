@@ -12,10 +12,14 @@ Shape legend: B batch (rows), V vocab, K alternatives.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+TOP_LOGPROBS = 5  # the most alternatives a request may ask for, as OpenAI's completions API allows
 
 # The three ways a batch samples, chosen at run time (lax.switch): only what the settings need runs.
 GREEDY, PLAIN, FILTERED = 0, 1, 2
@@ -213,3 +217,23 @@ def kept_tokens(tokens_BJ: jax.Array, n_B: jax.Array, live_B: jax.Array, made_B:
     kept_BJ &= made_B[:, None] + i_J < left_B[:, None]
     ended_B = jnp.any(stop_BJ & kept_BJ, axis=1) | (made_B + jnp.sum(kept_BJ, axis=1) >= left_B)
     return kept_BJ, ended_B
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class RowSampling:
+    """Each row's sampling settings as a decode call takes them [b] (stop tokens [b, M], padded with -1): the
+    tokens it may still send, its stop tokens, whether it wants log-probabilities, its seed, choice index and
+    count of tokens so far (its random stream), temperature, top_k and top_p."""
+    left_b: np.ndarray
+    stop_bM: np.ndarray
+    want_lp_b: np.ndarray
+    seed_b: np.ndarray
+    choice_b: np.ndarray
+    count_b: np.ndarray
+    temperature_b: np.ndarray
+    top_k_b: np.ndarray
+    top_p_b: np.ndarray
+
+    def arrays(self) -> tuple:
+        return tuple(getattr(self, f.name) for f in fields(self))

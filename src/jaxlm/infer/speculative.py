@@ -1,32 +1,31 @@
-"""Speculative decoding for `jaxlm generate` (`decode.draft=PATH`, docs/generate.md): a small draft model with
-the same tokenizer proposes decode.draft_tokens (k) tokens, the target scores them all in one forward pass, and
-sampling.speculative_accept keeps a prefix and draws one more: 1 to k + 1 tokens per pass of the target,
-distributed exactly as its own sampling (greedy tokens identical). Both models keep a paged cache (model/paged.py)
-and run every cached step through decode.paged_forward with their layers unrolled. An iteration starts from each
-sequence's pending token: the draft takes k + 1 steps, the target verifies the same k + 1 tokens at once; both
-caches are then cut back to the kept tokens by the sequence's length (pages hold every position). Rows advance
-by their own counts, the loop on device until every sequence has stopped.
+"""Speculative decoding, the one loop that `jaxlm generate` (`decode.draft=PATH` or `mtp`) and the server's engine
+both run (decode_loop): a draft model with the same tokenizer (or the model's own multi-token prediction module)
+proposes k tokens after each row's pending token, the target runs the k + 1 in one pass over its pages, and
+sampling.speculative_accept keeps a prefix and draws one more, so that the tokens are distributed as the
+target's own sampling draws them (greedy tokens identical). Both models keep paged caches with one page table;
+positions past a row's kept tokens are written over later, never read. Rows advance by their own counts, each
+with its own random stream (sampling.row_keys) and settings (sampling.RowSampling). docs/generate.md, serve.md.
 
-Shape legend: B batch, T prompt length, V vocab, k draft tokens, J = k + 1, N new tokens, M pages per sequence.
+Shape legend: B batch or slots, b rows of a call, T prompt length, V vocab, k draft tokens, J = k + 1, N new
+tokens, L tokens a call returns per row at most (1 + steps * J), M stop tokens (padded with -1) or pages per row.
 """
 
 from __future__ import annotations
 
-import contextlib
-import threading
 import time
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlm import runtime
+from jaxlm import runtime, sharding
 from jaxlm.infer import generate, sampling
+from jaxlm.infer.sampling import TOP_LOGPROBS, RowSampling
 from jaxlm.config import ConfigError, DecodeConfig, ModelConfig, draft_tokens, validate_decode
-from jaxlm.model import decode, paged
+from jaxlm.model import decode, layers, paged
 from jaxlm.model.mtp import mtp_pool, mtp_weights, paged_mtp
 
 PAGE = 16  # positions per page of the two caches
@@ -100,94 +99,181 @@ def mtp_proposals(params, module_params, pool, next_BJ, hid_BJD, prev_B, length_
     return drafted, kept, pool
 
 
-@partial(jax.jit, static_argnames=("cfg", "draft_cfg", "k", "max_new_tokens", "stream"))
-def _loop(params, draft_params, logits_BV, cache, draft_cache, lengths_B, key, temperature, top_k, top_p, stop_S,
-          last_BD, stream_id, cfg: ModelConfig, draft_cfg: ModelConfig | None, k: int, max_new_tokens: int,
-          stream: bool):
-    """Tokens [B, N] (0 after a sequence stopped), their counts [B], the draft tokens proposed to and kept by
-    live sequences, and the passes of the target. draft_cfg None: the model's first multi-token prediction
-    module drafts (draft_params unused; last_BD the model's hidden state after each prompt). With `stream` each
-    pass's tokens go to the host callback of stream_id (generate.streaming)."""
-    B, N = logits_BV.shape[0], max_new_tokens
-    J = k + 1
-    mtp = draft_cfg is None
-    settings_B = [jnp.broadcast_to(x, (B,)) for x in (temperature, top_k, top_p)]
-    table_BM = jnp.arange(cache.pages, dtype=jnp.int32).reshape(B, -1)
-    layers = decode.layer_weights(params, cfg)
-    draft_layers = mtp_weights(params, cfg) if mtp else decode.layer_weights(draft_params, draft_cfg)
+@partial(jax.tree_util.register_dataclass, data_fields=["params"], meta_fields=["cfg", "k"])
+@dataclass(frozen=True)
+class Draft:
+    """The draft model's pieces: its params and ModelConfig (both None: the model's first multi-token prediction
+    module drafts, decode.draft=mtp) and the tokens it proposes per pass. A pytree: the params are arrays, the
+    config and k are static."""
+    params: Any
+    cfg: ModelConfig | None
+    k: int
 
-    def draw(logits_BV, key, i):
-        q_BV = sampling.probabilities(logits_BV, *settings_B)
-        return jax.random.categorical(jax.random.fold_in(key, i), jnp.log(q_BV)).astype(jnp.int32), q_BV
+    @property
+    def mtp(self) -> bool:
+        return self.cfg is None
 
-    def draft_model(c, live_B, length_B, key_draft):
-        """The pending token, then the draft's own k proposals, each from its distribution q."""
-        tok_B, draft_cache, drafted, qs = c["pending_B"], c["draft_cache"], [], []
-        for i in range(J):
-            draft_logits_BV, draft_cache = decode.paged_forward(
-                draft_params, draft_cache, tok_B[:, None], length_B + i, jnp.where(live_B, length_B + i + 1, 0),
-                table_BM, draft_cfg, draft_layers)
-            if i < k:
-                tok_B, q_BV = draw(draft_logits_BV, key_draft, i)
-                drafted.append(tok_B)
-                qs.append(q_BV)
-        return drafted, qs, {"draft_cache": draft_cache}
 
-    def draft_mtp(c, live_B, length_B, key_draft):
-        drafted, qs, draft_cache = mtp_proposals(
-            params, draft_layers, c["draft_cache"], c["next_BJ"], c["hid_BJD"], c["prev_B"], length_B, live_B,
-            length_B + J, table_BM, cfg, k, lambda logits_BV, i: draw(logits_BV, key_draft, i))
-        return drafted, qs, {"draft_cache": draft_cache}
+def tokens_per_call(k: int, steps: int) -> int:
+    """The most tokens a row sends in one call of `steps` iterations."""
+    return 1 + steps * (k + 1)
 
-    def emit(c, tokens_BJ, n_B):
-        """Append each row's first n_B tokens, cut after a stop token and at N; returns the state."""
-        live_BJ, ended_B = sampling.kept_tokens(tokens_BJ, n_B, ~c["done_B"], c["count_B"], jnp.full((B,), N),
-                                                jnp.broadcast_to(stop_S, (B, stop_S.shape[0])))
-        at_BJ = jnp.where(live_BJ, c["count_B"][:, None] + jnp.arange(J), N)
-        out_BN = c["out_BN"].at[jnp.arange(B)[:, None], at_BJ].set(tokens_BJ, mode="drop")
-        count_B = c["count_B"] + jnp.sum(live_BJ, axis=1)
-        done_B = c["done_B"] | ended_B
-        if stream:
-            jax.debug.callback(generate.emit, stream_id, c["i"], tokens_BJ, jnp.sum(live_BJ, axis=1))
-        return {**c, "out_BN": out_BN, "count_B": count_B, "done_B": done_B, "i": c["i"] + 1}
+
+def _flat(x_bJ):  # [b, J, ...] -> [b * J, ...]
+    return x_bJ.reshape(-1, *x_bJ.shape[2:])
+
+
+def _send(c: dict, tokens_bJ, n_b, logits_bJV, stop_bM, left_b, want_lp_b) -> dict:
+    """The loop state `c` with each live row's first n_b tokens (logits_bJV: the target's logits each was drawn
+    from) appended to the row's output, cut after a stop token and at left_b tokens in all; rows that stop or
+    reach left_b are no longer live."""
+    b, n = tokens_bJ.shape
+    L, K = c["out"][0].shape[0], TOP_LOGPROBS
+    i_J = jnp.arange(n)
+    sent_bJ, ended_b = sampling.kept_tokens(tokens_bJ, n_b, c["live_b"], c["made_b"], left_b, stop_bM)
+    at_bJ = jnp.where(sent_bJ, c["made_b"][:, None] + i_J, L)  # past the output: dropped
+
+    def logprobs(logits_bJV, tokens_bJ):
+        return jax.vmap(partial(sampling.token_logprobs, K=K), in_axes=1, out_axes=1)(logits_bJV, tokens_bJ)
+
+    def no_logprobs(logits_bJV, tokens_bJ):
+        return jnp.zeros((b, n), jnp.float32), jnp.zeros((b, n, K), jnp.int32), jnp.zeros((b, n, K), jnp.float32)
+
+    lp = jax.lax.cond(jnp.any(sent_bJ & want_lp_b[:, None]), logprobs, no_logprobs, logits_bJV, tokens_bJ)
+    rows_b1 = jnp.arange(b)[:, None]
+    out = tuple(o.at[at_bJ, rows_b1].set(x, mode="drop") for o, x in zip(c["out"], (tokens_bJ, *lp, sent_bJ)))
+    made_b = c["made_b"] + jnp.sum(sent_bJ, axis=1)
+    return {**c, "out": out, "made_b": made_b, "live_b": c["live_b"] & ~ended_b}
+
+
+def _draft_proposals(draft_params, draft_layer_params, draft_cache, pending_b, length_b, live_b, limit_b, table_bM,
+                     draft_cfg: ModelConfig, k: int, draw):
+    """A draft model's k proposals per row: it runs the pending token, then each proposal drawn from its
+    logits by `draw(logits_bV, i)`, and once more to cache the k-th (positions at or past limit_b are not
+    written). Returns the proposals [b, k], the draft's logits they were drawn from (a list of k [b, V]) and its
+    cache."""
+    tok_b, drafted, q_logits = pending_b, [], []
+    for i in range(k + 1):
+        at_b = length_b + i
+        logits_i_bV, draft_cache = decode.paged_forward(
+            draft_params, draft_cache, tok_b[:, None], at_b, jnp.where(live_b & (at_b < limit_b), at_b + 1, 0),
+            table_bM, draft_cfg, draft_layer_params)
+        if i < k:
+            tok_b = draw(logits_i_bV, i)
+            drafted.append(tok_b)
+            q_logits.append(logits_i_bV)
+    return jnp.stack(drafted, axis=1), q_logits, draft_cache
+
+
+def _verify(way, logits_bJV, q_logits: list, d_bk, keys_b, settings):
+    """The target's verdict on proposals d_bk [b, k] given its logits after the pending token and each proposal
+    [b, J, V] and the draft's logits they were drawn from (q_logits): the tokens [b, J] (the kept proposals, then
+    one drawn from the target's residual distribution, or its own after all k) and how many proposals each row
+    keeps [b]. Greedy rows (way GREEDY) keep the proposals equal to the target's greedy tokens."""
+    b, J, V = logits_bJV.shape
+    k = J - 1
+
+    def greedy():  # one-hot p and q: the rule keeps the proposals equal to the model's greedy tokens
+        g_bJ = sampling.greedy_tokens(_flat(logits_bJV)).reshape(b, J)
+        kept_b = jnp.sum(jnp.cumprod((d_bk == g_bJ[:, :k]).astype(jnp.int32), axis=1), axis=1)
+        return jnp.where(jnp.arange(J) <= kept_b[:, None], g_bJ, 0), kept_b
+
+    def sampled():
+        def dist(logits_bnV):
+            n = logits_bnV.shape[1]
+            return sampling.probabilities(_flat(logits_bnV), *(jnp.repeat(x, n) for x in settings)).reshape(b, n, V)
+
+        keys = jax.vmap(lambda key: jax.random.fold_in(key, 0))(keys_b)
+        return sampling.speculative_accept(dist(logits_bJV), dist(jnp.stack(q_logits, axis=1)), d_bk, keys)
+
+    return jax.lax.cond(way == sampling.GREEDY, greedy, sampled)
+
+
+@partial(jax.jit, static_argnames=("cfg", "max_steps", "layout"), donate_argnames=("cache", "draft_cache", "mtp"))
+def decode_loop(params, layer_params, draft: Draft, draft_layer_params, cache, draft_cache, logits_BV, rows_b,
+                adapter_b, steps, live_b, length_b, pending_b, limit_b, table_bM, sampled: RowSampling,
+                cfg: ModelConfig, max_steps: int, mtp: dict | None = None, layout: sharding.Layout | None = None):
+    """Up to `steps` (<= max_steps) iterations of speculative decoding over rows rows_b (see the module
+    docstring): length_b positions cached per row, pending_b its pending token (-1: sample it from the row's
+    logits in logits_BV), limit_b the positions it may use, `sampled` its sampling settings (left_b the tokens it
+    may still send, count_b those it has sent). Returns tokens, log-probabilities, alternatives [L, b(, K)] and
+    which were sent [L, b] (each row's first ones, in order), the two caches, the draft tokens proposed to live
+    rows and kept by them, and `mtp`.
+
+    draft.cfg None: the model's first multi-token prediction module drafts (draft_layer_params its mtp_weights,
+    draft_cache its pool, draft.params unused), and `mtp` holds every slot's state between calls (see
+    prefill_mtp): the model's hidden state after the prompt (hidden_BD, for a row that starts from its logits),
+    and, for the rows that have decoded, the first position of the last pass (prev_B), the model's hidden states
+    from there [B, J, D] and the tokens after them [B, J] (the module's next pass starts with them, as
+    speculative.py's loop does). `layout`: the engine's mesh and rules (programs.py)."""
+    draft_params, draft_cfg, k = draft.params, draft.cfg, draft.k
+    left_b, stop_bM, want_lp_b, seed_b, choice_b, count_b, temperature_b, top_k_b, top_p_b = sampled.arrays()
+    base = layers.with_rows(params, jnp.full_like(adapter_b, -1))  # the module's embedding and head: no adapter
+    params, layer_params = layers.with_rows((params, layer_params), adapter_b)
+    b, K, J, V = rows_b.shape[0], TOP_LOGPROBS, k + 1, logits_BV.shape[-1]
+    L = tokens_per_call(k, max_steps)
+    settings = (temperature_b, top_k_b, top_p_b)
+    choice_keys_b = sampling.choice_keys(seed_b, choice_b)
+    logits_bV = jnp.take(logits_BV, rows_b, axis=0)
+    send = partial(_send, stop_bM=stop_bM, left_b=left_b, want_lp_b=want_lp_b)
 
     def body(c):
-        key, key_draft, key_accept = jax.random.split(c["key"], 3)
-        live_B = ~c["done_B"]
-        length_B = jnp.where(live_B, c["length_B"], 0)  # a sequence that has stopped writes and reads nothing
-        drafted, qs, drafts = (draft_mtp if mtp else draft_model)(c, live_B, length_B, key_draft)
-        d_Bk = jnp.stack(drafted, axis=1)
-        # the target: the same k + 1 tokens in one pass, a distribution p after each
-        chunk_BJ = jnp.concatenate([c["pending_B"][:, None], d_Bk], axis=1)
-        logits_BJV, h_BJD, cache = decode.paged_forward(params, c["cache"], chunk_BJ, length_B,
-                                                        jnp.where(live_B, length_B + J, 0), table_BM, cfg,
-                                                        layers, all_logits=True, hidden=True)
-        p_BJV = sampling.probabilities(logits_BJV.reshape(B * J, -1), *(jnp.repeat(x, J) for x in settings_B)
-                                       ).reshape(logits_BJV.shape)
-        tokens_BJ, kept_B = sampling.speculative_accept(p_BJV, jnp.stack(qs, axis=1), d_Bk,
-                                                        jax.random.split(key_accept, B))
-        if mtp:  # the module's next pass starts after this one's first position (its hidden states, new tokens)
-            drafts.update(prev_B=jnp.where(live_B, length_B, c["prev_B"]),
-                          hid_BJD=jnp.where(live_B[:, None, None], h_BJD.astype(c["hid_BJD"].dtype), c["hid_BJD"]),
-                          next_BJ=jnp.where(live_B[:, None], tokens_BJ, c["next_BJ"]))
-        c = emit({**c, "key": key, **drafts}, tokens_BJ, kept_B + 1)
-        # both caches keep the pending token and the kept drafts; the drawn token is the next pending one
-        return {**c, "pending_B": jnp.take_along_axis(tokens_BJ, kept_B[:, None], axis=1)[:, 0], "cache": cache,
-                "length_B": jnp.where(live_B, c["length_B"] + kept_B + 1, c["length_B"]),
-                "proposed": c["proposed"] + k * jnp.sum(live_B), "kept": c["kept"] + jnp.sum(kept_B * live_B)}
+        live_b, length_b, pending_b = c["live_b"], c["length_b"], c["pending_b"]
+        keys_b = sampling.row_keys(choice_keys_b, count_b + c["made_b"])
+        way = sampling.branch(jnp.where(live_b, temperature_b, 0), top_k_b, top_p_b, V)
 
-    key, first = jax.random.split(key)
-    pending_B = sampling.sample_tokens(logits_BV, first, temperature, top_k, top_p)
-    c = {"i": jnp.int32(0), "key": key, "cache": cache, "draft_cache": draft_cache, "pending_B": pending_B,
-         "length_B": lengths_B,
-         "out_BN": jnp.zeros((B, N), jnp.int32), "count_B": jnp.zeros((B,), jnp.int32),
-         "done_B": jnp.zeros((B,), bool), "proposed": jnp.int32(0), "kept": jnp.int32(0)}
-    if mtp:  # the module's first pass: the first sampled token at the position after each prompt
-        c.update(prev_B=lengths_B - 1, hid_BJD=jnp.zeros((B, J, last_BD.shape[-1]), last_BD.dtype).at[:, 0].set(
-            last_BD), next_BJ=jnp.zeros((B, J), jnp.int32).at[:, 0].set(pending_B))
-    c = emit(c, jnp.concatenate([pending_B[:, None], jnp.zeros((B, k), jnp.int32)], axis=1), jnp.ones((B,), jnp.int32))
-    c = jax.lax.while_loop(lambda c: ~jnp.all(c["done_B"]), body, c)
-    return c["out_BN"], c["count_B"], c["proposed"], c["kept"], c["i"] - 1
+        def draw(logits_bV, i):  # a proposal from the draft's distribution q under the row's settings
+            return sampling.sample_rows(way, logits_bV,
+                                        lambda: jax.vmap(lambda key: jax.random.fold_in(key, i + 1))(keys_b),
+                                        *settings)
+
+        if draft_cfg is None:  # the module: the last pass's kept positions, then its own proposals one by one
+            drafted, q_logits, draft_cache = mtp_proposals(
+                base, draft_layer_params, c["draft_cache"], c["next_bJ"], c["hid_bJD"], c["prev_b"], length_b,
+                live_b, limit_b, table_bM, cfg, k, lambda logits_bV, i: (draw(logits_bV, i), logits_bV))
+            d_bk = jnp.stack(drafted, axis=1)
+        else:
+            d_bk, q_logits, draft_cache = _draft_proposals(draft_params, draft_layer_params, c["draft_cache"],
+                                                           pending_b, length_b, live_b, limit_b, table_bM,
+                                                           draft_cfg, k, draw)
+        # the target: the same k + 1 tokens in one pass, its distribution p after each
+        chunk_bJ = jnp.concatenate([pending_b[:, None], d_bk], axis=1)
+        logits_bJV, h_bJD, cache = decode.paged_forward(
+            params, c["cache"], chunk_bJ, length_b, jnp.where(live_b, jnp.minimum(length_b + J, limit_b), 0),
+            table_bM, cfg, layer_params, all_logits=True, hidden=True)
+        tokens_bJ, kept_b = _verify(way, logits_bJV, q_logits, d_bk, keys_b, settings)
+        if draft_cfg is None:  # the module's next pass starts at this one's first position
+            c = {**c, "prev_b": jnp.where(live_b, length_b, c["prev_b"]),
+                 "hid_bJD": jnp.where(live_b[:, None, None], h_bJD.astype(c["hid_bJD"].dtype), c["hid_bJD"]),
+                 "next_bJ": jnp.where(live_b[:, None], tokens_bJ, c["next_bJ"])}
+        c = send({**c, "cache": cache, "draft_cache": draft_cache}, tokens_bJ, kept_b + 1, logits_bJV)
+        return {**c, "i": c["i"] + 1, "length_b": jnp.where(live_b, length_b + kept_b + 1, length_b),
+                "pending_b": jnp.take_along_axis(tokens_bJ, kept_b[:, None], axis=1)[:, 0],
+                "proposed": c["proposed"] + k * jnp.sum(live_b), "kept": c["kept"] + jnp.sum(kept_b * live_b)}
+
+    with sharding.within(layout):
+        out = (jnp.zeros((L, b), jnp.int32), jnp.zeros((L, b), jnp.float32), jnp.zeros((L, b, K), jnp.int32),
+               jnp.zeros((L, b, K), jnp.float32), jnp.zeros((L, b), bool))
+        c = {"i": jnp.int32(0), "live_b": live_b, "made_b": jnp.zeros((b,), jnp.int32), "length_b": length_b,
+             "cache": cache, "draft_cache": draft_cache, "out": out, "proposed": jnp.int32(0), "kept": jnp.int32(0)}
+        # rows just prefilled: their first token from their logits, as the one-token step samples it
+        fresh_b = live_b & (pending_b < 0)
+        way = sampling.branch(jnp.where(fresh_b, temperature_b, 0), top_k_b, top_p_b, V)
+        first_b = sampling.sample_rows(way, logits_bV, lambda: sampling.row_keys(choice_keys_b, count_b), *settings)
+        c = send(c, first_b[:, None], fresh_b.astype(jnp.int32), logits_bV[:, None])
+        c["pending_b"] = jnp.where(fresh_b, first_b, pending_b)
+        if draft_cfg is None:  # a fresh row's module pass: the last prompt position, with the first token after it
+            hid_bJD, next_bJ = jnp.take(mtp["hid_BJD"], rows_b, axis=0), jnp.take(mtp["next_BJ"], rows_b, axis=0)
+            c.update(prev_b=jnp.where(fresh_b, length_b - 1, jnp.take(mtp["prev_B"], rows_b)),
+                     hid_bJD=jnp.where(fresh_b[:, None, None], hid_bJD.at[:, 0].set(
+                         jnp.take(mtp["hidden_BD"], rows_b, axis=0)), hid_bJD),
+                     next_bJ=jnp.where(fresh_b[:, None], next_bJ.at[:, 0].set(first_b), next_bJ))
+        c = jax.lax.while_loop(lambda c: (c["i"] < steps) & jnp.any(c["live_b"]), body, c)
+    if draft_cfg is None:
+        mtp = {**mtp, "prev_B": mtp["prev_B"].at[rows_b].set(c["prev_b"]),
+               "hid_BJD": mtp["hid_BJD"].at[rows_b].set(c["hid_bJD"]),
+               "next_BJ": mtp["next_BJ"].at[rows_b].set(c["next_bJ"])}
+    return *c["out"], c["cache"], c["draft_cache"], c["proposed"], c["kept"], c["i"], mtp
 
 
 def check_draft(cfg: ModelConfig, draft_cfg: ModelConfig, length: int) -> None:
@@ -212,57 +298,93 @@ def check_mtp(cfg: ModelConfig) -> None:
 def generate_speculative(params, cfg: ModelConfig, draft_params, draft_cfg: ModelConfig | None,
                          prompts: Sequence[Sequence[int]], d: DecodeConfig, stop_ids: Sequence[int] = (),
                          on_tokens: Callable[[np.ndarray, np.ndarray], None] | None = None) -> Speculation:
-    """generate.generate with a draft model proposing config.draft_tokens tokens per pass of the target (see the
-    module docstring); draft_params and draft_cfg None: the model's own first multi-token prediction module
-    drafts (decode.draft=mtp). `on_tokens(tokens, live)` is called on the host for each new token of every
-    sequence, as generate calls it."""
+    """generate.generate with a draft model proposing config.draft_tokens tokens per pass of the target, through
+    decode_loop (the server's loop: each row b samples from key(decode.seed) folded with b); draft_params and
+    draft_cfg None: the model's own first multi-token prediction module drafts (decode.draft=mtp).
+    `on_tokens(tokens, live)` is called on the host for each new token of every sequence, as generate calls it."""
     validate_decode(d)
-    k = draft_tokens(d, mtp=draft_cfg is None)
+    draft = Draft(draft_params, draft_cfg, draft_tokens(d, mtp=draft_cfg is None))
     generate.check_prompts(prompts, cfg, d)
-    B, T = len(prompts), -(-max(map(len, prompts)) // generate.PAD) * generate.PAD
-    length = T + d.max_new_tokens + k + 1
-    if draft_cfg is None:
+    B, T, N = len(prompts), -(-max(map(len, prompts)) // generate.PAD) * generate.PAD, d.max_new_tokens
+    length = T + N + draft.k + 1
+    if draft.mtp:
         check_mtp(cfg)
-    check_draft(cfg, cfg if draft_cfg is None else draft_cfg, length)
+    check_draft(cfg, cfg if draft.mtp else draft_cfg, length)
     prompts_BT, lengths_B = generate.padded_prompts(prompts, T)
-    settings, stop_S, key = generate.sampling_inputs(d, stop_ids)
     fmt = paged.pool_format(runtime.platform())  # the pools' format on the devices the call runs on
+    pages = -(-length // PAGE)
     t0 = time.perf_counter()
-    if draft_cfg is None:
+    mtp = None
+    if draft.mtp:
         logits_BV, cache, draft_cache, last_BD = jax.block_until_ready(
-            _prefill_mtp(params, prompts_BT, lengths_B, cfg, -(-length // PAGE), fmt))
+            _prefill_mtp(params, prompts_BT, lengths_B, cfg, pages, fmt))
+        dt, J = jnp.dtype(cfg.compute_dtype), draft.k + 1
+        mtp = {"hidden_BD": last_BD.astype(dt), "prev_B": jnp.zeros((B,), jnp.int32),
+               "hid_BJD": jnp.zeros((B, J, cfg.d_model), dt), "next_BJ": jnp.zeros((B, J), jnp.int32)}
     else:
         logits_BV, cache, draft_cache = jax.block_until_ready(
-            _prefill(params, draft_params, prompts_BT, lengths_B, cfg, draft_cfg, -(-length // PAGE), fmt))
-        last_BD = jnp.zeros((B, 1), jnp.float32)
+            _prefill(params, draft_params, prompts_BT, lengths_B, cfg, draft_cfg, pages, fmt))
     t1 = time.perf_counter()
-    stream = on_tokens is not None
-    streamed = contextlib.nullcontext(np.int32(0))
-    if stream:
-        lock, state = threading.Lock(), {"next": 0, "held": {}}
-
-        def in_order(i, tokens_BJ, count_B):  # the callback is unordered: passes wait for the ones before
-            with lock:
-                state["held"][int(i)] = (np.asarray(tokens_BJ), np.asarray(count_B))
-                while state["next"] in state["held"]:
-                    toks, n = state["held"].pop(state["next"])
-                    for j in range(int(n.max(initial=0))):
-                        on_tokens(toks[:, j], j < n)
-                    state["next"] += 1
-
-        streamed = generate.streaming(in_order)
-    args = (params, draft_params, logits_BV, cache, draft_cache, lengths_B, key, *settings, stop_S, last_BD)
-    static = (cfg, draft_cfg, k, d.max_new_tokens, stream)
-    loop = generate.compiled_once(_EXECUTABLES, (generate.signature(args), static),
-                                  lambda: _loop.lower(*args, np.int32(0), *static).compile())
+    rows = _Rows(lengths_B, N, d, stop_ids)
+    layer_params = decode.layer_weights(params, cfg)
+    draft_layer_params = mtp_weights(params, cfg) if draft.mtp else decode.layer_weights(draft_params, draft_cfg)
+    table_BM = np.arange(B * pages, dtype=np.int32).reshape(B, pages)
+    args = (params, layer_params, draft, draft_layer_params, cache, draft_cache, logits_BV, np.arange(B, dtype=np.int32),
+            np.full((B,), -1, np.int32), np.int32(LOOP_STEPS if on_tokens is None else STREAM_STEPS),
+            *rows.call(table_BM))
+    loop = generate.compiled_once(_EXECUTABLES, (generate.signature((*args, mtp)), cfg),
+                                  lambda: decode_loop.lower(*args, cfg=cfg, max_steps=LOOP_STEPS, mtp=mtp).compile())
     t2 = time.perf_counter()
-    with streamed as stream_id:
-        out = jax.block_until_ready(loop(*args, stream_id))
-        jax.effects_barrier()
+    proposed = kept = passes = 0
+    while not rows.done.all():
+        *out, cache, draft_cache, p, k, i, mtp = loop(*args[:4], cache, draft_cache, *args[6:10],
+                                                      *rows.call(table_BM), mtp=mtp)
+        tokens_LB, sent_LB = jax.device_get((out[0], out[4]))
+        rows.take(tokens_LB, sent_LB.sum(axis=0), on_tokens)
+        proposed, kept, passes = proposed + int(p), kept + int(k), passes + int(i)
     t3 = time.perf_counter()
-    out_BN, count_B, proposed, kept, passes = (np.asarray(x) for x in out)
-    return Speculation([out_BN[b, :count_B[b]].tolist() for b in range(B)], t2 - t1, t1 - t0, t3 - t2,
-                       int(proposed), int(kept), int(passes))
+    return Speculation(rows.tokens, t2 - t1, t1 - t0, t3 - t2, proposed, kept, passes)
+
+
+LOOP_STEPS = 16  # iterations of the loop per call at most (its output's size): between calls the host takes the
+STREAM_STEPS = 4  # new tokens; fewer per call when they are streamed (the same program: steps is an argument)
+
+
+class _Rows:
+    """generate_speculative's rows between calls of the loop: tokens sent, pending token, cached length."""
+
+    def __init__(self, lengths_B, N: int, d: DecodeConfig, stop_ids: Sequence[int]):
+        B = len(lengths_B)
+        self.lengths, self.N, self.stop = np.asarray(lengths_B, np.int32), N, set(int(t) for t in stop_ids)
+        self.tokens: list[list[int]] = [[] for _ in range(B)]
+        self.pending = np.full((B,), -1, np.int32)  # sent, not yet cached (-1: sample it from the logits)
+        self.done = np.zeros((B,), bool)
+        stop_BM = np.full((B, max(len(stop_ids), 1)), -1, np.int32)
+        stop_BM[:, :len(stop_ids)] = list(stop_ids)
+        full = lambda x, dtype: np.full((B,), x, dtype)  # noqa: E731
+        self.fixed = dict(stop_bM=stop_BM, want_lp_b=full(False, bool), seed_b=full(d.seed, np.int32),
+                          choice_b=np.arange(B, dtype=np.int32), temperature_b=full(d.temperature, np.float32),
+                          top_k_b=full(d.top_k, np.int32), top_p_b=full(d.top_p, np.float32))
+
+    def call(self, table_BM) -> tuple:
+        """decode_loop's live_b, length_b, pending_b, limit_b, table_bM and sampled for the next call."""
+        count = np.asarray([len(t) for t in self.tokens], np.int32)
+        length = self.lengths + count - (self.pending >= 0)
+        sampled = sampling.RowSampling(left_b=self.N - count, count_b=count, **self.fixed)
+        return ~self.done, length, self.pending.copy(), self.lengths + self.N, table_BM, sampled
+
+    def take(self, tokens_LB: np.ndarray, n_B: np.ndarray, on_tokens) -> None:
+        """A call's tokens (each row's first n_B of tokens_LB), streamed to on_tokens in order."""
+        for b, n in enumerate(n_B.tolist()):
+            if n:
+                new = tokens_LB[:n, b].tolist()
+                self.tokens[b] += new
+                self.pending[b] = new[-1]
+                self.done[b] |= new[-1] in self.stop
+            self.done[b] |= len(self.tokens[b]) >= self.N
+        if on_tokens is not None:
+            for j in range(int(n_B.max(initial=0))):
+                on_tokens(np.where(j < n_B, tokens_LB[j], 0), j < n_B)
 
 
 _EXECUTABLES: dict = {}  # the loop compiled per key of shapes, shardings and settings (generate.compiled_once)

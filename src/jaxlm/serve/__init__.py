@@ -63,7 +63,7 @@ def build(src: str | Path, cfg: Config, log: Callable[[str], None] = print):
     from jaxlm.serve.engine import Engine
     from jaxlm.serve.replicas import Replicas
     from jaxlm.serve.served import Served
-    from jaxlm.serve.speculate import Draft
+    from jaxlm.infer.speculative import Draft
 
     d, sc = cfg.decode, cfg.serve
     mesh_cfg = cfg.mesh if cfg.mesh != Config().mesh else None

@@ -17,14 +17,15 @@ import numpy as np
 
 from jaxlm import runtime, sharding
 from jaxlm.config import ModelConfig, ServeConfig
-from jaxlm.infer import generate
+from jaxlm.infer import generate, speculative
+from jaxlm.infer.sampling import RowSampling
+from jaxlm.infer.speculative import Draft
 from jaxlm.model import decode, kvcache, paged
 from jaxlm.model.mtp import mtp_pool, mtp_weights
 from jaxlm.serve import chunk as chunk_lib, programs, speculate
 from jaxlm.serve.pages import PagePool
 from jaxlm.serve.prefix_cache import PrefixCache
-from jaxlm.serve.requests import RowSampling, Score, Sequence
-from jaxlm.serve.speculate import Draft
+from jaxlm.serve.requests import Score, Sequence
 
 MIN_BUCKET = 16
 
@@ -282,7 +283,7 @@ class Cache:
         kept)."""
         rows_b = np.asarray(rows, np.int32)
         if self.draft is not None:
-            *out, self.cache, self.draft_cache, proposed, kept, mtp = speculate.decode_loop(
+            *out, self.cache, self.draft_cache, proposed, kept, _, mtp = speculative.decode_loop(
                 self.params, self.layer_weights(), self.draft, self.draft_layer_weights(), self.cache,
                 self.draft_cache, self.logits_BV, rows_b, adapter_b, np.int32(steps), live_b, length_b,
                 self.pending[rows_b], limit_b, self.table[rows_b], sampled, cfg=self.cfg, max_steps=max_steps,

@@ -25,10 +25,11 @@ import numpy as np
 from jaxlm import sharding
 from jaxlm.config import ModelConfig, ServeConfig
 from jaxlm.infer import speculative
+from jaxlm.infer.sampling import RowSampling
+from jaxlm.infer.speculative import Draft
 from jaxlm.model import layers, paged
 from jaxlm.serve.cache import Cache, bucket
-from jaxlm.serve.requests import QueueFull, RowSampling, Score, Sequence, check, ended
-from jaxlm.serve.speculate import Draft
+from jaxlm.serve.requests import QueueFull, Score, Sequence, check, ended
 
 ENGINE_FAILED = "the engine failed while running this request (the server's log has the error)"
 log = logging.getLogger("jaxlm.serve")

@@ -19,12 +19,11 @@ import jax
 import jax.numpy as jnp
 
 from jaxlm import sharding
-from jaxlm.infer import sampling
+from jaxlm.infer import sampling, speculative
+from jaxlm.infer.sampling import TOP_LOGPROBS
 from jaxlm.config import ModelConfig
 from jaxlm.model import forward, kvcache, layers, paged
 from jaxlm.model.decode import decoder, paged_forward
-from jaxlm.serve import speculate
-from jaxlm.serve.requests import TOP_LOGPROBS
 
 SLOT_DIVISORS = (8, 4, 2)  # the decode program's slot buckets besides all slots: S / each (slot_buckets)
 MIN_SLOTS = 16  # the fewest slots of a slot bucket
@@ -213,4 +212,4 @@ def score(params, tokens_1T, adapter_1, cfg: ModelConfig, layout: sharding.Layou
 
 def compiled_step_count() -> int:
     """How many decode programs this process has compiled (one per bucket, engine settings and model)."""
-    return decode_loop._cache_size() + paged_decode_loop._cache_size() + speculate.decode_loop._cache_size()
+    return decode_loop._cache_size() + paged_decode_loop._cache_size() + speculative.decode_loop._cache_size()

@@ -1,19 +1,19 @@
 """What the engine serves: a sequence to generate (one choice of a request) or a prompt to score, the events each
 emits, and the check a request passes where it enters the engine (`check`): a value the device programs cannot
 hold (a top_k past int32, a token id outside the vocabulary) fails that request alone at its admission, never
-inside a device call it would share. Also each row's sampling settings as a decode call takes them."""
+inside a device call it would share."""
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Callable
 
-import jax
 import numpy as np
 
-TOP_LOGPROBS = 5  # the most alternatives a request may ask for, as OpenAI's completions API allows
+from jaxlm.infer.sampling import TOP_LOGPROBS
+
 INT32_MAX = 2**31 - 1
 
 
@@ -87,26 +87,6 @@ class Score:
 def ended(item: Sequence | Score, event: tuple) -> bool:
     """Whether `event` is the last one `item` gets."""
     return event[0] in (("done", "error") if isinstance(item, Sequence) else ("score", "error"))
-
-
-@jax.tree_util.register_dataclass
-@dataclass(frozen=True)
-class RowSampling:
-    """Each row's sampling settings as a decode call takes them [b] (stop tokens [b, M], padded with -1): the
-    tokens it may still send, its stop tokens, whether it wants log-probabilities, its seed, choice index and
-    count of tokens so far (its random stream), temperature, top_k and top_p."""
-    left_b: np.ndarray
-    stop_bM: np.ndarray
-    want_lp_b: np.ndarray
-    seed_b: np.ndarray
-    choice_b: np.ndarray
-    count_b: np.ndarray
-    temperature_b: np.ndarray
-    top_k_b: np.ndarray
-    top_p_b: np.ndarray
-
-    def arrays(self) -> tuple:
-        return tuple(getattr(self, f.name) for f in fields(self))
 
 
 def check(item: Sequence | Score, vocab_size: int, adapters: int, positions: int,

@@ -15,7 +15,7 @@ from typing import Any
 
 from jaxlm.config import DecodeConfig
 from jaxlm.errors import UserError
-from jaxlm.serve.requests import TOP_LOGPROBS
+from jaxlm.infer.sampling import TOP_LOGPROBS
 
 MAX_N = 16
 MAX_STOP = 4
