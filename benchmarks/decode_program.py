@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import decode as decode_bench  # noqa: E402
 
 from jaxlm.infer import generate  # noqa: E402
+from jaxlm.infer.sampling import RowSampling  # noqa: E402
 from jaxlm.config import DecodeConfig, ServeConfig  # noqa: E402
 from jaxlm.serve import programs  # noqa: E402
 from jaxlm.serve.engine import MIN_STOP_WIDTH, Engine  # noqa: E402
@@ -51,8 +52,9 @@ def sessions(params, cfg, slots: int, repeats: int) -> dict:
         seeds, zeros = np.zeros(b, np.uint32), np.zeros(b, np.int32)
         *out, e.kv.logits_BV, e.kv.cache = programs.decode_loop(
             params, e.kv.cache, e.kv.logits_BV, rows, np.full(b, -1, np.int32), np.int32(steps), live, zeros,
-            np.full(b, 1000, np.int32), np.full((b, MIN_STOP_WIDTH), -1, np.int32), live, seeds, zeros, zeros + done,
-            np.zeros(b, np.float32), zeros, np.ones(b, np.float32), cfg=cfg, max_steps=8, unroll=e.kv.unroll)
+            RowSampling(np.full(b, 1000, np.int32), np.full((b, MIN_STOP_WIDTH), -1, np.int32), live, seeds, zeros,
+                        zeros + done, np.zeros(b, np.float32), zeros, np.ones(b, np.float32)),
+            cfg=cfg, max_steps=8, unroll=e.kv.unroll)
         jax.device_get(out)
 
     def session(k: int, start: int, steps: int) -> float:

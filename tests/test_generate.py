@@ -213,8 +213,9 @@ def test_decode_segments_cover_the_steps_and_hold_their_positions():
 def test_generate_equals_the_stacked_decode_step(name, quantize, unroll, monkeypatch):
     """generate's loop (the cache growing over three segments; layers and cache taken apart, keys transposed,
     or, for deep models, the scan over stacked layers) samples the tokens of decode.decode_step over the
-    stacked full-length cache, step by step, with the same keys (sampled, not greedy: a tiny random model's
-    greedy output soon repeats one token)."""
+    stacked full-length cache, step by step, with the same keys (row b's i-th token from key(seed) folded with b
+    and i, as the server draws choice b; sampled, not greedy: a tiny random model's greedy output soon repeats
+    one token)."""
     monkeypatch.setattr(generate, "UNROLL_LAYERS", 1000 if unroll else 0)
     monkeypatch.setattr(generate, "_EXECUTABLES", {})
     cfg = tiny(name, block_size=160)  # gpt2's learned positions cover the whole cache
@@ -230,11 +231,10 @@ def test_generate_equals_the_stacked_decode_step(name, quantize, unroll, monkeyp
     logits, cache = jax.jit(decode.prefill, static_argnums=(3, 4, 5))(
         params, prompts_BT, np.array([len(p) for p in prompts], np.int32), cfg, 16 + N, quantize)
     step = jax.jit(decode.decode_step, static_argnums=3)
-    draw = jax.jit(sampling.sample_tokens)
-    key, want = jax.random.key(5), []
-    for _ in range(N):
-        key, sub = jax.random.split(key)
-        want.append(draw(logits, sub, 1.0, 0, 1.0))
+    draw = jax.jit(jax.vmap(lambda logits_V, key: sampling.sample_tokens(logits_V[None], key, 1.0, 0, 1.0)[0]))
+    rows, want = sampling.choice_keys(np.full(3, 5, np.uint32), np.arange(3)), []
+    for i in range(N):
+        want.append(draw(logits, sampling.row_keys(rows, np.full(3, i))))
         logits, cache = step(params, want[-1], cache, cfg)
     assert got == np.stack(want, axis=1).tolist()
     assert min(len(set(t)) for t in got) > 10

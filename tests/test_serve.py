@@ -513,6 +513,24 @@ def test_engine_queue_is_bounded_and_a_failing_prefill_fails_alone(trained):
     assert not events[2]
 
 
+@pytest.mark.parametrize("page_size", [0, 16])
+def test_generate_samples_what_the_server_samples_for_the_same_seed(trained, page_size):
+    """One decode loop (sampling.sampled_steps): `jaxlm generate`'s row b, sampled at temperature 1, is the
+    server's choice b of a request with the same seed, token for token, with the slot cache and the paged one."""
+    from jaxlm.config import DecodeConfig
+    from jaxlm.infer import generate
+
+    model = jaxlm.load(trained)
+    prompt = model.tokenizer().encode("To be, or not")
+    e = Engine(model.params, model.config.model, ServeConfig(max_slots=4, prefix_cache=0, page_size=page_size), 64)
+    events = e.run([Sequence(prompt, 16, 1.0, 0, 1.0, 7, b, (), None) for b in range(3)], timeout=120)
+    served = [[t for t, _, _ in token_events(ev)] for ev in events]
+    got = generate.generate(model.params, model.config.model, [prompt] * 3,
+                            DecodeConfig(max_new_tokens=16, temperature=1.0, seed=7)).tokens
+    assert got == served
+    assert len({tuple(t) for t in got}) == 3  # the choices differ: each row its own stream
+
+
 @pytest.mark.parametrize("page_size", [pytest.param(0, marks=pytest.mark.slow), 16])  # the slot cache: slow tier
 def test_a_long_prompt_is_prefilled_in_chunks_between_the_other_slots_steps(trained, shakespeare_file, monkeypatch,
                                                                              page_size):

@@ -15,6 +15,7 @@ import numpy as np
 
 from jaxlm import params as P, sharding
 from jaxlm.infer import api, generate, speculative
+from jaxlm.infer.sampling import RowSampling
 from jaxlm.config import Config, DecodeConfig, MeshConfig, ModelConfig
 from jaxlm.model import forward, paged, param_specs
 
@@ -103,9 +104,10 @@ def test_paged_programs_compiled_for_a_tpu_from_this_host_take_the_tpus_pool_for
         params = placed(P.abstract(param_specs(CFG)))
         compiled = programs.paged_decode_loop.lower(
             params, None, pool, f32(b, CFG.vocab_size), i32(b), i32(b), i32(), placed(jax.ShapeDtypeStruct((b,), bool)),
-            i32(b), i32(b, M), i32(b), i32(b, 4), placed(jax.ShapeDtypeStruct((b,), bool)),
-            placed(jax.ShapeDtypeStruct((b,), np.uint32)), i32(b), i32(b), f32(b), i32(b), f32(b), cfg=CFG,
-            max_steps=2, layout=layout).compile()
+            i32(b), i32(b, 4), RowSampling(i32(b), i32(b, M), placed(jax.ShapeDtypeStruct((b,), bool)),
+                                           placed(jax.ShapeDtypeStruct((b,), np.uint32)), i32(b), i32(b), f32(b),
+                                           i32(b), f32(b)),
+            cfg=CFG, max_steps=2, layout=layout).compile()
         assert ("pallas_call" in compiled.as_text()) == kernel
 
 

@@ -1,11 +1,11 @@
 """Generation: two decoders with the loop on device (the sampling rules are sampling.py's).
 
-`generate` prefills a batch of prompts into a KV cache (model/kvcache.py), then runs one-token decode steps in a
-lax.while_loop that stops each sequence at a stop token or after max_new_tokens; new tokens can be streamed to
-the host as they come. The loop runs in segments whose cache doubles in length (`segments`) and, unless the
-model is deep, carries each layer's weights and cache apart (decode.decode_layers). `sample` is the plain decoder
-without a cache (the forward pass over a sliding window per token): the end-of-training sample and the baseline
-of benchmarks/decode.py.
+`generate` prefills a batch of prompts into a KV cache (model/kvcache.py), then runs the engine's decode loop
+(sampling.sampled_steps: row b samples as the server's choice b of the seed, stops at a stop token or after
+max_new_tokens); new tokens can be streamed to the host as they come. The loop runs in segments whose cache
+doubles in length (`segments`) and, unless the model is deep, carries each layer's weights and cache apart
+(decode.decode_layers). `sample` is the plain decoder without a cache (the forward pass over a sliding window per
+token): the end-of-training sample and the baseline of benchmarks/decode.py.
 
 Shape legend: B batch, T prompt length, V vocab, N new tokens.
 """
@@ -15,6 +15,7 @@ from __future__ import annotations
 from functools import partial
 
 import contextlib
+import dataclasses
 import itertools
 import threading
 import time
@@ -148,42 +149,35 @@ def segments(prompt_len: int, cache_length: int, max_new_tokens: int) -> list[tu
 
 @partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "stream", "prompt_len", "cache_length", "unroll",
                                    "layout"))
-def _decode(params, logits_BV, cache, key, temperature, top_k, top_p, stop_S, stream_id, cfg: ModelConfig,
+def _decode(params, logits_BV, cache, sampled: sampling.RowSampling, stream_id, cfg: ModelConfig,
             max_new_tokens: int, stream: bool, prompt_len: int, cache_length: int, unroll: bool,
             layout: sharding.Layout | None = None):
-    """Sample up to max_new_tokens per sequence: [B, N] tokens (0 after a sequence stopped) and counts [B].
-    With `unroll` the layers are unrolled, else scanned. `cache` comes from prefill of prompts padded to
-    prompt_len, with the slots of the first of the segments up to cache_length; the loop of a segment ends at
-    its last step or once every sequence has stopped, and the next one grows the cache. With `stream` each
-    step's tokens go to the host callback of stream_id (`streaming`)."""
-    B, S_stop = logits_BV.shape[0], stop_S.shape[0]
+    """Sample up to max_new_tokens per sequence (sampling.sampled_steps, the engine's loop, one call per
+    segment): [B, N] tokens (0 after a sequence stopped) and counts [B]. With `unroll` the layers are unrolled,
+    else scanned. `cache` comes from prefill of prompts padded to prompt_len, with the slots of the first of the
+    segments up to cache_length; a segment's loop ends at its last step or once every sequence has stopped, and
+    the next one grows the cache. With `stream` each step's tokens go to the host callback of stream_id
+    (`streaming`)."""
+    B = logits_BV.shape[0]
     with sharding.within(layout):
         step, cache = decode.decoder(params, cache, cfg, unroll)
-
-        def body(c):
-            key, sub = jax.random.split(c["key"])
-            tok_B = jnp.where(c["done_B"], 0, sampling.sample_tokens(c["logits_BV"], sub, temperature, top_k,
-                                                                     top_p))
-            if stream:
-                # Replicated first (a few ints a step): the callback reads its operands on one device.
-                jax.debug.callback(emit, stream_id, c["i"], sharding.constrain(tok_B, (None,)),
-                                   sharding.constrain(~c["done_B"], (None,)))
-            out_BN = c["out_BN"].at[:, c["i"]].set(tok_B)
-            count_B = c["count_B"] + (~c["done_B"]).astype(jnp.int32)
-            _, ended_B = sampling.kept_tokens(tok_B[:, None], jnp.ones((B,), jnp.int32), ~c["done_B"], c["count_B"],
-                                              jnp.full((B,), max_new_tokens), jnp.broadcast_to(stop_S, (B, S_stop)))
-            done_B = c["done_B"] | ended_B
-            logits_BV, cache = step(tok_B, c["cache"])
-            return dict(i=c["i"] + 1, key=key, logits_BV=logits_BV, cache=cache, out_BN=out_BN, count_B=count_B,
-                        done_B=done_B)
-
-        c = dict(i=jnp.int32(0), key=key, logits_BV=logits_BV, cache=cache,
-                 out_BN=jnp.zeros((B, max_new_tokens), jnp.int32), count_B=jnp.zeros((B,), jnp.int32),
-                 done_B=jnp.zeros((B,), bool))
+        live_B, start, tokens, produced = jnp.ones((B,), bool), 0, [], []
         for S, end in segments(prompt_len, cache_length, max_new_tokens):
-            c["cache"] = kvcache.grow(c["cache"], cfg, S)
-            c = jax.lax.while_loop(lambda c, end=end: (c["i"] < end) & ~jnp.all(c["done_B"]), body, c)
-    return c["out_BN"], c["count_B"]
+            def on_step(i, tok_B, live_B, start=start):
+                # Replicated first (a few ints a step): the callback reads its operands on one device.
+                jax.debug.callback(emit, stream_id, start + i, sharding.constrain(tok_B, (None,)),
+                                   sharding.constrain(live_B, (None,)))
+
+            cache = kvcache.grow(cache, cfg, S)
+            count = jnp.full((B,), start, jnp.int32)  # every live row has made `start` tokens
+            here = dataclasses.replace(sampled, left_b=sampled.left_b - count, count_b=count)
+            out, logits_BV, cache, live_B = sampling.sampled_steps(
+                lambda tok_B, live_B, cache: step(tok_B, cache), cache, logits_BV, end - start, live_B, here,
+                end - start, on_step if stream else None, logprobs=False)
+            tokens.append(out[0])
+            produced.append(out[4])
+            start = end
+    return jnp.concatenate(tokens).T, jnp.sum(jnp.concatenate(produced), axis=0, dtype=jnp.int32)
 
 
 @dataclass
@@ -231,11 +225,15 @@ def padded_prompts(prompts: Sequence[Sequence[int]], T: int) -> tuple[np.ndarray
     return prompts_BT, np.asarray([len(p) for p in prompts], np.int32)
 
 
-def sampling_inputs(d: DecodeConfig, stop_ids: Sequence[int]) -> tuple[tuple, jax.Array, jax.Array]:
-    """What the compiled decode loops take of the settings: (temperature, top_k, top_p) as arrays (so that new
-    values reuse the program), the stop ids [S] and the key of d.seed."""
-    settings = (jnp.float32(d.temperature), jnp.int32(d.top_k), jnp.float32(d.top_p))
-    return settings, jnp.asarray(list(stop_ids), jnp.int32).reshape(-1), jax.random.key(d.seed)
+def row_sampling(d: DecodeConfig, stop_ids: Sequence[int], B: int) -> sampling.RowSampling:
+    """The settings of B rows as the decode loop takes them (arrays, so that new values reuse the program): row b
+    samples from key(d.seed) folded with b, as the server samples a request's choice b of that seed."""
+    stop_BM = np.full((B, max(len(stop_ids), 1)), -1, np.int32)
+    stop_BM[:, :len(stop_ids)] = list(stop_ids)
+    full = lambda x, dtype: np.full((B,), x, dtype)  # noqa: E731
+    return sampling.RowSampling(full(d.max_new_tokens, np.int32), stop_BM, full(False, bool),
+                                full(d.seed % 2**32, np.uint32), np.arange(B, dtype=np.int32), full(0, np.int32),
+                                full(d.temperature, np.float32), full(d.top_k, np.int32), full(d.top_p, np.float32))
 
 
 def _round_up(n: int) -> int:
@@ -268,12 +266,12 @@ def compiled_once(executables: dict, key, compile: Callable):
         return executables.setdefault(key, made)
 
 
-def _compiled(params, prompts_BT, lengths_B, key, settings, stop_S, cfg: ModelConfig, length: int,
-              d: DecodeConfig, mesh, stream: bool):
+def _compiled(params, prompts_BT, lengths_B, sampled, cfg: ModelConfig, length: int, d: DecodeConfig, mesh,
+              stream: bool):
     """The prefill and decode executables for these shapes, on this mesh, compiled once per process."""
     layout = sharding.layout(mesh)
     unroll = cfg.n_layers <= UNROLL_LAYERS
-    k = (signature((params, prompts_BT, lengths_B, stop_S)), cfg, length, d.quantize_kv_cache, d.max_new_tokens,
+    k = (signature((params, prompts_BT, lengths_B, sampled)), cfg, length, d.quantize_kv_cache, d.max_new_tokens,
          layout, stream, unroll)
 
     def compile():
@@ -282,8 +280,8 @@ def _compiled(params, prompts_BT, lengths_B, key, settings, stop_S, cfg: ModelCo
         static = dict(cfg=cfg, cache_length=first, quantize=d.quantize_kv_cache, layout=layout)
         prefill = _prefill.lower(params, prompts_BT, lengths_B, **static).compile()
         logits_shape, cache_shape = jax.eval_shape(partial(_prefill, **static), params, prompts_BT, lengths_B)
-        decode = _decode.lower(params, logits_shape, cache_shape, key, *settings, stop_S, np.int32(0), cfg,
-                               d.max_new_tokens, stream, T, length, unroll, layout).compile()
+        decode = _decode.lower(params, logits_shape, cache_shape, sampled, np.int32(0), cfg, d.max_new_tokens,
+                               stream, T, length, unroll, layout).compile()
         return prefill, decode
 
     return compiled_once(_EXECUTABLES, k, compile)
@@ -306,16 +304,15 @@ def generate(params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], d: Deco
     if cfg.position == "learned":
         T, length = min(T, cfg.block_size), min(length, cfg.block_size)
     prompts_BT, lengths_B = padded_prompts(prompts, T)
-    settings, stop_S, key = sampling_inputs(d, stop_ids)
+    sampled = row_sampling(d, stop_ids, B)
     t0 = time.perf_counter()
-    prefill, decode = _compiled(params, prompts_BT, lengths_B, key, settings, stop_S, cfg, length, d, mesh,
-                                on_tokens is not None)
+    prefill, decode = _compiled(params, prompts_BT, lengths_B, sampled, cfg, length, d, mesh, on_tokens is not None)
     t1 = time.perf_counter()
     logits_BV, cache = jax.block_until_ready(prefill(params, prompts_BT, lengths_B))
     t2 = time.perf_counter()
     streamed = streaming(_InOrder(on_tokens)) if on_tokens is not None else contextlib.nullcontext(np.int32(0))
     with streamed as stream_id:
-        out_BN, count_B = jax.block_until_ready(decode(params, logits_BV, cache, key, *settings, stop_S, stream_id))
+        out_BN, count_B = jax.block_until_ready(decode(params, logits_BV, cache, sampled, stream_id))
         jax.effects_barrier()
     t3 = time.perf_counter()
     out_BN, count_B = np.asarray(out_BN), np.asarray(count_B)

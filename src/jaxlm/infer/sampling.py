@@ -13,6 +13,7 @@ Shape legend: B batch (rows), V vocab, K alternatives.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from functools import partial
 from typing import Callable
 
 import jax
@@ -237,3 +238,48 @@ class RowSampling:
 
     def arrays(self) -> tuple:
         return tuple(getattr(self, f.name) for f in fields(self))
+
+
+def sampled_steps(decode: Callable, state, logits_bV, steps, live_b, sampled: RowSampling, max_steps: int,
+                  on_step: Callable | None = None, logprobs: bool = True):
+    """The one decode loop (generate's, and the engine's over either cache): up to `steps` (<= max_steps) steps, each sampling every live row's next
+    token (its count_b-th plus the step) and running `decode(tok_b, live_b, state) -> (logits_bV, state)`, which
+    appends them to the cache; a row stops living after a token in its stop_bM (padded with -1) or its
+    left_b-th token, and the loop ends early once no row lives. Returns tokens, log-probabilities (zeros unless
+    a live row wants them) and top alternatives [N, b(, K)], which of them were produced [N, b], the logits, the
+    state and which rows still live. `on_step(i, tok_b, live_b)`, where given, runs in each step (a host
+    callback: generate's streaming); without `logprobs` (static) the log-probabilities are not computed (zeros)."""
+    left_b, stop_bM, want_lp_b, seed_b, choice_b, count_b, temperature_b, top_k_b, top_p_b = sampled.arrays()
+    b, V = logits_bV.shape
+    way = branch(jnp.where(live_b, temperature_b, 0), top_k_b, top_p_b, V)
+    N, K = max_steps, TOP_LOGPROBS
+    out = (jnp.zeros((N, b), jnp.int32), jnp.zeros((N, b), jnp.float32), jnp.zeros((N, b, K), jnp.int32),
+           jnp.zeros((N, b, K), jnp.float32), jnp.zeros((N, b), bool))
+    choice_keys_b = choice_keys(seed_b, choice_b)
+
+    def no_logprobs(logits_bV, tok_b):
+        return jnp.zeros((b,), jnp.float32), jnp.zeros((b, K), jnp.int32), jnp.zeros((b, K), jnp.float32)
+
+    def body(loop):
+        i, state, logits_bV, live_b, out = loop
+        tok_b = sample_rows(way, logits_bV, lambda: row_keys(choice_keys_b, count_b + i), temperature_b, top_k_b,
+                            top_p_b)
+        tok_b = jnp.where(live_b, tok_b, 0)
+        if on_step is not None:
+            on_step(i, tok_b, live_b)
+        if logprobs:
+            lp = jax.lax.cond(jnp.any(live_b & want_lp_b), partial(token_logprobs, K=K), no_logprobs, logits_bV,
+                              tok_b)
+            out = tuple(o.at[i].set(x) for o, x in zip(out, (tok_b, *lp, live_b)))
+        else:
+            out = (out[0].at[i].set(tok_b), *out[1:4], out[4].at[i].set(live_b))
+        _, ended_b = kept_tokens(tok_b[:, None], jnp.ones_like(left_b), live_b, jnp.broadcast_to(i, (b,)), left_b,
+                                 stop_bM)
+        logits_bV, state = decode(tok_b, live_b, state)
+        return i + 1, state, logits_bV, live_b & ~ended_b, out
+
+    def more(loop):
+        return (loop[0] < steps) & jnp.any(loop[3])
+
+    _, state, logits_bV, live_b, out = jax.lax.while_loop(more, body, (jnp.int32(0), state, logits_bV, live_b, out))
+    return out, logits_bV, state, live_b

@@ -362,7 +362,7 @@ class _Rows:
         stop_BM = np.full((B, max(len(stop_ids), 1)), -1, np.int32)
         stop_BM[:, :len(stop_ids)] = list(stop_ids)
         full = lambda x, dtype: np.full((B,), x, dtype)  # noqa: E731
-        self.fixed = dict(stop_bM=stop_BM, want_lp_b=full(False, bool), seed_b=full(d.seed, np.int32),
+        self.fixed = dict(stop_bM=stop_BM, want_lp_b=full(False, bool), seed_b=full(d.seed % 2**32, np.uint32),
                           choice_b=np.arange(B, dtype=np.int32), temperature_b=full(d.temperature, np.float32),
                           top_k_b=full(d.top_k, np.int32), top_p_b=full(d.top_p, np.float32))
 

@@ -294,12 +294,12 @@ class Cache:
         elif self.page_size:
             *out, self.logits_BV, self.cache = programs.paged_decode_loop(
                 self.params, self.layer_weights(), self.cache, self.logits_BV, rows_b, adapter_b, np.int32(steps),
-                live_b, length_b, self.table[rows_b], *sampled.arrays(), cfg=self.cfg, max_steps=max_steps,
+                live_b, length_b, self.table[rows_b], sampled, cfg=self.cfg, max_steps=max_steps,
                 layout=self.layout)
         else:
             *out, self.logits_BV, self.cache = programs.decode_loop(
                 self.params, self.cache, self.logits_BV, rows_b, adapter_b, np.int32(steps), live_b, idle_length_b,
-                *sampled.arrays(), cfg=self.cfg, max_steps=max_steps, unroll=self.unroll, layout=self.layout)
+                sampled, cfg=self.cfg, max_steps=max_steps, unroll=self.unroll, layout=self.layout)
         return tuple(out)
 
     def padded_length(self, n: int) -> int:

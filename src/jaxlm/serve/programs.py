@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
 from jaxlm import sharding
 from jaxlm.infer import sampling, speculative
-from jaxlm.infer.sampling import TOP_LOGPROBS
+from jaxlm.infer.sampling import TOP_LOGPROBS, RowSampling
 from jaxlm.config import ModelConfig
 from jaxlm.model import forward, kvcache, layers, paged
 from jaxlm.model.decode import decoder, paged_forward
@@ -29,48 +28,9 @@ SLOT_DIVISORS = (8, 4, 2)  # the decode program's slot buckets besides all slots
 MIN_SLOTS = 16  # the fewest slots of a slot bucket
 
 
-def sampled_steps(decode: Callable, state, logits_bV, steps, live_b, left_b, stop_bM, want_lp_b, seed_b, choice_b,
-                  count_b, temperature_b, top_k_b, top_p_b, max_steps: int):
-    """The decode loop of both caches: up to `steps` (<= max_steps) steps, each sampling every live row's next
-    token (its count_b-th plus the step) and running `decode(tok_b, live_b, state) -> (logits_bV, state)`, which
-    appends them to the cache; a row stops living after a token in its stop_bM (padded with -1) or its
-    left_b-th token, and the loop ends early once no row lives. Returns tokens, log-probabilities (zeros unless
-    a live row wants them) and top alternatives [N, b(, K)], which of them were produced [N, b], the logits and
-    the state."""
-    b, V = logits_bV.shape
-    way = sampling.branch(jnp.where(live_b, temperature_b, 0), top_k_b, top_p_b, V)
-    N, K = max_steps, TOP_LOGPROBS
-    out = (jnp.zeros((N, b), jnp.int32), jnp.zeros((N, b), jnp.float32), jnp.zeros((N, b, K), jnp.int32),
-           jnp.zeros((N, b, K), jnp.float32), jnp.zeros((N, b), bool))
-    choice_keys_b = sampling.choice_keys(seed_b, choice_b)
-
-    def no_logprobs(logits_bV, tok_b):
-        return jnp.zeros((b,), jnp.float32), jnp.zeros((b, K), jnp.int32), jnp.zeros((b, K), jnp.float32)
-
-    def body(loop):
-        i, state, logits_bV, live_b, out = loop
-        tok_b = sampling.sample_rows(way, logits_bV, lambda: sampling.row_keys(choice_keys_b, count_b + i),
-                                     temperature_b, top_k_b, top_p_b)
-        tok_b = jnp.where(live_b, tok_b, 0)
-        lp = jax.lax.cond(jnp.any(live_b & want_lp_b), partial(sampling.token_logprobs, K=K), no_logprobs,
-                          logits_bV, tok_b)
-        out = tuple(o.at[i].set(x) for o, x in zip(out, (tok_b, *lp, live_b)))
-        _, ended_b = sampling.kept_tokens(tok_b[:, None], jnp.ones_like(left_b), live_b, jnp.broadcast_to(i, (b,)),
-                                          left_b, stop_bM)
-        logits_bV, state = decode(tok_b, live_b, state)
-        return i + 1, state, logits_bV, live_b & ~ended_b, out
-
-    def more(loop):
-        return (loop[0] < steps) & jnp.any(loop[3])
-
-    _, state, logits_bV, _, out = jax.lax.while_loop(more, body, (jnp.int32(0), state, logits_bV, live_b, out))
-    return out, logits_bV, state
-
-
 @partial(jax.jit, static_argnames=("cfg", "max_steps", "unroll", "layout"), donate_argnames=("cache", "logits_BV"))
-def decode_loop(params, cache, logits_BV, rows_b, adapter_b, steps, live_b, idle_length_b, left_b, stop_bM,
-                want_lp_b, seed_b, choice_b, count_b, temperature_b, top_k_b, top_p_b, cfg: ModelConfig,
-                max_steps: int, unroll: bool, layout: sharding.Layout | None = None):
+def decode_loop(params, cache, logits_BV, rows_b, adapter_b, steps, live_b, idle_length_b, sampled: RowSampling,
+                cfg: ModelConfig, max_steps: int, unroll: bool, layout: sharding.Layout | None = None):
     """sampled_steps over slots rows_b of the slot cache (all slots in order when there are B of them). With
     `unroll` the steps run over the cache taken apart by layer (kvcache.unstack, decode.decode_layers), as
     generate's loop does for models of up to generate.UNROLL_LAYERS layers: one copy of the rows' part of the
@@ -85,8 +45,6 @@ def decode_loop(params, cache, logits_BV, rows_b, adapter_b, steps, live_b, idle
     whole = b == B
     logits_bV = logits_BV if whole else jnp.take(logits_BV, rows_b, axis=0)
     rows = None if whole else rows_b
-    sampled = (steps, live_b, left_b, stop_bM, want_lp_b, seed_b, choice_b, count_b, temperature_b, top_k_b, top_p_b,
-               max_steps)
 
     def run(slots, out, logits_bV, cache):  # the call over the first `slots` slots of the rows' cache
         step, sub = decoder(params, cache, cfg, unroll, rows, slots)
@@ -97,7 +55,7 @@ def decode_loop(params, cache, logits_BV, rows_b, adapter_b, steps, live_b, idle
             # overwrites it (decode.prefill_chunks).
             return step(tok_b, dataclasses.replace(sub, length=jnp.where(live_b, sub.length, idle_length_b)))
 
-        out, logits_bV, sub = sampled_steps(decode, sub, logits_bV, *sampled)
+        out, logits_bV, sub, _ = sampling.sampled_steps(decode, sub, logits_bV, steps, live_b, sampled, max_steps)
         cache = kvcache.restack(sub, cfg, cache, rows) if unroll else kvcache.put_rows(cache, sub, rows)
         return out, logits_bV, cache
 
@@ -112,7 +70,7 @@ def decode_loop(params, cache, logits_BV, rows_b, adapter_b, steps, live_b, idle
             # The fewest slots that hold every position this call reads or writes: a live row's cached ones and the
             # ones its steps append, a dummy token's (idle_length_b).
             length_b = cache.length if whole else cache.length[rows_b]
-            reach = jnp.maximum(jnp.max(jnp.where(live_b, length_b + jnp.minimum(steps, left_b), 0)),
+            reach = jnp.maximum(jnp.max(jnp.where(live_b, length_b + jnp.minimum(steps, sampled.left_b), 0)),
                                 jnp.max(idle_length_b) + 1)
             which = jnp.sum(jnp.asarray(buckets[:-1]) < reach)
             # One cond per bucket rather than a lax.switch: XLA then updates the donated cache in place, where the
@@ -128,8 +86,8 @@ def decode_loop(params, cache, logits_BV, rows_b, adapter_b, steps, live_b, idle
 
 @partial(jax.jit, static_argnames=("cfg", "max_steps", "layout"), donate_argnames=("cache", "logits_BV"))
 def paged_decode_loop(params, layer_params, cache, logits_BV, rows_b, adapter_b, steps, live_b, length_b, table_bM,
-                      left_b, stop_bM, want_lp_b, seed_b, choice_b, count_b, temperature_b, top_k_b, top_p_b,
-                      cfg: ModelConfig, max_steps: int, layout: sharding.Layout | None = None):
+                      sampled: RowSampling, cfg: ModelConfig, max_steps: int,
+                      layout: sharding.Layout | None = None):
     """sampled_steps over rows rows_b of the paged cache (model/paged.py): each step writes every live row's
     token at position length_b (plus the steps before) into its pages (table_bM, which the host has made cover
     the call's positions) and attends over its pages; rows not living do nothing. With `layer_params` (the
@@ -146,9 +104,8 @@ def paged_decode_loop(params, layer_params, cache, logits_BV, rows_b, adapter_b,
         return logits_bV, (cache, length_b + live_b)
 
     with sharding.within(layout):
-        out, logits_bV, (cache, _) = sampled_steps(decode, (cache, length_b), logits_bV, steps, live_b, left_b,
-                                                   stop_bM, want_lp_b, seed_b, choice_b, count_b, temperature_b,
-                                                   top_k_b, top_p_b, max_steps)
+        out, logits_bV, (cache, _), _ = sampling.sampled_steps(decode, (cache, length_b), logits_bV, steps, live_b,
+                                                               sampled, max_steps)
     return *out, logits_BV.at[rows_b].set(logits_bV), cache
 
 
