@@ -99,7 +99,7 @@ def main() -> None:
     ap.add_argument("--completion", type=int, default=128)
     ap.add_argument("--micro-batch", type=int, default=4)
     a = ap.parse_args()
-    if jax.default_backend() == "cpu":
+    if runtime.platform() == "cpu":
         runtime.tune_for_xla_cpu()
     rng = random.Random(0)
     with tempfile.TemporaryDirectory() as d:

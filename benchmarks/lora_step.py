@@ -81,7 +81,7 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=256)
     ap.add_argument("--batch", type=int, default=4)
     a = ap.parse_args()
-    if jax.default_backend() == "cpu":
+    if runtime.platform() == "cpu":
         runtime.tune_for_xla_cpu()
     base_cfg = config_lib.load("quickstart", [f"{k}={v}" for k, v in model_settings(a).items()])
     base_cfg = base_cfg.replace(model=config_lib.apply_parameter_scale(base_cfg.model))

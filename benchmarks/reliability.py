@@ -56,6 +56,7 @@ from jaxlm.store import checkpoint as ckpt
 from jaxlm.train import batches as batch_lib, loop as train, state as state_lib, step as step_lib  # noqa: E402
 from jaxlm.config import CheckpointConfig  # noqa: E402
 from jaxlm.data import loader as loader_lib, prepare  # noqa: E402
+from jaxlm.data.errors import DataError  # noqa: E402
 
 RUN = {**T.RUN, "training.steps": 60, "optimizer.decay_steps": 60, "checkpoint.interval": 5,
        "training.log_interval": 1}
@@ -280,7 +281,7 @@ def data_fuzz(data: Path, work: Path, seeds: int) -> tuple[int, int]:
                     meta = prepare.prepare_text([src], work / f"prep{seed}_{i}_{errors}", rng.choice(["char", "byte"]),
                                                 errors)
                     clear += meta["input"]["invalid_utf8"] == invalid and meta["input"]["nul_bytes"] == raw.count(0)
-                except prepare.DataError as e:
+                except DataError as e:
                     clear += "\n" not in str(e)
                 except Exception:  # noqa: BLE001 - a crash is exactly what this counts as unclear
                     pass
@@ -299,7 +300,7 @@ def data_fuzz(data: Path, work: Path, seeds: int) -> tuple[int, int]:
         tried += 1
         try:
             loader_lib.Dataset(d)
-        except prepare.DataError as e:
+        except DataError as e:
             clear += "\n" not in str(e)
     return tried, clear
 

@@ -65,7 +65,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=0, help="timed steps per config (default: about 10 s each)")
     ap.add_argument("--only", help="run one configuration")
     args = ap.parse_args()
-    if jax.default_backend() == "cpu":
+    if runtime.platform() == "cpu":
         runtime.tune_for_xla_cpu()  # as `jaxlm train` does; the matmul yardstick gets the same allocator
     peak = matmul_peak()
     print(f"matmul_f32_gflops={peak / 1e9:.1f} devices={jax.device_count()} platform={jax.devices()[0].platform}")

@@ -16,7 +16,7 @@ from jaxlm.train import (aot, batches as batch_lib, loop as train, objectives, r
                          state as state_lib, step as step_lib)
 from jaxlm.config import ConfigError
 from jaxlm.data import loader as loader_lib, packing, shards
-from jaxlm.data.prepare import DataError
+from jaxlm.data.errors import DataError
 from jaxlm.model import forward
 
 VOCAB = 64

@@ -15,7 +15,7 @@ from jaxlm import cli, config as config_lib
 from jaxlm.train import (batches as batch_lib, loop as train, objectives, reference, run as run_lib, state as state_lib,
                          step as step_lib)
 from jaxlm.data import bpe, loader as loader_lib, preference, prepare, shards, tokenizer
-from jaxlm.data.prepare import DataError
+from jaxlm.data.errors import DataError
 
 TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}"
             "{% if add_generation_prompt %}<assistant>{% endif %}")

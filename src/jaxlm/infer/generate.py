@@ -120,9 +120,8 @@ def _prefill(params, prompts_BT, lengths_B, cfg: ModelConfig, cache_length: int,
 FIRST_SEGMENT = 64  # cache slots of the first decode segment at least; each next one doubles
 MAX_SEGMENTS = 4  # each compiles its own copy of the decode step
 # Models of up to this many layers decode with the layers unrolled (decode.decode_layers), deeper ones with
-# the scan over stacked layers (decode.decode_step), whose compile time does not grow with depth. On a
-# 2-core CPU at load 1.5 (batch 16, 256 new tokens, width 128) unrolling gave 2.2x the tokens/s of the scan
-# at 4 layers (compile 3.3 s against 2.7) and 1.5x at 32 layers (compile 15 s against 2.8).
+# the scan over stacked layers (decode.decode_step), whose compile time does not grow with depth (the trade,
+# measured: docs/generate.md).
 UNROLL_LAYERS = 16
 
 
@@ -131,8 +130,7 @@ def segments(prompt_len: int, cache_length: int, max_new_tokens: int) -> list[tu
     filled part of the cache instead of all of it: [(slots, the step it ends before)], doubling up to
     cache_length from FIRST_SEGMENT slots, or from more where that would take over MAX_SEGMENTS. Step i writes
     position length + i <= prompt_len + i (prompts are padded to prompt_len), which a segment of S slots holds
-    while i < S - prompt_len. At batch 16 on a 2-core CPU, segments doubled the tokens/s of 256 new tokens
-    after a 16-token prompt (4 layers, width 128; docs/generate.md)."""
+    while i < S - prompt_len (what segments gain: docs/generate.md)."""
     S = FIRST_SEGMENT
     while S * 2 ** (MAX_SEGMENTS - 1) < cache_length:
         S *= 2

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from jaxlm import storage
-from jaxlm.data.prepare import DataError
+from jaxlm.data.errors import DataError
 
 
 def read_run(run_dir: str | Path) -> dict[str, dict[int, float]]:
