@@ -12,6 +12,7 @@ import numpy as np
 import optax
 import pytest
 
+import jaxlm
 from jaxlm import params as P, sharding
 from jaxlm.train import saved_step
 from jaxlm.config import ConfigError, MeshConfig, ModelConfig, apply_overrides, Config, validate
@@ -180,7 +181,8 @@ def test_attention_settings_are_validated_in_one_line(overrides, message):
 
 def test_a_saved_step_refuses_another_attention_or_remat_setting():
     cfg = Config()
-    saved = {"platform": "cpu", "device_kind": "cpu", "n_devices": 1, "jax": jax.__version__, "args": [],
+    saved = {"platform": "cpu", "device_kind": "cpu", "n_devices": 1, "jaxlm": jaxlm.__version__, "jax": jax.__version__,
+             "args": [],
              "settings": saved_step.baked_settings(cfg)}
     for key, value in (("attention", "blockwise"), ("remat", "save_qkv_proj"), ("loss_chunk_tokens", 1024)):
         other = cfg.replace(model=dataclasses.replace(cfg.model, **{key: value}))
