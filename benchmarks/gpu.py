@@ -53,22 +53,24 @@ TINY_BUDGET_S = 150  # each section at tiny sizes (a slow, shared CPU)
 TOLERANCE_LOSS = 0.02  # bf16 against float32, and int8/fp8 against bf16: final losses this close
 
 
-def run_sections(names: list[str], tiny: bool, scale: float, log) -> tuple[dict, dict, float]:
-    """Run each section in its own process; returns (figures by section, status by section, wall seconds)."""
-    budgets = {n: (TINY_BUDGET_S if tiny else BUDGET_S[n]) * scale for n in names}
+def run_sections(names: list[str], tiny: bool, scale: float, log, script: Path = SECTIONS_PY,
+                 budget_s: dict = BUDGET_S, tag: str = "gpu") -> tuple[dict, dict, float]:
+    """Run each section of `script` in its own process (benchmarks/tpu.py runs its own sections here too); returns
+    (figures by section, status by section, wall seconds)."""
+    budgets = {n: (TINY_BUDGET_S if tiny else budget_s[n]) * scale for n in names}
     start = time.time()
     end = start + sum(budgets.values())
     figures, status = {}, {}
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.94")  # JAX's GPU allocator takes 75% unless told
-    with tempfile.TemporaryDirectory(prefix="jaxlm_gpu_") as tmp:
+    with tempfile.TemporaryDirectory(prefix=f"jaxlm_{tag}_") as tmp:
         for i, name in enumerate(names):
             later = sum(budgets[n] for n in names[i + 1:])
             limit = max(end - time.time() - later, 1.0)
             results = Path(tmp) / f"{name}.jsonl"
-            cmd = [sys.executable, str(SECTIONS_PY), name, "--results", str(results),
+            cmd = [sys.executable, str(script), name, "--results", str(results),
                    "--deadline", str(time.time() + 0.95 * limit - 2)] + (["--tiny"] if tiny else [])
-            log(f"[gpu] section {name}: up to {limit:.0f} s")
+            log(f"[{tag}] section {name}: up to {limit:.0f} s")
             t = time.time()
             try:
                 rc = subprocess.run(cmd, env=env, timeout=limit, stdout=sys.stderr, stderr=sys.stderr).returncode

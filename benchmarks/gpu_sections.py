@@ -70,7 +70,8 @@ SIZES = {
 }
 
 # HBM bandwidth from the vendors' spec sheets, bytes/s (device_kind substring), for context beside the copy measured.
-HBM_SPEC = [("H200", 4.8e12), ("H100", 3.35e12), ("B200", 8.0e12), ("A100", 2.0e12)]
+HBM_SPEC = [("H200", 4.8e12), ("H100", 3.35e12), ("B200", 8.0e12), ("A100", 2.0e12), ("TPU v5 lite", 8.19e11),
+            ("TPU v6 lite", 1.64e12), ("TPU v5p", 2.765e12), ("TPU v4", 1.2e12)]
 
 
 class Ctx:
@@ -393,6 +394,15 @@ RUNTIME_EVENTS = ("ThunkExecutor", "SlinkyThreadPool", "ThreadpoolListener", "en
 def hlo_index(text: str) -> dict[str, tuple[str, str, str]]:
     """Each instruction of the optimized HLO by name -> (kind, model scope, forward|backward), from its opcode,
     custom-call target or fusion backend, and its metadata's op_name (the jax.named_scope path)."""
+    # Fused computations holding a matmul: a fusion that calls one is a matmul (XLA:TPU fuses every dot with what
+    # surrounds it; its fusion line names no dot).
+    with_dot, current = set(), None
+    for line in text.splitlines():
+        head = re.match(r"\s*%?([\w.\-]+)\s*(?:\(.*\)\s*->\s*.*)?\{\s*$", line)
+        if head and "=" not in line.split("{")[0]:
+            current = head[1]
+        elif current and re.search(r"\b(dot|convolution)\(", line):
+            with_dot.add(current)
     out = {}
     for line in text.splitlines():
         m = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)", line)
@@ -401,7 +411,9 @@ def hlo_index(text: str) -> dict[str, tuple[str, str, str]]:
         name, rest = m.groups()
         op = re.search(r'op_name="([^"]*)"', rest)
         op_name = op[1] if op else ""
-        kind = op_kind(re.sub(r"metadata=\{[^}]*\}", "", rest))  # the op_name's "transpose(" is no opcode
+        calls = re.search(r"calls=%?([\w.\-]+)", rest)
+        kind = ("matmul" if calls and calls[1] in with_dot and re.search(r"\bfusion\(", rest)
+                else op_kind(re.sub(r"metadata=\{[^}]*\}", "", rest)))  # the op_name's "transpose(" is no opcode
         out[name] = (kind, op_scope(op_name), "backward" if "transpose(" in op_name else "forward")
     return out
 
@@ -409,6 +421,8 @@ def hlo_index(text: str) -> dict[str, tuple[str, str, str]]:
 def op_kind(rest: str) -> str:
     if "cudnn" in rest and re.search("fmha|attention|flash", rest, re.I):
         return "attention kernel (cuDNN)"
+    if "tpu_custom_call" in rest:
+        return "Pallas kernel (TPU)"
     if re.search(r"__cublas|gemm|\bdot\(|convolution\(", rest):
         return "matmul"
     if "__ynn_fusion" in rest:
@@ -481,7 +495,7 @@ def self_times(events) -> dict[str, float]:
 
 def breakdown_of(data, index: dict, steps: int, top: int = 12) -> dict:
     planes = list(data.planes)
-    gpu = [p for p in planes if p.name.startswith("/device:GPU")]
+    gpu = [p for p in planes if p.name.startswith(("/device:GPU", "/device:TPU"))]
     if gpu:  # the derived "XLA Ops" line where the trace has it, else the kernels on every stream
         lines = list(gpu[0].lines)
         chosen = [ln for ln in lines if ln.name == "XLA Ops"] or [ln for ln in lines if ln.name.startswith("Stream")]

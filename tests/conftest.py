@@ -218,7 +218,7 @@ def tiny_config(data_dir: Path, run_dir: Path | None = None, **overrides) -> con
 # parallelism).
 FIRST = ("test_serve", "test_benchmarks", "test_slurm", "test_sharding", "test_rl", "test_expert", "test_parallel",
          "test_context", "test_attention", "test_model", "test_reliability", "test_optim", "test_paged",
-         "test_generate", "test_speculative", "test_lora")
+         "test_generate", "test_speculative", "test_lora", "test_benchmark_tpu")
 
 
 def pytest_configure(config):

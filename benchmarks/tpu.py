@@ -1,0 +1,147 @@
+"""jaxlm on one TPU chip, measured by one script within a time budget (issue 43): training MFU of MaxText's default
+model and of GPT-2 124M as `jaxlm train` runs them, where the step's time goes, long context, int8 training,
+decoding and serving.
+
+    PYTHONPATH=src python benchmarks/tpu.py [--only maxtext,gpt2] [--json FILE]   # one v5e chip: 550 s at most
+    PYTHONPATH=src python benchmarks/tpu.py --tiny                               # toy sizes, on a CPU in seconds
+
+Sections run as benchmarks/gpu.py's do (its runner): each in a process of its own (benchmarks/tpu_sections.py)
+under a time limit, a failure or overrun reported in one line, the summary always printed, key=value lines then
+tables. MFU is given two ways: by MaxText's count (6 x matmul weights + 12 x layers x width x block: attention as
+the full square) and by the causal count `jaxlm train` prints (half of that square), each against the chip's
+spec-sheet bf16 peak (197 TFLOP/s on a v5e) and against the bf16 matmul measured in the same run.
+
+Sections and what they report:
+  yardsticks  the chip, JAX's version, a bf16 matmul and an HBM copy (gpu_sections.yardsticks)
+  maxtext     maxtext_base (1.1B) at 2 x 2,048 tokens: the preset as `jaxlm train maxtext_base` runs it (float32
+              weights and Adam moments: its bytes against the chip's, it runs only where it fits), then bf16
+              weights and moments with remat full and with remat minimal (`model.param_dtype=bfloat16
+              model.remat=minimal`); the step's time by operation from a jax.profiler trace for the bf16 rows
+  gpt2        GPT-2 124M as the `openwebtext` preset trains it (batch 128 in 16 accumulation steps), then batch 32
+  long        maxtext_base at 32,768 tokens a sequence, batch 1, bf16 weights, splash attention
+  quant       int8 training against bf16 on maxtext_base's shape, 200 steps of a Markov corpus: speed and loss
+  decode      generate at batch 1 and 64 (the 1B shape in bf16), batch 1's bytes per token over the HBM copy
+  serve       the serving engine, 64 slots, 64 requests at once: output tokens/s
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+import gpu  # noqa: E402
+
+SECTIONS_PY = Path(__file__).with_name("tpu_sections.py")
+# Seconds each section may take at full size (process start included), as gpu.py's BUDGET_S: 550 s in all.
+BUDGET_S = {"yardsticks": 20, "maxtext": 170, "gpt2": 60, "long": 60, "quant": 140, "decode": 45, "serve": 55}
+TOLERANCE_LOSS = 0.02  # int8 against bf16: final losses this close
+
+
+def derive_rows(rows: list[dict], peak, matmul) -> None:
+    """Each train row's TFLOP/s and MFU, by MaxText's count and by the causal one, against the spec and the
+    measured matmul."""
+    for r in rows:
+        tps = r.get("tokens_per_s")
+        for count in ("maxtext", "causal"):
+            flops = tps * r[f"flops_{count}"] if tps and r.get(f"flops_{count}") else None
+            r[f"tflops_{count}"] = flops / 1e12 if flops else None
+            r[f"mfu_{count}"] = flops / peak if flops and peak else None
+            r[f"mfu_{count}_vs_matmul"] = flops / matmul if flops and matmul else None
+
+
+def summary(f: dict, status: dict, wall: float, tiny: bool) -> list[str]:
+    y = f.get("yardsticks", {})
+    peak, matmul = y.get("peak_bf16_spec"), y.get("matmul_bf16")
+    kv: dict = {"device": y.get("device"), "platform": y.get("platform"), "jax": y.get("jax"),
+                "sizes": "tiny" if tiny else "full", "wall_s": round(wall, 1)}
+    kv.update({f"section_{n}": s["state"] for n, s in status.items()})
+    if y:
+        kv.update(matmul_bf16_tflops=gpu._tera(matmul), peak_bf16_spec_tflops=gpu._tera(peak),
+                  hbm_copy_gbps=gpu._giga(y.get("hbm_copy")), hbm_spec_gbps=gpu._giga(y.get("hbm_spec")))
+    tables: list[str] = []
+    for name, key in (("maxtext", "maxtext_runs"), ("gpt2", "gpt2_runs"), ("long", "long_runs")):
+        rows = f.get(name, {}).get(key, [])
+        if not rows:
+            continue
+        derive_rows(rows, peak, matmul)
+        first = rows[0]
+        best = max((r for r in rows if r.get("tokens_per_s")), key=lambda r: r["tokens_per_s"], default=None)
+        kv[f"{name}_default_tokens_per_s"] = first.get("tokens_per_s")
+        kv[f"{name}_default_mfu_maxtext"] = first.get("mfu_maxtext")
+        if first.get("note"):
+            kv[f"{name}_default_note"] = first["note"]
+        if best:
+            kv.update({f"{name}_best": best["label"], f"{name}_best_tokens_per_s": best["tokens_per_s"],
+                       f"{name}_best_mfu_maxtext": best.get("mfu_maxtext"),
+                       f"{name}_best_mfu_causal": best.get("mfu_causal"),
+                       f"{name}_best_mfu_maxtext_vs_matmul": best.get("mfu_maxtext_vs_matmul")})
+        tables += ["", f"{name} (MFU against the bf16 spec sheet; MaxText's count, then the causal count):"]
+        tables += gpu._table(
+            ["run", "batch x block", "tokens/s", "MFU maxtext", "MFU causal", "vs matmul", "GiB", "compile s",
+             "note"],
+            [[r["label"], f"{r.get('batch')} x {r.get('block')}", r.get("tokens_per_s"), r.get("mfu_maxtext"),
+              r.get("mfu_causal"), r.get("mfu_maxtext_vs_matmul"), r["bytes"] / 2**30 if r.get("bytes") else None,
+              r.get("compile_s"), r.get("note", "")] for r in rows])
+        for r in rows:
+            if r.get("breakdown"):
+                tables += breakdown(r["label"], r["breakdown"])
+    q = f.get("quant", {}).get("quant_runs", {})
+    if q:
+        base, int8 = q.get("bfloat16", {}), q.get("int8", {})
+        if int8.get("tokens_per_s") and base.get("tokens_per_s"):
+            kv["quant_int8_speed_vs_bf16"] = int8["tokens_per_s"] / base["tokens_per_s"]
+        if int8.get("final_loss") is not None and base.get("final_loss") is not None:
+            kv["quant_int8_loss_vs_bf16"] = int8["final_loss"] - base["final_loss"]
+            kv[f"quant_int8_loss_within_{TOLERANCE_LOSS}"] = str(abs(kv["quant_int8_loss_vs_bf16"])
+                                                                 <= TOLERANCE_LOSS).lower()
+        tables += ["", f"int8 training against bf16, {f['quant'].get('quant_steps')} steps, "
+                       f"{f['quant'].get('quant_model')}:"]
+        tables += gpu._table(["mode", "tokens/s", "final loss", "compile s", "note"],
+                             [[k, r.get("tokens_per_s"), r.get("final_loss"), r.get("compile_s"), r.get("note", "")]
+                              for k, r in q.items()])
+    derived = gpu.derive(f)
+    for name, fn in (("decode", gpu._decode), ("serve", gpu._serve)):
+        if name in f:
+            fn(f[name], derived, kv, tables)
+    return [f"{k}={gpu._num(v, '{:.4g}')}" for k, v in kv.items() if v is not None] + tables
+
+
+def breakdown(label: str, b: dict) -> list[str]:
+    if "top" not in b:
+        return ["", f"{label}: {b.get('source')}: {b.get('flops')} FLOPs, {b.get('bytes_accessed')} bytes accessed"]
+    return (["", f"{label}: step time by operation ({b['source']}; {b['ms_per_step']:.1f} ms of operations a step)",
+             "  by kind: " + ", ".join(f"{k} {v:g} ms" for k, v in b["by_kind"].items()),
+             "  by scope: " + ", ".join(f"{k} {v:g} ms" for k, v in b["by_scope"].items())]
+            + gpu._table(["op", "kind", "scope", "ms/step", "share"],
+                         [[r["op"][:40], r["kind"], r["scope"], r["ms_per_step"], f"{100 * r['share']:.1f}%"]
+                          for r in b["top"]]))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tiny", action="store_true", help="toy sizes: the CPU path CI runs")
+    ap.add_argument("--only", help="comma-separated sections (default: all, in order)")
+    ap.add_argument("--json", help="also write every figure to this file")
+    ap.add_argument("--budget-scale", type=float, default=1.0, help="multiply every section's time budget")
+    a = ap.parse_args()
+    names = list(BUDGET_S)
+    if a.only:
+        names = [n.strip() for n in a.only.split(",")]
+        unknown = [n for n in names if n not in BUDGET_S]
+        if unknown:
+            sys.exit(f"error: unknown section(s) {', '.join(unknown)}; sections: {', '.join(BUDGET_S)}")
+    figures, status, wall = gpu.run_sections(names, a.tiny, a.budget_scale,
+                                             lambda s: print(s, file=sys.stderr, flush=True),
+                                             script=SECTIONS_PY, budget_s=BUDGET_S, tag="tpu")
+    lines = summary(figures, status, wall, a.tiny)
+    print("\n".join(["", "==== jaxlm TPU benchmark summary (benchmarks/tpu.py) ===="] + lines), flush=True)
+    if a.json:
+        Path(a.json).write_text(json.dumps({"figures": figures, "status": status, "wall_s": wall}, indent=1,
+                                           default=str))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,207 @@
+"""The measurements of benchmarks/tpu.py, one function per section, each run by tpu.py in a process of its own:
+
+    python benchmarks/tpu_sections.py SECTION --results FILE --deadline UNIX_TIME [--tiny]
+
+As benchmarks/gpu_sections.py (whose helpers these sections use: the yardsticks, the compile and timing of a train
+step, the profile's breakdown, generate and the serving engine): figures are written as they come, one JSON
+object a line, raw (tokens/s, FLOPs per token, bytes); tpu.py turns them into MFU against the yardsticks.
+
+Sections: yardsticks, maxtext (maxtext_base at the preset's settings and at tuned ones, the step's time by
+operation), gpt2 (the `openwebtext` preset), long (maxtext_base at 32,768 tokens a sequence), quant (int8 training
+against bf16), decode (generate at batch 1 and 64), serve (the engine with 64 slots).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+import gpu_sections as g  # noqa: E402
+
+# Each train row: (label, settings over the preset's). The first row of a section is the preset as `jaxlm train`
+# runs it; the others are the settings a user gives on the command line to go faster on one chip.
+MAXTEXT_ROWS = [
+    ("preset (float32 weights and Adam moments, remat full)", {}),
+    ("bf16 weights and moments, remat full", {"model.param_dtype": "bfloat16"}),
+    ("bf16 weights and moments, remat minimal", {"model.param_dtype": "bfloat16", "model.remat": "minimal"}),
+]
+GPT2_ROWS = [
+    ("preset (batch 128 in 16 accumulation steps of 8)", {}),
+    ("batch 32, no accumulation", {"training.batch_size": 32, "training.grad_accum": 1}),
+]
+
+SIZES = {
+    "full": dict(
+        g.SIZES["full"], maxtext_batch=2, maxtext_steps=3, profile_steps=2, gpt2_steps=3,
+        long_block=32768, long_steps=2, quant_layers=16, quant_block=2048, quant_batch=2, quant_steps=200,
+        decode_model=dict(), serve_concurrency=64),
+    "tiny": dict(
+        g.SIZES["tiny"],
+        maxtext_model={"model.n_layers": 2, "model.d_model": 64, "model.n_heads": 4, "model.head_dim": 16,
+                       "model.d_ff": 128, "model.vocab_size": 512, "model.block_size": 64},
+        gpt2_model={"model.n_layers": 2, "model.d_model": 64, "model.n_heads": 4, "model.vocab_size": 512,
+                    "model.block_size": 64},
+        maxtext_batch=2, maxtext_steps=2, profile_steps=1, gpt2_steps=2, long_block=256, long_steps=1,
+        quant_layers=2, quant_block=64, quant_batch=2, quant_steps=10),
+}
+
+
+class Ctx(g.Ctx):
+    def __init__(self, results: str, deadline: float, tiny: bool):
+        super().__init__(results, deadline, tiny)
+        self.sizes = SIZES["tiny" if tiny else "full"]
+
+
+def load(preset: str, ctx: Ctx, settings: dict):
+    """The preset on one device, shrunk at tiny sizes (SIZES' maxtext_model, gpt2_model), with `settings` over it."""
+    from jaxlm import config as config_lib
+
+    model = ctx.sizes.get({"maxtext_base": "maxtext_model", "openwebtext": "gpt2_model"}[preset], {})
+    return config_lib.load(preset, {"mesh.ici_data": 1, **model, **settings})
+
+
+def train_row(ctx: Ctx, label: str, cfg, steps: int, profile: bool = False) -> dict:
+    """One train step as `jaxlm train` compiles it (train.run.setup, step.lower_train_step), on random tokens:
+    its bytes on the device (compiled.memory_analysis()), and, where it fits, seconds per step and tokens/s; FLOPs
+    per token by MaxText's count (full-square attention) and by the causal count `jaxlm train` prints."""
+    import jax
+
+    from jaxlm.model import flops
+    from jaxlm.train import state as state_lib
+
+    dev = jax.devices()[0]
+    B, T = cfg.training.batch_size, cfg.model.block_size
+    row = dict(label=label, batch=B, block=T, grad_accum=cfg.training.grad_accum, tokens_per_step=B * T,
+               flops_maxtext=flops.flops_per_token(cfg.model), flops_causal=flops.flops_per_token(cfg.model, True),
+               remat=cfg.model.remat, param_dtype=cfg.model.param_dtype, attention=cfg.model.attention)
+    limit = (dev.memory_stats() or {}).get("bytes_limit")
+    run, compiled, mem, secs = g.compile_step(cfg, B, dev)
+    row.update(bytes=mem, compile_s=round(secs, 1), memory_limit_bytes=limit)
+    if limit and mem and mem > limit:
+        row["note"] = f"does not fit: {mem / 2**30:.2f} GiB of the chip's {limit / 2**30:.2f}"
+        return row
+    state = state_lib.init_state(run, cfg.seed)
+    batch = g.random_batch(run)
+    state, times = g.time_steps(compiled, state, batch, steps, ctx, reserve=2)
+    step_s = statistics.median(times) if times else None
+    row.update(step_s=step_s, step_s_spread=[min(times), max(times)] if times else None,
+               tokens_per_s=B * T / step_s if step_s else None)
+    if profile and ctx.left() > 4 * (step_s or 1) + 10:
+        try:
+            _, row["breakdown"] = g.profile(compiled, state, batch, ctx.sizes["profile_steps"])
+        except Exception as e:  # noqa: BLE001 - the breakdown is one figure of several; say why it is missing
+            row["breakdown"] = g.cost_breakdown(compiled, f"trace unavailable: {g.one_line(e)}")
+    return row
+
+
+def rows(ctx: Ctx, key: str, preset: str, table: list, steps: int, extra: dict, profile: tuple = ()) -> None:
+    """Each row of `table` (label, settings) over the preset, while time is left; ctx.put(key=[rows])."""
+    out = []
+    for i, (label, settings) in enumerate(table):
+        if out and ctx.left() < 20:
+            out.append(dict(label=label, note=f"skipped: time budget ({ctx.left():.0f} s left)"))
+            continue
+        try:
+            out.append(train_row(ctx, label, load(preset, ctx, {**extra, **settings}), steps, profile=i in profile))
+        except Exception as e:  # noqa: BLE001 - one row failing (out of memory, say) leaves the others
+            out.append(dict(label=label, note=f"error: {g.one_line(e)}"))
+        ctx.put(**{key: out})
+
+
+def yardsticks(ctx: Ctx) -> None:
+    g.yardsticks(ctx)
+
+
+def maxtext(ctx: Ctx) -> None:
+    """maxtext_base (MaxText's default model, 1.1B) at 2 x 2,048 tokens: the preset, then bf16 weights, then bf16
+    weights with remat minimal; the time by operation of the two bf16 rows' steps."""
+    z = ctx.sizes
+    rows(ctx, "maxtext_runs", "maxtext_base", MAXTEXT_ROWS, z["maxtext_steps"],
+         {"training.batch_size": z["maxtext_batch"]}, profile=(1, len(MAXTEXT_ROWS) - 1))
+
+
+def gpt2(ctx: Ctx) -> None:
+    """GPT-2 124M as the `openwebtext` preset trains it (float32 weights, bf16 compute): the preset's step, then
+    batch 32 without accumulation."""
+    rows(ctx, "gpt2_runs", "openwebtext", GPT2_ROWS, ctx.sizes["gpt2_steps"], {})
+
+
+def long(ctx: Ctx) -> None:
+    """maxtext_base at 32,768 tokens a sequence, batch 1, bf16 weights and remat full (attention auto: splash on
+    a TPU)."""
+    z = ctx.sizes
+    rows(ctx, "long_runs", "maxtext_base", [(f"{z['long_block']} tokens, bf16 weights, remat full", {})],
+         z["long_steps"], {"training.batch_size": 1, "model.block_size": z["long_block"],
+                           "model.param_dtype": "bfloat16"})
+
+
+def quant(ctx: Ctx) -> None:
+    """int8 training (model.quantization=int8) against bf16 on maxtext_base's shape with bf16 weights, on the same
+    Markov corpus and initialization: step throughput and the loss after quant_steps steps."""
+    import jax
+    import numpy as np
+
+    z = ctx.sizes
+    steps, B, T = z["quant_steps"], z["quant_batch"], z["quant_block"]
+    extra = {"model.n_layers": z["quant_layers"], "model.block_size": T, "model.param_dtype": "bfloat16",
+             "training.batch_size": B, "training.steps": steps, "optimizer.lr": 3e-4, "optimizer.min_lr": 3e-5,
+             "optimizer.warmup_steps": max(1, steps // 10)}
+    vocab = load("maxtext_base", ctx, extra).model.vocab_size
+    tokens, entropy = g.markov_tokens(vocab, steps * B, T + 1, 1)
+    ctx.put(quant_steps=steps, quant_entropy=entropy, quant_model=dict(layers=z["quant_layers"], block=T, batch=B))
+    out = {}
+    for mode in ("bfloat16", "int8"):
+        if out and ctx.left() < 1.2 * max(r.get("seconds", 0) for r in out.values()) + 5:
+            out[mode] = dict(note="skipped: time budget")
+            ctx.put(quant_runs=out)
+            continue
+        cfg = load("maxtext_base", ctx, {**extra, "model.quantization": "none" if mode == "bfloat16" else mode})
+        t = time.perf_counter()
+        try:
+            losses, step_s, compile_s = g.train_losses(cfg, jax.devices()[0], tokens,
+                                                       timing_chunk=max(1, min(10, steps // 4)))
+            out[mode] = dict(final_loss=float(np.mean(losses[-10:])), step_s=step_s,
+                             tokens_per_s=B * T / step_s if step_s else None, compile_s=compile_s,
+                             losses=[round(float(x), 5) for x in losses[::10]], seconds=time.perf_counter() - t)
+        except Exception as e:  # noqa: BLE001 - one mode failing leaves the other
+            out[mode] = dict(note=f"error: {g.one_line(e)}", seconds=time.perf_counter() - t)
+        ctx.put(quant_runs=out)
+
+
+def decode(ctx: Ctx) -> None:
+    g.decode(ctx)
+
+
+def serve(ctx: Ctx) -> None:
+    g.serve(ctx)
+
+
+SECTIONS = {f.__name__: f for f in (yardsticks, maxtext, gpt2, long, quant, decode, serve)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("section", choices=list(SECTIONS))
+    ap.add_argument("--results", required=True)
+    ap.add_argument("--deadline", type=float, required=True)
+    ap.add_argument("--tiny", action="store_true")
+    a = ap.parse_args()
+    ctx = Ctx(a.results, a.deadline, a.tiny)
+    t = time.perf_counter()
+    try:
+        SECTIONS[a.section](ctx)
+    except Exception as e:  # noqa: BLE001 - the summary names the section's error in one line
+        traceback.print_exc()
+        ctx.put(error=g.one_line(e))
+        sys.exit(1)
+    finally:
+        g.log(f"{a.section}: {time.perf_counter() - t:.1f} s")
+
+
+if __name__ == "__main__":
+    main()

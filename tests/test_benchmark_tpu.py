@@ -1,0 +1,91 @@
+"""benchmarks/tpu.py: the whole script at tiny sizes on the CPU (the path CI keeps working; its real sizes run on a
+TPU v5e chip, docs/performance.md), and on hand-made inputs what only a chip exercises: XLA:TPU's fused matmuls
+and Pallas calls in the HLO, a TPU trace's device plane, the MFU arithmetic of both counts."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import users_environment, xla_flags
+from test_gpu_benchmark import event, trace
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import gpu_sections  # noqa: E402
+import tpu  # noqa: E402
+
+
+@pytest.mark.slow
+@pytest.mark.in_ci  # the script runs in CI at tiny sizes
+def test_every_section_runs_at_tiny_sizes_on_cpu(tmp_path):
+    env = users_environment(XLA_FLAGS=xla_flags(), PYTHONPATH=str(ROOT / "src"), JAX_PLATFORMS="cpu")
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "tpu.py"), "--tiny", "--json",
+                        str(tmp_path / "tpu.json")], capture_output=True, text=True, env=env, timeout=1200)
+    assert p.returncode == 0, p.stderr[-3000:]
+    text = p.stdout.split("==== jaxlm TPU benchmark summary (benchmarks/tpu.py) ====")[1]
+    kv = dict(line.split("=", 1) for line in text.splitlines() if "=" in line and " " not in line.split("=")[0])
+    assert {kv[f"section_{name}"] for name in tpu.BUDGET_S} == {"ok"}, kv
+    assert kv["platform"] == "cpu" and kv["sizes"] == "tiny" and float(kv["matmul_bf16_tflops"]) > 0
+    figures = json.loads((tmp_path / "tpu.json").read_text())["figures"]
+    rows = {r["label"]: r for r in figures["maxtext"]["maxtext_runs"]}
+    assert list(rows) == [label for label, _ in tpu_sections().MAXTEXT_ROWS]
+    preset, fast = rows[list(rows)[0]], rows[list(rows)[-1]]
+    assert (preset["param_dtype"], preset["remat"]) == ("float32", "full")  # what `jaxlm train maxtext_base` runs
+    assert (fast["param_dtype"], fast["remat"]) == ("bfloat16", "minimal")
+    for r in [*rows.values(), *figures["gpt2"]["gpt2_runs"], *figures["long"]["long_runs"]]:
+        assert r["tokens_per_s"] > 0 and r["bytes"] > 0 and r["flops_maxtext"] > r["flops_causal"] > 0, r
+    assert fast["breakdown"]["source"].startswith("jax.profiler trace") and fast["breakdown"]["by_kind"]["matmul"] > 0
+    assert figures["long"]["long_runs"][0]["block"] == 256
+    assert kv["quant_int8_loss_within_0.02"] == "true" and float(kv["quant_int8_speed_vs_bf16"]) > 0
+    assert float(kv["generate_b1_decode_tokens_per_s"]) > 0 and float(kv["serve_c4_output_tokens_per_s"]) > 0
+    assert "maxtext_best_mfu_maxtext" not in kv  # no spec-sheet peak for a CPU: MFU only against the matmul
+    assert float(kv["maxtext_best_mfu_maxtext_vs_matmul"]) > 0
+
+
+def tpu_sections():
+    import tpu_sections
+
+    return tpu_sections
+
+
+def test_mfu_by_maxtexts_count_and_by_the_causal_count():
+    rows = [dict(tokens_per_s=16_000, flops_maxtext=7.0e9, flops_causal=6.6e9), dict(tokens_per_s=None,
+                                                                                     flops_maxtext=1, flops_causal=1)]
+    tpu.derive_rows(rows, peak=197e12, matmul=165e12)
+    assert rows[0]["mfu_maxtext"] == pytest.approx(16_000 * 7.0e9 / 197e12)
+    assert rows[0]["mfu_causal"] == pytest.approx(16_000 * 6.6e9 / 197e12)
+    assert rows[0]["mfu_maxtext_vs_matmul"] == pytest.approx(16_000 * 7.0e9 / 165e12)
+    assert rows[1]["mfu_maxtext"] is None and rows[1]["tflops_causal"] is None
+
+
+TPU_HLO = """HloModule jit_step
+%fused_computation.1 (param_0: bf16[8,2048], param_1: bf16[2048,7168]) -> bf16[8,7168] {
+  %param_0 = bf16[8,2048]{1,0} parameter(0)
+  %param_1 = bf16[2048,7168]{1,0} parameter(1)
+  ROOT %convolution.3 = bf16[8,7168]{1,0} convolution(%param_0, %param_1), dim_labels=bf_io->bf
+}
+%fused_computation.2 (param_0: f32[8]) -> f32[8] {
+  %param_0 = f32[8]{0} parameter(0)
+  ROOT %add.1 = f32[8]{0} add(%param_0, %param_0)
+}
+ENTRY %main (a: bf16[8,2048], b: bf16[2048,7168], c: f32[8]) -> f32[8] {
+  %fusion.1 = bf16[8,7168]{1,0} fusion(%a, %b), kind=kOutput, calls=%fused_computation.1, metadata={op_name="jit(step)/mlp_block/dot_general"}
+  %fusion.2 = f32[8]{0} fusion(%c), kind=kLoop, calls=%fused_computation.2, metadata={op_name="jit(step)/mlp_block/mul"}
+  ROOT %custom-call.5 = f32[8]{0} custom-call(%fusion.2), custom_call_target="tpu_custom_call", metadata={op_name="jit(step)/attn_block/splash_attention/fwd"}
+}
+"""
+
+
+def test_a_tpu_fusion_holding_a_matmul_is_a_matmul_and_a_pallas_call_its_own_kind():
+    index = gpu_sections.hlo_index(TPU_HLO)
+    assert index["fusion.1"] == ("matmul", "mlp", "forward")  # XLA:TPU's fusion line names no dot
+    assert index["fusion.2"] == ("fusion (elementwise, reduce)", "mlp", "forward")
+    assert index["custom-call.5"] == ("Pallas kernel (TPU)", "attention kernel", "forward")
+    ms = 1_000_000
+    b = gpu_sections.breakdown_of(trace(("/device:TPU:0", [("XLA Ops", [event("fusion.1", 0, 60 * ms), event(
+        "fusion.2", 60 * ms, 10 * ms), event("custom-call.5", 70 * ms, 30 * ms)])])), index, steps=1)
+    assert b["source"] == "jax.profiler trace, /device:TPU:0 XLA Ops"
+    assert b["by_kind"] == {"matmul": 60, "Pallas kernel (TPU)": 30, "fusion (elementwise, reduce)": 10}
