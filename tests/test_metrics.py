@@ -89,6 +89,11 @@ def test_cpu_run_reports_mfu_against_the_measured_peak_and_goodput_that_sums_to_
     assert summary["mfu"] == pytest.approx(summary["model_tflops_per_s_per_device"] * 1e12 / peak, rel=1e-12)
     (line,) = [line for line in logged if "MFU" in line]
     assert float(re.search(r"MFU ([\d.]+)%", line).group(1)) == round(100 * summary["mfu"], 2)
+    # MaxText's count (the attention square whole) beside it: more FLOPs per token, the same ratio in MFU
+    maxtext = flops.flops_per_token(dataclasses.replace(cfg.model, vocab_size=65))
+    assert maxtext > flops_per_token and f"{maxtext:,.0f} by MaxText's count" in "\n".join(logged)
+    assert summary["mfu_maxtext"] == pytest.approx(summary["mfu"] * maxtext / flops_per_token)
+    assert f"({100 * summary['mfu_maxtext']:.2f}% by MaxText's count)" in line
     records = train.read_metrics(tmp_path / "run")
     timed = [r for r in records if "mfu" in r]
     assert [r["step"] for r in timed] == [3, 6, 9, 12]  # step 1's window holds the compile: compile_s instead
