@@ -112,6 +112,10 @@ def test_json_lines_are_parsed_in_blocks_where_they_are_tokenized(tmp_path, monk
     got = [(t.encode(), w) for b in blocks for t, w in zip(*sources.block_texts(b, stats))]
     assert got == reference and stats == stats_ref
     assert stats["empty_documents"] == 1 and stats["invalid_utf8_records"] == 1
+    # blocks of valid lines take the one-pass path (places made when asked for), the block with bad UTF-8 the
+    # line-by-line one: both give what reading record by record gives
+    kinds = [type(sources.block_texts(b, Counter())[1]) for b in blocks]
+    assert kinds.count(sources.Places) >= len(blocks) - 2 and list in kinds
     monkeypatch.setattr(sources, "BLOCK_BYTES", 700)
     metas = [prepare.prepare_corpus([str(f)], tmp_path / f"w{w}", "byte", val_fraction=0.1, workers=w,
                                     shard_tokens=2000, progress=False) for w in (0, 2)]

@@ -6,7 +6,9 @@ input order, a few batches per worker in flight so that memory stays bounded how
 from __future__ import annotations
 
 import collections
+import itertools
 import os
+from typing import NamedTuple
 
 import numpy as np
 
@@ -24,11 +26,11 @@ def _worker_init(spec: dict, chat_template: str | None) -> None:
     _WORKER["tok"] = tok
 
 
-def _work(job: tuple) -> tuple[list, np.ndarray, list | None, collections.Counter | None]:
+def _work(job: tuple) -> tuple[Flat | list, np.ndarray, list | None, collections.Counter | None]:
     """Encode one batch of documents: ('text', texts), ('chat', conversations), ('preference', pairs) or ('jsonl',
-    sources.JsonLines) -> (per document (ids, mask or None), per pair a list of two such documents, or for a chat
-    or a pair the error text; the batch's token counts per id; for a JSON-lines block the documents' places and
-    what reading it counted, else None, None)."""
+    sources.JsonLines) -> (texts as one Flat, else per document (ids, mask or None), per pair a list of two such
+    documents, or the error text of a document; the batch's token counts per id; for a JSON-lines block the
+    documents' places and what reading it counted, else None, None)."""
     kind, payload = job
     tok = _WORKER["tok"]
     wheres = stats = None
@@ -49,8 +51,11 @@ def _work(job: tuple) -> tuple[list, np.ndarray, list | None, collections.Counte
                 docs.append(encode(tok, item))
             except ValueError as e:  # TokenizerError included: a template that refuses this conversation
                 docs.append(str(e))
-    arrays = [part[0] for d in docs if not isinstance(d, str) for part in parts(d, kind)]
-    flat = np.concatenate(arrays) if arrays else np.zeros(0, np.int64)
+    if isinstance(docs, Flat):
+        flat = docs.ids
+    else:
+        arrays = [part[0] for d in docs if not isinstance(d, str) for part in parts(d, kind)]
+        flat = np.concatenate(arrays) if arrays else np.zeros(0, np.int64)
     return docs, np.bincount(flat[flat >= 0], minlength=tok.vocab_size), wheres, stats
 
 
@@ -59,9 +64,22 @@ def parts(doc, kind: str) -> list:
     return doc if kind == "preference" else [doc]
 
 
-def _encode_texts(tok, texts: list[str]) -> list:
+class Flat(NamedTuple):
+    """A batch of text documents end to end: their token ids [T] and their lengths [D] (one array each, not one
+    per document: the cheap form to send between processes and to write)."""
+    ids: np.ndarray
+    lengths: np.ndarray
+
+    def documents(self) -> list:
+        """The per-document form (ids, None) of the other kinds."""
+        return [(ids, None) for ids in np.split(self.ids, np.cumsum(self.lengths)[:-1])] if len(self.lengths) else []
+
+
+def _encode_texts(tok, texts: list[str]) -> Flat | list:
     try:
-        return [(np.asarray(ids, np.int64), None) for ids in tok.encode_documents(texts)]
+        docs = tok.encode_documents(texts)
+        lengths = np.fromiter(map(len, docs), np.int64, len(docs))
+        return Flat(np.fromiter(itertools.chain.from_iterable(docs), np.int64, int(lengths.sum())), lengths)
     except ValueError:  # a text this tokenizer cannot encode (a char vocabulary): find it, say where
         docs = []
         for text in texts:

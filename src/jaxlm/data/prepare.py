@@ -294,10 +294,14 @@ def write_dataset(out_dir: str | Path, tok, splits: dict, kind: str = "text", wo
                     counts = np.concatenate([counts, np.zeros(len(batch_counts) - len(counts), np.int64)])
                 counts[:len(batch_counts)] += batch_counts
                 if len(batch_counts) > limit and batch_counts[limit:].any():
-                    bad = next(i for i, d in enumerate(docs) if not isinstance(d, str) and d[0].max() >= limit)
-                    raise DataError(f"{wheres[bad]}: token id {int(docs[bad][0].max())} is at or above the vocabulary "
-                                    f"size {limit}; the tokenizer does not match the model (check --tokenizer and "
-                                    "--vocab-size)")
+                    _refuse_ids(docs, wheres, limit)
+                if isinstance(docs, encode.Flat):  # texts: no per-document work here
+                    to_val = _to_val(split, splits, val_fraction, n_doc, len(docs.lengths))
+                    n_doc += len(docs.lengths)
+                    _write_flat(writers, split, docs, to_val, stats)
+                    bar.set_postfix(docs=stats["train_documents"] + stats["val_documents"],
+                                    tokens=stats["train_tokens"] + stats["val_tokens"], refresh=False)
+                    continue
                 kept = []
                 for doc, where in zip(docs, wheres):
                     if isinstance(doc, str):
@@ -315,11 +319,8 @@ def write_dataset(out_dir: str | Path, tok, splits: dict, kind: str = "text", wo
                             counts[:len(batch_counts)] -= np.bincount(p[0], minlength=len(batch_counts))
                         continue
                     kept.append(parts)
-                to_val = np.zeros(len(kept), bool)
-                if split == "train" and "val" not in splits and val_fraction > 0:
-                    n = n_doc + np.arange(len(kept), dtype=np.float64)
-                    to_val = np.floor((n + 1) * val_fraction) > np.floor(n * val_fraction)
-                    n_doc += len(kept)
+                to_val = _to_val(split, splits, val_fraction, n_doc, len(kept))
+                n_doc += len(kept)
                 for name, docs_here in ((split, [d for d, v in zip(kept, to_val) if not v]),
                                         ("val", [d for d, v in zip(kept, to_val) if v])):
                     if docs_here:
@@ -352,6 +353,33 @@ def write_dataset(out_dir: str | Path, tok, splits: dict, kind: str = "text", wo
             **(extra or {})}
     shards.write_meta(out, meta)
     return meta
+
+
+def _to_val(split: str, splits: dict, val_fraction: float, n_doc: int, n: int) -> np.ndarray:
+    """Which of the next n documents (n_doc before them) go to 'val': a val_fraction of 'train' spread evenly when
+    there is no 'val' input; none otherwise."""
+    if not (split == "train" and "val" not in splits and val_fraction > 0):
+        return np.zeros(n, bool)
+    k = n_doc + np.arange(n, dtype=np.float64)
+    return np.floor((k + 1) * val_fraction) > np.floor(k * val_fraction)
+
+
+def _write_flat(writers: dict, split: str, docs, to_val: np.ndarray, stats: collections.Counter) -> None:
+    """A batch of texts (encode.Flat) to its split's writer, the documents of to_val to 'val'."""
+    for name, chosen in ((split, ~to_val), ("val", to_val)):
+        if chosen.any():
+            lengths = docs.lengths[chosen]
+            writers[name].add_flat(docs.ids if chosen.all() else docs.ids[np.repeat(chosen, docs.lengths)], lengths)
+            stats[f"{name}_documents"] += len(lengths)
+            stats[f"{name}_tokens"] += int(lengths.sum())
+
+
+def _refuse_ids(docs, wheres: list, limit: int) -> None:
+    """The DataError naming the first document with a token id at or above the vocabulary size `limit`."""
+    docs = docs.documents() if hasattr(docs, "documents") else docs
+    bad = next(i for i, d in enumerate(docs) if not isinstance(d, str) and d[0].max() >= limit)
+    raise DataError(f"{wheres[bad]}: token id {int(docs[bad][0].max())} is at or above the vocabulary size {limit}; "
+                    "the tokenizer does not match the model (check --tokenizer and --vocab-size)")
 
 
 def describe_stats(stats) -> str:

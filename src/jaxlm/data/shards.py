@@ -85,23 +85,31 @@ class ShardWriter:
     def add_many(self, ids_list: list[np.ndarray], masks: list[np.ndarray] | None = None) -> None:
         """Documents in order, as add() of each, written with one write per shard they fall in."""
         ids_list = [np.asarray(ids) for ids in ids_list]
-        if any(ids.ndim != 1 or len(ids) == 0 for ids in ids_list):
+        if any(ids.ndim != 1 for ids in ids_list):
             raise ValueError("a document is a non-empty 1-D array of token ids")
         if self.loss_mask and (masks is None or len(masks) != len(ids_list)
                                or any(len(m) != len(i) for m, i in zip(masks, ids_list))):
             raise ValueError("with a loss mask, every document needs a mask of its own length")
-        lengths_D = np.fromiter(map(len, ids_list), np.int64, len(ids_list))
+        if ids_list:
+            self.add_flat(np.concatenate(ids_list), np.fromiter(map(len, ids_list), np.int64, len(ids_list)),
+                          np.concatenate(masks) if self.loss_mask else None)
+
+    def add_flat(self, ids_T: np.ndarray, lengths_D: np.ndarray, mask_T: np.ndarray | None = None) -> None:
+        """Documents in order given end to end: their token ids (and loss masks) in one array, and their lengths."""
+        if (lengths_D <= 0).any() or ids_T.ndim != 1 or lengths_D.sum() != len(ids_T):
+            raise ValueError("a document is a non-empty 1-D array of token ids")
+        offsets = np.concatenate([[0], np.cumsum(lengths_D)])
         i = 0
-        while i < len(ids_list):
+        while i < len(lengths_D):
             if not self._open:
                 self._start()
-            ends_D = self._n + np.cumsum(lengths_D[i:])
+            ends_D = self._n + offsets[i + 1:] - offsets[i]
             full = np.flatnonzero(ends_D >= self.shard_tokens)
             j = i + (int(full[0]) + 1 if len(full) else len(ends_D))  # this shard takes documents i..j-1
             self._starts.extend([self._n, *ends_D[:j - i - 1].tolist()])
-            self._tokens.write(np.concatenate(ids_list[i:j]).astype(self.dtype, copy=False).tobytes())
+            self._tokens.write(ids_T[offsets[i]:offsets[j]].astype(self.dtype, copy=False).tobytes())
             if self._mask is not None:
-                self._mask.write(np.concatenate(masks[i:j]).astype(np.uint8, copy=False).tobytes())
+                self._mask.write(mask_T[offsets[i]:offsets[j]].astype(np.uint8, copy=False).tobytes())
             self._n = int(ends_D[j - i - 1])
             if self._n >= self.shard_tokens:
                 self._finish()

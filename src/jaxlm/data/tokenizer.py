@@ -309,11 +309,16 @@ class HFTokenizer(Tokenizer):
             return self._hf.encode_batch([text], add_special_tokens=False)[0].ids
         return self._hf.encode(text, add_special_tokens=False).ids
 
+    def _batch(self, texts: list[str], special: bool) -> list:
+        # encode_batch_fast (tokenizers >= 0.20) gives the same ids without computing character offsets
+        fast = getattr(self._hf, "encode_batch_fast", self._hf.encode_batch)
+        return fast(texts, add_special_tokens=special)
+
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self._hf.encode_batch(texts, add_special_tokens=False)]
+        return [e.ids for e in self._batch(texts, False)]
 
     def encode_documents(self, texts: list[str]) -> list[list[int]]:
-        return [self._frame(e.ids) for e in self._hf.encode_batch(texts, add_special_tokens=True)]
+        return [self._frame(e.ids) for e in self._batch(texts, True)]
 
     def _frame(self, ids: list[int]) -> list[int]:
         # `ids` come with the post-processor's special tokens, which end some tokenizers' texts with their EOS
