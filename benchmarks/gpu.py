@@ -281,23 +281,26 @@ def _serve(s: dict, derived: dict, kv: dict, tables: list) -> None:
             kv["serve_note"] = "the last round finished also compiled"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(budget_s: dict = BUDGET_S, script: Path = SECTIONS_PY, summarize=None, tag: str = "gpu",
+         doc: str = __doc__) -> None:
+    """The command line of this script, and of benchmarks/tpu.py with its own sections, budgets and summary."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="toy sizes: the CPU path CI runs")
     ap.add_argument("--only", help="comma-separated sections (default: all, in order)")
     ap.add_argument("--json", help="also write every figure to this file")
     ap.add_argument("--budget-scale", type=float, default=1.0, help="multiply every section's time budget")
     a = ap.parse_args()
-    names = list(BUDGET_S)
+    names = list(budget_s)
     if a.only:
         names = [n.strip() for n in a.only.split(",")]
-        unknown = [n for n in names if n not in BUDGET_S]
+        unknown = [n for n in names if n not in budget_s]
         if unknown:
-            sys.exit(f"error: unknown section(s) {', '.join(unknown)}; sections: {', '.join(BUDGET_S)}")
-    figures, status, wall = run_sections(names, a.tiny, a.budget_scale, lambda s: print(s, file=sys.stderr,
-                                                                                         flush=True))
-    lines = summary(figures, status, wall, a.tiny)
-    print("\n".join(["", "==== jaxlm GPU benchmark summary (benchmarks/gpu.py) ===="] + lines), flush=True)
+            sys.exit(f"error: unknown section(s) {', '.join(unknown)}; sections: {', '.join(budget_s)}")
+    figures, status, wall = run_sections(names, a.tiny, a.budget_scale,
+                                         lambda s: print(s, file=sys.stderr, flush=True), script, budget_s, tag)
+    lines = (summarize or summary)(figures, status, wall, a.tiny)
+    print("\n".join(["", f"==== jaxlm {tag.upper()} benchmark summary (benchmarks/{tag}.py) ===="] + lines),
+          flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps({"figures": figures, "status": status, "derived": derive(figures),
                                             "wall_s": wall}, indent=1, default=str))

@@ -835,17 +835,18 @@ def serve(ctx: Ctx) -> None:
 SECTIONS = {f.__name__: f for f in (yardsticks, train, attention, precision, quant, decode, serve)}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("section", choices=list(SECTIONS))
+def main(sections: dict = SECTIONS, ctx_class=Ctx, doc: str = __doc__) -> None:
+    """Run one section (benchmarks/tpu_sections.py runs its own here too)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("section", choices=list(sections))
     ap.add_argument("--results", required=True)
     ap.add_argument("--deadline", type=float, required=True)
     ap.add_argument("--tiny", action="store_true")
     a = ap.parse_args()
-    ctx = Ctx(a.results, a.deadline, a.tiny)
+    ctx = ctx_class(a.results, a.deadline, a.tiny)
     t = time.perf_counter()
     try:
-        SECTIONS[a.section](ctx)
+        sections[a.section](ctx)
     except Exception as e:  # noqa: BLE001 - the summary names the section's error in one line
         traceback.print_exc()
         ctx.put(error=one_line(e))

@@ -26,8 +26,6 @@ Sections and what they report:
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -120,28 +118,5 @@ def breakdown(label: str, b: dict) -> list[str]:
                           for r in b["top"]]))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tiny", action="store_true", help="toy sizes: the CPU path CI runs")
-    ap.add_argument("--only", help="comma-separated sections (default: all, in order)")
-    ap.add_argument("--json", help="also write every figure to this file")
-    ap.add_argument("--budget-scale", type=float, default=1.0, help="multiply every section's time budget")
-    a = ap.parse_args()
-    names = list(BUDGET_S)
-    if a.only:
-        names = [n.strip() for n in a.only.split(",")]
-        unknown = [n for n in names if n not in BUDGET_S]
-        if unknown:
-            sys.exit(f"error: unknown section(s) {', '.join(unknown)}; sections: {', '.join(BUDGET_S)}")
-    figures, status, wall = gpu.run_sections(names, a.tiny, a.budget_scale,
-                                             lambda s: print(s, file=sys.stderr, flush=True),
-                                             script=SECTIONS_PY, budget_s=BUDGET_S, tag="tpu")
-    lines = summary(figures, status, wall, a.tiny)
-    print("\n".join(["", "==== jaxlm TPU benchmark summary (benchmarks/tpu.py) ===="] + lines), flush=True)
-    if a.json:
-        Path(a.json).write_text(json.dumps({"figures": figures, "status": status, "wall_s": wall}, indent=1,
-                                           default=str))
-
-
 if __name__ == "__main__":
-    main()
+    gpu.main(BUDGET_S, SECTIONS_PY, summary, "tpu", __doc__)

@@ -13,11 +13,9 @@ against bf16), decode (generate at batch 1 and 64), serve (the engine with 64 sl
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
-import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -184,24 +182,5 @@ def serve(ctx: Ctx) -> None:
 SECTIONS = {f.__name__: f for f in (yardsticks, maxtext, gpt2, long, quant, decode, serve)}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("section", choices=list(SECTIONS))
-    ap.add_argument("--results", required=True)
-    ap.add_argument("--deadline", type=float, required=True)
-    ap.add_argument("--tiny", action="store_true")
-    a = ap.parse_args()
-    ctx = Ctx(a.results, a.deadline, a.tiny)
-    t = time.perf_counter()
-    try:
-        SECTIONS[a.section](ctx)
-    except Exception as e:  # noqa: BLE001 - the summary names the section's error in one line
-        traceback.print_exc()
-        ctx.put(error=g.one_line(e))
-        sys.exit(1)
-    finally:
-        g.log(f"{a.section}: {time.perf_counter() - t:.1f} s")
-
-
 if __name__ == "__main__":
-    main()
+    g.main(SECTIONS, Ctx, __doc__)
