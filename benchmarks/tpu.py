@@ -17,7 +17,8 @@ Sections and what they report:
               weights and Adam moments: its bytes against the chip's, it runs only where it fits), then bf16
               weights and moments with remat full and with remat minimal (`model.param_dtype=bfloat16
               model.remat=minimal`); the step's time by operation from a jax.profiler trace for the bf16 rows
-  gpt2        GPT-2 124M as the `openwebtext` preset trains it (batch 128 in 16 accumulation steps), then batch 32
+  gpt2        GPT-2 124M as the `openwebtext` preset trains it (128 sequences a micro-step, 16 micro-steps: more
+              than one chip holds, so its bytes are reported), then batch 32
   long        maxtext_base at 32,768 tokens a sequence, batch 1, bf16 weights, splash attention
   quant       int8 training against bf16 on maxtext_base's shape, 200 steps of a Markov corpus: speed and loss
   decode      generate at batch 1 and 64 (the 1B shape in bf16), batch 1's bytes per token over the HBM copy
