@@ -376,7 +376,9 @@ def _write_flat(writers: dict, split: str, docs, to_val: np.ndarray, stats: coll
 
 def _refuse_ids(docs, wheres: list, limit: int) -> None:
     """The DataError naming the first document with a token id at or above the vocabulary size `limit`."""
-    docs = docs.documents() if hasattr(docs, "documents") else docs
+    from jaxlm.data import encode
+
+    docs = docs.documents() if isinstance(docs, encode.Flat) else docs
     bad = next(i for i, d in enumerate(docs) if not isinstance(d, str) and d[0].max() >= limit)
     raise DataError(f"{wheres[bad]}: token id {int(docs[bad][0].max())} is at or above the vocabulary size {limit}; "
                     "the tokenizer does not match the model (check --tokenizer and --vocab-size)")
