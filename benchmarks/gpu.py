@@ -51,6 +51,7 @@ SECTIONS_PY = Path(__file__).with_name("gpu_sections.py")
 BUDGET_S = {"yardsticks": 20, "train": 220, "attention": 30, "precision": 35, "quant": 50, "decode": 45, "serve": 45}
 TINY_BUDGET_S = 150  # each section at tiny sizes (a slow, shared CPU)
 TOLERANCE_LOSS = 0.02  # bf16 against float32, and int8/fp8 against bf16: final losses this close
+HOST_MEMORY_FRACTION = 0.8  # a section holding more of the host's memory is stopped (a TPU host's is finite too)
 
 
 def run_sections(names: list[str], tiny: bool, scale: float, log, script: Path = SECTIONS_PY,
@@ -72,10 +73,7 @@ def run_sections(names: list[str], tiny: bool, scale: float, log, script: Path =
                    "--deadline", str(time.time() + 0.95 * limit - 2)] + (["--tiny"] if tiny else [])
             log(f"[{tag}] section {name}: up to {limit:.0f} s")
             t = time.time()
-            try:
-                rc = subprocess.run(cmd, env=env, timeout=limit, stdout=sys.stderr, stderr=sys.stderr).returncode
-            except subprocess.TimeoutExpired:
-                rc = None
+            rc, peak, over = watch(subprocess.Popen(cmd, env=env, stdout=sys.stderr, stderr=sys.stderr), limit)
             seconds = time.time() - t
             got = {}
             if results.exists():
@@ -83,14 +81,53 @@ def run_sections(names: list[str], tiny: bool, scale: float, log, script: Path =
                     if line.strip():
                         got.update(json.loads(line))
             figures[name] = got
-            if rc is None:
+            if over:
+                state = (f"stopped: its host memory reached {peak / 2**30:.1f} GiB, over the {over / 2**30:.1f} GiB "
+                         "allowed (its figures up to then are kept)")
+            elif rc is None:
                 state = f"timed out after {limit:.0f} s (its figures up to then are kept)"
             elif rc != 0:
                 state = "error: " + got.get("error", f"exit code {rc} (killed or crashed; see the log above)")
             else:
                 state = "ok"
-            status[name] = dict(state=state, seconds=round(seconds, 1), limit_s=round(limit, 1))
+            status[name] = dict(state=state, seconds=round(seconds, 1), limit_s=round(limit, 1),
+                                peak_host_gib=round(peak / 2**30, 2) if peak else None)
     return figures, status, time.time() - start
+
+
+def host_memory_allowed() -> int | None:
+    """Bytes of host memory a section may hold: HOST_MEMORY_FRACTION of the machine's (Linux), so that a section
+    that runs away is stopped and reported rather than the whole run killed by the machine."""
+    try:
+        total_kb = next(int(line.split()[1]) for line in open("/proc/meminfo") if line.startswith("MemTotal:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+    return int(total_kb * 1024 * HOST_MEMORY_FRACTION)
+
+
+def resident_bytes(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def watch(proc: subprocess.Popen, limit: float) -> tuple[int | None, int, int | None]:
+    """Wait for a section's process: (exit code or None when it ran past `limit` seconds, its peak resident bytes
+    as sampled, the allowed bytes when it went over them and was stopped, else None)."""
+    allowed, peak, end = host_memory_allowed(), 0, time.time() + limit
+    while True:
+        try:
+            return proc.wait(timeout=0.25), peak, None
+        except subprocess.TimeoutExpired:
+            pass
+        peak = max(peak, resident_bytes(proc.pid) or 0)
+        over = allowed is not None and peak > allowed
+        if over or time.time() > end:
+            proc.kill()
+            proc.wait()
+            return None, peak, allowed if over else None
 
 
 # ---- the summary ------------------------------------------------------------------------------------------------

@@ -57,6 +57,7 @@ def summary(f: dict, status: dict, wall: float, tiny: bool) -> list[str]:
     kv: dict = {"device": y.get("device"), "platform": y.get("platform"), "jax": y.get("jax"),
                 "sizes": "tiny" if tiny else "full", "wall_s": round(wall, 1)}
     kv.update({f"section_{n}": s["state"] for n, s in status.items()})
+    kv.update({f"section_{n}_host_gib": s.get("peak_host_gib") for n, s in status.items()})
     if y:
         kv.update(matmul_bf16_tflops=gpu._tera(matmul), peak_bf16_spec_tflops=gpu._tera(peak),
                   hbm_copy_gbps=gpu._giga(y.get("hbm_copy")), hbm_spec_gbps=gpu._giga(y.get("hbm_spec")))

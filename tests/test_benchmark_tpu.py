@@ -89,3 +89,18 @@ def test_a_tpu_fusion_holding_a_matmul_is_a_matmul_and_a_pallas_call_its_own_kin
         "fusion.2", 60 * ms, 10 * ms), event("custom-call.5", 70 * ms, 30 * ms)])])), index, steps=1)
     assert b["source"] == "jax.profiler trace, /device:TPU:0 XLA Ops"
     assert b["by_kind"] == {"matmul": 60, "Pallas kernel (TPU)": 30, "fusion (elementwise, reduce)": 10}
+
+
+def test_a_section_that_takes_too_much_host_memory_is_stopped_and_reported(monkeypatch):
+    """A runaway section is stopped by the runner, not the whole run by the machine (a TPU host's 40 GiB once ran
+    out before anything was printed): its peak is reported."""
+    import gpu
+
+    if gpu.host_memory_allowed() is None:
+        pytest.skip("no /proc/meminfo: host memory is not watched here")
+    monkeypatch.setattr(gpu, "host_memory_allowed", lambda: 300 * 2**20)
+    grow = "import time\nx = []\nwhile True:\n    x.append(bytearray(50 * 2**20)); time.sleep(0.05)"
+    rc, peak, over = gpu.watch(subprocess.Popen([sys.executable, "-c", grow]), limit=60)
+    assert rc is None and over == 300 * 2**20 and 300 * 2**20 < peak < 2 * 2**30
+    rc, peak, over = gpu.watch(subprocess.Popen([sys.executable, "-c", "import time; x = bytearray(20 * 2**20); time.sleep(1)"]), limit=60)
+    assert rc == 0 and over is None and 0 < peak < 300 * 2**20
