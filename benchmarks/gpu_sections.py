@@ -24,6 +24,7 @@ import functools
 import glob
 import json
 import math
+import os
 import platform
 import re
 import statistics
@@ -835,6 +836,16 @@ def serve(ctx: Ctx) -> None:
 SECTIONS = {f.__name__: f for f in (yardsticks, train, attention, precision, quant, decode, serve)}
 
 
+def on_an_accelerator() -> None:
+    """Full sizes are for a GPU or TPU: on a CPU they take its host's memory (a 1B model in float32, 4 GiB copy
+    buffers), as when a TPU machine's JAX is hidden behind a CPU-only one on PYTHONPATH."""
+    import jax
+
+    if jax.default_backend() == "cpu":
+        raise RuntimeError(f"JAX {jax.__version__} (from {os.path.dirname(jax.__file__)}) sees only the CPU; full sizes "
+                           "need a GPU or TPU (run with --tiny on a CPU, or put the machine's JAX first on PYTHONPATH)")
+
+
 def main(sections: dict = SECTIONS, ctx_class=Ctx, doc: str = __doc__) -> None:
     """Run one section (benchmarks/tpu_sections.py runs its own here too)."""
     ap = argparse.ArgumentParser(description=doc.splitlines()[0])
@@ -846,6 +857,8 @@ def main(sections: dict = SECTIONS, ctx_class=Ctx, doc: str = __doc__) -> None:
     ctx = ctx_class(a.results, a.deadline, a.tiny)
     t = time.perf_counter()
     try:
+        if not a.tiny:
+            on_an_accelerator()
         sections[a.section](ctx)
     except Exception as e:  # noqa: BLE001 - the summary names the section's error in one line
         traceback.print_exc()
