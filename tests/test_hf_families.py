@@ -222,8 +222,8 @@ def test_unsupported_options_and_missing_experts_stop_the_import_in_one_line(tmp
 @pytest.mark.slow
 def test_multimodal_checkpoints_import_their_language_model(tmp_path):
     """Gemma 3 and Llama 4 checkpoints with a vision tower (Gemma3ForConditionalGeneration,
-    Llama4ForConditionalGeneration) import their language model (language_model.*), the vision weights
-    skipped; its logits equal transformers' language model's."""
+    Llama4ForConditionalGeneration): on text alone, the imported model's logits equal transformers' language
+    model's (Gemma 3 imports its vision tower too: tests/test_vision.py; Llama 4's is skipped)."""
     C2 = {**C, "vocab_size": 300}
     models = {
         "gemma3": transformers.Gemma3Config(

@@ -403,11 +403,17 @@ def cmd_generate(argv: list[str]) -> int:
     p.add_argument("--chat", action="store_true", help="each prompt is a user message: render it with the model's "
                    "chat template (as `jaxlm prepare chat` renders training data) and generate the reply")
     p.add_argument("--tokenizer", help="tokenizer to use instead of the model's (data.tokenizer; docs/data.md)")
+    p.add_argument("--image", action="append", help="an image (a file or a data URL) for every prompt, placed at "
+                   "the prompt's <start_of_image> or before its text (a model with a vision tower; docs/vision.md)")
     p.add_argument("settings", nargs="*", metavar="key=value")
     a, rest = p.parse_known_args(argv)
     from pathlib import Path
 
+    import numpy as np
+
+    from jaxlm.data import images as images_lib
     from jaxlm.infer import api, generate
+    from jaxlm.store import weights
 
     a.settings += rest  # key=value settings may come before or after the options
 
@@ -430,9 +436,20 @@ def cmd_generate(argv: list[str]) -> int:
     tok = model.tokenizer()
     if a.chat:
         prompts = [tok.apply_chat_template([{"role": "user", "content": text}]) for text in prompts]
-    ids = [api.encode_prompt(tok, text, rendered=a.chat) for text in prompts for _ in range(d.num_samples)]
-    stop = config_lib.stop_token_ids(d) + (tok.eos_ids if d.stop_at_eos else ())
     m_cfg = model.config.model
+    pixels = None
+    if a.image:
+        if m_cfg.vision is None or d.draft:
+            raise config_lib.ConfigError("--image needs a model with a vision tower (model.vision) and no decode.draft")
+        bos = [tok.bos_id] if tok.bos_id is not None and not a.chat else []
+        ids = [bos + tok.encode_rendered(images_lib.prompt_text(text, tok, m_cfg.vision, len(a.image)))
+               for text in prompts for _ in range(d.num_samples)]
+        folder = weights.tokenizer_source(model.path, model.config)
+        one = images_lib.pixels(a.image, images_lib.Processor.of_folder(folder, m_cfg.vision.image_size))
+        pixels = np.concatenate([one] * len(ids))
+    else:
+        ids = [api.encode_prompt(tok, text, rendered=a.chat) for text in prompts for _ in range(d.num_samples)]
+    stop = config_lib.stop_token_ids(d) + (tok.eos_ids if d.stop_at_eos else ())
     if m_cfg.position != "learned" and max(map(len, ids)) + d.max_new_tokens > m_cfg.block_size:
         print(f"note: prompt + max_new_tokens={d.max_new_tokens} run past the {m_cfg.block_size} positions this "
               "model was trained on; text there may degrade", file=sys.stderr)
@@ -455,7 +472,8 @@ def cmd_generate(argv: list[str]) -> int:
         out = speculative.generate_speculative(model.params, model.config.model, draft and draft.params,
                                                draft and draft.config.model, ids, d, stop, on_tokens)
     else:
-        out = generate.generate(model.params, model.config.model, ids, d, stop, on_tokens, mesh=model.mesh)
+        out = generate.generate(model.params, model.config.model, ids, d, stop, on_tokens, mesh=model.mesh,
+                                images=pixels)
     print()
     for i, new in enumerate(out.tokens[1:], start=2):
         print(f"--- sample {i} of {len(ids)}\n{prompts[(i - 1) // d.num_samples]}{tok.decode(new)}")

@@ -40,6 +40,12 @@ def _coerce(key: str, value: Any, t) -> Any:
             return None
         (inner,) = [a for a in args if a is not type(None)]
         return _coerce(key, value, inner)
+    if dataclasses.is_dataclass(t) and isinstance(value, dict):  # a nested section (model.vision)
+        hints = typing.get_type_hints(t)
+        for k in value:
+            if k not in hints:
+                raise _unknown(f"{key}.{k}", [f"{key}.{name}" for name in hints])
+        return t(**{k: _coerce(f"{key}.{k}", v, hints[k]) for k, v in value.items()})
     if origin is Literal:
         choices = typing.get_args(t)
         if value in choices:

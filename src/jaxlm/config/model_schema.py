@@ -1,18 +1,57 @@
 """The model's settings (`model.*`): one frozen dataclass whose fields carry their help and range rules, the
-same for every family (docs/families.md maps a family to its values)."""
+same for every family (docs/families.md maps a family to its values), and the vision tower's (`model.vision`,
+None for text-only models)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal
 
-from jaxlm.config.rules import Rule, at_least, between, positive, setting as _f
+from jaxlm.config.rules import ConfigError, Rule, at_least, between, positive, setting as _f
 
 DType = Literal["float32", "bfloat16"]
 ATTENTION_KINDS = ("global", "local", "chunked", "nope")
 POWER_OF_2 = Rule(lambda v: v >= 1 and not v & (v - 1), "a power of 2 (1, 2, 4, ...)")
 RematPolicy = Literal["none", "full", "minimal", "save_dots", "save_qkv_proj", "save_out_proj", "save_qkv_out_proj",
                       "save_attention", "offload_qkv_proj", "offload_attention", "offload_layer_inputs"]
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """A ViT image encoder and its projector into the language model (Gemma 3's SigLIP tower: docs/vision.md)."""
+    image_size: int = _f(896, "side of the square images the encoder takes, in pixels", rule=positive())
+    patch_size: int = _f(14, "side of one patch in pixels (image_size a multiple of it)", rule=positive())
+    d_model: int = _f(1152, "width of the encoder", rule=positive())
+    n_layers: int = _f(27, "encoder blocks", rule=positive())
+    n_heads: int = _f(16, "attention heads of an encoder block (dividing d_model)", rule=positive())
+    d_ff: int = _f(4304, "MLP hidden width of an encoder block", rule=positive())
+    norm_eps: float = _f(1e-6, "epsilon of the encoder's LayerNorms and the projector's RMSNorm", rule=positive())
+    activation: Literal["gelu", "gelu_tanh"] = _f("gelu_tanh", "MLP activation of the encoder blocks")
+    tokens_per_image: int = _f(256, "soft tokens an image becomes: the patch grid average-pooled to a square of "
+                                    "this many (a square number whose side divides the patches per side)",
+                               rule=positive())
+    image_token_id: int = _f(262144, "the token each soft token replaces in a prompt", rule=at_least(0))
+    boi_token_id: int = _f(255999, "the token that opens an image in a prompt", rule=at_least(0))
+    eoi_token_id: int = _f(256000, "the token that closes an image in a prompt", rule=at_least(0))
+
+    def __post_init__(self):
+        side = round(self.tokens_per_image ** 0.5)
+        if self.image_size % self.patch_size:
+            raise ConfigError(f"model.vision.patch_size={self.patch_size} must divide model.vision.image_size="
+                              f"{self.image_size}")
+        if side * side != self.tokens_per_image or self.patches_per_side % side:
+            raise ConfigError(f"model.vision.tokens_per_image={self.tokens_per_image} must be the square of a divisor "
+                              f"of the {self.patches_per_side} patches per side")
+        if self.d_model % self.n_heads:
+            raise ConfigError(f"model.vision.n_heads={self.n_heads} must divide model.vision.d_model={self.d_model}")
+
+    @property
+    def patches_per_side(self) -> int:
+        return self.image_size // self.patch_size
+
+    @property
+    def hd(self) -> int:
+        return self.d_model // self.n_heads
 
 
 @dataclass(frozen=True)
@@ -187,6 +226,8 @@ class ModelConfig:
     )
     quant_logits: bool = _f(False, "also quantize the output (logits) projection")
     quant_stochastic_rounding: bool = _f(True, "round int8 gradients stochastically (unbiased) instead of to nearest")
+    vision: VisionConfig | None = _f(None, "the vision tower and projector of a vision-language model (Gemma 3); "
+                                           "None = text only")
 
     @property
     def kv_heads(self) -> int:

@@ -24,9 +24,9 @@ from jaxlm.model import forward
 
 
 @partial(jax.jit, static_argnames=("cfg", "layout"))
-def _logits(params, tokens_BT, cfg: ModelConfig, layout: sharding.Layout | None):
+def _logits(params, tokens_BT, cfg: ModelConfig, layout: sharding.Layout | None, images=None):
     with sharding.within(layout):
-        return forward(params, tokens_BT, cfg)
+        return forward(params, tokens_BT, cfg, images=images)
 
 
 @dataclass
@@ -36,8 +36,10 @@ class Model:
     path: Path
     mesh: jax.sharding.Mesh | None = None  # weights, activations and the KV cache sharded over it (None: one device)
 
-    def logits(self, tokens) -> np.ndarray:
-        """int tokens [batch, length] -> float32 logits [batch, length, vocab] (a numpy array)."""
+    def logits(self, tokens, images=None) -> np.ndarray:
+        """int tokens [batch, length] -> float32 logits [batch, length, vocab] (a numpy array). images (a model
+        with a vision tower): preprocessed images [n, side, side, 3] (data/images.py) in the order of their image
+        tokens, whose soft tokens replace those tokens."""
         tokens_BT = np.asarray(tokens)
         if tokens_BT.ndim != 2 or not np.issubdtype(tokens_BT.dtype, np.integer):
             raise ValueError(f"tokens must be an integer array [batch, length], got {tokens_BT.dtype} "
@@ -45,17 +47,19 @@ class Model:
         V = self.config.model.vocab_size
         if tokens_BT.size and (tokens_BT.min() < 0 or tokens_BT.max() >= V):
             raise ValueError(f"token ids must be in [0, {V}), got [{tokens_BT.min()}, {tokens_BT.max()}]")
+        images = None if images is None else jnp.asarray(images, jnp.float32)
         return np.asarray(_logits(self.params, jnp.asarray(tokens_BT, jnp.int32), self.config.model,
-                                  sharding.layout(self.mesh)))
+                                  sharding.layout(self.mesh), images))
 
     def generate(self, prompt_ids: list[int], new_tokens: int = 200, temperature: float = 0.8, top_k: int = 0,
-                 top_p: float = 1.0, seed: int = 0, stop_ids: tuple[int, ...] | None = None) -> list[int]:
+                 top_p: float = 1.0, seed: int = 0, stop_ids: tuple[int, ...] | None = None, images=None) -> list[int]:
         """Sample up to `new_tokens` ids after the prompt with the KV cache (temperature 0 = greedy); stops
-        after any of `stop_ids` (by default the model's end-of-sequence ids, as `jaxlm generate` does)."""
+        after any of `stop_ids` (by default the model's end-of-sequence ids, as `jaxlm generate` does). images:
+        as for `logits`."""
         d = DecodeConfig(max_new_tokens=new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         stop = self.eos_ids() if stop_ids is None else tuple(stop_ids)
         return generate.generate(self.params, self.config.model, [list(prompt_ids)], d, stop,
-                                 mesh=self.mesh).tokens[0]
+                                 mesh=self.mesh, images=images).tokens[0]
 
     def eos_ids(self) -> tuple[int, ...]:
         """End-of-sequence ids: a converted model's (from its hf_config.json); none for jaxlm's own

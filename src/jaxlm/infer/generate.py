@@ -112,9 +112,9 @@ def emit(stream_id, *values) -> None:
 
 @partial(jax.jit, static_argnames=("cfg", "cache_length", "quantize", "layout"))
 def _prefill(params, prompts_BT, lengths_B, cfg: ModelConfig, cache_length: int, quantize: bool,
-             layout: sharding.Layout | None = None):
+             layout: sharding.Layout | None = None, images=None):
     with sharding.within(layout):
-        return decode.prefill(params, prompts_BT, lengths_B, cfg, cache_length, quantize)
+        return decode.prefill(params, prompts_BT, lengths_B, cfg, cache_length, quantize, images)
 
 
 FIRST_SEGMENT = 64  # cache slots of the first decode segment at least; each next one doubles
@@ -265,19 +265,20 @@ def compiled_once(executables: dict, key, compile: Callable):
 
 
 def _compiled(params, prompts_BT, lengths_B, sampled, cfg: ModelConfig, length: int, d: DecodeConfig, mesh,
-              stream: bool):
+              stream: bool, images=None):
     """The prefill and decode executables for these shapes, on this mesh, compiled once per process."""
     layout = sharding.layout(mesh)
     unroll = cfg.n_layers <= UNROLL_LAYERS
-    k = (signature((params, prompts_BT, lengths_B, sampled)), cfg, length, d.quantize_kv_cache, d.max_new_tokens,
-         layout, stream, unroll)
+    k = (signature((params, prompts_BT, lengths_B, sampled, images)), cfg, length, d.quantize_kv_cache,
+         d.max_new_tokens, layout, stream, unroll)
 
     def compile():
         T = prompts_BT.shape[1]
         first = segments(T, length, d.max_new_tokens)[0][0]
         static = dict(cfg=cfg, cache_length=first, quantize=d.quantize_kv_cache, layout=layout)
-        prefill = _prefill.lower(params, prompts_BT, lengths_B, **static).compile()
-        logits_shape, cache_shape = jax.eval_shape(partial(_prefill, **static), params, prompts_BT, lengths_B)
+        prefill = _prefill.lower(params, prompts_BT, lengths_B, images=images, **static).compile()
+        logits_shape, cache_shape = jax.eval_shape(partial(_prefill, images=images, **static), params, prompts_BT,
+                                                   lengths_B)
         decode = _decode.lower(params, logits_shape, cache_shape, sampled, np.int32(0), cfg, d.max_new_tokens,
                                stream, T, length, unroll, layout).compile()
         return prefill, decode
@@ -287,10 +288,12 @@ def _compiled(params, prompts_BT, lengths_B, sampled, cfg: ModelConfig, length: 
 
 def generate(params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], d: DecodeConfig,
              stop_ids: Sequence[int] = (), on_tokens: Callable[[np.ndarray, np.ndarray], None] | None = None,
-             mesh: jax.sharding.Mesh | None = None) -> Generation:
+             mesh: jax.sharding.Mesh | None = None, images: np.ndarray | None = None) -> Generation:
     """Sample d.max_new_tokens (at most) after each prompt, all prompts decoded as one batch. `on_tokens(tokens,
     live)` is called on the host after every step with the new token of each sequence and whether it is still
-    generating. With a mesh, activations and the cache are sharded by the logical-axis rules (batch, kv_heads)."""
+    generating. With a mesh, activations and the cache are sharded by the logical-axis rules (batch, kv_heads).
+    images (a model with a vision tower): the prompts' preprocessed images [n, side, side, 3] in the order of
+    their image tokens (data/images.py), encoded in the prefill."""
     validate_decode(d)
     length = check_prompts(prompts, cfg, d)
     # Prompt and cache lengths are rounded up to a multiple of PAD (padding is masked), so that prompts of
@@ -304,9 +307,11 @@ def generate(params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], d: Deco
     prompts_BT, lengths_B = padded_prompts(prompts, T)
     sampled = row_sampling(d, stop_ids, B)
     t0 = time.perf_counter()
-    prefill, decode = _compiled(params, prompts_BT, lengths_B, sampled, cfg, length, d, mesh, on_tokens is not None)
+    images = None if images is None else np.asarray(images, np.float32)
+    prefill, decode = _compiled(params, prompts_BT, lengths_B, sampled, cfg, length, d, mesh, on_tokens is not None,
+                                images)
     t1 = time.perf_counter()
-    logits_BV, cache = jax.block_until_ready(prefill(params, prompts_BT, lengths_B))
+    logits_BV, cache = jax.block_until_ready(prefill(params, prompts_BT, lengths_B, images=images))
     t2 = time.perf_counter()
     streamed = streaming(_InOrder(on_tokens)) if on_tokens is not None else contextlib.nullcontext(np.int32(0))
     with streamed as stream_id:

@@ -167,14 +167,15 @@ def attend_heads_major(q_BTNH, k_BKSH, v_BKSH, mask_BTS, dropout_rate=0.0, key=N
 
 def mask(q_positions_BT: jax.Array, k_positions_BS: jax.Array, window: int | None = None,
          q_segment_ids_BT: jax.Array | None = None, k_segment_ids_BS: jax.Array | None = None,
-         chunk: int | None = None) -> jax.Array:
+         chunk: int | None = None, q_reach_BT: jax.Array | None = None) -> jax.Array:
     """[B, T, S], True where query t may attend to key s: causal, within the last `window` positions (the
     query's own included) when a window is given, within the query's block of `chunk` positions when a chunk
     is given (Llama 4), and in the same segment (packed document) when segment ids are given. A function of
     positions and segment ids, not of array offsets, so a decoder attending from new tokens into a cache of
-    old ones uses the same rule, and positions may restart at each packed document."""
+    old ones uses the same rule, and positions may restart at each packed document. q_reach_BT (None = the
+    queries' own positions) moves each query's causal limit: an image's tokens see to its end (model/vision.py)."""
     q_BT1, k_B1S = q_positions_BT[:, :, None], k_positions_BS[:, None, :]
-    allowed_BTS = k_B1S <= q_BT1
+    allowed_BTS = k_B1S <= (q_BT1 if q_reach_BT is None else q_reach_BT[:, :, None])
     if window is not None:
         allowed_BTS &= k_B1S > q_BT1 - window
     if chunk is not None:
@@ -191,14 +192,22 @@ def kind_mask(cfg, kind: str, q_positions_BT, k_positions_BS, q_segment_ids_BT=N
 
 
 def self_attention(q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, cfg, kind="global", key=None,
-                   sinks_N=None):
+                   sinks_N=None, reach_BT=None):
     """The one attention interface of the uncached pass: queries [B, T, N, H], keys and values [B, T, K, H]
     of the same tokens, their positions [B, T] and segment ids [B, T] (int32; tokens attend only within their
     own segment; None = one segment per row). Every implementation takes these arguments; masks are causal by
     position, windowed for `local` layers, blocked for `chunked` ones, and never cross a segment; sinks_N (a
-    logit per query head) join the softmax denominators."""
+    logit per query head) join the softmax denominators. reach_BT (a prompt with images: `mask`) runs
+    dot_product, the one implementation whose mask takes it."""
     T = q_BTNH.shape[1]
     window, chunk = limits(cfg, kind)
+    if reach_BT is not None:
+        if ring.context_devices() > 1:
+            raise ConfigError("images (bidirectional attention over an image's tokens) need the `length` axis on "
+                              "one device; set mesh.ici_sequence and mesh.dcn_sequence to 1")
+        mask_BTS = mask(positions_BT, positions_BT, window, segment_ids_BT, segment_ids_BT, chunk, reach_BT)
+        return attend(q_BTNH, k_BTKH, v_BTKH, mask_BTS, cfg.dropout, key, scale(cfg), cfg.attn_logit_softcap,
+                      sinks_N)
     if (n := ring.context_devices()) > 1 and T % n == 0:  # the sequence is split: context parallelism
         if key is not None:  # train.setup refuses this for runs; a direct caller gets told too
             raise ValueError("attention dropout (model.dropout > 0) is not supported with context parallelism")
@@ -283,14 +292,14 @@ def project_out(out_BTNH, p):
     return out_BTD
 
 
-def attention_with_kv(x_BTD, p, cfg, positions_BT, key=None, kind="global", segment_ids_BT=None):
-    """Self-attention over x for a layer of `kind`. Also returns the keys and values [B, T, K, H], which
-    prefill stores in the cache."""
+def attention_with_kv(x_BTD, p, cfg, positions_BT, key=None, kind="global", segment_ids_BT=None, reach_BT=None):
+    """Self-attention over x for a layer of `kind` (reach_BT: `self_attention`). Also returns the keys and values
+    [B, T, K, H], which prefill stores in the cache."""
     with jax.named_scope("attention"):
         q_BTNH, k_BTKH, v_BTKH = project_qkv(x_BTD, p, cfg, positions_BT, kind)
         q_BTNH = constrain(q_BTNH, ("batch", "length", "heads", "head_dim"))
         out_BTNH = self_attention(q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, cfg, kind, key,
-                                  p.get("sinks"))
+                                  p.get("sinks"), reach_BT)
         out_BTNH = checkpoint_name(out_BTNH, "context")
         return checkpoint_name(project_out(out_BTNH, p), "out_proj"), k_BTKH, v_BTKH
 

@@ -14,27 +14,30 @@ import jax.numpy as jnp
 
 from jaxlm.config import ModelConfig
 from jaxlm.model import attention, kvcache, latent, layers, paged, quant, stack
-from jaxlm.model.transformer import block_around, cast_matmul_weights, embed, head, unembed
+from jaxlm.model.transformer import (attention_with_kv, block_around, cast_matmul_weights, embed, head, unembed,
+                                     with_images)
 from jaxlm.sharding import constrain
 
 
 @quant.scoped
 def prefill(params: dict, tokens_BT: jax.Array, lengths_B: jax.Array, cfg: ModelConfig, cache_length: int,
-            quantize: bool = False) -> tuple[jax.Array, kvcache.KVCache]:
+            quantize: bool = False, images: jax.Array | None = None) -> tuple[jax.Array, kvcache.KVCache]:
     """Run a batch of prompts, right-padded to T (sequence b has lengths_B[b] real tokens, 1 <= length <=
     cache_length), and fill a fresh cache for sequences of up to `cache_length` tokens. Returns the float32
     logits after each prompt's last real token [B, V] and the cache. Padding sits after the real tokens, so
-    causality alone keeps it out of their attention, and prefill_layout leaves it out of the cache."""
+    causality alone keeps it out of their attention, and prefill_layout leaves it out of the cache. images: the
+    prompts' images (transformer.forward_with_aux), whose tokens see their whole image here and nowhere after."""
     B, T = tokens_BT.shape
     positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    x_BTD = constrain(embed(params, tokens_BT, cfg, positions_BT), ("batch", "length", "embed"))
+    x_BTD, reach_BT = with_images(params, embed(params, tokens_BT, cfg, positions_BT), tokens_BT, positions_BT,
+                                  images, cfg)
+    x_BTD = constrain(x_BTD, ("batch", "length", "embed"))
     layouts = [kvcache.prefill_layout(lengths_B, T, kvcache.slots(cfg, kind, cache_length)) for kind in cfg.pattern]
-    attn_mod = latent if cfg.latent else attention
 
     def step(x_BTD, p, kind, j, r, _):
         def attn(h_BTD, p_attn):
-            out_BTD, k_BTKH, v_BTKH = attn_mod.attention_with_kv(h_BTD, p_attn, cfg, positions_BT, None,
-                                                                 kind.attention)
+            out_BTD, k_BTKH, v_BTKH = attention_with_kv(h_BTD, p_attn, cfg, positions_BT, None, kind.attention,
+                                                        None, reach_BT)
             return out_BTD, (k_BTKH, v_BTKH)
 
         x_BTD, _, kv = block_around(x_BTD, p, cfg, attn)

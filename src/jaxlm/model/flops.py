@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from jaxlm import params as P
 from jaxlm.config import ModelConfig
-from jaxlm.model import kvcache, stack
+from jaxlm.model import kvcache, stack, vision
 from jaxlm.model.transformer import param_specs
 
 
@@ -54,15 +54,18 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
     Qwen's convention); active_matmul: active without the input embedding table when it is not also the
     output projection (a token reads one row of it: OpenAI's and DeepSeek's convention); embedding: the token
     table; non_embedding: total without the token table and the output projection; mtp: the multi-token
-    prediction modules."""
+    prediction modules; vision: the vision tower and projector (in total, not in active: they run per image)."""
     specs = param_specs(cfg)
-    out = {"total": 0, "active": 0, "embedding": 0, "mtp": 0}
+    out = {"total": 0, "active": 0, "embedding": 0, "mtp": 0, "vision": 0}
     for path, shape in _leaves(specs):
         n = math.prod(shape)
         if path[0] == "mtp":
             out["mtp"] += n
             continue
         out["total"] += n
+        if path[0] == "vision":
+            out["vision"] += n
+            continue
         out["active"] += n * cfg.experts_per_token // cfg.n_experts if _is_expert(path, specs) else n
         if path[:2] == ["embed", "tokens"]:
             out["embedding"] += n
@@ -80,6 +83,8 @@ def matmul_weights(cfg: ModelConfig) -> int:
     total = 0
     for path, shape in _leaves(specs):
         n = math.prod(shape)
+        if path[0] == "vision":  # per image, not per token
+            continue
         if path[-1] in MATMUL_LEAVES or (path[:2] == ["embed", "tokens"] and cfg.tie_embeddings):
             total += n * cfg.experts_per_token // cfg.n_experts if _is_expert(path, specs) else n
     return total + cfg.mtp_layers * cfg.d_model * cfg.vocab_size  # the MTP modules share the output projection
@@ -126,7 +131,7 @@ def describe_model(cfg: ModelConfig) -> list[str]:
              f"(causal attention counted as half)",
              f"KV cache per token of a long sequence: {kvcache.bytes_per_token(cfg):,} bytes in {cfg.compute_dtype}"
              + _cache_comparison(cfg)]
-    return lines
+    return lines + ([vision.describe(cfg)] if cfg.vision is not None else [])
 
 
 def _cache_comparison(cfg: ModelConfig) -> str:

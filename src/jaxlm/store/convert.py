@@ -34,7 +34,7 @@ SAFETENSORS_DTYPES = {"F64": np.dtype(np.float64), "F32": np.dtype(np.float32), 
                       "BF16": np.dtype(ml_dtypes.bfloat16)}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "generation_config.json", "added_tokens.json", "chat_template.jinja",
-                   "chat_template.json")
+                   "chat_template.json", "preprocessor_config.json", "processor_config.json")
 ARCH_IGNORED = ("dropout", "init_std", "param_dtype", "compute_dtype", "remat", "scan_layers", "block_size",
                 "attention", "attention_block", "loss_chunk_tokens", "expert_capacity_factor", "expert_all_to_all",
                 "context_parallel", "moe_bias_update_rate", "mtp_loss_weight")
@@ -125,19 +125,22 @@ def flat_specs(cfg: ModelConfig) -> dict[str, P.ParamSpec]:
 def slots(rule: Rule, cfg: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
     """(HF tensor name, index into our stacked arrays) for every tensor a rule covers: `{i}` runs over the
     layers that have the rule's weight (model/stack.py: dense and MoE layers' MLPs are stacked apart), `{m}`
-    over the multi-token prediction modules (HF layers n_layers + m), `{e}` over the experts."""
+    over the multi-token prediction modules (HF layers n_layers + m), `{v}` over the vision tower's layers,
+    `{e}` over the experts."""
     if "{i}" in rule.hf:
         lay = stack.layout(cfg)
         key = rule.ours[0].split(".")[1]
         layers = [(i, stack.index(lay, stack.group_of(lay, key), i)) for i in stack.layers_with(lay, key)]
     elif "{m}" in rule.hf:
         layers = [(cfg.n_layers + m, m) for m in range(cfg.mtp_layers)]
+    elif "{v}" in rule.hf:
+        layers = [(v, v) for v in range(cfg.vision.n_layers)]
     else:
         layers = [(None, None)]
     experts = range(cfg.n_experts) if "{e}" in rule.hf else [None]
     for i, at in layers:
         for e in experts:
-            yield rule.hf.format(i=i, e=e, m=i), tuple(x for x in (at, e) if x is not None)
+            yield rule.hf.format(i=i, e=e, m=i, v=i), tuple(x for x in (at, e) if x is not None)
 
 
 def _family_of(cfg: ModelConfig):

@@ -1,0 +1,137 @@
+"""Images in: read from a path or a data URL with Pillow (a missing, corrupt or oversized one is one ImageError
+line naming it), then preprocessed as Gemma 3's Hugging Face image processor does (Pillow backend, pan-and-scan
+off): RGB with transparency over white, a bilinear resize to the encoder's square, values times 1/255, then
+minus the mean over the std per channel. The result is float32 [side, side, 3], what model/vision.py encodes."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from jaxlm.data.errors import DataError
+
+MAX_PIXELS = 64 * 2**20  # larger images are refused before they are decoded (a 8192 x 8192 photo passes)
+DATA_URL = re.compile(r"data:image/[\w.+-]+;base64,(?P<data>.*)", re.DOTALL)
+
+
+class ImageError(DataError):
+    """An image that cannot be read: missing, not an image, truncated, or larger than allowed."""
+
+
+@dataclass(frozen=True)
+class Processor:
+    """The settings of preprocessor_config.json that Gemma 3's processor uses (its defaults are the released
+    models')."""
+    size: int = 896
+    mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    std: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    rescale: float = 1 / 255
+    resample: int = 2  # Pillow's BILINEAR
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> Processor:
+        """From a preprocessor_config.json; pan-and-scan (do_pan_and_scan) is refused, not silently dropped."""
+        if hf.get("do_pan_and_scan"):
+            raise ImageError("preprocessor_config.json do_pan_and_scan=true is not supported; set it to false")
+        size = hf.get("size") or {}
+        side = size.get("height", size.get("shortest_edge", cls.size)) if isinstance(size, dict) else size
+        return cls(size=int(side), mean=tuple(hf.get("image_mean", cls.mean)), std=tuple(hf.get("image_std", cls.std)),
+                   rescale=float(hf.get("rescale_factor", cls.rescale)), resample=int(hf.get("resample", cls.resample)))
+
+    @classmethod
+    def of_folder(cls, folder: Path | None, size: int) -> Processor:
+        """A model folder's preprocessor_config.json (copied by `jaxlm convert from-hf`), else the defaults at
+        the encoder's `size`."""
+        file = None if folder is None else Path(folder) / "preprocessor_config.json"
+        if file is None or not file.is_file():
+            return cls(size=size)
+        return cls.from_hf(json.loads(file.read_text()))
+
+
+def load(source: str | Path, max_pixels: int = MAX_PIXELS):
+    """A Pillow image from a file path or a `data:image/...;base64,` URL, turned upright by its EXIF orientation
+    (as transformers' load_image does)."""
+    from PIL import Image, ImageOps, UnidentifiedImageError
+
+    text = str(source)
+    match = DATA_URL.fullmatch(text.strip())
+    name = "the data URL" if match else text
+    try:
+        if match:
+            raw = io.BytesIO(base64.b64decode(match.group("data"), validate=True))
+        elif text.startswith("data:"):
+            raise ImageError("a data URL must look like data:image/png;base64,<data>")
+        else:
+            raw = open(text, "rb")
+    except FileNotFoundError:
+        raise ImageError(f"image {text} does not exist") from None
+    except binascii.Error:
+        raise ImageError("the image data URL is not valid base64") from None
+    except OSError as e:
+        raise ImageError(f"cannot read image {text}: {e.strerror or e}") from None
+    with raw:
+        try:
+            image = Image.open(raw)
+            size = image.size
+        except Image.DecompressionBombError:
+            size = None
+        except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
+            raise _unreadable(name, e) from None
+        if size is None or size[0] * size[1] > max_pixels:
+            shown = f" is {size[0]}x{size[1]} pixels," if size else " has"
+            raise ImageError(f"image {name}{shown} more than the {max_pixels:,} pixels allowed")
+        try:
+            image.load()
+        except (OSError, SyntaxError, ValueError) as e:
+            raise _unreadable(name, e) from None
+    return ImageOps.exif_transpose(image)
+
+
+def _unreadable(name: str, e: Exception) -> ImageError:
+    return ImageError(f"image {name} is not a readable image ({type(e).__name__}: "
+                      f"{str(e).splitlines()[0] if str(e) else 'truncated or corrupt'})")
+
+
+def rgb(image):
+    """The image in RGB, anything transparent composited over white."""
+    from PIL import Image
+
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        rgba = image.convert("RGBA")
+        return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
+    return image.convert("RGB")
+
+
+def preprocess(image, processor: Processor = Processor()) -> np.ndarray:
+    """The pixel values [size, size, 3] float32 of a Pillow image: resized in uint8 by Pillow, rescaled in float64
+    and rounded to float32 before the normalization, as transformers does, so the values agree to the bit."""
+    side = processor.size
+    resized = np.asarray(rgb(image).resize((side, side), resample=processor.resample))
+    x = (resized.astype(np.float64) * processor.rescale).astype(np.float32)
+    return (x - np.asarray(processor.mean, np.float32)) / np.asarray(processor.std, np.float32)
+
+
+def pixels(sources: list[str | Path], processor: Processor = Processor(), max_pixels: int = MAX_PIXELS) -> np.ndarray:
+    """The images at `sources` (paths or data URLs) loaded and preprocessed [n, size, size, 3]."""
+    if not sources:
+        return np.zeros((0, processor.size, processor.size, 3), np.float32)
+    return np.stack([preprocess(load(s, max_pixels), processor) for s in sources])
+
+
+def prompt_text(text: str, tok, vision, n_images: int) -> str:
+    """The prompt text with n images written as Gemma 3's processor writes them: each begin-of-image token in the
+    text (or, when it holds none, n of them before it) becomes "\\n\\n" + begin + image tokens (one per soft
+    token) + end + "\\n\\n". Encode the result with the special tokens recognized (Tokenizer.encode_rendered)."""
+    boi, image, eoi = (tok.decode([i]) for i in (vision.boi_token_id, vision.image_token_id, vision.eoi_token_id))
+    if boi not in text:
+        text = boi * n_images + text
+    if text.count(boi) != n_images:
+        raise ImageError(f"the prompt marks {text.count(boi)} image(s) with {boi} but {n_images} image(s) were given")
+    return text.replace(boi, f"\n\n{boi}{image * vision.tokens_per_image}{eoi}\n\n")

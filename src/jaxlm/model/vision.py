@@ -1,0 +1,147 @@
+"""The vision tower of a vision-language model (Gemma 3's SigLIP) and its projector: the weights, the encoder
+(patches embedded by one matmul, learned positions, pre-LayerNorm blocks of bidirectional attention and MLP, a
+final LayerNorm), the projector (the patch grid average-pooled to `tokens_per_image` soft tokens, RMS-normed and
+projected to the language model's width), and where those soft tokens go in a prompt: at its image tokens, which
+attend to every token of their own image (their reach) and causally to the rest.
+
+Shape legend: I images, S image side in pixels, C colour channels, P patches per image, Q values per patch
+(patch side^2 * C), E encoder width, N heads, H head width, F MLP width, L encoder layers, M soft tokens per
+image, D language model width, B batch, T length.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxlm.config import ModelConfig
+from jaxlm.model import attention, layers
+from jaxlm.params import ParamSpec, count, normal, ones, zeros
+
+CHANNELS = 3
+
+
+def specs(cfg: ModelConfig) -> dict:
+    """The tower's weights. The stacked layer axis is left unsharded (`None`, not `layers`): pipeline stages split
+    the language model's layers only; the widths shard as the language model's do (embed, heads, mlp)."""
+    v, dt = cfg.vision, cfg.param_dtype
+    E, N, H, F, L = v.d_model, v.n_heads, v.hd, v.d_ff, v.n_layers
+    Q, P = v.patch_size ** 2 * CHANNELS, v.patches_per_side ** 2
+    w = normal(cfg.init_std)
+
+    def ln(shape, axes):
+        return {"scale": ParamSpec(shape, axes, ones, dt), "bias": ParamSpec(shape, axes, zeros, dt)}
+
+    def weight(shape, axes, out_shape, out_axes):
+        return ParamSpec(shape, axes, w, dt), ParamSpec(out_shape, out_axes, zeros, dt)
+
+    attn, mlp = {}, {}
+    for name in ("q", "k", "v"):
+        attn[name], attn[f"{name}_bias"] = weight((L, E, N, H), (None, "embed", "heads", "head_dim"),
+                                                  (L, N, H), (None, "heads", "head_dim"))
+    attn["o"], attn["o_bias"] = weight((L, N, H, E), (None, "heads", "head_dim", "embed"), (L, E), (None, "embed"))
+    mlp["up"], mlp["up_bias"] = weight((L, E, F), (None, "embed", "mlp"), (L, F), (None, "mlp"))
+    mlp["down"], mlp["down_bias"] = weight((L, F, E), (None, "mlp", "embed"), (L, E), (None, "embed"))
+    return {
+        "patch": ParamSpec((Q, E), (None, "embed"), w, dt),
+        "patch_bias": ParamSpec((E,), ("embed",), zeros, dt),
+        "positions": ParamSpec((P, E), (None, "embed"), w, dt),
+        "layers": {"attn_norm": ln((L, E), (None, "embed")), "attn": attn,
+                   "mlp_norm": ln((L, E), (None, "embed")), "mlp": mlp},
+        "final_norm": ln((E,), ("embed",)),
+        # Gemma's RMSNorm multiplies by (1 + scale).
+        "projector": {"norm": {"scale": ParamSpec((E,), ("embed",), zeros, dt)},
+                      "proj": ParamSpec((E, cfg.d_model), (None, "embed"), w, dt)},
+    }
+
+
+def patches(pixels_ISSC: jax.Array, patch: int) -> jax.Array:
+    """Images [I, S, S, C] as rows of patches [I, P, Q], row-major over the grid, each patch row-major then
+    by channel: the convolution of the patch embedding becomes one matmul."""
+    I, S, _, C = pixels_ISSC.shape
+    n = S // patch
+    x = pixels_ISSC.reshape(I, n, patch, n, patch, C).transpose(0, 1, 3, 2, 4, 5)
+    return x.reshape(I, n * n, patch * patch * C)
+
+
+def _layer(x_IPE, p, cfg: ModelConfig):
+    """One pre-LayerNorm encoder block: bidirectional attention over an image's patches, then the MLP."""
+    v = cfg.vision
+    with jax.named_scope("vision_attn_block"):
+        h = layers.layer_norm(x_IPE, p["attn_norm"]["scale"], p["attn_norm"]["bias"], v.norm_eps)
+        a = p["attn"]
+        q_IPNH = layers.dot("IPE,ENH->IPNH", h, a["q"]) + a["q_bias"].astype(h.dtype)
+        k_IPNH = layers.dot("IPE,ENH->IPNH", h, a["k"]) + a["k_bias"].astype(h.dtype)
+        v_IPNH = layers.dot("IPE,ENH->IPNH", h, a["v"]) + a["v_bias"].astype(h.dtype)
+        I, P = x_IPE.shape[:2]
+        everywhere_IPP = jnp.ones((I, P, P), bool)
+        out_IPNH = attention.attend(q_IPNH, k_IPNH, v_IPNH, everywhere_IPP)
+        x_IPE = x_IPE + layers.dot("IPNH,NHE->IPE", out_IPNH, a["o"]) + a["o_bias"].astype(h.dtype)
+    with jax.named_scope("vision_mlp_block"):
+        h = layers.layer_norm(x_IPE, p["mlp_norm"]["scale"], p["mlp_norm"]["bias"], v.norm_eps)
+        return x_IPE + layers.mlp(h, p["mlp"], layers.Activation(v.activation, False))
+
+
+def encode(p: dict, pixels_ISSC: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """The soft tokens [I, M, D] of images [I, S, S, C] (preprocessed: data/images.py), in the compute dtype."""
+    v = cfg.vision
+    cdt = jnp.dtype(cfg.compute_dtype)
+    with jax.named_scope("vision"):
+        x_IPQ = patches(pixels_ISSC.astype(cdt), v.patch_size)
+        x_IPE = layers.dot("IPQ,QE->IPE", x_IPQ, p["patch"]) + p["patch_bias"].astype(cdt)
+        x_IPE = x_IPE + p["positions"].astype(cdt)
+
+        def body(x, p_layer):
+            return _layer(x, p_layer, cfg), None
+
+        if cfg.remat != "none":  # the tower is a small share of the step: its layers keep only their inputs
+            body = jax.checkpoint(body)
+        x_IPE, _ = jax.lax.scan(body, x_IPE, p["layers"])
+        x_IPE = layers.layer_norm(x_IPE, p["final_norm"]["scale"], p["final_norm"]["bias"], v.norm_eps)
+        return project(p["projector"], x_IPE, cfg)
+
+
+def project(p: dict, x_IPE: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """The encoder's patches [I, P, E] average-pooled over square windows of the grid to M = tokens_per_image
+    soft tokens, RMS-normed and projected to the language model's width [I, M, D]."""
+    v = cfg.vision
+    I, _, E = x_IPE.shape
+    n, m = v.patches_per_side, round(v.tokens_per_image ** 0.5)
+    k = n // m
+    with jax.named_scope("projector"):
+        grid = x_IPE.astype(jnp.float32).reshape(I, m, k, m, k, E)
+        pooled_IME = jnp.mean(grid, axis=(2, 4)).reshape(I, m * m, E).astype(x_IPE.dtype)
+        normed_IME = layers.rms_norm(pooled_IME, p["norm"]["scale"], v.norm_eps, plus_one=True)
+        return layers.dot("IME,ED->IMD", normed_IME, p["proj"])
+
+
+def place(x_BTD: jax.Array, tokens_BT: jax.Array, soft_IMD: jax.Array, image_token_id: int) -> jax.Array:
+    """The embeddings with the image tokens' rows replaced by the soft tokens, in order over the batch's rows
+    (image i's M tokens are the i-th run of M image tokens). A prompt whose image tokens outnumber the soft tokens
+    repeats the last image's last soft token."""
+    B, T, D = x_BTD.shape
+    is_image_BT = tokens_BT == image_token_id
+    soft_XD = soft_IMD.reshape(-1, D).astype(x_BTD.dtype)
+    index_BT = jnp.cumsum(is_image_BT.reshape(-1)).reshape(B, T) - 1
+    index_BT = jnp.clip(index_BT, 0, soft_XD.shape[0] - 1)
+    return jnp.where(is_image_BT[..., None], jnp.take(soft_XD, index_BT, axis=0), x_BTD)
+
+
+def reach(tokens_BT: jax.Array, positions_BT: jax.Array, image_token_id: int) -> jax.Array:
+    """The last key position each query may see [B, T]: its own, but for an image token the position of its
+    image's last token, so the tokens of one image see each other (Gemma 3), and earlier tokens causally."""
+    T = tokens_BT.shape[1]
+    is_image_BT = tokens_BT == image_token_id
+    at_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), tokens_BT.shape)
+    # The first text token at or after each index; an image's tokens all find the one after its last.
+    after_BT = jax.lax.cummin(jnp.where(is_image_BT, T, at_BT), axis=1, reverse=True)
+    last_BT = jnp.take_along_axis(positions_BT, jnp.minimum(after_BT - 1, T - 1), axis=1)
+    return jnp.where(is_image_BT, last_BT, positions_BT)
+
+
+def describe(cfg: ModelConfig) -> str:
+    """One line for `jaxlm describe`: the tower's shape and weights."""
+    v = cfg.vision
+    return (f"vision tower {count(specs(cfg)):,} parameters: {v.n_layers} layers, width {v.d_model}, {v.n_heads} "
+            f"heads of {v.hd}, MLP {v.d_ff}; {v.image_size}x{v.image_size} images in {v.patch_size}-pixel patches "
+            f"({v.patches_per_side ** 2}), pooled to {v.tokens_per_image} soft tokens of width {cfg.d_model}")

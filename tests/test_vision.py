@@ -1,0 +1,230 @@
+"""Gemma 3 with its vision tower against transformers: a tiny random Gemma3ForConditionalGeneration (float32; local
+and global layers and a last partial repeat of the pattern; two SigLIP layers) with text before and after an
+image, imported and exported (max |logit diff| <= 1e-4 both ways); the attention mask of an image's tokens; and
+the image preprocessing against the Hugging Face processor (max |pixel diff| <= 1e-6)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jaxlm
+from jaxlm.store import convert
+from conftest import require
+
+torch = require("torch")
+transformers = require("transformers", "hf")
+
+V, IMAGE, BOI, EOI = 300, 299, 297, 298
+SIDE, PATCH, SOFT = 28, 7, 4  # 16 patches pooled to 4 soft tokens
+
+
+def gemma3_config(**text):
+    return transformers.Gemma3Config(
+        text_config=transformers.Gemma3TextConfig(
+            num_attention_heads=4, hidden_size=64, intermediate_size=96, vocab_size=V, num_hidden_layers=7,
+            num_key_value_heads=2, head_dim=16, sliding_window=4, query_pre_attn_scalar=24,
+            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}, **text),
+        vision_config=transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                                      num_attention_heads=2, image_size=SIDE, patch_size=PATCH),
+        mm_tokens_per_image=SOFT, image_token_index=IMAGE, boi_token_index=BOI, eoi_token_index=EOI)
+
+
+def randomize(model, scale, seed=0):
+    """Every weight random: vectors (norms, biases) around 1, matrices normal times `scale`."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1 + 0.1 * noise if p.ndim == 1 else scale * noise)
+    return model
+
+
+def prompt(before, after, images=1):
+    """Text, then per image the processor's layout (boi, the soft tokens, eoi), then more text."""
+    rng = np.random.default_rng(before)
+    ids = list(rng.integers(0, 290, before))
+    for _ in range(images):
+        ids += [BOI] + [IMAGE] * SOFT + [EOI]
+    return ids + list(rng.integers(0, 290, after))
+
+
+def hf_logits(model, tokens, pixels):
+    ids = torch.tensor(tokens)
+    with torch.no_grad():
+        return model(input_ids=ids, pixel_values=torch.tensor(pixels).permute(0, 3, 1, 2),
+                     token_type_ids=(ids == IMAGE).long()).logits.float().numpy()
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    """(transformers model, imported jaxlm Model, folder)."""
+    tmp = tmp_path_factory.mktemp("gemma3")
+    model = randomize(transformers.Gemma3ForConditionalGeneration(gemma3_config()).eval(), 0.08)
+    model.save_pretrained(tmp / "hf")
+    convert.from_hf(str(tmp / "hf"), tmp / "jx", log=lambda s: None)
+    return model, jaxlm.load(tmp / "jx"), tmp
+
+
+def test_import_and_export_match_transformers_with_an_image(gemma3):
+    model, ours, tmp = gemma3
+    tokens = np.array([prompt(7, 9), prompt(3, 13)])  # two rows, one image each
+    pixels = np.random.default_rng(1).normal(size=(2, SIDE, SIDE, 3)).astype(np.float32)
+    want = hf_logits(model, tokens, pixels)
+    got = ours.logits(tokens, images=pixels)
+    assert got.shape == want.shape and np.abs(want).max() > 0.5
+    assert np.abs(got - want).max() <= 1e-4
+    # The image matters, and its tokens see each other: the text-only pass (causal, image tokens embedded as
+    # tokens) differs after the image, and another image changes the logits there.
+    assert np.abs(ours.logits(tokens) - got)[:, 8:].max() > 1e-2
+    assert np.abs(ours.logits(tokens, images=pixels[::-1]) - got).max() > 1e-2
+    convert.to_hf(tmp / "jx", tmp / "back", log=lambda s: None)
+    back = transformers.Gemma3ForConditionalGeneration.from_pretrained(tmp / "back").eval()
+    assert np.abs(hf_logits(back, tokens, pixels) - got).max() <= 1e-4
+
+
+def pictures(tmp):
+    """Images of several sizes, aspect ratios and modes (saved as PNG/JPEG files): landscape RGB, portrait RGBA
+    with transparency, a square, a tiny greyscale one, a palette one."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    out = []
+    for name, (w, h), mode in (("wide.png", (640, 480), "RGB"), ("tall.png", (300, 900), "RGBA"),
+                                ("square.jpg", (896, 896), "RGB"), ("tiny.png", (57, 23), "L"),
+                                ("palette.png", (120, 200), "P")):
+        bands = {"RGB": 3, "RGBA": 4, "L": 1, "P": 1}[mode]
+        a = rng.integers(0, 256, (h, w, bands), dtype=np.uint8)
+        img = Image.fromarray(a[..., 0] if bands == 1 else a, mode if mode != "P" else "L")
+        if mode == "P":
+            img = img.convert("P")
+        img.save(tmp / name)
+        out.append(tmp / name)
+    return out
+
+
+def test_preprocessing_equals_the_hf_processor(tmp_path):
+    """Pixel values of data/images.py equal transformers' Gemma 3 image processor's (Pillow backend, the
+    released models' settings) for every picture, read from its file and from a data URL."""
+    import base64
+
+    from PIL import Image
+
+    from jaxlm.data import images
+
+    hf = transformers.Gemma3ImageProcessorPil(size={"height": 896, "width": 896}, image_mean=[0.5] * 3,
+                                               image_std=[0.5] * 3, resample=2, rescale_factor=1 / 255)
+    processor = images.Processor.from_hf(hf.to_dict())
+    assert processor == images.Processor()
+    for path in pictures(tmp_path):
+        want = hf(Image.open(path), return_tensors="np")["pixel_values"][0].transpose(1, 2, 0)
+        ours = images.pixels([path], processor)[0]
+        assert ours.shape == (896, 896, 3) and ours.dtype == np.float32
+        assert np.abs(ours - want).max() <= 1e-6, path.name
+        url = f"data:image/png;base64,{base64.b64encode(path.read_bytes()).decode()}"
+        assert np.array_equal(images.pixels([url], processor)[0], ours)
+    small = images.Processor(size=SIDE)
+    hf_small = transformers.Gemma3ImageProcessorPil(size={"height": SIDE, "width": SIDE}, image_mean=[0.5] * 3,
+                                                     image_std=[0.5] * 3)
+    want = hf_small(Image.open(tmp_path / "tall.png"), return_tensors="np")["pixel_values"][0].transpose(1, 2, 0)
+    assert np.abs(images.pixels([tmp_path / "tall.png"], small)[0] - want).max() <= 1e-6
+
+
+def test_bad_images_are_one_line_errors(tmp_path):
+    from jaxlm.data import images
+
+    (tmp_path / "corrupt.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"garbage" * 20)
+    wide = pictures(tmp_path)[0]
+    (tmp_path / "cut.png").write_bytes(wide.read_bytes()[:2000])
+    cases = [(tmp_path / "missing.png", "does not exist"), (tmp_path / "corrupt.png", "is not a readable image"),
+             (tmp_path / "cut.png", "is not a readable image"), ("data:image/png;base64,%%%", "not valid base64"),
+             ("data:text/plain,hello", "must look like data:image/png;base64")]
+    for source, message in cases:
+        with pytest.raises(images.ImageError) as e:
+            images.load(source)
+        assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+    with pytest.raises(images.ImageError, match=r"is 640x480 pixels, more than the 100,000 pixels allowed"):
+        images.load(wide, max_pixels=100_000)
+
+
+def test_image_tokens_attend_within_their_image():
+    """The masks of `attention.mask` with vision.reach equal Gemma 3's rule, written as transformers writes it:
+    global layers causal OR same image; local layers (window W) inside the window AND (causal OR same image);
+    two images of one row do not see each other's later tokens."""
+    import jax.numpy as jnp
+
+    from jaxlm.model import attention, vision
+
+    row = prompt(2, 3, images=2)[:-1] + [IMAGE, IMAGE]  # two whole images, then an image cut off by the row end
+    tokens = jnp.array([row])
+    T = len(row)
+    positions = jnp.arange(T)[None]
+    group, g, prev = [], -1, False
+    for t in row:
+        g += t == IMAGE and not prev
+        group.append(g if t == IMAGE else -1)
+        prev = t == IMAGE
+    reach = vision.reach(tokens, positions, IMAGE)
+    for window in (None, 4):
+        got = np.asarray(attention.mask(positions, positions, window, q_reach_BT=reach))[0]
+        want = np.array([[(k <= q or group[q] == group[k] >= 0) and (window is None or k > q - window)
+                          for k in range(T)] for q in range(T)])
+        assert np.array_equal(got, want)
+        assert got[3, 6] and not got[3, 10]  # first image's first token sees its last, not the next image
+
+
+def word_tokenizer(folder):
+    """A tokenizer.json of words w0..w299 with Gemma 3's image token strings at their ids and "\n\n" at 296."""
+    import json
+
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    specials = {"<start_of_image>": BOI, "<end_of_image>": EOI, "<image_soft_token>": IMAGE}
+    vocab = {f"w{i}": i for i in range(V) if i not in (*specials.values(), 296)} | specials | {"\n\n": 296}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens([AddedToken(s, special=True) for s in specials])
+    tok.add_tokens([AddedToken("\n\n", normalized=False)])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({}))
+
+
+@pytest.mark.slow
+def test_greedy_generation_with_an_image_matches_transformers(tmp_path, capsys):
+    """32 greedy tokens of `Model.generate` with an image (the image encoded and its tokens bidirectional in
+    the prefill, then the cached decode loop) equal transformers' `generate`. The weights are large enough (0.15)
+    for greedy decoding to wander instead of repeating one token. `jaxlm generate --image FILE` writes the image
+    into the prompt as Gemma 3's processor does and prints the same tokens as the API."""
+    from PIL import Image
+
+    from jaxlm import cli
+    from jaxlm.data import images
+
+    model = randomize(transformers.Gemma3ForConditionalGeneration(gemma3_config()).eval(), 0.15)
+    model.save_pretrained(tmp_path / "hf")
+    word_tokenizer(tmp_path / "hf")
+    convert.from_hf(str(tmp_path / "hf"), tmp_path / "jx", log=lambda s: None)
+    ours = jaxlm.load(tmp_path / "jx")
+    ids = prompt(5, 6)
+    pixels = np.random.default_rng(2).normal(size=(1, SIDE, SIDE, 3)).astype(np.float32)
+    input_ids = torch.tensor([ids])
+    with torch.no_grad():
+        want = model.generate(input_ids=input_ids, pixel_values=torch.tensor(pixels).permute(0, 3, 1, 2),
+                              token_type_ids=(input_ids == IMAGE).long(), max_new_tokens=32, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+    assert len(set(want)) > 8
+    assert ours.generate(ids, 32, temperature=0.0, stop_ids=(), images=pixels) == want
+    assert ours.generate(ids, 32, temperature=0.0, stop_ids=()) != want  # without the image: another answer
+
+    Image.fromarray(np.random.default_rng(3).integers(0, 256, (50, 70, 3), dtype=np.uint8)).save(tmp_path / "a.png")
+    text = "w5 w6 <start_of_image> w7 w8"
+    tok = ours.tokenizer()
+    ids = tok.encode_rendered(images.prompt_text(text, tok, ours.config.model.vision, 1))
+    assert ids == [5, 6, 296, BOI, *[IMAGE] * SOFT, EOI, 296, 7, 8]
+    want = ours.generate(ids, 8, temperature=0.0, stop_ids=(), images=images.pixels([tmp_path / "a.png"],
+                                                                                    images.Processor(size=SIDE)))
+    capsys.readouterr()
+    assert cli.main(["generate", str(tmp_path / "jx"), "--prompt", text, "--image", str(tmp_path / "a.png"),
+                     "max_new_tokens=8", "temperature=0", "stop_at_eos=false"]) == 0
+    assert capsys.readouterr().out.splitlines()[1] == text + tok.decode(want)
