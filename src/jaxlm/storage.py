@@ -51,11 +51,11 @@ def join(base: str | Path, *parts: str) -> str:
     return "/".join([str(base).rstrip("/"), *parts])
 
 
-def filesystem(path: str | Path):
-    """(fsspec filesystem, path within it) for a path or URL; a one-line error when no filesystem serves its
-    scheme. A URL's filesystem caches no listings, and neither does the one Orbax opens for it (fsspec shares
-    its settings): other processes, and tensorstore beside fsspec, write the same folders, and a stale listing
-    shows deleted files (a rejected checkpoint) or hides new ones."""
+def filesystem(path: str | Path, setting: str = "run_dir"):
+    """(fsspec filesystem, path within it) for a path or URL; a one-line error, naming the `setting` that gave
+    the URL, when no filesystem serves its scheme. A URL's filesystem caches no listings, and neither does the
+    one Orbax opens for it (fsspec shares its settings): other processes, and tensorstore beside fsspec, write
+    the same folders, and a stale listing shows deleted files (a rejected checkpoint) or hides new ones."""
     import fsspec
 
     if local_path(path) is None:
@@ -64,25 +64,26 @@ def filesystem(path: str | Path):
         return fsspec.core.url_to_fs(str(path))
     except (ImportError, ValueError) as e:
         hint = PIP_HINTS.get(scheme(path))
-        raise ConfigError(f"run_dir {path}: no filesystem for {scheme(path)}:// URLs"
+        raise ConfigError(f"{setting} {path}: no filesystem for {scheme(path)}:// URLs"
                           + (f" ({hint})" if hint else f" ({str(e).splitlines()[0]})")) from None
 
 
-def check_reachable(path: str | Path) -> None:
+def check_reachable(path: str | Path, setting: str = "run_dir") -> None:
     """Fail in one line, before anything is compiled, when a URL's storage cannot be reached (a wrong endpoint,
-    no credentials) or its bucket does not exist (fsspec would create it)."""
-    fs, p = filesystem(path)
+    no credentials) or its bucket does not exist (fsspec would create it); the line names the `setting`."""
+    fs, p = filesystem(path, setting)
     probe = p.split("/", 1)[0] if scheme(path) in ORBAX_SCHEMES else p
     try:
         fs.info(probe)
     except FileNotFoundError:
         if probe != p:
-            raise ConfigError(f"run_dir {path}: bucket {probe} does not exist; create it or fix the URL") from None
+            raise ConfigError(f"{setting} {path}: bucket {probe} does not exist; create it or fix the URL") from None
     except Exception as e:  # noqa: BLE001 - each filesystem and SDK raises its own types
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise ConfigError(f"run_dir {path}: its storage cannot be reached ({e.__class__.__name__}: {first}); check "
-                          "the endpoint (AWS_ENDPOINT_URL for an S3-compatible server), credentials and network"
-                          ) from None
+        variable = {"gs": "STORAGE_EMULATOR_HOST for a GCS emulator"}.get(scheme(path),
+                                                                         "AWS_ENDPOINT_URL for an S3-compatible server")
+        raise ConfigError(f"{setting} {path}: its storage cannot be reached ({e.__class__.__name__}: {first}); check "
+                          f"the endpoint ({variable}), credentials and network") from None
 
 
 def exists(path: str | Path) -> bool:

@@ -16,7 +16,9 @@ from jaxlm.config.rules import Rule, at_least, between, positive, setting as _f
 @dataclass(frozen=True)
 class DataConfig:
     dataset: str = _f("shakespeare_char", "dataset name: shakespeare_char, python_stdlib, openwebtext, or a prepared folder's name")
-    dir: str | None = _f(None, "folder with train.bin, val.bin and meta.json; None = data/<dataset>")
+    dir: str | None = _f(None, "prepared folder (meta.json and its shards, or train.bin and val.bin): a path, or a URL "
+                               "(gs://, s3://, any fsspec filesystem) streamed without a local copy "
+                               "(docs/scaling.md); None = data/<dataset>")
     input: str | None = _f(None, "local text file to prepare the dataset from when the folder is missing (no download)")
     tokenizer: str | None = _f(None, "tokenizer for text in and out (byte, a tiktoken encoding or .tiktoken file, a "
                                      "SentencePiece .model, a tokenizer.json or a folder holding one, a hub id); "
@@ -34,6 +36,12 @@ class DataConfig:
     loss_mask: Literal["auto", "on", "off"] = _f(
         "auto", "train only on the targets the dataset's loss mask marks (chat data: the assistant's tokens): "
                 "auto = when the dataset has a mask, on = require one, off = train on every token")
+    read_ahead: int = _f(2, "data.dir at a URL: batches planned ahead and read by background threads while the "
+                            "steps run; 0 = each batch read when its step comes", rule=between("[0, 64]"))
+    cache_mb: int = _f(256, "data.dir at a URL: MiB of fetched blocks of the shards kept in memory (least recently "
+                            "used out first); no shard is downloaded whole", rule=between("[1, 1048576]"))
+    block_kb: int = _f(64, "data.dir at a URL: KiB of one ranged read of a shard (each read fetches the blocks its "
+                           "rows fall in)", rule=between("[4, 1024]"))
 
 
 @dataclass(frozen=True)

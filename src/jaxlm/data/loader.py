@@ -17,7 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxlm.data import shards
+from jaxlm import storage
+from jaxlm.config import DataConfig
+from jaxlm.data import remote, shards
 from jaxlm.data.errors import DataError
 
 PACKED_KEYS = ("positions", "segment_ids", "weights")
@@ -33,12 +35,14 @@ def batch_keys(packing: bool, loss_mask: bool) -> tuple[str, ...]:
 
 
 class Dataset:
-    """One prepared folder: meta.json and the train and val splits, memory-mapped through shards.Split."""
+    """One prepared folder: meta.json and the train and val splits (shards.Split), memory-mapped from a local
+    folder or read by ranges from a URL's (remote.Folder, under `settings`' data.cache_mb and data.block_kb)."""
 
-    def __init__(self, directory: str | Path):
-        self.dir = Path(directory)
+    def __init__(self, directory: str | Path, settings: DataConfig | None = None):
+        local = storage.local_path(directory)
+        self.dir = local if local is not None else str(directory).rstrip("/")
         self.meta = read_meta(self.dir)
-        meta_path = self.dir / "meta.json"
+        meta_path = storage.join(self.dir, "meta.json")
         try:
             self.vocab_size = int(self.meta["vocab_size"])
             dtype = np.dtype(self.meta.get("dtype", "uint16"))
@@ -50,20 +54,28 @@ class Dataset:
             raise DataError(f"{meta_path}: vocab_size {self.vocab_size} must be > 0")
         if self.vocab_size > np.iinfo(dtype).max + 1:
             raise DataError(f"{meta_path}: vocab_size {self.vocab_size} does not fit in {dtype}")
+        settings = settings or DataConfig()
+        folder = None if local is not None else remote.Folder(self.dir, settings.cache_mb << 20,
+                                                              settings.block_kb << 10)
         try:
-            self.splits = {name: shards.Split(self.dir, self.meta, name) for name in ("train", "val")}
+            self.splits = {name: shards.Split(self.dir, self.meta, name, folder) for name in ("train", "val")}
         except (shards.FormatError, KeyError, TypeError) as e:
             raise DataError(str(e) if isinstance(e, shards.FormatError) else
                             f"{meta_path} is not a valid meta.json ({e.__class__.__name__}: {e})") from None
         for split in self.splits.values():
             self._check_ids(split)
         self.has_loss_mask = all(s.has_mask for s in self.splits.values())
+        self.streamed = folder is not None
 
     def _check_ids(self, split: shards.Split) -> None:
         """Every token id must index the embedding table: out of range, a lookup yields NaN (or another
-        row), never an error. One pass over each shard in 64M-token chunks (docs/reliability.md)."""
+        row), never an error. One pass over each shard in 64M-token chunks (docs/reliability.md); shards at a
+        URL are checked block by block as they are fetched instead (remote.RemoteArray.check_below)."""
         chunk = 1 << 26
         for k, data in enumerate(split.tokens_S):
+            if isinstance(data, remote.RemoteArray):
+                data.check_below(self.vocab_size)
+                continue
             for i in range(0, len(data), chunk):
                 part = data[i:i + chunk]
                 if int(part.max()) >= self.vocab_size:
@@ -97,12 +109,22 @@ class Dataset:
                 + (f", unigram entropy {ent:.3f} nats" if ent is not None else ""))
 
 
-def read_meta(directory: Path) -> dict:
-    meta_path = directory / "meta.json"
-    if not meta_path.is_file():
-        raise DataError(f"{meta_path} is missing; prepare the data first (`jaxlm prepare ...`)")
+def read_meta(directory: str | Path) -> dict:
+    """A prepared folder's meta.json (a path or a URL); one line when it is missing or not a JSON object, or when
+    a URL's storage cannot be reached."""
+    meta_path = storage.join(directory, "meta.json")
     try:
-        meta = json.loads(meta_path.read_text())
+        if storage.local_path(directory) is not None:
+            if not Path(meta_path).is_file():
+                raise FileNotFoundError(meta_path)
+            text = Path(meta_path).read_text()
+        else:
+            storage.check_reachable(directory, "data.dir")
+            text = storage.read_text(meta_path)
+    except FileNotFoundError:
+        raise DataError(f"{meta_path} is missing; prepare the data first (`jaxlm prepare ...`)") from None
+    try:
+        meta = json.loads(text)
     except ValueError as e:
         raise DataError(f"{meta_path} is not a valid meta.json ({e.__class__.__name__}: {e})") from None
     if not isinstance(meta, dict):

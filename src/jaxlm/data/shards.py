@@ -145,55 +145,77 @@ class ShardWriter:
             self._open = False
 
 
-class Split:
-    """One split of a prepared folder read through memory maps: its shards as one sequence of N tokens
-    (`take` reads any global offsets), the documents' global start offsets [D + 1] (None for format 1), and
-    the loss mask (None without one)."""
+def check_size(where: str, size: int, dtype: np.dtype, expected) -> int:
+    """The number of values in a file of `size` bytes, checked against meta.json's count (`expected`, None for
+    masks and format 1); `where` names it in the one-line error."""
+    if size % dtype.itemsize:
+        raise FormatError(f"{where}: {size} bytes is not a whole number of {dtype} tokens (truncated file?)")
+    n = size // dtype.itemsize
+    if expected is not None and int(expected) != n:
+        raise FormatError(f"{where} holds {n} tokens but meta.json says {expected}; re-run `jaxlm prepare`")
+    if n == 0:
+        raise FormatError(f"{where} is empty")
+    return n
 
-    def __init__(self, directory: str | Path, meta: dict, split: str):
-        self.dir, self.name = Path(directory), split
+
+class LocalFolder:
+    """A prepared folder on a local disk: token and mask files memory-mapped, document indexes loaded. (A folder
+    at a URL is read by remote.Folder, with the same methods.)"""
+
+    def __init__(self, directory: str | Path):
+        self.dir = Path(directory)
+
+    def where(self, file: str) -> str:
+        return str(self.dir / file)
+
+    def array(self, file: str, dtype: np.dtype, expected) -> np.ndarray:
+        path = self.dir / file
+        if not path.is_file():
+            raise FormatError(f"{path} is missing; prepare the data first (`jaxlm prepare ...`)")
+        n = check_size(str(path), path.stat().st_size, dtype, expected)
+        return np.memmap(path, dtype=dtype, mode="r", shape=(n,))
+
+    def index(self, file: str) -> np.ndarray:
+        path = self.dir / file
+        if not path.is_file():
+            raise FormatError(f"{path} is missing; re-run `jaxlm prepare`")
+        return np.load(path)
+
+
+class Split:
+    """One split of a prepared folder: its shards as one sequence of N tokens (`take` reads any global offsets),
+    the documents' global start offsets [D + 1] (None for format 1), and the loss mask (None without one). The
+    files are memory-mapped (LocalFolder), or read by ranges from object storage (`folder`, a remote.Folder)."""
+
+    def __init__(self, directory: str | Path, meta: dict, split: str, folder=None):
+        self.dir, self.name = (Path(directory) if folder is None else directory), split
+        self.folder = LocalFolder(directory) if folder is None else folder
         dtype = np.dtype(meta.get("dtype", "uint16"))
         entry = meta.get("splits", {}).get(split) if "splits" in meta else None
         if entry is None and "splits" in meta:
-            raise FormatError(f"{self.dir / 'meta.json'} has no split {split!r}")
+            raise FormatError(f"{self.folder.where('meta.json')} has no split {split!r}")
         if entry is None:  # format 1
             shards = [{"name": split, "tokens": meta.get(f"{split}_tokens"), "documents": None}]
         else:
             shards = entry["shards"]
-        self.tokens_S = [self._memmap(s["name"] + ".bin", dtype, s["tokens"]) for s in shards]
+        self.tokens_S = [self.folder.array(s["name"] + ".bin", dtype, s["tokens"]) for s in shards]
         sizes_S = np.array([len(t) for t in self.tokens_S], dtype=np.int64)
         self.offsets_S1 = np.concatenate([[0], np.cumsum(sizes_S)])  # where each shard starts, then N
         self.n_tokens = int(self.offsets_S1[-1])
         self.has_mask = bool(meta.get("has_loss_mask")) and entry is not None
-        self.mask_S = ([self._memmap(s["name"] + ".mask.bin", np.dtype(np.uint8), s["tokens"]) for s in shards]
+        self.mask_S = ([self.folder.array(s["name"] + ".mask.bin", np.dtype(np.uint8), s["tokens"]) for s in shards]
                        if self.has_mask else None)
         self.doc_starts_D1 = None
         if entry is not None:
             starts = []
             for k, s in enumerate(shards):
-                path = self.dir / f"{s['name']}.idx.npy"
-                if not path.is_file():
-                    raise FormatError(f"{path} is missing; re-run `jaxlm prepare`")
-                idx = np.load(path)
+                idx = self.folder.index(f"{s['name']}.idx.npy")
                 if len(idx) != s["documents"] + 1 or idx[-1] != s["tokens"]:
-                    raise FormatError(f"{path} does not match meta.json ({len(idx) - 1} documents, "
-                                      f"{int(idx[-1])} tokens; meta.json says {s['documents']}, {s['tokens']})")
+                    raise FormatError(f"{self.folder.where(s['name'] + '.idx.npy')} does not match meta.json "
+                                      f"({len(idx) - 1} documents, {int(idx[-1])} tokens; meta.json says "
+                                      f"{s['documents']}, {s['tokens']})")
                 starts.append(idx[:-1] + self.offsets_S1[k])
             self.doc_starts_D1 = np.concatenate(starts + [[self.n_tokens]]).astype(np.int64)
-
-    def _memmap(self, file: str, dtype: np.dtype, expected) -> np.ndarray:
-        path = self.dir / file
-        if not path.is_file():
-            raise FormatError(f"{path} is missing; prepare the data first (`jaxlm prepare ...`)")
-        size = path.stat().st_size
-        if size % dtype.itemsize:
-            raise FormatError(f"{path}: {size} bytes is not a whole number of {dtype} tokens (truncated file?)")
-        n = size // dtype.itemsize
-        if expected is not None and int(expected) != n:
-            raise FormatError(f"{path} holds {n} tokens but meta.json says {expected}; re-run `jaxlm prepare`")
-        if n == 0:
-            raise FormatError(f"{path} is empty")
-        return np.memmap(path, dtype=dtype, mode="r", shape=(n,))
 
     @property
     def n_documents(self) -> int | None:

@@ -52,8 +52,13 @@ class Run:
     reference: dict | None = None
 
 
-def resolve_data_dir(cfg: Config) -> Path:
-    return Path(cfg.data.dir) if cfg.data.dir else Path("data") / cfg.data.dataset
+def resolve_data_dir(cfg: Config) -> Path | str:
+    """data.dir as a local Path (a path or file:// URL), or the URL of a folder on object storage; data/<dataset>
+    when unset."""
+    if not cfg.data.dir:
+        return Path("data") / cfg.data.dataset
+    local = storage.local_path(cfg.data.dir)
+    return cfg.data.dir if local is None else local
 
 
 def setup(cfg: Config, devices=None, data: bool = True) -> Run:
@@ -71,8 +76,10 @@ def setup(cfg: Config, devices=None, data: bool = True) -> Run:
             dataset = mixture.MixtureDataset(config_lib.parse_mixture(cfg.data.mixture))
             data_dir = dataset.dir
         else:
-            data_dir = prepare.ensure_prepared(cfg.data.dataset, resolve_data_dir(cfg), cfg.data.input)
-            dataset = loader_lib.Dataset(data_dir)
+            data_dir = resolve_data_dir(cfg)
+            if isinstance(data_dir, Path):  # a folder at a URL is read as it is, never prepared into
+                data_dir = prepare.ensure_prepared(cfg.data.dataset, data_dir, cfg.data.input)
+            dataset = loader_lib.Dataset(data_dir, cfg.data)
         if check_objective_data(cfg, dataset):
             for split in dataset.splits.values():
                 preference.check_fits(split, cfg.model.block_size)
@@ -83,7 +90,7 @@ def setup(cfg: Config, devices=None, data: bool = True) -> Run:
             cfg = cfg.replace(model=dataclasses.replace(cfg.model, vocab_size=dataset.vocab_size))
         elif vocab < dataset.vocab_size:
             raise ConfigError(f"model.vocab_size={vocab} is smaller than the data's vocabulary "
-                              f"({dataset.vocab_size}, from {data_dir / 'meta.json'})")
+                              f"({dataset.vocab_size}, from {storage.join(data_dir, 'meta.json')})")
         if cfg.data.packing and (flat := dataset.without_documents()) is not None:
             raise loader_lib.DataError(f"data.packing=true needs document boundaries, and {flat} has none (a "
                                        f"format-1 train.bin/val.bin); prepare it again with `jaxlm prepare`, or "
@@ -167,10 +174,11 @@ def rollout_tokenizer(cfg: Config) -> tokenizer_lib.Tokenizer:
 
     init = cfg.checkpoint.init_from
     model_tok = weights.tokenizer_source(Path(init), cfg) if init and Path(init).is_dir() else None
-    meta_file = resolve_data_dir(cfg) / "meta.json"
-    meta = loader_lib.read_meta(meta_file.parent) if meta_file.is_file() and not model_tok else None
+    data_dir = resolve_data_dir(cfg)
+    meta = (loader_lib.read_meta(data_dir) if not model_tok and storage.exists(storage.join(data_dir, "meta.json"))
+            else None)
     try:
-        return tokenizer_lib.resolve(cfg.data.tokenizer, model_tok, meta, dataset=f"the dataset {meta_file.parent}")
+        return tokenizer_lib.resolve(cfg.data.tokenizer, model_tok, meta, dataset=f"the dataset {data_dir}")
     except tokenizer_lib.TokenizerError as e:
         raise ConfigError(str(e)) from None
 
@@ -186,10 +194,11 @@ def resolve_loss_mask(cfg: Config, dataset: loader_lib.Dataset | None) -> str:
     if dataset is not None:
         has, where = dataset.has_loss_mask, dataset.dir
     else:
-        folders = ([Path(p) for p, _ in config_lib.parse_mixture(cfg.data.mixture)] if cfg.data.mixture
+        folders = ([p for p, _ in config_lib.parse_mixture(cfg.data.mixture)] if cfg.data.mixture
                    else [resolve_data_dir(cfg)])
         where = folders[0]
-        has = all((d / "meta.json").is_file() and bool(loader_lib.read_meta(d).get("has_loss_mask")) for d in folders)
+        has = all(storage.exists(storage.join(d, "meta.json")) and bool(loader_lib.read_meta(d).get("has_loss_mask"))
+                  for d in folders)
     if setting == "on" and not has:
         raise loader_lib.DataError(f"data.loss_mask=on but {where} has no loss mask; prepare chat data with "
                                    f"`jaxlm prepare chat`, or set data.loss_mask=auto")
