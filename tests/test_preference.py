@@ -533,3 +533,28 @@ def test_dpo_makes_a_model_prefer_one_of_two_equally_likely_replies(tmp_path):
           f"{accuracies[0]:.2f} -> {np.mean(accuracies[-5:]):.2f} (last 5 steps), val {val_accuracy:.2f}")
     assert greedy[preferred] <= 0.5 and greedy_after[preferred] >= 0.9
     assert np.mean(accuracies[-5:]) > 0.9 and val_accuracy > 0.9
+
+
+def test_a_dpo_run_reads_its_pairs_from_a_url_as_from_the_local_folder(pairs_data, tmp_path):
+    """Preference pairs streamed from a URL (memory:// here; s3:// and gs:// go the same way, tests/test_stream.py):
+    the reference pass records the dataset's meta.json read there, the losses equal the local run's, and the trained
+    model's tokenizer is the one that meta.json names."""
+    import fsspec
+
+    url = "memory://jaxlm-test-dpo/pairs"
+    fs = fsspec.filesystem("memory")
+    for f in sorted(p for p in pairs_data.rglob("*") if p.is_file()):
+        fs.put_file(str(f), f"{url}/{f.relative_to(pairs_data).as_posix()}")
+    losses = {}
+    for name, data in (("local", pairs_data), ("url", url)):
+        cfg = small_config(data, tmp_path / name, **{"training.steps": 4, "training.eval_interval": 0,
+                                                      "checkpoint.interval": 0})
+        train.train(cfg, log=lambda s: None)
+        losses[name] = train.losses_by_step(tmp_path / name)
+        described = json.loads((tmp_path / name / "reference" / "reference.json").read_text())
+        assert described["dataset"] == str(data)
+    assert sorted(losses["url"]) == [1, 2, 3, 4] and losses["url"] == losses["local"]
+    from jaxlm.infer import api
+
+    tok = api.load(tmp_path / "url").tokenizer()  # from the meta.json at the URL
+    assert tok.spec == json.loads((pairs_data / "meta.json").read_text())["tokenizer"]

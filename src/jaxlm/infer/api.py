@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlm import config as config_lib, runtime, sharding
+from jaxlm import config as config_lib, runtime, sharding, storage
 from jaxlm.store import weights
 from jaxlm.infer import generate
 from jaxlm.config import Config, ConfigError, DecodeConfig, MeshConfig, ModelConfig
@@ -76,8 +76,9 @@ class Model:
         explicit = self.config.data.tokenizer
         tok_dir = weights.tokenizer_source(self.path, self.config)
         data = self.config.data
-        meta_file = Path(data.dir or f"data/{data.dataset}") / "meta.json"
-        meta = json.loads(meta_file.read_text()) if meta_file.is_file() and not explicit and tok_dir is None else None
+        meta_file = storage.join(data.dir or f"data/{data.dataset}", "meta.json")  # data.dir may be a URL
+        meta = (json.loads(storage.read_text(meta_file)) if not explicit and tok_dir is None
+                and storage.exists(meta_file) else None)
         if not explicit and tok_dir is None and meta is None:
             raise tokenizer_lib.TokenizerError(f"no tokenizer for {self.path}: no tokenizer/ folder and no "
                                                f"{meta_file} (run from the folder the model was trained in, set "

@@ -17,7 +17,6 @@ import dataclasses
 import hashlib
 import json
 import time
-from pathlib import Path
 from typing import Callable
 
 import jax
@@ -42,7 +41,8 @@ def describe(run: run_lib.Run) -> dict:
     """What the reference files of this run must have been computed from (reference.json)."""
     cfg = run.cfg
     weights = {"init_from": str(cfg.checkpoint.init_from)} if cfg.checkpoint.init_from else {"seed": cfg.seed}
-    meta = (Path(run.dataset.dir) / "meta.json").read_bytes()
+    with storage.open_file(storage.join(run.dataset.dir, "meta.json")) as f:  # a path or a URL (data.dir)
+        meta = f.read()
     return {"format": FORMAT, "weights": weights,
             "model": {k: v for k, v in dataclasses.asdict(cfg.model).items() if k not in RUNTIME_SETTINGS},
             "dataset": str(run.dataset.dir), "dataset_meta": "sha256:" + hashlib.sha256(meta).hexdigest(),
