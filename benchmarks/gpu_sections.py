@@ -506,18 +506,22 @@ def breakdown_of(data, index: dict, steps: int, top: int = 12) -> dict:
         host = [p for p in planes if p.name == "/host:CPU"]
         chosen = [ln for ln in (host[0].lines if host else []) if ln.name.startswith("tf_XLA")]
         source = "jax.profiler trace, XLA:CPU threads (op time summed over threads)"
-    times = collections.Counter()
+    times, texts = collections.Counter(), {}
     for ln in chosen:
         for name, ns in self_times(ln.events).items():
             if not name.startswith(RUNTIME_EVENTS):
-                times[name.lstrip("%")] += ns
+                # A TPU's XLA Ops events are named by the whole instruction ("fusion.405 = bf16[...] fusion(...)")
+                op, _, text = name.lstrip("%").partition(" = ")
+                times[op] += ns
+                texts.setdefault(op, text)
     total = sum(times.values())
     if not total:
         raise RuntimeError(f"no operation events in the trace (planes: {[p.name for p in planes]})")
     by_kind, by_scope, by_pass = collections.Counter(), collections.Counter(), collections.Counter()
     rows = []
     for name, ns in times.most_common():
-        kind, scope, direction = index.get(name, (kernel_kind(name), "unattributed", "?"))
+        kind, scope, direction = index.get(name, (op_kind(texts[name]) if texts[name] else kernel_kind(name),
+                                                  "unattributed", "?"))
         by_kind[kind] += ns
         by_scope[scope] += ns
         by_pass[direction] += ns

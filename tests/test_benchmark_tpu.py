@@ -85,10 +85,20 @@ def test_a_tpu_fusion_holding_a_matmul_is_a_matmul_and_a_pallas_call_its_own_kin
     assert index["fusion.2"] == ("fusion (elementwise, reduce)", "mlp", "forward")
     assert index["custom-call.5"] == ("Pallas kernel (TPU)", "attention kernel", "forward")
     ms = 1_000_000
-    b = gpu_sections.breakdown_of(trace(("/device:TPU:0", [("XLA Ops", [event("fusion.1", 0, 60 * ms), event(
-        "fusion.2", 60 * ms, 10 * ms), event("custom-call.5", 70 * ms, 30 * ms)])])), index, steps=1)
+    # A TPU's XLA Ops events are named by the whole instruction, as a v5e's trace wrote them
+    ops = [("fusion.1 = bf16[2,2048,7168]{2,1,0:T(8,128)(2,1)} fusion(%p0, %p1), kind=kOutput, calls=%f1", 60),
+           ("fusion.2", 10), ("custom-call.5 = (f32[2,512]) custom-call(%q), custom_call_target=\"tpu_custom_call\"",
+                              25), ("copy.9 = bf16[8]{0} copy(%x)", 5)]
+    events, t = [], 0
+    for name, dur in ops:
+        events.append(event(name, t, dur * ms))
+        t += dur * ms
+    b = gpu_sections.breakdown_of(trace(("/device:TPU:0", [("XLA Ops", events)])), index, steps=1)
     assert b["source"] == "jax.profiler trace, /device:TPU:0 XLA Ops"
-    assert b["by_kind"] == {"matmul": 60, "Pallas kernel (TPU)": 30, "fusion (elementwise, reduce)": 10}
+    assert b["by_kind"] == {"matmul": 60, "Pallas kernel (TPU)": 25, "fusion (elementwise, reduce)": 10,
+                            "copy / transpose": 5}  # copy.9 is not in the HLO: its kind from the event's text
+    assert b["by_scope"] == {"mlp": 70, "attention kernel": 25, "unattributed": 5}
+    assert [r["op"] for r in b["top"]] == ["fusion.1", "custom-call.5", "fusion.2", "copy.9"]
 
 
 def test_a_section_that_takes_too_much_host_memory_is_stopped_and_reported(monkeypatch):
@@ -102,5 +112,6 @@ def test_a_section_that_takes_too_much_host_memory_is_stopped_and_reported(monke
     grow = "import time\nx = []\nwhile True:\n    x.append(bytearray(50 * 2**20)); time.sleep(0.05)"
     rc, peak, over = gpu.watch(subprocess.Popen([sys.executable, "-c", grow]), limit=60)
     assert rc is None and over == 300 * 2**20 and 300 * 2**20 < peak < 2 * 2**30
-    rc, peak, over = gpu.watch(subprocess.Popen([sys.executable, "-c", "import time; x = bytearray(20 * 2**20); time.sleep(1)"]), limit=60)
+    hold = "import time; x = bytearray(20 * 2**20); time.sleep(1)"
+    rc, peak, over = gpu.watch(subprocess.Popen([sys.executable, "-c", hold]), limit=60)
     assert rc == 0 and over is None and 0 < peak < 300 * 2**20
