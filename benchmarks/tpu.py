@@ -2,7 +2,7 @@
 model and of GPT-2 124M as `jaxlm train` runs them, where the step's time goes, long context, int8 training,
 decoding and serving.
 
-    PYTHONPATH=src python benchmarks/tpu.py [--only maxtext,gpt2] [--json FILE]   # one v5e chip: 550 s at most
+    PYTHONPATH=src python benchmarks/tpu.py [--only maxtext,gpt2] [--json FILE]   # one v5e chip: 710 s at most
     PYTHONPATH=src python benchmarks/tpu.py --tiny                               # toy sizes, on a CPU in seconds
 
 Sections run as benchmarks/gpu.py's do (its runner): each in a process of its own (benchmarks/tpu_sections.py)
@@ -18,7 +18,7 @@ Sections and what they report:
               weights and moments with remat full and with remat minimal (`model.param_dtype=bfloat16
               model.remat=minimal`); the step's time by operation from a jax.profiler trace for the bf16 rows
   gpt2        GPT-2 124M as the `openwebtext` preset trains it (128 sequences a micro-step, 16 micro-steps: more
-              than one chip holds, so its bytes are reported), then batch 32
+              than one chip holds, so its bytes are reported), then batch 32 (remat minimal) and 64 (remat full)
   long        maxtext_base at 32,768 tokens a sequence, batch 1, bf16 weights, splash attention
   quant       int8 training against bf16 on maxtext_base's shape, 200 steps of a Markov corpus: speed and loss
   decode      generate at batch 1 and 64 (the 1B shape in bf16), batch 1's bytes per token over the HBM copy
@@ -34,8 +34,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 import gpu  # noqa: E402
 
 SECTIONS_PY = Path(__file__).with_name("tpu_sections.py")
-# Seconds each section may take at full size (process start included), as gpu.py's BUDGET_S: 550 s in all.
-BUDGET_S = {"yardsticks": 20, "maxtext": 170, "gpt2": 60, "long": 60, "quant": 140, "decode": 45, "serve": 55}
+# Seconds each section may take at full size (process start included), as gpu.py's BUDGET_S: 710 s in all, so
+# a machine whose commands stop at 10 minutes runs it in two (--only yardsticks,maxtext,gpt2,long, then the rest).
+# Seen on a v5e (2026-12-06): yardsticks 21 s, maxtext 70, gpt2 18 (two rows refused at compile), long 38 (refused by
+# the old bound), quant 80 (bf16 only), decode 86, serve over 79.
+BUDGET_S = {"yardsticks": 30, "maxtext": 100, "gpt2": 90, "long": 90, "quant": 180, "decode": 100, "serve": 120}
 TOLERANCE_LOSS = 0.02  # int8 against bf16: final losses this close
 
 

@@ -31,7 +31,11 @@ MAXTEXT_ROWS = [
 ]
 GPT2_ROWS = [
     ("preset (128 x 1,024 tokens a micro-step, 16 of them a step)", {}),
-    ("batch 32, no accumulation", {"training.batch_size": 32, "training.grad_accum": 1}),
+    # remat none (the preset's) needs about 33 GiB at batch 32 (`jaxlm compile ... compile.topology=v5e-1`)
+    ("batch 32, no accumulation, remat minimal", {"training.batch_size": 32, "training.grad_accum": 1,
+                                                  "model.remat": "minimal"}),
+    ("batch 64, no accumulation, remat full", {"training.batch_size": 64, "training.grad_accum": 1,
+                                               "model.remat": "full"}),
 ]
 
 SIZES = {
@@ -81,8 +85,10 @@ def train_row(ctx: Ctx, label: str, cfg, steps: int, profile: bool = False) -> d
     limit = (dev.memory_stats() or {}).get("bytes_limit")
     run, compiled, mem, secs = g.compile_step(cfg, B, dev)
     row.update(bytes=mem, compile_s=round(secs, 1), memory_limit_bytes=limit)
-    if limit and mem and mem > limit:
-        row["note"] = f"does not fit: {mem / 2**30:.2f} GiB of the chip's {limit / 2**30:.2f}"
+    # XLA:TPU refuses at compile a step that does not fit; memory_analysis()'s sum is only an upper bound (it
+    # counts buffers the compiler reuses: 18.85 GiB for the 32,768-token step that XLA:TPU placed in 12.68)
+    if limit and mem and mem > limit and dev.platform != "tpu":
+        row["note"] = f"does not fit: {mem / 2**30:.2f} GiB of the device's {limit / 2**30:.2f}"
         return row
     state = state_lib.init_state(run, cfg.seed)
     batch = g.random_batch(run)
@@ -128,7 +134,7 @@ def maxtext(ctx: Ctx) -> None:
 def gpt2(ctx: Ctx) -> None:
     """GPT-2 124M as the `openwebtext` preset trains it (float32 weights, bf16 compute; 128 sequences a micro-step:
     `jaxlm compile openwebtext compile.topology=v5e-1` puts it at about 122 GiB, more than a chip holds), then
-    batch 32 without accumulation."""
+    batch 32 with remat minimal and 64 with remat full, without accumulation."""
     rows(ctx, "gpt2_runs", "openwebtext", GPT2_ROWS, ctx.sizes["gpt2_steps"], {})
 
 
