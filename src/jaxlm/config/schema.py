@@ -117,6 +117,9 @@ class TrainingConfig:
                                                    "times the device count (may be fractional when some mesh axes "
                                                    "do not split the batch)", rule=positive())
     grad_accum: int = _f(1, "micro-batches accumulated per optimizer step", rule=positive())
+    freeze_vision: bool = _f(True, "a vision-language model's vision tower and projector (model.vision) get no "
+                                   "gradient, no update and no optimizer state; false trains them with the rest "
+                                   "(docs/vision.md, \"Training with images\")")
     pipeline_microbatches: int = _f(0, "with mesh stages (mesh.ici_stage x mesh.dcn_stage > 1): pieces each "
                                        "accumulated micro-batch is cut into to flow through the pipeline; "
                                        "0 = the number of stages (docs/scaling.md)", rule=at_least(0))

@@ -50,17 +50,23 @@ def checked_messages(msgs: list, where: str, what: str = "message") -> list[dict
     return out
 
 
-def encode_chat(tok: Tokenizer, messages: list[dict], first: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def encode_chat(tok: Tokenizer, messages: list[dict], first: int = 0, expand=None) -> tuple[np.ndarray, np.ndarray]:
     """(ids_L, mask_L): the rendered conversation's token ids, and 1 on the tokens of the assistant turns from
-    message `first` on (a preference pair's reply after its prompt turns; 0: all of them).
-    Raises ValueError when the template does not render the conversation prefix by prefix."""
-    ids_L = tok.encode_rendered(tok.apply_chat_template(messages, add_generation_prompt=False))
+    message `first` on (a preference pair's reply after its prompt turns; 0: all of them). `expand` (text ->
+    text) rewrites each rendering before it is tokenized: images' markers become their image tokens
+    (vision_data.py). Raises ValueError when the template does not render the conversation prefix by prefix."""
+    expand = expand or (lambda text: text)
+
+    def encoded(msgs: list[dict], prompt: bool) -> list[int]:
+        return tok.encode_rendered(expand(tok.apply_chat_template(msgs, add_generation_prompt=prompt)))
+
+    ids_L = encoded(messages, False)
     mask_L = np.zeros(len(ids_L), np.uint8)
     for i, m in enumerate(messages):
         if m["role"] != "assistant" or i < first:
             continue
-        start = tok.encode_rendered(tok.apply_chat_template(messages[:i], add_generation_prompt=True)) if i else []
-        end = tok.encode_rendered(tok.apply_chat_template(messages[:i + 1], add_generation_prompt=False))
+        start = encoded(messages[:i], True) if i else []
+        end = encoded(messages[:i + 1], False)
         if ids_L[:len(start)] != start or ids_L[:len(end)] != end or len(end) <= len(start):
             raise ValueError(f"the chat template's rendering up to message {i + 1} does not tokenize to a prefix of "
                              "the whole conversation, so its assistant tokens cannot be found exactly")

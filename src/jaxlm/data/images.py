@@ -58,8 +58,6 @@ class Processor:
 def load(source: str | Path, max_pixels: int = MAX_PIXELS):
     """A Pillow image from a file path or a `data:image/...;base64,` URL, turned upright by its EXIF orientation
     (as transformers' load_image does)."""
-    from PIL import Image, ImageOps, UnidentifiedImageError
-
     text = str(source)
     match = DATA_URL.fullmatch(text.strip())
     name = "the data URL" if match else text
@@ -77,20 +75,27 @@ def load(source: str | Path, max_pixels: int = MAX_PIXELS):
     except OSError as e:
         raise ImageError(f"cannot read image {text}: {e.strerror or e}") from None
     with raw:
-        try:
-            image = Image.open(raw)
-            size = image.size
-        except Image.DecompressionBombError:
-            size = None
-        except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
-            raise _unreadable(name, e) from None
-        if size is None or size[0] * size[1] > max_pixels:
-            shown = f" is {size[0]}x{size[1]} pixels," if size else " has"
-            raise ImageError(f"image {name}{shown} more than the {max_pixels:,} pixels allowed")
-        try:
-            image.load()
-        except (OSError, SyntaxError, ValueError) as e:
-            raise _unreadable(name, e) from None
+        return decode(raw, name, max_pixels)
+
+
+def decode(raw, name: str, max_pixels: int = MAX_PIXELS):
+    """A Pillow image from the open binary stream `raw` (named `name` in errors), upright (as load)."""
+    from PIL import Image, ImageOps, UnidentifiedImageError
+
+    try:
+        image = Image.open(raw)
+        size = image.size
+    except Image.DecompressionBombError:
+        size = None
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
+        raise _unreadable(name, e) from None
+    if size is None or size[0] * size[1] > max_pixels:
+        shown = f" is {size[0]}x{size[1]} pixels," if size else " has"
+        raise ImageError(f"image {name}{shown} more than the {max_pixels:,} pixels allowed")
+    try:
+        image.load()
+    except (OSError, SyntaxError, ValueError) as e:
+        raise _unreadable(name, e) from None
     return ImageOps.exif_transpose(image)
 
 
@@ -112,9 +117,19 @@ def rgb(image):
 def preprocess(image, processor: Processor = Processor()) -> np.ndarray:
     """The pixel values [size, size, 3] float32 of a Pillow image: resized in uint8 by Pillow, rescaled in float64
     and rounded to float32 before the normalization, as transformers does, so the values agree to the bit."""
+    return normalize(resized(image, processor), processor)
+
+
+def resized(image, processor: Processor = Processor()) -> np.ndarray:
+    """The image in RGB resized to the processor's square, uint8 [size, size, 3]: what a prepared dataset stores
+    (data/vision_data.py), normalized when read."""
     side = processor.size
-    resized = np.asarray(rgb(image).resize((side, side), resample=processor.resample))
-    x = (resized.astype(np.float64) * processor.rescale).astype(np.float32)
+    return np.asarray(rgb(image).resize((side, side), resample=processor.resample), np.uint8)
+
+
+def normalize(pixels_uint8: np.ndarray, processor: Processor = Processor()) -> np.ndarray:
+    """Resized uint8 pixels [..., size, size, 3] as the encoder takes them: float32 (x * rescale - mean) / std."""
+    x = (pixels_uint8.astype(np.float64) * processor.rescale).astype(np.float32)
     return (x - np.asarray(processor.mean, np.float32)) / np.asarray(processor.std, np.float32)
 
 

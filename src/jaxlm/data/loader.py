@@ -218,7 +218,8 @@ def check_layout(state: dict, here: dict) -> None:
 
 def mode_changed(saved, here: str) -> str:
     name = {"windows": "random windows (data.packing=false)", "packed": "packing (data.packing=true)",
-            "mixture": "a mixture (data.mixture)", "pairs": "preference pairs (training.objective=dpo|ipo|orpo)"}
+            "mixture": "a mixture (data.mixture)", "pairs": "preference pairs (training.objective=dpo|ipo|orpo)",
+            "rows": "conversations with images, one per row (data/vision_data.py)"}
     return (f"the checkpoint's data position was saved by {name.get(saved, repr(saved))} and this run reads "
             f"{name[here]}; resume with the saved data settings, or start a new run_dir with "
             f"checkpoint.init_from=<this run> to keep the weights")

@@ -136,7 +136,7 @@ def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
 def loss_fn(params: dict, tokens_BT: jax.Array, targets_BT: jax.Array, cfg: ModelConfig,
             key: jax.Array | None = None, positions_BT: jax.Array | None = None,
             segment_ids_BT: jax.Array | None = None, weights_BT: jax.Array | None = None,
-            normalizer: jax.Array | None = None) -> jax.Array:
+            normalizer: jax.Array | None = None, images: jax.Array | None = None) -> jax.Array:
     """Cross-entropy, plus the weighted load-balancing loss for mixture-of-experts models and the weighted
     multi-token prediction loss (model.mtp_layers); for sequences longer than cfg.loss_chunk_tokens tokens the
     logits are computed a chunk of the sequence at a time (never all at once).
@@ -144,20 +144,22 @@ def loss_fn(params: dict, tokens_BT: jax.Array, targets_BT: jax.Array, cfg: Mode
     Each token's loss counts with its weight (weights_BT: 1 trained, 0 masked such as prompts or padding; None =
     all 1) and the weighted sum is divided by `normalizer` (default: the sum of the weights here). A step that
     accumulates micro-batches passes the weight of the whole step over the number of micro-batches, so that
-    the mean over micro-batches is exactly the mean over every counted token of the step."""
+    the mean over micro-batches is exactly the mean over every counted token of the step. images: the batch's
+    preprocessed images, as transformer.forward takes them."""
     return loss_terms(params, tokens_BT, targets_BT, cfg, key, positions_BT, segment_ids_BT, weights_BT,
-                      normalizer)[0]
+                      normalizer, images)[0]
 
 
 @quant.scoped
 def loss_terms(params: dict, tokens_BT: jax.Array, targets_BT: jax.Array, cfg: ModelConfig,
                key: jax.Array | None = None, positions_BT: jax.Array | None = None,
                segment_ids_BT: jax.Array | None = None, weights_BT: jax.Array | None = None,
-               normalizer: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+               normalizer: jax.Array | None = None, images: jax.Array | None = None
+               ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """`loss_fn`'s loss and its terms, for the logs: cross_entropy; with experts load_balancing (before
     router_aux_loss_coef); with MTP modules mtp (their mean cross-entropy, before mtp_loss_weight)."""
     positions_BT = default_positions(tokens_BT, positions_BT)
-    x_BTD, stats_L3E = hidden_with_stats(params, tokens_BT, cfg, key, positions_BT, segment_ids_BT)
+    x_BTD, stats_L3E = hidden_with_stats(params, tokens_BT, cfg, key, positions_BT, segment_ids_BT, images)
     if normalizer is None:
         normalizer = targets_BT.size if weights_BT is None else jnp.maximum(jnp.sum(weights_BT), 1e-9)
     loss = _token_loss_sum(params, x_BTD, targets_BT, cfg, weights_BT) / normalizer

@@ -15,7 +15,7 @@ from jaxlm import sharding
 from jaxlm.train import objectives, step as step_lib
 from jaxlm.train.run import Run, batch_keys
 from jaxlm.config import ConfigError
-from jaxlm.data import loader as loader_lib, mixture, packing, preference
+from jaxlm.data import loader as loader_lib, mixture, packing, preference, vision_data
 
 
 def put_batch(mesh, x: np.ndarray, leading: int, act_rules=sharding.ACTIVATION_RULES) -> jax.Array:
@@ -42,7 +42,19 @@ def device_batch(run: Run, split: str, plan, read: dict | None = None) -> dict[s
 
         return jax.make_array_from_callback(lead + (T,), sh, shard)
 
-    return {k: make(k) for k in keys}
+    out = {k: make(k) for k in keys}
+    if isinstance(plan, vision_data.Rows):
+        out["images"] = image_batch(run, plan)
+    return out
+
+
+def image_batch(run: Run, plan: vision_data.Rows) -> jax.Array:
+    """The images of a batch's rows [A, B * K, S, S, 3] (or [B * K, ...]) on the mesh, each micro-batch's in the
+    order of its image tokens (then empty slots), split over the devices that split the batch."""
+    shape = plan.slots.shape + plan.store.pixels.shape[1:]
+    batch_axes = sharding.spec(("batch",), run.act_rules)[0]
+    spec = jax.sharding.PartitionSpec(*(None,) * (plan.slots.ndim - 1), batch_axes, None, None, None)
+    return jax.make_array_from_callback(shape, jax.sharding.NamedSharding(run.mesh, spec), plan.images)
 
 
 def host_batch(run: Run, split: str, plan, pool: concurrent.futures.Executor) -> dict:
@@ -164,13 +176,15 @@ def train_batches(run: Run, frozen: dict | None = None) -> LoaderBatches:
 
 def make_loader(run: Run, split: str = "train", grad_accum: int | None = None, seed: int | None = None):
     """The loader of a split: random windows, packed rows, or a mixture of either over several datasets; whole
-    preference pairs for dpo, ipo and orpo (padded or packed, data.packing)."""
+    preference pairs for dpo, ipo and orpo (padded or packed, data.packing); conversations with images, one a row."""
     cfg, t = run.cfg, run.cfg.training
     A = t.grad_accum if grad_accum is None else grad_accum
     seed = cfg.seed if seed is None else seed
     mask = cfg.data.loss_mask == "on"
 
     def one(data):
+        if run.images is not None:
+            return vision_data.RowLoader(data, run.images[split], cfg.model.block_size, t.batch_size, A, seed)
         if cfg.training.objective in objectives.PREFERENCE:
             return preference.PairLoader(data, cfg.model.block_size, t.batch_size, A, seed, cfg.data.packing)
         if cfg.data.packing:

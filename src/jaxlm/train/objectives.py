@@ -43,9 +43,9 @@ class Objective:
 
 def next_token(params: dict, batch: dict, cfg: Config, rng: jax.Array | None) -> tuple[jax.Array, dict]:
     """Mean cross-entropy of the targets, each counted with its weight (loss masks, packing), plus the
-    mixture-of-experts load-balancing term (loss_fn)."""
+    mixture-of-experts load-balancing term (loss_fn); a batch with "images" gives them to the forward pass."""
     loss = loss_fn(params, batch["inputs"], batch["targets"], cfg.model, rng, batch.get("positions"),
-                   batch.get("segment_ids"), batch.get("weights"), batch.get("normalizer"))
+                   batch.get("segment_ids"), batch.get("weights"), batch.get("normalizer"), batch.get("images"))
     return loss, {}
 
 

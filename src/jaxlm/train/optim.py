@@ -281,6 +281,15 @@ def make(cfg: OptimizerConfig, total_steps: int, specs=None, mesh=None,
     return balance_bias_steps(optax.chain(*parts, optax.partition({"adamw": adamw, "muon": muon}, labels)))
 
 
+def frozen(inner: optax.GradientTransformation, names: tuple[str, ...]) -> optax.GradientTransformation:
+    """`inner` for every weight but the subtrees `names` of the weights tree (a vision tower left as it is), which
+    get zero updates and no optimizer state (no moments, no weight decay)."""
+    def labels(params):
+        return {k: jax.tree.map(lambda _: "frozen" if k in names else "trained", v) for k, v in params.items()}
+
+    return optax.partition({"trained": inner, "frozen": optax.set_to_zero()}, labels)
+
+
 def schedule_at(opt_state, step):
     """`opt_state` with the step count of every learning-rate schedule in it set to `step`: a fresh optimizer
     state (new moments) that continues the run's schedule where its weights left off."""

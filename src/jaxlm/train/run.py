@@ -21,7 +21,7 @@ from jaxlm.model import lora
 from jaxlm.train import metrics, objectives, optim
 from jaxlm.train.state import make_abstract_state, placed
 from jaxlm.config import Config, ConfigError
-from jaxlm.data import loader as loader_lib, mixture, preference, prepare, tokenizer as tokenizer_lib
+from jaxlm.data import loader as loader_lib, mixture, preference, prepare, tokenizer as tokenizer_lib, vision_data
 from jaxlm.model import param_specs, ring
 
 
@@ -50,6 +50,8 @@ class Run:
     # A dpo/ipo run's reference log-probabilities per split, one float32 per token of the split (reference.py);
     # set once its pass has run, None otherwise.
     reference: dict | None = None
+    # The images of a dataset prepared with them, per split (data/vision_data.py); None otherwise.
+    images: dict | None = None
 
 
 def resolve_data_dir(cfg: Config) -> Path | str:
@@ -124,13 +126,53 @@ def setup(cfg: Config, devices=None, data: bool = True) -> Run:
     cfg = cfg.replace(training=resolve_batch(cfg.training, mesh, act_rules))
     if cfg.logging.wandb:
         metrics.require_wandb()
+    images = check_images(cfg, dataset) if dataset is not None else None
     specs = lora.specs(cfg) if lora.enabled(cfg) else param_specs(cfg.model)
     optimizer = optim.make(cfg.optimizer, cfg.training.steps, None if lora.enabled(cfg) else specs, mesh, param_rules)
+    if vision_frozen(cfg) and not lora.enabled(cfg):  # a LoRA run's tower is in its frozen base already
+        optimizer = optim.frozen(optimizer, ("vision",))
     abstract_state = make_abstract_state(specs, mesh, optimizer, param_rules)
     abstract_frozen = placed(lora.frozen_specs(cfg), mesh, param_rules) if lora.enabled(cfg) else None
     run_dir = resolve_run_dir(cfg)
     return Run(cfg, run_dir, dataset, mesh, param_rules, act_rules, specs, optimizer, abstract_state, tokenizer,
-               abstract_frozen)
+               abstract_frozen, images=images)
+
+
+def vision_frozen(cfg: Config) -> bool:
+    """Whether the run leaves the model's vision tower as it is (training.freeze_vision, a model with one)."""
+    return cfg.model.vision is not None and cfg.training.freeze_vision
+
+
+def check_images(cfg: Config, dataset) -> dict | None:
+    """The dataset's images per split (vision_data.SplitImages), checked against the run's settings; None for a
+    dataset without images. What image data does not support yet stops here in one line."""
+    folders = dataset.datasets if isinstance(dataset, mixture.MixtureDataset) else [dataset]
+    with_images = [ds.dir for ds in folders if "images" in ds.meta]
+    if not with_images:
+        if cfg.model.vision is not None and lora.enabled(cfg) and not cfg.training.freeze_vision:
+            raise ConfigError("lora.rank>0 adapts the language model only: the vision tower stays frozen; set "
+                              "training.freeze_vision=true, or lora.rank=0 to train the tower")
+        return None
+    where = with_images[0]
+    refusals = [
+        (len(folders) > 1, "data.mixture: train on the folder with images alone"),
+        (cfg.model.vision is None, "a model without a vision tower (model.vision): train a vision-language model's "
+                                   "config, e.g. `jaxlm convert from-hf` of Gemma 3"),
+        (cfg.data.packing, "data.packing=true: each conversation takes a row of its own; set data.packing=false"),
+        (cfg.training.objective != "next_token", f"training.objective={cfg.training.objective}: image data trains "
+                                                 "with next_token (SFT)"),
+        (cfg.data.loss_mask == "off", "data.loss_mask=off: padding would be trained; set data.loss_mask=auto"),
+        (lora.enabled(cfg) and not cfg.training.freeze_vision,
+         "lora.rank>0 with training.freeze_vision=false: LoRA adapts the language model and keeps the tower frozen"),
+    ]
+    for refused, why in refusals:
+        if refused:
+            raise ConfigError(f"{where} holds images, which do not combine with {why}")
+    size = dataset.meta["images"]["size"]
+    if size != cfg.model.vision.image_size:
+        raise ConfigError(f"{where} holds {size}x{size} images and model.vision.image_size is "
+                          f"{cfg.model.vision.image_size}; prepare the data with this model's folder")
+    return vision_data.open_images(dataset)
 
 
 def check_objective_data(cfg: Config, dataset) -> bool:

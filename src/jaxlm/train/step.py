@@ -15,7 +15,7 @@ import optax
 from jaxlm import sharding
 from jaxlm.infer import generate
 from jaxlm.train import objectives, optim
-from jaxlm.train.run import Run, batch_keys
+from jaxlm.train.run import Run, batch_keys, vision_frozen
 from jaxlm.train.state import model_params, shardings_of
 from jaxlm.config import Config, ConfigError
 from jaxlm.data import tokenizer as tokenizer_lib
@@ -33,12 +33,14 @@ def loss_and_grads(objective: objectives.Objective, params, batch: dict, cfg: Co
     the mean over micro-batches is exactly the mean over the step's units, however unevenly they fall (a
     micro-batch with few counted tokens weighs no more than its tokens). The sums run over the global batch, so
     the same holds across devices. With a LoRA run's `frozen` base, `params` are the adapters, the only weights
-    differentiated."""
+    differentiated; a frozen vision tower (training.freeze_vision) gets zero gradients."""
     A = batch["inputs"].shape[0]
     units = objective.units(batch, cfg)
     normalizer = None if units is None else jnp.maximum(units, 1e-9) / A
     loss = objective.loss if frozen is None else (
         lambda p, b, c, k: objective.loss(model_params(p, frozen, c, k), b, c, k))
+    if frozen is None and vision_frozen(cfg):
+        loss = tower_held(loss)
     grad_fn = jax.value_and_grad(loss, has_aux=True)
 
     def micro_grads(b, k):
@@ -54,6 +56,14 @@ def loss_and_grads(objective: objectives.Objective, params, batch: dict, cfg: Co
     zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(micro_grads, jax.tree.map(lambda v: v[0], batch), key))
     out, _ = jax.lax.scan(micro, zeros, (batch, jnp.arange(A)))
     return jax.tree.map(lambda g: g / A, out)
+
+
+def tower_held(loss: Callable) -> Callable:
+    """`loss` with no gradient into the vision tower: the tower's backward pass is never built."""
+    def held(params, batch, cfg, key):
+        return loss({**params, "vision": jax.lax.stop_gradient(params["vision"])}, batch, cfg, key)
+
+    return held
 
 
 def zigzag_batch(batch: dict, mesh, act_rules) -> dict:

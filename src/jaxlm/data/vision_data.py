@@ -1,0 +1,359 @@
+"""Chat data with images, for training a vision-language model (docs/vision.md, "Training with images"): conversations
+whose message contents hold image parts, prepared into a format-2 chat folder (loss on the assistant's answers) with
+each split's images beside the shards (`prepare_vision_chat`); and the reading side: a split's images (SplitImages)
+and the loader that puts one conversation in each row, padded, with the images of its rows (RowLoader, Rows).
+
+Beside the shards, per split: {split}-images.bin (uint8 [I, S, S, 3], resized to the model's image_size as the
+processor resizes) and {split}-images.idx.npy (int64 [D + 1]: each document's first image, then I). meta.json's
+"images" holds S, the processor's normalization and the most images a document has.
+
+Legend: A micro-batches, B rows, T block_size, R = T + 1, K images per row at most, S image side, D documents.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from jaxlm import storage
+from jaxlm.config import ConfigError
+from jaxlm.config.model_schema import VisionConfig
+from jaxlm.data import chat, images, loader as loader_lib, packing, shards, tokenizer as tokenizer_lib
+from jaxlm.data.errors import DataError
+
+BAD_IMAGES = ("skip", "stop")
+
+
+# ---- records -> conversations with image markers --------------------------------------------------------------
+
+def image_source(part: dict, where: str) -> str:
+    """The path or data URL of one image part: OpenAI's {"type": "image_url", "image_url": {"url": ...}} or
+    Hugging Face's {"type": "image", "image" | "path" | "url": ...}."""
+    if part.get("type") == "image_url":
+        url = part.get("image_url")
+        src = url.get("url") if isinstance(url, dict) else url
+    else:
+        src = next((part[k] for k in ("image", "path", "url") if isinstance(part.get(k), str)), None)
+    if not isinstance(src, str) or not src:
+        raise DataError(f"{where}: an image part needs its path or data URL (image_url.url, or image / path / url)")
+    return src
+
+
+def flatten(content, marker: str, where: str) -> tuple[str, list[str]]:
+    """A message content (a string, or a list of text and image parts) as text with `marker` where each image
+    is, and the images' sources in order."""
+    if not isinstance(content, list):
+        return content, []
+    text, sources = [], []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            text.append(part["text"])
+        elif kind in ("image", "image_url"):
+            sources.append(image_source(part, where))
+            text.append(marker)
+        else:
+            raise DataError(f"{where}: a content part must be {{\"type\": \"text\", \"text\": ...}} or an image part "
+                            f"(type image_url or image), not {json.dumps(part)[:80]}")
+    return "".join(text), sources
+
+
+def conversation(rec: dict, marker: str, where: str, folder: Path) -> tuple[list[dict], list[str]]:
+    """The checked conversation of a record (chat.messages_of) with image markers in its text, and its images'
+    sources in order; relative paths are taken from the folder of the file that names them."""
+    rec, sources = dict(rec), []
+    if isinstance(rec.get("messages"), list):
+        msgs = []
+        for m in rec["messages"]:
+            if isinstance(m, dict) and "content" in m:
+                text, found = flatten(m["content"], marker, where)
+                m, sources = {**m, "content": text}, sources + found
+            msgs.append(m)
+        rec["messages"] = msgs
+    else:
+        for key in ("prompt", "completion"):
+            if key in rec:
+                rec[key], found = flatten(rec[key], marker, where)
+                sources += found
+    msgs = chat.messages_of(rec, where)
+    local = [s if s.startswith("data:") or Path(s).is_absolute() else str(folder / s) for s in sources]
+    return msgs, local
+
+
+# ---- writing a folder -------------------------------------------------------------------------------------------
+
+def vision_of(folder: str | Path) -> VisionConfig:
+    """model.vision of a jaxlm model folder (config.json), one line when it has none."""
+    path = Path(folder) / "config.json"
+    try:
+        v = json.loads(path.read_text())["model"]["vision"]
+    except (OSError, ValueError, KeyError, TypeError):
+        v = None
+    if not isinstance(v, dict):
+        raise DataError(f"{path} holds no model.vision: image data needs a vision-language model's folder "
+                        "(`jaxlm convert from-hf` of Gemma 3)")
+    return VisionConfig(**v)
+
+
+class ImageWriter:
+    """A split's images appended as uint8 [S, S, 3] blocks under a temporary name, renamed with the index at close."""
+
+    def __init__(self, out: Path, split: str):
+        self.out, self.split = out, split
+        self.tmp = out / f".{split}-images.bin.tmp"
+        self.file = open(self.tmp, "wb")
+        self.starts = [0]
+
+    def add(self, pixels: list[np.ndarray]) -> None:
+        for p in pixels:
+            self.file.write(np.ascontiguousarray(p, np.uint8).tobytes())
+        self.starts.append(self.starts[-1] + len(pixels))
+
+    def close(self) -> int:
+        self.file.close()
+        np.save(self.out / f".{self.split}-images.idx.tmp.npy", np.asarray(self.starts, np.int64))
+        os.replace(self.out / f".{self.split}-images.idx.tmp.npy", self.out / f"{self.split}-images.idx.npy")
+        os.replace(self.tmp, self.out / f"{self.split}-images.bin")
+        return self.starts[-1]
+
+
+def records(path: str | Path):
+    """(record, "FILE:LINE") of a JSON-lines file; a line that is not a JSON object is one line naming it."""
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{n}"
+            try:
+                rec = json.loads(line)
+            except ValueError as e:
+                raise DataError(f"{where}: not valid JSON ({e})") from None
+            if not isinstance(rec, dict):
+                raise DataError(f"{where}: a record must be a JSON object")
+            yield rec, where
+
+
+def prepare_vision_chat(inputs: list[str | Path], out_dir: str | Path, tokenizer: str | Path,
+                        vision: VisionConfig | None = None, max_tokens: int | None = None,
+                        val: list[str | Path] | None = None, val_fraction: float = 0.01, bad_images: str = "skip",
+                        max_pixels: int = images.MAX_PIXELS, processor: images.Processor | None = None) -> dict:
+    """Chat records in JSON-lines files (messages whose content holds text and image parts) -> a prepared folder:
+    tokens with each image written as Gemma 3's processor writes it (images.prompt_text), the loss mask on the
+    assistant's turns, and the images resized beside the shards. `tokenizer`: a tokenizer, or a converted model's
+    folder (whose config.json gives `vision` and whose preprocessor_config.json the processor when not given).
+    A missing, corrupt or oversized image: with bad_images="skip" its document is left out and counted (meta.json
+    "skipped"), with "stop" the run stops on one line naming the file and line. Conversations over `max_tokens`
+    are left out and counted. Returns the meta.json written."""
+    if bad_images not in BAD_IMAGES:
+        raise ConfigError(f"bad_images={bad_images!r}: use skip or stop")
+    tok = tokenizer_lib.load(tokenizer)
+    vision = vision or vision_of(tokenizer)
+    processor = processor or images.Processor.of_folder(Path(tokenizer) / "tokenizer", vision.image_size)
+    if processor.size != vision.image_size:
+        raise DataError(f"the processor resizes to {processor.size} pixels and model.vision.image_size is "
+                        f"{vision.image_size}; they must agree")
+    marker = check_image_tokens(tok, vision)
+    out = shards.begin(out_dir)
+    dtype = shards.dtype_for(tok.vocab_size)
+    writers = {s: (shards.ShardWriter(out, s, dtype, loss_mask=True), ImageWriter(out, s)) for s in ("train", "val")}
+    stats: collections.Counter = collections.Counter()
+    counts = np.zeros(tok.vocab_size, np.int64)
+    most = 0
+    try:
+        for src, split in [(f, "train") for f in inputs] + [(f, "val") for f in (val or [])]:
+            for rec, where in records(src):
+                doc = encode_record(rec, where, tok, vision, marker, processor, max_pixels, bad_images, stats,
+                                    Path(src).parent)
+                if doc is None:
+                    continue
+                ids, mask, pixels = doc
+                if max_tokens is not None and len(ids) > max_tokens:
+                    stats["too_long_dropped"] += 1
+                    stats.setdefault("first_too_long", f"{where} ({len(ids)} tokens > {max_tokens})")
+                    continue
+                n = stats["documents"]
+                stats["documents"] += 1
+                to_val = split == "val" or (not val and np.floor((n + 1) * val_fraction) > np.floor(n * val_fraction))
+                name = "val" if to_val else "train"
+                writers[name][0].add(ids, mask)
+                writers[name][1].add(pixels)
+                stats[f"{name}_documents"] += 1
+                counts += np.bincount(ids, minlength=tok.vocab_size)[:tok.vocab_size]
+                most = max(most, len(pixels))
+        entries = {s: w.close() for s, (w, _) in writers.items()}
+        n_images = {s: w.close() for s, (_, w) in writers.items()}
+    except BaseException:
+        for w, im in writers.values():
+            w.abort()
+            im.file.close()
+            im.tmp.unlink(missing_ok=True)
+        raise
+    for s in ("train", "val"):
+        if not entries[s]["documents"]:
+            raise DataError(f"the {s} split got no documents ({dict(stats)}); give more conversations, a larger "
+                            "val_fraction or a separate val input")
+    p = counts[counts > 0] / counts.sum()
+    meta = {"format": shards.FORMAT, "vocab_size": tok.vocab_size, "dtype": dtype.name,
+            "tokenizer": tokenizer_lib.save_copy(tok, out), "bos_id": tok.bos_id, "eos_id": tok.eos_id,
+            "has_loss_mask": True, "splits": entries, "train_tokens": entries["train"]["tokens"],
+            "val_tokens": entries["val"]["tokens"], "unigram_entropy": max(0.0, float(-(p * np.log(p)).sum())),
+            "skipped": {k: v for k, v in stats.items() if not k.endswith("documents")},
+            "images": {"size": processor.size, "mean": list(processor.mean), "std": list(processor.std),
+                       "rescale": processor.rescale, "max_per_document": most, "counts": n_images}}
+    shards.write_meta(out, meta)
+    return meta
+
+
+def check_image_tokens(tok, vision: VisionConfig) -> str:
+    """The text of the begin-of-image token (the marker an image part becomes), checked: each of the model's
+    image tokens must be a special token of the tokenizer, read back as its own id."""
+    for name in ("boi_token_id", "image_token_id", "eoi_token_id"):
+        i = getattr(vision, name)
+        text = tok.decode([i]) if i < tok.vocab_size else ""
+        if not text or tok.encode_rendered(text) != [i]:
+            raise DataError(f"model.vision.{name}={i} is not a special token of the tokenizer {tok.describe()}; "
+                            "prepare image data with the model's own tokenizer")
+    return tok.decode([vision.boi_token_id])
+
+
+def encode_record(rec, where, tok, vision, marker, processor, max_pixels, bad_images, stats, folder):
+    """(ids, mask, resized images) of one record, or None when an image is bad and bad_images="skip"."""
+    msgs, sources = conversation(rec, marker, where, folder)
+    pixels = []
+    for src in sources:
+        try:
+            pixels.append(images.resized(images.load(src, max_pixels), processor))
+        except images.ImageError as e:
+            if bad_images == "stop":
+                raise images.ImageError(f"{where}: {e} (bad_images=stop; skip such documents with "
+                                        "bad_images=skip)") from None
+            stats["bad_images_skipped"] += 1
+            stats.setdefault("first_bad_image", f"{where}: {e}")
+            return None
+    try:
+        ids, mask = chat.encode_chat(tok, msgs, expand=lambda text: images.prompt_text(text, tok, vision,
+                                                                                        text.count(marker)))
+    except ValueError as e:
+        raise DataError(f"{where}: {e}") from None
+    return ids, mask, pixels
+
+
+# ---- reading -----------------------------------------------------------------------------------------------------
+
+class SplitImages:
+    """One split's images: uint8 [I, S, S, 3] memory-mapped, each document's range of them, and the processor
+    that normalizes them for the encoder."""
+
+    def __init__(self, directory: Path, meta: dict, split: str, n_documents: int):
+        info = meta["images"]
+        S = int(info["size"])
+        self.processor = images.Processor(size=S, mean=tuple(info["mean"]), std=tuple(info["std"]),
+                                          rescale=float(info["rescale"]))
+        self.max_per_document = int(info["max_per_document"])
+        idx_path, bin_path = directory / f"{split}-images.idx.npy", directory / f"{split}-images.bin"
+        for path in (idx_path, bin_path):
+            if not path.is_file():
+                raise DataError(f"{path} is missing; prepare the image data again")
+        self.starts_D1 = np.load(idx_path)
+        n = int(self.starts_D1[-1])
+        if len(self.starts_D1) != n_documents + 1 or bin_path.stat().st_size != n * S * S * 3:
+            raise DataError(f"{bin_path} and its index do not match the {split} split ({n_documents} documents, "
+                            f"{n} images of {S}x{S}); prepare the image data again")
+        self.pixels = np.memmap(bin_path, np.uint8, "r", shape=(n, S, S, 3)) if n else np.zeros((0, S, S, 3), np.uint8)
+
+    def of(self, d: int) -> range:
+        return range(int(self.starts_D1[d]), int(self.starts_D1[d + 1]))
+
+    def read(self, ids: np.ndarray) -> np.ndarray:
+        """Normalized float32 pixels [..., S, S, 3] of images `ids` (-1: an empty slot, zeros)."""
+        S = self.processor.size
+        out = np.zeros(ids.shape + (S, S, 3), np.float32)
+        have = ids >= 0
+        out[have] = images.normalize(self.pixels[ids[have]], self.processor)
+        return out
+
+
+def open_images(dataset) -> dict[str, SplitImages] | None:
+    """The images of a prepared folder's splits (None for a folder without images); a folder at a URL is refused."""
+    if "images" not in dataset.meta:
+        return None
+    local = storage.local_path(dataset.dir)
+    if local is None:
+        raise DataError(f"{dataset.dir}: image data is read from a local folder; copy it to a local disk")
+    return {name: SplitImages(Path(local), dataset.meta, name, split.n_documents)
+            for name, split in dataset.splits.items()}
+
+
+class Rows:
+    """The plan of a batch of one conversation per row [A, B] (or [B]): its documents, and per micro-batch the
+    images of its rows in the order their tokens appear, in B * K slots (-1: empty)."""
+
+    def __init__(self, docs: np.ndarray, slots: np.ndarray, store: SplitImages):
+        self.docs, self.slots, self.store, self.shape = docs, slots, store, docs.shape
+
+    def only_micro_batch(self) -> Rows:
+        return Rows(self.docs[0], self.slots[0], self.store)
+
+    def read(self, split: shards.Split, lead_index: tuple, cols: slice, keys: tuple[str, ...], T: int) -> dict:
+        """inputs, targets and weights (1 on the assistant's targets; padding is never trained) of the rows
+        `lead_index` selects, columns `cols`."""
+        docs = self.docs[lead_index]
+        tokens = np.full(docs.shape + (T + 1,), packing.PAD_ID, np.int32)
+        mask = np.zeros(docs.shape + (T + 1,), np.float32)
+        for at, d in np.ndenumerate(docs):
+            start, end = int(split.doc_starts_D1[d]), int(split.doc_starts_D1[d + 1])
+            tokens[at][:end - start] = split.take(np.arange(start, end))
+            mask[at][:end - start] = split.take(np.arange(start, end), mask=True)
+        full = {"inputs": tokens[..., :-1], "targets": tokens[..., 1:], "weights": mask[..., 1:]}
+        return {k: full[k][..., cols] for k in keys}
+
+    def images(self, index: tuple) -> np.ndarray:
+        """Normalized pixels of the image slots a device shard's `index` (over [A,] B * K, S, S, 3) selects."""
+        return self.store.read(self.slots[index[:self.slots.ndim]])
+
+
+class RowLoader:
+    """Conversations with images, one per row padded to block_size + 1 tokens, [grad_accum, batch] rows per
+    `next()`; each epoch a permutation of the split's documents drawn from (seed, epoch), the position one count of
+    documents consumed (saved in checkpoints for an exact resume)."""
+
+    def __init__(self, split: shards.Split, store: SplitImages, block_size: int, batch_size: int, grad_accum: int,
+                 seed: int):
+        lengths = np.diff(split.doc_starts_D1)
+        if lengths.max() > block_size + 1:
+            d = int(np.argmax(lengths))
+            raise DataError(f"document {d} of the {split.name} split of {split.dir} is {int(lengths[d])} tokens, and "
+                            f"image data puts one conversation in a row of model.block_size + 1 = {block_size + 1}: "
+                            f"raise model.block_size, or prepare with max_tokens <= {block_size + 1}")
+        self.split, self.store, self.seed = split, store, seed
+        self.shape, self.K = (grad_accum, batch_size), max(store.max_per_document, 1)
+        self.n_docs, self.consumed = len(lengths), 0
+        self._perms: dict[int, np.ndarray] = {}
+
+    def next(self) -> Rows:
+        A, B = self.shape
+        docs = np.array([packing.stream_item(self._perms, self.seed, self.consumed + i, self.n_docs)
+                         for i in range(A * B)], np.int64).reshape(A, B)
+        self.consumed += A * B
+        slots = np.full((A, B * self.K), -1, np.int64)
+        for a in range(A):
+            ids = [i for d in docs[a] for i in self.store.of(int(d))]
+            slots[a, :len(ids)] = ids
+        return Rows(docs, slots, self.store)
+
+    def _layout(self) -> dict:
+        return {"grad_accum": self.shape[0], "batch_size": self.shape[1], "documents": self.n_docs}
+
+    def state(self) -> dict:
+        return {"kind": "rows", "seed": self.seed, "consumed": self.consumed, **self._layout()}
+
+    def restore(self, state: dict) -> None:
+        if state.get("kind", "windows") != "rows":
+            raise DataError(loader_lib.mode_changed(state.get("kind", "windows"), "rows"))
+        loader_lib.check_layout(state, self._layout())
+        self.seed, self.consumed = int(state["seed"]), int(state["consumed"])
+        self._perms.clear()
