@@ -245,6 +245,9 @@ def cmd_prepare(argv: list[str]) -> int:
             p.add_argument("--per-line", action="store_true", help="each line of a .txt file is a document "
                            "(default: the whole file is one)")
             p.add_argument("--val-fraction", type=float, default=0.0005, help="fraction of the documents for val")
+            p.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS", help="encode on a Ray cluster: "
+                           "its head's host:port or auto, or no address to start one here; --workers caps the "
+                           "tasks at a time; a rerun resumes an interrupted prepare (docs/data.md)")
         a = p.parse_args(argv[1:])
         if not 0 <= a.val_fraction < 1:
             p.error(f"--val-fraction {a.val_fraction} must be in [0, 1)")
@@ -256,6 +259,12 @@ def cmd_prepare(argv: list[str]) -> int:
         elif pref:
             meta = prepare.prepare_preference(a.inputs, a.out, a.tokenizer, a.max_tokens, a.chat_template,
                                               a.drop_long, **common)
+        elif a.ray is not None:
+            from jaxlm.data import ray_prepare
+
+            meta = ray_prepare.prepare_corpus(a.inputs, a.out, a.tokenizer, a.ray, a.val, a.val_fraction, a.field,
+                                              a.errors, a.per_line, a.workers, a.shard_tokens, a.vocab_size,
+                                              not a.no_progress)
         else:
             meta = prepare.prepare_corpus(a.inputs, a.out, a.tokenizer, field=a.field, per_line=a.per_line,
                                           **common)

@@ -259,15 +259,16 @@ def _clear_shards(out: Path) -> None:
 def write_dataset(out_dir: str | Path, tok, splits: dict, kind: str = "text", workers: int | None = None,
                   shard_tokens: int | None = None, vocab_size: int | None = None, max_tokens: int | None = None,
                   val_fraction: float = 0.0, chat_template: str | None = None, progress: bool = True,
-                  stats: collections.Counter | None = None, extra: dict | None = None, drop_long: bool = True
-                  ) -> dict:
+                  stats: collections.Counter | None = None, extra: dict | None = None, drop_long: bool = True,
+                  encoder=None) -> dict:
     """Encode documents into a format-2 folder. `splits` maps a split name to an iterable of (payload, where,
     nbytes), payload a text (kind='text'), a conversation (kind='chat') or a pair (kind='preference', two
     documents kept together in the same split); with val_fraction > 0 and no 'val' entry, a val_fraction of the
     'train' documents (pairs), spread evenly (document n when floor((n + 1) f) > floor(n f)), goes to 'val'.
     Token ids at or above `vocab_size` (default: the tokenizer's) are refused naming the document; chat
     documents and pairs longer than `max_tokens` are dropped and counted, or with drop_long=False refused in one
-    line. Returns the meta.json written."""
+    line. `encoder` (default encode.encoded) turns a split's items into encoded batches in order: data/ray_prepare.py
+    gives one whose items are units of the corpus encoded by Ray tasks. Returns the meta.json written."""
     from tqdm import tqdm
 
     from jaxlm.data import encode, shards, tokenizer as tokenizer_lib
@@ -287,14 +288,13 @@ def write_dataset(out_dir: str | Path, tok, splits: dict, kind: str = "text", wo
     n_doc = 0
     try:
         for split, items in splits.items():
-            for docs, batch_counts, wheres, nbytes, counted in encode.encoded(items, kind, workers, tok, chat_template):
+            for docs, batch_counts, wheres, nbytes, counted in (encoder or encode.encoded)(items, kind, workers, tok,
+                                                                                         chat_template):
                 bar.update(nbytes)
                 stats.update(counted or {})
-                if len(batch_counts) > len(counts):
-                    counts = np.concatenate([counts, np.zeros(len(batch_counts) - len(counts), np.int64)])
-                counts[:len(batch_counts)] += batch_counts
+                counts = add_counts(counts, batch_counts)
                 if len(batch_counts) > limit and batch_counts[limit:].any():
-                    _refuse_ids(docs, wheres, limit)
+                    refuse_ids(docs, wheres, limit)
                 if isinstance(docs, encode.Flat):  # texts: no per-document work here
                     to_val = _to_val(split, splits, val_fraction, n_doc, len(docs.lengths))
                     n_doc += len(docs.lengths)
@@ -374,7 +374,15 @@ def _write_flat(writers: dict, split: str, docs, to_val: np.ndarray, stats: coll
             stats[f"{name}_tokens"] += int(lengths.sum())
 
 
-def _refuse_ids(docs, wheres: list, limit: int) -> None:
+def add_counts(counts: np.ndarray, more: np.ndarray) -> np.ndarray:
+    """Token counts per id plus those of a batch, which may count ids past the end of `counts`."""
+    if len(more) > len(counts):
+        counts = np.concatenate([counts, np.zeros(len(more) - len(counts), np.int64)])
+    counts[:len(more)] += more
+    return counts
+
+
+def refuse_ids(docs, wheres: list, limit: int) -> None:
     """The DataError naming the first document with a token id at or above the vocabulary size `limit`."""
     from jaxlm.data import encode
 
@@ -397,7 +405,8 @@ def describe_stats(stats) -> str:
     return ", ".join(parts)
 
 
-def _text_items(inputs, field, errors, per_line, split, streaming, stats):
+def text_items(inputs, field, errors, per_line, split, streaming, stats):
+    """write_dataset's items of the texts of `inputs`: (text, where, nbytes), or a sources.JsonLines block."""
     from jaxlm.data import sources
 
     for item in sources.text_blocks(inputs, field, errors, per_line, split, streaming, stats):
@@ -419,10 +428,10 @@ def prepare_corpus(inputs: list[str], out_dir: str | Path, tokenizer: str, val: 
 
     tok = tokenizer_lib.load(tokenizer)
     vocab_size = vocab_size or model_vocab_size(tokenizer)
-    splits, stats = _splits(_text_items, inputs, val, field, errors, per_line, split, streaming)
+    splits, stats = _splits(text_items, inputs, val, field, errors, per_line, split, streaming)
     meta = write_dataset(out_dir, tok, splits, "text", workers, shard_tokens, vocab_size,
                          val_fraction=0.0 if val else val_fraction, progress=progress, stats=stats,
-                         extra={"source": _source(inputs), "utf8_errors": errors})
+                         extra={"source": source_name(inputs), "utf8_errors": errors})
     return meta
 
 
@@ -452,7 +461,7 @@ def prepare_chat(inputs: list[str], out_dir: str | Path, tokenizer: str, max_tok
     splits, stats = _splits(_chat_items, inputs, val, errors, split, streaming)
     return write_dataset(out_dir, tok, splits, "chat", workers, shard_tokens, vocab_size, max_tokens,
                          0.0 if val else val_fraction, template, progress, stats,
-                         extra={"source": _source(inputs), "max_tokens": max_tokens})
+                         extra={"source": source_name(inputs), "max_tokens": max_tokens})
 
 
 def _with_template(tokenizer: str, chat_template: str | Path | None):
@@ -498,7 +507,7 @@ def prepare_preference(inputs: list[str], out_dir: str | Path, tokenizer: str, m
     splits, stats = _splits(_preference_items, inputs, val, errors, split, streaming)
     return write_dataset(out_dir, tok, splits, "preference", workers, shard_tokens, vocab_size, max_tokens,
                          0.0 if val else val_fraction, template, progress, stats, drop_long=drop_long,
-                         extra={"kind": preference.KIND, "source": _source(inputs), "max_tokens": max_tokens})
+                         extra={"kind": preference.KIND, "source": source_name(inputs), "max_tokens": max_tokens})
 
 
 def _splits(items, inputs: list[str], val: list[str] | None, *args) -> tuple[dict, collections.Counter]:
@@ -523,5 +532,5 @@ def model_vocab_size(tokenizer: str) -> int | None:
     return None
 
 
-def _source(inputs: list[str]) -> str:
+def source_name(inputs: list[str]) -> str:
     return ", ".join(map(str, inputs)) if len(inputs) <= 3 else f"{len(inputs)} inputs"

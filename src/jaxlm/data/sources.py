@@ -292,9 +292,12 @@ def text_blocks(inputs: list[str], field: str = "text", errors: str = "replace",
         yield from _texts_of(path, field, errors, per_line, split, streaming, stats)
 
 
-def _line_blocks(f, path: str, field: str, errors: str, block_bytes: int) -> Iterator[JsonLines]:
-    line, rest = 1, b""
-    while chunk := f.read(block_bytes):
+def _line_blocks(f, path: str, field: str, errors: str, block_bytes: int, line: int = 1,
+                 left: int | None = None) -> Iterator[JsonLines]:
+    """JsonLines blocks of the next `left` bytes of f (all of it if None), its first line numbered `line`."""
+    rest = b""
+    while chunk := f.read(block_bytes if left is None else min(block_bytes, left)):
+        left = None if left is None else left - len(chunk)
         data = rest + chunk
         cut = data.rfind(b"\n") + 1
         if cut:
@@ -303,6 +306,45 @@ def _line_blocks(f, path: str, field: str, errors: str, block_bytes: int) -> Ite
         rest = data[cut:]
     if rest:
         yield JsonLines(path, line, rest, field, errors)
+
+
+def line_cuts(path: str, size: int, piece_bytes: int) -> list[int]:
+    """Offsets [0, ..., size] that cut a file of `size` bytes into pieces of about piece_bytes, each cut just after
+    a newline, for readers that each take one piece (range_blocks); [0, size] for a file that cannot be cut: a
+    compressed one, a JSON list, or one of a piece or less."""
+    kind, comp = kind_of(path)
+    if comp or kind not in JSON_KINDS or size <= piece_bytes:
+        return [0, size]
+    cuts = [0]
+    try:
+        with _open(path) as f:
+            if f.peek(64)[:64].lstrip()[:1] == b"[":
+                return [0, size]
+            for nominal in range(piece_bytes, size, piece_bytes):
+                if nominal <= cuts[-1]:
+                    continue
+                f.seek(nominal - 1)
+                while (chunk := f.read(1 << 16)) and b"\n" not in chunk:
+                    pass
+                cut = f.tell() - len(chunk) + chunk.find(b"\n") + 1 if chunk else size
+                if cut >= size:
+                    break
+                cuts.append(cut)
+    except (OSError, EOFError) as e:
+        raise DataError(f"{path}: cannot read it ({e.__class__.__name__}: {e})") from None
+    return cuts + [size]
+
+
+def range_blocks(path: str, start: int, end: int, field: str = "text", errors: str = "replace", first_line: int = 1
+                 ) -> Iterator[JsonLines]:
+    """The JsonLines blocks of bytes [start, end) of an uncompressed JSON-lines file (a piece of line_cuts), its
+    first line numbered first_line."""
+    try:
+        with _open(path) as f:
+            f.seek(start)
+            yield from _line_blocks(f, path, field, errors, BLOCK_BYTES, first_line, end - start)
+    except (OSError, EOFError) as e:
+        raise DataError(f"{path}: cannot read it ({e.__class__.__name__}: {e})") from None
 
 
 class Places:
