@@ -172,6 +172,36 @@ def greedy_accuracy(model, tok, v, pictures, answers, blank=False) -> float:
 
 @pytest.mark.slow
 @pytest.mark.in_ci
+def test_jaxlm_prepare_chat_images_writes_what_the_function_writes(tmp_path, capsys):
+    """`jaxlm prepare chat FILE --images --tokenizer MODEL_FOLDER`: model.vision from the folder's config.json, the
+    same folder as prepare_vision_chat's; a bad image with --bad-images stop is one line and exit code 1."""
+    import filecmp
+
+    from jaxlm import cli
+
+    tok_dir = make_tokenizer(tmp_path / "model")
+    (tok_dir / "config.json").write_text(json.dumps({"model": {"vision": vision().__dict__}}))
+    rng = np.random.default_rng(1)
+    recs = [record({"type": "image_url", "image_url": {"url": data_url(draw(c, s, rng))}}, f"a {c} {s}")
+            for c in COLOURS for s in SHAPES] + [record({"type": "image", "path": "missing.png"}, "a red circle")]
+    src = write_jsonl(tmp_path / "chat.jsonl", recs)
+    want = vision_data.prepare_vision_chat([src], tmp_path / "want", tok_dir, vision(), max_tokens=64,
+                                           val_fraction=0.2)
+    assert cli.main(["prepare", "chat", str(src), "--images", "--tokenizer", str(tok_dir), "--max-tokens", "64",
+                     "--val-fraction", "0.2", "--out", str(tmp_path / "got"), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert want["skipped"]["bad_images_skipped"] == 1
+    assert "1 conversations with a missing, corrupt or oversized image left out" in out and "missing.png" in out
+    files = sorted(p.name for p in (tmp_path / "want").iterdir() if p.is_file() and p.name != "meta.json")
+    assert files and filecmp.cmpfiles(tmp_path / "want", tmp_path / "got", files, shallow=False)[0] == files
+    got = json.loads((tmp_path / "got" / "meta.json").read_text())
+    assert got["splits"] == want["splits"] and got["images"] == want["images"]
+    assert cli.main(["prepare", "chat", str(src), "--images", "--tokenizer", str(tok_dir), "--max-tokens", "64",
+                     "--bad-images", "stop", "--out", str(tmp_path / "stopped"), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{src}:10: image" in err[0] and "missing.png does not exist" in err[0]
+
+
 def test_a_tiny_vlm_learns_to_name_the_drawn_shape(tmp_path):
     import time
 

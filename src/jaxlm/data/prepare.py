@@ -397,11 +397,14 @@ def describe_stats(stats) -> str:
     for key, what in (("empty_documents", "empty documents skipped"),
                       ("too_long_dropped", "chat documents over --max-tokens dropped"),
                       ("long_pairs_dropped", "pairs over --max-tokens dropped"),
-                      ("invalid_utf8", "invalid UTF-8 sequences replaced or dropped")):
+                      ("invalid_utf8", "invalid UTF-8 sequences replaced or dropped"),
+                      ("bad_images_skipped", "conversations with a missing, corrupt or oversized image left out")):
         if stats.get(key):
             parts.append(f"{stats[key]:,} {what}")
     if stats.get("first_too_long"):
         parts.append(f"first dropped: {stats['first_too_long']}")
+    if stats.get("first_bad_image"):
+        parts.append(f"first bad image: {stats['first_bad_image']}")
     return ", ".join(parts)
 
 
