@@ -379,6 +379,14 @@ class ServeConfig:
     decode_steps: int = _f(8, "decode steps run in one device call at most, each row stopping at its stop token or "
                               "max_tokens inside the call; a turn that prefills runs one step (a new request's "
                               "first token), the others this many; 1 = one step per call", rule=at_least(1))
+    allow_image_urls: bool = _f(False, "a chat request's image_url parts may be http(s) URLs, fetched by the server "
+                                       "(within serve.max_body_mb, 10 s); false = only data:image/...;base64 URLs "
+                                       "(an http(s) one is answered 400). Fetching lets clients make the server "
+                                       "reach any address it can: leave false unless the network around it is safe")
+    max_images_per_request: int = _f(8, "images in one chat request at most (a model with a vision tower); more are "
+                                        "answered 400", rule=at_least(0, "0 = no images"))
+    max_image_pixels: int = _f(33_554_432, "pixels (width x height) of one image at most, checked before it is "
+                                           "decoded; larger ones are answered 400", rule=at_least(1))
     replicas: int = _f(1, "engines over the same weights on one device, each with max_slots / replicas slots, its "
                           "own KV cache and thread; a request goes to the least busy. XLA:CPU runs one decode "
                           "program on about one core, so on a CPU host two replicas use two (docs/serve.md); keep "

@@ -100,7 +100,7 @@ def build(src: str | Path, cfg: Config, log: Callable[[str], None] = print):
                     chat_template(model, sc.chat_template), api_key, tok.bos_id, tok.eos_id,
                     allowed_hosts(sc), frozenset(o.strip() for o in sc.allowed_origins.split(",") if o.strip()),
                     int(sc.max_body_mb * 2**20), length * (longest_token(tok) + 1), names,
-                    sc.max_tokenize_chars)
+                    sc.max_tokenize_chars, *image_serving(model, tok, sc, draft))
     replicas = f" in {R} replicas" if R > 1 else ""
     if sc.page_size:
         per_page = paged.bytes_per_token(m, d.quantize_kv_cache) * sc.page_size
@@ -117,6 +117,26 @@ def build(src: str | Path, cfg: Config, log: Callable[[str], None] = print):
     if not sc.uds and (warning := exposure_warning(sc.host, api_key)) is not None:
         log(warning)
     return served
+
+
+def image_serving(model, tok, sc, draft) -> tuple:
+    """(what chat requests' images need, or None; why images are refused when None) for `model`."""
+    from jaxlm.data import images as images_lib
+    from jaxlm.serve.images import ImageServing
+    from jaxlm.store import weights
+
+    m = model.config.model
+    if m.vision is None:
+        return None, "this model has no vision tower"
+    if draft is not None:
+        return None, "this server drafts tokens (decode.draft), which it does not do with images"
+    if not sc.max_images_per_request:
+        return None, "this server takes no images (serve.max_images_per_request=0)"
+    processor = images_lib.Processor.of_folder(weights.tokenizer_source(model.path, model.config),
+                                               m.vision.image_size)
+    return ImageServing(m, processor, tok.decode([m.vision.boi_token_id]),
+                        lambda text, n: images_lib.prompt_text(text, tok, m.vision, n), sc.max_images_per_request,
+                        sc.max_image_pixels, sc.allow_image_urls, int(sc.max_body_mb * 2**20)), ""
 
 
 def with_adapters(model, entries: list[tuple[str, str]], name: str) -> tuple[tuple[str, ...], dict]:

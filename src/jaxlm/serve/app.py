@@ -17,7 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 from starlette.requests import ClientDisconnect
 
-from jaxlm.serve import schemas
+from jaxlm.serve import images, schemas
 from jaxlm.serve.choices import (Choice, completion_logprobs, event_stream, request_id, score_prompts, start_choices,
                                  usage_counts, wait_choices)
 from jaxlm.serve.guard import Gone, Guard, json_error
@@ -156,6 +156,8 @@ def _chat_route(app: FastAPI, s: Served) -> None:
         body, size = await _body(request, sized=True)
         adapter, model = _check_model(s, body)
         req = await _off_loop(size, schemas.chat, body, s.decode_cfg)
+        pixels = await asyncio.to_thread(images.pixels, s.images, s.images_refused, req.images) if req.images \
+            else None
         if s.chat_template is None:
             raise RequestError("this model's tokenizer has no chat template: use /v1/completions, or start the "
                                "server with serve.chat_template=FILE (a Jinja chat template)", "messages")
@@ -163,10 +165,18 @@ def _chat_route(app: FastAPI, s: Served) -> None:
             prompt = await _off_loop(size, s.chat_template, req.messages)
         except Exception as e:  # noqa: BLE001 - the template's own error (e.g. raise_exception) names the fault
             raise RequestError(f"the chat template failed on these messages: {shown(str(e))}", "messages") from None
-        ids = [await _encode(s, prompt, s.encode_chat)]
+        media = None
+        if pixels is None:
+            ids = [await _encode(s, prompt, s.encode_chat)]
+        else:
+            _encode_bound(s, prompt)
+            got, image_end = await _off_loop(len(prompt), images.prompt, s.images, prompt, len(pixels), s.encode_chat)
+            ids = [got]
+            media = {"images": pixels, "image_end": image_end,
+                     "key": images.cache_key(got, pixels, s.images.cfg.vision.image_token_id)}
         _check_room(s, req.sampling.n)
         choices = start_choices(s, ids, [_max_tokens(s, len(ids[0]), req.sampling.max_tokens)], req.sampling,
-                                req.top_logprobs if req.logprobs else None, adapter)
+                                req.top_logprobs if req.logprobs else None, adapter, media)
         head = {"id": request_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()),
                 "model": model}
         usage = {"prompt_tokens": len(ids[0])}
@@ -256,15 +266,21 @@ async def _encode(s: Served, text: str, encode: Callable[[str], list[int]] | Non
     """The text's tokens. A prompt (`bounded`) with more characters than the context's tokens can hold
     (s.max_prompt_chars: no token covers more characters than the longest in the vocabulary) is refused before
     tokenizing it; a long text is tokenized in a worker thread, so that other streams' tokens keep flowing."""
-    if bounded and s.max_prompt_chars is not None and len(text) > s.max_prompt_chars:
-        raise RequestError(f"the prompt of {len(text)} characters is longer than the context of {s.engine.S} "
-                           "tokens can hold", "prompt", code="context_length_exceeded")
+    if bounded:
+        _encode_bound(s, text)
     try:
         if len(text) >= OFF_LOOP_CHARS:
             return await asyncio.to_thread(encode or s.encode, text)
         return (encode or s.encode)(text)
     except ValueError as e:  # a character outside a char/byte vocabulary (TokenizerError)
         raise RequestError(f"the prompt cannot be tokenized: {shown(str(e))}", "prompt") from None
+
+
+def _encode_bound(s: Served, text: str) -> None:
+    """Refuse a prompt text longer than the context's tokens can hold (s.max_prompt_chars)."""
+    if s.max_prompt_chars is not None and len(text) > s.max_prompt_chars:
+        raise RequestError(f"the prompt of {len(text)} characters is longer than the context of {s.engine.S} "
+                           "tokens can hold", "prompt", code="context_length_exceeded")
 
 
 def _check_ids(s: Served, ids: list[int]) -> list[int]:

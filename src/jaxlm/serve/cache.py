@@ -11,6 +11,8 @@ M pages per sequence, V vocab, J draft tokens + 1, D model width.
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -59,6 +61,8 @@ class Cache:
         self.draft, self._draft_layer_params = draft, None
         self.pending = np.full(self.B, -1, np.int32)  # with a draft: each slot's token sent but not yet cached
         self.page_size, self.prefix_entries = sc.page_size, sc.prefix_cache
+        rings = [n for n in map(partial(kvcache.ring, cfg), cfg.pattern) if n is not None]
+        self.ring = min(rings) if rings else None  # the shortest local window or chunk
         if self.page_size:  # each sequence's page table a row of `table` [slots, pages per sequence]
             self.M = -(-length // self.page_size)
             self.NP = cache_pages or self.B * self.M
@@ -169,14 +173,18 @@ class Cache:
         if not isinstance(item, Sequence):
             return 0
         if self.page_size:
-            return self.pages.shared(item.prompt, item.adapter)
-        return 0 if self.prefix is None or item.adapter >= 0 else self.prefix.match(item.prompt)[1]
+            return self.pages.shared(item.context_key, item.adapter)
+        return 0 if self.prefix is None or item.adapter >= 0 else self.prefix.match(item.context_key)[1]
 
     def take_pages(self, seq: Sequence) -> bool:
         """Give seq the pages its context fills: the registered ones that hold a prefix of it (prefilled already),
-        and free ones for the rest. False (nothing taken) when too few are free."""
+        and free ones for the rest. False (nothing taken) when too few are free. A prompt with images shares only
+        pages that hold all of its images (else its images' prefill, from position 0, would write into them)."""
         A, n = self.page_size, len(seq.context)
-        shared = self.pages.match(seq.context, seq.adapter)
+        shared = self.pages.match(seq.context_key, seq.adapter)
+        if len(shared) * A < seq.image_end:
+            self.pages.release(shared)
+            shared = []
         need = -(-n // A) - len(shared)
         if need > self.pages.available():
             self.pages.release(shared)
@@ -204,11 +212,12 @@ class Cache:
 
     def reuse_prefix(self, seq: Sequence) -> int:
         """Start seq's prefill: copy what the prefix cache holds of its prompt into its slot (the paged cache shares
-        pages at admission instead); returns the tokens reused. It holds the base model's prompts only."""
+        pages at admission instead); returns the tokens reused. It holds the base model's prompts only, and a prompt
+        with images reuses only an entry that holds all of them."""
         seq.prefilled = 0
         if self.prefix is not None and seq.adapter < 0:
-            entry, reused = self.prefix.match(seq.prompt)
-            if reused:
+            entry, reused = self.prefix.match(seq.context_key)
+            if reused >= max(seq.image_end, 1):
                 self.cache = self.prefix.load(self.cache, entry, seq.slot)
                 seq.prefilled = reused
                 return reused
@@ -216,23 +225,29 @@ class Cache:
 
     def keep_prompts(self, done: list[Sequence]) -> None:
         """Prompts whose prefill just ended, kept for later prompts that start the same: their full pages registered,
-        or (slot cache) the last ones copied into the prefix cache (keeping more than it holds would evict them)."""
+        or (slot cache) the last ones copied into the prefix cache (keeping more than it holds would evict them),
+        under their keys (Sequence.key). A paged prompt whose images reach past a local layer's window is not kept:
+        its images' prefill left that layer's earlier positions unwritten (programs.paged_prefill_images)."""
         if self.page_size:
             for seq in done:
-                self.pages.register(seq.context, seq.pages, seq.adapter)
+                if self.ring is None or seq.image_end <= self.ring:
+                    self.pages.register(seq.context_key, seq.pages, seq.adapter)
         elif self.prefix is not None:
             for seq in [seq for seq in done if seq.adapter < 0][-len(self.prefix.tokens):]:
-                self.prefix.save(self.cache, seq.slot, seq.prompt)
+                self.prefix.save(self.cache, seq.slot, seq.context_key)
 
     # ---- device calls -----------------------------------------------------------------------------------------
+
+    def fresh_fits(self, C: int) -> bool:
+        """Whether chunks of C tokens that start their prompts may run `fresh` (kvcache.fresh_fits; always paged)."""
+        return self.page_size > 0 or kvcache.fresh_fits(self.cache, C)
 
     def prefill(self, seqs: list[Sequence], C: int, P: int, fresh: bool | None = None) -> None:
         """Run the next chunk of each of seqs' prompts (at most C tokens) into its slot, in one call of P rows
         (padding rows take slot B, which writes nothing). When all the chunks start their prompts (and fit,
         kvcache.fresh_fits), the call neither reads nor keeps what the slots held (`fresh`, unless given)."""
         if fresh is None:
-            fresh = all(seq.prefilled == 0 for seq in seqs) and (
-                self.page_size > 0 or kvcache.fresh_fits(self.cache, C))
+            fresh = all(seq.prefilled == 0 for seq in seqs) and self.fresh_fits(C)
         tokens_PC, start_P = np.zeros((P, C), np.int32), np.zeros(P, np.int32)
         length_P, slot_P, adapter_P = np.ones(P, np.int32), np.full(P, self.B, np.int32), np.full(P, -1, np.int32)
         mtp = self.draft is not None and self.draft.mtp
@@ -273,6 +288,24 @@ class Cache:
                                                  tokens_PC, start_P, length_P, table_PM[:, :width], self.draft.cfg,
                                                  layout=self.layout)
             self.pending[slot_P[:len(seqs)]] = -1  # the next token comes from the logits after the chunk
+
+    def prefill_images(self, seq: Sequence) -> None:
+        """Prefill seq's context up to its last image token whole, with its images (one call; the rest of its prompt
+        goes by chunks, as any)."""
+        n = seq.image_end
+        tokens_1T = np.zeros((1, bucket(n, self.S)), np.int32)
+        tokens_1T[0, :n] = seq.context[:n]
+        length_1, slot_1 = np.asarray([n], np.int32), np.asarray([seq.slot], np.int32)
+        adapter_1 = np.asarray([seq.adapter], np.int32)
+        if self.page_size:
+            self.cache, self.logits_BV = programs.paged_prefill_images(
+                self.params, self.cache, self.logits_BV, tokens_1T, length_1, seq.images, self.table[seq.slot][None],
+                slot_1, adapter_1, self.cfg, layout=self.layout)
+        else:
+            self.cache, self.logits_BV = programs.slot_prefill_images(
+                self.params, self.cache, self.logits_BV, tokens_1T, length_1, seq.images, slot_1, adapter_1, self.cfg,
+                self.quantize, layout=self.layout)
+        seq.prefilled = n
 
     def decode(self, rows: list[int], adapter_b, steps: int, live_b, length_b, idle_length_b, limit_b,
                sampled: RowSampling, max_steps: int) -> tuple:

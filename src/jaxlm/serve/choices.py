@@ -133,10 +133,10 @@ def _queue_full() -> RequestError:
 
 
 def start_choices(s: Served, ids: list[list[int]], max_tokens: list[int], sampling: schemas.Sampling,
-                  logprobs: int | None, adapter: int = -1) -> list[Choice]:
+                  logprobs: int | None, adapter: int = -1, media: dict | None = None) -> list[Choice]:
     """Queue n sequences per prompt (none when max_tokens is 0), with their tokens' log-probabilities and that
-    many alternatives each unless `logprobs` is None, run with LoRA adapter `adapter` (-1 the base); all or
-    none: a full queue cancels the rest."""
+    many alternatives each unless `logprobs` is None, run with LoRA adapter `adapter` (-1 the base) and `media`
+    (a prompt's images, image_end and key: Sequence's fields); all or none: a full queue cancels the rest."""
     loop = asyncio.get_running_loop()
     seed = sampling.seed if sampling.seed is not None else _random.getrandbits(32)
     top_k = sampling.top_k if sampling.top_k < s.vocab_size else 0  # every token kept either way
@@ -146,7 +146,7 @@ def start_choices(s: Served, ids: list[list[int]], max_tokens: list[int], sampli
             q: asyncio.Queue = asyncio.Queue()
             seq = Sequence(p, m, sampling.temperature, top_k, sampling.top_p, seed, j, s.stop_ids,
                            partial(s.mailbox.post, loop, q.put_nowait), logprobs is not None, logprobs or 0,
-                           adapter=adapter)
+                           adapter=adapter, **(media or {}))
             choices.append(Choice(seq, TextState(s.decode, sampling.stop), q))
     try:
         for c in choices:

@@ -182,10 +182,12 @@ class Engine:
         """Compile the decode program of each bucket, the shortest chunk's prefill for each of prefill_rows,
         scoring and the prefix cache's copies before the first request: one-token prompts in slots that stay
         idle, then idle decode calls."""
+        C = bucket(1, self.prefill_chunk)
         for P in self.prefill_rows:
-            for fresh in (True, False):  # prompts' first chunks, and later chunks or after a prefix
+            # prompts' first chunks (unless a ring buffer is shorter than the chunk), and later chunks or after a prefix
+            for fresh in (True, False) if self.kv.fresh_fits(C) else (False,):
                 self._prefill_chunk([Sequence([0], 1, 0.0, 0, 1.0, 0, 0, (), None, slot=i, prefilled=0)
-                                     for i in range(P)], bucket(1, self.prefill_chunk), fresh)
+                                     for i in range(P)], C, fresh)
         self.kv.warm_up()
         self.prefilled_tokens_total = self.prefill_calls_total = 0
         self.kv.score(Score([0, 0], None))
@@ -373,9 +375,10 @@ class Engine:
     def _prefill(self) -> bool:
         """Prefill the next chunk of the waiting prompts, oldest first, while this turn's real tokens fit in
         prefill_chunk (at least one chunk); chunks of the same padded length run together, up to the largest
-        of prefill_rows per call. A prompt starts after what the prefix cache holds of it. Returns whether it ran
-        any."""
-        budget, chunks = self.prefill_chunk, []  # (sequence, tokens of its chunk)
+        of prefill_rows per call. A prompt starts after what the prefix cache holds of it; a prompt with images
+        first runs its tokens up to its last image token whole, in a call of its own (Cache.prefill_images: an
+        image's tokens see one another), then the rest by chunks. Returns whether it ran any."""
+        budget, chunks, wholes = self.prefill_chunk, [], []  # (sequence, tokens of its chunk); image prompts
         for slot in list(self.prefilling):
             seq = self.slots[slot]
             if seq.cancelled:
@@ -385,11 +388,19 @@ class Engine:
             if seq.prefilled is None and (reused := self.kv.reuse_prefix(seq)):
                 self.prefix_hits_total += 1
                 self.prefix_tokens_total += reused
-            n = min(len(seq.context) - seq.prefilled, self.prefill_chunk)
-            if chunks and n > budget:
+            whole = seq.prefilled < seq.image_end
+            n = seq.image_end if whole else min(len(seq.context) - seq.prefilled, self.prefill_chunk)
+            if (chunks or wholes) and n > budget:
                 break
-            chunks.append((seq, n))
+            if whole:
+                wholes.append(seq)
+            else:
+                chunks.append((seq, n))
             budget -= n
+        for seq in wholes:
+            self.prefilled_tokens_total += seq.image_end
+            self.kv.prefill_images(seq)
+            self.prefill_calls_total += 1
         groups: dict[int, list[Sequence]] = {}  # by padded chunk length
         for seq, n in chunks:
             groups.setdefault(bucket(n, self.prefill_chunk), []).append(seq)
@@ -397,11 +408,11 @@ class Engine:
         for C, seqs in groups.items():
             for i in range(0, len(seqs), most):
                 self._prefill_chunk(seqs[i:i + most], C)
-        done = [seq for seq, _ in chunks if seq.decoding]
+        done = [seq for seq in [seq for seq, _ in chunks] + wholes if seq.decoding]
         for seq in done:
             self.prefilling.remove(seq.slot)
         self.kv.keep_prompts(done)
-        return bool(chunks)
+        return bool(chunks or wholes)
 
     def _prefill_chunk(self, seqs: list[Sequence], C: int, fresh: bool | None = None) -> None:
         """One prefill call (Cache.prefill) of seqs' next chunks, padded to the smallest of prefill_rows that

@@ -21,7 +21,7 @@ from jaxlm import sharding
 from jaxlm.infer import sampling, speculative
 from jaxlm.infer.sampling import TOP_LOGPROBS, RowSampling
 from jaxlm.config import ModelConfig
-from jaxlm.model import forward, kvcache, layers, paged
+from jaxlm.model import decode, forward, kvcache, layers, paged
 from jaxlm.model.decode import decoder, paged_forward
 
 SLOT_DIVISORS = (8, 4, 2)  # the decode program's slot buckets besides all slots: S / each (slot_buckets)
@@ -122,6 +122,44 @@ def paged_prefill(params, layer_params, cache, logits_BV, tokens_PC, start_P, le
         logits_PV, cache = paged_forward(params, cache, tokens_PC, start_P, length_P, table_PM, cfg,
                                          layer_params)
     return cache, logits_BV.at[slot_P].set(logits_PV, mode="drop")
+
+
+@partial(jax.jit, static_argnames=("cfg", "quantize", "layout"), donate_argnames=("cache", "logits_BV"))
+def slot_prefill_images(params, cache, logits_BV, tokens_1T, length_1, images, slot_1, adapter_1, cfg: ModelConfig,
+                        quantize: bool, layout: sharding.Layout | None = None):
+    """One prompt's tokens [0, length_1) (padded to T) with its images, prefilled whole (decode.prefill: an image's
+    tokens see one another) into a fresh one-sequence cache of the engine's slots, then copied into slot slot_1 of
+    the slot cache, and the logits after its last token into logits_BV there."""
+    S = max(c.pos.shape[1] for c in cache.kinds)  # the cache's positions (a ring buffer's slots do not depend on them)
+    with sharding.within(layout):
+        logits_1V, one = decode.prefill(layers.with_rows(params, adapter_1), tokens_1T, length_1, cfg, S, quantize,
+                                        images)
+        cache = kvcache.copy_row(cache, one, slot_1[0], 0)
+    return cache, logits_BV.at[slot_1].set(logits_1V)
+
+
+@partial(jax.jit, static_argnames=("cfg", "layout"), donate_argnames=("cache", "logits_BV"))
+def paged_prefill_images(params, cache, logits_BV, tokens_1T, length_1, images, table_1M, slot_1, adapter_1,
+                         cfg: ModelConfig, layout: sharding.Layout | None = None):
+    """One prompt's tokens [0, length_1) (padded to T) with its images, prefilled whole (decode.prefill: an image's
+    tokens see one another) and written into its pages (table_1M), and the logits after its last token into
+    logits_BV at slot_1. A local layer keeps only its window's last positions (decode.prefill's ring buffer): the
+    positions before are never read by this sequence's later tokens, and such a prompt's pages are not shared
+    (Cache.keep_prompts)."""
+    A, T = cache.page_size, tokens_1T.shape[1]
+    with sharding.within(layout):
+        logits_1V, one = decode.prefill(layers.with_rows(params, adapter_1), tokens_1T, length_1, cfg, T, False,
+                                        images)
+        kinds = []
+        for j, (held, arrays) in enumerate(zip(one.kinds, cache.kinds)):
+            pos_1S = held.pos  # each slot's position, EMPTY when it holds none: written past the pool (dropped)
+            page_1S = jnp.where(pos_1S < kvcache.EMPTY,
+                                jnp.take(table_1M[0], jnp.minimum(pos_1S // A, table_1M.shape[1] - 1)), cache.pages)
+            for r in range(paged.repeats(cfg, j)):
+                k_1SKH, v_1SKH = (x[r].transpose(0, 2, 1, 3) for x in (held.k, held.v))
+                arrays = paged.write(arrays, r, paged.entries(k_1SKH, v_1SKH, arrays), page_1S, pos_1S % A)
+            kinds.append(arrays)
+    return paged.PagedCache(tuple(kinds), cache.kernel), logits_BV.at[slot_1].set(logits_1V)
 
 
 def slot_buckets(cfg: ModelConfig, cache: kvcache.KVCache) -> list[int]:

@@ -60,12 +60,26 @@ class Sequence:
     pages: list[int] = field(default_factory=list)  # the paged cache's pages it holds, in position order
     admitted: int = 0  # the engine's count of admissions when it was admitted (the latest is preempted first)
     adapter: int = -1  # the LoRA adapter it runs with (the engine's params' RowLoraWeight index; -1 the base)
+    # A prompt with images: their pixels [n, side, side, 3] in the order of their image tokens, the prompt's tokens
+    # up to its last image token (prefilled whole, with the images: Cache.prefill_images), and the key the prefix
+    # caches know its tokens by (its image tokens replaced by ids drawn from a hash of their image's pixels, so
+    # that only the same image in the same place shares keys and values)
+    images: np.ndarray | None = None
+    image_end: int = 0
+    key: list[int] | None = None
 
     @property
     def context(self) -> list[int]:
         """The tokens its cache must hold before it decodes: the prompt, or after a preemption the prompt and
         the tokens sent before it."""
         return self.prompt if self.resumed is None else self.resumed
+
+    @property
+    def context_key(self) -> list[int]:
+        """`context` as the prefix caches know it (`key` for the prompt's part)."""
+        if self.key is None:
+            return self.context
+        return self.key + self.context[len(self.prompt):]
 
     @property
     def decoding(self) -> bool:

@@ -72,10 +72,11 @@ class CompletionRequest:
 
 @dataclass(frozen=True)
 class ChatRequest:
-    messages: list[dict]
+    messages: list[dict]  # a message with images: its content a list of {"type": "text"|"image"} items
     sampling: Sampling
     logprobs: bool
     top_logprobs: int
+    images: list[tuple[str, str]]  # (the part, "messages[i].content[j]"; its URL) of each image part, in order
 
 
 def _int(body: dict, key: str, default, lo: int | None = None, hi: int | None = None, allow_none=True):
@@ -177,17 +178,14 @@ def chat(body: Any, d: DecodeConfig) -> ChatRequest:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages must be a non-empty list of {role, content} objects", "messages")
-    out = []
+    out, images = [], []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise RequestError(f"messages[{i}] must be an object with a role and a content", "messages")
         content = m.get("content")
-        if isinstance(content, list):  # content parts: only text is understood by a text model
-            if not all(isinstance(c, dict) and c.get("type") == "text" and isinstance(c.get("text"), str)
-                       for c in content):
-                raise RequestError(f"messages[{i}].content: only text parts are supported", "messages")
-            content = "".join(c["text"] for c in content)
-        if not isinstance(content, str):
+        if isinstance(content, list):
+            content = _parts(i, content, images)
+        if not isinstance(content, (str, list)):
             raise RequestError(f"messages[{i}].content must be a string", "messages")
         out.append({"role": m["role"], "content": content})
     sampling = _sampling(body, d, "max_completion_tokens")
@@ -195,4 +193,25 @@ def chat(body: Any, d: DecodeConfig) -> ChatRequest:
     top = _int(body, "top_logprobs", 0, 0, TOP_LOGPROBS)
     if top and not logprobs:
         raise RequestError("top_logprobs needs logprobs=true", "top_logprobs")
-    return ChatRequest(out, sampling, logprobs, top)
+    return ChatRequest(out, sampling, logprobs, top, images)
+
+
+def _parts(i: int, content: list, images: list[tuple[str, str]]) -> str | list[dict]:
+    """A message's content parts: their text joined, or with image_url parts (their URLs appended to `images`)
+    the items a multimodal chat template takes, {"type": "text", "text": ...} and {"type": "image"}."""
+    items = []
+    for j, c in enumerate(content):
+        kind = c.get("type") if isinstance(c, dict) else None
+        if kind == "text" and isinstance(c.get("text"), str):
+            items.append({"type": "text", "text": c["text"]})
+            continue
+        url = c.get("image_url") if kind == "image_url" else None
+        url = url.get("url") if isinstance(url, dict) else url
+        if not isinstance(url, str):
+            raise RequestError(f"messages[{i}].content[{j}]: a part must be {{\"type\": \"text\", \"text\": ...}} "
+                               "or {\"type\": \"image_url\", \"image_url\": {\"url\": ...}}", "messages")
+        images.append((f"messages[{i}].content[{j}]", url))
+        items.append({"type": "image"})
+    if all(c["type"] == "text" for c in items):
+        return "".join(c["text"] for c in items)
+    return items

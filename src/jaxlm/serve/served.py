@@ -13,6 +13,7 @@ from typing import Callable
 
 from jaxlm.config import DecodeConfig
 from jaxlm.serve.engine import Engine
+from jaxlm.serve.images import ImageServing
 from jaxlm.serve.replicas import Replicas
 
 LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
@@ -70,6 +71,8 @@ class Served:
     max_prompt_chars: int | None = None  # prompt texts longer than this cannot fit the context (app._encode)
     adapters: tuple[str, ...] = ()  # LoRA adapters served over the model (serve.adapters): engine adapter i's name
     max_tokenize_chars: int = 1 << 20  # /tokenize texts longer than this are refused (413)
+    images: ImageServing | None = None  # what chat requests' images need; None: images are refused
+    images_refused: str = "this model has no vision tower"  # why, when images is None
     errors: dict = field(default_factory=dict)  # status -> count, for /metrics
     stream_errors: int = 0  # streams ended by an error event after their 200, for /metrics
     mailbox: Mailbox = field(default_factory=Mailbox)
