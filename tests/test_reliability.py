@@ -318,8 +318,8 @@ def poisoned(real, steps: set[int]):
     lookup yields NaN."""
     n = [0]
 
-    def batch(run, split, plan):
-        b = real(run, split, plan)
+    def batch(run, split, plan, *read):
+        b = real(run, split, plan, *read)
         if len(plan.shape) == 2:  # the loop's [grad_accum, batch]; evaluation passes [batch]
             n[0] += 1
             if n[0] in steps:

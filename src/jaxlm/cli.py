@@ -211,6 +211,40 @@ def _report(out: str, meta: dict) -> None:
           f"{s['val']['tokens']:,} tokens; vocab {meta['vocab_size']:,} ({meta['tokenizer']['kind']})")
 
 
+def _prepare_kind_args(p: argparse.ArgumentParser, chat: bool, pref: bool) -> None:
+    """The options of `jaxlm prepare chat`, `preference` or `corpus` beyond the common ones."""
+    if chat:
+        p.add_argument("--max-tokens", type=int, required=True, help="the training block size: longer "
+                       "conversations are dropped and counted, never cut")
+        p.add_argument("--chat-template", help="Jinja chat template file (default: the tokenizer's)")
+        p.add_argument("--val-fraction", type=float, default=0.01, help="fraction of the records for val")
+        p.add_argument("--images", action="store_true", help="messages hold image parts (a vision-language "
+                       "model): --tokenizer is the converted model's folder, the images are kept resized beside "
+                       "the shards (docs/vision.md)")
+        p.add_argument("--bad-images", choices=("skip", "stop"), default="skip", help="with --images: a "
+                       "missing, corrupt or oversized image leaves its conversation out (counted; default) or "
+                       "stops the run, naming its file and line")
+        p.add_argument("--max-image-pixels", type=int, help="with --images: pixels of one image at most "
+                       "(default 64 Mi), checked before it is decoded")
+    elif pref:
+        p.add_argument("--max-tokens", type=int, help="the training block size: a pair whose two documents "
+                       "(prompt + chosen, prompt + rejected) have more tokens together is refused, never cut "
+                       "(default: no limit here; training checks its block size)")
+        p.add_argument("--drop-long", action="store_true", help="drop and count pairs over --max-tokens "
+                       "instead of refusing them (this skews the data toward short replies)")
+        p.add_argument("--chat-template", help="Jinja chat template file for records given as messages "
+                       "(default: the tokenizer's)")
+        p.add_argument("--val-fraction", type=float, default=0.01, help="fraction of the pairs for val")
+    else:
+        p.add_argument("--field", default="text", help="record field holding the text (default text)")
+        p.add_argument("--per-line", action="store_true", help="each line of a .txt file is a document "
+                       "(default: the whole file is one)")
+        p.add_argument("--val-fraction", type=float, default=0.0005, help="fraction of the documents for val")
+        p.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS", help="encode on a Ray cluster: "
+                       "its head's host:port or auto, or no address to start one here; --workers caps the "
+                       "tasks at a time; a rerun resumes an interrupted prepare (docs/data.md)")
+
+
 def cmd_prepare(argv: list[str]) -> int:
     from jaxlm.data import prepare
 
@@ -226,36 +260,7 @@ def cmd_prepare(argv: list[str]) -> int:
         p.add_argument("inputs", nargs="+", metavar="INPUT", help="files (.txt .jsonl .json .parquet, optionally "
                        ".gz/.zst), folders, globs, s3:// or gs:// URLs, or datasets:NAME")
         _prepare_common(p)
-        if chat:
-            p.add_argument("--max-tokens", type=int, required=True, help="the training block size: longer "
-                           "conversations are dropped and counted, never cut")
-            p.add_argument("--chat-template", help="Jinja chat template file (default: the tokenizer's)")
-            p.add_argument("--val-fraction", type=float, default=0.01, help="fraction of the records for val")
-            p.add_argument("--images", action="store_true", help="messages hold image parts (a vision-language "
-                           "model): --tokenizer is the converted model's folder, the images are kept resized beside "
-                           "the shards (docs/vision.md)")
-            p.add_argument("--bad-images", choices=("skip", "stop"), default="skip", help="with --images: a "
-                           "missing, corrupt or oversized image leaves its conversation out (counted; default) or "
-                           "stops the run, naming its file and line")
-            p.add_argument("--max-image-pixels", type=int, help="with --images: pixels of one image at most "
-                           "(default 64 Mi), checked before it is decoded")
-        elif pref:
-            p.add_argument("--max-tokens", type=int, help="the training block size: a pair whose two documents "
-                           "(prompt + chosen, prompt + rejected) have more tokens together is refused, never cut "
-                           "(default: no limit here; training checks its block size)")
-            p.add_argument("--drop-long", action="store_true", help="drop and count pairs over --max-tokens "
-                           "instead of refusing them (this skews the data toward short replies)")
-            p.add_argument("--chat-template", help="Jinja chat template file for records given as messages "
-                           "(default: the tokenizer's)")
-            p.add_argument("--val-fraction", type=float, default=0.01, help="fraction of the pairs for val")
-        else:
-            p.add_argument("--field", default="text", help="record field holding the text (default text)")
-            p.add_argument("--per-line", action="store_true", help="each line of a .txt file is a document "
-                           "(default: the whole file is one)")
-            p.add_argument("--val-fraction", type=float, default=0.0005, help="fraction of the documents for val")
-            p.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS", help="encode on a Ray cluster: "
-                           "its head's host:port or auto, or no address to start one here; --workers caps the "
-                           "tasks at a time; a rerun resumes an interrupted prepare (docs/data.md)")
+        _prepare_kind_args(p, chat, pref)
         a = p.parse_args(argv[1:])
         if not 0 <= a.val_fraction < 1:
             p.error(f"--val-fraction {a.val_fraction} must be in [0, 1)")
