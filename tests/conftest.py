@@ -1,6 +1,7 @@
 """Shared fixtures: 8 fake CPU devices, tiny configs, a small prepared corpus and object-store emulators."""
 
 import importlib
+import contextlib
 import os
 import shutil
 import subprocess
@@ -177,6 +178,23 @@ def char_data(tmp_path_factory, shakespeare_file) -> Path:
 
 
 # Object-store emulators (tests/test_storage.py, tests/test_stream.py): the s3 and gs schemes end to end.
+
+@contextlib.contextmanager
+def s3_endpoint_nothing_listens_on(monkeypatch):
+    """s3fs pointed at the discard port of 127.0.0.1 (nothing listens there), one attempt, test credentials; its
+    cached filesystems dropped before and after, so that no other endpoint's is reused."""
+    import s3fs
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    s3fs.S3FileSystem.clear_instance_cache()
+    try:
+        yield
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
+
 
 @pytest.fixture(scope="module")
 def s3():

@@ -29,7 +29,8 @@ def missing() -> str | None:
     return None
 
 
-def _free_ports(n: int) -> list[int]:
+def free_ports(n: int) -> list[int]:
+    """n TCP ports on 127.0.0.1 that nothing listened on a moment ago (for daemons a test starts)."""
     import socket
 
     socks = [socket.socket() for _ in range(n)]
@@ -52,7 +53,7 @@ class Cluster:
         self.dir = Path(tempfile.mkdtemp(prefix="jaxlm-slurm-"))  # short: a socket path has at most 107 bytes
         self.conf = self.dir / "slurm.conf"
         self.env = dict(os.environ, SLURM_CONF=str(self.conf))
-        ctld, d1, d2 = _free_ports(3)
+        ctld, d1, d2 = free_ports(3)
         sock = self.dir / "munge.sock"
         for sub in ("state", "spool", "log"):
             (self.dir / sub).mkdir()

@@ -22,22 +22,13 @@ from pathlib import Path
 import pytest
 
 from conftest import require
+from slurm_cluster import free_ports
 from jaxlm import cli
 from jaxlm.data import bpe, prepare, ray_prepare
 from jaxlm.data.errors import DataError
 
 RAY = Path(sys.executable).with_name("ray")
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def _processes() -> list[tuple[int, int, int, bytes]]:
@@ -62,7 +53,7 @@ class Cluster:
 
     def __init__(self):
         self.temp = tempfile.mkdtemp(prefix="jaxlm-ray-")  # short: Ray's socket paths have a length limit
-        port, client, agent1, agent2 = _free_ports(4)
+        port, client, agent1, agent2 = free_ports(4)
         self.address = f"127.0.0.1:{port}"
         self.groups: list[int] = []
         self.nodes = [["--head", f"--port={port}", f"--temp-dir={self.temp}", "--include-dashboard=false",

@@ -386,7 +386,7 @@ def test_bad_input_fails_in_one_line(digits, tmp_path, capsys):
     (tmp_path / "nan_reward.py").write_text("def nan(completions, **_):\n    return [float('nan')] * len(completions)\n")
     base = grpo_args(digits, tmp_path / "run", "training.steps=2", "training.batch_size=16", "grpo.group_size=4",
                      "training.eval_interval=0")
-    cases = [([f"data.prompts={tmp_path / 'broken.jsonl'}"], f"{tmp_path / 'broken.jsonl'}:2: not a JSON record", 2),
+    cases = [([f"data.prompts={tmp_path / 'broken.jsonl'}"], f"{tmp_path / 'broken.jsonl'}:2: broken JSON line", 2),
              (["grpo.reward=no_such_module:f"], "cannot import no_such_module", 2),
              (["grpo.reward=jaxlm.rewards:no_such_function"], "jaxlm.rewards has no function 'no_such_function'", 2),
              ([f"grpo.reward={tmp_path / 'nan_reward.py'}:nan"], "reward function nan returned nan", 1),

@@ -143,8 +143,7 @@ def test_checkpoints_on_s3_resume_exactly_and_a_corrupted_one_is_rejected(s3, ch
 def test_object_store_urls_that_cannot_work_fail_with_one_line(monkeypatch, char_data):
     """A missing filesystem package names what to install; an endpoint nothing listens on fails before
     compiling, in one line."""
-    import s3fs
-    from conftest import tiny_config
+    from conftest import s3_endpoint_nothing_listens_on, tiny_config
     from fsspec.registry import _registry
     from jaxlm.train import run as run_lib
 
@@ -155,16 +154,8 @@ def test_object_store_urls_that_cannot_work_fail_with_one_line(monkeypatch, char
         run_lib.setup(tiny_config(char_data, "s3://jaxlm-test/run"))
     monkeypatch.undo()
 
-    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # the discard port: nothing listens there
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
-    s3fs.S3FileSystem.clear_instance_cache()
-    try:
-        with pytest.raises(ConfigError) as e:
-            run_lib.setup(tiny_config(char_data, "s3://jaxlm-test/run"))
-    finally:
-        s3fs.S3FileSystem.clear_instance_cache()
+    with s3_endpoint_nothing_listens_on(monkeypatch), pytest.raises(ConfigError) as e:
+        run_lib.setup(tiny_config(char_data, "s3://jaxlm-test/run"))
     assert "\n" not in str(e.value) and "cannot be reached" in str(e.value) and "127.0.0.1:9" in str(e.value)
 
 

@@ -15,7 +15,7 @@ import fsspec
 import numpy as np
 import pytest
 
-from conftest import tiny_config
+from conftest import s3_endpoint_nothing_listens_on, tiny_config
 from jaxlm.config import ConfigError, DataConfig
 from jaxlm.data import loader as loader_lib, packing, prepare, remote, shards
 from jaxlm.data.errors import DataError
@@ -232,20 +232,10 @@ def test_a_run_from_an_s3_server_equals_the_local_run_and_bad_folders_fail_in_on
 
 
 def test_an_endpoint_nothing_listens_on_fails_in_one_line(monkeypatch, corpus, tmp_path):
-    import s3fs
-
     from jaxlm.train import run as run_lib
 
-    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # the discard port: nothing listens there
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
-    s3fs.S3FileSystem.clear_instance_cache()
-    try:
-        with pytest.raises(ConfigError) as e:
-            run_lib.setup(_cfg("s3://jaxlm-test/prepared", tmp_path / "never"))
-    finally:
-        s3fs.S3FileSystem.clear_instance_cache()
+    with s3_endpoint_nothing_listens_on(monkeypatch), pytest.raises(ConfigError) as e:
+        run_lib.setup(_cfg("s3://jaxlm-test/prepared", tmp_path / "never"))
     message = str(e.value)
     assert message.startswith("data.dir s3://jaxlm-test/prepared: its storage cannot be reached")
     assert "\n" not in message and "127.0.0.1:9" in message

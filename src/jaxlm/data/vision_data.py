@@ -22,7 +22,7 @@ import numpy as np
 from jaxlm import storage
 from jaxlm.config import ConfigError
 from jaxlm.config.model_schema import VisionConfig
-from jaxlm.data import chat, images, loader as loader_lib, packing, shards, tokenizer as tokenizer_lib
+from jaxlm.data import chat, images, loader as loader_lib, packing, shards, sources, tokenizer as tokenizer_lib
 from jaxlm.data.errors import DataError
 
 BAD_IMAGES = ("skip", "stop")
@@ -121,22 +121,6 @@ class ImageWriter:
         return self.starts[-1]
 
 
-def records(path: str | Path):
-    """(record, "FILE:LINE") of a JSON-lines file; a line that is not a JSON object is one line naming it."""
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{n}"
-            try:
-                rec = json.loads(line)
-            except ValueError as e:
-                raise DataError(f"{where}: not valid JSON ({e})") from None
-            if not isinstance(rec, dict):
-                raise DataError(f"{where}: a record must be a JSON object")
-            yield rec, where
-
-
 def prepare_vision_chat(inputs: list[str | Path], out_dir: str | Path, tokenizer: str | Path,
                         vision: VisionConfig | None = None, max_tokens: int | None = None,
                         val: list[str | Path] | None = None, val_fraction: float = 0.01, bad_images: str = "skip",
@@ -165,7 +149,7 @@ def prepare_vision_chat(inputs: list[str | Path], out_dir: str | Path, tokenizer
     most = 0
     try:
         for src, split in [(f, "train") for f in inputs] + [(f, "val") for f in (val or [])]:
-            for rec, where in records(src):
+            for rec, where in sources.records(str(src)):
                 doc = encode_record(rec, where, tok, vision, marker, processor, max_pixels, bad_images, stats,
                                     Path(src).parent)
                 if doc is None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
-import json
 import time
 from pathlib import Path
 from typing import Callable
@@ -26,6 +25,7 @@ import numpy as np
 from jaxlm import runtime
 from jaxlm.train import batches as batch_lib, run as run_lib, state as state_lib
 from jaxlm.config import Config, ConfigError
+from jaxlm.data import sources
 from jaxlm.data.errors import DataError
 from jaxlm.data.tokenizer import Tokenizer
 from jaxlm.model.loss import token_logprobs
@@ -53,31 +53,21 @@ def read_prompts(path: str, tok: Tokenizer, max_tokens: int) -> list[Prompt]:
     if not file.is_file():
         raise DataError(f"data.prompts={path} is not a file")
     out = []
-    with open(file, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{n}"
-            try:
-                rec = json.loads(line)
-            except ValueError as e:
-                raise DataError(f"{where}: not a JSON record ({e})") from None
-            if not isinstance(rec, dict):
-                raise DataError(f"{where}: a prompt record is a JSON object, not {type(rec).__name__}")
-            if isinstance(rec.get("prompt"), str):
-                text, ids = rec["prompt"], encode_prompt(tok, rec["prompt"])
-            elif isinstance(rec.get("messages"), list) and rec["messages"]:
-                text = tok.apply_chat_template(rec["messages"], add_generation_prompt=True)
-                ids = encode_prompt(tok, text, rendered=True)
-            else:
-                raise DataError(f"{where}: a prompt record needs `prompt` text or a non-empty `messages` list "
-                                f"(fields: {', '.join(rec) or 'none'})")
-            if not ids:
-                raise DataError(f"{where}: the prompt is empty")
-            if len(ids) > max_tokens:
-                raise DataError(f"{where}: the prompt takes {len(ids)} tokens and at most {max_tokens} fit "
-                                "(model.block_size less grpo.max_completion_tokens)")
-            out.append(Prompt(text, ids, {k: v for k, v in rec.items() if k not in ("prompt", "messages")}))
+    for rec, where in sources.records(str(file), errors="strict"):  # .gz/.zst, a JSON list, one-line errors
+        if isinstance(rec.get("prompt"), str):
+            text, ids = rec["prompt"], encode_prompt(tok, rec["prompt"])
+        elif isinstance(rec.get("messages"), list) and rec["messages"]:
+            text = tok.apply_chat_template(rec["messages"], add_generation_prompt=True)
+            ids = encode_prompt(tok, text, rendered=True)
+        else:
+            raise DataError(f"{where}: a prompt record needs `prompt` text or a non-empty `messages` list "
+                            f"(fields: {', '.join(rec) or 'none'})")
+        if not ids:
+            raise DataError(f"{where}: the prompt is empty")
+        if len(ids) > max_tokens:
+            raise DataError(f"{where}: the prompt takes {len(ids)} tokens and at most {max_tokens} fit "
+                            "(model.block_size less grpo.max_completion_tokens)")
+        out.append(Prompt(text, ids, {k: v for k, v in rec.items() if k not in ("prompt", "messages")}))
     if not out:
         raise DataError(f"data.prompts={path} holds no prompts")
     return out
