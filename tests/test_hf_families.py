@@ -223,7 +223,7 @@ def test_unsupported_options_and_missing_experts_stop_the_import_in_one_line(tmp
 def test_multimodal_checkpoints_import_their_language_model(tmp_path):
     """Gemma 3 and Llama 4 checkpoints with a vision tower (Gemma3ForConditionalGeneration,
     Llama4ForConditionalGeneration): on text alone, the imported model's logits equal transformers' language
-    model's (Gemma 3 imports its vision tower too: tests/test_vision.py; Llama 4's is skipped)."""
+    model's (both import their vision towers too: tests/test_vision.py, tests/test_vision_llama4.py)."""
     C2 = {**C, "vocab_size": 300}
     models = {
         "gemma3": transformers.Gemma3Config(
@@ -236,7 +236,7 @@ def test_multimodal_checkpoints_import_their_language_model(tmp_path):
             text_config=transformers.Llama4TextConfig(**C2, num_hidden_layers=4, num_key_value_heads=2, head_dim=16,
                                                       num_local_experts=4, intermediate_size_mlp=80,
                                                       interleave_moe_layer_step=2, attention_chunk_size=8, floor_scale=4),
-            vision_config=transformers.Llama4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+            vision_config=transformers.Llama4VisionConfig(hidden_size=32, intermediate_size=128, num_hidden_layers=1,
                                                           num_attention_heads=2, image_size=28, patch_size=14,
                                                           vision_output_dim=32, projector_input_dim=32,
                                                           projector_output_dim=32),

@@ -18,7 +18,11 @@ RematPolicy = Literal["none", "full", "minimal", "save_dots", "save_qkv_proj", "
 
 @dataclass(frozen=True)
 class VisionConfig:
-    """A ViT image encoder and its projector into the language model (Gemma 3's SigLIP tower: docs/vision.md)."""
+    """A ViT image encoder and its projector into the language model (Gemma 3's SigLIP tower or Llama 4's:
+    docs/vision.md)."""
+    kind: Literal["siglip", "llama4"] = _f("siglip", "the tower: siglip (Gemma 3: patches pooled, RMS-normed, "
+                                                     "projected) or llama4 (class token, 2D rotary, pixel shuffle "
+                                                     "and MLP adapter, projected; images in tiles)")
     image_size: int = _f(896, "side of the square images the encoder takes, in pixels", rule=positive())
     patch_size: int = _f(14, "side of one patch in pixels (image_size a multiple of it)", rule=positive())
     d_model: int = _f(1152, "width of the encoder", rule=positive())
@@ -33,6 +37,8 @@ class VisionConfig:
     image_token_id: int = _f(262144, "the token each soft token replaces in a prompt", rule=at_least(0))
     boi_token_id: int = _f(255999, "the token that opens an image in a prompt", rule=at_least(0))
     eoi_token_id: int = _f(256000, "the token that closes an image in a prompt", rule=at_least(0))
+    rope_theta: float = _f(10000.0, "llama4: base of the encoder's 2D rotary over the patch grid", rule=positive())
+    projector_dim: int = _f(4096, "llama4: width of the MLP adapter after the pixel shuffle", rule=positive())
 
     def __post_init__(self):
         side = round(self.tokens_per_image ** 0.5)
@@ -44,6 +50,9 @@ class VisionConfig:
                               f"of the {self.patches_per_side} patches per side")
         if self.d_model % self.n_heads:
             raise ConfigError(f"model.vision.n_heads={self.n_heads} must divide model.vision.d_model={self.d_model}")
+        if self.kind == "llama4" and self.hd % 4:
+            raise ConfigError(f"model.vision.kind='llama4' needs a head width (d_model / n_heads = {self.hd}) divisible "
+                              "by 4: its rotary turns half the pairs by the patch's column, half by its row")
 
     @property
     def patches_per_side(self) -> int:

@@ -19,8 +19,8 @@ import jax.numpy as jnp
 
 from jaxlm import params as P
 from jaxlm.config import ModelConfig
-from jaxlm.model import kvcache, stack, vision
-from jaxlm.model.transformer import param_specs
+from jaxlm.model import kvcache, stack
+from jaxlm.model.transformer import param_specs, tower
 
 
 def non_embedding_params(cfg: ModelConfig) -> int:
@@ -131,7 +131,7 @@ def describe_model(cfg: ModelConfig) -> list[str]:
              f"(causal attention counted as half)",
              f"KV cache per token of a long sequence: {kvcache.bytes_per_token(cfg):,} bytes in {cfg.compute_dtype}"
              + _cache_comparison(cfg)]
-    return lines + ([vision.describe(cfg)] if cfg.vision is not None else [])
+    return lines + ([tower(cfg).describe(cfg)] if cfg.vision is not None else [])
 
 
 def _cache_comparison(cfg: ModelConfig) -> str:

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxlm.config import ConfigError, ModelConfig
-from jaxlm.model import attention, latent, layers, moe, pipeline, quant, stack, vision
+from jaxlm.model import attention, latent, layers, moe, pipeline, quant, stack, vision, vision_llama4
 from jaxlm.params import ParamSpec, normal
 from jaxlm.sharding import constrain
 from jaxlm.sharding import pipeline as pipeline_settings
@@ -63,8 +63,13 @@ def param_specs(cfg: ModelConfig) -> dict:
                         "block": block_specs(cfg, M, block_mlp),
                         "norm": layers.norm_specs(cfg, (M, D), ("layers", "embed"))}
     if cfg.vision is not None:
-        specs["vision"] = vision.specs(cfg)
+        specs["vision"] = tower(cfg).specs(cfg)
     return specs
+
+
+def tower(cfg: ModelConfig):
+    """The module of the model's vision tower (model.vision.kind): its specs, encode and describe."""
+    return vision_llama4 if cfg.vision.kind == "llama4" else vision
 
 
 _cp = jax.checkpoint_policies
@@ -254,15 +259,16 @@ def default_positions(tokens_BT, positions_BT):
 
 def with_images(params, x_BTD, tokens_BT, positions_BT, images, cfg: ModelConfig):
     """The embeddings with the images' soft tokens in place of their image tokens, and the reach of every token
-    (model/vision.py); without images, the embeddings and None (causal)."""
+    (model/vision.py); without images, the embeddings and None (causal). Llama 4 attends causally over its image
+    tokens too (reach None); its images are the prompt's tiles."""
     if images is None:
         return x_BTD, None
     if cfg.vision is None or cfg.latent:
         raise ConfigError("images need a model with a vision tower (model.vision) and ordinary attention")
-    soft_IMD = vision.encode(params["vision"], images, cfg)
+    soft_IMD = tower(cfg).encode(params["vision"], images, cfg)
     image_token = cfg.vision.image_token_id
-    return (vision.place(x_BTD, tokens_BT, soft_IMD, image_token),
-            vision.reach(tokens_BT, positions_BT, image_token))
+    x_BTD = vision.place(x_BTD, tokens_BT, soft_IMD, image_token)
+    return x_BTD, None if cfg.vision.kind == "llama4" else vision.reach(tokens_BT, positions_BT, image_token)
 
 
 def hidden_with_stats(params, tokens_BT, cfg: ModelConfig, key, positions_BT, segment_ids_BT, images=None):

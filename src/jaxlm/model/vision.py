@@ -25,12 +25,30 @@ def specs(cfg: ModelConfig) -> dict:
     """The tower's weights. The stacked layer axis is left unsharded (`None`, not `layers`): pipeline stages split
     the language model's layers only; the widths shard as the language model's do (embed, heads, mlp)."""
     v, dt = cfg.vision, cfg.param_dtype
-    E, N, H, F, L = v.d_model, v.n_heads, v.hd, v.d_ff, v.n_layers
-    Q, P = v.patch_size ** 2 * CHANNELS, v.patches_per_side ** 2
+    E, Q, P = v.d_model, v.patch_size ** 2 * CHANNELS, v.patches_per_side ** 2
     w = normal(cfg.init_std)
+    return {
+        "patch": ParamSpec((Q, E), (None, "embed"), w, dt),
+        "patch_bias": ParamSpec((E,), ("embed",), zeros, dt),
+        "positions": ParamSpec((P, E), (None, "embed"), w, dt),
+        "layers": layer_specs(cfg),
+        "final_norm": layer_norm_specs(cfg, (E,), ("embed",)),
+        # Gemma's RMSNorm multiplies by (1 + scale).
+        "projector": {"norm": {"scale": ParamSpec((E,), ("embed",), zeros, dt)},
+                      "proj": ParamSpec((E, cfg.d_model), (None, "embed"), w, dt)},
+    }
 
-    def ln(shape, axes):
-        return {"scale": ParamSpec(shape, axes, ones, dt), "bias": ParamSpec(shape, axes, zeros, dt)}
+
+def layer_norm_specs(cfg: ModelConfig, shape: tuple, axes: tuple) -> dict:
+    dt = cfg.param_dtype
+    return {"scale": ParamSpec(shape, axes, ones, dt), "bias": ParamSpec(shape, axes, zeros, dt)}
+
+
+def layer_specs(cfg: ModelConfig) -> dict:
+    """The stacked pre-LayerNorm encoder blocks (attention and MLP, all with biases), shared by the towers."""
+    v, dt = cfg.vision, cfg.param_dtype
+    E, N, H, F, L = v.d_model, v.n_heads, v.hd, v.d_ff, v.n_layers
+    w = normal(cfg.init_std)
 
     def weight(shape, axes, out_shape, out_axes):
         return ParamSpec(shape, axes, w, dt), ParamSpec(out_shape, out_axes, zeros, dt)
@@ -42,17 +60,8 @@ def specs(cfg: ModelConfig) -> dict:
     attn["o"], attn["o_bias"] = weight((L, N, H, E), (None, "heads", "head_dim", "embed"), (L, E), (None, "embed"))
     mlp["up"], mlp["up_bias"] = weight((L, E, F), (None, "embed", "mlp"), (L, F), (None, "mlp"))
     mlp["down"], mlp["down_bias"] = weight((L, F, E), (None, "mlp", "embed"), (L, E), (None, "embed"))
-    return {
-        "patch": ParamSpec((Q, E), (None, "embed"), w, dt),
-        "patch_bias": ParamSpec((E,), ("embed",), zeros, dt),
-        "positions": ParamSpec((P, E), (None, "embed"), w, dt),
-        "layers": {"attn_norm": ln((L, E), (None, "embed")), "attn": attn,
-                   "mlp_norm": ln((L, E), (None, "embed")), "mlp": mlp},
-        "final_norm": ln((E,), ("embed",)),
-        # Gemma's RMSNorm multiplies by (1 + scale).
-        "projector": {"norm": {"scale": ParamSpec((E,), ("embed",), zeros, dt)},
-                      "proj": ParamSpec((E, cfg.d_model), (None, "embed"), w, dt)},
-    }
+    norm = layer_norm_specs(cfg, (L, E), (None, "embed"))
+    return {"attn_norm": norm, "attn": attn, "mlp_norm": dict(norm), "mlp": mlp}
 
 
 def patches(pixels_ISSC: jax.Array, patch: int) -> jax.Array:
@@ -64,8 +73,9 @@ def patches(pixels_ISSC: jax.Array, patch: int) -> jax.Array:
     return x.reshape(I, n * n, patch * patch * C)
 
 
-def _layer(x_IPE, p, cfg: ModelConfig):
-    """One pre-LayerNorm encoder block: bidirectional attention over an image's patches, then the MLP."""
+def block(x_IPE, p, cfg: ModelConfig, rotate=None):
+    """One pre-LayerNorm encoder block: bidirectional attention over an image's patches, then the MLP.
+    `rotate(q, k)` turns queries and keys before attention (Llama 4's 2D rotary)."""
     v = cfg.vision
     with jax.named_scope("vision_attn_block"):
         h = layers.layer_norm(x_IPE, p["attn_norm"]["scale"], p["attn_norm"]["bias"], v.norm_eps)
@@ -73,6 +83,8 @@ def _layer(x_IPE, p, cfg: ModelConfig):
         q_IPNH = layers.dot("IPE,ENH->IPNH", h, a["q"]) + a["q_bias"].astype(h.dtype)
         k_IPNH = layers.dot("IPE,ENH->IPNH", h, a["k"]) + a["k_bias"].astype(h.dtype)
         v_IPNH = layers.dot("IPE,ENH->IPNH", h, a["v"]) + a["v_bias"].astype(h.dtype)
+        if rotate is not None:
+            q_IPNH, k_IPNH = rotate(q_IPNH, k_IPNH)
         I, P = x_IPE.shape[:2]
         everywhere_IPP = jnp.ones((I, P, P), bool)
         out_IPNH = attention.attend(q_IPNH, k_IPNH, v_IPNH, everywhere_IPP)
@@ -91,14 +103,20 @@ def encode(p: dict, pixels_ISSC: jax.Array, cfg: ModelConfig) -> jax.Array:
         x_IPE = layers.dot("IPQ,QE->IPE", x_IPQ, p["patch"]) + p["patch_bias"].astype(cdt)
         x_IPE = x_IPE + p["positions"].astype(cdt)
 
-        def body(x, p_layer):
-            return _layer(x, p_layer, cfg), None
-
-        if cfg.remat != "none":  # the tower is a small share of the step: its layers keep only their inputs
-            body = jax.checkpoint(body)
-        x_IPE, _ = jax.lax.scan(body, x_IPE, p["layers"])
+        x_IPE = encoder(x_IPE, p["layers"], cfg)
         x_IPE = layers.layer_norm(x_IPE, p["final_norm"]["scale"], p["final_norm"]["bias"], v.norm_eps)
         return project(p["projector"], x_IPE, cfg)
+
+
+def encoder(x_IPE, p_layers, cfg: ModelConfig, rotate=None):
+    """The stacked blocks scanned over x [I, P, E]; with `model.remat` other than none each keeps only its input
+    (the tower is a small share of the step)."""
+    def body(x, p_layer):
+        return block(x, p_layer, cfg, rotate), None
+
+    if cfg.remat != "none":
+        body = jax.checkpoint(body)
+    return jax.lax.scan(body, x_IPE, p_layers)[0]
 
 
 def project(p: dict, x_IPE: jax.Array, cfg: ModelConfig) -> jax.Array:
