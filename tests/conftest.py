@@ -35,6 +35,26 @@ import warnings
 # - The allocator settings (src/jaxlm/runtime.py): the suite leaves them on, as users' runs have them
 #   (tests/test_runtime.py checks that JAXLM_TUNE_MALLOC=0 turns them off).
 DEFAULT_SETTINGS = os.environ.get("JAXLM_TEST_DEFAULT_SETTINGS") == "1"
+
+
+def _torchvision_without_its_ops() -> None:
+    """The package index holds torchvision's CUDA build alone (the `test` extra installs it). Beside torch's CPU build
+    its compiled ops (nms and the like) do not load, and its import fails where it registers their meta kernels;
+    transformers' image processors, the references of the vision tests, use its Python transforms only. So where
+    torch is a CPU build and torchvision is not, that registration is skipped before anything imports torchvision."""
+    import importlib.metadata
+    import types
+
+    try:
+        cuda_wheel = "+cpu" not in importlib.metadata.version("torchvision")
+        cpu_torch = "+cpu" in importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return
+    if cuda_wheel and cpu_torch:
+        sys.modules.setdefault("torchvision._meta_registrations", types.ModuleType("torchvision._meta_registrations"))
+
+
+_torchvision_without_its_ops()
 # The TPU tier (`make test-tpu`, tests marked `tpu`) runs on a TPU machine as users run there: JAX picks the chip,
 # programs compile at XLA's default settings, and no suite-wide compilation cache is set. Its tests may still
 # use the CPU next to the chip for reference values (jax.devices("cpu")).
