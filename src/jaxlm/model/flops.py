@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from jaxlm import params as P
 from jaxlm.config import ModelConfig
-from jaxlm.model import kvcache, stack, vision
+from jaxlm.model import kvcache, stack, vision, vision_qwen
 from jaxlm.model.transformer import param_specs
 
 
@@ -131,7 +131,9 @@ def describe_model(cfg: ModelConfig) -> list[str]:
              f"(causal attention counted as half)",
              f"KV cache per token of a long sequence: {kvcache.bytes_per_token(cfg):,} bytes in {cfg.compute_dtype}"
              + _cache_comparison(cfg)]
-    return lines + ([vision.describe(cfg)] if cfg.vision is not None else [])
+    if cfg.vision is None:
+        return lines
+    return lines + [(vision_qwen if cfg.vision.kind == "qwen2_5" else vision).describe(cfg)]
 
 
 def _cache_comparison(cfg: ModelConfig) -> str:
