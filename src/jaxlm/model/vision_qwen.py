@@ -164,6 +164,22 @@ def rope_positions(tokens_BT: jax.Array, images: tuple, cfg: ModelConfig) -> jax
     return (start_BT + shift_B[:, None])[..., None] + offset_BT3
 
 
+def check(token_rows, images: tuple, cfg: ModelConfig) -> None:
+    """One line (ValueError) when the images are not patch grids [t, h, w, Q] this tower takes (h and w multiples
+    of the merge, Q its patch's values) or the prompts' image tokens are not their soft tokens in number."""
+    v, m = cfg.vision, cfg.vision.spatial_merge
+    Q = CHANNELS * v.temporal_patch * v.patch_size ** 2
+    for i, g in enumerate(images):
+        if g.ndim != 4 or g.shape[1] % m or g.shape[2] % m or g.shape[3] != Q:
+            raise ValueError(f"image {i} has shape {g.shape}; this tower takes patch grids [t, h, w, {Q}] with h and w "
+                             f"multiples of {m} (data/images_qwen.py)")
+    want = sum(g.shape[0] * g.shape[1] * g.shape[2] // m ** 2 for g in images)
+    have = sum(int(np.sum(np.asarray(row) == v.image_token_id)) for row in token_rows)
+    if have != want:
+        raise ValueError(f"the prompts hold {have} image tokens but their {len(images)} image(s) make {want} soft "
+                         "tokens (images_qwen.prompt_text writes one per soft token)")
+
+
 def describe(cfg: ModelConfig) -> str:
     """One line for `jaxlm describe`: the tower's shape and weights."""
     v = cfg.vision
