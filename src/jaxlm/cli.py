@@ -432,16 +432,13 @@ def cmd_generate(argv: list[str]) -> int:
                    "chat template (as `jaxlm prepare chat` renders training data) and generate the reply")
     p.add_argument("--tokenizer", help="tokenizer to use instead of the model's (data.tokenizer; docs/data.md)")
     p.add_argument("--image", action="append", help="an image (a file or a data URL) for every prompt, placed at "
-                   "the prompt's <start_of_image> or before its text (a model with a vision tower; docs/vision.md)")
+                   "the prompt's <start_of_image> (Qwen-VL: <|image_pad|>) or before its text (a model with a vision tower; "
+                   "docs/vision.md)")
     p.add_argument("settings", nargs="*", metavar="key=value")
     a, rest = p.parse_known_args(argv)
     from pathlib import Path
 
-    import numpy as np
-
-    from jaxlm.data import images as images_lib
     from jaxlm.infer import api, generate
-    from jaxlm.store import weights
 
     a.settings += rest  # key=value settings may come before or after the options
 
@@ -470,11 +467,7 @@ def cmd_generate(argv: list[str]) -> int:
         if m_cfg.vision is None or d.draft:
             raise config_lib.ConfigError("--image needs a model with a vision tower (model.vision) and no decode.draft")
         bos = [tok.bos_id] if tok.bos_id is not None and not a.chat else []
-        ids = [bos + tok.encode_rendered(images_lib.prompt_text(text, tok, m_cfg.vision, len(a.image)))
-               for text in prompts for _ in range(d.num_samples)]
-        folder = weights.tokenizer_source(model.path, model.config)
-        one = images_lib.pixels(a.image, images_lib.Processor.of_folder(folder, m_cfg.vision.image_size))
-        pixels = np.concatenate([one] * len(ids))
+        ids, pixels = api.image_prompts(model, tok, [t for t in prompts for _ in range(d.num_samples)], a.image, bos)
     else:
         ids = [api.encode_prompt(tok, text, rendered=a.chat) for text in prompts for _ in range(d.num_samples)]
     stop = config_lib.stop_token_ids(d) + (tok.eos_ids if d.stop_at_eos else ())

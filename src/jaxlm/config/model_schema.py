@@ -16,13 +16,25 @@ RematPolicy = Literal["none", "full", "minimal", "save_dots", "save_qkv_proj", "
                       "save_attention", "offload_qkv_proj", "offload_attention", "offload_layer_inputs"]
 
 
+def _ints(key: str, text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.replace(" ", "").split(",") if v)
+    except ValueError:
+        raise ConfigError(f"{key}={text!r} must be comma-separated whole numbers") from None
+    if any(v < 0 for v in values):
+        raise ConfigError(f"{key}={text!r} must be comma-separated whole numbers")
+    return values
+
+
 @dataclass(frozen=True)
 class VisionConfig:
-    """A ViT image encoder and its projector into the language model (Gemma 3's SigLIP tower or Llama 4's:
-    docs/vision.md)."""
-    kind: Literal["siglip", "llama4"] = _f("siglip", "the tower: siglip (Gemma 3: patches pooled, RMS-normed, "
-                                                     "projected) or llama4 (class token, 2D rotary, pixel shuffle "
-                                                     "and MLP adapter, projected; images in tiles)")
+    """A ViT image encoder and its projector into the language model: Gemma 3's SigLIP tower (kind siglip),
+    Llama 4's (kind llama4) or Qwen2.5-VL's (kind qwen2_5: dynamic resolution, windowed attention, a 2x2 patch
+    merger); docs/vision.md."""
+    kind: Literal["siglip", "llama4", "qwen2_5"] = _f(
+        "siglip", "the tower: siglip (Gemma 3: square images, pooled soft tokens, bidirectional image tokens), llama4 "
+                  "(class token, 2D rotary, pixel shuffle and MLP adapter; images in tiles) or qwen2_5 (Qwen2.5-VL: "
+                  "any size, merged patches, causal image tokens, M-RoPE)")
     image_size: int = _f(896, "side of the square images the encoder takes, in pixels", rule=positive())
     patch_size: int = _f(14, "side of one patch in pixels (image_size a multiple of it)", rule=positive())
     d_model: int = _f(1152, "width of the encoder", rule=positive())
@@ -30,7 +42,8 @@ class VisionConfig:
     n_heads: int = _f(16, "attention heads of an encoder block (dividing d_model)", rule=positive())
     d_ff: int = _f(4304, "MLP hidden width of an encoder block", rule=positive())
     norm_eps: float = _f(1e-6, "epsilon of the encoder's LayerNorms and the projector's RMSNorm", rule=positive())
-    activation: Literal["gelu", "gelu_tanh"] = _f("gelu_tanh", "MLP activation of the encoder blocks")
+    activation: Literal["gelu", "gelu_tanh", "silu"] = _f("gelu_tanh", "MLP activation of the encoder blocks "
+                                                                       "(qwen2_5: a gated MLP, silu)")
     tokens_per_image: int = _f(256, "soft tokens an image becomes: the patch grid average-pooled to a square of "
                                     "this many (a square number whose side divides the patches per side)",
                                rule=positive())
@@ -39,8 +52,19 @@ class VisionConfig:
     eoi_token_id: int = _f(256000, "the token that closes an image in a prompt", rule=at_least(0))
     rope_theta: float = _f(10000.0, "llama4: base of the encoder's 2D rotary over the patch grid", rule=positive())
     projector_dim: int = _f(4096, "llama4: width of the MLP adapter after the pixel shuffle", rule=positive())
+    spatial_merge: int = _f(2, "qwen2_5: patches merged a side into one soft token", rule=positive())
+    temporal_patch: int = _f(2, "qwen2_5: frames in one patch (a still image repeats its one frame)", rule=positive())
+    window_size: int = _f(112, "qwen2_5: side in pixels of the windows of windowed-attention layers",
+                          rule=positive())
+    full_attention_layers: str = _f("", "qwen2_5: comma-separated encoder layers (from 0) attending over the whole "
+                                        "image; the others attend within their window")
+    mrope_section: str = _f("", "qwen2_5: the language model's rotary frequency pairs given to the temporal, height "
+                                "and width positions of M-RoPE, comma-separated (summing to head_dim / 2)")
 
     def __post_init__(self):
+        if self.kind == "qwen2_5":
+            self._check_qwen()
+            return
         side = round(self.tokens_per_image ** 0.5)
         if self.image_size % self.patch_size:
             raise ConfigError(f"model.vision.patch_size={self.patch_size} must divide model.vision.image_size="
@@ -53,6 +77,28 @@ class VisionConfig:
         if self.kind == "llama4" and self.hd % 4:
             raise ConfigError(f"model.vision.kind='llama4' needs a head width (d_model / n_heads = {self.hd}) divisible "
                               "by 4: its rotary turns half the pairs by the patch's column, half by its row")
+
+    def _check_qwen(self):
+        if self.d_model % self.n_heads or (self.d_model // self.n_heads) % 4:
+            raise ConfigError(f"model.vision.n_heads={self.n_heads} must divide model.vision.d_model={self.d_model} "
+                              "into heads of a width divisible by 4 (2D rotary)")
+        if self.window_size % (self.patch_size * self.spatial_merge):
+            raise ConfigError(f"model.vision.window_size={self.window_size} must be a multiple of patch_size x "
+                              f"spatial_merge = {self.patch_size * self.spatial_merge}")
+        if len(self.mrope) != 3:
+            raise ConfigError(f"model.vision.mrope_section={self.mrope_section!r} must be three comma-separated "
+                              "counts (temporal, height, width)")
+        if any(i >= self.n_layers for i in self.full_layers):
+            raise ConfigError(f"model.vision.full_attention_layers={self.full_attention_layers!r} names a layer past "
+                              f"the {self.n_layers} encoder layers")
+
+    @property
+    def full_layers(self) -> tuple[int, ...]:
+        return _ints("model.vision.full_attention_layers", self.full_attention_layers)
+
+    @property
+    def mrope(self) -> tuple[int, ...]:
+        return _ints("model.vision.mrope_section", self.mrope_section)
 
     @property
     def patches_per_side(self) -> int:

@@ -91,12 +91,16 @@ def temperature(cfg, kind: str, positions_BT):
     return (jnp.log1p(floor) * cfg.attn_temperature_scale + 1.0)[:, :, None, None]
 
 
-def position_qk(q_BTNH, k_BTKH, cfg, positions_BT, kind: str):
-    """Rotary, then (rotary layers) L2 QK-norm, then (nope layers) temperature tuning."""
+def position_qk(q_BTNH, k_BTKH, cfg, positions_BT, kind: str, mrope_BT3=None):
+    """Rotary, then (rotary layers) L2 QK-norm, then (nope layers) temperature tuning. mrope_BT3 (a prompt with
+    Qwen-VL images: model/vision_qwen.py) rotates by M-RoPE positions instead of positions_BT."""
     rope = rope_of(cfg, kind)
     if rope is not None:
-        q_BTNH = layers.rotary(q_BTNH, positions_BT, rope)
-        k_BTKH = layers.rotary(k_BTKH, positions_BT, rope)
+        turn_by = positions_BT
+        if mrope_BT3 is not None:
+            rope, turn_by = rope._replace(sections=cfg.vision.mrope), mrope_BT3
+        q_BTNH = layers.rotary(q_BTNH, turn_by, rope)
+        k_BTKH = layers.rotary(k_BTKH, turn_by, rope)
         if cfg.qk_l2_norm:
             q_BTNH, k_BTKH = layers.rms_scale(q_BTNH, cfg.norm_eps), layers.rms_scale(k_BTKH, cfg.norm_eps)
     if (t := temperature(cfg, kind, positions_BT)) is not None:
@@ -104,7 +108,7 @@ def position_qk(q_BTNH, k_BTKH, cfg, positions_BT, kind: str):
     return q_BTNH, k_BTKH
 
 
-def project_qkv(x_BTD, p, cfg, positions_BT, kind: str = "global"):
+def project_qkv(x_BTD, p, cfg, positions_BT, kind: str = "global", mrope_BT3=None):
     q_BTNH = layers.dot("BTD,DNH->BTNH", x_BTD, p["q"])
     k_BTKH = layers.dot("BTD,DKH->BTKH", x_BTD, p["k"])
     v_BTKH = layers.dot("BTD,DKH->BTKH", x_BTD, p["v"])
@@ -119,7 +123,7 @@ def project_qkv(x_BTD, p, cfg, positions_BT, kind: str = "global"):
     if cfg.qk_norm:
         q_BTNH = layers.norm(q_BTNH, p["q_norm"], cfg.norm, cfg.norm_eps, cfg.norm_plus_one)
         k_BTKH = layers.norm(k_BTKH, p["k_norm"], cfg.norm, cfg.norm_eps, cfg.norm_plus_one)
-    q_BTNH, k_BTKH = position_qk(q_BTNH, k_BTKH, cfg, positions_BT, kind)
+    q_BTNH, k_BTKH = position_qk(q_BTNH, k_BTKH, cfg, positions_BT, kind, mrope_BT3)
     return q_BTNH, k_BTKH, v_BTKH
 
 
@@ -292,11 +296,12 @@ def project_out(out_BTNH, p):
     return out_BTD
 
 
-def attention_with_kv(x_BTD, p, cfg, positions_BT, key=None, kind="global", segment_ids_BT=None, reach_BT=None):
-    """Self-attention over x for a layer of `kind` (reach_BT: `self_attention`). Also returns the keys and values
-    [B, T, K, H], which prefill stores in the cache."""
+def attention_with_kv(x_BTD, p, cfg, positions_BT, key=None, kind="global", segment_ids_BT=None, reach_BT=None,
+                      mrope_BT3=None):
+    """Self-attention over x for a layer of `kind` (reach_BT: `self_attention`; mrope_BT3: `position_qk`). Also
+    returns the keys and values [B, T, K, H], which prefill stores in the cache."""
     with jax.named_scope("attention"):
-        q_BTNH, k_BTKH, v_BTKH = project_qkv(x_BTD, p, cfg, positions_BT, kind)
+        q_BTNH, k_BTKH, v_BTKH = project_qkv(x_BTD, p, cfg, positions_BT, kind, mrope_BT3)
         q_BTNH = constrain(q_BTNH, ("batch", "length", "heads", "head_dim"))
         out_BTNH = self_attention(q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, cfg, kind, key,
                                   p.get("sinks"), reach_BT)

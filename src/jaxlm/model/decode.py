@@ -29,15 +29,15 @@ def prefill(params: dict, tokens_BT: jax.Array, lengths_B: jax.Array, cfg: Model
     prompts' images (transformer.forward_with_aux), whose tokens see their whole image here and nowhere after."""
     B, T = tokens_BT.shape
     positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    x_BTD, reach_BT = with_images(params, embed(params, tokens_BT, cfg, positions_BT), tokens_BT, positions_BT,
-                                  images, cfg)
+    x_BTD, reach_BT, mrope_BT3 = with_images(params, embed(params, tokens_BT, cfg, positions_BT), tokens_BT,
+                                             positions_BT, images, cfg)
     x_BTD = constrain(x_BTD, ("batch", "length", "embed"))
     layouts = [kvcache.prefill_layout(lengths_B, T, kvcache.slots(cfg, kind, cache_length)) for kind in cfg.pattern]
 
     def step(x_BTD, p, kind, j, r, _):
         def attn(h_BTD, p_attn):
             out_BTD, k_BTKH, v_BTKH = attention_with_kv(h_BTD, p_attn, cfg, positions_BT, None, kind.attention,
-                                                        None, reach_BT)
+                                                        None, reach_BT, mrope_BT3)
             return out_BTD, (k_BTKH, v_BTKH)
 
         x_BTD, _, kv = block_around(x_BTD, p, cfg, attn)

@@ -13,6 +13,7 @@ from typing import NamedTuple
 import jax
 from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
+import numpy as np
 
 from jaxlm import sharding
 from jaxlm.model import quant
@@ -211,7 +212,9 @@ class Rope(NamedTuple):
     """Rotary settings of one layer kind (hashable: a static argument of `rotary`). `scaling`: none, llama3
     (Llama 3.1: long wavelengths slowed by `factor`, short ones kept, the band between interpolated), linear
     (every frequency divided by `factor`), yarn (YaRN: llama3's idea with a linear ramp over rotation counts
-    beta_fast..beta_slow, and the rotated vectors multiplied by `attention_factor`)."""
+    beta_fast..beta_slow, and the rotated vectors multiplied by `attention_factor`). `sections`: with positions
+    [B, T, 3] (temporal, height, width: Qwen-VL's M-RoPE), the first sections[0] frequency pairs turn by the first
+    component, the next sections[1] by the second, the rest by the third; [B, T] positions turn all by one."""
     theta: float
     scaling: str = "none"
     factor: float = 1.0
@@ -222,6 +225,7 @@ class Rope(NamedTuple):
     beta_slow: float = 1.0
     truncate: bool = True
     attention_factor: float = 1.0
+    sections: tuple[int, ...] = ()  # M-RoPE (Qwen-VL): rotary pairs per position component, for [B, T, 3] positions
 
 
 def rope_frequencies(H: int, rope: Rope) -> jax.Array:
@@ -271,6 +275,9 @@ def _rotate(x_BTNH, positions_BT, rope: Rope, sign: float):
     H = x_BTNH.shape[-1]
     inv_freq = rope_frequencies(H, rope)
     angle_BTh = positions_BT[..., None].astype(jnp.float32) * inv_freq
+    if positions_BT.ndim == 3:  # M-RoPE: each frequency pair takes its component's angle
+        component_h = np.repeat(np.arange(len(rope.sections)), rope.sections)
+        angle_BTh = jnp.take_along_axis(angle_BTh, jnp.asarray(component_h)[None, None, None, :], axis=2)[:, :, 0]
     sin, cos = sign * jnp.sin(angle_BTh)[:, :, None, :], jnp.cos(angle_BTh)[:, :, None, :]
     if rope.attention_factor != 1.0:
         sin, cos = sin * rope.attention_factor, cos * rope.attention_factor

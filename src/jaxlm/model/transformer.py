@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxlm.config import ConfigError, ModelConfig
-from jaxlm.model import attention, latent, layers, moe, pipeline, quant, stack, vision, vision_llama4
+from jaxlm.model import attention, latent, layers, moe, pipeline, quant, stack, vision, vision_llama4, vision_qwen
 from jaxlm.params import ParamSpec, normal
 from jaxlm.sharding import constrain
 from jaxlm.sharding import pipeline as pipeline_settings
@@ -69,7 +69,7 @@ def param_specs(cfg: ModelConfig) -> dict:
 
 def tower(cfg: ModelConfig):
     """The module of the model's vision tower (model.vision.kind): its specs, encode and describe."""
-    return vision_llama4 if cfg.vision.kind == "llama4" else vision
+    return {"llama4": vision_llama4, "qwen2_5": vision_qwen}.get(cfg.vision.kind, vision)
 
 
 _cp = jax.checkpoint_policies
@@ -99,27 +99,31 @@ REMAT_POLICIES = {
 
 
 def block(x_BTD: jax.Array, p: dict, cfg: ModelConfig, positions_BT: jax.Array, key: jax.Array | None,
-          kind: str = "global", segment_ids_BT: jax.Array | None = None, reach_BT: jax.Array | None = None):
+          kind: str = "global", segment_ids_BT: jax.Array | None = None, reach_BT: jax.Array | None = None,
+          mrope_BT3: jax.Array | None = None):
     """One pre-norm block of attention kind `kind`; returns the new residual stream and the MoE routing
     statistics [3, E] (zeros for a dense MLP in a model with experts; [3, 0] in a model without). reach_BT: the
-    last position each token sees (a prompt with images, model/vision.py), None = its own."""
+    last position each token sees (a prompt with images, model/vision.py), None = its own; mrope_BT3: the rotary
+    positions of a prompt with Qwen-VL images (model/vision_qwen.py), None = positions_BT."""
     keys = jax.random.split(key, 3) if key is not None else (None, None, None)
     # Every use below reads the named copy, so a policy that offloads it leaves no device copy for the backward.
     x_BTD = checkpoint_name(x_BTD, "decoder_layer_input")
     attn = lambda h, q: (attention_with_kv(h, q, cfg, positions_BT, keys[0], kind,  # noqa: E731
-                                           segment_ids_BT, reach_BT)[0], None)
+                                           segment_ids_BT, reach_BT, mrope_BT3)[0], None)
     x_BTD, stats_3E, _ = block_around(x_BTD, p, cfg, attn, keys[1:])
     return x_BTD, stats_3E
 
 
 def attention_with_kv(h_BTD, p_attn, cfg: ModelConfig, positions_BT, key=None, kind: str = "global",
-                      segment_ids_BT=None, reach_BT=None):
-    """A layer's uncached self-attention (latent or ordinary): output, keys and values. reach_BT (a prompt with
-    images) takes ordinary attention, the one whose mask takes it (with_images refuses latent attention)."""
-    if reach_BT is None:
+                      segment_ids_BT=None, reach_BT=None, mrope_BT3=None):
+    """A layer's uncached self-attention (latent or ordinary): output, keys and values. reach_BT and mrope_BT3 (a
+    prompt with images) take ordinary attention, the one whose mask and rotary take them (with_images refuses
+    latent attention)."""
+    if reach_BT is None and mrope_BT3 is None:
         attn_mod = latent if cfg.latent else attention
         return attn_mod.attention_with_kv(h_BTD, p_attn, cfg, positions_BT, key, kind, segment_ids_BT)
-    return attention.attention_with_kv(h_BTD, p_attn, cfg, positions_BT, key, kind, segment_ids_BT, reach_BT)
+    return attention.attention_with_kv(h_BTD, p_attn, cfg, positions_BT, key, kind, segment_ids_BT, reach_BT,
+                                       mrope_BT3)
 
 
 def _mlp(h_BTD, p, cfg: ModelConfig):
@@ -203,8 +207,8 @@ def cast_matmul_weights(p: dict, cfg: ModelConfig, specs: dict | None = None) ->
 
 
 def layer_stack(x_BTD: jax.Array, layer_params: dict, cfg: ModelConfig, positions_BT: jax.Array,
-                segment_ids_BT: jax.Array | None, layer_keys: jax.Array | None, reach_BT: jax.Array | None = None
-                ) -> tuple[jax.Array, jax.Array]:
+                segment_ids_BT: jax.Array | None, layer_keys: jax.Array | None, reach_BT: jax.Array | None = None,
+                mrope_BT3: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Run the n layers stacked in layer_params (all of them, or a pipeline stage's n, a multiple of
     len(cfg.pattern)): the new residual stream and the layers' routing statistics [n, 3, E] in layer order."""
     n = jax.tree.leaves(layer_params["attn_norm"])[0].shape[0]
@@ -214,7 +218,7 @@ def layer_stack(x_BTD: jax.Array, layer_params: dict, cfg: ModelConfig, position
     def body(kind: stack.Kind, scanned: bool):
         if (kind, scanned) not in bodies:
             fn = lambda x, p, k: block(x, cast_matmul_weights(p, cfg), cfg, positions_BT, k,  # noqa: E731
-                                       kind.attention, segment_ids_BT, reach_BT)
+                                       kind.attention, segment_ids_BT, reach_BT, mrope_BT3)
             if cfg.remat != "none":
                 fn = jax.checkpoint(fn, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not scanned)
             bodies[kind, scanned] = fn
@@ -258,17 +262,22 @@ def default_positions(tokens_BT, positions_BT):
 
 
 def with_images(params, x_BTD, tokens_BT, positions_BT, images, cfg: ModelConfig):
-    """The embeddings with the images' soft tokens in place of their image tokens, and the reach of every token
-    (model/vision.py); without images, the embeddings and None (causal). Llama 4 attends causally over its image
-    tokens too (reach None); its images are the prompt's tiles."""
+    """The embeddings with the images' soft tokens in place of their image tokens, the reach of every token
+    (Gemma 3: model/vision.py; Llama 4 attends causally over its image tokens, its images the prompt's tiles) and
+    the M-RoPE positions [B, T, 3] (Qwen-VL: model/vision_qwen.py); without images, the embeddings, None (causal)
+    and None (positions_BT)."""
     if images is None:
-        return x_BTD, None
+        return x_BTD, None, None
     if cfg.vision is None or cfg.latent:
         raise ConfigError("images need a model with a vision tower (model.vision) and ordinary attention")
-    soft_IMD = tower(cfg).encode(params["vision"], images, cfg)
     image_token = cfg.vision.image_token_id
+    if cfg.vision.kind == "qwen2_5":
+        soft_XD = vision_qwen.encode(params["vision"], images, cfg)
+        return (vision.place(x_BTD, tokens_BT, soft_XD, image_token), None,
+                vision_qwen.rope_positions(tokens_BT, images, cfg))
+    soft_IMD = tower(cfg).encode(params["vision"], images, cfg)
     x_BTD = vision.place(x_BTD, tokens_BT, soft_IMD, image_token)
-    return x_BTD, None if cfg.vision.kind == "llama4" else vision.reach(tokens_BT, positions_BT, image_token)
+    return x_BTD, None if cfg.vision.kind == "llama4" else vision.reach(tokens_BT, positions_BT, image_token), None
 
 
 def hidden_with_stats(params, tokens_BT, cfg: ModelConfig, key, positions_BT, segment_ids_BT, images=None):
@@ -276,17 +285,17 @@ def hidden_with_stats(params, tokens_BT, cfg: ModelConfig, key, positions_BT, se
     positions_BT = default_positions(tokens_BT, positions_BT)
     if cfg.dropout == 0.0:
         key = None
-    x_BTD, reach_BT = with_images(params, embed(params, tokens_BT, cfg, positions_BT), tokens_BT, positions_BT,
-                                  images, cfg)
+    x_BTD, reach_BT, mrope_BT3 = with_images(params, embed(params, tokens_BT, cfg, positions_BT), tokens_BT,
+                                             positions_BT, images, cfg)
     if key is not None:
         key, sub = jax.random.split(key)
         x_BTD = layers.dropout(x_BTD, cfg.dropout, sub)
     x_BTD = constrain(x_BTD, ("batch", "length", "embed"))
 
     layer_keys = jax.random.split(key, cfg.n_layers) if key is not None else None
-    run = lambda x, p, pos, seg, keys: layer_stack(x, p, cfg, pos, seg, keys, reach_BT)  # noqa: E731
+    run = lambda x, p, pos, seg, keys: layer_stack(x, p, cfg, pos, seg, keys, reach_BT, mrope_BT3)  # noqa: E731
     if (pipe := pipeline_settings()) is not None:
-        if reach_BT is not None:
+        if images is not None:
             raise ConfigError("images are not supported with pipeline stages (mesh stage axis over 1); set "
                               "mesh.ici_stage / mesh.dcn_stage to 1")
         if not stack.layout(cfg).simple:

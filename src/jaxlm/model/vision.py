@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxlm.config import ModelConfig
-from jaxlm.model import attention, layers
+from jaxlm.model import attention, layers, vision_qwen
 from jaxlm.params import ParamSpec, count, normal, ones, zeros
 
 CHANNELS = 3
@@ -155,6 +156,20 @@ def reach(tokens_BT: jax.Array, positions_BT: jax.Array, image_token_id: int) ->
     after_BT = jax.lax.cummin(jnp.where(is_image_BT, T, at_BT), axis=1, reverse=True)
     last_BT = jnp.take_along_axis(positions_BT, jnp.minimum(after_BT - 1, T - 1), axis=1)
     return jnp.where(is_image_BT, last_BT, positions_BT)
+
+
+def as_input(images, cfg: ModelConfig, token_rows=None):
+    """A caller's images as the forward pass takes them, float32: one array [n, side, side, 3] (Gemma 3), or a
+    tuple of patch grids [t, h, w, Q], each its own shape (Qwen-VL: model/vision_qwen.py, which checks them
+    against the image tokens of `token_rows`)."""
+    if images is None:
+        return None
+    if cfg.vision is not None and cfg.vision.kind == "qwen2_5":
+        grids = tuple(np.asarray(image, np.float32) for image in images)
+        if token_rows is not None:
+            vision_qwen.check(token_rows, grids, cfg)
+        return grids
+    return np.asarray(images, np.float32)
 
 
 def describe(cfg: ModelConfig) -> str:

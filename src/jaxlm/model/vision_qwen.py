@@ -1,0 +1,190 @@
+"""Qwen2.5-VL's vision tower and where its soft tokens go: patches of any grid embedded by one matmul (the
+checkpoint's Conv3d over temporal_patch frames), pre-RMSNorm blocks (attention with 2D rotary and biases, a
+SwiGLU MLP with biases) that attend within windows except on `full_attention_layers`, the 2x2 patch merger to the
+language model's width, and the M-RoPE positions [B, T, 3] of a prompt's tokens (model/layers.rotary).
+
+Images are a tuple of patch grids [t, h, w, Q] (data/images_qwen.py), each its own shape: the grid is static, so
+a new grid traces (and compiles) the tower again. Shape legend: G patches of an image, Q values per patch
+(channels x temporal_patch x patch^2), E tower width, N heads, H head width, F MLP width, L layers, M soft tokens of
+an image (G / merge^2), X soft tokens of all images, D language model width, B batch, T length.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxlm.config import ModelConfig
+from jaxlm.model import attention, layers
+from jaxlm.params import ParamSpec, count, normal, ones, zeros
+
+CHANNELS = 3
+NORM_EPS = 1e-6  # the tower's and the merger's RMSNorms (fixed in Qwen2.5-VL, not read from its config)
+ROPE_THETA = 10000.0
+
+
+def specs(cfg: ModelConfig) -> dict:
+    """The tower's weights; the stacked layer axis is unsharded (pipeline stages split the language model only)."""
+    v, dt = cfg.vision, cfg.param_dtype
+    E, N, H, F, L = v.d_model, v.n_heads, v.hd, v.d_ff, v.n_layers
+    Q, U = CHANNELS * v.temporal_patch * v.patch_size ** 2, v.spatial_merge ** 2 * v.d_model
+    w = normal(cfg.init_std)
+
+    def weight(shape, axes, out_shape, out_axes):
+        return ParamSpec(shape, axes, w, dt), ParamSpec(out_shape, out_axes, zeros, dt)
+
+    attn, mlp = {}, {}
+    for name in ("q", "k", "v"):
+        attn[name], attn[f"{name}_bias"] = weight((L, E, N, H), (None, "embed", "heads", "head_dim"),
+                                                  (L, N, H), (None, "heads", "head_dim"))
+    attn["o"], attn["o_bias"] = weight((L, N, H, E), (None, "heads", "head_dim", "embed"), (L, E), (None, "embed"))
+    for name in ("gate", "up"):
+        mlp[name], mlp[f"{name}_bias"] = weight((L, E, F), (None, "embed", "mlp"), (L, F), (None, "mlp"))
+    mlp["down"], mlp["down_bias"] = weight((L, F, E), (None, "mlp", "embed"), (L, E), (None, "embed"))
+    merger = {"norm": {"scale": ParamSpec((E,), ("embed",), ones, dt)}}
+    merger["up"], merger["up_bias"] = weight((U, U), (None, "mlp"), (U,), ("mlp",))
+    merger["down"], merger["down_bias"] = weight((U, cfg.d_model), ("mlp", "embed"), (cfg.d_model,), ("embed",))
+    return {"patch": ParamSpec((Q, E), (None, "embed"), w, dt),
+            "layers": {"attn_norm": {"scale": ParamSpec((L, E), (None, "embed"), ones, dt)}, "attn": attn,
+                       "mlp_norm": {"scale": ParamSpec((L, E), (None, "embed"), ones, dt)}, "mlp": mlp},
+            "merger": merger}
+
+
+def grid_constants(t: int, h: int, w: int, cfg: ModelConfig):
+    """Numpy constants of a [t, h, w] patch grid (row-major): the rotary angles [G, H/2] (the first H/4 pairs by
+    the patch's row, the rest by its column), and the masks [G, G] of full attention (the same frame) and of
+    windowed attention (the same frame and window of window_size pixels a side)."""
+    v = cfg.vision
+    frame, row, col = (a.reshape(-1) for a in np.meshgrid(np.arange(t), np.arange(h), np.arange(w), indexing="ij"))
+    quarter = v.hd // 2
+    inv_freq = 1.0 / (ROPE_THETA ** (np.arange(0, quarter, 2, dtype=np.float32) / quarter))
+    angles = np.concatenate([row[:, None] * inv_freq, col[:, None] * inv_freq], axis=1).astype(np.float32)
+    cells = v.window_size // v.patch_size  # patches a window side
+    window = frame * (h * w) + (row // cells) * w + col // cells
+    full = frame[:, None] == frame[None, :]
+    return angles, full, full & (window[:, None] == window[None, :])
+
+
+def rotate(x_GNH, angles_Gh):
+    """The rotate-half rotary of the tower (float32, as transformers)."""
+    H = x_GNH.shape[-1]
+    cos, sin = jnp.cos(angles_Gh)[:, None, :], jnp.sin(angles_Gh)[:, None, :]
+    cos, sin = jnp.concatenate([cos, cos], -1), jnp.concatenate([sin, sin], -1)
+    x = x_GNH.astype(jnp.float32)
+    turned = jnp.concatenate([-x[..., H // 2:], x[..., : H // 2]], axis=-1)
+    return (x * cos + turned * sin).astype(x_GNH.dtype)
+
+
+def _layer(x_GE, p, mask_GG, angles_Gh):
+    """One pre-RMSNorm block: attention over the patches mask_GG allows, then the SwiGLU MLP."""
+    with jax.named_scope("vision_attn_block"):
+        h = layers.rms_norm(x_GE, p["attn_norm"]["scale"], NORM_EPS)
+        a = p["attn"]
+        q, k, v = (layers.dot("GE,ENH->GNH", h, a[n]) + a[f"{n}_bias"].astype(h.dtype) for n in ("q", "k", "v"))
+        q, k = rotate(q, angles_Gh), rotate(k, angles_Gh)
+        out_GNH = attention.attend(q[None], k[None], v[None], mask_GG[None])[0]
+        x_GE = x_GE + layers.dot("GNH,NHE->GE", out_GNH, a["o"]) + a["o_bias"].astype(h.dtype)
+    with jax.named_scope("vision_mlp_block"):
+        h = layers.rms_norm(x_GE, p["mlp_norm"]["scale"], NORM_EPS)
+        m = p["mlp"]
+        gate = layers.dot("GE,EF->GF", h, m["gate"]) + m["gate_bias"].astype(h.dtype)
+        up = layers.dot("GE,EF->GF", h, m["up"]) + m["up_bias"].astype(h.dtype)
+        return x_GE + layers.dot("GF,FE->GE", jax.nn.silu(gate) * up, m["down"]) + m["down_bias"].astype(h.dtype)
+
+
+def encode_one(p: dict, patches_thwQ: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """The soft tokens [M, D] of one image's patch grid [t, h, w, Q], in the compute dtype, in the order of its
+    image tokens: merged cells row-major, frame after frame."""
+    v, cdt = cfg.vision, jnp.dtype(cfg.compute_dtype)
+    t, h, w, Q = patches_thwQ.shape
+    angles, full, window = grid_constants(t, h, w, cfg)
+    x_GE = layers.dot("GQ,QE->GE", patches_thwQ.reshape(-1, Q).astype(cdt), p["patch"])
+    is_full_L = np.isin(np.arange(v.n_layers), v.full_layers)
+
+    def body(x, scanned):
+        p_layer, is_full = scanned
+        return _layer(x, p_layer, jnp.where(is_full, full, window), angles), None
+
+    if cfg.remat != "none":
+        body = jax.checkpoint(body)
+    x_GE, _ = jax.lax.scan(body, x_GE, (p["layers"], is_full_L))
+    return merge(p["merger"], x_GE, (t, h, w), cfg)
+
+
+def merge(p: dict, x_GE: jax.Array, grid: tuple[int, int, int], cfg: ModelConfig) -> jax.Array:
+    """The patch merger: RMS-normed patches, each merge x merge square concatenated (row by row) into one row
+    [M, merge^2 E], then a GELU MLP to the language model's width [M, D]."""
+    m, (t, h, w), E = cfg.vision.spatial_merge, grid, x_GE.shape[-1]
+    with jax.named_scope("merger"):
+        x = layers.rms_norm(x_GE, p["norm"]["scale"], NORM_EPS).reshape(t, h // m, m, w // m, m, E)
+        x_MU = x.transpose(0, 1, 3, 2, 4, 5).reshape(t * (h // m) * (w // m), m * m * E)
+        x_MU = layers.gelu(layers.dot("MU,UV->MV", x_MU, p["up"]) + p["up_bias"].astype(x_MU.dtype))
+        return layers.dot("MU,UD->MD", x_MU, p["down"]) + p["down_bias"].astype(x_MU.dtype)
+
+
+def encode(p: dict, images: tuple, cfg: ModelConfig) -> jax.Array:
+    """The soft tokens [X, D] of all images (patch grids [t, h, w, Q]) in order, one after the other."""
+    with jax.named_scope("vision"):
+        return jnp.concatenate([encode_one(p, image, cfg) for image in images], axis=0)
+
+
+def image_offsets(images: tuple, cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
+    """Per soft token of all images in order: its (temporal, height, width) offsets in its image's merged grid
+    [X, 3], and the positions its image advances the text after it [X] (at the image's last token, max(h, w) of
+    the merged grid as transformers' get_rope_index; 0 elsewhere)."""
+    m = cfg.vision.spatial_merge
+    offsets, advance = [], []
+    for image in images:
+        t, h, w = image.shape[0], image.shape[1] // m, image.shape[2] // m
+        grid = np.stack(np.meshgrid(np.arange(t), np.arange(h), np.arange(w), indexing="ij"), -1).reshape(-1, 3)
+        offsets.append(grid)
+        step = np.zeros(len(grid), np.int32)
+        step[-1] = max(h, w)
+        advance.append(step)
+    return np.concatenate(offsets).astype(np.int32), np.concatenate(advance)
+
+
+def rope_positions(tokens_BT: jax.Array, images: tuple, cfg: ModelConfig) -> jax.Array:
+    """The M-RoPE positions [B, T, 3] of a batch whose image tokens hold `images` in order, row after row.
+
+    As transformers' get_rope_index: text tokens count on by one (all three components alike); an image's tokens
+    sit at the next position plus their (temporal, height, width) offsets, and the text after it starts max(h, w)
+    later. Each row is then shifted so that its tokens after the last image sit at their own index: rotary
+    attention sees only differences of positions, so the logits are unchanged, and the decode steps that follow
+    the prefill (model/decode.py) rotate by the plain index (all components equal), with no per-row offset."""
+    offsets_X3, advance_X = image_offsets(images, cfg)
+    B, T = tokens_BT.shape
+    is_image_BT = tokens_BT == cfg.vision.image_token_id
+    index_BT = jnp.clip(jnp.cumsum(is_image_BT.reshape(-1)).reshape(B, T) - 1, 0, len(advance_X) - 1)
+    advance_BT = jnp.where(is_image_BT, jnp.asarray(advance_X)[index_BT], 1)
+    start_BT = jnp.cumsum(advance_BT, axis=1) - advance_BT
+    offset_BT3 = jnp.where(is_image_BT[..., None], jnp.asarray(offsets_X3)[index_BT], 0)
+    shift_B = jnp.sum(is_image_BT, axis=1) - jnp.sum(jnp.where(is_image_BT, advance_BT, 0), axis=1)
+    return (start_BT + shift_B[:, None])[..., None] + offset_BT3
+
+
+def check(token_rows, images: tuple, cfg: ModelConfig) -> None:
+    """One line (ValueError) when the images are not patch grids [t, h, w, Q] this tower takes (h and w multiples
+    of the merge, Q its patch's values) or the prompts' image tokens are not their soft tokens in number."""
+    v, m = cfg.vision, cfg.vision.spatial_merge
+    Q = CHANNELS * v.temporal_patch * v.patch_size ** 2
+    for i, g in enumerate(images):
+        if g.ndim != 4 or g.shape[1] % m or g.shape[2] % m or g.shape[3] != Q:
+            raise ValueError(f"image {i} has shape {g.shape}; this tower takes patch grids [t, h, w, {Q}] with h and w "
+                             f"multiples of {m} (data/images_qwen.py)")
+    want = sum(g.shape[0] * g.shape[1] * g.shape[2] // m ** 2 for g in images)
+    have = sum(int(np.sum(np.asarray(row) == v.image_token_id)) for row in token_rows)
+    if have != want:
+        raise ValueError(f"the prompts hold {have} image tokens but their {len(images)} image(s) make {want} soft "
+                         "tokens (images_qwen.prompt_text writes one per soft token)")
+
+
+def describe(cfg: ModelConfig) -> str:
+    """One line for `jaxlm describe`: the tower's shape and weights."""
+    v = cfg.vision
+    full = ",".join(map(str, v.full_layers)) or "none"
+    return (f"vision tower (Qwen2.5-VL) {count(specs(cfg)):,} parameters: {v.n_layers} layers (full attention: "
+            f"{full}; the others in {v.window_size}-pixel windows), width {v.d_model}, {v.n_heads} heads of {v.hd}, "
+            f"MLP {v.d_ff}; images of any size in {v.patch_size}-pixel patches, {v.spatial_merge}x"
+            f"{v.spatial_merge} merged into soft tokens of width {cfg.d_model}; M-RoPE {v.mrope_section}")
