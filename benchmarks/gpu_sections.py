@@ -518,17 +518,20 @@ def breakdown_of(data, index: dict, steps: int, top: int = 12) -> dict:
     if not total:
         raise RuntimeError(f"no operation events in the trace (planes: {[p.name for p in planes]})")
     by_kind, by_scope, by_pass = collections.Counter(), collections.Counter(), collections.Counter()
-    rows = []
+    rows, others = [], []  # the top operations, and the top ones that are not matmuls (what tuning goes after)
     for name, ns in times.most_common():
         kind, scope, direction = index.get(name, (op_kind(texts[name]) if texts[name] else kernel_kind(name),
                                                   "unattributed", "?"))
         by_kind[kind] += ns
         by_scope[scope] += ns
         by_pass[direction] += ns
+        row = dict(op=name, kind=kind, scope=scope, ms_per_step=ns / 1e6 / steps, share=ns / total)
         if len(rows) < top:
-            rows.append(dict(op=name, kind=kind, scope=scope, ms_per_step=ns / 1e6 / steps, share=ns / total))
+            rows.append(row)
+        if kind != "matmul" and len(others) < 2 * top:
+            others.append(dict(row, text=texts[name][:300]))
     ms = lambda c: {k: round(v / 1e6 / steps, 3) for k, v in c.most_common()}  # noqa: E731
-    return dict(source=source, ms_per_step=total / 1e6 / steps, top=rows, by_kind=ms(by_kind),
+    return dict(source=source, ms_per_step=total / 1e6 / steps, top=rows, top_not_matmul=others, by_kind=ms(by_kind),
                 by_scope=ms(by_scope), by_pass=ms(by_pass))
 
 

@@ -13,6 +13,7 @@ against bf16), decode (generate at batch 1 and 64), serve (the engine with 64 sl
 
 from __future__ import annotations
 
+import os
 import re
 import statistics
 import sys
@@ -24,10 +25,16 @@ import gpu_sections as g  # noqa: E402
 
 # Each train row: (label, settings over the preset's). The first row of a section is the preset as `jaxlm train`
 # runs it; the others are the settings a user gives on the command line to go faster on one chip.
+_BEST = {"model.param_dtype": "bfloat16", "model.remat": "minimal", "model.loss_chunk_tokens": 4096}
 MAXTEXT_ROWS = [
     ("preset (float32 weights and Adam moments, remat full)", {}),
     ("bf16 weights and moments, remat full", {"model.param_dtype": "bfloat16"}),
     ("bf16 weights and moments, remat minimal", {"model.param_dtype": "bfloat16", "model.remat": "minimal"}),
+    # Seen on a v5e: splash tiles of 1,024 as fast as 512 (16,300 tokens/s); batch 4 does not fit (16.59 GiB).
+    ("bf16, remat minimal, loss in one chunk", _BEST),
+    # The optimizer's update (reading and writing 1.1B weights and both moments, ~28 ms) shared by more tokens.
+    ("bf16, remat minimal, loss in one chunk, 4 micro-batches a step", {**_BEST, "training.grad_accum": 4}),
+    ("bf16, remat minimal, loss in one chunk, 8 micro-batches a step", {**_BEST, "training.grad_accum": 8}),
 ]
 GPT2_ROWS = [
     ("preset (128 x 1,024 tokens a micro-step, 16 of them a step)", {}),
@@ -79,7 +86,8 @@ def train_row(ctx: Ctx, label: str, cfg, steps: int, profile: bool = False) -> d
 
     dev = jax.devices()[0]
     B, T = cfg.training.batch_size, cfg.model.block_size
-    row = dict(label=label, batch=B, block=T, grad_accum=cfg.training.grad_accum, tokens_per_step=B * T,
+    A = cfg.training.grad_accum
+    row = dict(label=label, batch=B, block=T, grad_accum=A, tokens_per_step=A * B * T,
                flops_maxtext=flops.flops_per_token(cfg.model), flops_causal=flops.flops_per_token(cfg.model, True),
                remat=cfg.model.remat, param_dtype=cfg.model.param_dtype, attention=cfg.model.attention)
     limit = (dev.memory_stats() or {}).get("bytes_limit")
@@ -95,7 +103,7 @@ def train_row(ctx: Ctx, label: str, cfg, steps: int, profile: bool = False) -> d
     state, times = g.time_steps(compiled, state, batch, steps, ctx, reserve=2)
     step_s = statistics.median(times) if times else None
     row.update(step_s=step_s, step_s_spread=[min(times), max(times)] if times else None,
-               tokens_per_s=B * T / step_s if step_s else None)
+               tokens_per_s=A * B * T / step_s if step_s else None)
     if profile and ctx.left() > 4 * (step_s or 1) + 10:
         try:
             _, row["breakdown"] = g.profile(compiled, state, batch, ctx.sizes["profile_steps"])
@@ -107,7 +115,10 @@ def train_row(ctx: Ctx, label: str, cfg, steps: int, profile: bool = False) -> d
 def rows(ctx: Ctx, key: str, preset: str, table: list, steps: int, extra: dict, profile: tuple = ()) -> None:
     """Each row of `table` (label, settings) over the preset, while time is left; ctx.put(key=[rows])."""
     out = []
+    chosen = os.environ.get(f"JAXLM_BENCH_{key.split('_')[0].upper()}_ROWS")  # e.g. "0,3,4": only those rows
     for i, (label, settings) in enumerate(table):
+        if chosen and str(i) not in chosen.split(","):
+            continue
         if out and ctx.left() < 20:
             out.append(dict(label=label, note=f"skipped: time budget ({ctx.left():.0f} s left)"))
             continue
@@ -128,7 +139,7 @@ def maxtext(ctx: Ctx) -> None:
     weights with remat minimal; the time by operation of the two bf16 rows' steps."""
     z = ctx.sizes
     rows(ctx, "maxtext_runs", "maxtext_base", MAXTEXT_ROWS, z["maxtext_steps"],
-         {"training.batch_size": z["maxtext_batch"]}, profile=(1, len(MAXTEXT_ROWS) - 1))
+         {"training.batch_size": z["maxtext_batch"]}, profile=(2, 4))
 
 
 def gpt2(ctx: Ctx) -> None:
@@ -162,12 +173,16 @@ def quant(ctx: Ctx) -> None:
     tokens, entropy = g.markov_tokens(vocab, steps * B, T + 1, 1)
     ctx.put(quant_steps=steps, quant_entropy=entropy, quant_model=dict(layers=z["quant_layers"], block=T, batch=B))
     out = {}
-    for mode in ("bfloat16", "int8"):
+    # int8_nearest: int8 with its gradients rounded to nearest (model.quant_stochastic_rounding=false), the cost of
+    # the stochastic rounding's hash. JAXLM_BENCH_QUANT_MODES chooses (default all three).
+    modes = os.environ.get("JAXLM_BENCH_QUANT_MODES", "bfloat16,int8,int8_nearest").split(",")
+    for mode in modes:
         if out and ctx.left() < 1.2 * max(r.get("seconds", 0) for r in out.values()) + 5:
             out[mode] = dict(note="skipped: time budget")
             ctx.put(quant_runs=out)
             continue
-        cfg = load("maxtext_base", ctx, {**extra, "model.quantization": "none" if mode == "bfloat16" else mode})
+        cfg = load("maxtext_base", ctx, {**extra, "model.quantization": "none" if mode == "bfloat16" else "int8",
+                                         "model.quant_stochastic_rounding": mode != "int8_nearest"})
         t = time.perf_counter()
         try:
             losses, step_s, compile_s = g.train_losses(cfg, jax.devices()[0], tokens,
