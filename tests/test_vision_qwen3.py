@@ -17,7 +17,8 @@ import jaxlm
 from jaxlm.model import forward
 from jaxlm.store import convert
 from conftest import require
-from test_vision_qwen import END, IMAGE, MERGE, PATCH, START, TEMPORAL, V, grid, hf_inputs, hf_logits, prompt, randomize
+from test_vision_qwen import (END, IMAGE, MERGE, PATCH, START, TEMPORAL, V, Q, grid, hf_inputs, hf_logits, prompt,
+                               randomize, word_tokenizer)
 
 torch = require("torch")
 transformers = require("transformers", "hf")
@@ -167,3 +168,28 @@ def test_preprocessing_at_qwen3_settings_equals_the_hf_processor(tmp_path):
     vision = type("V", (), {"kind": "qwen3", "patch_size": 16, "spatial_merge": 2, "temporal_patch": 2})
     default = images_qwen.Processor.of_folder(None, vision)
     assert (default.mean, default.min_pixels, default.max_pixels) == ((0.5,) * 3, 65536, 16777216)
+
+
+def test_generate_cli_with_an_image(qwen3, tmp_path, capsys):
+    """`jaxlm generate --image FILE` with Qwen3-VL: the image written into the prompt as its processor does (one
+    pad per soft token), preprocessed at Qwen3-VL's defaults (mean and std 0.5, at least 65,536 pixels), and the
+    tokens printed are `Model.generate`'s with that patch grid."""
+    from PIL import Image
+
+    from jaxlm import cli
+    from jaxlm.data import images_qwen
+
+    _, ours, tmp = qwen3
+    word_tokenizer(tmp / "jx" / "tokenizer")
+    Image.fromarray(np.random.default_rng(3).integers(0, 256, (50, 70, 3), dtype=np.uint8)).save(tmp_path / "a.png")
+    text = "w5 w6 <|vision_start|><|image_pad|><|vision_end|> w7 w8"
+    tok = ours.tokenizer()
+    grids = images_qwen.grids([tmp_path / "a.png"], images_qwen.Processor.of_folder(None, ours.config.model.vision))
+    assert grids[0].shape == (1, 56, 76, Q)  # 50 x 70 pixels scaled up to 224 x 304 (>= 65,536 pixels)
+    ids = tok.encode_rendered(images_qwen.prompt_text(text, tok, ours.config.model.vision, grids))
+    assert ids == [5, 6, START, *[IMAGE] * 1064, END, 7, 8]
+    want = ours.generate(ids, 8, temperature=0.0, stop_ids=(), images=grids)
+    capsys.readouterr()
+    assert cli.main(["generate", str(tmp / "jx"), "--prompt", text, "--image", str(tmp_path / "a.png"),
+                     "max_new_tokens=8", "temperature=0", "stop_at_eos=false"]) == 0
+    assert capsys.readouterr().out.splitlines()[1] == text + tok.decode(want)
