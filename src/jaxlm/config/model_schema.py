@@ -29,12 +29,13 @@ def _ints(key: str, text: str) -> tuple[int, ...]:
 @dataclass(frozen=True)
 class VisionConfig:
     """A ViT image encoder and its projector into the language model: Gemma 3's SigLIP tower (kind siglip),
-    Llama 4's (kind llama4) or Qwen2.5-VL's (kind qwen2_5: dynamic resolution, windowed attention, a 2x2 patch
-    merger); docs/vision.md."""
-    kind: Literal["siglip", "llama4", "qwen2_5"] = _f(
+    Llama 4's (kind llama4), Qwen2.5-VL's (kind qwen2_5: dynamic resolution, windowed attention, a 2x2 patch
+    merger) or Qwen3-VL's (kind qwen3: learned interpolated positions, deepstack); docs/vision.md."""
+    kind: Literal["siglip", "llama4", "qwen2_5", "qwen3"] = _f(
         "siglip", "the tower: siglip (Gemma 3: square images, pooled soft tokens, bidirectional image tokens), llama4 "
                   "(class token, 2D rotary, pixel shuffle and MLP adapter; images in tiles) or qwen2_5 (Qwen2.5-VL: "
-                  "any size, merged patches, causal image tokens, M-RoPE)")
+                  "any size, merged patches, causal image tokens, M-RoPE) or qwen3 (Qwen3-VL: as qwen2_5 with "
+                  "LayerNorm blocks, learned positions and deepstack)")
     image_size: int = _f(896, "side of the square images the encoder takes, in pixels", rule=positive())
     patch_size: int = _f(14, "side of one patch in pixels (image_size a multiple of it)", rule=positive())
     d_model: int = _f(1152, "width of the encoder", rule=positive())
@@ -60,9 +61,15 @@ class VisionConfig:
                                         "image; the others attend within their window")
     mrope_section: str = _f("", "qwen2_5: the language model's rotary frequency pairs given to the temporal, height "
                                 "and width positions of M-RoPE, comma-separated (summing to head_dim / 2)")
+    mrope_interleaved: bool = _f(False, "qwen3: M-RoPE's frequency pairs assigned t, h, w, t, h, w, ... rather than in "
+                                        "sections")
+    position_embeddings: int = _f(2304, "qwen3: learned positions of the encoder, a square grid bilinearly "
+                                        "resampled to each image's patch grid", rule=positive())
+    deepstack_layers: str = _f("", "qwen3: comma-separated encoder layers (from 0) whose merged patches are added to "
+                                   "the language model's image tokens after its first layers, one layer each")
 
     def __post_init__(self):
-        if self.kind == "qwen2_5":
+        if self.kind in ("qwen2_5", "qwen3"):
             self._check_qwen()
             return
         side = round(self.tokens_per_image ** 0.5)
@@ -82,7 +89,15 @@ class VisionConfig:
         if self.d_model % self.n_heads or (self.d_model // self.n_heads) % 4:
             raise ConfigError(f"model.vision.n_heads={self.n_heads} must divide model.vision.d_model={self.d_model} "
                               "into heads of a width divisible by 4 (2D rotary)")
-        if self.window_size % (self.patch_size * self.spatial_merge):
+        if self.kind == "qwen3":
+            side = round(self.position_embeddings ** 0.5)
+            if side * side != self.position_embeddings:
+                raise ConfigError(f"model.vision.position_embeddings={self.position_embeddings} must be a square "
+                                  "number (a square grid of learned positions)")
+            if any(i >= self.n_layers for i in self.deepstack) or list(self.deepstack) != sorted(set(self.deepstack)):
+                raise ConfigError(f"model.vision.deepstack_layers={self.deepstack_layers!r} must name encoder layers "
+                                  f"(below {self.n_layers}) in increasing order")
+        elif self.window_size % (self.patch_size * self.spatial_merge):
             raise ConfigError(f"model.vision.window_size={self.window_size} must be a multiple of patch_size x "
                               f"spatial_merge = {self.patch_size * self.spatial_merge}")
         if len(self.mrope) != 3:
@@ -95,6 +110,10 @@ class VisionConfig:
     @property
     def full_layers(self) -> tuple[int, ...]:
         return _ints("model.vision.full_attention_layers", self.full_attention_layers)
+
+    @property
+    def deepstack(self) -> tuple[int, ...]:
+        return _ints("model.vision.deepstack_layers", self.deepstack_layers)
 
     @property
     def mrope(self) -> tuple[int, ...]:

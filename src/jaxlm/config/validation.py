@@ -108,9 +108,12 @@ def _validate_model(m: ModelConfig, mesh: MeshConfig) -> None:
         raise ConfigError(f"model.dropout={m.dropout} drops attention probabilities, which context parallelism "
                           f"(mesh.ici_sequence={mesh.ici_sequence}, mesh.dcn_sequence={mesh.dcn_sequence}) "
                           f"does not; set model.dropout=0 or mesh.ici_sequence=mesh.dcn_sequence=1")
-    if m.vision is not None and m.vision.kind == "qwen2_5" and sum(m.vision.mrope) != m.hd // 2:
+    if m.vision is not None and m.vision.kind in ("qwen2_5", "qwen3") and sum(m.vision.mrope) != m.hd // 2:
         raise ConfigError(f"model.vision.mrope_section={m.vision.mrope_section!r} must sum to the language model's "
                           f"head_dim / 2 = {m.hd // 2}")
+    if m.vision is not None and len(m.vision.deepstack) > m.n_layers:
+        raise ConfigError(f"model.vision.deepstack_layers={m.vision.deepstack_layers!r} feeds more layers than the "
+                          f"language model's {m.n_layers}")
     _validate_family_options(m)
 
 

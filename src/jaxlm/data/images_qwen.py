@@ -1,9 +1,10 @@
-"""Images for Qwen-VL models, preprocessed as transformers' Qwen2VLImageProcessor (Pillow backend) does: RGB, a
-bicubic resize to the nearest sides that are multiples of patch x merge with the pixel count within [min_pixels,
-max_pixels] (smart_resize), values times 1/255, minus the mean over the std per channel, cut into patches. The
-result is one patch grid [t, h, w, Q] float32 per image (t = 1: a still image repeated over temporal_patch frames;
-Q = channels x temporal_patch x patch^2 in transformers' order), what model/vision_qwen.py encodes; hf_order
-flattens it as the processor's pixel_values. Reading files (and their errors) is data/images.py's."""
+"""Images for Qwen-VL models (Qwen2.5-VL, Qwen3-VL: each with its preprocessor_config.json), preprocessed as
+transformers' Qwen2VLImageProcessor (Pillow backend) does: RGB, a bicubic resize to the nearest sides that are
+multiples of patch x merge with the pixel count within [min_pixels, max_pixels] (smart_resize), values times 1/255,
+minus the mean over the std per channel, cut into patches. The result is one patch grid [t, h, w, Q] float32 per
+image (t = 1: a still image repeated over temporal_patch frames; Q = channels x temporal_patch x patch^2 in
+transformers' order), what model/vision_qwen.py encodes; hf_order flattens it as the processor's pixel_values.
+Reading files (and their errors) is data/images.py's."""
 
 from __future__ import annotations
 
@@ -47,11 +48,13 @@ class Processor:
 
     @classmethod
     def of_folder(cls, folder: Path | None, vision) -> Processor:
-        """A model folder's preprocessor_config.json, else the defaults at the tower's patch and merge sizes."""
+        """A model folder's preprocessor_config.json, else the defaults at the tower's patch and merge sizes (and
+        for Qwen3-VL, kind qwen3, its released mean, std and pixel bounds)."""
         file = None if folder is None else Path(folder) / "preprocessor_config.json"
         if file is None or not file.is_file():
+            qwen3 = {"mean": (0.5,) * 3, "std": (0.5,) * 3, "min_pixels": 65536, "max_pixels": 16777216}
             return cls(patch_size=vision.patch_size, merge_size=vision.spatial_merge,
-                       temporal_patch_size=vision.temporal_patch)
+                       temporal_patch_size=vision.temporal_patch, **(qwen3 if vision.kind == "qwen3" else {}))
         return cls.from_hf(json.loads(file.read_text()))
 
 

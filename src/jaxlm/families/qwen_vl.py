@@ -20,9 +20,9 @@ ARCHITECTURE = "Qwen2_5_VLForConditionalGeneration"
 PREFIXES = (("model.language_model.", "model."), ("model.visual.", "visual."))
 
 
-def _text(hf: dict) -> dict:
-    """The language model's config.json keys as a qwen2 model's (transformers 5 nests them under text_config,
-    older checkpoints keep them at the top), with M-RoPE's rotary settings as plain ones."""
+def text_config(hf: dict, model_type: str = "qwen2") -> dict:
+    """The language model's config.json keys as a `model_type` (qwen2, qwen3) model's (transformers 5 nests them
+    under text_config, older checkpoints keep them at the top), with M-RoPE's rotary settings as plain ones."""
     text = dict(hf.get("text_config") or hf)
     text["tie_word_embeddings"] = bool(hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
     params = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
@@ -33,7 +33,7 @@ def _text(hf: dict) -> dict:
     params.pop("type", None)
     params.setdefault("rope_theta", text.get("rope_theta", 1000000.0))
     text.pop("rope_scaling", None)
-    return {**text, "model_type": "qwen2", "rope_parameters": params}
+    return {**text, "model_type": model_type, "rope_parameters": params}
 
 
 def _mrope_section(hf: dict) -> list:
@@ -45,7 +45,7 @@ def _mrope_section(hf: dict) -> list:
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
-    cfg = llama.config_from_hf(_text(hf))
+    cfg = llama.config_from_hf(text_config(hf))
     v = hf.get("vision_config") or {}
     refuse(v, "in_channels", lambda n: n in (None, 3), "images are RGB")
     refuse(v, "hidden_act", lambda a: a in (None, "silu"), "the tower's MLP is SwiGLU")
@@ -89,7 +89,7 @@ def config_to_hf(cfg: ModelConfig, t: str) -> dict:
             "vision_end_token_id": v.eoi_token_id, "tie_word_embeddings": cfg.tie_embeddings}
 
 
-def _qkv(E: int, N: int, H: int) -> dict:
+def qkv_rule(E: int, N: int, H: int) -> dict:
     """The tower's fused qkv Linear [3E, E] (or its bias [3E]) <-> our q, k, v [E, N, H] (biases [N, H])."""
     def to_ours(a):
         parts = np.split(a.T if a.ndim == 2 else a, 3, axis=-1)
@@ -115,8 +115,8 @@ def vision_rules(cfg: ModelConfig) -> list[Rule]:
                   to_hf=lambda w: w.T.reshape(E, 3, v.temporal_patch, v.patch_size, v.patch_size)),
              Rule(b + "norm1.weight", ("vision.layers.attn_norm.scale",)),
              Rule(b + "norm2.weight", ("vision.layers.mlp_norm.scale",)),
-             Rule(b + "attn.qkv.weight", qkv, **_qkv(E, N, H)),
-             Rule(b + "attn.qkv.bias", tuple(n + "_bias" for n in qkv), **_qkv(E, N, H)),
+             Rule(b + "attn.qkv.weight", qkv, **qkv_rule(E, N, H)),
+             Rule(b + "attn.qkv.bias", tuple(n + "_bias" for n in qkv), **qkv_rule(E, N, H)),
              Rule(b + "attn.proj.weight", ("vision.layers.attn.o",), **linear_in((N, H, E))),
              Rule(b + "attn.proj.bias", ("vision.layers.attn.o_bias",))]
     for name in ("gate", "up", "down"):

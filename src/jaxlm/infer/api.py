@@ -126,7 +126,7 @@ def image_prompts(model: Model, tok: tokenizer_lib.Tokenizer, texts: list[str], 
     in order as `generate` takes them; preprocessed by the model folder's preprocessor_config.json."""
     v = model.config.model.vision
     folder = weights.tokenizer_source(model.path, model.config)
-    if v.kind == "qwen2_5":
+    if v.kind in ("qwen2_5", "qwen3"):
         grids = images_qwen.grids(sources, images_qwen.Processor.of_folder(folder, v))
         ids = [bos + tok.encode_rendered(images_qwen.prompt_text(text, tok, v, grids)) for text in texts]
         return ids, grids * len(ids)

@@ -98,7 +98,8 @@ def position_qk(q_BTNH, k_BTKH, cfg, positions_BT, kind: str, mrope_BT3=None):
     if rope is not None:
         turn_by = positions_BT
         if mrope_BT3 is not None:
-            rope, turn_by = rope._replace(sections=cfg.vision.mrope), mrope_BT3
+            rope = rope._replace(sections=cfg.vision.mrope, interleaved=cfg.vision.mrope_interleaved)
+            turn_by = mrope_BT3
         q_BTNH = layers.rotary(q_BTNH, turn_by, rope)
         k_BTKH = layers.rotary(k_BTKH, turn_by, rope)
         if cfg.qk_l2_norm:

@@ -14,8 +14,8 @@ import jax.numpy as jnp
 
 from jaxlm.config import ModelConfig
 from jaxlm.model import attention, kvcache, latent, layers, paged, quant, stack
-from jaxlm.model.transformer import (attention_with_kv, block_around, cast_matmul_weights, embed, head, unembed,
-                                     with_images)
+from jaxlm.model.transformer import (add_deepstack, attention_with_kv, block_around, cast_matmul_weights, embed, head,
+                                     unembed, with_images)
 from jaxlm.sharding import constrain
 
 
@@ -29,8 +29,8 @@ def prefill(params: dict, tokens_BT: jax.Array, lengths_B: jax.Array, cfg: Model
     prompts' images (transformer.forward_with_aux), whose tokens see their whole image here and nowhere after."""
     B, T = tokens_BT.shape
     positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    x_BTD, reach_BT, mrope_BT3 = with_images(params, embed(params, tokens_BT, cfg, positions_BT), tokens_BT,
-                                             positions_BT, images, cfg)
+    x_BTD, reach_BT, mrope_BT3, deepstack_SBTD = with_images(params, embed(params, tokens_BT, cfg, positions_BT),
+                                                             tokens_BT, positions_BT, images, cfg)
     x_BTD = constrain(x_BTD, ("batch", "length", "embed"))
     layouts = [kvcache.prefill_layout(lengths_B, T, kvcache.slots(cfg, kind, cache_length)) for kind in cfg.pattern]
 
@@ -41,6 +41,7 @@ def prefill(params: dict, tokens_BT: jax.Array, lengths_B: jax.Array, cfg: Model
             return out_BTD, (k_BTKH, v_BTKH)
 
         x_BTD, _, kv = block_around(x_BTD, p, cfg, attn)
+        x_BTD = add_deepstack(x_BTD, deepstack_SBTD, r * len(cfg.pattern) + j)
         entry = {}
         for name, x_BTKH in zip(("k", "v"), kv):
             x_BSKH = jnp.take_along_axis(x_BTKH, layouts[j][0][:, :, None, None], axis=1)

@@ -214,7 +214,8 @@ class Rope(NamedTuple):
     (every frequency divided by `factor`), yarn (YaRN: llama3's idea with a linear ramp over rotation counts
     beta_fast..beta_slow, and the rotated vectors multiplied by `attention_factor`). `sections`: with positions
     [B, T, 3] (temporal, height, width: Qwen-VL's M-RoPE), the first sections[0] frequency pairs turn by the first
-    component, the next sections[1] by the second, the rest by the third; [B, T] positions turn all by one."""
+    component, the next sections[1] by the second, the rest by the third (`interleaved`, Qwen3-VL: pair j turns by
+    component j mod 3 while j < 3 sections[that component], else by the first); [B, T] positions turn all by one."""
     theta: float
     scaling: str = "none"
     factor: float = 1.0
@@ -226,6 +227,7 @@ class Rope(NamedTuple):
     truncate: bool = True
     attention_factor: float = 1.0
     sections: tuple[int, ...] = ()  # M-RoPE (Qwen-VL): rotary pairs per position component, for [B, T, 3] positions
+    interleaved: bool = False  # M-RoPE's pairs assigned t, h, w, t, h, w, ... (Qwen3-VL) rather than in sections
 
 
 def rope_frequencies(H: int, rope: Rope) -> jax.Array:
@@ -271,12 +273,22 @@ def rotary(x_BTNH: jax.Array, positions_BT: jax.Array, rope: Rope) -> jax.Array:
     return _rotate(x_BTNH, positions_BT, rope, 1.0)
 
 
+def mrope_components(half: int, rope: Rope) -> np.ndarray:
+    """The position component [half] (0 temporal, 1 height, 2 width) that turns each rotary pair under M-RoPE."""
+    if not rope.interleaved:
+        return np.repeat(np.arange(len(rope.sections)), rope.sections)
+    j, component = np.arange(half), np.zeros(half, np.int64)
+    for c in (1, 2):
+        component[(j % 3 == c) & (j < 3 * rope.sections[c])] = c
+    return component
+
+
 def _rotate(x_BTNH, positions_BT, rope: Rope, sign: float):
     H = x_BTNH.shape[-1]
     inv_freq = rope_frequencies(H, rope)
     angle_BTh = positions_BT[..., None].astype(jnp.float32) * inv_freq
     if positions_BT.ndim == 3:  # M-RoPE: each frequency pair takes its component's angle
-        component_h = np.repeat(np.arange(len(rope.sections)), rope.sections)
+        component_h = mrope_components(H // 2, rope)
         angle_BTh = jnp.take_along_axis(angle_BTh, jnp.asarray(component_h)[None, None, None, :], axis=2)[:, :, 0]
     sin, cos = sign * jnp.sin(angle_BTh)[:, :, None, :], jnp.cos(angle_BTh)[:, :, None, :]
     if rope.attention_factor != 1.0:

@@ -17,7 +17,8 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxlm.config import ConfigError, ModelConfig
-from jaxlm.model import attention, latent, layers, moe, pipeline, quant, stack, vision, vision_llama4, vision_qwen
+from jaxlm.model import (attention, latent, layers, moe, pipeline, quant, stack, vision, vision_llama4, vision_qwen,
+                         vision_qwen3)
 from jaxlm.params import ParamSpec, normal
 from jaxlm.sharding import constrain
 from jaxlm.sharding import pipeline as pipeline_settings
@@ -69,7 +70,7 @@ def param_specs(cfg: ModelConfig) -> dict:
 
 def tower(cfg: ModelConfig):
     """The module of the model's vision tower (model.vision.kind): its specs, encode and describe."""
-    return {"llama4": vision_llama4, "qwen2_5": vision_qwen}.get(cfg.vision.kind, vision)
+    return {"llama4": vision_llama4, "qwen2_5": vision_qwen, "qwen3": vision_qwen3}.get(cfg.vision.kind, vision)
 
 
 _cp = jax.checkpoint_policies
@@ -208,9 +209,11 @@ def cast_matmul_weights(p: dict, cfg: ModelConfig, specs: dict | None = None) ->
 
 def layer_stack(x_BTD: jax.Array, layer_params: dict, cfg: ModelConfig, positions_BT: jax.Array,
                 segment_ids_BT: jax.Array | None, layer_keys: jax.Array | None, reach_BT: jax.Array | None = None,
-                mrope_BT3: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                mrope_BT3: jax.Array | None = None, deepstack_SBTD: jax.Array | None = None
+                ) -> tuple[jax.Array, jax.Array]:
     """Run the n layers stacked in layer_params (all of them, or a pipeline stage's n, a multiple of
-    len(cfg.pattern)): the new residual stream and the layers' routing statistics [n, 3, E] in layer order."""
+    len(cfg.pattern)): the new residual stream and the layers' routing statistics [n, 3, E] in layer order.
+    deepstack_SBTD (Qwen3-VL images): added to the output of layer s for s < S (add_deepstack)."""
     n = jax.tree.leaves(layer_params["attn_norm"])[0].shape[0]
     P = len(cfg.pattern)
     bodies = {}
@@ -225,11 +228,24 @@ def layer_stack(x_BTD: jax.Array, layer_params: dict, cfg: ModelConfig, position
         return bodies[kind, scanned]
 
     def step(x_BTD, p, kind, j, r, key):
-        return body(kind, scanned=not isinstance(r, int))(x_BTD, p, key)
+        x_BTD, stats_3E = body(kind, scanned=not isinstance(r, int))(x_BTD, p, key)
+        return add_deepstack(x_BTD, deepstack_SBTD, r * P + j), stats_3E
 
     keys = None if layer_keys is None else tuple(layer_keys[j::P] for j in range(P))
     x_BTD, stats = stack.run(cfg, layer_params, step, x_BTD, keys, scan=cfg.scan_layers, n_layers=n)
     return x_BTD, stack.in_layer_order(stats, n)
+
+
+def add_deepstack(x_BTD, deepstack_SBTD, i):
+    """Layer i's output plus its deepstack addend (Qwen3-VL: model/vision_qwen3.py) when i < S; i may be traced
+    (inside the scan). Without deepstack (None, or S = 0) x_BTD unchanged: text-only programs are untouched."""
+    if deepstack_SBTD is None or deepstack_SBTD.shape[0] == 0:
+        return x_BTD
+    S = deepstack_SBTD.shape[0]
+    if isinstance(i, int):
+        return x_BTD + deepstack_SBTD[i].astype(x_BTD.dtype) if i < S else x_BTD
+    addend_BTD = jax.lax.dynamic_index_in_dim(deepstack_SBTD, jnp.minimum(i, S - 1), keepdims=False)
+    return x_BTD + jnp.where(i < S, addend_BTD, 0).astype(x_BTD.dtype)
 
 
 @quant.scoped
@@ -263,21 +279,27 @@ def default_positions(tokens_BT, positions_BT):
 
 def with_images(params, x_BTD, tokens_BT, positions_BT, images, cfg: ModelConfig):
     """The embeddings with the images' soft tokens in place of their image tokens, the reach of every token
-    (Gemma 3: model/vision.py; Llama 4 attends causally over its image tokens, its images the prompt's tiles) and
-    the M-RoPE positions [B, T, 3] (Qwen-VL: model/vision_qwen.py); without images, the embeddings, None (causal)
-    and None (positions_BT)."""
+    (Gemma 3: model/vision.py; Llama 4 attends causally over its image tokens, its images the prompt's tiles), the
+    M-RoPE positions [B, T, 3] (Qwen-VL: model/vision_qwen.py) and the deepstack addends [S, B, T, D] (Qwen3-VL:
+    model/vision_qwen3.py); without images, the embeddings, None (causal), None (positions_BT) and None."""
     if images is None:
-        return x_BTD, None, None
+        return x_BTD, None, None, None
     if cfg.vision is None or cfg.latent:
         raise ConfigError("images need a model with a vision tower (model.vision) and ordinary attention")
     image_token = cfg.vision.image_token_id
     if cfg.vision.kind == "qwen2_5":
         soft_XD = vision_qwen.encode(params["vision"], images, cfg)
         return (vision.place(x_BTD, tokens_BT, soft_XD, image_token), None,
-                vision_qwen.rope_positions(tokens_BT, images, cfg))
+                vision_qwen.rope_positions(tokens_BT, images, cfg), None)
+    if cfg.vision.kind == "qwen3":
+        soft_XD, deep_SXD = vision_qwen3.encode(params["vision"], images, cfg)
+        return (vision.place(x_BTD, tokens_BT, soft_XD, image_token), None,
+                vision_qwen.rope_positions(tokens_BT, images, cfg),
+                vision_qwen3.deepstack_addends(deep_SXD, tokens_BT, cfg))
     soft_IMD = tower(cfg).encode(params["vision"], images, cfg)
     x_BTD = vision.place(x_BTD, tokens_BT, soft_IMD, image_token)
-    return x_BTD, None if cfg.vision.kind == "llama4" else vision.reach(tokens_BT, positions_BT, image_token), None
+    reach_BT = None if cfg.vision.kind == "llama4" else vision.reach(tokens_BT, positions_BT, image_token)
+    return x_BTD, reach_BT, None, None
 
 
 def hidden_with_stats(params, tokens_BT, cfg: ModelConfig, key, positions_BT, segment_ids_BT, images=None):
@@ -285,15 +307,16 @@ def hidden_with_stats(params, tokens_BT, cfg: ModelConfig, key, positions_BT, se
     positions_BT = default_positions(tokens_BT, positions_BT)
     if cfg.dropout == 0.0:
         key = None
-    x_BTD, reach_BT, mrope_BT3 = with_images(params, embed(params, tokens_BT, cfg, positions_BT), tokens_BT,
-                                             positions_BT, images, cfg)
+    x_BTD, reach_BT, mrope_BT3, deepstack_SBTD = with_images(params, embed(params, tokens_BT, cfg, positions_BT),
+                                                             tokens_BT, positions_BT, images, cfg)
     if key is not None:
         key, sub = jax.random.split(key)
         x_BTD = layers.dropout(x_BTD, cfg.dropout, sub)
     x_BTD = constrain(x_BTD, ("batch", "length", "embed"))
 
     layer_keys = jax.random.split(key, cfg.n_layers) if key is not None else None
-    run = lambda x, p, pos, seg, keys: layer_stack(x, p, cfg, pos, seg, keys, reach_BT, mrope_BT3)  # noqa: E731
+    run = lambda x, p, pos, seg, keys: layer_stack(x, p, cfg, pos, seg, keys, reach_BT, mrope_BT3,  # noqa: E731
+                                                   deepstack_SBTD)
     if (pipe := pipeline_settings()) is not None:
         if images is not None:
             raise ConfigError("images are not supported with pipeline stages (mesh stage axis over 1); set "

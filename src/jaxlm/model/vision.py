@@ -164,7 +164,7 @@ def as_input(images, cfg: ModelConfig, token_rows=None):
     against the image tokens of `token_rows`)."""
     if images is None:
         return None
-    if cfg.vision is not None and cfg.vision.kind == "qwen2_5":
+    if cfg.vision is not None and cfg.vision.kind in ("qwen2_5", "qwen3"):
         grids = tuple(np.asarray(image, np.float32) for image in images)
         if token_rows is not None:
             vision_qwen.check(token_rows, grids, cfg)

@@ -125,8 +125,8 @@ def flat_specs(cfg: ModelConfig) -> dict[str, P.ParamSpec]:
 def slots(rule: Rule, cfg: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
     """(HF tensor name, index into our stacked arrays) for every tensor a rule covers: `{i}` runs over the
     layers that have the rule's weight (model/stack.py: dense and MoE layers' MLPs are stacked apart), `{m}`
-    over the multi-token prediction modules (HF layers n_layers + m), `{v}` over the vision tower's layers,
-    `{e}` over the experts."""
+    over the multi-token prediction modules (HF layers n_layers + m), `{v}` over the vision tower's layers, `{d}`
+    over its deepstack mergers (Qwen3-VL), `{e}` over the experts."""
     if "{i}" in rule.hf:
         lay = stack.layout(cfg)
         key = rule.ours[0].split(".")[1]
@@ -135,12 +135,14 @@ def slots(rule: Rule, cfg: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]
         layers = [(cfg.n_layers + m, m) for m in range(cfg.mtp_layers)]
     elif "{v}" in rule.hf:
         layers = [(v, v) for v in range(cfg.vision.n_layers)]
+    elif "{d}" in rule.hf:
+        layers = [(d, d) for d in range(len(cfg.vision.deepstack))]
     else:
         layers = [(None, None)]
     experts = range(cfg.n_experts) if "{e}" in rule.hf else [None]
     for i, at in layers:
         for e in experts:
-            yield rule.hf.format(i=i, e=e, m=i, v=i), tuple(x for x in (at, e) if x is not None)
+            yield rule.hf.format(i=i, e=e, m=i, v=i, d=i), tuple(x for x in (at, e) if x is not None)
 
 
 def _family_of(cfg: ModelConfig):

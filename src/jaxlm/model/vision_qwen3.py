@@ -1,0 +1,128 @@
+"""Qwen3-VL's vision tower: patches of any grid embedded by one matmul with a bias, plus learned positions (a
+square grid bilinearly resampled to the image's patch grid), pre-LayerNorm blocks (model/vision.py's, with the 2D
+rotary of model/vision_qwen.py) attending over the whole frame, the 2x2 patch merger; and deepstack: the patches
+after each of `deepstack_layers`, merged by a merger of their own (LayerNorm after the 2x2 concatenation), which
+the language model adds at the image tokens after its first layers (model/transformer.py). The M-RoPE positions
+and the checks of a prompt's images are Qwen2.5-VL's (vision_qwen.rope_positions, vision_qwen.check).
+
+Shape legend: G patches of a frame, Q values per patch, E tower width, U merge^2 E, M soft tokens, X soft tokens
+of all images, D language model width, S deepstack layers, I frames of an image.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxlm.config import ModelConfig
+from jaxlm.model import layers, vision, vision_qwen
+from jaxlm.params import ParamSpec, count, normal, ones, zeros
+
+NORM_EPS = 1e-6  # the tower's and the mergers' LayerNorms (fixed in Qwen3-VL, not read from its config)
+
+
+def merger_specs(cfg: ModelConfig, stacked: tuple = (), norm_width: int | None = None) -> dict:
+    """A patch merger's weights (stacked over `stacked` leading axes): its LayerNorm over norm_width (the tower's
+    width before the 2x2 concatenation, or U after it), then U -> U -> D with biases."""
+    v, dt, w = cfg.vision, cfg.param_dtype, normal(cfg.init_std)
+    U, lead = v.spatial_merge ** 2 * v.d_model, (None,) * len(stacked)
+    n = norm_width or v.d_model
+    return {"norm": {"scale": ParamSpec((*stacked, n), (*lead, "embed"), ones, dt),
+                     "bias": ParamSpec((*stacked, n), (*lead, "embed"), zeros, dt)},
+            "up": ParamSpec((*stacked, U, U), (*lead, None, "mlp"), w, dt),
+            "up_bias": ParamSpec((*stacked, U), (*lead, "mlp"), zeros, dt),
+            "down": ParamSpec((*stacked, U, cfg.d_model), (*lead, "mlp", "embed"), w, dt),
+            "down_bias": ParamSpec((*stacked, cfg.d_model), (*lead, "embed"), zeros, dt)}
+
+
+def specs(cfg: ModelConfig) -> dict:
+    """The tower's weights; stacked layer axes are unsharded (pipeline stages split the language model only)."""
+    v, dt, w = cfg.vision, cfg.param_dtype, normal(cfg.init_std)
+    Q, U = vision.CHANNELS * v.temporal_patch * v.patch_size ** 2, v.spatial_merge ** 2 * v.d_model
+    return {"patch": ParamSpec((Q, v.d_model), (None, "embed"), w, dt),
+            "patch_bias": ParamSpec((v.d_model,), ("embed",), zeros, dt),
+            "positions": ParamSpec((v.position_embeddings, v.d_model), (None, "embed"), w, dt),
+            "layers": vision.layer_specs(cfg), "merger": merger_specs(cfg),
+            "deepstack": merger_specs(cfg, (len(v.deepstack),), U)}
+
+
+def position_taps(h: int, w: int, side: int) -> tuple[np.ndarray, np.ndarray]:
+    """The learned positions of a [h, w] patch grid as a bilinear resampling (corners aligned) of the [side, side]
+    table: per patch row-major, its 4 table rows [h w, 4] and their weights [h w, 4] (float32, as transformers)."""
+    def axis(n):
+        src = np.arange(n, dtype=np.float32) * np.float32(side - 1) / np.float32(max(n - 1, 1))
+        floor = np.floor(src)
+        taps = np.clip(floor.astype(np.int64)[:, None] + np.arange(2), 0, side - 1)
+        weights = np.clip(1 - np.abs(src[:, None] - floor[:, None] - np.arange(2, dtype=np.float32)), 0, None)
+        return taps, weights.astype(np.float32)
+
+    (rt, rw), (ct, cw) = axis(h), axis(w)
+    taps = (rt[:, None, :, None] * side + ct[None, :, None, :]).reshape(h * w, 4)
+    weights = (rw[:, None, :, None] * cw[None, :, None, :]).reshape(h * w, 4)
+    return taps, weights
+
+
+def merge(p: dict, x_IGE: jax.Array, grid: tuple[int, int, int], cfg: ModelConfig, post_norm: bool) -> jax.Array:
+    """A patch merger: each merge x merge square of patches concatenated (row by row) into one row [M, U], the
+    LayerNorm before (over E) or after (over U, post_norm: the deepstack mergers), then a GELU MLP to [M, D]."""
+    m, (t, h, w), E = cfg.vision.spatial_merge, grid, x_IGE.shape[-1]
+    norm = lambda x: layers.layer_norm(x, p["norm"]["scale"], p["norm"]["bias"], NORM_EPS)  # noqa: E731
+    with jax.named_scope("merger"):
+        x = x_IGE if post_norm else norm(x_IGE)
+        x = x.reshape(t, h // m, m, w // m, m, E).transpose(0, 1, 3, 2, 4, 5)
+        x_MU = x.reshape(t * (h // m) * (w // m), m * m * E)
+        x_MU = norm(x_MU) if post_norm else x_MU
+        x_MU = layers.gelu(layers.dot("MU,UV->MV", x_MU, p["up"]) + p["up_bias"].astype(x_MU.dtype))
+        return layers.dot("MU,UD->MD", x_MU, p["down"]) + p["down_bias"].astype(x_MU.dtype)
+
+
+def encode_one(p: dict, patches_thwQ: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """The soft tokens [M, D] of one image's patch grid [t, h, w, Q] (merged cells row-major, frame after frame)
+    and its deepstack features [S, M, D], in the compute dtype. Each frame attends over itself."""
+    v, cdt = cfg.vision, jnp.dtype(cfg.compute_dtype)
+    t, h, w, Q = patches_thwQ.shape
+    angles = jnp.asarray(vision_qwen.grid_constants(1, h, w, cfg)[0])
+    taps, weights = position_taps(h, w, round(v.position_embeddings ** 0.5))
+    positions_GE = jnp.einsum("GkE,Gk->GE", jnp.take(p["positions"], jnp.asarray(taps), axis=0).astype(jnp.float32),
+                              jnp.asarray(weights))
+    x_IGE = layers.dot("IGQ,QE->IGE", patches_thwQ.reshape(t, h * w, Q).astype(cdt), p["patch"])
+    x_IGE = x_IGE + p["patch_bias"].astype(cdt) + positions_GE.astype(cdt)
+
+    def rotate(q, k):  # angles [G, H/2] broadcast over the frames
+        return vision_qwen.rotate(q, angles), vision_qwen.rotate(k, angles)
+
+    features, start = [], 0
+    for s, end in enumerate(v.deepstack):  # the tower scanned in segments that end at a deepstack layer
+        x_IGE = vision.encoder(x_IGE, jax.tree.map(lambda a: a[start:end + 1], p["layers"]), cfg, rotate)
+        features.append(merge(jax.tree.map(lambda a: a[s], p["deepstack"]), x_IGE, (t, h, w), cfg, post_norm=True))
+        start = end + 1
+    if start < v.n_layers:
+        x_IGE = vision.encoder(x_IGE, jax.tree.map(lambda a: a[start:], p["layers"]), cfg, rotate)
+    soft_MD = merge(p["merger"], x_IGE, (t, h, w), cfg, post_norm=False)
+    return soft_MD, jnp.stack(features) if features else jnp.zeros((0, *soft_MD.shape), soft_MD.dtype)
+
+
+def encode(p: dict, images: tuple, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """The soft tokens [X, D] of all images (patch grids [t, h, w, Q]) in order and their deepstack features
+    [S, X, D]."""
+    with jax.named_scope("vision"):
+        soft, deep = zip(*(encode_one(p, image, cfg) for image in images))
+        return jnp.concatenate(soft, axis=0), jnp.concatenate(deep, axis=1)
+
+
+def deepstack_addends(deep_SXD: jax.Array, tokens_BT: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """What the first S language layers add to their output [S, B, T, D]: the deepstack features at the image
+    tokens (in order over the batch's rows, as vision.place), zero elsewhere."""
+    B, T = tokens_BT.shape
+    zeros_BTD = jnp.zeros((B, T, deep_SXD.shape[-1]), deep_SXD.dtype)
+    return jnp.stack([vision.place(zeros_BTD, tokens_BT, d, cfg.vision.image_token_id) for d in deep_SXD])
+
+
+def describe(cfg: ModelConfig) -> str:
+    """One line for `jaxlm describe`: the tower's shape and weights."""
+    v = cfg.vision
+    return (f"vision tower (Qwen3-VL) {count(specs(cfg)):,} parameters: {v.n_layers} layers, width {v.d_model}, "
+            f"{v.n_heads} heads of {v.hd}, MLP {v.d_ff}; images of any size in {v.patch_size}-pixel patches, "
+            f"{v.spatial_merge}x{v.spatial_merge} merged into soft tokens of width {cfg.d_model}; deepstack from "
+            f"layers {v.deepstack_layers or 'none'}; M-RoPE {v.mrope} (interleaved: {v.mrope_interleaved})")
