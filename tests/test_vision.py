@@ -11,6 +11,7 @@ import pytest
 import jaxlm
 from jaxlm.store import convert
 from conftest import require
+from vision_models import imported, randomize
 
 torch = require("torch")
 transformers = require("transformers", "hf")
@@ -30,15 +31,6 @@ def gemma3_config(**text):
                                                       num_attention_heads=2, image_size=SIDE, patch_size=PATCH),
         mm_tokens_per_image=SOFT, image_token_index=IMAGE, boi_token_index=BOI, eoi_token_index=EOI)
 
-
-def randomize(model, scale, seed=0):
-    """Every weight random: vectors (norms, biases) around 1, matrices normal times `scale`."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            noise = torch.randn(p.shape, generator=g)
-            p.copy_(1 + 0.1 * noise if p.ndim == 1 else scale * noise)
-    return model
 
 
 def prompt(before, after, images=1):
@@ -60,11 +52,7 @@ def hf_logits(model, tokens, pixels):
 @pytest.fixture(scope="module")
 def gemma3(tmp_path_factory):
     """(transformers model, imported jaxlm Model, folder)."""
-    tmp = tmp_path_factory.mktemp("gemma3")
-    model = randomize(transformers.Gemma3ForConditionalGeneration(gemma3_config()).eval(), 0.08)
-    model.save_pretrained(tmp / "hf")
-    convert.from_hf(str(tmp / "hf"), tmp / "jx", log=lambda s: None)
-    return model, jaxlm.load(tmp / "jx"), tmp
+    return imported(tmp_path_factory, "gemma3", transformers.Gemma3ForConditionalGeneration, gemma3_config(), 0.08)
 
 
 def test_import_and_export_match_transformers_with_an_image(gemma3):

@@ -12,6 +12,7 @@ import pytest
 import jaxlm
 from jaxlm.store import convert
 from conftest import require
+from vision_models import imported, randomize
 
 torch = require("torch")
 transformers = require("transformers", "hf")
@@ -31,15 +32,6 @@ def llama4_config():
             patch_size=PATCH, vision_output_dim=48, projector_input_dim=48, projector_output_dim=48),
         image_token_index=IMAGE, boi_token_index=BOI, eoi_token_index=EOI)
 
-
-def randomize(model, scale, seed=0):
-    """Every weight random: vectors (norms, biases, the class token) around 1, matrices normal times `scale`."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            noise = torch.randn(p.shape, generator=g)
-            p.copy_(1 + 0.1 * noise if p.ndim == 1 else scale * noise)
-    return model
 
 
 def image_ids(rows, cols):
@@ -63,11 +55,7 @@ def hf_logits(model, tokens, pixels):
 @pytest.fixture(scope="module")
 def llama4(tmp_path_factory):
     """(transformers model, imported jaxlm Model, folder)."""
-    tmp = tmp_path_factory.mktemp("llama4")
-    model = randomize(transformers.Llama4ForConditionalGeneration(llama4_config()).eval(), 0.1)
-    model.save_pretrained(tmp / "hf")
-    convert.from_hf(str(tmp / "hf"), tmp / "jx", log=lambda s: None)
-    return model, jaxlm.load(tmp / "jx"), tmp
+    return imported(tmp_path_factory, "llama4", transformers.Llama4ForConditionalGeneration, llama4_config(), 0.1)
 
 
 def test_import_and_export_match_transformers_with_an_image(llama4):

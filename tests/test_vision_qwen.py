@@ -15,6 +15,7 @@ import jaxlm
 from jaxlm.model import forward
 from jaxlm.store import convert
 from conftest import require
+from vision_models import imported, randomize
 
 torch = require("torch")
 transformers = require("transformers", "hf")
@@ -34,15 +35,6 @@ def qwen_config():
     return transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=IMAGE,
                                          video_token_id=296, vision_start_token_id=START, vision_end_token_id=END)
 
-
-def randomize(model, scale, seed=0):
-    """Every weight random: vectors (norms, biases) around 1, matrices normal times `scale`."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            noise = torch.randn(p.shape, generator=g)
-            p.copy_(1 + 0.1 * noise if p.ndim == 1 else scale * noise)
-    return model
 
 
 def grid(h, w, seed):
@@ -76,11 +68,7 @@ def hf_logits(model, tokens, grids):
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory):
     """(transformers model, imported jaxlm Model, folder)."""
-    tmp = tmp_path_factory.mktemp("qwen25vl")
-    model = randomize(transformers.Qwen2_5_VLForConditionalGeneration(qwen_config()).eval(), 0.08)
-    model.save_pretrained(tmp / "hf")
-    convert.from_hf(str(tmp / "hf"), tmp / "jx", log=lambda s: None)
-    return model, jaxlm.load(tmp / "jx"), tmp
+    return imported(tmp_path_factory, "qwen25vl", transformers.Qwen2_5_VLForConditionalGeneration, qwen_config(), 0.08)
 
 
 # Two rows of one length: an 8 x 6 patch grid (12 soft tokens, 2 x 2 windows, the last column cut) and a 4 x 16 one

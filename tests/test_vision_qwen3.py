@@ -17,8 +17,9 @@ import jaxlm
 from jaxlm.model import forward
 from jaxlm.store import convert
 from conftest import require
+from vision_models import imported, randomize
 from test_vision_qwen import (END, IMAGE, MERGE, PATCH, START, TEMPORAL, V, Q, grid, hf_inputs, hf_logits, prompt,
-                               randomize, word_tokenizer)
+                               word_tokenizer)
 
 torch = require("torch")
 transformers = require("transformers", "hf")
@@ -39,11 +40,7 @@ def qwen3_config(**vision_changes):
 @pytest.fixture(scope="module")
 def qwen3(tmp_path_factory):
     """(transformers model, imported jaxlm Model, folder)."""
-    tmp = tmp_path_factory.mktemp("qwen3vl")
-    model = randomize(transformers.Qwen3VLForConditionalGeneration(qwen3_config()).eval(), 0.08)
-    model.save_pretrained(tmp / "hf")
-    convert.from_hf(str(tmp / "hf"), tmp / "jx", log=lambda s: None)
-    return model, jaxlm.load(tmp / "jx"), tmp
+    return imported(tmp_path_factory, "qwen3vl", transformers.Qwen3VLForConditionalGeneration, qwen3_config(), 0.08)
 
 
 # Two rows of one length: an 8 x 6 patch grid (12 soft tokens) and a 4 x 16 one (16 soft tokens); the learned
