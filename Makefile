@@ -20,8 +20,13 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e .
 	touch $@
 
+# torchvision (the Llama 4 image processor the vision parity test compares with): the package index holds its CUDA
+# build alone, whose compiled ops do not load beside the CPU torch and whose import then fails; it goes into a folder
+# of its own that only the pytest process puts on its path (tests/conftest.py), so the venv's other programs
+# (benchmarks, transformers' text models) never import it.
 $(VENV)/.installed-test: $(VENV)/.installed
 	$(PY) -m pip install -q -e ".[dev,hf,tpu]"
+	$(PY) -m pip install -q --no-deps --upgrade --target $(VENV)/torchvision-for-tests torchvision==0.28.0
 	touch $@
 
 # tests/test_slurm.py starts a real Slurm cluster (slurmctld and two slurmd on this machine, with munge): Debian's

@@ -38,19 +38,16 @@ DEFAULT_SETTINGS = os.environ.get("JAXLM_TEST_DEFAULT_SETTINGS") == "1"
 
 
 def _torchvision_without_its_ops() -> None:
-    """The package index holds torchvision's CUDA build alone (the `test` extra installs it). Beside torch's CPU build
-    its compiled ops (nms and the like) do not load, and its import fails where it registers their meta kernels;
-    transformers' image processors, the references of the vision tests, use its Python transforms only. So where
-    torch is a CPU build and torchvision is not, that registration is skipped before anything imports torchvision."""
-    import importlib.metadata
+    """torchvision for transformers' Llama 4 image processor, the reference of tests/test_vision_llama4.py. The package
+    index holds its CUDA build alone: beside torch's CPU build its compiled ops (nms and the like) do not load, and its
+    import fails where it registers their meta kernels. `make test` installs it into a folder of its own (Makefile),
+    which only this process puts on its path, with that registration skipped: the processors use its Python
+    transforms only, and the venv's other programs never see it."""
     import types
 
-    try:
-        cuda_wheel = "+cpu" not in importlib.metadata.version("torchvision")
-        cpu_torch = "+cpu" in importlib.metadata.version("torch")
-    except importlib.metadata.PackageNotFoundError:
-        return
-    if cuda_wheel and cpu_torch:
+    folder = os.path.join(sys.prefix, "torchvision-for-tests")
+    if os.path.isdir(folder) and folder not in sys.path:
+        sys.path.append(folder)
         sys.modules.setdefault("torchvision._meta_registrations", types.ModuleType("torchvision._meta_registrations"))
 
 
