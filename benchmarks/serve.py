@@ -10,9 +10,17 @@ ignore_eos). Each client streams one completion at a time (text, no log-probabil
 HTTP/1.1 connection; an asyncio load generator in this process reads the server-sent events itself. Tokens of a
 chunk are counted from its text (the benchmark's tokenizer writes each token as one word).
 
-Measured, in order:
-- `machine`: the matmul rate (float32 2048^3, jitted) and the memory bandwidth (a sum over 512 MiB), the fastest
-  of 5, and the load average;
+Transport: TCP on 127.0.0.1, or with --uds a unix domain socket: the server runs with serve.uds=PATH (a temporary
+folder) and the same clients connect with asyncio.open_unix_connection (Host: localhost), so the figures of the
+two compare. Where no TCP socket opens on 127.0.0.1 (a TPU machine's sandbox) the benchmark says so in one line
+and takes the unix socket itself. The summary's `transport=tcp|uds` says which ran. Without the `hf` part
+neither torch nor transformers is imported: the random Llama is written with numpy (random_llama) and converted,
+so `--parts serve,engine` needs only jaxlm's serving dependencies and `tokenizers` (a TPU machine without torch).
+
+Measured, in order (the server first: its process takes the accelerator, which this one opens after it; one
+process at a time holds a TPU chip; the model is converted in a child process on the CPU):
+- `jaxlm serve` (below), then `machine`: the matmul rate (float32 2048^3, jitted) and the memory bandwidth (a
+  sum over 512 MiB), the fastest of 5, and the load average;
 - `jaxlm serve` with default settings (its process of its own) at concurrency 1, 16 and 64 (4, 32 and
   --requests requests): output tokens/s, time to first token and inter-token latency p50/p99 (a chunk's gap
   shared by its tokens), after a warm-up pass that compiles the shapes the workload needs;
@@ -37,11 +45,13 @@ With --tuned, the server with those settings besides the defaults runs the top c
 Then the summary: vs_generate_real (the server at concurrency 64 over transformers' generate), vs_generate_batch_real
 (over its continuous batching), roofline_frac (the server at concurrency 64 over the roofline's tokens/s),
 engine_roofline_frac (the engine alone, no HTTP, over the same roofline: the figure where no server can run, as
-on a machine that opens no sockets), and vs_transformers_toy. --size tiny runs every part on a tiny model in
+on a machine that opens no sockets), server_vs_engine (the server's output tokens/s at concurrency 64 over the
+engine alone's on the same requests), and vs_transformers_toy. --size tiny runs every part on a tiny model in
 seconds (the code path only: tests).
 
     python benchmarks/serve.py [--requests 128] [--parts serve,hf,engine,slots,toy] [--model-dir DIR]
-                               [--tuned KEY=VALUE,...]
+                               [--tuned KEY=VALUE,...] [--uds]
+    python benchmarks/serve.py --parts serve,engine --uds     # a TPU machine: no TCP, no torch
 """
 
 from __future__ import annotations
@@ -50,6 +60,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import json
 import os
 import socket
@@ -59,7 +70,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -98,18 +108,60 @@ def word_tokenizer(folder: Path, vocab: int) -> None:
     tok.save(str(folder / "tokenizer" / "tokenizer.json"))
 
 
-def build(folder: Path, size: str):
-    """The transformers model (random weights, seed 0) and its jaxlm conversion in folder/jx (reused when there)."""
-    import torch
+def random_llama(folder: Path, hf_cfg: dict, seed: int = 0) -> None:
+    """A transformers Llama folder (config.json, model.safetensors) written without torch: every matrix drawn
+    from a normal of std 0.02 (transformers' initializer_range) and the norms' weights ones, as from_config
+    initializes them; the `hf` part loads it with from_pretrained as it would its own."""
+    D, F, N = hf_cfg["hidden_size"], hf_cfg["intermediate_size"], hf_cfg["num_attention_heads"]
+    hd, KV = D // N, hf_cfg["num_key_value_heads"]
+    entries = [("model.embed_tokens.weight", (hf_cfg["vocab_size"], D))]
+    for i in range(hf_cfg["num_hidden_layers"]):
+        entries += [(f"model.layers.{i}.{name}.weight", shape) for name, shape in (
+            ("self_attn.q_proj", (N * hd, D)), ("self_attn.k_proj", (KV * hd, D)), ("self_attn.v_proj", (KV * hd, D)),
+            ("self_attn.o_proj", (D, N * hd)), ("mlp.gate_proj", (F, D)), ("mlp.up_proj", (F, D)),
+            ("mlp.down_proj", (D, F)), ("input_layernorm", (D,)), ("post_attention_layernorm", (D,)))]
+    entries += [("model.norm.weight", (D,)), ("lm_head.weight", (hf_cfg["vocab_size"], D))]
+    shapes, rng = dict(entries), np.random.default_rng(seed)
+
+    def produce(name: str) -> np.ndarray:
+        if len(shapes[name]) == 1:
+            return np.ones(shapes[name], np.float32)
+        return rng.normal(0.0, 0.02, shapes[name]).astype(np.float32)
+
+    folder.mkdir(parents=True, exist_ok=True)
+    convert.write_safetensors(folder / "model.safetensors", [(n, s, np.dtype(np.float32)) for n, s in entries],
+                              produce)
+    (folder / "config.json").write_text(json.dumps(dict(
+        hf_cfg, architectures=["LlamaForCausalLM"], model_type="llama", head_dim=hd, hidden_act="silu",
+        rms_norm_eps=1e-6, rope_parameters=dict(rope_type="default", rope_theta=10000.0), attention_bias=False,
+        mlp_bias=False, initializer_range=0.02, bos_token_id=1, eos_token_id=2, dtype="float32"), indent=2))
+
+
+def build(folder: Path, size: str, with_hf: bool):
+    """The transformers model (random weights, seed 0; None unless with_hf) and its jaxlm conversion in folder/jx
+    (both reused when there). Without with_hf neither torch nor transformers is imported: the weights are
+    written by random_llama (a machine without torch: a TPU's)."""
+    hf_cfg = dict(SIZES[size]["model"], tie_word_embeddings=False)
+    if not (folder / "hf" / "config.json").is_file():
+        if with_hf:
+            import torch
+            import transformers
+
+            torch.manual_seed(0)
+            model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**hf_cfg))
+            model.save_pretrained(folder / "hf")
+        else:
+            random_llama(folder / "hf", hf_cfg)
+    if not (folder / "jx" / "config.json").is_file():  # converted in a process of its own, on the CPU: this one
+        # opens no accelerator before the server ran (one process at a time holds a TPU chip)
+        subprocess.run([sys.executable, "-m", "jaxlm.cli", "convert", "from-hf", str(folder / "hf"),
+                        str(folder / "jx")], check=True, stdout=subprocess.DEVNULL,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu"))
+        word_tokenizer(folder / "jx", hf_cfg["vocab_size"])
+    if not with_hf:
+        return None, folder / "jx"
     import transformers
 
-    torch.manual_seed(0)
-    hf_cfg = transformers.LlamaConfig(**SIZES[size]["model"], tie_word_embeddings=False)
-    if not (folder / "hf" / "config.json").is_file():
-        transformers.AutoModelForCausalLM.from_config(hf_cfg).save_pretrained(folder / "hf")
-    if not (folder / "jx" / "config.json").is_file():
-        convert.from_hf(str(folder / "hf"), folder / "jx", log=lambda s: None)
-        word_tokenizer(folder / "jx", hf_cfg.vocab_size)
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder / "hf", attn_implementation="sdpa").eval()
     return hf, folder / "jx"
 
@@ -197,6 +249,37 @@ def roofline(requests: list[Request], cfg, weight_bytes: int, kv_bytes_per_token
 
 # ---- jaxlm serve under load --------------------------------------------------------------------------------------
 
+@dataclasses.dataclass(frozen=True)
+class Endpoint:
+    """Where the server listens: 127.0.0.1:port over TCP, or a unix domain socket's path (serve.uds). The clients
+    speak the same HTTP/1.1 over either, so the two transports' figures compare."""
+    port: int = 0
+    uds: str = ""
+
+    @property
+    def host(self) -> bytes:  # the Host header: the server answers localhost on a unix socket
+        return b"localhost" if self.uds else b"127.0.0.1:%d" % self.port
+
+    def open(self):
+        """A coroutine giving a new connection's (reader, writer)."""
+        if self.uds:
+            return asyncio.open_unix_connection(self.uds)
+        return asyncio.open_connection("127.0.0.1", self.port)
+
+
+def tcp_works() -> bool:
+    """Whether this machine opens TCP sockets on 127.0.0.1: a listener, and a connection to it."""
+    try:
+        with socket.socket() as listener, socket.socket() as client:
+            listener.bind(("127.0.0.1", 0))
+            listener.listen(1)
+            client.settimeout(10)
+            client.connect(listener.getsockname())
+        return True
+    except OSError:
+        return False
+
+
 async def _chunks(reader: asyncio.StreamReader):
     """A response's status and its body's pieces as they arrive (chunked transfer encoding, or one
     Content-Length body)."""
@@ -213,18 +296,34 @@ async def _chunks(reader: asyncio.StreamReader):
     await reader.readline()
 
 
-def _post(writer: asyncio.StreamWriter, port: int, body: dict) -> None:
+def _post(writer: asyncio.StreamWriter, ep: Endpoint, body: dict) -> None:
     """Send a completions request (JSON) on a keep-alive connection."""
     data = json.dumps(body).encode()
-    writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1:%d\r\ncontent-type: application/json\r\n"
-                 b"content-length: %d\r\n\r\n%s" % (port, len(data), data))
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: %s\r\ncontent-type: application/json\r\n"
+                 b"content-length: %d\r\n\r\n%s" % (ep.host, len(data), data))
 
 
-async def _stream_completion(conn, port: int, r: Request):
+async def _health(ep: Endpoint) -> int:
+    """The status of GET /health on a connection of its own (0 where no connection opens yet)."""
+    try:
+        reader, writer = await ep.open()
+    except OSError:
+        return 0
+    try:
+        writer.write(b"GET /health HTTP/1.1\r\nhost: %s\r\nconnection: close\r\n\r\n" % ep.host)
+        status = (await reader.readline()).split()
+        return int(status[1]) if len(status) > 1 else 0
+    except OSError:
+        return 0
+    finally:
+        writer.close()
+
+
+async def _stream_completion(conn, ep: Endpoint, r: Request):
     """One streamed completion on a keep-alive connection: (start, [(chunk arrival, tokens)], tokens)."""
     reader, writer = conn
     t0 = time.perf_counter()
-    _post(writer, port, dict(model="bench", prompt=r.prompt, max_tokens=r.output, temperature=0, stream=True))
+    _post(writer, ep, dict(model="bench", prompt=r.prompt, max_tokens=r.output, temperature=0, stream=True))
     chunks, pending = [], b""
     async for status, data in _chunks(reader):
         if status != 200:
@@ -239,17 +338,17 @@ async def _stream_completion(conn, port: int, r: Request):
     return t0, chunks, sum(n for _, n in chunks)
 
 
-def run_level(port: int, requests: list[Request], concurrency: int) -> dict:
+def run_level(ep: Endpoint, requests: list[Request], concurrency: int) -> dict:
     """`concurrency` clients, each streaming the next request's completion when its last one ends."""
     todo = list(enumerate(requests))[::-1]
     results = [None] * len(requests)
 
     async def one_client():
-        conn = await asyncio.open_connection("127.0.0.1", port)
+        conn = await ep.open()
         try:
             while todo:
                 i, r = todo.pop()
-                results[i] = await _stream_completion(conn, port, r)
+                results[i] = await _stream_completion(conn, ep, r)
         finally:
             conn[1].close()
 
@@ -274,42 +373,44 @@ def line(r: dict) -> str:
 
 
 @contextlib.contextmanager
-def server(folder: Path, settings: list[str]):
-    """`jaxlm serve` in its own process; yields its port once it answers, stops it after."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    settings = ["serve.max_queue=4096", "serve.model_name=bench", f"serve.port={port}", "decode.stop_at_eos=false",
-                *settings]
-    proc = subprocess.Popen([sys.executable, "-m", "jaxlm.cli", "serve", str(folder), *settings],
-                            stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 1800
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                sys.exit(f"jaxlm serve did not start (exit status {proc.poll()})")
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
+def server(folder: Path, settings: list[str], uds: bool = False):
+    """`jaxlm serve` in its own process, on a free TCP port of 127.0.0.1 or (uds) on a unix socket in a temporary
+    folder; yields its Endpoint once it answers, stops it after."""
+    with tempfile.TemporaryDirectory(prefix="jaxlm-serve-") as sockets:
+        if uds:
+            ep = Endpoint(uds=str(Path(sockets) / "serve.sock"))
+        else:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                ep = Endpoint(port=s.getsockname()[1])
+        where = f"serve.uds={ep.uds}" if uds else f"serve.port={ep.port}"
+        settings = ["serve.max_queue=4096", "serve.model_name=bench", where, "decode.stop_at_eos=false", *settings]
+        proc = subprocess.Popen([sys.executable, "-m", "jaxlm.cli", "serve", str(folder), *settings],
+                                stderr=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + 1800
+            while asyncio.run(_health(ep)) != 200:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    sys.exit(f"jaxlm serve did not start (exit status {proc.poll()})")
                 time.sleep(0.5)
-        yield port
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+            yield ep
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
 
 
-def serve_levels(folder: Path, size: str, n: int, settings: tuple[str, ...] = (), top_only: bool = False) -> dict:
-    """The server (default settings, and `settings` besides them) at each concurrency of the size's levels (the
-    last only with top_only), after a warm-up pass; the last level runs the n requests of seed 0, the ones the
-    other parts run."""
+def serve_levels(folder: Path, size: str, n: int, settings: tuple[str, ...] = (), top_only: bool = False,
+                 uds: bool = False) -> dict:
+    """The server (default settings, and `settings` besides them; on a unix socket with uds) at each concurrency
+    of the size's levels (the last only with top_only), after a warm-up pass; the last level runs the n requests
+    of seed 0, the ones the other parts run."""
     out = {}
     levels = SIZES[size]["levels"][-1:] if top_only else SIZES[size]["levels"]
-    with server(folder, [*SIZES[size]["settings"], *settings]) as port:
-        run_level(port, warm_up_requests(workload(size, n, seed=0)), levels[-1][0])
+    with server(folder, [*SIZES[size]["settings"], *settings], uds) as ep:
+        run_level(ep, warm_up_requests(workload(size, n, seed=0)), levels[-1][0])
         for concurrency, count in levels:
             requests = workload(size, n, seed=0) if count is None else workload(size, count, seed=concurrency)
-            out[concurrency] = run_level(port, requests, concurrency)
+            out[concurrency] = run_level(ep, requests, concurrency)
             print((f"tuned ({','.join(settings)}) " if settings else "") + line(out[concurrency]), flush=True)
     return out
 
@@ -377,6 +478,7 @@ def engine_run(model, requests: list[Request], slots: int, params=None, cache_pa
     from jaxlm.serve.engine import Engine
     from jaxlm.serve.requests import Sequence
 
+    gc.collect()  # an earlier run's engine (threads, closures: a cycle) and its cache pages freed before these
     m = model.config.model
     sc = ServeConfig(**{"max_slots": slots, "max_queue": len(requests) + 1, "prefix_cache": 0, **settings})
     e = Engine(model.params if params is None else params, m, sc, m.block_size, cache_pages=cache_pages)
@@ -402,9 +504,9 @@ def engine_run(model, requests: list[Request], slots: int, params=None, cache_pa
 
 # ---- the toy model of the earlier figures ------------------------------------------------------------------------
 
-def toy(tmp: Path, settings: tuple[str, ...] = ()) -> dict:
-    """The earlier benchmark's model and requests: the server (defaults and `settings`) at concurrency 16 against
-    transformers' generate at batch 16."""
+def toy(tmp: Path, settings: tuple[str, ...] = (), uds: bool = False) -> dict:
+    """The earlier benchmark's model and requests: the server (defaults and `settings`; on a unix socket with uds)
+    at concurrency 16 against transformers' generate at batch 16."""
     new = 64
     _, _, hf = decode_bench.build(tmp, new)
     folder = tmp / "jx"
@@ -418,15 +520,15 @@ def toy(tmp: Path, settings: tuple[str, ...] = ()) -> dict:
     tok.save(str(folder / "tokenizer" / "tokenizer.json"))
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 256, decode_bench.PROMPT).tolist() for _ in range(2 * 16)]
-    with server(folder, [f"decode.cache_length={decode_bench.PROMPT + new}", *settings]) as port:
-        _toy_level(port, prompts[:4], 4, new)  # warm up
-        served = max(_toy_level(port, prompts, 16, new) for _ in range(3))
+    with server(folder, [f"decode.cache_length={decode_bench.PROMPT + new}", *settings], uds) as ep:
+        _toy_level(ep, prompts[:4], 4, new)  # warm up
+        served = max(_toy_level(ep, prompts, 16, new) for _ in range(3))
     batch = np.random.default_rng(16).integers(0, 256, (16, decode_bench.PROMPT)).astype(np.int32)
     hf_tok_s = max(decode_bench.with_transformers(hf, batch, new) for _ in range(3))
     return dict(server_tok_per_s=served, transformers_batch16_tok_per_s=hf_tok_s, vs_transformers_toy=served / hf_tok_s)
 
 
-def _toy_level(port: int, prompts: list[list[int]], concurrency: int, new: int) -> float:
+def _toy_level(ep: Endpoint, prompts: list[list[int]], concurrency: int, new: int) -> float:
     """Output tokens/s of `concurrency` clients, each on a keep-alive connection of its own, asking for `new`
     greedy tokens after each prompt in turn (counted from each answer's usage). The clients are this file's own
     asyncio ones, as the real size's are: httpx's cost as much CPU a request as the toy model does, so with
@@ -434,10 +536,10 @@ def _toy_level(port: int, prompts: list[list[int]], concurrency: int, new: int) 
     todo = list(prompts)
 
     async def one():
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        reader, writer = await ep.open()
         try:
             while todo:
-                _post(writer, port, dict(model="bench", prompt=todo.pop(), max_tokens=new, temperature=0))
+                _post(writer, ep, dict(model="bench", prompt=todo.pop(), max_tokens=new, temperature=0))
                 async for status, data in _chunks(reader):
                     if status != 200:
                         raise RuntimeError(f"HTTP {status}: {data[:300]!r}")
@@ -463,17 +565,31 @@ def main(argv=None) -> dict:
     ap.add_argument("--model-dir", help="keep the built model here for later runs (default: a temporary folder)")
     ap.add_argument("--tuned", default="", help="comma-separated server settings (e.g. decode.quantize_kv_cache=true) "
                     "also measured at the top concurrency with the serve part, printed beside the defaults as tuned")
+    ap.add_argument("--uds", action="store_true", help="the server listens on a unix domain socket (serve.uds) and "
+                    "the clients connect there; chosen by itself where no TCP socket opens on 127.0.0.1")
     a = ap.parse_args(argv)
     parts = set(a.parts.split(","))
-    report: dict = {"load_avg_start": os.getloadavg()}
+    uds = a.uds
+    if not uds and parts & {"serve", "toy"} and not tcp_works():
+        print("no TCP socket opens on 127.0.0.1 here: the server listens on a unix domain socket (as with --uds)",
+              flush=True)
+        uds = True
+    report: dict = {"load_avg_start": os.getloadavg(), "transport": "uds" if uds else "tcp"}
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(a.model_dir or tmp)
         folder.mkdir(parents=True, exist_ok=True)
-        hf, jx = build(folder, a.size)
-        model = api.load(jx)
-        m = model.config.model
+        hf, jx = build(folder, a.size, with_hf="hf" in parts)
         requests = workload(a.size, a.requests, seed=0)
         print("workload " + describe(requests), flush=True)
+        top = SIZES[a.size]["levels"][-1][0]
+        if "serve" in parts:  # first: the server's process takes the accelerator, which this one opens below (one
+            # process at a time holds a TPU chip)
+            report["serve"] = serve_levels(jx, a.size, a.requests, uds=uds)
+            if a.tuned:
+                tuned = serve_levels(jx, a.size, a.requests, tuple(a.tuned.split(",")), top_only=True, uds=uds)
+                report["serve_tuned"] = dict(settings=a.tuned, **tuned[top])
+        model = api.load(jx)
+        m = model.config.model
         mach = machine()
         report["machine"] = mach
         print(f"machine matmul_gflops={mach['flops'] / 1e9:.1f} membw_gbs={mach['bandwidth'] / 1e9:.1f} "
@@ -486,15 +602,9 @@ def main(argv=None) -> dict:
 
         server_pages = cache_pages(m, ServeConfig(), m.block_size, False)  # the server's default
         cache_bytes = server_pages * 16 * paged.bytes_per_token(m)
-        top = SIZES[a.size]["levels"][-1][0]
         roof = roofline(requests, m, weight_bytes, paged.bytes_per_token(m, lane=1), mach, top)  # unpadded
         report["roofline"] = roof
         print(line(roof), flush=True)
-        if "serve" in parts:
-            report["serve"] = serve_levels(jx, a.size, a.requests)
-            if a.tuned:
-                tuned = serve_levels(jx, a.size, a.requests, tuple(a.tuned.split(",")), top_only=True)
-                report["serve_tuned"] = dict(settings=a.tuned, **tuned[top])
         if "hf" in parts:
             report["transformers_generate_batch16"] = hf_generate(hf, requests)
             print(f"transformers_generate_batch16 output_tok_per_s={report['transformers_generate_batch16']:.1f}",
@@ -523,10 +633,10 @@ def main(argv=None) -> dict:
             print(f"slot_cache slots={sequences} " + line(slot), flush=True)
             print(f"paged_cache pages={pages} " + line(paged_run), flush=True)
         if "toy" in parts:
-            report["toy"] = toy(Path(tmp) / "toy", SIZES[a.size]["settings"])
+            report["toy"] = toy(Path(tmp) / "toy", SIZES[a.size]["settings"], uds)
             print("toy " + line(report["toy"]), flush=True)
     report["load_avg_end"] = os.getloadavg()
-    summary = {}
+    summary: dict = {"transport": report["transport"]} if parts & {"serve", "toy"} else {}
     if "serve" in parts:
         s64 = report["serve"][top]["output_tok_per_s"]
         summary["roofline_frac"] = s64 / roof["roofline_tok_per_s"]
@@ -541,7 +651,8 @@ def main(argv=None) -> dict:
             total = report["serve"][top]["wall_s"]
             decode = e["alone"]["wall_s"] - e["prefill_only"]["wall_s"]
             summary.update(time_prefill=e["prefill_only"]["wall_s"] / total, time_decode=decode / total,
-                           time_http_and_host=(total - e["alone"]["wall_s"]) / total)
+                           time_http_and_host=(total - e["alone"]["wall_s"]) / total,
+                           server_vs_engine=s64 / e["alone"]["output_tok_per_s"])
     if "engine" in parts:  # the engine alone (no HTTP): where no server can run (no sockets), this is the figure
         summary["engine_roofline_frac"] = report["engine"]["alone"]["output_tok_per_s"] / roof["roofline_tok_per_s"]
     if "slots" in parts:
@@ -551,7 +662,7 @@ def main(argv=None) -> dict:
     if "toy" in parts:
         summary["vs_transformers_toy"] = report["toy"]["vs_transformers_toy"]
     for k, v in summary.items():
-        print(f"{k}={v:.2f}")
+        print(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}")
     report["summary"] = summary
     print(json.dumps(report, default=float))
     return report

@@ -1,10 +1,12 @@
 """The benchmarks run end to end at tiny sizes (their figures mean nothing here; the real sizes are measured by
 hand: docs/serve.md, docs/finetune.md, docs/rl.md): benchmarks/serve.py (every part: the server's levels,
-transformers' generate and continuous batching, the engine alone, paged against slot cache, the toy model),
+transformers' generate and continuous batching, the engine alone, paged against slot cache, the toy model;
+and the server on a unix socket with torch hidden, as on a TPU machine),
 benchmarks/multi_lora.py (8 adapters mixed against the base), benchmarks/speculative.py (two models trained a
 few steps, with and without the draft), the post-training benchmarks printing the figures their docstrings
 name."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -35,12 +37,39 @@ def test_serve_benchmark_runs_every_part_at_a_tiny_size(tmp_path):
                                "--tuned", "decode.quantize_kv_cache=true"])
     s = report["summary"]
     for key in ("vs_generate_real", "vs_generate_batch_real", "roofline_frac", "paged_vs_slot_sequences",
-                "vs_transformers_toy", "time_prefill", "time_decode", "roofline_frac_tuned", "engine_roofline_frac"):
+                "vs_transformers_toy", "time_prefill", "time_decode", "roofline_frac_tuned", "engine_roofline_frac",
+                "server_vs_engine"):
         assert s[key] > 0, key
+    assert s["transport"] == report["transport"] == "tcp"
     assert report["slots"]["paged"]["in_flight"] > report["slots"]["slot"]["in_flight"] == 1
     assert set(report["serve"]) == {1, 4} and report["serve"][4]["requests"] == 8
     tuned = report["serve_tuned"]
     assert tuned["requests"] == 8 and tuned["settings"] == "decode.quantize_kv_cache=true"
+
+
+@pytest.mark.slow
+def test_serve_benchmark_runs_on_a_unix_socket_without_torch(tmp_path):
+    """--uds (a TPU machine opens no TCP socket, and has no torch): the server on serve.uds, the clients through
+    the socket; torch and transformers are made to fail at import in the benchmark and the server it starts."""
+    require("fastapi")
+    hidden = tmp_path / "hidden"
+    hidden.mkdir()
+    for name in ("torch", "transformers"):
+        (hidden / f"{name}.py").write_text(f"raise RuntimeError('{name} imported')\n")
+    env = users_environment(XLA_FLAGS=xla_flags(), PYTHONPATH=f"{hidden}:{ROOT / 'src'}", JAX_PLATFORMS="cpu")
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serve.py"), "--size", "tiny", "--parts",
+                        "serve,engine", "--uds", "--requests", "8", "--model-dir", str(tmp_path / "model")],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    report = json.loads(p.stdout.splitlines()[-1])
+    s = report["summary"]
+    assert s["transport"] == report["transport"] == "uds" and "transport=uds" in p.stdout.splitlines()
+    for key in ("roofline_frac", "time_prefill", "time_decode", "server_vs_engine", "engine_roofline_frac"):
+        assert s[key] > 0, key
+    assert set(report["serve"]) == {"1", "4"} and report["serve"]["4"]["requests"] == 8
+    for level in report["serve"].values():
+        assert level["output_tok_per_s"] > 0 and level["ttft_p50_ms"] > 0 and level["wall_s"] > 0
+    assert report["engine"]["alone"]["output_tok_per_s"] > 0 and report["engine"]["alone"]["in_flight"] == 4
 
 
 @pytest.mark.slow
