@@ -48,6 +48,7 @@ def test_serve_benchmark_runs_every_part_at_a_tiny_size(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.in_ci  # ~60 s: the path a TPU machine takes (no TCP socket, no torch), which CI has no chip to run
 def test_serve_benchmark_runs_on_a_unix_socket_without_torch(tmp_path):
     """--uds (a TPU machine opens no TCP socket, and has no torch): the server on serve.uds, the clients through
     the socket; torch and transformers are made to fail at import in the benchmark and the server it starts."""
