@@ -203,13 +203,18 @@ def self_attention(q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, cfg, ki
     own segment; None = one segment per row). Every implementation takes these arguments; masks are causal by
     position, windowed for `local` layers, blocked for `chunked` ones, and never cross a segment; sinks_N (a
     logit per query head) join the softmax denominators. reach_BT (a prompt with images: `mask`) runs
-    dot_product, the one implementation whose mask takes it."""
+    dot_product where that is the implementation chosen, else blockwise (the kernels take no per-query reach;
+    blockwise keeps their memory bound)."""
     T = q_BTNH.shape[1]
     window, chunk = limits(cfg, kind)
     if reach_BT is not None:
         if ring.context_devices() > 1:
             raise ConfigError("images (bidirectional attention over an image's tokens) need the `length` axis on "
                               "one device; set mesh.ici_sequence and mesh.dcn_sequence to 1")
+        impl = choose(cfg, T, q_BTNH.dtype, segment_ids_BT is not None, mesh_platform(), dropout=key is not None)
+        if impl != "dot_product":
+            return blockwise.attention(q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, window, scale(cfg),
+                                       cfg.attn_logit_softcap, cfg.attention_block, chunk, sinks_N, reach_BT)
         mask_BTS = mask(positions_BT, positions_BT, window, segment_ids_BT, segment_ids_BT, chunk, reach_BT)
         return attend(q_BTNH, k_BTKH, v_BTKH, mask_BTS, cfg.dropout, key, scale(cfg), cfg.attn_logit_softcap,
                       sinks_N)

@@ -24,10 +24,12 @@ PAD_POSITION = 2 ** 30  # the position of padded keys
 def attend_block(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, q_pos_BT: jax.Array,
                  k_pos_BS: jax.Array, q_seg_BT: jax.Array | None = None, k_seg_BS: jax.Array | None = None,
                  window: int | None = None, scale: float | None = None, softcap: float | None = None,
-                 block_q: int = 512, block_k: int = 512, chunk: int | None = None) -> tuple[jax.Array, jax.Array]:
+                 block_q: int = 512, block_k: int = 512, chunk: int | None = None,
+                 q_reach_BT: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Attention of queries [B, T, N, H] over keys and values [B, S, K, H] (N a multiple of K), causal by
-    position (key position <= query position), within the last `window` positions when given (the query's
-    own included), within the query's block of `chunk` positions when given, and within the same segment when
+    position (key position <= query position, or <= the query's reach when q_reach_BT is given: an image's
+    tokens see to its end, attention.mask), within the last `window` positions when given (the query's own
+    included), within the query's block of `chunk` positions when given, and within the same segment when
     segment ids are given (both or neither).
     Logits are q.k * scale (default 1/sqrt(H)), then softcap * tanh(logits / softcap) when softcap is set.
 
@@ -43,12 +45,14 @@ def attend_block(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, q_pos_
     if q_seg_BT is None:
         q_seg_BT, k_seg_BS = jnp.zeros((B, T), jnp.int32), jnp.zeros((B, S), jnp.int32)
     pad_t, pad_s = -T % min(block_q, T), -S % min(block_k, S)
-    q_BTNH, q_pos_BT, q_seg_BT = (pad_tokens(a, pad_t) for a in (q_BTNH, q_pos_BT, q_seg_BT))
+    q_reach_BT = q_pos_BT if q_reach_BT is None else q_reach_BT
+    q_BTNH, q_pos_BT, q_seg_BT, q_reach_BT = (pad_tokens(a, pad_t) for a in (q_BTNH, q_pos_BT, q_seg_BT, q_reach_BT))
     k_BSKH, v_BSKH, k_seg_BS = (pad_tokens(a, pad_s) for a in (k_BSKH, v_BSKH, k_seg_BS))
     k_pos_BS = pad_tokens(k_pos_BS, pad_s, PAD_POSITION)
     tiling = _tiling(q_BTNH, k_BSKH, window, scale, softcap, block_q, block_k, chunk)
     out_BTNH, lse_BTN = _attend(tiling, q_BTNH, k_BSKH, v_BSKH, q_pos_BT.astype(jnp.int32),
-                                k_pos_BS.astype(jnp.int32), q_seg_BT.astype(jnp.int32), k_seg_BS.astype(jnp.int32))
+                                k_pos_BS.astype(jnp.int32), q_seg_BT.astype(jnp.int32), k_seg_BS.astype(jnp.int32),
+                                q_reach_BT.astype(jnp.int32))
     return out_BTNH[:, :T], lse_BTN[:, :T]
 
 
@@ -68,13 +72,16 @@ def pad_tokens(x_BL, n: int, value=0):
 
 
 def attention(q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, window=None, scale=None, softcap=None,
-              block_size: int = 512, chunk: int | None = None, sinks_N: jax.Array | None = None) -> jax.Array:
-    """Causal self-attention of T tokens, in the query dtype: the `self_attention` implementation. With
-    sinks_N (a logit per query head that joins every softmax denominator, gpt-oss) the output is rescaled
-    by the share of the probability the keys keep: exp(lse) / (exp(lse) + exp(sink))."""
+              block_size: int = 512, chunk: int | None = None, sinks_N: jax.Array | None = None,
+              reach_BT: jax.Array | None = None) -> jax.Array:
+    """Causal self-attention of T tokens, in the query dtype: the `self_attention` implementation (reach_BT: a
+    prompt with images, `attend_block`). With sinks_N (a logit per query head that joins every softmax
+    denominator, gpt-oss) the output is rescaled by the share of the probability the keys keep:
+    exp(lse) / (exp(lse) + exp(sink))."""
     with jax.named_scope("blockwise_attention"):
         out_BTNH, lse_BTN = attend_block(q_BTNH, k_BTKH, v_BTKH, positions_BT, positions_BT, segment_ids_BT,
-                                         segment_ids_BT, window, scale, softcap, block_size, block_size, chunk)
+                                         segment_ids_BT, window, scale, softcap, block_size, block_size, chunk,
+                                         reach_BT)
         if sinks_N is not None:
             out_BTNH = out_BTNH * jax.nn.sigmoid(lse_BTN - sinks_N.astype(jnp.float32))[..., None]
         return out_BTNH.astype(q_BTNH.dtype)
@@ -121,9 +128,10 @@ def _unrows(x_BKGQ):
     return x_BKGQ.transpose(0, 3, 1, 2).reshape(B, Q, K * G)
 
 
-def _mask(t: _Tiling, q_pos_BQ, k_pos_BC, q_seg_BQ, k_seg_BC):
+def _mask(t: _Tiling, q_pos_BQ, k_pos_BC, q_seg_BQ, k_seg_BC, q_reach_BQ=None):
     q_BQ1, k_B1C = q_pos_BQ[:, :, None], k_pos_BC[:, None, :]
-    allowed_BQC = (k_B1C <= q_BQ1) & (q_seg_BQ[:, :, None] == k_seg_BC[:, None, :])
+    limit_BQ1 = q_BQ1 if q_reach_BQ is None else q_reach_BQ[:, :, None]
+    allowed_BQC = (k_B1C <= limit_BQ1) & (q_seg_BQ[:, :, None] == k_seg_BC[:, None, :])
     if t.window is not None:
         allowed_BQC &= k_B1C > q_BQ1 - t.window
     if t.chunk is not None:
@@ -152,24 +160,25 @@ def _tied(*arrays):
     return jax.lax.optimization_barrier(arrays)
 
 
-def _accumulate(t: _Tiling, q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS, state):
+def _accumulate(t: _Tiling, q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS, state, q_reach_BT=None):
     """The online softmax over one more key set: state (m, l, acc) updated tile by tile, in place. The loops
-    slice the arguments where they lie, so nothing of size T or S is copied."""
-    q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS = _tied(
-        q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS)
+    slice the arguments where they lie, so nothing of size T or S is copied. q_reach_BT: `attend_block`."""
+    q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS, q_reach_BT = _tied(
+        q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS, q_reach_BT)
     B, T, N, H = q_BTNH.shape
     Q, C, G = t.Q, t.C, t.G
 
     def query_block(i, state):
         q_BQKGH = _split_heads(_tile(q_BTNH, i, Q), G)
         q_pos_BQ, q_seg_BQ = _tile(q_pos_BT, i, Q), _tile(q_seg_BT, i, Q)
+        q_reach_BQ = None if q_reach_BT is None else _tile(q_reach_BT, i, Q)
         m_BTN, l_BTN, acc_BTNH = state
         rows = (_rows(_tile(m_BTN, i, Q), G), _rows(_tile(l_BTN, i, Q), G),
                 _split_heads(_tile(acc_BTNH, i, Q), G).transpose(0, 2, 3, 1, 4))
 
         def key_block(j, rows):
             k_BCKH, v_BCKH = _tile(k_BSKH, j, C), _tile(v_BSKH, j, C)
-            allowed_BQC = _mask(t, q_pos_BQ, _tile(k_pos_BS, j, C), q_seg_BQ, _tile(k_seg_BS, j, C))
+            allowed_BQC = _mask(t, q_pos_BQ, _tile(k_pos_BS, j, C), q_seg_BQ, _tile(k_seg_BS, j, C), q_reach_BQ)
 
             def update(rows):
                 m_BKGQ, l_BKGQ, acc_BKGQH = rows
@@ -194,12 +203,12 @@ def _accumulate(t: _Tiling, q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT
 
 
 def _accumulate_grads(t: _Tiling, q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS, lse_BTN,
-                      delta_BTN, dout_BTNH, grads):
+                      delta_BTN, dout_BTNH, grads, q_reach_BT=None):
     """Flash attention's backward, adding into grads (dq, dk, dv) in place: an outer loop over key tiles
     accumulates their dk, dv while an inner loop over query tiles recomputes each tile's probabilities from
     the saved log-sum-exp and adds to dq."""
-    q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS = _tied(
-        q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS)
+    q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS, q_reach_BT = _tied(
+        q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS, q_reach_BT)
     B, T, N, H = q_BTNH.shape
     Q, C, G = t.Q, t.C, t.G
     cdt = q_BTNH.dtype
@@ -211,7 +220,8 @@ def _accumulate_grads(t: _Tiling, q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_
 
         def query_block(i, carry):
             q_BQKGH = _split_heads(_tile(q_BTNH, i, Q), G)
-            allowed_BQC = _mask(t, _tile(q_pos_BT, i, Q), k_pos_BC, _tile(q_seg_BT, i, Q), k_seg_BC)
+            allowed_BQC = _mask(t, _tile(q_pos_BT, i, Q), k_pos_BC, _tile(q_seg_BT, i, Q), k_seg_BC,
+                                None if q_reach_BT is None else _tile(q_reach_BT, i, Q))
 
             def update(carry):
                 dq_BTNH, dk_BCKH, dv_BCKH = carry
@@ -289,27 +299,28 @@ def accumulate_grads(q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attend(t: _Tiling, q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS):
-    return _attend_fwd(t, q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS)[0]
+def _attend(t: _Tiling, q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS, q_reach_BT):
+    return _attend_fwd(t, q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS, q_reach_BT)[0]
 
 
-def _attend_fwd(t, q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS):
+def _attend_fwd(t, q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS, q_reach_BT):
     B, T, N, H = q_BTNH.shape
     out_BTNH, lse_BTN = finish(_accumulate(t, q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS,
-                                           empty_state(B, T, N, H)))
-    return (out_BTNH, lse_BTN), (q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS, out_BTNH, lse_BTN)
+                                           empty_state(B, T, N, H), q_reach_BT))
+    return (out_BTNH, lse_BTN), (q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS, q_reach_BT,
+                                 out_BTNH, lse_BTN)
 
 
 def _attend_bwd(t, residuals, cotangents):
-    q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS, out_BTNH, lse_BTN = residuals
+    q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS, q_reach_BT, out_BTNH, lse_BTN = residuals
     dout_BTNH, dlse_BTN = cotangents
     zeros = (jnp.zeros(q_BTNH.shape, jnp.float32), jnp.zeros(k_BSKH.shape, jnp.float32),
              jnp.zeros(v_BSKH.shape, jnp.float32))
     dq_BTNH, dk_BSKH, dv_BSKH = _accumulate_grads(t, q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, q_seg_BT, k_seg_BS,
                                                   lse_BTN, softmax_delta(out_BTNH, dout_BTNH, dlse_BTN), dout_BTNH,
-                                                  zeros)
+                                                  zeros, q_reach_BT)
     return (dq_BTNH.astype(q_BTNH.dtype), dk_BSKH.astype(k_BSKH.dtype), dv_BSKH.astype(v_BSKH.dtype),
-            None, None, None, None)
+            None, None, None, None, None)
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)
