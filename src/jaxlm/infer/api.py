@@ -20,7 +20,7 @@ from jaxlm.store import weights
 from jaxlm.infer import generate
 from jaxlm.config import Config, ConfigError, DecodeConfig, MeshConfig, ModelConfig
 from jaxlm.data import images, images_qwen, tokenizer as tokenizer_lib
-from jaxlm.model import forward, vision
+from jaxlm.model import forward, images_as_input
 
 
 @partial(jax.jit, static_argnames=("cfg", "layout"))
@@ -47,7 +47,7 @@ class Model:
         V = self.config.model.vocab_size
         if tokens_BT.size and (tokens_BT.min() < 0 or tokens_BT.max() >= V):
             raise ValueError(f"token ids must be in [0, {V}), got [{tokens_BT.min()}, {tokens_BT.max()}]")
-        images = vision.as_input(images, self.config.model, tokens_BT)
+        images = images_as_input(images, self.config.model, tokens_BT)
         return np.asarray(_logits(self.params, jnp.asarray(tokens_BT, jnp.int32), self.config.model,
                                   sharding.layout(self.mesh), images))
 

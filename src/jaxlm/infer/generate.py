@@ -29,7 +29,7 @@ import numpy as np
 from jaxlm import sharding
 from jaxlm.infer import sampling
 from jaxlm.config import ConfigError, DecodeConfig, ModelConfig, validate_decode
-from jaxlm.model import decode, forward, kvcache, vision
+from jaxlm.model import decode, forward, images_as_input, kvcache
 
 
 @partial(jax.jit, static_argnames=("cfg", "prompt_len", "new_tokens", "temperature", "top_k"))
@@ -307,7 +307,7 @@ def generate(params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], d: Deco
     prompts_BT, lengths_B = padded_prompts(prompts, T)
     sampled = row_sampling(d, stop_ids, B)
     t0 = time.perf_counter()
-    images = vision.as_input(images, cfg, prompts)
+    images = images_as_input(images, cfg, prompts)
     prefill, decode = _compiled(params, prompts_BT, lengths_B, sampled, cfg, length, d, mesh, on_tokens is not None,
                                 images)
     t1 = time.perf_counter()

@@ -69,8 +69,17 @@ def param_specs(cfg: ModelConfig) -> dict:
 
 
 def tower(cfg: ModelConfig):
-    """The module of the model's vision tower (model.vision.kind): its specs, encode and describe."""
+    """The module of the model's vision tower (model.vision.kind): its specs, as_input, images_in and describe."""
     return {"llama4": vision_llama4, "qwen2_5": vision_qwen, "qwen3": vision_qwen3}.get(cfg.vision.kind, vision)
+
+
+def images_as_input(images, cfg: ModelConfig, token_rows=None):
+    """A caller's images as the forward pass takes them (the tower's as_input: float32 arrays; Qwen-VL's patch grids
+    checked against the image tokens of `token_rows`); None for none. A model without a tower gets them as one
+    array, which with_images refuses in one line."""
+    if images is None:
+        return None
+    return vision.as_input(images, cfg) if cfg.vision is None else tower(cfg).as_input(images, cfg, token_rows)
 
 
 _cp = jax.checkpoint_policies
@@ -286,20 +295,7 @@ def with_images(params, x_BTD, tokens_BT, positions_BT, images, cfg: ModelConfig
         return x_BTD, None, None, None
     if cfg.vision is None or cfg.latent:
         raise ConfigError("images need a model with a vision tower (model.vision) and ordinary attention")
-    image_token = cfg.vision.image_token_id
-    if cfg.vision.kind == "qwen2_5":
-        soft_XD = vision_qwen.encode(params["vision"], images, cfg)
-        return (vision.place(x_BTD, tokens_BT, soft_XD, image_token), None,
-                vision_qwen.rope_positions(tokens_BT, images, cfg), None)
-    if cfg.vision.kind == "qwen3":
-        soft_XD, deep_SXD = vision_qwen3.encode(params["vision"], images, cfg)
-        return (vision.place(x_BTD, tokens_BT, soft_XD, image_token), None,
-                vision_qwen.rope_positions(tokens_BT, images, cfg),
-                vision_qwen3.deepstack_addends(deep_SXD, tokens_BT, cfg))
-    soft_IMD = tower(cfg).encode(params["vision"], images, cfg)
-    x_BTD = vision.place(x_BTD, tokens_BT, soft_IMD, image_token)
-    reach_BT = None if cfg.vision.kind == "llama4" else vision.reach(tokens_BT, positions_BT, image_token)
-    return x_BTD, reach_BT, None, None
+    return tower(cfg).images_in(params["vision"], x_BTD, tokens_BT, positions_BT, images, cfg)
 
 
 def hidden_with_stats(params, tokens_BT, cfg: ModelConfig, key, positions_BT, segment_ids_BT, images=None):

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlm.config import ModelConfig
-from jaxlm.model import attention, layers, vision_qwen
+from jaxlm.model import attention, layers
 from jaxlm.params import ParamSpec, count, normal, ones, zeros
 
 CHANNELS = 3
@@ -159,17 +159,17 @@ def reach(tokens_BT: jax.Array, positions_BT: jax.Array, image_token_id: int) ->
 
 
 def as_input(images, cfg: ModelConfig, token_rows=None):
-    """A caller's images as the forward pass takes them, float32: one array [n, side, side, 3] (Gemma 3), or a
-    tuple of patch grids [t, h, w, Q], each its own shape (Qwen-VL: model/vision_qwen.py, which checks them
-    against the image tokens of `token_rows`)."""
-    if images is None:
-        return None
-    if cfg.vision is not None and cfg.vision.kind in ("qwen2_5", "qwen3"):
-        grids = tuple(np.asarray(image, np.float32) for image in images)
-        if token_rows is not None:
-            vision_qwen.check(token_rows, grids, cfg)
-        return grids
+    """A caller's images as the forward pass takes them (each tower's as_input; transformer.tower): here one
+    float32 array [n, side, side, 3] (Gemma 3; Llama 4's tiles)."""
     return np.asarray(images, np.float32)
+
+
+def images_in(p: dict, x_BTD, tokens_BT, positions_BT, images, cfg: ModelConfig):
+    """What a prompt's images give the language model (transformer.with_images): the embeddings with the soft
+    tokens placed, each token's reach (an image's tokens see one another), no M-RoPE positions, no deepstack."""
+    image_token = cfg.vision.image_token_id
+    return (place(x_BTD, tokens_BT, encode(p, images, cfg), image_token),
+            reach(tokens_BT, positions_BT, image_token), None, None)
 
 
 def describe(cfg: ModelConfig) -> str:

@@ -104,6 +104,15 @@ def project(p: dict, x_IPE: jax.Array, cfg: ModelConfig) -> jax.Array:
         return layers.dot("IMA,AD->IMD", h_IMA, p["projector"]["proj"])
 
 
+as_input = vision.as_input  # tiles [n, side, side, 3], as Gemma 3's images
+
+
+def images_in(p: dict, x_BTD, tokens_BT, positions_BT, images, cfg: ModelConfig):
+    """transformer.with_images for Llama 4: the tiles' soft tokens placed; its image tokens attend causally (no
+    reach), as transformers' Llama 4 does."""
+    return vision.place(x_BTD, tokens_BT, encode(p, images, cfg), cfg.vision.image_token_id), None, None, None
+
+
 def describe(cfg: ModelConfig) -> str:
     """One line for `jaxlm describe`: the tower's shape and weights."""
     v = cfg.vision

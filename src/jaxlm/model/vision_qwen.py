@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlm.config import ModelConfig
-from jaxlm.model import attention, layers
+from jaxlm.model import attention, layers, vision
 from jaxlm.params import ParamSpec, count, normal, ones, zeros
 
 CHANNELS = 3
@@ -178,6 +178,21 @@ def check(token_rows, images: tuple, cfg: ModelConfig) -> None:
     if have != want:
         raise ValueError(f"the prompts hold {have} image tokens but their {len(images)} image(s) make {want} soft "
                          "tokens (images_qwen.prompt_text writes one per soft token)")
+
+
+def as_input(images, cfg: ModelConfig, token_rows=None) -> tuple:
+    """A caller's images as the forward pass takes them: a tuple of float32 patch grids [t, h, w, Q], each its own
+    shape, checked against the image tokens of `token_rows` when given."""
+    grids = tuple(np.asarray(image, np.float32) for image in images)
+    if token_rows is not None:
+        check(token_rows, grids, cfg)
+    return grids
+
+
+def images_in(p: dict, x_BTD, tokens_BT, positions_BT, images, cfg: ModelConfig):
+    """transformer.with_images for Qwen2.5-VL: the soft tokens placed, causal attention, the M-RoPE positions."""
+    return (vision.place(x_BTD, tokens_BT, encode(p, images, cfg), cfg.vision.image_token_id), None,
+            rope_positions(tokens_BT, images, cfg), None)
 
 
 def describe(cfg: ModelConfig) -> str:

@@ -119,6 +119,16 @@ def deepstack_addends(deep_SXD: jax.Array, tokens_BT: jax.Array, cfg: ModelConfi
     return jnp.stack([vision.place(zeros_BTD, tokens_BT, d, cfg.vision.image_token_id) for d in deep_SXD])
 
 
+as_input = vision_qwen.as_input  # patch grids, as Qwen2.5-VL's
+
+
+def images_in(p: dict, x_BTD, tokens_BT, positions_BT, images, cfg: ModelConfig):
+    """transformer.with_images for Qwen3-VL: as Qwen2.5-VL's, and the deepstack addends."""
+    soft_XD, deep_SXD = encode(p, images, cfg)
+    return (vision.place(x_BTD, tokens_BT, soft_XD, cfg.vision.image_token_id), None,
+            vision_qwen.rope_positions(tokens_BT, images, cfg), deepstack_addends(deep_SXD, tokens_BT, cfg))
+
+
 def describe(cfg: ModelConfig) -> str:
     """One line for `jaxlm describe`: the tower's shape and weights."""
     v = cfg.vision
