@@ -272,9 +272,20 @@ def open_images(dataset) -> dict[str, SplitImages] | None:
             for name, split in dataset.splits.items()}
 
 
-class Rows:
-    """The plan of a batch of one conversation per row [A, B] (or [B]): its documents, and per micro-batch the
-    images of its rows in the order their tokens appear, in B * K slots (-1: empty)."""
+class ImageSlots:
+    """A batch plan's images: per micro-batch, the images of its rows in the order their image tokens appear, in
+    B * K slots (`slots`, [A, B * K] or [B * K]; -1: empty), read from `store`."""
+
+    slots: np.ndarray
+    store: SplitImages
+
+    def images(self, index: tuple) -> np.ndarray:
+        """Normalized pixels of the image slots a device shard's `index` (over [A,] B * K, S, S, 3) selects."""
+        return self.store.read(self.slots[index[:self.slots.ndim]])
+
+
+class Rows(ImageSlots):
+    """The plan of a batch of one conversation per row [A, B] (or [B]): its documents and their image slots."""
 
     def __init__(self, docs: np.ndarray, slots: np.ndarray, store: SplitImages):
         self.docs, self.slots, self.store, self.shape = docs, slots, store, docs.shape
@@ -295,26 +306,124 @@ class Rows:
         full = {"inputs": tokens[..., :-1], "targets": tokens[..., 1:], "weights": mask[..., 1:]}
         return {k: full[k][..., cols] for k in keys}
 
-    def images(self, index: tuple) -> np.ndarray:
-        """Normalized pixels of the image slots a device shard's `index` (over [A,] B * K, S, S, 3) selects."""
-        return self.store.read(self.slots[index[:self.slots.ndim]])
+
+class PackedRows(ImageSlots):
+    """A packing.Packed plan of whole documents (conversations, or preference pairs' two documents) with the image
+    slots of its rows: read as the packed plan reads (segment ids, positions from 0 in each document)."""
+
+    def __init__(self, packed: packing.Packed, slots: np.ndarray, store: SplitImages):
+        self.packed, self.slots, self.store, self.shape = packed, slots, store, packed.shape
+
+    def only_micro_batch(self) -> PackedRows:
+        return PackedRows(self.packed.only_micro_batch(), self.slots[0], self.store)
+
+    def read(self, *args, **kwargs) -> dict:
+        return self.packed.read(*args, **kwargs)
+
+
+def slots_of(packed: packing.Packed, split: shards.Split, store: SplitImages, K: int) -> np.ndarray:
+    """The image slots [*lead, B * K] of a plan of whole documents [*lead, B]: each micro-batch's images in the order
+    of its rows and of the documents within them (the order of their image tokens), then -1."""
+    *lead, B = packed.shape
+    out = np.full((int(np.prod(lead, dtype=np.int64)), B * K), -1, np.int64)
+    for m in range(out.shape[0]):
+        ids = [i for row in packed.pieces[m * B:(m + 1) * B] for start, _ in row
+               for i in store.of(int(np.searchsorted(split.doc_starts_D1, start, side="right")) - 1)]
+        if len(ids) > B * K:  # the loaders fill rows within K images; a plan that does not is a bug, not bad data
+            raise AssertionError(f"{len(ids)} images for {B * K} slots")
+        out[m, :len(ids)] = ids
+    return out.reshape(tuple(lead) + (B * K,))
+
+
+def pair_images(store: SplitImages) -> np.ndarray:
+    """Images of each preference pair [P]: its prompt's, once in each of its two documents."""
+    n_D = np.diff(store.starts_D1)
+    return n_D[0::2] + n_D[1::2]
+
+
+class WithImages:
+    """A loader of whole documents (PackedConversations, preference.PairLoader) whose plans come with their rows'
+    image slots (PackedRows); the position is the inner loader's."""
+
+    def __init__(self, inner, split: shards.Split, store: SplitImages, K: int):
+        self.inner, self.split, self.store, self.K = inner, split, store, K
+
+    def next(self) -> PackedRows:
+        packed = self.inner.next()
+        return PackedRows(packed, slots_of(packed, self.split, self.store, self.K), self.store)
+
+    def state(self) -> dict:
+        return self.inner.state()
+
+    def restore(self, state: dict) -> None:
+        self.inner.restore(state)
+
+
+def check_rows(split: shards.Split, block_size: int) -> np.ndarray:
+    """The split's document lengths [D], each checked to fit a row of block_size + 1 tokens (never cut)."""
+    lengths = np.diff(split.doc_starts_D1)
+    if lengths.max() > block_size + 1:
+        d = int(np.argmax(lengths))
+        raise DataError(f"document {d} of the {split.name} split of {split.dir} is {int(lengths[d])} tokens, and "
+                        f"image data puts a conversation whole in a row of model.block_size + 1 = {block_size + 1}: "
+                        f"raise model.block_size, or prepare with max_tokens <= {block_size + 1}")
+    return lengths
+
+
+class PackedConversations:
+    """Conversations with images packed whole into rows (data.packing=true): each row takes the next conversations
+    of its stream while their tokens fit block_size + 1 and their images its K slots; a packing.Packed plan of
+    [grad_accum, batch] rows per `next()` (WithImages adds the image slots). The order is packing.PackedLoader's,
+    and the position the number of conversations each stream has consumed."""
+
+    def __init__(self, split: shards.Split, store: SplitImages, block_size: int, batch_size: int, grad_accum: int,
+                 seed: int, slots: int):
+        self.lengths_D = check_rows(split, block_size)
+        self.starts_D, self.images_D = split.doc_starts_D1[:-1], np.diff(store.starts_D1)
+        self.split, self.T, self.seed, self.K = split, block_size, seed, slots
+        self.shape, self.n_docs = (grad_accum, batch_size), len(self.lengths_D)
+        self.consumed_B = np.zeros(batch_size, np.int64)
+        self._perms: dict[int, np.ndarray] = {}
+
+    def row(self, b: int) -> list[tuple[int, int]]:
+        room, slots, pieces = self.T + 1, self.K, []
+        while True:
+            i = b + int(self.consumed_B[b]) * self.shape[1]
+            d = packing.stream_item(self._perms, self.seed, i, self.n_docs)
+            length, n = int(self.lengths_D[d]), int(self.images_D[d])
+            if length > room or n > slots:  # never at a row's start: check_rows and run.image_slots see to it
+                return pieces
+            pieces.append((int(self.starts_D[d]), length))
+            room, slots = room - length, slots - n
+            self.consumed_B[b] += 1
+
+    def next(self) -> packing.Packed:
+        return packing.plan(self.row, self.shape, loss_mask=True)
+
+    def _layout(self) -> dict:
+        return {"grad_accum": self.shape[0], "batch_size": self.shape[1], "block_size": self.T,
+                "documents": self.n_docs, "images_per_row": self.K}
+
+    def state(self) -> dict:
+        return {"kind": "packed_images", "seed": self.seed, "consumed": self.consumed_B.tolist(), **self._layout()}
+
+    def restore(self, state: dict) -> None:
+        self.seed, (self.consumed_B,) = packing.restored_streams(state, "packed_images", self._layout(),
+                                                                 ("consumed",), self.shape[1])
+        self._perms.clear()
 
 
 class RowLoader:
     """Conversations with images, one per row padded to block_size + 1 tokens, [grad_accum, batch] rows per
-    `next()`; each epoch a permutation of the split's documents drawn from (seed, epoch), the position one count of
-    documents consumed (saved in checkpoints for an exact resume)."""
+    `next()` with `slots` image slots per row (0: the most a document has); each epoch a permutation of the split's
+    documents drawn from (seed, epoch), the position one count of documents consumed (saved in checkpoints for an
+    exact resume)."""
 
     def __init__(self, split: shards.Split, store: SplitImages, block_size: int, batch_size: int, grad_accum: int,
-                 seed: int):
-        lengths = np.diff(split.doc_starts_D1)
-        if lengths.max() > block_size + 1:
-            d = int(np.argmax(lengths))
-            raise DataError(f"document {d} of the {split.name} split of {split.dir} is {int(lengths[d])} tokens, and "
-                            f"image data puts one conversation in a row of model.block_size + 1 = {block_size + 1}: "
-                            f"raise model.block_size, or prepare with max_tokens <= {block_size + 1}")
+                 seed: int, slots: int = 0):
+        lengths = check_rows(split, block_size)
         self.split, self.store, self.seed = split, store, seed
-        self.shape, self.K = (grad_accum, batch_size), max(store.max_per_document, 1)
+        self.shape, self.K = (grad_accum, batch_size), slots or max(store.max_per_document, 1)
         self.n_docs, self.consumed = len(lengths), 0
         self._perms: dict[int, np.ndarray] = {}
 

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxlm.config import ModelConfig
+from jaxlm.sharding import constrain
 from jaxlm.model import attention, layers
 from jaxlm.params import ParamSpec, count, normal, ones, zeros
 
@@ -89,10 +90,12 @@ def encode(p: dict, pixels_ISSC: jax.Array, cfg: ModelConfig) -> jax.Array:
     with jax.named_scope("vision"):
         x_IPQ = patches(pixels_ISSC.astype(cdt), v.patch_size)
         x_IPE = layers.dot("IPQ,QE->IPE", x_IPQ, p["patch"]) + p["patch_bias"].astype(cdt)
-        x_IPE = x_IPE + p["positions"].astype(cdt)
+        # Each device encodes the images of its own rows: pinned like the batch, or the partitioner may replicate
+        # the tower's attention over every image of the batch on every device.
+        x_IPE = constrain(x_IPE + p["positions"].astype(cdt), ("batch", None, "embed"))
 
         def body(x, p_layer):
-            return _layer(x, p_layer, cfg), None
+            return constrain(_layer(x, p_layer, cfg), ("batch", None, "embed")), None
 
         if cfg.remat != "none":  # the tower is a small share of the step: its layers keep only their inputs
             body = jax.checkpoint(body)
