@@ -17,7 +17,7 @@ import pytest
 import jaxlm
 from conftest import tiny_config
 from jaxlm import config as config_lib, params as P
-from jaxlm.data import tokenizer as tokenizer_lib, vision_data
+from jaxlm.data import loader as loader_lib, tokenizer as tokenizer_lib, vision_data
 from jaxlm.model import vision as vision_lib
 from jaxlm.model.loss import loss_fn
 from jaxlm.params import count
@@ -25,8 +25,8 @@ from jaxlm.train import aot, batches as batch_lib, loop, run as run_lib
 
 pytest.importorskip("PIL")
 pytest.importorskip("tokenizers")
-from test_vision_train import (SIDE, SPECIALS, WORDS, greedy_accuracy, make_tokenizer, shapes_data,  # noqa: E402
-                               vision)
+from test_vision_train import (COLOURS, QUESTION, SHAPES, SIDE, SPECIALS, WORDS, data_url, draw,  # noqa: E402
+                               greedy_accuracy, make_tokenizer, shapes_data, vision, write_jsonl)
 
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 
@@ -137,7 +137,7 @@ def test_a_tiny_vlm_learns_the_shapes_from_packed_conversations(tmp_path):
     vision_data.prepare_vision_chat([files["train"][0]], tmp_path / "data", tok_dir, v, val=[files["val"][0]])
     cfg = vlm_config(tmp_path / "data", tmp_path / "run", tok_dir, **{
         "data.packing": True, "data.images_per_row": 3, "model.block_size": 100, "training.steps": 400,
-        "training.batch_size": 6, "training.eval_interval": 400, "optimizer.lr": 3e-3, "optimizer.warmup_steps": 10,
+        "training.batch_size": 8, "training.eval_interval": 400, "optimizer.lr": 3e-3, "optimizer.warmup_steps": 10,
         "checkpoint.enabled": True, "checkpoint.interval": 400})
     start = time.perf_counter()
     loop.train(cfg, devices=jax.devices()[:1], log=lambda s: None)
@@ -148,3 +148,53 @@ def test_a_tiny_vlm_learns_the_shapes_from_packed_conversations(tmp_path):
     blind = greedy_accuracy(model, tok, v, pictures, answers, blank=True)
     print(f"packed: held-out greedy accuracy {seen:.3f} with the image, {blind:.3f} with a blank one; {seconds:.1f} s")
     assert seen >= 0.9 and blind <= 2 / 9
+
+
+def colour_pairs(path, n: int, seed: int, blank: bool = False):
+    """Preference records over drawn shapes: the prompt's image and question, chosen = its colour and shape,
+    rejected = the same shape in another colour (every colour is chosen and rejected equally often, so only the
+    image tells them apart)."""
+    rng = np.random.default_rng(seed)
+    classes = [(c, s) for c in COLOURS for s in SHAPES]
+    recs = []
+    for i in range(n):
+        c, s = classes[i % len(classes)]
+        wrong = [x for x in COLOURS if x != c][int(rng.integers(2))]
+        part = {"type": "image_url", "image_url": {"url": data_url(draw(c, s, rng, blank=blank))}}
+        recs.append({"prompt": [{"role": "user", "content": [part, {"type": "text", "text": QUESTION}]}],
+                     "chosen": f"a {c} {s}", "rejected": f"a {wrong} {s}"})
+    return write_jsonl(path, recs)
+
+
+def test_dpo_on_image_prompts_learns_the_colour_from_the_image(tmp_path):
+    tok_dir = make_tokenizer(tmp_path / "tok")
+    results = {}
+    for name, blank in (("seen", False), ("blank", True)):
+        train_file = colour_pairs(tmp_path / f"{name}-train.jsonl", 720, 0, blank)
+        val_file = colour_pairs(tmp_path / f"{name}-val.jsonl", 45, 1, blank)
+        meta = vision_data.prepare_vision_chat([train_file], tmp_path / name, tok_dir, vision(), val=[val_file],
+                                               pairs=True)
+        assert meta["kind"] == "preference" and meta["images"]["counts"] == {"train": 1440, "val": 90}
+        cfg = vlm_config(tmp_path / name, tmp_path / f"{name}-run", tok_dir, **{
+            "training.objective": "dpo", "dpo.beta": 0.5, "model.block_size": 72, "training.steps": 150,
+            "training.batch_size": 16, "training.eval_interval": 150, "training.eval_batches": 2,
+            "training.log_interval": 1, "optimizer.lr": 3e-3, "optimizer.warmup_steps": 10})
+        start = time.perf_counter()
+        loop.train(cfg, devices=jax.devices()[:1], log=lambda s: None)
+        records = loop.read_metrics(tmp_path / f"{name}-run")
+        results[name] = {"seconds": time.perf_counter() - start, "first": records[0],
+                         "margin": np.mean([r["rewards/margins"] for r in records if "rewards/margins" in r][-10:]),
+                         "val": [r for r in records if "val_rewards/accuracies" in r][-1]}
+        if name == "seen":  # a pair's two documents carry the prompt's image, the same pixels
+            store = vision_data.open_images(loader_lib.Dataset(tmp_path / name))["train"]
+            assert list(store.of(0)) == [0] and list(store.of(1)) == [1]
+            assert np.array_equal(store.pixels[0], store.pixels[1])
+    for name, r in results.items():
+        print(f"{name}: first loss {r['first']['loss']:.6f}, margin over the last 10 steps {r['margin']:.3f}, "
+              f"val accuracy {r['val']['val_rewards/accuracies']:.3f}, val margin {r['val']['val_rewards/margins']:.3f}; "
+              f"{r['seconds']:.1f} s")
+    # The reference log-probabilities were computed with the images: at the start policy = reference, h = 0.
+    assert abs(results["seen"]["first"]["loss"] - np.log(2)) < 1e-5
+    assert results["seen"]["val"]["val_rewards/accuracies"] >= 0.9 and results["seen"]["margin"] > 1.0
+    assert results["blank"]["val"]["val_rewards/accuracies"] <= 0.75
+    assert results["seen"]["val"]["val_rewards/margins"] > results["blank"]["val"]["val_rewards/margins"] + 1.0
