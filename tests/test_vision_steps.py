@@ -60,6 +60,10 @@ def test_compile_a_step_with_images_and_train_with_it(tmp_path):
     assert aot.argument_shares(two.run)["images"] == 2 * shares["images"]
     assert two.memory.arguments - r.memory.arguments == shares["images"]
 
+    # An image's tokens attend to one another: the sequence split over devices is refused in one line.
+    with pytest.raises(config_lib.ConfigError, match=r"image data needs the `length` axis on one device"):
+        aot.compile_for(config_lib.apply_overrides(cfg, {"mesh.ici_sequence": 2}), aot.target(cfg.compile))
+
     # The saved step trains on the prepared images exactly as the jitted step does.
     path = aot.save(tmp_path / "step.jaxlm", r)
     loop.train(cfg, log=lambda s: None)
@@ -186,6 +190,8 @@ def test_dpo_on_image_prompts_learns_the_colour_from_the_image(tmp_path):
                          "margin": np.mean([r["rewards/margins"] for r in records if "rewards/margins" in r][-10:]),
                          "val": [r for r in records if "val_rewards/accuracies" in r][-1]}
         if name == "seen":  # a pair's two documents carry the prompt's image, the same pixels
+            with pytest.raises(config_lib.ConfigError, match=r"data.images_per_row=1: a preference pair .* has 2 "):
+                run_lib.setup(config_lib.apply_overrides(cfg, {"data.images_per_row": 1}), jax.devices()[:1])
             store = vision_data.open_images(loader_lib.Dataset(tmp_path / name))["train"]
             assert list(store.of(0)) == [0] and list(store.of(1)) == [1]
             assert np.array_equal(store.pixels[0], store.pixels[1])

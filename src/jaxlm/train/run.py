@@ -129,6 +129,11 @@ def setup(cfg: Config, devices=None, data: bool = True) -> Run:
     if cfg.logging.wandb:
         metrics.require_wandb()
     images = check_images(cfg, dataset) if dataset is not None else None
+    slots = image_slots(cfg, dataset, images)
+    if slots and n > 1:
+        raise ConfigError(f"image data needs the `length` axis on one device (an image's tokens attend to one "
+                          f"another), and the mesh splits it over {n} devices (mesh.ici_sequence / dcn_sequence or "
+                          "mesh.rules); use FSDP or tensor parallelism")
     specs = lora.specs(cfg) if lora.enabled(cfg) else param_specs(cfg.model)
     optimizer = optim.make(cfg.optimizer, cfg.training.steps, None if lora.enabled(cfg) else specs, mesh, param_rules)
     if vision_frozen(cfg) and not lora.enabled(cfg):  # a LoRA run's tower is in its frozen base already
@@ -137,7 +142,7 @@ def setup(cfg: Config, devices=None, data: bool = True) -> Run:
     abstract_frozen = placed(lora.frozen_specs(cfg), mesh, param_rules) if lora.enabled(cfg) else None
     run_dir = resolve_run_dir(cfg)
     return Run(cfg, run_dir, dataset, mesh, param_rules, act_rules, specs, optimizer, abstract_state, tokenizer,
-               abstract_frozen, images=images, image_slots=image_slots(cfg, dataset, images))
+               abstract_frozen, images=images, image_slots=slots)
 
 
 def vision_frozen(cfg: Config) -> bool:
