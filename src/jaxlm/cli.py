@@ -213,19 +213,20 @@ def _report(out: str, meta: dict) -> None:
 
 def _prepare_kind_args(p: argparse.ArgumentParser, chat: bool, pref: bool) -> None:
     """The options of `jaxlm prepare chat`, `preference` or `corpus` beyond the common ones."""
+    if chat or pref:
+        p.add_argument("--images", action="store_true", help="messages hold image parts (a vision-language "
+                       "model; for pairs, the prompt's messages): --tokenizer is the converted model's folder, the "
+                       "images are kept resized beside the shards (docs/vision.md)")
+        p.add_argument("--bad-images", choices=("skip", "stop"), default="skip", help="with --images: a "
+                       "missing, corrupt or oversized image leaves its record out (counted; default) or "
+                       "stops the run, naming its file and line")
+        p.add_argument("--max-image-pixels", type=int, help="with --images: pixels of one image at most "
+                       "(default 64 Mi), checked before it is decoded")
     if chat:
         p.add_argument("--max-tokens", type=int, required=True, help="the training block size: longer "
                        "conversations are dropped and counted, never cut")
         p.add_argument("--chat-template", help="Jinja chat template file (default: the tokenizer's)")
         p.add_argument("--val-fraction", type=float, default=0.01, help="fraction of the records for val")
-        p.add_argument("--images", action="store_true", help="messages hold image parts (a vision-language "
-                       "model): --tokenizer is the converted model's folder, the images are kept resized beside "
-                       "the shards (docs/vision.md)")
-        p.add_argument("--bad-images", choices=("skip", "stop"), default="skip", help="with --images: a "
-                       "missing, corrupt or oversized image leaves its conversation out (counted; default) or "
-                       "stops the run, naming its file and line")
-        p.add_argument("--max-image-pixels", type=int, help="with --images: pixels of one image at most "
-                       "(default 64 Mi), checked before it is decoded")
     elif pref:
         p.add_argument("--max-tokens", type=int, help="the training block size: a pair whose two documents "
                        "(prompt + chosen, prompt + rejected) have more tokens together is refused, never cut "
@@ -267,12 +268,12 @@ def cmd_prepare(argv: list[str]) -> int:
         common = dict(val=a.val, val_fraction=a.val_fraction, errors=a.errors, split=a.split, streaming=a.streaming,
                       workers=a.workers, shard_tokens=a.shard_tokens, vocab_size=a.vocab_size,
                       progress=not a.no_progress)
-        if chat and a.images:
+        if (chat or pref) and a.images:
             from jaxlm.data import images as images_lib, vision_data
 
             meta = vision_data.prepare_vision_chat(a.inputs, a.out, a.tokenizer, max_tokens=a.max_tokens, val=a.val,
                                                    val_fraction=a.val_fraction, bad_images=a.bad_images,
-                                                   max_pixels=a.max_image_pixels or images_lib.MAX_PIXELS)
+                                                   max_pixels=a.max_image_pixels or images_lib.MAX_PIXELS, pairs=pref)
         elif chat:
             meta = prepare.prepare_chat(a.inputs, a.out, a.tokenizer, a.max_tokens, a.chat_template, **common)
         elif pref:

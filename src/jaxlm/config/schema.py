@@ -27,6 +27,10 @@ class DataConfig:
     packing: bool = _f(False, "rows of whole documents back to back, each with its own segment id and positions "
                               "from 0 (attention never crosses a document); false = random windows of the corpus. "
                               "Needs a dataset with document boundaries (`jaxlm prepare`, format 2)")
+    images_per_row: int = _f(0, "image data (docs/vision.md): image slots of each row of a batch, the tower's "
+                                "work per row; 0 = the most images one conversation (or preference pair) has, or 1 "
+                                "for `jaxlm compile` without data. With data.packing a row takes conversations "
+                                "while their images fit", rule=at_least(0))
     mixture: str | None = _f(None, "train on several prepared folders sharing one tokenizer, each row drawn from one "
                                    "of them by weight: 'dirA:0.7,dirB:0.3' (replaces data.dir/data.dataset)")
     prompts: str | None = _f(None, "training.objective=grpo: a jsonl file of prompts, each a record with `prompt` "

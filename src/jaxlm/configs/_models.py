@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxlm.config import CheckpointConfig, Config, ModelConfig, OptimizerConfig, TrainingConfig
+from jaxlm.config.model_schema import VisionConfig
 
 GPT2 = dict(vocab_size=50257, block_size=1024, bias=True, norm="layernorm", position="learned", qk_norm=False,
             activation="gelu_tanh", glu=False, tie_embeddings=True)
@@ -80,8 +81,10 @@ MODELS: dict[str, ModelConfig] = {name: ModelConfig(**kw) for name, kw in {
                       d_model=1152, d_ff=6912, sliding_window=512, rope_scaling="none"),
     "gemma3_4b": dict(GEMMA3, n_layers=34, n_heads=8, n_kv_heads=4, d_model=2560, d_ff=10240),
     "gemma3_12b": dict(GEMMA3, n_layers=48, n_heads=16, n_kv_heads=8, d_model=3840, d_ff=15360),
+    # Gemma3ForConditionalGeneration: the language model and its SigLIP tower (VisionConfig's defaults: 27 layers
+    # of width 1152, MLP 4304, 16 heads, 896-pixel images in 14-pixel patches pooled to 256 soft tokens).
     "gemma3_27b": dict(GEMMA3, n_layers=62, n_heads=32, n_kv_heads=16, head_dim=128, d_model=5376, d_ff=21504,
-                       attn_scale=168.0),
+                       attn_scale=168.0, vision=VisionConfig()),
     "gpt_oss_20b": dict(GPT_OSS, n_layers=24, n_experts=32),
     "gpt_oss_120b": dict(GPT_OSS, n_layers=36, n_experts=128),
     "llama4_scout": dict(LLAMA4, n_experts=16, qk_l2_norm=True, rope_scaling="llama3", rope_scaling_factor=16.0,

@@ -77,9 +77,10 @@ def _reply(value, where: str, name: str) -> list[dict]:
     return chat.checked_messages(value, where, f"`{name}` message")
 
 
-def encode_pair(tok: Tokenizer, pair: tuple) -> list[tuple[np.ndarray, np.ndarray]]:
-    """[(ids, mask) of prompt + chosen, (ids, mask) of prompt + rejected], the mask 1 on the reply's tokens.
-    Raises ValueError (the message without the record's place) for a pair that cannot be trained on."""
+def encode_pair(tok: Tokenizer, pair: tuple, expand=None) -> list[tuple[np.ndarray, np.ndarray]]:
+    """[(ids, mask) of prompt + chosen, (ids, mask) of prompt + rejected], the mask 1 on the reply's tokens;
+    `expand` rewrites a chat pair's renderings (chat.encode_chat: images' markers). Raises ValueError (the message
+    without the record's place) for a pair that cannot be trained on."""
     kind, prompt, *replies = pair
     docs = []
     for name, reply in zip(("chosen", "rejected"), replies):
@@ -88,7 +89,7 @@ def encode_pair(tok: Tokenizer, pair: tuple) -> list[tuple[np.ndarray, np.ndarra
             tail = tok.encode(reply) + ([tok.eos_id] if tok.eos_id is not None else [])
             ids, mask = np.asarray(head + tail, np.int64), np.repeat(np.uint8([0, 1]), [len(head), len(tail)])
         else:
-            ids, mask = chat.encode_chat(tok, prompt + reply, first=len(prompt))
+            ids, mask = chat.encode_chat(tok, prompt + reply, first=len(prompt), expand=expand)
         if not mask.any():
             raise ValueError(f"`{name}` encodes to no token, so there is nothing to compare")
         if mask[0]:
@@ -130,8 +131,10 @@ class PairLoader:
     the number of pairs each stream has consumed."""
 
     def __init__(self, split: shards.Split, block_size: int, batch_size: int, grad_accum: int, seed: int,
-                 packed: bool):
+                 packed: bool, images_P: np.ndarray | None = None, images_per_row: int = 0):
         self.split, self.T, self.seed, self.packed = split, block_size, seed, packed
+        # Pairs with images (data/vision_data.py): each pair's images [P], and the most a row takes.
+        self.images_P, self.images_per_row = images_P, images_per_row
         self.shape = (grad_accum, batch_size)
         self.starts_P, self.chosen_P, self.lengths_P = pair_lengths(split)
         self.n_pairs = len(self.lengths_P)
@@ -144,14 +147,15 @@ class PairLoader:
 
     def row(self, b: int) -> list[tuple[int, int]]:
         """One row from stream b as pieces (offset, length): each pair's chosen, then its rejected document."""
-        room, pieces = self.T + 1, []
+        room, slots, pieces = self.T + 1, self.images_per_row, []
         while True:
             p = self._pair(b)
             start, chosen, length = int(self.starts_P[p]), int(self.chosen_P[p]), int(self.lengths_P[p])
-            if length > room:  # never at a row's start: check_fits holds every pair within a row
+            n = 0 if self.images_P is None else int(self.images_P[p])
+            if length > room or n > slots:  # never at a row's start: check_fits (and run.image_slots) see to it
                 return pieces
             pieces += [(start, chosen), (start + chosen, length - chosen)]
-            room -= length
+            room, slots = room - length, slots - n
             self.consumed_B[b] += 1
             if not self.packed:
                 return pieces
@@ -172,21 +176,23 @@ class PairLoader:
         self._perms.clear()
 
 
-def every_pair(split: shards.Split, block_size: int, rows: int):
+def every_pair(split: shards.Split, block_size: int, rows: int, images_P: np.ndarray | None = None,
+               images_per_row: int = 0):
     """Plans of `rows` rows [rows] that hold every pair of the split once, in order, packed: what the reference
-    pass reads (the last plan's spare rows are empty)."""
+    pass reads (the last plan's spare rows are empty). With images, a row takes at most images_per_row."""
     starts_P, chosen_P, lengths_P = pair_lengths(split)
+    n_P = np.zeros(len(starts_P), np.int64) if images_P is None else images_P
     plan: list = []
     row: list = []
-    room = block_size + 1
-    for start, chosen, length in zip(starts_P.tolist(), chosen_P.tolist(), lengths_P.tolist()):
-        if length > room:
+    room, slots = block_size + 1, images_per_row
+    for start, chosen, length, n in zip(starts_P.tolist(), chosen_P.tolist(), lengths_P.tolist(), n_P.tolist()):
+        if length > room or n > slots:
             plan.append(row)
-            row, room = [], block_size + 1
+            row, room, slots = [], block_size + 1, images_per_row
             if len(plan) == rows:
                 yield packing.Packed(plan, (rows,), loss_mask=True)
                 plan = []
         row += [(start, chosen), (start + chosen, length - chosen)]
-        room -= length
+        room, slots = room - length, slots - n
     plan.append(row)
     yield packing.Packed(plan + [[] for _ in range(rows - len(plan))], (rows,), loss_mask=True)

@@ -22,7 +22,8 @@ import numpy as np
 from jaxlm import storage
 from jaxlm.config import ConfigError
 from jaxlm.config.model_schema import VisionConfig
-from jaxlm.data import chat, images, loader as loader_lib, packing, shards, sources, tokenizer as tokenizer_lib
+from jaxlm.data import (chat, images, loader as loader_lib, packing, preference, shards, sources,
+                        tokenizer as tokenizer_lib)
 from jaxlm.data.errors import DataError
 
 BAD_IMAGES = ("skip", "stop")
@@ -124,14 +125,17 @@ class ImageWriter:
 def prepare_vision_chat(inputs: list[str | Path], out_dir: str | Path, tokenizer: str | Path,
                         vision: VisionConfig | None = None, max_tokens: int | None = None,
                         val: list[str | Path] | None = None, val_fraction: float = 0.01, bad_images: str = "skip",
-                        max_pixels: int = images.MAX_PIXELS, processor: images.Processor | None = None) -> dict:
+                        max_pixels: int = images.MAX_PIXELS, processor: images.Processor | None = None,
+                        pairs: bool = False) -> dict:
     """Chat records in JSON-lines files (messages whose content holds text and image parts) -> a prepared folder:
     tokens with each image written as Gemma 3's processor writes it (images.prompt_text), the loss mask on the
     assistant's turns, and the images resized beside the shards. `tokenizer`: a tokenizer, or a converted model's
     folder (whose config.json gives `vision` and whose preprocessor_config.json the processor when not given).
-    A missing, corrupt or oversized image: with bad_images="skip" its document is left out and counted (meta.json
-    "skipped"), with "stop" the run stops on one line naming the file and line. Conversations over `max_tokens`
-    are left out and counted. Returns the meta.json written."""
+    pairs=True: preference records (data/preference.py) whose prompt messages hold the images, written as
+    `jaxlm prepare preference` writes pairs (meta.json's kind "preference"), each of a pair's two documents with the
+    prompt's images. A missing, corrupt or oversized image: with bad_images="skip" its record is left out and
+    counted (meta.json "skipped"), with "stop" the run stops on one line naming the file and line. Records over
+    `max_tokens` (a pair: its two documents together) are left out and counted. Returns the meta.json written."""
     if bad_images not in BAD_IMAGES:
         raise ConfigError(f"bad_images={bad_images!r}: use skip or stop")
     tok = tokenizer_lib.load(tokenizer)
@@ -141,33 +145,49 @@ def prepare_vision_chat(inputs: list[str | Path], out_dir: str | Path, tokenizer
         raise DataError(f"the processor resizes to {processor.size} pixels and model.vision.image_size is "
                         f"{vision.image_size}; they must agree")
     marker = check_image_tokens(tok, vision)
+    stats: collections.Counter = collections.Counter()
+    encode = encode_pair_record if pairs else encode_record
+
+    def units():
+        for src, split in [(f, "train") for f in inputs] + [(f, "val") for f in (val or [])]:
+            for rec, where in sources.records(str(src)):
+                docs = encode(rec, where, tok, vision, marker, processor, max_pixels, bad_images, stats,
+                              Path(src).parent)
+                if docs is not None:
+                    yield split, where, docs
+
+    return write_folder(out_dir, tok, processor, units(), stats, max_tokens, bool(val), val_fraction,
+                        {"kind": preference.KIND} if pairs else {})
+
+
+def write_folder(out_dir, tok, processor: images.Processor, units, stats: collections.Counter,
+                 max_tokens: int | None, separate_val: bool, val_fraction: float, extra: dict) -> dict:
+    """Write units (split, where, documents [(ids, mask, resized images)]: a conversation, or a pair's two) into a
+    prepared folder with its images; a unit is never split between train and val. Returns the meta.json written
+    (with `extra`'s fields)."""
     out = shards.begin(out_dir)
     dtype = shards.dtype_for(tok.vocab_size)
     writers = {s: (shards.ShardWriter(out, s, dtype, loss_mask=True), ImageWriter(out, s)) for s in ("train", "val")}
-    stats: collections.Counter = collections.Counter()
     counts = np.zeros(tok.vocab_size, np.int64)
     most = 0
     try:
-        for src, split in [(f, "train") for f in inputs] + [(f, "val") for f in (val or [])]:
-            for rec, where in sources.records(str(src)):
-                doc = encode_record(rec, where, tok, vision, marker, processor, max_pixels, bad_images, stats,
-                                    Path(src).parent)
-                if doc is None:
-                    continue
-                ids, mask, pixels = doc
-                if max_tokens is not None and len(ids) > max_tokens:
-                    stats["too_long_dropped"] += 1
-                    stats.setdefault("first_too_long", f"{where} ({len(ids)} tokens > {max_tokens})")
-                    continue
-                n = stats["documents"]
-                stats["documents"] += 1
-                to_val = split == "val" or (not val and np.floor((n + 1) * val_fraction) > np.floor(n * val_fraction))
-                name = "val" if to_val else "train"
+        for split, where, docs in units:
+            n_tokens = sum(len(ids) for ids, _, _ in docs)
+            if max_tokens is not None and n_tokens > max_tokens:
+                stats["too_long_dropped"] += 1
+                stats.setdefault("first_too_long", f"{where} ({n_tokens} tokens > {max_tokens})")
+                continue
+            n = stats["documents"]
+            stats["documents"] += 1
+            to_val = split == "val" or (not separate_val
+                                        and np.floor((n + 1) * val_fraction) > np.floor(n * val_fraction))
+            name = "val" if to_val else "train"
+            for ids, mask, pixels in docs:
                 writers[name][0].add(ids, mask)
                 writers[name][1].add(pixels)
-                stats[f"{name}_documents"] += 1
                 counts += np.bincount(ids, minlength=tok.vocab_size)[:tok.vocab_size]
                 most = max(most, len(pixels))
+            stats[f"{name}_documents"] += 1
         entries = {s: w.close() for s, (w, _) in writers.items()}
         n_images = {s: w.close() for s, (_, w) in writers.items()}
     except BaseException:
@@ -187,7 +207,7 @@ def prepare_vision_chat(inputs: list[str | Path], out_dir: str | Path, tokenizer
             "val_tokens": entries["val"]["tokens"], "unigram_entropy": max(0.0, float(-(p * np.log(p)).sum())),
             "skipped": {k: v for k, v in stats.items() if not k.endswith("documents")},
             "images": {"size": processor.size, "mean": list(processor.mean), "std": list(processor.std),
-                       "rescale": processor.rescale, "max_per_document": most, "counts": n_images}}
+                       "rescale": processor.rescale, "max_per_document": most, "counts": n_images}, **extra}
     shards.write_meta(out, meta)
     return meta
 
@@ -204,9 +224,8 @@ def check_image_tokens(tok, vision: VisionConfig) -> str:
     return tok.decode([vision.boi_token_id])
 
 
-def encode_record(rec, where, tok, vision, marker, processor, max_pixels, bad_images, stats, folder):
-    """(ids, mask, resized images) of one record, or None when an image is bad and bad_images="skip"."""
-    msgs, sources = conversation(rec, marker, where, folder)
+def load_images(sources: list[str], where, processor, max_pixels, bad_images, stats) -> list[np.ndarray] | None:
+    """The resized images of one record, or None when one is bad and bad_images="skip" (counted in stats)."""
     pixels = []
     for src in sources:
         try:
@@ -218,12 +237,54 @@ def encode_record(rec, where, tok, vision, marker, processor, max_pixels, bad_im
             stats["bad_images_skipped"] += 1
             stats.setdefault("first_bad_image", f"{where}: {e}")
             return None
+    return pixels
+
+
+def encode_record(rec, where, tok, vision, marker, processor, max_pixels, bad_images, stats, folder):
+    """[(ids, mask, resized images)] of one conversation, or None when an image is bad and bad_images="skip"."""
+    msgs, sources = conversation(rec, marker, where, folder)
+    pixels = load_images(sources, where, processor, max_pixels, bad_images, stats)
+    if pixels is None:
+        return None
     try:
         ids, mask = chat.encode_chat(tok, msgs, expand=lambda text: images.prompt_text(text, tok, vision,
                                                                                         text.count(marker)))
     except ValueError as e:
         raise DataError(f"{where}: {e}") from None
-    return ids, mask, pixels
+    return [(ids, mask, pixels)]
+
+
+def encode_pair_record(rec, where, tok, vision, marker, processor, max_pixels, bad_images, stats, folder):
+    """The two documents [(ids, mask, resized images)] of a preference record whose `prompt` messages hold the
+    images (both replies share them), or None when an image is bad and bad_images="skip"."""
+    if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), list):
+        raise DataError(f"{where}: a preference record with images needs `prompt` as a list of messages holding "
+                        "the images, with `chosen` and `rejected` replies")
+    rec, found = dict(rec), []
+    for key in ("prompt", "chosen", "rejected"):
+        if not isinstance(rec.get(key), list):
+            continue
+        msgs = []
+        for m in rec[key]:
+            if isinstance(m, dict) and isinstance(m.get("content"), list):
+                text, srcs = flatten(m["content"], marker, where)
+                if srcs and key != "prompt":
+                    raise DataError(f"{where}: `{key}` holds an image; images belong to the prompt, which both "
+                                    "replies share")
+                m, found = {**m, "content": text}, found + srcs
+            msgs.append(m)
+        rec[key] = msgs
+    pair = preference.pair_of(rec, where)
+    local = [s if s.startswith("data:") or Path(s).is_absolute() else str(folder / s) for s in found]
+    pixels = load_images(local, where, processor, max_pixels, bad_images, stats)
+    if pixels is None:
+        return None
+    try:
+        docs = preference.encode_pair(tok, pair, expand=lambda text: images.prompt_text(text, tok, vision,
+                                                                                         text.count(marker)))
+    except ValueError as e:
+        raise DataError(f"{where}: {e}") from None
+    return [(ids, mask, pixels) for ids, mask in docs]
 
 
 # ---- reading -----------------------------------------------------------------------------------------------------
@@ -272,9 +333,20 @@ def open_images(dataset) -> dict[str, SplitImages] | None:
             for name, split in dataset.splits.items()}
 
 
-class Rows:
-    """The plan of a batch of one conversation per row [A, B] (or [B]): its documents, and per micro-batch the
-    images of its rows in the order their tokens appear, in B * K slots (-1: empty)."""
+class ImageSlots:
+    """A batch plan's images: per micro-batch, the images of its rows in the order their image tokens appear, in
+    B * K slots (`slots`, [A, B * K] or [B * K]; -1: empty), read from `store`."""
+
+    slots: np.ndarray
+    store: SplitImages
+
+    def images(self, index: tuple) -> np.ndarray:
+        """Normalized pixels of the image slots a device shard's `index` (over [A,] B * K, S, S, 3) selects."""
+        return self.store.read(self.slots[index[:self.slots.ndim]])
+
+
+class Rows(ImageSlots):
+    """The plan of a batch of one conversation per row [A, B] (or [B]): its documents and their image slots."""
 
     def __init__(self, docs: np.ndarray, slots: np.ndarray, store: SplitImages):
         self.docs, self.slots, self.store, self.shape = docs, slots, store, docs.shape
@@ -295,26 +367,124 @@ class Rows:
         full = {"inputs": tokens[..., :-1], "targets": tokens[..., 1:], "weights": mask[..., 1:]}
         return {k: full[k][..., cols] for k in keys}
 
-    def images(self, index: tuple) -> np.ndarray:
-        """Normalized pixels of the image slots a device shard's `index` (over [A,] B * K, S, S, 3) selects."""
-        return self.store.read(self.slots[index[:self.slots.ndim]])
+
+class PackedRows(ImageSlots):
+    """A packing.Packed plan of whole documents (conversations, or preference pairs' two documents) with the image
+    slots of its rows: read as the packed plan reads (segment ids, positions from 0 in each document)."""
+
+    def __init__(self, packed: packing.Packed, slots: np.ndarray, store: SplitImages):
+        self.packed, self.slots, self.store, self.shape = packed, slots, store, packed.shape
+
+    def only_micro_batch(self) -> PackedRows:
+        return PackedRows(self.packed.only_micro_batch(), self.slots[0], self.store)
+
+    def read(self, *args, **kwargs) -> dict:
+        return self.packed.read(*args, **kwargs)
+
+
+def slots_of(packed: packing.Packed, split: shards.Split, store: SplitImages, K: int) -> np.ndarray:
+    """The image slots [*lead, B * K] of a plan of whole documents [*lead, B]: each micro-batch's images in the order
+    of its rows and of the documents within them (the order of their image tokens), then -1."""
+    *lead, B = packed.shape
+    out = np.full((int(np.prod(lead, dtype=np.int64)), B * K), -1, np.int64)
+    for m in range(out.shape[0]):
+        ids = [i for row in packed.pieces[m * B:(m + 1) * B] for start, _ in row
+               for i in store.of(int(np.searchsorted(split.doc_starts_D1, start, side="right")) - 1)]
+        if len(ids) > B * K:  # the loaders fill rows within K images; a plan that does not is a bug, not bad data
+            raise AssertionError(f"{len(ids)} images for {B * K} slots")
+        out[m, :len(ids)] = ids
+    return out.reshape(tuple(lead) + (B * K,))
+
+
+def pair_images(store: SplitImages) -> np.ndarray:
+    """Images of each preference pair [P]: its prompt's, once in each of its two documents."""
+    n_D = np.diff(store.starts_D1)
+    return n_D[0::2] + n_D[1::2]
+
+
+class WithImages:
+    """A loader of whole documents (PackedConversations, preference.PairLoader) whose plans come with their rows'
+    image slots (PackedRows); the position is the inner loader's."""
+
+    def __init__(self, inner, split: shards.Split, store: SplitImages, K: int):
+        self.inner, self.split, self.store, self.K = inner, split, store, K
+
+    def next(self) -> PackedRows:
+        packed = self.inner.next()
+        return PackedRows(packed, slots_of(packed, self.split, self.store, self.K), self.store)
+
+    def state(self) -> dict:
+        return self.inner.state()
+
+    def restore(self, state: dict) -> None:
+        self.inner.restore(state)
+
+
+def check_rows(split: shards.Split, block_size: int) -> np.ndarray:
+    """The split's document lengths [D], each checked to fit a row of block_size + 1 tokens (never cut)."""
+    lengths = np.diff(split.doc_starts_D1)
+    if lengths.max() > block_size + 1:
+        d = int(np.argmax(lengths))
+        raise DataError(f"document {d} of the {split.name} split of {split.dir} is {int(lengths[d])} tokens, and "
+                        f"image data puts a conversation whole in a row of model.block_size + 1 = {block_size + 1}: "
+                        f"raise model.block_size, or prepare with max_tokens <= {block_size + 1}")
+    return lengths
+
+
+class PackedConversations:
+    """Conversations with images packed whole into rows (data.packing=true): each row takes the next conversations
+    of its stream while their tokens fit block_size + 1 and their images its K slots; a packing.Packed plan of
+    [grad_accum, batch] rows per `next()` (WithImages adds the image slots). The order is packing.PackedLoader's,
+    and the position the number of conversations each stream has consumed."""
+
+    def __init__(self, split: shards.Split, store: SplitImages, block_size: int, batch_size: int, grad_accum: int,
+                 seed: int, slots: int):
+        self.lengths_D = check_rows(split, block_size)
+        self.starts_D, self.images_D = split.doc_starts_D1[:-1], np.diff(store.starts_D1)
+        self.split, self.T, self.seed, self.K = split, block_size, seed, slots
+        self.shape, self.n_docs = (grad_accum, batch_size), len(self.lengths_D)
+        self.consumed_B = np.zeros(batch_size, np.int64)
+        self._perms: dict[int, np.ndarray] = {}
+
+    def row(self, b: int) -> list[tuple[int, int]]:
+        room, slots, pieces = self.T + 1, self.K, []
+        while True:
+            i = b + int(self.consumed_B[b]) * self.shape[1]
+            d = packing.stream_item(self._perms, self.seed, i, self.n_docs)
+            length, n = int(self.lengths_D[d]), int(self.images_D[d])
+            if length > room or n > slots:  # never at a row's start: check_rows and run.image_slots see to it
+                return pieces
+            pieces.append((int(self.starts_D[d]), length))
+            room, slots = room - length, slots - n
+            self.consumed_B[b] += 1
+
+    def next(self) -> packing.Packed:
+        return packing.plan(self.row, self.shape, loss_mask=True)
+
+    def _layout(self) -> dict:
+        return {"grad_accum": self.shape[0], "batch_size": self.shape[1], "block_size": self.T,
+                "documents": self.n_docs, "images_per_row": self.K}
+
+    def state(self) -> dict:
+        return {"kind": "packed_images", "seed": self.seed, "consumed": self.consumed_B.tolist(), **self._layout()}
+
+    def restore(self, state: dict) -> None:
+        self.seed, (self.consumed_B,) = packing.restored_streams(state, "packed_images", self._layout(),
+                                                                 ("consumed",), self.shape[1])
+        self._perms.clear()
 
 
 class RowLoader:
     """Conversations with images, one per row padded to block_size + 1 tokens, [grad_accum, batch] rows per
-    `next()`; each epoch a permutation of the split's documents drawn from (seed, epoch), the position one count of
-    documents consumed (saved in checkpoints for an exact resume)."""
+    `next()` with `slots` image slots per row (0: the most a document has); each epoch a permutation of the split's
+    documents drawn from (seed, epoch), the position one count of documents consumed (saved in checkpoints for an
+    exact resume)."""
 
     def __init__(self, split: shards.Split, store: SplitImages, block_size: int, batch_size: int, grad_accum: int,
-                 seed: int):
-        lengths = np.diff(split.doc_starts_D1)
-        if lengths.max() > block_size + 1:
-            d = int(np.argmax(lengths))
-            raise DataError(f"document {d} of the {split.name} split of {split.dir} is {int(lengths[d])} tokens, and "
-                            f"image data puts one conversation in a row of model.block_size + 1 = {block_size + 1}: "
-                            f"raise model.block_size, or prepare with max_tokens <= {block_size + 1}")
+                 seed: int, slots: int = 0):
+        lengths = check_rows(split, block_size)
         self.split, self.store, self.seed = split, store, seed
-        self.shape, self.K = (grad_accum, batch_size), max(store.max_per_document, 1)
+        self.shape, self.K = (grad_accum, batch_size), slots or max(store.max_per_document, 1)
         self.n_docs, self.consumed = len(lengths), 0
         self._perms: dict[int, np.ndarray] = {}
 

@@ -101,13 +101,14 @@ def mtp_loss_sum(params: dict, x_BTD: jax.Array, targets_BT: jax.Array, cfg: Mod
 @quant.scoped
 def token_logprobs(params: dict, tokens_BT: jax.Array, targets_BT: jax.Array, cfg: ModelConfig,
                    key: jax.Array | None = None, positions_BT: jax.Array | None = None,
-                   segment_ids_BT: jax.Array | None = None, temperature: float = 1.0
+                   segment_ids_BT: jax.Array | None = None, temperature: float = 1.0, images: jax.Array | None = None
                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Each target's log-probability [B, T] under softmax(logits / temperature), each position's entropy of that
     distribution [B, T], and the auxiliary (load-balancing) loss: what objectives that score whole replies
     (preference tuning, reinforcement learning) take from the model. Sequences longer than cfg.loss_chunk_tokens
-    are computed a chunk at a time (by_chunks), so the [B, T, V] logits never exist at once."""
-    x_BTD, aux = hidden_with_aux(params, tokens_BT, cfg, key, positions_BT, segment_ids_BT)
+    are computed a chunk at a time (by_chunks), so the [B, T, V] logits never exist at once. images: the batch's
+    preprocessed images, as transformer.forward takes them."""
+    x_BTD, aux = hidden_with_aux(params, tokens_BT, cfg, key, positions_BT, segment_ids_BT, images)
 
     def scored(logits_BCV, targets_BC):
         logits_BCV = logits_BCV.astype(jnp.float32) / temperature

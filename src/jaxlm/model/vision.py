@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlm.config import ModelConfig
+from jaxlm.sharding import constrain
 from jaxlm.model import attention, layers
 from jaxlm.params import ParamSpec, count, normal, ones, zeros
 
@@ -102,18 +103,22 @@ def encode(p: dict, pixels_ISSC: jax.Array, cfg: ModelConfig) -> jax.Array:
     with jax.named_scope("vision"):
         x_IPQ = patches(pixels_ISSC.astype(cdt), v.patch_size)
         x_IPE = layers.dot("IPQ,QE->IPE", x_IPQ, p["patch"]) + p["patch_bias"].astype(cdt)
-        x_IPE = x_IPE + p["positions"].astype(cdt)
+        # Each device encodes the images of its own rows: pinned like the batch, or the partitioner may replicate
+        # the tower's attention over every image of the batch on every device.
+        x_IPE = constrain(x_IPE + p["positions"].astype(cdt), ("batch", None, "embed"))
 
-        x_IPE = encoder(x_IPE, p["layers"], cfg)
+        x_IPE = encoder(x_IPE, p["layers"], cfg, pinned=True)
         x_IPE = layers.layer_norm(x_IPE, p["final_norm"]["scale"], p["final_norm"]["bias"], v.norm_eps)
         return project(p["projector"], x_IPE, cfg)
 
 
-def encoder(x_IPE, p_layers, cfg: ModelConfig, rotate=None):
+def encoder(x_IPE, p_layers, cfg: ModelConfig, rotate=None, pinned: bool = False):
     """The stacked blocks scanned over x [I, P, E]; with `model.remat` other than none each keeps only its input
-    (the tower is a small share of the step)."""
+    (the tower is a small share of the step). pinned: each block's output sharded as the batch (images in the order
+    of the batch's rows), so each device encodes its own rows' images."""
     def body(x, p_layer):
-        return block(x, p_layer, cfg, rotate), None
+        y = block(x, p_layer, cfg, rotate)
+        return (constrain(y, ("batch", None, "embed")) if pinned else y), None
 
     if cfg.remat != "none":
         body = jax.checkpoint(body)

@@ -250,10 +250,15 @@ def argument_shares(run: run_lib.Run) -> dict[str, int]:
     the optimizer state (with the step counters) and the batch."""
     args = step_lib.step_args(run)
     size = lambda tree: sum(_shard_bytes(a) for a in jax.tree.leaves(tree))  # noqa: E731
-    state = args["state"]
+    state, batch = args["state"], dict(args["batch"])
+    images = batch.pop("images", None)
+    params = dict(state["params"])
+    tower = params.pop("vision", None)  # a LoRA run's tower rides in its frozen base
     out = {"base weights (frozen)": size(args.get("frozen")),
-           "trained weights" if run.abstract_frozen is None else "adapters": size(state["params"]),
-           "optimizer state": size({k: v for k, v in state.items() if k != "params"}), "batch": size(args["batch"])}
+           "trained weights" if run.abstract_frozen is None else "adapters": size(params),
+           "vision tower" + (" (frozen)" if run_lib.vision_frozen(run.cfg) else ""): size(tower),
+           "optimizer state": size({k: v for k, v in state.items() if k != "params"}), "batch": size(batch),
+           "images": size(images)}
     return {k: v for k, v in out.items() if v}
 
 
@@ -322,6 +327,15 @@ def remedies(run: run_lib.Run, tgt: Target) -> list[str]:
     return out
 
 
+def _images(run: run_lib.Run) -> str:
+    """The images a step's rows carry, for the report ('' for none)."""
+    if not run.image_slots:
+        return ""
+    v = run.cfg.model.vision
+    return (f", {run.image_slots} image{'s' if run.image_slots > 1 else ''} of {v.image_size}x{v.image_size} per row "
+            f"({v.tokens_per_image} tokens each; tower of {v.n_layers} layers, width {v.d_model})")
+
+
 def report(r: Result) -> list[str]:
     """The memory report, one figure a line, ending with the verdict (machine_lines follow it)."""
     run, tgt = r.run, r.target
@@ -331,8 +345,9 @@ def report(r: Result) -> list[str]:
     lines = [f"train step for {tgt.name} ({len(tgt.devices)} x {tgt.device_kind}{slices}): "
              f"lowered and compiled in {r.seconds:.1f} s",
              f"mesh {shape} | batch {t.batch_size} sequences ({t.per_device_batch_size:g} per device) x "
-             f"{t.grad_accum} accumulation x {m_cfg.block_size} tokens | remat {m_cfg.remat} | "
-             + attention.describe(m_cfg, tgt.platform, mesh=run.mesh, rules=run.act_rules)
+             f"{t.grad_accum} accumulation x {m_cfg.block_size} tokens{_images(run)} | remat {m_cfg.remat} | "
+             + (attention.describe(m_cfg, tgt.platform, mesh=run.mesh, rules=run.act_rules) if not run.image_slots
+                else "attention dot_product (rows with images mask by image span: docs/vision.md)")
              + describe_loss(m_cfg)]
     if r.memory is not None:
         mem = r.memory

@@ -43,18 +43,16 @@ def device_batch(run: Run, split: str, plan, read: dict | None = None) -> dict[s
         return jax.make_array_from_callback(lead + (T,), sh, shard)
 
     out = {k: make(k) for k in keys}
-    if isinstance(plan, vision_data.Rows):
+    if isinstance(plan, vision_data.ImageSlots):
         out["images"] = image_batch(run, plan)
     return out
 
 
-def image_batch(run: Run, plan: vision_data.Rows) -> jax.Array:
+def image_batch(run: Run, plan: vision_data.ImageSlots) -> jax.Array:
     """The images of a batch's rows [A, B * K, S, S, 3] (or [B * K, ...]) on the mesh, each micro-batch's in the
     order of its image tokens (then empty slots), split over the devices that split the batch."""
     shape = plan.slots.shape + plan.store.pixels.shape[1:]
-    batch_axes = sharding.spec(("batch",), run.act_rules)[0]
-    spec = jax.sharding.PartitionSpec(*(None,) * (plan.slots.ndim - 1), batch_axes, None, None, None)
-    return jax.make_array_from_callback(shape, jax.sharding.NamedSharding(run.mesh, spec), plan.images)
+    return jax.make_array_from_callback(shape, step_lib.image_sharding(run, plan.slots.ndim - 1), plan.images)
 
 
 def host_batch(run: Run, split: str, plan, pool: concurrent.futures.Executor) -> dict:
@@ -176,7 +174,7 @@ def train_batches(run: Run, frozen: dict | None = None) -> LoaderBatches:
 
 def make_loader(run: Run, split: str = "train", grad_accum: int | None = None, seed: int | None = None):
     """The loader of a split: random windows, packed rows, or a mixture of either over several datasets; whole
-    preference pairs for dpo, ipo and orpo (padded or packed, data.packing); conversations with images, one a row."""
+    preference pairs for dpo, ipo and orpo (padded or packed, data.packing); data with images (image_loader)."""
     cfg, t = run.cfg, run.cfg.training
     A = t.grad_accum if grad_accum is None else grad_accum
     seed = cfg.seed if seed is None else seed
@@ -184,7 +182,7 @@ def make_loader(run: Run, split: str = "train", grad_accum: int | None = None, s
 
     def one(data):
         if run.images is not None:
-            return vision_data.RowLoader(data, run.images[split], cfg.model.block_size, t.batch_size, A, seed)
+            return image_loader(run, data, run.images[split], A, seed)
         if cfg.training.objective in objectives.PREFERENCE:
             return preference.PairLoader(data, cfg.model.block_size, t.batch_size, A, seed, cfg.data.packing)
         if cfg.data.packing:
@@ -196,6 +194,18 @@ def make_loader(run: Run, split: str = "train", grad_accum: int | None = None, s
         return mixture.MixtureLoader([one(s) for s in data.sources], run.dataset.weights,
                                      [str(ds.dir) for ds in run.dataset.datasets], seed, cfg.data.packing, mask)
     return one(data)
+
+
+def image_loader(run: Run, data, store: vision_data.SplitImages, A: int, seed: int):
+    """The loader of a split with images (data/vision_data.py): preference pairs (padded or packed), conversations
+    packed (data.packing), or one conversation a row; every row within run.image_slots images."""
+    cfg, B, T, K = run.cfg, run.cfg.training.batch_size, run.cfg.model.block_size, run.image_slots
+    if cfg.training.objective in objectives.PREFERENCE:
+        pairs = preference.PairLoader(data, T, B, A, seed, cfg.data.packing, vision_data.pair_images(store), K)
+        return vision_data.WithImages(pairs, data, store, K)
+    if cfg.data.packing:
+        return vision_data.WithImages(vision_data.PackedConversations(data, store, T, B, A, seed, K), data, store, K)
+    return vision_data.RowLoader(data, store, T, B, A, seed, K)
 
 
 def eval_plans(run: Run) -> dict[str, list]:

@@ -107,7 +107,8 @@ def _grpo_units(batch: dict, cfg: Config) -> jax.Array | None:
 # ---- preference pairs: DPO, IPO, ORPO ---------------------------------------------------------------------------
 # Batches of whole pairs (data/preference.py): pair k of a row is segment 2k + 1 (prompt + chosen) and 2k + 2
 # (prompt + rejected), weights 1 on the replies' targets. Each reply's log-probability is the sum (dpo) or mean
-# (ipo, orpo) of its tokens' log-probabilities, as TRL computes them. The reference model's come in the batch
+# (ipo, orpo) of its tokens' log-probabilities, as TRL computes them; a batch with "images" (pairs whose prompts hold
+# images, each reply's row carrying them) gives them to the forward pass. The reference model's come in the batch
 # ("ref_logps", per token, from the pass over the data before training that reference.py runs with the starting
 # weights) or, in a LoRA run whose batches carry none, from the same forward pass with the adapters switched off
 # (layers.without_adapters): the base is the reference there.
@@ -128,7 +129,7 @@ def _has_adapters(params) -> bool:
 
 def _token_logps(params, batch: dict, cfg: Config, rng) -> tuple[jax.Array, jax.Array]:
     logps_BT, _, aux = token_logprobs(params, batch["inputs"], batch["targets"], cfg.model, rng,
-                                      batch["positions"], batch["segment_ids"])
+                                      batch["positions"], batch["segment_ids"], images=batch.get("images"))
     return logps_BT, aux
 
 

@@ -23,8 +23,8 @@ import jax
 import numpy as np
 
 from jaxlm import params as P, sharding, storage
-from jaxlm.train import batches as batch_lib, run as run_lib
-from jaxlm.data import preference
+from jaxlm.train import batches as batch_lib, run as run_lib, step as step_lib
+from jaxlm.data import preference, vision_data
 from jaxlm.model.loss import token_logprobs
 
 FORMAT = 1
@@ -100,7 +100,8 @@ def starting_params(run: run_lib.Run) -> dict:
 
 def compute(run: run_lib.Run, params: dict, log: Callable[[str], None] = print) -> dict[str, np.ndarray]:
     """Each split's reference log-probabilities [N] (module docstring) under `params`: every pair once, packed
-    whole into rows of training.batch_size, placed and sharded like training batches. A few batches are in
+    whole into rows of training.batch_size (with their prompts' images, for pairs prepared with them), placed and
+    sharded like training batches. A few batches are in
     flight while the host fills in the last one's results."""
     cfg, mesh, T, B = run.cfg, run.mesh, run.cfg.model.block_size, run.cfg.training.batch_size
     pipeline = (cfg.training.pipeline_microbatches, cfg.training.pipeline_repeats)
@@ -109,7 +110,7 @@ def compute(run: run_lib.Run, params: dict, log: Callable[[str], None] = print) 
     def logps(params, batch):
         with sharding.activation_sharding(mesh, run.act_rules, pipeline, run.param_rules):
             return token_logprobs(params, batch["inputs"], batch["targets"], cfg.model, None,
-                                   batch["positions"], batch["segment_ids"])[0]
+                                   batch["positions"], batch["segment_ids"], images=batch.get("images"))[0]
 
     def fetch(x):
         if jax.process_count() > 1:
@@ -124,13 +125,18 @@ def compute(run: run_lib.Run, params: dict, log: Callable[[str], None] = print) 
         values = np.zeros(split.n_tokens, np.float32)
         pending: collections.deque = collections.deque()
         n_batches = 0
-        for plan in preference.every_pair(split, T, B):
+        store = None if run.images is None else run.images[name]
+        pair_images = None if store is None else vision_data.pair_images(store)
+        for plan in preference.every_pair(split, T, B, pair_images, run.image_slots):
             rows = plan.rows(split, np.arange(B), T)
             seg = rows["segment_ids"]
             within = (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] > 0)  # targets in their input's document
             batch = {"inputs": rows["tokens"][:, :-1], "targets": rows["tokens"][:, 1:],
                      "positions": rows["positions"][:, :-1], "segment_ids": seg[:, :-1]}
             placed = {k: batch_lib.put_batch(mesh, v, 0, run.act_rules) for k, v in batch.items()}
+            if store is not None:  # the prompts' images, once for each reply's document
+                pixels = store.read(vision_data.slots_of(plan, split, store, run.image_slots))
+                placed["images"] = jax.device_put(pixels, step_lib.image_sharding(run, 0))
             pending.append((rows["sources"][:, 1:][within], within, logps(params, placed)))
             n_batches += 1
             while len(pending) > 2:

@@ -52,6 +52,8 @@ class Run:
     reference: dict | None = None
     # The images of a dataset prepared with them, per split (data/vision_data.py); None otherwise.
     images: dict | None = None
+    # Image slots per row of the step's batches (image_slots); 0: its batches carry no images.
+    image_slots: int = 0
 
 
 def resolve_data_dir(cfg: Config) -> Path | str:
@@ -127,6 +129,11 @@ def setup(cfg: Config, devices=None, data: bool = True) -> Run:
     if cfg.logging.wandb:
         metrics.require_wandb()
     images = check_images(cfg, dataset) if dataset is not None else None
+    slots = image_slots(cfg, dataset, images)
+    if slots and n > 1:
+        raise ConfigError(f"image data needs the `length` axis on one device (an image's tokens attend to one "
+                          f"another), and the mesh splits it over {n} devices (mesh.ici_sequence / dcn_sequence or "
+                          "mesh.rules); use FSDP or tensor parallelism")
     specs = lora.specs(cfg) if lora.enabled(cfg) else param_specs(cfg.model)
     optimizer = optim.make(cfg.optimizer, cfg.training.steps, None if lora.enabled(cfg) else specs, mesh, param_rules)
     if vision_frozen(cfg) and not lora.enabled(cfg):  # a LoRA run's tower is in its frozen base already
@@ -135,12 +142,29 @@ def setup(cfg: Config, devices=None, data: bool = True) -> Run:
     abstract_frozen = placed(lora.frozen_specs(cfg), mesh, param_rules) if lora.enabled(cfg) else None
     run_dir = resolve_run_dir(cfg)
     return Run(cfg, run_dir, dataset, mesh, param_rules, act_rules, specs, optimizer, abstract_state, tokenizer,
-               abstract_frozen, images=images)
+               abstract_frozen, images=images, image_slots=slots)
 
 
 def vision_frozen(cfg: Config) -> bool:
     """Whether the run leaves the model's vision tower as it is (training.freeze_vision, a model with one)."""
     return cfg.model.vision is not None and cfg.training.freeze_vision
+
+
+def image_slots(cfg: Config, dataset, images: dict | None) -> int:
+    """Image slots per row of the run's batches (data.images_per_row): with image data, the setting or the most
+    images a row's unit holds (a conversation, or a preference pair: its prompt's images twice); without data (an
+    ahead-of-time compile of a model with a tower), the setting or 1; otherwise 0, no images."""
+    want = cfg.data.images_per_row
+    if images is None:
+        compiling = dataset is None and cfg.model.vision is not None and cfg.training.objective != "grpo"
+        return (want or 1) if compiling else 0
+    per_unit = 2 if preference.is_preference(dataset.meta) else 1
+    need = per_unit * max(images["train"].max_per_document, 1)
+    if want and want < need:
+        unit = "preference pair (its prompt's images, once per reply)" if per_unit == 2 else "conversation"
+        raise ConfigError(f"data.images_per_row={want}: a {unit} of {dataset.dir} has {need} images and is never "
+                          f"cut; set data.images_per_row >= {need} (or 0)")
+    return want or need
 
 
 def check_images(cfg: Config, dataset) -> dict | None:
@@ -158,9 +182,9 @@ def check_images(cfg: Config, dataset) -> dict | None:
         (len(folders) > 1, "data.mixture: train on the folder with images alone"),
         (cfg.model.vision is None, "a model without a vision tower (model.vision): train a vision-language model's "
                                    "config, e.g. `jaxlm convert from-hf` of Gemma 3"),
-        (cfg.data.packing, "data.packing=true: each conversation takes a row of its own; set data.packing=false"),
-        (cfg.training.objective != "next_token", f"training.objective={cfg.training.objective}: image data trains "
-                                                 "with next_token (SFT)"),
+        (cfg.training.objective not in ("next_token", *objectives.PREFERENCE),
+         f"training.objective={cfg.training.objective}: image data trains with next_token (SFT) or, prepared as "
+         "preference pairs, with dpo, ipo or orpo"),
         (cfg.data.loss_mask == "off", "data.loss_mask=off: padding would be trained; set data.loss_mask=auto"),
         (lora.enabled(cfg) and not cfg.training.freeze_vision,
          "lora.rank>0 with training.freeze_vision=false: LoRA adapts the language model and keeps the tower frozen"),
@@ -227,7 +251,8 @@ def rollout_tokenizer(cfg: Config) -> tokenizer_lib.Tokenizer:
 
 def resolve_loss_mask(cfg: Config, dataset: loader_lib.Dataset | None) -> str:
     """data.loss_mask as the step will use it, "on" or "off": auto follows the dataset (its meta.json alone
-    when the corpus is not opened, as for `jaxlm compile`; no dataset at all reads as none)."""
+    when the corpus is not opened, as for `jaxlm compile`; no dataset at all reads as none, except for a model with
+    a vision tower, compiled for image data, which always has a mask)."""
     setting = cfg.data.loss_mask
     if cfg.training.objective in objectives.PREFERENCE:  # pairs are scored on their replies, which the mask marks
         return "on"
@@ -235,6 +260,8 @@ def resolve_loss_mask(cfg: Config, dataset: loader_lib.Dataset | None) -> str:
         return "off"
     if dataset is not None:
         has, where = dataset.has_loss_mask, dataset.dir
+    elif cfg.model.vision is not None:  # a compile of the image-data step (image_slots), whose data has a mask
+        return "on"
     else:
         folders = ([p for p, _ in config_lib.parse_mixture(cfg.data.mixture)] if cfg.data.mixture
                    else [resolve_data_dir(cfg)])
