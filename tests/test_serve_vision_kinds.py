@@ -1,5 +1,5 @@
-"""Images for Llama 4 and Qwen2.5-VL through `jaxlm generate --image` and `jaxlm serve`: tiny random models
-(tests/test_vision_llama4.py's and tests/test_vision_qwen.py's) with word tokenizers. The CLI prints the tokens
+"""Images for Llama 4, Qwen2.5-VL and Qwen3-VL through `jaxlm generate --image` and `jaxlm serve`: tiny random models
+(tests/test_vision_llama4.py's, tests/test_vision_qwen.py's and tests/test_vision_qwen3.py's) with word tokenizers. The CLI prints the tokens
 Model.generate gives with the images its kind prepares (Llama 4: tiles; Qwen: a patch grid); over HTTP (openai client,
 data URLs, paged and slot caches) greedy answers equal the CLI's, for images of different tile counts and grid shapes,
 with Qwen's M-RoPE continuing at plain positions; a text prompt that starts as an image prompt did is not served the
@@ -7,6 +7,7 @@ image prompt's shifted keys; a bad image and too many images are 400 in one line
 
 import base64
 import io
+import json
 
 import httpx
 import numpy as np
@@ -23,12 +24,18 @@ from jaxlm import cli, serve  # noqa: E402
 from jaxlm.store import convert  # noqa: E402
 import test_vision_llama4 as l4  # noqa: E402
 import test_vision_qwen as qw  # noqa: E402
+from test_vision_qwen3 import qwen3_config  # noqa: E402
 
 TOKENS = 8
 AFTER = " w7 w8 w9 w10"
 LONG = "w1 w2 w3 w4 w5 w6 "  # text before an image: more than a page of 4
 SIZES = ((40, 30), (20, 20))  # Llama 4 (28-pixel tiles): 2 x 2 tiles and the global one, 1 tile; Qwen: 14x18, 14x14
+pytestmark = [pytest.mark.slow, pytest.mark.in_ci]  # 9 tests over three converted models: about 3.5 minutes
 MARKERS = {"llama4": "<|image|>", "qwen2_5": "<|vision_start|><|image_pad|><|vision_end|>"}
+MARKERS["qwen3"] = MARKERS["qwen2_5"]
+# Qwen3-VL's preprocessing with Qwen2.5-VL's pixel bounds (its own, 65,536 at least, make a thousand tokens an image)
+QWEN3_PREPROCESSOR = {"patch_size": qw.PATCH, "merge_size": qw.MERGE, "temporal_patch_size": qw.TEMPORAL,
+                      "min_pixels": 56 * 56, "max_pixels": 100_000, "image_mean": [0.5] * 3, "image_std": [0.5] * 3}
 
 
 def template(marker: str) -> str:
@@ -67,7 +74,7 @@ def data_url(raw: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(raw).decode()
 
 
-@pytest.fixture(scope="module", params=["llama4", "qwen2_5"])
+@pytest.fixture(scope="module", params=["llama4", "qwen2_5", "qwen3"])
 def vlm(request, tmp_path_factory):
     """(kind, folder) of a converted random model of that kind with its tokenizer, chat template and two images."""
     kind = request.param
@@ -77,9 +84,12 @@ def vlm(request, tmp_path_factory):
         model.save_pretrained(tmp / "hf")
         llama4_tokenizer(tmp / "hf")
     else:
-        model = qw.randomize(transformers.Qwen2_5_VLForConditionalGeneration(qw.qwen_config()).eval(), 0.15)
-        model.save_pretrained(tmp / "hf")
+        model = (transformers.Qwen2_5_VLForConditionalGeneration(qw.qwen_config()) if kind == "qwen2_5" else
+                 transformers.Qwen3VLForConditionalGeneration(qwen3_config()))
+        qw.randomize(model.eval(), *((0.15, 0) if kind == "qwen2_5" else (0.18, 1))).save_pretrained(tmp / "hf")
         qw.word_tokenizer(tmp / "hf")
+        if kind == "qwen3":
+            (tmp / "hf" / "preprocessor_config.json").write_text(json.dumps(QWEN3_PREPROCESSOR))
     convert.from_hf(str(tmp / "hf"), tmp / "jx", log=lambda s: None)
     (tmp / "chat.jinja").write_text(template(MARKERS[kind]))
     for i, size in enumerate(SIZES):
@@ -105,13 +115,15 @@ def test_generate_cli_with_an_image_equals_the_api(vlm, capsys):
     patches with separators, then 1 tile; Qwen: one pad per soft token of each grid) and prints the tokens
     Model.generate gives with those images; other images give other tokens."""
     from jaxlm.data import image_kinds
+    from jaxlm.store import weights
 
     kind, tmp = vlm
     model = jaxlm.load(tmp / "jx")
     tok, v = model.tokenizer(), model.config.model.vision
     text = "w5 w6 " + MARKERS[kind] + " w3" + MARKERS[kind] + AFTER
     handling = image_kinds.of(v)
-    prepared = image_kinds.prepare_all([tmp / "0.png", tmp / "1.png"], v, handling.processor(None, v))
+    processor = handling.processor(weights.tokenizer_source(model.path, model.config), v)
+    prepared = image_kinds.prepare_all([tmp / "0.png", tmp / "1.png"], v, processor)
     ids = tok.encode_rendered(handling.expand(text, tok, v, prepared))
     if kind == "llama4":
         assert [p.layout for p in prepared] == [(2, 2), (1, 1)] and ids.count(l4.IMAGE) == (5 + 1) * l4.SOFT
@@ -120,6 +132,7 @@ def test_generate_cli_with_an_image_equals_the_api(vlm, capsys):
         assert [p.pixels.shape[:3] for p in prepared] == [(1, 14, 18), (1, 14, 14)]
         assert ids.count(qw.IMAGE) == 63 + 49
     want = model.generate(ids, TOKENS, temperature=0.0, stop_ids=(), images=handling.batch(prepared))
+    assert len(set(want)) > 1  # not one token repeated: the comparisons below would prove little
     assert generated(tmp, capsys, text, [0, 1]) == tok.decode(want)
     assert generated(tmp, capsys, text, [1, 0]) != tok.decode(want)
 
@@ -159,6 +172,7 @@ def test_answers_over_http_equal_generate(vlm, capsys, page_size):
     cases = [(LONG, [0]), (LONG, [1]), ("w3 ", [1, 0])]
     want = [generated(tmp, capsys, before + m * len(ims) + AFTER, ims) for before, ims in cases]
     text = LONG + "w9 w9 w9 w9 w9 w9" + AFTER
+    assert want[0] != want[1]  # the image matters
     model = jaxlm.load(tmp / "jx")
     tok = model.tokenizer()
     want_text = tok.decode(model.generate(tok.encode_rendered(text), TOKENS, temperature=0.0, stop_ids=()))
