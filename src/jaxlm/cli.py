@@ -433,8 +433,8 @@ def cmd_generate(argv: list[str]) -> int:
                    "chat template (as `jaxlm prepare chat` renders training data) and generate the reply")
     p.add_argument("--tokenizer", help="tokenizer to use instead of the model's (data.tokenizer; docs/data.md)")
     p.add_argument("--image", action="append", help="an image (a file or a data URL) for every prompt, placed at "
-                   "the prompt's <start_of_image> (Qwen-VL: <|image_pad|>) or before its text (a model with a vision tower; "
-                   "docs/vision.md)")
+                   "the prompt's <start_of_image> (Llama 4: <|image|>; Qwen-VL: <|image_pad|>) or before its text "
+                   "(a model with a vision tower; docs/vision.md)")
     p.add_argument("settings", nargs="*", metavar="key=value")
     a, rest = p.parse_known_args(argv)
     from pathlib import Path

@@ -19,7 +19,7 @@ from jaxlm import config as config_lib, runtime, sharding, storage
 from jaxlm.store import weights
 from jaxlm.infer import generate
 from jaxlm.config import Config, ConfigError, DecodeConfig, MeshConfig, ModelConfig
-from jaxlm.data import images, images_qwen, tokenizer as tokenizer_lib
+from jaxlm.data import image_kinds, tokenizer as tokenizer_lib
 from jaxlm.model import forward, images_as_input
 
 
@@ -38,8 +38,9 @@ class Model:
 
     def logits(self, tokens, images=None) -> np.ndarray:
         """int tokens [batch, length] -> float32 logits [batch, length, vocab] (a numpy array). images (a model
-        with a vision tower): preprocessed images [n, side, side, 3] (data/images.py; Qwen-VL: a list of patch grids,
-        data/images_qwen.py) in the order of their image tokens, whose soft tokens replace those tokens."""
+        with a vision tower): preprocessed images [n, side, side, 3] (data/images.py; Llama 4: tiles,
+        data/images_llama4.py; Qwen-VL: a list of patch grids, data/images_qwen.py) in the order of their image
+        tokens, whose soft tokens replace those tokens."""
         tokens_BT = np.asarray(tokens)
         if tokens_BT.ndim != 2 or not np.issubdtype(tokens_BT.dtype, np.integer):
             raise ValueError(f"tokens must be an integer array [batch, length], got {tokens_BT.dtype} "
@@ -122,17 +123,14 @@ def encode_prompt(tok: tokenizer_lib.Tokenizer, text: str, rendered: bool = Fals
 def image_prompts(model: Model, tok: tokenizer_lib.Tokenizer, texts: list[str], sources: list, bos: list[int]
                   ) -> tuple[list[list[int]], object]:
     """The token ids of prompts that each hold the images at `sources` (paths or data URLs), written as the model's
-    processor writes them (Gemma 3: data/images.py; Qwen-VL: data/images_qwen.py), and the images of all prompts
-    in order as `generate` takes them; preprocessed by the model folder's preprocessor_config.json."""
+    processor writes them, and the images of all prompts in order as `generate` takes them; preprocessed by the
+    model folder's preprocessor_config.json (per tower kind: data/image_kinds.py)."""
     v = model.config.model.vision
-    folder = weights.tokenizer_source(model.path, model.config)
-    if v.kind in ("qwen2_5", "qwen3"):
-        grids = images_qwen.grids(sources, images_qwen.Processor.of_folder(folder, v))
-        ids = [bos + tok.encode_rendered(images_qwen.prompt_text(text, tok, v, grids)) for text in texts]
-        return ids, grids * len(ids)
-    one = images.pixels(sources, images.Processor.of_folder(folder, v.image_size))
-    ids = [bos + tok.encode_rendered(images.prompt_text(text, tok, v, len(sources))) for text in texts]
-    return ids, np.concatenate([one] * len(ids))
+    kind = image_kinds.of(v)
+    processor = kind.processor(weights.tokenizer_source(model.path, model.config), v)
+    prepared = image_kinds.prepare_all(sources, v, processor)
+    ids = [bos + tok.encode_rendered(kind.expand(text, tok, v, prepared)) for text in texts]
+    return ids, kind.batch(prepared * len(ids))
 
 
 def decode_config(settings: dict) -> DecodeConfig:

@@ -121,7 +121,7 @@ def build(src: str | Path, cfg: Config, log: Callable[[str], None] = print):
 
 def image_serving(model, tok, sc, draft) -> tuple:
     """(what chat requests' images need, or None; why images are refused when None) for `model`."""
-    from jaxlm.data import images as images_lib
+    from jaxlm.data import image_kinds
     from jaxlm.serve.images import ImageServing
     from jaxlm.store import weights
 
@@ -132,10 +132,10 @@ def image_serving(model, tok, sc, draft) -> tuple:
         return None, "this server drafts tokens (decode.draft), which it does not do with images"
     if not sc.max_images_per_request:
         return None, "this server takes no images (serve.max_images_per_request=0)"
-    processor = images_lib.Processor.of_folder(weights.tokenizer_source(model.path, model.config),
-                                               m.vision.image_size)
-    return ImageServing(m, processor, tok.decode([m.vision.boi_token_id]),
-                        lambda text, n: images_lib.prompt_text(text, tok, m.vision, n), sc.max_images_per_request,
+    kind = image_kinds.of(m.vision)
+    processor = kind.processor(weights.tokenizer_source(model.path, model.config), m.vision)
+    return ImageServing(m, kind, processor, kind.marker(tok, m.vision),
+                        lambda text, prepared: kind.expand(text, tok, m.vision, prepared), sc.max_images_per_request,
                         sc.max_image_pixels, sc.allow_image_urls, int(sc.max_body_mb * 2**20)), ""
 
 

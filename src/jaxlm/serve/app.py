@@ -170,10 +170,10 @@ def _chat_route(app: FastAPI, s: Served) -> None:
             ids = [await _encode(s, prompt, s.encode_chat)]
         else:
             _encode_bound(s, prompt)
-            got, image_end = await _off_loop(len(prompt), images.prompt, s.images, prompt, len(pixels), s.encode_chat)
+            got, image_end = await _off_loop(len(prompt), images.prompt, s.images, prompt, pixels, s.encode_chat)
             ids = [got]
-            media = {"images": pixels, "image_end": image_end,
-                     "key": images.cache_key(got, pixels, s.images.cfg.vision.image_token_id)}
+            media = {"images": s.images.kind.batch(pixels), "image_end": image_end,
+                     "key": images.cache_key(got, pixels, s.images.cfg)}
         _check_room(s, req.sampling.n)
         choices = start_choices(s, ids, [_max_tokens(s, len(ids[0]), req.sampling.max_tokens)], req.sampling,
                                 req.top_logprobs if req.logprobs else None, adapter, media)

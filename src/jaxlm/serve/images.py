@@ -1,9 +1,9 @@
 """Images in chat requests (a model with a vision tower; docs/vision.md, "Serving images"): a request's image_url
 parts read (data:image/...;base64 URLs; http(s) ones fetched only with serve.allow_image_urls) and preprocessed as
-data/images.py does, within serve.max_images_per_request and serve.max_image_pixels, each fault a 400 naming its
-part; the rendered prompt's image markers expanded into the image tokens; and the key the prefix caches know the
-prompt by: each image's tokens replaced by ids drawn from a hash of its pixels, so that the same text with another
-image never shares an image's keys and values."""
+the tower's kind takes them (data/image_kinds.py), within serve.max_images_per_request and serve.max_image_pixels,
+each fault a 400 naming its part; the rendered prompt's image markers expanded into the image tokens; and the key the
+prefix caches know the prompt by: each image's tokens replaced by ids drawn from a hash of its pixels, so that the
+same text with another image never shares an image's keys and values."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from typing import Callable
 import numpy as np
 
 from jaxlm.config import ModelConfig
-from jaxlm.data import images as images_lib
+from jaxlm.data import image_kinds, images as images_lib
 from jaxlm.serve.schemas import RequestError
 
 FETCH_TIMEOUT_S = 10
@@ -25,32 +25,34 @@ FETCH_TIMEOUT_S = 10
 
 @dataclass(frozen=True)
 class ImageServing:
-    """What a server that takes images needs: the tower's settings, the model folder's preprocessing, the text of
-    the marker the chat template writes for an image, `expand(text, n)` (images.prompt_text: the n markers into
-    the image tokens), the serve.* limits and the most bytes a fetched image may have."""
+    """What a server that takes images needs: the tower's settings, its kind's image handling
+    (data/image_kinds.py) and the model folder's preprocessing, the text of the marker the chat template writes for
+    an image, `expand(text, prepared)` (the markers written out as the images' tokens), the serve.* limits and the
+    most bytes a fetched image may have."""
     cfg: ModelConfig
-    processor: images_lib.Processor
+    kind: image_kinds.Kind
+    processor: object
     marker: str
-    expand: Callable[[str, int], str]
+    expand: Callable[[str, list], str]
     max_images: int
     max_pixels: int
     allow_urls: bool
     max_fetch_bytes: int
 
 
-def pixels(iv: ImageServing | None, refused: str, parts: list[tuple[str, str]]) -> np.ndarray:
-    """The images of `parts` ((where, URL): where names the part, messages[i].content[j]) preprocessed
-    [n, side, side, 3]; a RequestError (400) naming the first part at fault. `refused`: why this server takes no
+def pixels(iv: ImageServing | None, refused: str, parts: list[tuple[str, str]]) -> list[image_kinds.Prepared]:
+    """The images of `parts` ((where, URL): where names the part, messages[i].content[j]) preprocessed as the
+    tower takes them; a RequestError (400) naming the first part at fault. `refused`: why this server takes no
     images, when iv is None. Reads and resizes images: run it in a worker thread."""
     if iv is None:
         raise RequestError(f"{parts[0][0]}: {refused}; send text parts only", "messages")
     if len(parts) > iv.max_images:
         raise RequestError(f"the messages hold {len(parts)} images; this server takes at most "
                            f"serve.max_images_per_request={iv.max_images} per request", "messages")
-    return np.stack([_one(iv, where, url) for where, url in parts])
+    return [_one(iv, where, url) for where, url in parts]
 
 
-def _one(iv: ImageServing, where: str, url: str) -> np.ndarray:
+def _one(iv: ImageServing, where: str, url: str) -> image_kinds.Prepared:
     try:
         if url.startswith(("http://", "https://")):
             if not iv.allow_urls:
@@ -62,7 +64,7 @@ def _one(iv: ImageServing, where: str, url: str) -> np.ndarray:
         else:  # never a path on the server's disk
             raise RequestError(f"{where}: an image URL must be a data:image/...;base64 URL"
                                f"{' or an http(s) URL' if iv.allow_urls else ''}", "messages")
-        return images_lib.preprocess(image, iv.processor)
+        return iv.kind.prepare(image, iv.processor, iv.cfg.vision)
     except images_lib.ImageError as e:
         raise RequestError(f"{where}: {e}", "messages") from None
 
@@ -80,33 +82,41 @@ def _fetch(iv: ImageServing, where: str, url: str) -> bytes:
     return raw
 
 
-def prompt(iv: ImageServing, text: str, n: int, encode: Callable[[str], list[int]]
+def prompt(iv: ImageServing, text: str, prepared: list[image_kinds.Prepared], encode: Callable[[str], list[int]]
            ) -> tuple[list[int], int]:
-    """The tokens of a rendered chat prompt holding n image markers, the images written in (expand), and the
-    index after its last image token. A RequestError unless the template placed one marker per image and the
-    text holds no image tokens of its own."""
-    found = text.count(iv.marker)
+    """The tokens of a rendered chat prompt holding one image marker per prepared image, the images written in
+    (expand), and the index after its last image token. A RequestError unless the template placed one marker per
+    image and the text holds no image tokens of its own."""
+    n, found = len(prepared), text.count(iv.marker)
     if found != n:
         raise RequestError(f"the chat template wrote {found} image marker(s) {iv.marker} for the messages' {n} "
                            "image(s): its messages must not write the marker as text, and the template must place "
                            "image parts ({'type': 'image'} content items)", "messages")
-    ids = encode(iv.expand(text, n))
-    v = iv.cfg.vision
-    at = np.flatnonzero(np.asarray(ids) == v.image_token_id)
-    if len(at) != n * v.tokens_per_image:
+    try:
+        ids = encode(iv.expand(text, prepared))
+    except images_lib.ImageError as e:
+        raise RequestError(str(e), "messages") from None
+    at = np.flatnonzero(np.asarray(ids) == iv.cfg.vision.image_token_id)
+    if len(at) != sum(p.tokens for p in prepared):
         raise RequestError("the messages hold image token strings of their own; leave them out", "messages")
     return ids, int(at[-1]) + 1
 
 
-def cache_key(ids: list[int], pixels_ISSC: np.ndarray, image_token_id: int) -> list[int]:
+def cache_key(ids: list[int], prepared: list[image_kinds.Prepared], cfg: ModelConfig) -> list[int]:
     """`ids` with each image's tokens replaced by negative ids (no token's) read from a hash of its pixels: 31 bits
-    per image token, so the key of two different images collides with odds of 2^-(31 x tokens per image)."""
+    per image token, so the key of two different images collides with odds of 2^-(31 x its image tokens). With
+    M-RoPE (Qwen-VL) the text before the last image is marked negative too (-1 - id): the prefill with images
+    rotates the whole prompt by a shift the images set (model/vision_qwen.rope_positions), so its keys and values
+    serve only a prompt with the same images, never a text prompt that starts the same."""
     key = list(ids)
-    at = [i for i, t in enumerate(ids) if t == image_token_id]
-    per = len(at) // len(pixels_ISSC)
-    for i, image in enumerate(pixels_ISSC):
-        digest = hashlib.shake_256(np.ascontiguousarray(image).tobytes()).digest(4 * per)
+    at = [i for i, t in enumerate(ids) if t == cfg.vision.image_token_id]
+    if cfg.vision.kind in ("qwen2_5", "qwen3"):
+        key[:at[-1]] = [-1 - t for t in key[:at[-1]]]
+    start = 0
+    for image in prepared:
+        digest = hashlib.shake_256(np.ascontiguousarray(image.pixels).tobytes()).digest(4 * image.tokens)
         words = np.frombuffer(digest, "<u4") & 0x7FFFFFFF
-        for k, w in zip(at[i * per:(i + 1) * per], words):
+        for k, w in zip(at[start:start + image.tokens], words):
             key[k] = -1 - int(w)
+        start += image.tokens
     return key

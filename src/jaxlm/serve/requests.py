@@ -60,11 +60,13 @@ class Sequence:
     pages: list[int] = field(default_factory=list)  # the paged cache's pages it holds, in position order
     admitted: int = 0  # the engine's count of admissions when it was admitted (the latest is preempted first)
     adapter: int = -1  # the LoRA adapter it runs with (the engine's params' RowLoraWeight index; -1 the base)
-    # A prompt with images: their pixels [n, side, side, 3] in the order of their image tokens, the prompt's tokens
+    # A prompt with images: their pixels in the order of their image tokens as its tower's kind takes them
+    # (data/image_kinds.py: Gemma 3 [n, side, side, 3], Llama 4 all tiles [n, side, side, 3], Qwen-VL a tuple of
+    # patch grids [t, h, w, Q]; each new shape compiles the image prefill once), the prompt's tokens
     # up to its last image token (prefilled whole, with the images: Cache.prefill_images), and the key the prefix
     # caches know its tokens by (its image tokens replaced by ids drawn from a hash of their image's pixels, so
     # that only the same image in the same place shares keys and values)
-    images: np.ndarray | None = None
+    images: np.ndarray | tuple | None = None
     image_end: int = 0
     key: list[int] | None = None
 
