@@ -270,6 +270,13 @@ def choose(cfg, T: int, dtype, has_segments: bool, platform: str, dropout: bool 
     return name
 
 
+def describe_with_images(cfg, platform: str) -> str:
+    """`describe` for rows whose image tokens see their whole image (Gemma 3): what `self_attention` runs then."""
+    impl = choose(cfg, cfg.block_size, jnp.dtype(cfg.compute_dtype), True, platform)
+    return (f"attention {'dot_product' if impl == 'dot_product' else 'blockwise'} (rows with images: an image's "
+            f"tokens see the whole image, docs/vision.md)")
+
+
 def describe(cfg, platform: str, dtype=None, mesh=None, rules=None) -> str:
     """One line for the logs: what uncached attention runs at the configured length; given the mesh and
     activation rules of the run, context parallelism when they split the sequence (as `self_attention`)."""

@@ -346,8 +346,9 @@ def report(r: Result) -> list[str]:
              f"lowered and compiled in {r.seconds:.1f} s",
              f"mesh {shape} | batch {t.batch_size} sequences ({t.per_device_batch_size:g} per device) x "
              f"{t.grad_accum} accumulation x {m_cfg.block_size} tokens{_images(run)} | remat {m_cfg.remat} | "
-             + (attention.describe(m_cfg, tgt.platform, mesh=run.mesh, rules=run.act_rules) if not run.image_slots
-                else "attention dot_product (rows with images mask by image span: docs/vision.md)")
+             + (attention.describe_with_images(m_cfg, tgt.platform)
+                if run.image_slots and m_cfg.vision.kind == "siglip"  # Gemma 3's image tokens see their image whole
+                else attention.describe(m_cfg, tgt.platform, mesh=run.mesh, rules=run.act_rules))
              + describe_loss(m_cfg)]
     if r.memory is not None:
         mem = r.memory
