@@ -46,8 +46,9 @@ def layer_norm_specs(cfg: ModelConfig, shape: tuple, axes: tuple) -> dict:
     return {"scale": ParamSpec(shape, axes, ones, dt), "bias": ParamSpec(shape, axes, zeros, dt)}
 
 
-def layer_specs(cfg: ModelConfig) -> dict:
-    """The stacked pre-LayerNorm encoder blocks (attention and MLP, all with biases), shared by the towers."""
+def layer_specs(cfg: ModelConfig, gated: bool = False, rms: bool = False) -> dict:
+    """The stacked pre-norm encoder blocks (attention and MLP, all with biases), shared by the towers: LayerNorm,
+    or RMSNorm (`rms`, scale only), and a gated MLP (`gated`: gate and up, Qwen2.5-VL's SwiGLU) or a plain one."""
     v, dt = cfg.vision, cfg.param_dtype
     E, N, H, F, L = v.d_model, v.n_heads, v.hd, v.d_ff, v.n_layers
     w = normal(cfg.init_std)
@@ -60,9 +61,11 @@ def layer_specs(cfg: ModelConfig) -> dict:
         attn[name], attn[f"{name}_bias"] = weight((L, E, N, H), (None, "embed", "heads", "head_dim"),
                                                   (L, N, H), (None, "heads", "head_dim"))
     attn["o"], attn["o_bias"] = weight((L, N, H, E), (None, "heads", "head_dim", "embed"), (L, E), (None, "embed"))
-    mlp["up"], mlp["up_bias"] = weight((L, E, F), (None, "embed", "mlp"), (L, F), (None, "mlp"))
+    for name in ("gate", "up") if gated else ("up",):
+        mlp[name], mlp[f"{name}_bias"] = weight((L, E, F), (None, "embed", "mlp"), (L, F), (None, "mlp"))
     mlp["down"], mlp["down_bias"] = weight((L, F, E), (None, "mlp", "embed"), (L, E), (None, "embed"))
-    norm = layer_norm_specs(cfg, (L, E), (None, "embed"))
+    norm = ({"scale": ParamSpec((L, E), (None, "embed"), ones, dt)} if rms
+            else layer_norm_specs(cfg, (L, E), (None, "embed")))
     return {"attn_norm": norm, "attn": attn, "mlp_norm": dict(norm), "mlp": mlp}
 
 

@@ -27,27 +27,18 @@ ROPE_THETA = 10000.0
 def specs(cfg: ModelConfig) -> dict:
     """The tower's weights; the stacked layer axis is unsharded (pipeline stages split the language model only)."""
     v, dt = cfg.vision, cfg.param_dtype
-    E, N, H, F, L = v.d_model, v.n_heads, v.hd, v.d_ff, v.n_layers
+    E = v.d_model
     Q, U = CHANNELS * v.temporal_patch * v.patch_size ** 2, v.spatial_merge ** 2 * v.d_model
     w = normal(cfg.init_std)
 
     def weight(shape, axes, out_shape, out_axes):
         return ParamSpec(shape, axes, w, dt), ParamSpec(out_shape, out_axes, zeros, dt)
 
-    attn, mlp = {}, {}
-    for name in ("q", "k", "v"):
-        attn[name], attn[f"{name}_bias"] = weight((L, E, N, H), (None, "embed", "heads", "head_dim"),
-                                                  (L, N, H), (None, "heads", "head_dim"))
-    attn["o"], attn["o_bias"] = weight((L, N, H, E), (None, "heads", "head_dim", "embed"), (L, E), (None, "embed"))
-    for name in ("gate", "up"):
-        mlp[name], mlp[f"{name}_bias"] = weight((L, E, F), (None, "embed", "mlp"), (L, F), (None, "mlp"))
-    mlp["down"], mlp["down_bias"] = weight((L, F, E), (None, "mlp", "embed"), (L, E), (None, "embed"))
     merger = {"norm": {"scale": ParamSpec((E,), ("embed",), ones, dt)}}
     merger["up"], merger["up_bias"] = weight((U, U), (None, "mlp"), (U,), ("mlp",))
     merger["down"], merger["down_bias"] = weight((U, cfg.d_model), ("mlp", "embed"), (cfg.d_model,), ("embed",))
     return {"patch": ParamSpec((Q, E), (None, "embed"), w, dt),
-            "layers": {"attn_norm": {"scale": ParamSpec((L, E), (None, "embed"), ones, dt)}, "attn": attn,
-                       "mlp_norm": {"scale": ParamSpec((L, E), (None, "embed"), ones, dt)}, "mlp": mlp},
+            "layers": vision.layer_specs(cfg, gated=True, rms=True),
             "merger": merger}
 
 
