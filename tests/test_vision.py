@@ -119,6 +119,76 @@ def test_preprocessing_equals_the_hf_processor(tmp_path):
     assert np.abs(images.pixels([tmp_path / "tall.png"], small)[0] - want).max() <= 1e-6
 
 
+def test_pan_and_scan_equals_the_hf_processor(tmp_path):
+    """With do_pan_and_scan: the crops (how many, and each one's pixel values after the whole image's) equal
+    transformers' Gemma 3 image processor's for wide, tall, square and small pictures and several settings, and the
+    prompt's text for an image with crops is Gemma3Processor's."""
+    from PIL import Image
+
+    from jaxlm.data import image_kinds, images
+
+    rng = np.random.default_rng(3)
+    shapes = [(1200, 300), (300, 1000), (700, 600), (640, 480), (520, 200), (2000, 270), (400, 400), (257, 700)]
+    for settings in (dict(pan_and_scan_min_crop_size=256, pan_and_scan_max_num_crops=4,
+                          pan_and_scan_min_ratio_to_activate=1.2),
+                     dict(pan_and_scan_min_crop_size=100, pan_and_scan_max_num_crops=3,
+                          pan_and_scan_min_ratio_to_activate=1.05)):
+        hf = transformers.Gemma3ImageProcessorPil(size={"height": 56, "width": 56}, image_mean=[0.5] * 3,
+                                                   image_std=[0.5] * 3, resample=2, rescale_factor=1 / 255,
+                                                   do_pan_and_scan=True, **settings)
+        processor = images.Processor.from_hf(hf.to_dict())
+        assert processor.pan_and_scan and processor.size == 56
+        seen = set()
+        for w, h in shapes:
+            img = Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+            want = hf(img, return_tensors="np")
+            got = image_kinds.KINDS["siglip"].prepare(img, processor, dataclass_vision())
+            assert got.layout == int(want["num_crops"][0]), (w, h, settings)
+            assert np.abs(got.pixels - want["pixel_values"].transpose(0, 2, 3, 1)).max() <= 1e-6, (w, h)
+            seen.add(got.layout)
+        assert {0, 2} <= seen and max(seen) >= 3  # none, two, and more crops were all compared
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=_word_tokenizer_object(),
+                                               extra_special_tokens={"boi_token": "<start_of_image>",
+                                                                     "eoi_token": "<end_of_image>",
+                                                                     "image_token": "<image_soft_token>"})
+    hf_proc = transformers.Gemma3Processor(image_processor=hf, tokenizer=tok, image_seq_length=SOFT)
+    pictures_ = [Image.fromarray(rng.integers(0, 256, (200, 520, 3), dtype=np.uint8)),
+                 Image.fromarray(rng.integers(0, 256, (300, 300, 3), dtype=np.uint8))]
+    text = "w1 <start_of_image> w2 <start_of_image> w3"
+    want = hf_proc(text=text, images=[pictures_], return_tensors="np", do_pan_and_scan=True, **settings)
+    ours = _TextTok()
+    prepared = [image_kinds.KINDS["siglip"].prepare(p, processor, dataclass_vision()) for p in pictures_]
+    written = image_kinds.KINDS["siglip"].expand(text, ours, dataclass_vision(), prepared)
+    assert tok(written)["input_ids"] == want["input_ids"][0].tolist()
+    assert [p.layout for p in prepared] == [3, 0]  # the crops of the wide picture are in the compared tokens
+
+
+def dataclass_vision():
+    from jaxlm.config.model_schema import VisionConfig
+
+    return VisionConfig(image_size=56, patch_size=7, d_model=32, d_ff=64, n_layers=1, n_heads=2,
+                        tokens_per_image=SOFT, image_token_id=IMAGE, boi_token_id=BOI, eoi_token_id=EOI)
+
+
+class _TextTok:
+    """The one method prompt_text asks of a tokenizer: the text of the image tokens."""
+
+    def decode(self, ids):
+        return {BOI: "<start_of_image>", EOI: "<end_of_image>", IMAGE: "<image_soft_token>"}[ids[0]]
+
+
+def _word_tokenizer_object():
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    specials = {"<start_of_image>": BOI, "<end_of_image>": EOI, "<image_soft_token>": IMAGE}
+    vocab = {f"w{i}": i for i in range(V) if i not in (*specials.values(), 296)} | specials | {"\n\n": 296}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens([AddedToken(s, special=True) for s in specials])
+    tok.add_tokens([AddedToken("\n\n", normalized=False)])
+    return tok
+
+
 def test_bad_images_are_one_line_errors(tmp_path):
     from jaxlm.data import images
 

@@ -47,7 +47,10 @@ def _special(i: int) -> Callable:
 
 
 def _siglip(image, processor, vision) -> Prepared:
-    return Prepared(images.preprocess(image, processor)[None], vision.tokens_per_image)
+    """The image's square, then its pan-and-scan crops' (layout: how many crops)."""
+    views = [image] + images.crops(image, processor)
+    return Prepared(np.stack([images.preprocess(v, processor) for v in views]), len(views) * vision.tokens_per_image,
+                    len(views) - 1)
 
 
 def _llama4(image, processor, vision) -> Prepared:
@@ -68,7 +71,9 @@ _QWEN = Kind(processor=images_qwen.Processor.of_folder, prepare=_qwen, marker=_s
 KINDS: dict[str, Kind] = {
     "siglip": Kind(processor=lambda folder, vision: images.Processor.of_folder(folder, vision.image_size),
                    prepare=_siglip, marker=_special(0),
-                   expand=lambda text, tok, vision, ps: images.prompt_text(text, tok, vision, len(ps)), batch=_squares),
+                   expand=lambda text, tok, vision, ps: images.prompt_text(text, tok, vision, len(ps),
+                                                                           [p.layout for p in ps]),
+                   batch=_squares),
     "llama4": Kind(processor=lambda folder, vision: images_llama4.TileProcessor.of_folder(folder, vision.image_size),
                    prepare=_llama4, marker=lambda tok, vision: images_llama4.MARKER,
                    expand=lambda text, tok, vision, ps: images_llama4.prompt_text(text, tok, vision,

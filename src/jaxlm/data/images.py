@@ -34,16 +34,24 @@ class Processor:
     std: tuple[float, float, float] = (0.5, 0.5, 0.5)
     rescale: float = 1 / 255
     resample: int = 2  # Pillow's BILINEAR
+    # Pan-and-scan (off in the released configs): an image this much wider than tall (or taller than wide) is also
+    # cut into 2 to pan_max_crops crops of at least pan_min_crop pixels, each its own square after the whole image.
+    pan_and_scan: bool = False
+    pan_min_crop: int = 256
+    pan_max_crops: int = 4
+    pan_min_ratio: float = 1.2
 
     @classmethod
     def from_hf(cls, hf: dict) -> Processor:
-        """From a preprocessor_config.json; pan-and-scan (do_pan_and_scan) is refused, not silently dropped."""
-        if hf.get("do_pan_and_scan"):
-            raise ImageError("preprocessor_config.json do_pan_and_scan=true is not supported; set it to false")
+        """From a preprocessor_config.json (pan-and-scan's keys included)."""
         size = hf.get("size") or {}
         side = size.get("height", size.get("shortest_edge", cls.size)) if isinstance(size, dict) else size
         return cls(size=int(side), mean=tuple(hf.get("image_mean", cls.mean)), std=tuple(hf.get("image_std", cls.std)),
-                   rescale=float(hf.get("rescale_factor", cls.rescale)), resample=int(hf.get("resample", cls.resample)))
+                   rescale=float(hf.get("rescale_factor", cls.rescale)), resample=int(hf.get("resample", cls.resample)),
+                   pan_and_scan=bool(hf.get("do_pan_and_scan") or False),
+                   pan_min_crop=int(hf.get("pan_and_scan_min_crop_size") or cls.pan_min_crop),
+                   pan_max_crops=int(hf.get("pan_and_scan_max_num_crops") or cls.pan_max_crops),
+                   pan_min_ratio=float(hf.get("pan_and_scan_min_ratio_to_activate") or cls.pan_min_ratio))
 
     @classmethod
     def of_folder(cls, folder: Path | None, size: int) -> Processor:
@@ -120,6 +128,27 @@ def preprocess(image, processor: Processor = Processor()) -> np.ndarray:
     return normalize(resized(image, processor), processor)
 
 
+def crops(image, processor: Processor) -> list:
+    """Pan-and-scan's crops of a Pillow image (none unless processor.pan_and_scan): along its long side, about as
+    many as its aspect ratio rounded (2 to pan_max_crops), none where the ratio is under pan_min_ratio or a crop
+    would be under pan_min_crop pixels; the last crop cut at the image's edge. As Gemma 3's processor crops."""
+    from PIL import Image
+
+    p = processor
+    width, height = image.size
+    if not p.pan_and_scan or max(width, height) / min(width, height) < p.pan_min_ratio:
+        return []
+    long, short = max(width, height), min(width, height)
+    n = min(p.pan_max_crops, max(2, min(long // p.pan_min_crop, int(long / short + 0.5))))
+    across, down = (n, 1) if width >= height else (1, n)
+    crop_w, crop_h = -(-width // across), -(-height // down)
+    if min(crop_w, crop_h) < p.pan_min_crop:
+        return []
+    array = np.asarray(rgb(image))
+    return [Image.fromarray(array[y:y + crop_h, x:x + crop_w])
+            for y in range(0, crop_h * down, crop_h) for x in range(0, crop_w * across, crop_w)]
+
+
 def resized(image, processor: Processor = Processor()) -> np.ndarray:
     """The image in RGB resized to the processor's square, uint8 [size, size, 3]: what a prepared dataset stores
     (data/vision_data.py), normalized when read."""
@@ -140,13 +169,23 @@ def pixels(sources: list[str | Path], processor: Processor = Processor(), max_pi
     return np.stack([preprocess(load(s, max_pixels), processor) for s in sources])
 
 
-def prompt_text(text: str, tok, vision, n_images: int) -> str:
+def prompt_text(text: str, tok, vision, n_images: int, n_crops: list[int] | None = None) -> str:
     """The prompt text with n images written as Gemma 3's processor writes them: each begin-of-image token in the
     text (or, when it holds none, n of them before it) becomes "\\n\\n" + begin + image tokens (one per soft
-    token) + end + "\\n\\n". Encode the result with the special tokens recognized (Tokenizer.encode_rendered)."""
+    token) + end + "\\n\\n"; an image with pan-and-scan crops (n_crops, per image) becomes "Here is the original
+    image" + that + "and here are some crops to help you see better" + one such sequence a crop. Encode the result
+    with the special tokens recognized (Tokenizer.encode_rendered)."""
     boi, image, eoi = (tok.decode([i]) for i in (vision.boi_token_id, vision.image_token_id, vision.eoi_token_id))
     if boi not in text:
         text = boi * n_images + text
     if text.count(boi) != n_images:
         raise ImageError(f"the prompt marks {text.count(boi)} image(s) with {boi} but {n_images} image(s) were given")
-    return text.replace(boi, f"\n\n{boi}{image * vision.tokens_per_image}{eoi}\n\n")
+    one = f"\n\n{boi}{image * vision.tokens_per_image}{eoi}\n\n"
+    parts = text.split(boi)
+    out = [parts[0]]
+    for i, part in enumerate(parts[1:]):
+        n = n_crops[i] if n_crops else 0
+        out.append((f"Here is the original image {one} and here are some crops to help you see better "
+                    + " ".join([one] * n)) if n else one)
+        out.append(part)
+    return "".join(out)

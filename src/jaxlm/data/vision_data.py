@@ -144,6 +144,9 @@ def prepare_vision_chat(inputs: list[str | Path], out_dir: str | Path, tokenizer
     if processor.size != vision.image_size:
         raise DataError(f"the processor resizes to {processor.size} pixels and model.vision.image_size is "
                         f"{vision.image_size}; they must agree")
+    if processor.pan_and_scan:
+        raise DataError("preprocessor_config.json do_pan_and_scan=true: pan-and-scan crops are taken by `jaxlm "
+                        "generate` and `jaxlm serve`, not by prepared training data; set it to false to prepare")
     marker = check_image_tokens(tok, vision)
     stats: collections.Counter = collections.Counter()
     encode = encode_pair_record if pairs else encode_record
