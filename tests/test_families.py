@@ -34,15 +34,15 @@ def test_preset_parameter_count_matches_published_figure(name):
 # the digits they give, and which active count they mean: "active" (every weight a token uses, the embedding
 # table included: Meta, Qwen) or "active_matmul" (without the input embedding table, of which a token reads
 # one row: OpenAI, DeepSeek, Moonshot). Text models: Gemma 3's totals are its report's embedding +
-# non-embedding columns (the 417M vision encoder apart; the gemma3-27b preset has its tower, so its total is the
-# report's 27.4B with the encoder); DeepSeek-V3's 671B leaves out its 11.6B
+# non-embedding columns plus the 417M vision encoder for the 4B, 12B and 27B, whose presets have their tower
+# (4.3B, 12.2B, 27.4B); DeepSeek-V3's 671B leaves out its 11.6B
 # multi-token prediction module (685B on the hub).
 PUBLISHED_2025 = {
     "qwen3-30b-a3b": ("30.5", None, "active"), "qwen3-235b-a22b": ("235", "22", "active"),
     "deepseek-v3": ("671", "37", "active_matmul"), "kimi-k2": ("1e3", "32", "active_matmul"),
     "gpt-oss-20b": ("20.91", "3.61", "active_matmul"), "gpt-oss-120b": ("116.83", "5.13", "active_matmul"),
-    "gemma3-1b": ("1.00", None, "active"), "gemma3-4b": ("3.88", None, "active"),
-    "gemma3-12b": ("11.8", None, "active"), "gemma3-27b": ("27.4", None, "active"),
+    "gemma3-1b": ("1.00", None, "active"), "gemma3-4b": ("4.30", None, "active"),
+    "gemma3-12b": ("12.2", None, "active"), "gemma3-27b": ("27.4", None, "active"),
     "llama4-scout": (None, "17", "active"), "llama4-maverick": ("4e2", "17", "active"),
 }
 

@@ -79,10 +79,12 @@ MODELS: dict[str, ModelConfig] = {name: ModelConfig(**kw) for name, kw in {
     "qwen3_235b_a22b": dict(QWEN3_MOE, n_layers=94, n_heads=64, d_model=4096, d_ff=12288, expert_d_ff=1536),
     "gemma3_1b": dict(GEMMA3, vocab_size=262144, block_size=32768, n_layers=26, n_heads=4, n_kv_heads=1,
                       d_model=1152, d_ff=6912, sliding_window=512, rope_scaling="none"),
-    "gemma3_4b": dict(GEMMA3, n_layers=34, n_heads=8, n_kv_heads=4, d_model=2560, d_ff=10240),
-    "gemma3_12b": dict(GEMMA3, n_layers=48, n_heads=16, n_kv_heads=8, d_model=3840, d_ff=15360),
-    # Gemma3ForConditionalGeneration: the language model and its SigLIP tower (VisionConfig's defaults: 27 layers
-    # of width 1152, MLP 4304, 16 heads, 896-pixel images in 14-pixel patches pooled to 256 soft tokens).
+    # The 4B, 12B and 27B are Gemma3ForConditionalGeneration: the language model and its SigLIP tower
+    # (VisionConfig's defaults: 27 layers of width 1152, MLP 4304, 16 heads, 896-pixel images in 14-pixel patches
+    # pooled to 256 soft tokens); the 1B is text only.
+    "gemma3_4b": dict(GEMMA3, n_layers=34, n_heads=8, n_kv_heads=4, d_model=2560, d_ff=10240, vision=VisionConfig()),
+    "gemma3_12b": dict(GEMMA3, n_layers=48, n_heads=16, n_kv_heads=8, d_model=3840, d_ff=15360,
+                       vision=VisionConfig()),
     "gemma3_27b": dict(GEMMA3, n_layers=62, n_heads=32, n_kv_heads=16, head_dim=128, d_model=5376, d_ff=21504,
                        attn_scale=168.0, vision=VisionConfig()),
     "gpt_oss_20b": dict(GPT_OSS, n_layers=24, n_experts=32),
