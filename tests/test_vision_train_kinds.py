@@ -31,6 +31,7 @@ pytest.importorskip("tokenizers")
 TURNS = ["<pad>", "<eos>", "<start_of_turn>", "<end_of_turn>"]
 WORDS = ["<unk>", "user", "model", "What", "is", "in", "the", "image", "?", "a", *COLOURS, *SHAPES]
 SPECIALS = {"qwen2_5": ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"],
+            "qwen3": ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"],
             "llama4": ["<|image_start|>", "<|patch|>", "<|image_end|>", "<|image|>"]}
 TEMPLATE = ("{% for m in messages %}<start_of_turn>{{ 'model' if m.role == 'assistant' else m.role }}\n"
             "{{ m.content }}<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
@@ -49,6 +50,10 @@ def vision(kind: str) -> VisionConfig:
     if kind == "llama4":  # 8 x 8 patches of 4 pixels, pixel-shuffled 2 x 2 to 16 soft tokens a tile
         return VisionConfig(kind="llama4", image_size=SIDE, patch_size=4, d_ff=128, tokens_per_image=16,
                             activation="gelu", projector_dim=48, norm_eps=1e-5, **common)
+    if kind == "qwen3":  # learned positions on a 8 x 8 grid, one deepstack layer, interleaved M-RoPE
+        return VisionConfig(kind="qwen3", patch_size=4, d_ff=48, activation="gelu_tanh", spatial_merge=2,
+                            temporal_patch=2, mrope_section="2,3,3", mrope_interleaved=True, position_embeddings=64,
+                            deepstack_layers="0", **common)
     return VisionConfig(kind="qwen2_5", patch_size=4, d_ff=48, activation="silu", spatial_merge=2, temporal_patch=2,
                         window_size=16, full_attention_layers="1", mrope_section="2,3,3", **common)
 
@@ -74,14 +79,15 @@ def processor(kind: str):
     keep a 32 x 32 square)."""
     if kind == "llama4":
         return images_llama4.TileProcessor(size=SIDE)
-    return images_qwen.Processor(patch_size=4, merge_size=2, min_pixels=16 * 16, max_pixels=64 * 64)
+    return images_qwen.Processor(patch_size=4, merge_size=2, min_pixels=16 * 16, max_pixels=64 * 64,
+                                 **({"mean": (0.5,) * 3, "std": (0.5,) * 3} if kind == "qwen3" else {}))
 
 
 def config(tmp_path, kind: str, **overrides):
     v = vision(kind)
     d = {"model.vision": v.__dict__, "model.vocab_size": len(vocab(kind)), "model.d_model": 64,
          "model.block_size": 48, "data.tokenizer": str(tmp_path / "model"), **overrides}
-    if kind == "qwen2_5":  # M-RoPE over head_dim 16: sections 2 + 3 + 3
+    if kind != "llama4":  # M-RoPE over head_dim 16: sections 2 + 3 + 3
         d.update({"model.n_heads": 4, "model.rope_theta": 10000.0})
     return tiny_config(tmp_path / "data", tmp_path / "run", **d)
 
@@ -122,7 +128,7 @@ def kind_prepared(kind, img, p, v):
     return image_kinds.of(v).prepare(img, p, v)
 
 
-@pytest.mark.parametrize("kind", ["llama4", "qwen2_5"])
+@pytest.mark.parametrize("kind", ["llama4", "qwen2_5", "qwen3"])
 def test_prepared_tokens_and_pixels_are_image_kinds(tmp_path, kind):
     meta, pics, folder = prepared(tmp_path, kind, two=True)
     v, p = vision(kind), processor(kind)
@@ -207,7 +213,7 @@ def batch_loss(tmp_path, kind, packing):
     return loss, total / w.sum(), blind_total / w.sum(), len(prep), docs
 
 
-@pytest.mark.parametrize("kind,packing", [("llama4", False), ("qwen2_5", False), ("qwen2_5", True)])
+@pytest.mark.parametrize("kind,packing", [("llama4", False), ("qwen2_5", False), ("qwen2_5", True), ("qwen3", True)])
 def test_the_step_loss_is_forward_with_the_images(tmp_path, kind, packing):
     loss, want, blind, n, docs = batch_loss(tmp_path, kind, packing)
     print(f"{kind} packing={packing}: {docs} documents, {n} images in 4 rows, step loss {loss:.6f}, forward "
