@@ -149,6 +149,12 @@ def normalize(pixels_uint8: np.ndarray, p: TileProcessor) -> np.ndarray:
 def tiles(image, p: TileProcessor = TileProcessor()) -> tuple[np.ndarray, tuple[int, int]]:
     """The tiles [n, size, size, 3] float32 of a Pillow image and its canvas (rows, columns): the canvas's tiles
     row by row, then the global tile when there are several."""
+    out, canvas = tiles_uint8(image, p)
+    return normalize(out, p), canvas
+
+
+def tiles_uint8(image, p: TileProcessor = TileProcessor()) -> tuple[np.ndarray, tuple[int, int]]:
+    """tiles before normalization: uint8 [n, size, size, 3] and the canvas."""
     image = np.asarray(images.rgb(image), np.uint8)
     height, width = image.shape[:2]
     canvas = best_fit(height, width, p)
@@ -159,7 +165,7 @@ def tiles(image, p: TileProcessor = TileProcessor()) -> tuple[np.ndarray, tuple[
     out = padded.reshape(rows, s, cols, s, 3).transpose(0, 2, 1, 3, 4).reshape(rows * cols, s, s, 3)
     if rows * cols > 1:
         out = np.concatenate([out, resize(image, s, s)[None]])
-    return normalize(out, p), canvas
+    return out, canvas
 
 
 def pixels(sources: list, p: TileProcessor = TileProcessor(),

@@ -79,8 +79,13 @@ def preprocess(image, p: Processor = Processor()) -> np.ndarray:
     """The patch grid [1, h, w, Q] float32 of a Pillow image (h, w: its resized sides in patches)."""
     rgb = images.rgb(image)
     height, width = smart_resize(rgb.height, rgb.width, p)
-    pixels = np.asarray(rgb.resize((width, height), resample=p.resample), np.uint8)
-    x = (pixels.astype(np.float64) * p.rescale).astype(np.float32)
+    return patches(np.asarray(rgb.resize((width, height), resample=p.resample), np.uint8), p)
+
+
+def patches(pixels_uint8: np.ndarray, p: Processor = Processor()) -> np.ndarray:
+    """The patch grid [1, h, w, Q] float32 of uint8 pixels [height, width, 3] already at their resized sides."""
+    height, width = pixels_uint8.shape[:2]
+    x = (pixels_uint8.astype(np.float64) * p.rescale).astype(np.float32)
     x = (x - np.asarray(p.mean, np.float32)) / np.asarray(p.std, np.float32)
     P, h, w = p.patch_size, height // p.patch_size, width // p.patch_size
     grid = x.reshape(h, P, w, P, 3).transpose(0, 2, 4, 1, 3)  # [h, w, C, P, P]

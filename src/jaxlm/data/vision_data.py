@@ -3,9 +3,9 @@ whose message contents hold image parts, prepared into a format-2 chat folder (l
 each split's images beside the shards (`prepare_vision_chat`); and the reading side: a split's images (SplitImages)
 and the loader that puts one conversation in each row, padded, with the images of its rows (RowLoader, Rows).
 
-Beside the shards, per split: {split}-images.bin (uint8 [I, S, S, 3], resized to the model's image_size as the
-processor resizes) and {split}-images.idx.npy (int64 [D + 1]: each document's first image, then I). meta.json's
-"images" holds S, the processor's normalization and the most images a document has.
+Beside the shards, per split: {split}-images.bin (uint8 [I, S, S, 3], at the tower kind's fixed training shape,
+data/train_images.py) and {split}-images.idx.npy (int64 [D + 1]: each document's first image, then I). meta.json's
+"images" holds S, the kind and its normalization, and the most images a document has.
 
 Legend: A micro-batches, B rows, T block_size, R = T + 1, K images per row at most, S image side, D documents.
 """
@@ -22,8 +22,8 @@ import numpy as np
 from jaxlm import storage
 from jaxlm.config import ConfigError
 from jaxlm.config.model_schema import VisionConfig
-from jaxlm.data import (chat, images, loader as loader_lib, packing, preference, shards, sources,
-                        tokenizer as tokenizer_lib)
+from jaxlm.data import (chat, image_kinds, images, loader as loader_lib, packing, preference, shards, sources,
+                        tokenizer as tokenizer_lib, train_images)
 from jaxlm.data.errors import DataError
 
 BAD_IMAGES = ("skip", "stop")
@@ -96,7 +96,7 @@ def vision_of(folder: str | Path) -> VisionConfig:
         v = None
     if not isinstance(v, dict):
         raise DataError(f"{path} holds no model.vision: image data needs a vision-language model's folder "
-                        "(`jaxlm convert from-hf` of Gemma 3)")
+                        "(`jaxlm convert from-hf` of Gemma 3, Llama 4, Qwen2.5-VL or Qwen3-VL)")
     return VisionConfig(**v)
 
 
@@ -125,12 +125,13 @@ class ImageWriter:
 def prepare_vision_chat(inputs: list[str | Path], out_dir: str | Path, tokenizer: str | Path,
                         vision: VisionConfig | None = None, max_tokens: int | None = None,
                         val: list[str | Path] | None = None, val_fraction: float = 0.01, bad_images: str = "skip",
-                        max_pixels: int = images.MAX_PIXELS, processor: images.Processor | None = None,
-                        pairs: bool = False) -> dict:
+                        max_pixels: int = images.MAX_PIXELS, processor=None, pairs: bool = False,
+                        image_side: int | None = None) -> dict:
     """Chat records in JSON-lines files (messages whose content holds text and image parts) -> a prepared folder:
-    tokens with each image written as Gemma 3's processor writes it (images.prompt_text), the loss mask on the
-    assistant's turns, and the images resized beside the shards. `tokenizer`: a tokenizer, or a converted model's
-    folder (whose config.json gives `vision` and whose preprocessor_config.json the processor when not given).
+    tokens with each image written as the tower's processor writes it (at the kind's fixed training shape,
+    data/train_images.py), the loss mask on the assistant's turns, and the images resized beside the shards.
+    `tokenizer`: a tokenizer, or a converted model's folder (whose config.json gives `vision` and whose
+    preprocessor_config.json the processor when not given). image_side: Qwen-VL's training square in pixels.
     pairs=True: preference records (data/preference.py) whose prompt messages hold the images, written as
     `jaxlm prepare preference` writes pairs (meta.json's kind "preference"), each of a pair's two documents with the
     prompt's images. A missing, corrupt or oversized image: with bad_images="skip" its record is left out and
@@ -140,13 +141,7 @@ def prepare_vision_chat(inputs: list[str | Path], out_dir: str | Path, tokenizer
         raise ConfigError(f"bad_images={bad_images!r}: use skip or stop")
     tok = tokenizer_lib.load(tokenizer)
     vision = vision or vision_of(tokenizer)
-    processor = processor or images.Processor.of_folder(Path(tokenizer) / "tokenizer", vision.image_size)
-    if processor.size != vision.image_size:
-        raise DataError(f"the processor resizes to {processor.size} pixels and model.vision.image_size is "
-                        f"{vision.image_size}; they must agree")
-    if processor.pan_and_scan:
-        raise DataError("preprocessor_config.json do_pan_and_scan=true: pan-and-scan crops are taken by `jaxlm "
-                        "generate` and `jaxlm serve`, not by prepared training data; set it to false to prepare")
+    fixed = train_images.of_model(Path(tokenizer) / "tokenizer", vision, image_side, processor)
     marker = check_image_tokens(tok, vision)
     stats: collections.Counter = collections.Counter()
     encode = encode_pair_record if pairs else encode_record
@@ -154,16 +149,16 @@ def prepare_vision_chat(inputs: list[str | Path], out_dir: str | Path, tokenizer
     def units():
         for src, split in [(f, "train") for f in inputs] + [(f, "val") for f in (val or [])]:
             for rec, where in sources.records(str(src)):
-                docs = encode(rec, where, tok, vision, marker, processor, max_pixels, bad_images, stats,
+                docs = encode(rec, where, tok, vision, marker, fixed, max_pixels, bad_images, stats,
                               Path(src).parent)
                 if docs is not None:
                     yield split, where, docs
 
-    return write_folder(out_dir, tok, processor, units(), stats, max_tokens, bool(val), val_fraction,
+    return write_folder(out_dir, tok, fixed, units(), stats, max_tokens, bool(val), val_fraction,
                         {"kind": preference.KIND} if pairs else {})
 
 
-def write_folder(out_dir, tok, processor: images.Processor, units, stats: collections.Counter,
+def write_folder(out_dir, tok, fixed: train_images.Fixed, units, stats: collections.Counter,
                  max_tokens: int | None, separate_val: bool, val_fraction: float, extra: dict) -> dict:
     """Write units (split, where, documents [(ids, mask, resized images)]: a conversation, or a pair's two) into a
     prepared folder with its images; a unit is never split between train and val. Returns the meta.json written
@@ -209,14 +204,14 @@ def write_folder(out_dir, tok, processor: images.Processor, units, stats: collec
             "has_loss_mask": True, "splits": entries, "train_tokens": entries["train"]["tokens"],
             "val_tokens": entries["val"]["tokens"], "unigram_entropy": max(0.0, float(-(p * np.log(p)).sum())),
             "skipped": {k: v for k, v in stats.items() if not k.endswith("documents")},
-            "images": {"size": processor.size, "mean": list(processor.mean), "std": list(processor.std),
-                       "rescale": processor.rescale, "max_per_document": most, "counts": n_images}, **extra}
+            "images": {**fixed.meta(), "max_per_document": most, "counts": n_images}, **extra}
     shards.write_meta(out, meta)
     return meta
 
 
 def check_image_tokens(tok, vision: VisionConfig) -> str:
-    """The text of the begin-of-image token (the marker an image part becomes), checked: each of the model's
+    """The text an image part becomes (what the kind's chat template writes for one: Gemma 3 its begin-of-image
+    token, Llama 4 <|image|>, Qwen-VL <|vision_start|><|image_pad|><|vision_end|>), checked: each of the model's
     image tokens must be a special token of the tokenizer, read back as its own id."""
     for name in ("boi_token_id", "image_token_id", "eoi_token_id"):
         i = getattr(vision, name)
@@ -224,15 +219,17 @@ def check_image_tokens(tok, vision: VisionConfig) -> str:
         if not text or tok.encode_rendered(text) != [i]:
             raise DataError(f"model.vision.{name}={i} is not a special token of the tokenizer {tok.describe()}; "
                             "prepare image data with the model's own tokenizer")
-    return tok.decode([vision.boi_token_id])
+    if vision.kind in train_images.QWEN:
+        return "".join(tok.decode([i]) for i in (vision.boi_token_id, vision.image_token_id, vision.eoi_token_id))
+    return image_kinds.of(vision).marker(tok, vision)
 
 
-def load_images(sources: list[str], where, processor, max_pixels, bad_images, stats) -> list[np.ndarray] | None:
+def load_images(sources: list[str], where, fixed, max_pixels, bad_images, stats) -> list[np.ndarray] | None:
     """The resized images of one record, or None when one is bad and bad_images="skip" (counted in stats)."""
     pixels = []
     for src in sources:
         try:
-            pixels.append(images.resized(images.load(src, max_pixels), processor))
+            pixels.append(fixed.resized(images.load(src, max_pixels)))
         except images.ImageError as e:
             if bad_images == "stop":
                 raise images.ImageError(f"{where}: {e} (bad_images=stop; skip such documents with "
@@ -243,21 +240,21 @@ def load_images(sources: list[str], where, processor, max_pixels, bad_images, st
     return pixels
 
 
-def encode_record(rec, where, tok, vision, marker, processor, max_pixels, bad_images, stats, folder):
+def encode_record(rec, where, tok, vision, marker, fixed, max_pixels, bad_images, stats, folder):
     """[(ids, mask, resized images)] of one conversation, or None when an image is bad and bad_images="skip"."""
     msgs, sources = conversation(rec, marker, where, folder)
-    pixels = load_images(sources, where, processor, max_pixels, bad_images, stats)
+    pixels = load_images(sources, where, fixed, max_pixels, bad_images, stats)
     if pixels is None:
         return None
     try:
-        ids, mask = chat.encode_chat(tok, msgs, expand=lambda text: images.prompt_text(text, tok, vision,
-                                                                                        text.count(marker)))
+        ids, mask = chat.encode_chat(tok, msgs, expand=lambda text: fixed.expand(text, tok, vision,
+                                                                                  text.count(marker)))
     except ValueError as e:
         raise DataError(f"{where}: {e}") from None
     return [(ids, mask, pixels)]
 
 
-def encode_pair_record(rec, where, tok, vision, marker, processor, max_pixels, bad_images, stats, folder):
+def encode_pair_record(rec, where, tok, vision, marker, fixed, max_pixels, bad_images, stats, folder):
     """The two documents [(ids, mask, resized images)] of a preference record whose `prompt` messages hold the
     images (both replies share them), or None when an image is bad and bad_images="skip"."""
     if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), list):
@@ -279,12 +276,12 @@ def encode_pair_record(rec, where, tok, vision, marker, processor, max_pixels, b
         rec[key] = msgs
     pair = preference.pair_of(rec, where)
     local = [s if s.startswith("data:") or Path(s).is_absolute() else str(folder / s) for s in found]
-    pixels = load_images(local, where, processor, max_pixels, bad_images, stats)
+    pixels = load_images(local, where, fixed, max_pixels, bad_images, stats)
     if pixels is None:
         return None
     try:
-        docs = preference.encode_pair(tok, pair, expand=lambda text: images.prompt_text(text, tok, vision,
-                                                                                         text.count(marker)))
+        docs = preference.encode_pair(tok, pair, expand=lambda text: fixed.expand(text, tok, vision,
+                                                                                   text.count(marker)))
     except ValueError as e:
         raise DataError(f"{where}: {e}") from None
     return [(ids, mask, pixels) for ids, mask in docs]
@@ -293,14 +290,13 @@ def encode_pair_record(rec, where, tok, vision, marker, processor, max_pixels, b
 # ---- reading -----------------------------------------------------------------------------------------------------
 
 class SplitImages:
-    """One split's images: uint8 [I, S, S, 3] memory-mapped, each document's range of them, and the processor
-    that normalizes them for the encoder."""
+    """One split's images: uint8 [I, S, S, 3] memory-mapped, each document's range of them, and their kind's
+    fixed training shape (train_images.Fixed), which normalizes them as the tower takes them."""
 
     def __init__(self, directory: Path, meta: dict, split: str, n_documents: int):
         info = meta["images"]
         S = int(info["size"])
-        self.processor = images.Processor(size=S, mean=tuple(info["mean"]), std=tuple(info["std"]),
-                                          rescale=float(info["rescale"]))
+        self.fixed = train_images.Fixed.of_meta(info)
         self.max_per_document = int(info["max_per_document"])
         idx_path, bin_path = directory / f"{split}-images.idx.npy", directory / f"{split}-images.bin"
         for path in (idx_path, bin_path):
@@ -317,11 +313,10 @@ class SplitImages:
         return range(int(self.starts_D1[d]), int(self.starts_D1[d + 1]))
 
     def read(self, ids: np.ndarray) -> np.ndarray:
-        """Normalized float32 pixels [..., S, S, 3] of images `ids` (-1: an empty slot, zeros)."""
-        S = self.processor.size
-        out = np.zeros(ids.shape + (S, S, 3), np.float32)
+        """Normalized float32 images [..., *fixed.shape] of images `ids` (-1: an empty slot, zeros)."""
+        out = np.zeros(ids.shape + self.fixed.shape, np.float32)
         have = ids >= 0
-        out[have] = images.normalize(self.pixels[ids[have]], self.processor)
+        out[have] = self.fixed.normalized(self.pixels[ids[have]])
         return out
 
 

@@ -49,10 +49,12 @@ def device_batch(run: Run, split: str, plan, read: dict | None = None) -> dict[s
 
 
 def image_batch(run: Run, plan: vision_data.ImageSlots) -> jax.Array:
-    """The images of a batch's rows [A, B * K, S, S, 3] (or [B * K, ...]) on the mesh, each micro-batch's in the
-    order of its image tokens (then empty slots), split over the devices that split the batch."""
-    shape = plan.slots.shape + plan.store.pixels.shape[1:]
-    return jax.make_array_from_callback(shape, step_lib.image_sharding(run, plan.slots.ndim - 1), plan.images)
+    """The images of a batch's rows [A, B * K, *image] (or [B * K, ...]; image: [S, S, 3], or Qwen-VL's patch grid
+    [1, h, w, Q]) on the mesh, each micro-batch's in the order of its image tokens (then empty slots), split over
+    the devices that split the batch."""
+    shape = plan.slots.shape + plan.store.fixed.shape
+    sh = step_lib.image_sharding(run, plan.slots.ndim - 1, len(plan.store.fixed.shape))
+    return jax.make_array_from_callback(shape, sh, plan.images)
 
 
 def host_batch(run: Run, split: str, plan, pool: concurrent.futures.Executor) -> dict:

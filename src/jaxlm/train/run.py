@@ -21,7 +21,8 @@ from jaxlm.model import lora
 from jaxlm.train import metrics, objectives, optim
 from jaxlm.train.state import make_abstract_state, placed
 from jaxlm.config import Config, ConfigError
-from jaxlm.data import loader as loader_lib, mixture, preference, prepare, tokenizer as tokenizer_lib, vision_data
+from jaxlm.data import (loader as loader_lib, mixture, preference, prepare, tokenizer as tokenizer_lib,
+                        train_images, vision_data)
 from jaxlm.model import param_specs, ring
 
 
@@ -54,6 +55,8 @@ class Run:
     images: dict | None = None
     # Image slots per row of the step's batches (image_slots); 0: its batches carry no images.
     image_slots: int = 0
+    # One image of the step's batches as the tower takes it ([S, S, 3], or Qwen-VL's patch grid [1, h, w, Q]).
+    image_shape: tuple = ()
 
 
 def resolve_data_dir(cfg: Config) -> Path | str:
@@ -142,12 +145,18 @@ def setup(cfg: Config, devices=None, data: bool = True) -> Run:
     abstract_frozen = placed(lora.frozen_specs(cfg), mesh, param_rules) if lora.enabled(cfg) else None
     run_dir = resolve_run_dir(cfg)
     return Run(cfg, run_dir, dataset, mesh, param_rules, act_rules, specs, optimizer, abstract_state, tokenizer,
-               abstract_frozen, images=images, image_slots=slots)
+               abstract_frozen, images=images, image_slots=slots, image_shape=image_shape(cfg, images) if slots else ())
 
 
 def vision_frozen(cfg: Config) -> bool:
     """Whether the run leaves the model's vision tower as it is (training.freeze_vision, a model with one)."""
     return cfg.model.vision is not None and cfg.training.freeze_vision
+
+
+def image_shape(cfg: Config, images: dict | None) -> tuple:
+    """One image of the run's batches: the data's (data/train_images.py), or without data the kind's default."""
+    fixed = images["train"].fixed if images is not None else train_images.of_model(None, cfg.model.vision)
+    return fixed.shape
 
 
 def image_slots(cfg: Config, dataset, images: dict | None) -> int:
@@ -192,11 +201,23 @@ def check_images(cfg: Config, dataset) -> dict | None:
     for refused, why in refusals:
         if refused:
             raise ConfigError(f"{where} holds images, which do not combine with {why}")
-    size = dataset.meta["images"]["size"]
-    if size != cfg.model.vision.image_size:
-        raise ConfigError(f"{where} holds {size}x{size} images and model.vision.image_size is "
-                          f"{cfg.model.vision.image_size}; prepare the data with this model's folder")
+    check_image_kind(cfg.model.vision, dataset.meta["images"], where)
     return vision_data.open_images(dataset)
+
+
+def check_image_kind(v, info: dict, where) -> None:
+    """One line when a folder's images are not for this tower (its kind, side, or Qwen-VL's patches)."""
+    fixed, again = train_images.Fixed.of_meta(info), "; prepare the data with this model's folder"
+    if fixed.kind != v.kind and not {fixed.kind, v.kind} <= set(train_images.QWEN):
+        raise ConfigError(f"{where} holds images for a {fixed.kind} tower and model.vision.kind is {v.kind}{again}")
+    if fixed.kind in train_images.QWEN:
+        p = fixed.processor
+        if (p.patch_size, p.merge_size, p.temporal_patch_size) != (v.patch_size, v.spatial_merge, v.temporal_patch):
+            raise ConfigError(f"{where} holds patch grids of patch {p.patch_size}, merge {p.merge_size}, temporal "
+                              f"patch {p.temporal_patch_size}, which model.vision does not take{again}")
+    elif fixed.side != v.image_size:
+        raise ConfigError(f"{where} holds {fixed.side}x{fixed.side} images and model.vision.image_size is "
+                          f"{v.image_size}{again}")
 
 
 def check_objective_data(cfg: Config, dataset) -> bool:

@@ -179,24 +179,24 @@ def step_args(run: Run) -> dict:
 
 def abstract_batch(run: Run) -> dict[str, jax.ShapeDtypeStruct]:
     """Shape, dtype and sharding of a train step's batch arrays [A, B, T], as device_batch makes them, and of its
-    images [A, B * K, S, S, 3] when the run has K = run.image_slots per row."""
+    images [A, B * K, *image] when the run has K = run.image_slots per row (image: run.image_shape)."""
     t = run.cfg.training
     shape = (t.grad_accum, t.batch_size, run.cfg.model.block_size)
     sh = sharding.batch_sharding(run.mesh, 3, 1, run.act_rules)
     out = {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k in FLOAT_KEYS else jnp.int32, sharding=sh)
            for k in batch_keys(run.cfg)}
     if run.image_slots:
-        S = run.cfg.model.vision.image_size
-        out["images"] = jax.ShapeDtypeStruct((t.grad_accum, t.batch_size * run.image_slots, S, S, 3), jnp.float32,
-                                             sharding=image_sharding(run, 1))
+        shape = run.image_shape
+        out["images"] = jax.ShapeDtypeStruct((t.grad_accum, t.batch_size * run.image_slots) + shape, jnp.float32,
+                                             sharding=image_sharding(run, 1, len(shape)))
     return out
 
 
-def image_sharding(run: Run, lead: int) -> jax.sharding.NamedSharding:
-    """The sharding of a batch's images [*lead dims, B * K, S, S, 3]: the image slots split over the devices that
-    split the batch (each micro-batch's images in the order of its image tokens: batches.image_batch)."""
+def image_sharding(run: Run, lead: int, image_dims: int = 3) -> jax.sharding.NamedSharding:
+    """The sharding of a batch's images [*lead dims, B * K, *image dims]: the image slots split over the devices
+    that split the batch (each micro-batch's images in the order of its image tokens: batches.image_batch)."""
     batch_axes = sharding.spec(("batch",), run.act_rules)[0]
-    spec = jax.sharding.PartitionSpec(*(None,) * lead, batch_axes, None, None, None)
+    spec = jax.sharding.PartitionSpec(*(None,) * lead, batch_axes, *(None,) * image_dims)
     return jax.sharding.NamedSharding(run.mesh, spec)
 
 

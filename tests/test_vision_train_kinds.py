@@ -1,0 +1,278 @@
+"""Training with images on Llama 4's and Qwen2.5-VL's towers (docs/vision.md, "Training with images"): chat data
+prepared at the kind's fixed shape (Llama 4: one tile; Qwen-VL: a square of data side) whose stored tokens and pixels
+are what data/image_kinds.py gives the same images; the train step's loss on a batch equal to the masked
+cross-entropy of forward() on the same tokens and images (and not equal without them); what cannot work refused in
+one line; and a tiny random Qwen2.5-VL that learns to name the drawn shape's colour from the image."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import tiny_config
+from jaxlm import params as P
+from jaxlm.config.model_schema import VisionConfig
+from jaxlm.data import image_kinds, images_llama4, images_qwen, loader as loader_lib, tokenizer as tokenizer_lib
+from jaxlm.data import train_images, vision_data
+from jaxlm.data.errors import DataError
+from jaxlm.model import forward
+from jaxlm.train import batches, objectives, run as run_lib
+
+from test_vision_train import COLOURS, QUESTION, SHAPES, data_url, draw, record, write_jsonl
+
+PIL = pytest.importorskip("PIL")
+pytest.importorskip("tokenizers")
+
+TURNS = ["<pad>", "<eos>", "<start_of_turn>", "<end_of_turn>"]
+WORDS = ["<unk>", "user", "model", "What", "is", "in", "the", "image", "?", "a", *COLOURS, *SHAPES]
+SPECIALS = {"qwen2_5": ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"],
+            "qwen3": ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"],
+            "llama4": ["<|image_start|>", "<|patch|>", "<|image_end|>", "<|image|>"]}
+TEMPLATE = ("{% for m in messages %}<start_of_turn>{{ 'model' if m.role == 'assistant' else m.role }}\n"
+            "{{ m.content }}<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+SIDE = 32
+
+
+def vocab(kind: str) -> list[str]:
+    return TURNS + SPECIALS[kind] + WORDS
+
+
+def vision(kind: str) -> VisionConfig:
+    ids = {t: i for i, t in enumerate(vocab(kind))}
+    s = SPECIALS[kind]
+    common = dict(image_token_id=ids[s[1]], boi_token_id=ids[s[0]], eoi_token_id=ids[s[2]], d_model=32, n_layers=2,
+                  n_heads=2)
+    if kind == "llama4":  # 8 x 8 patches of 4 pixels, pixel-shuffled 2 x 2 to 16 soft tokens a tile
+        return VisionConfig(kind="llama4", image_size=SIDE, patch_size=4, d_ff=128, tokens_per_image=16,
+                            activation="gelu", projector_dim=48, norm_eps=1e-5, **common)
+    if kind == "qwen3":  # learned positions on a 8 x 8 grid, one deepstack layer, interleaved M-RoPE
+        return VisionConfig(kind="qwen3", patch_size=4, d_ff=48, activation="gelu_tanh", spatial_merge=2,
+                            temporal_patch=2, mrope_section="2,3,3", mrope_interleaved=True, position_embeddings=64,
+                            deepstack_layers="0", **common)
+    return VisionConfig(kind="qwen2_5", patch_size=4, d_ff=48, activation="silu", spatial_merge=2, temporal_patch=2,
+                        window_size=16, full_attention_layers="1", mrope_section="2,3,3", **common)
+
+
+def model_folder(folder, kind: str):
+    """A folder standing for a converted model: config.json's model.vision, tokenizer.json with the kind's image
+    tokens as special tokens, a chat template."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    words = vocab(kind)
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in TURNS + SPECIALS[kind]])
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>", "chat_template": TEMPLATE}))
+    (folder / "config.json").write_text(json.dumps({"model": {"vision": vision(kind).__dict__}}))
+    return folder
+
+
+def processor(kind: str):
+    """The tower's processor as the model folder's preprocessor_config.json would give it (Qwen: pixel bounds that
+    keep a 32 x 32 square)."""
+    if kind == "llama4":
+        return images_llama4.TileProcessor(size=SIDE)
+    return images_qwen.Processor(patch_size=4, merge_size=2, min_pixels=16 * 16, max_pixels=64 * 64,
+                                 **({"mean": (0.5,) * 3, "std": (0.5,) * 3} if kind == "qwen3" else {}))
+
+
+def config(tmp_path, kind: str, **overrides):
+    v = vision(kind)
+    d = {"model.vision": v.__dict__, "model.vocab_size": len(vocab(kind)), "model.d_model": 64,
+         "model.block_size": 48, "data.tokenizer": str(tmp_path / "model"), **overrides}
+    if kind != "llama4":  # M-RoPE over head_dim 16: sections 2 + 3 + 3
+        d.update({"model.n_heads": 4, "model.rope_theta": 10000.0})
+    return tiny_config(tmp_path / "data", tmp_path / "run", **d)
+
+
+def pictures(n: int, seed: int, side: int = SIDE):
+    rng = np.random.default_rng(seed)
+    classes = [(c, s) for c in COLOURS for s in SHAPES]
+    out = []
+    for i in range(n):
+        c, s = classes[i % len(classes)]
+        img = draw(c, s, rng)
+        out.append((img if img.size == (side, side) else img.resize((side, side)), f"a {c} {s}"))
+    return out
+
+
+def prepared(tmp_path, kind: str, n: int = 12, two: bool = False):
+    """A prepared folder of n conversations (each with one drawn shape; with two=True the even ones with a second
+    image), its pictures, and the model folder."""
+    folder = model_folder(tmp_path / "model", kind)
+    pics = pictures(n, 0)
+    recs = []
+    for i, (img, answer) in enumerate(pics):
+        rec = record({"type": "image_url", "image_url": {"url": data_url(img)}}, answer)
+        if two and i % 2 == 0:
+            rec["messages"][0]["content"].insert(1, {"type": "image_url",
+                                                     "image_url": {"url": data_url(pics[i - 1][0])}})
+        recs.append(rec)
+    src = write_jsonl(tmp_path / "chat.jsonl", recs)
+    meta = vision_data.prepare_vision_chat([src], tmp_path / "data", folder, val_fraction=0.25,
+                                           processor=processor(kind), image_side=SIDE if kind != "llama4" else None)
+    return meta, pics, folder
+
+
+def kind_prepared(kind, img, p, v):
+    """One image as data/image_kinds.py prepares it (serving, `jaxlm generate --image`); Llama 4 with one tile."""
+    if kind == "llama4":
+        p = images_llama4.TileProcessor(size=p.size, max_tiles=1, mean=p.mean, std=p.std)
+    return image_kinds.of(v).prepare(img, p, v)
+
+
+@pytest.mark.parametrize("kind", ["llama4", "qwen2_5", "qwen3"])
+def test_prepared_tokens_and_pixels_are_image_kinds(tmp_path, kind):
+    meta, pics, folder = prepared(tmp_path, kind, two=True)
+    v, p = vision(kind), processor(kind)
+    assert meta["images"]["kind"] == kind and meta["images"]["size"] == SIDE and meta["images"]["max_per_document"] == 2
+    ds = loader_lib.Dataset(tmp_path / "data")
+    tok = tokenizer_lib.load(folder)
+    store = vision_data.open_images(ds)
+    kind_of = image_kinds.of(v)
+    # The first document of train: conversation 0 (two images: 0 and the last one).
+    split = ds.splits["train"]
+    ids = split.document(0).tolist()
+    used = [pics[0][0], pics[-1][0]]
+    prep = [kind_prepared(kind, img, p, v) for img in used]
+    marker = vision_data.check_image_tokens(tok, v)
+    text = tok.apply_chat_template([{"role": "user", "content": marker * 2 + QUESTION},
+                                    {"role": "assistant", "content": pics[0][1]}],
+                                   add_generation_prompt=False)
+    assert ids == tok.encode_rendered(kind_of.expand(text, tok, v, prep))
+    assert ids.count(v.image_token_id) == sum(x.tokens for x in prep) == 2 * 16
+    got = store["train"].read(np.array(list(store["train"].of(0))))
+    want = kind_of.batch(prep)
+    assert np.abs(got - np.asarray(want)).max() <= 1e-6  # Qwen: [2, 1, 8, 8, Q] grids; Llama 4: [2, 32, 32, 3] tiles
+    mask = split.take(np.arange(len(ids)), mask=True)
+    assert [t for t, m in zip(ids, mask) if m] == tok.encode_rendered(pics[0][1] + "<end_of_turn>")
+
+
+def test_what_cannot_work_is_one_line(tmp_path):
+    folder = model_folder(tmp_path / "model", "qwen2_5")
+    src = write_jsonl(tmp_path / "c.jsonl", [record({"type": "image_url", "image_url": {"url": data_url(
+        pictures(1, 0)[0][0])}}, "a red circle")] * 4)
+    with pytest.raises(DataError, match=r"image side 36: Qwen-VL training squares must be a multiple of patch x "
+                                        r"merge = 8 pixels"):
+        vision_data.prepare_vision_chat([src], tmp_path / "d1", folder, image_side=36, processor=processor("qwen2_5"))
+    with pytest.raises(DataError, match=r"image side 32: .*within the processor's \[3136, 1003520\] pixels"):
+        vision_data.prepare_vision_chat([src], tmp_path / "d2", folder, image_side=32)  # the released bounds
+    folder4 = model_folder(tmp_path / "m4", "llama4")
+    with pytest.raises(DataError, match=r"image side 64: a llama4 tower takes 32-pixel images"):
+        vision_data.prepare_vision_chat([src], tmp_path / "d3", folder4, image_side=64)
+    f = train_images.of_model(None, vision("qwen2_5"), 64, processor("qwen2_5"))
+    assert f.shape == (1, 16, 16, 96) and f.meta()["patch_size"] == 4
+
+
+def segments(batch, b):
+    """(start, end) of each document of row b: its segments (packed), else the whole row."""
+    if "segment_ids" not in batch:
+        return [(0, batch["inputs"].shape[1])]
+    seg = np.asarray(batch["segment_ids"][b])
+    return [(int(np.argmax(seg == s)), int(len(seg) - np.argmax(seg[::-1] == s))) for s in np.unique(seg[seg > 0])]
+
+
+def batch_loss(tmp_path, kind, packing):
+    """The train objective's loss on a loader's batch; the same from forward() on each of its documents alone with
+    the images image_kinds gives that document's pictures; and forward()'s without any images."""
+    _, pics, _ = prepared(tmp_path, kind, n=12, two=True)
+    cfg = config(tmp_path, kind, **{"data.packing": packing, "training.batch_size": 4, "model.block_size": 96,
+                                    "data.images_per_row": 4})
+    run = run_lib.setup(cfg, jax.devices()[:1])
+    params = P.init(run.specs, jax.random.key(0), run.mesh)
+    plan = batches.make_loader(run, grad_accum=1).next().only_micro_batch()
+    batch = batches.device_batch(run, "train", plan)
+    loss = float(objectives.get("next_token").loss(params, batch, cfg, None)[0])
+    v, p, store = cfg.model.vision, processor(kind), run.images["train"]
+    by_image = {}  # each stored image of train as image_kinds prepares its picture (every 4th conversation is val)
+    for d, c in enumerate(i for i in range(len(pics)) if i % 4 != 3):
+        for slot, img in zip(store.of(d), [pics[c][0]] + ([pics[c - 1][0]] if c % 2 == 0 else [])):
+            by_image[slot] = kind_prepared(kind, img, p, v)
+    prep = [by_image[int(s)] for s in np.asarray(plan.slots) if s >= 0]
+    tokens, targets, w = (np.asarray(batch[k]) for k in ("inputs", "targets", "weights"))
+    total, blind_total, at = 0.0, 0.0, 0
+    for b in range(tokens.shape[0]):
+        for start, end in segments(batch, b):
+            ids = jnp.asarray(tokens[b:b + 1, start:end])
+            n = int((tokens[b, start:end] == v.image_token_id).sum()) // 16
+            mine, at = prep[at:at + n], at + n
+            for images, acc in ((image_kinds.of(v).batch(mine) if mine else None, "seen"), (None, "blind")):
+                logp = np.asarray(jax.nn.log_softmax(forward(params, ids, cfg.model, images=images), -1))[0]
+                nll = -np.take_along_axis(logp, targets[b, start:end, None], -1)[:, 0]
+                value = float((nll * w[b, start:end]).sum())
+                total, blind_total = (total + value, blind_total) if acc == "seen" else (total, blind_total + value)
+    assert at == len(prep)
+    docs = sum(len(segments(batch, b)) for b in range(tokens.shape[0]))
+    return loss, total / w.sum(), blind_total / w.sum(), len(prep), docs
+
+
+@pytest.mark.parametrize("kind,packing", [("llama4", False), ("qwen2_5", False), ("qwen2_5", True), ("qwen3", True)])
+def test_the_step_loss_is_forward_with_the_images(tmp_path, kind, packing):
+    loss, want, blind, n, docs = batch_loss(tmp_path, kind, packing)
+    print(f"{kind} packing={packing}: {docs} documents, {n} images in 4 rows, step loss {loss:.6f}, forward "
+          f"{want:.6f}, without images {blind:.6f}")
+    assert n >= 4 and abs(loss - want) <= 1e-5 and abs(loss - blind) > 1e-3
+    assert docs > 4 if packing else docs == 4  # packed rows hold several conversations, their M-RoPE positions right
+
+
+def qwen_accuracy(model, tok, v, pics, blank=False) -> float:
+    """Held-out greedy accuracy of the whole answer, each picture (or a blank one) as image_kinds prepares it."""
+    marker = vision_data.check_image_tokens(tok, v)
+    text = tok.apply_chat_template([{"role": "user", "content": marker + QUESTION}], add_generation_prompt=True)
+    end = tok.encode_rendered("<end_of_turn>")
+    rng, right = np.random.default_rng(0), 0
+    for img, answer in pics:
+        prep = [kind_prepared("qwen2_5", draw("red", "circle", rng, blank=True) if blank else img,
+                              processor("qwen2_5"), v)]
+        prompt = tok.encode_rendered(image_kinds.of(v).expand(text, tok, v, prep))
+        out = model.generate(prompt, new_tokens=4, temperature=0.0, stop_ids=tuple(end),
+                             images=image_kinds.of(v).batch(prep))
+        right += tok.decode([t for t in out if t not in end]).split() == answer.split()
+    return right / len(pics)
+
+
+@pytest.mark.slow
+@pytest.mark.in_ci
+def test_a_tiny_qwen_vl_learns_to_name_the_drawn_shape(tmp_path):
+    import time
+
+    import jaxlm
+    from jaxlm.train import loop
+
+    folder = model_folder(tmp_path / "model", "qwen2_5")
+    train, val = pictures(1440, 0), pictures(90, 1)
+    files = [write_jsonl(tmp_path / f"{name}.jsonl", [record({"type": "image_url", "image_url": {"url": data_url(i)}},
+                                                              a) for i, a in pics])
+             for name, pics in (("train", train), ("val", val))]
+    vision_data.prepare_vision_chat(files[:1], tmp_path / "data", folder, val=files[1:], processor=processor("qwen2_5"),
+                                    image_side=SIDE)
+    cfg = config(tmp_path, "qwen2_5", **{"model.block_size": 40, "training.steps": 400, "training.batch_size": 16,
+                                         "training.eval_interval": 400, "optimizer.lr": 3e-3,
+                                         "optimizer.warmup_steps": 10, "checkpoint.interval": 400})
+    start = time.perf_counter()
+    loop.train(cfg, devices=jax.devices()[:1], log=lambda s: None)
+    seconds = time.perf_counter() - start
+    model, tok, v = jaxlm.load(tmp_path / "run"), tokenizer_lib.load(folder), cfg.model.vision
+    seen, blind = qwen_accuracy(model, tok, v, val), qwen_accuracy(model, tok, v, val, blank=True)
+    print(f"Qwen2.5-VL: held-out greedy accuracy {seen:.3f} with the image, {blind:.3f} with a blank one; {seconds:.1f} s")
+    assert seen >= 0.9 and blind <= 2 / 9
+
+    # The tower was frozen (training.freeze_vision, the default): bit-identical to its initialization. LoRA of
+    # the language model on the same data keeps it so, and its loss stays low.
+    run = run_lib.setup(cfg, jax.devices()[:1], data=False)
+    fresh = jax.device_get(P.init(run.specs, jax.random.key(cfg.seed), run.mesh)["vision"])
+    same = lambda tree: all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(fresh),  # noqa: E731
+                                                                   jax.tree.leaves(jax.device_get(tree))))
+    assert same(model.params["vision"])
+    lora_cfg = cfg.replace(run_dir=str(tmp_path / "lora"), lora=dataclasses.replace(cfg.lora, rank=4),
+                           checkpoint=dataclasses.replace(cfg.checkpoint, init_from=str(tmp_path / "run")),
+                           training=dataclasses.replace(cfg.training, steps=10, eval_interval=10))
+    out = loop.train(lora_cfg, devices=jax.devices()[:1], log=lambda s: None)
+    assert out["val_loss"] < 0.1 and same(jaxlm.load(tmp_path / "lora").params["vision"])
