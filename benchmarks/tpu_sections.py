@@ -7,7 +7,8 @@ step, the profile's breakdown, generate and the serving engine): figures are wri
 object a line, raw (tokens/s, FLOPs per token, bytes); tpu.py turns them into MFU against the yardsticks.
 
 Sections: yardsticks, maxtext (maxtext_base at the preset's settings and at tuned ones, the step's time by
-operation), gpt2 (the `openwebtext` preset), long (maxtext_base at 32,768 tokens a sequence), quant (int8 training
+operation), gpt2 (the `openwebtext` preset), long (maxtext_base at 32,768 tokens a sequence), lora (QLoRA of
+llama3.1-8b, LoRA of llama3.2-1b, random bases), quant (int8 training
 against bf16), decode (generate at batch 1 and 64), serve (the engine with 64 slots).
 """
 
@@ -49,6 +50,7 @@ SIZES = {
     "full": dict(
         g.SIZES["full"], maxtext_batch=2, maxtext_steps=3, profile_steps=2, gpt2_steps=3,
         long_block=32768, long_steps=2, quant_layers=16, quant_block=2048, quant_batch=2, quant_steps=200,
+        lora_block=2048, lora_steps=3,
         decode_model=dict(), serve_concurrency=64),
     "tiny": dict(
         g.SIZES["tiny"],
@@ -57,7 +59,10 @@ SIZES = {
         gpt2_model={"model.n_layers": 2, "model.d_model": 64, "model.n_heads": 4, "model.vocab_size": 512,
                     "model.block_size": 64},
         maxtext_batch=2, maxtext_steps=2, profile_steps=1, gpt2_steps=2, long_block=256, long_steps=1,
-        quant_layers=2, quant_block=64, quant_batch=2, quant_steps=10),
+        quant_layers=2, quant_block=64, quant_batch=2, quant_steps=10,
+        lora_model={"model.n_layers": 2, "model.d_model": 64, "model.n_heads": 4, "model.n_kv_heads": 2,
+                    "model.head_dim": 16, "model.d_ff": 128, "model.vocab_size": 512},
+        lora_block=64, lora_steps=2),
 }
 
 
@@ -71,7 +76,8 @@ def load(preset: str, ctx: Ctx, settings: dict):
     """The preset on one device, shrunk at tiny sizes (SIZES' maxtext_model, gpt2_model), with `settings` over it."""
     from jaxlm import config as config_lib
 
-    model = ctx.sizes.get({"maxtext_base": "maxtext_model", "openwebtext": "gpt2_model"}[preset], {})
+    model = ctx.sizes.get({"maxtext_base": "maxtext_model", "openwebtext": "gpt2_model", "llama3_1_8b": "lora_model",
+                           "llama3_2_1b": "lora_model"}[preset], {})
     return config_lib.load(preset, {"mesh.ici_data": 1, **model, **settings})
 
 
@@ -195,6 +201,77 @@ def quant(ctx: Ctx) -> None:
         ctx.put(quant_runs=out)
 
 
+# LoRA rows: (label, preset, settings over it). Rank 16 on q, k, v, o, up, gate, down (the defaults), bf16 compute.
+LORA_ROWS = [
+    ("llama3.1-8b QLoRA, nf4 base, 1 x 2,048, remat full", "llama3_1_8b",
+     {"lora.base_quantization": "nf4", "model.remat": "full"}),
+    ("llama3.2-1b LoRA, bf16 base, 4 x 2,048, remat full", "llama3_2_1b",
+     {"model.param_dtype": "bfloat16", "model.remat": "full", "training.batch_size": 4}),
+]
+
+
+def random_frozen(abstract: dict, seed: int = 0) -> dict:
+    """A LoRA run's frozen base made on the device in its stored layout (nf4 codes and scales, or bf16 weights),
+    random: no folder to read, and an 8B base in float would not fit one chip before it is quantized. Integers
+    uniform over their type, floats small and positive (norms, block scales), so every value stays finite."""
+    import jax
+    import jax.numpy as jnp
+
+    leaves, tree = jax.tree.flatten(abstract)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+
+    def one(key, a):
+        if jnp.issubdtype(a.dtype, jnp.integer):
+            info = jnp.iinfo(a.dtype)
+            make = lambda k: jax.random.randint(k, a.shape, info.min, info.max, jnp.int32).astype(a.dtype)  # noqa
+        else:
+            make = lambda k: (0.02 * jnp.abs(jax.random.normal(k, a.shape, jnp.float32))).astype(a.dtype)  # noqa
+        return jax.jit(make, out_shardings=a.sharding)(key)
+
+    return jax.tree.unflatten(tree, [one(k, a) for k, a in zip(keys, leaves)])
+
+
+def lora_row(ctx: Ctx, label: str, cfg, steps: int) -> dict:
+    """One LoRA (or QLoRA) train step as `jaxlm train` compiles it, over a random base: tokens/s, the compiled
+    step's bytes and the chip's peak memory in use."""
+    import jax
+
+    from jaxlm.train import state as state_lib
+
+    dev = jax.devices()[0]
+    B, T = cfg.training.batch_size, cfg.model.block_size
+    run, compiled, mem, secs = g.compile_step(cfg, B, dev)
+    row = dict(label=label, batch=B, block=T, bytes=mem, compile_s=round(secs, 1),
+               base_quantization=cfg.lora.base_quantization, rank=cfg.lora.rank)
+    frozen = random_frozen(run.abstract_frozen)
+    state = state_lib.init_state(run, cfg.seed)
+    state, times = g.time_steps(lambda s, b: compiled(s, b, frozen), state, g.random_batch(run), steps, ctx,
+                                reserve=2)
+    step_s = statistics.median(times) if times else None
+    stats = dev.memory_stats() or {}
+    row.update(step_s=step_s, tokens_per_s=B * T / step_s if step_s else None,
+               peak_bytes_in_use=stats.get("peak_bytes_in_use"), bytes_limit=stats.get("bytes_limit"))
+    return row
+
+
+def lora(ctx: Ctx) -> None:
+    """QLoRA (nf4) of llama3.1-8b at 2,048 tokens and LoRA of llama3.2-1b with a bf16 base, one chip, random bases:
+    tokens/s and memory. Rows run in order while time is left; one failing leaves the next."""
+    out = []
+    for label, preset, settings in LORA_ROWS:
+        if out and ctx.left() < 30:
+            out.append(dict(label=label, note=f"skipped: time budget ({ctx.left():.0f} s left)"))
+            continue
+        cfg = load(preset, ctx, {"lora.rank": 16, "model.compute_dtype": "bfloat16", "model.block_size":
+                                 ctx.sizes["lora_block"], "training.batch_size": 1, **settings})
+        try:
+            out.append(lora_row(ctx, label, cfg, ctx.sizes["lora_steps"]))
+        except Exception as e:  # noqa: BLE001 - one row failing (out of memory, say) leaves the other
+            full = re.search("RESOURCE_EXHAUSTED|[Oo]ut of memory", str(e))
+            out.append(dict(label=label, note=f"{'does not fit' if full else 'error'}: {g.one_line(e)}"))
+        ctx.put(lora_runs=out)
+
+
 def decode(ctx: Ctx) -> None:
     g.decode(ctx)
 
@@ -203,7 +280,7 @@ def serve(ctx: Ctx) -> None:
     g.serve(ctx)
 
 
-SECTIONS = {f.__name__: f for f in (yardsticks, maxtext, gpt2, long, quant, decode, serve)}
+SECTIONS = {f.__name__: f for f in (yardsticks, maxtext, gpt2, long, quant, lora, decode, serve)}
 
 
 if __name__ == "__main__":

@@ -32,13 +32,20 @@ def test_every_section_runs_at_tiny_sizes_on_cpu(tmp_path):
     figures = json.loads((tmp_path / "tpu.json").read_text())["figures"]
     rows = {r["label"]: r for r in figures["maxtext"]["maxtext_runs"]}
     assert list(rows) == [label for label, _ in tpu_sections().MAXTEXT_ROWS]
-    preset, fast = rows[list(rows)[0]], rows[list(rows)[-1]]
+    preset, fast, accum = (rows[list(rows)[i]] for i in (0, 2, 4))
     assert (preset["param_dtype"], preset["remat"]) == ("float32", "full")  # what `jaxlm train maxtext_base` runs
     assert (fast["param_dtype"], fast["remat"]) == ("bfloat16", "minimal")
     for r in [*rows.values(), *figures["gpt2"]["gpt2_runs"], *figures["long"]["long_runs"]]:
         assert r["tokens_per_s"] > 0 and r["bytes"] > 0 and r["flops_maxtext"] > r["flops_causal"] > 0, r
     assert fast["breakdown"]["source"].startswith("jax.profiler trace") and fast["breakdown"]["by_kind"]["matmul"] > 0
     assert figures["long"]["long_runs"][0]["block"] == 256
+    # 4 micro-batches a step: the step's tokens (and so tokens/s) count all four
+    assert accum["grad_accum"] == 4 and accum["tokens_per_step"] == 4 * accum["batch"] * accum["block"]
+    assert accum["breakdown"]["by_kind"]["matmul"] > 0
+    lora_rows = figures["lora"]["lora_runs"]
+    assert [r["base_quantization"] for r in lora_rows] == ["nf4", "none"] and all(r["rank"] == 16 for r in lora_rows)
+    assert all(r["tokens_per_s"] > 0 and r["bytes"] > 0 for r in lora_rows), lora_rows
+    assert float(kv["qlora_8b_tokens_per_s"]) > 0 and float(kv["lora_1b_tokens_per_s"]) > 0
     assert kv["quant_int8_loss_within_0.02"] == "true" and float(kv["quant_int8_speed_vs_bf16"]) > 0
     assert float(kv["generate_b1_decode_tokens_per_s"]) > 0 and float(kv["serve_c4_output_tokens_per_s"]) > 0
     assert "maxtext_best_mfu_maxtext" not in kv  # no spec-sheet peak for a CPU: MFU only against the matmul
