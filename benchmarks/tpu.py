@@ -2,7 +2,7 @@
 model and of GPT-2 124M as `jaxlm train` runs them, where the step's time goes, long context, int8 training,
 decoding and serving.
 
-    PYTHONPATH=src python benchmarks/tpu.py [--only maxtext,gpt2] [--json FILE]   # one v5e chip: 1,070 s at most
+    PYTHONPATH=src python benchmarks/tpu.py [--only maxtext,gpt2] [--json FILE]   # one v5e chip: 1,220 s at most
     PYTHONPATH=src python benchmarks/tpu.py --tiny                               # toy sizes, on a CPU in seconds
 
 Sections run as benchmarks/gpu.py's do (its runner): each in a process of its own (benchmarks/tpu_sections.py)
@@ -23,6 +23,7 @@ Sections and what they report:
   quant       int8 training against bf16 on maxtext_base's shape, 200 steps of a Markov corpus: speed and loss
   lora        QLoRA (nf4 base) of llama3.1-8b at 1 x 2,048 and LoRA of llama3.2-1b (bf16 base) at 4 x 2,048, random
               bases made on the chip: tokens/s and the chip's peak memory
+  vision      a gemma3-4b LoRA SFT step with one 896 x 896 image a row (tower frozen), 2 x 2,048: tokens/s, memory
   decode      generate at batch 1 and 64 (the 1B shape in bf16), batch 1's bytes per token over the HBM copy
   serve       the serving engine, 64 slots, 64 requests at once: output tokens/s
 """
@@ -36,12 +37,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 import gpu  # noqa: E402
 
 SECTIONS_PY = Path(__file__).with_name("tpu_sections.py")
-# Seconds each section may take at full size (process start included), as gpu.py's BUDGET_S: 1,070 s in all, so a
+# Seconds each section may take at full size (process start included), as gpu.py's BUDGET_S: 1,220 s in all, so a
 # machine whose commands stop at 10 minutes runs it in two (--only yardsticks,maxtext,gpt2,long, then the rest).
 # Seen on a v5e (2026-12-06, second run): yardsticks 20 s, maxtext 105 (six rows), gpt2 74, long 46, quant 146 (two
 # modes), decode 88, serve 88.
-BUDGET_S = {"yardsticks": 30, "maxtext": 200, "gpt2": 90, "long": 90, "quant": 240, "lora": 200, "decode": 100,
-            "serve": 120}
+BUDGET_S = {"yardsticks": 30, "maxtext": 200, "gpt2": 90, "long": 90, "quant": 240, "lora": 200, "vision": 150,
+            "decode": 100, "serve": 120}
 TOLERANCE_LOSS = 0.02  # int8 against bf16: final losses this close
 
 
@@ -110,13 +111,13 @@ def summary(f: dict, status: dict, wall: float, tiny: bool) -> list[str]:
         tables += gpu._table(["mode", "tokens/s", "final loss", "compile s", "note"],
                              [[k, r.get("tokens_per_s"), r.get("final_loss"), r.get("compile_s"), r.get("note", "")]
                               for k, r in q.items()])
-    lora_rows = f.get("lora", {}).get("lora_runs", [])
+    lora_rows = f.get("lora", {}).get("lora_runs", []) + f.get("vision", {}).get("vision_runs", [])
     for r in lora_rows:
-        key = "qlora_8b" if "8b" in r["label"] else "lora_1b"
+        key = "vision_4b" if "gemma3" in r["label"] else "qlora_8b" if "8b" in r["label"] else "lora_1b"
         kv[f"{key}_tokens_per_s"] = r.get("tokens_per_s")
         kv[f"{key}_peak_gib"] = r["peak_bytes_in_use"] / 2**30 if r.get("peak_bytes_in_use") else None
     if lora_rows:
-        tables += ["", "LoRA and QLoRA (rank 16 on q, k, v, o, up, gate, down; random bases):"]
+        tables += ["", "LoRA and QLoRA (rank 16 on q, k, v, o, up, gate, down; random bases; the vision row's tower frozen):"]
         tables += gpu._table(["run", "tokens/s", "peak GiB in use", "compiled GiB", "compile s", "note"],
                              [[r["label"], r.get("tokens_per_s"),
                                r["peak_bytes_in_use"] / 2**30 if r.get("peak_bytes_in_use") else None,

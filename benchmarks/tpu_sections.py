@@ -8,12 +8,13 @@ object a line, raw (tokens/s, FLOPs per token, bytes); tpu.py turns them into MF
 
 Sections: yardsticks, maxtext (maxtext_base at the preset's settings and at tuned ones, the step's time by
 operation), gpt2 (the `openwebtext` preset), long (maxtext_base at 32,768 tokens a sequence), lora (QLoRA of
-llama3.1-8b, LoRA of llama3.2-1b, random bases), quant (int8 training
+llama3.1-8b, LoRA of llama3.2-1b, random bases), vision (a gemma3-4b LoRA step with images), quant (int8 training
 against bf16), decode (generate at batch 1 and 64), serve (the engine with 64 slots).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import statistics
@@ -50,7 +51,7 @@ SIZES = {
     "full": dict(
         g.SIZES["full"], maxtext_batch=2, maxtext_steps=3, profile_steps=2, gpt2_steps=3,
         long_block=32768, long_steps=2, quant_layers=16, quant_block=2048, quant_batch=2, quant_steps=200,
-        lora_block=2048, lora_steps=3,
+        lora_block=2048, lora_steps=3, vision_block=2048, vision_batch=2,
         decode_model=dict(), serve_concurrency=64),
     "tiny": dict(
         g.SIZES["tiny"],
@@ -62,7 +63,11 @@ SIZES = {
         quant_layers=2, quant_block=64, quant_batch=2, quant_steps=10,
         lora_model={"model.n_layers": 2, "model.d_model": 64, "model.n_heads": 4, "model.n_kv_heads": 2,
                     "model.head_dim": 16, "model.d_ff": 128, "model.vocab_size": 512},
-        lora_block=64, lora_steps=2),
+        lora_block=64, lora_steps=2, vision_block=64, vision_batch=2,
+        vision_model={"model.n_layers": 6, "model.d_model": 64, "model.n_heads": 4, "model.n_kv_heads": 2,
+                      "model.head_dim": 16, "model.d_ff": 128, "model.vocab_size": 512},
+        vision_tower=dict(d_model=32, n_layers=1, n_heads=2, d_ff=64, image_size=28, patch_size=7, tokens_per_image=4,
+                          image_token_id=511, boi_token_id=509, eoi_token_id=510)),
 }
 
 
@@ -77,7 +82,7 @@ def load(preset: str, ctx: Ctx, settings: dict):
     from jaxlm import config as config_lib
 
     model = ctx.sizes.get({"maxtext_base": "maxtext_model", "openwebtext": "gpt2_model", "llama3_1_8b": "lora_model",
-                           "llama3_2_1b": "lora_model"}[preset], {})
+                           "llama3_2_1b": "lora_model", "gemma3_4b": "vision_model"}[preset], {})
     return config_lib.load(preset, {"mesh.ici_data": 1, **model, **settings})
 
 
@@ -245,13 +250,46 @@ def lora_row(ctx: Ctx, label: str, cfg, steps: int) -> dict:
                base_quantization=cfg.lora.base_quantization, rank=cfg.lora.rank)
     frozen = random_frozen(run.abstract_frozen)
     state = state_lib.init_state(run, cfg.seed)
-    state, times = g.time_steps(lambda s, b: compiled(s, b, frozen), state, g.random_batch(run), steps, ctx,
-                                reserve=2)
+    batch = g.random_batch(run)
+    if run.image_slots:
+        batch, row["images_per_row"] = with_image_spans(batch, cfg.model.vision), run.image_slots
+    state, times = g.time_steps(lambda s, b: compiled(s, b, frozen), state, batch, steps, ctx, reserve=2)
     step_s = statistics.median(times) if times else None
     stats = dev.memory_stats() or {}
     row.update(step_s=step_s, tokens_per_s=B * T / step_s if step_s else None,
                peak_bytes_in_use=stats.get("peak_bytes_in_use"), bytes_limit=stats.get("bytes_limit"))
     return row
+
+
+def with_image_spans(batch: dict, v) -> dict:
+    """A random batch whose rows each hold one image as its processor writes it (begin, the soft tokens, end) from
+    position 8, so the tower's soft tokens take their places and the image's tokens see the whole image."""
+    import jax
+    import numpy as np
+
+    inputs = np.array(batch["inputs"])
+    at, M = 8, v.tokens_per_image
+    inputs[..., at - 1], inputs[..., at:at + M], inputs[..., at + M] = v.boi_token_id, v.image_token_id, v.eoi_token_id
+    return {**batch, "inputs": jax.device_put(inputs, batch["inputs"].sharding)}
+
+
+def vision(ctx: Ctx) -> None:
+    """A gemma3-4b LoRA SFT step with images (rank 16, bf16 base, the SigLIP tower frozen, one 896 x 896 image a
+    row, 2 x 2,048 tokens, remat full) on one chip: tokens/s and memory."""
+    from jaxlm.config.model_schema import VisionConfig
+
+    z = ctx.sizes
+    label = f"gemma3-4b LoRA SFT, bf16 base, {z['vision_batch']} x {z['vision_block']}, one image a row"
+    cfg = load("gemma3_4b", ctx, {"lora.rank": 16, "model.param_dtype": "bfloat16", "model.compute_dtype": "bfloat16",
+                                  "model.remat": "full", "model.block_size": z["vision_block"],
+                                  "training.batch_size": z["vision_batch"]})
+    if "vision_tower" in z:  # tiny sizes: a tower to match the tiny language model
+        cfg = cfg.replace(model=dataclasses.replace(cfg.model, vision=VisionConfig(**z["vision_tower"])))
+    try:
+        ctx.put(vision_runs=[lora_row(ctx, label, cfg, z["lora_steps"])])
+    except Exception as e:  # noqa: BLE001 - say why in one line
+        full = re.search("RESOURCE_EXHAUSTED|[Oo]ut of memory", str(e))
+        ctx.put(vision_runs=[dict(label=label, note=f"{'does not fit' if full else 'error'}: {g.one_line(e)}")])
 
 
 def lora(ctx: Ctx) -> None:
@@ -280,7 +318,7 @@ def serve(ctx: Ctx) -> None:
     g.serve(ctx)
 
 
-SECTIONS = {f.__name__: f for f in (yardsticks, maxtext, gpt2, long, quant, lora, decode, serve)}
+SECTIONS = {f.__name__: f for f in (yardsticks, maxtext, gpt2, long, quant, lora, vision, decode, serve)}
 
 
 if __name__ == "__main__":

@@ -46,6 +46,8 @@ def test_every_section_runs_at_tiny_sizes_on_cpu(tmp_path):
     assert [r["base_quantization"] for r in lora_rows] == ["nf4", "none"] and all(r["rank"] == 16 for r in lora_rows)
     assert all(r["tokens_per_s"] > 0 and r["bytes"] > 0 for r in lora_rows), lora_rows
     assert float(kv["qlora_8b_tokens_per_s"]) > 0 and float(kv["lora_1b_tokens_per_s"]) > 0
+    (vlm,) = figures["vision"]["vision_runs"]
+    assert vlm["images_per_row"] == 1 and vlm["tokens_per_s"] > 0 and float(kv["vision_4b_tokens_per_s"]) > 0
     assert kv["quant_int8_loss_within_0.02"] == "true" and float(kv["quant_int8_speed_vs_bf16"]) > 0
     assert float(kv["generate_b1_decode_tokens_per_s"]) > 0 and float(kv["serve_c4_output_tokens_per_s"]) > 0
     assert "maxtext_best_mfu_maxtext" not in kv  # no spec-sheet peak for a CPU: MFU only against the matmul
