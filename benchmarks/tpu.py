@@ -38,7 +38,8 @@ import gpu  # noqa: E402
 
 SECTIONS_PY = Path(__file__).with_name("tpu_sections.py")
 # Seconds each section may take at full size (process start included), as gpu.py's BUDGET_S: 1,220 s in all, so a
-# machine whose commands stop at 10 minutes runs it in two (--only yardsticks,maxtext,gpt2,long, then the rest).
+# machine whose commands stop at 10 minutes runs it in three (--only yardsticks,maxtext,gpt2,long: 410 s; then
+# quant,lora: 440 s; then vision,decode,serve: 370 s).
 # Seen on a v5e (2026-12-06, second run): yardsticks 20 s, maxtext 105 (six rows), gpt2 74, long 46, quant 146 (two
 # modes), decode 88, serve 88.
 BUDGET_S = {"yardsticks": 30, "maxtext": 200, "gpt2": 90, "long": 90, "quant": 240, "lora": 200, "vision": 150,
