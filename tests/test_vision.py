@@ -178,6 +178,7 @@ class _TextTok:
 
 
 def _word_tokenizer_object():
+    """Words w0..w299 with Gemma 3's image token strings at their ids and "\n\n" at 296 (a tokenizers.Tokenizer)."""
     from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
     specials = {"<start_of_image>": BOI, "<end_of_image>": EOI, "<image_soft_token>": IMAGE}
@@ -278,15 +279,7 @@ def word_tokenizer(folder):
     """A tokenizer.json of words w0..w299 with Gemma 3's image token strings at their ids and "\n\n" at 296."""
     import json
 
-    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
-
-    specials = {"<start_of_image>": BOI, "<end_of_image>": EOI, "<image_soft_token>": IMAGE}
-    vocab = {f"w{i}": i for i in range(V) if i not in (*specials.values(), 296)} | specials | {"\n\n": 296}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.add_special_tokens([AddedToken(s, special=True) for s in specials])
-    tok.add_tokens([AddedToken("\n\n", normalized=False)])
-    tok.save(str(folder / "tokenizer.json"))
+    _word_tokenizer_object().save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({}))
 
 
