@@ -137,7 +137,7 @@ def random_llama(folder: Path, hf_cfg: dict, seed: int = 0) -> None:
         mlp_bias=False, initializer_range=0.02, bos_token_id=1, eos_token_id=2, dtype="float32"), indent=2))
 
 
-def build(folder: Path, size: str, with_hf: bool):
+def build(folder: Path, size: str, with_hf: bool = False):
     """The transformers model (random weights, seed 0; None unless with_hf) and its jaxlm conversion in folder/jx
     (both reused when there). Without with_hf neither torch nor transformers is imported: the weights are
     written by random_llama (a machine without torch: a TPU's)."""

@@ -317,7 +317,8 @@ def main(argv=None) -> int:
         (Path(tmp) / "chat.jinja").write_text(CHAT_TEMPLATE)
         # serve_bench.server queues 4096 requests; the soak runs the default queue, which never_fits outgrows
         settings = [f"serve.max_queue={LIMITS.max_queue}", f"serve.chat_template={Path(tmp) / 'chat.jinja'}"]
-        with serve_bench.server(folder, settings) as port:
+        with serve_bench.server(folder, settings) as endpoint:
+            port = endpoint.port
             proc_pid = next(int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _is_server(p, port))
             start = time.monotonic()
 

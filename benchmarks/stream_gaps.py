@@ -166,8 +166,8 @@ def main(argv=None) -> int:
         _, folder = serve_bench.build(Path(tmp), a.size)
         template = Path(tmp) / "chat.jinja"
         template.write_text(CHAT_TEMPLATE)
-        with serve_bench.server(folder, ["serve.max_queue=64", f"serve.chat_template={template}"]) as port:
-            asyncio.run(measure(port, kinds, a.phase_seconds))
+        with serve_bench.server(folder, ["serve.max_queue=64", f"serve.chat_template={template}"]) as endpoint:
+            asyncio.run(measure(endpoint.port, kinds, a.phase_seconds))
     return 0
 
 
