@@ -17,9 +17,9 @@ import jaxlm
 from jaxlm.model import forward
 from jaxlm.store import convert
 from conftest import require
-from vision_models import imported, randomize
-from test_vision_qwen import (END, IMAGE, MERGE, PATCH, START, TEMPORAL, V, Q, grid, hf_inputs, hf_logits, prompt,
-                               word_tokenizer)
+from vision_models import imported, logits_match_both_ways, randomize
+from test_vision_qwen import (END, GRIDS, IMAGE, MERGE, PATCH, ROWS, START, TEMPORAL, V, Q, grid, hf_inputs, hf_logits,
+                               prompt, word_tokenizer)
 
 torch = require("torch")
 transformers = require("transformers", "hf")
@@ -43,24 +43,14 @@ def qwen3(tmp_path_factory):
     return imported(tmp_path_factory, "qwen3vl", transformers.Qwen3VLForConditionalGeneration, qwen3_config(), 0.08)
 
 
-# Two rows of one length: an 8 x 6 patch grid (12 soft tokens) and a 4 x 16 one (16 soft tokens); the learned
+# test_vision_qwen's two rows: an 8 x 6 patch grid (12 soft tokens) and a 4 x 16 one (16 soft tokens); the learned
 # positions' 4 x 4 table is resampled to each.
-GRIDS = [grid(8, 6, 1), grid(4, 16, 2)]
-ROWS = [prompt(5, 9, GRIDS[:1]), prompt(3, 7, GRIDS[1:])]
 
 
 def test_import_and_export_match_transformers_with_images(qwen3):
-    model, ours, tmp = qwen3
-    cfg = ours.config.model
+    cfg = qwen3[1].config.model
     assert cfg.vision.kind == "qwen3" and cfg.vision.deepstack == (0, 1) and cfg.vision.mrope_interleaved
-    tokens = np.array(ROWS)
-    want = hf_logits(model, tokens, GRIDS)
-    got = ours.logits(tokens, images=GRIDS)
-    assert got.shape == want.shape and np.abs(want).max() > 0.5
-    assert np.abs(got - want).max() <= 1e-4
-    convert.to_hf(tmp / "jx", tmp / "back", log=lambda s: None)
-    back = transformers.Qwen3VLForConditionalGeneration.from_pretrained(tmp / "back").eval()
-    assert np.abs(hf_logits(back, tokens, GRIDS) - got).max() <= 1e-4
+    logits_match_both_ways(qwen3, transformers.Qwen3VLForConditionalGeneration, hf_logits, np.array(ROWS), GRIDS)
 
 
 def test_images_deepstack_and_interleaving_matter_and_text_only_is_untouched(qwen3):

@@ -24,3 +24,19 @@ def imported(tmp_path_factory, name: str, model_class, config, scale=0.08):
     model.save_pretrained(tmp / "hf")
     convert.from_hf(str(tmp / "hf"), tmp / "jx", log=lambda s: None)
     return model, jaxlm.load(tmp / "jx"), tmp
+
+
+def logits_match_both_ways(imported_model, model_class, hf_logits, tokens, images):
+    """Our logits with the images (returned) against transformers' (max |diff| <= 1e-4), and against transformers
+    running our export of the model (`jaxlm convert to-hf`) the same way. hf_logits(model, tokens, images)."""
+    import numpy as np
+
+    model, ours, tmp = imported_model
+    want = hf_logits(model, tokens, images)
+    got = np.asarray(ours.logits(tokens, images=images))
+    assert got.shape == want.shape and np.abs(want).max() > 0.5
+    assert np.abs(got - want).max() <= 1e-4
+    convert.to_hf(tmp / "jx", tmp / "back", log=lambda s: None)
+    back = model_class.from_pretrained(tmp / "back").eval()
+    assert np.abs(hf_logits(back, tokens, images) - got).max() <= 1e-4
+    return got

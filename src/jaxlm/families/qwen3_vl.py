@@ -65,19 +65,10 @@ def config_to_hf(cfg: ModelConfig, t: str) -> dict:
     if not v.mrope_interleaved:
         raise ConvertError("model.vision.mrope_interleaved=false cannot be exported as qwen3_vl (transformers' "
                            "Qwen3-VL always interleaves M-RoPE)")
-    text = llama.config_to_hf(dataclasses.replace(cfg, vision=None), "qwen3")
-    del text["architectures"]
-    text.update(model_type="qwen3_vl_text", rope_parameters={**text["rope_parameters"], "mrope_section": list(v.mrope),
-                                                            "mrope_interleaved": True})
     act = {"gelu_tanh": "gelu_pytorch_tanh", "gelu": "gelu", "silu": "silu"}[v.activation]
-    vision = {"model_type": "qwen3_vl_vision", "depth": v.n_layers, "hidden_size": v.d_model, "hidden_act": act,
-              "intermediate_size": v.d_ff, "num_heads": v.n_heads, "in_channels": 3, "patch_size": v.patch_size,
-              "spatial_merge_size": v.spatial_merge, "temporal_patch_size": v.temporal_patch,
-              "out_hidden_size": cfg.d_model, "num_position_embeddings": v.position_embeddings,
-              "deepstack_visual_indexes": list(v.deepstack)}
-    return {"architectures": [ARCHITECTURE], "model_type": t, "text_config": text, "vision_config": vision,
-            "image_token_id": v.image_token_id, "vision_start_token_id": v.boi_token_id,
-            "vision_end_token_id": v.eoi_token_id, "tie_word_embeddings": cfg.tie_embeddings}
+    return qwen_vl.hf_config(cfg, t, ARCHITECTURE, "qwen3", {"mrope_interleaved": True}, {
+        "model_type": "qwen3_vl_vision", "hidden_act": act, "num_position_embeddings": v.position_embeddings,
+        "deepstack_visual_indexes": list(v.deepstack)})
 
 
 def _merger_rules(hf: str, ours: str) -> list[Rule]:

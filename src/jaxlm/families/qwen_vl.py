@@ -75,16 +75,23 @@ def model_type(cfg: ModelConfig) -> str | None:
 
 def config_to_hf(cfg: ModelConfig, t: str) -> dict:
     v = cfg.vision
-    text = llama.config_to_hf(dataclasses.replace(cfg, vision=None), "qwen2")
+    return hf_config(cfg, t, ARCHITECTURE, "qwen2", {}, {
+        "model_type": "qwen2_5_vl_vision", "hidden_act": "silu", "window_size": v.window_size,
+        "fullatt_block_indexes": list(v.full_layers)})
+
+
+def hf_config(cfg: ModelConfig, t: str, architecture: str, text_family: str, rope: dict, vision: dict) -> dict:
+    """config.json of a Qwen-VL model (model_type t): its text model's (`text_family`'s, with the M-RoPE sections
+    and `rope`), the tower's keys that Qwen2.5-VL and Qwen3-VL share and `vision`'s, and the image tokens."""
+    v = cfg.vision
+    text = llama.config_to_hf(dataclasses.replace(cfg, vision=None), text_family)
     del text["architectures"]
-    text.update(model_type="qwen2_5_vl_text",
-                rope_parameters={**text["rope_parameters"], "mrope_section": list(v.mrope)})
-    vision = {"model_type": "qwen2_5_vl_vision", "depth": v.n_layers, "hidden_size": v.d_model, "hidden_act": "silu",
-              "intermediate_size": v.d_ff, "num_heads": v.n_heads, "in_channels": 3, "patch_size": v.patch_size,
-              "spatial_merge_size": v.spatial_merge, "temporal_patch_size": v.temporal_patch,
-              "window_size": v.window_size, "out_hidden_size": cfg.d_model,
-              "fullatt_block_indexes": list(v.full_layers)}
-    return {"architectures": [ARCHITECTURE], "model_type": t, "text_config": text, "vision_config": vision,
+    text.update(model_type=f"{t}_text", rope_parameters={**text["rope_parameters"], "mrope_section": list(v.mrope),
+                                                         **rope})
+    tower = {"depth": v.n_layers, "hidden_size": v.d_model, "intermediate_size": v.d_ff, "num_heads": v.n_heads,
+             "in_channels": 3, "patch_size": v.patch_size, "spatial_merge_size": v.spatial_merge,
+             "temporal_patch_size": v.temporal_patch, "out_hidden_size": cfg.d_model, **vision}
+    return {"architectures": [architecture], "model_type": t, "text_config": text, "vision_config": tower,
             "image_token_id": v.image_token_id, "vision_start_token_id": v.boi_token_id,
             "vision_end_token_id": v.eoi_token_id, "tie_word_embeddings": cfg.tie_embeddings}
 

@@ -45,14 +45,15 @@ def attend_block(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, q_pos_
     if q_seg_BT is None:
         q_seg_BT, k_seg_BS = jnp.zeros((B, T), jnp.int32), jnp.zeros((B, S), jnp.int32)
     pad_t, pad_s = -T % min(block_q, T), -S % min(block_k, S)
-    q_reach_BT = q_pos_BT if q_reach_BT is None else q_reach_BT
-    q_BTNH, q_pos_BT, q_seg_BT, q_reach_BT = (pad_tokens(a, pad_t) for a in (q_BTNH, q_pos_BT, q_seg_BT, q_reach_BT))
+    q_BTNH, q_pos_BT, q_seg_BT = (pad_tokens(a, pad_t) for a in (q_BTNH, q_pos_BT, q_seg_BT))
+    if q_reach_BT is not None:  # None keeps the text-only program as it was
+        q_reach_BT = pad_tokens(q_reach_BT, pad_t).astype(jnp.int32)
     k_BSKH, v_BSKH, k_seg_BS = (pad_tokens(a, pad_s) for a in (k_BSKH, v_BSKH, k_seg_BS))
     k_pos_BS = pad_tokens(k_pos_BS, pad_s, PAD_POSITION)
     tiling = _tiling(q_BTNH, k_BSKH, window, scale, softcap, block_q, block_k, chunk)
     out_BTNH, lse_BTN = _attend(tiling, q_BTNH, k_BSKH, v_BSKH, q_pos_BT.astype(jnp.int32),
                                 k_pos_BS.astype(jnp.int32), q_seg_BT.astype(jnp.int32), k_seg_BS.astype(jnp.int32),
-                                q_reach_BT.astype(jnp.int32))
+                                q_reach_BT)
     return out_BTNH[:, :T], lse_BTN[:, :T]
 
 
