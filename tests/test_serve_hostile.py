@@ -250,8 +250,10 @@ def test_scoring_takes_turns_with_the_decoding_slots(trained):
     steps = [(b[0] - a[0], b[1] - a[1]) for a, b in zip(turns, turns[1:])]
     assert max(n for n, _ in steps) == 1  # one 20-token prompt (padded to 32) per turn
     while_scoring = [made for n, made in steps if n]
-    # the decoding went on between the scores (two tokens a turn: 60 tokens each last ~56 turns of scoring)
-    assert sum(made > 0 for made in while_scoring) >= 40, steps
+    # the decoding went on between the scores until its sequences were done: no scoring turn starved it (how
+    # many tokens were left when the scores came depends on the machine's load, so only a floor is asked)
+    finished = next((i for i, made in enumerate(while_scoring) if made == 0), len(while_scoring))
+    assert not any(while_scoring[finished:]) and finished >= 16, steps
 
 
 def test_tokenize_is_bounded_and_errors_are_short_and_hosts_and_head_are_honest(server, prompts):
