@@ -33,9 +33,11 @@ process at a time holds a TPU chip; the model is converted in a child process on
 - the paged cache against the slot cache (serve.page_size=0) with the same cache memory (16 sequences of the
   whole context): the sequences in flight and the throughput of the engine alone on the same requests;
 - the workload's roofline: its prefill FLOPs at the matmul rate, plus its decode at the slower of its FLOPs at
-  the matmul rate and its bytes (the weights once per step of 64 sequences, and each token's keys and values
-  read once per step) at the memory bandwidth; `roofline_bytes_only` counts the decode's bytes alone, as
-  issue 28 proposed (at 64 sequences on a CPU a decode step is bound by arithmetic, not by memory);
+  the matmul rate and its bytes (the weights once per decode step, and each token's keys and values read once
+  per step) at the memory bandwidth. The steps are the first-come schedule's of the requests over 64 slots: with
+  long-tailed outputs the last requests decode with few rows, so 128 requests need 635 steps where full batches
+  would need 265; `roofline_full_batches` counts full batches (unreachable; the figure before 2026-12-06),
+  `roofline_bytes_only` the decode's bytes alone (at 64 sequences on a CPU a decode step is bound by arithmetic);
 - the toy model of the earlier figures (benchmarks/decode.py's 4-layer, 128-wide random Llama, 16-token prompts,
   64 new tokens, concurrency 16) against transformers' generate at batch 16: `vs_transformers_toy`.
 
@@ -45,7 +47,7 @@ With --tuned, the server with those settings besides the defaults runs the top c
 Then the summary: vs_generate_real (the server at concurrency 64 over transformers' generate), vs_generate_batch_real
 (over its continuous batching), roofline_frac (the server at concurrency 64 over the roofline's tokens/s),
 engine_roofline_frac (the engine alone, no HTTP, over the same roofline: the figure where no server can run, as
-on a machine that opens no sockets), server_vs_engine (the server's output tokens/s at concurrency 64 over the
+on a machine that opens no sockets; `_full_batches`: over the full-batch figure), server_vs_engine (the server's output tokens/s at concurrency 64 over the
 engine alone's on the same requests), and vs_transformers_toy. --size tiny runs every part on a tiny model in
 seconds (the code path only: tests).
 
@@ -61,6 +63,7 @@ import asyncio
 import contextlib
 import dataclasses
 import gc
+import heapq
 import json
 import os
 import socket
@@ -223,11 +226,25 @@ def machine() -> dict:
     return dict(flops=2 * 2048 ** 3 / t_mm, bandwidth=x.nbytes / t_bw)
 
 
+def schedule_steps(outputs: list[int], slots: int) -> int:
+    """The fewest decode steps in which `slots` sequences at a time can make these outputs, taken in order as the
+    clients and the engine take them (each request starts when a slot frees; its first token comes with its
+    prefill, then one token a step): the makespan of that first-come schedule."""
+    free = [0] * slots
+    for o in outputs:
+        start = heapq.heappop(free)
+        heapq.heappush(free, start + max(o - 1, 0))
+    return max(free)
+
+
 def roofline(requests: list[Request], cfg, weight_bytes: int, kv_bytes_per_token: int, m: dict,
              concurrency: int) -> dict:
     """The workload's least time on this machine: prefill FLOPs at the matmul rate; decode at the slower of its
-    FLOPs at the matmul rate and its bytes at the memory bandwidth (the weights once per step of `concurrency`
-    sequences, each cached token's keys and values once per step that attends to it)."""
+    FLOPs at the matmul rate and its bytes at the memory bandwidth: the weights once per decode step, each cached
+    token's keys and values once per step that attends to it. The steps are those of the first-come schedule of
+    the requests over `concurrency` slots (schedule_steps: as the output lengths are long-tailed, the last
+    requests decode with few rows in flight); `roofline_full_batches` counts every step as full instead (total
+    output / concurrency steps), which no schedule of these requests reaches."""
     L, D, F, V = cfg.n_layers, cfg.d_model, cfg.ff, cfg.vocab_size
     per_token = 2 * (L * (4 * D * D + 3 * D * F) + D * V)  # the matmuls of one token (attention projections, GLU MLP)
     attn = 4 * L * D  # FLOPs per cached key a token attends to (q.k and p.v)
@@ -238,13 +255,18 @@ def roofline(requests: list[Request], cfg, weight_bytes: int, kv_bytes_per_token
         decode_flops += O * per_token + attn * (O * P + O * (O - 1) / 2)
         kv_read += kv_bytes_per_token * (O * P + O * (O - 1) / 2)
         out += O
-    decode_bytes = out / concurrency * weight_bytes + kv_read
+    steps, full_steps = schedule_steps([r.output for r in requests], concurrency), out / concurrency
     t_prefill = prefill / m["flops"]
-    t_decode = max(decode_flops / m["flops"], decode_bytes / m["bandwidth"])
-    t_bytes_only = t_prefill + decode_bytes / m["bandwidth"]
-    return dict(roofline_tok_per_s=out / (t_prefill + t_decode), roofline_bytes_only_tok_per_s=out / t_bytes_only,
-                prefill_s=t_prefill, decode_compute_s=decode_flops / m["flops"],
-                decode_memory_s=decode_bytes / m["bandwidth"])
+
+    def tok_per_s(decode_steps: float, bytes_only: bool = False) -> float:
+        decode_bytes = decode_steps * weight_bytes + kv_read
+        t_memory = decode_bytes / m["bandwidth"]
+        return out / (t_prefill + (t_memory if bytes_only else max(decode_flops / m["flops"], t_memory)))
+
+    return dict(roofline_tok_per_s=tok_per_s(steps), roofline_bytes_only_tok_per_s=tok_per_s(steps, True),
+                roofline_full_batches_tok_per_s=tok_per_s(full_steps), schedule_steps=steps,
+                full_batch_steps=full_steps, prefill_s=t_prefill, decode_compute_s=decode_flops / m["flops"],
+                decode_memory_s=(steps * weight_bytes + kv_read) / m["bandwidth"])
 
 
 # ---- jaxlm serve under load --------------------------------------------------------------------------------------
@@ -641,6 +663,7 @@ def main(argv=None) -> dict:
         s64 = report["serve"][top]["output_tok_per_s"]
         summary["roofline_frac"] = s64 / roof["roofline_tok_per_s"]
         summary["roofline_frac_bytes_only"] = s64 / roof["roofline_bytes_only_tok_per_s"]
+        summary["roofline_frac_full_batches"] = s64 / roof["roofline_full_batches_tok_per_s"]
         if "serve_tuned" in report:
             summary["roofline_frac_tuned"] = report["serve_tuned"]["output_tok_per_s"] / roof["roofline_tok_per_s"]
         if "hf" in parts:
@@ -654,7 +677,9 @@ def main(argv=None) -> dict:
                            time_http_and_host=(total - e["alone"]["wall_s"]) / total,
                            server_vs_engine=s64 / e["alone"]["output_tok_per_s"])
     if "engine" in parts:  # the engine alone (no HTTP): where no server can run (no sockets), this is the figure
-        summary["engine_roofline_frac"] = report["engine"]["alone"]["output_tok_per_s"] / roof["roofline_tok_per_s"]
+        alone = report["engine"]["alone"]["output_tok_per_s"]
+        summary["engine_roofline_frac"] = alone / roof["roofline_tok_per_s"]
+        summary["engine_roofline_frac_full_batches"] = alone / roof["roofline_full_batches_tok_per_s"]
     if "slots" in parts:
         sl = report["slots"]
         summary["paged_vs_slot_sequences"] = sl["paged"]["in_flight"] / sl["slot"]["in_flight"]
