@@ -169,12 +169,17 @@ def test_generate_cli_with_an_image(qwen3, tmp_path, capsys):
     """`jaxlm generate --image FILE` with Qwen3-VL: the image written into the prompt as its processor does (one
     pad per soft token), preprocessed at Qwen3-VL's defaults (mean and std 0.5, at least 65,536 pixels), and the
     tokens printed are `Model.generate`'s with that patch grid."""
+    generate_cli_matches(qwen3, tmp_path, capsys)
+
+
+def generate_cli_matches(imported_model, tmp_path, capsys):
+    """The `jaxlm generate --image` check above on an imported model (Qwen3-VL, Qwen3-VL-MoE)."""
     from PIL import Image
 
     from jaxlm import cli
     from jaxlm.data import images_qwen
 
-    _, ours, tmp = qwen3
+    _, ours, tmp = imported_model
     word_tokenizer(tmp / "jx" / "tokenizer")
     Image.fromarray(np.random.default_rng(3).integers(0, 256, (50, 70, 3), dtype=np.uint8)).save(tmp_path / "a.png")
     text = "w5 w6 <|vision_start|><|image_pad|><|vision_end|> w7 w8"

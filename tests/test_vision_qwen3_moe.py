@@ -2,7 +2,7 @@
 2, the experts of a layer fused in two tensors; a dense first layer, or MoE every second layer), imported and
 exported (max |logit diff| <= 1e-4 both ways, no missing or unexpected keys in transformers), the released
 checkpoints' transposed expert layout read alike, 32 greedy tokens with an image against transformers' generate,
-config round trip and one-line refusals."""
+config round trip and one-line refusals, `jaxlm generate --image`."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from jaxlm.store import convert
 from conftest import require
 from vision_models import imported, logits_match_both_ways
 from test_vision_qwen import GRIDS, ROWS, hf_logits
-from test_vision_qwen3 import greedy_with_an_image_matches, qwen3_config
+from test_vision_qwen3 import generate_cli_matches, greedy_with_an_image_matches, qwen3_config
 
 torch = require("torch")
 transformers = require("transformers", "hf")
@@ -107,3 +107,8 @@ def test_config_round_trip_refusals_and_describe(qmoe, capsys):
     assert cli.main(["describe", str(tmp / "jx" / "config.json")]) == 0
     out = capsys.readouterr().out
     assert "4 experts of 24 (top 2) in 2 layers" in out and "vision tower (Qwen3-VL)" in out, out
+
+
+def test_generate_cli_with_an_image(qmoe, tmp_path, capsys):
+    """`jaxlm generate --image FILE` on the MoE model prints `Model.generate`'s tokens (test_vision_qwen3's check)."""
+    generate_cli_matches(qmoe, tmp_path, capsys)
