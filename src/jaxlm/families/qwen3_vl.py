@@ -34,9 +34,10 @@ def _moe_text_config(hf: dict) -> dict:
     text = qwen_vl.text_config(hf, "qwen3_moe")
     refuse(text, "norm_topk_prob", lambda v: v in (None, True),
            "transformers' Qwen3-VL-MoE always renormalizes the chosen experts' weights")
-    if not (text.get("num_experts") or text.get("num_local_experts")):
-        raise ConvertError("config.json text_config.num_experts=0: a qwen3_vl_moe model needs experts (a model "
-                           "without them is a qwen3_vl)")
+    experts = text.get("num_experts", text.get("num_local_experts"))
+    if not experts:
+        raise ConvertError(f"config.json text_config.num_experts={experts!r}: a qwen3_vl_moe model needs experts (a "
+                           "model without them is a qwen3_vl)")
     return {**text, "norm_topk_prob": True}
 
 
