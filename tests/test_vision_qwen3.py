@@ -25,16 +25,19 @@ torch = require("torch")
 transformers = require("transformers", "hf")
 
 
-def qwen3_config(**vision_changes):
+def qwen3_config(config_class=None, text_changes=(), **vision_changes):
+    """The tiny Qwen3VLConfig (or config_class's: Qwen3VLMoeConfig) with text_changes (pairs) and vision_changes."""
     text = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, head_dim=16,
                 num_key_value_heads=2, vocab_size=V,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
                                  "mrope_interleaved": True})
+    text.update(text_changes)
     vision = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=PATCH,
                   spatial_merge_size=MERGE, temporal_patch_size=TEMPORAL, out_hidden_size=64,
                   num_position_embeddings=16, deepstack_visual_indexes=[0, 1], **vision_changes)
-    return transformers.Qwen3VLConfig(text_config=text, vision_config=vision, image_token_id=IMAGE,
-                                      video_token_id=296, vision_start_token_id=START, vision_end_token_id=END)
+    return (config_class or transformers.Qwen3VLConfig)(
+        text_config=text, vision_config=vision, image_token_id=IMAGE, video_token_id=296, vision_start_token_id=START,
+        vision_end_token_id=END)
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +78,12 @@ def test_images_deepstack_and_interleaving_matter_and_text_only_is_untouched(qwe
 def test_greedy_generation_with_images_matches_transformers(tmp_path):
     """32 greedy tokens of `Model.generate` with an image (tower and deepstack in the prefill, M-RoPE positions,
     then the cached decode loop) equal transformers' `generate`; without the image they differ."""
-    model = randomize(transformers.Qwen3VLForConditionalGeneration(qwen3_config()).eval(), 0.18, seed=1)
+    greedy_with_an_image_matches(tmp_path, transformers.Qwen3VLForConditionalGeneration, qwen3_config())
+
+
+def greedy_with_an_image_matches(tmp_path, model_class, config):
+    """The greedy check above for a transformers model class and config (Qwen3-VL, Qwen3-VL-MoE)."""
+    model = randomize(model_class(config).eval(), 0.18, seed=1)
     model.save_pretrained(tmp_path / "hf")
     convert.from_hf(str(tmp_path / "hf"), tmp_path / "jx", log=lambda s: None)
     ours = jaxlm.load(tmp_path / "jx")
@@ -161,12 +169,17 @@ def test_generate_cli_with_an_image(qwen3, tmp_path, capsys):
     """`jaxlm generate --image FILE` with Qwen3-VL: the image written into the prompt as its processor does (one
     pad per soft token), preprocessed at Qwen3-VL's defaults (mean and std 0.5, at least 65,536 pixels), and the
     tokens printed are `Model.generate`'s with that patch grid."""
+    generate_cli_matches(qwen3, tmp_path, capsys)
+
+
+def generate_cli_matches(imported_model, tmp_path, capsys):
+    """The `jaxlm generate --image` check above on an imported model (Qwen3-VL, Qwen3-VL-MoE)."""
     from PIL import Image
 
     from jaxlm import cli
     from jaxlm.data import images_qwen
 
-    _, ours, tmp = qwen3
+    _, ours, tmp = imported_model
     word_tokenizer(tmp / "jx" / "tokenizer")
     Image.fromarray(np.random.default_rng(3).integers(0, 256, (50, 70, 3), dtype=np.uint8)).save(tmp_path / "a.png")
     text = "w5 w6 <|vision_start|><|image_pad|><|vision_end|> w7 w8"

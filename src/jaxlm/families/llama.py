@@ -9,6 +9,8 @@ weights are renormalized when norm_topk_prob, dense layers where mlp_only_layers
 
 from __future__ import annotations
 
+from typing import Callable
+
 from jaxlm.config import ModelConfig
 from jaxlm.families.rules import (ACTIVATIONS_TO_HF, ConvertError, Rule, activation, layer_types, linear,
                                   linear_in, pattern_from_layer_types, refuse_quantized, reshaped, rope_from_hf,
@@ -162,10 +164,11 @@ def outer_rules(cfg: ModelConfig) -> list[Rule]:
     return rules
 
 
-def rules(cfg: ModelConfig) -> list[Rule]:
+def rules(cfg: ModelConfig, mlp: Callable[[ModelConfig], list[Rule]] = mlp_rules) -> list[Rule]:
+    """Every tensor; `mlp` gives the MLPs' rules (Qwen3-VL-MoE's fused experts: families/qwen3_vl.py)."""
     return (outer_rules(cfg) + [Rule("model.layers.{i}.input_layernorm.weight", ("layers.attn_norm.scale",)),
                                 Rule("model.layers.{i}.post_attention_layernorm.weight", ("layers.mlp_norm.scale",))]
-            + attention_rules(cfg) + mlp_rules(cfg))
+            + attention_rules(cfg) + mlp(cfg))
 
 
 def ignored(cfg: ModelConfig) -> tuple[str, ...]:

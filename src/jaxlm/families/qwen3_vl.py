@@ -1,19 +1,24 @@
 """Qwen3-VL (model_type qwen3_vl: Qwen3VLForConditionalGeneration): the Qwen 3 language model (llama.py: q/k
 RMSNorm, SwiGLU) rotated by interleaved M-RoPE on prompts with images, and its vision tower (model.vision, kind
 qwen3: model/vision_qwen3.py; docs/vision.md) with its deepstack mergers. Its checkpoints name tensors
-model.language_model.* / model.visual.* / lm_head.weight, the spelling of these rules."""
+model.language_model.* / model.visual.* / lm_head.weight, the spelling of these rules. Qwen3-VL-MoE (qwen3_vl_moe)
+is the same with Qwen3-MoE's language model, whose experts each layer stores fused (expert_rules)."""
 
 from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from jaxlm.config import ModelConfig
 from jaxlm.config.model_schema import VisionConfig
 from jaxlm.families import llama, qwen_vl
 from jaxlm.families.rules import ConvertError, Rule, linear, linear_in, refuse
+from jaxlm.model import stack
 
-MODEL_TYPES = ("qwen3_vl",)
-ARCHITECTURE = "Qwen3VLForConditionalGeneration"
+MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
+ARCHITECTURES = {"qwen3_vl": "Qwen3VLForConditionalGeneration", "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration"}
+TEXT_FAMILIES = {"qwen3_vl": "qwen3", "qwen3_vl_moe": "qwen3_moe"}
 TOWER_ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu": "gelu", "silu": "silu"}
 
 
@@ -23,9 +28,23 @@ def _mrope_section(hf: dict) -> list:
     return list(params.get("mrope_section") or [24, 20, 20])
 
 
+def _moe_text_config(hf: dict) -> dict:
+    """The language model's keys as a qwen3_moe's. transformers' Qwen3-VL-MoE renormalizes the top-k weights
+    whatever config.json says (other readers obey norm_topk_prob), so a false one is refused, not guessed."""
+    text = qwen_vl.text_config(hf, "qwen3_moe")
+    refuse(text, "norm_topk_prob", lambda v: v in (None, True),
+           "transformers' Qwen3-VL-MoE always renormalizes the chosen experts' weights")
+    experts = text.get("num_experts", text.get("num_local_experts"))
+    if not experts:
+        raise ConvertError(f"config.json text_config.num_experts={experts!r}: a qwen3_vl_moe model needs experts (a "
+                           "model without them is a qwen3_vl)")
+    return {**text, "norm_topk_prob": True}
+
+
 def config_from_hf(hf: dict) -> ModelConfig:
     """transformers' Qwen3-VL always interleaves M-RoPE's pairs (whatever mrope_interleaved says), so we do."""
-    cfg = llama.config_from_hf(qwen_vl.text_config(hf, "qwen3"))
+    moe = hf.get("model_type") == "qwen3_vl_moe"
+    cfg = llama.config_from_hf(_moe_text_config(hf) if moe else qwen_vl.text_config(hf, "qwen3"))
     v = hf.get("vision_config") or {}
     refuse(v, "in_channels", lambda n: n in (None, 3), "images are RGB")
     act = v.get("hidden_act", "gelu_pytorch_tanh")
@@ -57,17 +76,22 @@ def config_from_hf(hf: dict) -> ModelConfig:
 
 
 def model_type(cfg: ModelConfig) -> str | None:
-    return "qwen3_vl" if cfg.vision is not None and cfg.vision.kind == "qwen3" else None
+    if cfg.vision is None or cfg.vision.kind != "qwen3":
+        return None
+    return "qwen3_vl_moe" if cfg.n_experts else "qwen3_vl"
 
 
 def config_to_hf(cfg: ModelConfig, t: str) -> dict:
     v = cfg.vision
     if not v.mrope_interleaved:
-        raise ConvertError("model.vision.mrope_interleaved=false cannot be exported as qwen3_vl (transformers' "
+        raise ConvertError(f"model.vision.mrope_interleaved=false cannot be exported as {t} (transformers' "
                            "Qwen3-VL always interleaves M-RoPE)")
+    if cfg.n_experts and not cfg.router_norm_topk:
+        raise ConvertError("model.router_norm_topk=false cannot be exported as qwen3_vl_moe (transformers' "
+                           "Qwen3-VL-MoE always renormalizes the chosen experts' weights)")
     act = {"gelu_tanh": "gelu_pytorch_tanh", "gelu": "gelu", "silu": "silu"}[v.activation]
-    return qwen_vl.hf_config(cfg, t, ARCHITECTURE, "qwen3", {"mrope_interleaved": True}, {
-        "model_type": "qwen3_vl_vision", "hidden_act": act, "num_position_embeddings": v.position_embeddings,
+    return qwen_vl.hf_config(cfg, t, ARCHITECTURES[t], TEXT_FAMILIES[t], {"mrope_interleaved": True}, {
+        "model_type": f"{t}_vision", "hidden_act": act, "num_position_embeddings": v.position_embeddings,
         "deepstack_visual_indexes": list(v.deepstack)})
 
 
@@ -107,10 +131,28 @@ def vision_rules(cfg: ModelConfig) -> list[Rule]:
     return rules
 
 
+def expert_rules(cfg: ModelConfig) -> list[Rule]:
+    """Qwen3-VL-MoE's MLPs: the dense layers' (mlp_only_layers) as Qwen 3's, and per MoE layer the router and all
+    experts in two tensors, transformers 5's layout: gate_up_proj [E, 2F, D] (each expert's gate rows, then its up
+    rows) and down_proj [E, D, F], ours gate / up [E, D, F] and down [E, F, D]. The released checkpoints hold both
+    with their last two axes swapped (transformers reads either by shape), and so does the import (Rule.swapped)."""
+    lay, m = stack.layout(cfg), "model.layers.{i}.mlp."
+    rules = [] if all(k.moe for k in lay.kinds) else llama.dense_mlp_rules(m, llama.dense_path(cfg))
+    F = cfg.expert_ff
+    return rules + [
+        Rule(m + "gate.weight", ("layers.mlp.router",), **linear()),
+        Rule(m + "experts.gate_up_proj", ("layers.mlp.gate", "layers.mlp.up"), swapped=(1, 2),
+             to_ours=lambda a: (a[:, :F].transpose(0, 2, 1), a[:, F:].transpose(0, 2, 1)),
+             to_hf=lambda gate, up: np.concatenate([gate, up], axis=-1).transpose(0, 2, 1)),
+        Rule(m + "experts.down_proj", ("layers.mlp.down",), swapped=(1, 2),
+             to_ours=lambda a: (a.transpose(0, 2, 1),), to_hf=lambda down: down.transpose(0, 2, 1))]
+
+
 def rules(cfg: ModelConfig) -> list[Rule]:
     """The language model's tensors under model.language_model (lm_head at the top), then the tower's."""
+    text = llama.rules(cfg, expert_rules if cfg.n_experts else llama.mlp_rules)
     text = [dataclasses.replace(r, hf="model.language_model." + r.hf[len("model."):]) if r.hf.startswith("model.")
-            else r for r in llama.rules(cfg)]
+            else r for r in text]
     return text + vision_rules(cfg)
 
 

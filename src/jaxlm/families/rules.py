@@ -3,7 +3,8 @@ layout helpers that build rules, and the config.json readers (activations, rotar
 
 Names may hold `{i}` (layer) and `{e}` (expert); our weights are stacked, so the layer (and expert) index selects
 a slice of the stacked array. `to_ours` turns the HF array into the slices (a tuple, one per path of `ours`);
-`to_hf` is its inverse.
+`to_hf` is its inverse. `swapped`: checkpoints may also hold the tensor with these two axes swapped (Qwen3-VL-MoE's
+released experts, against transformers 5's save_pretrained); the import reads either, told apart by shape.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class Rule:
     ours: tuple[str, ...]
     to_ours: Callable[[np.ndarray], tuple[np.ndarray, ...]] = lambda a: (a,)
     to_hf: Callable[..., np.ndarray] = lambda a: a
+    swapped: tuple[int, int] | None = None
 
 
 def linear(shape: Callable[[int], tuple[int, ...]] | None = None) -> dict:

@@ -239,11 +239,13 @@ def from_hf(src: str, out: str | Path, param_dtype: str = "float32", log: Callab
                     raise ConvertError(f"{file.name}: tensor {raw_name} {tuple(info['shape'])} is not part of a "
                                        f"{hf_cfg['model_type']} model with this config.json")
                 rule, idx = expected[name]
-                want = hf_shape(rule, idx, specs)
-                if tuple(info["shape"]) != want:
-                    raise ConvertError(f"{file.name}: tensor {raw_name} has shape {tuple(info['shape'])}, expected "
-                                       f"{want} from config.json")
-                for path, part in zip(rule.ours, rule.to_ours(read_tensor(f, info, start, raw_name))):
+                want, shape = hf_shape(rule, idx, specs), tuple(info["shape"])
+                swap = shape != want and rule.swapped is not None and shape == swapped(want, rule.swapped)
+                if shape != want and not swap:
+                    raise ConvertError(f"{file.name}: tensor {raw_name} has shape {shape}, expected {want} from "
+                                       "config.json")
+                a = read_tensor(f, info, start, raw_name)
+                for path, part in zip(rule.ours, rule.to_ours(np.swapaxes(a, *rule.swapped) if swap else a)):
                     arrays[path][idx] = part
                 done.add(name)
     missing = [n for n in expected if n not in done]
@@ -276,6 +278,12 @@ def hf_shape(rule: Rule, idx: tuple[int, ...], specs: dict[str, P.ParamSpec]) ->
     """The HF tensor shape a rule expects, from our shapes (np.zeros of one slice: pages are never touched)."""
     parts = [np.zeros(specs[p].shape[len(idx):], np.float32) for p in rule.ours]
     return tuple(rule.to_hf(*parts).shape)
+
+
+def swapped(shape: tuple[int, ...], axes: tuple[int, int]) -> tuple[int, ...]:
+    out = list(shape)
+    out[axes[0]], out[axes[1]] = shape[axes[1]], shape[axes[0]]
+    return tuple(out)
 
 
 def unflatten(flat: dict[str, object]) -> dict:
