@@ -316,6 +316,14 @@ def _serve(s: dict, derived: dict, kv: dict, tables: list) -> None:
         kv["serve_first_round_tokens_per_s"] = rounds[0]["output_tokens_per_s"]
         if len(rounds) < 3:
             kv["serve_note"] = "the last round finished also compiled"
+    prof = s.get("serve_profile", {})
+    if "by_kind" in prof:  # the profiled round: where the engine's device time goes, and how busy the device was
+        kv["serve_profile_device_busy"] = prof.get("device_busy")
+        tables += ["", f"serving engine, one round under the profiler ({prof['wall_ms']:.1f} ms wall, "
+                   f"{prof['ms_per_step']:.1f} ms of device operations; {prof['source']}):"]
+        tables += _table(["kind", "ms"], [[k, v] for k, v in prof["by_kind"].items()])
+        tables += _table(["top operation not a matmul", "kind", "ms"],
+                         [[r["op"], r["kind"], r["ms_per_step"]] for r in prof.get("top_not_matmul", [])[:8]])
 
 
 def main(budget_s: dict = BUDGET_S, script: Path = SECTIONS_PY, summarize=None, tag: str = "gpu",

@@ -836,8 +836,39 @@ def serve(ctx: Ctx) -> None:
             rounds.append(dict(wall_s=wall, tokens=tokens, output_tokens_per_s=tokens / wall))
             ctx.put(serve_rounds=rounds, serve_concurrency=C, serve_prompt=P0, serve_new=N,
                     serve_decode_steps=e.decode_steps)
+        if ctx.left() > 2 * rounds[-1]["wall_s"] + 10:
+            ctx.put(serve_profile=engine_profile(e, cfg, C, P0, N))
     finally:
         e.stop()
+
+
+def engine_profile(e, cfg, C: int, P0: int, N: int) -> dict:
+    """One more round of the engine under jax.profiler: the device's time by kind of operation (as the train rows'
+    breakdown; programs of the prefill and the decode buckets together) and its share of the round's wall time
+    (`device_busy`: on a GPU or TPU the rest is the host's turn loop, dispatch and waits; on a CPU the ops' time
+    is summed over threads, so no share is given)."""
+    import jax
+    from jax.profiler import ProfileData
+
+    from jaxlm.serve.requests import Sequence
+
+    folder = tempfile.mkdtemp(prefix="jaxlm_serve_trace_")
+    prompts = np.random.default_rng(3).integers(0, cfg.vocab_size, (C, P0))
+    jax.profiler.start_trace(folder)
+    try:
+        t = time.perf_counter()
+        e.run([Sequence(p.tolist(), N, 0.0, 0, 1.0, 0, 0, (), None, logprobs=False) for p in prompts])
+        wall = time.perf_counter() - t
+    finally:
+        jax.profiler.stop_trace()
+    files = glob.glob(f"{folder}/**/*.xplane.pb", recursive=True)
+    if not files:
+        return dict(note=f"the profiler wrote no .xplane.pb under {folder}")
+    out = breakdown_of(ProfileData.from_file(files[0]), {}, 1, top=8)
+    out.update(wall_ms=1e3 * wall, output_tokens_per_s=C * N / wall)
+    if jax.default_backend() != "cpu":
+        out["device_busy"] = out["ms_per_step"] / out["wall_ms"]
+    return out
 
 
 SECTIONS = {f.__name__: f for f in (yardsticks, train, attention, precision, quant, decode, serve)}

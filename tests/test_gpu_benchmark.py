@@ -63,6 +63,9 @@ def test_every_section_runs_at_tiny_sizes_on_cpu(tmp_path):
     assert float(kv["generate_b1_decode_tokens_per_s"]) > 0 and float(kv["generate_b4_decode_tokens_per_s"]) > 0
     assert 0 < float(kv["decode_b1_mbu"])
     assert float(kv["serve_c4_output_tokens_per_s"]) > 0 and "serve_note" not in kv
+    prof = figures["serve"]["serve_profile"]  # one round under the profiler: the engine's operations by kind
+    assert prof["ms_per_step"] > 0 and sum(prof["by_kind"].values()) > 0 and prof["output_tokens_per_s"] > 0
+    assert "serving engine, one round under the profiler" in text
 
 
 def test_a_section_over_its_time_limit_is_stopped_and_the_summary_still_printed():
