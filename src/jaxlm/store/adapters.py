@@ -13,6 +13,7 @@ fused c_attn is refused in one line.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Callable
 
@@ -52,12 +53,57 @@ def modules(cfg: Config) -> dict[tuple[str, str], str]:
         if not np.array_equal(rule.to_hf(probe), probe.reshape(int(np.prod(shape[:k])), -1).T):
             raise ConvertError(f"the {model_type} tensor {rule.hf} is not layers.{blk}.{name} reshaped and transposed "
                                "(a fused or permuted projection); its LoRA adapter has no PEFT equivalent")
-        out[blk, name] = rule.hf.removesuffix(".weight")
+        out[blk, name] = module_name(fam, rule.hf.removesuffix(".weight"))
     return out
 
 
-def _hf_module_names(mods: dict) -> list[str]:
-    return sorted({m.rsplit(".", 1)[-1] for m in mods.values()})
+def module_name(fam, name: str) -> str:
+    """A tensor's module as transformers names it at run time, which PEFT's adapters use: a multimodal family's
+    checkpoints may spell the language model's otherwise (Gemma 3's language_model.model.*, Qwen2.5-VL's
+    model.*: the family's PREFIXES), and an adapter written by an older transformers may too."""
+    for runtime, saved in getattr(fam, "PREFIXES", ()):
+        if name.startswith(runtime):
+            return name
+        if name.startswith(saved):
+            return runtime + name[len(saved):]
+    return name
+
+
+def _hf_module_names(mods: dict, cfg: Config) -> list[str] | str:
+    """PEFT's target_modules: the module names, or for a model with a vision tower (whose modules may share
+    them: SigLIP's q_proj, Qwen-VL's down_proj) a pattern that PEFT matches against the language model's alone."""
+    names = sorted({m.rsplit(".", 1)[-1] for m in mods.values()})
+    if cfg.model.vision is None:
+        return names
+    return rf"{re.escape(_language_prefix(mods))}layers\.\d+\..*\.({'|'.join(names)})"
+
+
+def _language_prefix(mods: dict) -> str:
+    """What the language model's module names start with ("model.language_model." for transformers' VLMs)."""
+    return next(iter(mods.values())).split("layers.{i}", 1)[0]
+
+
+def pattern_targets(pattern: str, cfg: Config, cfg_file: Path) -> list[str]:
+    """The projections a target_modules pattern names (PEFT matches it whole against each module's name), all
+    layers alike; one line when it names a layer's module but not all layers' (layers_to_transform)."""
+    try:
+        compiled = re.compile(pattern)
+    except re.error as e:
+        raise ConvertError(f"{cfg_file}: target_modules={pattern!r} is not a regular expression ({e})") from None
+    every = config_lib.apply_overrides(cfg, {"lora.rank": max(cfg.lora.rank, 1),
+                                             "lora.targets": ",".join(config_lib.LORA_TARGETS)})
+    out = []
+    for (_, name), module in modules(every).items():
+        hits = [bool(compiled.fullmatch(module.format(i=i))) for i in range(cfg.model.n_layers)]
+        if any(hits) and not all(hits):
+            raise ConvertError(f"{cfg_file}: target_modules={pattern!r} names {module.format(i=hits.index(True))} "
+                               "but not every layer's; jaxlm adapts a projection in all layers")
+        if all(hits):
+            out.append(lora.HF_NAMES[name])
+    if not out:
+        raise ConvertError(f"{cfg_file}: target_modules={pattern!r} names none of the language model's projections "
+                           f"(e.g. {next(iter(modules(every).values())).format(i=0)})")
+    return sorted(set(out))
 
 
 def write_peft(path: str | Path, out: str | Path, dtype: str | None = None, log: Callable[[str], None] = print
@@ -87,7 +133,7 @@ def write_peft(path: str | Path, out: str | Path, dtype: str | None = None, log:
     hf_cfg = fam.config_to_hf(cfg.model, model_type)
     lo = cfg.lora
     adapter_cfg = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lo.rank, "lora_alpha": lo.alpha,
-                   "lora_dropout": lo.dropout, "target_modules": _hf_module_names(mods),
+                   "lora_dropout": lo.dropout, "target_modules": _hf_module_names(mods, cfg),
                    "base_model_name_or_path": _base_name(path, cfg), "inference_mode": True,
                    "init_lora_weights": True, "auto_mapping": {"base_model_class": hf_cfg["architectures"][0]},
                    **UNSUPPORTED}
@@ -135,8 +181,7 @@ def read_peft(peft_dir: str | Path, cfg: Config) -> tuple[Config, dict]:
                            "another architecture")
     target_modules = ac.get("target_modules") or []
     if isinstance(target_modules, str):
-        raise ConvertError(f"{cfg_file}: target_modules={target_modules!r} is a pattern; give the module names "
-                           "(q_proj, k_proj, ...)")
+        target_modules = pattern_targets(target_modules, cfg, cfg_file)
     reverse = {hf: ours_ for ours_, hf in lora.HF_NAMES.items()}
     unknown = [t for t in target_modules if t not in reverse]
     if unknown:
@@ -163,6 +208,12 @@ def read_peft(peft_dir: str | Path, cfg: Config) -> tuple[Config, dict]:
     with open(tensors, "rb") as f:
         for raw, info in header.items():
             key = raw.replace(".default.weight", ".weight")
+            key = PREFIX + module_name(fam, key.removeprefix(PREFIX))
+            if key not in expected and cfg.model.vision is not None and not key.startswith(
+                    PREFIX + _language_prefix(mods)):
+                raise ConvertError(f"{tensors.name}: tensor {raw} adapts a module outside the language model (the "
+                                   "vision tower or projector); jaxlm's LoRA adapts the language model's projections "
+                                   "only (give target_modules as a pattern that names those alone)")
             if key not in expected:
                 raise ConvertError(f"{tensors.name}: tensor {raw} is not an adapter of a {model_type} model with "
                                    f"lora.targets={cfg.lora.targets} (adapter for another model?)")
