@@ -189,6 +189,48 @@ def test_prepared_tokens_and_pixels_are_image_kinds(tmp_path, kind, grids):
     assert [t for t, m in zip(ids, mask) if m] == tok.encode_rendered(pics[0][1] + "<end_of_turn>")
 
 
+@pytest.mark.parametrize("kind", ["qwen2_5", "qwen3"])
+def test_the_padded_tower_is_the_static_one_per_grid(tmp_path, kind):
+    """Four grids of other aspect ratios (windowed and full layers; deepstack) padded to 64 patch slots, the padding
+    and an empty slot filled with garbage: the soft tokens (and deepstack features) compacted in order, and the
+    logits of two rows holding them, equal the static tower's at each grid."""
+    from jaxlm import sharding
+    from jaxlm.model import param_specs, vision_qwen, vision_qwen3
+
+    cfg = config(tmp_path, kind, **{"model.block_size": 128}).model
+    weights = P.init(param_specs(cfg), jax.random.key(0), sharding.make_mesh(tiny_config(tmp_path, tmp_path).mesh,
+                                                                             jax.devices()[:1]))
+    weights = jax.tree.map(lambda a: a * 3 if a.ndim > 1 else a + 0.1, weights)  # beyond init's near-identity
+    rng, shapes = np.random.default_rng(0), [(8, 6), (4, 16), (6, 10), (2, 2)]
+    grids = [rng.normal(size=(1, h, w, 96)).astype(np.float32) for h, w in shapes]
+    images = padded([image_kinds.Prepared(g, 0) for g in grids] + [image_kinds.Prepared(np.zeros((1, 0, 0, 96)), 0)],
+                    cfg.vision, 64)
+    images["patches"][images["patches"] == 0] = 7.0
+    tower = vision_qwen if kind == "qwen2_5" else vision_qwen3
+    static, padded_out = jax.jit(lambda w, g, x: (tower.encode(w, g, cfg), tower.encode_padded(w, x, cfg)))(
+        weights["vision"], tuple(grids), images)
+    if kind == "qwen3":
+        (static, deep_static), (soft, deep, valid) = static, padded_out
+    else:
+        soft, valid = padded_out
+    X = static.shape[0]
+    got, _, _, order = vision_qwen.compacted(soft, valid, jnp.asarray(images["grid"]), cfg)
+    assert int(valid.sum()) == X == 44 and np.abs(got[:X] - static).max() <= 1e-5 * np.abs(static).max()
+    if kind == "qwen3":
+        S, I, M, D = deep.shape
+        deep_got = deep.reshape(S, I * M, D)[:, order][:, :X]
+        assert np.abs(deep_got - deep_static).max() <= 1e-5 * np.abs(deep_static).max()
+    pad, n = cfg.vision.image_token_id, [h * w // 4 for h, w in shapes]
+    rows = [[15, 16] + [pad] * n[0] + [17, 18] + [pad] * n[1] + [19], [20] + [pad] * (n[2]) + [21] + [pad] * n[3]]
+    tokens = jnp.asarray([r + [0] * (48 - len(r)) for r in rows])
+    run = jax.jit(lambda x: forward(weights, tokens, cfg, images=x))
+    want, blind, logits = run(tuple(grids)), run(None), run(jax.tree.map(jnp.asarray, images))
+    print(f"{kind}: soft tokens up to {float(np.abs(static).max()):.2f}, padded - static "
+          f"{float(np.abs(got[:X] - static).max()):.1e}; logits {float(np.abs(logits - want).max()):.1e} (without "
+          f"images {float(np.abs(blind - want).max()):.2f})")
+    assert np.abs(logits - want).max() <= 2e-5 and np.abs(blind - want).max() > 0.1
+
+
 def test_what_cannot_work_is_one_line(tmp_path):
     folder = model_folder(tmp_path / "model", "qwen2_5")
     src = write_jsonl(tmp_path / "c.jsonl", [record({"type": "image_url", "image_url": {"url": data_url(
