@@ -322,8 +322,8 @@ def qwen_accuracy(model, tok, v, pics, blank=False) -> float:
     end = tok.encode_rendered("<end_of_turn>")
     rng, right = np.random.default_rng(0), 0
     for img, answer in pics:
-        prep = [kind_prepared("qwen2_5", draw("red", "circle", rng, blank=True) if blank else img,
-                              processor("qwen2_5"), v)]
+        prep = [kind_prepared("qwen2_5", draw("red", "circle", rng, blank=True).resize(img.size) if blank else img,
+                              budgeted("qwen2_5"), v)]
         prompt = tok.encode_rendered(image_kinds.of(v).expand(text, tok, v, prep))
         out = model.generate(prompt, new_tokens=4, temperature=0.0, stop_ids=tuple(end),
                              images=image_kinds.of(v).batch(prep))
@@ -340,12 +340,12 @@ def test_a_tiny_qwen_vl_learns_to_name_the_drawn_shape(tmp_path):
     from jaxlm.train import loop
 
     folder = model_folder(tmp_path / "model", "qwen2_5")
-    train, val = pictures(1440, 0), pictures(90, 1)
+    train, val = pictures(1440, 0, aspects=True), pictures(90, 1, aspects=True)  # six aspect ratios, eight grids
     files = [write_jsonl(tmp_path / f"{name}.jsonl", [record({"type": "image_url", "image_url": {"url": data_url(i)}},
                                                               a) for i, a in pics])
              for name, pics in (("train", train), ("val", val))]
     vision_data.prepare_vision_chat(files[:1], tmp_path / "data", folder, val=files[1:], processor=processor("qwen2_5"),
-                                    image_side=SIDE)
+                                    image_tokens=BUDGET)
     cfg = config(tmp_path, "qwen2_5", **{"model.block_size": 40, "training.steps": 400, "training.batch_size": 16,
                                          "training.eval_interval": 400, "optimizer.lr": 3e-3,
                                          "optimizer.warmup_steps": 10, "checkpoint.interval": 400})
