@@ -6,9 +6,8 @@ and the loader that puts one conversation in each row, padded, with the images o
 Beside the shards, per split: {split}-images.bin (uint8 [I, *record]: a fixed-size record per image in the tower
 kind's layout, data/train_images.py), {split}-images.idx.npy (int64 [D + 1]: each document's first image, then I)
 and, for Qwen-VL images at their own grids, {split}-images.grid.npy (int32 [I, 2]). meta.json's "images" holds the
-layout, the kind and its normalization, and the most images a document has.
-
-Legend: A micro-batches, B rows, T block_size, R = T + 1, K images per row at most, S image side, D documents.
+layout, the kind and its normalization, and the most images a document has. Legend: A micro-batches, B rows,
+T block_size, R = T + 1, K images per row at most, S image side, D documents.
 """
 
 from __future__ import annotations
