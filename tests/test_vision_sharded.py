@@ -27,7 +27,7 @@ def prepared_config(tmp_path, kind: str):
                 "optimizer.lr": 3e-3, "optimizer.warmup_steps": 1,
                 "model.vocab_size": 32}  # the vocabulary padded to split over the tensor axis
     if kind != "siglip":
-        kinds.prepared(tmp_path, kind, n=12)
+        kinds.prepared(tmp_path, kind, n=12, grids=kind == "qwen3")  # Qwen3-VL's at their own grids, padded
         return kinds.config(tmp_path, kind, **settings)
     tok = gemma.make_tokenizer(tmp_path / "model")
     recs = [gemma.record({"type": "image_url", "image_url": {"url": gemma.data_url(img)}}, answer)

@@ -1,8 +1,9 @@
-"""Training with images on Llama 4's and Qwen2.5-VL's towers (docs/vision.md, "Training with images"): chat data
-prepared at the kind's fixed shape (Llama 4: one tile; Qwen-VL: a square of data side) whose stored tokens and pixels
-are what data/image_kinds.py gives the same images; the train step's loss on a batch equal to the masked
-cross-entropy of forward() on the same tokens and images (and not equal without them); what cannot work refused in
-one line; and a tiny random Qwen2.5-VL that learns to name the drawn shape's colour from the image."""
+"""Training with images on Llama 4's and Qwen-VL's towers (docs/vision.md, "Training with images"): chat data
+prepared in the kind's layout (Llama 4: one tile; Qwen-VL: each image at its own grid within a budget, or one square)
+whose stored tokens and pixels are what data/image_kinds.py gives the same images; the padded tower equal to the
+static one per grid; the train step's loss on a batch equal to the masked cross-entropy of forward() on the same
+tokens and images (and not equal without them); what cannot work refused in one line; and a tiny random Qwen2.5-VL
+that learns to name the drawn shape from images of mixed aspect ratios."""
 
 from __future__ import annotations
 
@@ -36,6 +37,8 @@ SPECIALS = {"qwen2_5": ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"],
 TEMPLATE = ("{% for m in messages %}<start_of_turn>{{ 'model' if m.role == 'assistant' else m.role }}\n"
             "{{ m.content }}<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
 SIDE = 32
+BUDGET = 16  # Qwen-VL soft tokens an image at most (1,024 pixels at 4-pixel patches merged 2 x 2)
+ASPECTS = [(32, 32), (48, 24), (24, 48), (40, 32), (56, 24), (20, 36)]  # (width, height) of pictures, cycled
 
 
 def vocab(kind: str) -> list[str]:
@@ -92,22 +95,31 @@ def config(tmp_path, kind: str, **overrides):
     return tiny_config(tmp_path / "data", tmp_path / "run", **d)
 
 
-def pictures(n: int, seed: int, side: int = SIDE):
+def pictures(n: int, seed: int, side: int = SIDE, aspects: bool = False):
+    """n drawn shapes with their answers: squares of `side`, or with aspects=True resized to ASPECTS in turn."""
     rng = np.random.default_rng(seed)
     classes = [(c, s) for c in COLOURS for s in SHAPES]
     out = []
     for i in range(n):
         c, s = classes[i % len(classes)]
         img = draw(c, s, rng)
-        out.append((img if img.size == (side, side) else img.resize((side, side)), f"a {c} {s}"))
+        size = ASPECTS[i % len(ASPECTS)] if aspects else (side, side)
+        out.append((img if img.size == size else img.resize(size), f"a {c} {s}"))
     return out
 
 
-def prepared(tmp_path, kind: str, n: int = 12, two: bool = False):
+def budgeted(kind: str):
+    """What `jaxlm generate --image` takes for images trained within BUDGET soft tokens: the processor with
+    max_pixels at the budget."""
+    return dataclasses.replace(processor(kind), max_pixels=BUDGET * 64)
+
+
+def prepared(tmp_path, kind: str, n: int = 12, two: bool = False, grids: bool = False):
     """A prepared folder of n conversations (each with one drawn shape; with two=True the even ones with a second
-    image), its pictures, and the model folder."""
+    image), its pictures, and the model folder. grids: Qwen-VL images of mixed aspect ratios, each at its own grid
+    within BUDGET soft tokens (else one square of SIDE)."""
     folder = model_folder(tmp_path / "model", kind)
-    pics = pictures(n, 0)
+    pics = pictures(n, 0, aspects=grids)
     recs = []
     for i, (img, answer) in enumerate(pics):
         rec = record({"type": "image_url", "image_url": {"url": data_url(img)}}, answer)
@@ -116,9 +128,20 @@ def prepared(tmp_path, kind: str, n: int = 12, two: bool = False):
                                                      "image_url": {"url": data_url(pics[i - 1][0])}})
         recs.append(rec)
     src = write_jsonl(tmp_path / "chat.jsonl", recs)
+    side = SIDE if kind != "llama4" and not grids else None
     meta = vision_data.prepare_vision_chat([src], tmp_path / "data", folder, val_fraction=0.25,
-                                           processor=processor(kind), image_side=SIDE if kind != "llama4" else None)
+                                           processor=processor(kind), image_side=side,
+                                           image_tokens=BUDGET if grids else None)
     return meta, pics, folder
+
+
+def padded(prep: list, v, P: int) -> dict:
+    """image_kinds' patch grids as the padded batch of the training step: patches in the processor's order."""
+    patches = np.zeros((len(prep), P, prep[0].pixels.shape[-1]), np.float32)
+    for i, x in enumerate(prep):
+        flat = images_qwen.hf_order(x.pixels, v.spatial_merge)
+        patches[i, :len(flat)] = flat
+    return {"patches": patches, "grid": np.array([x.pixels.shape[1:3] for x in prep], np.int32)}
 
 
 def kind_prepared(kind, img, p, v):
@@ -128,11 +151,12 @@ def kind_prepared(kind, img, p, v):
     return image_kinds.of(v).prepare(img, p, v)
 
 
-@pytest.mark.parametrize("kind", ["llama4", "qwen2_5", "qwen3"])
-def test_prepared_tokens_and_pixels_are_image_kinds(tmp_path, kind):
-    meta, pics, folder = prepared(tmp_path, kind, two=True)
-    v, p = vision(kind), processor(kind)
-    assert meta["images"]["kind"] == kind and meta["images"]["size"] == SIDE and meta["images"]["max_per_document"] == 2
+@pytest.mark.parametrize("kind,grids", [("llama4", False), ("qwen2_5", False), ("qwen2_5", True), ("qwen3", True)])
+def test_prepared_tokens_and_pixels_are_image_kinds(tmp_path, kind, grids):
+    meta, pics, folder = prepared(tmp_path, kind, two=True, grids=grids)
+    v, p = vision(kind), budgeted(kind) if grids else processor(kind)
+    assert meta["images"]["kind"] == kind and meta["images"]["max_per_document"] == 2
+    assert meta["images"].get("layout") == "grids" if grids else meta["images"]["size"] == SIDE
     ds = loader_lib.Dataset(tmp_path / "data")
     tok = tokenizer_lib.load(folder)
     store = vision_data.open_images(ds)
@@ -147,12 +171,64 @@ def test_prepared_tokens_and_pixels_are_image_kinds(tmp_path, kind):
                                     {"role": "assistant", "content": pics[0][1]}],
                                    add_generation_prompt=False)
     assert ids == tok.encode_rendered(kind_of.expand(text, tok, v, prep))
-    assert ids.count(v.image_token_id) == sum(x.tokens for x in prep) == 2 * 16
+    assert ids.count(v.image_token_id) == sum(x.tokens for x in prep) == (16 + 8 if grids else 2 * 16)
     got = store["train"].read(np.array(list(store["train"].of(0))))
-    want = kind_of.batch(prep)
-    assert np.abs(got - np.asarray(want)).max() <= 1e-6  # Qwen: [2, 1, 8, 8, Q] grids; Llama 4: [2, 32, 32, 3] tiles
+    if kind == "llama4":  # [2, 32, 32, 3] tiles
+        assert np.abs(got - kind_of.batch(prep)).max() <= 1e-6
+    else:  # Qwen: padded patches [2, 64, Q] and grids; with grids the 32 x 32 and the 20 x 36 pictures (8 x 8, 8 x 4)
+        want = padded(prep, v, store["train"].fixed.shape["patches"][0])
+        assert np.array_equal(got["grid"], want["grid"]) and np.abs(got["patches"] - want["patches"]).max() <= 1e-6
+        assert got["grid"].tolist() == ([[8, 8], [8, 4]] if grids else [[8, 8], [8, 8]])
+        if grids:  # every train image: six aspect ratios, eight grids
+            by_image = stored_pictures(store["train"], pics, lambda img: kind_prepared(kind, img, p, v))
+            slots = np.array(sorted(by_image))
+            got, want = store["train"].read(slots), padded([by_image[i] for i in slots], v, got["patches"].shape[1])
+            assert np.array_equal(got["grid"], want["grid"]) and np.abs(got["patches"] - want["patches"]).max() <= 1e-6
+            assert len({tuple(g) for g in got["grid"]}) >= 6
     mask = split.take(np.arange(len(ids)), mask=True)
     assert [t for t, m in zip(ids, mask) if m] == tok.encode_rendered(pics[0][1] + "<end_of_turn>")
+
+
+@pytest.mark.parametrize("kind", ["qwen2_5", "qwen3"])
+def test_the_padded_tower_is_the_static_one_per_grid(tmp_path, kind):
+    """Four grids of other aspect ratios (windowed and full layers; deepstack) padded to 64 patch slots, the padding
+    and an empty slot filled with garbage: the soft tokens (and deepstack features) compacted in order, and the
+    logits of two rows holding them, equal the static tower's at each grid."""
+    from jaxlm import sharding
+    from jaxlm.model import param_specs, vision_qwen, vision_qwen3
+
+    cfg = config(tmp_path, kind, **{"model.block_size": 128}).model
+    weights = P.init(param_specs(cfg), jax.random.key(0), sharding.make_mesh(tiny_config(tmp_path, tmp_path).mesh,
+                                                                             jax.devices()[:1]))
+    weights = jax.tree.map(lambda a: a * 3 if a.ndim > 1 else a + 0.1, weights)  # beyond init's near-identity
+    rng, shapes = np.random.default_rng(0), [(8, 6), (4, 16), (6, 10), (2, 2)]
+    grids = [rng.normal(size=(1, h, w, 96)).astype(np.float32) for h, w in shapes]
+    images = padded([image_kinds.Prepared(g, 0) for g in grids] + [image_kinds.Prepared(np.zeros((1, 0, 0, 96)), 0)],
+                    cfg.vision, 64)
+    images["patches"][images["patches"] == 0] = 7.0
+    tower = vision_qwen if kind == "qwen2_5" else vision_qwen3
+    static, padded_out = jax.jit(lambda w, g, x: (tower.encode(w, g, cfg), tower.encode_padded(w, x, cfg)))(
+        weights["vision"], tuple(grids), images)
+    if kind == "qwen3":
+        (static, deep_static), (soft, deep, valid) = static, padded_out
+    else:
+        soft, valid = padded_out
+    X = static.shape[0]
+    got, _, _, order = vision_qwen.compacted(soft, valid, jnp.asarray(images["grid"]), cfg)
+    assert int(valid.sum()) == X == 44 and np.abs(got[:X] - static).max() <= 1e-5 * np.abs(static).max()
+    if kind == "qwen3":
+        S, I, M, D = deep.shape
+        deep_got = deep.reshape(S, I * M, D)[:, order][:, :X]
+        assert np.abs(deep_got - deep_static).max() <= 1e-5 * np.abs(deep_static).max()
+    pad, n = cfg.vision.image_token_id, [h * w // 4 for h, w in shapes]
+    rows = [[15, 16] + [pad] * n[0] + [17, 18] + [pad] * n[1] + [19], [20] + [pad] * (n[2]) + [21] + [pad] * n[3]]
+    tokens = jnp.asarray([r + [0] * (48 - len(r)) for r in rows])
+    run = jax.jit(lambda x: forward(weights, tokens, cfg, images=x))
+    want, blind, logits = run(tuple(grids)), run(None), run(jax.tree.map(jnp.asarray, images))
+    print(f"{kind}: soft tokens up to {float(np.abs(static).max()):.2f}, padded - static "
+          f"{float(np.abs(got[:X] - static).max()):.1e}; logits {float(np.abs(logits - want).max()):.1e} (without "
+          f"images {float(np.abs(blind - want).max()):.2f})")
+    assert np.abs(logits - want).max() <= 2e-5 and np.abs(blind - want).max() > 0.1
 
 
 def test_what_cannot_work_is_one_line(tmp_path):
@@ -168,7 +244,24 @@ def test_what_cannot_work_is_one_line(tmp_path):
     with pytest.raises(DataError, match=r"image side 64: a llama4 tower takes 32-pixel images"):
         vision_data.prepare_vision_chat([src], tmp_path / "d3", folder4, image_side=64)
     f = train_images.of_model(None, vision("qwen2_5"), 64, processor("qwen2_5"))
-    assert f.shape == (1, 16, 16, 96) and f.meta()["patch_size"] == 4
+    assert f.shape == {"patches": (256, 96), "grid": (2,)} and f.meta()["patch_size"] == 4
+    with pytest.raises(DataError, match=r"image tokens 3: 3 soft tokens of 8x8 pixels are under the processor's "
+                                        r"min_pixels 256; give at least 4"):
+        vision_data.prepare_vision_chat([src], tmp_path / "d4", folder, image_tokens=3, processor=processor("qwen2_5"))
+    with pytest.raises(DataError, match=r"image side and image tokens both given"):
+        vision_data.prepare_vision_chat([src], tmp_path / "d5", folder, image_tokens=16, image_side=32)
+    with pytest.raises(DataError, match=r"image tokens 16: a llama4 tower takes a fixed number"):
+        vision_data.prepare_vision_chat([src], tmp_path / "d6", folder4, image_tokens=16)
+
+
+def stored_pictures(store, pics, prepare) -> dict:
+    """Each stored image of the train split (every 4th conversation is val; the even ones hold the picture before
+    theirs second) -> prepare(its picture)."""
+    out = {}
+    for d, c in enumerate(i for i in range(len(pics)) if i % 4 != 3):
+        for slot, img in zip(store.of(d), [pics[c][0]] + ([pics[c - 1][0]] if c % 2 == 0 else [])):
+            out[slot] = prepare(img)
+    return out
 
 
 def segments(batch, b):
@@ -179,29 +272,28 @@ def segments(batch, b):
     return [(int(np.argmax(seg == s)), int(len(seg) - np.argmax(seg[::-1] == s))) for s in np.unique(seg[seg > 0])]
 
 
-def batch_loss(tmp_path, kind, packing):
+def batch_loss(tmp_path, kind, packing, grids=False):
     """The train objective's loss on a loader's batch; the same from forward() on each of its documents alone with
     the images image_kinds gives that document's pictures; and forward()'s without any images."""
-    _, pics, _ = prepared(tmp_path, kind, n=12, two=True)
-    cfg = config(tmp_path, kind, **{"data.packing": packing, "training.batch_size": 4, "model.block_size": 96,
+    _, pics, _ = prepared(tmp_path, kind, n=12, two=True, grids=grids)
+    cfg = config(tmp_path, kind, **{"data.packing": packing, "training.batch_size": 4, "model.block_size": 72 if grids else 96,
                                     "data.images_per_row": 4})
     run = run_lib.setup(cfg, jax.devices()[:1])
     params = P.init(run.specs, jax.random.key(0), run.mesh)
     plan = batches.make_loader(run, grad_accum=1).next().only_micro_batch()
     batch = batches.device_batch(run, "train", plan)
     loss = float(objectives.get("next_token").loss(params, batch, cfg, None)[0])
-    v, p, store = cfg.model.vision, processor(kind), run.images["train"]
-    by_image = {}  # each stored image of train as image_kinds prepares its picture (every 4th conversation is val)
-    for d, c in enumerate(i for i in range(len(pics)) if i % 4 != 3):
-        for slot, img in zip(store.of(d), [pics[c][0]] + ([pics[c - 1][0]] if c % 2 == 0 else [])):
-            by_image[slot] = kind_prepared(kind, img, p, v)
+    v, p, store = cfg.model.vision, budgeted(kind) if grids else processor(kind), run.images["train"]
+    by_image = stored_pictures(store, pics, lambda img: kind_prepared(kind, img, p, v))
     prep = [by_image[int(s)] for s in np.asarray(plan.slots) if s >= 0]
     tokens, targets, w = (np.asarray(batch[k]) for k in ("inputs", "targets", "weights"))
     total, blind_total, at = 0.0, 0.0, 0
     for b in range(tokens.shape[0]):
         for start, end in segments(batch, b):
             ids = jnp.asarray(tokens[b:b + 1, start:end])
-            n = int((tokens[b, start:end] == v.image_token_id).sum()) // 16
+            n, count = 0, int((tokens[b, start:end] == v.image_token_id).sum())
+            while count > 0:  # this document's images: as many as its image tokens hold
+                count, n = count - prep[at + n].tokens, n + 1
             mine, at = prep[at:at + n], at + n
             for images, acc in ((image_kinds.of(v).batch(mine) if mine else None, "seen"), (None, "blind")):
                 logp = np.asarray(jax.nn.log_softmax(forward(params, ids, cfg.model, images=images), -1))[0]
@@ -213,11 +305,12 @@ def batch_loss(tmp_path, kind, packing):
     return loss, total / w.sum(), blind_total / w.sum(), len(prep), docs
 
 
-@pytest.mark.parametrize("kind,packing", [("llama4", False), ("qwen2_5", False), ("qwen2_5", True), ("qwen3", True)])
-def test_the_step_loss_is_forward_with_the_images(tmp_path, kind, packing):
-    loss, want, blind, n, docs = batch_loss(tmp_path, kind, packing)
-    print(f"{kind} packing={packing}: {docs} documents, {n} images in 4 rows, step loss {loss:.6f}, forward "
-          f"{want:.6f}, without images {blind:.6f}")
+@pytest.mark.parametrize("kind,packing,grids", [("llama4", False, False), ("qwen2_5", False, False),
+                                                ("qwen2_5", True, True), ("qwen3", True, True)])
+def test_the_step_loss_is_forward_with_the_images(tmp_path, kind, packing, grids):
+    loss, want, blind, n, docs = batch_loss(tmp_path, kind, packing, grids)
+    print(f"{kind} packing={packing} grids={grids}: {docs} documents, {n} images in 4 rows, step loss {loss:.6f}, "
+          f"forward {want:.6f}, without images {blind:.6f}")
     assert n >= 4 and abs(loss - want) <= 1e-5 and abs(loss - blind) > 1e-3
     assert docs > 4 if packing else docs == 4  # packed rows hold several conversations, their M-RoPE positions right
 
@@ -229,8 +322,8 @@ def qwen_accuracy(model, tok, v, pics, blank=False) -> float:
     end = tok.encode_rendered("<end_of_turn>")
     rng, right = np.random.default_rng(0), 0
     for img, answer in pics:
-        prep = [kind_prepared("qwen2_5", draw("red", "circle", rng, blank=True) if blank else img,
-                              processor("qwen2_5"), v)]
+        prep = [kind_prepared("qwen2_5", draw("red", "circle", rng, blank=True).resize(img.size) if blank else img,
+                              budgeted("qwen2_5"), v)]
         prompt = tok.encode_rendered(image_kinds.of(v).expand(text, tok, v, prep))
         out = model.generate(prompt, new_tokens=4, temperature=0.0, stop_ids=tuple(end),
                              images=image_kinds.of(v).batch(prep))
@@ -247,12 +340,12 @@ def test_a_tiny_qwen_vl_learns_to_name_the_drawn_shape(tmp_path):
     from jaxlm.train import loop
 
     folder = model_folder(tmp_path / "model", "qwen2_5")
-    train, val = pictures(1440, 0), pictures(90, 1)
+    train, val = pictures(1440, 0, aspects=True), pictures(90, 1, aspects=True)  # six aspect ratios, eight grids
     files = [write_jsonl(tmp_path / f"{name}.jsonl", [record({"type": "image_url", "image_url": {"url": data_url(i)}},
                                                               a) for i, a in pics])
              for name, pics in (("train", train), ("val", val))]
     vision_data.prepare_vision_chat(files[:1], tmp_path / "data", folder, val=files[1:], processor=processor("qwen2_5"),
-                                    image_side=SIDE)
+                                    image_tokens=BUDGET)
     cfg = config(tmp_path, "qwen2_5", **{"model.block_size": 40, "training.steps": 400, "training.batch_size": 16,
                                          "training.eval_interval": 400, "optimizer.lr": 3e-3,
                                          "optimizer.warmup_steps": 10, "checkpoint.interval": 400})

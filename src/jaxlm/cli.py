@@ -222,9 +222,12 @@ def _prepare_kind_args(p: argparse.ArgumentParser, chat: bool, pref: bool) -> No
                        "stops the run, naming its file and line")
         p.add_argument("--max-image-pixels", type=int, help="with --images: pixels of one image at most "
                        "(default 64 Mi), checked before it is decoded")
-        p.add_argument("--image-side", type=int, help="with --images, Qwen2.5-VL / Qwen3-VL: every image is "
-                       "resized to this square in pixels, a multiple of patch x merge (default 16 soft tokens a "
-                       "side: 448 for Qwen2.5-VL); Gemma 3 and Llama 4 take their tower's side (docs/vision.md)")
+        p.add_argument("--image-tokens", type=int, help="with --images, Qwen2.5-VL / Qwen3-VL: each image at its "
+                       "own aspect ratio and grid as the processor resizes it, within this many soft tokens "
+                       "(default 256; docs/vision.md)")
+        p.add_argument("--image-side", type=int, help="with --images, Qwen2.5-VL / Qwen3-VL, instead of "
+                       "--image-tokens: every image resized to one square of this many pixels, a multiple of patch x "
+                       "merge; Gemma 3 and Llama 4 take their tower's side")
     if chat:
         p.add_argument("--max-tokens", type=int, required=True, help="the training block size: longer "
                        "conversations are dropped and counted, never cut")
@@ -277,7 +280,7 @@ def cmd_prepare(argv: list[str]) -> int:
             meta = vision_data.prepare_vision_chat(a.inputs, a.out, a.tokenizer, max_tokens=a.max_tokens, val=a.val,
                                                    val_fraction=a.val_fraction, bad_images=a.bad_images,
                                                    max_pixels=a.max_image_pixels or images_lib.MAX_PIXELS, pairs=pref,
-                                                   image_side=a.image_side)
+                                                   image_side=a.image_side, image_tokens=a.image_tokens)
         elif chat:
             meta = prepare.prepare_chat(a.inputs, a.out, a.tokenizer, a.max_tokens, a.chat_template, **common)
         elif pref:

@@ -1,9 +1,11 @@
-"""Images at one fixed shape for training (data/vision_data.py), per tower kind, so that a batch's images stack
-(static shapes for jit): each kept as uint8 [S, S, 3] beside the shards and normalized when read. Gemma 3 (siglip):
-the processor's square; Llama 4: one tile, the image fitted into it without distortion and padded with black, as
-its processor does with max_patches=1; Qwen2.5-VL / Qwen3-VL: a square of `side` pixels (a multiple of patch x
-merge whose area the model's processor keeps, so its smart_resize leaves it as it is), bicubic, one patch grid
-[1, S/p, S/p, Q] of (S / (p * merge))^2 soft tokens. meta.json's "images" records the kind and its settings."""
+"""Images for training (data/vision_data.py) at static shapes for jit, per tower kind, kept as uint8 beside the shards
+and normalized when read. Gemma 3 (siglip): the processor's square; Llama 4: one tile, the image fitted into it
+without distortion and padded with black, as its processor does with max_patches=1 (`Fixed`). Qwen2.5-VL /
+Qwen3-VL (`Grids`): each image at its own grid, as the processor's smart_resize gives it within a budget of soft
+tokens (its aspect ratio kept), stored padded to the budget with its grid beside; read as padded patches
+{"patches": [P, Q] in the processor's order, "grid": [2]} (model/vision_qwen.py). Folders prepared before kept every
+Qwen image as one square of `side` pixels (still read, and written with image_side). meta.json's "images" records
+the kind and its settings."""
 
 from __future__ import annotations
 
@@ -17,24 +19,28 @@ from jaxlm.data import images, images_llama4, images_qwen
 from jaxlm.data.errors import DataError
 
 QWEN = ("qwen2_5", "qwen3")
-QWEN_MERGED_SIDE = 16  # the default Qwen training square: 16 x 16 soft tokens (448 pixels for Qwen2.5-VL)
+QWEN_MERGED_SIDE = 16  # the Qwen training square's soft tokens a side, an example in messages
+QWEN_TOKENS = 256  # the default budget of soft tokens an image (Qwen-VL): what the 16 x 16 square held before
 
 
 @dataclass(frozen=True)
 class Fixed:
-    """How a kind's training images are kept (`resized`: a Pillow image -> uint8 [S, S, 3]) and read
-    (`normalized`: uint8 [..., S, S, 3] -> float32 [..., *shape], what the tower takes per image)."""
+    """How a kind's training images are kept (`resized`: a Pillow image -> uint8 [S, S, 3], the `record` stored)
+    and read (`normalized`: uint8 [n, S, S, 3] -> float32 [n, *shape], what the tower takes per image)."""
     kind: str
     side: int
-    processor: object  # images.Processor, images_llama4.TileProcessor or images_qwen.Processor
+    processor: object  # images.Processor or images_llama4.TileProcessor
+
+    padded = False  # the batch's images are one array, not Qwen-VL's padded patches and grids
+    stores_grids = False
 
     @property
     def shape(self) -> tuple[int, ...]:
-        if self.kind in QWEN:
-            p = self.processor
-            return (1, self.side // p.patch_size, self.side // p.patch_size,
-                    3 * p.temporal_patch_size * p.patch_size ** 2)
         return (self.side, self.side, 3)
+
+    @property
+    def record(self) -> tuple[int, ...]:
+        return self.shape
 
     def resized(self, image) -> np.ndarray:
         if self.kind == "llama4":
@@ -42,68 +48,139 @@ class Fixed:
         rgb = images.rgb(image)
         return np.asarray(rgb.resize((self.side, self.side), resample=self.processor.resample), np.uint8)
 
-    def normalized(self, pixels_uint8: np.ndarray) -> np.ndarray:
+    def to_record(self, pixels: np.ndarray) -> tuple[np.ndarray, None]:
+        return pixels, None
+
+    def normalized(self, pixels_uint8: np.ndarray, grids=None) -> np.ndarray:
         if self.kind == "llama4":
             return images_llama4.normalize(pixels_uint8, self.processor)
-        if self.kind in QWEN:
-            flat = pixels_uint8.reshape((-1, self.side, self.side, 3))
-            out = np.stack([images_qwen.patches(x, self.processor) for x in flat]) if len(flat) else \
-                np.zeros((0,) + self.shape, np.float32)
-            return out.reshape(pixels_uint8.shape[:-3] + self.shape)
         return images.normalize(pixels_uint8, self.processor)
 
-    def expand(self, text: str, tok, vision, n: int) -> str:
-        """The prompt text with its n images' tokens written in (image_kinds' layouts at this shape)."""
+    def expand(self, text: str, tok, vision, pixels: list) -> str:
+        """The prompt text with its images' tokens written in (image_kinds' layouts at this shape)."""
         if self.kind == "llama4":
-            return images_llama4.prompt_text(text, tok, vision, [(1, 1)] * n)
-        if self.kind in QWEN:
-            return images_qwen.prompt_text(text, tok, vision, [np.empty(self.shape[:3] + (0,))] * n)
-        return images.prompt_text(text, tok, vision, n)
+            return images_llama4.prompt_text(text, tok, vision, [(1, 1)] * len(pixels))
+        return images.prompt_text(text, tok, vision, len(pixels))
 
     def meta(self) -> dict:
         p = self.processor
         out = {"size": self.side, "mean": list(p.mean), "std": list(p.std), "rescale": p.rescale}
-        if self.kind != "siglip":
-            out["kind"] = self.kind
-        if self.kind in QWEN:
-            out.update(patch_size=p.patch_size, merge_size=p.merge_size, temporal_patch_size=p.temporal_patch_size)
+        return out if self.kind == "siglip" else {**out, "kind": self.kind}
+
+
+@dataclass(frozen=True)
+class Grids:
+    """Qwen-VL's training images: each resized as the processor does with max_pixels lowered to `tokens` soft tokens
+    (side 0), or to one square of `side` pixels (folders prepared before; image_side); stored as uint8 pixels
+    padded to P = tokens x merge^2 patches' worth (`record`) with its grid (h, w) in patches, and read as padded
+    patches in the processor's order (`normalized`)."""
+    kind: str
+    processor: object  # images_qwen.Processor
+    tokens: int
+    side: int = 0
+
+    padded = True
+
+    @property
+    def stores_grids(self) -> bool:
+        return not self.side
+
+    @property
+    def n_patches(self) -> int:
+        return self.tokens * self.processor.merge_size ** 2
+
+    @property
+    def shape(self) -> dict:
+        p = self.processor
+        return {"patches": (self.n_patches, 3 * p.temporal_patch_size * p.patch_size ** 2), "grid": (2,)}
+
+    @property
+    def record(self) -> tuple[int, ...]:
+        return (self.side, self.side, 3) if self.side else (self.n_patches * self.processor.patch_size ** 2, 3)
+
+    def resizing(self) -> images_qwen.Processor:
+        """The processor with max_pixels within the budget."""
+        p = self.processor
+        return dataclasses.replace(p, max_pixels=min(p.max_pixels, self.tokens * (p.patch_size * p.merge_size) ** 2))
+
+    def resized(self, image) -> np.ndarray:
+        """uint8 [height, width, 3] at the sides the processor gives (or the square)."""
+        rgb = images.rgb(image)
+        if self.side:
+            height = width = self.side
+        else:
+            p = self.resizing()
+            height, width = images_qwen.smart_resize(rgb.height, rgb.width, p)
+            if height * width > p.max_pixels:
+                raise images.ImageError(f"a {rgb.width}x{rgb.height} image resizes to {width}x{height} pixels, over "
+                                        f"the budget of {self.tokens} soft tokens ({p.max_pixels} pixels)")
+        return np.asarray(rgb.resize((width, height), resample=self.processor.resample), np.uint8)
+
+    def to_record(self, pixels: np.ndarray) -> tuple[np.ndarray, tuple[int, int]]:
+        """The stored record of resized pixels (padded with zeros) and its grid in patches."""
+        grid = (pixels.shape[0] // self.processor.patch_size, pixels.shape[1] // self.processor.patch_size)
+        if self.side:
+            return pixels, grid
+        out = np.zeros(self.record, np.uint8)
+        out[:pixels.shape[0] * pixels.shape[1]] = pixels.reshape(-1, 3)
+        return out, grid
+
+    def normalized(self, records: np.ndarray, grids: np.ndarray) -> np.ndarray:
+        """Padded float32 patches [n, P, Q] of n records with their grids [n, 2] (zeros after each image's)."""
+        p, P = self.processor, self.processor.patch_size
+        out = np.zeros((len(records),) + self.shape["patches"], np.float32)
+        for i, (record, (h, w)) in enumerate(zip(records, grids)):
+            pixels = np.asarray(record).reshape(-1, 3)[:h * P * w * P].reshape(h * P, w * P, 3)
+            out[i, :h * w] = images_qwen.hf_order(images_qwen.patches(pixels, p), p.merge_size)
         return out
 
-    @classmethod
-    def of_meta(cls, info: dict) -> Fixed:
-        """The shape a prepared folder's meta.json "images" records (no kind: Gemma 3's, as before kinds)."""
-        kind, S = info.get("kind", "siglip"), int(info["size"])
-        common = {"mean": tuple(info["mean"]), "std": tuple(info["std"]), "rescale": float(info["rescale"])}
-        if kind == "llama4":
-            return cls(kind, S, images_llama4.TileProcessor(size=S, max_tiles=1, **common))
-        if kind in QWEN:
-            return cls(kind, S, images_qwen.Processor(patch_size=int(info["patch_size"]),
-                                                      merge_size=int(info["merge_size"]),
-                                                      temporal_patch_size=int(info["temporal_patch_size"]), **common))
-        return cls(kind, S, images.Processor(size=S, **common))
+    def expand(self, text: str, tok, vision, pixels: list) -> str:
+        """The prompt text with its images' tokens written in: each image's own count, as image_kinds writes it."""
+        P = self.processor.patch_size
+        return images_qwen.prompt_text(text, tok, vision, [np.empty((1, x.shape[0] // P, x.shape[1] // P, 0))
+                                                           for x in pixels])
+
+    def meta(self) -> dict:
+        p = self.processor
+        out = {"kind": self.kind, "mean": list(p.mean), "std": list(p.std), "rescale": p.rescale,
+               "patch_size": p.patch_size, "merge_size": p.merge_size, "temporal_patch_size": p.temporal_patch_size}
+        return {**out, "size": self.side} if self.side else {**out, "layout": "grids", "tokens": self.tokens,
+                                                             "max_pixels": self.resizing().max_pixels}
 
 
-def of_model(folder: Path | None, vision, side: int | None = None, processor=None) -> Fixed:
-    """The training shape of a model's images: its folder's preprocessor_config.json (or `processor`, or the
-    defaults) at the kind's fixed shape; `side` (Qwen-VL only: the square's pixels) refused in one line where
-    it cannot work."""
+def of_meta(info: dict) -> Fixed | Grids:
+    """The layout a prepared folder's meta.json "images" records (no kind: Gemma 3's, as before kinds; a Qwen kind
+    without a layout: the square of folders prepared before)."""
+    kind = info.get("kind", "siglip")
+    common = {"mean": tuple(info["mean"]), "std": tuple(info["std"]), "rescale": float(info["rescale"])}
+    if kind in QWEN:
+        p = images_qwen.Processor(patch_size=int(info["patch_size"]), merge_size=int(info["merge_size"]),
+                                  temporal_patch_size=int(info["temporal_patch_size"]), **common)
+        if info.get("layout") == "grids":
+            return Grids(kind, p, int(info["tokens"]))
+        S = int(info["size"])
+        return Grids(kind, p, (S // (p.patch_size * p.merge_size)) ** 2, S)
+    S = int(info["size"])
+    if kind == "llama4":
+        return Fixed(kind, S, images_llama4.TileProcessor(size=S, max_tiles=1, **common))
+    return Fixed(kind, S, images.Processor(size=S, **common))
+
+
+def of_model(folder: Path | None, vision, side: int | None = None, processor=None, tokens: int | None = None,
+             check: bool = True) -> Fixed | Grids:
+    """The training layout of a model's images: its folder's preprocessor_config.json (or `processor`, or the
+    defaults) at the kind's shape. Qwen-VL: each image's own grid within `tokens` soft tokens (default QWEN_TOKENS),
+    or the square of `side` pixels; refused in one line where they cannot work (check=False: an ahead-of-time
+    compile without data takes the shape as it is)."""
     kind = vision.kind
     if kind in QWEN:
-        p = processor or images_qwen.Processor.of_folder(folder, vision)
-        if (p.patch_size, p.merge_size, p.temporal_patch_size) != (vision.patch_size, vision.spatial_merge,
-                                                                   vision.temporal_patch):
-            raise DataError(f"the processor's patch {p.patch_size}, merge {p.merge_size} and temporal patch "
-                            f"{p.temporal_patch_size} differ from model.vision's; prepare with the model's folder")
-        factor = p.patch_size * p.merge_size
-        side = side or factor * QWEN_MERGED_SIDE
-        if side % factor or not p.min_pixels <= side * side <= p.max_pixels:
-            raise DataError(f"image side {side}: Qwen-VL training squares must be a multiple of patch x merge = "
-                            f"{factor} pixels with an area within the processor's [{p.min_pixels}, {p.max_pixels}] "
-                            f"pixels (else its smart_resize would change them), e.g. {factor * QWEN_MERGED_SIDE}")
-        return Fixed(kind, side, p)
+        return _qwen(folder, vision, side, processor, tokens, check)
     if side is not None and side != vision.image_size:
         raise DataError(f"image side {side}: a {kind} tower takes {vision.image_size}-pixel images "
                         "(model.vision.image_size); the side is a setting of Qwen-VL data only")
+    if tokens is not None:
+        raise DataError(f"image tokens {tokens}: a {kind} tower takes a fixed number of soft tokens an image; the "
+                        "budget is a setting of Qwen-VL data only")
     if kind == "llama4":
         p = processor or images_llama4.TileProcessor.of_folder(folder, vision.image_size)
         p = dataclasses.replace(p, max_tiles=1)
@@ -116,3 +193,28 @@ def of_model(folder: Path | None, vision, side: int | None = None, processor=Non
         raise DataError(f"the processor resizes to {p.size} pixels and model.vision.image_size is "
                         f"{vision.image_size}; they must agree")
     return Fixed(kind, vision.image_size, p)
+
+
+def _qwen(folder, vision, side, processor, tokens, check) -> Grids:
+    p = processor or images_qwen.Processor.of_folder(folder, vision)
+    if (p.patch_size, p.merge_size, p.temporal_patch_size) != (vision.patch_size, vision.spatial_merge,
+                                                               vision.temporal_patch):
+        raise DataError(f"the processor's patch {p.patch_size}, merge {p.merge_size} and temporal patch "
+                        f"{p.temporal_patch_size} differ from model.vision's; prepare with the model's folder")
+    factor = p.patch_size * p.merge_size
+    if side is not None and tokens is not None:
+        raise DataError("image side and image tokens both given: give the budget of soft tokens an image (each "
+                        "image at its own grid), or the side of one square for all")
+    if side is not None:
+        if side % factor or not p.min_pixels <= side * side <= p.max_pixels:
+            raise DataError(f"image side {side}: Qwen-VL training squares must be a multiple of patch x merge = "
+                            f"{factor} pixels with an area within the processor's [{p.min_pixels}, {p.max_pixels}] "
+                            f"pixels (else its smart_resize would change them), e.g. {factor * QWEN_MERGED_SIDE}")
+        return Grids(vision.kind, p, (side // factor) ** 2, side)
+    tokens = QWEN_TOKENS if tokens is None else tokens
+    out = Grids(vision.kind, p, tokens)
+    if check and (tokens < 1 or p.min_pixels > out.resizing().max_pixels):
+        raise DataError(f"image tokens {tokens}: {tokens} soft tokens of {factor}x{factor} pixels are under the "
+                        f"processor's min_pixels {p.min_pixels}; give at least "
+                        f"{-(-p.min_pixels // factor ** 2)} (or lower min_pixels in preprocessor_config.json)")
+    return out

@@ -3,11 +3,11 @@ whose message contents hold image parts, prepared into a format-2 chat folder (l
 each split's images beside the shards (`prepare_vision_chat`); and the reading side: a split's images (SplitImages)
 and the loader that puts one conversation in each row, padded, with the images of its rows (RowLoader, Rows).
 
-Beside the shards, per split: {split}-images.bin (uint8 [I, S, S, 3], at the tower kind's fixed training shape,
-data/train_images.py) and {split}-images.idx.npy (int64 [D + 1]: each document's first image, then I). meta.json's
-"images" holds S, the kind and its normalization, and the most images a document has.
-
-Legend: A micro-batches, B rows, T block_size, R = T + 1, K images per row at most, S image side, D documents.
+Beside the shards, per split: {split}-images.bin (uint8 [I, *record]: a fixed-size record per image in the tower
+kind's layout, data/train_images.py), {split}-images.idx.npy (int64 [D + 1]: each document's first image, then I)
+and, for Qwen-VL images at their own grids, {split}-images.grid.npy (int32 [I, 2]). meta.json's "images" holds the
+layout, the kind and its normalization, and the most images a document has. Legend: A micro-batches, B rows,
+T block_size, R = T + 1, K images per row at most, S image side, D documents.
 """
 
 from __future__ import annotations
@@ -101,23 +101,30 @@ def vision_of(folder: str | Path) -> VisionConfig:
 
 
 class ImageWriter:
-    """A split's images appended as uint8 [S, S, 3] blocks under a temporary name, renamed with the index at close."""
+    """A split's images appended as uint8 records (fixed.to_record) under a temporary name, renamed with the index
+    (and the grids, for a layout that stores them) at close."""
 
-    def __init__(self, out: Path, split: str):
-        self.out, self.split = out, split
+    def __init__(self, out: Path, split: str, fixed):
+        self.out, self.split, self.fixed = out, split, fixed
         self.tmp = out / f".{split}-images.bin.tmp"
         self.file = open(self.tmp, "wb")
-        self.starts = [0]
+        self.starts, self.grids = [0], []
 
     def add(self, pixels: list[np.ndarray]) -> None:
         for p in pixels:
-            self.file.write(np.ascontiguousarray(p, np.uint8).tobytes())
+            record, grid = self.fixed.to_record(p)
+            self.file.write(np.ascontiguousarray(record, np.uint8).tobytes())
+            self.grids.append(grid)
         self.starts.append(self.starts[-1] + len(pixels))
 
     def close(self) -> int:
         self.file.close()
-        np.save(self.out / f".{self.split}-images.idx.tmp.npy", np.asarray(self.starts, np.int64))
-        os.replace(self.out / f".{self.split}-images.idx.tmp.npy", self.out / f"{self.split}-images.idx.npy")
+        saved = [("idx", np.asarray(self.starts, np.int64))]
+        if self.fixed.stores_grids:
+            saved.append(("grid", np.asarray(self.grids, np.int32).reshape(-1, 2)))
+        for name, array in saved:
+            np.save(self.out / f".{self.split}-images.{name}.tmp.npy", array)
+            os.replace(self.out / f".{self.split}-images.{name}.tmp.npy", self.out / f"{self.split}-images.{name}.npy")
         os.replace(self.tmp, self.out / f"{self.split}-images.bin")
         return self.starts[-1]
 
@@ -126,12 +133,13 @@ def prepare_vision_chat(inputs: list[str | Path], out_dir: str | Path, tokenizer
                         vision: VisionConfig | None = None, max_tokens: int | None = None,
                         val: list[str | Path] | None = None, val_fraction: float = 0.01, bad_images: str = "skip",
                         max_pixels: int = images.MAX_PIXELS, processor=None, pairs: bool = False,
-                        image_side: int | None = None) -> dict:
+                        image_side: int | None = None, image_tokens: int | None = None) -> dict:
     """Chat records in JSON-lines files (messages whose content holds text and image parts) -> a prepared folder:
     tokens with each image written as the tower's processor writes it (at the kind's fixed training shape,
     data/train_images.py), the loss mask on the assistant's turns, and the images resized beside the shards.
     `tokenizer`: a tokenizer, or a converted model's folder (whose config.json gives `vision` and whose
-    preprocessor_config.json the processor when not given). image_side: Qwen-VL's training square in pixels.
+    preprocessor_config.json the processor when not given). Qwen-VL: image_tokens, the budget of soft tokens an
+    image (each at its own grid; default train_images.QWEN_TOKENS), or image_side, one square of that many pixels.
     pairs=True: preference records (data/preference.py) whose prompt messages hold the images, written as
     `jaxlm prepare preference` writes pairs (meta.json's kind "preference"), each of a pair's two documents with the
     prompt's images. A missing, corrupt or oversized image: with bad_images="skip" its record is left out and
@@ -141,7 +149,7 @@ def prepare_vision_chat(inputs: list[str | Path], out_dir: str | Path, tokenizer
         raise ConfigError(f"bad_images={bad_images!r}: use skip or stop")
     tok = tokenizer_lib.load(tokenizer)
     vision = vision or vision_of(tokenizer)
-    fixed = train_images.of_model(Path(tokenizer) / "tokenizer", vision, image_side, processor)
+    fixed = train_images.of_model(Path(tokenizer) / "tokenizer", vision, image_side, processor, image_tokens)
     marker = check_image_tokens(tok, vision)
     stats: collections.Counter = collections.Counter()
     encode = encode_pair_record if pairs else encode_record
@@ -165,7 +173,8 @@ def write_folder(out_dir, tok, fixed: train_images.Fixed, units, stats: collecti
     (with `extra`'s fields)."""
     out = shards.begin(out_dir)
     dtype = shards.dtype_for(tok.vocab_size)
-    writers = {s: (shards.ShardWriter(out, s, dtype, loss_mask=True), ImageWriter(out, s)) for s in ("train", "val")}
+    writers = {s: (shards.ShardWriter(out, s, dtype, loss_mask=True), ImageWriter(out, s, fixed))
+               for s in ("train", "val")}
     counts = np.zeros(tok.vocab_size, np.int64)
     most = 0
     try:
@@ -248,7 +257,7 @@ def encode_record(rec, where, tok, vision, marker, fixed, max_pixels, bad_images
         return None
     try:
         ids, mask = chat.encode_chat(tok, msgs, expand=lambda text: fixed.expand(text, tok, vision,
-                                                                                  text.count(marker)))
+                                                                                  pixels[:text.count(marker)]))
     except ValueError as e:
         raise DataError(f"{where}: {e}") from None
     return [(ids, mask, pixels)]
@@ -281,7 +290,7 @@ def encode_pair_record(rec, where, tok, vision, marker, fixed, max_pixels, bad_i
         return None
     try:
         docs = preference.encode_pair(tok, pair, expand=lambda text: fixed.expand(text, tok, vision,
-                                                                                   text.count(marker)))
+                                                                                   pixels[:text.count(marker)]))
     except ValueError as e:
         raise DataError(f"{where}: {e}") from None
     return [(ids, mask, pixels) for ids, mask in docs]
@@ -290,34 +299,47 @@ def encode_pair_record(rec, where, tok, vision, marker, fixed, max_pixels, bad_i
 # ---- reading -----------------------------------------------------------------------------------------------------
 
 class SplitImages:
-    """One split's images: uint8 [I, S, S, 3] memory-mapped, each document's range of them, and their kind's
-    fixed training shape (train_images.Fixed), which normalizes them as the tower takes them."""
+    """One split's images: uint8 records [I, *record] memory-mapped (and Qwen-VL's grids [I, 2]), each document's
+    range of them, and their kind's training layout (train_images.Fixed or Grids), which normalizes them as the
+    tower takes them."""
 
     def __init__(self, directory: Path, meta: dict, split: str, n_documents: int):
         info = meta["images"]
-        S = int(info["size"])
-        self.fixed = train_images.Fixed.of_meta(info)
+        self.fixed = train_images.of_meta(info)
         self.max_per_document = int(info["max_per_document"])
-        idx_path, bin_path = directory / f"{split}-images.idx.npy", directory / f"{split}-images.bin"
-        for path in (idx_path, bin_path):
+        paths = {name: directory / f"{split}-images.{name}.npy" for name in ("idx", "grid")}
+        bin_path, record = directory / f"{split}-images.bin", self.fixed.record
+        for path in (paths["idx"], bin_path) + ((paths["grid"],) if self.fixed.stores_grids else ()):
             if not path.is_file():
                 raise DataError(f"{path} is missing; prepare the image data again")
-        self.starts_D1 = np.load(idx_path)
+        self.starts_D1 = np.load(paths["idx"])
         n = int(self.starts_D1[-1])
-        if len(self.starts_D1) != n_documents + 1 or bin_path.stat().st_size != n * S * S * 3:
+        self.grids = np.load(paths["grid"]) if self.fixed.stores_grids else None
+        if (len(self.starts_D1) != n_documents + 1 or bin_path.stat().st_size != n * int(np.prod(record))
+                or (self.grids is not None and self.grids.shape != (n, 2))):
             raise DataError(f"{bin_path} and its index do not match the {split} split ({n_documents} documents, "
-                            f"{n} images of {S}x{S}); prepare the image data again")
-        self.pixels = np.memmap(bin_path, np.uint8, "r", shape=(n, S, S, 3)) if n else np.zeros((0, S, S, 3), np.uint8)
+                            f"{n} images of {record} bytes); prepare the image data again")
+        self.pixels = np.memmap(bin_path, np.uint8, "r", shape=(n, *record)) if n else np.zeros((0, *record), np.uint8)
 
     def of(self, d: int) -> range:
         return range(int(self.starts_D1[d]), int(self.starts_D1[d + 1]))
 
-    def read(self, ids: np.ndarray) -> np.ndarray:
-        """Normalized float32 images [..., *fixed.shape] of images `ids` (-1: an empty slot, zeros)."""
-        out = np.zeros(ids.shape + self.fixed.shape, np.float32)
+    def read(self, ids: np.ndarray, key: str | None = None):
+        """Normalized float32 images [..., *fixed.shape] of images `ids` (-1: an empty slot, zeros); Qwen-VL's
+        {"patches": [..., P, Q], "grid": [..., 2]} (an empty slot: grid 0 x 0), or only the one named `key`."""
         have = ids >= 0
-        out[have] = self.fixed.normalized(self.pixels[ids[have]])
-        return out
+        if not self.fixed.padded:
+            out = np.zeros(ids.shape + self.fixed.shape, np.float32)
+            out[have] = self.fixed.normalized(self.pixels[ids[have]])
+            return out
+        grid = np.zeros(ids.shape + (2,), np.int32)
+        side = self.fixed.side // self.fixed.processor.patch_size
+        grid[have] = self.grids[ids[have]] if self.grids is not None else (side, side)
+        if key == "grid":
+            return grid
+        patches = np.zeros(ids.shape + self.fixed.shape["patches"], np.float32)
+        patches[have] = self.fixed.normalized(self.pixels[ids[have]], grid[have])
+        return patches if key == "patches" else {"patches": patches, "grid": grid}
 
 
 def open_images(dataset) -> dict[str, SplitImages] | None:
@@ -338,9 +360,10 @@ class ImageSlots:
     slots: np.ndarray
     store: SplitImages
 
-    def images(self, index: tuple) -> np.ndarray:
-        """Normalized pixels of the image slots a device shard's `index` (over [A,] B * K, S, S, 3) selects."""
-        return self.store.read(self.slots[index[:self.slots.ndim]])
+    def images(self, index: tuple, key: str | None = None) -> np.ndarray:
+        """Normalized pixels of the image slots a device shard's `index` (over [A,] B * K, *image) selects (`key`:
+        Qwen-VL's patches or grids)."""
+        return self.store.read(self.slots[index[:self.slots.ndim]], key)
 
 
 class Rows(ImageSlots):

@@ -78,9 +78,9 @@ def patches(pixels_ISSC: jax.Array, patch: int) -> jax.Array:
     return x.reshape(I, n * n, patch * patch * C)
 
 
-def block(x_IPE, p, cfg: ModelConfig, rotate=None):
-    """One pre-LayerNorm encoder block: bidirectional attention over an image's patches, then the MLP.
-    `rotate(q, k)` turns queries and keys before attention (Llama 4's 2D rotary)."""
+def block(x_IPE, p, cfg: ModelConfig, rotate=None, mask_IPP=None):
+    """One pre-LayerNorm encoder block: bidirectional attention over an image's patches (those mask_IPP allows;
+    None: all), then the MLP. `rotate(q, k)` turns queries and keys before attention (Llama 4's 2D rotary)."""
     v = cfg.vision
     with jax.named_scope("vision_attn_block"):
         h = layers.layer_norm(x_IPE, p["attn_norm"]["scale"], p["attn_norm"]["bias"], v.norm_eps)
@@ -91,8 +91,8 @@ def block(x_IPE, p, cfg: ModelConfig, rotate=None):
         if rotate is not None:
             q_IPNH, k_IPNH = rotate(q_IPNH, k_IPNH)
         I, P = x_IPE.shape[:2]
-        everywhere_IPP = jnp.ones((I, P, P), bool)
-        out_IPNH = attention.attend(q_IPNH, k_IPNH, v_IPNH, everywhere_IPP)
+        mask_IPP = jnp.ones((I, P, P), bool) if mask_IPP is None else mask_IPP
+        out_IPNH = attention.attend(q_IPNH, k_IPNH, v_IPNH, mask_IPP)
         x_IPE = x_IPE + layers.dot("IPNH,NHE->IPE", out_IPNH, a["o"]) + a["o_bias"].astype(h.dtype)
     with jax.named_scope("vision_mlp_block"):
         h = layers.layer_norm(x_IPE, p["mlp_norm"]["scale"], p["mlp_norm"]["bias"], v.norm_eps)
@@ -115,12 +115,12 @@ def encode(p: dict, pixels_ISSC: jax.Array, cfg: ModelConfig) -> jax.Array:
         return project(p["projector"], x_IPE, cfg)
 
 
-def encoder(x_IPE, p_layers, cfg: ModelConfig, rotate=None, pinned: bool = False):
+def encoder(x_IPE, p_layers, cfg: ModelConfig, rotate=None, pinned: bool = False, mask_IPP=None):
     """The stacked blocks scanned over x [I, P, E]; with `model.remat` other than none each keeps only its input
     (the tower is a small share of the step). pinned: each block's output sharded as the batch (images in the order
-    of the batch's rows), so each device encodes its own rows' images."""
+    of the batch's rows), so each device encodes its own rows' images. mask_IPP: as block's."""
     def body(x, p_layer):
-        y = block(x, p_layer, cfg, rotate)
+        y = block(x, p_layer, cfg, rotate, mask_IPP)
         return (constrain(y, ("batch", None, "embed")) if pinned else y), None
 
     if cfg.remat != "none":

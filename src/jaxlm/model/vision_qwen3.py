@@ -63,18 +63,21 @@ def position_taps(h: int, w: int, side: int) -> tuple[np.ndarray, np.ndarray]:
     return taps, weights
 
 
-def merge(p: dict, x_IGE: jax.Array, grid: tuple[int, int, int], cfg: ModelConfig, post_norm: bool) -> jax.Array:
+def merge(p: dict, x_IGE: jax.Array, grid: tuple | None, cfg: ModelConfig, post_norm: bool) -> jax.Array:
     """A patch merger: each merge x merge square of patches concatenated (row by row) into one row [M, U], the
-    LayerNorm before (over E) or after (over U, post_norm: the deepstack mergers), then a GELU MLP to [M, D]."""
-    m, (t, h, w), E = cfg.vision.spatial_merge, grid, x_IGE.shape[-1]
+    LayerNorm before (over E) or after (over U, post_norm: the deepstack mergers), then a GELU MLP to [M, D].
+    grid None: padded images [I, P, E] -> [I, P / merge^2, D]."""
+    m, E = cfg.vision.spatial_merge, x_IGE.shape[-1]
     norm = lambda x: layers.layer_norm(x, p["norm"]["scale"], p["norm"]["bias"], NORM_EPS)  # noqa: E731
     with jax.named_scope("merger"):
         x = x_IGE if post_norm else norm(x_IGE)
-        x = x.reshape(t, h // m, m, w // m, m, E).transpose(0, 1, 3, 2, 4, 5)
-        x_MU = x.reshape(t * (h // m) * (w // m), m * m * E)
-        x_MU = norm(x_MU) if post_norm else x_MU
-        x_MU = layers.gelu(layers.dot("MU,UV->MV", x_MU, p["up"]) + p["up_bias"].astype(x_MU.dtype))
-        return layers.dot("MU,UD->MD", x_MU, p["down"]) + p["down_bias"].astype(x_MU.dtype)
+        if grid is None:  # padded images [I, P, E]: the patches already in the processor's order
+            x_MU = x.reshape(x.shape[0], -1, m * m * E)
+        else:
+            t, h, w = grid
+            x = x.reshape(t, h // m, m, w // m, m, E).transpose(0, 1, 3, 2, 4, 5)
+            x_MU = x.reshape(t * (h // m) * (w // m), m * m * E)
+        return vision_qwen.merger_mlp(p, norm(x_MU) if post_norm else x_MU)
 
 
 def encode_one(p: dict, patches_thwQ: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
@@ -88,19 +91,63 @@ def encode_one(p: dict, patches_thwQ: jax.Array, cfg: ModelConfig) -> tuple[jax.
                               jnp.asarray(weights))
     x_IGE = layers.dot("IGQ,QE->IGE", patches_thwQ.reshape(t, h * w, Q).astype(cdt), p["patch"])
     x_IGE = x_IGE + p["patch_bias"].astype(cdt) + positions_GE.astype(cdt)
+    return tower(p, x_IGE, angles, (t, h, w), cfg)
 
-    def rotate(q, k):  # angles [G, H/2] broadcast over the frames
+
+def tower(p: dict, x_IGE, angles, grid: tuple | None, cfg: ModelConfig, mask_IGG=None, pinned: bool = False):
+    """The blocks over embedded patches [I, G, E] (frames of one image, or padded images: grid None, with their
+    mask), scanned in segments that end at a deepstack layer: the soft tokens [.., M, D] and deepstack features
+    [S, .., M, D]."""
+    v = cfg.vision
+
+    def rotate(q, k):  # angles [G, H/2] broadcast over the frames, or [I, G, H/2] per padded image
         return vision_qwen.rotate(q, angles), vision_qwen.rotate(k, angles)
 
+    def blocks(x, layers_):
+        return vision.encoder(x, layers_, cfg, rotate, pinned, mask_IGG)
+
     features, start = [], 0
-    for s, end in enumerate(v.deepstack):  # the tower scanned in segments that end at a deepstack layer
-        x_IGE = vision.encoder(x_IGE, jax.tree.map(lambda a: a[start:end + 1], p["layers"]), cfg, rotate)
-        features.append(merge(jax.tree.map(lambda a: a[s], p["deepstack"]), x_IGE, (t, h, w), cfg, post_norm=True))
+    for s, end in enumerate(v.deepstack):
+        x_IGE = blocks(x_IGE, jax.tree.map(lambda a: a[start:end + 1], p["layers"]))
+        features.append(merge(jax.tree.map(lambda a: a[s], p["deepstack"]), x_IGE, grid, cfg, post_norm=True))
         start = end + 1
     if start < v.n_layers:
-        x_IGE = vision.encoder(x_IGE, jax.tree.map(lambda a: a[start:], p["layers"]), cfg, rotate)
-    soft_MD = merge(p["merger"], x_IGE, (t, h, w), cfg, post_norm=False)
+        x_IGE = blocks(x_IGE, jax.tree.map(lambda a: a[start:], p["layers"]))
+    soft_MD = merge(p["merger"], x_IGE, grid, cfg, post_norm=False)
     return soft_MD, jnp.stack(features) if features else jnp.zeros((0, *soft_MD.shape), soft_MD.dtype)
+
+
+def padded_positions(table_RE: jax.Array, row_IP, col_IP, grid_I2, side: int) -> jax.Array:
+    """position_taps in-graph for padded images: each patch slot's learned position [I, P, E] (float32), the
+    table's bilinear resampling at its row and column of its image's grid."""
+    def axis(at_IP, n_I1):
+        src = at_IP.astype(jnp.float32) * np.float32(side - 1) / jnp.maximum(n_I1 - 1, 1).astype(jnp.float32)
+        floor = jnp.floor(src)
+        taps = jnp.clip(floor.astype(jnp.int32)[..., None] + jnp.arange(2), 0, side - 1)
+        return taps, jnp.clip(1 - jnp.abs(src[..., None] - floor[..., None] - jnp.arange(2, dtype=jnp.float32)), 0)
+
+    (rt, rw), (ct, cw) = axis(row_IP, grid_I2[:, :1]), axis(col_IP, grid_I2[:, 1:])
+    I, P = row_IP.shape
+    taps = (rt[..., :, None] * side + ct[..., None, :]).reshape(I, P, 4)
+    weights = (rw[..., :, None] * cw[..., None, :]).reshape(I, P, 4)
+    return jnp.einsum("IPkE,IPk->IPE", jnp.take(table_RE, taps, axis=0).astype(jnp.float32), weights)
+
+
+def encode_padded(p: dict, images: dict, cfg: ModelConfig):
+    """The soft tokens [I, M, D] of padded images (vision_qwen.py), their deepstack features [S, I, M, D] and which
+    soft tokens are an image's [I, M]; equal to encode_one's at each image's grid."""
+    v, cdt = cfg.vision, jnp.dtype(cfg.compute_dtype)
+    patches_IPQ, grid_I2 = images["patches"], images["grid"].astype(jnp.int32)
+    P = patches_IPQ.shape[1]
+    row, col, valid_IP = vision_qwen.padded_layout(grid_I2, P, cfg)
+    mask_IPP = vision_qwen.padded_masks(row, col, valid_IP, grid_I2, cfg)[0]
+    positions_IPE = padded_positions(p["positions"], row, col, grid_I2, round(v.position_embeddings ** 0.5))
+    with jax.named_scope("vision"):
+        x_IPE = layers.dot("IPQ,QE->IPE", patches_IPQ.astype(cdt), p["patch"])
+        x_IPE = x_IPE + p["patch_bias"].astype(cdt) + positions_IPE.astype(cdt)
+        soft_IMD, deep_SIMD = tower(p, x_IPE, vision_qwen.padded_angles(row, col, cfg), None, cfg, mask_IPP,
+                                    pinned=True)
+    return soft_IMD, deep_SIMD, valid_IP[:, ::v.spatial_merge ** 2]
 
 
 def encode(p: dict, images: tuple, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
@@ -124,9 +171,17 @@ as_input = vision_qwen.as_input  # patch grids, as Qwen2.5-VL's
 
 def images_in(p: dict, x_BTD, tokens_BT, positions_BT, images, cfg: ModelConfig):
     """transformer.with_images for Qwen3-VL: as Qwen2.5-VL's, and the deepstack addends."""
-    soft_XD, deep_SXD = encode(p, images, cfg)
-    return (vision.place(x_BTD, tokens_BT, soft_XD, cfg.vision.image_token_id), None,
-            vision_qwen.rope_positions(tokens_BT, images, cfg), deepstack_addends(deep_SXD, tokens_BT, cfg))
+    if isinstance(images, dict):
+        soft_IMD, deep_SIMD, valid_IM = encode_padded(p, images, cfg)
+        soft_XD, offsets_X3, advance_X, order = vision_qwen.compacted(soft_IMD, valid_IM, images["grid"], cfg)
+        S, I, M, D = deep_SIMD.shape
+        deep_SXD = deep_SIMD.reshape(S, I * M, D)[:, order]
+        mrope_BT3 = vision_qwen.positions_of(tokens_BT, offsets_X3, advance_X, cfg)
+    else:
+        soft_XD, deep_SXD = encode(p, images, cfg)
+        mrope_BT3 = vision_qwen.rope_positions(tokens_BT, images, cfg)
+    return (vision.place(x_BTD, tokens_BT, soft_XD, cfg.vision.image_token_id), None, mrope_BT3,
+            deepstack_addends(deep_SXD, tokens_BT, cfg))
 
 
 def describe(cfg: ModelConfig) -> str:

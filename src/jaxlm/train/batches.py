@@ -48,13 +48,15 @@ def device_batch(run: Run, split: str, plan, read: dict | None = None) -> dict[s
     return out
 
 
-def image_batch(run: Run, plan: vision_data.ImageSlots) -> jax.Array:
-    """The images of a batch's rows [A, B * K, *image] (or [B * K, ...]; image: [S, S, 3], or Qwen-VL's patch grid
-    [1, h, w, Q]) on the mesh, each micro-batch's in the order of its image tokens (then empty slots), split over
-    the devices that split the batch."""
-    shape = plan.slots.shape + plan.store.fixed.shape
-    sh = step_lib.image_sharding(run, plan.slots.ndim - 1, len(plan.store.fixed.shape))
-    return jax.make_array_from_callback(shape, sh, plan.images)
+def image_batch(run: Run, plan: vision_data.ImageSlots):
+    """The images of a batch's rows [A, B * K, *image] (or [B * K, ...]; image: [S, S, 3]; Qwen-VL's a dict of padded
+    patches [P, Q] and grids [2]) on the mesh, each micro-batch's in the order of its image tokens (then empty
+    slots), split over the devices that split the batch."""
+    structs = step_lib.image_structs(run, plan.slots.shape, plan.store.fixed.shape)
+    if isinstance(structs, dict):
+        return {k: jax.make_array_from_callback(s.shape, s.sharding, lambda index, k=k: plan.images(index, k))
+                for k, s in structs.items()}
+    return jax.make_array_from_callback(structs.shape, structs.sharding, plan.images)
 
 
 def host_batch(run: Run, split: str, plan, pool: concurrent.futures.Executor) -> dict:

@@ -136,7 +136,7 @@ def compute(run: run_lib.Run, params: dict, log: Callable[[str], None] = print) 
             placed = {k: batch_lib.put_batch(mesh, v, 0, run.act_rules) for k, v in batch.items()}
             if store is not None:  # the prompts' images, once for each reply's document
                 pixels = store.read(vision_data.slots_of(plan, split, store, run.image_slots))
-                placed["images"] = jax.device_put(pixels, step_lib.image_sharding(run, 0, len(store.fixed.shape)))
+                placed["images"] = jax.device_put(pixels, step_lib.image_sharding(run, 0, 0))
             pending.append((rows["sources"][:, 1:][within], within, logps(params, placed)))
             n_batches += 1
             while len(pending) > 2:

@@ -155,7 +155,7 @@ def vision_frozen(cfg: Config) -> bool:
 
 def image_shape(cfg: Config, images: dict | None) -> tuple:
     """One image of the run's batches: the data's (data/train_images.py), or without data the kind's default."""
-    fixed = images["train"].fixed if images is not None else train_images.of_model(None, cfg.model.vision)
+    fixed = images["train"].fixed if images is not None else train_images.of_model(None, cfg.model.vision, check=False)
     return fixed.shape
 
 
@@ -207,7 +207,7 @@ def check_images(cfg: Config, dataset) -> dict | None:
 
 def check_image_kind(v, info: dict, where) -> None:
     """One line when a folder's images are not for this tower (its kind, side, or Qwen-VL's patches)."""
-    fixed, again = train_images.Fixed.of_meta(info), "; prepare the data with this model's folder"
+    fixed, again = train_images.of_meta(info), "; prepare the data with this model's folder"
     if fixed.kind != v.kind and not {fixed.kind, v.kind} <= set(train_images.QWEN):
         raise ConfigError(f"{where} holds images for a {fixed.kind} tower and model.vision.kind is {v.kind}{again}")
     if fixed.kind in train_images.QWEN:

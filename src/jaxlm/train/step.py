@@ -179,17 +179,26 @@ def step_args(run: Run) -> dict:
 
 def abstract_batch(run: Run) -> dict[str, jax.ShapeDtypeStruct]:
     """Shape, dtype and sharding of a train step's batch arrays [A, B, T], as device_batch makes them, and of its
-    images [A, B * K, *image] when the run has K = run.image_slots per row (image: run.image_shape)."""
+    images [A, B * K, *image] when the run has K = run.image_slots per row (image: run.image_shape; Qwen-VL's a
+    dict of padded patches and grids, image_structs)."""
     t = run.cfg.training
     shape = (t.grad_accum, t.batch_size, run.cfg.model.block_size)
     sh = sharding.batch_sharding(run.mesh, 3, 1, run.act_rules)
     out = {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k in FLOAT_KEYS else jnp.int32, sharding=sh)
            for k in batch_keys(run.cfg)}
     if run.image_slots:
-        shape = run.image_shape
-        out["images"] = jax.ShapeDtypeStruct((t.grad_accum, t.batch_size * run.image_slots) + shape, jnp.float32,
-                                             sharding=image_sharding(run, 1, len(shape)))
+        out["images"] = image_structs(run, (t.grad_accum, t.batch_size * run.image_slots), run.image_shape)
     return out
+
+
+def image_structs(run: Run, lead: tuple, shape):
+    """The abstract images of a batch [*lead, *image] by an image's shape: a tuple (one float32 array), or a dict of
+    them (Qwen-VL's padded {"patches": float32, "grid": int32}), each sharded as image_sharding."""
+    if isinstance(shape, dict):
+        return {k: image_structs(run, lead, s) if k != "grid" else
+                jax.ShapeDtypeStruct(lead + s, jnp.int32, sharding=image_sharding(run, len(lead) - 1, len(s)))
+                for k, s in shape.items()}
+    return jax.ShapeDtypeStruct(lead + shape, jnp.float32, sharding=image_sharding(run, len(lead) - 1, len(shape)))
 
 
 def image_sharding(run: Run, lead: int, image_dims: int = 3) -> jax.sharding.NamedSharding:
