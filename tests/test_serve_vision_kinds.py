@@ -29,7 +29,8 @@ from test_vision_qwen3 import qwen3_config  # noqa: E402
 TOKENS = 8
 AFTER = " w7 w8 w9 w10"
 LONG = "w1 w2 w3 w4 w5 w6 "  # text before an image: more than a page of 4
-SIZES = ((40, 30), (20, 20))  # Llama 4 (28-pixel tiles): 2 x 2 tiles and the global one, 1 tile; Qwen: 14x18, 14x14
+SIZES = ((40, 30), (20, 20), (32, 28))  # Llama 4 (28-pixel tiles): 2 x 2 tiles and the global one, 1 tile; Qwen:
+# 14x18, 14x14 and 14x16 patch grids (63, 49 and 56 soft tokens)
 pytestmark = [pytest.mark.slow, pytest.mark.in_ci]  # 9 tests over three converted models: about 3.5 minutes
 MARKERS = {"llama4": "<|image|>", "qwen2_5": "<|vision_start|><|image_pad|><|vision_end|>"}
 MARKERS["qwen3"] = MARKERS["qwen2_5"]
@@ -191,5 +192,13 @@ def test_answers_over_http_equal_generate(vlm, capsys, page_size):
             message = r.json()["error"]["message"]
             assert r.status_code == 400 and words in message and "\n" not in message, (r.status_code, message)
         assert "".join(c.choices[0].delta.content or "" for c in stream) == want[0]
+        if kind != "llama4":  # Qwen: images of other grids in one soft-token bucket (64) share the image prefill
+            from jaxlm.serve import programs
+
+            program = programs.paged_prefill_images if page_size else programs.slot_prefill_images
+            assert answer(srv, parts("w3 ", [1])) == generated(tmp, capsys, "w3 " + m + AFTER, [1])
+            compiled = program._cache_size()
+            assert answer(srv, parts("w3 ", [2])) == generated(tmp, capsys, "w3 " + m + AFTER, [2])
+            assert program._cache_size() == compiled
     finally:
         srv.stop()

@@ -29,12 +29,18 @@ class Kind:
     """A tower kind's image handling: `processor(folder, vision)` (the model folder's preprocessor_config.json, or
     the defaults), `prepare(pil_image, processor, vision)` -> Prepared, `marker(tok, vision)` the text that marks an
     image in a prompt, `expand(text, tok, vision, prepared)` the prompt with its images' tokens written in, and
-    `batch(prepared)` the images of a batch (in the order of their tokens) as the forward pass takes them."""
+    `batch(prepared)` the images of a batch (in the order of their tokens) as the forward pass takes them;
+    `serve_batch` the same for the server, where one compiled program must serve images of many shapes (None: as
+    `batch`)."""
     processor: Callable
     prepare: Callable[..., Prepared]
     marker: Callable
     expand: Callable[..., str]
     batch: Callable[[list[Prepared]], object]
+    serve_batch: Callable[[list[Prepared]], object] | None = None
+
+    def for_serving(self, prepared: list[Prepared]):
+        return (self.serve_batch or self.batch)(prepared)
 
 
 def _squares(prepared: list[Prepared]) -> np.ndarray:
@@ -64,9 +70,35 @@ def _qwen(image, processor, vision) -> Prepared:
     return Prepared(grid, t * h * w // vision.spatial_merge ** 2)
 
 
+def soft_bucket(n: int) -> int:
+    """The soft tokens an image slot of the server holds for an image of n: the least of 16, 24, 32, 48, 64, 96,
+    ... (2^k and 3 x 2^(k-1)) that holds it, so images of any grid share a few programs, the padding at most half
+    the image."""
+    k = 16
+    while k < n:
+        k = k * 3 // 2 if k & (k - 1) == 0 else k * 4 // 3
+    return k
+
+
+def _qwen_padded(prepared: list[Prepared]):
+    """Qwen-VL still images for the server: padded (model/vision_qwen.py) to one slot size, the least soft_bucket
+    that holds the largest (in patches: soft tokens x merge^2), so that the prefill compiles per bucket and count
+    of images, not per set of grids; a video's grid (t > 1) keeps the static form."""
+    grids = [p.pixels for p in prepared]
+    if any(g.shape[0] != 1 for g in grids):
+        return tuple(np.asarray(g, np.float32) for g in grids)
+    merge2 = grids[0].shape[1] * grids[0].shape[2] // max(prepared[0].tokens, 1)
+    P = soft_bucket(max(p.tokens for p in prepared)) * merge2
+    patches = np.zeros((len(grids), P, grids[0].shape[-1]), np.float32)
+    for i, g in enumerate(grids):
+        flat = images_qwen.hf_order(g, round(merge2 ** 0.5))
+        patches[i, :len(flat)] = flat
+    return {"patches": patches, "grid": np.asarray([g.shape[1:3] for g in grids], np.int32)}
+
+
 _QWEN = Kind(processor=images_qwen.Processor.of_folder, prepare=_qwen, marker=_special(1),
              expand=lambda text, tok, vision, ps: images_qwen.prompt_text(text, tok, vision, [p.pixels for p in ps]),
-             batch=lambda ps: tuple(np.asarray(p.pixels, np.float32) for p in ps))
+             batch=lambda ps: tuple(np.asarray(p.pixels, np.float32) for p in ps), serve_batch=_qwen_padded)
 
 KINDS: dict[str, Kind] = {
     "siglip": Kind(processor=lambda folder, vision: images.Processor.of_folder(folder, vision.image_size),

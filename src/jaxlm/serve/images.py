@@ -105,16 +105,20 @@ def prompt(iv: ImageServing, text: str, prepared: list[image_kinds.Prepared], en
 def cache_key(ids: list[int], prepared: list[image_kinds.Prepared], cfg: ModelConfig) -> list[int]:
     """`ids` with each image's tokens replaced by negative ids (no token's) read from a hash of its pixels: 31 bits
     per image token, so the key of two different images collides with odds of 2^-(31 x its image tokens). With
-    M-RoPE (Qwen-VL) the text before the last image is marked negative too (-1 - id): the prefill with images
-    rotates the whole prompt by a shift the images set (model/vision_qwen.rope_positions), so its keys and values
-    serve only a prompt with the same images, never a text prompt that starts the same."""
+    M-RoPE (Qwen-VL) the text before the last image is marked negative too, salted by a hash of all the prompt's
+    images (-1 - (id x an odd number + salt) mod 2^31): the prefill with images rotates the whole prompt by a
+    shift that all its images set (model/vision_qwen.rope_positions), so its keys and values serve only a prompt
+    with the same images, never a text prompt that starts the same, nor one with the same first image and others
+    after it."""
     key = list(ids)
     at = [i for i, t in enumerate(ids) if t == cfg.vision.image_token_id]
+    digests = [hashlib.shake_256(np.ascontiguousarray(image.pixels).tobytes()).digest(4 * image.tokens)
+               for image in prepared]
     if cfg.vision.kind in ("qwen2_5", "qwen3"):
-        key[:at[-1]] = [-1 - t for t in key[:at[-1]]]
+        salt = int.from_bytes(hashlib.shake_256(b"".join(digests)).digest(4), "little")
+        key[:at[-1]] = [-1 - ((t * 0x9E3779B1 + salt) & 0x7FFFFFFF) for t in key[:at[-1]]]
     start = 0
-    for image in prepared:
-        digest = hashlib.shake_256(np.ascontiguousarray(image.pixels).tobytes()).digest(4 * image.tokens)
+    for image, digest in zip(prepared, digests):
         words = np.frombuffer(digest, "<u4") & 0x7FFFFFFF
         for k, w in zip(at[start:start + image.tokens], words):
             key[k] = -1 - int(w)
