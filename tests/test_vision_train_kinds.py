@@ -320,7 +320,7 @@ def test_the_padded_llama4_tower_is_the_static_one_per_canvas(tmp_path):
     assert np.abs(logits - want).max() <= 2e-5 and np.abs(blind - want).max() > 0.1
 
 
-def test_what_cannot_work_is_one_line(tmp_path):
+def test_what_cannot_work_is_one_line(tmp_path, capsys):
     folder = model_folder(tmp_path / "model", "qwen2_5")
     src = write_jsonl(tmp_path / "c.jsonl", [record({"type": "image_url", "image_url": {"url": data_url(
         pictures(1, 0)[0][0])}}, "a red circle")] * 4)
@@ -346,6 +346,18 @@ def test_what_cannot_work_is_one_line(tmp_path):
     with pytest.raises(DataError, match=r"max tiles 0: an image takes at least one tile"):
         vision_data.prepare_vision_chat([src], tmp_path / "d8", folder4, max_tiles=0)
     assert train_images.of_model(None, vision("llama4")).shape["tiles"] == (17, SIDE, SIDE, 3)  # max_patches 16
+    from jaxlm import cli
+
+    def prepare(model, out, *flags):
+        return cli.main(["prepare", "chat", str(src), "--images", "--tokenizer", str(model), "--max-tokens", "200",
+                         "--val-fraction", "0.25", "--out", str(tmp_path / out), "--no-progress", *flags])
+
+    assert prepare(folder4, "d9", "--max-tiles", "2") == 0
+    assert json.loads((tmp_path / "d9" / "meta.json").read_text())["images"]["tiles"] == 3
+    capsys.readouterr()
+    assert prepare(folder, "d10", "--max-tiles", "2") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "max tiles 2: a qwen2_5 tower does not cut images into tiles" in err[0]
 
 
 def stored_pictures(store, pics, prepare) -> dict:
