@@ -146,8 +146,8 @@ def prepare_vision_chat(inputs: list[str | Path], out_dir: str | Path, tokenizer
     `jaxlm prepare preference` writes pairs (meta.json's kind "preference"), each of a pair's two documents with the
     prompt's images. max_pixels: an image's at most (None: images.MAX_PIXELS). A missing, corrupt or oversized
     image: with bad_images="skip" its record is left out and counted (meta.json "skipped"), with "stop" the run stops
-    on one line naming the file and line. Records over
-    `max_tokens` (a pair: its two documents together) are left out and counted. Returns the meta.json written."""
+    on one line naming the file and line. Records over `max_tokens` (a pair: its two documents together) are left
+    out and counted. Returns the meta.json written."""
     if bad_images not in BAD_IMAGES:
         raise ConfigError(f"bad_images={bad_images!r}: use skip or stop")
     tok, max_pixels = tokenizer_lib.load(tokenizer), max_pixels or images.MAX_PIXELS

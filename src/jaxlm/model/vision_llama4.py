@@ -6,8 +6,8 @@ k x k square of patches one token of k^2 times the width), passed through a two-
 to the language model's width. A tile's soft tokens replace its image tokens in the prompt, attended causally;
 training batches pad each image to K tile slots ({"tiles", "canvas"}: encode_padded, one program for any canvas).
 
-Legend: I tiles (padded: images), K tile slots an image, S tile side, C colour channels, P patches a tile (+1: the
-class token), Q values a patch, E encoder width, N heads, H head width, A adapter width, M soft tokens a tile, D width.
+Legend: I tiles (padded: images), K tile slots an image, S tile side, C channels, P patches a tile (+1: the class
+token), Q values a patch, E tower width, N heads, H head width, A adapter width, M soft tokens a tile, D text width.
 """
 
 from __future__ import annotations
