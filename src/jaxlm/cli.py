@@ -226,8 +226,9 @@ def _prepare_kind_args(p: argparse.ArgumentParser, chat: bool, pref: bool) -> No
                        "own aspect ratio and grid as the processor resizes it, within this many soft tokens "
                        "(default 256; docs/vision.md)")
         p.add_argument("--image-side", type=int, help="with --images, Qwen2.5-VL / Qwen3-VL, instead of "
-                       "--image-tokens: every image resized to one square of this many pixels, a multiple of patch x "
-                       "merge; Gemma 3 and Llama 4 take their tower's side")
+                       "--image-tokens: each image resized to a square of this side, a multiple of patch x merge")
+        p.add_argument("--max-tiles", type=int, help="with --images, Llama 4: each image's tiles on a canvas of at "
+                       "most this many, then the global tile (default: preprocessor_config.json's max_patches)")
     if chat:
         p.add_argument("--max-tokens", type=int, required=True, help="the training block size: longer "
                        "conversations are dropped and counted, never cut")
@@ -275,11 +276,11 @@ def cmd_prepare(argv: list[str]) -> int:
                       workers=a.workers, shard_tokens=a.shard_tokens, vocab_size=a.vocab_size,
                       progress=not a.no_progress)
         if (chat or pref) and a.images:
-            from jaxlm.data import images as images_lib, vision_data
+            from jaxlm.data import vision_data
 
             meta = vision_data.prepare_vision_chat(a.inputs, a.out, a.tokenizer, max_tokens=a.max_tokens, val=a.val,
-                                                   val_fraction=a.val_fraction, bad_images=a.bad_images,
-                                                   max_pixels=a.max_image_pixels or images_lib.MAX_PIXELS, pairs=pref,
+                                                   val_fraction=a.val_fraction, bad_images=a.bad_images, pairs=pref,
+                                                   max_pixels=a.max_image_pixels, max_tiles=a.max_tiles,
                                                    image_side=a.image_side, image_tokens=a.image_tokens)
         elif chat:
             meta = prepare.prepare_chat(a.inputs, a.out, a.tokenizer, a.max_tokens, a.chat_template, **common)

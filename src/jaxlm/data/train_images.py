@@ -1,11 +1,10 @@
 """Images for training (data/vision_data.py) at static shapes for jit, per tower kind, kept as uint8 beside the shards
-and normalized when read. Gemma 3 (siglip): the processor's square; Llama 4: one tile, the image fitted into it
-without distortion and padded with black, as its processor does with max_patches=1 (`Fixed`). Qwen2.5-VL /
-Qwen3-VL (`Grids`): each image at its own grid, as the processor's smart_resize gives it within a budget of soft
-tokens (its aspect ratio kept), stored padded to the budget with its grid beside; read as padded patches
-{"patches": [P, Q] in the processor's order, "grid": [2]} (model/vision_qwen.py). Folders prepared before kept every
-Qwen image as one square of `side` pixels (still read, and written with image_side). meta.json's "images" records
-the kind and its settings."""
+and normalized when read. Gemma 3 (siglip): the processor's square (`Fixed`). Llama 4 (`Tiles`): each image's tiles
+as its processor cuts them (a best-fit canvas of up to max_tiles tiles, then the global tile), padded to K tile slots
+with the canvas beside; read as {"tiles": [K, S, S, 3], "canvas": [2]} (model/vision_llama4.py); folders prepared
+before kept one tile an image. Qwen2.5-VL / Qwen3-VL (`Grids`): each image at its own grid within a budget of soft
+tokens, padded to the budget with its grid beside; read as {"patches": [P, Q], "grid": [2]} (model/vision_qwen.py);
+folders prepared before kept one square of `side` pixels. meta.json's "images" records the kind and its settings."""
 
 from __future__ import annotations
 
@@ -25,13 +24,13 @@ QWEN_TOKENS = 256  # the default budget of soft tokens an image (Qwen-VL): what 
 
 @dataclass(frozen=True)
 class Fixed:
-    """How a kind's training images are kept (`resized`: a Pillow image -> uint8 [S, S, 3], the `record` stored)
+    """How Gemma 3's training images are kept (`resized`: a Pillow image -> uint8 [S, S, 3], the `record` stored)
     and read (`normalized`: uint8 [n, S, S, 3] -> float32 [n, *shape], what the tower takes per image)."""
     kind: str
     side: int
-    processor: object  # images.Processor or images_llama4.TileProcessor
+    processor: object  # images.Processor
 
-    padded = False  # the batch's images are one array, not Qwen-VL's padded patches and grids
+    padded = False  # the batch's images are one array, not a dict of padded images and their grids
     stores_grids = False
 
     @property
@@ -43,8 +42,6 @@ class Fixed:
         return self.shape
 
     def resized(self, image) -> np.ndarray:
-        if self.kind == "llama4":
-            return images_llama4.tiles_uint8(image, self.processor)[0][0]
         rgb = images.rgb(image)
         return np.asarray(rgb.resize((self.side, self.side), resample=self.processor.resample), np.uint8)
 
@@ -52,20 +49,84 @@ class Fixed:
         return pixels, None
 
     def normalized(self, pixels_uint8: np.ndarray, grids=None) -> np.ndarray:
-        if self.kind == "llama4":
-            return images_llama4.normalize(pixels_uint8, self.processor)
         return images.normalize(pixels_uint8, self.processor)
 
     def expand(self, text: str, tok, vision, pixels: list) -> str:
-        """The prompt text with its images' tokens written in (image_kinds' layouts at this shape)."""
-        if self.kind == "llama4":
-            return images_llama4.prompt_text(text, tok, vision, [(1, 1)] * len(pixels))
+        """The prompt text with its images' tokens written in (image_kinds' layout at this shape)."""
         return images.prompt_text(text, tok, vision, len(pixels))
 
     def meta(self) -> dict:
         p = self.processor
-        out = {"size": self.side, "mean": list(p.mean), "std": list(p.std), "rescale": p.rescale}
-        return out if self.kind == "siglip" else {**out, "kind": self.kind}
+        return {"size": self.side, "mean": list(p.mean), "std": list(p.std), "rescale": p.rescale}
+
+
+def tile_slots(max_tiles: int) -> int:
+    """The tiles an image of at most max_tiles canvas tiles has at most: the global tile follows a canvas of several."""
+    return max_tiles + 1 if max_tiles > 1 else 1
+
+
+def tile_count(canvas) -> int:
+    """The tiles of an image on a canvas (rows, columns): its own, and the global tile when there are several (0 x 0:
+    no image, none)."""
+    n = int(canvas[0]) * int(canvas[1])
+    return n + 1 if n > 1 else n
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """Llama 4's training images: each fitted to its best canvas of up to processor.max_tiles tiles and cut as its
+    processor does (`resized`: (uint8 tiles [n, S, S, 3], canvas (rows, columns))), stored padded with zeros to
+    K = tile_slots(max_tiles) tiles (`record`) with the canvas beside, and read as normalized tiles [n, K, S, S, 3]
+    (zeros past each image's) with the canvases (`normalized`). stores_grids=False: a folder prepared before, one tile
+    an image (max_tiles 1), no canvases stored (each 1 x 1)."""
+    kind: str
+    side: int
+    processor: object  # images_llama4.TileProcessor
+    stores_grids: bool = True
+
+    padded = True
+    key, grid_key = "tiles", "canvas"
+    default_grid = (1, 1)
+
+    @property
+    def n_tiles(self) -> int:
+        return tile_slots(self.processor.max_tiles)
+
+    @property
+    def shape(self) -> dict:
+        return {"tiles": (self.n_tiles, self.side, self.side, 3), "canvas": (2,)}
+
+    @property
+    def record(self) -> tuple[int, ...]:
+        return self.shape["tiles"]
+
+    def resized(self, image) -> tuple[np.ndarray, tuple[int, int]]:
+        return images_llama4.tiles_uint8(image, self.processor)
+
+    def to_record(self, pixels: tuple) -> tuple[np.ndarray, tuple[int, int]]:
+        tiles, canvas = pixels
+        out = np.zeros(self.record, np.uint8)
+        out[:len(tiles)] = tiles
+        return out, canvas
+
+    def normalized(self, records: np.ndarray, canvases: np.ndarray) -> np.ndarray:
+        out = np.zeros((len(records),) + self.record, np.float32)
+        for i, (record, canvas) in enumerate(zip(records, canvases)):
+            n = tile_count(canvas)
+            out[i, :n] = images_llama4.normalize(np.asarray(record[:n]), self.processor)
+        return out
+
+    def expand(self, text: str, tok, vision, pixels: list) -> str:
+        """The prompt text with its images' tokens written in, each at its own canvas, as image_kinds writes it."""
+        return images_llama4.prompt_text(text, tok, vision, [canvas for _, canvas in pixels])
+
+    def meta(self) -> dict:
+        p = self.processor
+        out = {"kind": self.kind, "size": self.side, "mean": list(p.mean), "std": list(p.std), "rescale": p.rescale}
+        if not self.stores_grids:
+            return out
+        return {**out, "layout": "tiles", "max_tiles": p.max_tiles, "tiles": self.n_tiles,
+                "resize_to_max_canvas": p.resize_to_max_canvas}
 
 
 @dataclass(frozen=True)
@@ -80,10 +141,17 @@ class Grids:
     side: int = 0
 
     padded = True
+    key, grid_key = "patches", "grid"
 
     @property
     def stores_grids(self) -> bool:
         return not self.side
+
+    @property
+    def default_grid(self) -> tuple[int, int]:
+        """The grid of every image of a folder of squares (no grids stored)."""
+        n = self.side // self.processor.patch_size
+        return n, n
 
     @property
     def n_patches(self) -> int:
@@ -148,9 +216,9 @@ class Grids:
                                                              "max_pixels": self.resizing().max_pixels}
 
 
-def of_meta(info: dict) -> Fixed | Grids:
-    """The layout a prepared folder's meta.json "images" records (no kind: Gemma 3's, as before kinds; a Qwen kind
-    without a layout: the square of folders prepared before)."""
+def of_meta(info: dict) -> Fixed | Tiles | Grids:
+    """The layout a prepared folder's meta.json "images" records (no kind: Gemma 3's, as before kinds; Llama 4 or a
+    Qwen kind without a layout: the one tile or the square of folders prepared before)."""
     kind = info.get("kind", "siglip")
     common = {"mean": tuple(info["mean"]), "std": tuple(info["std"]), "rescale": float(info["rescale"])}
     if kind in QWEN:
@@ -162,28 +230,38 @@ def of_meta(info: dict) -> Fixed | Grids:
         return Grids(kind, p, (S // (p.patch_size * p.merge_size)) ** 2, S)
     S = int(info["size"])
     if kind == "llama4":
-        return Fixed(kind, S, images_llama4.TileProcessor(size=S, max_tiles=1, **common))
+        if info.get("layout") == "tiles":
+            p = images_llama4.TileProcessor(size=S, max_tiles=int(info["max_tiles"]), **common,
+                                            resize_to_max_canvas=bool(info.get("resize_to_max_canvas", False)))
+            return Tiles(kind, S, p)
+        return Tiles(kind, S, images_llama4.TileProcessor(size=S, max_tiles=1, **common), stores_grids=False)
     return Fixed(kind, S, images.Processor(size=S, **common))
 
 
 def of_model(folder: Path | None, vision, side: int | None = None, processor=None, tokens: int | None = None,
-             check: bool = True) -> Fixed | Grids:
+             check: bool = True, max_tiles: int | None = None) -> Fixed | Tiles | Grids:
     """The training layout of a model's images: its folder's preprocessor_config.json (or `processor`, or the
-    defaults) at the kind's shape. Qwen-VL: each image's own grid within `tokens` soft tokens (default QWEN_TOKENS),
-    or the square of `side` pixels; refused in one line where they cannot work (check=False: an ahead-of-time
-    compile without data takes the shape as it is)."""
+    defaults) at the kind's shape. Llama 4: each image's tiles on a canvas of at most `max_tiles` (default the
+    processor's max_patches). Qwen-VL: each image's own grid within `tokens` soft tokens (default QWEN_TOKENS), or
+    the square of `side` pixels. Refused in one line where they cannot work (check=False: an ahead-of-time compile
+    without data takes the shape as it is)."""
     kind = vision.kind
+    if max_tiles is not None and kind != "llama4":
+        raise DataError(f"max tiles {max_tiles}: a {kind} tower does not cut images into tiles; the number of tiles "
+                        "is a setting of Llama 4 data only")
     if kind in QWEN:
         return _qwen(folder, vision, side, processor, tokens, check)
     if side is not None and side != vision.image_size:
         raise DataError(f"image side {side}: a {kind} tower takes {vision.image_size}-pixel images "
                         "(model.vision.image_size); the side is a setting of Qwen-VL data only")
     if tokens is not None:
-        raise DataError(f"image tokens {tokens}: a {kind} tower takes a fixed number of soft tokens an image; the "
+        raise DataError(f"image tokens {tokens}: a {kind} tower takes a fixed number of soft tokens a tile; the "
                         "budget is a setting of Qwen-VL data only")
     if kind == "llama4":
         p = processor or images_llama4.TileProcessor.of_folder(folder, vision.image_size)
-        p = dataclasses.replace(p, max_tiles=1)
+        if max_tiles is not None and max_tiles < 1:
+            raise DataError(f"max tiles {max_tiles}: an image takes at least one tile")
+        p = dataclasses.replace(p, max_tiles=p.max_tiles if max_tiles is None else max_tiles)
     else:
         p = processor or images.Processor.of_folder(folder, vision.image_size)
         if p.pan_and_scan:
@@ -192,7 +270,7 @@ def of_model(folder: Path | None, vision, side: int | None = None, processor=Non
     if p.size != vision.image_size:
         raise DataError(f"the processor resizes to {p.size} pixels and model.vision.image_size is "
                         f"{vision.image_size}; they must agree")
-    return Fixed(kind, vision.image_size, p)
+    return Tiles(kind, vision.image_size, p) if kind == "llama4" else Fixed(kind, vision.image_size, p)
 
 
 def _qwen(folder, vision, side, processor, tokens, check) -> Grids:

@@ -5,9 +5,9 @@ and the loader that puts one conversation in each row, padded, with the images o
 
 Beside the shards, per split: {split}-images.bin (uint8 [I, *record]: a fixed-size record per image in the tower
 kind's layout, data/train_images.py), {split}-images.idx.npy (int64 [D + 1]: each document's first image, then I)
-and, for Qwen-VL images at their own grids, {split}-images.grid.npy (int32 [I, 2]). meta.json's "images" holds the
-layout, the kind and its normalization, and the most images a document has. Legend: A micro-batches, B rows,
-T block_size, R = T + 1, K images per row at most, S image side, D documents.
+and, for Llama 4 and Qwen-VL, {split}-images.grid.npy (int32 [I, 2]: each image's canvas of tiles or grid of patches).
+meta.json's "images" holds the layout, the kind and its normalization, and the most images a document has. Legend:
+A micro-batches, B rows, T block_size, R = T + 1, K images per row at most, S image side, D documents.
 """
 
 from __future__ import annotations
@@ -132,24 +132,28 @@ class ImageWriter:
 def prepare_vision_chat(inputs: list[str | Path], out_dir: str | Path, tokenizer: str | Path,
                         vision: VisionConfig | None = None, max_tokens: int | None = None,
                         val: list[str | Path] | None = None, val_fraction: float = 0.01, bad_images: str = "skip",
-                        max_pixels: int = images.MAX_PIXELS, processor=None, pairs: bool = False,
-                        image_side: int | None = None, image_tokens: int | None = None) -> dict:
+                        max_pixels: int | None = images.MAX_PIXELS, processor=None, pairs: bool = False,
+                        image_side: int | None = None, image_tokens: int | None = None,
+                        max_tiles: int | None = None) -> dict:
     """Chat records in JSON-lines files (messages whose content holds text and image parts) -> a prepared folder:
     tokens with each image written as the tower's processor writes it (at the kind's fixed training shape,
     data/train_images.py), the loss mask on the assistant's turns, and the images resized beside the shards.
     `tokenizer`: a tokenizer, or a converted model's folder (whose config.json gives `vision` and whose
-    preprocessor_config.json the processor when not given). Qwen-VL: image_tokens, the budget of soft tokens an
-    image (each at its own grid; default train_images.QWEN_TOKENS), or image_side, one square of that many pixels.
+    preprocessor_config.json the processor when not given). Llama 4: max_tiles, the canvas tiles an image at most
+    (default the processor's max_patches). Qwen-VL: image_tokens, the budget of soft tokens an image (each at its own
+    grid; default train_images.QWEN_TOKENS), or image_side, one square of that many pixels.
     pairs=True: preference records (data/preference.py) whose prompt messages hold the images, written as
     `jaxlm prepare preference` writes pairs (meta.json's kind "preference"), each of a pair's two documents with the
-    prompt's images. A missing, corrupt or oversized image: with bad_images="skip" its record is left out and
-    counted (meta.json "skipped"), with "stop" the run stops on one line naming the file and line. Records over
-    `max_tokens` (a pair: its two documents together) are left out and counted. Returns the meta.json written."""
+    prompt's images. max_pixels: an image's at most (None: images.MAX_PIXELS). A missing, corrupt or oversized
+    image: with bad_images="skip" its record is left out and counted (meta.json "skipped"), with "stop" the run stops
+    on one line naming the file and line. Records over `max_tokens` (a pair: its two documents together) are left
+    out and counted. Returns the meta.json written."""
     if bad_images not in BAD_IMAGES:
         raise ConfigError(f"bad_images={bad_images!r}: use skip or stop")
-    tok = tokenizer_lib.load(tokenizer)
+    tok, max_pixels = tokenizer_lib.load(tokenizer), max_pixels or images.MAX_PIXELS
     vision = vision or vision_of(tokenizer)
-    fixed = train_images.of_model(Path(tokenizer) / "tokenizer", vision, image_side, processor, image_tokens)
+    fixed = train_images.of_model(Path(tokenizer) / "tokenizer", vision, image_side, processor, image_tokens,
+                                  max_tiles=max_tiles)
     marker = check_image_tokens(tok, vision)
     stats: collections.Counter = collections.Counter()
     encode = encode_pair_record if pairs else encode_record
@@ -166,7 +170,7 @@ def prepare_vision_chat(inputs: list[str | Path], out_dir: str | Path, tokenizer
                         {"kind": preference.KIND} if pairs else {})
 
 
-def write_folder(out_dir, tok, fixed: train_images.Fixed, units, stats: collections.Counter,
+def write_folder(out_dir, tok, fixed, units, stats: collections.Counter,
                  max_tokens: int | None, separate_val: bool, val_fraction: float, extra: dict) -> dict:
     """Write units (split, where, documents [(ids, mask, resized images)]: a conversation, or a pair's two) into a
     prepared folder with its images; a unit is never split between train and val. Returns the meta.json written
@@ -299,9 +303,9 @@ def encode_pair_record(rec, where, tok, vision, marker, fixed, max_pixels, bad_i
 # ---- reading -----------------------------------------------------------------------------------------------------
 
 class SplitImages:
-    """One split's images: uint8 records [I, *record] memory-mapped (and Qwen-VL's grids [I, 2]), each document's
-    range of them, and their kind's training layout (train_images.Fixed or Grids), which normalizes them as the
-    tower takes them."""
+    """One split's images: uint8 records [I, *record] memory-mapped (and Llama 4's canvases or Qwen-VL's grids
+    [I, 2]), each document's range of them, and their kind's training layout (train_images.Fixed, Tiles or Grids),
+    which normalizes them as the tower takes them."""
 
     def __init__(self, directory: Path, meta: dict, split: str, n_documents: int):
         info = meta["images"]
@@ -325,21 +329,21 @@ class SplitImages:
         return range(int(self.starts_D1[d]), int(self.starts_D1[d + 1]))
 
     def read(self, ids: np.ndarray, key: str | None = None):
-        """Normalized float32 images [..., *fixed.shape] of images `ids` (-1: an empty slot, zeros); Qwen-VL's
-        {"patches": [..., P, Q], "grid": [..., 2]} (an empty slot: grid 0 x 0), or only the one named `key`."""
-        have = ids >= 0
-        if not self.fixed.padded:
-            out = np.zeros(ids.shape + self.fixed.shape, np.float32)
-            out[have] = self.fixed.normalized(self.pixels[ids[have]])
+        """Normalized float32 images [..., *fixed.shape] of images `ids` (-1: an empty slot, zeros); a padded
+        layout's dict, Llama 4's {"tiles": [..., K, S, S, 3], "canvas": [..., 2]} or Qwen-VL's {"patches":
+        [..., P, Q], "grid": [..., 2]} (an empty slot: 0 x 0), or only the one named `key`."""
+        f, have = self.fixed, ids >= 0
+        if not f.padded:
+            out = np.zeros(ids.shape + f.shape, np.float32)
+            out[have] = f.normalized(self.pixels[ids[have]])
             return out
         grid = np.zeros(ids.shape + (2,), np.int32)
-        side = self.fixed.side // self.fixed.processor.patch_size
-        grid[have] = self.grids[ids[have]] if self.grids is not None else (side, side)
-        if key == "grid":
+        grid[have] = self.grids[ids[have]] if self.grids is not None else f.default_grid
+        if key == f.grid_key:
             return grid
-        patches = np.zeros(ids.shape + self.fixed.shape["patches"], np.float32)
-        patches[have] = self.fixed.normalized(self.pixels[ids[have]], grid[have])
-        return patches if key == "patches" else {"patches": patches, "grid": grid}
+        pixels = np.zeros(ids.shape + f.shape[f.key], np.float32)
+        pixels[have] = f.normalized(self.pixels[ids[have]], grid[have])
+        return pixels if key == f.key else {f.key: pixels, f.grid_key: grid}
 
 
 def open_images(dataset) -> dict[str, SplitImages] | None:

@@ -3,10 +3,11 @@ cut into patches embedded by one matmul (HF's unfold + linear), a class token is
 added and a LayerNorm applied; pre-LayerNorm blocks attend bidirectionally with a 2D rotary over the patch grid
 (the class token unturned); after a last LayerNorm the class token is dropped, the grid pixel-shuffled (each
 k x k square of patches one token of k^2 times the width), passed through a two-layer GELU adapter and projected
-to the language model's width. A tile's soft tokens replace its image tokens in the prompt, attended causally.
+to the language model's width. A tile's soft tokens replace its image tokens in the prompt, attended causally;
+training batches pad each image to K tile slots ({"tiles", "canvas"}: encode_padded, one program for any canvas).
 
-Shape legend: I tiles, S tile side in pixels, C colour channels, P patches per tile (+1: the class token), Q values
-per patch, E encoder width, N heads, H head width, A adapter width, M soft tokens per tile, D language model width.
+Legend: I tiles (padded: images), K tile slots an image, S tile side, C channels, P patches a tile (+1: the class
+token), Q values a patch, E tower width, N heads, H head width, A adapter width, M soft tokens a tile, D text width.
 """
 
 from __future__ import annotations
@@ -108,9 +109,36 @@ as_input = vision.as_input  # tiles [n, side, side, 3], as Gemma 3's images
 
 
 def images_in(p: dict, x_BTD, tokens_BT, positions_BT, images, cfg: ModelConfig):
-    """transformer.with_images for Llama 4: the tiles' soft tokens placed; its image tokens attend causally (no
-    reach), as transformers' Llama 4 does."""
-    return vision.place(x_BTD, tokens_BT, encode(p, images, cfg), cfg.vision.image_token_id), None, None, None
+    """transformer.with_images for Llama 4: the tiles' soft tokens placed (of a caller's tiles [n, S, S, C], or of
+    padded images, compacted); its image tokens attend causally (no reach), as transformers' Llama 4 does."""
+    soft = compacted(*encode_padded(p, images, cfg)) if isinstance(images, dict) else encode(p, images, cfg)
+    return vision.place(x_BTD, tokens_BT, soft, cfg.vision.image_token_id), None, None, None
+
+
+# ---- padded images: any canvas within K tiles, one program (training batches, data/train_images.py) -------------
+
+def tile_counts(canvas_I2: jax.Array) -> jax.Array:
+    """The tiles of each image [I] of canvases (rows, columns): its own, then the global tile when there are several;
+    an empty slot (0 x 0) none."""
+    n_I = canvas_I2[:, 0] * canvas_I2[:, 1]
+    return jnp.where(n_I > 1, n_I + 1, n_I)
+
+
+def encode_padded(p: dict, images: dict, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """The soft tokens [I, K, M, D] of padded images {"tiles": [I, K, S, S, C], "canvas": [I, 2]} and which tiles
+    are an image's [I, K]. Every slot goes through the tower (static shapes); tiles never attend to one another, so
+    the padding changes no image's tokens."""
+    tiles, canvas_I2 = images["tiles"], images["canvas"].astype(jnp.int32)
+    I, K = tiles.shape[:2]
+    soft = encode(p, tiles.reshape(I * K, *tiles.shape[2:]), cfg)
+    return soft.reshape(I, K, *soft.shape[1:]), jnp.arange(K, dtype=jnp.int32)[None] < tile_counts(canvas_I2)[:, None]
+
+
+def compacted(soft_IKMD: jax.Array, valid_IK: jax.Array) -> jax.Array:
+    """The images' soft tokens [I K M, D] with those of their tiles first, in order (what vision.place takes)."""
+    I, K, M, D = soft_IKMD.shape
+    keep = jnp.broadcast_to(valid_IK[:, :, None], (I, K, M)).reshape(-1)
+    return soft_IKMD.reshape(I * K * M, D)[jnp.argsort(~keep, stable=True)]
 
 
 def describe(cfg: ModelConfig) -> str:

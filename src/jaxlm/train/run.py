@@ -55,8 +55,9 @@ class Run:
     images: dict | None = None
     # Image slots per row of the step's batches (image_slots); 0: its batches carry no images.
     image_slots: int = 0
-    # One image of the step's batches as the tower takes it ([S, S, 3], or Qwen-VL's patch grid [1, h, w, Q]).
-    image_shape: tuple = ()
+    # One image of the step's batches as the tower takes it ([S, S, 3]; a padded layout's dict of shapes: Llama 4's
+    # tiles and canvas, Qwen-VL's patches and grid; data/train_images.py).
+    image_shape: tuple | dict = ()
 
 
 def resolve_data_dir(cfg: Config) -> Path | str:
@@ -153,7 +154,7 @@ def vision_frozen(cfg: Config) -> bool:
     return cfg.model.vision is not None and cfg.training.freeze_vision
 
 
-def image_shape(cfg: Config, images: dict | None) -> tuple:
+def image_shape(cfg: Config, images: dict | None) -> tuple | dict:
     """One image of the run's batches: the data's (data/train_images.py), or without data the kind's default."""
     fixed = images["train"].fixed if images is not None else train_images.of_model(None, cfg.model.vision, check=False)
     return fixed.shape

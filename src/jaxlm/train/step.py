@@ -193,9 +193,10 @@ def abstract_batch(run: Run) -> dict[str, jax.ShapeDtypeStruct]:
 
 def image_structs(run: Run, lead: tuple, shape):
     """The abstract images of a batch [*lead, *image] by an image's shape: a tuple (one float32 array), or a dict of
-    them (Qwen-VL's padded {"patches": float32, "grid": int32}), each sharded as image_sharding."""
+    them (padded: Llama 4's {"tiles": float32, "canvas": int32}, Qwen-VL's {"patches": float32, "grid": int32}),
+    each sharded as image_sharding."""
     if isinstance(shape, dict):
-        return {k: image_structs(run, lead, s) if k != "grid" else
+        return {k: image_structs(run, lead, s) if k not in ("grid", "canvas") else
                 jax.ShapeDtypeStruct(lead + s, jnp.int32, sharding=image_sharding(run, len(lead) - 1, len(s)))
                 for k, s in shape.items()}
     return jax.ShapeDtypeStruct(lead + shape, jnp.float32, sharding=image_sharding(run, len(lead) - 1, len(shape)))
