@@ -331,9 +331,15 @@ def _images(run: run_lib.Run) -> str:
     """The images a step's rows carry, for the report ('' for none)."""
     if not run.image_slots:
         return ""
-    v = run.cfg.model.vision
-    return (f", {run.image_slots} image{'s' if run.image_slots > 1 else ''} of {v.image_size}x{v.image_size} per row "
-            f"({v.tokens_per_image} tokens each; tower of {v.n_layers} layers, width {v.d_model})")
+    v, shape, n = run.cfg.model.vision, run.image_shape, run.image_slots
+    images, tower = f"{n} image{'s' if n > 1 else ''}", f"tower of {v.n_layers} layers, width {v.d_model}"
+    if isinstance(shape, dict) and "patches" in shape:  # Qwen-VL: each image at its own grid within a budget
+        return f", {images} per row (each at its own grid, at most {shape['patches'][0] // v.spatial_merge ** 2} " \
+               f"soft tokens; {tower})"
+    if isinstance(shape, dict):  # Llama 4: each image's tiles, padded
+        K, S = shape["tiles"][0], shape["tiles"][1]
+        return f", {images} per row (up to {K} tile{'s' if K > 1 else ''} of {S}x{S} each, {v.tokens_per_image} tokens a tile; {tower})"
+    return f", {images} of {v.image_size}x{v.image_size} per row ({v.tokens_per_image} tokens each; {tower})"
 
 
 def report(r: Result) -> list[str]:
