@@ -87,12 +87,9 @@ def _qwen_padded(prepared: list[Prepared]):
     grids = [p.pixels for p in prepared]
     if any(g.shape[0] != 1 for g in grids):
         return tuple(np.asarray(g, np.float32) for g in grids)
-    merge2 = grids[0].shape[1] * grids[0].shape[2] // max(prepared[0].tokens, 1)
-    P = soft_bucket(max(p.tokens for p in prepared)) * merge2
-    patches = np.zeros((len(grids), P, grids[0].shape[-1]), np.float32)
-    for i, g in enumerate(grids):
-        flat = images_qwen.hf_order(g, round(merge2 ** 0.5))
-        patches[i, :len(flat)] = flat
+    merge2 = grids[0].shape[1] * grids[0].shape[2] // prepared[0].tokens  # patches a soft token
+    patches = images_qwen.padded(grids, soft_bucket(max(p.tokens for p in prepared)) * merge2,
+                                 round(merge2 ** 0.5))
     return {"patches": patches, "grid": np.asarray([g.shape[1:3] for g in grids], np.int32)}
 
 

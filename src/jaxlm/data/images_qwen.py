@@ -106,6 +106,16 @@ def hf_order(grid_thwQ: np.ndarray, merge: int) -> np.ndarray:
     return x.reshape(-1, Q)
 
 
+def padded(grids_thwQ: list, P: int, merge: int) -> np.ndarray:
+    """Still images' patch grids [1, h, w, Q] as the towers' padded form takes them: [n, P, Q] in the processor's
+    order (hf_order), zeros after each image's h w patches (model/vision_qwen.py)."""
+    out = np.zeros((len(grids_thwQ), P, grids_thwQ[0].shape[-1]) if grids_thwQ else (0, P, 0), np.float32)
+    for i, g in enumerate(grids_thwQ):
+        flat = hf_order(np.asarray(g, np.float32), merge)
+        out[i, :len(flat)] = flat
+    return out
+
+
 def prompt_text(text: str, tok, vision, image_grids: list) -> str:
     """The prompt with its images written as Qwen2.5-VL's processor writes them: each image pad token in the text
     (when it holds none, one per image before it, each between vision_start and vision_end as the chat template

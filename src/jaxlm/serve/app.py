@@ -172,8 +172,7 @@ def _chat_route(app: FastAPI, s: Served) -> None:
             _encode_bound(s, prompt)
             got, image_end = await _off_loop(len(prompt), images.prompt, s.images, prompt, pixels, s.encode_chat)
             ids = [got]
-            media = {"images": s.images.kind.for_serving(pixels), "image_end": image_end,
-                     "key": images.cache_key(got, pixels, s.images.cfg)}
+            media = await asyncio.to_thread(images.media, s.images, got, pixels, image_end)
         _check_room(s, req.sampling.n)
         choices = start_choices(s, ids, [_max_tokens(s, len(ids[0]), req.sampling.max_tokens)], req.sampling,
                                 req.top_logprobs if req.logprobs else None, adapter, media)

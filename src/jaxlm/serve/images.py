@@ -102,6 +102,13 @@ def prompt(iv: ImageServing, text: str, prepared: list[image_kinds.Prepared], en
     return ids, int(at[-1]) + 1
 
 
+def media(iv: ImageServing, ids: list[int], prepared: list[image_kinds.Prepared], image_end: int) -> dict:
+    """What the engine takes of a prompt's images: them as the kind serves them (float32, Qwen-VL's padded to a
+    bucket), the index after the last image token, and the prefix key; arrays of megabytes hashed and copied, so
+    the server runs it in a worker thread, off the event loop that streams the other requests."""
+    return {"images": iv.kind.for_serving(prepared), "image_end": image_end, "key": cache_key(ids, prepared, iv.cfg)}
+
+
 def cache_key(ids: list[int], prepared: list[image_kinds.Prepared], cfg: ModelConfig) -> list[int]:
     """`ids` with each image's tokens replaced by negative ids (no token's) read from a hash of its pixels: 31 bits
     per image token, so the key of two different images collides with odds of 2^-(31 x its image tokens). With
