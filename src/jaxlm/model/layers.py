@@ -103,6 +103,16 @@ def _row_lora_dot(spec: str, x: jax.Array, w: RowLoraWeight) -> jax.Array:
     return y + low.reshape(y.shape).astype(y.dtype)
 
 
+def dequantized(w, dtype):
+    """A 4-bit (QLoRA) weight, alone or under an adapter, as the dense array `dot` would make of it; any other
+    weight unchanged. For code that multiplies by one weight many times (a chunked MLP)."""
+    if isinstance(w, quant.NF4Weight):
+        return quant.dequantize_nf4(w, dtype)
+    if isinstance(w, LoraWeight) and isinstance(w.base, quant.NF4Weight):
+        return dataclasses.replace(w, base=quant.dequantize_nf4(w.base, dtype))
+    return w
+
+
 def dot(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
     """Every dense matmul of the model goes through here: operands and result in x's dtype, accumulated in
     float32 by the matmul itself (TPU's MXU, cuBLAS and XLA:CPU all accumulate bf16 products in float32). A

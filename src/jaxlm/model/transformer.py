@@ -12,6 +12,8 @@ F MLP hidden width, E experts, P layers per repeat of cfg.layer_pattern.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
@@ -141,7 +143,28 @@ def _mlp(h_BTD, p, cfg: ModelConfig):
     act = layers.activation_of(cfg)
     if "router" in p:
         return moe.moe(h_BTD, p, act, moe.router_of(cfg), cfg.expert_capacity_factor, cfg.expert_all_to_all)
+    C, T = cfg.mlp_chunk_tokens, h_BTD.shape[1]
+    if 0 < C < T and T % C == 0:
+        return _chunked_mlp(h_BTD, p, act, C), jnp.zeros((3, cfg.n_experts), jnp.float32)
     return layers.mlp(h_BTD, p, act), jnp.zeros((3, cfg.n_experts), jnp.float32)
+
+
+def _chunked_mlp(h_BTD, p, act, C: int):
+    """The dense MLP C positions at a time (model.mlp_chunk_tokens; n = T / C chunks), each chunk rematerialized,
+    so a long sequence's [B, T, F] activations are never all alive. A 4-bit base is dequantized once for all the
+    chunks, not once a chunk."""
+    B, T, D = h_BTD.shape
+    p = {k: layers.dequantized(w, h_BTD.dtype) for k, w in p.items()}
+
+    def one(i_x):  # an adapter's dropout draws a mask of its own for each chunk
+        i, x_BCD = i_x
+        q = {k: dataclasses.replace(w, key=jax.random.fold_in(w.key, i))
+             if isinstance(w, layers.LoraWeight) and w.key is not None else w for k, w in p.items()}
+        return layers.mlp(x_BCD, q, act)
+
+    h_nBCD = h_BTD.reshape(B, T // C, C, D).swapaxes(0, 1)
+    out_nBCD = jax.lax.map(jax.checkpoint(one, policy=_cp.nothing_saveable), (jnp.arange(T // C), h_nBCD))
+    return out_nBCD.swapaxes(0, 1).reshape(B, T, -1)
 
 
 def block_around(x_BTD, p, cfg: ModelConfig, attn, keys=(None, None)):

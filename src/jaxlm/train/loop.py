@@ -24,7 +24,7 @@ from jaxlm.train import diagnostics, metrics, objectives, optim, grpo, reference
 from jaxlm.launch import distributed
 from jaxlm.model import lora, quant
 from jaxlm import storage
-from jaxlm.train import batches as batch_lib, run as run_lib, saved_step, state as state_lib, step as step_lib
+from jaxlm.train import batches as batch_lib, preflight, run as run_lib, saved_step, state as state_lib, step as step_lib
 from jaxlm.config import Config, ConfigError
 from jaxlm.train.run import TrainingError
 from jaxlm.model import attention, flops
@@ -347,6 +347,8 @@ def _train_step(run: run_lib.Run, loaded_step, log: Callable[[str], None]) -> Ca
     if loaded_step is not None:
         log(f"train step loaded from {cfg.compile.load} (compiled ahead of time; not compiled here)")
         return loaded_step
+    if preflight.device_limit(run.mesh.devices.flat[0]):
+        return preflight.check(run)
     return step_lib.make_train_step(cfg, run.optimizer, run.mesh, run.abstract_state, run.act_rules)
 
 
@@ -417,12 +419,15 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
     run, loaded_step, saved = _prepare(cfg, devices, main_process)
     cfg, run_dir, t_cfg = run.cfg, run.run_dir, run.cfg.training
     meter, peak, peak_source, flops_per_token = _describe_run(run, log)
+    # On a device that reports its memory, the step is compiled before any state exists: one that cannot fit
+    # stops here in one line, before the init or the base's load could run out of memory themselves.
+    with goodput.phase("compile"):
+        train_step = _train_step(run, loaded_step, log)
 
     use_ckpt = cfg.checkpoint.enabled and not cfg.debug
     checkpointer = ckpt.Checkpointer(run_dir, cfg.checkpoint, log) if use_ckpt else None
     frozen, batches, state, start = _start(run, checkpointer, saved, log)
     skips = {k: int(v) for k, v in jax.device_get(state["guard"]).items()}
-    train_step = _train_step(run, loaded_step, log)
     writer = metrics.MetricWriter(run_dir, tensorboard=cfg.logging.tensorboard, enabled=main_process,
                                   wandb_run=metrics.start_wandb(cfg, run_dir) if cfg.logging.wandb and main_process
                                   else None)

@@ -1,0 +1,126 @@
+"""Does the step fit the device? `jaxlm train` compiles its step for its own devices before any state exists (no
+weights initialized or loaded), reads the compiler's memory figures against the device's memory, and stops a step
+that cannot fit in one line: the bytes it needs and the settings that shrink them. The compiled step is then the
+one the loop runs, so nothing is compiled twice. `jaxlm compile` says the same for a target from a CPU host
+(aot.py) with the same figures and remedies.
+
+Which figure predicts the chip: XLA:TPU's `peak_memory_in_bytes` (its heap simulation over the scheduled program,
+arguments included; docs/aot.md has the chip's peaks beside it). The sum of memory_analysis()'s parts is an upper
+bound that counts buffers the compiler reuses (18.8 GiB for a step the chip ran in 12.7).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import jax
+
+from jaxlm.config import ConfigError
+from jaxlm.model import lora
+from jaxlm.train import step as step_lib
+
+GiB = 2**30
+LONG_CONTEXT = 8192  # from this many tokens a sequence, the layers' saved inputs are worth offloading
+
+
+def gib(n: float) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+def device_limit(device) -> int | None:
+    """The device's memory in bytes as its runtime reports it (TPU, GPU); None where it reports none (CPU)."""
+    try:
+        stats = device.memory_stats()
+    except Exception:  # noqa: BLE001 - backends without memory statistics raise rather than return None
+        return None
+    return (stats or {}).get("bytes_limit")
+
+
+def peak_bytes(m) -> int:
+    """The compiled step's peak bytes per device (compiled.memory_analysis()): the compiler's own peak where it
+    gives one, else the sum of its parts less the outputs written over donated arguments."""
+    peak = getattr(m, "peak_memory_in_bytes", 0)
+    if peak:
+        return peak
+    return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+            + m.generated_code_size_in_bytes - m.alias_size_in_bytes)
+
+
+def _shard_bytes(a) -> int:
+    return math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
+
+
+def remedies(run, devices_per_slice: int) -> list[str]:
+    """Settings that make the run's step smaller per device, from what the run uses, largest effect first."""
+    cfg, mesh = run.cfg, run.mesh
+    m, t = cfg.model, cfg.training
+    out = []
+    state = sum(_shard_bytes(a) for a in jax.tree.leaves(run.abstract_state))
+    if m.param_dtype == "float32":
+        out.append(f"model.param_dtype=bfloat16 (weights and optimizer moments in bf16: the train state from "
+                   f"{gib(state)} to about {gib(state / 2)})")
+    if not lora.enabled(cfg):
+        out.append("for fine-tuning, lora.rank=16 lora.base_quantization=nf4 (adapters train over a frozen 4-bit "
+                   "base: docs/finetune.md)")
+    elif cfg.lora.base_quantization == "none":
+        out.append("lora.base_quantization=nf4 (the frozen base in 4 bits)")
+    if m.remat not in ("full", "offload_layer_inputs"):
+        out.append(f"model.remat=full (now {m.remat})")
+    elif m.remat == "full" and m.block_size >= LONG_CONTEXT and jax.devices()[0].platform == "tpu":
+        out.append("model.remat=offload_layer_inputs (the layers' saved inputs in host memory)")
+    pdb = t.per_device_batch_size
+    if pdb > 1:
+        out.append(f"training.per_device_batch_size={max(1, math.floor(pdb / 2))} (now {pdb:g}; raise "
+                   "training.grad_accum to keep the global batch)")
+    if mesh.shape["fsdp"] < devices_per_slice:
+        out.append(f"mesh.ici_data=1 mesh.ici_fsdp=-1 (FSDP over all {devices_per_slice} devices; now "
+                   f"{mesh.shape['fsdp']})")
+    out.append("more devices (FSDP shards the state over them)")
+    return out
+
+
+def no_fit_line(run, need: int | None, limit: int, device_kind: str, how: str) -> str:
+    """One line: what the step needs against the device's memory, and the settings that shrink it."""
+    per_slice = run.mesh.devices.size
+    need_s = f"needs {gib(need)} per device ({how})" if need else f"does not fit ({how})"
+    return (f"the train step {need_s} and a {device_kind} has {gib(limit)}: make it fit with "
+            + "; or ".join(remedies(run, per_slice))
+            + "; `jaxlm compile` with compile.topology= lists its largest buffers")
+
+
+def oom_need(message: str, argument_bytes: int) -> int | None:
+    """Bytes per device an out-of-memory compile error says the step needs: XLA:TPU reports either the total
+    ("Used 40.5G of 15.75G hbm") or the temporaries alone, to which the arguments are added."""
+    size = r"([\d.]+)\s*([KMGT]i?B?|B)?"
+    units = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+    as_bytes = lambda n, u: int(float(n) * units[(u or "")[:1]])  # noqa: E731
+    if m := re.search(r"Used " + size + r" of", message):
+        return as_bytes(m[1], m[2])
+    if m := re.search(r"temporaries \(" + size + r"\)", message):
+        return argument_bytes + as_bytes(m[1], m[2])
+    return None
+
+
+def check(run, limit: int | None = None):
+    """The run's train step compiled for its devices (step.lower_train_step, as `train` would jit it); a step
+    that cannot fit `limit` bytes per device (default: the device's own memory; no check where the device reports
+    none) raises ConfigError in one line instead."""
+    device = run.mesh.devices.flat[0]
+    limit = limit or device_limit(device)
+    lowered = step_lib.lower_train_step(run)
+    if not limit:
+        return lowered.compile()
+    argument_bytes = sum(_shard_bytes(a) for a in jax.tree.leaves(step_lib.step_args(run)))
+    try:
+        compiled = lowered.compile()
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        need = oom_need(str(e).strip().splitlines()[0], argument_bytes)
+        raise ConfigError(no_fit_line(run, need, limit, device.device_kind, "the compiler's out-of-memory "
+                                                                            "figure")) from None
+    need = peak_bytes(compiled.memory_analysis())
+    if need > limit:
+        raise ConfigError(no_fit_line(run, need, limit, device.device_kind, "the compiled step's peak"))
+    return compiled
