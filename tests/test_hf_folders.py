@@ -219,11 +219,16 @@ def test_preprocessing_is_the_saved_processors(name, layout, built, tmp_path):
     assert files == (["processor_config.json"] if layout == "transformers5"
                      else ["preprocessor_config.json", "processor_config.json"])
     Image.fromarray(np.random.default_rng(3).integers(0, 256, (45, 70, 3), dtype=np.uint8)).save(tmp_path / "a.png")
-    hf = transformers.AutoProcessor.from_pretrained(tmp / "hf")
-    want = hf(text=PROMPTS[name], images=[Image.open(tmp_path / "a.png")], return_tensors="np")
+    # The Pillow backend, which jaxlm's preprocessing follows (Llama 4's processor has only torchvision's).
+    pil = {} if name == "llama4" else {
+        "image_processor": transformers.AutoImageProcessor.from_pretrained(tmp / "hf", backend="pil")}
+    hf = transformers.AutoProcessor.from_pretrained(tmp / "hf", **pil)
+    want = hf(text=PROMPTS[name], images=[Image.open(tmp_path / "a.png")], return_tensors="pt")
+    want = {k: v.float().numpy() if v.is_floating_point() else v.numpy() for k, v in want.items()}
     ours = jaxlm.load(tmp / "jx")
     tok = ours.tokenizer()
     ids, images = api.image_prompts(ours, tok, [PROMPTS[name]], [tmp_path / "a.png"], [])
+    images_before = images[0] if name.startswith("qwen") else images
     assert ids == want["input_ids"].tolist()
     if name in ("gemma3", "llama4"):
         pixels = want["pixel_values"].transpose(0, 2, 3, 1)
@@ -232,7 +237,7 @@ def test_preprocessing_is_the_saved_processors(name, layout, built, tmp_path):
 
         pixels, images = want["pixel_values"], images_qwen.hf_order(images[0], 2)
     assert images.shape == pixels.shape and np.abs(images - pixels).max() == 0
-    assert len(ids[0]) > 12  # the image's tokens are in the compared prompt
+    assert ids[0].count(ours.config.model.vision.image_token_id) >= 4  # the image's tokens are compared
     # Without the settings, the defaults would have given other pixels or another number of image tokens: refused.
     for f in (tmp / "jx" / "tokenizer").glob("*processor*"):
         shutil.move(f, tmp_path / f.name)
@@ -240,7 +245,13 @@ def test_preprocessing_is_the_saved_processors(name, layout, built, tmp_path):
         with pytest.raises(DataError, match="looked for processor_config.json .* then preprocessor_config.json") as e:
             api.image_prompts(ours, tok, [PROMPTS[name]], [tmp_path / "a.png"], [])
         assert "\n" not in str(e.value)
+        # `{}` asks for the released models' settings (at the tower's sizes): other pixels or another prompt.
+        (tmp / "jx" / "tokenizer" / "preprocessor_config.json").write_text("{}")
+        ids_default, default = api.image_prompts(ours, tok, [PROMPTS[name]], [tmp_path / "a.png"], [])
+        assert ids_default != ids or np.abs(np.asarray(default[0] if name.startswith("qwen") else default)
+                                            - np.asarray(images_before)).max() > 1e-3
     finally:
+        (tmp / "jx" / "tokenizer" / "preprocessor_config.json").unlink(missing_ok=True)
         for f in tmp_path.glob("*processor*"):
             shutil.move(f, tmp / "jx" / "tokenizer" / f.name)
 
