@@ -400,7 +400,7 @@ def export_config(computed: dict, source: dict | None, read: Callable[[dict], Mo
             try:
                 if read(candidate) == model:
                     out = candidate
-            except (ConvertError, KeyError, TypeError, ValueError):
+            except (ConvertError, AttributeError, KeyError, TypeError, ValueError):
                 pass  # the source's value is not one this family reads: the computed one stays
     out = dict(out)
     home = out
