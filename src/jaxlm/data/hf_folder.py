@@ -1,18 +1,11 @@
-"""What a Hugging Face model folder says besides its weights and tokenizer: the special token ids and the image
-processor's settings, read in the order transformers 5 resolves them. `jaxlm convert` (both ways), `jaxlm generate`,
-`jaxlm serve`, the Python API and the image code all read them here (docs/vision.md, "Model folders").
-
-- The ids a model is built with (bos_token_id, eos_token_id, pad_token_id): transformers 5 keeps them in the text
-  model's config, config.json's text_config for a model with a vision tower; the hub's older checkpoints keep them at
-  the top. text_config first, then the top (model_ids).
-- The ids generation stops at: generation_config.json's eos_token_id; where it names none, config.json's at the top,
-  then text_config's, as GenerationConfig.from_model_config reads a config (eos_ids).
-- The image processor: processor_config.json's image_processor entry (transformers 5 writes it there), else
-  preprocessor_config.json (the hub's checkpoints). A folder with neither is refused in one line, never defaulted
-  (image_settings).
-
-A folder is a Hugging Face one (config.json beside the other files) or a `jaxlm convert from-hf` one's tokenizer/
-(the source's config.json kept beside it as hf_config.json)."""
+"""What a Hugging Face model folder says besides its weights and tokenizer, read in the order transformers 5 resolves
+it, for `jaxlm convert` (both ways), `jaxlm generate`, `jaxlm serve`, the Python API and the image code
+(docs/vision.md, "Model folders"): the special ids the model is built with (text_config, then the top of
+config.json: model_ids), the ids generation stops at (generation_config.json, then config.json's top, then its
+text_config: eos_ids), and the image processor's settings (processor_config.json's image_processor, else
+preprocessor_config.json; a folder with neither is refused in one line, never defaulted: image_settings). A folder
+is a Hugging Face one (config.json beside the other files) or a converted one's tokenizer/ (the source's
+config.json kept beside it as hf_config.json)."""
 
 from __future__ import annotations
 
