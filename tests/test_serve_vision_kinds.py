@@ -47,7 +47,8 @@ def template(marker: str) -> str:
 
 
 def llama4_tokenizer(folder):
-    """A tokenizer.json of words w0..w299 with Llama 4's image token strings at their ids."""
+    """A tokenizer.json of words w0..w299 with Llama 4's image token strings at their ids, and image processor
+    settings `{}` (the released models' at the tower's tile size)."""
     import json
 
     from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
@@ -60,6 +61,7 @@ def llama4_tokenizer(folder):
     tok.add_special_tokens([AddedToken(s, special=True) for s in specials])
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({}))
+    (folder / "preprocessor_config.json").write_text("{}")
 
 
 def png(seed: int, size) -> bytes:

@@ -270,11 +270,13 @@ def test_image_prompts_run_blockwise_as_dot_product(gemma3):
 
 
 def word_tokenizer(folder):
-    """A tokenizer.json of words w0..w299 with Gemma 3's image token strings at their ids and "\n\n" at 296."""
+    """A tokenizer.json of words w0..w299 with Gemma 3's image token strings at their ids and "\n\n" at 296, and
+    image processor settings `{}` (the released models' at the tower's size)."""
     import json
 
     _word_tokenizer_object().save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({}))
+    (folder / "preprocessor_config.json").write_text("{}")
 
 
 @pytest.mark.slow

@@ -199,7 +199,8 @@ def test_preprocessing_equals_the_hf_processor(tmp_path):
 
 
 def word_tokenizer(folder):
-    """A tokenizer.json of words w0..w299 with Qwen-VL's image token strings at their ids."""
+    """A tokenizer.json of words w0..w299 with Qwen-VL's image token strings at their ids, and image processor
+    settings `{}` (the released models' at the tower's patch sizes)."""
     import json
 
     from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
@@ -211,6 +212,7 @@ def word_tokenizer(folder):
     tok.add_special_tokens([AddedToken(s, special=True) for s in specials])
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({}))
+    (folder / "preprocessor_config.json").write_text("{}")
 
 
 def test_generate_cli_with_an_image(qwen, tmp_path, capsys):
@@ -226,7 +228,7 @@ def test_generate_cli_with_an_image(qwen, tmp_path, capsys):
     Image.fromarray(np.random.default_rng(3).integers(0, 256, (50, 70, 3), dtype=np.uint8)).save(tmp_path / "a.png")
     text = "w5 w6 <|vision_start|><|image_pad|><|vision_end|> w7 w8"
     tok = ours.tokenizer()
-    grids = images_qwen.grids([tmp_path / "a.png"], images_qwen.Processor.of_folder(None, ours.config.model.vision))
+    grids = images_qwen.grids([tmp_path / "a.png"], images_qwen.Processor.defaults(ours.config.model.vision))
     assert grids[0].shape == (1, 12, 18, Q)  # 50 x 70 pixels resized to 48 x 72
     ids = tok.encode_rendered(images_qwen.prompt_text(text, tok, ours.config.model.vision, grids))
     assert ids == [5, 6, START, *[IMAGE] * 54, END, 7, 8]

@@ -161,7 +161,7 @@ def test_preprocessing_at_qwen3_settings_equals_the_hf_processor(tmp_path):
             assert list(got.shape[:3]) == want["image_grid_thw"][0].tolist(), path.name
             assert np.abs(images_qwen.hf_order(got, 2) - want["pixel_values"]).max() <= 1e-6, path.name
     vision = type("V", (), {"kind": "qwen3", "patch_size": 16, "spatial_merge": 2, "temporal_patch": 2})
-    default = images_qwen.Processor.of_folder(None, vision)
+    default = images_qwen.Processor.defaults(vision)
     assert (default.mean, default.min_pixels, default.max_pixels) == ((0.5,) * 3, 65536, 16777216)
 
 
@@ -184,7 +184,7 @@ def generate_cli_matches(imported_model, tmp_path, capsys):
     Image.fromarray(np.random.default_rng(3).integers(0, 256, (50, 70, 3), dtype=np.uint8)).save(tmp_path / "a.png")
     text = "w5 w6 <|vision_start|><|image_pad|><|vision_end|> w7 w8"
     tok = ours.tokenizer()
-    grids = images_qwen.grids([tmp_path / "a.png"], images_qwen.Processor.of_folder(None, ours.config.model.vision))
+    grids = images_qwen.grids([tmp_path / "a.png"], images_qwen.Processor.defaults(ours.config.model.vision))
     assert grids[0].shape == (1, 56, 76, Q)  # 50 x 70 pixels scaled up to 224 x 304 (>= 65,536 pixels)
     ids = tok.encode_rendered(images_qwen.prompt_text(text, tok, ours.config.model.vision, grids))
     assert ids == [5, 6, START, *[IMAGE] * 1064, END, 7, 8]

@@ -55,6 +55,7 @@ def make_tokenizer(folder):
     folder.mkdir(parents=True, exist_ok=True)
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>", "chat_template": TEMPLATE}))
+    (folder / "preprocessor_config.json").write_text("{}")  # the released models' image settings at SIDE
     return folder
 
 

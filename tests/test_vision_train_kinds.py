@@ -78,6 +78,7 @@ def model_folder(folder, kind: str):
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>", "chat_template": TEMPLATE}))
     (folder / "config.json").write_text(json.dumps({"model": {"vision": vision(kind).__dict__}}))
+    (folder / "preprocessor_config.json").write_text("{}")  # the released models' image settings at the tower's sizes
     return folder
 
 
@@ -345,7 +346,9 @@ def test_what_cannot_work_is_one_line(tmp_path, capsys):
         vision_data.prepare_vision_chat([src], tmp_path / "d7", folder, max_tiles=4)
     with pytest.raises(DataError, match=r"max tiles 0: an image takes at least one tile"):
         vision_data.prepare_vision_chat([src], tmp_path / "d8", folder4, max_tiles=0)
-    assert train_images.of_model(None, vision("llama4")).shape["tiles"] == (17, SIDE, SIDE, 3)  # max_patches 16
+    assert train_images.of_model(folder4, vision("llama4")).shape["tiles"] == (17, SIDE, SIDE, 3)  # max_patches 16
+    with pytest.raises(DataError, match=r"no image processor settings: this model has no tokenizer/ folder"):
+        train_images.of_model(None, vision("llama4"))
     from jaxlm import cli
 
     def prepare(model, out, *flags):

@@ -18,10 +18,12 @@ def randomize(model, scale, seed=0):
 
 
 def imported(tmp_path_factory, name: str, model_class, config, scale=0.08):
-    """(the transformers model with random weights, its jaxlm import, the folder holding hf/ and jx/)."""
+    """(the transformers model with random weights, its jaxlm import, the folder holding hf/ and jx/). The folder's
+    image processor settings are `{}`: the released models' at the tower's sizes (data/hf_folder.py)."""
     tmp = tmp_path_factory.mktemp(name)
     model = randomize(model_class(config).eval(), scale)
     model.save_pretrained(tmp / "hf")
+    (tmp / "hf" / "preprocessor_config.json").write_text("{}")
     convert.from_hf(str(tmp / "hf"), tmp / "jx", log=lambda s: None)
     return model, jaxlm.load(tmp / "jx"), tmp
 

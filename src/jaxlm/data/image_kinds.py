@@ -26,12 +26,12 @@ class Prepared:
 
 @dataclass(frozen=True)
 class Kind:
-    """A tower kind's image handling: `processor(folder, vision)` (the model folder's preprocessor_config.json, or
-    the defaults), `prepare(pil_image, processor, vision)` -> Prepared, `marker(tok, vision)` the text that marks an
-    image in a prompt, `expand(text, tok, vision, prepared)` the prompt with its images' tokens written in, and
-    `batch(prepared)` the images of a batch (in the order of their tokens) as the forward pass takes them;
-    `serve_batch` the same for the server, where one compiled program must serve images of many shapes (None: as
-    `batch`)."""
+    """A tower kind's image handling: `processor(folder, vision)` (the model folder's image processor settings,
+    data/hf_folder.py; refused where it has none), `prepare(pil_image, processor, vision)` -> Prepared,
+    `marker(tok, vision)` the text that marks an image in a prompt, `expand(text, tok, vision, prepared)` the prompt
+    with its images' tokens written in, and `batch(prepared)` the images of a batch (in the order of their tokens)
+    as the forward pass takes them; `serve_batch` the same for the server, where one compiled program must serve
+    images of many shapes (None: as `batch`)."""
     processor: Callable
     prepare: Callable[..., Prepared]
     marker: Callable

@@ -8,13 +8,13 @@ from __future__ import annotations
 import base64
 import binascii
 import io
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from jaxlm.data import hf_folder
 from jaxlm.data.errors import DataError
 
 MAX_PIXELS = 64 * 2**20  # larger images are refused before they are decoded (a 8192 x 8192 photo passes)
@@ -42,25 +42,25 @@ class Processor:
     pan_min_ratio: float = 1.2
 
     @classmethod
-    def from_hf(cls, hf: dict) -> Processor:
-        """From a preprocessor_config.json (pan-and-scan's keys included)."""
+    def from_hf(cls, hf: dict, base: Processor | None = None) -> Processor:
+        """From an image processor's settings (pan-and-scan's keys included); a key they lack takes `base`'s value
+        (default: the released models')."""
+        b = base or cls()
         size = hf.get("size") or {}
-        side = size.get("height", size.get("shortest_edge", cls.size)) if isinstance(size, dict) else size
-        return cls(size=int(side), mean=tuple(hf.get("image_mean", cls.mean)), std=tuple(hf.get("image_std", cls.std)),
-                   rescale=float(hf.get("rescale_factor", cls.rescale)), resample=int(hf.get("resample", cls.resample)),
-                   pan_and_scan=bool(hf.get("do_pan_and_scan") or False),
-                   pan_min_crop=int(hf.get("pan_and_scan_min_crop_size") or cls.pan_min_crop),
-                   pan_max_crops=int(hf.get("pan_and_scan_max_num_crops") or cls.pan_max_crops),
-                   pan_min_ratio=float(hf.get("pan_and_scan_min_ratio_to_activate") or cls.pan_min_ratio))
+        side = size.get("height", size.get("shortest_edge", b.size)) if isinstance(size, dict) else size
+        return cls(size=int(side), mean=tuple(hf.get("image_mean", b.mean)), std=tuple(hf.get("image_std", b.std)),
+                   rescale=float(hf.get("rescale_factor", b.rescale)), resample=int(hf.get("resample", b.resample)),
+                   pan_and_scan=bool(hf.get("do_pan_and_scan", b.pan_and_scan) or False),
+                   pan_min_crop=int(hf.get("pan_and_scan_min_crop_size") or b.pan_min_crop),
+                   pan_max_crops=int(hf.get("pan_and_scan_max_num_crops") or b.pan_max_crops),
+                   pan_min_ratio=float(hf.get("pan_and_scan_min_ratio_to_activate") or b.pan_min_ratio))
 
     @classmethod
     def of_folder(cls, folder: Path | None, size: int) -> Processor:
-        """A model folder's preprocessor_config.json (copied by `jaxlm convert from-hf`), else the defaults at
-        the encoder's `size`."""
-        file = None if folder is None else Path(folder) / "preprocessor_config.json"
-        if file is None or not file.is_file():
-            return cls(size=size)
-        return cls.from_hf(json.loads(file.read_text()))
+        """A model folder's image processor settings (data/hf_folder.py: processor_config.json, else
+        preprocessor_config.json, copied by `jaxlm convert from-hf`), the released models' where a key is missing
+        (at the encoder's `size`); a folder with neither file is refused in one line."""
+        return cls.from_hf(hf_folder.image_settings(folder)[0], cls(size=size))
 
 
 def load(source: str | Path, max_pixels: int = MAX_PIXELS):

@@ -9,7 +9,6 @@ tiles of a row and <|tile_y_separator|> after each row, then <|image|> and the g
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +16,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from jaxlm.data import images
+from jaxlm.data import hf_folder, images
 from jaxlm.data.images import ImageError
 
 MARKER, SEP_X, SEP_Y = "<|image|>", "<|tile_x_separator|>", "<|tile_y_separator|>"
@@ -34,26 +33,29 @@ class TileProcessor:
     resize_to_max_canvas: bool = False
 
     @classmethod
-    def from_hf(cls, hf: dict) -> TileProcessor:
-        """From a preprocessor_config.json; what the processor cannot do (no resize, oblong tiles) is refused."""
-        size = hf.get("size") or {"height": cls.size, "width": cls.size}
+    def from_hf(cls, hf: dict, base: TileProcessor | None = None) -> TileProcessor:
+        """From an image processor's settings, a key they lack taking `base`'s value (default: the released
+        models'); what the processor cannot do (no resize, oblong tiles) is refused."""
+        b = base or cls()
+        size = hf.get("size") or {"height": b.size, "width": b.size}
         if not isinstance(size, dict) or size.get("height") != size.get("width"):
-            raise ImageError(f"preprocessor_config.json size={size!r} is not supported (square tiles only)")
+            raise ImageError(f"image processor size={size!r} is not supported (square tiles only)")
         for key in ("do_resize", "do_rescale", "do_normalize"):
             if hf.get(key) is False:
-                raise ImageError(f"preprocessor_config.json {key}=false is not supported")
+                raise ImageError(f"image processor {key}=false is not supported")
         if hf.get("resample", 2) != 2:
-            raise ImageError(f"preprocessor_config.json resample={hf['resample']} is not supported (2: bilinear)")
-        return cls(size=int(size["height"]), max_tiles=int(hf.get("max_patches", cls.max_tiles)),
-                   mean=tuple(hf.get("image_mean", cls.mean)), std=tuple(hf.get("image_std", cls.std)),
-                   rescale=float(hf.get("rescale_factor", cls.rescale)), resize_to_max_canvas=bool(hf.get("resize_to_max_canvas", False)))
+            raise ImageError(f"image processor resample={hf['resample']} is not supported (2: bilinear)")
+        return cls(size=int(size["height"]), max_tiles=int(hf.get("max_patches", b.max_tiles)),
+                   mean=tuple(hf.get("image_mean", b.mean)), std=tuple(hf.get("image_std", b.std)),
+                   rescale=float(hf.get("rescale_factor", b.rescale)),
+                   resize_to_max_canvas=bool(hf.get("resize_to_max_canvas", b.resize_to_max_canvas)))
 
     @classmethod
     def of_folder(cls, folder: Path | None, size: int) -> TileProcessor:
-        file = None if folder is None else Path(folder) / "preprocessor_config.json"
-        if file is None or not file.is_file():
-            return cls(size=size)
-        return cls.from_hf(json.loads(file.read_text()))
+        """A model folder's image processor settings (data/hf_folder.py: processor_config.json, else
+        preprocessor_config.json), the released models' where a key is missing (tiles of `size`); a folder with
+        neither file is refused in one line."""
+        return cls.from_hf(hf_folder.image_settings(folder)[0], cls(size=size))
 
 
 def canvases(max_tiles: int) -> list[tuple[int, int]]:

@@ -8,14 +8,13 @@ Reading files (and their errors) is data/images.py's."""
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from jaxlm.data import images
+from jaxlm.data import hf_folder, images
 from jaxlm.data.images import ImageError
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -36,26 +35,32 @@ class Processor:
     resample: int = 3  # Pillow's BICUBIC
 
     @classmethod
-    def from_hf(cls, hf: dict) -> Processor:
+    def from_hf(cls, hf: dict, base: Processor | None = None) -> Processor:
+        """From an image processor's settings; a key they lack takes `base`'s value (default: Qwen2.5-VL's)."""
+        b = base or cls()
         size = hf.get("size") or {}
-        return cls(patch_size=int(hf.get("patch_size", cls.patch_size)),
-                   merge_size=int(hf.get("merge_size", cls.merge_size)),
-                   temporal_patch_size=int(hf.get("temporal_patch_size", cls.temporal_patch_size)),
-                   min_pixels=int(hf.get("min_pixels") or size.get("shortest_edge") or cls.min_pixels),
-                   max_pixels=int(hf.get("max_pixels") or size.get("longest_edge") or cls.max_pixels),
-                   mean=tuple(hf.get("image_mean", cls.mean)), std=tuple(hf.get("image_std", cls.std)),
-                   rescale=float(hf.get("rescale_factor", cls.rescale)), resample=int(hf.get("resample", cls.resample)))
+        return cls(patch_size=int(hf.get("patch_size", b.patch_size)),
+                   merge_size=int(hf.get("merge_size", b.merge_size)),
+                   temporal_patch_size=int(hf.get("temporal_patch_size", b.temporal_patch_size)),
+                   min_pixels=int(hf.get("min_pixels") or size.get("shortest_edge") or b.min_pixels),
+                   max_pixels=int(hf.get("max_pixels") or size.get("longest_edge") or b.max_pixels),
+                   mean=tuple(hf.get("image_mean", b.mean)), std=tuple(hf.get("image_std", b.std)),
+                   rescale=float(hf.get("rescale_factor", b.rescale)), resample=int(hf.get("resample", b.resample)))
+
+    @classmethod
+    def defaults(cls, vision) -> Processor:
+        """The released models' settings at the tower's patch and merge sizes (for Qwen3-VL, kind qwen3, its mean,
+        std and pixel bounds): what a key missing from a folder's settings takes, and an explicit choice in code."""
+        qwen3 = {"mean": (0.5,) * 3, "std": (0.5,) * 3, "min_pixels": 65536, "max_pixels": 16777216}
+        return cls(patch_size=vision.patch_size, merge_size=vision.spatial_merge,
+                   temporal_patch_size=vision.temporal_patch, **(qwen3 if vision.kind == "qwen3" else {}))
 
     @classmethod
     def of_folder(cls, folder: Path | None, vision) -> Processor:
-        """A model folder's preprocessor_config.json, else the defaults at the tower's patch and merge sizes (and
-        for Qwen3-VL, kind qwen3, its released mean, std and pixel bounds)."""
-        file = None if folder is None else Path(folder) / "preprocessor_config.json"
-        if file is None or not file.is_file():
-            qwen3 = {"mean": (0.5,) * 3, "std": (0.5,) * 3, "min_pixels": 65536, "max_pixels": 16777216}
-            return cls(patch_size=vision.patch_size, merge_size=vision.spatial_merge,
-                       temporal_patch_size=vision.temporal_patch, **(qwen3 if vision.kind == "qwen3" else {}))
-        return cls.from_hf(json.loads(file.read_text()))
+        """A model folder's image processor settings (data/hf_folder.py: processor_config.json, else
+        preprocessor_config.json), `defaults(vision)` where a key is missing; a folder with neither file is refused
+        in one line."""
+        return cls.from_hf(hf_folder.image_settings(folder)[0], cls.defaults(vision))
 
 
 def smart_resize(height: int, width: int, p: Processor) -> tuple[int, int]:

@@ -18,6 +18,7 @@ import json
 import re
 from pathlib import Path
 
+from jaxlm.data import hf_folder
 from jaxlm.errors import UserError
 
 TIKTOKEN_NAMES = ("gpt2", "r50k_base", "p50k_base", "p50k_edit", "cl100k_base", "o200k_base")
@@ -394,14 +395,10 @@ def _read_config(folder: Path) -> dict:
 
 
 def _stop_ids(folder: Path) -> list[int]:
-    """End-of-turn ids from generation_config.json, or the hf_config.json a converted model keeps beside
-    its tokenizer/ folder."""
-    for f in (folder / "generation_config.json", folder.parent / "hf_config.json", folder / "config.json"):
-        if f.is_file():
-            eos = json.loads(f.read_text()).get("eos_token_id")
-            if eos is not None:
-                return list(eos) if isinstance(eos, list) else [eos]
-    return []
+    """End-of-sequence ids as generation stops at them (data/hf_folder.py): generation_config.json's, else the
+    model's config.json (a converted model's hf_config.json beside its tokenizer/ folder), top level then
+    text_config."""
+    return list(hf_folder.stop_ids(folder))
 
 
 def _from_folder(folder: Path, source: str | None = None) -> Tokenizer:

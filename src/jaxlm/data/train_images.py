@@ -238,14 +238,26 @@ def of_meta(info: dict) -> Fixed | Tiles | Grids:
     return Fixed(kind, S, images.Processor(size=S, **common))
 
 
+def released(vision):
+    """The released models' image processor of a tower's kind at its sizes, chosen explicitly (never a folder's
+    missing settings)."""
+    if vision.kind in QWEN:
+        return images_qwen.Processor.defaults(vision)
+    if vision.kind == "llama4":
+        return images_llama4.TileProcessor(size=vision.image_size)
+    return images.Processor(size=vision.image_size)
+
+
 def of_model(folder: Path | None, vision, side: int | None = None, processor=None, tokens: int | None = None,
              check: bool = True, max_tiles: int | None = None) -> Fixed | Tiles | Grids:
-    """The training layout of a model's images: its folder's preprocessor_config.json (or `processor`, or the
-    defaults) at the kind's shape. Llama 4: each image's tiles on a canvas of at most `max_tiles` (default the
-    processor's max_patches). Qwen-VL: each image's own grid within `tokens` soft tokens (default QWEN_TOKENS), or
+    """The training layout of a model's images: its folder's image processor settings (data/hf_folder.py; refused
+    where it has none), or `processor`, at the kind's shape. Llama 4: each image's tiles on a canvas of at most
+    `max_tiles` (default the processor's max_patches). Qwen-VL: each image's own grid within `tokens` soft tokens (default QWEN_TOKENS), or
     the square of `side` pixels. Refused in one line where they cannot work (check=False: an ahead-of-time compile
-    without data takes the shape as it is)."""
+    without data takes the shape as it is, and without a folder the released models' settings: released)."""
     kind = vision.kind
+    if processor is None and folder is None and not check:
+        processor = released(vision)
     if max_tiles is not None and kind != "llama4":
         raise DataError(f"max tiles {max_tiles}: a {kind} tower does not cut images into tiles; the number of tiles "
                         "is a setting of Llama 4 data only")

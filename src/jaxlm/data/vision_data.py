@@ -138,9 +138,9 @@ def prepare_vision_chat(inputs: list[str | Path], out_dir: str | Path, tokenizer
     """Chat records in JSON-lines files (messages whose content holds text and image parts) -> a prepared folder:
     tokens with each image written as the tower's processor writes it (at the kind's fixed training shape,
     data/train_images.py), the loss mask on the assistant's turns, and the images resized beside the shards.
-    `tokenizer`: a tokenizer, or a converted model's folder (whose config.json gives `vision` and whose
-    preprocessor_config.json the processor when not given). Llama 4: max_tiles, the canvas tiles an image at most
-    (default the processor's max_patches). Qwen-VL: image_tokens, the budget of soft tokens an image (each at its own
+    `tokenizer`: a tokenizer, or a converted model's folder (whose config.json gives `vision` and whose image
+    processor settings, data/hf_folder.py, the processor when not given). Llama 4: max_tiles, the canvas tiles an
+    image at most (default the processor's max_patches). Qwen-VL: image_tokens, the budget of soft tokens an image (each at its own
     grid; default train_images.QWEN_TOKENS), or image_side, one square of that many pixels.
     pairs=True: preference records (data/preference.py) whose prompt messages hold the images, written as
     `jaxlm prepare preference` writes pairs (meta.json's kind "preference"), each of a pair's two documents with the
@@ -152,7 +152,8 @@ def prepare_vision_chat(inputs: list[str | Path], out_dir: str | Path, tokenizer
         raise ConfigError(f"bad_images={bad_images!r}: use skip or stop")
     tok, max_pixels = tokenizer_lib.load(tokenizer), max_pixels or images.MAX_PIXELS
     vision = vision or vision_of(tokenizer)
-    fixed = train_images.of_model(Path(tokenizer) / "tokenizer", vision, image_side, processor, image_tokens,
+    folder = Path(tokenizer) / "tokenizer" if (Path(tokenizer) / "tokenizer").is_dir() else Path(tokenizer)
+    fixed = train_images.of_model(folder, vision, image_side, processor, image_tokens,
                                   max_tiles=max_tiles)
     marker = check_image_tokens(tok, vision)
     stats: collections.Counter = collections.Counter()

@@ -19,7 +19,7 @@ from jaxlm import config as config_lib, runtime, sharding, storage
 from jaxlm.store import weights
 from jaxlm.infer import generate
 from jaxlm.config import Config, ConfigError, DecodeConfig, MeshConfig, ModelConfig
-from jaxlm.data import image_kinds, tokenizer as tokenizer_lib
+from jaxlm.data import hf_folder, image_kinds, tokenizer as tokenizer_lib
 from jaxlm.model import forward, images_as_input
 
 
@@ -63,17 +63,16 @@ class Model:
                                  mesh=self.mesh, images=images).tokens[0]
 
     def eos_ids(self) -> tuple[int, ...]:
-        """End-of-sequence ids: a converted model's (from its hf_config.json); none for jaxlm's own
+        """End-of-sequence ids: a converted model's, as generation stops at them (data/hf_folder.py:
+        generation_config.json, else its hf_config.json's top level, then text_config); none for jaxlm's own
         char/byte vocabularies."""
         tok_dir = weights.tokenizer_source(self.path, self.config)
-        hf_cfg = tok_dir.parent / "hf_config.json" if tok_dir is not None else None
-        eos = json.loads(hf_cfg.read_text()).get("eos_token_id") if hf_cfg and hf_cfg.is_file() else None
-        return tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        return hf_folder.stop_ids(tok_dir) if tok_dir is not None else ()
 
     def tokenizer(self) -> tokenizer_lib.Tokenizer:
         """The tokenizer of this model, by the precedence of data/tokenizer.py: data.tokenizer if set, else the
         tokenizer files copied from Hugging Face by `jaxlm convert from-hf`, else the run's prepared data
-        (meta.json). Its eos_ids include the model's end-of-sequence ids (hf_config.json)."""
+        (meta.json). Its eos_ids include the model's end-of-sequence ids (eos_ids)."""
         explicit = self.config.data.tokenizer
         tok_dir = weights.tokenizer_source(self.path, self.config)
         data = self.config.data
@@ -124,7 +123,7 @@ def image_prompts(model: Model, tok: tokenizer_lib.Tokenizer, texts: list[str], 
                   ) -> tuple[list[list[int]], object]:
     """The token ids of prompts that each hold the images at `sources` (paths or data URLs), written as the model's
     processor writes them, and the images of all prompts in order as `generate` takes them; preprocessed by the
-    model folder's preprocessor_config.json (per tower kind: data/image_kinds.py)."""
+    model folder's image processor settings (data/hf_folder.py; per tower kind: data/image_kinds.py)."""
     v = model.config.model.vision
     kind = image_kinds.of(v)
     processor = kind.processor(weights.tokenizer_source(model.path, model.config), v)

@@ -25,6 +25,8 @@ import ml_dtypes
 import numpy as np
 
 from jaxlm import config as config_lib, families, params as P
+from jaxlm.data import hf_folder
+from jaxlm.data.errors import DataError
 from jaxlm.store import weights
 from jaxlm.config import Config, ModelConfig
 from jaxlm.families.rules import ConvertError, Rule
@@ -264,8 +266,18 @@ def from_hf(src: str, out: str | Path, param_dtype: str = "float32", log: Callab
     copied = copy_tokenizer(src_path, out / "tokenizer")
     n = sum(int(np.prod(s.shape)) for s in specs.values())
     log(f"converted {src} ({hf_cfg['model_type']}, {n:,} parameters, {len(files)} safetensors file(s)) -> {out}"
-        + (f"; tokenizer files: {', '.join(copied)}" if copied else ""))
+        + (f"; tokenizer files: {', '.join(copied)}" if copied else "") + _image_settings_note(model_cfg, out))
     return out
+
+
+def _image_settings_note(cfg: ModelConfig, out: Path) -> str:
+    """Where a vision model's image processor settings come from, or that images need them (data/hf_folder.py)."""
+    if cfg.vision is None:
+        return ""
+    try:
+        return f"; image processor settings: {hf_folder.image_settings(out / 'tokenizer')[1]}"
+    except DataError as e:
+        return f"; images cannot be given to it yet: {e}"
 
 
 def _has_mtp(files: list[Path], cfg: ModelConfig, normalize) -> bool:
@@ -345,14 +357,77 @@ def to_hf(path: str | Path, out: str | Path, dtype: str | None = None, shard_byt
         total = sum(int(np.prod(s)) * out_dtype.itemsize for _, s, _ in entries)
         (out / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    hf_cfg = fam.config_to_hf(cfg.model, model_type)
-    hf_cfg["dtype"] = hf_cfg["torch_dtype"] = out_dtype.name
     tok = weights.tokenizer_source(Path(path), cfg)
     copied = copy_tokenizer(tok, out) if tok else []
-    if tok and (tok.parent / "hf_config.json").is_file():
-        src_cfg = json.loads((tok.parent / "hf_config.json").read_text())
-        hf_cfg.update({k: src_cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in src_cfg})
+    source = hf_folder.read_json(tok.parent / "hf_config.json") if tok else None
+    hf_cfg = export_config(fam.config_to_hf(cfg.model, model_type), source, fam.config_from_hf)
+    hf_cfg["dtype"] = hf_cfg["torch_dtype"] = out_dtype.name
     (out / "config.json").write_text(json.dumps(hf_cfg, indent=2))
     log(f"exported {path} as a Hugging Face {model_type} model ({len(entries)} tensors, {len(shards)} file(s), "
         f"{out_dtype}) -> {out}" + (f"; tokenizer files: {', '.join(copied)}" if copied else ""))
     return out
+
+
+# Keys of the source's config.json that an export of the same model type may write with another value, and why
+# (docs/families.md, "Export"). Every other key of the source comes back as it was.
+REWRITTEN = {
+    "dtype": "the dtype of the exported weights (to-hf --dtype, else model.param_dtype)",
+    "torch_dtype": "the same, under the name transformers 4 reads",
+    "num_nextn_predict_layers": "the multi-token prediction modules the export holds: transformers' save_pretrained "
+                                "leaves them out, so a folder it wrote names some and holds none, and imports without",
+    "vision_config.vision_use_head": "false: SigLIP's pooling head is not part of Gemma 3 (the import leaves its "
+                                     "tensors out, and the export has none to load)",
+}
+
+
+def export_config(computed: dict, source: dict | None, read: Callable[[dict], ModelConfig]) -> dict:
+    """config.json of an export: `computed` (the family's config_to_hf of the model) with the keys of the source's
+    config.json (hf_config.json of the converted folder it descends from, when of the same model type) that `read`
+    (the family's config_from_hf) reads as the same model, those of REWRITTEN excepted. So the keys jaxlm does not
+    model (special and video token ids, initializer_range, dropout, ...) come back as they were, inside text_config
+    as at the top, as do defaults spelled otherwise; a setting the model no longer has is written as it now is. The
+    special ids (data/hf_folder.py model_ids) are also written where transformers 5 reads them: inside text_config
+    for a model with one, else at the top."""
+    if source is None:
+        return computed
+    out = computed
+    if source.get("model_type") == computed.get("model_type"):
+        model = read(computed)
+        for path in _differences(source, computed):
+            if ".".join(path) in REWRITTEN:
+                continue
+            candidate = _with(out, path, _at(source, path))
+            try:
+                if read(candidate) == model:
+                    out = candidate
+            except (ConvertError, AttributeError, KeyError, TypeError, ValueError):
+                pass  # the source's value is not one this family reads: the computed one stays
+    out = dict(out)
+    home = out
+    if isinstance(out.get("text_config"), dict):
+        home = out["text_config"] = dict(out["text_config"])
+    for key, value in hf_folder.model_ids(source).items():
+        home.setdefault(key, value)
+    return out
+
+
+def _differences(source: dict, out: dict, path: tuple = ()) -> list[tuple[str, ...]]:
+    """The key paths of `source` whose value `out` holds otherwise (objects compared key by key)."""
+    found = []
+    for k, v in source.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            found += _differences(v, out[k], (*path, k))
+        elif k not in out or out[k] != v:
+            found.append((*path, k))
+    return found
+
+
+def _at(tree: dict, path: tuple[str, ...]):
+    for k in path:
+        tree = tree[k]
+    return tree
+
+
+def _with(tree: dict, path: tuple[str, ...], value) -> dict:
+    """A copy of `tree` with the value at `path` replaced (the objects on the way copied)."""
+    return {**tree, path[0]: _with(tree[path[0]], path[1:], value) if len(path) > 1 else value}
