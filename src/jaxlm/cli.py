@@ -11,7 +11,11 @@ import sys
 import textwrap
 
 from jaxlm import config as config_lib
-from jaxlm.errors import UserError
+from jaxlm.errors import UserError, require_extra
+
+# The packages each extra brings that its commands import (pyproject.toml's extras).
+SERVE_MODULES = ("fastapi", "uvicorn", "orjson")
+EVAL_MODULES = ("lm_eval", "httpx")
 
 
 def _train_help() -> str:
@@ -416,6 +420,9 @@ def cmd_eval(argv: list[str]) -> int:
               "docs/serve.md.")
         return 0 if argv else 2
     if any(a == "--tasks" or a.startswith("--tasks=") for a in argv):
+        require_extra("jaxlm eval --tasks", "eval", EVAL_MODULES)
+        if not any(a == "--url" or a.startswith("--url=") for a in argv):  # it starts a server here
+            require_extra("jaxlm eval --tasks (serving the model here; or give --url)", "serve", SERVE_MODULES)
         from jaxlm.eval import harness
 
         return harness.main(argv)
@@ -528,6 +535,7 @@ def cmd_serve(argv: list[str]) -> int:
               "decode.* give the sampling defaults and the cache length\n"
               "(decode.cache_length, default model.block_size); mesh.* shard the model (docs/serve.md).")
         return 0 if argv else 2
+    require_extra("jaxlm serve", "serve", SERVE_MODULES)
     from jaxlm import serve
 
     return serve.run(argv[0], config_lib.parse_overrides(argv[1:]))

@@ -24,7 +24,8 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from jaxlm import config as config_lib, families, params as P
+from jaxlm import config as config_lib, families, params as P, storage
+from jaxlm.data import tokenizer as tokenizer_lib
 from jaxlm.store import weights
 from jaxlm.config import Config, ModelConfig
 from jaxlm.families.rules import ConvertError, Rule
@@ -156,8 +157,10 @@ def _family_of(cfg: ModelConfig):
         if resolved and getattr(cfg, resolved) == getattr(back, resolved):
             continue
         if mine != theirs:
-            raise ConvertError(f"model.{f.name}={mine!r} cannot be expressed as a Hugging Face {model_type} model "
-                               f"(it would load as {theirs!r}); only models of a supported family can be exported")
+            raise ConvertError(f"model.{f.name}={mine!r} has no equivalent in Hugging Face's {model_type}, the "
+                               f"architecture closest to this model (it would load as {theirs!r}): a model trained "
+                               f"with model.{f.name}={theirs} exports; docs/families.md lists the families and their "
+                               "settings")
     return fam, model_type
 
 
@@ -306,6 +309,21 @@ def copy_tokenizer(src: Path, dst: Path) -> list[str]:
     return names
 
 
+def write_data_tokenizer(cfg: Config, out: Path) -> list[str]:
+    """A run trained on jaxlm's own char or byte vocabulary (the quickstart, shakespeare_char) has no tokenizer
+    files: write Hugging Face ones equal to it, from the prepared data's meta.json where it is found."""
+    meta_file = storage.join(cfg.data.dir or f"data/{cfg.data.dataset}", "meta.json")
+    if not storage.exists(meta_file):
+        return []
+    spec = json.loads(storage.read_text(meta_file)).get("tokenizer") or {}
+    if spec.get("kind") not in ("char", "byte"):
+        return []
+    files = tokenizer_lib.hf_tokenizer_files(tokenizer_lib.from_spec(spec))
+    for name, text in files.items():
+        (out / name).write_text(text)
+    return list(files)
+
+
 # ---- export ---------------------------------------------------------------------------------------------------
 
 def to_hf(path: str | Path, out: str | Path, dtype: str | None = None, shard_bytes: int = 5 * 2**30,
@@ -348,7 +366,7 @@ def to_hf(path: str | Path, out: str | Path, dtype: str | None = None, shard_byt
     hf_cfg = fam.config_to_hf(cfg.model, model_type)
     hf_cfg["dtype"] = hf_cfg["torch_dtype"] = out_dtype.name
     tok = weights.tokenizer_source(Path(path), cfg)
-    copied = copy_tokenizer(tok, out) if tok else []
+    copied = copy_tokenizer(tok, out) if tok else write_data_tokenizer(cfg, out)
     if tok and (tok.parent / "hf_config.json").is_file():
         src_cfg = json.loads((tok.parent / "hf_config.json").read_text())
         hf_cfg.update({k: src_cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in src_cfg})
