@@ -188,7 +188,8 @@ def test_the_quickstarts_run_exports_with_its_tokenizer(tmp_path, shakespeare_fi
     # that is that model exactly, with Hugging Face tokenizer files equal to its byte vocabulary.
     run = tmp_path / "run"
     code = cli.main(["train", "quickstart", f"data.input={shakespeare_file}", f"data.dir={tmp_path / 'bytes'}",
-                     f"run_dir={run}", "training.steps=3", "training.batch_size=2", "training.eval_interval=3",
+                     f"run_dir={run}", "model.n_layers=2", "model.block_size=32", "training.steps=3",
+                     "training.batch_size=8", "training.eval_interval=3",
                      "training.eval_batches=1", "training.sample_tokens=0", "logging.progress=false",
                      "logging.tensorboard=false"])
     assert code == 0
