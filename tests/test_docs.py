@@ -104,3 +104,14 @@ def test_commands_without_their_extra_end_in_one_line_naming_the_install(argv, e
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and err.startswith(f"error: jaxlm {argv[0]}"), err
     assert f"needs {module}" in err and f"pip install 'jaxlm[{extra}]'" in err, err
+
+
+def test_eval_of_a_run_prints_no_read_only_warning(quickstart_run, capsys, caplog):
+    # every `jaxlm eval` printed `WARNING:absl:Given directory is read only=.../checkpoints` (Orbax's note on a
+    # manager that only reads), as if something were wrong (pytest takes log records to caplog, not to stderr)
+    capsys.readouterr()
+    with caplog.at_level("INFO"):
+        assert cli.main(["eval", str(quickstart_run), "training.sample_tokens=0"]) == 0
+    out, err = capsys.readouterr()
+    assert "val" in out and "read only" not in err + out, err
+    assert [r.getMessage() for r in caplog.records if "read only" in r.getMessage()] == []
