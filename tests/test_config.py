@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import random
 import subprocess
@@ -236,3 +237,17 @@ def test_a_short_run_from_a_saved_config_json_cuts_the_warmup_it_holds(tmp_path,
     assert capsys.readouterr().err.startswith("note: optimizer.warmup_steps=50 is longer than this run's 5 steps")
     with pytest.raises(ConfigError, match=r"^training.steps=5 must be >= optimizer.warmup_steps=10 "):
         config_lib.load(str(saved), ["training.steps=5", "optimizer.warmup_steps=10"])  # written here: kept
+
+
+def test_preference_tuning_from_a_saved_config_takes_its_datas_mask(tmp_path):
+    # README: `jaxlm train runs/sft/config.json ... data.dir=data/pairs training.objective=dpo` was refused, the SFT
+    # run's config.json holding data.loss_mask=off (what `auto` resolved to on plain text). A mask the user sets is
+    # theirs.
+    saved = tmp_path / "config.json"
+    sft = config_lib.load("quickstart")
+    saved.write_text(config_lib.to_json(sft.replace(data=dataclasses.replace(sft.data, loss_mask="off"))))
+    assert config_lib.load(str(saved), ["training.objective=dpo"]).data.loss_mask == "auto"
+    assert config_lib.load(str(saved)).data.loss_mask == "off"
+    with pytest.raises(ConfigError, match="scores the replies"):
+        config_lib.load(str(saved), ["training.objective=dpo", "data.loss_mask=off"])
+

@@ -90,8 +90,9 @@ def _two_json(text: str) -> list:
 
 @pytest.mark.parametrize("argv, extra, module", [
     (["serve", "RUN"], "serve", "uvicorn"),
-    (["eval", "RUN", "--tasks", "hellaswag"], "eval", "httpx"),
-    (["eval", "RUN", "--tasks", "hellaswag"], "serve", "fastapi"),  # it serves the model itself without --url
+    (["eval", "RUN", "--tasks", "hellaswag"], "eval,serve", "httpx"),
+    (["eval", "RUN", "--tasks", "hellaswag"], "eval,serve", "fastapi"),  # it serves the model itself without --url
+    (["eval", "RUN", "--tasks", "hellaswag", "--url", "http://127.0.0.1:8000"], "eval", "lm_eval"),
 ])
 def test_commands_without_their_extra_end_in_one_line_naming_the_install(argv, extra, module, monkeypatch, capsys):
     # `jaxlm serve` without the serve extra ended in `ModuleNotFoundError: No module named 'uvicorn'`, `jaxlm eval

@@ -37,6 +37,7 @@ require("lm_eval")
 
 from jaxlm import cli  # noqa: E402
 from jaxlm.data import tokenizer as tokenizer_lib  # noqa: E402
+from jaxlm.store import convert  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["model.n_layers=1", "model.d_model=32", "model.n_heads=2", "model.block_size=32", "training.batch_size=8",
@@ -61,7 +62,9 @@ NOT_RUN = {
     "training.per_device_batch_size=4": "a minute of compiling a 7B model (tests/test_aot.py compiles for a TPU slice)",
 }
 
-# README command -> (settings appended, exit status). Everything here runs, in this order of the README.
+# README command -> (settings appended, exit status). Everything here runs, in this order of the README. Runs that
+# no later command reads save no checkpoint (NO_SAVE: a save costs seconds here).
+NO_SAVE = ["checkpoint.enabled=false"]
 TRAIN, FT = TINY, FINETUNE
 COMMANDS = {
     "jaxlm generate outputs/RUN --prompt \"def \"": ([], 0),
@@ -72,23 +75,23 @@ COMMANDS = {
     "jaxlm train shakespeare_char_cpu data.input=path/to/input.txt": ([*TRAIN, "run_dir=outputs/run1"], 0),
     "jaxlm train shakespeare_char model.n_layers=4 training.steps=100 optimizer.lr=3e-4":
         ([*TRAIN, "run_dir=outputs/run2"], 0),
-    "jaxlm train my_run.yaml training.batch_size=32": ([*TRAIN, "training.batch_size=32"], 0),
+    "jaxlm train my_run.yaml training.batch_size=32": ([*TRAIN, "training.batch_size=32", *NO_SAVE], 0),
     "jaxlm train quickstart model.n_layer=4": ([], 2),
     "jaxlm train quickstart model.n_heads=5": ([], 2),
-    "jaxlm train shakespeare_char profiler=xplane": ([*TRAIN, "training.steps=6"], 0),
-    "jaxlm train shakespeare_char logging.wandb=true": (TRAIN, 0),
+    "jaxlm train shakespeare_char profiler=xplane": ([*TRAIN, "training.steps=6", *NO_SAVE], 0),
+    "jaxlm train shakespeare_char logging.wandb=true": ([*TRAIN, *NO_SAVE], 0),
     "jaxlm plot outputs/run1 outputs/run2": ([], 0),
     "jaxlm convert from-hf ./Llama-3.1-8B out/llama31": ([], 0),
-    "jaxlm train out/llama31/config.json data.dataset=mydata": (FT, 0),
+    "jaxlm train out/llama31/config.json data.dataset=mydata": ([*FT, *NO_SAVE], 0),
     "jaxlm convert to-hf outputs/run1 out/hf": ([], 0),
     "jaxlm train out/llama31/config.json data.dir=data/sft lora.rank=16 lora.alpha=32 run_dir=runs/sft": (FT, 0),
     "jaxlm train out/llama31/config.json data.dir=data/sft lora.rank=16 lora.base_quantization=nf4":
-        ([*FT, "run_dir=runs/qlora"], 0),
+        ([*FT, "run_dir=runs/qlora", *NO_SAVE], 0),
     "jaxlm train runs/sft/config.json checkpoint.init_from=runs/sft data.dir=data/pairs training.objective=dpo":
-        ([*FT, "run_dir=runs/dpo"], 0),
+        ([*FT, "run_dir=runs/dpo", *NO_SAVE], 0),
     "jaxlm train runs/sft/config.json checkpoint.init_from=runs/sft training.objective=grpo data.prompts=math.jsonl "
     "grpo.reward=jaxlm.rewards:exact_answer grpo.group_size=8": (
-        [*FT, "run_dir=runs/grpo", "grpo.max_completion_tokens=4", "training.eval_interval=0"], 0),
+        [*FT, "run_dir=runs/grpo", "grpo.max_completion_tokens=4", "training.eval_interval=0", *NO_SAVE], 0),
     "jaxlm convert to-hf runs/sft out/peft --adapter-only": ([], 0),
     "jaxlm convert from-hf ./Llama-3.1-8B out/l31 --adapter ./peft-adapter": ([], 0),
     "jaxlm generate RUN_DIR_OR_CONVERTED --prompt \"def \" max_new_tokens=100 temperature=0.7 top_p=0.9":
@@ -97,7 +100,7 @@ COMMANDS = {
     "jaxlm serve RUN_DIR_OR_CONVERTED serve.uds=/run/jaxlm.sock": ([], "serve"),
     "jaxlm eval RUN_DIR_OR_CONVERTED --tasks mytask --include-path tasks/": (["--limit", "2", "serve.max_slots=2"], 0),
     "jaxlm compile shakespeare_char_cpu compile.topology=cpu-8 compile.output=step.jaxlm": (TRAIN, 0),
-    "jaxlm train shakespeare_char_cpu compile.load=step.jaxlm": (TRAIN, 0),
+    "jaxlm train shakespeare_char_cpu compile.load=step.jaxlm": ([*TRAIN, *NO_SAVE], 0),
     "jaxlm prepare shakespeare_char --input path/to/input.txt": ([], 0),
     "jaxlm prepare text notes.txt more.txt --out data/mytext --vocab char": ([], 0),
     "jaxlm prepare python_stdlib": ([], 0),
@@ -151,7 +154,7 @@ def setup(folder: Path, shakespeare: Path) -> None:
     hf = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
     transformers.AutoModelForCausalLM.from_config(hf).save_pretrained(folder / "Llama-3.1-8B")
-    for name, body in tokenizer_lib.hf_tokenizer_files(tokenizer_lib.ByteTokenizer()).items():
+    for name, body in convert.hf_tokenizer_files(tokenizer_lib.ByteTokenizer()).items():
         (folder / "Llama-3.1-8B" / name).write_text(body)
     (folder / "math.jsonl").write_text("".join(json.dumps({"prompt": f"{a}+{a}=", "answer": str(2 * a)}) + "\n"
                                                for a in range(16)))
@@ -166,13 +169,14 @@ def setup(folder: Path, shakespeare: Path) -> None:
 
 
 # Made before the command that first needs them, with the converted model's tokenizer (out/llama31's).
+PREPARE = "--per-line --val-fraction 0.05 --workers 0 --no-progress"
 BEFORE = {
     "jaxlm train out/llama31/config.json data.dataset=mydata": [
-        "jaxlm prepare corpus notes.txt --tokenizer out/llama31 --out data/mydata --per-line --val-fraction 0.05 --workers 0 --no-progress",
-        "jaxlm prepare corpus notes.txt --tokenizer out/llama31 --out data/sft --per-line --val-fraction 0.05 --workers 0 --no-progress"],
+        f"jaxlm prepare corpus notes.txt --tokenizer out/llama31 --out data/mydata {PREPARE}",
+        f"jaxlm prepare corpus notes.txt --tokenizer out/llama31 --out data/sft {PREPARE}"],
     "jaxlm train runs/sft/config.json checkpoint.init_from=runs/sft data.dir=data/pairs training.objective=dpo": [
-        "jaxlm prepare preference pairs.jsonl --tokenizer out/llama31 --out data/pairs --max-tokens 32 --val-fraction 0.2 --workers 0 "
-        "--no-progress"],
+        "jaxlm prepare preference pairs.jsonl --tokenizer out/llama31 --out data/pairs --max-tokens 32 "
+        "--val-fraction 0.2 --workers 0 --no-progress"],
     "jaxlm convert from-hf ./Llama-3.1-8B out/l31 --adapter ./peft-adapter": ["cp -r out/peft peft-adapter"],
 }
 
@@ -184,8 +188,8 @@ def free_port() -> int:
 
 
 def serve_until_healthy(argv: list[str], folder: Path) -> None:
-    """`jaxlm serve ...` in its own process until /health answers, then SIGTERM: it must exit 0 (uvicorn's graceful
-    shutdown)."""
+    """`jaxlm serve ...` in its own process until /health answers, then SIGTERM: it must exit as a server stopped
+    by it does (143, after uvicorn's graceful shutdown)."""
     import httpx
 
     uds = next((a.split("=", 1)[1] for a in argv if a.startswith("serve.uds=")), None)
@@ -207,10 +211,19 @@ def serve_until_healthy(argv: list[str], folder: Path) -> None:
         transport = httpx.HTTPTransport(uds=str(folder / "jaxlm.sock")) if uds else None
         with httpx.Client(transport=transport, base_url="http://localhost" if uds else f"http://127.0.0.1:{port}",
                           timeout=30) as c:
-            assert c.get("/health").json() == {"status": "ok"}
+            deadline = time.monotonic() + 30  # "listening on" comes as uvicorn binds: a moment before it accepts
+            while True:
+                try:
+                    health = c.get("/health")
+                    break
+                except httpx.TransportError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.2)
+            assert health.json() == {"status": "ok"}
             assert c.get("/v1/models").json()["data"][0]["id"] == "RUN"
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM  # stopped, after uvicorn's graceful shutdown
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -220,6 +233,7 @@ def serve_until_healthy(argv: list[str], folder: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.in_ci
 def test_readme_commands_run_as_printed(tmp_path, monkeypatch, capsys, shakespeare_file):
+    # 33 commands; about 5 minutes on a 2-core machine shared with other work (load ~8), its own timings printed
     readme = (ROOT / "README.md").read_text()
     errors = expected_errors(readme)
     monkeypatch.chdir(tmp_path)
@@ -232,10 +246,12 @@ def test_readme_commands_run_as_printed(tmp_path, monkeypatch, capsys, shakespea
         capsys.readouterr()
         code = cli.main(argv[1:])
         out, err = capsys.readouterr()
-        return code, out + err
+        run.out = out
+        return code, err
 
-    code, out = run(QUICKSTART)  # `make quickstart`, whose run the README's next commands use
-    assert code == 0, out
+    code, err = run(QUICKSTART)  # `make quickstart`, whose run the README's next commands use
+    assert code == 0, err
+    out = run.out
     assert out.strip().splitlines()[-1].startswith("saved in outputs/RUN; next: jaxlm generate outputs/RUN --prompt "
                                                    "'def ' | jaxlm serve outputs/RUN | jaxlm eval outputs/RUN"), out
     timings = {}

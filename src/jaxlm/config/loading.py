@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from jaxlm.config.model_schema import ModelConfig
 from jaxlm.config.rules import ConfigError
-from jaxlm.config.schema import ALIASES, Config, all_keys, sections, spelled
+from jaxlm.config.schema import ALIASES, PREFERENCE_OBJECTIVES, Config, all_keys, sections, spelled
 from jaxlm.config.validation import validate
 
 def type_name(t) -> str:
@@ -206,6 +206,11 @@ def load(name_or_file: str, overrides: dict[str, Any] | list[str] | None = None)
                            decay_explicit="optimizer.decay_steps" in written)
     if note:
         print(f"note: {note}", file=sys.stderr)
+    if (cfg.training.objective in PREFERENCE_OBJECTIVES and cfg.data.loss_mask == "off"
+            and "data.loss_mask" not in written):
+        # A run's config.json records the mask its data resolved to: `off` after SFT on plain text. Preference
+        # tuning from that config scores the replies its own data's mask marks.
+        cfg = cfg.replace(data=dataclasses.replace(cfg.data, loss_mask="auto"))
     validate(cfg)
     return cfg
 

@@ -160,38 +160,6 @@ class ByteTokenizer(Tokenizer):
         return bytes(int(i) for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's printable stand-in for each byte, as Hugging Face's ByteLevel pre-tokenizer writes bytes."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
-            *range(ord("\u00ae"), ord("\u00ff") + 1)]
-    extra = iter(range(256, 512))
-    return {b: chr(b) if b in keep else chr(next(extra)) for b in range(256)}
-
-
-def hf_tokenizer_files(tok: Tokenizer) -> dict[str, str] | None:
-    """tokenizer.json and tokenizer_config.json that make transformers' AutoTokenizer encode and decode as jaxlm's
-    char or byte tokenizer does (a BPE without merges over the characters, or over the bytes through the ByteLevel
-    pre-tokenizer), for `jaxlm convert to-hf` of a model trained on them; None for other kinds."""
-    kind = tok.spec["kind"]
-    if kind == "byte":
-        vocab = {c: b for b, c in _bytes_to_unicode().items()}
-        pre = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
-        decoder = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
-    elif kind == "char":
-        vocab, pre, decoder = {c: i for i, c in enumerate(tok.chars)}, None, {"type": "Fuse"}
-    else:
-        return None
-    model = {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-             "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
-             "vocab": vocab, "merges": []}
-    spec = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "normalizer": None,
-            "pre_tokenizer": pre, "post_processor": None, "decoder": decoder, "model": model}
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 1_000_000_000,
-              "clean_up_tokenization_spaces": False}
-    return {"tokenizer.json": json.dumps(spec, ensure_ascii=False, indent=1),
-            "tokenizer_config.json": json.dumps(config, indent=2)}
-
-
 class TiktokenTokenizer(Tokenizer):
     """tiktoken BPE: an encoding by name (downloaded once into tiktoken's cache), or a local `.tiktoken` ranks
     file. A file named after a known encoding (cl100k_base.tiktoken) takes that encoding's split pattern and

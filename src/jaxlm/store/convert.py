@@ -309,6 +309,38 @@ def copy_tokenizer(src: Path, dst: Path) -> list[str]:
     return names
 
 
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's printable stand-in for each byte, as Hugging Face's ByteLevel pre-tokenizer writes bytes."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+            *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    extra = iter(range(256, 512))
+    return {b: chr(b) if b in keep else chr(next(extra)) for b in range(256)}
+
+
+def hf_tokenizer_files(tok: tokenizer_lib.Tokenizer) -> dict[str, str] | None:
+    """tokenizer.json and tokenizer_config.json that make transformers' AutoTokenizer encode and decode as jaxlm's
+    char or byte tokenizer does (a BPE without merges over the characters, or over the bytes through the ByteLevel
+    pre-tokenizer), for `jaxlm convert to-hf` of a model trained on them; None for other kinds."""
+    kind = tok.spec["kind"]
+    if kind == "byte":
+        vocab = {c: b for b, c in _bytes_to_unicode().items()}
+        pre = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
+        decoder = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
+    elif kind == "char":
+        vocab, pre, decoder = {c: i for i, c in enumerate(tok.chars)}, None, {"type": "Fuse"}
+    else:
+        return None
+    model = {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+             "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+             "vocab": vocab, "merges": []}
+    spec = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "normalizer": None,
+            "pre_tokenizer": pre, "post_processor": None, "decoder": decoder, "model": model}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 1_000_000_000,
+              "clean_up_tokenization_spaces": False}
+    return {"tokenizer.json": json.dumps(spec, ensure_ascii=False, indent=1),
+            "tokenizer_config.json": json.dumps(config, indent=2)}
+
+
 def write_data_tokenizer(cfg: Config, out: Path) -> list[str]:
     """A run trained on jaxlm's own char or byte vocabulary (the quickstart, shakespeare_char) has no tokenizer
     files: write Hugging Face ones equal to it, from the prepared data's meta.json where it is found."""
@@ -318,7 +350,7 @@ def write_data_tokenizer(cfg: Config, out: Path) -> list[str]:
     spec = json.loads(storage.read_text(meta_file)).get("tokenizer") or {}
     if spec.get("kind") not in ("char", "byte"):
         return []
-    files = tokenizer_lib.hf_tokenizer_files(tokenizer_lib.from_spec(spec))
+    files = hf_tokenizer_files(tokenizer_lib.from_spec(spec))
     for name, text in files.items():
         (out / name).write_text(text)
     return list(files)
