@@ -334,11 +334,12 @@ def tiny_config(data_dir: Path, run_dir: Path | None = None, **overrides) -> con
 # test` (serving, Slurm jobs, the vision-language modules, speculative decoding, the benchmark scripts at tiny
 # sizes, attention, the model, reliability, optimizers, GRPO) and, in `make test-all`, for the slow tier (two-process
 # runs, the 2025 families with experts, pipelines, context parallelism).
-FIRST = ("test_serve", "test_slurm", "test_serve_vision_kinds", "test_speculative", "test_serve_speculative",
-         "test_benchmarks", "test_vision_steps", "test_paged", "test_benchmark_tpu", "test_vision_train_kinds",
-         "test_sharding", "test_rl", "test_expert", "test_parallel", "test_context", "test_attention", "test_model",
-         "test_reliability", "test_optim", "test_trace_purity", "test_serve_hostile", "test_serve_vision",
-         "test_vision_sharded", "test_generate", "test_lora", "test_gpu_benchmark", "test_vision_train")
+FIRST = ("test_readme", "test_serve", "test_slurm", "test_serve_vision_kinds", "test_speculative",
+         "test_serve_speculative", "test_benchmarks", "test_vision_steps", "test_paged", "test_benchmark_tpu",
+         "test_vision_train_kinds", "test_sharding", "test_rl", "test_expert", "test_parallel", "test_context",
+         "test_attention", "test_model", "test_reliability", "test_optim", "test_trace_purity", "test_serve_hostile",
+         "test_serve_vision", "test_vision_sharded", "test_generate", "test_lora", "test_gpu_benchmark",
+         "test_vision_train")
 
 
 def pytest_configure(config):

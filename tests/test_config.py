@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import random
 import subprocess
@@ -196,7 +197,7 @@ def test_a_run_shorter_than_its_presets_warmup_trains_with_the_warmup_cut(tmp_pa
     cfg = config_lib.load("quickstart", ["training.steps=6"])
     assert cfg.optimizer.warmup_steps == 0 and cfg.training.steps == 6
     err = capsys.readouterr().err
-    assert err == ("note: optimizer.warmup_steps=50 is longer than this run's 6 steps of schedule: warmup cut to 0 "
+    assert err == ("note: optimizer.warmup_steps=50 is longer than this run's 6 steps: warmup cut to 0 "
                    "(a tenth of them); set optimizer.warmup_steps to choose\n")
     assert config_lib.load("quickstart", ["training.steps=40"]).optimizer.warmup_steps == 4
     assert config_lib.load("quickstart", ["training.steps=60"]).optimizer.warmup_steps == 50  # long enough: kept
@@ -209,3 +210,44 @@ def test_a_run_shorter_than_its_presets_warmup_trains_with_the_warmup_cut(tmp_pa
         config_lib.load(str(run))
     assert config_lib.load("quickstart", ["training.steps=6", "optimizer.schedule=constant"]).optimizer.warmup_steps \
         == 50  # a constant schedule has no decay to fit in
+
+
+def test_a_short_run_of_a_preset_with_its_own_decay_length_cuts_the_warmup(capsys):
+    # shakespeare_char_cpu sets decay_steps=2000 with its 30-step warmup: `training.steps=6` kept the warmup, and the
+    # learning rate never passed 6/30 of its peak. The run is what is shorter than the warmup, not the decay.
+    cfg = config_lib.load("shakespeare_char_cpu", ["training.steps=6"])
+    assert cfg.optimizer.warmup_steps == 0 and cfg.optimizer.decay_steps == 2000
+    assert capsys.readouterr().err == ("note: optimizer.warmup_steps=30 is longer than this run's 6 steps: warmup cut "
+                                       "to 0 (a tenth of them); set optimizer.warmup_steps to choose\n")
+    assert config_lib.load("shakespeare_char_cpu", ["training.steps=200"]).optimizer.warmup_steps == 30
+    # A decay the user set past the run's end is a longer schedule's first leg: its warmup stays, to resume into.
+    cfg = config_lib.load("shakespeare_char_cpu", ["training.steps=6", "optimizer.decay_steps=1000"])
+    assert cfg.optimizer.warmup_steps == 30 and "note:" not in capsys.readouterr().err
+
+
+def test_a_short_run_from_a_saved_config_json_cuts_the_warmup_it_holds(tmp_path, capsys):
+    # `jaxlm train out/tiny/config.json training.steps=5`: a run's config.json holds every setting jaxlm resolved;
+    # its warmup was refused as if the user had written it. It is cut like a preset's; a file of chosen settings
+    # keeps its warmup (the test above).
+    saved = tmp_path / "config.json"
+    saved.write_text(config_lib.to_json(config_lib.load("quickstart")))
+    capsys.readouterr()
+    cfg = config_lib.load(str(saved), ["training.steps=5"])
+    assert cfg.optimizer.warmup_steps == 0 and cfg.model.d_model == 128 and cfg.optimizer.name == "muon"
+    assert capsys.readouterr().err.startswith("note: optimizer.warmup_steps=50 is longer than this run's 5 steps")
+    with pytest.raises(ConfigError, match=r"^training.steps=5 must be >= optimizer.warmup_steps=10 "):
+        config_lib.load(str(saved), ["training.steps=5", "optimizer.warmup_steps=10"])  # written here: kept
+
+
+def test_preference_tuning_from_a_saved_config_takes_its_datas_mask(tmp_path):
+    # README: `jaxlm train runs/sft/config.json ... data.dir=data/pairs training.objective=dpo` was refused, the SFT
+    # run's config.json holding data.loss_mask=off (what `auto` resolved to on plain text). A mask the user sets is
+    # theirs.
+    saved = tmp_path / "config.json"
+    sft = config_lib.load("quickstart")
+    saved.write_text(config_lib.to_json(sft.replace(data=dataclasses.replace(sft.data, loss_mask="off"))))
+    assert config_lib.load(str(saved), ["training.objective=dpo"]).data.loss_mask == "auto"
+    assert config_lib.load(str(saved)).data.loss_mask == "off"
+    with pytest.raises(ConfigError, match="scores the replies"):
+        config_lib.load(str(saved), ["training.objective=dpo", "data.loss_mask=off"])
+

@@ -36,6 +36,10 @@ CASES = {  # GQA ratios: llama 1 (4 kv heads), mistral 2, llama3 4
                                                         attn_logit_softcapping=2.0, final_logit_softcapping=1.5,
                                                         query_pre_attn_scalar=24),
     "mixtral": lambda: transformers.MixtralConfig(**C, num_key_value_heads=2, num_local_experts=4),
+    # jaxlm's default GPT: rotary, RMSNorm, per-head QK RMSNorm, an ungated GELU MLP
+    "apertus-gelu": lambda: transformers.ApertusConfig(**C, num_key_value_heads=4, hidden_act="gelu",
+                                                       tie_word_embeddings=True,
+                                                       rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
 }
 T = 24  # longer than the Mistral and Gemma 2 windows
 
@@ -176,6 +180,43 @@ def test_sharded_export_reimports_identically(tmp_path):
     convert.from_hf(str(tmp_path / "sharded"), tmp_path / "jx2", log=lambda s: None)
     tokens = np.arange(20).reshape(2, 10)
     np.testing.assert_array_equal(jaxlm.load(tmp_path / "jx").logits(tokens), jaxlm.load(tmp_path / "jx2").logits(tokens))
+
+
+def test_the_quickstarts_run_exports_with_its_tokenizer(tmp_path, shakespeare_file, capsys):
+    # `jaxlm convert to-hf outputs/run1 out/hf` on the quickstart's run (jaxlm's default GPT) was refused as
+    # "model.glu=False cannot be expressed as a Hugging Face qwen3 model"; it exports as Apertus, the architecture
+    # that is that model exactly, with Hugging Face tokenizer files equal to its byte vocabulary.
+    run = tmp_path / "run"
+    code = cli.main(["train", "quickstart", f"data.input={shakespeare_file}", f"data.dir={tmp_path / 'bytes'}",
+                     f"run_dir={run}", "model.n_layers=2", "model.block_size=32", "training.steps=3",
+                     "training.batch_size=8", "training.eval_interval=3",
+                     "training.eval_batches=1", "training.sample_tokens=0", "logging.progress=false",
+                     "logging.tensorboard=false"])
+    assert code == 0
+    code, err = run_cli(["convert", "to-hf", str(run), str(tmp_path / "hf")], capsys)
+    assert code == 0, err
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager").eval()
+    assert type(model).__name__ == "ApertusForCausalLM"
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    text = "def é(x):\n    return x  # ü"
+    ids = tok(text)["input_ids"]
+    assert ids == list(text.encode()) and tok.decode(ids) == text
+    tokens = np.array([ids, ids[::-1]])
+    assert np.abs(hf_logits(model, tokens) - jaxlm.load(run).logits(tokens)).max() <= 1e-4
+
+
+def test_a_model_no_architecture_expresses_is_refused_naming_the_setting(tmp_path):
+    # The default GPT without its QK-norm has no Hugging Face twin: the refusal names the setting that would make it
+    # exportable (the user never chose a family, so "qwen3" alone told them nothing).
+    from jaxlm.config import ModelConfig
+    from jaxlm.families.rules import ConvertError
+
+    with pytest.raises(ConvertError, match=r"^model.qk_norm=False has no equivalent in Hugging Face's apertus, the "
+                                           r"architecture closest to this model \(it would load as True\): a model "
+                                           r"trained with model.qk_norm=True exports; docs/families.md"):
+        convert._family_of(ModelConfig(vocab_size=256, qk_norm=False))
+    assert convert._family_of(ModelConfig(vocab_size=256))[1] == "apertus"
+    assert convert._family_of(ModelConfig(vocab_size=256, glu=True, activation="silu", qk_norm=False))[1] == "llama"
 
 
 @pytest.mark.slow

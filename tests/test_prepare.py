@@ -258,6 +258,57 @@ def test_interrupted_prepare_leaves_nothing_that_looks_finished(tmp_path):
     assert len([n for n in left if n.endswith(".bin")]) >= 5  # it was interrupted after several shards closed
 
 
+def test_a_refused_prepare_leaves_no_files(tmp_path, capsys):
+    # `jaxlm prepare corpus FILE --tokenizer T --out D` on one text file (one document) refused an empty validation
+    # split in one line, but left train-00000.bin behind in the folder it had made.
+    text = tmp_path / "notes.txt"
+    text.write_text("one long document\n" * 200)
+    out = tmp_path / "d"
+    code = cli.main(["prepare", "corpus", str(text), "--tokenizer", "byte", "--out", str(out), "--workers", "0",
+                     "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "the validation split got no documents" in err, err
+    assert "--per-line" in err and "--val" in err  # what to do about it
+    assert not out.exists()
+    corpus([_write(tmp_path / "ok.jsonl", 20)], out)  # a folder that was there keeps what it held, and no shard
+    before = sorted(p.name for p in out.iterdir())
+    with pytest.raises(DataError, match="the validation split got no documents"):
+        prepare.prepare_corpus([str(text)], out, "byte", val_fraction=0.0005, workers=0, progress=False)
+    left = sorted(p.name for p in out.iterdir())
+    assert not [n for n in left if n.startswith(("train-", "val-", ".train-", ".val-"))], left
+    assert "meta.json" not in left and set(left) <= set(before)
+
+
+def test_data_input_never_trains_on_a_folder_prepared_from_another_corpus(tmp_path, monkeypatch, capsys,
+                                                                       shakespeare_file):
+    # After `jaxlm prepare shakespeare_char`, `jaxlm train shakespeare_char_cpu data.input=other.txt` printed
+    # "data data/shakespeare_char: ... vocab 65" and trained on Shakespeare, while config.json named other.txt.
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["prepare", "shakespeare_char", "--input", str(shakespeare_file)]) == 0
+    other = tmp_path / "other.txt"
+    other.write_text("abcabc, another corpus entirely\n" * 300)
+    capsys.readouterr()
+    code = cli.main(["train", "shakespeare_char_cpu", f"data.input={other}", "training.steps=300",
+                     f"run_dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith(f"error: data.input={other} but data/shakespeare_char (data.dataset=shakespeare_char) "
+                          f"was prepared from {shakespeare_file.resolve()}: set data.dir to a new folder"), err
+    # the same file is the folder's own corpus: accepted (as a relative path too)
+    meta = json.loads((tmp_path / "data/shakespeare_char/meta.json").read_text())
+    prepare.check_prepared_from(meta, tmp_path / "data/shakespeare_char", "shakespeare_char", str(shakespeare_file))
+    # data.dir names a new folder: prepared from data.input there, never from the other corpus
+    out = prepare.ensure_prepared("shakespeare_char", tmp_path / "data/other", str(other))
+    assert json.loads((out / "meta.json").read_text())["tokenizer"]["chars"] == "".join(
+        sorted(set(other.read_text())))
+    # the quickstart's byte-level corpus with data.input: the user's text, bytes (it was the stdlib, silently)
+    q = prepare.ensure_prepared("python_stdlib", tmp_path / "data/q", str(other))
+    assert json.loads((q / "meta.json").read_text())["input"]["paths"] == [str(other.resolve())]
+    other.write_text("changed\n")  # the same file since changed: refused too
+    with pytest.raises(DataError, match=r"has 8 bytes but .*data/q was prepared from it when it had 9,600"):
+        prepare.ensure_prepared("python_stdlib", tmp_path / "data/q", str(other))
+
+
 def _write(path, n):
     path.write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(n)))
     return path

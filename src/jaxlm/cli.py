@@ -9,9 +9,10 @@ import os
 import re
 import sys
 import textwrap
+from pathlib import Path
 
 from jaxlm import config as config_lib
-from jaxlm.errors import UserError
+from jaxlm.errors import UserError, require_extra
 
 
 def _train_help() -> str:
@@ -411,11 +412,11 @@ def cmd_eval(argv: list[str]) -> int:
               "train/val loss on the batches training evaluated on, and a sample (training.sample_tokens=0 skips\n"
               "it). Settings override the run's config.json, e.g. model.quantization=int8_weights evaluates and\n"
               "samples with int8-stored weights and prints the float figures beside them.\n"
-              "With --tasks: run lm-evaluation-harness tasks (local task files and data) against the model through\n"
-              "`jaxlm serve` (started here on 127.0.0.1 with serve.*/decode.* settings, or a running one at --url);\n"
-              "docs/serve.md.")
+              "With --tasks: run lm-evaluation-harness tasks (docs/serve.md) against the model through\n"
+              "`jaxlm serve` (started here on 127.0.0.1 with serve.*/decode.* settings, or a running one at --url).")
         return 0 if argv else 2
     if any(a == "--tasks" or a.startswith("--tasks=") for a in argv):
+        require_extra("jaxlm eval --tasks", "eval", *[] if any(a.startswith("--url") for a in argv) else ["serve"])
         from jaxlm.eval import harness
 
         return harness.main(argv)
@@ -445,8 +446,6 @@ def cmd_generate(argv: list[str]) -> int:
                    "(a model with a vision tower; docs/vision.md)")
     p.add_argument("settings", nargs="*", metavar="key=value")
     a, rest = p.parse_known_args(argv)
-    from pathlib import Path
-
     from jaxlm.infer import api, generate
 
     a.settings += rest  # key=value settings may come before or after the options
@@ -528,6 +527,7 @@ def cmd_serve(argv: list[str]) -> int:
               "decode.* give the sampling defaults and the cache length\n"
               "(decode.cache_length, default model.block_size); mesh.* shard the model (docs/serve.md).")
         return 0 if argv else 2
+    require_extra("jaxlm serve", "serve")
     from jaxlm import serve
 
     return serve.run(argv[0], config_lib.parse_overrides(argv[1:]))

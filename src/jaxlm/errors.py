@@ -14,3 +14,23 @@ class UserError(Exception):
         super().__init_subclass__(**kwargs)
         if exit_status is not None:
             cls.exit_status = exit_status
+
+
+class MissingExtra(UserError):
+    """A command needs packages of an optional extra that are not installed."""
+
+
+# The packages of each extra that its commands import (pyproject.toml's extras).
+EXTRA_MODULES = {"serve": ("fastapi", "uvicorn", "orjson"), "eval": ("lm_eval", "httpx")}
+
+
+def require_extra(what: str, *extras: str) -> None:
+    """Raise MissingExtra, naming the install, unless every module of `extras` can be imported: checked before a
+    command loads a model, so that it ends in one line rather than an ImportError minutes later."""
+    import importlib.util
+
+    missing = [m for e in extras for m in EXTRA_MODULES[e] if importlib.util.find_spec(m) is None]
+    if missing:
+        names = ",".join(extras)
+        raise MissingExtra(f"{what} needs {', '.join(missing)}, which are not installed: pip install "
+                           f"'jaxlm[{names}]' (in a clone: pip install -e '.[{names}]')")

@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from jaxlm.config.model_schema import ModelConfig
 from jaxlm.config.rules import ConfigError
-from jaxlm.config.schema import ALIASES, Config, all_keys, sections, spelled
+from jaxlm.config.schema import ALIASES, PREFERENCE_OBJECTIVES, Config, all_keys, sections, spelled
 from jaxlm.config.validation import validate
 
 def type_name(t) -> str:
@@ -176,7 +176,7 @@ def load_base(name_or_file: str, written: set[str] | None = None) -> Config:
             raise ConfigError(f"{name_or_file} must hold a mapping of settings, not {type(data).__name__}")
         base = load_base(data.pop("base"), written) if "base" in data else Config()
         settings = flatten(data)
-        if written is not None:
+        if written is not None and not is_saved_config(data):
             written.update(ALIASES.get(k, k) for k in settings)
         return apply_overrides(base, settings)
     name = name_or_file.replace("-", "_").replace(".", "_")
@@ -188,6 +188,13 @@ def load_base(name_or_file: str, written: set[str] | None = None) -> Config:
     return importlib.import_module(f"{PRESETS}.{name}").config()
 
 
+def is_saved_config(data: dict) -> bool:
+    """Whether a file's settings are a whole Config as jaxlm writes it (a run's config.json, a converted model's):
+    its values were resolved by jaxlm, not chosen for the next run, so none counts as written by the user (a
+    warmup it holds is cut like a preset's: fit_warmup)."""
+    return {f.name for f in dataclasses.fields(Config)} <= set(data)
+
+
 def load(name_or_file: str, overrides: dict[str, Any] | list[str] | None = None) -> Config:
     """Base + overrides, validated."""
     if isinstance(overrides, list):
@@ -195,25 +202,33 @@ def load(name_or_file: str, overrides: dict[str, Any] | list[str] | None = None)
     overrides = overrides or {}
     written = {ALIASES.get(k, k) for k in overrides}
     cfg = apply_overrides(load_base(name_or_file, written), overrides)
-    cfg, note = fit_warmup(cfg, explicit="optimizer.warmup_steps" in written)
+    cfg, note = fit_warmup(cfg, explicit="optimizer.warmup_steps" in written,
+                           decay_explicit="optimizer.decay_steps" in written)
     if note:
         print(f"note: {note}", file=sys.stderr)
+    if (cfg.training.objective in PREFERENCE_OBJECTIVES and cfg.data.loss_mask == "off"
+            and "data.loss_mask" not in written):
+        # A run's config.json records the mask its data resolved to: `off` after SFT on plain text. Preference
+        # tuning from that config scores the replies its own data's mask marks.
+        cfg = cfg.replace(data=dataclasses.replace(cfg.data, loss_mask="auto"))
     validate(cfg)
     return cfg
 
 
-def fit_warmup(cfg: Config, explicit: bool) -> tuple[Config, str | None]:
-    """A run shorter than the warmup it inherited (a preset's, or the default) trains: the warmup is cut to a
-    tenth of the steps the schedule decays over, and the note says so. A warmup the user wrote is kept (and
-    `validate` refuses it if the run is shorter)."""
+def fit_warmup(cfg: Config, explicit: bool, decay_explicit: bool = False) -> tuple[Config, str | None]:
+    """A run shorter than the warmup it inherited (a preset's, the default, or a saved config.json's) trains: the
+    warmup is cut to a tenth of the run (of the steps the schedule decays over when fewer), and the note says so.
+    A warmup the user wrote is kept (and `validate` refuses it if the schedule is shorter), and so is one before a
+    decay the user set past the run's end (a first leg of a longer schedule, resumed later)."""
     o = cfg.optimizer
     decay = o.decay_steps if o.decay_steps is not None else cfg.training.steps
-    if explicit or o.schedule == "constant" or decay >= o.warmup_steps or decay < 0:
+    length = min(decay, cfg.training.steps) if not decay_explicit else decay
+    if explicit or o.schedule == "constant" or length >= o.warmup_steps or length < 0:
         return cfg, None
-    cut = decay // 10
+    cut = length // 10
     return cfg.replace(optimizer=dataclasses.replace(o, warmup_steps=cut)), (
-        f"optimizer.warmup_steps={o.warmup_steps} is longer than this run's {decay} steps of schedule: warmup cut "
-        f"to {cut} (a tenth of them); set optimizer.warmup_steps to choose")
+        f"optimizer.warmup_steps={o.warmup_steps} is longer than this run's {length} steps: warmup cut to {cut} (a "
+        "tenth of them); set optimizer.warmup_steps to choose")
 
 
 def apply_parameter_scale(m: ModelConfig) -> ModelConfig:

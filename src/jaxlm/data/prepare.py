@@ -116,7 +116,8 @@ def prepare_text(files: list[str | Path], out_dir: str | Path, vocab: str = "cha
     source = ", ".join(str(f) for f in files) if len(files) <= 3 else f"{len(files)} files"
     if not text:
         raise DataError(f"no text in {source} ({describe_input(stats, errors)})")
-    extra = {"input": dict(stats, utf8_errors=errors)}
+    # The files' absolute paths: a later `data.input` is checked against them (ensure_prepared).
+    extra = {"input": dict(stats, utf8_errors=errors, paths=[str(Path(f).resolve()) for f in files])}
     if vocab == "char":
         # Code points as one array: sorting and indexing stay in numpy however long the text or its lines.
         points = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
@@ -217,14 +218,20 @@ PREPARERS = {"shakespeare_char", "python_stdlib", "openwebtext"}
 
 
 def ensure_prepared(name: str, out_dir: str | Path, input: str | None = None) -> Path:
-    """Prepare a known dataset into out_dir unless its files are already there; return out_dir."""
+    """Prepare a known dataset into out_dir unless its files are already there; return out_dir. With `input` (the
+    run's data.input), a folder prepared from another corpus, or from the same file since changed, is refused:
+    training on it would train on data the run's config does not name."""
     out_dir = Path(out_dir)
     meta = out_dir / "meta.json"
     if meta.exists() and ((out_dir / "train.bin").exists() or '"splits"' in meta.read_text()):
-        return out_dir  # format 1, or format 2 (`jaxlm prepare corpus|chat`)
+        if input is not None:  # format 1, or format 2 (`jaxlm prepare corpus|chat`)
+            check_prepared_from(json.loads(meta.read_text()), out_dir, name, input)
+        return out_dir
     try:
         if name == "shakespeare_char":
             prepare_shakespeare_char(out_dir, input)
+        elif name == "python_stdlib" and input is not None:  # the preset's byte vocabulary over the user's text
+            prepare_text([input], out_dir, vocab="byte")
         elif name == "python_stdlib":
             prepare_python_stdlib(out_dir)
         elif input is not None:
@@ -237,6 +244,22 @@ def ensure_prepared(name: str, out_dir: str | Path, input: str | None = None) ->
     except DataError as e:  # say which setting led here: the folder may be a default the user never typed
         raise DataError(f"data.dir={out_dir} (data.dataset={name}): {e}") from None
     return out_dir
+
+
+def check_prepared_from(meta: dict, out_dir: Path, name: str, input: str) -> None:
+    """Refuse a prepared folder whose corpus is not the file `input` as it is now (meta.json's input paths, or its
+    source for folders prepared before those were recorded; the byte count where recorded)."""
+    want = Path(input).resolve()
+    recorded = meta.get("input", {}).get("paths") or [meta.get("source", "")]
+    fix = (f"set data.dir to a new folder (prepared from {input} on first use) or remove {out_dir} to prepare it "
+           "again")
+    if recorded != [str(want)] and [Path(p).resolve() for p in recorded] != [want]:
+        raise DataError(f"data.input={input} but {out_dir} (data.dataset={name}) was prepared from "
+                        f"{', '.join(recorded) if len(recorded) <= 3 else f'{len(recorded)} files'}: {fix}")
+    size = meta.get("input", {}).get("bytes")
+    if want.is_file() and size is not None and want.stat().st_size != size:
+        raise DataError(f"data.input={input} has {want.stat().st_size:,} bytes but {out_dir} was prepared from it "
+                        f"when it had {size:,}: {fix}")
 
 
 def describe(meta: dict) -> str:
@@ -256,7 +279,24 @@ def _clear_shards(out: Path) -> None:
             p.unlink()
 
 
-def write_dataset(out_dir: str | Path, tok, splits: dict, kind: str = "text", workers: int | None = None,
+def write_dataset(out_dir: str | Path, *args, **kwargs) -> dict:
+    """_write_dataset, leaving nothing behind when the corpus is refused (a DataError: no documents, an empty
+    validation split, a token id past the vocabulary): the shards written so far are removed, and the folder too
+    when this prepare made it and nothing else is in it. (An interrupted prepare leaves its folder unprepared, as
+    shards.begin says, for a rerun or a Ray resume to take over.)"""
+    created = not Path(out_dir).exists()
+    try:
+        return _write_dataset(out_dir, *args, **kwargs)
+    except DataError:
+        out = Path(out_dir)
+        if out.is_dir():
+            _clear_shards(out)
+            if created and not any(out.iterdir()):
+                out.rmdir()
+        raise
+
+
+def _write_dataset(out_dir: str | Path, tok, splits: dict, kind: str = "text", workers: int | None = None,
                   shard_tokens: int | None = None, vocab_size: int | None = None, max_tokens: int | None = None,
                   val_fraction: float = 0.0, chat_template: str | None = None, progress: bool = True,
                   stats: collections.Counter | None = None, extra: dict | None = None, drop_long: bool = True,

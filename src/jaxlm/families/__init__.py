@@ -5,12 +5,13 @@ the tensors of its checkpoints with the layout change between their names and sh
 from __future__ import annotations
 
 from jaxlm.config import ModelConfig
-from jaxlm.families import deepseek, gemma, gpt2, gpt_oss, llama, llama4, qwen3_vl, qwen_vl
+from jaxlm.families import apertus, deepseek, gemma, gpt2, gpt_oss, llama, llama4, qwen3_vl, qwen_vl
 from jaxlm.families.rules import ConvertError
 
 # The one list, in the order for_config asks: llama last, since it answers any config; qwen_vl and qwen3_vl before
-# gemma, which answers any model with a vision tower.
-FAMILIES = (gpt2, deepseek, gpt_oss, llama4, qwen_vl, qwen3_vl, gemma, llama)
+# gemma, which answers any model with a vision tower; apertus (a plain, ungated MLP: jaxlm's default GPT) after the
+# families whose options it does not have.
+FAMILIES = (gpt2, deepseek, gpt_oss, llama4, qwen_vl, qwen3_vl, gemma, apertus, llama)
 
 
 def for_model_type(model_type: str | None):

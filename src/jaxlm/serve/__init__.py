@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -92,7 +93,11 @@ def build(src: str | Path, cfg: Config, log: Callable[[str], None] = print):
     engines = [Engine(params, m, each, length, quantize_kv_cache=d.quantize_kv_cache, cache_pages=pages, draft=draft,
                       mesh=model.mesh, rules=sharding.rules_from_config(cfg.mesh)) for _ in range(R)]
     engine = engines[0] if R == 1 else Replicas(engines)
+    log(f"jaxlm serve: compiling the prefill and decode programs of {name} (a minute or two on a CPU the first time; "
+        f"compile.cache_dir keeps them for the next start)")
+    started = time.perf_counter()
     engine.warm_up()
+    compiled_s = time.perf_counter() - started
     engine.start()
     api_key = api_key_of(sc)
     served = Served(engine, tok.encode, lambda text: api.encode_prompt(tok, text), tok.encode_rendered,
@@ -113,7 +118,7 @@ def build(src: str | Path, cfg: Config, log: Callable[[str], None] = print):
         f"{sc.prefill_chunk} | prefix cache {sc.prefix_cache or 'off'} | "
         f"{'LoRA adapters ' + ','.join(names) + ' | ' if names else ''}"
         f"{f'draft {d.draft} proposing {draft.k} tokens | ' if draft else ''}"
-        f"{'API key required' if api_key else 'no API key'}")
+        f"{'API key required' if api_key else 'no API key'} | compiled in {compiled_s:.0f} s")
     if not sc.uds and (warning := exposure_warning(sc.host, api_key)) is not None:
         log(warning)
     return served

@@ -140,7 +140,18 @@ def _manager(ckpt_dir: str, **options) -> ocp.CheckpointManager:
     finished step with a commit file (its own choice for gs://, made explicit for s3://)."""
     if storage.local_path(ckpt_dir) is None:
         options["atomicity_options"] = ocp.options.AtomicityOptions(mode=ocp.options.AtomicityMode.COMMIT_FILE)
-    return ocp.CheckpointManager(storage.orbax_dir(ckpt_dir), options=ocp.CheckpointManagerOptions(**options))
+    if not options.get("read_only"):
+        return ocp.CheckpointManager(storage.orbax_dir(ckpt_dir), options=ocp.CheckpointManagerOptions(**options))
+    # Orbax warns "Given directory is read only" for every manager that only reads: every `jaxlm eval`, `generate`
+    # and `serve` printed it, as if something were wrong. Its warnings are let through again at once.
+    from absl import logging as absl_logging
+
+    level = absl_logging.get_verbosity()
+    absl_logging.set_verbosity(absl_logging.ERROR)
+    try:
+        return ocp.CheckpointManager(storage.orbax_dir(ckpt_dir), options=ocp.CheckpointManagerOptions(**options))
+    finally:
+        absl_logging.set_verbosity(level)
 
 
 def _all_finite_fn():

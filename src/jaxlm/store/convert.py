@@ -24,8 +24,8 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from jaxlm import config as config_lib, families, params as P
-from jaxlm.data import hf_folder
+from jaxlm import config as config_lib, families, params as P, storage
+from jaxlm.data import hf_folder, tokenizer as tokenizer_lib
 from jaxlm.data.errors import DataError
 from jaxlm.store import weights
 from jaxlm.config import Config, ModelConfig
@@ -158,8 +158,10 @@ def _family_of(cfg: ModelConfig):
         if resolved and getattr(cfg, resolved) == getattr(back, resolved):
             continue
         if mine != theirs:
-            raise ConvertError(f"model.{f.name}={mine!r} cannot be expressed as a Hugging Face {model_type} model "
-                               f"(it would load as {theirs!r}); only models of a supported family can be exported")
+            raise ConvertError(f"model.{f.name}={mine!r} has no equivalent in Hugging Face's {model_type}, the "
+                               f"architecture closest to this model (it would load as {theirs!r}): a model trained "
+                               f"with model.{f.name}={theirs} exports; docs/families.md lists the families and their "
+                               "settings")
     return fam, model_type
 
 
@@ -318,6 +320,53 @@ def copy_tokenizer(src: Path, dst: Path) -> list[str]:
     return names
 
 
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's printable stand-in for each byte, as Hugging Face's ByteLevel pre-tokenizer writes bytes."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+            *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    extra = iter(range(256, 512))
+    return {b: chr(b) if b in keep else chr(next(extra)) for b in range(256)}
+
+
+def hf_tokenizer_files(tok: tokenizer_lib.Tokenizer) -> dict[str, str] | None:
+    """tokenizer.json and tokenizer_config.json that make transformers' AutoTokenizer encode and decode as jaxlm's
+    char or byte tokenizer does (a BPE without merges over the characters, or over the bytes through the ByteLevel
+    pre-tokenizer), for `jaxlm convert to-hf` of a model trained on them; None for other kinds."""
+    kind = tok.spec["kind"]
+    if kind == "byte":
+        vocab = {c: b for b, c in _bytes_to_unicode().items()}
+        pre = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
+        decoder = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
+    elif kind == "char":
+        vocab, pre, decoder = {c: i for i, c in enumerate(tok.chars)}, None, {"type": "Fuse"}
+    else:
+        return None
+    model = {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+             "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+             "vocab": vocab, "merges": []}
+    spec = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "normalizer": None,
+            "pre_tokenizer": pre, "post_processor": None, "decoder": decoder, "model": model}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 1_000_000_000,
+              "clean_up_tokenization_spaces": False}
+    return {"tokenizer.json": json.dumps(spec, ensure_ascii=False, indent=1),
+            "tokenizer_config.json": json.dumps(config, indent=2)}
+
+
+def write_data_tokenizer(cfg: Config, out: Path) -> list[str]:
+    """A run trained on jaxlm's own char or byte vocabulary (the quickstart, shakespeare_char) has no tokenizer
+    files: write Hugging Face ones equal to it, from the prepared data's meta.json where it is found."""
+    meta_file = storage.join(cfg.data.dir or f"data/{cfg.data.dataset}", "meta.json")
+    if not storage.exists(meta_file):
+        return []
+    spec = json.loads(storage.read_text(meta_file)).get("tokenizer") or {}
+    if spec.get("kind") not in ("char", "byte"):
+        return []
+    files = hf_tokenizer_files(tokenizer_lib.from_spec(spec))
+    for name, text in files.items():
+        (out / name).write_text(text)
+    return list(files)
+
+
 # ---- export ---------------------------------------------------------------------------------------------------
 
 def to_hf(path: str | Path, out: str | Path, dtype: str | None = None, shard_bytes: int = 5 * 2**30,
@@ -358,7 +407,7 @@ def to_hf(path: str | Path, out: str | Path, dtype: str | None = None, shard_byt
         (out / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     tok = weights.tokenizer_source(Path(path), cfg)
-    copied = copy_tokenizer(tok, out) if tok else []
+    copied = copy_tokenizer(tok, out) if tok else write_data_tokenizer(cfg, out)
     source = hf_folder.read_json(tok.parent / "hf_config.json") if tok else None
     hf_cfg = export_config(fam.config_to_hf(cfg.model, model_type), source, fam.config_from_hf)
     hf_cfg["dtype"] = hf_cfg["torch_dtype"] = out_dtype.name

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shlex
 import time
 from pathlib import Path
 from typing import Callable
@@ -455,7 +456,17 @@ def train(cfg: Config, devices=None, log: Callable[[str], None] = print) -> dict
         (log if main_process else print)(
             f"process {jax.process_index()}: stopped for preemption after step {preempted_at}; its checkpoint "
             f"is committed in {storage.join(checkpointer.dir, str(preempted_at))}")
-    return _finish(run, state, frozen, start, preempted_at, out, (peak, peak_source, flops_per_token), log)
+    summary = _finish(run, state, frozen, start, preempted_at, out, (peak, peak_source, flops_per_token), log)
+    if checkpointer and preempted_at is None:
+        log(next_commands(run_dir, t_cfg.sample_prompt))
+    return summary
+
+
+def next_commands(run_dir, prompt: str) -> str:
+    """The closing line of a finished run: where it is, and the commands that use it (README, Quickstart)."""
+    d = shlex.quote(str(run_dir))
+    return (f"saved in {run_dir}; next: jaxlm generate {d} --prompt {shlex.quote(prompt)} | jaxlm serve {d} | "
+            f"jaxlm eval {d} | jaxlm convert to-hf {d} OUT")
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
