@@ -87,7 +87,7 @@ def memorized(tmp_path_factory):
 @pytest.fixture(scope="module")
 def text_server(memorized):
     """The char model's server, with `slow`: set, each engine turn takes 0.2 s longer (an answer to stop midway)."""
-    cfg = serve.settings_config({"serve.max_slots": 4, "serve.chat_template": str(memorized / "chat.jinja"),
+    cfg = serve.settings_config({"serve.max_slots": 2, "serve.chat_template": str(memorized / "chat.jinja"),
                                  "serve.model_name": "tiny", "stop_at_eos": False})
     served = serve.build(memorized / "run", cfg, log=lambda s: None)
     slow = threading.Event()
@@ -100,8 +100,9 @@ def text_server(memorized):
 
 @pytest.fixture(scope="module")
 def vlm_server(vlm):
-    """The random Gemma 3 VLM of tests/test_serve_vision.py (its images 0.png, 1.png), with the API key "k1"."""
-    srv = start(vlm, **{"serve.api_key": "k1"})
+    """The random Gemma 3 VLM of tests/test_serve_vision.py (its images 0.png, 1.png), with the API key "k1": the
+    settings of that module's `paged` server, whose compiled programs the session's compilation cache then holds."""
+    srv = start(vlm, **{"serve.page_size": 4, "serve.max_image_pixels": 5000, "serve.api_key": "k1"})
     srv.folder = vlm
     yield srv
     srv.stop()
@@ -266,15 +267,25 @@ def test_stop_ends_the_answer_and_frees_its_slot(browser, text_server):
     got = stored(browser)["messages"][1]
     assert got["stopped"] and 0 < len(got["content"]) < len(ANSWER) and ANSWER.startswith(got["content"])
     assert browser.find_element("id", "send").is_displayed() and not browser.find_element("id", "stop").is_displayed()
+    screenshot(browser, "chat-stopped.png")
 
 
-def test_an_image_for_a_text_model_is_refused_with_the_servers_reason(browser, text_server, tmp_path):
+def test_an_image_for_a_text_model_and_a_bad_request_show_one_line(browser, text_server, tmp_path):
+    """An image picked for a text model is refused on the page with the server's reason; a message the server
+    answers 400 (a character outside the char model's vocabulary) shows the server's message, and goes back to the
+    message box to be fixed."""
     open_page(browser, url(text_server), "tiny")
+    browser.find_element("id", "new").click()
     (tmp_path / "red.png").write_bytes(png((255, 0, 0)))
     browser.find_element("id", "file").send_keys(str(tmp_path / "red.png"))
     line = wait(lambda: text(browser, "#error"), "the error line")
     assert line == "Images cannot be sent: this model has no vision tower"
     assert not find(browser, "#images img")
+    say(browser, "hi Zed")
+    line = wait(lambda: (t := text(browser, "#error")).startswith("Error 400") and t, "the 400 line")
+    assert re.fullmatch(r"Error 400: the prompt cannot be tokenized: .*'Z'.*", line), line
+    assert not find(browser, ".msg") and browser.find_element("id", "input").get_attribute("value") == "hi Zed"
+    screenshot(browser, "chat-error.png")
 
 
 def test_a_vision_model_behind_a_key_answers_an_image(browser, vlm_server):
@@ -287,6 +298,7 @@ def test_a_vision_model_behind_a_key_answers_an_image(browser, vlm_server):
         if key == "wrong":
             line = wait(lambda: text(browser, "#error"), "the error line")
             assert line == "Error 401: missing or wrong API key: send the header Authorization: Bearer KEY"
+            screenshot(browser, "chat-key.png")
     wait(lambda: text(browser, "#model") == "jx", "the model's name")
     assert not browser.find_element("id", "keybar").is_displayed() and not text(browser, "#error")
     assert browser.execute_script("return sessionStorage.getItem('jaxlm.key')") == "k1"

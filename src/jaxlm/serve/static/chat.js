@@ -51,7 +51,9 @@ async function errorLine(response) {
 
 async function connect() {
   const response = await fetch("v1/models", {headers: authorized()}).catch((e) => e);
-  if (!(response instanceof Response)) return showError(`the server cannot be reached: ${response.message}`);
+  model = null;
+  $("model").textContent = "not connected";
+  if (!(response instanceof Response)) return showError(`the server cannot be reached (${response.message})`);
   $("keybar").hidden = response.status !== 401;
   if (!response.ok) return showError(await errorLine(response));
   model = (await response.json()).data[0];
@@ -228,6 +230,7 @@ async function send() {
     }
     answer.done = true;
   } catch (e) {
+    if (e.name === "TypeError") e.message = `the server cannot be reached (${e.message})`;
     if (e.name === "AbortError") {
       answer.stopped = true;
     } else if (!answer.content) {  // nothing came: the message goes back to the box, to fix and send again
