@@ -3,8 +3,9 @@ selenium (`make browser` installs them, and socat), against servers of two tiny 
 answer holding Markdown and a <script> element by heart, and the random Gemma 3 vision-language model of
 tests/test_serve_vision.py behind an API key. The page's streamed answer equals the API's greedy answer to the
 request the page sent (read from the browser's network log), the script renders as text, Stop frees the slot, a
-reload keeps the conversation, an image (file picker and paste) is answered, a wrong key and an image for the text
-model show one line, and the page works over serve.uds through the socat line `jaxlm serve` prints. Screenshots of
+reload keeps the conversation, an image (file picker and paste) is answered, a wrong key, a 400, an error event
+mid-stream and an image for the text model show one line, the page's headers and same-origin rule hold, and the page
+works over serve.uds through the socat line `jaxlm serve` prints. Screenshots of
 the page go to outputs/browser/ (JAXLM_TEST_ARTIFACTS names another folder)."""
 
 import base64
@@ -268,6 +269,38 @@ def test_stop_ends_the_answer_and_frees_its_slot(browser, text_server):
     assert got["stopped"] and 0 < len(got["content"]) < len(ANSWER) and ANSWER.startswith(got["content"])
     assert browser.find_element("id", "send").is_displayed() and not browser.find_element("id", "stop").is_displayed()
     screenshot(browser, "chat-stopped.png")
+
+
+def test_an_error_event_mid_stream_shows_its_line(browser, text_server, monkeypatch):
+    """The decode program fails (an injected fault) while an answer streams: the stream's error event shows in the
+    error line, the answer keeps what came, marked failed, and the next message is answered as before."""
+    from jaxlm.serve import programs
+
+    real, fail = programs.paged_decode_loop, threading.Event()
+
+    def failing(*args, **kw):
+        if fail.is_set():
+            fail.clear()
+            raise RuntimeError("injected fault")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(programs, "paged_decode_loop", failing)
+    open_page(browser, url(text_server), "tiny")
+    browser.find_element("id", "new").click()
+    set_field(browser, "max_tokens", len(ANSWER))
+    text_server.slow.set()
+    try:
+        say(browser, "hi")
+        wait(lambda: text(browser, ".msg.assistant .body"), "the answer's first tokens")
+        fail.set()
+        line = wait(lambda: text(browser, "#error"), "the error line")
+    finally:
+        text_server.slow.clear()
+    assert line.startswith("the answer stopped with an error: generation failed: "), line
+    assert text(browser, ".msg.assistant .stats") == "failed"
+    say(browser, "hi")
+    wait(lambda: len(texts(browser, ".msg.assistant .stats")) == 2, "the next answer")
+    assert stored(browser)["messages"][-1]["content"] == ANSWER and not text(browser, "#error")
 
 
 def test_an_image_for_a_text_model_and_a_bad_request_show_one_line(browser, text_server, tmp_path):

@@ -239,8 +239,8 @@ async function send() {
       pending = user.images;
       renderPending();
       showError(e.message);
-    } else {
-      answer.error = true;
+    } else {  // shown, but left out of the conversation the model sees
+      user.error = answer.error = true;
       showError(e.message);
     }
   }
