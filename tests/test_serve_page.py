@@ -345,7 +345,8 @@ def test_a_vision_model_behind_a_key_answers_an_image(browser, vlm_server):
         const bytes = Uint8Array.from(atob(arguments[0]), (c) => c.charCodeAt(0));
         const data = new DataTransfer();
         data.items.add(new File([bytes], "pasted.png", {type: "image/png"}));
-        document.getElementById("input").dispatchEvent(new ClipboardEvent("paste", {clipboardData: data, bubbles: true}));
+        const paste = new ClipboardEvent("paste", {clipboardData: data, bubbles: true});
+        document.getElementById("input").dispatchEvent(paste);
     """, pasted)
     wait(lambda: len(find(browser, "#images img")) == 2, "the pasted image's thumbnail")
     find(browser, "#images img")[1].click()  # removed again

@@ -125,7 +125,8 @@ function stats(m) {
   if (m.error) return "failed";
   const parts = m.stopped ? ["stopped"] : [];
   if (m.tokens) parts.push(`${m.tokens} tokens`);
-  if (m.tokens > 1 && m.last > m.first) parts.push(`${((m.tokens - 1) / (m.last - m.first) * 1000).toFixed(1)} tokens/s`);
+  const rate = (m.tokens - 1) / (m.last - m.first) * 1000;  // after the first token
+  if (m.tokens > 1 && m.last > m.first) parts.push(`${rate.toFixed(1)} tokens/s`);
   if (m.first !== undefined) parts.push(`first token in ${Math.round(m.first)} ms`);
   return parts.join(" · ");
 }
@@ -153,7 +154,9 @@ function renderLast() {
 
 function renderPending() {
   $("images").replaceChildren();
-  for (const url of pending) Object.assign(el($("images"), "img"), {src: url, alt: "image to send", title: "click to remove"});
+  for (const url of pending) {
+    Object.assign(el($("images"), "img"), {src: url, alt: "image to send", title: "click to remove"});
+  }
 }
 
 function apiMessages() {
@@ -231,14 +234,14 @@ async function send() {
     answer.done = true;
   } catch (e) {
     if (e.name === "TypeError") e.message = `the server cannot be reached (${e.message})`;
-    if (e.name === "AbortError") {
-      answer.stopped = true;
-    } else if (!answer.content) {  // nothing came: the message goes back to the box, to fix and send again
-      chat.messages.splice(-2);
+    if (!answer.content) {  // nothing came: the message goes back to the box, to fix (or stop) and send again
+      chat.messages = chat.messages.filter((m) => m !== user && m !== answer);
       $("input").value = text;
       pending = user.images;
       renderPending();
-      showError(e.message);
+      if (e.name !== "AbortError") showError(e.message);
+    } else if (e.name === "AbortError") {
+      answer.stopped = true;
     } else {  // shown, but left out of the conversation the model sees
       user.error = answer.error = true;
       showError(e.message);
