@@ -1,8 +1,8 @@
 """The HTTP API: OpenAI-compatible /v1/models, /v1/completions and /v1/chat/completions (streamed as server-sent
-events with `stream: true`), /tokenize, /health and /metrics (Prometheus text), over the engine's slots, and the chat page at / (chat_page.py). A request
-passes guard.py's Guard, is read and validated (schemas.py), and its prompts are tokenized and bounded here; its
-choices are queued, waited for or streamed by choices.py. Work on large bodies, texts and answers runs in a worker
-thread, so that no request holds the event loop (other streams' tokens) for long.
+events with `stream: true`), /tokenize, /health and /metrics (Prometheus text), over the engine's slots, and the
+chat page at / (chat_page.py). A request passes guard.py's Guard, is read and validated (schemas.py), and its prompts
+are tokenized and bounded here; its choices are queued, waited for or streamed by choices.py. Work on large bodies,
+texts and answers runs in a worker thread, so that no request holds the event loop (other streams' tokens) for long.
 """
 
 from __future__ import annotations

@@ -28,9 +28,11 @@ def add_routes(app) -> None:
     from fastapi.responses import Response
 
     folder = resources.files("jaxlm.serve") / "static"
+
     def answer(body: bytes, media_type: str):
         async def page():
             return Response(body, media_type=media_type, headers=HEADERS)
+
         return page
 
     for path, (name, media_type) in FILES.items():

@@ -63,8 +63,8 @@ class Guard:
     127.0.0.1 sends its own name: refused, 403), a browser's cross-origin request refused unless its Origin is
     allowed or the chat page's own (403), the API key (every path but /health and the chat page's; 401), the body
     limit (413: a Content-Length past it is refused before the body is read, a body without one when it grows past
-    it; see _too_large), and the count of error answers (every answer goes out through its `send`). Plain ASGI rather than Starlette's
-    BaseHTTPMiddleware, which would hide a client's disconnect from streaming answers."""
+    it; see _too_large), and the count of error answers (every answer goes out through its `send`). Plain ASGI
+    rather than Starlette's BaseHTTPMiddleware, which would hide a client's disconnect from streaming answers."""
 
     def __init__(self, app, served: Served):
         self.app, self.s = app, served
