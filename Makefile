@@ -12,7 +12,7 @@ TEST_WORKERS ?= 2
 # (the jaxlm command sets this itself; scripts and tests started from here get it too).
 export GLIBC_TUNABLES := glibc.malloc.hugetlb=1
 
-.PHONY: quickstart test test-all test-tpu bench clean slurm
+.PHONY: quickstart test test-all test-tpu bench clean slurm browser
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -37,6 +37,16 @@ slurm:
 	  apt-get install -y -qq --no-install-recommends slurm-wlm munge >/dev/null 2>&1; } || \
 	echo "make slurm: could not install slurm-wlm and munge (needs root and apt); the Slurm tests will fail"
 
+# tests/test_serve_page.py drives the chat page of `jaxlm serve` in a real headless Chromium: Debian's chromium and
+# chromium-driver (selenium, in the dev extra, drives them), and socat, which forwards a TCP port to serve.uds's socket
+# as `jaxlm serve` prints; installed here when missing (as root, as CI runs; elsewhere the browser test says what is
+# missing).
+browser:
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null && command -v socat >/dev/null || \
+	{ export DEBIAN_FRONTEND=noninteractive; apt-get update -qq >/dev/null && \
+	  apt-get install -y -qq --no-install-recommends chromium chromium-driver socat >/dev/null 2>&1; } || \
+	echo "make browser: could not install chromium, chromium-driver and socat (needs root and apt); the browser test will fail"
+
 quickstart: $(VENV)/.installed
 	$(VENV)/bin/jaxlm train quickstart
 
@@ -53,10 +63,10 @@ quickstart: $(VENV)/.installed
 PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --max-worker-restart=0 \
 	--durations=25
 
-test: $(VENV)/.installed-test slurm
+test: $(VENV)/.installed-test slurm browser
 	$(PYTEST) -m "(not slow or in_ci) and not tpu"
 
-test-all: $(VENV)/.installed-test slurm
+test-all: $(VENV)/.installed-test slurm browser
 	$(PYTEST) -m "not tpu"
 
 # `make test-tpu`: the TPU tier (tests/test_tpu_*.py, marked `tpu`) on a TPU machine whose Python already has JAX

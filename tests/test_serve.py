@@ -1131,7 +1131,8 @@ def free_port():
 @pytest.mark.parametrize("over", ["tcp", "uds"])
 def test_cli_serves_with_an_api_key_from_the_environment(trained, over, tmp_path):
     """`jaxlm serve` on a TCP port, or on a unix socket (serve.uds) where a killed server left its socket file:
-    the start-up line names where it listens; the socket file is gone after the server stops."""
+    the start-up lines name where it listens and how a browser reaches the chat page (test_serve_page.py runs the
+    socat line); the socket file is gone after the server stops."""
     sock = tmp_path / "jaxlm.sock"
     if over == "uds":
         with socket.socket(socket.AF_UNIX) as stale:
@@ -1161,7 +1162,11 @@ def test_cli_serves_with_an_api_key_from_the_environment(trained, over, tmp_path
         proc.terminate()
         proc.wait(timeout=30)
         h.close()
-    assert listening in proc.stderr.read()
+    printed = proc.stderr.read()
+    assert listening in printed
+    assert (f"chat page: a browser needs TCP: forward a port to the socket, `socat TCP-LISTEN:8000,bind=127.0.0.1,"
+            f"reuseaddr,fork UNIX-CONNECT:{sock}`" if over == "uds" else f"chat page: http://127.0.0.1:{port}/\n") \
+        in printed
     assert not sock.exists()
 
 

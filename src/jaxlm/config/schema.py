@@ -391,6 +391,8 @@ class ServeConfig:
                                         "answered 400", rule=at_least(0, "0 = no images"))
     max_image_pixels: int = _f(33_554_432, "pixels (width x height) of one image at most, checked before it is "
                                            "decoded; larger ones are answered 400", rule=at_least(1))
+    ui: bool = _f(True, "answer GET / with a chat page (static files in the package, talking to this server's "
+                        "/v1/chat/completions; served without the API key, which its API calls need); false = none")
     replicas: int = _f(1, "engines over the same weights on one device, each with max_slots / replicas slots, its "
                           "own KV cache and thread; a request goes to the least busy. XLA:CPU runs one decode "
                           "program on about one core, so on a CPU host two replicas use two (docs/serve.md); keep "

@@ -4,8 +4,8 @@ engine.py owns the device (decode slots sharing one KV cache, cache.py) and serv
 scores with programs.py's device programs, chunk.py prefills prompts into their slots a chunk at a time, pages.py
 and prefix_cache.py share prompts' keys and values, replicas.py runs several engines side by side as one
 (serve.replicas), schemas.py validates requests, app.py is the HTTP API (routes; guard.py in front, choices.py
-streaming the answers), protocol.py bounds connections; this module builds them from a model folder and settings,
-and runs the server (uvicorn).
+streaming the answers, chat_page.py the chat page at /), protocol.py bounds connections; this module builds them from
+a model folder and settings, and runs the server (uvicorn).
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def build(src: str | Path, cfg: Config, log: Callable[[str], None] = print):
                     chat_template(model, sc.chat_template), api_key, tok.bos_id, tok.eos_id,
                     allowed_hosts(sc), frozenset(o.strip() for o in sc.allowed_origins.split(",") if o.strip()),
                     int(sc.max_body_mb * 2**20), length * (longest_token(tok) + 1), names,
-                    sc.max_tokenize_chars, *image_serving(model, tok, sc, draft))
+                    sc.max_tokenize_chars, *image_serving(model, tok, sc, draft), ui=sc.ui)
     replicas = f" in {R} replicas" if R > 1 else ""
     if sc.page_size:
         per_page = paged.bytes_per_token(m, d.quantize_kv_cache) * sc.page_size
@@ -316,7 +316,7 @@ def run(src: str, overrides: dict) -> int:
     """`jaxlm serve SRC [key=value ...]`: serve until interrupted."""
     import uvicorn
 
-    from jaxlm.serve import protocol
+    from jaxlm.serve import chat_page, protocol
     from jaxlm.serve.app import create_app
 
     cfg = settings_config(overrides)
@@ -330,6 +330,8 @@ def run(src: str, overrides: dict) -> int:
     gc.collect()
     gc.freeze()
     print(f"listening on {address(sc)}", file=sys.stderr, flush=True)
+    if (page := chat_page.address_line(sc)) is not None:
+        print(page, file=sys.stderr, flush=True)
     # uvicorn shuts down gracefully on SIGTERM, then raises it again: here as SystemExit, so that the engine stops
     # and uvicorn.run removes serve.uds's socket file (the signal's default action would end the process first).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))

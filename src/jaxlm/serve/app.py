@@ -1,8 +1,8 @@
 """The HTTP API: OpenAI-compatible /v1/models, /v1/completions and /v1/chat/completions (streamed as server-sent
-events with `stream: true`), /tokenize, /health and /metrics (Prometheus text), over the engine's slots. A request
-passes guard.py's Guard, is read and validated (schemas.py), and its prompts are tokenized and bounded here; its
-choices are queued, waited for or streamed by choices.py. Work on large bodies, texts and answers runs in a worker
-thread, so that no request holds the event loop (other streams' tokens) for long.
+events with `stream: true`), /tokenize, /health and /metrics (Prometheus text), over the engine's slots, and the
+chat page at / (chat_page.py). A request passes guard.py's Guard, is read and validated (schemas.py), and its prompts
+are tokenized and bounded here; its choices are queued, waited for or streamed by choices.py. Work on large bodies,
+texts and answers runs in a worker thread, so that no request holds the event loop (other streams' tokens) for long.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 from starlette.requests import ClientDisconnect
 
-from jaxlm.serve import images, schemas
+from jaxlm.serve import chat_page, images, schemas
 from jaxlm.serve.choices import (Choice, completion_logprobs, event_stream, request_id, score_prompts, start_choices,
                                  usage_counts, wait_choices)
 from jaxlm.serve.guard import Gone, Guard, json_error
@@ -52,6 +52,8 @@ def create_app(s: Served) -> FastAPI:
     _info_routes(app, s)
     _completion_route(app, s)
     _chat_route(app, s)
+    if s.ui:
+        chat_page.add_routes(app)
     return app
 
 
@@ -65,7 +67,8 @@ def _info_routes(app: FastAPI, s: Served) -> None:
     @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models():
         common = {"object": "model", "created": 0, "owned_by": "jaxlm", "max_model_len": s.engine.S,
-                  "bos_token_id": s.bos_id, "eos_token_id": s.eos_id}
+                  "bos_token_id": s.bos_id, "eos_token_id": s.eos_id, "images": s.images is not None,
+                  "images_refused": None if s.images is not None else s.images_refused}
         return {"object": "list", "data": [{"id": s.name, **common}] + [
             {"id": name, **common, "parent": s.name} for name in s.adapters]}
 

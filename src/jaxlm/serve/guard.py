@@ -9,8 +9,9 @@ import hmac
 
 from fastapi.responses import JSONResponse
 
+from jaxlm.serve import chat_page
 from jaxlm.serve.schemas import error_body
-from jaxlm.serve.served import Served
+from jaxlm.serve.served import LOOPBACK_HOSTS, Served
 
 # After a 413 the rest of the body is read and thrown away before the connection closes (nginx's lingering close),
 # at most this many bytes, for at most LINGER_S (nginx's lingering_time) while the client sends something every
@@ -45,13 +46,25 @@ def host_name(header: bytes) -> str:
     return name if name and port.isdigit() else host
 
 
+def same_origin(origin: bytes, host: bytes, named: bool) -> bool:
+    """Whether a browser's request comes from a page this server served (the chat page, chat_page.py): its Origin
+    is http(s)://HOST with HOST as the request's Host header has it, and that name is one the server answers to
+    by name (`named`: the Host was checked against serve.allowed_hosts or the loopback names) or a loopback name.
+    A page elsewhere that rebinds its own name to this server's address sends an Origin and Host of that name, so
+    on a server that answers any Host (serve.host=0.0.0.0, serve.uds) it is refused."""
+    scheme, _, rest = origin.decode("latin-1").lower().partition("://")
+    if scheme not in ("http", "https") or rest != host.decode("latin-1").strip().lower():
+        return False
+    return named or host_name(host) in LOOPBACK_HOSTS
+
+
 class Guard:
     """ASGI middleware, in front of every route: the Host header's allow-list (a web page whose name was rebound to
     127.0.0.1 sends its own name: refused, 403), a browser's cross-origin request refused unless its Origin is
-    allowed (403), the API key (every path but /health; 401), the body limit (413: a Content-Length past it is
-    refused before the body is read, a body without one when it grows past it; see _too_large), and the count of
-    error answers (every answer goes out through its `send`). Plain ASGI rather than Starlette's
-    BaseHTTPMiddleware, which would hide a client's disconnect from streaming answers."""
+    allowed or the chat page's own (403), the API key (every path but /health and the chat page's; 401), the body
+    limit (413: a Content-Length past it is refused before the body is read, a body without one when it grows past
+    it; see _too_large), and the count of error answers (every answer goes out through its `send`). Plain ASGI
+    rather than Starlette's BaseHTTPMiddleware, which would hide a client's disconnect from streaming answers."""
 
     def __init__(self, app, served: Served):
         self.app, self.s = app, served
@@ -105,10 +118,13 @@ class Guard:
             return await self._refuse(scope, receive, send, 403, "this Host is not served here (serve.allowed_hosts)",
                                       "host_not_allowed")
         origin = headers.get(b"origin")
-        if origin is not None and origin.decode("latin-1") not in s.allowed_origins:
+        if origin is not None and origin.decode("latin-1") not in s.allowed_origins and not (
+                s.ui and same_origin(origin, headers.get(b"host", b""), s.allowed_hosts is not None)):
             return await self._refuse(scope, receive, send, 403, "cross-origin requests are refused unless their "
-                                      "Origin is in serve.allowed_origins", "origin_not_allowed")
-        if s.api_key and scope["path"] != "/health":
+                                      "Origin is in serve.allowed_origins (or, for the chat page, its name in "
+                                      "serve.allowed_hosts)", "origin_not_allowed")
+        path = scope["path"]
+        if s.api_key and path != "/health" and not (s.ui and path in chat_page.PATHS):
             got = headers.get(b"authorization", b"")
             if not hmac.compare_digest(got, f"Bearer {s.api_key}".encode()):
                 return await self._refuse(scope, receive, send, 401, "missing or wrong API key: send the header "

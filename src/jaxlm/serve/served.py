@@ -73,6 +73,7 @@ class Served:
     max_tokenize_chars: int = 1 << 20  # /tokenize texts longer than this are refused (413)
     images: ImageServing | None = None  # what chat requests' images need; None: images are refused
     images_refused: str = "this model has no vision tower"  # why, when images is None
+    ui: bool = True  # the chat page at / (serve.ui, chat_page.py)
     errors: dict = field(default_factory=dict)  # status -> count, for /metrics
     stream_errors: int = 0  # streams ended by an error event after their 200, for /metrics
     mailbox: Mailbox = field(default_factory=Mailbox)
