@@ -21,8 +21,9 @@ Sections and what they report:
               than one chip holds, so its bytes are reported), then batch 32 (remat minimal) and 64 (remat full)
   long        maxtext_base at 32,768 tokens a sequence, batch 1, bf16 weights, splash attention
   quant       int8 training against bf16 on maxtext_base's shape, 200 steps of a Markov corpus: speed and loss
-  lora        QLoRA (nf4 base) of llama3.1-8b at 1 x 2,048 and LoRA of llama3.2-1b (bf16 base) at 4 x 2,048, random
-              bases made on the chip: tokens/s and the chip's peak memory
+  lora        QLoRA (nf4 base) of llama3.1-8b at 1 x 2,048 (and 50 steps on real text), 8,192, 49,152 and 65,536
+              tokens, LoRA of llama3.2-3b (bf16 base) at 4 x 2,048, random bases made on the chip: tokens/s, MFU,
+              the chip's peak memory beside the compiler's prediction
   vision      a gemma3-4b LoRA SFT step with one 896 x 896 image a row (tower frozen), 2 x 2,048: tokens/s, memory
   decode      generate at batch 1 and 64 (the 1B shape in bf16), batch 1's bytes per token over the HBM copy
   serve       the serving engine, 64 slots, 64 requests at once: output tokens/s
@@ -88,10 +89,12 @@ def summary(f: dict, status: dict, wall: float, tiny: bool) -> list[str]:
                        f"{name}_best_mfu_maxtext_vs_matmul": best.get("mfu_maxtext_vs_matmul")})
         tables += ["", f"{name} (MFU against the bf16 spec sheet; MaxText's count, then the causal count):"]
         tables += gpu._table(
-            ["run", "batch x block", "tokens/s", "MFU maxtext", "MFU causal", "vs matmul", "GiB", "compile s",
-             "note"],
+            ["run", "batch x block", "tokens/s", "MFU maxtext", "MFU causal", "vs matmul", "GiB", "peak GiB",
+             "predicted GiB", "compile s", "note"],
             [[r["label"], f"{r.get('batch')} x {r.get('block')}", r.get("tokens_per_s"), r.get("mfu_maxtext"),
               r.get("mfu_causal"), r.get("mfu_maxtext_vs_matmul"), r["bytes"] / 2**30 if r.get("bytes") else None,
+              r["peak_bytes_in_use"] / 2**30 if r.get("peak_bytes_in_use") else None,
+              r["predicted_peak_bytes"] / 2**30 if r.get("predicted_peak_bytes") else None,
               r.get("compile_s"), r.get("note", "")] for r in rows])
         for r in rows:
             if r.get("breakdown"):
@@ -114,16 +117,25 @@ def summary(f: dict, status: dict, wall: float, tiny: bool) -> list[str]:
                               for k, r in q.items()])
     lora_rows = f.get("lora", {}).get("lora_runs", []) + f.get("vision", {}).get("vision_runs", [])
     for r in lora_rows:
-        key = "vision_4b" if "gemma3" in r["label"] else "qlora_8b" if "8b" in r["label"] else "lora_1b"
+        key = ("vision_4b" if "gemma3" in r["label"] else f"qlora_8b_{r.get('block')}" if "8b" in r["label"]
+               else "lora_3b")
         kv[f"{key}_tokens_per_s"] = r.get("tokens_per_s")
         kv[f"{key}_peak_gib"] = r["peak_bytes_in_use"] / 2**30 if r.get("peak_bytes_in_use") else None
+        if r.get("tokens_per_s") and r.get("flops_causal") and peak:
+            r["mfu_causal"] = kv[f"{key}_mfu"] = r["tokens_per_s"] * r["flops_causal"] / peak
+        if r.get("losses"):
+            kv[f"{key}_loss_first"], kv[f"{key}_loss_last"] = r["losses"][0], r["losses"][-1]
     if lora_rows:
-        tables += ["", "LoRA and QLoRA (rank 16 on q, k, v, o, up, gate, down; random bases; the vision row's tower frozen):"]
-        tables += gpu._table(["run", "tokens/s", "peak GiB in use", "compiled GiB", "compile s", "note"],
-                             [[r["label"], r.get("tokens_per_s"),
-                               r["peak_bytes_in_use"] / 2**30 if r.get("peak_bytes_in_use") else None,
-                               r["bytes"] / 2**30 if r.get("bytes") else None, r.get("compile_s"), r.get("note", "")]
-                              for r in lora_rows])
+        gib = lambda r, k: r[k] / 2**30 if r.get(k) else None  # noqa: E731
+        tables += ["", "LoRA and QLoRA (rank 16 on q, k, v, o, up, gate, down; random bases; the vision row's tower "
+                       "frozen; MFU by the causal count, no weight gradients for the base; 'predicted' is the "
+                       "compiler's peak_memory_in_bytes, what `jaxlm compile` reports from a CPU host):"]
+        tables += gpu._table(["run", "tokens/s", "MFU", "peak GiB in use", "predicted GiB", "compile s", "losses",
+                              "note"],
+                             [[r["label"], r.get("tokens_per_s"), r.get("mfu_causal"), gib(r, "peak_bytes_in_use"),
+                               gib(r, "predicted_peak_bytes"), r.get("compile_s"),
+                               f"{r['losses'][0]} -> {r['losses'][-1]} ({len(r['losses'])} steps)" if r.get("losses")
+                               else "", r.get("note", "")] for r in lora_rows])
     derived = gpu.derive(f)
     for name, fn in (("decode", gpu._decode), ("serve", gpu._serve)):
         if name in f:

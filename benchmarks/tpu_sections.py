@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).parent))
 import gpu_sections as g  # noqa: E402
 
@@ -51,7 +53,7 @@ SIZES = {
     "full": dict(
         g.SIZES["full"], maxtext_batch=2, maxtext_steps=3, profile_steps=2, gpt2_steps=3,
         long_block=32768, long_steps=2, quant_layers=16, quant_block=2048, quant_batch=2, quant_steps=200,
-        lora_block=2048, lora_steps=3, vision_block=2048, vision_batch=2,
+        lora_block=131072, lora_steps=3, lora_loss_steps=50, vision_block=2048, vision_batch=2,
         decode_model=dict(), serve_concurrency=64),
     "tiny": dict(
         g.SIZES["tiny"],
@@ -63,7 +65,7 @@ SIZES = {
         quant_layers=2, quant_block=64, quant_batch=2, quant_steps=10,
         lora_model={"model.n_layers": 2, "model.d_model": 64, "model.n_heads": 4, "model.n_kv_heads": 2,
                     "model.head_dim": 16, "model.d_ff": 128, "model.vocab_size": 512},
-        lora_block=64, lora_steps=2, vision_block=64, vision_batch=2,
+        lora_block=64, lora_steps=2, lora_loss_steps=3, lora_rows="0,2,4", vision_block=64, vision_batch=2,
         vision_model={"model.n_layers": 6, "model.d_model": 64, "model.n_heads": 4, "model.n_kv_heads": 2,
                       "model.head_dim": 16, "model.d_ff": 128, "model.vocab_size": 512},
         vision_tower=dict(d_model=32, n_layers=1, n_heads=2, d_ff=64, image_size=28, patch_size=7, tokens_per_image=4,
@@ -82,7 +84,7 @@ def load(preset: str, ctx: Ctx, settings: dict):
     from jaxlm import config as config_lib
 
     model = ctx.sizes.get({"maxtext_base": "maxtext_model", "openwebtext": "gpt2_model", "llama3_1_8b": "lora_model",
-                           "llama3_2_1b": "lora_model", "gemma3_4b": "vision_model"}[preset], {})
+                           "llama3_2_1b": "lora_model", "llama3_2_3b": "lora_model", "gemma3_4b": "vision_model"}[preset], {})
     return config_lib.load(preset, {"mesh.ici_data": 1, **model, **settings})
 
 
@@ -93,7 +95,7 @@ def train_row(ctx: Ctx, label: str, cfg, steps: int, profile: bool = False) -> d
     import jax
 
     from jaxlm.model import flops
-    from jaxlm.train import state as state_lib
+    from jaxlm.train import preflight, state as state_lib
 
     dev = jax.devices()[0]
     B, T = cfg.training.batch_size, cfg.model.block_size
@@ -103,7 +105,8 @@ def train_row(ctx: Ctx, label: str, cfg, steps: int, profile: bool = False) -> d
                remat=cfg.model.remat, param_dtype=cfg.model.param_dtype, attention=cfg.model.attention)
     limit = (dev.memory_stats() or {}).get("bytes_limit")
     run, compiled, mem, secs = g.compile_step(cfg, B, dev)
-    row.update(bytes=mem, compile_s=round(secs, 1), memory_limit_bytes=limit)
+    row.update(bytes=mem, compile_s=round(secs, 1), memory_limit_bytes=limit,
+               predicted_peak_bytes=preflight.peak_bytes(compiled.memory_analysis()))
     # XLA:TPU refuses at compile a step that does not fit; memory_analysis()'s sum is only an upper bound (it
     # counts buffers the compiler reuses: 18.85 GiB for the 32,768-token step that XLA:TPU placed in 12.68)
     if limit and mem and mem > limit and dev.platform != "tpu":
@@ -114,7 +117,8 @@ def train_row(ctx: Ctx, label: str, cfg, steps: int, profile: bool = False) -> d
     state, times = g.time_steps(compiled, state, batch, steps, ctx, reserve=2)
     step_s = statistics.median(times) if times else None
     row.update(step_s=step_s, step_s_spread=[min(times), max(times)] if times else None,
-               tokens_per_s=A * B * T / step_s if step_s else None)
+               tokens_per_s=A * B * T / step_s if step_s else None,
+               peak_bytes_in_use=(dev.memory_stats() or {}).get("peak_bytes_in_use"))
     if profile and ctx.left() > 4 * (step_s or 1) + 10:
         try:
             _, row["breakdown"] = g.profile(compiled, state, batch, ctx.sizes["profile_steps"])
@@ -207,12 +211,23 @@ def quant(ctx: Ctx) -> None:
 
 
 # LoRA rows: (label, preset, settings over it). Rank 16 on q, k, v, o, up, gate, down (the defaults), bf16 compute.
+# The 8B's longer rows keep the layers' inputs in host memory and run the MLP 8,192 positions at a time
+# (docs/finetune.md, "An 8B model on one chip"). JAXLM_BENCH_LORA_ROWS=0,2 runs only those rows: one row a process
+# gives each row the chip's own peak memory (memory_stats' peak counts the whole process).
+QLORA_8B = {"lora.base_quantization": "nf4", "model.remat": "full"}
+QLORA_8B_LONG = {**QLORA_8B, "model.remat": "offload_layer_inputs", "model.mlp_chunk_tokens": 8192}
 LORA_ROWS = [
-    ("llama3.1-8b QLoRA, nf4 base, 1 x 2,048, remat full", "llama3_1_8b",
-     {"lora.base_quantization": "nf4", "model.remat": "full"}),
-    ("llama3.2-1b LoRA, bf16 base, 4 x 2,048, remat full", "llama3_2_1b",
-     {"model.param_dtype": "bfloat16", "model.remat": "full", "training.batch_size": 4}),
+    ("llama3.1-8b QLoRA, nf4 base, 1 x 2,048, remat full", "llama3_1_8b", {**QLORA_8B, "model.block_size": 2048}),
+    ("llama3.1-8b QLoRA, nf4 base, 1 x 8,192, layer inputs offloaded", "llama3_1_8b",
+     {**QLORA_8B_LONG, "model.block_size": 8192}),
+    ("llama3.1-8b QLoRA, nf4 base, 1 x 49,152, layer inputs offloaded, MLP in chunks of 8,192", "llama3_1_8b",
+     {**QLORA_8B_LONG, "model.block_size": 49152}),
+    ("llama3.1-8b QLoRA, nf4 base, 1 x 65,536, layer inputs offloaded, MLP in chunks of 8,192", "llama3_1_8b",
+     {**QLORA_8B_LONG, "model.block_size": 65536}),
+    ("llama3.2-3b LoRA, bf16 base, 4 x 2,048, remat full", "llama3_2_3b",
+     {"model.param_dtype": "bfloat16", "model.remat": "full", "training.batch_size": 4, "model.block_size": 2048}),
 ]
+LOSS_STEPS = 50  # the first row also trains this many steps on real text (Python's own source, bytes)
 
 
 def random_frozen(abstract: dict, seed: int = 0) -> dict:
@@ -236,29 +251,67 @@ def random_frozen(abstract: dict, seed: int = 0) -> dict:
     return jax.tree.unflatten(tree, [one(k, a) for k, a in zip(keys, leaves)])
 
 
-def lora_row(ctx: Ctx, label: str, cfg, steps: int) -> dict:
-    """One LoRA (or QLoRA) train step as `jaxlm train` compiles it, over a random base: tokens/s, the compiled
-    step's bytes and the chip's peak memory in use."""
+def lora_row(ctx: Ctx, label: str, cfg, steps: int, loss_steps: int = 0) -> dict:
+    """One LoRA (or QLoRA) train step as `jaxlm train` compiles it, over a random base: tokens/s, MFU (the causal
+    count `jaxlm train` prints, no weight gradients for the base), the compiled step's bytes, the compiler's peak
+    (peak_memory_in_bytes: what `jaxlm compile` predicts from a CPU host) and the chip's own peak memory in use;
+    with loss_steps, that many steps on real text and their losses."""
     import jax
 
-    from jaxlm.train import state as state_lib
+    from jaxlm.model import flops, lora
+    from jaxlm.train import preflight, state as state_lib
 
     dev = jax.devices()[0]
     B, T = cfg.training.batch_size, cfg.model.block_size
     run, compiled, mem, secs = g.compile_step(cfg, B, dev)
     row = dict(label=label, batch=B, block=T, bytes=mem, compile_s=round(secs, 1),
-               base_quantization=cfg.lora.base_quantization, rank=cfg.lora.rank)
+               predicted_peak_bytes=preflight.peak_bytes(compiled.memory_analysis()),
+               base_quantization=cfg.lora.base_quantization, rank=cfg.lora.rank,
+               flops_causal=lora.flops_per_token(cfg, flops.flops_per_token(cfg.model, causal=True)))
     frozen = random_frozen(run.abstract_frozen)
     state = state_lib.init_state(run, cfg.seed)
     batch = g.random_batch(run)
     if run.image_slots:
         batch, row["images_per_row"] = with_image_spans(batch, cfg.model.vision), run.image_slots
-    state, times = g.time_steps(lambda s, b: compiled(s, b, frozen), state, batch, steps, ctx, reserve=2)
+    step = lambda s, b: compiled(s, b, frozen)  # noqa: E731
+    state, times = g.time_steps(step, state, batch, steps, ctx, reserve=2)
     step_s = statistics.median(times) if times else None
     stats = dev.memory_stats() or {}
     row.update(step_s=step_s, tokens_per_s=B * T / step_s if step_s else None,
                peak_bytes_in_use=stats.get("peak_bytes_in_use"), bytes_limit=stats.get("bytes_limit"))
+    if loss_steps:
+        losses = []
+        for b in text_batches(run, loss_steps):
+            if ctx.left() < 5 + 2 * (step_s or 1):
+                break
+            state, m = step(state, b)
+            losses.append(m["loss"])
+        row["losses"] = [round(float(x), 4) for x in jax.device_get(losses)]
     return row
+
+
+def text_batches(run, n: int):
+    """n batches of real text for the run's step: windows of Python's own standard library source read as bytes
+    (token ids 0..255, inside any vocabulary), each step a new window."""
+    import jax
+    import sysconfig
+
+    from jaxlm.train import step as step_lib
+
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    data = np.frombuffer(b"".join(f.read_bytes() for f in files), np.uint8).astype(np.int32)
+    shapes = step_lib.abstract_batch(run)
+    A, B, T = shapes["inputs"].shape
+    for i in range(n):
+        at = (i * A * B * (T + 1)) % (len(data) - A * B * (T + 1))
+        rows = data[at:at + A * B * (T + 1)].reshape(A, B, T + 1)
+        out = {}
+        for k, a in shapes.items():
+            x = {"inputs": rows[..., :-1], "targets": rows[..., 1:]}.get(k)
+            if x is None:
+                x = np.ones(a.shape, np.float32) if a.dtype == np.float32 else np.zeros(a.shape, np.int32)
+            out[k] = jax.device_put(np.ascontiguousarray(x), a.sharding)
+        yield out
 
 
 def with_image_spans(batch: dict, v) -> dict:
@@ -293,17 +346,22 @@ def vision(ctx: Ctx) -> None:
 
 
 def lora(ctx: Ctx) -> None:
-    """QLoRA (nf4) of llama3.1-8b at 2,048 tokens and LoRA of llama3.2-1b with a bf16 base, one chip, random bases:
-    tokens/s and memory. Rows run in order while time is left; one failing leaves the next."""
+    """QLoRA (nf4) of llama3.1-8b at 2,048 tokens and longer, LoRA of llama3.2-3b with a bf16 base, one chip, random
+    bases: tokens/s, MFU and memory. Rows run in order while time is left; one failing leaves the next."""
     out = []
-    for label, preset, settings in LORA_ROWS:
+    chosen = os.environ.get("JAXLM_BENCH_LORA_ROWS", ctx.sizes.get("lora_rows"))  # tiny: one row of each kind
+    for i, (label, preset, settings) in enumerate(LORA_ROWS):
+        if chosen and str(i) not in chosen.split(","):
+            continue
         if out and ctx.left() < 30:
             out.append(dict(label=label, note=f"skipped: time budget ({ctx.left():.0f} s left)"))
             continue
-        cfg = load(preset, ctx, {"lora.rank": 16, "model.compute_dtype": "bfloat16", "model.block_size":
-                                 ctx.sizes["lora_block"], "training.batch_size": 1, **settings})
+        cfg = load(preset, ctx, {"lora.rank": 16, "model.compute_dtype": "bfloat16", "training.batch_size": 1,
+                                 **settings, "model.block_size": min(settings.get("model.block_size", 2048),
+                                                                     ctx.sizes["lora_block"])})
         try:
-            out.append(lora_row(ctx, label, cfg, ctx.sizes["lora_steps"]))
+            out.append(lora_row(ctx, label, cfg, ctx.sizes["lora_steps"],
+                                loss_steps=ctx.sizes["lora_loss_steps"] if i == 0 else 0))
         except Exception as e:  # noqa: BLE001 - one row failing (out of memory, say) leaves the other
             full = re.search("RESOURCE_EXHAUSTED|[Oo]ut of memory", str(e))
             out.append(dict(label=label, note=f"{'does not fit' if full else 'error'}: {g.one_line(e)}"))

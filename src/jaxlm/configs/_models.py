@@ -60,6 +60,8 @@ MODELS: dict[str, ModelConfig] = {name: ModelConfig(**kw) for name, kw in {
     "llama3_1_8b": dict(LLAMA31, n_layers=32, n_heads=32, d_model=4096, d_ff=14336),
     "llama3_2_1b": dict(LLAMA31, n_layers=16, n_heads=32, d_model=2048, d_ff=8192, rope_scaling_factor=32.0,
                         tie_embeddings=True),
+    "llama3_2_3b": dict(LLAMA31, n_layers=28, n_heads=24, d_model=3072, d_ff=8192, rope_scaling_factor=32.0,
+                        tie_embeddings=True),
     "mistral_7b": dict(LLAMA, vocab_size=32000, block_size=32768, norm_eps=1e-5, n_layers=32, n_heads=32,
                        n_kv_heads=8, d_model=4096, d_ff=14336, sliding_window=4096, layer_pattern="local"),
     "mixtral_8x7b": dict(LLAMA, vocab_size=32000, block_size=32768, norm_eps=1e-5, rope_theta=1000000.0,
