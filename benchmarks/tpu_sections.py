@@ -328,7 +328,7 @@ def int8_model(ctx: Ctx):
     block = max(z["decode_prompt"] + z["decode_new"], z["serve_prompt"] + z["serve_new"])
     cfg = load("llama3_1_8b", ctx, {"model.param_dtype": "bfloat16", "model.compute_dtype": "bfloat16",
                                     "model.block_size": block}).model
-    shapes = jax.eval_shape(quant.serving_params, P.abstract(param_specs(cfg)), cfg)
+    shapes = jax.eval_shape(lambda p: quant.serving_params(p, cfg), P.abstract(param_specs(cfg)))
     one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     paths, tree = jax.tree_util.tree_flatten_with_path(shapes)
 
