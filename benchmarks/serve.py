@@ -41,7 +41,8 @@ process at a time holds a TPU chip; the model is converted in a child process on
 - the uniform workload (`uniform`): 64 requests whose prompts are all 128 tokens and outputs all 64, the server
   (default settings, its process of its own) at concurrency 32 against transformers' generate at batch 16 on the
   same weights and requests (with the `hf` part): `uniform_vs_generate`, the row where a static batch wastes
-  nothing (no padding, no early finishers), beside the long-tailed one's vs_generate_real;
+  nothing (no padding, no early finishers), beside the long-tailed one's vs_generate_real (`--parts uniform,hf`
+  runs this row alone);
 - the toy model of the earlier figures (benchmarks/decode.py's 4-layer, 128-wide random Llama, 16-token prompts,
   64 new tokens, concurrency 16) against transformers' generate at batch 16: `vs_transformers_toy`.
 
@@ -653,7 +654,7 @@ def main(argv=None) -> dict:
         roof = roofline(requests, m, weight_bytes, paged.bytes_per_token(m, lane=1), mach, top)  # unpadded
         report["roofline"] = roof
         print(line(roof), flush=True)
-        if "hf" in parts:
+        if "hf" in parts and (parts & {"serve", "engine"} or "uniform" not in parts):  # `uniform,hf`: its row only
             report["transformers_generate_batch16"] = hf_generate(hf, requests)
             print(f"transformers_generate_batch16 output_tok_per_s={report['transformers_generate_batch16']:.1f}",
                   flush=True)
