@@ -1,5 +1,6 @@
 """The TPU tier's packages (`make test-tpu`): what jaxlm needs at run time, what the tier's serving tests talk
-with and what benchmarks/serve.py needs on a chip (tokenizers), installed with pip into one folder (`--target`) where the running Python lacks them.
+with and what benchmarks/serve.py needs on a chip (tokenizers), installed with pip into one folder (`--target`)
+where the running Python lacks them.
 
 A TPU machine comes with its own JAX and libtpu, often without network access and with a package index of its
 own: nothing here installs JAX (the machine's stays the one imported), and pip's index and options come from
