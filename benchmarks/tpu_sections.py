@@ -316,8 +316,8 @@ def int8_model(ctx: Ctx):
     """(params, ModelConfig): llama3.1-8b's shape (tiny sizes: SIZES' lora_model) with its weights in the layout
     decode.quantize_weights=int8 serves (quant.serving_params: every layer's matmul weights and the output
     projection int8 with a float32 scale per output channel; norms and the embedding bf16), random and made on the
-    chip leaf by leaf: an 8B model in bf16 (16 GB) does not fit beside it. int8 values uniform over [-127, 127]
-    with scales near 0.02 / 73 (weights of standard deviation about 0.02, as the initializer's), norms 1."""
+    chip leaf by leaf: an 8B model in bf16 (16 GB) does not fit beside it. int8 values uniform over [-128, 127]
+    with scales near 0.02 / 74 (weights of standard deviation about 0.02, as the initializer's), norms 1."""
     import jax
     import jax.numpy as jnp
 
@@ -335,9 +335,10 @@ def int8_model(ctx: Ctx):
     def make(i, path, a):
         key, name = jax.random.key(i), jax.tree_util.keystr(path)
         if a.dtype == jnp.int8:
-            fn = lambda: jax.random.randint(key, a.shape, -127, 128, jnp.int32).astype(jnp.int8)  # noqa: E731
+            # random bytes (no int32 draw of the weight's size: 7.5 GB for an 8B MLP stack)
+            fn = lambda: jax.lax.bitcast_convert_type(jax.random.bits(key, a.shape, jnp.uint8), jnp.int8)  # noqa
         elif name.endswith(".scale"):
-            fn = lambda: (0.02 / 73 * jax.random.uniform(key, a.shape, jnp.float32, 0.5, 1.5)).astype(a.dtype)  # noqa
+            fn = lambda: (0.02 / 74 * jax.random.uniform(key, a.shape, jnp.float32, 0.5, 1.5)).astype(a.dtype)  # noqa
         elif "norm" in name:
             fn = lambda: jnp.ones(a.shape, a.dtype)  # noqa: E731
         else:
