@@ -38,6 +38,11 @@ process at a time holds a TPU chip; the model is converted in a child process on
   long-tailed outputs the last requests decode with few rows, so 128 requests need 635 steps where full batches
   would need 265; `roofline_full_batches` counts full batches (unreachable; the figure before 2026-12-06),
   `roofline_bytes_only` the decode's bytes alone (at 64 sequences on a CPU a decode step is bound by arithmetic);
+- the uniform workload (`uniform`): 64 requests whose prompts are all 128 tokens and outputs all 64, the server
+  (default settings, its process of its own) at concurrency 32 against transformers' generate at batch 16 on the
+  same weights and requests (with the `hf` part): `uniform_vs_generate`, the row where a static batch wastes
+  nothing (no padding, no early finishers), beside the long-tailed one's vs_generate_real (`--parts uniform,hf`
+  runs this row alone);
 - the toy model of the earlier figures (benchmarks/decode.py's 4-layer, 128-wide random Llama, 16-token prompts,
   64 new tokens, concurrency 16) against transformers' generate at batch 16: `vs_transformers_toy`.
 
@@ -51,7 +56,7 @@ on a machine that opens no sockets; `_full_batches`: over the full-batch figure)
 engine alone's on the same requests), and vs_transformers_toy. --size tiny runs every part on a tiny model in
 seconds (the code path only: tests).
 
-    python benchmarks/serve.py [--requests 128] [--parts serve,hf,engine,slots,toy] [--model-dir DIR]
+    python benchmarks/serve.py [--requests 128] [--parts serve,uniform,hf,engine,slots,toy] [--model-dir DIR]
                                [--tuned KEY=VALUE,...] [--uds]
     python benchmarks/serve.py --parts serve,engine --uds     # a TPU machine: no TCP, no torch
 """
@@ -87,15 +92,15 @@ SIZES = {  # a Llama's transformers config; prompt and output lengths (least, mo
     "real": dict(model=dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=12,
                             intermediate_size=2048, vocab_size=32000, max_position_embeddings=2048),
                  prompt=(16, 1024, 128), output=(16, 512, 96), levels=((1, 4), (16, 32), (64, None)), settings=(),
-                 slot_sequences=16),
+                 slot_sequences=16, uniform=dict(prompt=128, output=64, requests=64, concurrency=32)),
     "small": dict(model=dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8,
                              intermediate_size=1408, vocab_size=32000, max_position_embeddings=1024),
                   prompt=(16, 256, 64), output=(16, 128, 48), levels=((1, 2), (16, None)), settings=(),
-                  slot_sequences=4),
+                  slot_sequences=4, uniform=dict(prompt=64, output=32, requests=32, concurrency=16)),
     "tiny": dict(model=dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                             intermediate_size=128, vocab_size=512, max_position_embeddings=256),
                  prompt=(4, 64, 16), output=(4, 32, 8), levels=((1, 2), (4, None)), settings=("serve.max_slots=4",),
-                 slot_sequences=1),
+                 slot_sequences=1, uniform=dict(prompt=16, output=8, requests=8, concurrency=4)),
 }
 
 
@@ -186,6 +191,13 @@ def workload(size: str, n: int, seed: int) -> list[Request]:
 
     prompts, outputs = lengths(*s["prompt"], 1.0), lengths(*s["output"], 0.9)
     return [Request(rng.integers(0, vocab, p).tolist(), int(o)) for p, o in zip(prompts, outputs)]
+
+
+def uniform_workload(size: str, seed: int = 7) -> list[Request]:
+    """The uniform workload: every prompt and every output of one length (SIZES' `uniform`), random token ids."""
+    u, vocab = SIZES[size]["uniform"], SIZES[size]["model"]["vocab_size"]
+    rng = np.random.default_rng(seed)
+    return [Request(rng.integers(0, vocab, u["prompt"]).tolist(), u["output"]) for _ in range(u["requests"])]
 
 
 def warm_up_requests(requests: list[Request], seed: int = 99) -> list[Request]:
@@ -437,6 +449,18 @@ def serve_levels(folder: Path, size: str, n: int, settings: tuple[str, ...] = ()
     return out
 
 
+def serve_uniform(folder: Path, size: str, uds: bool = False) -> dict:
+    """The server (default settings) on the uniform workload at its concurrency, after a warm-up pass of the same
+    lengths (other tokens)."""
+    u = SIZES[size]["uniform"]
+    requests = uniform_workload(size)
+    with server(folder, list(SIZES[size]["settings"]), uds) as ep:
+        run_level(ep, warm_up_requests(requests), u["concurrency"])
+        out = run_level(ep, requests, u["concurrency"])
+    print(f"uniform prompt={u['prompt']} output={u['output']} " + line(out), flush=True)
+    return out
+
+
 # ---- transformers ------------------------------------------------------------------------------------------------
 
 def hf_generate(hf, requests: list[Request], batch: int = 16) -> float:
@@ -583,7 +607,7 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", choices=list(SIZES), default="real")
     ap.add_argument("--requests", type=int, default=128, help="requests at concurrency 64 (and for transformers)")
-    ap.add_argument("--parts", default="serve,hf,engine,slots,toy")
+    ap.add_argument("--parts", default="serve,uniform,hf,engine,slots,toy")
     ap.add_argument("--model-dir", help="keep the built model here for later runs (default: a temporary folder)")
     ap.add_argument("--tuned", default="", help="comma-separated server settings (e.g. decode.quantize_kv_cache=true) "
                     "also measured at the top concurrency with the serve part, printed beside the defaults as tuned")
@@ -607,6 +631,8 @@ def main(argv=None) -> dict:
         if "serve" in parts:  # first: the server's process takes the accelerator, which this one opens below (one
             # process at a time holds a TPU chip)
             report["serve"] = serve_levels(jx, a.size, a.requests, uds=uds)
+        if "uniform" in parts:
+            report["uniform"] = dict(serve=serve_uniform(jx, a.size, uds), **SIZES[a.size]["uniform"])
             if a.tuned:
                 tuned = serve_levels(jx, a.size, a.requests, tuple(a.tuned.split(",")), top_only=True, uds=uds)
                 report["serve_tuned"] = dict(settings=a.tuned, **tuned[top])
@@ -623,17 +649,22 @@ def main(argv=None) -> dict:
         from jaxlm.serve import cache_pages
 
         server_pages = cache_pages(m, ServeConfig(), m.block_size, False)  # the server's default
-        cache_bytes = server_pages * 16 * paged.bytes_per_token(m)
+        A = paged.page_size(ServeConfig().page_size)  # its pages' positions on these devices
+        cache_bytes = server_pages * A * paged.bytes_per_token(m)
         roof = roofline(requests, m, weight_bytes, paged.bytes_per_token(m, lane=1), mach, top)  # unpadded
         report["roofline"] = roof
         print(line(roof), flush=True)
-        if "hf" in parts:
+        if "hf" in parts and (parts & {"serve", "engine"} or "uniform" not in parts):  # `uniform,hf`: its row only
             report["transformers_generate_batch16"] = hf_generate(hf, requests)
             print(f"transformers_generate_batch16 output_tok_per_s={report['transformers_generate_batch16']:.1f}",
                   flush=True)
             report["transformers_continuous_batching"] = hf_continuous(hf, requests, cache_bytes)
             print(f"transformers_continuous_batching output_tok_per_s="
                   f"{report['transformers_continuous_batching']:.1f}", flush=True)
+        if "uniform" in parts and "hf" in parts:
+            report["uniform"]["transformers_generate_batch16"] = hf_generate(hf, uniform_workload(a.size))
+            print(f"uniform transformers_generate_batch16 output_tok_per_s="
+                  f"{report['uniform']['transformers_generate_batch16']:.1f}", flush=True)
         if "engine" in parts:
             prompts_only = [dataclasses.replace(r, output=1) for r in requests]
             # an untimed pass first: it compiles the prefill programs (chunk lengths x rows) these prompts use, as
@@ -648,10 +679,10 @@ def main(argv=None) -> dict:
         if "slots" in parts:
             per_token = paged.bytes_per_token(m)
             sequences = SIZES[a.size]["slot_sequences"]
-            pages = sequences * m.block_size // 16
+            pages = sequences * m.block_size // A
             slot = engine_run(model, requests, sequences, page_size=0, prefix_cache=0)
             paged_run = engine_run(model, requests, top, cache_pages=pages)
-            report["slots"] = dict(slot=slot, paged=paged_run, cache_gib=pages * 16 * per_token / 2**30)
+            report["slots"] = dict(slot=slot, paged=paged_run, cache_gib=pages * A * per_token / 2**30)
             print(f"slot_cache slots={sequences} " + line(slot), flush=True)
             print(f"paged_cache pages={pages} " + line(paged_run), flush=True)
         if "toy" in parts:
@@ -686,6 +717,9 @@ def main(argv=None) -> dict:
         summary["paged_vs_slot_throughput"] = sl["paged"]["output_tok_per_s"] / sl["slot"]["output_tok_per_s"]
     if "toy" in parts:
         summary["vs_transformers_toy"] = report["toy"]["vs_transformers_toy"]
+    if "transformers_generate_batch16" in report.get("uniform", {}):
+        u = report["uniform"]
+        summary["uniform_vs_generate"] = u["serve"]["output_tok_per_s"] / u["transformers_generate_batch16"]
     for k, v in summary.items():
         print(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}")
     report["summary"] = summary

@@ -2,7 +2,7 @@
 model and of GPT-2 124M as `jaxlm train` runs them, where the step's time goes, long context, int8 training,
 decoding and serving.
 
-    PYTHONPATH=src python benchmarks/tpu.py [--only maxtext,gpt2] [--json FILE]   # one v5e chip: 1,220 s at most
+    PYTHONPATH=src python benchmarks/tpu.py [--only maxtext,gpt2] [--json FILE]   # one v5e chip: 1,520 s at most
     PYTHONPATH=src python benchmarks/tpu.py --tiny                               # toy sizes, on a CPU in seconds
 
 Sections run as benchmarks/gpu.py's do (its runner): each in a process of its own (benchmarks/tpu_sections.py)
@@ -25,8 +25,12 @@ Sections and what they report:
               tokens, LoRA of llama3.2-3b (bf16 base) at 4 x 2,048, random bases made on the chip: tokens/s, MFU,
               the chip's peak memory beside the compiler's prediction
   vision      a gemma3-4b LoRA SFT step with one 896 x 896 image a row (tower frozen), 2 x 2,048: tokens/s, memory
-  decode      generate at batch 1 and 64 (the 1B shape in bf16), batch 1's bytes per token over the HBM copy
-  serve       the serving engine, 64 slots, 64 requests at once: output tokens/s
+  decode      generate at batch 1 and 64 (the 1B shape in bf16), batch 1's bytes per token over the HBM copy; then
+              llama3.1-8b's shape with int8 weights (decode.quantize_weights=int8's layout, random, made on the
+              chip) at batch 1: its bytes per token over an HBM copy measured in the section, the chip's memory
+  serve       the serving engine, 64 slots, 64 requests at once: output tokens/s, against generate's batch of 64
+              when the decode section ran too, and the profiled round's share of Pallas kernels (paged attention);
+              then the engine over llama3.1-8b's shape with int8 weights at 64 requests
 """
 
 from __future__ import annotations
@@ -38,13 +42,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 import gpu  # noqa: E402
 
 SECTIONS_PY = Path(__file__).with_name("tpu_sections.py")
-# Seconds each section may take at full size (process start included), as gpu.py's BUDGET_S: 1,220 s in all, so a
+# Seconds each section may take at full size (process start included), as gpu.py's BUDGET_S: 1,520 s in all, so a
 # machine whose commands stop at 10 minutes runs it in three (--only yardsticks,maxtext,gpt2,long: 410 s; then
-# quant,lora: 440 s; then vision,decode,serve: 370 s).
+# quant,lora,vision: 590 s; then decode,serve: 520 s, the llama3.1-8b int8 rows included).
 # Seen on a v5e (2026-12-06, second run): yardsticks 20 s, maxtext 105 (six rows), gpt2 74, long 46, quant 146 (two
 # modes), decode 88, serve 88.
 BUDGET_S = {"yardsticks": 30, "maxtext": 200, "gpt2": 90, "long": 90, "quant": 240, "lora": 200, "vision": 150,
-            "decode": 100, "serve": 120}
+            "decode": 230, "serve": 290}
 TOLERANCE_LOSS = 0.02  # int8 against bf16: final losses this close
 
 
@@ -140,7 +144,40 @@ def summary(f: dict, status: dict, wall: float, tiny: bool) -> list[str]:
     for name, fn in (("decode", gpu._decode), ("serve", gpu._serve)):
         if name in f:
             fn(f[name], derived, kv, tables)
+    serving(f, kv, tables)
     return [f"{k}={gpu._num(v, '{:.4g}')}" for k, v in kv.items() if v is not None] + tables
+
+
+def serving(f: dict, kv: dict, tables: list) -> None:
+    """The engine against generate at the same batch (the uniform workload: every prompt and output one length),
+    the Pallas kernels' share of the profiled round (on a TPU: paged attention), and the llama3.1-8b rows with int8
+    weights: batch-1 bytes per token over the HBM copy measured in the same run, the engine at serve_concurrency."""
+    d, s = f.get("decode", {}), f.get("serve", {})
+    rounds, runs = s.get("serve_rounds", []), d.get("decode_runs", {})
+    C = s.get("serve_concurrency")
+    same = runs.get(str(C), {}) if C else {}
+    if rounds and same.get("decode_tokens_per_s"):
+        kv["serve_vs_generate_decode"] = rounds[-1]["output_tokens_per_s"] / same["decode_tokens_per_s"]
+        kv["serve_vs_generate_with_prefill"] = rounds[-1]["output_tokens_per_s"] / same["tokens_per_s"]
+    prof = s.get("serve_profile", {})
+    if prof.get("ms_per_step"):
+        kv["serve_profile_pallas_kernel_share"] = prof["by_kind"].get("Pallas kernel (TPU)", 0) / prof["ms_per_step"]
+    copy = f.get("yardsticks", {}).get("hbm_copy") or d.get("decode8b_hbm_copy")
+    one = d.get("decode8b_b1", {})
+    if one:
+        kv.update(decode8b_int8_b1_tokens_per_s=one.get("decode_tokens_per_s"),
+                  decode8b_int8_b1_bytes_per_token=d["decode8b_weight_bytes"] + d["decode8b_kv_bytes_per_step"],
+                  decode8b_int8_b1_bandwidth_vs_copy=one["bytes_per_s"] / copy if copy else None,
+                  decode8b_int8_param_gib=d["decode8b_param_bytes"] / 2**30,
+                  decode8b_int8_hbm_in_use_gib=(d.get("decode8b_bytes_in_use") or 0) / 2**30 or None)
+    for key in ("decode8b_note", "serve8b_note"):
+        kv[key] = d.get(key) or s.get(key)
+    r8 = s.get("serve8b_rounds", [])
+    if r8:
+        kv[f"serve8b_int8_c{s.get('serve8b_concurrency')}_output_tokens_per_s"] = r8[-1]["output_tokens_per_s"]
+        kv["serve8b_int8_peak_hbm_gib"] = (r8[-1].get("peak_bytes_in_use") or 0) / 2**30 or None
+        if len(r8) < 3:
+            kv["serve8b_note"] = "the last round finished also compiled"
 
 
 def breakdown(label: str, b: dict) -> list[str]:

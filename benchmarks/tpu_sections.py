@@ -368,12 +368,155 @@ def lora(ctx: Ctx) -> None:
         ctx.put(lora_runs=out)
 
 
+def int8_model(ctx: Ctx):
+    """(params, ModelConfig): llama3.1-8b's shape (tiny sizes: SIZES' lora_model) with its weights in the layout
+    decode.quantize_weights=int8 serves (quant.serving_params: every layer's matmul weights and the output
+    projection int8 with a float32 scale per output channel; norms and the embedding bf16), random and made on the
+    chip leaf by leaf: an 8B model in bf16 (16 GB) does not fit beside it. int8 values uniform over [-128, 127]
+    with scales near 0.02 / 74 (weights of standard deviation about 0.02, as the initializer's), norms 1."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxlm import params as P
+    from jaxlm.model import param_specs, quant
+
+    z = ctx.sizes
+    block = max(z["decode_prompt"] + z["decode_new"], z["serve_prompt"] + z["serve_new"])
+    cfg = load("llama3_1_8b", ctx, {"model.param_dtype": "bfloat16", "model.compute_dtype": "bfloat16",
+                                    "model.block_size": block}).model
+    shapes = jax.eval_shape(lambda p: quant.serving_params(p, cfg), P.abstract(param_specs(cfg)))
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    paths, tree = jax.tree_util.tree_flatten_with_path(shapes)
+
+    def make(i, path, a):
+        key, name = jax.random.key(i), jax.tree_util.keystr(path)
+        if a.dtype == jnp.int8:
+            # random bytes (no int32 draw of the weight's size: 7.5 GB for an 8B MLP stack)
+            fn = lambda: jax.lax.bitcast_convert_type(jax.random.bits(key, a.shape, jnp.uint8), jnp.int8)  # noqa
+        elif name.endswith(".scale"):
+            fn = lambda: (0.02 / 74 * jax.random.uniform(key, a.shape, jnp.float32, 0.5, 1.5)).astype(a.dtype)  # noqa
+        elif "norm" in name:
+            fn = lambda: jnp.ones(a.shape, a.dtype)  # noqa: E731
+        else:
+            fn = lambda: (0.02 * jax.random.normal(key, a.shape, jnp.float32)).astype(a.dtype)  # noqa: E731
+        return jax.jit(fn, out_shardings=one)()
+
+    return jax.tree.unflatten(tree, [make(i, path, a) for i, (path, a) in enumerate(paths)]), cfg
+
+
+def hbm_copy(ctx: Ctx) -> float:
+    """An HBM copy's rate (bytes read plus written per second; the yardsticks section's measure), for the decode
+    rows' bandwidth when this run has no yardsticks section."""
+    import jax
+    import jax.numpy as jnp
+
+    z = ctx.sizes
+    x = jax.random.uniform(jax.random.key(2), (z["copy_bytes"] // 4,), jnp.float32)
+    scale = jax.jit(lambda x: x * 1.5)
+    return g.best_rate(lambda: scale(x), 2.0 * x.nbytes, z["yard_reps"])[0]
+
+
+def decode_int8_8b(ctx: Ctx) -> None:
+    """generate at batch 1 over llama3.1-8b's shape with int8 weights (int8_model), greedy: decode tokens/s and the
+    bytes a step reads (every weight once, the untied embedding one row, the cache's filled part) against an HBM
+    copy measured here; the chip's memory in use with the weights on it."""
+    import gc
+
+    import jax
+
+    from jaxlm.config import DecodeConfig
+    from jaxlm.infer import generate
+    from jaxlm.model import quant
+
+    z = ctx.sizes
+    P0, N = z["decode_prompt"], z["decode_new"]
+    ctx.put(decode8b_hbm_copy=hbm_copy(ctx))
+    params, cfg = int8_model(ctx)
+    dev = jax.devices()[0]
+    weight_bytes = quant.nbytes(params)
+    if not cfg.tie_embeddings:
+        table = params["embed"]["tokens"]
+        weight_bytes -= table.nbytes - table.nbytes // table.shape[0]
+    kv_bytes = 2 * cfg.n_layers * cfg.kv_heads * cfg.hd * 2 * (P0 + N / 2)
+    ctx.put(decode8b_weight_bytes=weight_bytes, decode8b_kv_bytes_per_step=kv_bytes, decode8b_prompt=P0,
+            decode8b_new=N, decode8b_param_bytes=quant.nbytes(params),
+            decode8b_bytes_in_use=(dev.memory_stats() or {}).get("bytes_in_use"))
+    prompts = np.random.default_rng(1).integers(0, cfg.vocab_size, (1, P0)).tolist()
+    d = DecodeConfig(max_new_tokens=N, temperature=0.0)
+    first = generate.generate(params, cfg, prompts, d)
+    out = generate.generate(params, cfg, prompts, d)
+    ctx.put(decode8b_b1=dict(decode_s=out.decode_s, compile_s=first.compile_s, step_ms=1e3 * out.decode_s / N,
+                             decode_tokens_per_s=N / out.decode_s,
+                             bytes_per_s=(weight_bytes + kv_bytes) / (out.decode_s / N)))
+    del params, out, first
+    gc.collect()
+
+
+def serve_int8_8b(ctx: Ctx) -> None:
+    """The serving engine over llama3.1-8b's shape with int8 weights (int8_model): serve_concurrency slots and as
+    many greedy requests of serve_prompt + serve_new tokens at once, output tokens/s of the third round (the first
+    two compile: prefill into fresh slots, then into used ones), and the chip's memory in use."""
+    import jax
+
+    from jaxlm.config import ServeConfig
+    from jaxlm.serve.engine import Engine
+    from jaxlm.serve.requests import Sequence
+
+    z = ctx.sizes
+    C, P0, N = z["serve_concurrency"], z["serve_prompt"], z["serve_new"]
+    params, cfg = int8_model(ctx)
+    e = Engine(params, cfg, ServeConfig(max_slots=C, max_queue=C, prefill_chunk=C * P0, prefix_cache=0), P0 + N)
+    e.start()
+    rounds = []
+    try:
+        for r in range(3):
+            if rounds and ctx.left() < 2 * rounds[-1]["wall_s"] + 5:
+                break
+            prompts = np.random.default_rng(r).integers(0, cfg.vocab_size, (C, P0))
+            t = time.perf_counter()
+            events = e.run([Sequence(p.tolist(), N, 0.0, 0, 1.0, 0, 0, (), None, logprobs=False) for p in prompts])
+            if e.error:
+                raise RuntimeError(f"engine: {e.error}")
+            wall = time.perf_counter() - t
+            tokens = sum(len(x[1]) for ev in events for x in ev if x[0] == "tokens")
+            stats = jax.devices()[0].memory_stats() or {}
+            rounds.append(dict(wall_s=wall, tokens=tokens, output_tokens_per_s=tokens / wall,
+                               bytes_in_use=stats.get("bytes_in_use"), peak_bytes_in_use=stats.get("peak_bytes_in_use")))
+            ctx.put(serve8b_rounds=rounds, serve8b_concurrency=C, serve8b_page_size=e.kv.page_size)
+    finally:
+        e.stop()
+
+
 def decode(ctx: Ctx) -> None:
+    """generate on the 1B shape in bf16 (gpu_sections.decode), then batch 1 on llama3.1-8b's shape with int8
+    weights (decode_int8_8b), while time is left."""
+    import gc
+
     g.decode(ctx)
+    gc.collect()
+    if ctx.left() > 60:
+        try:
+            decode_int8_8b(ctx)
+        except Exception as e:  # noqa: BLE001 - the 8B row failing leaves the 1B rows
+            ctx.put(decode8b_note=f"error: {g.one_line(e)}")
+    else:
+        ctx.put(decode8b_note=f"skipped: time budget ({ctx.left():.0f} s left)")
 
 
 def serve(ctx: Ctx) -> None:
+    """The engine on the 1B shape in bf16 (gpu_sections.serve, with its profiled round), then on llama3.1-8b's
+    shape with int8 weights (serve_int8_8b), while time is left."""
+    import gc
+
     g.serve(ctx)
+    gc.collect()
+    if ctx.left() > 80:
+        try:
+            serve_int8_8b(ctx)
+        except Exception as e:  # noqa: BLE001 - the 8B rows failing leave the 1B ones
+            ctx.put(serve8b_note=f"error: {g.one_line(e)}")
+    else:
+        ctx.put(serve8b_note=f"skipped: time budget ({ctx.left():.0f} s left)")
 
 
 SECTIONS = {f.__name__: f for f in (yardsticks, maxtext, gpt2, long, quant, lora, vision, decode, serve)}

@@ -50,6 +50,10 @@ def test_every_section_runs_at_tiny_sizes_on_cpu(tmp_path):
     assert vlm["images_per_row"] == 1 and vlm["tokens_per_s"] > 0 and float(kv["vision_4b_tokens_per_s"]) > 0
     assert kv["quant_int8_loss_within_0.02"] == "true" and float(kv["quant_int8_speed_vs_bf16"]) > 0
     assert float(kv["generate_b1_decode_tokens_per_s"]) > 0 and float(kv["serve_c4_output_tokens_per_s"]) > 0
+    # the engine against generate at its batch; llama3.1-8b's shape (tiny here) with int8 weights, decoded and served
+    assert float(kv["serve_vs_generate_decode"]) > 0 and float(kv["serve_vs_generate_with_prefill"]) > 0
+    assert float(kv["decode8b_int8_b1_tokens_per_s"]) > 0 and float(kv["decode8b_int8_b1_bandwidth_vs_copy"]) > 0
+    assert float(kv["serve8b_int8_c4_output_tokens_per_s"]) > 0
     assert "maxtext_best_mfu_maxtext" not in kv  # no spec-sheet peak for a CPU: MFU only against the matmul
     assert float(kv["maxtext_best_mfu_maxtext_vs_matmul"]) > 0
 

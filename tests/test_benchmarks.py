@@ -38,9 +38,12 @@ def test_serve_benchmark_runs_every_part_at_a_tiny_size(tmp_path):
     s = report["summary"]
     for key in ("vs_generate_real", "vs_generate_batch_real", "roofline_frac", "paged_vs_slot_sequences",
                 "vs_transformers_toy", "time_prefill", "time_decode", "roofline_frac_tuned", "engine_roofline_frac",
-                "server_vs_engine"):
+                "server_vs_engine", "uniform_vs_generate"):
         assert s[key] > 0, key
     assert s["transport"] == report["transport"] == "tcp"
+    u = report["uniform"]  # every prompt and output one length, the server at its concurrency
+    assert (u["prompt"], u["output"], u["requests"], u["concurrency"]) == (16, 8, 8, 4)
+    assert u["serve"]["requests"] == 8 and u["transformers_generate_batch16"] > 0
     assert report["slots"]["paged"]["in_flight"] > report["slots"]["slot"]["in_flight"] == 1
     assert set(report["serve"]) == {1, 4} and report["serve"][4]["requests"] == 8
     tuned = report["serve_tuned"]

@@ -94,6 +94,10 @@ def test_a_pages_layout_and_size_follow_the_entries():
     assert {name: a.shape for name, a in padded.kinds[0].items()} == {
         "k": (2, 4, 10, 16, 128), "v": (2, 4, 10, 16, 128), "k_scale": (4, 10, 16, 2), "v_scale": (4, 10, 16, 2)}
     assert paged.bytes_per_token(cfg, quantize=True, lane=128) == 4 * 2 * (2 * 128 + 2 * 4)
+    # serve.page_size's default (-1) is the format's page: 128 on TPU, whose kernel copies a page at a time
+    assert ServeConfig().page_size == -1
+    assert paged.page_size(-1, paged.pool_format("tpu")) == 128 and paged.page_size(-1, paged.pool_format("cpu")) == 16
+    assert paged.page_size(-1) == 16 and paged.page_size(0) == 0 and paged.page_size(4, paged.pool_format("tpu")) == 4
 
 
 @pytest.fixture

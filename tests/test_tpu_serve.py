@@ -35,6 +35,7 @@ def test_the_engine_decodes_through_the_pallas_kernel_on_a_pool_of_128_lanes(ser
     engine = srv.served.engine
     assert engine.kv.page_format.lane == 128 and engine.kv.page_format.kernel is not None
     assert engine.kv.page_format.kernel.__name__ == "paged_attention", engine.kv.page_format.kernel
+    assert engine.kv.page_size == 128  # serve.page_size's default on a TPU (paged.TPU_PAGE)
 
 
 def test_openai_client_over_the_unix_socket_gives_greedy_decodings_text(served, tpu_quickstart_run):

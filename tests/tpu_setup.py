@@ -1,5 +1,6 @@
-"""The TPU tier's packages (`make test-tpu`): what jaxlm needs at run time and what the tier's serving tests talk
-with, installed with pip into one folder (`--target`) where the running Python lacks them.
+"""The TPU tier's packages (`make test-tpu`): what jaxlm needs at run time, what the tier's serving tests talk
+with and what benchmarks/serve.py needs on a chip (tokenizers), installed with pip into one folder (`--target`)
+where the running Python lacks them.
 
 A TPU machine comes with its own JAX and libtpu, often without network access and with a package index of its
 own: nothing here installs JAX (the machine's stays the one imported), and pip's index and options come from
@@ -21,6 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # Beyond the runtime dependencies: the server (the `serve` extra) and the client the serving tests drive it with.
 TIER_EXTRAS = ("serve",)
 TIER_CLIENTS = ("openai>=1.40", "httpx>=0.27")
+# What benchmarks/serve.py needs on a chip (`--parts serve,engine --uds`) beyond those: its word-level tokenizer.
+TIER_BENCHMARKS = ("tokenizers>=0.20",)
 NEVER = ("jax", "jaxlib", "libtpu")  # the machine's own
 
 
@@ -29,7 +32,7 @@ def requirements() -> list[str]:
     reqs = list(project["dependencies"])
     for extra in TIER_EXTRAS:
         reqs += project["optional-dependencies"][extra]
-    return reqs + list(TIER_CLIENTS)
+    return reqs + list(TIER_CLIENTS) + list(TIER_BENCHMARKS)
 
 
 def _name(req: str) -> str:

@@ -431,7 +431,7 @@ def cmd_generate(argv: list[str]) -> int:
                                 "checkpoint) or a `jaxlm convert from-hf` folder, with a KV cache; the first "
                                 "sample streams as it is generated. Settings are decode.* keys (the prefix may be "
                                 "left out): max_new_tokens, temperature, top_k, top_p, seed, cache_length, "
-                                "quantize_kv_cache, stop_tokens, stop_at_eos (docs/generate.md). mesh.* keys "
+                                "quantize_kv_cache, quantize_weights, stop_tokens, stop_at_eos (docs/generate.md). mesh.* keys "
                                 "shard the model over devices (mesh.ici_data=1 mesh.ici_tensor=4: tensor parallel "
                                 "on 4).")
     p.add_argument("src", help="run directory or converted checkpoint folder")
@@ -463,7 +463,7 @@ def cmd_generate(argv: list[str]) -> int:
         prompts.append(Path(f).read_text())
     if not prompts:
         p.error("give a prompt with --prompt TEXT or --prompt-file FILE")
-    model = api.load(a.src, mesh_cfg)
+    model = api.load(a.src, mesh_cfg, d.quantize_weights)
     if a.tokenizer:
         model.config = model.config.replace(data=dataclasses.replace(model.config.data, tokenizer=a.tokenizer))
     tok = model.tokenizer()

@@ -310,6 +310,10 @@ class DecodeConfig:
     cache_length: int | None = _f(None, "positions the KV cache holds per sequence; None = longest prompt + "
                                         "max_new_tokens", rule=positive("or None"))
     quantize_kv_cache: bool = _f(False, "store cached keys and values as int8 with a float32 scale per position and kv head")
+    quantize_weights: Literal["none", "int8"] = _f(
+        "none", "`jaxlm generate`, `jaxlm serve` and jaxlm.load: int8 = the matmul weights (every layer's and the "
+                "output projection) converted once at load to int8 with one float32 scale per output channel, "
+                "multiplied as int8 (half a bf16 model's bytes read per token: docs/serve.md); none = as stored")
     stop_tokens: str = _f("", "comma-separated token ids that end a sample (it is kept in the output)")
     stop_at_eos: bool = _f(True, "also stop at the model's end-of-sequence token, when its tokenizer names one")
     draft: str = _f("", "`jaxlm generate` and `jaxlm serve`: a smaller model with the same tokenizer (run directory "
@@ -331,9 +335,11 @@ class ServeConfig:
     max_slots: int = _f(64, "sequences in flight at most (decoded together; the decode step compiles for this "
                             "count, a half, a quarter and an eighth of it, and 4 and 1); with the slot cache "
                             "(serve.page_size=0) each holds the whole context", rule=at_least(1))
-    page_size: int = _f(16, "positions per page of the paged KV cache: a sequence holds the pages its tokens fill, "
-                            "taken as it grows and given back when it ends; 0 = the slot cache (every slot the "
-                            "whole context)", rule=at_least(0, "0 = the slot cache"))
+    page_size: int = _f(-1, "positions per page of the paged KV cache: a sequence holds the pages its tokens fill, "
+                            "taken as it grows and given back when it ends; -1 = the devices' own (128 on a TPU, "
+                            "whose page-attention kernel copies a page at a time; 16 elsewhere); 0 = the slot cache "
+                            "(every slot the whole context)",
+                        rule=at_least(-1, "-1 = the devices' own, 0 = the slot cache"))
     cache_gib: float = _f(0.0, "memory of the paged KV cache's pages, GiB; 0 = as much as gives every slot the "
                                "whole context, at most 4 GiB on a CPU and 80% of the free memory on an "
                                "accelerator", rule=at_least(0, "0 = automatic"))

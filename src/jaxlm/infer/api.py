@@ -153,9 +153,11 @@ def serving_mesh(mesh_cfg: MeshConfig, devices=None) -> jax.sharding.Mesh:
     return sharding.make_mesh(mesh_cfg, devices)
 
 
-def load(path: str | Path, mesh: jax.sharding.Mesh | MeshConfig | None = None) -> Model:
+def load(path: str | Path, mesh: jax.sharding.Mesh | MeshConfig | None = None, quantize_weights: str = "none"
+         ) -> Model:
     """`mesh` (a Mesh, or mesh.* settings as a MeshConfig) shards the weights by the parameter rules and runs
-    logits and generation on it; None keeps everything on one device."""
+    logits and generation on it; None keeps everything on one device. quantize_weights="int8"
+    (decode.quantize_weights): the matmul weights converted once to int8 per output channel (int8_params)."""
     if not Path(path).exists():
         raise ConfigError(f"{path} does not exist; give a run directory or a `jaxlm convert from-hf` folder")
     if runtime.platform() == "cpu":
@@ -165,8 +167,36 @@ def load(path: str | Path, mesh: jax.sharding.Mesh | MeshConfig | None = None) -
     if isinstance(mesh, MeshConfig):
         rules = sharding.rules_from_config(mesh)[0]
         mesh = serving_mesh(mesh)
-    cfg, params = weights.load_params(path, mesh=mesh, rules=rules)
-    return Model(cfg, params, Path(path), mesh)
+    if quantize_weights not in ("none", "int8"):
+        raise ConfigError(f"quantize_weights={quantize_weights!r} is not one of none, int8")
+    if quantize_weights == "none":
+        cfg, params = weights.load_params(path, mesh=mesh, rules=rules)
+        return Model(cfg, params, Path(path), mesh)
+    # read into host memory: the float weights and their int8 copy need not fit on the device side by side
+    cfg, params = weights.load_params(path, device=jax.devices("cpu")[0])
+    return Model(cfg, int8_params(params, cfg.model, mesh, rules), Path(path), mesh)
+
+
+def int8_params(params: dict, m: ModelConfig, mesh: jax.sharding.Mesh | None = None, rules=None) -> dict:
+    """The weights `decode.quantize_weights=int8` serves (quant.serving_params: every layer's matmul weights and
+    the output projection int8 with a float32 scale per output channel), converted where `params` lie and placed
+    on `mesh` by the parameter rules (None: the first device): an int8 weight as its float one, its scales
+    replicated (a few KiB a layer)."""
+    from jaxlm import params as P
+    from jaxlm.model import param_specs, quant
+
+    q = jax.jit(quant.serving_params, static_argnums=1)(params, m)
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = (P.shardings(param_specs(m), mesh, rules or sharding.PARAM_RULES) if mesh is not None
+              else jax.tree.map(lambda _: one, params))
+
+    def place(w, s):
+        if isinstance(w, quant.QWeight):
+            whole = s if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+            return quant.QWeight(jax.device_put(w.value, s), jax.device_put(w.scale, whole))
+        return jax.device_put(w, s)
+
+    return jax.tree.map(place, q, target, is_leaf=lambda w: isinstance(w, quant.QWeight))
 
 
 def generate_text(src: str | Path | Model, prompt: str | list[str], **settings) -> str | list[str]:

@@ -34,9 +34,17 @@ KERNEL_BLOCK_TOKENS = 256  # keys of a row the kernel reads per block (pages_per
 class PoolFormat(NamedTuple):
     """How a pool is laid out and read: its vectors padded to a multiple of `lane` (lanes), and decode steps of
     standard attention reading its pages with `kernel`, a page-attention kernel of the signature of JAX's Pallas
-    paged_attention (None: the flat path). pool_format gives a platform's; tests pass their own."""
+    paged_attention (None: the flat path); `page`, the page size serve.page_size's default (-1) takes on these
+    devices. pool_format gives a platform's; tests pass their own."""
     lane: int = 1
     kernel: Callable | None = None
+    page: int = 16
+
+
+# TPU: the kernel copies each page of each kv head by a DMA of its own, and at 16 positions a page those copies (64
+# rows x 8 kv heads x 16 pages x keys and values: 16,384 of 4 KiB for one layer of the 1B shape's decode step) cost
+# more than the bytes they move (docs/serve.md, "The paged KV cache"); 128 cuts them eightfold
+TPU_PAGE = 128
 
 
 def lanes(platform: str) -> int:
@@ -54,7 +62,13 @@ def pool_format(platform: str) -> PoolFormat:
         return PoolFormat(lanes(platform))
     from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
 
-    return PoolFormat(lanes(platform), paged_attention)
+    return PoolFormat(lanes(platform), paged_attention, TPU_PAGE)
+
+
+def page_size(setting: int, fmt: PoolFormat | None = None) -> int:
+    """serve.page_size as a pool of format `fmt` takes it (None: this process's default devices'): -1, the default,
+    is the format's page (TPU_PAGE on a TPU, 16 elsewhere); 0 (the slot cache) and sizes given stay."""
+    return setting if setting >= 0 else (fmt or pool_format(runtime.platform())).page
 
 
 @jax.tree_util.register_dataclass

@@ -125,6 +125,13 @@ def quantize_params(params: dict, model_cfg) -> dict:
     return out
 
 
+def serving_params(params: dict, model_cfg) -> dict:
+    """The weights `jaxlm generate` and `jaxlm serve` multiply with decode.quantize_weights=int8: quantize_params'
+    with the output projection too (it is read whole every decode step: a quarter of an 8B Llama's bytes at
+    batch 1), whatever model.quant_logits says."""
+    return quantize_params(params, dataclasses.replace(model_cfg, quant_logits=True))
+
+
 # ---------------------------------------------------------------------------------------------------------
 # NF4 weights for QLoRA's frozen base (Dettmers et al., 2023).
 

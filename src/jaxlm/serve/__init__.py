@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from jaxlm import config as config_lib, sharding
+from jaxlm import config as config_lib, runtime, sharding
 from jaxlm.model import paged
 from jaxlm.config import Config, ConfigError
 from jaxlm.data import tokenizer as tokenizer_lib
@@ -68,8 +68,9 @@ def build(src: str | Path, cfg: Config, log: Callable[[str], None] = print):
 
     d, sc = cfg.decode, cfg.serve
     mesh_cfg = cfg.mesh if cfg.mesh != Config().mesh else None
-    model = api.load(src, mesh_cfg)
+    model = api.load(src, mesh_cfg, d.quantize_weights)
     m = model.config.model
+    sc = dataclasses.replace(sc, page_size=paged.page_size(sc.page_size, paged.pool_format(runtime.platform(model.mesh))))
     length = d.cache_length or m.block_size
     if m.position == "learned" and length > m.block_size:
         raise ConfigError(f"decode.cache_length={length} is past this model's learned positions "
@@ -173,6 +174,7 @@ def cache_pages(m, sc, length: int, quantize: bool) -> int:
     ACCELERATOR_CACHE_FRACTION of the free memory of an accelerator."""
     import jax
 
+    sc = dataclasses.replace(sc, page_size=paged.page_size(sc.page_size))  # -1: the default devices' page
     per_page = paged.bytes_per_token(m, quantize) * sc.page_size
     if sc.cache_gib:
         return max(1, int(sc.cache_gib * 2**30 // per_page))

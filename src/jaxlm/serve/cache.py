@@ -60,7 +60,14 @@ class Cache:
         self.cfg, self.B, self.S, self.quantize = cfg, sc.max_slots, length, quantize
         self.draft, self._draft_layer_params = draft, None
         self.pending = np.full(self.B, -1, np.int32)  # with a draft: each slot's token sent but not yet cached
-        self.page_size, self.prefix_entries = sc.page_size, sc.prefix_cache
+        # Every program is traced in the mesh and rules of `layout`, its static argument (programs.py). The paged
+        # cache's format (padding, page-attention kernel) is the devices' (None: paged.pool_format of their
+        # platform; tests give their own), decided here once: a server compiled for a TPU from a CPU host gets the
+        # TPU's.
+        self.layout = sharding.layout(mesh, rules[1], param_rules=rules[0])
+        platform = runtime.platform(mesh)
+        self.page_format = paged.pool_format(platform) if page_format is None else page_format
+        self.page_size, self.prefix_entries = paged.page_size(sc.page_size, self.page_format), sc.prefix_cache
         rings = [n for n in map(partial(kvcache.ring, cfg), cfg.pattern) if n is not None]
         self.ring = min(rings) if rings else None  # the shortest local window or chunk
         if self.page_size:  # each sequence's page table a row of `table` [slots, pages per sequence]
@@ -71,13 +78,6 @@ class Cache:
         # it apart and back costs two copies of the rows' cache per call: with one step per call that lost to
         # the scan's copies of one step (docs/serve.md, "How it works").
         self.unroll = cfg.n_layers <= generate.UNROLL_LAYERS and (sc.decode_steps > 1 or self.page_size > 0)
-        # Every program is traced in the mesh and rules of `layout`, its static argument (programs.py). The paged
-        # cache's format (padding, page-attention kernel) is the devices' (None: paged.pool_format of their
-        # platform; tests give their own), decided here once: a server compiled for a TPU from a CPU host gets the
-        # TPU's.
-        self.layout = sharding.layout(mesh, rules[1], param_rules=rules[0])
-        platform = runtime.platform(mesh)
-        self.page_format = paged.pool_format(platform) if page_format is None else page_format
         self.params = params
         self.reset()
 

@@ -211,7 +211,10 @@ def rollout_engine(params, cfg: Config, rows: int, mesh=None, rules=None):
     from jaxlm import serve, sharding
     from jaxlm.serve.engine import Engine
 
+    from jaxlm.model import paged
+
     sc, quantize, length = cfg.serve, cfg.decode.quantize_kv_cache, cfg.model.block_size
+    sc = dataclasses.replace(sc, page_size=paged.page_size(sc.page_size, paged.pool_format(runtime.platform(mesh))))
     pages = None
     if sc.page_size:
         pages = serve.cache_pages(cfg.model, dataclasses.replace(sc, max_slots=rows), length, quantize)
