@@ -111,8 +111,9 @@ def test_saved_step_at_default_compiler_settings_trains_like_the_jitted_run(char
     # its step, so `jaxlm compile` finds the same program in the cache: the saved step must still hold its code.
     # JAX caches only programs that took a second to compile; this tiny step is cached as users' larger ones are.
     tiny = ["model.n_layers=2", "model.d_model=32", "model.n_heads=4", "model.block_size=32", "training.batch_size=8",
-            f"data.dir={char_data}", f"compile.cache_dir={tmp_path / 'xla'}"]
-    run = ["training.steps=8", "training.eval_interval=0", "training.sample_tokens=0", "checkpoint.enabled=false",
+            f"data.dir={char_data}", f"compile.cache_dir={tmp_path / 'xla'}",
+            "training.steps=8"]  # the schedule (a short run's cut warmup) is compiled into the step
+    run = ["training.eval_interval=0", "training.sample_tokens=0", "checkpoint.enabled=false",
            "logging.progress=false", "logging.tensorboard=false"]
     env = users_environment(XLA_FLAGS="--xla_force_host_platform_device_count=8",
                             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
