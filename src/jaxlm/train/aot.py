@@ -26,7 +26,7 @@ from typing import Callable
 import jax
 from jax.experimental import serialize_executable
 
-from jaxlm.train import advisor, run as run_lib, saved_step, step as step_lib
+from jaxlm.train import advisor, preflight, run as run_lib, saved_step, step as step_lib
 from jaxlm.model import attention
 from jaxlm.model.loss import describe_loss
 from jaxlm.config import MESH_AXES, CompileConfig, Config, ConfigError
@@ -202,6 +202,7 @@ class Memory:
     generated_code: int
     aliased: int
     host: int = 0  # bytes in host memory (activations a remat policy offloads), not counted in `total`
+    peak: int = 0  # the compiler's heap simulation (peak_memory_in_bytes), host memory included
 
     @property
     def total(self) -> int:
@@ -262,22 +263,7 @@ def argument_shares(run: run_lib.Run) -> dict[str, int]:
     return {k: v for k, v in out.items() if v}
 
 
-_SIZE = r"([\d.]+)\s*([KMGT]i?B?|B)?"
-_UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-
-
-def _parse_bytes(number: str, unit: str | None) -> int:
-    return int(float(number) * _UNITS[(unit or "")[:1]])
-
-
-def oom_bytes(message: str, argument_bytes: int) -> int | None:
-    """Bytes per device an out-of-memory compile error says the step needs: XLA:TPU either reports the total
-    ("Used 40.5G of 15.75G hbm") or only the temporaries, to which the arguments are added."""
-    if m := re.search(r"Used " + _SIZE + r" of", message):
-        return _parse_bytes(m[1], m[2])
-    if m := re.search(r"temporaries \(" + _SIZE + r"\)", message):
-        return argument_bytes + _parse_bytes(m[1], m[2])
-    return None
+oom_bytes = preflight.oom_need  # what an out-of-memory compile error says the step needs
 
 
 def compile_for(cfg: Config, tgt: Target) -> Result:
@@ -302,7 +288,7 @@ def compile_for(cfg: Config, tgt: Target) -> Result:
     host = sum(getattr(m, f"host_{k}_size_in_bytes", 0) for k in ("argument", "output", "temp", "generated_code"))
     memory = Memory(m.argument_size_in_bytes, m.output_size_in_bytes, m.temp_size_in_bytes,
                     m.generated_code_size_in_bytes, m.alias_size_in_bytes,
-                    host - getattr(m, "host_alias_size_in_bytes", 0))
+                    host - getattr(m, "host_alias_size_in_bytes", 0), getattr(m, "peak_memory_in_bytes", 0))
     return Result(run, tgt, seconds, executable, memory, argument_bytes)
 
 
@@ -311,20 +297,8 @@ def _gib(n: int) -> str:
 
 
 def remedies(run: run_lib.Run, tgt: Target) -> list[str]:
-    """Settings that lower a step's memory per device, from what this run uses."""
-    cfg, mesh = run.cfg, run.mesh
-    out = []
-    pdb = cfg.training.per_device_batch_size
-    if pdb > 1:
-        out.append(f"training.per_device_batch_size={max(1, math.floor(pdb / 2))} (now {pdb:g}; raise "
-                   "training.grad_accum to keep the global batch, or compile.find_batch_size=true)")
-    if cfg.model.remat != "full":
-        out.append(f"model.remat=full (now {cfg.model.remat})")
-    per_slice = mesh.devices.size // tgt.num_slices
-    if mesh.shape["fsdp"] < per_slice:
-        out.append(f"mesh.ici_data=1 mesh.ici_fsdp=-1 (FSDP over all {per_slice} devices of a slice; now "
-                   f"{mesh.shape['fsdp']})")
-    return out
+    """Settings that lower a step's memory per device, from what this run uses (preflight.remedies)."""
+    return preflight.remedies(run, run.mesh.devices.size // tgt.num_slices)
 
 
 def _images(run: run_lib.Run) -> str:
@@ -370,7 +344,9 @@ def report(r: Result) -> list[str]:
                   f"  total           {_gib(mem.total):>12}   of {_gib(tgt.hbm_bytes)} ({tgt.hbm_source}); an upper "
                   "bound: the compiler also reuses buffers",
                   f"  host memory     {_gib(mem.host):>12}   offloaded activations (model.remat=offload_*), "
-                  "not in the total"]
+                  "not in the total"] + ([
+                  f"  peak            {_gib(mem.peak):>12}   the compiler's heap simulation, host memory included "
+                  "(on a v5e the same figure as the chip's own compile)"] if mem.peak else [])
     else:
         lines += [f"the compiler ran out of memory: {r.oom}",
                   f"  arguments       {_gib(r.argument_bytes):>12}   train state and batch (from their shardings): "
