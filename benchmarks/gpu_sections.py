@@ -814,7 +814,6 @@ def serve(ctx: Ctx) -> None:
     slots and C greedy requests submitted at once: output tokens/s of the third round (the first two compile)."""
     from jaxlm.config import ServeConfig
     from jaxlm.serve.engine import Engine
-    from jaxlm.serve.requests import Sequence
 
     z = ctx.sizes
     C, P0, N = z["serve_concurrency"], z["serve_prompt"], z["serve_new"]
@@ -826,20 +825,28 @@ def serve(ctx: Ctx) -> None:
     rounds = []
     try:
         for r in range(3):  # the first two compile (prefill into fresh slots, then into used ones)
-            prompts = np.random.default_rng(r).integers(0, cfg.vocab_size, (C, P0))
-            t = time.perf_counter()
-            events = e.run([Sequence(p.tolist(), N, 0.0, 0, 1.0, 0, 0, (), None, logprobs=False) for p in prompts])
-            if e.error:
-                raise RuntimeError(f"engine: {e.error}")
-            wall = time.perf_counter() - t
-            tokens = sum(len(x[1]) for ev in events for x in ev if x[0] == "tokens")
-            rounds.append(dict(wall_s=wall, tokens=tokens, output_tokens_per_s=tokens / wall))
+            rounds.append(engine_round(e, cfg, C, P0, N, seed=r))
             ctx.put(serve_rounds=rounds, serve_concurrency=C, serve_prompt=P0, serve_new=N,
                     serve_decode_steps=e.decode_steps)
         if ctx.left() > 2 * rounds[-1]["wall_s"] + 10:
             ctx.put(serve_profile=engine_profile(e, cfg, C, P0, N))
     finally:
         e.stop()
+
+
+def engine_round(e, cfg, C: int, P0: int, N: int, seed: int) -> dict:
+    """C greedy requests of P0 random prompt tokens and N new ones through the engine at once: the round's wall
+    time, output tokens and output tokens/s."""
+    from jaxlm.serve.requests import Sequence
+
+    prompts = np.random.default_rng(seed).integers(0, cfg.vocab_size, (C, P0))
+    t = time.perf_counter()
+    events = e.run([Sequence(p.tolist(), N, 0.0, 0, 1.0, 0, 0, (), None, logprobs=False) for p in prompts])
+    if e.error:
+        raise RuntimeError(f"engine: {e.error}")
+    wall = time.perf_counter() - t
+    tokens = sum(len(x[1]) for ev in events for x in ev if x[0] == "tokens")
+    return dict(wall_s=wall, tokens=tokens, output_tokens_per_s=tokens / wall)
 
 
 def engine_profile(e, cfg, C: int, P0: int, N: int) -> dict:

@@ -463,7 +463,6 @@ def serve_int8_8b(ctx: Ctx) -> None:
 
     from jaxlm.config import ServeConfig
     from jaxlm.serve.engine import Engine
-    from jaxlm.serve.requests import Sequence
 
     z = ctx.sizes
     C, P0, N = z["serve_concurrency"], z["serve_prompt"], z["serve_new"]
@@ -475,16 +474,9 @@ def serve_int8_8b(ctx: Ctx) -> None:
         for r in range(3):
             if rounds and ctx.left() < 2 * rounds[-1]["wall_s"] + 5:
                 break
-            prompts = np.random.default_rng(r).integers(0, cfg.vocab_size, (C, P0))
-            t = time.perf_counter()
-            events = e.run([Sequence(p.tolist(), N, 0.0, 0, 1.0, 0, 0, (), None, logprobs=False) for p in prompts])
-            if e.error:
-                raise RuntimeError(f"engine: {e.error}")
-            wall = time.perf_counter() - t
-            tokens = sum(len(x[1]) for ev in events for x in ev if x[0] == "tokens")
             stats = jax.devices()[0].memory_stats() or {}
-            rounds.append(dict(wall_s=wall, tokens=tokens, output_tokens_per_s=tokens / wall,
-                               bytes_in_use=stats.get("bytes_in_use"), peak_bytes_in_use=stats.get("peak_bytes_in_use")))
+            rounds.append(dict(g.engine_round(e, cfg, C, P0, N, seed=r), bytes_in_use=stats.get("bytes_in_use"),
+                               peak_bytes_in_use=stats.get("peak_bytes_in_use")))
             ctx.put(serve8b_rounds=rounds, serve8b_concurrency=C, serve8b_page_size=e.kv.page_size)
     finally:
         e.stop()

@@ -69,7 +69,7 @@ def remedies(run, devices_per_slice: int) -> list[str]:
         out.append("lora.base_quantization=nf4 (the frozen base in 4 bits)")
     if m.remat not in ("full", "offload_layer_inputs"):
         out.append(f"model.remat=full (now {m.remat})")
-    elif m.remat == "full" and m.block_size >= LONG_CONTEXT and jax.devices()[0].platform == "tpu":
+    elif m.remat == "full" and m.block_size >= LONG_CONTEXT and mesh.devices.flat[0].platform == "tpu":
         out.append("model.remat=offload_layer_inputs (the layers' saved inputs in host memory)")
     pdb = t.per_device_batch_size
     if pdb > 1:
