@@ -232,23 +232,31 @@ LOSS_STEPS = 50  # the first row also trains this many steps on real text (Pytho
 
 def random_frozen(abstract: dict, seed: int = 0) -> dict:
     """A LoRA run's frozen base made on the device in its stored layout (nf4 codes and scales, or bf16 weights),
-    random: no folder to read, and an 8B base in float would not fit one chip before it is quantized. Integers
-    uniform over their type, floats small and positive (norms, block scales), so every value stays finite."""
+    random: no folder to read, and an 8B base in float would not fit one chip before it is quantized. Realistic in
+    scale, so activations stay as a trained model's would: nf4 codes uniform over the 16 levels, the blocks' maxima
+    about 0.03-0.06 (mean in [0.03, 0.06], int8 offsets of at most 0.013: a block's absolute maximum for weights of
+    standard deviation ~0.02), norms of one, other floats (embedding, output layer, a bf16 base) uniform in +-0.05
+    rounded to bf16. Counter-based random bits and uniform floats: the same base on every platform, bit for bit."""
     import jax
     import jax.numpy as jnp
 
-    leaves, tree = jax.tree.flatten(abstract)
-    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    flat, tree = jax.tree_util.tree_flatten_with_path(abstract)
+    keys = jax.random.split(jax.random.key(seed), len(flat))
 
-    def one(key, a):
+    def one(key, path, a):
+        name = jax.tree_util.keystr(path)
         if jnp.issubdtype(a.dtype, jnp.integer):
             info = jnp.iinfo(a.dtype)
             make = lambda k: jax.random.randint(k, a.shape, info.min, info.max, jnp.int32).astype(a.dtype)  # noqa
+        elif "norm" in name:
+            make = lambda k: jnp.ones(a.shape, a.dtype)  # noqa: E731
         else:
-            make = lambda k: (0.02 * jnp.abs(jax.random.normal(k, a.shape, jnp.float32))).astype(a.dtype)  # noqa
+            lo, hi = (5e-5, 1e-4) if "absmax_scale" in name else (0.03, 0.06) if "absmax_mean" in name else (-.05, .05)
+            make = lambda k: (jax.random.uniform(k, a.shape, jnp.float32, lo, hi)  # noqa: E731
+                              .astype(jnp.bfloat16).astype(a.dtype))
         return jax.jit(make, out_shardings=a.sharding)(key)
 
-    return jax.tree.unflatten(tree, [one(k, a) for k, a in zip(keys, leaves)])
+    return jax.tree.unflatten(tree, [one(k, p, a) for k, (p, a) in zip(keys, flat)])
 
 
 def lora_row(ctx: Ctx, label: str, cfg, steps: int, loss_steps: int = 0) -> dict:
