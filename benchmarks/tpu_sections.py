@@ -166,9 +166,16 @@ def gpt2(ctx: Ctx) -> None:
 
 def long(ctx: Ctx) -> None:
     """maxtext_base at 32,768 tokens a sequence, batch 1, bf16 weights and remat full (attention auto: splash on
-    a TPU)."""
+    a TPU), then at 131,072 with the layers' inputs in host memory."""
     z = ctx.sizes
-    rows(ctx, "long_runs", "maxtext_base", [(f"{z['long_block']} tokens, bf16 weights, remat full", {})],
+    longest = 4 * z["long_block"]
+    rows(ctx, "long_runs", "maxtext_base", [
+        (f"{z['long_block']} tokens, bf16 weights, remat full", {}),
+        # 131,072 at full size: the layers' inputs (2 GiB each of 16 at bf16) wait in host memory, and the MLP's
+        # [T, 7,168] activations are made 8,192 positions at a time
+        (f"{longest} tokens, bf16 weights, layer inputs offloaded, MLP in chunks of 8,192",
+         {"model.block_size": longest, "model.remat": "offload_layer_inputs",
+          "model.mlp_chunk_tokens": min(8192, longest)})],
          z["long_steps"], {"training.batch_size": 1, "model.block_size": z["long_block"],
                            "model.param_dtype": "bfloat16"})
 
