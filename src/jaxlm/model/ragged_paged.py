@@ -47,12 +47,12 @@ class Kernel(NamedTuple):
                                       softcap=softcap, block_tokens=self.block_tokens, interpret=self.interpret)
 
 
-def _tiles(C: int, G: int) -> tuple[int, int]:
-    """(query tokens a tile, tiles a row): the whole row when its G x C query rows fit TILE_QUERIES, else tiles of
+def _tiles(C: int, G: int, tile_queries: int) -> tuple[int, int]:
+    """(query tokens a tile, tiles a row): the whole row when its G x C query rows fit tile_queries, else tiles of
     a multiple of 16 tokens (a bfloat16 block's sublane tile)."""
-    if G * C <= TILE_QUERIES:
+    if G * C <= tile_queries:
         return C, 1
-    c = max(16, TILE_QUERIES // G // 16 * 16)
+    c = max(16, tile_queries // G // 16 * 16)
     return c, -(-C // c)
 
 
@@ -71,7 +71,7 @@ def _kernel(lens_ref, ids_ref, q_ref, pos_ref, k_hbm, v_hbm, o_ref, kbuf, vbuf, 
     def copies(i, blk, slot):
         """The block's page copies (k and v of page j, all kv heads each) and whether each is made: only pages
         below the row's length."""
-        pages = (length(i) + A - 1) // A
+        pages = jax.lax.div(length(i) + A - 1, A)  # lax.div: `//` lowers through sign, which asks the device
         out = []
         for j in range(Bp):
             page = blk * Bp + j
@@ -122,7 +122,7 @@ def _kernel(lens_ref, ids_ref, q_ref, pos_ref, k_hbm, v_hbm, o_ref, kbuf, vbuf, 
 
     def row(i, slot):
         n = length(i)
-        blocks = jnp.maximum((n + BA - 1) // BA, 1)  # a row of no keys still takes (and passes on) a step
+        blocks = jnp.maximum(jax.lax.div(n + BA - 1, BA), 1)  # a row of no keys still takes (and passes on) a step
         m_ref[...] = jnp.full(m_ref.shape, NEG, jnp.float32)
         l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
@@ -150,22 +150,25 @@ def _kernel(lens_ref, ids_ref, q_ref, pos_ref, k_hbm, v_hbm, o_ref, kbuf, vbuf, 
     jax.lax.fori_loop(0, rows, row, 0)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "softcap", "block_tokens", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "softcap", "block_tokens", "row_bytes", "tile_queries",
+                                             "interpret"))
 def ragged_paged_attention(q_PCNH, k_pages, v_pages, end_P, ids_PM, q_pos_PC, *, scale: float, softcap=None,
-                           block_tokens: int = BLOCK_TOKENS, interpret: bool = False) -> jax.Array:
+                           block_tokens: int = BLOCK_TOKENS, row_bytes: int = ROW_BLOCK_BYTES,
+                           tile_queries: int = TILE_QUERIES, interpret: bool = False) -> jax.Array:
     """Each row p's queries q_PCNH[p] (at positions q_pos_PC[p], causal) over its keys below end_P[p], found in
     pages ids_PM[p] of k_pages [K, pages, A, Hk] and v_pages [K, pages, A, Hv] (position s in page ids[s // A] at
     offset s % A); queries narrower than Hk are padded with zeros. Logits are scaled by `scale`, then soft-capped
     (softcap x tanh(logit / softcap); None: not). A query that sees no key (a row of no keys, a position
-    below 0) gives zeros. Returns [P, C, N, Hv] in q's dtype."""
+    below 0) gives zeros. block_tokens, row_bytes and tile_queries: as BLOCK_TOKENS, ROW_BLOCK_BYTES and
+    TILE_QUERIES. Returns [P, C, N, Hv] in q's dtype."""
     P, C, N, H = q_PCNH.shape
     K, _, A, Hk = k_pages.shape
     Hv, M, G = v_pages.shape[-1], ids_PM.shape[1], N // K
     Bp = max(1, min(M, block_tokens // A))
-    Ct, T = _tiles(C, G)
+    Ct, T = _tiles(C, G, tile_queries)
     Q = G * Ct
     dt = k_pages.dtype
-    rows = max(1, min(P, ROW_BLOCK_BYTES // (K * Q * max(Hk, Hv) * jnp.dtype(dt).itemsize)))
+    rows = max(1, min(P, row_bytes // (K * Q * max(Hk, Hv) * jnp.dtype(dt).itemsize)))
     Pp = -(-P // rows) * rows
     # queries [Pp, T, K, G Ct, Hk] in (g, c) order; padding rows and tokens sit at position -1 and see nothing
     q = jnp.pad(q_PCNH.astype(dt), ((0, Pp - P), (0, T * Ct - C), (0, 0), (0, Hk - H)))
