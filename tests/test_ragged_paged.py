@@ -123,11 +123,11 @@ def test_the_attention_kernel_setting_picks_the_tpu_pools_kernel():
 
 @pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu is not installed (pip install 'jaxlm[tpu]')")
 @pytest.mark.parametrize("P_,C,K,A_,dtype,softcap", [(64, 1, 8, 128, jnp.bfloat16, None),
-                                                     (4, 512, 8, 128, jnp.bfloat16, 50.0),
+                                                     (2, 256, 8, 128, jnp.bfloat16, 50.0),
                                                      (8, 1, 1, 16, jnp.float32, 30.0)])
 def test_ragged_kernel_compiles_for_a_tpu(P_, C, K, A_, dtype, softcap):
     """The kernel lowered by Mosaic and compiled for a TPU v5e from this host: the 1B shape's decode rows (32
-    query heads on 8 kv heads of 64 in a pool of 128 lanes, pages of 128), its prefill chunks of 512 (in tiles),
+    query heads on 8 kv heads of 64 in a pool of 128 lanes, pages of 128), its prefill chunks of 256 (in tiles of 128),
     and float32 pools of small pages on one kv head."""
     from jaxlm.train import aot
 
@@ -142,3 +142,40 @@ def test_ragged_kernel_compiles_for_a_tpu(P_, C, K, A_, dtype, softcap):
                             spec((K, NP, A_, 128), dtype), spec((P_,), jnp.int32), spec((P_, M_), jnp.int32),
                             spec((P_, C), jnp.int32)).compile()
     assert "tpu_custom_call" in compiled.as_text()
+
+
+@pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu is not installed (pip install 'jaxlm[tpu]')")
+@pytest.mark.parametrize("rows,chunk,table_width", [pytest.param(8, 512, 32, marks=pytest.mark.slow),  # 70 s
+                                                    (64, 1, 128)])
+def test_paged_steps_through_the_ragged_kernel_compiled_for_a_tpu_update_the_pool_in_place(rows, chunk,
+                                                                                           table_width):
+    """The engine's paged programs with serve.attention_kernel=ragged compiled for a TPU v5e from this host (heads
+    of 64 in a pool of 128 lanes): a prompt chunk of 512 and a decode step of 64 rows run our kernel and need no
+    pool-sized temporaries (the pool's layers seen as one axis of pages is a view, not a copy)."""
+    from jax.sharding import SingleDeviceSharding
+
+    from jaxlm.model import decode
+    from jaxlm.serve import programs
+    from jaxlm.train import aot
+
+    device = aot.tpu_topology("v5e:1x1", 1)[0]
+    fmt = paged.pool_format(device.platform, "ragged")
+    cfg = ModelConfig(vocab_size=1024, block_size=2048, n_layers=2, n_heads=12, n_kv_heads=4, d_model=768,
+                      d_ff=2048, norm="rmsnorm", glu=True, activation="silu")
+
+    def on_tpu(tree):
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=SingleDeviceSharding(device)),
+                            tree)
+
+    params = on_tpu(P.abstract(param_specs(cfg)))
+    lw = on_tpu(jax.eval_shape(lambda p: decode.layer_weights(p, cfg), params))
+    cache = on_tpu(jax.eval_shape(lambda: paged.init(cfg, 8192, 16, fmt=fmt)))
+    i32 = lambda *shape: on_tpu(jax.ShapeDtypeStruct(shape, np.int32))  # noqa: E731
+    logits = on_tpu(jax.ShapeDtypeStruct((64, cfg.vocab_size), np.float32))
+    compiled = programs.paged_prefill.lower(params, lw, cache, logits, i32(rows, chunk), i32(rows), i32(rows),
+                                            i32(rows, table_width), i32(rows), i32(rows), cfg).compile()
+    memory = compiled.memory_analysis()
+    pool = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))
+    assert memory.alias_size_in_bytes >= pool  # the pool in is the pool out
+    assert memory.temp_size_in_bytes < pool / 20, (memory.temp_size_in_bytes, pool)
+    assert "ragged_paged_attention" in compiled.as_text()

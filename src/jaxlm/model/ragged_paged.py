@@ -199,6 +199,7 @@ def ragged_paged_attention(q_PCNH, k_pages, v_pages, end_P, ids_PM, q_pos_PC, *,
         out_shape=jax.ShapeDtypeStruct((Pp, T, K, Q, Hv), q_PCNH.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         interpret=pltpu.InterpretParams() if interpret else False,
+        name="ragged_paged_attention",
     )(lens_PT.reshape(-1), ids, q, pos, k_pages, v_pages)
     out = out.reshape(Pp, T, K, G, Ct, Hv).transpose(0, 1, 4, 2, 3, 5).reshape(Pp, T * Ct, N, Hv)
     return out[:P, :C]
