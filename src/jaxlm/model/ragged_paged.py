@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-BLOCK_TOKENS = 512  # keys a block reads per row (block_pages x page): 4 pages of 128, 1 MiB of keys and values
+BLOCK_TOKENS = 512  # keys a block reads per row (block pages x page): 4 pages of 128, double-buffered in VMEM
 ROW_BLOCK_BYTES = 1 << 20  # queries a program takes (rows x kv heads x Q x H), at most (and at least one row)
 TILE_QUERIES = 512  # query rows (G x tokens) of a row's tile at most: a long chunk is split into tiles
 NEG = -0.7 * float(jnp.finfo(jnp.float32).max)  # a masked logit: finite, so that exp(NEG - NEG) is no NaN
