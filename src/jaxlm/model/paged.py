@@ -2,9 +2,8 @@
 (position p in page table[p // page_size] at offset p % page_size; serve/pages.py hands the pages out). Pattern
 entry j's pool keeps a token's entry (*lead, last) as [*lead, R_j, NP, page, last]; every layer keeps every
 position. `attention` reads a row's pages `rows` (prefill chunks: gathered per row), `flat` (a few queries per
-row: the rows' pages listed one after another, an online softmax per row) or through a page-attention kernel on
-TPU: JAX's for decode steps (`kernel_decode`) or ours for rows of any length (`kernel_ragged`,
-model/ragged_paged.py), as the pool's format says (PoolFormat; docs/serve.md, "The paged KV cache").
+row: the rows' pages listed one after another, an online softmax per row) or by a TPU kernel, JAX's for decode
+(`kernel_decode`) or ours for any rows (`kernel_ragged`), as the pool's format says (PoolFormat; docs/serve.md).
 
 Shape legend: P rows (sequences) of a call, C tokens per row, T = tokens, R repeats of an entry, NP pages,
 M pages per row in the table, F pages listed flat, K kv heads, G query heads per kv head, N = K G, H head

@@ -1,19 +1,10 @@
-"""Ragged paged attention: a Pallas TPU kernel that reads the paged KV pool (model/paged.py) for rows of any number
-of query tokens in one call: decode rows (one token) and prefill chunks (several, causal among themselves), each row
-with its own query positions and its own key length, reading only the pages that hold its keys.
-
-How it reads: one program takes a tile of query tokens of several rows at once (ROW_BLOCK_BYTES of queries); for
-each row it copies that row's pages from HBM into VMEM, `block_pages` pages a block, by one DMA per page for all
-kv heads together (the pool's [K, pages, page, H] page i of every head), double-buffered so that the next block (of
-this row or the next) arrives while this one is computed. Every query head of a kv head, and every query token of
-the row's tile, is computed against that one page load (queries laid out [K, G x C, H]); the softmax is carried
-across blocks per row (running maximum, sum and output in float32, as flash attention does). A row reads the pages
-up to the smallest of its key length and its tile's last query position + 1, so a chunk's early tiles skip the
-later pages.
-
-What it does not do (those calls keep the flat path, paged.attend_flat): sliding windows, chunked attention
-(Llama 4), attention sinks, quantized (int8) pools, latent attention, and calls partitioned over a mesh. It does
-the scale and the logit soft-cap (Gemma 2).
+"""Ragged paged attention: our Pallas TPU kernel over the paged KV pool (model/paged.py) for rows of any number of
+query tokens in one call (decode rows and causal prefill chunks, each row with its own positions and key length).
+A program takes several rows' query tiles; per row it copies only the pages below its length, a block of pages at a
+time, one DMA per page for all kv heads, double-buffered; every query head of a kv head and every query token of
+the tile is computed against that one load, the softmax carried across blocks in float32. It does the scale and
+the logit soft-cap; windows, chunked attention, sinks, int8 pools, latent attention and meshes keep the flat path
+(docs/serve.md, "The paged KV cache").
 
 Shape legend: P rows, C query tokens a row, N query heads, K kv heads, G = N / K, H head width (the pool's,
 padded to lanes), A tokens a page, M pages a row's table, T query tiles a row, Q = G x (query tokens a tile).
