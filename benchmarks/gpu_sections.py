@@ -809,29 +809,37 @@ def decode(ctx: Ctx) -> None:
         ctx.put(decode_runs=out)
 
 
-def serve(ctx: Ctx) -> None:
+def serve(ctx: Ctx, attention_kernel: str | None = None) -> dict:
     """The serving engine (continuous batching over one KV cache, the loop `jaxlm serve` runs without HTTP) with C
-    slots and C greedy requests submitted at once: output tokens/s of the third round (the first two compile)."""
+    slots and C greedy requests submitted at once: output tokens/s of the third round (the first two compile).
+    `attention_kernel` (serve.attention_kernel; None: its default) names the figures serve_<kernel>_rounds and
+    serve_<kernel>_profile. Returns the last round and the profile (if taken)."""
     from jaxlm.config import ServeConfig
     from jaxlm.serve.engine import Engine
 
     z = ctx.sizes
     C, P0, N = z["serve_concurrency"], z["serve_prompt"], z["serve_new"]
     params, cfg = inference_model(z)
+    tag = f"_{attention_kernel}" if attention_kernel else ""
+    chosen = {"attention_kernel": attention_kernel} if attention_kernel else {}
     # A turn prefills every waiting prompt (16 rows a call), so the decode program runs at all C rows from the start
     # and only that bucket compiles.
-    e = Engine(params, cfg, ServeConfig(max_slots=C, max_queue=C, prefill_chunk=C * P0, prefix_cache=0), P0 + N)
+    e = Engine(params, cfg, ServeConfig(max_slots=C, max_queue=C, prefill_chunk=C * P0, prefix_cache=0, **chosen),
+               P0 + N)
     e.start()
-    rounds = []
+    rounds, out = [], {}
     try:
         for r in range(3):  # the first two compile (prefill into fresh slots, then into used ones)
             rounds.append(engine_round(e, cfg, C, P0, N, seed=r))
-            ctx.put(serve_rounds=rounds, serve_concurrency=C, serve_prompt=P0, serve_new=N,
+            ctx.put(**{f"serve{tag}_rounds": rounds}, serve_concurrency=C, serve_prompt=P0, serve_new=N,
                     serve_decode_steps=e.decode_steps)
+        out["round"] = rounds[-1]
         if ctx.left() > 2 * rounds[-1]["wall_s"] + 10:
-            ctx.put(serve_profile=engine_profile(e, cfg, C, P0, N))
+            out["profile"] = engine_profile(e, cfg, C, P0, N)
+            ctx.put(**{f"serve{tag}_profile": out["profile"]})
     finally:
         e.stop()
+    return out
 
 
 def engine_round(e, cfg, C: int, P0: int, N: int, seed: int) -> dict:

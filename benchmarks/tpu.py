@@ -30,11 +30,14 @@ Sections and what they report:
               chip) at batch 1: its bytes per token over an HBM copy measured in the section, the chip's memory
   serve       the serving engine, 64 slots, 64 requests at once: output tokens/s, against generate's batch of 64
               when the decode section ran too, and the profiled round's share of Pallas kernels (paged attention);
-              then the engine over llama3.1-8b's shape with int8 weights at 64 requests
+              then the engine over llama3.1-8b's shape with int8 weights at 64 requests.
+              JAXLM_BENCH_SERVE_KERNELS=ragged,jax runs the 1B row once per serve.attention_kernel instead
+              (serve_<kernel>_output_tokens_per_s, serve_<kernel>_pallas_kernel_share)
 """
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -162,6 +165,12 @@ def serving(f: dict, kv: dict, tables: list) -> None:
     prof = s.get("serve_profile", {})
     if prof.get("ms_per_step"):
         kv["serve_profile_pallas_kernel_share"] = prof["by_kind"].get("Pallas kernel (TPU)", 0) / prof["ms_per_step"]
+    for key in s:  # the 1B row once per paged-attention kernel (JAXLM_BENCH_SERVE_KERNELS)
+        if m := re.fullmatch(r"serve_(\w+)_rounds", key):
+            kv[f"serve_{m[1]}_output_tokens_per_s"] = s[key][-1]["output_tokens_per_s"]
+            p = s.get(f"serve_{m[1]}_profile", {})
+            if p.get("ms_per_step"):
+                kv[f"serve_{m[1]}_pallas_kernel_share"] = p["by_kind"].get("Pallas kernel (TPU)", 0) / p["ms_per_step"]
     copy = f.get("yardsticks", {}).get("hbm_copy") or d.get("decode8b_hbm_copy")
     one = d.get("decode8b_b1", {})
     if one:

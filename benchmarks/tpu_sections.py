@@ -513,12 +513,41 @@ def decode(ctx: Ctx) -> None:
         ctx.put(decode8b_note=f"skipped: time budget ({ctx.left():.0f} s left)")
 
 
-def serve(ctx: Ctx) -> None:
-    """The engine on the 1B shape in bf16 (gpu_sections.serve, with its profiled round), then on llama3.1-8b's
-    shape with int8 weights (serve_int8_8b), while time is left."""
+def serve_kernels(ctx: Ctx, kernels: str) -> None:
+    """The 1B serve row once per paged-attention kernel named in `kernels` (JAXLM_BENCH_SERVE_KERNELS, e.g.
+    "ragged,jax": serve.attention_kernel's values), in this process one after another: each prints its output
+    tokens/s and, where the round was profiled, the Pallas kernels' share of the device's time (on the 1B shape
+    the paged attention's alone), and writes serve_<kernel>_rounds and serve_<kernel>_profile."""
     import gc
 
-    g.serve(ctx)
+    from jaxlm.model import paged
+
+    names = [k.strip() for k in kernels.split(",") if k.strip()]
+    bad = [k for k in names if k not in paged.ATTENTION_KERNELS]
+    if bad:
+        raise SystemExit(f"JAXLM_BENCH_SERVE_KERNELS={kernels!r}: {', '.join(bad)} unknown; choose from "
+                         f"{', '.join(paged.ATTENTION_KERNELS)}")
+    for name in names:
+        out = g.serve(ctx, attention_kernel=name)
+        prof = out.get("profile", {})
+        share = prof["by_kind"].get("Pallas kernel (TPU)", 0) / prof["ms_per_step"] if prof.get("ms_per_step") else None
+        print(f"serve 1B attention_kernel={name}: {out['round']['output_tokens_per_s']:.1f} output tokens/s, "
+              + (f"Pallas kernels {share:.1%} of {prof['ms_per_step']:.0f} ms device time" if share is not None
+                 else "not profiled"), flush=True)
+        gc.collect()
+
+
+def serve(ctx: Ctx) -> None:
+    """The engine on the 1B shape in bf16 (gpu_sections.serve, with its profiled round; once per kernel of
+    JAXLM_BENCH_SERVE_KERNELS when set: serve_kernels), then on llama3.1-8b's shape with int8 weights
+    (serve_int8_8b), while time is left."""
+    import gc
+
+    kernels = os.environ.get("JAXLM_BENCH_SERVE_KERNELS")
+    if kernels:
+        serve_kernels(ctx, kernels)
+    else:
+        g.serve(ctx)
     gc.collect()
     if ctx.left() > 80:
         try:

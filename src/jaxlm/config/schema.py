@@ -340,6 +340,11 @@ class ServeConfig:
                             "whose page-attention kernel copies a page at a time; 16 elsewhere); 0 = the slot cache "
                             "(every slot the whole context)",
                         rule=at_least(-1, "-1 = the devices' own, 0 = the slot cache"))
+    attention_kernel: Literal["jax", "ragged", "flat"] = _f(
+        "jax", "how a TPU reads the paged KV cache's pages for standard attention: `jax`, JAX's Pallas "
+               "paged_attention for decode steps (prefill chunks read them in XLA); `ragged`, jaxlm's own Pallas "
+               "kernel for decode steps and prefill chunks alike (model/ragged_paged.py); `flat`, XLA only. "
+               "Windows, sinks and an int8 cache read in XLA with either kernel; other devices always do")
     cache_gib: float = _f(0.0, "memory of the paged KV cache's pages, GiB; 0 = as much as gives every slot the "
                                "whole context, at most 4 GiB on a CPU and 80% of the free memory on an "
                                "accelerator", rule=at_least(0, "0 = automatic"))

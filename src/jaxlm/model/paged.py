@@ -2,8 +2,8 @@
 (position p in page table[p // page_size] at offset p % page_size; serve/pages.py hands the pages out). Pattern
 entry j's pool keeps a token's entry (*lead, last) as [*lead, R_j, NP, page, last]; every layer keeps every
 position. `attention` reads a row's pages `rows` (prefill chunks: gathered per row), `flat` (a few queries per
-row: the rows' pages listed one after another, an online softmax per row) or through a page-attention kernel on
-TPU (`kernel_decode`), as the pool's format says (PoolFormat; docs/serve.md, "The paged KV cache").
+row: the rows' pages listed one after another, an online softmax per row) or by a TPU kernel, JAX's for decode
+(`kernel_decode`) or ours for any rows (`kernel_ragged`), as the pool's format says (PoolFormat; docs/serve.md).
 
 Shape legend: P rows (sequences) of a call, C tokens per row, T = tokens, R repeats of an entry, NP pages,
 M pages per row in the table, F pages listed flat, K kv heads, G query heads per kv head, N = K G, H head
@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jaxlm import runtime, sharding
 from jaxlm.config import ModelConfig
 from jaxlm.model import attention as attention_lib
-from jaxlm.model import kvcache, latent, layers
+from jaxlm.model import kvcache, latent, layers, ragged_paged
 
 PAGE_BLOCK_TOKENS = 1024  # keys a step of the flat path's loop reads (64 pages of 16: a few MB, cache-resident)
 # ... and at most this many per row of the call: a block is read whole, the pages past the rows' last padding, so
@@ -32,10 +32,11 @@ KERNEL_BLOCK_TOKENS = 256  # keys of a row the kernel reads per block (pages_per
 
 
 class PoolFormat(NamedTuple):
-    """How a pool is laid out and read: its vectors padded to a multiple of `lane` (lanes), and decode steps of
-    standard attention reading its pages with `kernel`, a page-attention kernel of the signature of JAX's Pallas
-    paged_attention (None: the flat path); `page`, the page size serve.page_size's default (-1) takes on these
-    devices. pool_format gives a platform's; tests pass their own."""
+    """How a pool is laid out and read: its vectors padded to a multiple of `lane` (lanes), and standard
+    attention reading its pages with `kernel`: a ragged_paged.Kernel (ours: decode steps and prefill chunks), or
+    a page-attention kernel of the signature of JAX's Pallas paged_attention (decode steps only), or None (the
+    flat path); `page`, the page size serve.page_size's default (-1) takes on these devices. pool_format gives a
+    platform's; tests pass their own."""
     lane: int = 1
     kernel: Callable | None = None
     page: int = 16
@@ -55,11 +56,20 @@ def lanes(platform: str) -> int:
     return 128 if platform == "tpu" else 1
 
 
-def pool_format(platform: str) -> PoolFormat:
-    """The format of a pool on devices of `platform`: on TPU 128 lanes and JAX's Pallas paged-attention kernel
-    (jax.experimental.pallas.ops.tpu.paged_attention), elsewhere neither."""
+ATTENTION_KERNELS = ("jax", "ragged", "flat")  # serve.attention_kernel's values
+
+
+def pool_format(platform: str, attention_kernel: str = "jax") -> PoolFormat:
+    """The format of a pool on devices of `platform`: on TPU 128 lanes and the page-attention kernel
+    `attention_kernel` (serve.attention_kernel: "jax", JAX's Pallas paged_attention,
+    jax.experimental.pallas.ops.tpu.paged_attention; "ragged", ours, ragged_paged.Kernel; "flat", none),
+    elsewhere neither."""
     if platform != "tpu":
         return PoolFormat(lanes(platform))
+    if attention_kernel == "ragged":
+        return PoolFormat(lanes(platform), ragged_paged.Kernel(), TPU_PAGE)
+    if attention_kernel == "flat":
+        return PoolFormat(lanes(platform), None, TPU_PAGE)
     from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
 
     return PoolFormat(lanes(platform), paged_attention, TPU_PAGE)
@@ -259,13 +269,28 @@ def attend_flat(q_PCNH, read, K: int, A: int, table_PM, end_P, q_pos_PC, scale, 
 
 
 def decode_kernel(kernel: Callable | None, arrays: dict, C: int, window, chunk, sinks, latent_attention: bool):
-    """The pool's page-attention kernel if this call can use it, else None: decode steps (C = 1) of standard
-    attention over an unquantized pool, without windows, chunks or sinks, and on one device (the kernel is not
-    partitioned over a mesh)."""
-    if C != 1 or latent_attention or "k_scale" in arrays or window is not None or chunk is not None or (
-            sinks is not None) or arrays["k"].shape[-1] != arrays["v"].shape[-1] or sharding.mesh_size() > 1:
+    """The pool's page-attention kernel if this call can use it, else None: standard attention over an
+    unquantized pool, without windows, chunks or sinks, on one device (the kernels are not partitioned over a
+    mesh); JAX's kernel takes decode steps (C = 1) of keys and values of one width only, ours
+    (ragged_paged.Kernel) any C."""
+    if kernel is None or latent_attention or "k_scale" in arrays or window is not None or chunk is not None or (
+            sinks is not None) or sharding.mesh_size() > 1:
         return None
-    return kernel
+    if isinstance(kernel, ragged_paged.Kernel):
+        return kernel
+    return kernel if C == 1 and arrays["k"].shape[-1] == arrays["v"].shape[-1] else None
+
+
+def kernel_ragged(kernel: ragged_paged.Kernel, q_PCNH, arrays: dict, r, table_PM, end_P, q_pos_PC, scale: float,
+                  softcap, Hv: int) -> jax.Array:
+    """Each row's queries (at q_pos_PC, causal) over its keys below end_P by our ragged kernel, the pool's layers
+    seen as one axis of pages (repeat r's page i is r NP + i) as in kernel_decode; the output cut to the values'
+    width Hv. Returns [P, C, N, Hv]."""
+    K, R, NP, A, _ = arrays["k"].shape
+    ids_PM = jnp.clip(table_PM, 0, NP - 1).astype(jnp.int32) + r * NP
+    k, v = (arrays[name].reshape(K, R * NP, A, arrays[name].shape[-1]) for name in ("k", "v"))
+    out_PCNH = kernel(q_PCNH, k, v, end_P, ids_PM, q_pos_PC, scale=scale, softcap=softcap)
+    return out_PCNH[..., :Hv]
 
 
 def kernel_decode(kernel, q_P1NH, arrays: dict, r, table_PM, end_P, scale: float, softcap) -> jax.Array:
@@ -289,7 +314,8 @@ def attention(h_PCD, p, cfg: ModelConfig, arrays: dict, r, q_pos_PC, page_PC, of
     """One layer's attention (of attention kind `kind`; latent attention when cfg.latent) for tokens [P, C] at
     positions q_pos_PC over a paged cache: their entries are written first (at page_PC, off_PC; out-of-range
     pages drop the padding's), then each row's queries attend to its keys below end_P (their own included)
-    through its page table (flat, or by the pool's page-attention `kernel` where decode_kernel takes it).
+    through its page table (flat, or by the pool's page-attention `kernel` where decode_kernel takes it: ours for
+    every row, JAX's for decode steps).
     Returns the output and the layer kind's updated pool."""
     attn_mod = latent if cfg.latent else attention_lib
     with jax.named_scope("latent_attention" if cfg.latent else "attention"):
@@ -297,11 +323,15 @@ def attention(h_PCD, p, cfg: ModelConfig, arrays: dict, r, q_pos_PC, page_PC, of
         arrays = write(arrays, r, entries(k_PCKH, v_PCKH, arrays), page_PC, off_PC)
         window, chunk = attention_lib.limits(cfg, kind)
         widths = kvcache.widths(cfg)[1:]
+        kernel = decode_kernel(kernel, arrays, q_PCNH.shape[1], window, chunk, p.get("sinks"), cfg.latent)
+        if isinstance(kernel, ragged_paged.Kernel):
+            out_PCNH = kernel_ragged(kernel, q_PCNH, arrays, r, table_PM, end_P, q_pos_PC, attention_lib.scale(cfg),
+                                     cfg.attn_logit_softcap, widths[1])
+            return attention_lib.project_out(out_PCNH, p), arrays
         if not flat:
             k_PKSH, v_PKSH, k_pos_PS = gather_rows(arrays, r, table_PM, end_P, q_PCNH.dtype, widths)
             mask_PCS = attention_lib.mask(q_pos_PC, k_pos_PS, window, chunk=chunk)
             return attn_mod.attend_entries(q_PCNH, k_PKSH, v_PKSH, mask_PCS, p, cfg), arrays
-        kernel = decode_kernel(kernel, arrays, q_PCNH.shape[1], window, chunk, p.get("sinks"), cfg.latent)
         if kernel is not None:
             out_P1NH = kernel_decode(kernel, q_PCNH, arrays, r, table_PM, end_P, attention_lib.scale(cfg),
                                      cfg.attn_logit_softcap)

@@ -1,0 +1,181 @@
+"""Our ragged paged-attention kernel (model/ragged_paged.py), run in Pallas' TPU interpret mode on the CPU: every
+row length from 0 to 40 keys in pages of 8 scattered through a pool, decode rows and prefill chunks, grouped-query
+heads, soft-cap, float32 and bfloat16, against a plain numpy reference; the paged engine through it gives the flat
+path's tokens; it compiles for a TPU v5e from this host (Mosaic's lowering checked without a chip)."""
+
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxlm import params as P, sharding
+from jaxlm.config import ConfigError, MeshConfig, ModelConfig, ServeConfig
+from jaxlm.model import paged, param_specs, ragged_paged
+
+HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
+A, M = 8, 6  # pages of 8 positions, tables of 6 pages: rows of up to 48 keys
+LENGTHS = np.arange(41, dtype=np.int32)  # every row length 0..40, one row each
+
+
+def reference(q, k, v, end, ids, q_pos, scale, softcap):
+    """Each row's queries over its keys below end (causal by position), in float64 from the same (rounded)
+    inputs; the queries zero-padded to the keys' width. A query that sees no key gives zeros."""
+    q, k, v = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (q, k, v))
+    Pn, C, N, H = q.shape
+    K, _, _, Hk = k.shape
+    q = np.pad(q, ((0, 0), (0, 0), (0, 0), (0, Hk - H)))
+    keys = k[:, ids].reshape(K, Pn, M * A, Hk).transpose(1, 0, 2, 3)  # [P, K, S, Hk]
+    values = v[:, ids].reshape(K, Pn, M * A, -1).transpose(1, 0, 2, 3)
+    G = N // K
+    s = np.einsum("pcngh,pnsh->pcngs", q.reshape(Pn, C, K, G, Hk), keys) * scale
+    if softcap is not None:
+        s = softcap * np.tanh(s / softcap)
+    pos = np.arange(M * A)
+    ok = (pos[None, None, :] < end[:, None, None]) & (pos[None, None, :] <= q_pos[:, :, None])  # [P, C, S]
+    s = np.where(ok[:, :, None, None], s, -np.inf)
+    top = np.max(s, -1, keepdims=True)
+    w = np.where(ok[:, :, None, None], np.exp(s - np.where(np.isfinite(top), top, 0)), 0)
+    w = w / np.maximum(w.sum(-1, keepdims=True), 1e-300)
+    return np.einsum("pcngs,pnsh->pcngh", w, values).reshape(Pn, C, N, -1)
+
+
+@pytest.mark.parametrize("K,C,softcap,dtype,tuning", [
+    (2, 1, None, jnp.float32, {}),  # decode rows, N = 8 query heads on 2 kv heads, one program
+    (2, 1, 3.0, jnp.bfloat16, dict(block_tokens=16, row_bytes=8 * 2 * 4 * 16 * 2)),  # blocks of 2 pages, 8 rows
+    (1, 5, 3.0, jnp.float32, dict(block_tokens=24)),  # prefill chunks of 5 on one kv head, blocks of 3 pages
+    (2, 20, None, jnp.bfloat16, dict(tile_queries=64, row_bytes=1)),  # chunks of 20 in tiles of 16, a row each
+])
+def test_ragged_kernel_gives_the_reference_attention_for_every_row_length(K, C, softcap, dtype, tuning):
+    """41 rows of 0..40 keys in pages scattered through a pool, each row's C queries at its last C positions
+    (those below 0 padding: they see nothing and give zeros), queries of 12 wide padded to the pool's 16: the
+    kernel's output is the reference's within float32 rounding (bfloat16: the probabilities rounded to bfloat16
+    for the values' product)."""
+    rng = np.random.default_rng(K * 100 + C)
+    N, H, Hk, Pn = 8, 12, 16, len(LENGTHS)
+    NP = Pn * M + 5
+    k = jnp.asarray(rng.normal(size=(K, NP, A, Hk)), dtype)
+    v = jnp.asarray(rng.normal(size=(K, NP, A, Hk)), dtype)
+    q = jnp.asarray(rng.normal(size=(Pn, C, N, H)), dtype)
+    ids = rng.permutation(NP)[:Pn * M].reshape(Pn, M).astype(np.int32)
+    q_pos = LENGTHS[:, None] - C + np.arange(C, dtype=np.int32)
+    q_pos = np.where(q_pos >= 0, q_pos, -1).astype(np.int32)
+    out = ragged_paged.ragged_paged_attention(q, k, v, LENGTHS, ids, q_pos, scale=0.3, softcap=softcap,
+                                              interpret=True, **tuning)
+    assert out.shape == (Pn, C, N, Hk) and out.dtype == dtype
+    want = reference(q, k, v, LENGTHS, ids, q_pos, 0.3, softcap)
+    got = np.asarray(out.astype(jnp.float32))
+    assert np.abs(want).max() > 0.5  # outputs that are not all zeros
+    np.testing.assert_allclose(got, want, atol=2e-5 if dtype == jnp.float32 else 2e-2, rtol=0)
+    assert not got[0].any()  # the row of no keys
+    assert not got[q_pos < 0].any()  # queries at no position
+
+
+class CountingKernel(ragged_paged.Kernel):
+    """The ragged kernel in interpret mode, recording the query tokens of each call it is traced for."""
+    calls: list = []
+
+    def __call__(self, q_PCNH, *args, **kw):
+        CountingKernel.calls.append(q_PCNH.shape[1])
+        return super().__call__(q_PCNH, *args, **kw)
+
+
+def test_the_paged_engine_through_the_ragged_kernel_gives_the_flat_paths_tokens():
+    """The paged engine whose prefill chunks and decode steps read pages with our kernel (interpret mode; a pool
+    of 16 pages of 4 positions, prompts of 5 and 13 tokens in chunks of 8) generates the flat path's greedy tokens,
+    and both kinds of call went through it."""
+    from jaxlm.serve.engine import Engine
+    from jaxlm.serve.requests import Sequence
+
+    cfg = ModelConfig(vocab_size=50, block_size=64, n_layers=2, n_heads=4, n_kv_heads=2, d_model=32)
+    params = P.init(param_specs(cfg), jax.random.key(1), sharding.make_mesh(MeshConfig(), jax.devices()[:1]))
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 50, n).tolist() for n in (5, 13)]
+    runs = []
+    CountingKernel.calls.clear()
+    for kernel in (None, CountingKernel(interpret=True, block_tokens=8)):  # blocks of 2 pages
+        e = Engine(params, cfg, ServeConfig(max_slots=2, max_queue=8, prefill_chunk=8, prefix_cache=0,
+                                            decode_steps=1, page_size=4), 48,
+                   cache_pages=16, page_format=paged.PoolFormat(kernel=kernel))
+        events = e.run([Sequence(p, 8, 0, 0, 1.0, 5 + i, 0, (), None) for i, p in enumerate(prompts)],
+                       timeout=300)
+        runs.append([[t for ev in evs if ev[0] == "tokens" for t in ev[1]] for evs in events])
+    assert 1 in CountingKernel.calls and max(CountingKernel.calls) > 1, CountingKernel.calls
+    assert [len(t) for t in runs[0]] == [8] * 2
+    assert runs[1] == runs[0]
+
+
+def test_the_attention_kernel_setting_picks_the_tpu_pools_kernel():
+    """serve.attention_kernel names the TPU pool's kernel (ours, JAX's or none); other devices take none; a bad
+    value is one line naming the choices."""
+    from jaxlm.config import load
+
+    assert isinstance(paged.pool_format("tpu", "ragged").kernel, ragged_paged.Kernel)
+    assert paged.pool_format("tpu", "jax").kernel.__name__ == "paged_attention"
+    assert paged.pool_format("tpu", "flat") == paged.PoolFormat(128, None, paged.TPU_PAGE)
+    assert paged.pool_format("cpu", "ragged").kernel is None
+    assert load("quickstart", ["serve.attention_kernel=ragged"]).serve.attention_kernel == "ragged"
+    with pytest.raises(ConfigError, match="choose one of: jax, ragged, flat") as e:
+        load("quickstart", ["serve.attention_kernel=raged"])
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu is not installed (pip install 'jaxlm[tpu]')")
+@pytest.mark.parametrize("P_,C,K,A_,dtype,softcap", [(64, 1, 8, 128, jnp.bfloat16, None),
+                                                     (2, 256, 8, 128, jnp.bfloat16, 50.0),
+                                                     (8, 1, 1, 16, jnp.float32, 30.0)])
+def test_ragged_kernel_compiles_for_a_tpu(P_, C, K, A_, dtype, softcap):
+    """The kernel lowered by Mosaic and compiled for a TPU v5e from this host: the 1B shape's decode rows (32
+    query heads on 8 kv heads of 64 in a pool of 128 lanes, pages of 128), its prefill chunks of 256 (in tiles of 128),
+    and float32 pools of small pages on one kv head."""
+    from jaxlm.train import aot
+
+    device = aot.tpu_topology("v5e:1x1", 1)[0]
+    placed = jax.sharding.SingleDeviceSharding(device)
+    spec = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=placed)  # noqa: E731
+    M_, NP = 16, 512
+    N = 4 * K
+    attend = jax.jit(lambda q, k, v, e, i, p: ragged_paged.ragged_paged_attention(q, k, v, e, i, p, scale=0.125,
+                                                                                  softcap=softcap))
+    compiled = attend.lower(spec((P_, C, N, 64), dtype), spec((K, NP, A_, 128), dtype),
+                            spec((K, NP, A_, 128), dtype), spec((P_,), jnp.int32), spec((P_, M_), jnp.int32),
+                            spec((P_, C), jnp.int32)).compile()
+    assert "tpu_custom_call" in compiled.as_text()
+
+
+@pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu is not installed (pip install 'jaxlm[tpu]')")
+@pytest.mark.parametrize("rows,chunk,table_width", [pytest.param(8, 512, 32, marks=pytest.mark.slow),  # 70 s
+                                                    (64, 1, 128)])
+def test_paged_steps_through_the_ragged_kernel_compiled_for_a_tpu_update_the_pool_in_place(rows, chunk,
+                                                                                           table_width):
+    """The engine's paged programs with serve.attention_kernel=ragged compiled for a TPU v5e from this host (heads
+    of 64 in a pool of 128 lanes): a prompt chunk of 512 and a decode step of 64 rows run our kernel and need no
+    pool-sized temporaries (the pool's layers seen as one axis of pages is a view, not a copy)."""
+    from jax.sharding import SingleDeviceSharding
+
+    from jaxlm.model import decode
+    from jaxlm.serve import programs
+    from jaxlm.train import aot
+
+    device = aot.tpu_topology("v5e:1x1", 1)[0]
+    fmt = paged.pool_format(device.platform, "ragged")
+    cfg = ModelConfig(vocab_size=1024, block_size=2048, n_layers=2, n_heads=12, n_kv_heads=4, d_model=768,
+                      d_ff=2048, norm="rmsnorm", glu=True, activation="silu")
+
+    def on_tpu(tree):
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=SingleDeviceSharding(device)),
+                            tree)
+
+    params = on_tpu(P.abstract(param_specs(cfg)))
+    lw = on_tpu(jax.eval_shape(lambda p: decode.layer_weights(p, cfg), params))
+    cache = on_tpu(jax.eval_shape(lambda: paged.init(cfg, 8192, 16, fmt=fmt)))
+    i32 = lambda *shape: on_tpu(jax.ShapeDtypeStruct(shape, np.int32))  # noqa: E731
+    logits = on_tpu(jax.ShapeDtypeStruct((64, cfg.vocab_size), np.float32))
+    compiled = programs.paged_prefill.lower(params, lw, cache, logits, i32(rows, chunk), i32(rows), i32(rows),
+                                            i32(rows, table_width), i32(rows), i32(rows), cfg).compile()
+    memory = compiled.memory_analysis()
+    pool = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))
+    assert memory.alias_size_in_bytes >= pool  # the pool in is the pool out
+    assert memory.temp_size_in_bytes < pool / 20, (memory.temp_size_in_bytes, pool)
+    assert "ragged_paged_attention" in compiled.as_text()
