@@ -336,3 +336,21 @@ def test_a_base_with_an_imported_adapter_is_read_a_piece_at_a_time(char_data, tm
 def run_base_q(tmp_path):
     _, base = weights.load_params(tmp_path / "base")
     return base["layers"]["attn"]["q"]
+
+
+@pytest.mark.slow
+def test_run_directories_as_the_base_are_read_a_layer_at_a_time(char_data, tmp_path):
+    """A QLoRA run from a full fine-tune's run directory (its newest checkpoint's params) and from a LoRA run's
+    (its base with its adapters merged, a piece at a time) loads the codes the whole-base load gave."""
+    make_base(tmp_path / "base", d_model=64, n_heads=4)
+    short = {"model.d_model": 64, "training.steps": 2, "checkpoint.interval": 2, "optimizer.warmup_steps": 1,
+             "optimizer.lr": 1e-2}
+    full = tiny_config(char_data, tmp_path / "full", **{"model.vocab_size": VOCAB, **short,
+                                                         "checkpoint.init_from": str(tmp_path / "base")})
+    train.train(full, jax.devices()[:1], log=lambda s: None)
+    train.train(lora_run(char_data, tmp_path / "lora", tmp_path / "base", **short), jax.devices()[:1],
+                log=lambda s: None)
+    for source in (tmp_path / "full", tmp_path / "lora" / "run"):
+        cfg = lora_run(char_data, tmp_path / "q", source, **{"model.d_model": 64, "lora.base_quantization": "int8"})
+        run = run_lib.setup(cfg, jax.devices()[:1])
+        assert_same_bits(state_lib.load_frozen(run), whole_then_quantized(run))
