@@ -166,7 +166,9 @@ def piece_reader(path: str | Path, replicated: jax.sharding.Sharding, merged: bo
 
 def _orbax_reader(path: str | Path) -> Read:
     """Pieces of the arrays of a folder's Orbax checkpoint, read through TensorStore as Orbax's own restore reads
-    them (the same cast to the restored dtype), so a piece holds the bits a whole restore would."""
+    them (the same cast to the restored dtype), so a piece holds the bits a whole restore would. Orbax stores an
+    array one process writes as one compressed chunk, which a read of any slice decompresses whole: the last
+    chunk read along the layers (the whole array, for such a checkpoint) stays on the host for the next slices."""
     import numpy as np
     import orbax.checkpoint as ocp
     import tensorstore as ts
@@ -180,23 +182,38 @@ def _orbax_reader(path: str | Path) -> Read:
     use_ocdbt, use_zarr3 = meta.get("use_ocdbt", True), meta.get("use_zarr3", False)
     context = ocp.type_handlers.get_ts_context(use_ocdbt=use_ocdbt)
     prefix = ("params",) if is_state else ()
+    last: dict = {}  # {"key": (name, dtype, first layer), "host": those layers}
 
-    def read(keys, layers, target, dtype):
-        name = ".".join((*prefix, *keys))
+    def open_(name, dtype):
         info = ocp.type_handlers.ParamInfo(name=name, parent_dir=epath.Path(location), use_zarr3=use_zarr3,
                                            ts_context=context)
         spec = ocp.type_handlers.get_cast_tspec_deserialize(
-            ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=use_ocdbt), ocp.RestoreArgs(dtype=target.dtype))
+            ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=use_ocdbt), ocp.RestoreArgs(dtype=dtype))
         try:
-            store = ts.open(spec, context=context).result()
+            return ts.open(spec, context=context).result()
         except ValueError as e:
             raise ConvertError(f"cannot load weight {name} from {location} (different model settings?): "
                                f"{str(e).splitlines()[0]}") from None
-        piece = store if layers is None else store[layers]
-        if tuple(piece.shape) != tuple(target.shape):
+
+    def host_layers(store, name, dtype, layers: slice):
+        step = store.chunk_layout.read_chunk.shape[0] or store.shape[0]
+        first = layers.start // step * step
+        if layers.stop > first + step:
+            return store[layers].read().result()
+        if last.get("key") != (name, dtype, first):
+            last.clear()
+            last.update(key=(name, dtype, first), host=store[first:first + step].read().result())
+        return last["host"][layers.start - first:layers.stop - first]
+
+    def read(keys, layers, target, dtype):
+        name = ".".join((*prefix, *keys))
+        store = open_(name, target.dtype)
+        shape = store.shape if layers is None else store[layers].shape
+        if tuple(shape) != tuple(target.shape):
             raise ConvertError(f"cannot load weights from {location} into this model (different model settings?): "
                                f"{name} has shape {tuple(store.shape)}, this model's is {tuple(target.shape)}")
-        host = np.asarray(piece.read().result()).astype(jax.numpy.dtype(dtype))
+        host = store.read().result() if layers is None else host_layers(store, name, target.dtype, layers)
+        host = np.asarray(host).astype(jax.numpy.dtype(dtype))
         return jax.make_array_from_callback(host.shape, target.sharding, lambda index: host[index])
 
     return read
