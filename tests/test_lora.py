@@ -1,6 +1,7 @@
 """LoRA and QLoRA: the adapted model starts as its base exactly, the adapters' gradients are the chain rule's,
 only adapters change and only they have optimizer state, runs resume exactly and shard like full runs, the
-quantized bases stay close to the float one, and bad settings fail in one line."""
+quantized bases stay close to the float one and are read a layer at a time (the codes of the whole at once,
+never the float base on the devices), and bad settings fail in one line."""
 
 import json
 
@@ -241,7 +242,8 @@ def whole_then_quantized(run) -> dict:
     dense = state_lib.placed(param_specs(cfg.model), run.mesh, run.param_rules)
     base = (weights.restore_base_params(path, weights.load_config(path), dense) if weights.has_adapter_dir(path)
             else weights.restore_params(path, dense))
-    return jax.jit(lambda p: lora.quantize_base(p, cfg), out_shardings=state_lib.shardings_of(run.abstract_frozen))(base)
+    quantize = jax.jit(lambda p: lora.quantize_base(p, cfg), out_shardings=state_lib.shardings_of(run.abstract_frozen))
+    return quantize(base)
 
 
 def assert_same_bits(got, want):
