@@ -1,6 +1,7 @@
 """LoRA and QLoRA: the adapted model starts as its base exactly, the adapters' gradients are the chain rule's,
 only adapters change and only they have optimizer state, runs resume exactly and shard like full runs, the
-quantized bases stay close to the float one, and bad settings fail in one line."""
+quantized bases stay close to the float one and are read a layer at a time (the codes of the whole at once,
+never the float base on the devices), and bad settings fail in one line."""
 
 import json
 
@@ -230,3 +231,128 @@ def test_each_row_runs_its_own_adapter_as_the_merged_weights_do(tmp_path):
         for b, k in enumerate(rows):
             np.testing.assert_allclose(got[b], wants[k][b], rtol=0, atol=2e-5)
     assert min(float(jnp.abs(w - wants[-1]).max()) for w in wants[:-1]) > 0.05  # every adapter changes the logits
+
+
+# ---- the frozen base read a layer at a time (issue 54) --------------------------------------------------------
+
+def whole_then_quantized(run) -> dict:
+    """The frozen base as it was loaded before: the whole float base restored onto the devices, then quantized by
+    one jit (the reference the layer-at-a-time load must equal bit for bit)."""
+    path, cfg = run.cfg.checkpoint.init_from, run.cfg
+    dense = state_lib.placed(param_specs(cfg.model), run.mesh, run.param_rules)
+    base = (weights.restore_base_params(path, weights.load_config(path), dense) if weights.has_adapter_dir(path)
+            else weights.restore_params(path, dense))
+    quantize = jax.jit(lambda p: lora.quantize_base(p, cfg), out_shardings=state_lib.shardings_of(run.abstract_frozen))
+    return quantize(base)
+
+
+def assert_same_bits(got, want):
+    got_leaves, got_def = jax.tree.flatten(got)
+    want_leaves, want_def = jax.tree.flatten(want)
+    assert got_def == want_def
+    for g, w in zip(got_leaves, want_leaves):
+        assert g.dtype == w.dtype and g.shape == w.shape and g.sharding.is_equivalent_to(w.sharding, g.ndim)
+        assert np.asarray(g).tobytes() == np.asarray(w).tobytes()
+
+
+def watch_float_bases(monkeypatch, run) -> list:
+    """Each time a weight is quantized (while its program is traced, the load's arrays all live), the float arrays
+    of a whole stacked base weight's shape [L, *in, *out] that the devices then hold, made since the call."""
+    specs = param_specs(run.cfg.model)["layers"]
+    shapes = {tuple(specs[blk][name].shape) for blk, name in lora.quantized_weights(run.cfg)}
+    before = list(jax.live_arrays())  # kept, so that their ids are not reused
+    old = {id(a) for a in before}
+    seen = []
+    for name in ("quantize", "quantize_nf4"):
+        def hooked(*args, _real=getattr(quant, name), **kwargs):
+            seen.append(sorted(tuple(a.shape) for a in jax.live_arrays() if id(a) not in old
+                               and tuple(a.shape) in shapes and jnp.issubdtype(a.dtype, jnp.floating)))
+            return _real(*args, **kwargs)
+        monkeypatch.setattr(quant, name, hooked)
+    return seen
+
+
+@pytest.mark.parametrize("mode", ["int8", "nf4"])
+def test_the_quantized_base_is_read_a_layer_at_a_time(mode, char_data, tmp_path, monkeypatch):
+    """load_frozen gives the codes the whole-base load gave, bit for bit, without the devices ever holding a whole
+    float base weight; the whole-base load held every one of them while quantizing (what the check catches)."""
+    make_base(tmp_path / "base", d_model=64, n_heads=4, n_layers=3)
+    cfg = lora_run(char_data, tmp_path, tmp_path / "base", **{
+        "model.d_model": 64, "model.n_layers": 3, "model.compute_dtype": "bfloat16", "lora.base_quantization": mode})
+    run = run_lib.setup(cfg, jax.devices()[:1])
+    seen = watch_float_bases(monkeypatch, run)
+    frozen = state_lib.load_frozen(run)
+    n = len(lora.quantized_weights(run.cfg))
+    assert n == 6 and len(seen) == n and not any(seen), seen  # q, k, v, o, up, down
+    seen.clear()
+    want = whole_then_quantized(run)
+    assert len(seen) == n and all(len(s) == n for s in seen), seen  # the whole float base was live, each time
+    assert_same_bits(frozen, want)
+    assert frozen["embed"]["tokens"].dtype == jnp.bfloat16
+
+
+def test_the_sharded_quantized_base_is_read_a_layer_at_a_time(char_data, tmp_path):
+    make_base(tmp_path / "base", d_model=64, n_heads=4)
+    cfg = lora_run(char_data, tmp_path, tmp_path / "base", **{
+        "model.d_model": 64, "lora.base_quantization": "nf4", "mesh.ici_data": 2, "mesh.ici_fsdp": 2,
+        "mesh.ici_tensor": 2})
+    run = run_lib.setup(cfg, jax.devices())
+    frozen = state_lib.load_frozen(run)
+    codes = frozen["layers"]["mlp"]["up"].codes
+    assert len(codes.sharding.device_set) == 8 and not codes.sharding.is_fully_replicated
+    assert_same_bits(frozen, whole_then_quantized(run))
+
+
+def test_a_base_with_an_imported_adapter_is_read_a_piece_at_a_time(char_data, tmp_path):
+    """A converted folder with an adapter/ (`convert from-hf --adapter`): a QLoRA run from it gets its unmerged
+    base, and the folder read a piece at a time merged (as a LoRA run's base is) equals restore_params, bit for
+    bit."""
+    import shutil
+
+    base_cfg, _ = make_base(tmp_path / "base", d_model=64, n_heads=4)
+    folder = tmp_path / "with-adapter"
+    shutil.copytree(tmp_path / "base" / "params", folder / "params")
+    ad_cfg = config_lib.apply_overrides(base_cfg, {"lora.rank": 4, "lora.alpha": 8.0,
+                                                   "checkpoint.init_from": str(folder)})
+    (folder / "config.json").write_text(config_lib.to_json(ad_cfg))
+    weights.save_params(folder / weights.ADAPTER_DIR, random_adapters(ad_cfg, seed=5))
+
+    cfg = lora_run(char_data, tmp_path, folder, **{"model.d_model": 64, "lora.base_quantization": "nf4"})
+    run = run_lib.setup(cfg, jax.devices()[:1])
+    assert_same_bits(state_lib.load_frozen(run), whole_then_quantized(run))
+
+    dense = state_lib.placed(param_specs(run.cfg.model), run.mesh, run.param_rules)
+    want = weights.restore_params(folder, dense)
+    read = weights.piece_reader(folder, jax.sharding.NamedSharding(run.mesh, jax.sharding.PartitionSpec()))
+    got = jax.tree_util.tree_map_with_path(
+        lambda path, a: read(tuple(k.key for k in path), None, a, a.dtype), dense)
+    assert_same_bits(got, want)
+    q = dense["layers"]["attn"]["q"]
+    layer = jax.ShapeDtypeStruct((1, *q.shape[1:]), q.dtype, sharding=q.sharding)
+    one = read(("layers", "attn", "q"), slice(1, 2), layer, q.dtype)
+    assert np.asarray(one).tobytes() == np.asarray(want["layers"]["attn"]["q"][1:2]).tobytes()
+    merged_away = np.abs(np.asarray(want["layers"]["attn"]["q"]) - np.asarray(run_base_q(tmp_path))).max()
+    assert merged_away > 1e-3  # the adapter did change the weight it adapts
+
+
+def run_base_q(tmp_path):
+    _, base = weights.load_params(tmp_path / "base")
+    return base["layers"]["attn"]["q"]
+
+
+@pytest.mark.slow
+def test_run_directories_as_the_base_are_read_a_layer_at_a_time(char_data, tmp_path):
+    """A QLoRA run from a full fine-tune's run directory (its newest checkpoint's params) and from a LoRA run's
+    (its base with its adapters merged, a piece at a time) loads the codes the whole-base load gave."""
+    make_base(tmp_path / "base", d_model=64, n_heads=4)
+    short = {"model.d_model": 64, "training.steps": 2, "checkpoint.interval": 2, "optimizer.warmup_steps": 1,
+             "optimizer.lr": 1e-2}
+    full = tiny_config(char_data, tmp_path / "full", **{"model.vocab_size": VOCAB, **short,
+                                                         "checkpoint.init_from": str(tmp_path / "base")})
+    train.train(full, jax.devices()[:1], log=lambda s: None)
+    train.train(lora_run(char_data, tmp_path / "lora", tmp_path / "base", **short), jax.devices()[:1],
+                log=lambda s: None)
+    for source in (tmp_path / "full", tmp_path / "lora" / "run"):
+        cfg = lora_run(char_data, tmp_path / "q", source, **{"model.d_model": 64, "lora.base_quantization": "int8"})
+        run = run_lib.setup(cfg, jax.devices()[:1])
+        assert_same_bits(state_lib.load_frozen(run), whole_then_quantized(run))

@@ -192,22 +192,32 @@ def quantized_spec(w: P.ParamSpec, k: int, mode: str):
                            tuple(w.shape[1:1 + k]), tuple(out))
 
 
+def quantized_weights(cfg: Config) -> list[tuple[str, str]]:
+    """(block, name) of every base weight that lora.base_quantization stores quantized (none without it)."""
+    if cfg.lora.base_quantization == "none":
+        return []
+    return [(blk, name) for blk, names in _dense_weights(cfg).items() for name in names]
+
+
+def quantize_weight(w: jax.Array, name: str, mode: str):
+    """One stacked block weight [L, *in, *out] (or a slice of its layers) quantized by `mode` (int8|nf4): each
+    layer's codes depend on that layer's values only, so a slice quantizes to the same codes as the whole."""
+    k = n_in(name)
+    if mode == "int8":
+        value, s = quant.quantize(w, tuple(range(1, 1 + k)), "int8")
+        return quant.QWeight(value, s)
+    return quant.quantize_nf4(w, k, w.ndim - 1 - k)
+
+
 def quantize_base(params: dict, cfg: Config) -> dict:
     """The base's weights as frozen_specs declares them (unchanged without lora.base_quantization)."""
     mode = cfg.lora.base_quantization
     if mode == "none":
         return params
-    dense = _dense_weights(cfg)
     out = jax.tree.map(lambda a: a.astype(cfg.model.compute_dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a,
                        params)
-    for blk, names in dense.items():
-        for name in names:
-            w, k = params["layers"][blk][name], n_in(name)
-            if mode == "int8":
-                value, s = quant.quantize(w, tuple(range(1, 1 + k)), "int8")
-                out["layers"][blk][name] = quant.QWeight(value, s)
-            else:
-                out["layers"][blk][name] = quant.quantize_nf4(w, k, w.ndim - 1 - k)
+    for blk, name in quantized_weights(cfg):
+        out["layers"][blk][name] = quantize_weight(params["layers"][blk][name], name, mode)
     return out
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Callable
 
 import jax
 
@@ -126,6 +127,96 @@ def _restore_plain(path: str | Path, abstract_params: dict) -> dict:
     except (ValueError, KeyError, TypeError) as e:
         raise ConvertError(f"cannot load weights from {location} into this model (different model settings?): "
                            f"{str(e).splitlines()[0]}") from None
+
+
+# ---- one piece at a time ---------------------------------------------------------------------------------------
+# A load that must never hold the whole model (a QLoRA base quantized as it is read, train/state.py load_frozen)
+# reads each array, or a slice of a stacked array's layers, on the host and places only that piece.
+
+Read = Callable[[tuple, "slice | None", jax.ShapeDtypeStruct, str], jax.Array]
+
+
+def piece_reader(path: str | Path, replicated: jax.sharding.Sharding, merged: bool = True) -> Read:
+    """read(keys, layers, target, dtype): the weight at `keys` (its `layers` slice of the leading axis, or all
+    of it for None) as restore_params (merged) or restore_base_params (not) reads it in target.dtype, then cast
+    to `dtype` and placed as target.shape and target.sharding say. A LoRA folder's adapters are merged into a
+    piece at a time on the device; they are loaded once, placed by `replicated`."""
+    cfg = load_config(path) if (storage.local_folder(path, "loading weights") / "config.json").is_file() else None
+    if not merged or cfg is None or cfg.lora.rank == 0:
+        return _orbax_reader(path)
+    if has_adapter_dir(path):
+        base = _orbax_reader(path)
+    elif not cfg.checkpoint.init_from:
+        raise ConvertError(f"{path} is a LoRA run without checkpoint.init_from, so its base weights are unknown")
+    else:
+        base = piece_reader(cfg.checkpoint.init_from, replicated)
+    adapters = restore_adapters(path, cfg, lambda tree: jax.tree.map(lambda _: replicated, tree))
+
+    def read(keys, layers, target, dtype):
+        ad = adapters["layers"].get(keys[1], {}).get(keys[2]) if len(keys) == 3 and keys[0] == "layers" else None
+        if ad is None:
+            return base(keys, layers, target, dtype)
+        w = base(keys, layers, target, target.dtype)
+        ad = {k: v if layers is None else v[layers] for k, v in ad.items()}
+        tree = lora.merge({"layers": {keys[1]: {keys[2]: w}}}, {"layers": {keys[1]: {keys[2]: ad}}}, cfg)
+        return jax.device_put(tree["layers"][keys[1]][keys[2]].astype(dtype), target.sharding)
+
+    return read
+
+
+def _orbax_reader(path: str | Path) -> Read:
+    """Pieces of the arrays of a folder's Orbax checkpoint, read through TensorStore as Orbax's own restore reads
+    them (the same cast to the restored dtype), so a piece holds the bits a whole restore would. Orbax stores an
+    array one process writes as one compressed chunk, which a read of any slice decompresses whole: the last
+    chunk read along the layers (the whole array, for such a checkpoint) stays on the host for the next slices."""
+    import numpy as np
+    import orbax.checkpoint as ocp
+    import tensorstore as ts
+    from etils import epath
+
+    location, is_state = params_location(path)
+    try:
+        meta = json.loads((location / "_METADATA").read_text())
+    except (OSError, ValueError) as e:
+        raise ConvertError(f"cannot read the checkpoint metadata in {location}: {e}") from None
+    use_ocdbt, use_zarr3 = meta.get("use_ocdbt", True), meta.get("use_zarr3", False)
+    context = ocp.type_handlers.get_ts_context(use_ocdbt=use_ocdbt)
+    prefix = ("params",) if is_state else ()
+    last: dict = {}  # {"key": (name, dtype, first layer), "host": those layers}
+
+    def open_(name, dtype):
+        info = ocp.type_handlers.ParamInfo(name=name, parent_dir=epath.Path(location), use_zarr3=use_zarr3,
+                                           ts_context=context)
+        spec = ocp.type_handlers.get_cast_tspec_deserialize(
+            ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=use_ocdbt), ocp.RestoreArgs(dtype=dtype))
+        try:
+            return ts.open(spec, context=context).result()
+        except ValueError as e:
+            raise ConvertError(f"cannot load weight {name} from {location} (different model settings?): "
+                               f"{str(e).splitlines()[0]}") from None
+
+    def host_layers(store, name, dtype, layers: slice):
+        step = store.chunk_layout.read_chunk.shape[0] or store.shape[0]
+        first = layers.start // step * step
+        if layers.stop > first + step:
+            return store[layers].read().result()
+        if last.get("key") != (name, dtype, first):
+            last.clear()
+            last.update(key=(name, dtype, first), host=store[first:first + step].read().result())
+        return last["host"][layers.start - first:layers.stop - first]
+
+    def read(keys, layers, target, dtype):
+        name = ".".join((*prefix, *keys))
+        store = open_(name, target.dtype)
+        shape = store.shape if layers is None else store[layers].shape
+        if tuple(shape) != tuple(target.shape):
+            raise ConvertError(f"cannot load weights from {location} into this model (different model settings?): "
+                               f"{name} has shape {tuple(store.shape)}, this model's is {tuple(target.shape)}")
+        host = store.read().result() if layers is None else host_layers(store, name, target.dtype, layers)
+        host = np.asarray(host).astype(jax.numpy.dtype(dtype))
+        return jax.make_array_from_callback(host.shape, target.sharding, lambda index: host[index])
+
+    return read
 
 
 def load_params(path: str | Path, device: jax.Device | None = None, mesh: jax.sharding.Mesh | None = None,

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxlm import params as P, sharding
-from jaxlm.model import lora
+from jaxlm.model import lora, quant
 from jaxlm.train import optim
 from jaxlm.config import Config
 from jaxlm.model import param_specs
@@ -96,18 +96,55 @@ def init_state_from(run, path: str) -> dict:
 
 
 def load_frozen(run) -> dict | None:
-    """A LoRA run's frozen base, placed and (QLoRA) quantized as run.abstract_frozen says; None otherwise."""
+    """A LoRA run's frozen base, placed and (QLoRA) quantized as run.abstract_frozen says; None otherwise. Each
+    weight is read on the host and placed on its own, and each quantized one a layer at a time: read, quantized
+    on the devices, written into its place in the stacked result. The devices hold the quantized base and one
+    layer of one float weight, never the float base (16 GB for llama3.1-8b in bf16: more than a 16 GiB chip)."""
     from jaxlm.store import weights
 
     if run.abstract_frozen is None:
         return None
     path, cfg = run.cfg.checkpoint.init_from, run.cfg
     dense = placed(param_specs(cfg.model), run.mesh, run.param_rules)
-    base = (weights.restore_base_params(path, weights.load_config(path), dense) if weights.has_adapter_dir(path)
-            else weights.restore_params(path, dense))
-    quantize = jax.jit(lambda p: lora.quantize_base(p, cfg),
-                       out_shardings=shardings_of(run.abstract_frozen))
-    return quantize(base)
+    replicated = jax.sharding.NamedSharding(run.mesh, jax.sharding.PartitionSpec())
+    read = weights.piece_reader(path, replicated, merged=not weights.has_adapter_dir(path))
+    quantized = {("layers", blk, name) for blk, name in lora.quantized_weights(cfg)}
+    dense_by_keys = dict(_leaves(dense))
+
+    def load(path_, frozen_a):
+        keys = _keys(path_)
+        if keys in quantized:
+            return _quantized_by_layer(read, keys, dense_by_keys[keys], frozen_a, cfg.lora.base_quantization)
+        return read(keys, None, dense_by_keys[keys], frozen_a.dtype)
+
+    return jax.tree_util.tree_map_with_path(load, run.abstract_frozen,
+                                            is_leaf=lambda a: isinstance(a, (quant.QWeight, quant.NF4Weight)))
+
+
+def _quantized_by_layer(read, keys: tuple, dense_a, frozen_a, mode: str):
+    """One stacked weight quantized a layer at a time into a result placed as frozen_a (a QWeight or NF4Weight
+    of ShapeDtypeStructs): each layer is read as dense_a says (the restored dtype), quantized on the devices and
+    written in place into the result (donated)."""
+    sharded = lambda sh: sh.update(spec=jax.sharding.PartitionSpec(None, *sh.spec[1:]))  # noqa: E731  a layer
+    layer = jax.ShapeDtypeStruct((1, *dense_a.shape[1:]), dense_a.dtype, sharding=sharded(dense_a.sharding))
+    quantize = jax.jit(lambda w: lora.quantize_weight(w, keys[-1], mode),
+                       out_shardings=jax.tree.map(lambda a: sharded(a.sharding), frozen_a))
+    put = jax.jit(lambda out, piece, i: jax.tree.map(lambda o, p: jax.lax.dynamic_update_slice_in_dim(o, p, i, 0),
+                                                     out, piece), donate_argnums=0)
+    out = jax.jit(lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), frozen_a),
+                  out_shardings=shardings_of(frozen_a))()
+    for i in range(dense_a.shape[0]):
+        out = put(out, quantize(read(keys, slice(i, i + 1), layer, dense_a.dtype)), i)
+    return out
+
+
+def _keys(path) -> tuple[str, ...]:
+    """A tree path as the names Orbax stores its leaf under."""
+    return tuple(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def _leaves(tree) -> list[tuple[tuple[str, ...], object]]:
+    return [(_keys(path), leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
 def model_params(params: dict, frozen: dict | None, cfg: Config, key: jax.Array | None = None) -> dict:
