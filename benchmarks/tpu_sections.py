@@ -528,7 +528,12 @@ def serve_kernels(ctx: Ctx, kernels: str) -> None:
         raise SystemExit(f"JAXLM_BENCH_SERVE_KERNELS={kernels!r}: {', '.join(bad)} unknown; choose from "
                          f"{', '.join(paged.ATTENTION_KERNELS)}")
     for name in names:
-        out = g.serve(ctx, attention_kernel=name)
+        try:
+            out = g.serve(ctx, attention_kernel=name)
+        except Exception as e:  # noqa: BLE001 - one kernel failing leaves the others
+            print(f"serve 1B attention_kernel={name}: error: {g.one_line(e)}", flush=True)
+            ctx.put(**{f"serve_{name}_note": f"error: {g.one_line(e)}"})
+            continue
         prof = out.get("profile", {})
         share = prof["by_kind"].get("Pallas kernel (TPU)", 0) / prof["ms_per_step"] if prof.get("ms_per_step") else None
         print(f"serve 1B attention_kernel={name}: {out['round']['output_tokens_per_s']:.1f} output tokens/s, "
@@ -540,7 +545,7 @@ def serve_kernels(ctx: Ctx, kernels: str) -> None:
 def serve(ctx: Ctx) -> None:
     """The engine on the 1B shape in bf16 (gpu_sections.serve, with its profiled round; once per kernel of
     JAXLM_BENCH_SERVE_KERNELS when set: serve_kernels), then on llama3.1-8b's shape with int8 weights
-    (serve_int8_8b), while time is left."""
+    (serve_int8_8b), while time is left and unless JAXLM_BENCH_SERVE_8B=0."""
     import gc
 
     kernels = os.environ.get("JAXLM_BENCH_SERVE_KERNELS")
@@ -549,7 +554,9 @@ def serve(ctx: Ctx) -> None:
     else:
         g.serve(ctx)
     gc.collect()
-    if ctx.left() > 80:
+    if os.environ.get("JAXLM_BENCH_SERVE_8B", "1") == "0":  # the 1B rows only
+        ctx.put(serve8b_note="skipped: JAXLM_BENCH_SERVE_8B=0")
+    elif ctx.left() > 80:
         try:
             serve_int8_8b(ctx)
         except Exception as e:  # noqa: BLE001 - the 8B rows failing leave the 1B ones
