@@ -19,6 +19,18 @@ from jaxlm.model import lora, param_specs, quant, transformer
 from jaxlm.train import preflight, run as run_lib, state as state_lib, step as step_lib
 
 
+def test_the_refusal_names_the_batch_that_fits():
+    """The batch a refused step would fit at, from the compiler's figure: the bytes beyond the arguments scale
+    with the batch (openwebtext's 128 rows of 1,024 needing 121 GiB on a 15.75 GiB chip: 13 rows would fit,
+    so 8), and none where the state alone leaves no room for a row (maxtext_base's float32 state)."""
+    G = preflight.GiB
+    assert preflight.fitting_batch(128, 121 * G, int(1.5 * G), int(15.75 * G)) == 8
+    assert preflight.fitting_batch(8, 33 * G, int(12.5 * G), int(15.75 * G)) is None
+    assert preflight.fitting_batch(4, 20 * G, 4 * G, int(15.75 * G)) == 2  # 2.5 rows fit
+    assert preflight.fitting_batch(1, 20 * G, 4 * G, int(15.75 * G)) is None
+    assert preflight.fitting_batch(8, None, 4 * G, int(15.75 * G)) is None
+
+
 def nf4_reference(w: np.ndarray) -> np.ndarray:
     """w [I, O] through NF4 as bitsandbytes blocks a torch weight [O, I]: 64 consecutive inputs of one output a
     block, each scaled by its absolute maximum to the nearest level, then scaled back (absmax kept exact)."""

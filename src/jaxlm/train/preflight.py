@@ -53,8 +53,25 @@ def _shard_bytes(a) -> int:
     return math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
 
 
-def remedies(run, devices_per_slice: int) -> list[str]:
-    """Settings that make the run's step smaller per device, from what the run uses, largest effect first."""
+def fitting_batch(pdb: float, need: int | None, argument_bytes: int | None, limit: int | None) -> int | None:
+    """The largest power-of-two per-device batch below `pdb` whose step would fit `limit` (with a tenth spare),
+    taking the bytes beyond the step's arguments (the state and the batch) as activations that scale with the
+    batch; None without the figures, or where even a batch of one would not fit beside the state."""
+    if not (need and argument_bytes and limit) or pdb <= 1:
+        return None
+    per_row = (need - argument_bytes) / pdb
+    room = 0.9 * limit - argument_bytes
+    if per_row <= 0 or room < per_row:
+        return None
+    fits = min(math.floor(room / per_row), math.ceil(pdb) - 1)
+    return 2 ** int(math.log2(fits))
+
+
+def remedies(run, devices_per_slice: int, need: int | None = None, argument_bytes: int | None = None,
+             limit: int | None = None) -> list[str]:
+    """Settings that make the run's step smaller per device, from what the run uses, largest effect first; with
+    the step's bytes (need, of which argument_bytes are its arguments) and the device's limit, the batch that would
+    fit (fitting_batch)."""
     cfg, mesh = run.cfg, run.mesh
     m, t = cfg.model, cfg.training
     out = []
@@ -72,7 +89,12 @@ def remedies(run, devices_per_slice: int) -> list[str]:
     elif m.remat == "full" and m.block_size >= LONG_CONTEXT and mesh.devices.flat[0].platform == "tpu":
         out.append("model.remat=offload_layer_inputs (the layers' saved inputs in host memory)")
     pdb = t.per_device_batch_size
-    if pdb > 1:
+    fits = fitting_batch(pdb, need, argument_bytes, limit)
+    if fits:
+        out.append(f"training.per_device_batch_size={fits} (now {pdb:g}; the activations take about "
+                   f"{gib((need - argument_bytes) / pdb)} a row beside {gib(argument_bytes)} of state and batch; "
+                   "raise training.grad_accum to keep the global batch)")
+    elif pdb > 1:
         out.append(f"training.per_device_batch_size={max(1, math.floor(pdb / 2))} (now {pdb:g}; raise "
                    "training.grad_accum to keep the global batch)")
     if mesh.shape["fsdp"] < devices_per_slice:
@@ -82,12 +104,13 @@ def remedies(run, devices_per_slice: int) -> list[str]:
     return out
 
 
-def no_fit_line(run, need: int | None, limit: int, device_kind: str, how: str) -> str:
+def no_fit_line(run, need: int | None, limit: int, device_kind: str, how: str,
+                argument_bytes: int | None = None) -> str:
     """One line: what the step needs against the device's memory, and the settings that shrink it."""
     per_slice = run.mesh.devices.size
     need_s = f"needs {gib(need)} per device ({how})" if need else f"does not fit ({how})"
     return (f"the train step {need_s} and a {device_kind} has {gib(limit)}: make it fit with "
-            + "; or ".join(remedies(run, per_slice))
+            + "; or ".join(remedies(run, per_slice, need, argument_bytes, limit))
             + "; `jaxlm compile` with compile.topology= lists its largest buffers")
 
 
@@ -121,8 +144,9 @@ def check(run, limit: int | None = None):
             raise
         need = oom_need(str(e).strip().splitlines()[0], argument_bytes)
         raise ConfigError(no_fit_line(run, need, limit, device.device_kind, "the compiler's out-of-memory "
-                                                                            "figure")) from None
+                                                                            "figure", argument_bytes)) from None
     need = device_bytes(compiled.memory_analysis())
     if device.platform != "tpu" and need > limit:  # XLA:TPU refuses a step that does not fit when compiling it
-        raise ConfigError(no_fit_line(run, need, limit, device.device_kind, "the compiled step's buffers"))
+        raise ConfigError(no_fit_line(run, need, limit, device.device_kind, "the compiled step's buffers",
+                                      argument_bytes))
     return compiled
