@@ -2,7 +2,7 @@
 model and of GPT-2 124M as `jaxlm train` runs them, where the step's time goes, long context, int8 training,
 decoding and serving.
 
-    PYTHONPATH=src python benchmarks/tpu.py [--only maxtext,gpt2] [--json FILE]   # one v5e chip: 1,520 s at most
+    PYTHONPATH=src python benchmarks/tpu.py [--only maxtext,gpt2] [--json FILE]   # one v5e chip: 1,780 s at most
     PYTHONPATH=src python benchmarks/tpu.py --tiny                               # toy sizes, on a CPU in seconds
 
 Sections run as benchmarks/gpu.py's do (its runner): each in a process of its own (benchmarks/tpu_sections.py)
@@ -25,6 +25,11 @@ Sections and what they report:
               tokens, LoRA of llama3.2-3b (bf16 base) at 4 x 2,048, random bases made on the chip: tokens/s, MFU,
               the chip's peak memory beside the compiler's prediction
   vision      a gemma3-4b LoRA SFT step with one 896 x 896 image a row (tower frozen), 2 x 2,048: tokens/s, memory
+  moe         a Qwen3-MoE-shaped and a Mixtral-shaped model (fewer layers, bf16 weights and moments), their experts
+              by ragged_dot and by megablox (model.moe_matmul), 4 x 2,048 tokens, 10 timed steps of a Markov
+              corpus from one initialization: tokens/s, MFU by the active parameters, both dispatches' first and
+              last losses and their differences, the compiler's and the chip's peak memory; beside them the dense
+              model of equal active parameters
   decode      generate at batch 1 and 64 (the 1B shape in bf16), batch 1's bytes per token over the HBM copy; then
               llama3.1-8b's shape with int8 weights (decode.quantize_weights=int8's layout, random, made on the
               chip) at batch 1: its bytes per token over an HBM copy measured in the section, the chip's memory
@@ -45,13 +50,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 import gpu  # noqa: E402
 
 SECTIONS_PY = Path(__file__).with_name("tpu_sections.py")
-# Seconds each section may take at full size (process start included), as gpu.py's BUDGET_S: 1,670 s in all, so a
-# machine whose commands stop at 10 minutes runs it in three (--only yardsticks,maxtext,gpt2,long: 560 s; then
-# quant,lora,vision: 590 s; then decode,serve: 520 s, the llama3.1-8b int8 rows included).
+# Seconds each section may take at full size (process start included), as gpu.py's BUDGET_S: 1,930 s in all, so a
+# machine whose commands stop at 10 minutes runs it in four (--only yardsticks,maxtext,gpt2,long: 560 s; then
+# quant,lora,vision: 590 s; then decode,serve: 520 s, the llama3.1-8b int8 rows included; then moe: 260 s).
 # Seen on a v5e (2026-12-06, second run): yardsticks 20 s, maxtext 105 (six rows), gpt2 74, long 46, quant 146 (two
 # modes), decode 88, serve 88.
 BUDGET_S = {"yardsticks": 30, "maxtext": 200, "gpt2": 90, "long": 240, "quant": 240, "lora": 200, "vision": 150,
-            "decode": 230, "serve": 290}
+            "moe": 260, "decode": 230, "serve": 290}
 TOLERANCE_LOSS = 0.02  # int8 against bf16: final losses this close
 
 
@@ -143,12 +148,55 @@ def summary(f: dict, status: dict, wall: float, tiny: bool) -> list[str]:
                                gib(r, "predicted_peak_bytes"), r.get("compile_s"),
                                f"{r['losses'][0]} -> {r['losses'][-1]} ({len(r['losses'])} steps)" if r.get("losses")
                                else "", r.get("note", "")] for r in lora_rows])
+    mixtures(f.get("moe", {}).get("moe_runs", []), peak, matmul, kv, tables)
     derived = gpu.derive(f)
     for name, fn in (("decode", gpu._decode), ("serve", gpu._serve)):
         if name in f:
             fn(f[name], derived, kv, tables)
     serving(f, kv, tables)
     return [f"{k}={gpu._num(v, '{:.4g}')}" for k, v in kv.items() if v is not None] + tables
+
+
+def mixtures(rows: list[dict], peak, matmul, kv: dict, tables: list) -> None:
+    """The moe section: each row's MFU by the active parameters (causal count; against the spec and the measured
+    matmul), megablox against ragged_dot in speed
+    and in the first and last steps' losses (from the same initialization and batches: rounding only), each
+    dispatch against the dense model of equal active parameters."""
+    if not rows:
+        return
+    by = {(r["shape"], r["dispatch"]): r for r in rows}
+    for r in rows:
+        tps = r.get("tokens_per_s")
+        flops = tps * r["flops_causal"] if tps and r.get("flops_causal") else None
+        r["mfu"] = flops / peak if flops and peak else None
+        r["mfu_vs_matmul"] = flops / matmul if flops and matmul else None
+        name = f"moe_{r['shape']}_{r['dispatch']}"
+        kv[f"{name}_tokens_per_s"], kv[f"{name}_mfu"], kv[f"{name}_mfu_vs_matmul"] = tps, r["mfu"], r["mfu_vs_matmul"]
+        kv[f"{name}_predicted_peak_gib"] = r["predicted_peak_bytes"] / 2**30 if r.get("predicted_peak_bytes") else None
+        dense = by.get((r["shape"], "dense"), {}).get("tokens_per_s")
+        if r["dispatch"] != "dense" and tps and dense:
+            kv[f"{name}_vs_dense"] = tps / dense
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        a, b = by.get((shape, "ragged_dot"), {}), by.get((shape, "megablox"), {})
+        if a.get("tokens_per_s") and b.get("tokens_per_s"):
+            kv[f"moe_{shape}_megablox_vs_ragged_dot"] = b["tokens_per_s"] / a["tokens_per_s"]
+        if a.get("losses") and b.get("losses"):
+            kv[f"moe_{shape}_loss_first_megablox_minus_ragged_dot"] = b["losses"][0] - a["losses"][0]
+            n = min(len(a["losses"]), len(b["losses"]))
+            kv[f"moe_{shape}_loss_last_megablox_minus_ragged_dot"] = b["losses"][n - 1] - a["losses"][n - 1]
+    gib = lambda r, k: r[k] / 2**30 if r.get(k) else None  # noqa: E731
+    tables += ["", "Mixtures of experts, one chip (MFU by the active parameters, causal count; 'predicted' is the "
+                   "compiler's peak_memory_in_bytes, what `jaxlm compile ... compile.topology=v5e-1` reports; the "
+                   "chip's peak is the process's so far):"]
+    tables += gpu._table(
+        ["shape", "dispatch", "batch x block", "params", "active", "tokens/s", "MFU", "vs matmul", "predicted GiB",
+         "peak GiB in use", "compile s", "loss first -> last", "note"],
+        [[r["label"], r["dispatch"], f"{r.get('batch')} x {r.get('block')}",
+          f"{r['params_total'] / 1e9:.3g}B" if r.get("params_total") else None,
+          f"{r['params_active'] / 1e9:.3g}B" if r.get("params_active") else None, r.get("tokens_per_s"), r.get("mfu"),
+          r.get("mfu_vs_matmul"), gib(r, "predicted_peak_bytes"), gib(r, "peak_bytes_in_use"), r.get("compile_s"),
+          f"{r['losses'][0]} -> {r['losses'][-1]} ({len(r['losses'])} steps)" if r.get("losses") else "",
+          r.get("note", "")] for r in rows])
 
 
 def serving(f: dict, kv: dict, tables: list) -> None:

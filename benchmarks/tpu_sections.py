@@ -9,7 +9,8 @@ object a line, raw (tokens/s, FLOPs per token, bytes); tpu.py turns them into MF
 Sections: yardsticks, maxtext (maxtext_base at the preset's settings and at tuned ones, the step's time by
 operation), gpt2 (the `openwebtext` preset), long (maxtext_base at 32,768 tokens a sequence), lora (QLoRA of
 llama3.1-8b, LoRA of llama3.2-1b, random bases), vision (a gemma3-4b LoRA step with images), quant (int8 training
-against bf16), decode (generate at batch 1 and 64), serve (the engine with 64 slots).
+against bf16), moe (mixtures of experts by ragged_dot and by megablox, beside the dense model of equal active
+parameters), decode (generate at batch 1 and 64), serve (the engine with 64 slots).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ SIZES = {
         g.SIZES["full"], maxtext_batch=2, maxtext_steps=3, profile_steps=2, gpt2_steps=3,
         long_block=32768, long_steps=2, quant_layers=16, quant_block=2048, quant_batch=2, quant_steps=200,
         lora_block=131072, lora_steps=3, lora_loss_steps=50, vision_block=2048, vision_batch=2,
-        decode_model=dict(), serve_concurrency=64),
+        moe_block=2048, moe_steps=10, decode_model=dict(), serve_concurrency=64),
     "tiny": dict(
         g.SIZES["tiny"],
         maxtext_model={"model.n_layers": 2, "model.d_model": 64, "model.n_heads": 4, "model.head_dim": 16,
@@ -69,7 +70,11 @@ SIZES = {
         vision_model={"model.n_layers": 6, "model.d_model": 64, "model.n_heads": 4, "model.n_kv_heads": 2,
                       "model.head_dim": 16, "model.d_ff": 128, "model.vocab_size": 512},
         vision_tower=dict(d_model=32, n_layers=1, n_heads=2, d_ff=64, image_size=28, patch_size=7, tokens_per_image=4,
-                          image_token_id=511, boi_token_id=509, eoi_token_id=510)),
+                          image_token_id=511, boi_token_id=509, eoi_token_id=510),
+        moe_model={"model.n_layers": 2, "model.d_model": 64, "model.n_heads": 4, "model.n_kv_heads": 2,
+                   "model.head_dim": 16, "model.d_ff": 128, "model.vocab_size": 512},
+        moe_experts={"qwen3_30b_a3b": {"model.n_experts": 16, "model.expert_d_ff": 32}},
+        moe_block=64, moe_batch=2, moe_steps=3, moe_rows="0,1,2,4"),
 }
 
 
@@ -386,6 +391,123 @@ def lora(ctx: Ctx) -> None:
         ctx.put(lora_runs=out)
 
 
+# Mixture-of-experts shapes: (key, label, preset, settings over it), each cut to fit one v5e with bf16 weights,
+# gradients and Adam moments, at about 14 GiB by the compiler's peak (`jaxlm compile ... compile.topology=v5e-1`:
+# docs/performance.md, "Mixtures of experts"). Both keep their experts and routing; the vocabulary is Mixtral's
+# 32,000, so that the output projection (a dense matmul) does not outweigh the layers' experts. Qwen3-MoE: 128
+# experts of width 768, 8 a token, at the published width, 2 of 48 layers (14.91 GiB; 3 rows a step instead of 4
+# still 14.89: the peak is not the activations'). Mixtral: 8 experts, 2 a token, at maxtext_base's widths (d_model
+# 2,048, experts of 7,168: half the published ones), 3 of 32 layers (13.3 GiB). 4 x 2,048 tokens a step.
+MOE_SHAPES = [
+    ("qwen3_moe", "Qwen3-MoE shape: 2 layers, 128 experts x 768, top-8", "qwen3_30b_a3b",
+     {"model.n_layers": 2, "model.vocab_size": 32000, "training.batch_size": 4}),
+    ("mixtral", "Mixtral shape: 3 layers, d_model 2,048, 8 experts x 7,168, top-2", "mixtral_8x7b",
+     {"model.n_layers": 3, "model.d_model": 2048, "model.n_heads": 16, "model.n_kv_heads": 8, "model.d_ff": 7168,
+      "model.vocab_size": 32000, "training.batch_size": 4}),
+]
+MOE_DISPATCH = ("ragged_dot", "megablox", "dense")  # each shape's rows; dense: d_ff = top-k x the experts' width
+MOE_TRAIN = {"model.param_dtype": "bfloat16", "model.compute_dtype": "bfloat16", "model.remat": "full",
+             "optimizer.lr": 1e-3, "optimizer.min_lr": 1e-4, "optimizer.warmup_steps": 2}
+
+
+def moe_configs(ctx: Ctx) -> list[tuple[str, str, str, object]]:
+    """The moe section's rows in order, (shape key, shape label, dispatch, config): each MOE_SHAPES shape with
+    model.moe_matmul=ragged_dot, =megablox, and as the dense model of equal active parameters (same layers and
+    widths, no experts, d_ff = experts_per_token x the experts' width). JAXLM_BENCH_MOE_ROWS=0,3 indexes these."""
+    from jaxlm import config as config_lib
+
+    z = ctx.sizes
+    out = []
+    for key, label, preset, settings in MOE_SHAPES:
+        over = {"mesh.ici_data": 1, **MOE_TRAIN, **settings, **z.get("moe_model", {}),
+                **z.get("moe_experts", {}).get(preset, {}), "model.block_size": z["moe_block"],
+                "training.steps": z["moe_steps"] + 1}
+        if "moe_batch" in z:  # tiny sizes
+            over["training.batch_size"] = z["moe_batch"]
+        m = config_lib.load(preset, over).model
+        for dispatch in MOE_DISPATCH:
+            if dispatch == "dense":
+                cfg = config_lib.load(preset, {**over, "model.n_experts": 0, "model.expert_d_ff": None,
+                                               "model.d_ff": m.experts_per_token * m.expert_ff})
+            else:
+                cfg = config_lib.load(preset, {**over, "model.moe_matmul": dispatch})
+            out.append((key, label, dispatch, cfg))
+    return out
+
+
+def moe_row(ctx: Ctx, cfg, tokens: np.ndarray, steps: int) -> dict:
+    """A train step as `jaxlm train` compiles it, trained `steps` + 1 steps from the config's seed on rows of
+    `tokens` (the same batches for every row): the losses of each step, the median time of the steps after the
+    first, tokens/s, FLOPs per token by the active parameters (the causal count `jaxlm train` prints), the
+    compiler's peak bytes (what `jaxlm compile ... compile.topology=v5e-1` predicts) and the chip's peak in use."""
+    import jax
+
+    from jaxlm.model import flops
+    from jaxlm.train import preflight, state as state_lib, step as step_lib
+
+    dev = jax.devices()[0]
+    B, T = cfg.training.batch_size, cfg.model.block_size
+    run, compiled, mem, secs = g.compile_step(cfg, B, dev)
+    counts = flops.param_counts(cfg.model)
+    row = dict(batch=B, block=T, bytes=mem, compile_s=round(secs, 1),
+               predicted_peak_bytes=preflight.peak_bytes(compiled.memory_analysis()),
+               flops_causal=flops.flops_per_token(cfg.model, causal=True), params_total=counts["total"],
+               params_active=counts["active"], n_experts=cfg.model.n_experts, moe_matmul=cfg.model.moe_matmul)
+    shape = step_lib.abstract_batch(run)["inputs"]
+    state = state_lib.init_state(run, cfg.seed)
+    losses, times = [], []
+    for i in range(steps + 1):
+        if times and ctx.left() < 5 + 2 * max(times):
+            break
+        rows = tokens[i * B:(i + 1) * B].reshape(*shape.shape[:-1], T + 1)
+        batch = {k: jax.device_put(np.ascontiguousarray(x), shape.sharding)
+                 for k, x in (("inputs", rows[..., :-1]), ("targets", rows[..., 1:]))}
+        t = time.perf_counter()
+        state, m = compiled(state, batch)
+        losses.append(float(m["loss"]))  # waits for the step
+        if i:
+            times.append(time.perf_counter() - t)
+    step_s = statistics.median(times) if times else None
+    stats = dev.memory_stats() or {}
+    row.update(step_s=step_s, tokens_per_s=B * T / step_s if step_s else None, losses=[round(x, 5) for x in losses],
+               peak_bytes_in_use=stats.get("peak_bytes_in_use"), bytes_limit=stats.get("bytes_limit"))
+    return row
+
+
+def moe(ctx: Ctx) -> None:
+    """Mixtures of experts on one chip (MOE_SHAPES): each shape trained moe_steps + 1 steps of a Markov corpus with
+    its experts' grouped matmul by ragged_dot and by megablox (model.moe_matmul), from the same initialization and
+    batches, so their losses differ by rounding only, and the dense model of equal active parameters beside them:
+    tokens/s, FLOPs per token by the active parameters, the losses, the compiled step's memory."""
+    import gc
+
+    z = ctx.sizes
+    # e.g. "0,1": only those rows of moe_configs; tiny: one shape in all three dispatches, the other by megablox
+    chosen = os.environ.get("JAXLM_BENCH_MOE_ROWS", z.get("moe_rows"))
+    configs = moe_configs(ctx)
+    tokens, entropy = g.markov_tokens(configs[0][3].model.vocab_size,
+                                      (z["moe_steps"] + 1) * max(c.training.batch_size for *_, c in configs),
+                                      z["moe_block"] + 1)
+    ctx.put(moe_steps=z["moe_steps"], moe_entropy=entropy)
+    out = []
+    for i, (key, label, dispatch, cfg) in enumerate(configs):
+        if chosen and str(i) not in chosen.split(","):
+            continue
+        row = dict(shape=key, label=label, dispatch=dispatch)
+        if out and ctx.left() < 30:
+            out.append(dict(row, note=f"skipped: time budget ({ctx.left():.0f} s left)"))
+            ctx.put(moe_runs=out)
+            continue
+        try:
+            row.update(moe_row(ctx, cfg, tokens, z["moe_steps"]))
+        except Exception as e:  # noqa: BLE001 - one row failing (out of memory, say) leaves the others
+            full = re.search("RESOURCE_EXHAUSTED|[Oo]ut of memory", str(e))
+            row["note"] = f"{'does not fit' if full else 'error'}: {g.one_line(e)}"
+        out.append(row)
+        ctx.put(moe_runs=out)
+        gc.collect()
+
+
 def int8_model(ctx: Ctx):
     """(params, ModelConfig): llama3.1-8b's shape (tiny sizes: SIZES' lora_model) with its weights in the layout
     decode.quantize_weights=int8 serves (quant.serving_params: every layer's matmul weights and the output
@@ -565,7 +687,7 @@ def serve(ctx: Ctx) -> None:
         ctx.put(serve8b_note=f"skipped: time budget ({ctx.left():.0f} s left)")
 
 
-SECTIONS = {f.__name__: f for f in (yardsticks, maxtext, gpt2, long, quant, lora, vision, decode, serve)}
+SECTIONS = {f.__name__: f for f in (yardsticks, maxtext, gpt2, long, quant, lora, vision, moe, decode, serve)}
 
 
 if __name__ == "__main__":

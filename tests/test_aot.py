@@ -243,3 +243,25 @@ def test_compile_for_a_tpu_slice_on_this_host(char_data):
     assert verdict.startswith("does not fit: needs ") and "over the 16.00 GiB of TPU v5 lite HBM" in verdict
     assert "training.per_device_batch_size=2048 (now 4096" in verdict and "model.remat=full (now none)" in verdict
     assert aot.machine_lines(r)[-1] == "fits=false"
+
+
+@pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu is not installed (pip install 'jaxlm[tpu]')")
+def test_megablox_moe_step_lowers_for_a_tpu_on_this_host(char_data):
+    """model.moe_matmul=megablox: the train step of a one-layer MoE compiles for v5e-1 here (Mosaic lowers the
+    kernels), with the expert widths not multiples of the kernel's tiles: 3 forward kernel calls, 3 more where remat
+    recomputes them, and 6 in the backward (gmm for the inputs' gradients, tgmm for the weights')."""
+    import re
+
+    cfg = _cfg(char_data, **{"model.n_layers": 1, "model.d_model": 192, "model.n_heads": 2, "model.d_ff": 1536,
+                             "model.n_experts": 4, "model.experts_per_token": 2, "model.glu": True,
+                             "model.activation": "silu", "model.vocab_size": 256, "model.block_size": 128,
+                             "model.attention": "dot_product", "model.remat": "full", "model.moe_matmul": "megablox",
+                             "model.param_dtype": "bfloat16", "training.batch_size": 2, "mesh.ici_data": 1,
+                             "compile.topology": "v5e-1"})
+    r = aot.compile_for(cfg, aot.target(cfg.compile))
+    assert r.fits
+    hlo = r.executable.as_text()
+    kernels = re.findall(r'custom_call_target="tpu_custom_call".*op_name="[^"]*/experts/jit\((t?gmm)\)/pallas_call"',
+                         hlo)
+    assert sorted(kernels) == ["gmm"] * 9 + ["tgmm"] * 3
+    assert "ragged" not in hlo

@@ -49,6 +49,20 @@ def test_every_section_runs_at_tiny_sizes_on_cpu(tmp_path):
     (vlm,) = figures["vision"]["vision_runs"]
     assert vlm["images_per_row"] == 1 and vlm["tokens_per_s"] > 0 and float(kv["vision_4b_tokens_per_s"]) > 0
     assert kv["quant_int8_loss_within_0.02"] == "true" and float(kv["quant_int8_speed_vs_bf16"]) > 0
+    # mixtures of experts: both dispatches train alike from one initialization (bf16 rounding apart); the dense row
+    # of equal active parameters has the MoE rows' active count and FLOPs per token
+    moe_rows = {(r["shape"], r["dispatch"]): r for r in figures["moe"]["moe_runs"]}
+    assert set(moe_rows) == {("qwen3_moe", "ragged_dot"), ("qwen3_moe", "megablox"), ("qwen3_moe", "dense"),
+                             ("mixtral", "megablox")}
+    ragged, mega, dense = (moe_rows["qwen3_moe", d] for d in ("ragged_dot", "megablox", "dense"))
+    assert (ragged["moe_matmul"], mega["moe_matmul"], dense["n_experts"]) == ("ragged_dot", "megablox", 0)
+    for r in moe_rows.values():
+        assert r["tokens_per_s"] > 0 and r["predicted_peak_bytes"] > 0 and len(r["losses"]) == 4, r
+    assert ragged["params_active"] < ragged["params_total"] and dense["params_active"] == dense["params_total"]
+    assert abs(dense["flops_causal"] / ragged["flops_causal"] - 1) < 0.02  # the router's matmul apart
+    assert abs(mega["losses"][-1] - ragged["losses"][-1]) < 2e-3 and mega["losses"][-1] < mega["losses"][0] - 0.01
+    assert abs(float(kv["moe_qwen3_moe_loss_last_megablox_minus_ragged_dot"])) < 2e-3
+    assert float(kv["moe_qwen3_moe_megablox_vs_ragged_dot"]) > 0 and float(kv["moe_mixtral_megablox_mfu_vs_matmul"]) > 0
     assert float(kv["generate_b1_decode_tokens_per_s"]) > 0 and float(kv["serve_c4_output_tokens_per_s"]) > 0
     # the engine against generate at its batch; llama3.1-8b's shape (tiny here) with int8 weights, decoded and served
     assert float(kv["serve_vs_generate_decode"]) > 0 and float(kv["serve_vs_generate_with_prefill"]) > 0

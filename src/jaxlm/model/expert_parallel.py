@@ -67,11 +67,12 @@ def capacity(m: int, k: int, n_experts: int, n_devices: int, capacity_factor: fl
 
 
 def moe(plan_: Plan, x_BTD: jax.Array, p: dict, k: int, capacity_factor: float, all_to_all: str,
-        route: Callable, experts: Callable, weights_input: bool = False):
+        route: Callable, experts: Callable, weights_input: bool = False, pallas: bool = False):
     """The layer of model/moe.py, expert-parallel: route(x_MD, p) -> (scores_ME, experts_MK, weights_MK)
     and experts(x_AD, p, group_sizes_E) -> y_AD are that layer's own; with weights_input each copy's weight
-    scales the token it carries instead of the expert's output. Returns y [B, T, D] and the statistics [3, E]
-    (routed fraction, mean score, dropped fraction)."""
+    scales the token it carries instead of the expert's output; pallas: experts() calls a Pallas kernel (megablox),
+    whose outputs shard_map's check of varying axes cannot type, so the check is off. Returns y [B, T, D] and the
+    statistics [3, E] (routed fraction, mean score, dropped fraction)."""
     mesh, x_spec, token_axes, mlp_axes = plan_
     E = p["router"].shape[-1]
     X = mesh.shape["expert"]
@@ -131,7 +132,8 @@ def moe(plan_: Plan, x_BTD: jax.Array, p: dict, k: int, capacity_factor: float, 
         return y_mD.reshape(b, T, D).astype(x_bTD.dtype), stats_3E
 
     with jax.named_scope("expert_parallel"):
-        return jax.shard_map(local, mesh=mesh, in_specs=(x_spec, w_specs), out_specs=(x_spec, P()))(
+        return jax.shard_map(local, mesh=mesh, in_specs=(x_spec, w_specs), out_specs=(x_spec, P()),
+                             check_vma=not pallas)(
             x_BTD, {name: p[name] for name in w_specs})
 
 

@@ -190,6 +190,34 @@ def ragged_dot(x_MD: jax.Array, w_EDF: jax.Array, group_sizes_E: jax.Array) -> j
                               preferred_element_type=jnp.float32).astype(x_MD.dtype)
 
 
+# megablox tiles (rows, contracted width, output width): the largest each call uses; a width below its tile is
+# one whole tile. The rows are padded to a multiple of the row tile.
+MEGABLOX_TILES = (512, 1024, 1024)
+
+
+def _megablox_tiling(m: int, k: int, n: int) -> tuple[int, int, int]:
+    """The tiles of one megablox call (forward, or either backward product) with m rows, k contracted, n out."""
+    tm, tk, tn = MEGABLOX_TILES
+    return min(tm, m), min(tk, k), min(tn, n)
+
+
+def megablox_dot(x_MD: jax.Array, w_EDF: jax.Array, group_sizes_E: jax.Array, interpret: bool = False) -> jax.Array:
+    """`ragged_dot` by JAX's megablox grouped-matmul Pallas kernel for TPU (its own backward kernels; Pallas
+    interpret mode elsewhere, exact but slow, for tests). Rows past the groups' sum (padding to the row tile,
+    or an expert-parallel buffer's unfilled rows) are never written by the kernel: they come out zero, as
+    ragged_dot's do, and their gradient too."""
+    from jax.experimental.pallas.ops.tpu.megablox import gmm
+
+    M = x_MD.shape[0]
+    tm = min(MEGABLOX_TILES[0], -(-M // 128) * 128)
+    rows = -(-M // tm) * tm
+    live = (jnp.arange(rows) < jnp.sum(group_sizes_E))[:, None]
+    x = jnp.where(live, jnp.pad(x_MD, ((0, rows - M), (0, 0))), 0)  # also zeroes the kernel's unwritten gradient
+    y = gmm(x, w_EDF.astype(x_MD.dtype), group_sizes_E.astype(jnp.int32), x_MD.dtype, _megablox_tiling,
+            None, None, False, interpret)
+    return jnp.where(live, y, 0)[:M]
+
+
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float, plus_one: bool = False) -> jax.Array:
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)

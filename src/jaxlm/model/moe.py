@@ -1,7 +1,8 @@
 """Mixture-of-experts MLP: a router picks the top-k experts of every token, and a dropless dispatch sorts the token
-copies by expert so that one grouped matmul (`jax.lax.ragged_dot`) runs each expert on exactly the tokens it
-received. Routers (`Router`, from the model options): softmax or sigmoid scores, plain or group-limited top-k,
-the weight on the expert's output or its input; shared experts are one dense MLP every token goes through.
+copies by expert so that one grouped matmul (`jax.lax.ragged_dot`, or JAX's megablox Pallas kernel where
+model.moe_matmul asks: `grouped_matmul`) runs each expert on exactly the tokens it received. Routers (`Router`,
+from the model options): softmax or sigmoid scores, plain or group-limited top-k, the weight on the expert's
+output or its input; shared experts are one dense MLP every token goes through.
 DeepSeek-V3's auxiliary-loss-free balancing bias moves outside the gradient (`_balance_signal`). A mesh that
 splits the experts runs the layer expert-parallel instead (model/expert_parallel.py). docs/families.md, "The
 options".
@@ -18,6 +19,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxlm import runtime, sharding
 from jaxlm.model import expert_parallel, layers
 from jaxlm.params import ParamSpec, normal, zeros
 
@@ -103,10 +105,27 @@ def _best_groups(scores_ME: jax.Array, n: int, topk: int) -> jax.Array:
     return jnp.where(keep_Mn[:, :, None], grouped_MnG, -jnp.inf).reshape(M, E)
 
 
-def experts(x_AD: jax.Array, p: dict, group_sizes_E: jax.Array, act: layers.Activation) -> jax.Array:
-    """The experts' MLPs on token copies sorted by expert, group_sizes_E[e] of them for expert e of p."""
+def grouped_matmul(setting: str) -> str:
+    """The grouped matmul model.moe_matmul names: ragged_dot (`jax.lax.ragged_dot`, any platform) or megablox
+    (JAX's Pallas kernel for TPU; Pallas interpret mode on other platforms: exact but slow, for tests). auto is
+    ragged_dot on every platform until megablox has been measured against it on a chip (benchmarks/tpu.py,
+    section moe; docs/performance.md, "Mixtures of experts")."""
+    return "ragged_dot" if setting == "auto" else setting
+
+
+def experts(x_AD: jax.Array, p: dict, group_sizes_E: jax.Array, act: layers.Activation,
+            matmul: str = "ragged_dot") -> jax.Array:
+    """The experts' MLPs on token copies sorted by expert, group_sizes_E[e] of them for expert e of p, by the
+    grouped matmul `matmul` (ragged_dot or megablox)."""
+    if matmul == "megablox":
+        ctx = sharding.active()
+        dot = functools.partial(layers.megablox_dot,
+                                interpret=runtime.platform(ctx[0] if ctx is not None else None) != "tpu")
+    else:
+        dot = layers.ragged_dot
+
     def proj(x, name):
-        y = layers.ragged_dot(x, p[name], group_sizes_E)
+        y = dot(x, p[name], group_sizes_E)
         if name + "_bias" in p:  # each row gets its own expert's bias
             y = y + jnp.repeat(p[name + "_bias"], group_sizes_E, axis=0, total_repeat_length=x.shape[0]).astype(y.dtype)
         return y
@@ -116,19 +135,22 @@ def experts(x_AD: jax.Array, p: dict, group_sizes_E: jax.Array, act: layers.Acti
 
 
 def moe(x_BTD: jax.Array, p: dict, act: layers.Activation, router: Router, capacity_factor: float = 0.0,
-        all_to_all: str = "auto"):
+        all_to_all: str = "auto", matmul: str = "auto"):
     """Returns the MLP output [B, T, D] and this layer's routing statistics [3, E]: the fraction of token
     copies each expert was routed (the two factors of the load-balancing loss), its mean router score,
     and the fraction of token copies dropped for lack of room (only expert-parallel with a capacity factor
-    drops any). capacity_factor and all_to_all: model.expert_capacity_factor / model.expert_all_to_all."""
+    drops any). capacity_factor, all_to_all and matmul: model.expert_capacity_factor / model.expert_all_to_all /
+    model.moe_matmul."""
+    matmul = grouped_matmul(matmul)
     sharded = expert_parallel.plan(x_BTD, p["up"].shape[0])
     routed = {k: v for k, v in p.items() if not k.startswith("shared_")}
     if sharded is not None:
         y_BTD, stats_3E = expert_parallel.moe(sharded, x_BTD, routed, router.k, capacity_factor, all_to_all,
                                               functools.partial(route, router=router),
-                                              lambda x_AD, q, g_E: experts(x_AD, q, g_E, act), router.weights_input)
+                                              lambda x_AD, q, g_E: experts(x_AD, q, g_E, act, matmul),
+                                              router.weights_input, pallas=matmul == "megablox")
     else:
-        y_BTD, stats_3E = _moe_one_device(x_BTD, routed, act, router)
+        y_BTD, stats_3E = _moe_one_device(x_BTD, routed, act, router, matmul)
     if "shared_up" in p:
         with jax.named_scope("shared_experts"):
             y_BTD = y_BTD + layers.mlp(x_BTD, p, act, prefix="shared_")
@@ -137,7 +159,7 @@ def moe(x_BTD: jax.Array, p: dict, act: layers.Activation, router: Router, capac
     return y_BTD, stats_3E
 
 
-def _moe_one_device(x_BTD, p, act, router: Router):
+def _moe_one_device(x_BTD, p, act, router: Router, matmul: str):
     B, T, D = x_BTD.shape
     k = router.k
     E = p["router"].shape[-1]
@@ -153,7 +175,7 @@ def _moe_one_device(x_BTD, p, act, router: Router):
             x_AD = jnp.take(x_MD, order_A // k, axis=0)
         group_sizes_E = jnp.bincount(experts_A, length=E).astype(jnp.int32)
     with jax.named_scope("experts"):
-        y_AD = experts(x_AD, p, group_sizes_E, act)
+        y_AD = experts(x_AD, p, group_sizes_E, act, matmul)
     with jax.named_scope("combine"):
         y_AD = jnp.zeros_like(y_AD).at[order_A].set(y_AD)
         if router.weights_input:

@@ -142,7 +142,8 @@ def _mlp(h_BTD, p, cfg: ModelConfig):
     """A layer's MLP, mixture of experts when its weights have a router: output and routing statistics."""
     act = layers.activation_of(cfg)
     if "router" in p:
-        return moe.moe(h_BTD, p, act, moe.router_of(cfg), cfg.expert_capacity_factor, cfg.expert_all_to_all)
+        return moe.moe(h_BTD, p, act, moe.router_of(cfg), cfg.expert_capacity_factor, cfg.expert_all_to_all,
+                       cfg.moe_matmul)
     C, T = cfg.mlp_chunk_tokens, h_BTD.shape[1]
     if 0 < C < T and T % C == 0:
         return _chunked_mlp(h_BTD, p, act, C), jnp.zeros((3, cfg.n_experts), jnp.float32)
