@@ -108,6 +108,59 @@ def test_scan_equals_python_loop(cfg):
     np.testing.assert_allclose(np.asarray(scanned), np.asarray(looped), atol=2e-5, rtol=1e-5)
 
 
+def _slices(jaxpr):
+    """(input shape, output shape) of every static slice in a jaxpr and in the jaxprs inside it."""
+    from jax.extend.core import jaxprs_in_params
+
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "slice":
+            yield eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape
+        for sub in jaxprs_in_params(eqn.params):
+            yield from _slices(sub)
+
+
+def _shapes(jaxpr):
+    """The shape of every value a jaxpr and the jaxprs inside it compute."""
+    from jax.extend.core import jaxprs_in_params
+
+    for eqn in jaxpr.eqns:
+        yield from (tuple(v.aval.shape) for v in eqn.outvars if hasattr(v.aval, "shape"))
+        for sub in jaxprs_in_params(eqn.params):
+            yield from _shapes(sub)
+
+
+def test_patterned_stack_scans_its_groups_without_copying_them():
+    """A pattern that leaves a layer over (5 layers in groups of 2: [0, 4) scanned, layer 4 unrolled, as Gemma 3's
+    34 in groups of 6): the scan takes each group's layers from the whole stacks, never a copy of the scanned
+    layers (a slice [5, ...] -> [4, ...]: 11 GiB of temporaries in gemma3-4b's LoRA step), and gives the plain
+    loop's loss and gradients, with and without remat."""
+    from jaxlm.model import stack
+
+    cfg = dataclasses.replace(TINY, n_layers=5, layer_pattern="local,global", sliding_window=4)
+    lay = stack.layout(cfg)
+    assert (lay.G, lay.groups, lay.unrolled) == (2, 2, (4,))
+    params, toks = init(cfg), tokens(cfg)
+    weight_shapes = {a.shape[1:] for a in jax.tree.leaves(params["layers"]) if a.ndim > 2}
+    grad = jax.jit(jax.value_and_grad(loss_fn), static_argnums=3)
+    for remat in ("none", "full"):
+        c = dataclasses.replace(cfg, remat=remat)
+        (loss, g), (loss_l, g_l) = grad(params, toks, toks, c), grad(params, toks, toks,
+                                                                    dataclasses.replace(c, scan_layers=False))
+        assert float(loss) == pytest.approx(float(loss_l), rel=1e-6)
+        for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_l)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-5)
+        assert all(float(jnp.abs(g["layers"]["attn"]["q"][i]).max()) > 0 for i in range(5))
+        jaxpr = jax.make_jaxpr(lambda p: jax.grad(loss_fn)(p, toks, toks, c))(params).jaxpr
+        cut = [(i, o) for i, o in _slices(jaxpr) if len(i) > 1 and i[0] == 5 and o[0] == 4]
+        assert not cut, cut
+        if remat == "full":  # nor does the gradient keep each scan step's weights: [2 groups, ...] residuals
+            kept = {s for s in _shapes(jaxpr) if s[1:] in weight_shapes and s[0] in (2, 4)}
+            assert not kept, kept
+    # The unpatterned stack still scans its weights as they lie (a reshape, no slice at all).
+    jaxpr = jax.make_jaxpr(lambda p: jax.grad(loss_fn)(p, toks, toks, TINY))(init(TINY)).jaxpr
+    assert not [(i, o) for i, o in _slices(jaxpr) if i[0] == TINY.n_layers and 0 not in i]
+
+
 @pytest.mark.parametrize("policy", ["full", "minimal", "save_dots"])
 def test_remat_does_not_change_gradients(policy):
     params, toks = init(TINY), tokens(TINY)

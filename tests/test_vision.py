@@ -269,6 +269,32 @@ def test_image_prompts_run_blockwise_as_dot_product(gemma3):
     np.testing.assert_allclose(logits["blockwise"], logits["dot_product"], atol=1e-4)
 
 
+def test_tower_attends_blockwise_as_dot_product():
+    """The tower's attention over more patches than one tile (model.attention_block) runs blockwise, never holding
+    the [I, N, P, P] scores (2 GiB in float32 for two 896x896 images): its output and gradients equal the plain
+    product's over the full mask, with patches not a multiple of the tile; in bf16 too, where it stays bf16."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxlm.model import attention, vision
+
+    I, P, N, H = 2, 20, 4, 8
+    q, k, v = (jax.random.normal(jax.random.key(i), (I, P, N, H)) for i in range(3))
+    w = jax.random.normal(jax.random.key(3), (I, P, N, H))
+    plain = lambda q, k, v: attention.attend(q, k, v, jnp.ones((I, P, P), bool))  # noqa: E731
+    tiled = lambda q, k, v: vision.attend(q, k, v, None, 8)  # noqa: E731
+    np.testing.assert_allclose(tiled(q, k, v), plain(q, k, v), atol=1e-5)
+    for got, want in zip(jax.grad(lambda *a: (tiled(*a) * w).sum(), (0, 1, 2))(q, k, v),
+                         jax.grad(lambda *a: (plain(*a) * w).sum(), (0, 1, 2))(q, k, v)):
+        np.testing.assert_allclose(got, want, atol=1e-5)
+    assert not [line for line in str(jax.make_jaxpr(tiled)(q, k, v)).splitlines() if "20,20]" in line
+                or "24,24]" in line]  # no scores of every patch pair, padded or not
+    np.testing.assert_array_equal(vision.attend(q, k, v, None, 32), plain(q, k, v))  # one tile: the plain product
+    low = tiled(*(a.astype(jnp.bfloat16) for a in (q, k, v)))
+    assert low.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(low, np.float32), plain(q, k, v), atol=3e-2)
+
+
 def word_tokenizer(folder):
     """A tokenizer.json of words w0..w299 with Gemma 3's image token strings at their ids and "\n\n" at 296, and
     image processor settings `{}` (the released models' at the tower's size)."""

@@ -2,7 +2,9 @@
 MLP dense or mixture-of-experts), where its weights lie in the stacked arrays, and `run`, which every pass
 (training forward, prefill, cached decoding, the server's chunked prefill) uses to go through the layers. Layers
 are scanned in groups of G consecutive layers that repeat exactly (P, or a multiple of it when
-model.moe_layer_interval does not divide P); those before the first group and after the last run unrolled. Every
+model.moe_layer_interval does not divide P); those before the first group and after the last run unrolled. The
+scan takes each group's weights where they lie: a reshape of the stacks when the groups are all of them, else
+indexed from the whole stacks inside each layer's rematerialization (never a copy of the scanned layers). Every
 leaf of params["layers"] is stacked over the layers that have it (`mixed`: `mlp` over the MoE layers, `dense_mlp`
 over the dense ones; `layer_view`). Entry j of the KV cache holds the layers i with i mod P == j, repeat i // P
 (docs/families.md, "The options").
@@ -101,16 +103,46 @@ def layer_view(layer_params: dict, lay: Layout, i: int) -> dict:
     return p
 
 
+def _per_group(lay: Layout, group: str) -> int:
+    """How many of a scanned group's G layers have the leaves of `group`."""
+    return sum(_has(lay, group, lay.start + g) for g in range(lay.G))
+
+
+def _in_place(layer_params: dict, lay: Layout) -> bool:
+    """Whether every leaf's scanned layers are the whole leaf (no layers before or after the groups): then
+    _body_params is a reshape, which costs no copy. Otherwise (Gemma 3's 34 layers in groups of 6, 4 left over;
+    dense layers before the MoE groups) slicing the groups out would copy the weights, so the scan indexes them
+    from the whole stacks instead (_scanned_view)."""
+    for key, sub in layer_params.items():
+        group = group_of(lay, key)
+        n = lay.groups * _per_group(lay, group)
+        if index(lay, group, lay.start) != 0 or any(a.shape[0] != n for a in jax.tree.leaves(sub)):
+            return False
+    return True
+
+
 def _body_params(layer_params: dict, lay: Layout) -> dict:
-    """The scanned groups' weights, each leaf [n, G_g, ...] (G_g of its group's layers per scanned group)."""
+    """The scanned groups' weights, each leaf [n, G_g, ...] (G_g of its group's layers per scanned group): a
+    reshape of the stacks when _in_place."""
     out = {}
     for key, sub in layer_params.items():
         group = group_of(lay, key)
-        per_group = sum(_has(lay, group, lay.start + g) for g in range(lay.G))
-        first = index(lay, group, lay.start)
-        out[key] = jax.tree.map(lambda a: a[first:first + lay.groups * per_group].reshape(
-            lay.groups, per_group, *a.shape[1:]), sub)
+        per_group = _per_group(lay, group)
+        out[key] = jax.tree.map(lambda a: a.reshape(lay.groups, per_group, *a.shape[1:]), sub)
     return out
+
+
+def _scanned_view(layer_params: dict, lay: Layout, n, g: int) -> dict:
+    """Layer g of scanned group n (traced), indexed from the whole stacks: no copy of the scanned layers."""
+    p = {}
+    for key, sub in layer_params.items():
+        group = group_of(lay, key)
+        if _has(lay, group, lay.start + g):
+            rank = sum(_has(lay, group, lay.start + h) for h in range(g))
+            at = index(lay, group, lay.start) + n * _per_group(lay, group) + rank
+            p["mlp" if key == "dense_mlp" else key] = jax.tree.map(
+                lambda a: jax.lax.dynamic_index_in_dim(a, at, keepdims=False), sub)
+    return p
 
 
 def _group_view(body: dict, lay: Layout, g: int) -> dict:
@@ -128,12 +160,14 @@ Step = Callable[[Any, dict, Kind, int, Any, Any], tuple[Any, Any]]
 
 
 def run(cfg: ModelConfig, layer_params: dict, fn: Step, carry, xs: tuple | None = None, scan: bool = True,
-        n_layers: int | None = None):
+        n_layers: int | None = None, remat=None):
     """Go through the layers in order: carry, y = fn(carry, p, kind, j, r, x) for each, with p the layer's
     weights (layer_view), kind its Kind, (j, r) its cache entry and repeat (r traced inside the scan) and x its
     slice of xs, a tuple over pattern entries of pytrees stacked [R_j, ...] (or None). Returns the last carry
     and the outputs as a tuple over entries of pytrees stacked [R_j, ...] (fn must give the layers of an entry
-    outputs of one structure). With scan=False every layer runs unrolled (model.scan_layers=false)."""
+    outputs of one structure). With scan=False every layer runs unrolled (model.scan_layers=false). remat: the
+    checkpoint policy of the layers of a differentiated pass (fn's own, model.remat; None: no remat), which the
+    scan applies around each layer's indexing of its weights when the groups are not the whole stacks."""
     lay = layout(cfg, n_layers)
     P = lay.P
     parts: list[list] = [[] for _ in range(P)]
@@ -157,19 +191,35 @@ def run(cfg: ModelConfig, layer_params: dict, fn: Step, carry, xs: tuple | None 
     body_xs = None if xs is None else tuple(jax.tree.map(lambda a: a[r0:r0 + lay.groups * per_entry].reshape(
         lay.groups, per_entry, *a.shape[1:]), x) for x in xs)
 
+    in_place = _in_place(layer_params, lay)
+
+    def indexed(g: int):
+        """Layer g of a group with its weights indexed from the whole stacks, inside a checkpoint of `remat`'s
+        policy when given: the gradient indexes them again rather than keeping each step's copy (the stacks are
+        loop-invariant and stay where they lie)."""
+        def layer(carry, stacks, n, x):
+            return fn(carry, _scanned_view(stacks, lay, n, g), lay.kinds[lay.start + g], g % P,
+                      r0 + n * per_entry + g // P, x)
+        return layer if remat is None else jax.checkpoint(layer, policy=remat, prevent_cse=False)
+
+    layer_fns = None if in_place else [indexed(g) for g in range(G)]
+
     def step(carry, inputs):
         n, p_group, x_group = inputs
         ys = []
         for g in range(G):
             j = g % P
             x = None if x_group is None else jax.tree.map(lambda a: a[g // P], x_group[j])
-            carry, y = fn(carry, _group_view(p_group, lay, g), lay.kinds[lay.start + g], j,
-                          r0 + n * per_entry + g // P, x)
+            if in_place:
+                carry, y = fn(carry, _group_view(p_group, lay, g), lay.kinds[lay.start + g], j,
+                              r0 + n * per_entry + g // P, x)
+            else:
+                carry, y = layer_fns[g](carry, layer_params, n, x)
             ys.append(y)
         return carry, tuple(ys)
 
     carry, ys = jax.lax.scan(step, carry, (jnp.arange(lay.groups, dtype=jnp.int32),
-                                           _body_params(layer_params, lay), body_xs))
+                                           _body_params(layer_params, lay) if in_place else None, body_xs))
     for j in range(P):  # entry j's outputs of the scanned groups, in repeat order: [n, G / P, ...] -> [n G / P]
         mine = [ys[g] for g in range(j, G, P)]
         parts[j].append(jax.tree.map(lambda *a: jnp.stack(a, axis=1).reshape(lay.groups * len(a), *a[0].shape[1:]),

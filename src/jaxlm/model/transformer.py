@@ -265,7 +265,8 @@ def layer_stack(x_BTD: jax.Array, layer_params: dict, cfg: ModelConfig, position
         return add_deepstack(x_BTD, deepstack_SBTD, r * P + j), stats_3E
 
     keys = None if layer_keys is None else tuple(layer_keys[j::P] for j in range(P))
-    x_BTD, stats = stack.run(cfg, layer_params, step, x_BTD, keys, scan=cfg.scan_layers, n_layers=n)
+    x_BTD, stats = stack.run(cfg, layer_params, step, x_BTD, keys, scan=cfg.scan_layers, n_layers=n,
+                             remat=REMAT_POLICIES[cfg.remat] if cfg.remat != "none" else None)
     return x_BTD, stack.in_layer_order(stats, n)
 
 

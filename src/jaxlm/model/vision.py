@@ -17,7 +17,7 @@ import numpy as np
 
 from jaxlm.config import ModelConfig
 from jaxlm.sharding import constrain
-from jaxlm.model import attention, layers
+from jaxlm.model import attention, blockwise, layers
 from jaxlm.params import ParamSpec, count, normal, ones, zeros
 
 CHANNELS = 3
@@ -79,8 +79,9 @@ def patches(pixels_ISSC: jax.Array, patch: int) -> jax.Array:
 
 
 def block(x_IPE, p, cfg: ModelConfig, rotate=None, mask_IPP=None):
-    """One pre-LayerNorm encoder block: bidirectional attention over an image's patches (those mask_IPP allows;
-    None: all), then the MLP. `rotate(q, k)` turns queries and keys before attention (Llama 4's 2D rotary)."""
+    """One pre-LayerNorm encoder block: bidirectional attention over an image's patches (`attend`: those mask_IPP
+    allows; None: all), then the MLP. `rotate(q, k)` turns queries and keys before attention (Llama 4's 2D
+    rotary)."""
     v = cfg.vision
     with jax.named_scope("vision_attn_block"):
         h = layers.layer_norm(x_IPE, p["attn_norm"]["scale"], p["attn_norm"]["bias"], v.norm_eps)
@@ -90,13 +91,25 @@ def block(x_IPE, p, cfg: ModelConfig, rotate=None, mask_IPP=None):
         v_IPNH = layers.dot("IPE,ENH->IPNH", h, a["v"]) + a["v_bias"].astype(h.dtype)
         if rotate is not None:
             q_IPNH, k_IPNH = rotate(q_IPNH, k_IPNH)
-        I, P = x_IPE.shape[:2]
-        mask_IPP = jnp.ones((I, P, P), bool) if mask_IPP is None else mask_IPP
-        out_IPNH = attention.attend(q_IPNH, k_IPNH, v_IPNH, mask_IPP)
+        out_IPNH = attend(q_IPNH, k_IPNH, v_IPNH, mask_IPP, cfg.attention_block)
         x_IPE = x_IPE + layers.dot("IPNH,NHE->IPE", out_IPNH, a["o"]) + a["o_bias"].astype(h.dtype)
     with jax.named_scope("vision_mlp_block"):
         h = layers.layer_norm(x_IPE, p["mlp_norm"]["scale"], p["mlp_norm"]["bias"], v.norm_eps)
         return x_IPE + layers.mlp(h, p["mlp"], layers.Activation(v.activation, False))
+
+
+def attend(q_IPNH, k_IPNH, v_IPNH, mask_IPP, block: int):
+    """Bidirectional attention of an image's patches [I, P, N, H] in the query dtype: over those mask_IPP allows,
+    or (None) over all of them, blockwise in tiles of `block` (model.attention_block) when the patches exceed one
+    tile, so no [I, N, P, P] of scores is ever held (2 GiB in float32 for two 896x896 images, 4,096 patches)."""
+    I, P = q_IPNH.shape[:2]
+    if mask_IPP is None and P > block:
+        pos_IP = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (I, P))
+        out_IPNH, _ = blockwise.attend_block(q_IPNH, k_IPNH, v_IPNH, pos_IP, pos_IP, block_q=block, block_k=block,
+                                             q_reach_BT=jnp.full((I, P), P - 1, jnp.int32))  # each sees all
+        return out_IPNH.astype(q_IPNH.dtype)
+    mask_IPP = jnp.ones((I, P, P), bool) if mask_IPP is None else mask_IPP
+    return attention.attend(q_IPNH, k_IPNH, v_IPNH, mask_IPP)
 
 
 def encode(p: dict, pixels_ISSC: jax.Array, cfg: ModelConfig) -> jax.Array:
