@@ -1,7 +1,6 @@
 """Memory-shaped rewrites for long sequences (docs/performance.md, "131,072 tokens on one chip") compute what they
-replace: the chunked MLP with its norms inside the chunks against the whole MLP (values and every gradient), the
-splash kernel's heads in groups against all heads at once (Pallas interpret mode), and rotary's halves cast
-separately against the cast of the whole."""
+replace: the chunked MLP with its norms inside the chunks against the whole MLP (values and every gradient), and
+rotary's halves cast separately against the cast of the whole."""
 
 from __future__ import annotations
 
@@ -13,7 +12,7 @@ import numpy as np
 import pytest
 
 from jaxlm import config as config_lib, params as P, sharding
-from jaxlm.model import layers, loss as loss_lib, param_specs, splash
+from jaxlm.model import layers, loss as loss_lib, param_specs
 
 
 @pytest.mark.parametrize("post_norms", [False, True])
@@ -40,35 +39,6 @@ def test_the_mlp_block_in_chunks_with_its_norms_equals_the_whole(post_norms):
     mlp_norms = [a for path, a in flat_whole if "mlp_norm" in (name := jax.tree_util.keystr(path))
                  or "mlp_post_norm" in name]  # the norms that moved into the chunks get gradients
     assert len(mlp_norms) == (2 if post_norms else 1) and min(float(jnp.abs(a).max()) for a in mlp_norms) > 1e-4
-
-
-def test_splash_heads_in_groups_equal_all_heads_at_once(monkeypatch):
-    B, T, N, K, H = 2, 256, 4, 2, 16
-    ks = jax.random.split(jax.random.key(0), 4)
-    q = jax.random.normal(ks[0], (B, T, N, H))
-    k, v = (jax.random.normal(kk, (B, T, K, H)) for kk in ks[1:3])
-    seg = jnp.asarray(np.repeat([[0, 1]], B, 0).repeat(T // 2, 1), jnp.int32)
-    weights = jax.random.normal(ks[3], (B, T, N, H))
-
-    def run(q, k, v):
-        out = splash.attention(q, k, v, seg, window=96, block_size=128, interpret=True)
-        return jnp.sum(out * weights), out
-
-    (_, whole), g_whole = jax.value_and_grad(run, (0, 1, 2), has_aux=True)(q, k, v)
-    # a budget of one head's statistics: two groups here, each of 2 query heads over their own kv head
-    monkeypatch.setattr(splash, "GROUP_STATS_BYTES", T * 128 * 4)
-    assert splash.head_groups(N, K, T) == 2
-    (_, grouped), g_grouped = jax.value_and_grad(run, (0, 1, 2), has_aux=True)(q, k, v)
-    np.testing.assert_allclose(np.asarray(grouped), np.asarray(whole), rtol=1e-6, atol=1e-6)
-    for a, b in zip(g_grouped, g_whole):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
-
-
-def test_head_groups_keep_the_statistics_within_the_budget():
-    assert splash.head_groups(16, 16, 32768) == 1  # 16 x 32,768 x 128 x 4 bytes = 256 MiB: one call
-    assert splash.head_groups(16, 16, 131072) == 4  # 4 heads a group at 131,072 tokens
-    assert splash.head_groups(32, 8, 131072) == 8  # groups divide the kv heads too
-    assert splash.head_groups(12, 3, 1 << 20) == 3  # no group small enough: one kv head's query heads a group
 
 
 def test_rotary_halves_cast_separately_equal_the_cast_of_the_whole():

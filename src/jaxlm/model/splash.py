@@ -29,22 +29,6 @@ def supports(T: int) -> bool:
     return T % BLOCK == 0
 
 
-# The kernel writes each query's softmax statistics for its backward as float32 [heads, T, 128] (a row of 128
-# lanes a query), then keeps one lane: 64 MiB a head at 131,072 tokens. Longer than this many bytes for all the
-# heads of a call, the heads run in groups one after another (head_groups), so that array exists a group at a time.
-GROUP_STATS_BYTES = 256 * 2**20
-
-
-def head_groups(n_q: int, n_kv: int, T: int) -> int:
-    """How many groups of heads the kernel runs one after another: the fewest that divide both the query and the
-    kv heads and keep each group's statistics array [heads, T, 128] float32 within GROUP_STATS_BYTES (1 when the
-    whole call does)."""
-    for n in range(1, n_kv + 1):
-        if n_q % n == 0 and n_kv % n == 0 and (n_q // n) * T * 128 * 4 <= GROUP_STATS_BYTES:
-            return n
-    return n_kv if n_q % n_kv == 0 else 1
-
-
 def _block_sizes(T: int, block: int) -> kernel_lib.BlockSizes:
     b = max(BLOCK, min(block, T) // BLOCK * BLOCK)
     while T % b:
@@ -89,28 +73,15 @@ def attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, window=None, scale=None, s
 
     def local(q_BTNH, k_BTKH, v_BTKH, *rest):
         seg, sinks = (rest[0] if has_segments else None), (rest[-1] if has_sinks else None)
-        n_q, n_kv = q_BTNH.shape[2], k_BTKH.shape[2]
+        kern = _kernel(q_BTNH.shape[2], T, window, softcap, block_size, interpret, chunk)
         q_BNTH = (q_BTNH * jnp.asarray(scale, q_BTNH.dtype)).transpose(0, 2, 1, 3)
         k_BKTH, v_BKTH = k_BTKH.transpose(0, 2, 1, 3), v_BTKH.transpose(0, 2, 1, 3)
-        ids = None if seg is None else kernel_lib.SegmentIds(q=seg, kv=seg)
-        n = head_groups(n_q, n_kv, T)
-
-        def heads(q_BNTH, k_BKTH, v_BKTH, sinks):
-            kern = _kernel(q_BNTH.shape[1], T, window, softcap, block_size, interpret, chunk)
-            if ids is not None:
-                return jax.vmap(lambda q, k, v, s: kern(q, k, v, segment_ids=s, sinks=sinks))(
-                    q_BNTH, k_BKTH, v_BKTH, ids)
-            return jax.vmap(lambda q, k, v: kern(q, k, v, sinks=sinks))(q_BNTH, k_BKTH, v_BKTH)
-
-        if n == 1:
-            out_BNTH = heads(q_BNTH, k_BKTH, v_BKTH, sinks)
-        else:  # a group of heads after another (head_groups); the groups' kv heads are their own
-            B = q_BNTH.shape[0]
-            grouped = lambda a: a.reshape(B, n, a.shape[1] // n, *a.shape[2:]).swapaxes(0, 1)  # noqa: E731
-            xs = (grouped(q_BNTH), grouped(k_BKTH), grouped(v_BKTH),
-                  None if sinks is None else sinks.reshape(n, n_q // n))
-            out_nBGTH = jax.lax.map(lambda a: heads(*a), xs)
-            out_BNTH = out_nBGTH.swapaxes(0, 1).reshape(q_BNTH.shape[:3] + out_nBGTH.shape[-1:])
+        if seg is not None:
+            ids = kernel_lib.SegmentIds(q=seg, kv=seg)
+            out_BNTH = jax.vmap(lambda q, k, v, s: kern(q, k, v, segment_ids=s, sinks=sinks))(
+                q_BNTH, k_BKTH, v_BKTH, ids)
+        else:
+            out_BNTH = jax.vmap(lambda q, k, v: kern(q, k, v, sinks=sinks))(q_BNTH, k_BKTH, v_BKTH)
         return out_BNTH.transpose(0, 2, 1, 3).astype(q_BTNH.dtype)
 
     with jax.named_scope("splash_attention"):
