@@ -169,8 +169,9 @@ class ModelConfig:
         "attention when the mesh splits the sequence (mesh.ici_sequence / dcn_sequence > 1): ring (key/value blocks "
         "passed around the sequence devices, blockwise tiles; memory 1/n per device) or all_gather (every device "
         "gathers all keys and values; one collective per layer); docs/scaling.md")
-    mlp_chunk_tokens: int = _f(0, "run each layer's dense MLP over a longer sequence this many positions at a "
-                                  "time, each chunk's [B, chunk, F] activations recomputed in the backward pass, so "
+    mlp_chunk_tokens: int = _f(0, "run each layer's dense MLP (and its norms) over a longer sequence this many "
+                                  "positions at a time, each chunk's [B, chunk, F] activations recomputed in the "
+                                  "backward pass, so "
                                   "the [B, T, F] ones never exist at once (long context on one chip: the same "
                                   "result, about a quarter more MLP FLOPs under remat); used where it divides the "
                                   "sequence; 0 = all at once", rule=at_least(0, "0 = off"))

@@ -331,8 +331,9 @@ def _rotate(x_BTNH, positions_BT, rope: Rope, sign: float):
     sin, cos = sign * jnp.sin(angle_BTh)[:, :, None, :], jnp.cos(angle_BTh)[:, :, None, :]
     if rope.attention_factor != 1.0:
         sin, cos = sin * rope.attention_factor, cos * rope.attention_factor
-    x = x_BTNH.astype(jnp.float32)
-    x1, x2 = x[..., : H // 2], x[..., H // 2:]
+    # Each half sliced before its cast: a float32 copy of the whole x (what XLA makes of a cast before the slices,
+    # fused into the projection that feeds it) would be a [B, T, N, H] float32 array per call.
+    x1, x2 = x_BTNH[..., : H // 2].astype(jnp.float32), x_BTNH[..., H // 2:].astype(jnp.float32)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x_BTNH.dtype)
 

@@ -138,33 +138,37 @@ def attention_with_kv(h_BTD, p_attn, cfg: ModelConfig, positions_BT, key=None, k
                                        mrope_BT3)
 
 
-def _mlp(h_BTD, p, cfg: ModelConfig):
-    """A layer's MLP, mixture of experts when its weights have a router: output and routing statistics."""
+def _mlp(x_BTD, p, cfg: ModelConfig, norm_in, norm_out=None):
+    """A layer's MLP of the normalized residual stream, norm_out(mlp(norm_in(x))), mixture of experts when its
+    weights have a router: output and routing statistics."""
     act = layers.activation_of(cfg)
+    post = norm_out or (lambda h: h)
     if "router" in p:
-        return moe.moe(h_BTD, p, act, moe.router_of(cfg), cfg.expert_capacity_factor, cfg.expert_all_to_all,
-                       cfg.moe_matmul)
-    C, T = cfg.mlp_chunk_tokens, h_BTD.shape[1]
+        h_BTD, stats_3E = moe.moe(norm_in(x_BTD), p, act, moe.router_of(cfg), cfg.expert_capacity_factor,
+                                  cfg.expert_all_to_all, cfg.moe_matmul)
+        return post(h_BTD), stats_3E
+    C, T = cfg.mlp_chunk_tokens, x_BTD.shape[1]
     if 0 < C < T and T % C == 0:
-        return _chunked_mlp(h_BTD, p, act, C), jnp.zeros((3, cfg.n_experts), jnp.float32)
-    return layers.mlp(h_BTD, p, act), jnp.zeros((3, cfg.n_experts), jnp.float32)
+        return _chunked_mlp(x_BTD, p, act, C, norm_in, post), jnp.zeros((3, cfg.n_experts), jnp.float32)
+    return post(layers.mlp(norm_in(x_BTD), p, act)), jnp.zeros((3, cfg.n_experts), jnp.float32)
 
 
-def _chunked_mlp(h_BTD, p, act, C: int):
-    """The dense MLP C positions at a time (model.mlp_chunk_tokens; n = T / C chunks), each chunk rematerialized,
-    so a long sequence's [B, T, F] activations are never all alive. A 4-bit base is dequantized once for all the
-    chunks, not once a chunk."""
-    B, T, D = h_BTD.shape
-    p = {k: layers.dequantized(w, h_BTD.dtype) for k, w in p.items()}
+def _chunked_mlp(x_BTD, p, act, C: int, norm_in, norm_out):
+    """norm_out(mlp(norm_in(x))) C positions at a time (model.mlp_chunk_tokens; n = T / C chunks), each chunk
+    rematerialized, so a long sequence's [B, T, F] activations are never all alive. The norms (per position) run
+    inside the chunks too: their float32 intermediates and the input's gradient exist a chunk at a time, never as
+    float32 [B, T, D] arrays. A 4-bit base is dequantized once for all the chunks, not once a chunk."""
+    B, T, D = x_BTD.shape
+    p = {k: layers.dequantized(w, x_BTD.dtype) for k, w in p.items()}
 
     def one(i_x):  # an adapter's dropout draws a mask of its own for each chunk
         i, x_BCD = i_x
         q = {k: dataclasses.replace(w, key=jax.random.fold_in(w.key, i))
              if isinstance(w, layers.LoraWeight) and w.key is not None else w for k, w in p.items()}
-        return layers.mlp(x_BCD, q, act)
+        return norm_out(layers.mlp(norm_in(x_BCD), q, act))
 
-    h_nBCD = h_BTD.reshape(B, T // C, C, D).swapaxes(0, 1)
-    out_nBCD = jax.lax.map(jax.checkpoint(one, policy=_cp.nothing_saveable), (jnp.arange(T // C), h_nBCD))
+    x_nBCD = x_BTD.reshape(B, T // C, C, D).swapaxes(0, 1)
+    out_nBCD = jax.lax.map(jax.checkpoint(one, policy=_cp.nothing_saveable), (jnp.arange(T // C), x_nBCD))
     return out_nBCD.swapaxes(0, 1).reshape(B, T, -1)
 
 
@@ -178,9 +182,8 @@ def block_around(x_BTD, p, cfg: ModelConfig, attn, keys=(None, None)):
             h_BTD = norm(h_BTD, p["attn_post_norm"])
         x_BTD = x_BTD + layers.dropout(h_BTD, cfg.dropout, keys[0])
     with jax.named_scope("mlp_block"):
-        h_BTD, stats_3E = _mlp(norm(x_BTD, p["mlp_norm"]), p["mlp"], cfg)
-        if cfg.post_norms:
-            h_BTD = norm(h_BTD, p["mlp_post_norm"])
+        h_BTD, stats_3E = _mlp(x_BTD, p["mlp"], cfg, lambda x: norm(x, p["mlp_norm"]),
+                               (lambda h: norm(h, p["mlp_post_norm"])) if cfg.post_norms else None)
         x_BTD = x_BTD + layers.dropout(h_BTD, cfg.dropout, keys[1])
     return constrain(x_BTD, ("batch", "length", "embed")), stats_3E, extra
 
