@@ -24,7 +24,8 @@ def reference(q, k, v, end, ids, q_pos, scale, softcap):
     inputs; the queries zero-padded to the keys' width. A query that sees no key gives zeros."""
     q, k, v = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (q, k, v))
     Pn, C, N, H = q.shape
-    K, _, _, Hk = k.shape
+    K, _, A, Hk = k.shape
+    M = ids.shape[1]
     q = np.pad(q, ((0, 0), (0, 0), (0, 0), (0, Hk - H)))
     keys = k[:, ids].reshape(K, Pn, M * A, Hk).transpose(1, 0, 2, 3)  # [P, K, S, Hk]
     values = v[:, ids].reshape(K, Pn, M * A, -1).transpose(1, 0, 2, 3)
