@@ -163,7 +163,7 @@ def test_grpo_updates_with_rollouts_from_the_engine_through_the_paged_kernel(tpu
     fmt = paged.pool_format(tpu.platform)
     if tpu.platform == "tpu":
         assert fmt.lane == 128 and fmt.kernel is not None and fmt.kernel.__name__ == "paged_attention", fmt
-    monkeypatch.setattr(paged, "pool_format", lambda platform: paged.PoolFormat(128, page_kernel))
+    monkeypatch.setattr(paged, "pool_format", lambda platform, *_: paged.PoolFormat(128, page_kernel))
     R = 32
     cfg = config_lib.load("quickstart", grpo_args(folder, tmp_path / "rl", f"training.batch_size={R}",
                                                   "grpo.group_size=8", "training.steps=2"))
