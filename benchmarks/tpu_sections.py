@@ -626,13 +626,19 @@ def decode(ctx: Ctx) -> None:
 
     g.decode(ctx)
     gc.collect()
-    if ctx.left() > 60:
-        try:
-            decode_int8_8b(ctx)
-        except Exception as e:  # noqa: BLE001 - the 8B row failing leaves the 1B rows
-            ctx.put(decode8b_note=f"error: {g.one_line(e)}")
-    else:
-        ctx.put(decode8b_note=f"skipped: time budget ({ctx.left():.0f} s left)")
+    row_8b(ctx, decode_int8_8b, "decode8b_note", 60)
+
+
+def row_8b(ctx: Ctx, fn, note: str, need: float) -> None:
+    """A section's llama3.1-8b row fn(ctx) when `need` seconds are left; a skip or a failure (which leaves the
+    section's 1B rows) written under `note`."""
+    if ctx.left() <= need:
+        ctx.put(**{note: f"skipped: time budget ({ctx.left():.0f} s left)"})
+        return
+    try:
+        fn(ctx)
+    except Exception as e:  # noqa: BLE001 - say why in one line
+        ctx.put(**{note: f"error: {g.one_line(e)}"})
 
 
 def serve_kernels(ctx: Ctx, kernels: str) -> None:
@@ -678,13 +684,8 @@ def serve(ctx: Ctx) -> None:
     gc.collect()
     if os.environ.get("JAXLM_BENCH_SERVE_8B", "1") == "0":  # the 1B rows only
         ctx.put(serve8b_note="skipped: JAXLM_BENCH_SERVE_8B=0")
-    elif ctx.left() > 80:
-        try:
-            serve_int8_8b(ctx)
-        except Exception as e:  # noqa: BLE001 - the 8B rows failing leave the 1B ones
-            ctx.put(serve8b_note=f"error: {g.one_line(e)}")
     else:
-        ctx.put(serve8b_note=f"skipped: time budget ({ctx.left():.0f} s left)")
+        row_8b(ctx, serve_int8_8b, "serve8b_note", 80)
 
 
 SECTIONS = {f.__name__: f for f in (yardsticks, maxtext, gpt2, long, quant, lora, vision, moe, decode, serve)}
