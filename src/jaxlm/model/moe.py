@@ -2,10 +2,9 @@
 copies by expert so that one grouped matmul (`jax.lax.ragged_dot`, or JAX's megablox Pallas kernel where
 model.moe_matmul asks: `grouped_matmul`) runs each expert on exactly the tokens it received. Routers (`Router`,
 from the model options): softmax or sigmoid scores, plain or group-limited top-k, the weight on the expert's
-output or its input; shared experts are one dense MLP every token goes through.
-DeepSeek-V3's auxiliary-loss-free balancing bias moves outside the gradient (`_balance_signal`). A mesh that
-splits the experts runs the layer expert-parallel instead (model/expert_parallel.py). docs/families.md, "The
-options".
+output or its input; shared experts are one dense MLP every token goes through. DeepSeek-V3's auxiliary-loss-free
+balancing bias moves outside the gradient (`_balance_signal`). A mesh that splits the experts runs the layer
+expert-parallel instead (model/expert_parallel.py). docs/families.md, "The options".
 
 Shape legend: B batch, T length, D model width, E experts, K experts per token, F expert hidden width,
 M tokens (B * T), A token copies (M * K), sorted by expert, n groups of experts.

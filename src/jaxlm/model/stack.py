@@ -3,13 +3,10 @@ MLP dense or mixture-of-experts), where its weights lie in the stacked arrays, a
 (training forward, prefill, cached decoding, the server's chunked prefill) uses to go through the layers. Layers
 are scanned in groups of G consecutive layers that repeat exactly (P, or a multiple of it when
 model.moe_layer_interval does not divide P); those before the first group and after the last run unrolled. The
-scan takes each group's weights where they lie: a reshape of the stacks when the groups are all of them, else
-indexed from the whole stacks inside each layer's rematerialization (never a copy of the scanned layers). Every
-leaf of params["layers"] is stacked over the layers that have it (`mixed`: `mlp` over the MoE layers, `dense_mlp`
-over the dense ones; `layer_view`). Entry j of the KV cache holds the layers i with i mod P == j, repeat i // P
-(docs/families.md, "The options").
-
-Shape legend: L layers, P pattern length, G layers per scanned group, n scanned groups, R repeats of an entry.
+scan indexes each layer's weights from the whole stacks inside its rematerialization (never a copy; without remat
+a reshape of the stacks where the groups are all of them). Every leaf of params["layers"] is stacked over the
+layers that have it (`mixed`: `mlp` over the MoE layers, `dense_mlp` over the dense ones; `layer_view`). Entry j
+of the KV cache holds the layers i with i mod P == j, repeat i // P (docs/families.md, "The options").
 """
 
 from __future__ import annotations
