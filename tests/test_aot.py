@@ -199,7 +199,7 @@ def test_compile_command_prints_the_report(tmp_path):
     assert out[1].startswith("mesh {'data': 4} | batch 4 sequences (1 per device)")
     assert out[-4].startswith("does not fit: needs ") and "over the 0.10 MiB of compile.hbm_gib" in out[-4]
     assert "training.per_device_batch_size" not in out[-4] and "model.remat=full (now none)" in out[-4]
-    assert "mesh.ici_data=1 mesh.ici_fsdp=-1 (FSDP over all 4 devices of a slice; now 1)" in out[-4]
+    assert "mesh.ici_data=1 mesh.ici_fsdp=-1 (FSDP over all 4 devices; now 1)" in out[-4]
     fields = dict(line.split("=", 1) for line in out[-3:])
     assert fields["hbm_bytes"] == str(int(0.0001 * 2**30)) and fields["fits"] == "false"
     assert int(fields["bytes_per_device"]) > int(fields["hbm_bytes"])
