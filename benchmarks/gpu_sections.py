@@ -124,6 +124,14 @@ def best_rate(fn, work: float, reps: int, inner: int = 5) -> tuple[float, float]
 
 # ---- yardsticks ----------------------------------------------------------------------------------------------
 
+def spec_peak(dev):
+    """The device's bf16 peak from its spec sheet (FLOP/s), None on a CPU or a device not listed."""
+    from jaxlm.train import metrics
+
+    return next((bf16 for name, bf16, _ in metrics.PEAK_FLOPS if dev.platform != "cpu"
+                 and name.lower() in dev.device_kind.lower()), None)
+
+
 def yardsticks(ctx: Ctx) -> None:
     """The device, its spec-sheet peaks, and two ceilings measured here: a bf16 matmul (float32 accumulation, bf16
     result, as the model's matmuls run) and an HBM copy (bytes read plus written)."""
@@ -131,12 +139,9 @@ def yardsticks(ctx: Ctx) -> None:
     import jax.numpy as jnp
     import jaxlib
 
-    from jaxlm.train import metrics
-
     z = ctx.sizes
     dev = jax.devices()[0]
-    spec = next((bf16 for name, bf16, _ in metrics.PEAK_FLOPS if dev.platform != "cpu"
-                 and name.lower() in dev.device_kind.lower()), None)
+    spec = spec_peak(dev)
     hbm = next((bw for name, bw in HBM_SPEC if dev.platform != "cpu" and name in dev.device_kind), None)
     stats = dev.memory_stats() or {}
     ctx.put(device=dev.device_kind, platform=dev.platform, devices=jax.device_count(), jax=jax.__version__,
@@ -912,6 +917,10 @@ def main(sections: dict = SECTIONS, ctx_class=Ctx, doc: str = __doc__) -> None:
     try:
         if not a.tiny:
             on_an_accelerator()
+        if a.section != "yardsticks":  # MFU for a section run without the yardsticks (--only lora)
+            import jax
+
+            ctx.put(peak_bf16_spec=spec_peak(jax.devices()[0]))
         sections[a.section](ctx)
     except Exception as e:  # noqa: BLE001 - the summary names the section's error in one line
         traceback.print_exc()

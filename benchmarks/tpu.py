@@ -43,6 +43,7 @@ Sections and what they report:
 from __future__ import annotations
 
 import re
+import statistics
 import sys
 from pathlib import Path
 
@@ -75,6 +76,7 @@ def derive_rows(rows: list[dict], peak, matmul) -> None:
 def summary(f: dict, status: dict, wall: float, tiny: bool) -> list[str]:
     y = f.get("yardsticks", {})
     peak, matmul = y.get("peak_bf16_spec"), y.get("matmul_bf16")
+    peak = peak or next((s["peak_bf16_spec"] for s in f.values() if s.get("peak_bf16_spec")), None)  # --only lora
     kv: dict = {"device": y.get("device"), "platform": y.get("platform"), "jax": y.get("jax"),
                 "sizes": "tiny" if tiny else "full", "wall_s": round(wall, 1)}
     kv.update({f"section_{n}": s["state"] for n, s in status.items()})
@@ -137,6 +139,12 @@ def summary(f: dict, status: dict, wall: float, tiny: bool) -> list[str]:
             r["mfu_causal"] = kv[f"{key}_mfu"] = r["tokens_per_s"] * r["flops_causal"] / peak
         if r.get("losses"):
             kv[f"{key}_loss_first"], kv[f"{key}_loss_last"] = r["losses"][0], r["losses"][-1]
+            # one step's loss on text is noisy (row 0's last 50th step: 8.01 after 5.19 two before): means of five
+            n = min(5, len(r["losses"]) // 2) or 1
+            kv[f"{key}_loss_first{n}_mean"] = statistics.fmean(r["losses"][:n])
+            kv[f"{key}_loss_last{n}_mean"] = statistics.fmean(r["losses"][-n:])
+            r["losses_text"] = (f"{kv[f'{key}_loss_first{n}_mean']:.3f} -> {kv[f'{key}_loss_last{n}_mean']:.3f} "
+                                f"(means of the first and last {n} of {len(r['losses'])} steps)")
     if lora_rows:
         gib = lambda r, k: r[k] / 2**30 if r.get(k) else None  # noqa: E731
         tables += ["", "LoRA and QLoRA (rank 16 on q, k, v, o, up, gate, down; random bases; the vision row's tower "
@@ -146,8 +154,7 @@ def summary(f: dict, status: dict, wall: float, tiny: bool) -> list[str]:
                               "note"],
                              [[r["label"], r.get("tokens_per_s"), r.get("mfu_causal"), gib(r, "peak_bytes_in_use"),
                                gib(r, "predicted_peak_bytes"), r.get("compile_s"),
-                               f"{r['losses'][0]} -> {r['losses'][-1]} ({len(r['losses'])} steps)" if r.get("losses")
-                               else "", r.get("note", "")] for r in lora_rows])
+                               r.get("losses_text", ""), r.get("note", "")] for r in lora_rows])
     mixtures(f.get("moe", {}).get("moe_runs", []), peak, matmul, kv, tables)
     derived = gpu.derive(f)
     for name, fn in (("decode", gpu._decode), ("serve", gpu._serve)):

@@ -370,6 +370,9 @@ def lora(ctx: Ctx) -> None:
     bases: tokens/s, MFU and memory. Rows run in order while time is left; one failing leaves the next."""
     out = []
     chosen = os.environ.get("JAXLM_BENCH_LORA_ROWS", ctx.sizes.get("lora_rows"))  # tiny: one row of each kind
+    # JAXLM_BENCH_LORA_LOSS_STEPS=1:50,2:8 trains those rows that many steps on text too (row 0: 50 by default)
+    loss_steps = dict(kv.split(":") for kv in os.environ.get("JAXLM_BENCH_LORA_LOSS_STEPS", "").split(",") if kv)
+    loss_steps = {k: int(v) for k, v in loss_steps.items()}
     for i, (label, preset, settings) in enumerate(LORA_ROWS):
         if chosen and str(i) not in chosen.split(","):
             continue
@@ -384,7 +387,7 @@ def lora(ctx: Ctx) -> None:
                                                                      ctx.sizes["lora_block"])})
         try:
             out.append(lora_row(ctx, label, cfg, ctx.sizes["lora_steps"],
-                                loss_steps=ctx.sizes["lora_loss_steps"] if i == 0 else 0))
+                                loss_steps=loss_steps.get(str(i), ctx.sizes["lora_loss_steps"] if i == 0 else 0)))
         except Exception as e:  # noqa: BLE001 - one row failing (out of memory, say) leaves the other
             full = re.search("RESOURCE_EXHAUSTED|[Oo]ut of memory", str(e))
             out.append(dict(label=label, note=f"{'does not fit' if full else 'error'}: {g.one_line(e)}"))
