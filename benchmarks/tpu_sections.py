@@ -438,11 +438,12 @@ def moe_configs(ctx: Ctx) -> list[tuple[str, str, str, object]]:
     return out
 
 
-def moe_row(ctx: Ctx, cfg, tokens: np.ndarray, steps: int) -> dict:
+def moe_row(ctx: Ctx, cfg, tokens: np.ndarray, steps: int, profile: bool = False) -> dict:
     """A train step as `jaxlm train` compiles it, trained `steps` + 1 steps from the config's seed on rows of
     `tokens` (the same batches for every row): the losses of each step, the median time of the steps after the
     first, tokens/s, FLOPs per token by the active parameters (the causal count `jaxlm train` prints), the
-    compiler's peak bytes (what `jaxlm compile ... compile.topology=v5e-1` predicts) and the chip's peak in use."""
+    compiler's peak bytes (what `jaxlm compile ... compile.topology=v5e-1` predicts) and the chip's peak in use;
+    with `profile`, the step's device time by kind from a trace."""
     import jax
 
     from jaxlm.model import flops
@@ -474,6 +475,11 @@ def moe_row(ctx: Ctx, cfg, tokens: np.ndarray, steps: int) -> dict:
     stats = dev.memory_stats() or {}
     row.update(step_s=step_s, tokens_per_s=B * T / step_s if step_s else None, losses=[round(x, 5) for x in losses],
                peak_bytes_in_use=stats.get("peak_bytes_in_use"), bytes_limit=stats.get("bytes_limit"))
+    if profile and ctx.left() > 4 * (step_s or 1) + 30:  # where the step's time goes, by kind (as the maxtext rows)
+        try:
+            _, row["breakdown"] = g.profile(compiled, state, batch, ctx.sizes["profile_steps"])
+        except Exception as e:  # noqa: BLE001 - the breakdown is one figure of several; say why it is missing
+            row["breakdown"] = g.cost_breakdown(compiled, f"trace unavailable: {g.one_line(e)}")
     return row
 
 
@@ -502,7 +508,7 @@ def moe(ctx: Ctx) -> None:
             ctx.put(moe_runs=out)
             continue
         try:
-            row.update(moe_row(ctx, cfg, tokens, z["moe_steps"]))
+            row.update(moe_row(ctx, cfg, tokens, z["moe_steps"], profile=dispatch != "ragged_dot"))
         except Exception as e:  # noqa: BLE001 - one row failing (out of memory, say) leaves the others
             full = re.search("RESOURCE_EXHAUSTED|[Oo]ut of memory", str(e))
             row["note"] = f"{'does not fit' if full else 'error'}: {g.one_line(e)}"

@@ -63,6 +63,9 @@ def test_every_section_runs_at_tiny_sizes_on_cpu(tmp_path):
     assert abs(mega["losses"][-1] - ragged["losses"][-1]) < 2e-3 and mega["losses"][-1] < mega["losses"][0] - 0.01
     assert abs(float(kv["moe_qwen3_moe_loss_last_megablox_minus_ragged_dot"])) < 2e-3
     assert float(kv["moe_qwen3_moe_megablox_vs_ragged_dot"]) > 0 and float(kv["moe_mixtral_megablox_mfu_vs_matmul"]) > 0
+    # where the MoE step's time goes, traced for the megablox and dense rows (not ragged_dot's: budget)
+    assert mega["breakdown"]["source"].startswith("jax.profiler trace") and dense["breakdown"]["by_kind"]["matmul"] > 0
+    assert "breakdown" not in ragged and "step time by operation" in text.split("Mixtures of experts")[1]
     assert float(kv["generate_b1_decode_tokens_per_s"]) > 0 and float(kv["serve_c4_output_tokens_per_s"]) > 0
     # the engine against generate at its batch; llama3.1-8b's shape (tiny here) with int8 weights, decoded and served
     assert float(kv["serve_vs_generate_decode"]) > 0 and float(kv["serve_vs_generate_with_prefill"]) > 0
@@ -76,6 +79,20 @@ def tpu_sections():
     import tpu_sections
 
     return tpu_sections
+
+
+def test_lora_rows_without_the_yardsticks_section():
+    """`--only lora`: MFU from the spec peak the section recorded itself; the loss as means of five steps."""
+    losses = [14.0, 13.0, 13.5, 14.5, 13.0, *[9.0] * 40, 6.0, 5.0, 6.5, 5.5, 8.0]
+    row = dict(label="llama3.1-8b QLoRA, nf4 base, 1 x 2,048", block=2048, tokens_per_s=2_000, flops_causal=3e10,
+               peak_bytes_in_use=2**30, predicted_peak_bytes=2**31, losses=losses)
+    lines = tpu.summary({"lora": {"lora_runs": [row], "peak_bf16_spec": 197e12}}, {"lora": {"state": "ok"}}, 1.0,
+                        False)
+    kv = dict(line.split("=", 1) for line in lines if "=" in line and " " not in line.split("=")[0])
+    assert float(kv["qlora_8b_2048_mfu"]) == pytest.approx(2_000 * 3e10 / 197e12, rel=1e-3)
+    assert float(kv["qlora_8b_2048_loss_first5_mean"]) == pytest.approx(13.6)
+    assert float(kv["qlora_8b_2048_loss_last5_mean"]) == pytest.approx(6.2)
+    assert any("13.600 -> 6.200 (means of the first and last 5 of 50 steps)" in line for line in lines)
 
 
 def test_mfu_by_maxtexts_count_and_by_the_causal_count():
