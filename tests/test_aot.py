@@ -247,7 +247,7 @@ def test_compile_for_a_tpu_slice_on_this_host(char_data):
 
 @pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu is not installed (pip install 'jaxlm[tpu]')")
 def test_megablox_moe_step_lowers_for_a_tpu_on_this_host(char_data):
-    """model.moe_matmul=megablox: the train step of a two-layer MoE compiles for v5e-1 here (Mosaic lowers the
+    """model.moe_matmul=auto, which is megablox on a TPU (and ragged_dot on this CPU, test_expert.py): the train step of a two-layer MoE compiles for v5e-1 here (Mosaic lowers the
     kernels), with the expert widths not multiples of the kernel's tiles: in the scan's bodies, 3 forward kernel
     calls, 3 more where remat recomputes them, and 6 in the backward (gmm for the inputs' gradients, tgmm for the
     weights'). Two layers keep the scan a loop: XLA unrolls a loop of one step, and its common-subexpression pass
@@ -257,7 +257,7 @@ def test_megablox_moe_step_lowers_for_a_tpu_on_this_host(char_data):
     cfg = _cfg(char_data, **{"model.n_layers": 2, "model.d_model": 192, "model.n_heads": 2, "model.d_ff": 1536,
                              "model.n_experts": 4, "model.experts_per_token": 2, "model.glu": True,
                              "model.activation": "silu", "model.vocab_size": 256, "model.block_size": 128,
-                             "model.attention": "dot_product", "model.remat": "full", "model.moe_matmul": "megablox",
+                             "model.attention": "dot_product", "model.remat": "full", "model.moe_matmul": "auto",
                              "model.param_dtype": "bfloat16", "training.batch_size": 2, "mesh.ici_data": 1,
                              "compile.topology": "v5e-1"})
     r = aot.compile_for(cfg, aot.target(cfg.compile))

@@ -75,6 +75,15 @@ def test_layer_matches_one_device(axes, T, steps, monkeypatch):
     assert set(seen) == {steps}
 
 
+def test_auto_is_ragged_dot_off_a_tpu():
+    """model.moe_matmul=auto takes megablox only where the program runs on a TPU (test_aot.py compiles one for a
+    v5e from this host): on the CPU, with or without a mesh, ragged_dot; a named dispatch stays as named."""
+    assert moe.grouped_matmul("auto") == "ragged_dot" and moe.grouped_matmul("megablox") == "megablox"
+    mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+    with sharding.activation_sharding(mesh):
+        assert moe.grouped_matmul("auto") == "ragged_dot"
+
+
 def test_megablox_values_and_gradients_equal_ragged_dots():
     """model.moe_matmul=megablox (JAX's Pallas kernel, interpreted on the CPU) against ragged_dot: the layer's output,
     statistics and gradients, on one device in float32 and bf16 (the 56 token copies padded to the kernel's row tile;

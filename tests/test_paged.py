@@ -208,7 +208,7 @@ def test_paged_steps_compiled_for_a_tpu_update_the_pool_in_place(rows, chunk, ta
     from jaxlm.serve import programs
 
     device = aot.tpu_topology("v5e:1x1", 1)[0]
-    fmt = paged.pool_format(device.platform)  # 128 lanes, the Pallas kernel
+    fmt = paged.pool_format(device.platform, "jax")  # 128 lanes, JAX's Pallas kernel (ours: test_ragged_paged.py)
     assert fmt.kernel is paged_attention
     fmt = fmt if kernel else fmt._replace(kernel=None)
     cfg = ModelConfig(vocab_size=1024, block_size=2048, n_layers=2, n_heads=12, n_kv_heads=12, d_model=768,

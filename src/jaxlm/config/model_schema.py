@@ -258,8 +258,8 @@ class ModelConfig:
         "slices XLA:TPU does not compile it for")
     moe_matmul: Literal["auto", "ragged_dot", "megablox"] = _f(
         "auto", "the experts' grouped matmul: ragged_dot (jax.lax.ragged_dot, any platform), megablox (JAX's Pallas "
-        "grouped-matmul kernel for TPU; interpreted, slowly, elsewhere), auto = ragged_dot until megablox is "
-        "measured faster on a chip (docs/performance.md)")
+        "grouped-matmul kernel for TPU; interpreted, slowly, elsewhere), auto = megablox on a TPU (1.1-1.4x "
+        "ragged_dot on a v5e, docs/performance.md), ragged_dot elsewhere")
     router_aux_loss_coef: float = _f(0.02, "weight of the load-balancing loss added to the training loss",
                                      rule=at_least(0))
     expert_d_ff: int | None = _f(None, "hidden width of each expert (and, times n_shared_experts, of the shared "

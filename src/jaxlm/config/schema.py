@@ -341,7 +341,7 @@ class ServeConfig:
                             "(every slot the whole context)",
                         rule=at_least(-1, "-1 = the devices' own, 0 = the slot cache"))
     attention_kernel: Literal["jax", "ragged", "flat"] = _f(
-        "jax", "how a TPU reads the paged KV cache's pages for standard attention: `jax`, JAX's Pallas "
+        "ragged", "how a TPU reads the paged KV cache's pages for standard attention: `jax`, JAX's Pallas "
                "paged_attention for decode steps (prefill chunks read them in XLA); `ragged`, jaxlm's own Pallas "
                "kernel for decode steps and prefill chunks alike (model/ragged_paged.py); `flat`, XLA only. "
                "Windows, sinks and an int8 cache read in XLA with either kernel; other devices always do")

@@ -59,7 +59,7 @@ def lanes(platform: str) -> int:
 ATTENTION_KERNELS = ("jax", "ragged", "flat")  # serve.attention_kernel's values
 
 
-def pool_format(platform: str, attention_kernel: str = "jax") -> PoolFormat:
+def pool_format(platform: str, attention_kernel: str = "ragged") -> PoolFormat:
     """The format of a pool on devices of `platform`: on TPU 128 lanes and the page-attention kernel
     `attention_kernel` (serve.attention_kernel: "jax", JAX's Pallas paged_attention,
     jax.experimental.pallas.ops.tpu.paged_attention; "ragged", ours, ragged_paged.Kernel; "flat", none),
