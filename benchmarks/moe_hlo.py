@@ -15,7 +15,6 @@ backward is the VJP of the output and of the routing statistics, so the router's
 from __future__ import annotations
 
 import argparse
-import collections
 import os
 import re
 import sys
@@ -27,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 SIZES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4}
 SCOPES = ("router", "dispatch", "experts", "combine", "shared_experts")
 # Ops that move no data of their own: views, tuples, the ends of asynchronous copies (their starts are counted).
+FAMILIES = ("sort", "gather", "scatter", "select", "convert", "copy", "transpose")
 QUIET = {"parameter", "constant", "get-tuple-element", "bitcast", "tuple", "copy-done", "slice-done", "after-all",
          "add-dependency", "opt-barrier"}
 
@@ -45,10 +45,11 @@ def layer(shape: str, block: int, batch: int | None):
     return cfg, moe.router_of(cfg.model), layers.activation_of(cfg.model)
 
 
-def ops_of(hlo: str) -> list[dict]:
+def ops_of(hlo: str, rows_at_least: int = 1 << 14) -> list[dict]:
     """The entry computation's instructions (the fusions and kernels that run, in order): name, opcode, result
     bytes, the compiler's estimated cycles (none for custom calls: the grouped-matmul kernels), forward or
-    backward and the layer's named scope (router, dispatch, experts, combine) from the op's metadata."""
+    backward, the layer's named scope (router, dispatch, experts, combine) from the op's metadata, and whether it
+    writes a float32 array of at least rows_at_least rows (a token copy's or a token's)."""
     body = hlo[hlo.index("\nENTRY"):]
     out = []
     for line in body.splitlines()[1:]:
@@ -69,7 +70,23 @@ def ops_of(hlo: str) -> list[dict]:
         out.append(dict(name=name, op=op, kind=re.sub(r"\.\d+$", "", name) if op in ("fusion", "custom-call") else op,
                         target=target[1] if target else "", bytes=nbytes, cycles=int(cycles[1]) if cycles else 0,
                         phase="backward" if "transpose(" in op_name else "forward", scope=scope,
+                        f32_rows=bool(re.search(r"f32\[(\d+),", rtype)) and int(re.search(r"f32\[(\d+),", rtype)[1]) >=
+                        rows_at_least,
                         shape=re.sub(r"\{[^{}]*\}", "", re.sub(r"\([\d,]*\)", "", rtype))))
+    return out
+
+
+def figures(compiled) -> dict:
+    """The compile's headline figures: GFLOPs, GiB accessed, GiB of temporaries, and the count of the entry's
+    ops by family (a fusion counts in each family its name names: XLA names fusions after the ops in them)."""
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    ops = ops_of(compiled.as_text())
+    out = {"GFLOP": cost.get("flops", 0) / 1e9, "GiB accessed": cost.get("bytes accessed", 0) / 2**30,
+           "GiB temporaries": compiled.memory_analysis().temp_size_in_bytes / 2**30, "ops": len(ops)}
+    for family in FAMILIES:
+        out[family] = sum(family in o["kind"] or family == o["op"] for o in ops)
+    out["f32 [A, *] MiB"] = sum(o["bytes"] for o in ops if o["f32_rows"]) / 2**20
     return out
 
 
@@ -130,15 +147,13 @@ def main() -> None:
         layers.MEGABLOX_TILES = tuple(int(t) for t in a.tiles.split(","))
     compiled, cfg, seconds = compile_layer(a.shape, a.matmul, a.topology, a.remat, a.block, a.batch)
     m = cfg.model
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    mem = compiled.memory_analysis()
     hlo = compiled.as_text()
     if a.hlo:
         Path(a.hlo).write_text(hlo)
     A = cfg.training.batch_size * a.block * m.experts_per_token
     expert_flops = 2 * A * m.d_model * m.expert_ff * (3 if m.glu else 2) * 3  # forward + two backward products
     ops = ops_of(hlo)
+    fig = figures(compiled)
     print(f"{a.shape} {a.matmul}{' remat' if a.remat else ''} on {a.topology}: {cfg.training.batch_size} x {a.block}"
           f" tokens, {m.n_experts} experts x {m.expert_ff}, top-{m.experts_per_token}, d_model {m.d_model}"
           f" (compiled in {seconds:.0f} s)")
@@ -148,10 +163,9 @@ def main() -> None:
         # a row tile is visited once for each group it holds rows of: up to A / tm + E - 1 visits for A / tm tiles
         print(f"  megablox tiles {layers.MEGABLOX_TILES}: row tiles of {tm}, {A // tm} of them, up to"
               f" {A // tm + m.n_experts - 1} visits ({(A // tm + m.n_experts - 1) / (A // tm):.2f}x the rows' work)")
-    print(f"  flops {cost.get('flops', 0) / 1e9:,.1f} G (the experts' matmuls {expert_flops / 1e9:,.1f} G)"
-          f"  bytes accessed {cost.get('bytes accessed', 0) / 2**30:,.2f} GiB"
-          f"  temporaries {mem.temp_size_in_bytes / 2**30:.2f} GiB"
-          f"  ops {len(ops)}, estimated {sum(o['cycles'] for o in ops) / 1e6:,.1f} M cycles outside custom calls")
+    print(f"  the experts' matmuls {expert_flops / 1e9:,.1f} GFLOP; estimated"
+          f" {sum(o['cycles'] for o in ops) / 1e6:,.1f} M cycles outside custom calls")
+    print("  " + ", ".join(f"{k} {v:,.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in fig.items()))
     print("  by scope: ops, results written, the compiler's estimated cycles (custom calls: none)")
     groups = {}
     for o in ops:

@@ -86,7 +86,10 @@ def route(x_MD: jax.Array, p: dict, router: Router):
     if router.groups > 1:
         choose_ME = _best_groups(choose_ME, router.groups, router.topk_groups)
     _, experts_MK = jax.lax.top_k(jax.lax.stop_gradient(choose_ME), router.k)
-    weights_MK = jnp.take_along_axis(scores_ME, experts_MK, axis=-1)
+    # The chosen scores by a one-hot product (exact: one nonzero term), whose gradient is a product too, where
+    # take_along_axis's is a scatter of M * K values into [M, E].
+    chosen_MKE = jax.nn.one_hot(experts_MK, scores_ME.shape[-1], dtype=scores_ME.dtype)
+    weights_MK = jnp.sum(scores_ME[:, None, :] * chosen_MKE, axis=-1)
     if router.norm_topk:
         weights_MK = weights_MK / (jnp.sum(weights_MK, axis=-1, keepdims=True) + (1e-20 if router.score == "sigmoid"
                                                                                     else 0.0))
@@ -211,11 +214,10 @@ def permute(x_AD: jax.Array, to_A: jax.Array, back_A: jax.Array) -> jax.Array:
 
 
 def _permute_fwd(x_AD, to_A, back_A):
-    return _rows(x_AD, to_A), (to_A, back_A)
+    return _rows(x_AD, to_A), back_A
 
 
-def _permute_bwd(res, g_AD):
-    to_A, back_A = res
+def _permute_bwd(back_A, g_AD):
     return _rows(g_AD, back_A), None, None
 
 
