@@ -167,7 +167,7 @@ def test_capacity_factor_drops_counted_copies(B, monkeypatch):
 
 
 @pytest.mark.parametrize("B, dropless_at_most, capped_at_most",
-                         [(8, 0.52, 0.31), (16, 0.28, 0.17), (64, 0.08, 0.08)])
+                         [(8, 0.54, 0.32), (16, 0.28, 0.17), (64, 0.08, 0.08)])
 def test_expert_temporaries_shrink_with_the_expert_axis(B, dropless_at_most, capped_at_most, monkeypatch):
     """The layer's gradient compiled for expert=4 x data=2 (B x 32 tokens), against the program the same mesh
     ran before expert parallelism (the weights split by the rules, no dispatch: XLA gathers every device's

@@ -134,6 +134,44 @@ def test_moe_dispatch_matches_dense_loop_over_tokens():
     assert all(float(jnp.abs(v).sum()) > 0 for v in jax.tree.leaves(g))
 
 
+@pytest.mark.parametrize("weights_input", [False, True])
+def test_moe_dispatch_gradients_equal_a_dense_mixture(weights_input):
+    """The sorted dispatch's values and gradients (its permutations differentiated by gathers, not autodiff's
+    scatters) against every expert run on every token and mixed by the routing weights, differentiated by
+    autodiff: the inputs', the router's (through the weights) and each expert's, an idle one included."""
+    E, K, D, F, M = 5, 2, 8, 12, 40
+    ks = jax.random.split(jax.random.key(1), 5)
+    p = {"router": jax.random.normal(ks[0], (D, E)), "gate": jax.random.normal(ks[1], (E, D, F)) * 0.3,
+         "up": jax.random.normal(ks[2], (E, D, F)) * 0.3, "down": jax.random.normal(ks[3], (E, F, D)) * 0.3}
+    p["router"] = p["router"].at[0, 0].set(3.0).at[0, 3].set(-10.0)
+    x = jax.random.normal(ks[4], (2, M // 2, D)).at[..., 0].set(3.0)
+    act, router = layers.Activation("silu", True), moe.Router(K, weights_input=weights_input)
+    g_y = jax.random.normal(jax.random.key(2), x.shape)
+
+    def dense(x, p):
+        x_MD = x.reshape(M, D)
+        _, experts_MK, weights_MK = moe.route(x_MD, p, router)
+        chosen_MKE = jax.nn.one_hot(experts_MK, E)
+        w_ME = jnp.einsum("MK,MKE->ME", weights_MK, chosen_MKE)
+        y_MD = jnp.zeros((M, D))
+        for e in range(E):
+            x_in = x_MD * w_ME[:, e:e + 1] if weights_input else x_MD
+            h = act(x_in @ p["up"][e], x_in @ p["gate"][e]) @ p["down"][e]
+            y_MD += (chosen_MKE.sum(1)[:, e:e + 1] if weights_input else w_ME[:, e:e + 1]) * h
+        return y_MD.reshape(x.shape)
+
+    def sorted_(x, p):
+        return moe.moe(x, p, act, router)[0]
+
+    y0, g0 = jax.vjp(dense, x, p)
+    y1, g1 = jax.vjp(sorted_, x, p)
+    np.testing.assert_allclose(y1, y0, rtol=1e-5, atol=1e-5)
+    g0, g1 = g0(g_y), g1(g_y)
+    assert float(jnp.abs(g1[1]["up"][3]).max()) == 0 and float(jnp.abs(g1[1]["router"]).max()) > 0
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * float(jnp.abs(b).max()))
+
+
 def test_load_balancing_loss_is_one_when_uniform_and_grows_when_skewed():
     E = 4
     uniform = jnp.tile(jnp.array([[2 / E] * E, [1 / E] * E]), (3, 1, 1))  # K=2 copies, equal probabilities

@@ -185,9 +185,10 @@ def matmul_weight(w: jax.Array, axes: tuple[str | None, ...], dtype) -> jax.Arra
 
 def ragged_dot(x_MD: jax.Array, w_EDF: jax.Array, group_sizes_E: jax.Array) -> jax.Array:
     """Grouped matmul for mixture-of-experts: rows of x, sorted by expert, meet their expert's matrix.
-    Same dtype policy as `dot`; no work is spent on padding or on experts that received no tokens."""
-    return jax.lax.ragged_dot(x_MD, w_EDF.astype(x_MD.dtype), group_sizes_E,
-                              preferred_element_type=jnp.float32).astype(x_MD.dtype)
+    Same dtype policy as `dot` (the result in x's dtype from the matmul itself: a float32 result rounded after
+    costs XLA:TPU a float32 [A, F] array per projection, and float32 cotangents in the backward); no work is
+    spent on padding or on experts that received no tokens."""
+    return jax.lax.ragged_dot(x_MD, w_EDF.astype(x_MD.dtype), group_sizes_E, preferred_element_type=x_MD.dtype)
 
 
 # megablox tiles (rows, contracted width, output width): the largest each call uses; a width below its tile is
@@ -201,16 +202,23 @@ def _megablox_tiling(m: int, k: int, n: int) -> tuple[int, int, int]:
     return min(tm, m), min(tk, k), min(tn, n)
 
 
-def megablox_dot(x_MD: jax.Array, w_EDF: jax.Array, group_sizes_E: jax.Array, interpret: bool = False) -> jax.Array:
+def megablox_dot(x_MD: jax.Array, w_EDF: jax.Array, group_sizes_E: jax.Array, interpret: bool = False,
+                 filled: bool = False) -> jax.Array:
     """`ragged_dot` by JAX's megablox grouped-matmul Pallas kernel for TPU (its own backward kernels; Pallas
     interpret mode elsewhere, exact but slow, for tests). Rows past the groups' sum (padding to the row tile,
     or an expert-parallel buffer's unfilled rows) are never written by the kernel: they come out zero, as
-    ragged_dot's do, and their gradient too."""
+    ragged_dot's do, and their gradient too. filled: the groups cover all M rows, so only the padding (cut off
+    again) lies past them and no row needs the masks, each a pass over [M, D] both ways."""
     from jax.experimental.pallas.ops.tpu.megablox import gmm
 
     M = x_MD.shape[0]
     tm = min(MEGABLOX_TILES[0], -(-M // 128) * 128)
     rows = -(-M // tm) * tm
+    if filled:
+        x = jnp.pad(x_MD, ((0, rows - M), (0, 0))) if rows > M else x_MD
+        y = gmm(x, w_EDF.astype(x_MD.dtype), group_sizes_E.astype(jnp.int32), x_MD.dtype, _megablox_tiling,
+                None, None, False, interpret)
+        return y[:M]
     live = (jnp.arange(rows) < jnp.sum(group_sizes_E))[:, None]
     x = jnp.where(live, jnp.pad(x_MD, ((0, rows - M), (0, 0))), 0)  # also zeroes the kernel's unwritten gradient
     y = gmm(x, w_EDF.astype(x_MD.dtype), group_sizes_E.astype(jnp.int32), x_MD.dtype, _megablox_tiling,

@@ -86,7 +86,10 @@ def route(x_MD: jax.Array, p: dict, router: Router):
     if router.groups > 1:
         choose_ME = _best_groups(choose_ME, router.groups, router.topk_groups)
     _, experts_MK = jax.lax.top_k(jax.lax.stop_gradient(choose_ME), router.k)
-    weights_MK = jnp.take_along_axis(scores_ME, experts_MK, axis=-1)
+    # The chosen scores by a one-hot product (exact: one nonzero term), whose gradient is a product too, where
+    # take_along_axis's is a scatter of M * K values into [M, E].
+    chosen_MKE = jax.nn.one_hot(experts_MK, scores_ME.shape[-1], dtype=scores_ME.dtype)
+    weights_MK = jnp.sum(scores_ME[:, None, :] * chosen_MKE, axis=-1)
     if router.norm_topk:
         weights_MK = weights_MK / (jnp.sum(weights_MK, axis=-1, keepdims=True) + (1e-20 if router.score == "sigmoid"
                                                                                     else 0.0))
@@ -117,12 +120,13 @@ def grouped_matmul(setting: str) -> str:
 
 
 def experts(x_AD: jax.Array, p: dict, group_sizes_E: jax.Array, act: layers.Activation,
-            matmul: str = "ragged_dot") -> jax.Array:
+            matmul: str = "ragged_dot", filled: bool = False) -> jax.Array:
     """The experts' MLPs on token copies sorted by expert, group_sizes_E[e] of them for expert e of p, by the
-    grouped matmul `matmul` (ragged_dot or megablox)."""
+    grouped matmul `matmul` (ragged_dot or megablox). filled: the groups cover every row (the one-device
+    dropless dispatch), so megablox needs no mask for rows past them."""
     if matmul == "megablox":
         ctx = sharding.active()
-        dot = functools.partial(layers.megablox_dot,
+        dot = functools.partial(layers.megablox_dot, filled=filled,
                                 interpret=runtime.platform(ctx[0] if ctx is not None else None) != "tpu")
     else:
         dot = layers.ragged_dot
@@ -170,24 +174,78 @@ def _moe_one_device(x_BTD, p, act, router: Router, matmul: str):
         x_MD = x_BTD.reshape(B * T, D)
         stats_ME, experts_MK, weights_MK = route(x_MD, p, router)
     with jax.named_scope("dispatch"):
-        experts_A = experts_MK.reshape(-1)
-        order_A = jnp.argsort(experts_A, stable=True)
+        order_A, slot_A, group_sizes_E = sort_by_expert(experts_MK, E)
         if router.weights_input:  # each copy carries its token scaled by its weight
-            x_AD = (x_MD[:, None, :] * weights_MK[..., None].astype(x_MD.dtype)).reshape(B * T * k, D)[order_A]
+            xw_AD = (x_MD[:, None, :] * weights_MK[..., None].astype(x_MD.dtype)).reshape(B * T * k, D)
+            x_AD = permute(xw_AD, order_A, slot_A)
         else:
-            x_AD = jnp.take(x_MD, order_A // k, axis=0)
-        group_sizes_E = jnp.bincount(experts_A, length=E).astype(jnp.int32)
+            x_AD = copies(x_MD, order_A, slot_A, k)
     with jax.named_scope("experts"):
-        y_AD = experts(x_AD, p, group_sizes_E, act, matmul)
+        y_AD = experts(x_AD, p, group_sizes_E, act, matmul, filled=True)
     with jax.named_scope("combine"):
-        y_AD = jnp.zeros_like(y_AD).at[order_A].set(y_AD)
+        y_MKD = permute(y_AD, slot_A, order_A).reshape(B * T, k, D)
         if router.weights_input:
-            y_MD = jnp.sum(y_AD.reshape(B * T, k, D).astype(jnp.float32), axis=1)
-        else:
-            y_MD = jnp.einsum("MKD,MK->MD", y_AD.reshape(B * T, k, D).astype(jnp.float32), weights_MK)
+            y_MD = jnp.sum(y_MKD.astype(jnp.float32), axis=1)
+        else:  # one fused pass: the bf16 copies are read once, weighted and summed in float32
+            y_MD = jnp.sum(y_MKD.astype(jnp.float32) * weights_MK[..., None], axis=1)
     stats_3E = jnp.stack([group_sizes_E.astype(jnp.float32) / (B * T), jnp.mean(stats_ME, axis=0),
                           jnp.zeros((E,), jnp.float32)])
     return y_MD.reshape(B, T, D).astype(x_BTD.dtype), stats_3E
+
+
+def sort_by_expert(experts_MK: jax.Array, E: int):
+    """The token copies (copy a = token a // K's a % K-th choice) in order of expert: order_A[i] the copy at slot i,
+    slot_A[a] the slot of copy a (its inverse), and the copies each expert received [E]. One sort of A int32
+    keys; the counts by comparison and sum, not a scatter-add (XLA:TPU serializes colliding scatters)."""
+    experts_A = experts_MK.reshape(-1)
+    order_A = jnp.argsort(experts_A, stable=True).astype(jnp.int32)
+    slot_A = jnp.zeros_like(order_A).at[order_A].set(jnp.arange(order_A.shape[0], dtype=jnp.int32),
+                                                      unique_indices=True, mode="promise_in_bounds")
+    group_sizes_E = jnp.sum(experts_A[:, None] == jnp.arange(E, dtype=experts_A.dtype), axis=0, dtype=jnp.int32)
+    return order_A, slot_A, group_sizes_E
+
+
+def _rows(x, rows_A):
+    return x.at[rows_A].get(mode="promise_in_bounds")
+
+
+@jax.custom_vjp
+def permute(x_AD: jax.Array, to_A: jax.Array, back_A: jax.Array) -> jax.Array:
+    """x_AD[to_A] for a permutation to_A whose inverse is back_A. Its gradient is a gather by the inverse, where
+    autodiff's would be a scatter into zeros: one pass over the [A, D] rows each way (docs/performance.md,
+    "Mixtures of experts")."""
+    return _rows(x_AD, to_A)
+
+
+def _permute_fwd(x_AD, to_A, back_A):
+    return _rows(x_AD, to_A), back_A
+
+
+def _permute_bwd(back_A, g_AD):
+    return _rows(g_AD, back_A), None, None
+
+
+permute.defvjp(_permute_fwd, _permute_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def copies(x_MD: jax.Array, order_A: jax.Array, slot_A: jax.Array, k: int) -> jax.Array:
+    """The k copies of each token in expert order, x_MD[order_A // k] (sort_by_expert's order_A and slot_A). The
+    gradient gathers each token's k copies back by slot_A and sums them in float32, where autodiff's would
+    scatter-add [A, D] rows into [M, D]."""
+    return _rows(x_MD, order_A // k)
+
+
+def _copies_fwd(x_MD, order_A, slot_A, k):
+    return _rows(x_MD, order_A // k), slot_A
+
+
+def _copies_bwd(k, slot_A, g_AD):
+    g_MkD = _rows(g_AD, slot_A).reshape(-1, k, g_AD.shape[-1])
+    return jnp.sum(g_MkD, axis=1, dtype=jnp.float32).astype(g_AD.dtype), None, None
+
+
+copies.defvjp(_copies_fwd, _copies_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
