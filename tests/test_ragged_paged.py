@@ -42,17 +42,27 @@ def reference(q, k, v, end, ids, q_pos, scale, softcap):
     return np.einsum("pcngs,pnsh->pcngh", w, values).reshape(Pn, C, N, -1)
 
 
-@pytest.mark.parametrize("K,C,softcap,dtype,tuning", [
+CASES = [
     (2, 1, None, jnp.float32, {}),  # decode rows, N = 8 query heads on 2 kv heads, one program
     (2, 1, 3.0, jnp.bfloat16, dict(block_tokens=16, row_bytes=8 * 2 * 4 * 16 * 2)),  # blocks of 2 pages, 8 rows
     (1, 5, 3.0, jnp.float32, dict(block_tokens=24)),  # prefill chunks of 5 on one kv head, blocks of 3 pages
     (2, 20, None, jnp.bfloat16, dict(tile_queries=64, row_bytes=1)),  # chunks of 20 in tiles of 16, a row each
-])
+]
+# the kernel's variants (ragged_paged_attention's arguments, off by default) and the cases each runs: every flag
+# on decode rows and chunks, in one program and in several, float32 and bfloat16 (3 s a run)
+VARIANTS = {"batched_pages": (dict(heads_batched=True, page_steps=True), (0, 1, 3)),
+            "batched_prefetch": (dict(heads_batched=True, prefetch=2), (0, 2)),
+            "pages_prefetch": (dict(page_steps=True, prefetch=3), (1, 3))}
+
+
+@pytest.mark.parametrize("K,C,softcap,dtype,tuning", [
+    *CASES, *(pytest.param(*CASES[i][:4], {**CASES[i][4], **flags}, id=f"{name}-{i}")
+              for name, (flags, cases) in VARIANTS.items() for i in cases)])
 def test_ragged_kernel_gives_the_reference_attention_for_every_row_length(K, C, softcap, dtype, tuning):
     """41 rows of 0..40 keys in pages scattered through a pool, each row's C queries at its last C positions
     (those below 0 padding: they see nothing and give zeros), queries of 12 wide padded to the pool's 16: the
-    kernel's output is the reference's within float32 rounding (bfloat16: the probabilities rounded to bfloat16
-    for the values' product)."""
+    kernel's output, and each variant's, is the reference's within float32 rounding (bfloat16: the probabilities
+    rounded to bfloat16 for the values' product)."""
     rng = np.random.default_rng(K * 100 + C)
     N, H, Hk, Pn = 8, 12, 16, len(LENGTHS)
     NP = Pn * M + 5
@@ -123,13 +133,16 @@ def test_the_attention_kernel_setting_picks_the_tpu_pools_kernel():
 
 
 @pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu is not installed (pip install 'jaxlm[tpu]')")
+@pytest.mark.parametrize("variant", [{}, dict(heads_batched=True, page_steps=True),
+                                     dict(heads_batched=True, page_steps=True, prefetch=3)], ids=["", "hb-ps", "all"])
 @pytest.mark.parametrize("P_,C,K,A_,dtype,softcap", [(64, 1, 8, 128, jnp.bfloat16, None),
                                                      (2, 256, 8, 128, jnp.bfloat16, 50.0),
                                                      (8, 1, 1, 16, jnp.float32, 30.0)])
-def test_ragged_kernel_compiles_for_a_tpu(P_, C, K, A_, dtype, softcap):
-    """The kernel lowered by Mosaic and compiled for a TPU v5e from this host: the 1B shape's decode rows (32
-    query heads on 8 kv heads of 64 in a pool of 128 lanes, pages of 128), its prefill chunks of 256 (in tiles of 128),
-    and float32 pools of small pages on one kv head."""
+def test_ragged_kernel_compiles_for_a_tpu(P_, C, K, A_, dtype, softcap, variant):
+    """The kernel, and its variants, lowered by Mosaic and compiled for a TPU v5e from this host: the 1B shape's
+    decode rows (32 query heads on 8 kv heads of 64 in a pool of 128 lanes, pages of 128), its prefill chunks of
+    256 (in tiles of 128; 4 blocks of 1 MiB of keys and values with them need more than Mosaic's default 16 MiB of
+    VMEM: PREFETCH_VMEM_BYTES), and float32 pools of small pages on one kv head."""
     from jaxlm.train import aot
 
     device = aot.tpu_topology("v5e:1x1", 1)[0]
@@ -138,7 +151,7 @@ def test_ragged_kernel_compiles_for_a_tpu(P_, C, K, A_, dtype, softcap):
     M_, NP = 16, 512
     N = 4 * K
     attend = jax.jit(lambda q, k, v, e, i, p: ragged_paged.ragged_paged_attention(q, k, v, e, i, p, scale=0.125,
-                                                                                  softcap=softcap))
+                                                                                  softcap=softcap, **variant))
     compiled = attend.lower(spec((P_, C, N, 64), dtype), spec((K, NP, A_, 128), dtype),
                             spec((K, NP, A_, 128), dtype), spec((P_,), jnp.int32), spec((P_, M_), jnp.int32),
                             spec((P_, C), jnp.int32)).compile()
