@@ -118,8 +118,8 @@ def test_the_paged_engine_through_the_ragged_kernel_gives_the_flat_paths_tokens(
 
 
 def test_the_attention_kernel_setting_picks_the_tpu_pools_kernel():
-    """serve.attention_kernel names the TPU pool's kernel (ours, JAX's or none); other devices take none; a bad
-    value is one line naming the choices."""
+    """serve.attention_kernel names the TPU pool's kernel (ours, JAX's or none), serve.attention_kernel_options
+    sets ours; other devices take none; a bad value is one line naming the choices."""
     from jaxlm.config import load
 
     assert isinstance(paged.pool_format("tpu", "ragged").kernel, ragged_paged.Kernel)
@@ -130,6 +130,21 @@ def test_the_attention_kernel_setting_picks_the_tpu_pools_kernel():
     with pytest.raises(ConfigError, match="choose one of: jax, ragged, flat") as e:
         load("quickstart", ["serve.attention_kernel=raged"])
     assert "\n" not in str(e.value)
+    # serve.attention_kernel_options: the ragged kernel's variants and sizes, each default as before
+    assert paged.pool_format("tpu", "ragged", "heads_batched=1, prefetch=3,block_tokens=256").kernel == \
+        ragged_paged.Kernel(block_tokens=256, heads_batched=True, prefetch=3)
+    assert paged.pool_format("tpu", "ragged", "page_steps=0").kernel == ragged_paged.Kernel()
+    ragged = ["serve.attention_kernel=ragged"]
+    assert load("quickstart", [*ragged, "serve.attention_kernel_options=page_steps=1,row_bytes=4096"]
+                ).serve.attention_kernel_options == "page_steps=1,row_bytes=4096"
+    for bad, says in [([*ragged, "serve.attention_kernel_options=heads_batched=2"], "'heads_batched=2' must be"),
+                      ([*ragged, "serve.attention_kernel_options=prefech=2"], "'prefech=2' must be KEY=VALUE"),
+                      ([*ragged, "serve.attention_kernel_options=prefetch=0"], "'prefetch=0' must be"),
+                      ([*ragged, "serve.attention_kernel_options=prefetch=1,prefetch=2"], "'prefetch=2' must be"),
+                      (["serve.attention_kernel_options=prefetch=2"], "set serve.attention_kernel=ragged too")]:
+        with pytest.raises(ConfigError, match=says) as e:
+            load("quickstart", bad)
+        assert "\n" not in str(e.value)
 
 
 @pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu is not installed (pip install 'jaxlm[tpu]')")

@@ -285,6 +285,13 @@ def validate_serve(s: ServeConfig) -> None:
     if s.chat_template and not Path(s.chat_template).is_file():
         raise ConfigError(f"serve.chat_template={s.chat_template} is not a file; give a Jinja chat template file")
     serve_adapters(s)
+    if s.attention_kernel_options:
+        if s.attention_kernel != "ragged":
+            raise ConfigError(f"serve.attention_kernel_options={s.attention_kernel_options} sets the ragged kernel; "
+                              f"set serve.attention_kernel=ragged too (it is {s.attention_kernel})")
+        from jaxlm.model import ragged_paged
+
+        ragged_paged.options(s.attention_kernel_options)
 
 
 UDS_MAX_BYTES = 107  # a unix socket's path, as sockaddr_un holds it on Linux (108 bytes with its final NUL)

@@ -52,6 +52,27 @@ class Kernel(NamedTuple):
                                       prefetch=self.prefetch, interpret=self.interpret)
 
 
+OPTIONS = {"block_tokens": int, "row_bytes": int, "heads_batched": bool, "page_steps": bool, "prefetch": int}
+
+
+def options(text: str) -> dict:
+    """serve.attention_kernel_options, "KEY=VALUE,..." (OPTIONS: Kernel's fields but `interpret`; integers >= 1,
+    flags 0 or 1), as Kernel's keyword arguments; '' gives none. A bad entry is a ConfigError of one line."""
+    from jaxlm.config import ConfigError
+
+    out = {}
+    for entry in filter(None, (e.strip() for e in text.split(","))):
+        key, eq, value = (x.strip() for x in entry.partition("="))
+        kind = OPTIONS.get(key)
+        ok = value in ("0", "1") if kind is bool else value.isdigit() and int(value) >= 1
+        if not eq or kind is None or not ok or key in out:
+            raise ConfigError(f"serve.attention_kernel_options entry {entry!r} must be KEY=VALUE with KEY one of "
+                              f"{', '.join(OPTIONS)} (once each), an integer >= 1 or, for heads_batched and "
+                              "page_steps, 0 or 1 (e.g. heads_batched=1,block_tokens=256)")
+        out[key] = kind(int(value))
+    return out
+
+
 def _tiles(C: int, G: int, tile_queries: int) -> tuple[int, int]:
     """(query tokens a tile, tiles a row): the whole row when its G x C query rows fit tile_queries, else tiles of
     a multiple of 16 tokens (a bfloat16 block's sublane tile)."""
