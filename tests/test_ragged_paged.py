@@ -95,7 +95,7 @@ class CountingKernel(ragged_paged.Kernel):
 def test_the_paged_engine_through_the_ragged_kernel_gives_the_flat_paths_tokens():
     """The paged engine whose prefill chunks and decode steps read pages with our kernel (interpret mode; a pool
     of 16 pages of 4 positions, prompts of 5 and 13 tokens in chunks of 8) generates the flat path's greedy tokens,
-    and both kinds of call went through it."""
+    as does the kernel with its variants on, and both kinds of call went through it."""
     from jaxlm.serve.engine import Engine
     from jaxlm.serve.requests import Sequence
 
@@ -105,7 +105,8 @@ def test_the_paged_engine_through_the_ragged_kernel_gives_the_flat_paths_tokens(
     prompts = [rng.integers(0, 50, n).tolist() for n in (5, 13)]
     runs = []
     CountingKernel.calls.clear()
-    for kernel in (None, CountingKernel(interpret=True, block_tokens=8)):  # blocks of 2 pages
+    for kernel in (None, CountingKernel(interpret=True, block_tokens=8),  # blocks of 2 pages
+                   CountingKernel(interpret=True, block_tokens=8, heads_batched=True, page_steps=True, prefetch=2)):
         e = Engine(params, cfg, ServeConfig(max_slots=2, max_queue=8, prefill_chunk=8, prefix_cache=0,
                                             decode_steps=1, page_size=4), 48,
                    cache_pages=16, page_format=paged.PoolFormat(kernel=kernel))
@@ -114,7 +115,7 @@ def test_the_paged_engine_through_the_ragged_kernel_gives_the_flat_paths_tokens(
         runs.append([[t for ev in evs if ev[0] == "tokens" for t in ev[1]] for evs in events])
     assert 1 in CountingKernel.calls and max(CountingKernel.calls) > 1, CountingKernel.calls
     assert [len(t) for t in runs[0]] == [8] * 2
-    assert runs[1] == runs[0]
+    assert runs[1] == runs[0] and runs[2] == runs[0]
 
 
 def test_the_attention_kernel_setting_picks_the_tpu_pools_kernel():
