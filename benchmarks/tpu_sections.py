@@ -650,8 +650,8 @@ def kernel_entries(kernels: str) -> list[tuple[str, str, str]]:
     e.g. "ragged,ragged:heads_batched=1:page_steps=1,jax"), as (tag, kernel, options) with tag the entry's name
     in its figures (ragged_heads_batched_1_page_steps_1) and options as serve.attention_kernel_options takes
     them; a bad or repeated entry stops the run in one line."""
-    from jaxlm.config import ConfigError
-    from jaxlm.model import paged, ragged_paged
+    from jaxlm.config import ConfigError, kernel_options
+    from jaxlm.model import paged
 
     out = []
     for entry in filter(None, (e.strip() for e in kernels.split(","))):
@@ -662,7 +662,7 @@ def kernel_entries(kernels: str) -> list[tuple[str, str, str]]:
         if settings and name != "ragged":
             raise SystemExit(f"JAXLM_BENCH_SERVE_KERNELS={kernels!r}: {entry!r}: only the ragged kernel takes settings")
         try:
-            ragged_paged.options(",".join(settings))
+            kernel_options(",".join(settings))
         except ConfigError as e:
             raise SystemExit(f"JAXLM_BENCH_SERVE_KERNELS={kernels!r}: {e}") from None
         tag = "_".join([name, *(x.replace("=", "_") for x in settings)])

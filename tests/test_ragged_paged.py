@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxlm import params as P, sharding
-from jaxlm.config import ConfigError, MeshConfig, ModelConfig, ServeConfig
+from jaxlm.config import KERNEL_OPTIONS, ConfigError, MeshConfig, ModelConfig, ServeConfig
 from jaxlm.model import paged, param_specs, ragged_paged
 
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
@@ -131,7 +131,8 @@ def test_the_attention_kernel_setting_picks_the_tpu_pools_kernel():
     with pytest.raises(ConfigError, match="choose one of: jax, ragged, flat") as e:
         load("quickstart", ["serve.attention_kernel=raged"])
     assert "\n" not in str(e.value)
-    # serve.attention_kernel_options: the ragged kernel's variants and sizes, each default as before
+    # serve.attention_kernel_options: the ragged kernel's variants and sizes (its fields), each default as before
+    assert set(KERNEL_OPTIONS) == set(ragged_paged.Kernel._fields) - {"interpret"}
     assert paged.pool_format("tpu", "ragged", "heads_batched=1, prefetch=3,block_tokens=256").kernel == \
         ragged_paged.Kernel(block_tokens=256, heads_batched=True, prefetch=3)
     assert paged.pool_format("tpu", "ragged", "page_steps=0").kernel == ragged_paged.Kernel()

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxlm import runtime, sharding
-from jaxlm.config import ModelConfig
+from jaxlm.config import ModelConfig, kernel_options as parse_kernel_options
 from jaxlm.model import attention as attention_lib
 from jaxlm.model import kvcache, latent, layers, ragged_paged
 
@@ -67,7 +67,7 @@ def pool_format(platform: str, attention_kernel: str = "jax", kernel_options: st
     if platform != "tpu":
         return PoolFormat(lanes(platform))
     if attention_kernel == "ragged":
-        return PoolFormat(lanes(platform), ragged_paged.Kernel(**ragged_paged.options(kernel_options)), TPU_PAGE)
+        return PoolFormat(lanes(platform), ragged_paged.Kernel(**parse_kernel_options(kernel_options)), TPU_PAGE)
     if attention_kernel == "flat":
         return PoolFormat(lanes(platform), None, TPU_PAGE)
     from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention

@@ -37,7 +37,7 @@ class Kernel(NamedTuple):
     static argument): `interpret` runs it in Pallas' TPU interpret mode (CPU tests); `block_tokens` and
     `row_bytes` as BLOCK_TOKENS and ROW_BLOCK_BYTES; the variants, each off by default (the kernel as first
     written), as ragged_paged_attention's arguments: `heads_batched`, `page_steps`, `prefetch`
-    (serve.attention_kernel_options sets all but `interpret`: OPTIONS)."""
+    (serve.attention_kernel_options sets all but `interpret`: config.kernel_options)."""
     interpret: bool = False
     block_tokens: int = BLOCK_TOKENS
     heads_batched: bool = False
@@ -52,27 +52,6 @@ class Kernel(NamedTuple):
                                       prefetch=self.prefetch, interpret=self.interpret)
 
 
-OPTIONS = {"block_tokens": int, "row_bytes": int, "heads_batched": bool, "page_steps": bool, "prefetch": int}
-
-
-def options(text: str) -> dict:
-    """serve.attention_kernel_options, "KEY=VALUE,..." (OPTIONS: Kernel's fields but `interpret`; integers >= 1,
-    flags 0 or 1), as Kernel's keyword arguments; '' gives none. A bad entry is a ConfigError of one line."""
-    from jaxlm.config import ConfigError
-
-    out = {}
-    for entry in filter(None, (e.strip() for e in text.split(","))):
-        key, eq, value = (x.strip() for x in entry.partition("="))
-        kind = OPTIONS.get(key)
-        ok = value in ("0", "1") if kind is bool else value.isdigit() and int(value) >= 1
-        if not eq or kind is None or not ok or key in out:
-            raise ConfigError(f"serve.attention_kernel_options entry {entry!r} must be KEY=VALUE with KEY one of "
-                              f"{', '.join(OPTIONS)} (once each), an integer >= 1 or, for heads_batched and "
-                              "page_steps, 0 or 1 (e.g. heads_batched=1,block_tokens=256)")
-        out[key] = kind(int(value))
-    return out
-
-
 def _tiles(C: int, G: int, tile_queries: int) -> tuple[int, int]:
     """(query tokens a tile, tiles a row): the whole row when its G x C query rows fit tile_queries, else tiles of
     a multiple of 16 tokens (a bfloat16 block's sublane tile)."""
@@ -82,17 +61,11 @@ def _tiles(C: int, G: int, tile_queries: int) -> tuple[int, int]:
     return c, -(-C // c)
 
 
-def _kernel(lens_ref, ids_ref, q_ref, pos_ref, k_hbm, v_hbm, o_ref, kbuf, vbuf, sems, m_ref, l_ref, acc_ref, *,
-            scale: float, softcap, rows: int, tiles: int, M: int, heads_batched: bool = False,
-            page_steps: bool = False):
-    """One program: `rows` rows' tile t of queries q_ref [rows, 1, K, Q, H] (positions pos_ref [rows, 1, Q, 1])
-    over their pages; lens_ref [P T] (keys each row's tile reads) and ids_ref [P M] (pages) in SMEM. kbuf and
-    vbuf hold S blocks: S - 1 are read ahead (2: the double buffer). heads_batched and page_steps: as
-    ragged_paged_attention's."""
+def _dmas(lens_ref, ids_ref, k_hbm, v_hbm, kbuf, vbuf, sems, *, rows: int, tiles: int, M: int):
+    """The program's (length, start, wait): length(i), the keys row i's tile reads; start(i, blk, slot) and
+    wait(i, blk, slot), of the copies of row i's block blk into kbuf and vbuf's slot."""
     b, t = pl.program_id(0), pl.program_id(1)
-    S, K, Bp, A, _ = kbuf.shape
-    BA = Bp * A
-    Q = q_ref.shape[3]
+    Bp, A = kbuf.shape[2:4]
 
     def length(i):
         return lens_ref[(b * rows + i) * tiles + t]
@@ -123,25 +96,43 @@ def _kernel(lens_ref, ids_ref, q_ref, pos_ref, k_hbm, v_hbm, o_ref, kbuf, vbuf, 
                 ck.wait()
                 cv.wait()
 
-    def online(h, q, k, v, ok, batched: bool):
-        """The softmax carried over keys k [.., keys, H] and values v [.., keys, Hv] for queries q [.., Q, H] of
-        kv head h (an index; batched: all kv heads, a leading axis of q, k, v and the carried state), where
-        ok [Q, keys]."""
-        bd = ((0,), (0,)) if batched else ((), ())
-        s = jax.lax.dot_general(q, k, ((((2,), (2,)) if batched else ((1,), (1,))), bd),
-                                preferred_element_type=jnp.float32) * scale
-        if softcap is not None:
-            s = softcap * jnp.tanh(s / softcap)
-        s = jnp.where(ok, s, NEG)
-        m_prev = m_ref[h]
-        m_new = jnp.maximum(m_prev, s.max(axis=-1, keepdims=True))
-        p = jnp.where(ok, jnp.exp(s - m_new), 0.0)
-        alpha = jnp.exp(m_prev - m_new)
-        l_ref[h] = alpha * l_ref[h] + p.sum(axis=-1, keepdims=True)
-        acc_ref[h] = alpha * acc_ref[h] + jax.lax.dot_general(
-            p.astype(v.dtype), v, ((((2,), (1,)) if batched else ((1,), (0,))), bd),
-            preferred_element_type=jnp.float32)
-        m_ref[h] = m_new
+    return length, start, wait
+
+
+def _online(m_ref, l_ref, acc_ref, h, q, k, v, ok, batched: bool, *, scale: float, softcap):
+    """The softmax carried over keys k [.., keys, H] and values v [.., keys, Hv] for queries q [.., Q, H] of
+    kv head h (an index; batched: all kv heads, a leading axis of q, k, v and the carried state), where
+    ok [Q, keys]; m_ref, l_ref and acc_ref carry its running maximum, sum and output."""
+    bd = ((0,), (0,)) if batched else ((), ())
+    s = jax.lax.dot_general(q, k, ((((2,), (2,)) if batched else ((1,), (1,))), bd),
+                            preferred_element_type=jnp.float32) * scale
+    if softcap is not None:
+        s = softcap * jnp.tanh(s / softcap)
+    s = jnp.where(ok, s, NEG)
+    m_prev = m_ref[h]
+    m_new = jnp.maximum(m_prev, s.max(axis=-1, keepdims=True))
+    p = jnp.where(ok, jnp.exp(s - m_new), 0.0)
+    alpha = jnp.exp(m_prev - m_new)
+    l_ref[h] = alpha * l_ref[h] + p.sum(axis=-1, keepdims=True)
+    acc_ref[h] = alpha * acc_ref[h] + jax.lax.dot_general(
+        p.astype(v.dtype), v, ((((2,), (1,)) if batched else ((1,), (0,))), bd),
+        preferred_element_type=jnp.float32)
+    m_ref[h] = m_new
+
+
+def _kernel(lens_ref, ids_ref, q_ref, pos_ref, k_hbm, v_hbm, o_ref, kbuf, vbuf, sems, m_ref, l_ref, acc_ref, *,
+            scale: float, softcap, rows: int, tiles: int, M: int, heads_batched: bool = False,
+            page_steps: bool = False):
+    """One program: `rows` rows' tile t of queries q_ref [rows, 1, K, Q, H] (positions pos_ref [rows, 1, Q, 1])
+    over their pages; lens_ref [P T] (keys each row's tile reads) and ids_ref [P M] (pages) in SMEM. kbuf and
+    vbuf hold S blocks: S - 1 are read ahead (2: the double buffer). heads_batched and page_steps: as
+    ragged_paged_attention's."""
+    length, start, wait = _dmas(lens_ref, ids_ref, k_hbm, v_hbm, kbuf, vbuf, sems, rows=rows, tiles=tiles, M=M)
+    S, K, Bp, A, _ = kbuf.shape
+    BA = Bp * A
+    Q = q_ref.shape[3]
+
+    online = functools.partial(_online, m_ref, l_ref, acc_ref, scale=scale, softcap=softcap)
 
     def compute(i, blk, slot):
         n = length(i)
