@@ -814,19 +814,22 @@ def decode(ctx: Ctx) -> None:
         ctx.put(decode_runs=out)
 
 
-def serve(ctx: Ctx, attention_kernel: str | None = None) -> dict:
+def serve(ctx: Ctx, attention_kernel: str | None = None, kernel_options: str = "", tag: str | None = None) -> dict:
     """The serving engine (continuous batching over one KV cache, the loop `jaxlm serve` runs without HTTP) with C
     slots and C greedy requests submitted at once: output tokens/s of the third round (the first two compile).
-    `attention_kernel` (serve.attention_kernel; None: its default) names the figures serve_<kernel>_rounds and
-    serve_<kernel>_profile. Returns the last round and the profile (if taken)."""
+    `attention_kernel` and `kernel_options` (serve.attention_kernel and serve.attention_kernel_options; None and
+    '': their defaults); `tag` (default: the kernel's name) names the figures serve_<tag>_rounds and
+    serve_<tag>_profile. Returns the last round and the profile (if taken)."""
     from jaxlm.config import ServeConfig
     from jaxlm.serve.engine import Engine
 
     z = ctx.sizes
     C, P0, N = z["serve_concurrency"], z["serve_prompt"], z["serve_new"]
     params, cfg = inference_model(z)
-    tag = f"_{attention_kernel}" if attention_kernel else ""
+    tag = f"_{tag or attention_kernel}" if tag or attention_kernel else ""
     chosen = {"attention_kernel": attention_kernel} if attention_kernel else {}
+    if kernel_options:
+        chosen["attention_kernel_options"] = kernel_options
     # A turn prefills every waiting prompt (16 rows a call), so the decode program runs at all C rows from the start
     # and only that bucket compiles.
     e = Engine(params, cfg, ServeConfig(max_slots=C, max_queue=C, prefill_chunk=C * P0, prefix_cache=0, **chosen),

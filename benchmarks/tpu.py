@@ -36,8 +36,10 @@ Sections and what they report:
   serve       the serving engine, 64 slots, 64 requests at once: output tokens/s, against generate's batch of 64
               when the decode section ran too, and the profiled round's share of Pallas kernels (paged attention);
               then the engine over llama3.1-8b's shape with int8 weights at 64 requests.
-              JAXLM_BENCH_SERVE_KERNELS=ragged,jax runs the 1B row once per serve.attention_kernel instead
-              (serve_<kernel>_output_tokens_per_s, serve_<kernel>_pallas_kernel_share)
+              JAXLM_BENCH_SERVE_KERNELS=ragged,jax runs the 1B row once per serve.attention_kernel instead,
+              an entry taking the ragged kernel's settings after colons (ragged:heads_batched=1:page_steps=1;
+              serve.attention_kernel_options): serve_<tag>_output_tokens_per_s, serve_<tag>_vs_generate_decode,
+              serve_<tag>_pallas_kernel_share, the tag the entry with `_` for `:` and `=`
 """
 
 from __future__ import annotations
@@ -224,9 +226,11 @@ def serving(f: dict, kv: dict, tables: list) -> None:
     prof = s.get("serve_profile", {})
     if prof.get("ms_per_step"):
         kv["serve_profile_pallas_kernel_share"] = prof["by_kind"].get("Pallas kernel (TPU)", 0) / prof["ms_per_step"]
-    for key in s:  # the 1B row once per paged-attention kernel (JAXLM_BENCH_SERVE_KERNELS)
+    for key in s:  # the 1B row once per paged-attention kernel and settings (JAXLM_BENCH_SERVE_KERNELS)
         if m := re.fullmatch(r"serve_(\w+)_rounds", key):
             kv[f"serve_{m[1]}_output_tokens_per_s"] = s[key][-1]["output_tokens_per_s"]
+            if same.get("decode_tokens_per_s"):
+                kv[f"serve_{m[1]}_vs_generate_decode"] = s[key][-1]["output_tokens_per_s"] / same["decode_tokens_per_s"]
             p = s.get(f"serve_{m[1]}_profile", {})
             if p.get("ms_per_step"):
                 kv[f"serve_{m[1]}_pallas_kernel_share"] = p["by_kind"].get("Pallas kernel (TPU)", 0) / p["ms_per_step"]

@@ -650,30 +650,53 @@ def row_8b(ctx: Ctx, fn, note: str, need: float) -> None:
         ctx.put(**{note: f"error: {g.one_line(e)}"})
 
 
-def serve_kernels(ctx: Ctx, kernels: str) -> None:
-    """The 1B serve row once per paged-attention kernel named in `kernels` (JAXLM_BENCH_SERVE_KERNELS, e.g.
-    "ragged,jax": serve.attention_kernel's values), in this process one after another: each prints its output
-    tokens/s and, where the round was profiled, the Pallas kernels' share of the device's time (on the 1B shape
-    the paged attention's alone), and writes serve_<kernel>_rounds and serve_<kernel>_profile."""
-    import gc
-
+def kernel_entries(kernels: str) -> list[tuple[str, str, str]]:
+    """JAXLM_BENCH_SERVE_KERNELS, entries KERNEL[:KEY=VALUE...] separated by commas (KERNEL one of
+    serve.attention_kernel's values; the ragged kernel's settings, serve.attention_kernel_options, after colons,
+    e.g. "ragged,ragged:heads_batched=1:page_steps=1,jax"), as (tag, kernel, options) with tag the entry's name
+    in its figures (ragged_heads_batched_1_page_steps_1) and options as serve.attention_kernel_options takes
+    them; a bad or repeated entry stops the run in one line."""
+    from jaxlm.config import ConfigError, kernel_options
     from jaxlm.model import paged
 
-    names = [k.strip() for k in kernels.split(",") if k.strip()]
-    bad = [k for k in names if k not in paged.ATTENTION_KERNELS]
-    if bad:
-        raise SystemExit(f"JAXLM_BENCH_SERVE_KERNELS={kernels!r}: {', '.join(bad)} unknown; choose from "
-                         f"{', '.join(paged.ATTENTION_KERNELS)}")
-    for name in names:
+    out = []
+    for entry in filter(None, (e.strip() for e in kernels.split(","))):
+        name, *settings = (x.strip() for x in entry.split(":"))
+        if name not in paged.ATTENTION_KERNELS:
+            raise SystemExit(f"JAXLM_BENCH_SERVE_KERNELS={kernels!r}: {name!r} unknown; choose from "
+                             f"{', '.join(paged.ATTENTION_KERNELS)}")
+        if settings and name != "ragged":
+            raise SystemExit(f"JAXLM_BENCH_SERVE_KERNELS={kernels!r}: {entry!r}: only the ragged kernel takes settings")
         try:
-            out = g.serve(ctx, attention_kernel=name)
+            kernel_options(",".join(settings))
+        except ConfigError as e:
+            raise SystemExit(f"JAXLM_BENCH_SERVE_KERNELS={kernels!r}: {e}") from None
+        tag = "_".join([name, *(x.replace("=", "_") for x in settings)])
+        if tag in [t for t, *_ in out]:
+            raise SystemExit(f"JAXLM_BENCH_SERVE_KERNELS={kernels!r}: {entry!r} given twice")
+        out.append((tag, name, ",".join(settings)))
+    return out
+
+
+def serve_kernels(ctx: Ctx, kernels: str) -> None:
+    """The 1B serve row once per entry of `kernels` (JAXLM_BENCH_SERVE_KERNELS: a paged-attention kernel,
+    serve.attention_kernel's values, with the ragged kernel's settings if any: kernel_entries), in this process
+    one after another: each prints its output tokens/s and, where the round was profiled, the Pallas kernels'
+    share of the device's time (on the 1B shape the paged attention's alone), and writes serve_<tag>_rounds and
+    serve_<tag>_profile."""
+    import gc
+
+    for tag, name, options in kernel_entries(kernels):
+        label = " ".join([f"attention_kernel={name}", *options.split(",")]).strip()
+        try:
+            out = g.serve(ctx, attention_kernel=name, kernel_options=options, tag=tag)
         except Exception as e:  # noqa: BLE001 - one kernel failing leaves the others
-            print(f"serve 1B attention_kernel={name}: error: {g.one_line(e)}", flush=True)
-            ctx.put(**{f"serve_{name}_note": f"error: {g.one_line(e)}"})
+            print(f"serve 1B {label}: error: {g.one_line(e)}", flush=True)
+            ctx.put(**{f"serve_{tag}_note": f"error: {g.one_line(e)}"})
             continue
         prof = out.get("profile", {})
         share = prof["by_kind"].get("Pallas kernel (TPU)", 0) / prof["ms_per_step"] if prof.get("ms_per_step") else None
-        print(f"serve 1B attention_kernel={name}: {out['round']['output_tokens_per_s']:.1f} output tokens/s, "
+        print(f"serve 1B {label}: {out['round']['output_tokens_per_s']:.1f} output tokens/s, "
               + (f"Pallas kernels {share:.1%} of {prof['ms_per_step']:.0f} ms device time" if share is not None
                  else "not profiled"), flush=True)
         gc.collect()

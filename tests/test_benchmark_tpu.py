@@ -159,3 +159,41 @@ def test_a_section_that_takes_too_much_host_memory_is_stopped_and_reported(monke
     hold = "import time; x = bytearray(20 * 2**20); time.sleep(1)"
     rc, peak, over = gpu.watch(subprocess.Popen([sys.executable, "-c", hold]), limit=60)
     assert rc == 0 and over is None and 0 < peak < 300 * 2**20
+
+
+def test_serve_kernel_entries_carry_the_ragged_kernels_settings_into_their_own_figures(tmp_path, monkeypatch):
+    """JAXLM_BENCH_SERVE_KERNELS's entries, a kernel with the ragged kernel's settings after colons, each run the
+    serve row with serve.attention_kernel and serve.attention_kernel_options and write figures named by the
+    whole entry, which the summary reads back (against generate's batch too); a bad or repeated entry stops the
+    run in one line."""
+    ts = tpu_sections()
+    assert ts.kernel_entries(" ragged, ragged:block_tokens=256:heads_batched=1,jax") == [
+        ("ragged", "ragged", ""),
+        ("ragged_block_tokens_256_heads_batched_1", "ragged", "block_tokens=256,heads_batched=1"), ("jax", "jax", "")]
+    for bad, says in [("ragged,raged", "'raged' unknown; choose from jax, ragged, flat"),
+                      ("jax:prefetch=2", "only the ragged kernel takes settings"),
+                      ("ragged:prefetch=two", "entry 'prefetch=two' must be KEY=VALUE"),
+                      ("ragged:page_steps=1,ragged:page_steps=1", "'ragged:page_steps=1' given twice")]:
+        with pytest.raises(SystemExit, match=says) as e:
+            ts.kernel_entries(bad)
+        assert "\n" not in str(e.value)
+    calls = []
+
+    def fake_serve(ctx, attention_kernel=None, kernel_options="", tag=None):
+        calls.append((attention_kernel, kernel_options, tag))
+        ctx.put(**{f"serve_{tag}_rounds": [dict(output_tokens_per_s=100.0 * len(calls))]}, serve_concurrency=4)
+        return dict(round=dict(output_tokens_per_s=100.0 * len(calls)))
+
+    monkeypatch.setattr(ts.g, "serve", fake_serve)
+    ctx = gpu_sections.Ctx(str(tmp_path / "figures.jsonl"), deadline=0, tiny=True)
+    ts.serve_kernels(ctx, "ragged,ragged:heads_batched=1:page_steps=1")
+    assert calls == [("ragged", "", "ragged"), ("ragged", "heads_batched=1,page_steps=1",
+                                                 "ragged_heads_batched_1_page_steps_1")]
+    figures = {}
+    for line in (tmp_path / "figures.jsonl").read_text().splitlines():
+        figures.update(json.loads(line))
+    kv = {}
+    tpu.serving({"serve": figures, "decode": {"decode_runs": {"4": dict(decode_tokens_per_s=400.0)}}}, kv, [])
+    assert kv["serve_ragged_output_tokens_per_s"] == 100 and kv["serve_ragged_vs_generate_decode"] == 0.25
+    assert kv["serve_ragged_heads_batched_1_page_steps_1_output_tokens_per_s"] == 200
+    assert kv["serve_ragged_heads_batched_1_page_steps_1_vs_generate_decode"] == 0.5

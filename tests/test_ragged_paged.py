@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxlm import params as P, sharding
-from jaxlm.config import ConfigError, MeshConfig, ModelConfig, ServeConfig
+from jaxlm.config import KERNEL_OPTIONS, ConfigError, MeshConfig, ModelConfig, ServeConfig
 from jaxlm.model import paged, param_specs, ragged_paged
 
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
@@ -42,17 +42,27 @@ def reference(q, k, v, end, ids, q_pos, scale, softcap):
     return np.einsum("pcngs,pnsh->pcngh", w, values).reshape(Pn, C, N, -1)
 
 
-@pytest.mark.parametrize("K,C,softcap,dtype,tuning", [
+CASES = [
     (2, 1, None, jnp.float32, {}),  # decode rows, N = 8 query heads on 2 kv heads, one program
     (2, 1, 3.0, jnp.bfloat16, dict(block_tokens=16, row_bytes=8 * 2 * 4 * 16 * 2)),  # blocks of 2 pages, 8 rows
     (1, 5, 3.0, jnp.float32, dict(block_tokens=24)),  # prefill chunks of 5 on one kv head, blocks of 3 pages
     (2, 20, None, jnp.bfloat16, dict(tile_queries=64, row_bytes=1)),  # chunks of 20 in tiles of 16, a row each
-])
+]
+# the kernel's variants (ragged_paged_attention's arguments, off by default) and the cases each runs: every flag
+# on decode rows and chunks, in one program and in several, float32 and bfloat16 (3 s a run)
+VARIANTS = {"batched_pages": (dict(heads_batched=True, page_steps=True), (0, 1, 3)),
+            "batched_prefetch": (dict(heads_batched=True, prefetch=2), (0, 2)),
+            "pages_prefetch": (dict(page_steps=True, prefetch=3), (1, 3))}
+
+
+@pytest.mark.parametrize("K,C,softcap,dtype,tuning", [
+    *CASES, *(pytest.param(*CASES[i][:4], {**CASES[i][4], **flags}, id=f"{name}-{i}")
+              for name, (flags, cases) in VARIANTS.items() for i in cases)])
 def test_ragged_kernel_gives_the_reference_attention_for_every_row_length(K, C, softcap, dtype, tuning):
     """41 rows of 0..40 keys in pages scattered through a pool, each row's C queries at its last C positions
     (those below 0 padding: they see nothing and give zeros), queries of 12 wide padded to the pool's 16: the
-    kernel's output is the reference's within float32 rounding (bfloat16: the probabilities rounded to bfloat16
-    for the values' product)."""
+    kernel's output, and each variant's, is the reference's within float32 rounding (bfloat16: the probabilities
+    rounded to bfloat16 for the values' product)."""
     rng = np.random.default_rng(K * 100 + C)
     N, H, Hk, Pn = 8, 12, 16, len(LENGTHS)
     NP = Pn * M + 5
@@ -85,7 +95,7 @@ class CountingKernel(ragged_paged.Kernel):
 def test_the_paged_engine_through_the_ragged_kernel_gives_the_flat_paths_tokens():
     """The paged engine whose prefill chunks and decode steps read pages with our kernel (interpret mode; a pool
     of 16 pages of 4 positions, prompts of 5 and 13 tokens in chunks of 8) generates the flat path's greedy tokens,
-    and both kinds of call went through it."""
+    as does the kernel with its variants on, and both kinds of call went through it."""
     from jaxlm.serve.engine import Engine
     from jaxlm.serve.requests import Sequence
 
@@ -95,7 +105,8 @@ def test_the_paged_engine_through_the_ragged_kernel_gives_the_flat_paths_tokens(
     prompts = [rng.integers(0, 50, n).tolist() for n in (5, 13)]
     runs = []
     CountingKernel.calls.clear()
-    for kernel in (None, CountingKernel(interpret=True, block_tokens=8)):  # blocks of 2 pages
+    for kernel in (None, CountingKernel(interpret=True, block_tokens=8),  # blocks of 2 pages
+                   CountingKernel(interpret=True, block_tokens=8, heads_batched=True, page_steps=True, prefetch=2)):
         e = Engine(params, cfg, ServeConfig(max_slots=2, max_queue=8, prefill_chunk=8, prefix_cache=0,
                                             decode_steps=1, page_size=4), 48,
                    cache_pages=16, page_format=paged.PoolFormat(kernel=kernel))
@@ -104,12 +115,12 @@ def test_the_paged_engine_through_the_ragged_kernel_gives_the_flat_paths_tokens(
         runs.append([[t for ev in evs if ev[0] == "tokens" for t in ev[1]] for evs in events])
     assert 1 in CountingKernel.calls and max(CountingKernel.calls) > 1, CountingKernel.calls
     assert [len(t) for t in runs[0]] == [8] * 2
-    assert runs[1] == runs[0]
+    assert runs[1] == runs[0] and runs[2] == runs[0]
 
 
 def test_the_attention_kernel_setting_picks_the_tpu_pools_kernel():
-    """serve.attention_kernel names the TPU pool's kernel (ours, JAX's or none); other devices take none; a bad
-    value is one line naming the choices."""
+    """serve.attention_kernel names the TPU pool's kernel (ours, JAX's or none), serve.attention_kernel_options
+    sets ours; other devices take none; a bad value is one line naming the choices."""
     from jaxlm.config import load
 
     assert isinstance(paged.pool_format("tpu", "ragged").kernel, ragged_paged.Kernel)
@@ -120,16 +131,35 @@ def test_the_attention_kernel_setting_picks_the_tpu_pools_kernel():
     with pytest.raises(ConfigError, match="choose one of: jax, ragged, flat") as e:
         load("quickstart", ["serve.attention_kernel=raged"])
     assert "\n" not in str(e.value)
+    # serve.attention_kernel_options: the ragged kernel's variants and sizes (its fields), each default as before
+    assert set(KERNEL_OPTIONS) == set(ragged_paged.Kernel._fields) - {"interpret"}
+    assert paged.pool_format("tpu", "ragged", "heads_batched=1, prefetch=3,block_tokens=256").kernel == \
+        ragged_paged.Kernel(block_tokens=256, heads_batched=True, prefetch=3)
+    assert paged.pool_format("tpu", "ragged", "page_steps=0").kernel == ragged_paged.Kernel()
+    ragged = ["serve.attention_kernel=ragged"]
+    assert load("quickstart", [*ragged, "serve.attention_kernel_options=page_steps=1,row_bytes=4096"]
+                ).serve.attention_kernel_options == "page_steps=1,row_bytes=4096"
+    for bad, says in [([*ragged, "serve.attention_kernel_options=heads_batched=2"], "'heads_batched=2' must be"),
+                      ([*ragged, "serve.attention_kernel_options=prefech=2"], "'prefech=2' must be KEY=VALUE"),
+                      ([*ragged, "serve.attention_kernel_options=prefetch=0"], "'prefetch=0' must be"),
+                      ([*ragged, "serve.attention_kernel_options=prefetch=1,prefetch=2"], "'prefetch=2' must be"),
+                      (["serve.attention_kernel_options=prefetch=2"], "set serve.attention_kernel=ragged too")]:
+        with pytest.raises(ConfigError, match=says) as e:
+            load("quickstart", bad)
+        assert "\n" not in str(e.value)
 
 
 @pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu is not installed (pip install 'jaxlm[tpu]')")
+@pytest.mark.parametrize("variant", [{}, dict(heads_batched=True, page_steps=True),
+                                     dict(heads_batched=True, page_steps=True, prefetch=3)], ids=["", "hb-ps", "all"])
 @pytest.mark.parametrize("P_,C,K,A_,dtype,softcap", [(64, 1, 8, 128, jnp.bfloat16, None),
                                                      (2, 256, 8, 128, jnp.bfloat16, 50.0),
                                                      (8, 1, 1, 16, jnp.float32, 30.0)])
-def test_ragged_kernel_compiles_for_a_tpu(P_, C, K, A_, dtype, softcap):
-    """The kernel lowered by Mosaic and compiled for a TPU v5e from this host: the 1B shape's decode rows (32
-    query heads on 8 kv heads of 64 in a pool of 128 lanes, pages of 128), its prefill chunks of 256 (in tiles of 128),
-    and float32 pools of small pages on one kv head."""
+def test_ragged_kernel_compiles_for_a_tpu(P_, C, K, A_, dtype, softcap, variant):
+    """The kernel, and its variants, lowered by Mosaic and compiled for a TPU v5e from this host: the 1B shape's
+    decode rows (32 query heads on 8 kv heads of 64 in a pool of 128 lanes, pages of 128), its prefill chunks of
+    256 (in tiles of 128; 4 blocks of 1 MiB of keys and values with them need more than Mosaic's default 16 MiB of
+    VMEM: PREFETCH_VMEM_BYTES), and float32 pools of small pages on one kv head."""
     from jaxlm.train import aot
 
     device = aot.tpu_topology("v5e:1x1", 1)[0]
@@ -138,7 +168,7 @@ def test_ragged_kernel_compiles_for_a_tpu(P_, C, K, A_, dtype, softcap):
     M_, NP = 16, 512
     N = 4 * K
     attend = jax.jit(lambda q, k, v, e, i, p: ragged_paged.ragged_paged_attention(q, k, v, e, i, p, scale=0.125,
-                                                                                  softcap=softcap))
+                                                                                  softcap=softcap, **variant))
     compiled = attend.lower(spec((P_, C, N, 64), dtype), spec((K, NP, A_, 128), dtype),
                             spec((K, NP, A_, 128), dtype), spec((P_,), jnp.int32), spec((P_, M_), jnp.int32),
                             spec((P_, C), jnp.int32)).compile()

@@ -11,16 +11,18 @@ from jaxlm.config.schema import (ALIASES, LORA_TARGETS, MESH_AXES, PREFERENCE_OB
                                  DistributedConfig, DpoConfig, GrpoConfig, LoggingConfig, LoraConfig, MeshConfig,
                                  OptimizerConfig, OrpoConfig, ProfilerConfig, ServeConfig, TrainingConfig, all_keys,
                                  spelled)
-from jaxlm.config.validation import (UDS_MAX_BYTES, draft_tokens, parse_mixture, serve_adapters,
+from jaxlm.config.validation import (KERNEL_OPTIONS, UDS_MAX_BYTES, draft_tokens, kernel_options,
+                                     parse_mixture, serve_adapters,
                                      stop_token_ids, validate, validate_compile, validate_decode, validate_serve,
                                      validate_uds)
 
 __all__ = [
-    "ALIASES", "ATTENTION_KINDS", "LORA_TARGETS", "MESH_AXES", "PREFERENCE_OBJECTIVES", "UDS_MAX_BYTES", "DType",
-    "RematPolicy", "CheckpointConfig", "CompileConfig", "Config", "ConfigError", "DataConfig", "DecodeConfig",
-    "DiagnosticsConfig", "DistributedConfig", "DpoConfig", "GrpoConfig", "LoggingConfig", "LoraConfig", "MeshConfig",
-    "ModelConfig", "OptimizerConfig", "OrpoConfig", "ProfilerConfig", "ServeConfig", "TrainingConfig", "all_keys",
-    "apply_overrides", "apply_parameter_scale", "draft_tokens", "fit_warmup", "flatten", "from_dict", "load",
-    "load_base", "parse_mixture", "parse_overrides", "preset_names", "serve_adapters", "spelled", "stop_token_ids",
-    "to_json", "type_name", "validate", "validate_compile", "validate_decode", "validate_serve", "validate_uds",
+    "ALIASES", "ATTENTION_KINDS", "KERNEL_OPTIONS", "LORA_TARGETS", "MESH_AXES", "PREFERENCE_OBJECTIVES",
+    "UDS_MAX_BYTES", "DType", "RematPolicy", "CheckpointConfig", "CompileConfig", "Config", "ConfigError",
+    "DataConfig", "DecodeConfig", "DiagnosticsConfig", "DistributedConfig", "DpoConfig", "GrpoConfig",
+    "LoggingConfig", "LoraConfig", "MeshConfig", "ModelConfig", "OptimizerConfig", "OrpoConfig", "ProfilerConfig",
+    "ServeConfig", "TrainingConfig", "all_keys", "apply_overrides", "apply_parameter_scale", "draft_tokens",
+    "fit_warmup", "flatten", "from_dict", "kernel_options", "load", "load_base", "parse_mixture", "parse_overrides",
+    "preset_names", "serve_adapters", "spelled", "stop_token_ids", "to_json", "type_name", "validate",
+    "validate_compile", "validate_decode", "validate_serve", "validate_uds",
 ]

@@ -345,6 +345,11 @@ class ServeConfig:
                "paged_attention for decode steps (prefill chunks read them in XLA); `ragged`, jaxlm's own Pallas "
                "kernel for decode steps and prefill chunks alike (model/ragged_paged.py); `flat`, XLA only. "
                "Windows, sinks and an int8 cache read in XLA with either kernel; other devices always do")
+    attention_kernel_options: str = _f(
+        "", "serve.attention_kernel=ragged: the kernel's settings as KEY=VALUE,... (docs/serve.md, \"The paged KV "
+            "cache\"): block_tokens (keys a block reads, 512), row_bytes (queries a program takes, 1048576), "
+            "heads_batched=1 (a row's kv heads in one batched product), page_steps=1 (compute a page at a time, "
+            "only the pages a row has), prefetch (blocks read ahead, 1); '' = the defaults")
     cache_gib: float = _f(0.0, "memory of the paged KV cache's pages, GiB; 0 = as much as gives every slot the "
                                "whole context, at most 4 GiB on a CPU and 80% of the free memory on an "
                                "accelerator", rule=at_least(0, "0 = automatic"))

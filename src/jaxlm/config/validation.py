@@ -285,6 +285,31 @@ def validate_serve(s: ServeConfig) -> None:
     if s.chat_template and not Path(s.chat_template).is_file():
         raise ConfigError(f"serve.chat_template={s.chat_template} is not a file; give a Jinja chat template file")
     serve_adapters(s)
+    if s.attention_kernel_options:
+        if s.attention_kernel != "ragged":
+            raise ConfigError(f"serve.attention_kernel_options={s.attention_kernel_options} sets the ragged kernel; "
+                              f"set serve.attention_kernel=ragged too (it is {s.attention_kernel})")
+        kernel_options(s.attention_kernel_options)
+
+
+# serve.attention_kernel_options' keys and types: model/ragged_paged.py's Kernel's fields but `interpret`
+KERNEL_OPTIONS = {"block_tokens": int, "row_bytes": int, "heads_batched": bool, "page_steps": bool, "prefetch": int}
+
+
+def kernel_options(text: str) -> dict:
+    """serve.attention_kernel_options, "KEY=VALUE,..." (KERNEL_OPTIONS; integers >= 1, flags 0 or 1), as the
+    ragged kernel's keyword arguments (ragged_paged.Kernel); '' gives none. A bad entry is a ConfigError."""
+    out = {}
+    for entry in filter(None, (e.strip() for e in text.split(","))):
+        key, eq, value = (x.strip() for x in entry.partition("="))
+        kind = KERNEL_OPTIONS.get(key)
+        ok = value in ("0", "1") if kind is bool else value.isdigit() and int(value) >= 1
+        if not eq or kind is None or not ok or key in out:
+            raise ConfigError(f"serve.attention_kernel_options entry {entry!r} must be KEY=VALUE with KEY one of "
+                              f"{', '.join(KERNEL_OPTIONS)} (once each), an integer >= 1 or, for heads_batched and "
+                              "page_steps, 0 or 1 (e.g. heads_batched=1,block_tokens=256)")
+        out[key] = kind(int(value))
+    return out
 
 
 UDS_MAX_BYTES = 107  # a unix socket's path, as sockaddr_un holds it on Linux (108 bytes with its final NUL)

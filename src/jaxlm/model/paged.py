@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxlm import runtime, sharding
-from jaxlm.config import ModelConfig
+from jaxlm.config import ModelConfig, kernel_options as parse_kernel_options
 from jaxlm.model import attention as attention_lib
 from jaxlm.model import kvcache, latent, layers, ragged_paged
 
@@ -59,15 +59,15 @@ def lanes(platform: str) -> int:
 ATTENTION_KERNELS = ("jax", "ragged", "flat")  # serve.attention_kernel's values
 
 
-def pool_format(platform: str, attention_kernel: str = "ragged") -> PoolFormat:
+def pool_format(platform: str, attention_kernel: str = "ragged", kernel_options: str = "") -> PoolFormat:
     """The format of a pool on devices of `platform`: on TPU 128 lanes and the page-attention kernel
     `attention_kernel` (serve.attention_kernel: "jax", JAX's Pallas paged_attention,
-    jax.experimental.pallas.ops.tpu.paged_attention; "ragged", ours, ragged_paged.Kernel; "flat", none),
-    elsewhere neither."""
+    jax.experimental.pallas.ops.tpu.paged_attention; "ragged", ours, ragged_paged.Kernel, set by
+    `kernel_options`, serve.attention_kernel_options; "flat", none), elsewhere neither."""
     if platform != "tpu":
         return PoolFormat(lanes(platform))
     if attention_kernel == "ragged":
-        return PoolFormat(lanes(platform), ragged_paged.Kernel(), TPU_PAGE)
+        return PoolFormat(lanes(platform), ragged_paged.Kernel(**parse_kernel_options(kernel_options)), TPU_PAGE)
     if attention_kernel == "flat":
         return PoolFormat(lanes(platform), None, TPU_PAGE)
     from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention

@@ -2,9 +2,9 @@
 query tokens in one call (decode rows and causal prefill chunks, each row with its own positions and key length).
 A program takes several rows' query tiles; per row it copies only the pages below its length, a block of pages at a
 time, one DMA per page for all kv heads, double-buffered; every query head of a kv head and every query token of
-the tile is computed against that one load, the softmax carried across blocks in float32. It does the scale and
-the logit soft-cap; windows, chunked attention, sinks, int8 pools, latent attention and meshes keep the flat path
-(docs/serve.md, "The paged KV cache").
+the tile is computed against that one load, the softmax carried across blocks in float32 (variants, off by
+default, to time on a chip: kv heads batched, a page at a time, deeper prefetch). It does the scale and the logit
+soft-cap; windows, chunks, sinks, int8 pools, latent attention and meshes keep the flat path (docs/serve.md).
 
 Shape legend: P rows, C query tokens a row, N query heads, K kv heads, G = N / K, H head width (the pool's,
 padded to lanes), A tokens a page, M pages a row's table, T query tiles a row, Q = G x (query tokens a tile).
@@ -23,19 +23,33 @@ from jax.experimental.pallas import tpu as pltpu
 BLOCK_TOKENS = 512  # keys a block reads per row (block pages x page): 4 pages of 128, double-buffered in VMEM
 ROW_BLOCK_BYTES = 1 << 20  # queries a program takes (rows x kv heads x Q x H), at most (and at least one row)
 TILE_QUERIES = 512  # query rows (G x tokens) of a row's tile at most: a long chunk is split into tiles
+# heads_batched: the scores of all kv heads of a step (K x Q x keys, float32) at most, else the loop over kv heads
+# (a prefill tile of 512 query rows on 8 kv heads over a block of 512 keys would be 8 MiB of VMEM)
+BATCHED_SCORE_BYTES = 1 << 20
+# prefetch > 1: the kernel's scoped VMEM limit (Mosaic's default, 16 MiB on a v5e, does not hold a prefill tile's
+# queries and output beside 4 blocks of 1 MiB of keys and values; a v5e and a v6e have 128 MiB)
+PREFETCH_VMEM_BYTES = 64 << 20
 NEG = -0.7 * float(jnp.finfo(jnp.float32).max)  # a masked logit: finite, so that exp(NEG - NEG) is no NaN
 
 
 class Kernel(NamedTuple):
     """The ragged kernel as a pool's format carries it (paged.PoolFormat.kernel; hashable: a compiled program's
-    static argument): `interpret` runs it in Pallas' TPU interpret mode (CPU tests), `block_tokens` as
-    BLOCK_TOKENS."""
+    static argument): `interpret` runs it in Pallas' TPU interpret mode (CPU tests); `block_tokens` and
+    `row_bytes` as BLOCK_TOKENS and ROW_BLOCK_BYTES; the variants, each off by default (the kernel as first
+    written), as ragged_paged_attention's arguments: `heads_batched`, `page_steps`, `prefetch`
+    (serve.attention_kernel_options sets all but `interpret`: config.kernel_options)."""
     interpret: bool = False
     block_tokens: int = BLOCK_TOKENS
+    heads_batched: bool = False
+    page_steps: bool = False
+    prefetch: int = 1
+    row_bytes: int = ROW_BLOCK_BYTES
 
     def __call__(self, q_PCNH, k_pages, v_pages, end_P, ids_PM, q_pos_PC, *, scale: float, softcap=None):
         return ragged_paged_attention(q_PCNH, k_pages, v_pages, end_P, ids_PM, q_pos_PC, scale=scale,
-                                      softcap=softcap, block_tokens=self.block_tokens, interpret=self.interpret)
+                                      softcap=softcap, block_tokens=self.block_tokens, row_bytes=self.row_bytes,
+                                      heads_batched=self.heads_batched, page_steps=self.page_steps,
+                                      prefetch=self.prefetch, interpret=self.interpret)
 
 
 def _tiles(C: int, G: int, tile_queries: int) -> tuple[int, int]:
@@ -47,14 +61,11 @@ def _tiles(C: int, G: int, tile_queries: int) -> tuple[int, int]:
     return c, -(-C // c)
 
 
-def _kernel(lens_ref, ids_ref, q_ref, pos_ref, k_hbm, v_hbm, o_ref, kbuf, vbuf, sems, m_ref, l_ref, acc_ref, *,
-            scale: float, softcap, rows: int, tiles: int, M: int):
-    """One program: `rows` rows' tile t of queries q_ref [rows, 1, K, Q, H] (positions pos_ref [rows, 1, Q, 1])
-    over their pages; lens_ref [P T] (keys each row's tile reads) and ids_ref [P M] (pages) in SMEM."""
+def _dmas(lens_ref, ids_ref, k_hbm, v_hbm, kbuf, vbuf, sems, *, rows: int, tiles: int, M: int):
+    """The program's (length, start, wait): length(i), the keys row i's tile reads; start(i, blk, slot) and
+    wait(i, blk, slot), of the copies of row i's block blk into kbuf and vbuf's slot."""
     b, t = pl.program_id(0), pl.program_id(1)
-    _, K, Bp, A, _ = kbuf.shape
-    BA = Bp * A
-    Q = q_ref.shape[3]
+    Bp, A = kbuf.shape[2:4]
 
     def length(i):
         return lens_ref[(b * rows + i) * tiles + t]
@@ -85,38 +96,99 @@ def _kernel(lens_ref, ids_ref, q_ref, pos_ref, k_hbm, v_hbm, o_ref, kbuf, vbuf, 
                 ck.wait()
                 cv.wait()
 
+    return length, start, wait
+
+
+def _online(m_ref, l_ref, acc_ref, h, q, k, v, ok, batched: bool, *, scale: float, softcap):
+    """The softmax carried over keys k [.., keys, H] and values v [.., keys, Hv] for queries q [.., Q, H] of
+    kv head h (an index; batched: all kv heads, a leading axis of q, k, v and the carried state), where
+    ok [Q, keys]; m_ref, l_ref and acc_ref carry its running maximum, sum and output."""
+    bd = ((0,), (0,)) if batched else ((), ())
+    s = jax.lax.dot_general(q, k, ((((2,), (2,)) if batched else ((1,), (1,))), bd),
+                            preferred_element_type=jnp.float32) * scale
+    if softcap is not None:
+        s = softcap * jnp.tanh(s / softcap)
+    s = jnp.where(ok, s, NEG)
+    m_prev = m_ref[h]
+    m_new = jnp.maximum(m_prev, s.max(axis=-1, keepdims=True))
+    p = jnp.where(ok, jnp.exp(s - m_new), 0.0)
+    alpha = jnp.exp(m_prev - m_new)
+    l_ref[h] = alpha * l_ref[h] + p.sum(axis=-1, keepdims=True)
+    acc_ref[h] = alpha * acc_ref[h] + jax.lax.dot_general(
+        p.astype(v.dtype), v, ((((2,), (1,)) if batched else ((1,), (0,))), bd),
+        preferred_element_type=jnp.float32)
+    m_ref[h] = m_new
+
+
+def _kernel(lens_ref, ids_ref, q_ref, pos_ref, k_hbm, v_hbm, o_ref, kbuf, vbuf, sems, m_ref, l_ref, acc_ref, *,
+            scale: float, softcap, rows: int, tiles: int, M: int, heads_batched: bool = False,
+            page_steps: bool = False):
+    """One program: `rows` rows' tile t of queries q_ref [rows, 1, K, Q, H] (positions pos_ref [rows, 1, Q, 1])
+    over their pages; lens_ref [P T] (keys each row's tile reads) and ids_ref [P M] (pages) in SMEM. kbuf and
+    vbuf hold S blocks: S - 1 are read ahead (2: the double buffer). heads_batched and page_steps: as
+    ragged_paged_attention's."""
+    length, start, wait = _dmas(lens_ref, ids_ref, k_hbm, v_hbm, kbuf, vbuf, sems, rows=rows, tiles=tiles, M=M)
+    S, K, Bp, A, _ = kbuf.shape
+    BA = Bp * A
+    Q = q_ref.shape[3]
+
+    online = functools.partial(_online, m_ref, l_ref, acc_ref, scale=scale, softcap=softcap)
+
     def compute(i, blk, slot):
         n = length(i)
+        if page_steps:  # a page at a time, only the pages below the row's length
+            def page(j, carry):
+                k_pos = blk * BA + j * A + jax.lax.broadcasted_iota(jnp.int32, (Q, A), 1)
+                ok = (k_pos < n) & (k_pos <= pos_ref[i, 0])
+                if heads_batched:
+                    online(slice(None), q_ref[i, 0], kbuf[slot, :, j], vbuf[slot, :, j], ok, True)
+                else:
+                    for h in range(K):
+                        online(h, q_ref[i, 0, h], kbuf[slot, h, j], vbuf[slot, h, j], ok, False)
+                return carry
+
+            pages = jnp.clip(jax.lax.div(n + A - 1, A) - blk * Bp, 0, Bp)
+            jax.lax.fori_loop(0, pages, page, 0)
+            return
         k_pos = blk * BA + jax.lax.broadcasted_iota(jnp.int32, (Q, BA), 1)
         ok = (k_pos < n) & (k_pos <= pos_ref[i, 0])
+        if heads_batched:
+            online(slice(None), q_ref[i, 0], kbuf[slot].reshape(K, BA, k_hbm.shape[-1]),
+                   vbuf[slot].reshape(K, BA, v_hbm.shape[-1]), ok, True)
+            return
         for h in range(K):
             q = q_ref[i, 0, h]
             k = kbuf[slot, h].reshape(BA, k_hbm.shape[-1])
             v = vbuf[slot, h].reshape(BA, v_hbm.shape[-1])
-            s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
-            if softcap is not None:
-                s = softcap * jnp.tanh(s / softcap)
-            s = jnp.where(ok, s, NEG)
-            m_prev = m_ref[h]
-            m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
-            p = jnp.where(ok, jnp.exp(s - m_new), 0.0)
-            alpha = jnp.exp(m_prev - m_new)
-            l_ref[h] = alpha * l_ref[h] + p.sum(axis=1, keepdims=True)
-            acc_ref[h] = alpha * acc_ref[h] + jax.lax.dot_general(
-                p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-            m_ref[h] = m_new
+            online(h, q, k, v, ok, False)
+
+    def blocks_of(n):
+        return jnp.maximum(jax.lax.div(n + BA - 1, BA), 1)  # a row of no keys still takes (and passes on) a step
+
+    def finish(i):
+        if heads_batched:
+            o_ref[i, 0] = (acc_ref[...] / jnp.maximum(l_ref[...], jnp.finfo(jnp.float32).tiny)).astype(o_ref.dtype)
+            return
+        for h in range(K):
+            o_ref[i, 0, h] = (acc_ref[h] / jnp.maximum(l_ref[h], jnp.finfo(jnp.float32).tiny)).astype(o_ref.dtype)
+
+    def reset():
+        m_ref[...] = jnp.full(m_ref.shape, NEG, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
     # pages past a row's length are not copied: their buffer keeps what it held, which must be finite (p = 0
     # there, and 0 x NaN is NaN)
     vbuf[...] = jnp.zeros(vbuf.shape, vbuf.dtype)
+    if S > 2:
+        _pipeline(rows, S, length, blocks_of, start, wait, compute, finish, reset)
+        return
     start(0, 0, 0)
 
     def row(i, slot):
         n = length(i)
-        blocks = jnp.maximum(jax.lax.div(n + BA - 1, BA), 1)  # a row of no keys still takes (and passes on) a step
-        m_ref[...] = jnp.full(m_ref.shape, NEG, jnp.float32)
-        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+        blocks = blocks_of(n)
+        reset()
 
         def step(blk, slot):
             wait(i, blk, slot)
@@ -134,24 +206,76 @@ def _kernel(lens_ref, ids_ref, q_ref, pos_ref, k_hbm, v_hbm, o_ref, kbuf, vbuf, 
             return 1 - slot
 
         slot = jax.lax.fori_loop(0, blocks, step, slot)
-        for h in range(K):
-            o_ref[i, 0, h] = (acc_ref[h] / jnp.maximum(l_ref[h], jnp.finfo(jnp.float32).tiny)).astype(o_ref.dtype)
+        finish(i)
         return slot
 
     jax.lax.fori_loop(0, rows, row, 0)
 
 
+def _pipeline(rows: int, S: int, length, blocks_of, start, wait, compute, finish, reset) -> None:
+    """The program's blocks (row by row, each row's in order) with S - 1 of them in flight ahead of the one
+    computed (ragged_paged_attention's `prefetch`), in S slots taken in turn: a pointer to the next block to
+    start, carried across rows, so that the next rows' pages are copied while this one is computed."""
+    D = S - 1
+
+    def advance(i, blk):
+        last = blk + 1 >= blocks_of(length(jnp.minimum(i, rows - 1)))
+        return jnp.where(last, i + 1, i), jnp.where(last, 0, blk + 1)
+
+    ahead = (jnp.int32(0), jnp.int32(0))
+    for d in range(D):
+        @pl.when(ahead[0] < rows)
+        def _():
+            start(ahead[0], ahead[1], d)
+
+        ahead = advance(*ahead)
+
+    def row(i, carry):
+        n = length(i)
+        reset()
+
+        def step(blk, carry):
+            slot, ai, ablk = carry
+            wait(i, blk, slot)
+
+            @pl.when(ai < rows)
+            def _():
+                start(ai, ablk, jax.lax.rem(slot + D, S))
+
+            ai, ablk = advance(ai, ablk)
+
+            @pl.when(n > 0)
+            def _():
+                compute(i, blk, slot)
+
+            return jax.lax.rem(slot + 1, S), ai, ablk
+
+        carry = jax.lax.fori_loop(0, blocks_of(n), step, carry)
+        finish(i)
+        return carry
+
+    jax.lax.fori_loop(0, rows, row, (jnp.int32(0), *ahead))
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "softcap", "block_tokens", "row_bytes", "tile_queries",
-                                             "interpret"))
+                                             "heads_batched", "page_steps", "prefetch", "interpret"))
 def ragged_paged_attention(q_PCNH, k_pages, v_pages, end_P, ids_PM, q_pos_PC, *, scale: float, softcap=None,
                            block_tokens: int = BLOCK_TOKENS, row_bytes: int = ROW_BLOCK_BYTES,
-                           tile_queries: int = TILE_QUERIES, interpret: bool = False) -> jax.Array:
+                           tile_queries: int = TILE_QUERIES, heads_batched: bool = False, page_steps: bool = False,
+                           prefetch: int = 1, interpret: bool = False) -> jax.Array:
     """Each row p's queries q_PCNH[p] (at positions q_pos_PC[p], causal) over its keys below end_P[p], found in
     pages ids_PM[p] of k_pages [K, pages, A, Hk] and v_pages [K, pages, A, Hv] (position s in page ids[s // A] at
     offset s % A); queries narrower than Hk are padded with zeros. Logits are scaled by `scale`, then soft-capped
     (softcap x tanh(logit / softcap); None: not). A query that sees no key (a row of no keys, a position
     below 0) gives zeros. block_tokens, row_bytes and tile_queries: as BLOCK_TOKENS, ROW_BLOCK_BYTES and
-    TILE_QUERIES. Returns [P, C, N, Hv] in q's dtype."""
+    TILE_QUERIES. Variants (off: the kernel as first written, a loop over kv heads computing whole blocks, one
+    block read ahead): `heads_batched`, a row's kv heads computed together (batched dot_generals, the softmax on
+    [K, Q, keys]) where those scores take at most BATCHED_SCORE_BYTES (decode rows); `page_steps`, a block
+    computed a page at a time, only the pages below the row's length, not the whole block; `prefetch`, blocks
+    read ahead of the one computed (1: double-buffered; more: the next rows' pages in flight too, prefetch + 1
+    blocks of VMEM under a limit of PREFETCH_VMEM_BYTES). Returns [P, C, N, Hv] in q's dtype."""
+    if prefetch < 1:
+        raise ValueError(f"prefetch={prefetch} must be >= 1")
     P, C, N, H = q_PCNH.shape
     K, _, A, Hk = k_pages.shape
     Hv, M, G = v_pages.shape[-1], ids_PM.shape[1], N // K
@@ -171,8 +295,11 @@ def ragged_paged_attention(q_PCNH, k_pages, v_pages, end_P, ids_PM, q_pos_PC, *,
     lens_PT = jnp.clip(jnp.minimum(end[:, None], pos_PTc.max(-1) + 1), 0, M * A)
     ids = jnp.pad(ids_PM.astype(jnp.int32), ((0, Pp - P), (0, 0))).reshape(-1)
 
+    heads_batched = heads_batched and K * Q * (A if page_steps else Bp * A) * 4 <= BATCHED_SCORE_BYTES
+    vmem = dict(vmem_limit_bytes=PREFETCH_VMEM_BYTES) if prefetch > 1 else {}
+    variants = {k: v for k, v in dict(heads_batched=heads_batched, page_steps=page_steps).items() if v}
     kernel = functools.partial(_kernel, scale=float(scale), softcap=None if softcap is None else float(softcap),
-                               rows=rows, tiles=T, M=M)
+                               rows=rows, tiles=T, M=M, **variants)
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -183,12 +310,13 @@ def ragged_paged_attention(q_PCNH, k_pages, v_pages, end_P, ids_PM, q_pos_PC, *,
                       pl.BlockSpec(memory_space=pl.ANY),
                       pl.BlockSpec(memory_space=pl.ANY)],
             out_specs=pl.BlockSpec((rows, 1, K, Q, Hv), lambda b, t, *_: (b, t, 0, 0, 0)),
-            scratch_shapes=[pltpu.VMEM((2, K, Bp, A, Hk), dt), pltpu.VMEM((2, K, Bp, A, Hv), v_pages.dtype),
-                            pltpu.SemaphoreType.DMA((2, 2)),
+            scratch_shapes=[pltpu.VMEM((prefetch + 1, K, Bp, A, Hk), dt),
+                            pltpu.VMEM((prefetch + 1, K, Bp, A, Hv), v_pages.dtype),
+                            pltpu.SemaphoreType.DMA((2, prefetch + 1)),
                             pltpu.VMEM((K, Q, 1), jnp.float32), pltpu.VMEM((K, Q, 1), jnp.float32),
                             pltpu.VMEM((K, Q, Hv), jnp.float32)]),
         out_shape=jax.ShapeDtypeStruct((Pp, T, K, Q, Hv), q_PCNH.dtype),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel"), **vmem),
         interpret=pltpu.InterpretParams() if interpret else False,
         name="ragged_paged_attention",
     )(lens_PT.reshape(-1), ids, q, pos, k_pages, v_pages)

@@ -66,7 +66,8 @@ class Cache:
         # TPU's.
         self.layout = sharding.layout(mesh, rules[1], param_rules=rules[0])
         platform = runtime.platform(mesh)
-        self.page_format = (paged.pool_format(platform, sc.attention_kernel) if page_format is None else page_format)
+        self.page_format = (paged.pool_format(platform, sc.attention_kernel, sc.attention_kernel_options)
+                            if page_format is None else page_format)
         self.page_size, self.prefix_entries = paged.page_size(sc.page_size, self.page_format), sc.prefix_cache
         rings = [n for n in map(partial(kvcache.ring, cfg), cfg.pattern) if n is not None]
         self.ring = min(rings) if rings else None  # the shortest local window or chunk
