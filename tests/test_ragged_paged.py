@@ -143,7 +143,8 @@ def test_the_attention_kernel_setting_picks_the_tpu_pools_kernel():
                       ([*ragged, "serve.attention_kernel_options=prefech=2"], "'prefech=2' must be KEY=VALUE"),
                       ([*ragged, "serve.attention_kernel_options=prefetch=0"], "'prefetch=0' must be"),
                       ([*ragged, "serve.attention_kernel_options=prefetch=1,prefetch=2"], "'prefetch=2' must be"),
-                      (["serve.attention_kernel_options=prefetch=2"], "set serve.attention_kernel=ragged too")]:
+                      (["serve.attention_kernel=jax", "serve.attention_kernel_options=prefetch=2"],
+                       "set serve.attention_kernel=ragged too")]:
         with pytest.raises(ConfigError, match=says) as e:
             load("quickstart", bad)
         assert "\n" not in str(e.value)
