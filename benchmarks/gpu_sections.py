@@ -511,8 +511,13 @@ def breakdown_of(data, index: dict, steps: int, top: int = 12) -> dict:
         host = [p for p in planes if p.name == "/host:CPU"]
         chosen = [ln for ln in (host[0].lines if host else []) if ln.name.startswith("tf_XLA")]
         source = "jax.profiler trace, XLA:CPU threads (op time summed over threads)"
-    times, texts = collections.Counter(), {}
+    times, texts, categories, stat_names = collections.Counter(), {}, {}, set()
     for ln in chosen:
+        for ev in ln.events:  # a TPU op's category, where the trace names it (a fusion holding a matmul says so)
+            for key, value in ev.stats:
+                stat_names.add(key)
+                if key == "hlo_category" and value:
+                    categories.setdefault(op_of(ev).lstrip("%").partition(" = ")[0], str(value))
         for name, ns in self_times(ln.events).items():
             if not name.startswith(RUNTIME_EVENTS):
                 # A TPU's XLA Ops events are named by the whole instruction ("fusion.405 = bf16[...] fusion(...)")
@@ -525,7 +530,8 @@ def breakdown_of(data, index: dict, steps: int, top: int = 12) -> dict:
     by_kind, by_scope, by_pass = collections.Counter(), collections.Counter(), collections.Counter()
     rows, others = [], []  # the top operations, and the top ones that are not matmuls (what tuning goes after)
     for name, ns in times.most_common():
-        kind, scope, direction = index.get(name, (op_kind(texts[name]) if texts[name] else kernel_kind(name),
+        kind, scope, direction = index.get(name, (category_kind(categories.get(name))
+                                                  or (op_kind(texts[name]) if texts[name] else kernel_kind(name)),
                                                   "unattributed", "?"))
         by_kind[kind] += ns
         by_scope[scope] += ns
@@ -537,7 +543,25 @@ def breakdown_of(data, index: dict, steps: int, top: int = 12) -> dict:
             others.append(dict(row, text=texts[name][:300]))
     ms = lambda c: {k: round(v / 1e6 / steps, 3) for k, v in c.most_common()}  # noqa: E731
     return dict(source=source, ms_per_step=total / 1e6 / steps, top=rows, top_not_matmul=others, by_kind=ms(by_kind),
-                by_scope=ms(by_scope), by_pass=ms(by_pass))
+                by_scope=ms(by_scope), by_pass=ms(by_pass), event_stats=sorted(stat_names)[:40])
+
+
+def category_kind(category: str | None) -> str | None:
+    """The kind of an operation from the trace's own category (a TPU's `hlo_category` stat), None where it has none:
+    without the program's HLO (the serving engine runs several), a fusion's event text does not show the matmul
+    inside it."""
+    if not category:
+        return None
+    c = category.lower()
+    if "convolution" in c or "dot" in c or "matmul" in c:
+        return "matmul"
+    if "custom" in c:
+        return None  # a Pallas kernel: named by its text
+    if "data formatting" in c or "copy" in c or "transpose" in c:
+        return "copy / transpose"
+    if "fusion" in c or "elementwise" in c or "reduce" in c:
+        return "fusion (elementwise, reduce)"
+    return None
 
 
 def cost_breakdown(compiled, why: str) -> dict:

@@ -143,6 +143,17 @@ def test_a_tpu_fusion_holding_a_matmul_is_a_matmul_and_a_pallas_call_its_own_kin
                             "copy / transpose": 5}  # copy.9 is not in the HLO: its kind from the event's text
     assert b["by_scope"] == {"mlp": 70, "attention kernel": 25, "unattributed": 5}
     assert [r["op"] for r in b["top"]] == ["fusion.1", "custom-call.5", "fusion.2", "copy.9"]
+    # Without the program's HLO (the serving engine's round runs several programs) a fusion's text hides its
+    # matmul: the event's own category says it, where the trace has one; the stats seen are listed
+    events = [event("fusion.7 = f32[64,1024]{1,0} fusion(%w, %x), kind=kOutput, calls=%f7", 0, 40 * ms,
+                    hlo_category="convolution fusion"),
+              event("fusion.8 = f32[64]{0} fusion(%y), kind=kLoop", 40 * ms, 10 * ms, hlo_category="loop fusion"),
+              event("fusion.9 = f32[64]{0} fusion(%z), kind=kLoop", 50 * ms, 5 * ms),
+              event("custom-call.3 = (f32[2,512]) custom-call(%q), custom_call_target=\"tpu_custom_call\"", 55 * ms,
+                    20 * ms, hlo_category="custom-call")]
+    b = gpu_sections.breakdown_of(trace(("/device:TPU:0", [("XLA Ops", events)])), {}, steps=1)
+    assert b["by_kind"] == {"matmul": 40, "Pallas kernel (TPU)": 20, "fusion (elementwise, reduce)": 15}
+    assert b["event_stats"] == ["hlo_category"]
 
 
 def test_a_section_that_takes_too_much_host_memory_is_stopped_and_reported(monkeypatch):
