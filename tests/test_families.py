@@ -108,14 +108,19 @@ def init(cfg, seed=0):
     return P.init(param_specs(cfg), jax.random.key(seed), mesh)
 
 
-def test_moe_dispatch_matches_dense_loop_over_tokens():
-    E, K, D, F, M = 5, 2, 8, 12, 40
-    ks = jax.random.split(jax.random.key(0), 5)
+def _uneven_moe_layer(seed: int, E: int, D: int, F: int, M: int):
+    """A mixture-of-experts layer's weights and M tokens [2, M / 2, D], routed unevenly: a constant input feature
+    pushes every token to expert 0 and away from expert 3."""
+    ks = jax.random.split(jax.random.key(seed), 5)
     p = {"router": jax.random.normal(ks[0], (D, E)), "gate": jax.random.normal(ks[1], (E, D, F)) * 0.3,
          "up": jax.random.normal(ks[2], (E, D, F)) * 0.3, "down": jax.random.normal(ks[3], (E, F, D)) * 0.3}
-    # Route unevenly: a constant input feature pushes every token to expert 0 and away from expert 3.
     p["router"] = p["router"].at[0, 0].set(3.0).at[0, 3].set(-10.0)
-    x = jax.random.normal(ks[4], (2, M // 2, D)).at[..., 0].set(3.0)
+    return p, jax.random.normal(ks[4], (2, M // 2, D)).at[..., 0].set(3.0)
+
+
+def test_moe_dispatch_matches_dense_loop_over_tokens():
+    E, K, D, F, M = 5, 2, 8, 12, 40
+    p, x = _uneven_moe_layer(0, E, D, F, M)
     y, stats = moe.moe(x, p, layers.Activation("silu", True), moe.Router(K))
     x_MD, y_MD = np.asarray(x, np.float64).reshape(M, D), np.zeros((M, D))
     w = {k: np.asarray(v, np.float64) for k, v in p.items()}
@@ -140,11 +145,7 @@ def test_moe_dispatch_gradients_equal_a_dense_mixture(weights_input):
     scatters) against every expert run on every token and mixed by the routing weights, differentiated by
     autodiff: the inputs', the router's (through the weights) and each expert's, an idle one included."""
     E, K, D, F, M = 5, 2, 8, 12, 40
-    ks = jax.random.split(jax.random.key(1), 5)
-    p = {"router": jax.random.normal(ks[0], (D, E)), "gate": jax.random.normal(ks[1], (E, D, F)) * 0.3,
-         "up": jax.random.normal(ks[2], (E, D, F)) * 0.3, "down": jax.random.normal(ks[3], (E, F, D)) * 0.3}
-    p["router"] = p["router"].at[0, 0].set(3.0).at[0, 3].set(-10.0)
-    x = jax.random.normal(ks[4], (2, M // 2, D)).at[..., 0].set(3.0)
+    p, x = _uneven_moe_layer(1, E, D, F, M)
     act, router = layers.Activation("silu", True), moe.Router(K, weights_input=weights_input)
     g_y = jax.random.normal(jax.random.key(2), x.shape)
 
