@@ -79,15 +79,14 @@ def test_paged_programs_compiled_for_a_tpu_from_this_host_take_the_tpus_pool_for
     the same process. Before, the pool's padding came from the host's backend while the program was traced (the
     TPU's pool had 8 lanes) and the kernel from a module setting, so the TPU program had no kernel and a program
     traced with one setting was reused under another."""
-    from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
-
+    from jaxlm.model import ragged_paged
     from jaxlm.train import aot
     from jaxlm.serve import programs
 
     tpu = sharding.make_mesh(MeshConfig(), aot.tpu_topology("v5e:1x1", 1))
     cpu = sharding.make_mesh(MeshConfig(), jax.devices()[:1])
-    tpu_format = paged.pool_format(tpu.devices.flat[0].platform)
-    assert tpu_format == paged.PoolFormat(128, paged_attention, paged.TPU_PAGE)
+    tpu_format = paged.pool_format(tpu.devices.flat[0].platform)  # serve.attention_kernel's default: ours
+    assert tpu_format == paged.PoolFormat(128, ragged_paged.Kernel(), paged.TPU_PAGE)
     b, M, NP, A = 4, 4, 32, 16
     for mesh, fmt, lanes, kernel in ((tpu, tpu_format, 128, True), (tpu, tpu_format._replace(kernel=None), 128, False),
                                      (cpu, paged.pool_format(cpu.devices.flat[0].platform), 8, False)):
