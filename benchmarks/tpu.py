@@ -24,7 +24,8 @@ Sections and what they report:
   quant       int8 training against bf16 on maxtext_base's shape, 200 steps of a Markov corpus: speed and loss
   lora        QLoRA (nf4 base) of llama3.1-8b at 1 x 2,048 (and 50 steps on real text), 8,192, 49,152 and 65,536
               tokens, LoRA of llama3.2-3b (bf16 base) at 4 x 2,048, random bases made on the chip: tokens/s, MFU,
-              the chip's peak memory beside the compiler's prediction
+              the chip's peak memory beside the compiler's prediction. JAXLM_BENCH_LORA_ROWS=0,2 runs only those
+              rows; JAXLM_BENCH_LORA_LOSS_STEPS=1:50 trains row 1 that many steps on text too (row 0: 50 unless given)
   vision      a gemma3-4b LoRA SFT step with one 896 x 896 image a row (tower frozen), 2 x 2,048: tokens/s, memory
   moe         a Qwen3-MoE-shaped and a Mixtral-shaped model (fewer layers, bf16 weights and moments), their experts
               by ragged_dot and by megablox (model.moe_matmul), 4 x 2,048 tokens, 10 timed steps of a Markov
