@@ -1,5 +1,5 @@
-"""TPU tier: serving on the chip (`make test-tpu`; docs/tpu.md). The engine's decode steps go through JAX's Pallas
-paged-attention kernel over a pool padded to 128 lanes; the HTTP server itself listens on a unix socket (the TPU
+"""TPU tier: serving on the chip (`make test-tpu`; docs/tpu.md). The engine's decode steps go through our ragged Pallas
+kernel (the default on a TPU) over a pool padded to 128 lanes; the HTTP server itself listens on a unix socket (the TPU
 machine refuses TCP sockets; serve.uds) and the openai client drives it through httpx's UDS transport."""
 
 import concurrent.futures
@@ -9,6 +9,7 @@ import openai
 import pytest
 
 from jaxlm import serve
+from jaxlm.model import ragged_paged
 from jaxlm.infer import api, generate
 from jaxlm.config import DecodeConfig
 
@@ -18,7 +19,7 @@ PROMPTS = ["def main():\n    ", "import sys\n", "class Config:\n    def __init__
 
 
 @pytest.fixture(scope="module")
-def served(tpu, tpu_quickstart_run, tmp_path_factory):
+def served(tpu_quickstart_run, tpu, tmp_path_factory):  # the run first: its CLI process needs the chip free
     run, _ = tpu_quickstart_run
     sock = tmp_path_factory.mktemp("uds") / "jaxlm.sock"
     cfg = serve.settings_config({"serve.uds": str(sock), "serve.max_slots": 16, "serve.model_name": "quickstart"})
@@ -34,7 +35,7 @@ def test_the_engine_decodes_through_the_pallas_kernel_on_a_pool_of_128_lanes(ser
     srv, _, _ = served
     engine = srv.served.engine
     assert engine.kv.page_format.lane == 128 and engine.kv.page_format.kernel is not None
-    assert engine.kv.page_format.kernel.__name__ == "paged_attention", engine.kv.page_format.kernel
+    assert isinstance(engine.kv.page_format.kernel, ragged_paged.Kernel), engine.kv.page_format.kernel  # the default
     assert engine.kv.page_size == 128  # serve.page_size's default on a TPU (paged.TPU_PAGE)
 
 
