@@ -286,8 +286,9 @@ def ragged_paged_attention(q_PCNH, k_pages, v_pages, end_P, ids_PM, q_pos_PC, *,
     """Each row p's queries q_PCNH[p] (at positions q_pos_PC[p], causal) over its keys below end_P[p], found in
     pages ids_PM[p] of k_pages [K, pages, A, Hk] and v_pages [K, pages, A, Hv] (position s in page ids[s // A] at
     offset s % A); queries narrower than Hk are padded with zeros. v_pages None: k_pages is a packed pool, each
-    vector a key and its value side by side (the queries as wide as the keys, zeros over the values' lanes), and
-    the output is the probabilities times the whole vectors, [P, C, N, Hk], its value lanes the caller's to cut. Logits are scaled by `scale`, then soft-capped
+    vector a key (the queries' width H) and its value side by side, so that the padded queries (zeros over the
+    values' lanes) give the logits, and the output is the probabilities times the whole vectors, [P, C, N, Hk],
+    whose value lanes (from H on) the caller keeps. Logits are scaled by `scale`, then soft-capped
     (softcap x tanh(logit / softcap); None: not). A query that sees no key (a row of no keys, a position
     below 0) gives zeros. block_tokens, row_bytes and tile_queries: as BLOCK_TOKENS, ROW_BLOCK_BYTES and
     TILE_QUERIES. Variants (off: the kernel as first written, a loop over kv heads computing whole blocks, one
