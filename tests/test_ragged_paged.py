@@ -218,7 +218,9 @@ def test_a_packed_pool_holds_keys_and_values_in_one_entry_or_says_why_it_cannot(
 
 @pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu is not installed (pip install 'jaxlm[tpu]')")
 @pytest.mark.parametrize("variant", [{}, dict(heads_batched=True, page_steps=True),
-                                     dict(heads_batched=True, page_steps=True, prefetch=3)], ids=["", "hb-ps", "all"])
+                                     dict(heads_batched=True, page_steps=True, prefetch=3), dict(packed=True),
+                                     dict(heads_batched=True, page_steps=True, prefetch=3, packed=True)],
+                         ids=["", "hb-ps", "all", "packed", "all-packed"])
 @pytest.mark.parametrize("P_,C,K,A_,dtype,softcap", [(64, 1, 8, 128, jnp.bfloat16, None),
                                                      (2, 256, 8, 128, jnp.bfloat16, 50.0),
                                                      (8, 1, 1, 16, jnp.float32, 30.0)])
@@ -226,7 +228,8 @@ def test_ragged_kernel_compiles_for_a_tpu(P_, C, K, A_, dtype, softcap, variant)
     """The kernel, and its variants, lowered by Mosaic and compiled for a TPU v5e from this host: the 1B shape's
     decode rows (32 query heads on 8 kv heads of 64 in a pool of 128 lanes, pages of 128), its prefill chunks of
     256 (in tiles of 128; 4 blocks of 1 MiB of keys and values with them need more than Mosaic's default 16 MiB of
-    VMEM: PREFETCH_VMEM_BYTES), and float32 pools of small pages on one kv head."""
+    VMEM: PREFETCH_VMEM_BYTES), and float32 pools of small pages on one kv head; packed (packed_kv), the pool's one
+    entry of keys and values side by side, 64 + 64 lanes."""
     from jaxlm.train import aot
 
     device = aot.tpu_topology("v5e:1x1", 1)[0]
@@ -234,8 +237,10 @@ def test_ragged_kernel_compiles_for_a_tpu(P_, C, K, A_, dtype, softcap, variant)
     spec = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=placed)  # noqa: E731
     M_, NP = 16, 512
     N = 4 * K
-    attend = jax.jit(lambda q, k, v, e, i, p: ragged_paged.ragged_paged_attention(q, k, v, e, i, p, scale=0.125,
-                                                                                  softcap=softcap, **variant))
+    variant = dict(variant)
+    packed = variant.pop("packed", False)
+    attend = jax.jit(lambda q, k, v, e, i, p: ragged_paged.ragged_paged_attention(
+        q, k, None if packed else v, e, i, p, scale=0.125, softcap=softcap, **variant))
     compiled = attend.lower(spec((P_, C, N, 64), dtype), spec((K, NP, A_, 128), dtype),
                             spec((K, NP, A_, 128), dtype), spec((P_,), jnp.int32), spec((P_, M_), jnp.int32),
                             spec((P_, C), jnp.int32)).compile()
@@ -243,13 +248,15 @@ def test_ragged_kernel_compiles_for_a_tpu(P_, C, K, A_, dtype, softcap, variant)
 
 
 @pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu is not installed (pip install 'jaxlm[tpu]')")
-@pytest.mark.parametrize("rows,chunk,table_width", [pytest.param(8, 512, 32, marks=pytest.mark.slow),  # 70 s
-                                                    (64, 1, 128)])
+@pytest.mark.parametrize("rows,chunk,table_width,options", [
+    pytest.param(8, 512, 32, "", marks=pytest.mark.slow),  # 70 s
+    (64, 1, 128, ""), (64, 1, 128, "packed_kv=1")])
 def test_paged_steps_through_the_ragged_kernel_compiled_for_a_tpu_update_the_pool_in_place(rows, chunk,
-                                                                                           table_width):
+                                                                                           table_width, options):
     """The engine's paged programs with serve.attention_kernel=ragged compiled for a TPU v5e from this host (heads
     of 64 in a pool of 128 lanes): a prompt chunk of 512 and a decode step of 64 rows run our kernel and need no
-    pool-sized temporaries (the pool's layers seen as one axis of pages is a view, not a copy)."""
+    pool-sized temporaries (the pool's layers seen as one axis of pages is a view, not a copy); so does the decode
+    step over a packed pool (packed_kv=1), half the padded pool's bytes."""
     from jax.sharding import SingleDeviceSharding
 
     from jaxlm.model import decode
@@ -257,7 +264,7 @@ def test_paged_steps_through_the_ragged_kernel_compiled_for_a_tpu_update_the_poo
     from jaxlm.train import aot
 
     device = aot.tpu_topology("v5e:1x1", 1)[0]
-    fmt = paged.pool_format(device.platform, "ragged")
+    fmt = paged.pool_format(device.platform, "ragged", options)
     cfg = ModelConfig(vocab_size=1024, block_size=2048, n_layers=2, n_heads=12, n_kv_heads=4, d_model=768,
                       d_ff=2048, norm="rmsnorm", glu=True, activation="silu")
 
@@ -274,6 +281,8 @@ def test_paged_steps_through_the_ragged_kernel_compiled_for_a_tpu_update_the_poo
                                             i32(rows, table_width), i32(rows), i32(rows), cfg).compile()
     memory = compiled.memory_analysis()
     pool = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))
+    assert pool == 8192 * 16 * paged.bytes_per_token(cfg, lane=128, packed=bool(options)) == (
+        8192 * 16 * 2 * 4 * 128 * (1 if options else 2) * 4)  # pages x page x layers x kv heads x lanes x float32
     assert memory.alias_size_in_bytes >= pool  # the pool in is the pool out
     assert memory.temp_size_in_bytes < pool / 20, (memory.temp_size_in_bytes, pool)
     assert "ragged_paged_attention" in compiled.as_text()
