@@ -190,11 +190,12 @@ def test_the_attention_kernel_setting_picks_the_tpu_pools_kernel():
         assert "\n" not in str(e.value)
 
 
-def test_a_packed_pool_holds_keys_and_values_in_one_entry_or_says_why_it_cannot():
+def test_a_packed_pool_holds_keys_and_values_in_one_entry_or_says_why_it_cannot(monkeypatch):
     """packed_kv=1: the pool's one entry "kv" a token, a kv head's key and value of 64 side by side in 128 lanes
     (half the padded pool's bytes on a TPU, the same unpadded); an int8 pool, latent attention or heads wider than
     64 are one line saying so."""
-    from jaxlm.serve import packed
+    from jaxlm import runtime
+    from jaxlm.serve import cache_pages, packed
 
     cfg = ModelConfig(vocab_size=50, block_size=64, n_layers=3, n_heads=8, n_kv_heads=2, d_model=512,
                       compute_dtype="bfloat16")  # heads of 64
@@ -206,6 +207,12 @@ def test_a_packed_pool_holds_keys_and_values_in_one_entry_or_says_why_it_cannot(
     assert paged.bytes_per_token(cfg, lane=128) == 2 * paged.bytes_per_token(cfg, lane=128, packed=True)
     assert paged.bytes_per_token(cfg, lane=1) == paged.bytes_per_token(cfg, lane=1, packed=True)
     assert not packed(ServeConfig(attention_kernel_options="packed_kv=1"))  # this host's pool is a CPU's
+    with monkeypatch.context() as tpu:  # a TPU's server fits twice the packed pages in the same memory
+        tpu.setattr(runtime, "platform", lambda *_: "tpu")
+        assert packed(ServeConfig(attention_kernel_options="packed_kv=1"))
+        per_page = 128 * 3 * 2 * 128 * 2  # positions x layers x kv heads x lanes x bytes, keys and values packed
+        assert cache_pages(cfg, ServeConfig(cache_gib=1, attention_kernel_options="packed_kv=1"), 64, False) == \
+            2**30 // per_page and cache_pages(cfg, ServeConfig(cache_gib=1), 64, False) == 2**30 // (2 * per_page)
     wide = ModelConfig(vocab_size=50, block_size=64, n_layers=1, n_heads=4, n_kv_heads=2, d_model=512)  # of 128
     latent = ModelConfig(vocab_size=50, block_size=64, n_layers=1, n_heads=4, n_kv_heads=4, d_model=64,
                          kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
