@@ -256,14 +256,15 @@ def test_ragged_kernel_compiles_for_a_tpu(P_, C, K, A_, dtype, softcap, variant)
 
 @pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu is not installed (pip install 'jaxlm[tpu]')")
 @pytest.mark.parametrize("rows,chunk,table_width,options", [
-    pytest.param(8, 512, 32, "", marks=pytest.mark.slow),  # 70 s
+    pytest.param(8, 512, 32, "", marks=pytest.mark.slow),  # 30-70 s each
+    pytest.param(8, 512, 32, "packed_kv=1", marks=pytest.mark.slow),
     (64, 1, 128, ""), (64, 1, 128, "packed_kv=1")])
 def test_paged_steps_through_the_ragged_kernel_compiled_for_a_tpu_update_the_pool_in_place(rows, chunk,
                                                                                            table_width, options):
     """The engine's paged programs with serve.attention_kernel=ragged compiled for a TPU v5e from this host (heads
     of 64 in a pool of 128 lanes): a prompt chunk of 512 and a decode step of 64 rows run our kernel and need no
-    pool-sized temporaries (the pool's layers seen as one axis of pages is a view, not a copy); so does the decode
-    step over a packed pool (packed_kv=1), half the padded pool's bytes."""
+    pool-sized temporaries (the pool's layers seen as one axis of pages is a view, not a copy); so do both over a
+    packed pool (packed_kv=1), half the padded pool's bytes."""
     from jax.sharding import SingleDeviceSharding
 
     from jaxlm.model import decode
