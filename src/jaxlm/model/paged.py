@@ -192,7 +192,7 @@ def write(arrays: dict, r, new: dict, page_PC: jax.Array, off_PC: jax.Array) -> 
     return out
 
 
-def entry(arrays: dict) -> jax.Array:
+def _keys_entry(arrays: dict) -> jax.Array:
     """A pool's keys [K, R, NP, page, last] (a packed pool's keys and values)."""
     return arrays["kv" if "kv" in arrays else "k"]
 
@@ -320,7 +320,7 @@ def kernel_ragged(kernel: ragged_paged.Kernel, q_PCNH, arrays: dict, r, table_PM
     """Each row's queries (at q_pos_PC, causal) over its keys below end_P by our ragged kernel, the pool's layers
     seen as one axis of pages (repeat r's page i is r NP + i) as in kernel_decode; the output cut to the values'
     width Hv (a packed pool: the values' lanes, past the keys' H). Returns [P, C, N, Hv]."""
-    K, R, NP, A, _ = entry(arrays).shape
+    K, R, NP, A, _ = _keys_entry(arrays).shape
     ids_PM = jnp.clip(table_PM, 0, NP - 1).astype(jnp.int32) + r * NP
     pages = lambda x: x.reshape(K, R * NP, A, x.shape[-1])  # noqa: E731
     k, v = (pages(arrays["kv"]), None) if "kv" in arrays else (pages(arrays["k"]), pages(arrays["v"]))
@@ -372,7 +372,7 @@ def attention(h_PCD, p, cfg: ModelConfig, arrays: dict, r, q_pos_PC, page_PC, of
             out_P1NH = kernel_decode(kernel, q_PCNH, arrays, r, table_PM, end_P, attention_lib.scale(cfg),
                                      cfg.attn_logit_softcap)
             return attention_lib.project_out(out_P1NH, p), arrays
-        K, A = entry(arrays).shape[0], entry(arrays).shape[-2]
+        K, A = _keys_entry(arrays).shape[0], _keys_entry(arrays).shape[-2]
         read = lambda ids: _read_kv(arrays, r, ids, q_PCNH.dtype, widths)  # noqa: E731
         if cfg.latent:  # absorbed: keys [latent, rotary key], values the latents
             def read(ids, plain=read):
