@@ -181,6 +181,10 @@ def test_serve_kernel_entries_carry_the_ragged_kernels_settings_into_their_own_f
     assert ts.kernel_entries(" ragged, ragged:block_tokens=256:heads_batched=1,jax") == [
         ("ragged", "ragged", ""),
         ("ragged_block_tokens_256_heads_batched_1", "ragged", "block_tokens=256,heads_batched=1"), ("jax", "jax", "")]
+    assert ts.kernel_entries("ragged:packed_kv=1,ragged:packed_kv=1:heads_batched=1:page_steps=1:prefetch=2") == [
+        ("ragged_packed_kv_1", "ragged", "packed_kv=1"),
+        ("ragged_packed_kv_1_heads_batched_1_page_steps_1_prefetch_2", "ragged",
+         "packed_kv=1,heads_batched=1,page_steps=1,prefetch=2")]
     for bad, says in [("ragged,raged", "'raged' unknown; choose from jax, ragged, flat"),
                       ("jax:prefetch=2", "only the ragged kernel takes settings"),
                       ("ragged:prefetch=two", "entry 'prefetch=two' must be KEY=VALUE"),

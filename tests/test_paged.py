@@ -13,7 +13,7 @@ import pytest
 
 from jaxlm import params as P, sharding
 from jaxlm.config import MeshConfig, ModelConfig, ServeConfig
-from jaxlm.model import decode, forward, paged, param_specs
+from jaxlm.model import decode, forward, paged, param_specs, ragged_paged
 from jaxlm.serve.pages import PagePool
 from test_generate import TINY_2025
 
@@ -31,6 +31,9 @@ MODELS = {  # grouped-query heads; a sliding window over every layer; Gemma 2's 
 @pytest.mark.parametrize("family,quantize,lane", [
     ("gqa", False, 1), ("sliding", True, 1), ("gemma2", False, 1), ("learned_moe", False, 1),
     ("deepseek_v3", False, 1), ("gqa", False, 128), ("sliding", True, 128), ("deepseek_v3", False, 128),
+    # a packed pool (packed_kv), read in XLA by the local layers and by our kernel (interpret mode) by the global
+    *(pytest.param(family, False, paged.PoolFormat(128, ragged_paged.Kernel(interpret=True, packed_kv=True)),
+                   id=f"{family}-packed") for family in ("sliding", "gemma2")),
     *(pytest.param(*case, marks=pytest.mark.slow)
       for case in (("gpt_oss", False, 1), ("deepseek_v3", True, 1), ("llama4", False, 1), ("gemma3", False, 1)))])
 def test_paged_forward_equals_the_uncached_forward(family, quantize, lane):
@@ -39,12 +42,15 @@ def test_paged_forward_equals_the_uncached_forward(family, quantize, lane):
     six decode steps with the layers unrolled in which one row sits out every other step (length 0: it writes
     and reads nothing), then three tokens at once with every logit (flat, scanned layers). Each gives the logits
     of the uncached forward pass at its positions (int8 within its rounding); the pages no row holds keep their
-    zeros. With lane 128 (what TPUs take) the pool's vectors are padded to 128 wide, to the same logits."""
+    zeros. With lane 128 (what TPUs take) the pool's vectors are padded to 128 wide, to the same logits; packed
+    (a format whose kernel packs a kv head's key and value in one vector), the same."""
     cfg = ModelConfig(**{**dict(vocab_size=50, block_size=64, n_layers=2, n_heads=4, n_kv_heads=2, d_model=32,
                                 sliding_window=8), **MODELS[family]})
     params = P.init(param_specs(cfg), jax.random.key(0), sharding.make_mesh(MeshConfig(), jax.devices()[:1]))
     A, NP, M = 4, 64, 12
-    cache = paged.init(cfg, NP, A, quantize, paged.PoolFormat(lane))
+    fmt = lane if isinstance(lane, paged.PoolFormat) else paged.PoolFormat(lane)
+    cache = paged.init(cfg, NP, A, quantize, fmt)
+    assert ("kv" in cache.kinds[0]) == paged.packs(fmt)
     rng = np.random.default_rng(0)
     lengths = np.asarray([13, 5, 22], np.int32)
     seqs = [rng.integers(0, 50, 40).astype(np.int32) for _ in lengths]

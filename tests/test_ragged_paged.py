@@ -83,6 +83,40 @@ def test_ragged_kernel_gives_the_reference_attention_for_every_row_length(K, C, 
     assert not got[q_pos < 0].any()  # queries at no position
 
 
+def packed_pool(k, v, width: int):
+    """Keys and values [K, pages, A, H] packed as a packed_kv pool keeps them: [k | v] a vector, padded with zeros
+    to `width`."""
+    kv = jnp.concatenate([k, v], -1)
+    return jnp.pad(kv, ((0, 0), (0, 0), (0, 0), (0, width - kv.shape[-1])))
+
+
+@pytest.mark.parametrize("K,C,softcap,dtype,tuning", [
+    *CASES, *(pytest.param(*CASES[i][:4], {**CASES[i][4], **VARIANTS[name][0]}, id=f"{name}-{i}")
+              for name, i in (("batched_pages", 0), ("pages_prefetch", 3)))])
+def test_packed_kernel_gives_the_reference_attention_for_every_row_length(K, C, softcap, dtype, tuning):
+    """A packed pool (packed_kv: a kv head's key and value of 12 side by side in one vector, padded to 32) read by
+    the kernel (v_pages None) for the 41 rows of 0..40 keys: the output's value lanes, 12..23, are the reference's
+    attention over the separate keys and values, the rest zeros, with and without the variants."""
+    rng = np.random.default_rng(K * 100 + C)
+    N, H, Pn = 8, 12, len(LENGTHS)
+    NP = Pn * M + 5
+    k = jnp.asarray(rng.normal(size=(K, NP, A, H)), dtype)
+    v = jnp.asarray(rng.normal(size=(K, NP, A, H)), dtype)
+    q = jnp.asarray(rng.normal(size=(Pn, C, N, H)), dtype)
+    ids = rng.permutation(NP)[:Pn * M].reshape(Pn, M).astype(np.int32)
+    q_pos = LENGTHS[:, None] - C + np.arange(C, dtype=np.int32)
+    q_pos = np.where(q_pos >= 0, q_pos, -1).astype(np.int32)
+    out = ragged_paged.ragged_paged_attention(q, packed_pool(k, v, 32), None, LENGTHS, ids, q_pos, scale=0.3,
+                                              softcap=softcap, interpret=True, **tuning)
+    assert out.shape == (Pn, C, N, 32) and out.dtype == dtype
+    want = reference(q, k, v, LENGTHS, ids, q_pos, 0.3, softcap)
+    got = np.asarray(out.astype(jnp.float32))
+    assert np.abs(want).max() > 0.5
+    np.testing.assert_allclose(got[..., H:2 * H], want, atol=2e-5 if dtype == jnp.float32 else 2e-2, rtol=0)
+    assert not got[..., 2 * H:].any()  # the padding's lanes
+    assert not got[0].any() and not got[q_pos < 0].any()
+
+
 class CountingKernel(ragged_paged.Kernel):
     """The ragged kernel in interpret mode, recording the query tokens of each call it is traced for."""
     calls: list = []
@@ -95,7 +129,8 @@ class CountingKernel(ragged_paged.Kernel):
 def test_the_paged_engine_through_the_ragged_kernel_gives_the_flat_paths_tokens():
     """The paged engine whose prefill chunks and decode steps read pages with our kernel (interpret mode; a pool
     of 16 pages of 4 positions, prompts of 5 and 13 tokens in chunks of 8) generates the flat path's greedy tokens,
-    as does the kernel with its variants on, and both kinds of call went through it."""
+    as does the kernel with its variants on, and with a packed pool (packed_kv: one entry of keys and values), and
+    both kinds of call went through it."""
     from jaxlm.serve.engine import Engine
     from jaxlm.serve.requests import Sequence
 
@@ -103,19 +138,22 @@ def test_the_paged_engine_through_the_ragged_kernel_gives_the_flat_paths_tokens(
     params = P.init(param_specs(cfg), jax.random.key(1), sharding.make_mesh(MeshConfig(), jax.devices()[:1]))
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, 50, n).tolist() for n in (5, 13)]
-    runs = []
+    runs, pools = [], []
     CountingKernel.calls.clear()
     for kernel in (None, CountingKernel(interpret=True, block_tokens=8),  # blocks of 2 pages
-                   CountingKernel(interpret=True, block_tokens=8, heads_batched=True, page_steps=True, prefetch=2)):
+                   CountingKernel(interpret=True, block_tokens=8, heads_batched=True, page_steps=True, prefetch=2),
+                   CountingKernel(interpret=True, block_tokens=8, packed_kv=True)):
         e = Engine(params, cfg, ServeConfig(max_slots=2, max_queue=8, prefill_chunk=8, prefix_cache=0,
                                             decode_steps=1, page_size=4), 48,
                    cache_pages=16, page_format=paged.PoolFormat(kernel=kernel))
         events = e.run([Sequence(p, 8, 0, 0, 1.0, 5 + i, 0, (), None) for i, p in enumerate(prompts)],
                        timeout=300)
         runs.append([[t for ev in evs if ev[0] == "tokens" for t in ev[1]] for evs in events])
+        pools.append({name: a.shape for name, a in e.kv.cache.kinds[0].items()})
     assert 1 in CountingKernel.calls and max(CountingKernel.calls) > 1, CountingKernel.calls
     assert [len(t) for t in runs[0]] == [8] * 2
-    assert runs[1] == runs[0] and runs[2] == runs[0]
+    assert runs[1] == runs[0] and runs[2] == runs[0] and runs[3] == runs[0]
+    assert pools[0] == {"k": (2, 2, 16, 4, 8), "v": (2, 2, 16, 4, 8)} and pools[3] == {"kv": (2, 2, 16, 4, 16)}
 
 
 def test_the_attention_kernel_setting_picks_the_tpu_pools_kernel():
@@ -136,6 +174,8 @@ def test_the_attention_kernel_setting_picks_the_tpu_pools_kernel():
     assert paged.pool_format("tpu", "ragged", "heads_batched=1, prefetch=3,block_tokens=256").kernel == \
         ragged_paged.Kernel(block_tokens=256, heads_batched=True, prefetch=3)
     assert paged.pool_format("tpu", "ragged", "page_steps=0").kernel == ragged_paged.Kernel()
+    assert paged.pool_format("tpu", "ragged", "packed_kv=1,heads_batched=1").kernel == ragged_paged.Kernel(
+        heads_batched=True, packed_kv=True)
     ragged = ["serve.attention_kernel=ragged"]
     assert load("quickstart", [*ragged, "serve.attention_kernel_options=page_steps=1,row_bytes=4096"]
                 ).serve.attention_kernel_options == "page_steps=1,row_bytes=4096"
@@ -150,9 +190,44 @@ def test_the_attention_kernel_setting_picks_the_tpu_pools_kernel():
         assert "\n" not in str(e.value)
 
 
+def test_a_packed_pool_holds_keys_and_values_in_one_entry_or_says_why_it_cannot(monkeypatch):
+    """packed_kv=1: the pool's one entry "kv" a token, a kv head's key and value of 64 side by side in 128 lanes
+    (half the padded pool's bytes on a TPU, the same unpadded); an int8 pool, latent attention or heads wider than
+    64 are one line saying so."""
+    from jaxlm import runtime
+    from jaxlm.serve import cache_pages, packed
+
+    cfg = ModelConfig(vocab_size=50, block_size=64, n_layers=3, n_heads=8, n_kv_heads=2, d_model=512,
+                      compute_dtype="bfloat16")  # heads of 64
+    fmt = paged.pool_format("tpu", "ragged", "packed_kv=1")
+    pool = jax.eval_shape(lambda: paged.init(cfg, 10, 128, fmt=fmt))
+    assert {name: (a.shape, a.dtype) for name, a in pool.kinds[0].items()} == {"kv": ((2, 3, 10, 128, 128),
+                                                                                      jnp.bfloat16)}
+    assert paged.bytes_per_token(cfg, lane=128, packed=True) == 3 * 2 * 128 * 2
+    assert paged.bytes_per_token(cfg, lane=128) == 2 * paged.bytes_per_token(cfg, lane=128, packed=True)
+    assert paged.bytes_per_token(cfg, lane=1) == paged.bytes_per_token(cfg, lane=1, packed=True)
+    assert not packed(ServeConfig(attention_kernel_options="packed_kv=1"))  # this host's pool is a CPU's
+    with monkeypatch.context() as tpu:  # a TPU's server fits twice the packed pages in the same memory
+        tpu.setattr(runtime, "platform", lambda *_: "tpu")
+        assert packed(ServeConfig(attention_kernel_options="packed_kv=1"))
+        per_page = 128 * 3 * 2 * 128 * 2  # positions x layers x kv heads x lanes x bytes, keys and values packed
+        assert cache_pages(cfg, ServeConfig(cache_gib=1, attention_kernel_options="packed_kv=1"), 64, False) == \
+            2**30 // per_page and cache_pages(cfg, ServeConfig(cache_gib=1), 64, False) == 2**30 // (2 * per_page)
+    wide = ModelConfig(vocab_size=50, block_size=64, n_layers=1, n_heads=4, n_kv_heads=2, d_model=512)  # of 128
+    latent = ModelConfig(vocab_size=50, block_size=64, n_layers=1, n_heads=4, n_kv_heads=4, d_model=64,
+                         kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
+    for model, quantize, says in [(wide, False, "keys and values are 128 \\+ 128 lanes wide, more than 128"),
+                                  (cfg, True, "an int8 pool"), (latent, False, "latent attention")]:
+        with pytest.raises(ConfigError, match=f"packed_kv=1 packs .*{says}.*: drop packed_kv") as e:
+            paged.init(model, 4, 16, quantize, fmt)
+        assert "\n" not in str(e.value)
+
+
 @pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu is not installed (pip install 'jaxlm[tpu]')")
 @pytest.mark.parametrize("variant", [{}, dict(heads_batched=True, page_steps=True),
-                                     dict(heads_batched=True, page_steps=True, prefetch=3)], ids=["", "hb-ps", "all"])
+                                     dict(heads_batched=True, page_steps=True, prefetch=3), dict(packed=True),
+                                     dict(heads_batched=True, page_steps=True, prefetch=3, packed=True)],
+                         ids=["", "hb-ps", "all", "packed", "all-packed"])
 @pytest.mark.parametrize("P_,C,K,A_,dtype,softcap", [(64, 1, 8, 128, jnp.bfloat16, None),
                                                      (2, 256, 8, 128, jnp.bfloat16, 50.0),
                                                      (8, 1, 1, 16, jnp.float32, 30.0)])
@@ -160,7 +235,8 @@ def test_ragged_kernel_compiles_for_a_tpu(P_, C, K, A_, dtype, softcap, variant)
     """The kernel, and its variants, lowered by Mosaic and compiled for a TPU v5e from this host: the 1B shape's
     decode rows (32 query heads on 8 kv heads of 64 in a pool of 128 lanes, pages of 128), its prefill chunks of
     256 (in tiles of 128; 4 blocks of 1 MiB of keys and values with them need more than Mosaic's default 16 MiB of
-    VMEM: PREFETCH_VMEM_BYTES), and float32 pools of small pages on one kv head."""
+    VMEM: PREFETCH_VMEM_BYTES), and float32 pools of small pages on one kv head; packed (packed_kv), the pool's one
+    entry of keys and values side by side, 64 + 64 lanes."""
     from jaxlm.train import aot
 
     device = aot.tpu_topology("v5e:1x1", 1)[0]
@@ -168,8 +244,10 @@ def test_ragged_kernel_compiles_for_a_tpu(P_, C, K, A_, dtype, softcap, variant)
     spec = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=placed)  # noqa: E731
     M_, NP = 16, 512
     N = 4 * K
-    attend = jax.jit(lambda q, k, v, e, i, p: ragged_paged.ragged_paged_attention(q, k, v, e, i, p, scale=0.125,
-                                                                                  softcap=softcap, **variant))
+    variant = dict(variant)
+    packed = variant.pop("packed", False)
+    attend = jax.jit(lambda q, k, v, e, i, p: ragged_paged.ragged_paged_attention(
+        q, k, None if packed else v, e, i, p, scale=0.125, softcap=softcap, **variant))
     compiled = attend.lower(spec((P_, C, N, 64), dtype), spec((K, NP, A_, 128), dtype),
                             spec((K, NP, A_, 128), dtype), spec((P_,), jnp.int32), spec((P_, M_), jnp.int32),
                             spec((P_, C), jnp.int32)).compile()
@@ -177,13 +255,16 @@ def test_ragged_kernel_compiles_for_a_tpu(P_, C, K, A_, dtype, softcap, variant)
 
 
 @pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu is not installed (pip install 'jaxlm[tpu]')")
-@pytest.mark.parametrize("rows,chunk,table_width", [pytest.param(8, 512, 32, marks=pytest.mark.slow),  # 70 s
-                                                    (64, 1, 128)])
+@pytest.mark.parametrize("rows,chunk,table_width,options", [
+    pytest.param(8, 512, 32, "", marks=pytest.mark.slow),  # 30-70 s each
+    pytest.param(8, 512, 32, "packed_kv=1", marks=pytest.mark.slow),
+    (64, 1, 128, ""), (64, 1, 128, "packed_kv=1")])
 def test_paged_steps_through_the_ragged_kernel_compiled_for_a_tpu_update_the_pool_in_place(rows, chunk,
-                                                                                           table_width):
+                                                                                           table_width, options):
     """The engine's paged programs with serve.attention_kernel=ragged compiled for a TPU v5e from this host (heads
     of 64 in a pool of 128 lanes): a prompt chunk of 512 and a decode step of 64 rows run our kernel and need no
-    pool-sized temporaries (the pool's layers seen as one axis of pages is a view, not a copy)."""
+    pool-sized temporaries (the pool's layers seen as one axis of pages is a view, not a copy); so do both over a
+    packed pool (packed_kv=1), half the padded pool's bytes."""
     from jax.sharding import SingleDeviceSharding
 
     from jaxlm.model import decode
@@ -191,7 +272,7 @@ def test_paged_steps_through_the_ragged_kernel_compiled_for_a_tpu_update_the_poo
     from jaxlm.train import aot
 
     device = aot.tpu_topology("v5e:1x1", 1)[0]
-    fmt = paged.pool_format(device.platform, "ragged")
+    fmt = paged.pool_format(device.platform, "ragged", options)
     cfg = ModelConfig(vocab_size=1024, block_size=2048, n_layers=2, n_heads=12, n_kv_heads=4, d_model=768,
                       d_ff=2048, norm="rmsnorm", glu=True, activation="silu")
 
@@ -208,6 +289,8 @@ def test_paged_steps_through_the_ragged_kernel_compiled_for_a_tpu_update_the_poo
                                             i32(rows, table_width), i32(rows), i32(rows), cfg).compile()
     memory = compiled.memory_analysis()
     pool = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))
+    assert pool == 8192 * 16 * paged.bytes_per_token(cfg, lane=128, packed=bool(options)) == (
+        8192 * 16 * 2 * 4 * 128 * (1 if options else 2) * 4)  # pages x page x layers x kv heads x lanes x float32
     assert memory.alias_size_in_bytes >= pool  # the pool in is the pool out
     assert memory.temp_size_in_bytes < pool / 20, (memory.temp_size_in_bytes, pool)
     assert "ragged_paged_attention" in compiled.as_text()

@@ -349,7 +349,9 @@ class ServeConfig:
         "", "serve.attention_kernel=ragged: the kernel's settings as KEY=VALUE,... (docs/serve.md, \"The paged KV "
             "cache\"): block_tokens (keys a block reads, 512), row_bytes (queries a program takes, 1048576), "
             "heads_batched=1 (a row's kv heads in one batched product), page_steps=1 (compute a page at a time, "
-            "only the pages a row has), prefetch (blocks read ahead, 1); '' = the defaults")
+            "only the pages a row has), prefetch (blocks read ahead, 1), packed_kv=1 (a kv head's key and value "
+            "in one vector of 128 lanes: no padding for heads of 64; heads of at most 64, no int8 cache, no latent "
+            "attention); '' = the defaults")
     cache_gib: float = _f(0.0, "memory of the paged KV cache's pages, GiB; 0 = as much as gives every slot the "
                                "whole context, at most 4 GiB on a CPU and 80% of the free memory on an "
                                "accelerator", rule=at_least(0, "0 = automatic"))

@@ -4,6 +4,8 @@ entry j's pool keeps a token's entry (*lead, last) as [*lead, R_j, NP, page, las
 position. `attention` reads a row's pages `rows` (prefill chunks: gathered per row), `flat` (a few queries per
 row: the rows' pages listed one after another, an online softmax per row) or by a TPU kernel, JAX's for decode
 (`kernel_decode`) or ours for any rows (`kernel_ragged`), as the pool's format says (PoolFormat; docs/serve.md).
+A packed pool (ours with packed_kv) keeps a token's key and value of a kv head as one entry "kv", (K, Hk + Hv):
+heads of 64 fill a TPU's 128 lanes with no padding; every reader here reads it.
 
 Shape legend: P rows (sequences) of a call, C tokens per row, T = tokens, R repeats of an entry, NP pages,
 M pages per row in the table, F pages listed flat, K kv heads, G query heads per kv head, N = K G, H head
@@ -19,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxlm import runtime, sharding
-from jaxlm.config import ModelConfig, kernel_options as parse_kernel_options
+from jaxlm.config import ConfigError, ModelConfig, kernel_options as parse_kernel_options
 from jaxlm.model import attention as attention_lib
 from jaxlm.model import kvcache, latent, layers, ragged_paged
 
@@ -29,6 +31,7 @@ PAGE_BLOCK_TOKENS = 1024  # keys a step of the flat path's loop reads (64 pages 
 PAGE_BLOCK_TOKENS_PER_ROW = 256
 FLAT_MAX_QUERIES = 16  # rows of up to this many tokens read their pages flat, longer ones by rows
 KERNEL_BLOCK_TOKENS = 256  # keys of a row the kernel reads per block (pages_per_compute_block x page_size at most)
+PACKED_LANES = 128  # a packed pool's key and value together at most: a TPU vector register's lanes
 
 
 class PoolFormat(NamedTuple):
@@ -75,6 +78,11 @@ def pool_format(platform: str, attention_kernel: str = "ragged", kernel_options:
     return PoolFormat(lanes(platform), paged_attention, TPU_PAGE)
 
 
+def packs(fmt: PoolFormat | None) -> bool:
+    """Whether a pool of format `fmt` packs keys and values in one entry (our kernel with packed_kv)."""
+    return fmt is not None and isinstance(fmt.kernel, ragged_paged.Kernel) and fmt.kernel.packed_kv
+
+
 def page_size(setting: int, fmt: PoolFormat | None = None) -> int:
     """serve.page_size as a pool of format `fmt` takes it (None: this process's default devices'): -1, the default,
     is the format's page (TPU_PAGE on a TPU, 16 elsewhere); 0 (the slot cache) and sizes given stay."""
@@ -99,9 +107,20 @@ class PagedCache:
         return next(iter(self.kinds[0].values())).shape[-2]
 
 
-def entry_specs(cfg: ModelConfig, quantize: bool = False) -> tuple[dict, ...]:
-    """Per pattern entry: {entry name: (trailing shape per token, dtype)}."""
+def entry_specs(cfg: ModelConfig, quantize: bool = False, packed: bool = False) -> tuple[dict, ...]:
+    """Per pattern entry: {entry name: (trailing shape per token, dtype)}; `packed`, keys and values in one entry
+    "kv" (a ConfigError where it cannot be: an int8 pool, latent attention, keys and values of more than
+    PACKED_LANES together)."""
     K, Hk, Hv = kvcache.widths(cfg)
+    if packed:
+        why = ("an int8 pool (decode.quantize_kv_cache) keeps its scales apart" if quantize else
+               "latent attention's pool is one latent a token" if cfg.latent else
+               f"this model's keys and values are {Hk} + {Hv} lanes wide, more than {PACKED_LANES} together (heads "
+               f"of at most {PACKED_LANES // 2})" if Hk + Hv > PACKED_LANES else None)
+        if why:
+            raise ConfigError(f"serve.attention_kernel_options packed_kv=1 packs a kv head's key and value in one "
+                              f"vector of {PACKED_LANES} lanes, and {why}: drop packed_kv")
+        return tuple({"kv": ((K, Hk + Hv), jnp.dtype(cfg.compute_dtype))} for _ in cfg.pattern)
     if quantize:
         spec = {"k": ((K, Hk), jnp.int8), "v": ((K, Hv), jnp.int8), "k_scale": ((K,), jnp.float32),
                 "v_scale": ((K,), jnp.float32)}
@@ -126,18 +145,18 @@ def pool_shape(trailing: tuple[int, ...], layers: int, pages: int, page_size: in
 def init(cfg: ModelConfig, pages: int, page_size: int, quantize: bool = False, fmt: PoolFormat = PoolFormat()
          ) -> PagedCache:
     """A pool of `pages` pages of page_size tokens each (zeros: a page's contents matter only once written), of
-    format `fmt` (default: unpadded, no kernel)."""
+    format `fmt` (default: unpadded, no kernel; packed where packs(fmt))."""
     return PagedCache(tuple({name: jnp.zeros(pool_shape(shape, repeats(cfg, j), pages, page_size, fmt.lane), dt)
                              for name, (shape, dt) in spec.items()}
-                            for j, spec in enumerate(entry_specs(cfg, quantize))), fmt.kernel)
+                            for j, spec in enumerate(entry_specs(cfg, quantize, packs(fmt)))), fmt.kernel)
 
 
-def bytes_per_token(cfg: ModelConfig, quantize: bool = False, lane: int | None = None) -> int:
+def bytes_per_token(cfg: ModelConfig, quantize: bool = False, lane: int | None = None, packed: bool = False) -> int:
     """Pool bytes one token's entries take over all layers (vectors padded as init pads them to `lane`; None: as on
-    this process's default devices, where the server sizes its pool)."""
+    this process's default devices, where the server sizes its pool; `packed`: keys and values in one entry)."""
     lane = lanes(runtime.platform()) if lane is None else lane
     total = 0
-    for j, spec in enumerate(entry_specs(cfg, quantize)):
+    for j, spec in enumerate(entry_specs(cfg, quantize, packed)):
         for shape, dt in spec.values():
             n = 1
             for d in pool_shape(shape, 1, 1, 1, lane):
@@ -147,7 +166,10 @@ def bytes_per_token(cfg: ModelConfig, quantize: bool = False, lane: int | None =
 
 
 def entries(k_PCKH: jax.Array, v_PCKH: jax.Array, arrays: dict) -> dict:
-    """The per-token entries [P, C, *trailing] for the pool `arrays` (int8 with scales when it holds scales)."""
+    """The per-token entries [P, C, *trailing] for the pool `arrays` (int8 with scales when it holds scales; keys
+    and values side by side, written by one scatter, when it is packed)."""
+    if "kv" in arrays:
+        return {"kv": jnp.concatenate([k_PCKH, v_PCKH.astype(k_PCKH.dtype)], -1)}
     if "k_scale" in arrays:
         (k, k_scale), (v, v_scale) = kvcache.quantize(k_PCKH), kvcache.quantize(v_PCKH)
         return {"k": k, "v": v, "k_scale": k_scale, "v_scale": v_scale}
@@ -170,20 +192,32 @@ def write(arrays: dict, r, new: dict, page_PC: jax.Array, off_PC: jax.Array) -> 
     return out
 
 
+def _keys_entry(arrays: dict) -> jax.Array:
+    """A pool's keys [K, R, NP, page, last] (a packed pool's keys and values)."""
+    return arrays["kv" if "kv" in arrays else "k"]
+
+
 def _read_kv(arrays: dict, r, ids: jax.Array, dtype, widths: tuple[int, int]) -> tuple[jax.Array, jax.Array]:
     """k and v of pages `ids` [...] of repeat r: [..., K, page, H] in dtype (int8 read with its scales), H the
-    entries' own widths (Hk, Hv) without the pool's padding."""
-    def one(name, width):
+    entries' own widths (Hk, Hv) without the pool's padding (a packed pool's pages read once, then split)."""
+    def one(name):
         pool = arrays[name]
         lead = pool.ndim - 4
-        x = pool.at[(slice(None),) * lead + (r, ids)].get(mode="clip")[..., :width]  # [*lead, ..., page, H]
-        x = jnp.moveaxis(x, tuple(range(lead)), tuple(range(x.ndim - 2 - lead, x.ndim - 2)))
+        x = pool.at[(slice(None),) * lead + (r, ids)].get(mode="clip")  # [*lead, ..., page, last]
+        return jnp.moveaxis(x, tuple(range(lead)), tuple(range(x.ndim - 2 - lead, x.ndim - 2)))
+
+    if "kv" in arrays:
+        x = one("kv")
+        return x[..., :widths[0]].astype(dtype), x[..., widths[0]:sum(widths)].astype(dtype)
+
+    def scaled(name, width):
+        x = one(name)[..., :width]
         if f"{name}_scale" in arrays:
             scale = arrays[f"{name}_scale"].at[r, ids].get(mode="clip")  # [..., page, K]
             return (x.astype(jnp.float32) * jnp.swapaxes(scale, -1, -2)[..., None]).astype(dtype)
         return x.astype(dtype)
 
-    return one("k", widths[0]), one("v", widths[1])
+    return scaled("k", widths[0]), scaled("v", widths[1])
 
 
 def gather_rows(arrays: dict, r, table_PM, end_P, dtype, widths: tuple[int, int]):
@@ -278,19 +312,21 @@ def decode_kernel(kernel: Callable | None, arrays: dict, C: int, window, chunk, 
         return None
     if isinstance(kernel, ragged_paged.Kernel):
         return kernel
-    return kernel if C == 1 and arrays["k"].shape[-1] == arrays["v"].shape[-1] else None
+    return kernel if C == 1 and "k" in arrays and arrays["k"].shape[-1] == arrays["v"].shape[-1] else None
 
 
 def kernel_ragged(kernel: ragged_paged.Kernel, q_PCNH, arrays: dict, r, table_PM, end_P, q_pos_PC, scale: float,
                   softcap, Hv: int) -> jax.Array:
     """Each row's queries (at q_pos_PC, causal) over its keys below end_P by our ragged kernel, the pool's layers
     seen as one axis of pages (repeat r's page i is r NP + i) as in kernel_decode; the output cut to the values'
-    width Hv. Returns [P, C, N, Hv]."""
-    K, R, NP, A, _ = arrays["k"].shape
+    width Hv (a packed pool: the values' lanes, past the keys' H). Returns [P, C, N, Hv]."""
+    K, R, NP, A, _ = _keys_entry(arrays).shape
     ids_PM = jnp.clip(table_PM, 0, NP - 1).astype(jnp.int32) + r * NP
-    k, v = (arrays[name].reshape(K, R * NP, A, arrays[name].shape[-1]) for name in ("k", "v"))
+    pages = lambda x: x.reshape(K, R * NP, A, x.shape[-1])  # noqa: E731
+    k, v = (pages(arrays["kv"]), None) if "kv" in arrays else (pages(arrays["k"]), pages(arrays["v"]))
     out_PCNH = kernel(q_PCNH, k, v, end_P, ids_PM, q_pos_PC, scale=scale, softcap=softcap)
-    return out_PCNH[..., :Hv]
+    start = q_PCNH.shape[-1] if v is None else 0
+    return out_PCNH[..., start:start + Hv]
 
 
 def kernel_decode(kernel, q_P1NH, arrays: dict, r, table_PM, end_P, scale: float, softcap) -> jax.Array:
@@ -336,8 +372,7 @@ def attention(h_PCD, p, cfg: ModelConfig, arrays: dict, r, q_pos_PC, page_PC, of
             out_P1NH = kernel_decode(kernel, q_PCNH, arrays, r, table_PM, end_P, attention_lib.scale(cfg),
                                      cfg.attn_logit_softcap)
             return attention_lib.project_out(out_P1NH, p), arrays
-        A = arrays["k"].shape[-2]
-        K = arrays["k"].shape[0]
+        K, A = _keys_entry(arrays).shape[0], _keys_entry(arrays).shape[-2]
         read = lambda ids: _read_kv(arrays, r, ids, q_PCNH.dtype, widths)  # noqa: E731
         if cfg.latent:  # absorbed: keys [latent, rotary key], values the latents
             def read(ids, plain=read):

@@ -5,6 +5,10 @@ time, one DMA per page for all kv heads, double-buffered; every query head of a 
 the tile is computed against that one load, the softmax carried across blocks in float32 (variants, off by
 default, to time on a chip: kv heads batched, a page at a time, deeper prefetch). It does the scale and the logit
 soft-cap; windows, chunks, sinks, int8 pools, latent attention and meshes keep the flat path (docs/serve.md).
+A packed pool (`packed_kv`) holds a position's key and value of a kv head side by side in one vector, [k | v]: one
+DMA a page brings both, and heads of 64 fill the 128 lanes with no padding; the queries, zero over the values'
+lanes, dotted with it give the logits, and the probabilities times it give [p k | p v], whose value lanes the
+caller keeps.
 
 Shape legend: P rows, C query tokens a row, N query heads, K kv heads, G = N / K, H head width (the pool's,
 padded to lanes), A tokens a page, M pages a row's table, T query tiles a row, Q = G x (query tokens a tile).
@@ -36,16 +40,19 @@ class Kernel(NamedTuple):
     """The ragged kernel as a pool's format carries it (paged.PoolFormat.kernel; hashable: a compiled program's
     static argument): `interpret` runs it in Pallas' TPU interpret mode (CPU tests); `block_tokens` and
     `row_bytes` as BLOCK_TOKENS and ROW_BLOCK_BYTES; the variants, each off by default (the kernel as first
-    written), as ragged_paged_attention's arguments: `heads_batched`, `page_steps`, `prefetch`
-    (serve.attention_kernel_options sets all but `interpret`: config.kernel_options)."""
+    written), as ragged_paged_attention's arguments: `heads_batched`, `page_steps`, `prefetch`; `packed_kv`, the
+    pool's keys and values packed in one entry (model/paged.py lays the pool out so and calls the kernel with
+    v_pages None) (serve.attention_kernel_options sets all but `interpret`: config.kernel_options)."""
     interpret: bool = False
     block_tokens: int = BLOCK_TOKENS
     heads_batched: bool = False
     page_steps: bool = False
     prefetch: int = 1
     row_bytes: int = ROW_BLOCK_BYTES
+    packed_kv: bool = False
 
     def __call__(self, q_PCNH, k_pages, v_pages, end_P, ids_PM, q_pos_PC, *, scale: float, softcap=None):
+        """ragged_paged_attention with this kernel's settings (v_pages None: a packed pool)."""
         return ragged_paged_attention(q_PCNH, k_pages, v_pages, end_P, ids_PM, q_pos_PC, scale=scale,
                                       softcap=softcap, block_tokens=self.block_tokens, row_bytes=self.row_bytes,
                                       heads_batched=self.heads_batched, page_steps=self.page_steps,
@@ -63,7 +70,8 @@ def _tiles(C: int, G: int, tile_queries: int) -> tuple[int, int]:
 
 def _dmas(lens_ref, ids_ref, k_hbm, v_hbm, kbuf, vbuf, sems, *, rows: int, tiles: int, M: int):
     """The program's (length, start, wait): length(i), the keys row i's tile reads; start(i, blk, slot) and
-    wait(i, blk, slot), of the copies of row i's block blk into kbuf and vbuf's slot."""
+    wait(i, blk, slot), of the copies of row i's block blk into kbuf and vbuf's slot (v_hbm None, a packed pool:
+    into kbuf only)."""
     b, t = pl.program_id(0), pl.program_id(1)
     Bp, A = kbuf.shape[2:4]
 
@@ -78,23 +86,25 @@ def _dmas(lens_ref, ids_ref, k_hbm, v_hbm, kbuf, vbuf, sems, *, rows: int, tiles
         for j in range(Bp):
             page = blk * Bp + j
             pid = ids_ref[(b * rows + i) * M + jnp.minimum(page, M - 1)]
-            out.append((page < pages, pltpu.make_async_copy(k_hbm.at[:, pid], kbuf.at[slot, :, j], sems.at[0, slot]),
-                        pltpu.make_async_copy(v_hbm.at[:, pid], vbuf.at[slot, :, j], sems.at[1, slot])))
+            made = [pltpu.make_async_copy(k_hbm.at[:, pid], kbuf.at[slot, :, j], sems.at[0, slot])]
+            if v_hbm is not None:
+                made.append(pltpu.make_async_copy(v_hbm.at[:, pid], vbuf.at[slot, :, j], sems.at[1, slot]))
+            out.append((page < pages, made))
         return out
 
     def start(i, blk, slot):
-        for made, ck, cv in copies(i, blk, slot):
+        for made, dmas in copies(i, blk, slot):
             @pl.when(made)
             def _():
-                ck.start()
-                cv.start()
+                for dma in dmas:
+                    dma.start()
 
     def wait(i, blk, slot):
-        for made, ck, cv in copies(i, blk, slot):
+        for made, dmas in copies(i, blk, slot):
             @pl.when(made)
             def _():
-                ck.wait()
-                cv.wait()
+                for dma in dmas:
+                    dma.wait()
 
     return length, start, wait
 
@@ -120,19 +130,32 @@ def _online(m_ref, l_ref, acc_ref, h, q, k, v, ok, batched: bool, *, scale: floa
     m_ref[h] = m_new
 
 
-def _kernel(lens_ref, ids_ref, q_ref, pos_ref, k_hbm, v_hbm, o_ref, kbuf, vbuf, sems, m_ref, l_ref, acc_ref, *,
-            scale: float, softcap, rows: int, tiles: int, M: int, heads_batched: bool = False,
-            page_steps: bool = False):
+def _kernel(lens_ref, ids_ref, q_ref, pos_ref, *refs, scale: float, softcap, rows: int, tiles: int, M: int,
+            heads_batched: bool = False, page_steps: bool = False, packed: bool = False):
     """One program: `rows` rows' tile t of queries q_ref [rows, 1, K, Q, H] (positions pos_ref [rows, 1, Q, 1])
-    over their pages; lens_ref [P T] (keys each row's tile reads) and ids_ref [P M] (pages) in SMEM. kbuf and
-    vbuf hold S blocks: S - 1 are read ahead (2: the double buffer). heads_batched and page_steps: as
+    over their pages; lens_ref [P T] (keys each row's tile reads) and ids_ref [P M] (pages) in SMEM. refs: the
+    pools k_hbm and v_hbm, the output o_ref, the buffers kbuf and vbuf of S blocks (S - 1 read ahead; 2: the
+    double buffer), the DMA semaphores and the softmax's state m_ref, l_ref and acc_ref; packed (a packed pool):
+    no v_hbm nor vbuf, the values read from the keys' vectors. heads_batched and page_steps: as
     ragged_paged_attention's."""
+    if packed:
+        k_hbm, o_ref, kbuf, sems, m_ref, l_ref, acc_ref = refs
+        v_hbm = vbuf = None
+    else:
+        k_hbm, v_hbm, o_ref, kbuf, vbuf, sems, m_ref, l_ref, acc_ref = refs
     length, start, wait = _dmas(lens_ref, ids_ref, k_hbm, v_hbm, kbuf, vbuf, sems, rows=rows, tiles=tiles, M=M)
-    S, K, Bp, A, _ = kbuf.shape
+    S, K, Bp, A, Hk = kbuf.shape
+    Hv = Hk if packed else vbuf.shape[-1]
     BA = Bp * A
     Q = q_ref.shape[3]
 
-    online = functools.partial(_online, m_ref, l_ref, acc_ref, scale=scale, softcap=softcap)
+    def online(h, q, at, ok, batched):
+        """_online over the keys and values of kbuf[at] (and vbuf[at]), reshaped to [.., keys, width]."""
+        k = kbuf[at]
+        v = k if packed else vbuf[at]
+        lead = (K,) if batched else ()
+        k, v = k.reshape(*lead, -1, Hk), v.reshape(*lead, -1, Hv)
+        _online(m_ref, l_ref, acc_ref, h, q, k, v, ok, batched, scale=scale, softcap=softcap)
 
     def compute(i, blk, slot):
         n = length(i)
@@ -141,10 +164,10 @@ def _kernel(lens_ref, ids_ref, q_ref, pos_ref, k_hbm, v_hbm, o_ref, kbuf, vbuf, 
                 k_pos = blk * BA + j * A + jax.lax.broadcasted_iota(jnp.int32, (Q, A), 1)
                 ok = (k_pos < n) & (k_pos <= pos_ref[i, 0])
                 if heads_batched:
-                    online(slice(None), q_ref[i, 0], kbuf[slot, :, j], vbuf[slot, :, j], ok, True)
+                    online(slice(None), q_ref[i, 0], (slot, slice(None), j), ok, True)
                 else:
                     for h in range(K):
-                        online(h, q_ref[i, 0, h], kbuf[slot, h, j], vbuf[slot, h, j], ok, False)
+                        online(h, q_ref[i, 0, h], (slot, h, j), ok, False)
                 return carry
 
             pages = jnp.clip(jax.lax.div(n + A - 1, A) - blk * Bp, 0, Bp)
@@ -153,14 +176,10 @@ def _kernel(lens_ref, ids_ref, q_ref, pos_ref, k_hbm, v_hbm, o_ref, kbuf, vbuf, 
         k_pos = blk * BA + jax.lax.broadcasted_iota(jnp.int32, (Q, BA), 1)
         ok = (k_pos < n) & (k_pos <= pos_ref[i, 0])
         if heads_batched:
-            online(slice(None), q_ref[i, 0], kbuf[slot].reshape(K, BA, k_hbm.shape[-1]),
-                   vbuf[slot].reshape(K, BA, v_hbm.shape[-1]), ok, True)
+            online(slice(None), q_ref[i, 0], (slot,), ok, True)
             return
         for h in range(K):
-            q = q_ref[i, 0, h]
-            k = kbuf[slot, h].reshape(BA, k_hbm.shape[-1])
-            v = vbuf[slot, h].reshape(BA, v_hbm.shape[-1])
-            online(h, q, k, v, ok, False)
+            online(h, q_ref[i, 0, h], (slot, h), ok, False)
 
     def blocks_of(n):
         return jnp.maximum(jax.lax.div(n + BA - 1, BA), 1)  # a row of no keys still takes (and passes on) a step
@@ -179,7 +198,8 @@ def _kernel(lens_ref, ids_ref, q_ref, pos_ref, k_hbm, v_hbm, o_ref, kbuf, vbuf, 
 
     # pages past a row's length are not copied: their buffer keeps what it held, which must be finite (p = 0
     # there, and 0 x NaN is NaN)
-    vbuf[...] = jnp.zeros(vbuf.shape, vbuf.dtype)
+    values = kbuf if packed else vbuf
+    values[...] = jnp.zeros(values.shape, values.dtype)
     if S > 2:
         _pipeline(rows, S, length, blocks_of, start, wait, compute, finish, reset)
         return
@@ -265,7 +285,10 @@ def ragged_paged_attention(q_PCNH, k_pages, v_pages, end_P, ids_PM, q_pos_PC, *,
                            prefetch: int = 1, interpret: bool = False) -> jax.Array:
     """Each row p's queries q_PCNH[p] (at positions q_pos_PC[p], causal) over its keys below end_P[p], found in
     pages ids_PM[p] of k_pages [K, pages, A, Hk] and v_pages [K, pages, A, Hv] (position s in page ids[s // A] at
-    offset s % A); queries narrower than Hk are padded with zeros. Logits are scaled by `scale`, then soft-capped
+    offset s % A); queries narrower than Hk are padded with zeros. v_pages None: k_pages is a packed pool, each
+    vector a key (the queries' width H) and its value side by side, so that the padded queries (zeros over the
+    values' lanes) give the logits, and the output is the probabilities times the whole vectors, [P, C, N, Hk],
+    whose value lanes (from H on) the caller keeps. Logits are scaled by `scale`, then soft-capped
     (softcap x tanh(logit / softcap); None: not). A query that sees no key (a row of no keys, a position
     below 0) gives zeros. block_tokens, row_bytes and tile_queries: as BLOCK_TOKENS, ROW_BLOCK_BYTES and
     TILE_QUERIES. Variants (off: the kernel as first written, a loop over kv heads computing whole blocks, one
@@ -278,7 +301,8 @@ def ragged_paged_attention(q_PCNH, k_pages, v_pages, end_P, ids_PM, q_pos_PC, *,
         raise ValueError(f"prefetch={prefetch} must be >= 1")
     P, C, N, H = q_PCNH.shape
     K, _, A, Hk = k_pages.shape
-    Hv, M, G = v_pages.shape[-1], ids_PM.shape[1], N // K
+    packed = v_pages is None
+    Hv, M, G = Hk if packed else v_pages.shape[-1], ids_PM.shape[1], N // K
     Bp = max(1, min(M, block_tokens // A))
     Ct, T = _tiles(C, G, tile_queries)
     Q = G * Ct
@@ -297,7 +321,8 @@ def ragged_paged_attention(q_PCNH, k_pages, v_pages, end_P, ids_PM, q_pos_PC, *,
 
     heads_batched = heads_batched and K * Q * (A if page_steps else Bp * A) * 4 <= BATCHED_SCORE_BYTES
     vmem = dict(vmem_limit_bytes=PREFETCH_VMEM_BYTES) if prefetch > 1 else {}
-    variants = {k: v for k, v in dict(heads_batched=heads_batched, page_steps=page_steps).items() if v}
+    variants = {k: v for k, v in dict(heads_batched=heads_batched, page_steps=page_steps, packed=packed).items()
+                if v}
     kernel = functools.partial(_kernel, scale=float(scale), softcap=None if softcap is None else float(softcap),
                                rows=rows, tiles=T, M=M, **variants)
     out = pl.pallas_call(
@@ -307,18 +332,17 @@ def ragged_paged_attention(q_PCNH, k_pages, v_pages, end_P, ids_PM, q_pos_PC, *,
             grid=(Pp // rows, T),
             in_specs=[pl.BlockSpec((rows, 1, K, Q, Hk), lambda b, t, *_: (b, t, 0, 0, 0)),
                       pl.BlockSpec((rows, 1, Q, 1), lambda b, t, *_: (b, t, 0, 0)),
-                      pl.BlockSpec(memory_space=pl.ANY),
-                      pl.BlockSpec(memory_space=pl.ANY)],
+                      *[pl.BlockSpec(memory_space=pl.ANY)] * (1 if packed else 2)],
             out_specs=pl.BlockSpec((rows, 1, K, Q, Hv), lambda b, t, *_: (b, t, 0, 0, 0)),
             scratch_shapes=[pltpu.VMEM((prefetch + 1, K, Bp, A, Hk), dt),
-                            pltpu.VMEM((prefetch + 1, K, Bp, A, Hv), v_pages.dtype),
-                            pltpu.SemaphoreType.DMA((2, prefetch + 1)),
+                            *([] if packed else [pltpu.VMEM((prefetch + 1, K, Bp, A, Hv), v_pages.dtype)]),
+                            pltpu.SemaphoreType.DMA((1 if packed else 2, prefetch + 1)),
                             pltpu.VMEM((K, Q, 1), jnp.float32), pltpu.VMEM((K, Q, 1), jnp.float32),
                             pltpu.VMEM((K, Q, Hv), jnp.float32)]),
         out_shape=jax.ShapeDtypeStruct((Pp, T, K, Q, Hv), q_PCNH.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel"), **vmem),
         interpret=pltpu.InterpretParams() if interpret else False,
         name="ragged_paged_attention",
-    )(lens_PT.reshape(-1), ids, q, pos, k_pages, v_pages)
+    )(lens_PT.reshape(-1), ids, q, pos, *((k_pages,) if packed else (k_pages, v_pages)))
     out = out.reshape(Pp, T, K, G, Ct, Hv).transpose(0, 1, 4, 2, 3, 5).reshape(Pp, T * Ct, N, Hv)
     return out[:P, :C]

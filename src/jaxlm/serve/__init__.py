@@ -109,7 +109,7 @@ def build(src: str | Path, cfg: Config, log: Callable[[str], None] = print):
                     sc.max_tokenize_chars, *image_serving(model, tok, sc, draft), ui=sc.ui)
     replicas = f" in {R} replicas" if R > 1 else ""
     if sc.page_size:
-        per_page = paged.bytes_per_token(m, d.quantize_kv_cache) * sc.page_size
+        per_page = paged.bytes_per_token(m, d.quantize_kv_cache, packed=packed(sc)) * sc.page_size
         cache = (f"KV cache of {pages * R} pages of {sc.page_size} positions ({pages * R * per_page / 2**30:.2f} "
                  f"GiB, {pages * R * sc.page_size} positions)")
     else:
@@ -168,6 +168,12 @@ CPU_CACHE_GIB = 4.0  # the paged cache's memory on a CPU by default (vLLM's CPU 
 ACCELERATOR_CACHE_FRACTION = 0.8  # of an accelerator's free memory, by default
 
 
+def packed(sc) -> bool:
+    """Whether the pool of this process's default devices packs keys and values (serve.attention_kernel_options
+    packed_kv=1 with our kernel on a TPU): its bytes a token are then the packed entry's."""
+    return paged.packs(paged.pool_format(runtime.platform(), sc.attention_kernel, sc.attention_kernel_options))
+
+
 def cache_pages(m, sc, length: int, quantize: bool) -> int:
     """Pages of the paged KV cache: serve.cache_gib of them, or by default as many as give each of
     serve.max_slots the whole context (the slot cache's memory), at most CPU_CACHE_GIB on a CPU and
@@ -175,7 +181,7 @@ def cache_pages(m, sc, length: int, quantize: bool) -> int:
     import jax
 
     sc = dataclasses.replace(sc, page_size=paged.page_size(sc.page_size))  # -1: the default devices' page
-    per_page = paged.bytes_per_token(m, quantize) * sc.page_size
+    per_page = paged.bytes_per_token(m, quantize, packed=packed(sc)) * sc.page_size
     if sc.cache_gib:
         return max(1, int(sc.cache_gib * 2**30 // per_page))
     pages = sc.max_slots * -(-length // sc.page_size)
