@@ -15,8 +15,10 @@ prompt + new positions: generate over its slot cache (one segment of prompt + ne
 paged pool (pages of the kernel's format). The compiler's cost analysis counts a while loop's body once, so
 `GFLOP` and `GB accessed` are one step plus what a call does once. The loop body's instructions are grouped
 by what they do, with the compiler's estimated cycles (none for custom calls: the Pallas kernel, or for
-scatters), the bytes of their results and, for the cache writes, how many vectors a step scatters; then the
-call's own instructions outside the loop.
+scatters), the bytes of their results (a scatter's: what it writes) and, for the cache writes, how many vectors
+a step scatters; then the call's own instructions outside the loop (a loop of the call's, as the row-by-row
+scatter of logits, counted over its trips). Estimated cycles compare across programs only roughly: where XLA
+prefetches a weight into VMEM (an async copy, not estimated) its matmul's estimate leaves the weight's read out.
 """
 
 from __future__ import annotations
@@ -74,21 +76,25 @@ def instructions(lines: list[str], comps: dict) -> list[dict]:
         fused = comps.get(calls[1], []) if calls else []
         kinds = {k for k in (re.match(r"\s*(?:ROOT )?%\S+ = .+? ([a-z][\w-]*)\(", f) for f in fused) if k} if fused else set()
         kinds = {k[1] for k in kinds}
-        scattered = 0
+        scattered = written = 0
         for f in fused:
-            s = re.match(r"\s*(?:ROOT )?%\S+ = .+? scatter\(%[\w.\-]+, %([\w.\-]+),", f)
-            if s:  # the indices' leading dims: one vector (window) each
-                idx = next((g for g in fused if re.match(rf"\s*(?:ROOT )?%{re.escape(s[1])} = ", g)), "")
+            s = re.match(r"\s*(?:ROOT )?%\S+ = .+? scatter\(%[\w.\-]+, %([\w.\-]+), %([\w.\-]+)\)", f)
+            if s:  # the indices' leading dims: one vector (window) each; the updates' bytes
+                idx, upd = (next((g for g in fused if re.match(rf"\s*(?:ROOT )?%{re.escape(x)} = ", g)), "")
+                            for x in (s[1], s[2]))
                 dims = re.search(r"\[([\d,]*)\]", idx)
                 shape = [int(d) for d in dims[1].split(",") if d] if dims else []
                 scattered = 1
                 for d in shape[:-1] or shape:
                     scattered *= d
+                written = nbytes(upd.split(" = ", 1)[1].split(" ", 1)[0]) if upd else 0
         cycles = re.search(r'"estimated_cycles":"(\d+)"', line)
         body = re.search(r"body=%([\w.\-]+)", line)
         # an asynchronous copy's or slice's result holds its source too: count the first array alone
         first = re.search(r"\b(?:" + "|".join(SIZES) + r")\[[\d,]*\]", m[2])
         size = nbytes(first[0] if first and m[3].endswith("-start") else m[2])
+        if scattered:  # in place: what it writes, not the whole buffer it returns
+            size = written
         out.append(dict(name=m[1], op=m[3], bytes=size, cycles=int(cycles[1]) if cycles else 0,
                         kinds=kinds, scattered=scattered, body=body[1] if body else None,
                         op_name=(re.search(r'op_name="([^"]*)"', line) or [None, ""])[1],
@@ -134,17 +140,25 @@ def summary(compiled) -> dict:
     """Cost analysis, memory, and the loop body's and the entry's instructions by group."""
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    mem = compiled.memory_analysis()
-    hlo = compiled.as_text()
+    out = instructions_by_group(compiled.as_text())
+    out.update(gflop=cost.get("flops", 0) / 1e9, gb=cost.get("bytes accessed", 0) / 1e9,
+               temp_mib=compiled.memory_analysis().temp_size_in_bytes / 2**20)
+    return out
+
+
+def instructions_by_group(hlo: str) -> dict:
+    """The loop body's (`step`) and the entry's (`call`) instructions by group (GROUPS)."""
     comps = computations(hlo)
     loop = main_loop(comps)
     steps = instructions(comps[loop], comps)
     entry = [o for o in instructions(comps[comps["__entry__"]], comps) if o["body"] != loop]
     for o in entry:  # a while of the entry other than the steps (a row-by-row scatter): its body's cycles
         if o["op"] == "while" and o["body"]:
-            trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', hlo[hlo.index(f"%{o['name']} = "):][:4000])
+            line = next(x for x in comps[comps["__entry__"]] if re.match(rf"\s*(?:ROOT )?%{re.escape(o['name'])} = ", x))
+            cond = comps.get(re.search(r"condition=%([\w.\-]+)", line)[1], [])
+            trips = re.findall(r"constant\((\d+)\)", "\n".join(cond))  # i < n: the loop's count
             o["cycles"] = sum(x["cycles"] for x in instructions(comps[o["body"]], comps)) * (
-                int(trips[1]) if trips else 1)
+                int(trips[-1]) if trips else 1)
 
     def by_group(ops):
         out = {g: dict(ops=0, cycles=0, bytes=0, scattered=0) for g in GROUPS}
@@ -156,9 +170,7 @@ def summary(compiled) -> dict:
             g["scattered"] += o["scattered"]
         return out
 
-    return dict(gflop=cost.get("flops", 0) / 1e9, gb=cost.get("bytes accessed", 0) / 1e9,
-                temp_mib=mem.temp_size_in_bytes / 2**20, step=by_group(steps), call=by_group(entry),
-                step_ops=len(steps), hlo=hlo)
+    return dict(step=by_group(steps), call=by_group(entry), step_ops=len(steps), hlo=hlo)
 
 
 def build(a):
@@ -236,8 +248,8 @@ def main() -> None:
               f" {sum(g['cycles'] for g in f['step'].values()) / 1e6:13.3f}"
               f" {sum(g['cycles'] for g in f['call'].values()) / 1e6:13.3f}")
     for part in ("step", "call"):
-        print(f"  per {part}: ops, estimated M cycles (none for custom calls and scatters), MiB of results,"
-              " vectors scattered")
+        print(f"  per {part}: ops, estimated M cycles (none for custom calls and scatters), MiB of results"
+              " (scatters: written), vectors scattered")
         for g in GROUPS:
             e, n = figures["engine"][part][g], figures["generate"][part][g]
             if e["ops"] or n["ops"]:
