@@ -74,8 +74,7 @@ def instructions(lines: list[str], comps: dict) -> list[dict]:
             continue
         calls = re.search(r"calls=%([\w.\-]+)", line)
         fused = comps.get(calls[1], []) if calls else []
-        kinds = {k for k in (re.match(r"\s*(?:ROOT )?%\S+ = .+? ([a-z][\w-]*)\(", f) for f in fused) if k} if fused else set()
-        kinds = {k[1] for k in kinds}
+        kinds = {k[1] for k in (re.match(r"\s*(?:ROOT )?%\S+ = .+? ([a-z][\w-]*)\(", f) for f in fused) if k}
         scattered = written = 0
         for f in fused:
             s = re.match(r"\s*(?:ROOT )?%\S+ = .+? scatter\(%[\w.\-]+, %([\w.\-]+), %([\w.\-]+)\)", f)
@@ -154,7 +153,8 @@ def instructions_by_group(hlo: str) -> dict:
     entry = [o for o in instructions(comps[comps["__entry__"]], comps) if o["body"] != loop]
     for o in entry:  # a while of the entry other than the steps (a row-by-row scatter): its body's cycles
         if o["op"] == "while" and o["body"]:
-            line = next(x for x in comps[comps["__entry__"]] if re.match(rf"\s*(?:ROOT )?%{re.escape(o['name'])} = ", x))
+            line = next(x for x in comps[comps["__entry__"]]
+                        if re.match(rf"\s*(?:ROOT )?%{re.escape(o['name'])} = ", x))
             cond = comps.get(re.search(r"condition=%([\w.\-]+)", line)[1], [])
             trips = re.findall(r"constant\((\d+)\)", "\n".join(cond))  # i < n: the loop's count
             o["cycles"] = sum(x["cycles"] for x in instructions(comps[o["body"]], comps)) * (
@@ -190,7 +190,8 @@ def build(a):
                                           "model.param_dtype": "bfloat16", "model.compute_dtype": "bfloat16"}).model
     device = aot.tpu_topology(a.topology, 1)[0]
     placed = SingleDeviceSharding(device)
-    on = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=placed), tree)  # noqa: E731
+    on = lambda tree: jax.tree.map(  # noqa: E731
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=placed), tree)
     arr = lambda shape, dt: on(jax.ShapeDtypeStruct(shape, dt))  # noqa: E731
     params = on(P.abstract(param_specs(cfg)))
 

@@ -95,8 +95,8 @@ def paged_decode_loop(params, layer_params, cache, logits_BV, rows_b, adapter_b,
     scanned. adapter_b: each row's LoRA adapter (layers.with_rows; -1 the base). Returns sampled_steps'
     outputs, the logits and the cache. A call of all B rows takes them in order (the engine's largest bucket), so
     its logits are used as they are: the gather of rows_b and the scatter back, a copy of [B, V] float32 each
-    (row by row, the scatter), cost about 1.7 ms a call on the 1B shape by the compiler's estimate (docs/serve.md, "The engine's step
-    against generate's")."""
+    (row by row, the scatter), cost about 1.7 ms a call on the 1B shape by the compiler's estimate
+    (docs/serve.md, "The engine's step against generate's")."""
     params, layer_params = layers.with_rows((params, layer_params), adapter_b)
     whole = rows_b.shape[0] == logits_BV.shape[0]
     logits_bV = logits_BV if whole else jnp.take(logits_BV, rows_b, axis=0)
