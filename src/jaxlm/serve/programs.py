@@ -93,9 +93,13 @@ def paged_decode_loop(params, layer_params, cache, logits_BV, rows_b, adapter_b,
     the call's positions) and attends over its pages; rows not living do nothing. With `layer_params` (the
     layers' weights taken apart once, by the engine: decode.layer_weights) the layers are unrolled, else
     scanned. adapter_b: each row's LoRA adapter (layers.with_rows; -1 the base). Returns sampled_steps'
-    outputs, the logits and the cache."""
+    outputs, the logits and the cache. A call of all B rows takes them in order (the engine's largest bucket), so
+    its logits are used as they are: the gather of rows_b and the scatter back, a copy of [B, V] float32 each
+    (row by row, the scatter), cost about 1.7 ms a call on the 1B shape by the compiler's estimate
+    (docs/serve.md, "The engine's step against generate's")."""
     params, layer_params = layers.with_rows((params, layer_params), adapter_b)
-    logits_bV = jnp.take(logits_BV, rows_b, axis=0)
+    whole = rows_b.shape[0] == logits_BV.shape[0]
+    logits_bV = logits_BV if whole else jnp.take(logits_BV, rows_b, axis=0)
 
     def decode(tok_b, live_b, state):
         cache, length_b = state
@@ -106,7 +110,7 @@ def paged_decode_loop(params, layer_params, cache, logits_BV, rows_b, adapter_b,
     with sharding.within(layout):
         out, logits_bV, (cache, _), _ = sampling.sampled_steps(decode, (cache, length_b), logits_bV, steps, live_b,
                                                                sampled, max_steps)
-    return *out, logits_BV.at[rows_b].set(logits_bV), cache
+    return *out, logits_bV if whole else logits_BV.at[rows_b].set(logits_bV), cache
 
 
 @partial(jax.jit, static_argnames=("cfg", "layout"), donate_argnames=("cache", "logits_BV"))
