@@ -34,7 +34,8 @@ Sections and what they report:
               model of equal active parameters; the megablox and dense rows' step time by kind (a trace).
               JAXLM_BENCH_MOE_ROWS=1,4 runs only those of the six; JAXLM_BENCH_MOE_TILES=all adds megablox rows
               with each tiling of tpu_sections.MOE_TILES (or names them: 256,1024,1024/mixtral:512,512,2048),
-              JAXLM_BENCH_MOE_ACCUM=4 megablox and dense rows of 4 micro-batches a step (Adam amortized)
+              JAXLM_BENCH_MOE_ACCUM=4 rows of 4 micro-batches a step (Adam amortized): the MoE
+              at model.moe_matmul=auto (megablox on a TPU) and the dense model
   decode      generate at batch 1 and 64 (the 1B shape in bf16), batch 1's bytes per token over the HBM copy; then
               llama3.1-8b's shape with int8 weights (decode.quantize_weights=int8's layout, random, made on the
               chip) at batch 1: its bytes per token over an HBM copy measured in the section, the chip's memory

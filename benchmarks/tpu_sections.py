@@ -79,7 +79,8 @@ SIZES = {
         moe_model={"model.n_layers": 2, "model.d_model": 64, "model.n_heads": 4, "model.n_kv_heads": 2,
                    "model.head_dim": 16, "model.d_ff": 128, "model.vocab_size": 512},
         moe_experts={"qwen3_30b_a3b": {"model.n_experts": 16, "model.expert_d_ff": 32}},
-        moe_block=64, moe_batch=2, moe_steps=3, moe_rows="0,1,2,4"),
+        moe_block=64, moe_batch=2, moe_steps=3, moe_rows="0,1,2,4",
+        moe_accum="qwen3_moe:2"),
 }
 
 
@@ -439,9 +440,10 @@ def _per_shape(text: str, every: list) -> dict:
 def moe_extras(tiles: str, accum: str) -> list[tuple[str, str, dict]]:
     """The moe section's extra rows, (shape key, dispatch, settings over the megablox row's): megablox with each
     tiling `tiles` names (JAXLM_BENCH_MOE_TILES: 'all' for MOE_TILES, or TM,TK,TN entries, '/'-separated, each
-    optionally SHAPE:TM,TK,TN), then megablox and the dense model both with training.grad_accum=N for each N
-    `accum` names (JAXLM_BENCH_MOE_ACCUM, e.g. 4 or qwen3_moe:4): Adam's update over all the weights amortized
-    over N micro-batches, as a real MoE run at millions of tokens a step amortizes it."""
+    optionally SHAPE:TM,TK,TN), then the MoE at model.moe_matmul=auto (megablox on a TPU, ragged_dot elsewhere:
+    the default a user gets) and the dense model, both with training.grad_accum=N for each N `accum` names
+    (JAXLM_BENCH_MOE_ACCUM, e.g. 4 or qwen3_moe:4): Adam's update over all the weights amortized over N
+    micro-batches, as a real MoE run at millions of tokens a step amortizes it."""
     keys = [key for key, *_ in MOE_SHAPES]
     chosen = ({k: list(v) for k, v in MOE_TILES.items()} if tiles.strip() == "all" else _per_shape(tiles, keys))
     out = []
@@ -449,7 +451,7 @@ def moe_extras(tiles: str, accum: str) -> list[tuple[str, str, dict]]:
         for t in chosen.get(key, []):
             out.append((key, "megablox_tiles_" + t.replace(",", "_"), {"model.moe_tiles": t}))
         for n in _per_shape(accum, keys).get(key, []):
-            out += [(key, f"{d}_accum{n}", {"training.grad_accum": int(n)}) for d in ("megablox", "dense")]
+            out += [(key, f"{d}_accum{n}", {"training.grad_accum": int(n)}) for d in ("auto", "dense")]
     return out
 
 
@@ -475,7 +477,8 @@ def moe_configs(ctx: Ctx, tiles: str = "", accum: str = "") -> list[tuple[str, s
                 dense if dispatch == "dense" else {"model.moe_matmul": dispatch})})))
         for k, dispatch, settings_x in moe_extras(tiles, accum):
             if k == key:
-                base = dense if dispatch.startswith("dense") else {"model.moe_matmul": "megablox"}
+                base = (dense if dispatch.startswith("dense") else
+                        {"model.moe_matmul": "auto" if dispatch.startswith("auto") else "megablox"})
                 extra.append((key, label, dispatch, config_lib.load(preset, {**over, **base, **settings_x})))
     return out + extra
 
@@ -488,17 +491,19 @@ def moe_row(ctx: Ctx, cfg, tokens: np.ndarray, steps: int, profile: bool = False
     with `profile`, the step's device time by kind from a trace."""
     import jax
 
-    from jaxlm.model import flops
+    from jaxlm.model import flops, moe
     from jaxlm.train import preflight, state as state_lib, step as step_lib
 
     dev = jax.devices()[0]
     B, T, A = cfg.training.batch_size, cfg.model.block_size, cfg.training.grad_accum
     run, compiled, mem, secs = g.compile_step(cfg, B, dev)
     counts = flops.param_counts(cfg.model)
-    row = dict(batch=B, block=T, grad_accum=A, tokens_per_step=A * B * T, moe_tiles=cfg.model.moe_tiles, bytes=mem, compile_s=round(secs, 1),
+    row = dict(batch=B, block=T, grad_accum=A, tokens_per_step=A * B * T, moe_tiles=cfg.model.moe_tiles, bytes=mem,
+               compile_s=round(secs, 1),
                predicted_peak_bytes=preflight.peak_bytes(compiled.memory_analysis()),
                flops_causal=flops.flops_per_token(cfg.model, causal=True), params_total=counts["total"],
-               params_active=counts["active"], n_experts=cfg.model.n_experts, moe_matmul=cfg.model.moe_matmul)
+               params_active=counts["active"], n_experts=cfg.model.n_experts,
+               moe_matmul=moe.grouped_matmul(cfg.model.moe_matmul) if cfg.model.n_experts else None)
     shape = step_lib.abstract_batch(run)["inputs"]
     state = state_lib.init_state(run, cfg.seed)
     losses, times = [], []
