@@ -6,7 +6,8 @@ step times can be read against them (docs/performance.md, "Mixtures of experts")
     ALLOW_MULTIPLE_LIBTPU_LOAD=1 PYTHONPATH=src python benchmarks/moe_hlo.py --shape qwen3_moe --matmul megablox
     ... --remat         the forward recomputed in the backward, as model.remat=full does in the train step
     ... --hlo FILE      also write the optimized HLO there
-    ... --tiles 256,1024,1024   megablox's largest tiles (rows, contracted, out) instead of layers.MEGABLOX_TILES
+    ... --tiles 256,1024,1024   megablox's largest tiles (rows, contracted, out; model.moe_tiles) instead of
+                                layers.MEGABLOX_TILES
 
 The layer is moe.moe on [batch, block, d_model] bf16 activations with bf16 weights (the section's settings); its
 backward is the VJP of the output and of the routing statistics, so the router's gradient is in it too.
@@ -91,7 +92,7 @@ def figures(compiled) -> dict:
 
 
 def compile_layer(shape: str, matmul: str, topology: str = "v5e-1", remat: bool = False, block: int = 2048,
-                  batch: int | None = None):
+                  batch: int | None = None, tiles: tuple[int, int, int] | None = None):
     """The compiled executable of one layer's forward + backward and the layer's config."""
     import jax
     import jax.numpy as jnp
@@ -114,7 +115,7 @@ def compile_layer(shape: str, matmul: str, topology: str = "v5e-1", remat: bool 
     g_stats = jax.ShapeDtypeStruct((3, m.n_experts), jnp.float32, sharding=one)
 
     def fwd(x, p):
-        return moe.moe(x, p, act, router, matmul=matmul)
+        return moe.moe(x, p, act, router, matmul=matmul, tiles=tiles)
 
     if remat:
         fwd = jax.checkpoint(fwd)
@@ -138,14 +139,15 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=None, help="rows (default: the shape's)")
     ap.add_argument("--remat", action="store_true")
     ap.add_argument("--hlo", default=None)
-    ap.add_argument("--tiles", default=None, help="megablox's largest tiles TM,TK,TN (layers.MEGABLOX_TILES)")
+    ap.add_argument("--tiles", default=None, help="megablox's largest tiles TM,TK,TN (model.moe_tiles)")
     ap.add_argument("--top", type=int, default=15, help="rows of the kind and largest-result lists")
     a = ap.parse_args()
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    if a.tiles:
-        from jaxlm.model import layers
-        layers.MEGABLOX_TILES = tuple(int(t) for t in a.tiles.split(","))
-    compiled, cfg, seconds = compile_layer(a.shape, a.matmul, a.topology, a.remat, a.block, a.batch)
+    from jaxlm.config import ModelConfig
+    from jaxlm.model import layers
+
+    tiles = ModelConfig(moe_tiles=a.tiles or "").megablox_tiles or layers.MEGABLOX_TILES
+    compiled, cfg, seconds = compile_layer(a.shape, a.matmul, a.topology, a.remat, a.block, a.batch, tiles)
     m = cfg.model
     hlo = compiled.as_text()
     if a.hlo:
@@ -158,11 +160,14 @@ def main() -> None:
           f" tokens, {m.n_experts} experts x {m.expert_ff}, top-{m.experts_per_token}, d_model {m.d_model}"
           f" (compiled in {seconds:.0f} s)")
     if a.matmul == "megablox":
-        from jaxlm.model import layers
-        tm = layers._megablox_tiling(A, m.d_model, m.expert_ff)[0]
+        tiling = layers.MegabloxTiling(*tiles)
+        D, F = m.d_model, m.expert_ff
+        tm = tiling(A, D, F)[0]
         # a row tile is visited once for each group it holds rows of: up to A / tm + E - 1 visits for A / tm tiles
-        print(f"  megablox tiles {layers.MEGABLOX_TILES}: row tiles of {tm}, {A // tm} of them, up to"
-              f" {A // tm + m.n_experts - 1} visits ({(A // tm + m.n_experts - 1) / (A // tm):.2f}x the rows' work)")
+        print(f"  megablox tiles {tiles}: row tiles of {tm}, {A // tm} of them, up to"
+              f" {A // tm + m.n_experts - 1} visits ({(A // tm + m.n_experts - 1) / (A // tm):.2f}x the rows' work);"
+              f" up/gate gmm and tgmm {tiling(A, D, F)}, their input gradient's gmm {tiling(A, F, D)};"
+              f" down gmm and tgmm {tiling(A, F, D)}, its input gradient's {tiling(A, D, F)}")
     print(f"  the experts' matmuls {expert_flops / 1e9:,.1f} GFLOP; estimated"
           f" {sum(o['cycles'] for o in ops) / 1e6:,.1f} M cycles outside custom calls")
     print("  " + ", ".join(f"{k} {v:,.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in fig.items()))

@@ -31,7 +31,11 @@ Sections and what they report:
               by ragged_dot and by megablox (model.moe_matmul), 4 x 2,048 tokens, 10 timed steps of a Markov
               corpus from one initialization: tokens/s, MFU by the active parameters, both dispatches' first and
               last losses and their differences, the compiler's and the chip's peak memory; beside them the dense
-              model of equal active parameters; the megablox and dense rows' step time by kind (a trace)
+              model of equal active parameters; the megablox and dense rows' step time by kind (a trace).
+              JAXLM_BENCH_MOE_ROWS=1,4 runs only those of the six; JAXLM_BENCH_MOE_TILES=all adds megablox rows
+              with each tiling of tpu_sections.MOE_TILES (or names them: 256,1024,1024/mixtral:512,512,2048),
+              JAXLM_BENCH_MOE_ACCUM=4 rows of 4 micro-batches a step (Adam amortized): the MoE
+              at model.moe_matmul=auto (megablox on a TPU) and the dense model
   decode      generate at batch 1 and 64 (the 1B shape in bf16), batch 1's bytes per token over the HBM copy; then
               llama3.1-8b's shape with int8 weights (decode.quantize_weights=int8's layout, random, made on the
               chip) at batch 1: its bytes per token over an HBM copy measured in the section, the chip's memory
@@ -173,7 +177,8 @@ def mixtures(rows: list[dict], peak, matmul, kv: dict, tables: list) -> None:
     """The moe section: each row's MFU by the active parameters (causal count; against the spec and the measured
     matmul), megablox against ragged_dot in speed
     and in the first and last steps' losses (from the same initialization and batches: rounding only), each
-    dispatch against the dense model of equal active parameters."""
+    dispatch against the dense model of equal active parameters (of as many micro-batches a step), each megablox
+    tiling (model.moe_tiles) against the default tiles."""
     if not rows:
         return
     by = {(r["shape"], r["dispatch"]): r for r in rows}
@@ -185,9 +190,13 @@ def mixtures(rows: list[dict], peak, matmul, kv: dict, tables: list) -> None:
         name = f"moe_{r['shape']}_{r['dispatch']}"
         kv[f"{name}_tokens_per_s"], kv[f"{name}_mfu"], kv[f"{name}_mfu_vs_matmul"] = tps, r["mfu"], r["mfu_vs_matmul"]
         kv[f"{name}_predicted_peak_gib"] = r["predicted_peak_bytes"] / 2**30 if r.get("predicted_peak_bytes") else None
-        dense = by.get((r["shape"], "dense"), {}).get("tokens_per_s")
-        if r["dispatch"] != "dense" and tps and dense:
+        accum = r.get("grad_accum", 1)
+        dense = by.get((r["shape"], "dense" + (f"_accum{accum}" if accum > 1 else "")), {}).get("tokens_per_s")
+        if not r["dispatch"].startswith("dense") and tps and dense:  # against the dense row of as many micro-batches
             kv[f"{name}_vs_dense"] = tps / dense
+        mega = by.get((r["shape"], "megablox"), {}).get("tokens_per_s")
+        if r["dispatch"].startswith("megablox_tiles") and tps and mega:  # a tiling against the default tiles
+            kv[f"{name}_vs_megablox"] = tps / mega
     for shape in dict.fromkeys(r["shape"] for r in rows):
         a, b = by.get((shape, "ragged_dot"), {}), by.get((shape, "megablox"), {})
         if a.get("tokens_per_s") and b.get("tokens_per_s"):
@@ -201,9 +210,10 @@ def mixtures(rows: list[dict], peak, matmul, kv: dict, tables: list) -> None:
                    "compiler's peak_memory_in_bytes, what `jaxlm compile ... compile.topology=v5e-1` reports; the "
                    "chip's peak is the process's so far):"]
     tables += gpu._table(
-        ["shape", "dispatch", "batch x block", "params", "active", "tokens/s", "MFU", "vs matmul", "predicted GiB",
+        ["shape", "dispatch", "[micro-batches x] batch x block", "params", "active", "tokens/s", "MFU", "vs matmul", "predicted GiB",
          "peak GiB in use", "compile s", "loss first -> last", "note"],
-        [[r["label"], r["dispatch"], f"{r.get('batch')} x {r.get('block')}",
+        [[r["label"], r["dispatch"], f"{r.get('grad_accum', 1)} x " * (r.get("grad_accum", 1) > 1)
+          + f"{r.get('batch')} x {r.get('block')}",
           f"{r['params_total'] / 1e9:.3g}B" if r.get("params_total") else None,
           f"{r['params_active'] / 1e9:.3g}B" if r.get("params_active") else None, r.get("tokens_per_s"), r.get("mfu"),
           r.get("mfu_vs_matmul"), gib(r, "predicted_peak_bytes"), gib(r, "peak_bytes_in_use"), r.get("compile_s"),

@@ -79,7 +79,8 @@ SIZES = {
         moe_model={"model.n_layers": 2, "model.d_model": 64, "model.n_heads": 4, "model.n_kv_heads": 2,
                    "model.head_dim": 16, "model.d_ff": 128, "model.vocab_size": 512},
         moe_experts={"qwen3_30b_a3b": {"model.n_experts": 16, "model.expert_d_ff": 32}},
-        moe_block=64, moe_batch=2, moe_steps=3, moe_rows="0,1,2,4"),
+        moe_block=64, moe_batch=2, moe_steps=3, moe_rows="0,1,2,4",
+        moe_accum="qwen3_moe:2"),
 }
 
 
@@ -416,16 +417,53 @@ MOE_SHAPES = [
 MOE_DISPATCH = ("ragged_dot", "megablox", "dense")  # each shape's rows; dense: d_ff = top-k x the experts' width
 MOE_TRAIN = {"model.param_dtype": "bfloat16", "model.compute_dtype": "bfloat16", "model.remat": "full",
              "optimizer.lr": 1e-3, "optimizer.min_lr": 1e-4, "optimizer.warmup_steps": 2}
+# megablox tilings (model.moe_tiles: the largest rows, contracted, out tiles) that JAXLM_BENCH_MOE_TILES=all times
+# beside each shape's default megablox row: each compiles within the kernel's VMEM for all three of its calls
+# (forward gmm, the input gradient's gmm over the transposed weights, the weights' tgmm) for a v5e from this host
+# (benchmarks/moe_hlo.py --tiles; docs/performance.md, "Mixtures of experts"). Qwen3-MoE: smaller row tiles waste
+# less of the MXU on the 128 experts' partial tiles (512 rows an expert on average); Mixtral: fewer, longer steps
+# over the contracted width.
+MOE_TILES = {"qwen3_moe": ("256,1024,1024", "128,2048,1024", "256,2048,1024"),
+             "mixtral": ("256,2048,1024", "1024,512,1024", "512,512,2048")}
 
 
-def moe_configs(ctx: Ctx) -> list[tuple[str, str, str, object]]:
+def _per_shape(text: str, every: list) -> dict:
+    """An extra-rows variable's value by shape: '/'-separated entries, each VALUE (every shape) or SHAPE:VALUE."""
+    out = {}
+    for entry in filter(None, (e.strip() for e in text.split("/"))):
+        shape, _, value = entry.rpartition(":")
+        for key in ([shape] if shape else every):
+            out.setdefault(key, []).append(value)
+    return out
+
+
+def moe_extras(tiles: str, accum: str) -> list[tuple[str, str, dict]]:
+    """The moe section's extra rows, (shape key, dispatch, settings over the megablox row's): megablox with each
+    tiling `tiles` names (JAXLM_BENCH_MOE_TILES: 'all' for MOE_TILES, or TM,TK,TN entries, '/'-separated, each
+    optionally SHAPE:TM,TK,TN), then the MoE at model.moe_matmul=auto (megablox on a TPU, ragged_dot elsewhere:
+    the default a user gets) and the dense model, both with training.grad_accum=N for each N `accum` names
+    (JAXLM_BENCH_MOE_ACCUM, e.g. 4 or qwen3_moe:4): Adam's update over all the weights amortized over N
+    micro-batches, as a real MoE run at millions of tokens a step amortizes it."""
+    keys = [key for key, *_ in MOE_SHAPES]
+    chosen = ({k: list(v) for k, v in MOE_TILES.items()} if tiles.strip() == "all" else _per_shape(tiles, keys))
+    out = []
+    for key in keys:
+        for t in chosen.get(key, []):
+            out.append((key, "megablox_tiles_" + t.replace(",", "_"), {"model.moe_tiles": t}))
+        for n in _per_shape(accum, keys).get(key, []):
+            out += [(key, f"{d}_accum{n}", {"training.grad_accum": int(n)}) for d in ("auto", "dense")]
+    return out
+
+
+def moe_configs(ctx: Ctx, tiles: str = "", accum: str = "") -> list[tuple[str, str, str, object]]:
     """The moe section's rows in order, (shape key, shape label, dispatch, config): each MOE_SHAPES shape with
     model.moe_matmul=ragged_dot, =megablox, and as the dense model of equal active parameters (same layers and
-    widths, no experts, d_ff = experts_per_token x the experts' width). JAXLM_BENCH_MOE_ROWS=0,3 indexes these."""
+    widths, no experts, d_ff = experts_per_token x the experts' width); then moe_extras(tiles, accum)'s rows.
+    JAXLM_BENCH_MOE_ROWS=0,3 indexes the six default rows (the extra rows run whenever their variables name them)."""
     from jaxlm import config as config_lib
 
     z = ctx.sizes
-    out = []
+    out, extra = [], []
     for key, label, preset, settings in MOE_SHAPES:
         over = {"mesh.ici_data": 1, **MOE_TRAIN, **settings, **z.get("moe_model", {}),
                 **z.get("moe_experts", {}).get(preset, {}), "model.block_size": z["moe_block"],
@@ -433,14 +471,16 @@ def moe_configs(ctx: Ctx) -> list[tuple[str, str, str, object]]:
         if "moe_batch" in z:  # tiny sizes
             over["training.batch_size"] = z["moe_batch"]
         m = config_lib.load(preset, over).model
+        dense = {"model.n_experts": 0, "model.expert_d_ff": None, "model.d_ff": m.experts_per_token * m.expert_ff}
         for dispatch in MOE_DISPATCH:
-            if dispatch == "dense":
-                cfg = config_lib.load(preset, {**over, "model.n_experts": 0, "model.expert_d_ff": None,
-                                               "model.d_ff": m.experts_per_token * m.expert_ff})
-            else:
-                cfg = config_lib.load(preset, {**over, "model.moe_matmul": dispatch})
-            out.append((key, label, dispatch, cfg))
-    return out
+            out.append((key, label, dispatch, config_lib.load(preset, {**over, **(
+                dense if dispatch == "dense" else {"model.moe_matmul": dispatch})})))
+        for k, dispatch, settings_x in moe_extras(tiles, accum):
+            if k == key:
+                base = (dense if dispatch.startswith("dense") else
+                        {"model.moe_matmul": "auto" if dispatch.startswith("auto") else "megablox"})
+                extra.append((key, label, dispatch, config_lib.load(preset, {**over, **base, **settings_x})))
+    return out + extra
 
 
 def moe_row(ctx: Ctx, cfg, tokens: np.ndarray, steps: int, profile: bool = False) -> dict:
@@ -451,24 +491,26 @@ def moe_row(ctx: Ctx, cfg, tokens: np.ndarray, steps: int, profile: bool = False
     with `profile`, the step's device time by kind from a trace."""
     import jax
 
-    from jaxlm.model import flops
+    from jaxlm.model import flops, moe
     from jaxlm.train import preflight, state as state_lib, step as step_lib
 
     dev = jax.devices()[0]
-    B, T = cfg.training.batch_size, cfg.model.block_size
+    B, T, A = cfg.training.batch_size, cfg.model.block_size, cfg.training.grad_accum
     run, compiled, mem, secs = g.compile_step(cfg, B, dev)
     counts = flops.param_counts(cfg.model)
-    row = dict(batch=B, block=T, bytes=mem, compile_s=round(secs, 1),
+    row = dict(batch=B, block=T, grad_accum=A, tokens_per_step=A * B * T, moe_tiles=cfg.model.moe_tiles, bytes=mem,
+               compile_s=round(secs, 1),
                predicted_peak_bytes=preflight.peak_bytes(compiled.memory_analysis()),
                flops_causal=flops.flops_per_token(cfg.model, causal=True), params_total=counts["total"],
-               params_active=counts["active"], n_experts=cfg.model.n_experts, moe_matmul=cfg.model.moe_matmul)
+               params_active=counts["active"], n_experts=cfg.model.n_experts,
+               moe_matmul=moe.grouped_matmul(cfg.model.moe_matmul) if cfg.model.n_experts else None)
     shape = step_lib.abstract_batch(run)["inputs"]
     state = state_lib.init_state(run, cfg.seed)
     losses, times = [], []
     for i in range(steps + 1):
         if times and ctx.left() < 5 + 2 * max(times):
             break
-        rows = tokens[i * B:(i + 1) * B].reshape(*shape.shape[:-1], T + 1)
+        rows = tokens[i * A * B:(i + 1) * A * B].reshape(*shape.shape[:-1], T + 1)
         batch = {k: jax.device_put(np.ascontiguousarray(x), shape.sharding)
                  for k, x in (("inputs", rows[..., :-1]), ("targets", rows[..., 1:]))}
         t = time.perf_counter()
@@ -478,7 +520,7 @@ def moe_row(ctx: Ctx, cfg, tokens: np.ndarray, steps: int, profile: bool = False
             times.append(time.perf_counter() - t)
     step_s = statistics.median(times) if times else None
     stats = dev.memory_stats() or {}
-    row.update(step_s=step_s, tokens_per_s=B * T / step_s if step_s else None, losses=[round(x, 5) for x in losses],
+    row.update(step_s=step_s, tokens_per_s=A * B * T / step_s if step_s else None, losses=[round(x, 5) for x in losses],
                peak_bytes_in_use=stats.get("peak_bytes_in_use"), bytes_limit=stats.get("bytes_limit"))
     if profile and ctx.left() > 4 * (step_s or 1) + 30:  # where the step's time goes, by kind (as the maxtext rows)
         try:
@@ -492,20 +534,23 @@ def moe(ctx: Ctx) -> None:
     """Mixtures of experts on one chip (MOE_SHAPES): each shape trained moe_steps + 1 steps of a Markov corpus with
     its experts' grouped matmul by ragged_dot and by megablox (model.moe_matmul), from the same initialization and
     batches, so their losses differ by rounding only, and the dense model of equal active parameters beside them:
-    tokens/s, FLOPs per token by the active parameters, the losses, the compiled step's memory."""
+    tokens/s, FLOPs per token by the active parameters, the losses, the compiled step's memory. Then the extra rows
+    JAXLM_BENCH_MOE_TILES (megablox tilings) and JAXLM_BENCH_MOE_ACCUM (micro-batches a step) ask for
+    (moe_extras; untraced)."""
     import gc
 
     z = ctx.sizes
     # e.g. "0,1": only those rows of moe_configs; tiny: one shape in all three dispatches, the other by megablox
     chosen = os.environ.get("JAXLM_BENCH_MOE_ROWS", z.get("moe_rows"))
-    configs = moe_configs(ctx)
-    tokens, entropy = g.markov_tokens(configs[0][3].model.vocab_size,
-                                      (z["moe_steps"] + 1) * max(c.training.batch_size for *_, c in configs),
+    configs = moe_configs(ctx, os.environ.get("JAXLM_BENCH_MOE_TILES", z.get("moe_tiles", "")),
+                          os.environ.get("JAXLM_BENCH_MOE_ACCUM", z.get("moe_accum", "")))
+    tokens, entropy = g.markov_tokens(configs[0][3].model.vocab_size, (z["moe_steps"] + 1) * max(
+        c.training.batch_size * c.training.grad_accum for *_, c in configs),
                                       z["moe_block"] + 1)
     ctx.put(moe_steps=z["moe_steps"], moe_entropy=entropy)
     out = []
     for i, (key, label, dispatch, cfg) in enumerate(configs):
-        if chosen and str(i) not in chosen.split(","):
+        if chosen and i < len(MOE_SHAPES) * len(MOE_DISPATCH) and str(i) not in chosen.split(","):
             continue
         row = dict(shape=key, label=label, dispatch=dispatch)
         if out and ctx.left() < 30:
@@ -513,7 +558,7 @@ def moe(ctx: Ctx) -> None:
             ctx.put(moe_runs=out)
             continue
         try:
-            row.update(moe_row(ctx, cfg, tokens, z["moe_steps"], profile=dispatch != "ragged_dot"))
+            row.update(moe_row(ctx, cfg, tokens, z["moe_steps"], profile=dispatch in ("megablox", "dense")))
         except Exception as e:  # noqa: BLE001 - one row failing (out of memory, say) leaves the others
             full = re.search("RESOURCE_EXHAUSTED|[Oo]ut of memory", str(e))
             row["note"] = f"{'does not fit' if full else 'error'}: {g.one_line(e)}"

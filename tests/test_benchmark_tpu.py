@@ -52,10 +52,15 @@ def test_every_section_runs_at_tiny_sizes_on_cpu(tmp_path):
     # mixtures of experts: both dispatches train alike from one initialization (bf16 rounding apart); the dense row
     # of equal active parameters has the MoE rows' active count and FLOPs per token
     moe_rows = {(r["shape"], r["dispatch"]): r for r in figures["moe"]["moe_runs"]}
+    # and the extra rows the tiny sizes ask for: 2 micro-batches a step (JAXLM_BENCH_MOE_ACCUM)
     assert set(moe_rows) == {("qwen3_moe", "ragged_dot"), ("qwen3_moe", "megablox"), ("qwen3_moe", "dense"),
-                             ("mixtral", "megablox")}
+                             ("mixtral", "megablox"), ("qwen3_moe", "auto_accum2"), ("qwen3_moe", "dense_accum2")}
     ragged, mega, dense = (moe_rows["qwen3_moe", d] for d in ("ragged_dot", "megablox", "dense"))
     assert (ragged["moe_matmul"], mega["moe_matmul"], dense["n_experts"]) == ("ragged_dot", "megablox", 0)
+    accum, dense2 = moe_rows["qwen3_moe", "auto_accum2"], moe_rows["qwen3_moe", "dense_accum2"]
+    assert accum["moe_matmul"] == "ragged_dot" and accum["grad_accum"] == dense2["grad_accum"] == 2  # auto off a TPU
+    assert accum["tokens_per_step"] == 2 * accum["batch"] * accum["block"] == 2 * mega["tokens_per_step"]
+    assert float(kv["moe_qwen3_moe_auto_accum2_vs_dense"]) > 0
     for r in moe_rows.values():
         assert r["tokens_per_s"] > 0 and r["predicted_peak_bytes"] > 0 and len(r["losses"]) == 4, r
     assert ragged["params_active"] < ragged["params_total"] and dense["params_active"] == dense["params_total"]
@@ -79,6 +84,20 @@ def tpu_sections():
     import tpu_sections
 
     return tpu_sections
+
+
+def test_moe_extra_rows_by_their_variables():
+    """JAXLM_BENCH_MOE_TILES / _ACCUM's values: the extra rows of the moe section, by shape, in order."""
+    extras = tpu_sections().moe_extras
+    assert extras("", "") == []
+    assert extras("256,1024,1024/mixtral:512,512,2048", "") == [
+        ("qwen3_moe", "megablox_tiles_256_1024_1024", {"model.moe_tiles": "256,1024,1024"}),
+        ("mixtral", "megablox_tiles_256_1024_1024", {"model.moe_tiles": "256,1024,1024"}),
+        ("mixtral", "megablox_tiles_512_512_2048", {"model.moe_tiles": "512,512,2048"})]
+    every = [(k, d) for k, d, _ in extras("all", "qwen3_moe:4")]
+    assert every == [("qwen3_moe", "megablox_tiles_" + t.replace(",", "_")) for t in tpu_sections().MOE_TILES[
+        "qwen3_moe"]] + [("qwen3_moe", "auto_accum4"), ("qwen3_moe", "dense_accum4")] + [
+        ("mixtral", "megablox_tiles_" + t.replace(",", "_")) for t in tpu_sections().MOE_TILES["mixtral"]]
 
 
 def test_lora_rows_without_the_yardsticks_section():

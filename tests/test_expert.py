@@ -118,6 +118,11 @@ def test_megablox_values_and_gradients_equal_ragged_dots():
     for a, b in zip(jax.tree.leaves(g2), jax.tree.leaves(g0)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * float(jnp.abs(b).max()))
     assert moe.grouped_matmul("auto") == "ragged_dot"  # until megablox is measured faster on a chip
+    # other tiles (model.moe_tiles): 320 copies in three 128-row tiles (the default's one tile of 384 rows)
+    x3 = _layer(T=20)[1]
+    tiled = {m: jax.jit(lambda x, p, m=m: moe.moe(x, p, SWIGLU, moe.Router(K), matmul=m, tiles=(128, 128, 128))[0])
+             for m in ("ragged_dot", "megablox")}
+    np.testing.assert_allclose(tiled["megablox"](x3, p), tiled["ragged_dot"](x3, p), rtol=1e-5, atol=1e-5)
 
 
 def _kept_output(x, p, cf, shards):
@@ -207,6 +212,12 @@ def test_expert_parallel_setting_errors(char_data, tmp_path):
         tiny_config(char_data, tmp_path, **{"model.expert_all_to_all": "fast"})
     with pytest.raises(ConfigError, match="model.moe_matmul"):
         tiny_config(char_data, tmp_path, **{"model.moe_matmul": "pallas"})
+    assert tiny_config(char_data, tmp_path, **{"model.moe_tiles": "256, 512,1024"}).model.megablox_tiles == (256, 512,
+                                                                                                       1024)
+    assert tiny_config(char_data, tmp_path).model.megablox_tiles is None  # layers.MEGABLOX_TILES
+    for bad in ("256,512", "100,128,128", "a,b,c", "0,128,128", "128,128,128,128"):
+        with pytest.raises(ConfigError, match=r"model.moe_tiles='.*' must be three multiples of 128 \(rows, "):
+            tiny_config(char_data, tmp_path, **{"model.moe_tiles": bad})
     # A batch the mesh does not split (a single decoded token) runs the layer as on one device.
     mesh = sharding.make_mesh(MeshConfig(ici_data=2, ici_expert=4))
     assert not expert_parallel.uses_ragged(mesh, "auto")  # XLA:CPU has no ragged all-to-all

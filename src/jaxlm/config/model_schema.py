@@ -260,6 +260,10 @@ class ModelConfig:
         "auto", "the experts' grouped matmul: ragged_dot (jax.lax.ragged_dot, any platform), megablox (JAX's Pallas "
         "grouped-matmul kernel for TPU; interpreted, slowly, elsewhere), auto = megablox on a TPU (1.1-1.4x "
         "ragged_dot on a v5e, docs/performance.md), ragged_dot elsewhere")
+    moe_tiles: str = _f(
+        "", "megablox's largest tiles, rows,contracted,out (three multiples of 128, e.g. 512,1024,1024) for every "
+        "grouped matmul of the step (forward, and the backward's gmm and tgmm; a width below its tile is one "
+        "tile); '' = model/layers.py's MEGABLOX_TILES. Only the kernel's speed and VMEM use depend on it")
     router_aux_loss_coef: float = _f(0.02, "weight of the load-balancing loss added to the training loss",
                                      rule=at_least(0))
     expert_d_ff: int | None = _f(None, "hidden width of each expert (and, times n_shared_experts, of the shared "
@@ -332,6 +336,20 @@ class ModelConfig:
     @property
     def expert_ff(self) -> int:
         return self.expert_d_ff or self.ff
+
+    @property
+    def megablox_tiles(self) -> tuple[int, int, int] | None:
+        """model.moe_tiles as (rows, contracted, out), None where unset (the kernel's default tiles)."""
+        if not self.moe_tiles.strip():
+            return None
+        try:
+            tiles = _ints("model.moe_tiles", self.moe_tiles)
+        except ConfigError:
+            tiles = ()
+        if len(tiles) != 3 or any(t < 128 or t % 128 for t in tiles):
+            raise ConfigError(f"model.moe_tiles={self.moe_tiles!r} must be three multiples of 128 (rows, contracted, "
+                              "out), e.g. 512,1024,1024; '' = the default tiles")
+        return tiles
 
     @property
     def latent(self) -> bool:

@@ -93,6 +93,7 @@ def _validate_model(m: ModelConfig, mesh: MeshConfig) -> None:
         raise ConfigError(f"model.layer_pattern={m.layer_pattern!r} has local layers; set model.sliding_window")
     if "chunked" in m.pattern and m.attention_chunk is None:
         raise ConfigError(f"model.layer_pattern={m.layer_pattern!r} has chunked layers; set model.attention_chunk")
+    m.megablox_tiles  # noqa: B018 - raises ConfigError on a malformed model.moe_tiles
     if m.experts_per_token < 1 or (m.n_experts and m.experts_per_token > m.n_experts):
         raise ConfigError(f"model.experts_per_token={m.experts_per_token} must be in [1, model.n_experts="
                           f"{m.n_experts}]" if m.n_experts else f"model.experts_per_token={m.experts_per_token} "

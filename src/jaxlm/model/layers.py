@@ -192,36 +192,49 @@ def ragged_dot(x_MD: jax.Array, w_EDF: jax.Array, group_sizes_E: jax.Array) -> j
 
 
 # megablox tiles (rows, contracted width, output width): the largest each call uses; a width below its tile is
-# one whole tile. The rows are padded to a multiple of the row tile.
+# one whole tile. The rows are padded to a multiple of the row tile. model.moe_tiles sets others.
 MEGABLOX_TILES = (512, 1024, 1024)
 
 
+class MegabloxTiling(NamedTuple):
+    """The tiles of each megablox call (forward, or either backward product) with m rows, k contracted and n out:
+    at most these, a width below its tile one whole tile. A value (hashable, equal by its tiles): the kernel's
+    compile caches on it."""
+    tm: int
+    tk: int
+    tn: int
+
+    def __call__(self, m: int, k: int, n: int) -> tuple[int, int, int]:
+        return min(self.tm, m), min(self.tk, k), min(self.tn, n)
+
+
 def _megablox_tiling(m: int, k: int, n: int) -> tuple[int, int, int]:
-    """The tiles of one megablox call (forward, or either backward product) with m rows, k contracted, n out."""
-    tm, tk, tn = MEGABLOX_TILES
-    return min(tm, m), min(tk, k), min(tn, n)
+    """The default tiles (MEGABLOX_TILES) of one megablox call with m rows, k contracted, n out."""
+    return MegabloxTiling(*MEGABLOX_TILES)(m, k, n)
 
 
 def megablox_dot(x_MD: jax.Array, w_EDF: jax.Array, group_sizes_E: jax.Array, interpret: bool = False,
-                 filled: bool = False) -> jax.Array:
+                 filled: bool = False, tiles: tuple[int, int, int] | None = None) -> jax.Array:
     """`ragged_dot` by JAX's megablox grouped-matmul Pallas kernel for TPU (its own backward kernels; Pallas
     interpret mode elsewhere, exact but slow, for tests). Rows past the groups' sum (padding to the row tile,
     or an expert-parallel buffer's unfilled rows) are never written by the kernel: they come out zero, as
     ragged_dot's do, and their gradient too. filled: the groups cover all M rows, so only the padding (cut off
-    again) lies past them and no row needs the masks, each a pass over [M, D] both ways."""
+    again) lies past them and no row needs the masks, each a pass over [M, D] both ways. tiles: the largest tiles
+    (rows, contracted, out; model.moe_tiles), MEGABLOX_TILES where None."""
     from jax.experimental.pallas.ops.tpu.megablox import gmm
 
+    tiling = MegabloxTiling(*(tiles or MEGABLOX_TILES))
     M = x_MD.shape[0]
-    tm = min(MEGABLOX_TILES[0], -(-M // 128) * 128)
+    tm = min(tiling.tm, -(-M // 128) * 128)
     rows = -(-M // tm) * tm
     if filled:
         x = jnp.pad(x_MD, ((0, rows - M), (0, 0))) if rows > M else x_MD
-        y = gmm(x, w_EDF.astype(x_MD.dtype), group_sizes_E.astype(jnp.int32), x_MD.dtype, _megablox_tiling,
+        y = gmm(x, w_EDF.astype(x_MD.dtype), group_sizes_E.astype(jnp.int32), x_MD.dtype, tiling,
                 None, None, False, interpret)
         return y[:M]
     live = (jnp.arange(rows) < jnp.sum(group_sizes_E))[:, None]
     x = jnp.where(live, jnp.pad(x_MD, ((0, rows - M), (0, 0))), 0)  # also zeroes the kernel's unwritten gradient
-    y = gmm(x, w_EDF.astype(x_MD.dtype), group_sizes_E.astype(jnp.int32), x_MD.dtype, _megablox_tiling,
+    y = gmm(x, w_EDF.astype(x_MD.dtype), group_sizes_E.astype(jnp.int32), x_MD.dtype, tiling,
             None, None, False, interpret)
     return jnp.where(live, y, 0)[:M]
 

@@ -120,13 +120,13 @@ def grouped_matmul(setting: str) -> str:
 
 
 def experts(x_AD: jax.Array, p: dict, group_sizes_E: jax.Array, act: layers.Activation,
-            matmul: str = "ragged_dot", filled: bool = False) -> jax.Array:
+            matmul: str = "ragged_dot", filled: bool = False, tiles: tuple[int, int, int] | None = None) -> jax.Array:
     """The experts' MLPs on token copies sorted by expert, group_sizes_E[e] of them for expert e of p, by the
     grouped matmul `matmul` (ragged_dot or megablox). filled: the groups cover every row (the one-device
-    dropless dispatch), so megablox needs no mask for rows past them."""
+    dropless dispatch), so megablox needs no mask for rows past them; tiles: megablox's (model.moe_tiles)."""
     if matmul == "megablox":
         ctx = sharding.active()
-        dot = functools.partial(layers.megablox_dot, filled=filled,
+        dot = functools.partial(layers.megablox_dot, filled=filled, tiles=tiles,
                                 interpret=runtime.platform(ctx[0] if ctx is not None else None) != "tpu")
     else:
         dot = layers.ragged_dot
@@ -142,22 +142,22 @@ def experts(x_AD: jax.Array, p: dict, group_sizes_E: jax.Array, act: layers.Acti
 
 
 def moe(x_BTD: jax.Array, p: dict, act: layers.Activation, router: Router, capacity_factor: float = 0.0,
-        all_to_all: str = "auto", matmul: str = "auto"):
+        all_to_all: str = "auto", matmul: str = "auto", tiles: tuple[int, int, int] | None = None):
     """Returns the MLP output [B, T, D] and this layer's routing statistics [3, E]: the fraction of token
     copies each expert was routed (the two factors of the load-balancing loss), its mean router score,
     and the fraction of token copies dropped for lack of room (only expert-parallel with a capacity factor
-    drops any). capacity_factor, all_to_all and matmul: model.expert_capacity_factor / model.expert_all_to_all /
-    model.moe_matmul."""
+    drops any). capacity_factor, all_to_all, matmul and tiles: model.expert_capacity_factor /
+    model.expert_all_to_all / model.moe_matmul / model.moe_tiles (megablox's)."""
     matmul = grouped_matmul(matmul)
     sharded = expert_parallel.plan(x_BTD, p["up"].shape[0])
     routed = {k: v for k, v in p.items() if not k.startswith("shared_")}
     if sharded is not None:
         y_BTD, stats_3E = expert_parallel.moe(sharded, x_BTD, routed, router.k, capacity_factor, all_to_all,
                                               functools.partial(route, router=router),
-                                              lambda x_AD, q, g_E: experts(x_AD, q, g_E, act, matmul),
+                                              lambda x_AD, q, g_E: experts(x_AD, q, g_E, act, matmul, tiles=tiles),
                                               router.weights_input, pallas=matmul == "megablox")
     else:
-        y_BTD, stats_3E = _moe_one_device(x_BTD, routed, act, router, matmul)
+        y_BTD, stats_3E = _moe_one_device(x_BTD, routed, act, router, matmul, tiles)
     if "shared_up" in p:
         with jax.named_scope("shared_experts"):
             y_BTD = y_BTD + layers.mlp(x_BTD, p, act, prefix="shared_")
@@ -166,7 +166,7 @@ def moe(x_BTD: jax.Array, p: dict, act: layers.Activation, router: Router, capac
     return y_BTD, stats_3E
 
 
-def _moe_one_device(x_BTD, p, act, router: Router, matmul: str):
+def _moe_one_device(x_BTD, p, act, router: Router, matmul: str, tiles=None):
     B, T, D = x_BTD.shape
     k = router.k
     E = p["router"].shape[-1]
@@ -181,7 +181,7 @@ def _moe_one_device(x_BTD, p, act, router: Router, matmul: str):
         else:
             x_AD = copies(x_MD, order_A, slot_A, k)
     with jax.named_scope("experts"):
-        y_AD = experts(x_AD, p, group_sizes_E, act, matmul, filled=True)
+        y_AD = experts(x_AD, p, group_sizes_E, act, matmul, filled=True, tiles=tiles)
     with jax.named_scope("combine"):
         y_MKD = permute(y_AD, slot_A, order_A).reshape(B * T, k, D)
         if router.weights_input:

@@ -145,7 +145,7 @@ def _mlp(x_BTD, p, cfg: ModelConfig, norm_in, norm_out=None):
     post = norm_out or (lambda h: h)
     if "router" in p:
         h_BTD, stats_3E = moe.moe(norm_in(x_BTD), p, act, moe.router_of(cfg), cfg.expert_capacity_factor,
-                                  cfg.expert_all_to_all, cfg.moe_matmul)
+                                  cfg.expert_all_to_all, cfg.moe_matmul, cfg.megablox_tiles)
         return post(h_BTD), stats_3E
     C, T = cfg.mlp_chunk_tokens, x_BTD.shape[1]
     if 0 < C < T and T % C == 0:
