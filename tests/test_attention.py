@@ -238,6 +238,40 @@ def test_chunked_loss_equals_the_whole_loss_with_gradients():
         assert_close(g, w)
 
 
+def _vocab_matmuls(jaxpr, V: int) -> int:
+    """dot_generals with a V-wide operand or result, in jaxpr and every jaxpr inside it (scans, remat, vjps)."""
+    n = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            n += any(V in getattr(v.aval, "shape", ()) for v in (*eqn.invars, *eqn.outvars))
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's, or a Jaxpr
+                if hasattr(sub, "eqns"):
+                    n += _vocab_matmuls(sub, V)
+    return n
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_chunked_loss_takes_its_gradient_in_the_forward(tie):
+    """The chunked loss's gradient costs three [*, V] matmuls (logits, then their gradient into the hidden states
+    and into the weights), not four: no chunk's logits are recomputed in the backward."""
+    V = 96
+    cfg = ModelConfig(vocab_size=V, block_size=16, n_layers=1, n_heads=2, d_model=16, tie_embeddings=tie,
+                      loss_chunk_tokens=8)
+    mesh = sharding.make_mesh(MeshConfig(), jax.devices()[:1])
+    params = P.init(param_specs(cfg), jax.random.key(0), mesh)
+    tokens = jax.random.randint(jax.random.key(1), (2, 17), 0, V)
+    grad = jax.make_jaxpr(jax.grad(lambda p, x, y: loss_fn(p, x, y, cfg)))(params, tokens[:, :-1], tokens[:, 1:])
+    assert _vocab_matmuls(grad.jaxpr, V) == 3
+    chunked = jax.value_and_grad(loss_fn)(params, tokens[:, :-1], tokens[:, 1:], cfg)
+    whole = jax.value_and_grad(loss_fn)(params, tokens[:, :-1], tokens[:, 1:],
+                                        dataclasses.replace(cfg, loss_chunk_tokens=0))
+    assert_close(chunked[0], whole[0])
+    for g, w in zip(jax.tree.leaves(chunked[1]), jax.tree.leaves(whole[1])):
+        assert_close(g, w)
+
+
 def test_chunked_loss_never_holds_the_whole_logits():
     """The gradient step's temporaries: the [B, T, V] float32 logits (and their gradient) are gone."""
     cfg = ModelConfig(vocab_size=8192, block_size=512, n_layers=1, n_heads=2, d_model=32)
