@@ -264,7 +264,8 @@ def _vocab_matmuls(jaxpr, V: int) -> int:
 @pytest.mark.parametrize("tie", [True, False])
 def test_chunked_loss_takes_its_gradient_in_the_forward(tie):
     """The chunked loss's gradient costs three [*, V] matmuls (logits, then their gradient into the hidden states
-    and into the weights), not four: no chunk's logits are recomputed in the backward."""
+    and into the weights), not four: no chunk's logits are recomputed in the backward; two where the output layer
+    is frozen. Values and gradients equal the loss's in one piece."""
     V = 96
     cfg = ModelConfig(vocab_size=V, block_size=16, n_layers=1, n_heads=2, d_model=16, tie_embeddings=tie,
                       loss_chunk_tokens=8)
@@ -273,6 +274,10 @@ def test_chunked_loss_takes_its_gradient_in_the_forward(tie):
     tokens = jax.random.randint(jax.random.key(1), (2, 17), 0, V)
     grad = jax.make_jaxpr(jax.grad(lambda p, x, y: loss_fn(p, x, y, cfg)))(params, tokens[:, :-1], tokens[:, 1:])
     assert _vocab_matmuls(grad.jaxpr, V) == 3
+    # a frozen output layer (LoRA): two, the logits and the hidden states' gradient
+    frozen = lambda a, x, y: loss_fn({**params, "layers": a}, x, y, cfg)  # noqa: E731
+    grad = jax.make_jaxpr(jax.grad(frozen))(params["layers"], tokens[:, :-1], tokens[:, 1:])
+    assert _vocab_matmuls(grad.jaxpr, V) == 2
     chunked = jax.value_and_grad(loss_fn)(params, tokens[:, :-1], tokens[:, 1:], cfg)
     whole = jax.value_and_grad(loss_fn)(params, tokens[:, :-1], tokens[:, 1:],
                                         dataclasses.replace(cfg, loss_chunk_tokens=0))

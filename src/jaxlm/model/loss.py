@@ -71,8 +71,10 @@ def _loss_sum_with_gradients(head_p, x_BTD, targets_BT, weights_BT, cfg: ModelCo
     return _losses_and_gradients(head_p, x_BTD, targets_BT, weights_BT, cfg, grads=False)[0]
 
 
-def _losses_and_gradients(head_p, x_BTD, targets_BT, weights_BT, cfg: ModelConfig, grads: bool = True):
-    """The weighted loss sum and, with `grads`, its gradients with respect to head_p (float32) and x_BTD."""
+def _losses_and_gradients(head_p, x_BTD, targets_BT, weights_BT, cfg: ModelConfig, grads: bool = True,
+                          head_grads: bool = True):
+    """The weighted loss sum and, with `grads`, its gradients with respect to head_p (float32; None without
+    `head_grads`: a frozen output layer, as under LoRA) and x_BTD."""
     B, T, D = x_BTD.shape
     C = min(cfg.loss_chunk_tokens, T)
     pad = -T % C
@@ -83,11 +85,14 @@ def _losses_and_gradients(head_p, x_BTD, targets_BT, weights_BT, cfg: ModelConfi
         x_BCD, targets_BC, weights_BC = xs
         if not grads:
             return dp_sum, (token_losses(unembed(head_p, x_BCD, cfg), targets_BC), None)
+        if not head_grads:
+            losses_BC, vjp = jax.vjp(lambda x: token_losses(unembed(head_p, x, cfg), targets_BC), x_BCD)
+            return dp_sum, (losses_BC, vjp(weights_BC)[0])
         losses_BC, vjp = jax.vjp(lambda p, x: token_losses(unembed(p, x, cfg), targets_BC), head_p, x_BCD)
         dp, dx_BCD = vjp(weights_BC)  # padded positions weigh 0
         return jax.tree.map(lambda s, d: s + d.astype(jnp.float32), dp_sum, dp), (losses_BC, dx_BCD)
 
-    zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), head_p) if grads else None
+    zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), head_p) if grads and head_grads else None
     with jax.named_scope("chunked_loss"):
         dp, (losses_nBC, dx_nBCD) = jax.lax.scan(chunk, zeros, chunks)
     losses_BT = losses_nBC.swapaxes(0, 1).reshape(B, T + pad)[:, :T]
@@ -97,17 +102,22 @@ def _losses_and_gradients(head_p, x_BTD, targets_BT, weights_BT, cfg: ModelConfi
 
 
 def _loss_sum_fwd(head_p, x_BTD, targets_BT, weights_BT, cfg):
-    loss, dp, dx_BTD = _losses_and_gradients(head_p, x_BTD, targets_BT, weights_BT, cfg)
+    # symbolic_zeros: each leaf comes with whether it is differentiated; a frozen head's gradient is not taken.
+    head_grads = any(a.perturbed for a in jax.tree.leaves(head_p))
+    head_p, x_BTD, targets_BT, weights_BT = jax.custom_derivatives.custom_vjp_primal_tree_values(
+        (head_p, x_BTD, targets_BT, weights_BT))
+    loss, dp, dx_BTD = _losses_and_gradients(head_p, x_BTD, targets_BT, weights_BT, cfg, head_grads=head_grads)
     return loss, (dp, dx_BTD, head_p, weights_BT)
 
 
 def _loss_sum_bwd(cfg, res, g):
     dp, dx_BTD, head_p, weights_BT = res
-    dp = jax.tree.map(lambda d, p: (d * g).astype(p.dtype), dp, head_p)
+    if dp is not None:
+        dp = jax.tree.map(lambda d, p: (d * g).astype(p.dtype), dp, head_p)
     return dp, (dx_BTD * g).astype(dx_BTD.dtype), None, jnp.zeros_like(weights_BT)
 
 
-_loss_sum_with_gradients.defvjp(_loss_sum_fwd, _loss_sum_bwd)
+_loss_sum_with_gradients.defvjp(_loss_sum_fwd, _loss_sum_bwd, symbolic_zeros=True)
 
 
 def by_chunks(fn, params: dict, x_BTD: jax.Array, targets_BT: jax.Array, cfg: ModelConfig, logits_of=None):
