@@ -19,7 +19,8 @@ Sections and what they report:
               model.remat=minimal`), the loss in one chunk, 4 and 8 micro-batches a step, batch 4 (with and
               without 4 micro-batches); the step's time by operation from a jax.profiler trace for three rows
   gpt2        GPT-2 124M as the `openwebtext` preset trains it (128 sequences a micro-step, 16 micro-steps: more
-              than one chip holds, so its bytes are reported), then batch 32 (remat minimal) and 64 (remat full)
+              than one chip holds, so its bytes are reported), then batch 16 with bf16 weights and remat full,
+              the splash kernel reading heads as [H, T] (model.splash_layout=seq_minor) and as [T, H]
   long        maxtext_base at 32,768 tokens a sequence, batch 1, bf16 weights, splash attention
   quant       int8 training against bf16 on maxtext_base's shape, 200 steps of a Markov corpus: speed and loss
   lora        QLoRA (nf4 base) of llama3.1-8b at 1 x 2,048 (and 50 steps on real text), 8,192, 49,152 and 65,536

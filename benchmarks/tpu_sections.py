@@ -46,13 +46,17 @@ MAXTEXT_ROWS = [
     ("bf16, remat minimal, loss in one chunk, batch 4, 4 micro-batches a step",
      {**_BEST, "training.batch_size": 4, "training.grad_accum": 4}),
 ]
+# GPT-2 on one chip (docs/performance.md, "GPT-2 on one chip"): at width 768 and heads of 64, recomputing a layer
+# costs less than saving its activations, whose copies through padded [.., T, 64] tiles dominate; the compile from
+# a CPU host puts batch 16 under remat full at 2.70 GiB and 160 ms of XLA's estimate (187 before the loss took
+# its gradient in the forward and the splash kernel read heads as [H, T]).
+_GPT2_ONE_CHIP = {"training.batch_size": 16, "training.grad_accum": 1, "model.param_dtype": "bfloat16",
+                  "model.remat": "full"}
 GPT2_ROWS = [
     ("preset (128 x 1,024 tokens a micro-step, 16 of them a step)", {}),
-    # remat none (the preset's) needs about 33 GiB at batch 32 (`jaxlm compile ... compile.topology=v5e-1`)
-    ("batch 32, no accumulation, remat minimal", {"training.batch_size": 32, "training.grad_accum": 1,
-                                                  "model.remat": "minimal"}),
-    ("batch 64, no accumulation, remat full", {"training.batch_size": 64, "training.grad_accum": 1,
-                                               "model.remat": "full"}),
+    ("batch 16, bf16 weights and moments, remat full, splash seq_minor",
+     {**_GPT2_ONE_CHIP, "model.splash_layout": "seq_minor"}),
+    ("batch 16, bf16 weights and moments, remat full (splash head_dim_minor)", _GPT2_ONE_CHIP),
 ]
 
 SIZES = {
@@ -171,7 +175,7 @@ def maxtext(ctx: Ctx) -> None:
 def gpt2(ctx: Ctx) -> None:
     """GPT-2 124M as the `openwebtext` preset trains it (float32 weights, bf16 compute; 128 sequences a micro-step:
     `jaxlm compile openwebtext compile.topology=v5e-1` puts it at about 122 GiB, more than a chip holds), then
-    batch 32 with remat minimal and 64 with remat full, without accumulation."""
+    batch 16 with bf16 weights and remat full, the splash kernel reading heads as [H, T] and as [T, H]."""
     rows(ctx, "gpt2_runs", "openwebtext", GPT2_ROWS, ctx.sizes["gpt2_steps"], {})
 
 

@@ -64,7 +64,7 @@ def assert_close(got, want, tol=1e-5):
     assert np.max(np.abs(got - want)) <= tol * max(1.0, np.max(np.abs(want))), np.max(np.abs(got - want))
 
 
-def compare(impl, T, case, dtype):
+def compare(impl, T, case, dtype, layout="head_dim_minor"):
     window, softcap, K, with_segments = CASES[case]
     q, k, v = inputs(T, K, dtype)
     if with_segments:
@@ -74,7 +74,7 @@ def compare(impl, T, case, dtype):
     ref = lambda q, k, v: reference(q, k, v, pos, seg, window, softcap)  # noqa: E731
     got = {"blockwise": lambda q, k, v: blockwise.attention(q, k, v, pos, seg, window, None, softcap, block_size=16),
            "splash": lambda q, k, v: splash.attention(q, k, v, seg, window, None, softcap, block_size=128,
-                                                      interpret=True)}[impl]
+                                                      interpret=True, layout=layout)}[impl]
     outs = [np.asarray(f(q, k, v).astype(jnp.float32)) for f in (got, ref)]
     grads = [jax.grad(loss_of(f), argnums=(0, 1, 2))(q, k, v) for f in (got, ref)]
     return outs, [[np.asarray(g.astype(jnp.float32)) for g in gs] for gs in grads]
@@ -97,6 +97,15 @@ def test_blockwise_equals_dot_product_bfloat16(case):
 @pytest.mark.parametrize("case", ["causal", "all"])
 def test_splash_interpret_equals_dot_product_float32(case):
     (out, want), (grads, want_grads) = compare("splash", 256, case, jnp.float32)
+    for got, ref in zip([out, *grads], [want, *want_grads]):
+        assert_close(got, ref)
+
+
+def test_splash_seq_minor_layout_equals_dot_product_float32():
+    """model.splash_layout=seq_minor: the kernels read each head as [H, T] (queries, keys and values handed over
+    through the [B, N * H, T] transpose), forward and backward, with windows, soft-cap, GQA and segments."""
+    assert splash._block_sizes(256, 128, "seq_minor").k_layout == splash.kernel_lib.QKVLayout.SEQ_MINOR
+    (out, want), (grads, want_grads) = compare("splash", 256, "all", jnp.float32, layout="seq_minor")
     for got, ref in zip([out, *grads], [want, *want_grads]):
         assert_close(got, ref)
 
@@ -236,6 +245,78 @@ def test_chunked_loss_equals_the_whole_loss_with_gradients():
     assert_close(chunked[0], whole[0])
     for g, w in zip(jax.tree.leaves(chunked[1]), jax.tree.leaves(whole[1])):
         assert_close(g, w)
+
+
+def _vocab_matmuls(jaxpr, V: int) -> int:
+    """dot_generals with a V-wide operand or result, in jaxpr and every jaxpr inside it (scans, remat, vjps)."""
+    n = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            n += any(V in getattr(v.aval, "shape", ()) for v in (*eqn.invars, *eqn.outvars))
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's, or a Jaxpr
+                if hasattr(sub, "eqns"):
+                    n += _vocab_matmuls(sub, V)
+    return n
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_chunked_loss_takes_its_gradient_in_the_forward(tie):
+    """The chunked loss's gradient costs three [*, V] matmuls (logits, then their gradient into the hidden states
+    and into the weights), not four: no chunk's logits are recomputed in the backward; two where the output layer
+    is frozen. Values and gradients equal the loss's in one piece."""
+    V = 96
+    cfg = ModelConfig(vocab_size=V, block_size=16, n_layers=1, n_heads=2, d_model=16, tie_embeddings=tie,
+                      loss_chunk_tokens=8)
+    mesh = sharding.make_mesh(MeshConfig(), jax.devices()[:1])
+    params = P.init(param_specs(cfg), jax.random.key(0), mesh)
+    tokens = jax.random.randint(jax.random.key(1), (2, 17), 0, V)
+    grad = jax.make_jaxpr(jax.grad(lambda p, x, y: loss_fn(p, x, y, cfg)))(params, tokens[:, :-1], tokens[:, 1:])
+    assert _vocab_matmuls(grad.jaxpr, V) == 3
+    # a frozen output layer (LoRA): two, the logits and the hidden states' gradient
+    frozen = lambda a, x, y: loss_fn({**params, "layers": a}, x, y, cfg)  # noqa: E731
+    grad = jax.make_jaxpr(jax.grad(frozen))(params["layers"], tokens[:, :-1], tokens[:, 1:])
+    assert _vocab_matmuls(grad.jaxpr, V) == 2
+    chunked = jax.value_and_grad(loss_fn)(params, tokens[:, :-1], tokens[:, 1:], cfg)
+    whole = jax.value_and_grad(loss_fn)(params, tokens[:, :-1], tokens[:, 1:],
+                                        dataclasses.replace(cfg, loss_chunk_tokens=0))
+    assert_close(chunked[0], whole[0])
+    for g, w in zip(jax.tree.leaves(chunked[1]), jax.tree.leaves(whole[1])):
+        assert_close(g, w)
+
+
+def _reduced_shapes(jaxpr) -> list:
+    """The result shapes of every reduce_sum in jaxpr and the jaxprs inside it."""
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "reduce_sum":
+            out.append(tuple(eqn.outvars[0].aval.shape))
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    out += _reduced_shapes(sub)
+    return out
+
+
+def test_projection_bias_gradients_sum_rows_of_the_flat_projection():
+    """GPT-2's q/k/v biases are added to the [B, T, N * H] matmul result, so their gradients are row sums of that
+    2-D array ([N * H]), never sums of a [B, T, N, H] array into [N, H] (heads of 64: padded TPU tiles). The
+    values equal the per-head addition's."""
+    cfg = ModelConfig(vocab_size=64, block_size=16, n_layers=1, n_heads=4, d_model=32, bias=True, qk_norm=False,
+                      norm="layernorm", position="learned", attention="dot_product")
+    mesh = sharding.make_mesh(MeshConfig(), jax.devices()[:1])
+    params = P.init(param_specs(cfg), jax.random.key(0), mesh)
+    params["layers"]["attn"]["q_bias"] = jax.random.normal(jax.random.key(3), params["layers"]["attn"]["q_bias"].shape)
+    tokens = jax.random.randint(jax.random.key(1), (2, 17), 0, 64)
+    grad_fn = jax.grad(lambda p: loss_fn(p, tokens[:, :-1], tokens[:, 1:], cfg))
+    shapes = _reduced_shapes(jax.make_jaxpr(grad_fn)(params).jaxpr)
+    assert (32,) in shapes and (4, 8) not in shapes, shapes
+    x = jax.random.normal(jax.random.key(2), (2, 16, 32))
+    p_attn = jax.tree.map(lambda a: a[0], params["layers"]["attn"])
+    per_head = jnp.einsum("btd,dnh->btnh", x, p_attn["q"]) + p_attn["q_bias"]
+    assert_close(attention._project(x, p_attn, "q"), per_head)
 
 
 def test_chunked_loss_never_holds_the_whole_logits():

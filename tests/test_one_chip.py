@@ -111,6 +111,25 @@ def test_the_init_donates_its_weights(char_data, tmp_path):
     assert compiled.memory_analysis().alias_size_in_bytes == weights  # the state holds them, not a copy of them
 
 
+def test_the_refusal_names_settings_that_fit_together_by_compiling_them(char_data, tmp_path):
+    """`jaxlm train openwebtext` on one v5e: the preset's step needs ~121 GiB, and no one remedy alone fits it;
+    the refusal also names a combination that a compile showed to fit (bf16, remat full, a halved batch)."""
+    run = run_lib.setup(tiny_config(char_data, tmp_path), jax.devices()[:1])
+    whole = preflight._compiled_bytes(run, 2**40)
+    lean = config_lib.apply_overrides(run.cfg, {"model.param_dtype": "bfloat16", "model.remat": "full",
+                                                "training.per_device_batch_size": 2.0, "training.grad_accum": 4})
+    limit = (whole + preflight._compiled_bytes(run_lib.setup(lean, jax.devices()[:1], data=False), 2**40)) // 2
+    with pytest.raises(ConfigError) as e:
+        preflight.check(run, limit=limit)
+    line = str(e.value)
+    assert "\n" not in line and ": these fit together: model.param_dtype=bfloat16 model.remat=full" in line, line
+    named = dict(kv.split("=") for kv in line.split("these fit together: ")[1].split(" (compiled")[0].split())
+    assert "; or make it fit with model.param_dtype=bfloat16" in line, line
+    fitting = run_lib.setup(config_lib.apply_overrides(run.cfg, named), jax.devices()[:1], data=False)
+    assert preflight._compiled_bytes(fitting, 2**40) <= limit < whole
+    assert float(named.get("training.per_device_batch_size", 8)) * int(named.get("training.grad_accum", 1)) == 8
+
+
 def test_a_step_that_cannot_fit_stops_in_one_line_before_any_state(char_data, tmp_path):
     run = run_lib.setup(tiny_config(char_data, tmp_path), jax.devices()[:1])
     assert run.cfg.model.param_dtype == "float32"

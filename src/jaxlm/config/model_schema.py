@@ -164,6 +164,11 @@ class ModelConfig:
         "kernel; bf16/fp16 without soft-cap or segment ids), auto (splash on TPU, cudnn on GPU, on CPU "
         "dot_product below 2048 tokens and blockwise from there; cases a kernel lacks use blockwise)")
     attention_block: int = _f(512, "query and key tile length of blockwise and splash attention", rule=positive())
+    splash_layout: Literal["head_dim_minor", "seq_minor"] = _f(
+        "head_dim_minor",
+        "how the splash kernel holds a head's queries, keys and values: head_dim_minor ([T, H] tiles) or seq_minor "
+        "([H, T] tiles: heads narrower than the TPU's 128 lanes, GPT-2's 64, then reach the kernel by one "
+        "transpose of the projections instead of copies through padded tiles; docs/performance.md)")
     context_parallel: Literal["ring", "all_gather"] = _f(
         "ring",
         "attention when the mesh splits the sequence (mesh.ici_sequence / dcn_sequence > 1): ring (key/value blocks "

@@ -110,13 +110,7 @@ def position_qk(q_BTNH, k_BTKH, cfg, positions_BT, kind: str, mrope_BT3=None):
 
 
 def project_qkv(x_BTD, p, cfg, positions_BT, kind: str = "global", mrope_BT3=None):
-    q_BTNH = layers.dot("BTD,DNH->BTNH", x_BTD, p["q"])
-    k_BTKH = layers.dot("BTD,DKH->BTKH", x_BTD, p["k"])
-    v_BTKH = layers.dot("BTD,DKH->BTKH", x_BTD, p["v"])
-    if "q_bias" in p:
-        q_BTNH = q_BTNH + p["q_bias"].astype(q_BTNH.dtype)
-        k_BTKH = k_BTKH + p["k_bias"].astype(k_BTKH.dtype)
-        v_BTKH = v_BTKH + p["v_bias"].astype(v_BTKH.dtype)
+    q_BTNH, k_BTKH, v_BTKH = (_project(x_BTD, p, name) for name in "qkv")
     # Names for remat policies (model.remat=save_qkv_proj, offload_qkv_proj): the projections' outputs.
     q_BTNH = checkpoint_name(q_BTNH, "query_proj")
     k_BTKH = checkpoint_name(k_BTKH, "key_proj")
@@ -126,6 +120,19 @@ def project_qkv(x_BTD, p, cfg, positions_BT, kind: str = "global", mrope_BT3=Non
         k_BTKH = layers.norm(k_BTKH, p["k_norm"], cfg.norm, cfg.norm_eps, cfg.norm_plus_one)
     q_BTNH, k_BTKH = position_qk(q_BTNH, k_BTKH, cfg, positions_BT, kind, mrope_BT3)
     return q_BTNH, k_BTKH, v_BTKH
+
+
+def _project(x_BTD, p, name: str):
+    """x times the projection p[name] [D, N, H], plus its bias [N, H] where the layer has one: [B, T, N, H]. A bias
+    is added to the matmul's [B, T, N * H] result before the heads are split off, so that its gradient is a sum
+    over rows of that 2-D array (at heads of 64 a [.., N, H] array is a padded, slow-to-reduce layout on a TPU)."""
+    w, bias = p[name], p.get(f"{name}_bias")
+    if bias is None or not isinstance(w, jax.Array):
+        out = layers.dot("BTD,DNH->BTNH", x_BTD, w)
+        return out if bias is None else out + bias.astype(out.dtype)
+    D, N, H = w.shape
+    out_BTE = layers.dot("BTD,DE->BTE", x_BTD, w.reshape(D, N * H)) + bias.reshape(N * H).astype(x_BTD.dtype)
+    return out_BTE.reshape(*x_BTD.shape[:2], N, H)
 
 
 def attend(q_BTNH, k_BSKH, v_BSKH, mask_BTS, dropout_rate=0.0, key=None, scale=None, softcap=None, sinks_N=None):
@@ -233,7 +240,8 @@ def self_attention(q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, cfg, ki
                                    cfg.attn_logit_softcap, cfg.attention_block, chunk, sinks_N)
     if impl == "splash":
         return splash.attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, window, scale(cfg), cfg.attn_logit_softcap,
-                                cfg.attention_block, interpret=platform != "tpu", chunk=chunk, sinks_N=sinks_N)
+                                cfg.attention_block, interpret=platform != "tpu", chunk=chunk, sinks_N=sinks_N,
+                                layout=cfg.splash_layout)
     if impl == "cudnn":
         return _cudnn(q_BTNH, k_BTKH, v_BTKH, window, scale(cfg))
     mask_BTS = mask(positions_BT, positions_BT, window, segment_ids_BT, segment_ids_BT, chunk)

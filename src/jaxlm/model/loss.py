@@ -7,6 +7,8 @@ Shape legend: B batch, T length, D model width, V vocab, C positions per chunk, 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -39,8 +41,83 @@ def chunked_cross_entropy_sum(params: dict, x_BTD: jax.Array, targets_BT: jax.Ar
     time (chunked_token_losses), summed as cross_entropy_sum sums them, so that chunking changes no more than
     the output projection's rounding, not the order of the sum. `logits_of(x_BCD)` replaces unembed (the MTP
     modules' normalized states take the output projection alone)."""
+    weights_BT = None if weights_BT is None else weights_BT.astype(jnp.float32)
+    head_p = _head_params(params, cfg)
+    if logits_of is None and head_p is not None:
+        if weights_BT is None:
+            weights_BT = jnp.ones(targets_BT.shape, jnp.float32)
+        return _loss_sum_with_gradients(head_p, x_BTD, targets_BT, weights_BT, cfg)
     losses_BT = by_chunks(token_losses, params, x_BTD, targets_BT, cfg, logits_of)
-    return _weighted_sum(losses_BT, None if weights_BT is None else weights_BT.astype(jnp.float32))
+    return _weighted_sum(losses_BT, weights_BT)
+
+
+def _head_params(params: dict, cfg: ModelConfig) -> dict | None:
+    """The weights `unembed` reads (final norm, output projection), or None where one of them is not a plain
+    floating-point array (a quantized or adapted weight takes the rematerialized path, by_chunks)."""
+    out = {"embed": {"tokens": params["embed"]["tokens"]}} if cfg.tie_embeddings else {"lm_head": params["lm_head"]}
+    head_p = {"final_norm": params["final_norm"], **out}
+    leaves = jax.tree.leaves(head_p, is_leaf=lambda a: not isinstance(a, dict))
+    plain = all(isinstance(a, jax.Array) and jnp.issubdtype(a.dtype, jnp.floating) for a in leaves)
+    return head_p if plain else None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _loss_sum_with_gradients(head_p, x_BTD, targets_BT, weights_BT, cfg: ModelConfig):
+    """sum(token_losses(unembed(head_p, x)) * weights), cfg.loss_chunk_tokens positions at a time. The loss is
+    the last thing the step computes, so its gradient is known in the forward up to the one scalar that the
+    backward hands back: each chunk's gradients are taken while its logits exist (vjp with the chunk's weights as
+    the cotangent), and the backward only scales them. Against by_chunks' rematerialization this saves one
+    [B, C, D] x [D, V] matmul and one pass of exp over the [B, C, V] logits per chunk (docs/performance.md)."""
+    return _losses_and_gradients(head_p, x_BTD, targets_BT, weights_BT, cfg, grads=False)[0]
+
+
+def _losses_and_gradients(head_p, x_BTD, targets_BT, weights_BT, cfg: ModelConfig, grads: bool = True,
+                          head_grads: bool = True):
+    """The weighted loss sum and, with `grads`, its gradients with respect to head_p (float32; None without
+    `head_grads`: a frozen output layer, as under LoRA) and x_BTD."""
+    B, T, D = x_BTD.shape
+    C = min(cfg.loss_chunk_tokens, T)
+    pad = -T % C
+    padded = (jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2)) for a in (x_BTD, targets_BT, weights_BT))
+    chunks = tuple(a.reshape(B, (T + pad) // C, C, *a.shape[2:]).swapaxes(0, 1) for a in padded)
+
+    def chunk(dp_sum, xs):
+        x_BCD, targets_BC, weights_BC = xs
+        if not grads:
+            return dp_sum, (token_losses(unembed(head_p, x_BCD, cfg), targets_BC), None)
+        if not head_grads:
+            losses_BC, vjp = jax.vjp(lambda x: token_losses(unembed(head_p, x, cfg), targets_BC), x_BCD)
+            return dp_sum, (losses_BC, vjp(weights_BC)[0])
+        losses_BC, vjp = jax.vjp(lambda p, x: token_losses(unembed(p, x, cfg), targets_BC), head_p, x_BCD)
+        dp, dx_BCD = vjp(weights_BC)  # padded positions weigh 0
+        return jax.tree.map(lambda s, d: s + d.astype(jnp.float32), dp_sum, dp), (losses_BC, dx_BCD)
+
+    zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), head_p) if grads and head_grads else None
+    with jax.named_scope("chunked_loss"):
+        dp, (losses_nBC, dx_nBCD) = jax.lax.scan(chunk, zeros, chunks)
+    losses_BT = losses_nBC.swapaxes(0, 1).reshape(B, T + pad)[:, :T]
+    dx_BTD = dx_nBCD.swapaxes(0, 1).reshape(B, T + pad, D)[:, :T] if grads else None
+    # Summed as cross_entropy_sum sums, so that the loss is the one by_chunks gives.
+    return _weighted_sum(losses_BT, weights_BT), dp, dx_BTD
+
+
+def _loss_sum_fwd(head_p, x_BTD, targets_BT, weights_BT, cfg):
+    # symbolic_zeros: each leaf comes with whether it is differentiated; a frozen head's gradient is not taken.
+    head_grads = any(a.perturbed for a in jax.tree.leaves(head_p))
+    head_p, x_BTD, targets_BT, weights_BT = jax.custom_derivatives.custom_vjp_primal_tree_values(
+        (head_p, x_BTD, targets_BT, weights_BT))
+    loss, dp, dx_BTD = _losses_and_gradients(head_p, x_BTD, targets_BT, weights_BT, cfg, head_grads=head_grads)
+    return loss, (dp, dx_BTD, head_p, weights_BT)
+
+
+def _loss_sum_bwd(cfg, res, g):
+    dp, dx_BTD, head_p, weights_BT = res
+    if dp is not None:
+        dp = jax.tree.map(lambda d, p: (d * g).astype(p.dtype), dp, head_p)
+    return dp, (dx_BTD * g).astype(dx_BTD.dtype), None, jnp.zeros_like(weights_BT)
+
+
+_loss_sum_with_gradients.defvjp(_loss_sum_fwd, _loss_sum_bwd, symbolic_zeros=True)
 
 
 def by_chunks(fn, params: dict, x_BTD: jax.Array, targets_BT: jax.Array, cfg: ModelConfig, logits_of=None):

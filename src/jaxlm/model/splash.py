@@ -29,43 +29,46 @@ def supports(T: int) -> bool:
     return T % BLOCK == 0
 
 
-def _block_sizes(T: int, block: int) -> kernel_lib.BlockSizes:
+def _block_sizes(T: int, block: int, layout: str = "head_dim_minor") -> kernel_lib.BlockSizes:
     b = max(BLOCK, min(block, T) // BLOCK * BLOCK)
     while T % b:
         b -= BLOCK
+    qkv = kernel_lib.QKVLayout.SEQ_MINOR if layout == "seq_minor" else kernel_lib.QKVLayout.HEAD_DIM_MINOR
     return kernel_lib.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b, block_kv_dkv=b,
-                                 block_kv_dkv_compute=b, block_q_dq=b, block_kv_dq=b)
+                                 block_kv_dkv_compute=b, block_q_dq=b, block_kv_dq=b, q_layout=qkv, k_layout=qkv,
+                                 v_layout=qkv)
 
 
 @functools.lru_cache(maxsize=64)
 def _kernel(N: int, T: int, window: int | None, softcap: float | None, block: int, interpret: bool,
-            chunk: int | None = None):
+            chunk: int | None = None, layout: str = "head_dim_minor"):
     """The kernel for these static settings, cached across traces. Its constructor turns the mask's block tables
     (numpy) into arrays; made during a trace, those would be that trace's tracers, and the cache would hand them
     to the next trace (UnexpectedTracerError at a second trace of the step, or the evaluation step). So they are
     made eagerly, as constants that any trace can capture."""
     with jax.ensure_compile_time_eval():
-        return _make_kernel(N, T, window, softcap, block, interpret, chunk)
+        return _make_kernel(N, T, window, softcap, block, interpret, chunk, layout)
 
 
-def _make_kernel(N, T, window, softcap, block, interpret, chunk):
+def _make_kernel(N, T, window, softcap, block, interpret, chunk, layout):
     if chunk is not None:
         one = mask_lib.ChunkedCausalMask((T, T), chunk_size=chunk)
     elif window is not None:
         one = mask_lib.LocalMask((T, T), window_size=(window - 1, 0), offset=0)
     else:
         one = mask_lib.CausalMask((T, T))
-    return kernel_lib.make_splash_mha(mask_lib.MultiHeadMask([one] * N), block_sizes=_block_sizes(T, block),
+    return kernel_lib.make_splash_mha(mask_lib.MultiHeadMask([one] * N), block_sizes=_block_sizes(T, block, layout),
                                       attn_logits_soft_cap=softcap, head_shards=1, q_seq_shards=1,
                                       interpret=interpret)
 
 
 def attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, window=None, scale=None, softcap=None, block_size=512,
-              interpret=False, chunk=None, sinks_N=None) -> jax.Array:
+              interpret=False, chunk=None, sinks_N=None, layout: str = "head_dim_minor") -> jax.Array:
     """Causal self-attention of T tokens (T a multiple of 128) in the query dtype; `window` limits each query
     to the last `window` tokens, itself included, `chunk` to its own block of that many tokens; sinks_N (a
     logit per query head) join the softmax denominators. Runs in Pallas interpret mode (any backend) when
-    asked."""
+    asked. `layout` (model.splash_layout): how the kernel holds each head's queries, keys and values, [T, H]
+    (head_dim_minor) or [H, T] (seq_minor)."""
     B, T, N, H = q_BTNH.shape
     K = k_BTKH.shape[2]
     scale = H ** -0.5 if scale is None else scale
@@ -73,9 +76,10 @@ def attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, window=None, scale=None, s
 
     def local(q_BTNH, k_BTKH, v_BTKH, *rest):
         seg, sinks = (rest[0] if has_segments else None), (rest[-1] if has_sinks else None)
-        kern = _kernel(q_BTNH.shape[2], T, window, softcap, block_size, interpret, chunk)
-        q_BNTH = (q_BTNH * jnp.asarray(scale, q_BTNH.dtype)).transpose(0, 2, 1, 3)
-        k_BKTH, v_BKTH = k_BTKH.transpose(0, 2, 1, 3), v_BTKH.transpose(0, 2, 1, 3)
+        kern = _kernel(q_BTNH.shape[2], T, window, softcap, block_size, interpret, chunk, layout)
+        heads_major = _heads_major_seq_minor if layout == "seq_minor" else lambda x: x.transpose(0, 2, 1, 3)
+        q_BNTH = heads_major(q_BTNH * jnp.asarray(scale, q_BTNH.dtype))
+        k_BKTH, v_BKTH = heads_major(k_BTKH), heads_major(v_BTKH)
         if seg is not None:
             ids = kernel_lib.SegmentIds(q=seg, kv=seg)
             out_BNTH = jax.vmap(lambda q, k, v, s: kern(q, k, v, segment_ids=s, sinks=sinks))(
@@ -100,6 +104,14 @@ def attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, window=None, scale=None, s
                     + ((PartitionSpec(heads),) if has_sinks else ()))
         return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=q_spec,
                              check_vma=False)(q_BTNH, k_BTKH, v_BTKH, *seg)
+
+
+def _heads_major_seq_minor(x_BTNH):
+    """x [B, N, T, H] (transpose(0, 2, 1, 3)) spelled through the [B, N * H, T] transpose of the projection's
+    [B, T, N * H] result: the [B, N, H, T] layout the seq_minor kernel reads is then that one 2-D transpose per
+    row, with no [.., T, H] array of H < 128 lanes (padded tiles) made on the way (docs/performance.md)."""
+    B, T, N, H = x_BTNH.shape
+    return x_BTNH.reshape(B, T, N * H).swapaxes(1, 2).reshape(B, N, H, T).swapaxes(2, 3)
 
 
 def _axes(mesh, rules, logical: str, size: int):

@@ -38,8 +38,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "generation_config.json", "added_tokens.json", "chat_template.jinja",
                    "chat_template.json", "preprocessor_config.json", "processor_config.json")
 ARCH_IGNORED = ("dropout", "init_std", "param_dtype", "compute_dtype", "remat", "scan_layers", "block_size",
-                "attention", "attention_block", "loss_chunk_tokens", "expert_capacity_factor", "expert_all_to_all",
-                "moe_matmul", "moe_tiles", "context_parallel", "moe_bias_update_rate", "mtp_loss_weight")
+                "attention", "attention_block", "splash_layout", "loss_chunk_tokens", "expert_capacity_factor",
+                "expert_all_to_all", "moe_matmul", "moe_tiles", "context_parallel", "moe_bias_update_rate",
+                "mtp_loss_weight")
 
 
 # ---- safetensors, read and written a tensor at a time -------------------------------------------------------

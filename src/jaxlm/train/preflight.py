@@ -1,6 +1,8 @@
 """Does the step fit the device? `jaxlm train` compiles its step for its own devices before any state exists (no
-weights initialized or loaded) and stops a step that cannot fit in one line: the bytes it needs and the settings
-that shrink them. The compiled step is then the one the loop runs, so nothing is compiled twice.
+weights initialized or loaded) and stops a step that cannot fit in one line: the bytes it needs, settings that
+fit together (found by compiling them: `jaxlm train openwebtext` on one v5e names bf16, remat full and 64 x 32
+micro-batches) and the settings that shrink it. The compiled step is then the one the loop runs, so nothing is
+compiled twice.
 
 The verdict is the compiler's where it gives one: XLA:TPU refuses to compile a step whose buffers do not fit the
 chip, naming the bytes. A step it accepts runs (on a v5e, llama3.1-8b QLoRA at 49,152 tokens ran although
@@ -15,9 +17,10 @@ import re
 
 import jax
 
+from jaxlm import config as config_lib
 from jaxlm.config import ConfigError
 from jaxlm.model import lora
-from jaxlm.train import step as step_lib
+from jaxlm.train import run as run_lib, step as step_lib
 
 GiB = 2**30
 LONG_CONTEXT = 8192  # from this many tokens a sequence, the layers' saved inputs are worth offloading
@@ -105,11 +108,13 @@ def remedies(run, devices_per_slice: int, need: int | None = None, argument_byte
 
 
 def no_fit_line(run, need: int | None, limit: int, device_kind: str, how: str,
-                argument_bytes: int | None = None) -> str:
-    """One line: what the step needs against the device's memory, and the settings that shrink it."""
+                argument_bytes: int | None = None, fits: str = "") -> str:
+    """One line: what the step needs against the device's memory, the settings `fits` that a compile showed to
+    fit (fitting_settings), and the settings that shrink it."""
     per_slice = run.mesh.devices.size
     need_s = f"needs {gib(need)} per device ({how})" if need else f"does not fit ({how})"
-    return (f"the train step {need_s} and a {device_kind} has {gib(limit)}: make it fit with "
+    first = f"these fit together: {fits}; or " if fits else ""
+    return (f"the train step {need_s} and a {device_kind} has {gib(limit)}: {first}make it fit with "
             + "; or ".join(remedies(run, per_slice, need, argument_bytes, limit))
             + "; `jaxlm compile` with compile.topology= lists its largest buffers")
 
@@ -125,6 +130,48 @@ def oom_need(message: str, argument_bytes: int) -> int | None:
     if m := re.search(r"temporaries \(" + size + r"\)", message):
         return argument_bytes + as_bytes(m[1], m[2])
     return None
+
+
+def _compiled_bytes(run, limit: int) -> int | None:
+    """The bytes per device of the run's compiled step, None where the compiler refuses it for want of memory."""
+    try:
+        compiled = step_lib.lower_train_step(run).compile()
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        return None
+    need = device_bytes(compiled.memory_analysis())
+    return None if run.mesh.devices.flat[0].platform != "tpu" and need > limit else need
+
+
+def fitting_settings(run, limit: int) -> str:
+    """Settings, checked by compiling them, with which the refused step fits `limit` bytes per device: bf16
+    weights and moments (where float32 and not LoRA), remat full (where less), and the per-device batch halved,
+    grad_accum doubled (the same tokens a step), until the step fits; '' where even one sequence a device does
+    not. A few compiles, made only for a step that would not have run."""
+    cfg = run.cfg
+    changes: dict = {}
+    if cfg.model.param_dtype == "float32" and not lora.enabled(cfg):
+        changes["model.param_dtype"] = "bfloat16"
+    if cfg.model.remat not in ("full", "offload_layer_inputs"):
+        changes["model.remat"] = "full"
+    pdb, accum = cfg.training.per_device_batch_size, cfg.training.grad_accum
+    devices = list(run.mesh.devices.flat)
+    while True:
+        trial = run_lib.setup(config_lib.apply_overrides(cfg, changes), devices, data=False)
+        need = _compiled_bytes(trial, limit)
+        if need is not None:
+            settings = " ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in changes.items())
+            return f"{settings} (compiled: {gib(need)} per device)"
+        if pdb <= 1:
+            return ""
+        pdb, accum = max(1.0, float(pdb // 2)), accum * 2
+        changes.update({"training.per_device_batch_size": pdb, "training.grad_accum": accum})
+
+
+def _refusal(run, need, limit, device, how, argument_bytes) -> ConfigError:
+    return ConfigError(no_fit_line(run, need, limit, device.device_kind, how, argument_bytes,
+                                   fitting_settings(run, limit)))
 
 
 def check(run, limit: int | None = None):
@@ -143,10 +190,8 @@ def check(run, limit: int | None = None):
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
         need = oom_need(str(e).strip().splitlines()[0], argument_bytes)
-        raise ConfigError(no_fit_line(run, need, limit, device.device_kind, "the compiler's out-of-memory "
-                                                                            "figure", argument_bytes)) from None
+        raise _refusal(run, need, limit, device, "the compiler's out-of-memory figure", argument_bytes) from None
     need = device_bytes(compiled.memory_analysis())
     if device.platform != "tpu" and need > limit:  # XLA:TPU refuses a step that does not fit when compiling it
-        raise ConfigError(no_fit_line(run, need, limit, device.device_kind, "the compiled step's buffers",
-                                      argument_bytes))
+        raise _refusal(run, need, limit, device, "the compiled step's buffers", argument_bytes)
     return compiled

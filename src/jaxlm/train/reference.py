@@ -30,7 +30,8 @@ from jaxlm.model.loss import token_logprobs
 FORMAT = 1
 # Model settings that change how a run computes, not what it computes: a reference made under other values of
 # these still serves.
-RUNTIME_SETTINGS = ("remat", "scan_layers", "attention", "attention_block", "loss_chunk_tokens", "dropout")
+RUNTIME_SETTINGS = ("remat", "scan_layers", "attention", "attention_block", "splash_layout", "loss_chunk_tokens",
+                    "dropout")
 
 
 def folder(run: run_lib.Run) -> str:
