@@ -358,7 +358,7 @@ def check_resume_config(run_dir: Path | str, cfg: Config) -> dict | None:
         if k in saved and saved[k] != v and k not in ("dropout", "remat", "attention", "attention_block",
                                                       "splash_layout", "loss_chunk_tokens", "scan_layers",
                                                       "compute_dtype", "quantization", "quant_logits",
-                                                      "quant_stochastic_rounding"):
+                                                      "quant_stochastic_rounding", "moe_matmul", "moe_tiles"):
             raise ConfigError(f"run_dir {run_dir} holds a checkpoint of a different model (model.{k}={saved[k]!r} "
                               f"there, {v!r} here); use another run_dir or the same model settings")
     # A LoRA checkpoint holds adapters of one shape for one base; the dropout and the base's storage may change.
