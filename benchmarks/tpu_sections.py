@@ -639,7 +639,7 @@ def decode(ctx: Ctx) -> None:
     left."""
     import gc
 
-    g.decode(ctx, reserve=60)
+    g.decode(ctx, reserve=0 if ctx.tiny else 60)
     gc.collect()
     row_8b(ctx, decode_int8_8b, "decode8b_note", 60)
 

@@ -69,6 +69,10 @@ def test_every_section_runs_at_tiny_sizes_on_cpu(tmp_path):
     assert float(kv["generate_b1_decode_tokens_per_s"]) > 0 and float(kv["serve_c4_output_tokens_per_s"]) > 0
     # the engine against generate at its batch; llama3.1-8b's shape (tiny here) with int8 weights, decoded and served
     assert float(kv["serve_vs_generate_decode"]) > 0 and float(kv["serve_vs_generate_with_prefill"]) > 0
+    # generate's largest batch and the engine's round profiled, their operations named from their programs' HLO
+    assert float(kv["decode_b4_profile_device_ms"]) > 0 and float(kv["decode_b4_profile_matmul_ms"]) > 0
+    assert int(kv["decode_b4_profile_hlo_programs"]) == 2 and int(kv["serve_profile_hlo_programs"]) >= 2
+    assert float(kv["serve_profile_matmul_ms"]) > 0 and "generate, batch 4, one call under the profiler" in text
     assert float(kv["decode8b_int8_b1_tokens_per_s"]) > 0 and float(kv["decode8b_int8_b1_bandwidth_vs_copy"]) > 0
     assert float(kv["serve8b_int8_c4_output_tokens_per_s"]) > 0
     assert "maxtext_best_mfu_maxtext" not in kv  # no spec-sheet peak for a CPU: MFU only against the matmul

@@ -299,5 +299,8 @@ def test_paged_steps_through_the_ragged_kernel_compiled_for_a_tpu_update_the_poo
     assert pool == 8192 * 16 * paged.bytes_per_token(cfg, lane=128, packed=bool(options)) == (
         8192 * 16 * 2 * 4 * 128 * (1 if options else 2) * 4)  # pages x page x layers x kv heads x lanes x float32
     assert memory.alias_size_in_bytes >= pool  # the pool in is the pool out
-    assert memory.temp_size_in_bytes < pool / 20, (memory.temp_size_in_bytes, pool)
+    # the kernel's default prefetch=2 raises its VMEM limit (PREFETCH_VMEM_BYTES), which leaves XLA's own fusions
+    # less of it: the chunk of 512's temporaries over the packed pool are 35.8 MB then (under 27 MB with
+    # prefetch=1), a fifteenth of the pool; a pool-sized copy would be all of it
+    assert memory.temp_size_in_bytes < pool / 10, (memory.temp_size_in_bytes, pool)
     assert "ragged_paged_attention" in compiled.as_text()
