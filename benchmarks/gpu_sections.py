@@ -834,6 +834,7 @@ def quant(ctx: Ctx) -> None:
 
 PROFILE_TOP = 16  # operations listed from the engine's and generate's profiles
 
+
 def inference_model(z: dict):
     """(params, ModelConfig): the 1B shape with bf16 weights (what a converted checkpoint serves), random."""
     import jax
