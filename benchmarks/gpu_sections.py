@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import dataclasses
 import functools
 import glob
@@ -424,6 +425,32 @@ def hlo_index(text: str) -> dict[str, tuple[str, str, str]]:
     return out
 
 
+def result_type(rest: str) -> str:
+    """The result type of an HLO instruction's text after its name ("bf16[64,2048]{1,0} fusion(...)" ->
+    "bf16[64,2048]"), layouts left out: what tells apart instructions of one name in different programs."""
+    m = re.match(r"\s*(.*?)\s+[\w\-]+\(", re.sub(r"\{[^{}]*\}", "", rest))
+    return m[1] if m else ""
+
+
+def hlo_index_of(texts) -> dict[str, tuple[str, str, str]]:
+    """hlo_index over several programs' optimized HLO (the serving engine's prefill and decode programs, generate's
+    prefill and decode): each instruction keyed "name type" (result_type), which breakdown_of looks up first, and by
+    its name alone where no two programs give that name different entries."""
+    out, clashes = {}, set()
+    for text in texts:
+        types = {}
+        for line in text.splitlines():
+            if m := re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)", line):
+                types[m[1]] = result_type(m[2])
+        for name, entry in hlo_index(text).items():
+            out[f"{name} {types.get(name, '')}"] = entry
+            if out.setdefault(name, entry) != entry:
+                clashes.add(name)
+    for name in clashes:
+        del out[name]
+    return out
+
+
 def op_kind(rest: str) -> str:
     if "cudnn" in rest and re.search("fmha|attention|flash", rest, re.I):
         return "attention kernel (cuDNN)"
@@ -517,33 +544,50 @@ def breakdown_of(data, index: dict, steps: int, top: int = 12) -> dict:
             for key, value in ev.stats:
                 stat_names.add(key)
                 if key == "hlo_category" and value:
-                    categories.setdefault(op_of(ev).lstrip("%").partition(" = ")[0], str(value))
+                    categories.setdefault(op_key(op_of(ev)), str(value))
         for name, ns in self_times(ln.events).items():
             if not name.startswith(RUNTIME_EVENTS):
-                # A TPU's XLA Ops events are named by the whole instruction ("fusion.405 = bf16[...] fusion(...)")
-                op, _, text = name.lstrip("%").partition(" = ")
-                times[op] += ns
-                texts.setdefault(op, text)
+                times[op_key(name)] += ns
+                texts.setdefault(op_key(name), name.lstrip("%").partition(" = ")[2])
     total = sum(times.values())
     if not total:
         raise RuntimeError(f"no operation events in the trace (planes: {[p.name for p in planes]})")
     by_kind, by_scope, by_pass = collections.Counter(), collections.Counter(), collections.Counter()
     rows, others = [], []  # the top operations, and the top ones that are not matmuls (what tuning goes after)
-    for name, ns in times.most_common():
-        kind, scope, direction = index.get(name, (category_kind(categories.get(name))
-                                                  or (op_kind(texts[name]) if texts[name] else kernel_kind(name)),
-                                                  "unattributed", "?"))
+    for (name, typ), ns in times.most_common():
+        text = texts[name, typ]
+        kind, scope, direction = (index.get(f"{name} {typ}") or index.get(name)
+                                  or (category_kind(categories.get((name, typ))) or trace_kind(name, text),
+                                      "unattributed", "?"))
         by_kind[kind] += ns
         by_scope[scope] += ns
         by_pass[direction] += ns
-        row = dict(op=name, kind=kind, scope=scope, ms_per_step=ns / 1e6 / steps, share=ns / total)
+        row = dict(op=name, kind=kind, scope=scope, type=typ, ms_per_step=ns / 1e6 / steps, share=ns / total)
         if len(rows) < top:
             rows.append(row)
         if kind != "matmul" and len(others) < 2 * top:
-            others.append(dict(row, text=texts[name][:300]))
+            others.append(dict(row, text=text[:300]))
     ms = lambda c: {k: round(v / 1e6 / steps, 3) for k, v in c.most_common()}  # noqa: E731
     return dict(source=source, ms_per_step=total / 1e6 / steps, top=rows, top_not_matmul=others, by_kind=ms(by_kind),
                 by_scope=ms(by_scope), by_pass=ms(by_pass), event_stats=sorted(stat_names)[:40])
+
+
+def op_key(event_name: str) -> tuple[str, str]:
+    """An operation of a trace as (instruction name, result type): a TPU's XLA Ops events are named by the whole
+    instruction ("fusion.405 = bf16[...] fusion(...)"), and the programs of one trace (the serving engine's) reuse
+    names, which the result type mostly tells apart; a name alone (a GPU kernel, XLA:CPU's events) has no type."""
+    op, _, text = event_name.lstrip("%").partition(" = ")
+    return op, result_type(text)
+
+
+def trace_kind(name: str, text: str) -> str:
+    """The kind of an operation from its trace event alone (no HLO, no category): its instruction's text, or a
+    kernel's name; a fusion named after a dot or convolution (XLA names a fusion by its root, "convolution_fusion.3")
+    is a matmul, which the text of its fusion line does not show."""
+    if not text:
+        return kernel_kind(name)
+    kind = op_kind(text)
+    return "matmul" if kind == "fusion (elementwise, reduce)" and re.search(r"convolution|dot", name) else kind
 
 
 def category_kind(category: str | None) -> str | None:
@@ -788,6 +832,9 @@ def quant(ctx: Ctx) -> None:
 
 # ---- decode and serve -------------------------------------------------------------------------------------------
 
+PROFILE_TOP = 16  # operations listed from the engine's and generate's profiles
+
+
 def inference_model(z: dict):
     """(params, ModelConfig): the 1B shape with bf16 weights (what a converted checkpoint serves), random."""
     import jax
@@ -802,10 +849,11 @@ def inference_model(z: dict):
     return P.init(param_specs(cfg), jax.random.key(0), mesh), cfg
 
 
-def decode(ctx: Ctx) -> None:
+def decode(ctx: Ctx, reserve: float = 0.0) -> None:
     """`jaxlm generate`'s decoder (jaxlm.infer.generate.generate: prefill, then the on-device loop over the KV cache)
     at batch 1 and 64, greedy, no stop token; and what batch 1 reads per token: every weight (the tied embedding
-    is the output projection, read whole) and the cache's filled part."""
+    is the output projection, read whole) and the cache's filled part. Then, while time is left beyond `reserve`
+    seconds, one more call at the largest batch under the profiler (generate_profile): decode_b<batch>_profile."""
     from jaxlm.infer import generate
     from jaxlm.model import quant as quant_lib
     from jaxlm.config import DecodeConfig
@@ -836,6 +884,15 @@ def decode(ctx: Ctx) -> None:
                       decode_tokens_per_s=B * N / g.decode_s, tokens_per_s=B * N / (g.decode_s + g.prefill_s),
                       step_ms=1e3 * g.decode_s / N, seconds=time.perf_counter() - t)
         ctx.put(decode_runs=out)
+    B, r = max(out.items())
+    # reading the trace takes several times the call's own time
+    if "note" in r or ctx.left() < reserve + 10 * (r["decode_s"] + r["prefill_s"]) + 20:
+        ctx.put(**{f"decode_b{B}_profile": dict(note=f"skipped: time budget ({ctx.left():.0f} s left)")})
+        return
+    t = time.perf_counter()
+    prompts = np.random.default_rng(B).integers(0, cfg.vocab_size, (B, P0)).tolist()  # the row's own
+    prof = generate_profile(params, cfg, prompts, DecodeConfig(max_new_tokens=N, temperature=0.0))
+    ctx.put(**{f"decode_b{B}_profile": dict(prof, seconds=time.perf_counter() - t)})
 
 
 def serve(ctx: Ctx, attention_kernel: str | None = None, kernel_options: str = "", tag: str | None = None) -> dict:
@@ -889,31 +946,104 @@ def engine_round(e, cfg, C: int, P0: int, N: int, seed: int) -> dict:
     return dict(wall_s=wall, tokens=tokens, output_tokens_per_s=tokens / wall)
 
 
-def engine_profile(e, cfg, C: int, P0: int, N: int) -> dict:
-    """One more round of the engine under jax.profiler: the device's time by kind of operation (as the train rows'
-    breakdown; programs of the prefill and the decode buckets together) and its share of the round's wall time
-    (`device_busy`: on a GPU or TPU the rest is the host's turn loop, dispatch and waits; on a CPU the ops' time
-    is summed over threads, so no share is given)."""
+@contextlib.contextmanager
+def lowering_calls(module):
+    """While inside, the first call of each shape of `module`'s jitted functions (the engine's programs,
+    serve/programs.py) is also lowered with that call's own arguments, before it runs: once the program has run, a
+    lookup in jax's caches, and that lowering's compile() the executable the call runs. Yields the list of them."""
+    import jax
+
+    lowered, seen = [], set()
+
+    def shape(a):  # what tells programs apart cheaply: arrays' shapes, plain values (static arguments), else type
+        if isinstance(a, (np.ndarray, jax.Array)):
+            return np.shape(a), str(a.dtype)
+        return a if isinstance(a, (bool, int, float, str, type(None))) else type(a).__name__
+
+    def recording(name, f):
+        def call(*args, **kw):
+            key = (name, tuple(map(shape, args)), tuple((k, shape(v)) for k, v in kw.items()))
+            if key not in seen:
+                seen.add(key)
+                lowered.append(f.lower(*args, **kw))
+            return f(*args, **kw)
+        return call
+
+    jitted = {name: f for name, f in vars(module).items() if callable(f) and hasattr(f, "lower")}
+    for name, f in jitted.items():
+        setattr(module, name, recording(name, f))
+    try:
+        yield lowered
+    finally:
+        for name, f in jitted.items():
+            setattr(module, name, f)
+
+
+def optimized_hlo(compiled) -> list[str]:
+    """The optimized HLO of each of `compiled` (executables, or lowerings compiled here: from jax's cache), once."""
+    texts = [(c.compile() if hasattr(c, "compile") else c).as_text() for c in compiled]
+    return list(dict.fromkeys(texts))
+
+
+def traced(run, index_of, top: int, steps: int = 1) -> dict:
+    """run() under jax.profiler: the device's time by kind of operation, scope and top operations (breakdown_of),
+    the operations named from the optimized HLO of the programs index_of() gives after the run (hlo_index_of);
+    `wall_ms`, the run's wall time."""
     import jax
     from jax.profiler import ProfileData
 
-    from jaxlm.serve.requests import Sequence
-
-    folder = tempfile.mkdtemp(prefix="jaxlm_serve_trace_")
-    prompts = np.random.default_rng(3).integers(0, cfg.vocab_size, (C, P0))
+    folder = tempfile.mkdtemp(prefix="jaxlm_trace_")
     jax.profiler.start_trace(folder)
     try:
         t = time.perf_counter()
-        e.run([Sequence(p.tolist(), N, 0.0, 0, 1.0, 0, 0, (), None, logprobs=False) for p in prompts])
+        run()
         wall = time.perf_counter() - t
     finally:
         jax.profiler.stop_trace()
     files = glob.glob(f"{folder}/**/*.xplane.pb", recursive=True)
     if not files:
         return dict(note=f"the profiler wrote no .xplane.pb under {folder}")
-    out = breakdown_of(ProfileData.from_file(files[0]), {}, 1, top=8)
-    out.update(wall_ms=1e3 * wall, output_tokens_per_s=C * N / wall)
-    if jax.default_backend() != "cpu":
+    t = time.perf_counter()
+    texts = index_of()
+    hlo_s = time.perf_counter() - t
+    out = breakdown_of(ProfileData.from_file(files[0]), hlo_index_of(texts), steps, top=top)
+    out.update(wall_ms=1e3 * wall, hlo_programs=len(texts), hlo_s=hlo_s)
+    return out
+
+
+def engine_profile(e, cfg, C: int, P0: int, N: int) -> dict:
+    """One more round of the engine under jax.profiler: the device's time by kind of operation (as the train rows'
+    breakdown; programs of the prefill and the decode buckets together, their operations named from the optimized
+    HLO of the programs the round ran: lowering_calls) and its share of the round's wall time (`device_busy`: on a
+    GPU or TPU the rest is the host's turn loop, dispatch and waits; on a CPU the ops' time is summed over threads,
+    so no share is given)."""
+    import jax
+
+    from jaxlm.serve import programs
+    from jaxlm.serve.requests import Sequence
+
+    prompts = np.random.default_rng(3).integers(0, cfg.vocab_size, (C, P0))
+    with lowering_calls(programs) as lowered:
+        out = traced(lambda: e.run([Sequence(p.tolist(), N, 0.0, 0, 1.0, 0, 0, (), None, logprobs=False)
+                                    for p in prompts]), lambda: optimized_hlo(lowered), top=PROFILE_TOP)
+    if "wall_ms" in out:
+        out["output_tokens_per_s"] = C * N / (out["wall_ms"] / 1e3)
+        if jax.default_backend() != "cpu":
+            out["device_busy"] = out["ms_per_step"] / out["wall_ms"]
+    return out
+
+
+def generate_profile(params, cfg, prompts, d) -> dict:
+    """One more call of generate (prefill and the decode loop) under jax.profiler, as engine_profile: the device's
+    time by kind and top operations, named from the optimized HLO of generate's executables for these shapes (the
+    last it compiled), so that a chip run reads the engine's round against generate's op by op."""
+    import jax
+
+    from jaxlm.infer import generate
+
+    out = traced(lambda: generate.generate(params, cfg, prompts, d), lambda: optimized_hlo(generate.executables()[-1]),
+                 top=PROFILE_TOP)
+    if "wall_ms" in out and jax.default_backend() != "cpu":
         out["device_busy"] = out["ms_per_step"] / out["wall_ms"]
     return out
 

@@ -37,16 +37,19 @@ Sections and what they report:
               with each tiling of tpu_sections.MOE_TILES (or names them: 256,1024,1024/mixtral:512,512,2048),
               JAXLM_BENCH_MOE_ACCUM=4 rows of 4 micro-batches a step (Adam amortized): the MoE
               at model.moe_matmul=auto (megablox on a TPU) and the dense model
-  decode      generate at batch 1 and 64 (the 1B shape in bf16), batch 1's bytes per token over the HBM copy; then
+  decode      generate at batch 1 and 64 (the 1B shape in bf16), batch 1's bytes per token over the HBM copy, batch
+              64's call under the profiler (decode_b64_profile: by kind, scope and top operations); then
               llama3.1-8b's shape with int8 weights (decode.quantize_weights=int8's layout, random, made on the
               chip) at batch 1: its bytes per token over an HBM copy measured in the section, the chip's memory
   serve       the serving engine, 64 slots, 64 requests at once: output tokens/s, against generate's batch of 64
               when the decode section ran too, and the profiled round's share of Pallas kernels (paged attention);
               then the engine over llama3.1-8b's shape with int8 weights at 64 requests.
               JAXLM_BENCH_SERVE_KERNELS=ragged,jax runs the 1B row once per serve.attention_kernel instead,
-              an entry taking the ragged kernel's settings after colons (ragged:heads_batched=1:page_steps=1;
-              serve.attention_kernel_options): serve_<tag>_output_tokens_per_s, serve_<tag>_vs_generate_decode,
-              serve_<tag>_pallas_kernel_share, the tag the entry with `_` for `:` and `=`
+              an entry taking the ragged kernel's settings after colons (serve.attention_kernel_options; `ragged`
+              is its defaults, ragged:heads_batched=0:page_steps=0:prefetch=1 the kernel as first written):
+              serve_<tag>_output_tokens_per_s, serve_<tag>_vs_generate_decode, serve_<tag>_pallas_kernel_share,
+              the tag the entry with `_` for `:` and `=`; each profiled round by kind, scope and top operations
+              (named from the engine's programs' optimized HLO), to read against decode_b64_profile
 """
 
 from __future__ import annotations
@@ -247,6 +250,7 @@ def serving(f: dict, kv: dict, tables: list) -> None:
             p = s.get(f"serve_{m[1]}_profile", {})
             if p.get("ms_per_step"):
                 kv[f"serve_{m[1]}_pallas_kernel_share"] = p["by_kind"].get("Pallas kernel (TPU)", 0) / p["ms_per_step"]
+    profiles(d, s, kv, tables)
     copy = f.get("yardsticks", {}).get("hbm_copy") or d.get("decode8b_hbm_copy")
     one = d.get("decode8b_b1", {})
     if one:
@@ -265,15 +269,35 @@ def serving(f: dict, kv: dict, tables: list) -> None:
             kv["serve8b_note"] = "the last round finished also compiled"
 
 
+def profiles(d: dict, s: dict, kv: dict, tables: list) -> None:
+    """The profiled calls of the decode and serve sections, generate's largest batch (decode_b<batch>_profile) and
+    each engine round (serve_profile, serve_<tag>_profile), in the train rows' breakdown format, so that the
+    engine's operations read against generate's: each one's device time, its matmuls' and all but its Pallas
+    kernels' (the engine's attention; generate has none)."""
+    found = [(key, f"generate, batch {m[1]}, one call under the profiler", b) for key, b in d.items()
+             if (m := re.fullmatch(r"decode_b(\d+)_profile", key))]
+    found += [(key, f"serving engine{' (' + m[1] + ')' if m[1] else ''}, one round under the profiler", b)
+              for key, b in s.items() if (m := re.fullmatch(r"serve_?(\w*)_profile", key))]
+    for key, label, b in found:
+        if "top" not in b:
+            kv[f"{key}_note"] = b.get("note")
+            continue
+        kv[f"{key}_device_ms"] = b["ms_per_step"]
+        kv[f"{key}_matmul_ms"] = b["by_kind"].get("matmul", 0)
+        kv[f"{key}_not_pallas_ms"] = b["ms_per_step"] - b["by_kind"].get("Pallas kernel (TPU)", 0)
+        kv[f"{key}_hlo_programs"] = b.get("hlo_programs")
+        tables += breakdown(label, b)
+
+
 def breakdown(label: str, b: dict) -> list[str]:
     if "top" not in b:
         return ["", f"{label}: {b.get('source')}: {b.get('flops')} FLOPs, {b.get('bytes_accessed')} bytes accessed"]
     return (["", f"{label}: step time by operation ({b['source']}; {b['ms_per_step']:.1f} ms of operations a step)",
              "  by kind: " + ", ".join(f"{k} {v:g} ms" for k, v in b["by_kind"].items()),
              "  by scope: " + ", ".join(f"{k} {v:g} ms" for k, v in b["by_scope"].items())]
-            + gpu._table(["op", "kind", "scope", "ms/step", "share"],
-                         [[r["op"][:40], r["kind"], r["scope"], r["ms_per_step"], f"{100 * r['share']:.1f}%"]
-                          for r in b["top"]]))
+            + gpu._table(["op", "kind", "scope", "type", "ms/step", "share"],
+                         [[r["op"][:40], r["kind"], r["scope"], r.get("type", "")[:40], r["ms_per_step"],
+                           f"{100 * r['share']:.1f}%"] for r in b["top"]]))
 
 
 if __name__ == "__main__":

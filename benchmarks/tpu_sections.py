@@ -10,7 +10,7 @@ Sections: yardsticks, maxtext (maxtext_base at the preset's settings and at tune
 operation), gpt2 (the `openwebtext` preset), long (maxtext_base at 32,768 tokens a sequence), lora (QLoRA of
 llama3.1-8b, LoRA of llama3.2-1b, random bases), vision (a gemma3-4b LoRA step with images), quant (int8 training
 against bf16), moe (mixtures of experts by ragged_dot and by megablox, beside the dense model of equal active
-parameters), decode (generate at batch 1 and 64), serve (the engine with 64 slots).
+parameters), decode (generate at batch 1 and 64, batch 64's call profiled), serve (the engine with 64 slots).
 """
 
 from __future__ import annotations
@@ -683,11 +683,12 @@ def serve_int8_8b(ctx: Ctx) -> None:
 
 
 def decode(ctx: Ctx) -> None:
-    """generate on the 1B shape in bf16 (gpu_sections.decode), then batch 1 on llama3.1-8b's shape with int8
-    weights (decode_int8_8b), while time is left."""
+    """generate on the 1B shape in bf16 (gpu_sections.decode, with batch 64's call under the profiler, time left
+    for the next row), then batch 1 on llama3.1-8b's shape with int8 weights (decode_int8_8b), while time is
+    left."""
     import gc
 
-    g.decode(ctx)
+    g.decode(ctx, reserve=0 if ctx.tiny else 60)
     gc.collect()
     row_8b(ctx, decode_int8_8b, "decode8b_note", 60)
 
@@ -707,9 +708,10 @@ def row_8b(ctx: Ctx, fn, note: str, need: float) -> None:
 def kernel_entries(kernels: str) -> list[tuple[str, str, str]]:
     """JAXLM_BENCH_SERVE_KERNELS, entries KERNEL[:KEY=VALUE...] separated by commas (KERNEL one of
     serve.attention_kernel's values; the ragged kernel's settings, serve.attention_kernel_options, after colons,
-    e.g. "ragged,ragged:heads_batched=1:page_steps=1,jax"), as (tag, kernel, options) with tag the entry's name
-    in its figures (ragged_heads_batched_1_page_steps_1) and options as serve.attention_kernel_options takes
-    them; a bad or repeated entry stops the run in one line."""
+    e.g. "ragged,ragged:heads_batched=0:page_steps=0:prefetch=1,jax": the ragged kernel with its defaults, then as
+    first written), as (tag, kernel, options) with tag the entry's name in its figures
+    (ragged_heads_batched_0_page_steps_0_prefetch_1) and options as serve.attention_kernel_options takes them; a
+    bad or repeated entry stops the run in one line."""
     from jaxlm.config import ConfigError, kernel_options
     from jaxlm.model import paged
 

@@ -74,6 +74,10 @@ def test_every_section_runs_at_tiny_sizes_on_cpu(tmp_path):
     assert float(kv["generate_b1_decode_tokens_per_s"]) > 0 and float(kv["serve_c4_output_tokens_per_s"]) > 0
     # the engine against generate at its batch; llama3.1-8b's shape (tiny here) with int8 weights, decoded and served
     assert float(kv["serve_vs_generate_decode"]) > 0 and float(kv["serve_vs_generate_with_prefill"]) > 0
+    # generate's largest batch and the engine's round profiled, their operations named from their programs' HLO
+    assert float(kv["decode_b4_profile_device_ms"]) > 0 and float(kv["decode_b4_profile_matmul_ms"]) > 0
+    assert int(kv["decode_b4_profile_hlo_programs"]) == 2 and int(kv["serve_profile_hlo_programs"]) >= 2
+    assert float(kv["serve_profile_matmul_ms"]) > 0 and "generate, batch 4, one call under the profiler" in text
     assert float(kv["decode8b_int8_b1_tokens_per_s"]) > 0 and float(kv["decode8b_int8_b1_bandwidth_vs_copy"]) > 0
     assert float(kv["serve8b_int8_c4_output_tokens_per_s"]) > 0
     assert "maxtext_best_mfu_maxtext" not in kv  # no spec-sheet peak for a CPU: MFU only against the matmul
@@ -173,6 +177,45 @@ def test_a_tpu_fusion_holding_a_matmul_is_a_matmul_and_a_pallas_call_its_own_kin
     b = gpu_sections.breakdown_of(trace(("/device:TPU:0", [("XLA Ops", events)])), {}, steps=1)
     assert b["by_kind"] == {"matmul": 40, "Pallas kernel (TPU)": 20, "fusion (elementwise, reduce)": 15}
     assert b["event_stats"] == ["hlo_category"]
+
+
+def test_several_programs_name_their_operations_in_one_profile_and_the_engines_are_recorded_as_they_run():
+    """The serving engine's round runs several programs whose instructions share names (fusion.1 a matmul in one,
+    an add in the other): hlo_index_of keys each by its result type too, so each event takes its own program's
+    kind and scope; without any HLO a fusion named after its dot is a matmul. lowering_calls records the lowering
+    of each shape's first call of a module's jitted functions, whose compile gives the optimized HLO."""
+    other = TPU_HLO.replace("bf16[8,7168]{1,0} fusion(%a, %b), kind=kOutput", "bf16[4]{0} fusion(%c), kind=kLoop")
+    other = other.replace("calls=%fused_computation.1, metadata={op_name=\"jit(step)/mlp_block/dot_general\"}",
+                          "calls=%fused_computation.2, metadata={op_name=\"jit(step)/embed/add\"}")
+    index = gpu_sections.hlo_index_of([TPU_HLO, other, TPU_HLO])
+    assert "fusion.1" not in index and index["fusion.2"] == ("fusion (elementwise, reduce)", "mlp", "forward")
+    assert index["fusion.1 bf16[8,7168]"] == ("matmul", "mlp", "forward")
+    assert index["fusion.1 bf16[4]"] == ("fusion (elementwise, reduce)", "embedding", "forward")
+    ms = 1_000_000
+    events = [event("fusion.1 = bf16[8,7168]{1,0:T(8,128)(2,1)} fusion(%p0, %p1), kind=kOutput", 0, 30 * ms),
+              event("fusion.1 = bf16[4]{0:T(256)} fusion(%p2), kind=kLoop", 30 * ms, 7 * ms),
+              event("fusion.2 = f32[8]{0} fusion(%c), kind=kLoop", 37 * ms, 3 * ms),
+              event("convolution_add_fusion.4 = f32[8,16]{1,0} fusion(%x, %w), kind=kOutput", 40 * ms, 11 * ms)]
+    b = gpu_sections.breakdown_of(trace(("/device:TPU:0", [("XLA Ops", events)])), index, steps=1)
+    assert b["by_kind"] == {"matmul": 41, "fusion (elementwise, reduce)": 10}
+    assert b["by_scope"] == {"mlp": 33, "unattributed": 11, "embedding": 7}
+    assert [r["type"] for r in b["top"]] == ["bf16[8,7168]", "f32[8,16]", "bf16[4]", "f32[8]"]
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from types import SimpleNamespace
+
+    double = jax.jit(lambda x, n: x * n, static_argnums=1)
+    module = SimpleNamespace(double=double, other=len)
+    with gpu_sections.lowering_calls(module) as lowered:
+        assert module.double(jnp.ones(3), 2).tolist() == [2.0] * 3 and module.double is not double
+        module.double(np.ones(3, np.float32), 2)  # the same shape: not lowered again
+        module.double(jnp.ones((2, 2)), 2)
+        assert module.other is len
+    assert module.double is double  # put back
+    texts = gpu_sections.optimized_hlo(lowered)
+    assert len(lowered) == 2 and len(texts) == 2 and "f32[2,2]" in texts[1] and "multiply" in texts[0]
 
 
 def test_a_section_that_takes_too_much_host_memory_is_stopped_and_reported(monkeypatch):

@@ -1,8 +1,8 @@
 """The TPU tier's checks of our ragged paged-attention kernel (model/ragged_paged.py) and of the megablox grouped
 matmul behind model.moe_matmul=megablox, compiled for the chip (not interpreted): the kernel against a float64
 reference at the serving engine's shapes (pages of 128 positions, heads of 128 lanes, grouped queries, decode rows
-and a prefill chunk, soft-cap), and a mixture-of-experts layer's values and gradients by megablox against
-ragged_dot on the chip."""
+and a prefill chunk, soft-cap; its defaults and the kernel as first written), and a mixture-of-experts layer's
+values and gradients by megablox against ragged_dot on the chip."""
 
 import jax
 import jax.numpy as jnp
@@ -11,16 +11,18 @@ import pytest
 
 from jaxlm.model import moe, ragged_paged
 from test_expert import SWIGLU, K as TOP_K, _layer
-from test_ragged_paged import reference
+from test_ragged_paged import FIRST, reference
 
 pytestmark = pytest.mark.tpu
 
 
+@pytest.mark.parametrize("variant", [{}, FIRST], ids=["default", "first"])
 @pytest.mark.parametrize("K,N,C,softcap", [(8, 32, 1, None), (2, 8, 1, 30.0), (2, 8, 64, None)])
-def test_ragged_kernel_on_the_chip_gives_the_reference_attention(K, N, C, softcap, tpu):
+def test_ragged_kernel_on_the_chip_gives_the_reference_attention(K, N, C, softcap, variant, tpu):
     """Rows of 0 to 700 keys (page edges, one key past them, several blocks of 4 pages) in pages of 128 scattered
     through a pool of bf16 keys and values 128 wide, C queries a row at its last positions: the chip's output is
-    the float64 reference's from the same bf16 inputs within bf16 rounding of the probabilities."""
+    the float64 reference's from the same bf16 inputs within bf16 rounding of the probabilities, with the kernel's
+    defaults (kv heads batched, a page at a time, two blocks read ahead) and as first written (all three off)."""
     A, M = 128, 6
     lengths = np.array([0, 1, 2, 127, 128, 129, 255, 256, 300, 511, 512, 513, 640, 700], np.int32)
     rng = np.random.default_rng(K * 1000 + C)
@@ -35,12 +37,12 @@ def test_ragged_kernel_on_the_chip_gives_the_reference_attention(K, N, C, softca
         q_pos = np.where(q_pos >= 0, q_pos, -1).astype(np.int32)
         out = ragged_paged.ragged_paged_attention(q, k, v, jnp.asarray(lengths), jnp.asarray(ids),
                                                   jnp.asarray(q_pos), scale=0.09, softcap=softcap,
-                                                  interpret=tpu.platform != "tpu")  # a dry run's CPU
+                                                  interpret=tpu.platform != "tpu", **variant)  # a dry run: CPU
         assert out.devices() == {tpu}
     want = reference(q, k, v, lengths, ids, q_pos, 0.09, softcap)
     got = np.asarray(out.astype(jnp.float32))
     err = float(np.abs(got - want).max())
-    print(f"K={K} N={N} C={C} softcap={softcap}: largest error {err:.3g}")
+    print(f"K={K} N={N} C={C} softcap={softcap} {variant or 'default'}: largest error {err:.3g}")
     assert np.abs(want).max() > 0.5 and err <= 2e-2
     assert not got[0].any() and not got[q_pos < 0].any()
 

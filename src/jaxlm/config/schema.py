@@ -348,8 +348,9 @@ class ServeConfig:
     attention_kernel_options: str = _f(
         "", "serve.attention_kernel=ragged: the kernel's settings as KEY=VALUE,... (docs/serve.md, \"The paged KV "
             "cache\"): block_tokens (keys a block reads, 512), row_bytes (queries a program takes, 1048576), "
-            "heads_batched=1 (a row's kv heads in one batched product), page_steps=1 (compute a page at a time, "
-            "only the pages a row has), prefetch (blocks read ahead, 1), packed_kv=1 (a kv head's key and value "
+            "heads_batched (a row's kv heads in one batched product, 1), page_steps (compute a page at a time, "
+            "only the pages a row has, 1), prefetch (blocks read ahead, 2; heads_batched=0,page_steps=0,prefetch=1 "
+            "is the kernel as first written), packed_kv=1 (a kv head's key and value "
             "in one vector of 128 lanes: no padding for heads of 64; heads of at most 64, no int8 cache, no latent "
             "attention); '' = the defaults")
     cache_gib: float = _f(0.0, "memory of the paged KV cache's pages, GiB; 0 = as much as gives every slot the "

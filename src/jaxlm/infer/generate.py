@@ -264,6 +264,13 @@ def compiled_once(executables: dict, key, compile: Callable):
         return executables.setdefault(key, made)
 
 
+def executables() -> list[tuple]:
+    """The (prefill, decode) executables this process has compiled for generate, oldest first (a profile reads
+    their optimized HLO: benchmarks/gpu_sections.py)."""
+    with _EXECUTABLES_LOCK:
+        return list(_EXECUTABLES.values())
+
+
 def _compiled(params, prompts_BT, lengths_B, sampled, cfg: ModelConfig, length: int, d: DecodeConfig, mesh,
               stream: bool, images=None):
     """The prefill and decode executables for these shapes, on this mesh, compiled once per process."""

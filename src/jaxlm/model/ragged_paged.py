@@ -2,9 +2,10 @@
 query tokens in one call (decode rows and causal prefill chunks, each row with its own positions and key length).
 A program takes several rows' query tiles; per row it copies only the pages below its length, a block of pages at a
 time, one DMA per page for all kv heads, double-buffered; every query head of a kv head and every query token of
-the tile is computed against that one load, the softmax carried across blocks in float32 (variants, off by
-default, to time on a chip: kv heads batched, a page at a time, deeper prefetch). It does the scale and the logit
-soft-cap; windows, chunks, sinks, int8 pools, latent attention and meshes keep the flat path (docs/serve.md).
+the tile is computed against that one load, the softmax carried across blocks in float32. By default a decode
+row's kv heads are computed together, a page at a time, two blocks read ahead (the fastest of the variants on a
+v5e, docs/serve.md); each can be turned off. It does the scale and the logit soft-cap; windows, chunks, sinks, int8
+pools, latent attention and meshes keep the flat path (docs/serve.md).
 A packed pool (`packed_kv`) holds a position's key and value of a kv head side by side in one vector, [k | v]: one
 DMA a page brings both, and heads of 64 fill the 128 lanes with no padding; the queries, zero over the values'
 lanes, dotted with it give the logits, and the probabilities times it give [p k | p v], whose value lanes the
@@ -33,21 +34,25 @@ BATCHED_SCORE_BYTES = 1 << 20
 # prefetch > 1: the kernel's scoped VMEM limit (Mosaic's default, 16 MiB on a v5e, does not hold a prefill tile's
 # queries and output beside 4 blocks of 1 MiB of keys and values; a v5e and a v6e have 128 MiB)
 PREFETCH_VMEM_BYTES = 64 << 20
+# The variants' defaults: the fastest on a v5e (2026-12-07, the 1B shape's serve round: 7,946 output tokens/s against
+# 7,189 with all three off, the kernel as first written; docs/serve.md)
+HEADS_BATCHED, PAGE_STEPS, PREFETCH = True, True, 2
 NEG = -0.7 * float(jnp.finfo(jnp.float32).max)  # a masked logit: finite, so that exp(NEG - NEG) is no NaN
 
 
 class Kernel(NamedTuple):
     """The ragged kernel as a pool's format carries it (paged.PoolFormat.kernel; hashable: a compiled program's
     static argument): `interpret` runs it in Pallas' TPU interpret mode (CPU tests); `block_tokens` and
-    `row_bytes` as BLOCK_TOKENS and ROW_BLOCK_BYTES; the variants, each off by default (the kernel as first
-    written), as ragged_paged_attention's arguments: `heads_batched`, `page_steps`, `prefetch`; `packed_kv`, the
-    pool's keys and values packed in one entry (model/paged.py lays the pool out so and calls the kernel with
-    v_pages None) (serve.attention_kernel_options sets all but `interpret`: config.kernel_options)."""
+    `row_bytes` as BLOCK_TOKENS and ROW_BLOCK_BYTES; the variants as ragged_paged_attention's arguments,
+    `heads_batched`, `page_steps`, `prefetch` (defaults HEADS_BATCHED, PAGE_STEPS, PREFETCH; False, False, 1: the
+    kernel as first written); `packed_kv`, the pool's keys and values packed in one entry (model/paged.py lays the
+    pool out so and calls the kernel with v_pages None) (serve.attention_kernel_options sets all but `interpret`:
+    config.kernel_options)."""
     interpret: bool = False
     block_tokens: int = BLOCK_TOKENS
-    heads_batched: bool = False
-    page_steps: bool = False
-    prefetch: int = 1
+    heads_batched: bool = HEADS_BATCHED
+    page_steps: bool = PAGE_STEPS
+    prefetch: int = PREFETCH
     row_bytes: int = ROW_BLOCK_BYTES
     packed_kv: bool = False
 
@@ -281,8 +286,9 @@ def _pipeline(rows: int, S: int, length, blocks_of, start, wait, compute, finish
                                              "heads_batched", "page_steps", "prefetch", "interpret"))
 def ragged_paged_attention(q_PCNH, k_pages, v_pages, end_P, ids_PM, q_pos_PC, *, scale: float, softcap=None,
                            block_tokens: int = BLOCK_TOKENS, row_bytes: int = ROW_BLOCK_BYTES,
-                           tile_queries: int = TILE_QUERIES, heads_batched: bool = False, page_steps: bool = False,
-                           prefetch: int = 1, interpret: bool = False) -> jax.Array:
+                           tile_queries: int = TILE_QUERIES, heads_batched: bool = HEADS_BATCHED,
+                           page_steps: bool = PAGE_STEPS, prefetch: int = PREFETCH, interpret: bool = False
+                           ) -> jax.Array:
     """Each row p's queries q_PCNH[p] (at positions q_pos_PC[p], causal) over its keys below end_P[p], found in
     pages ids_PM[p] of k_pages [K, pages, A, Hk] and v_pages [K, pages, A, Hv] (position s in page ids[s // A] at
     offset s % A); queries narrower than Hk are padded with zeros. v_pages None: k_pages is a packed pool, each
@@ -291,12 +297,14 @@ def ragged_paged_attention(q_PCNH, k_pages, v_pages, end_P, ids_PM, q_pos_PC, *,
     whose value lanes (from H on) the caller keeps. Logits are scaled by `scale`, then soft-capped
     (softcap x tanh(logit / softcap); None: not). A query that sees no key (a row of no keys, a position
     below 0) gives zeros. block_tokens, row_bytes and tile_queries: as BLOCK_TOKENS, ROW_BLOCK_BYTES and
-    TILE_QUERIES. Variants (off: the kernel as first written, a loop over kv heads computing whole blocks, one
+    TILE_QUERIES. Variants (on by default, HEADS_BATCHED, PAGE_STEPS, PREFETCH; all off, heads_batched=False,
+    page_steps=False, prefetch=1, is the kernel as first written: a loop over kv heads computing whole blocks, one
     block read ahead): `heads_batched`, a row's kv heads computed together (batched dot_generals, the softmax on
-    [K, Q, keys]) where those scores take at most BATCHED_SCORE_BYTES (decode rows); `page_steps`, a block
-    computed a page at a time, only the pages below the row's length, not the whole block; `prefetch`, blocks
-    read ahead of the one computed (1: double-buffered; more: the next rows' pages in flight too, prefetch + 1
-    blocks of VMEM under a limit of PREFETCH_VMEM_BYTES). Returns [P, C, N, Hv] in q's dtype."""
+    [K, Q, keys]) where those scores take at most BATCHED_SCORE_BYTES (decode rows; a prefill tile of more
+    query rows keeps the loop over kv heads); `page_steps`, a block computed a page at a time, only the pages
+    below the row's length, not the whole block; `prefetch`, blocks read ahead of the one computed (1:
+    double-buffered; more: the next rows' pages in flight too, prefetch + 1 blocks of VMEM under a limit of
+    PREFETCH_VMEM_BYTES). Returns [P, C, N, Hv] in q's dtype."""
     if prefetch < 1:
         raise ValueError(f"prefetch={prefetch} must be >= 1")
     P, C, N, H = q_PCNH.shape
