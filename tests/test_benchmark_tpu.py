@@ -42,6 +42,10 @@ def test_every_section_runs_at_tiny_sizes_on_cpu(tmp_path):
     # 4 micro-batches a step: the step's tokens (and so tokens/s) count all four
     assert accum["grad_accum"] == 4 and accum["tokens_per_step"] == 4 * accum["batch"] * accum["block"]
     assert accum["breakdown"]["by_kind"]["matmul"] > 0
+    named = rows[list(rows)[-1]]  # the maxtext_base_v5e preset, by name: 16 micro-batches of bf16, remat minimal
+    assert (named["grad_accum"], named["param_dtype"], named["remat"]) == (16, "bfloat16", "minimal")
+    assert named["tokens_per_step"] == 16 * named["batch"] * named["block"]
+    assert named["breakdown"]["by_kind"]["matmul"] > 0
     lora_rows = figures["lora"]["lora_runs"]
     assert [r["base_quantization"] for r in lora_rows] == ["nf4", "nf4", "none"] and all(r["rank"] == 16 for r in lora_rows)
     assert all(r["tokens_per_s"] > 0 and r["bytes"] > 0 and r["predicted_peak_bytes"] > 0 for r in lora_rows), lora_rows

@@ -1,5 +1,6 @@
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -93,3 +94,61 @@ def test_sigkill_after_checkpoint_then_rerun_resumes_exactly(char_data, tmp_path
     a, b = train.losses_by_step(tmp_path / "ref"), train.losses_by_step(run_dir)
     assert sorted(b) == list(range(1, 61))
     assert [a[s] for s in range(1, 61)] == [b[s] for s in range(1, 61)]
+
+
+@pytest.fixture(scope="module")
+def grad_fns(char_data, tmp_path_factory):
+    """(params, jitted loss_and_grads) of a 3-layer tiny model (remat minimal, as maxtext_base's fast lines) by
+    (param_dtype, A micro-batches, B rows), made once each."""
+    from jaxlm.train import objectives
+
+    made = {}
+
+    def get(dtype: str, A: int, B: int):
+        if (dtype, A, B) not in made:
+            cfg = tiny_config(char_data, tmp_path_factory.mktemp("grads"), **{
+                "model.n_layers": 3, "model.remat": "minimal", "model.param_dtype": dtype, "training.grad_accum": A,
+                "training.batch_size": B, "checkpoint.enabled": False})
+            run = run_lib.setup(cfg, jax.devices()[:1])
+            fn = jax.jit(lambda p, b: step_lib.loss_and_grads(objectives.get("next_token"), p, b, run.cfg,
+                                                              jax.random.key(0)))
+            made[dtype, A, B] = state_lib.init_state(run, 0)["params"], fn
+        return made[dtype, A, B]
+
+    return get
+
+
+def _tokens(A, B, T=32):
+    x = np.random.default_rng(0).integers(0, 65, (A, B, T + 1)).astype(np.int32)
+    return {"inputs": x[..., :-1], "targets": x[..., 1:]}
+
+
+def test_micro_batches_add_their_gradients_in_place(grad_fns):
+    """The compiled micro-batch loop neither zeroes nor adds a whole stacked gradient: each layer's weight gradient
+    goes into its slice of the accumulator as the backward pass makes it (a sum of value_and_grad's results
+    zeroes a fresh gradient every micro-batch, then adds it to the accumulator)."""
+    params, fn = grad_fns("float32", 4, 2)
+    stacked = max(jax.tree.leaves(params["layers"]), key=lambda a: a.size)
+    assert stacked.shape[0] == 3 and stacked.ndim == 3, stacked.shape
+    hlo = fn.lower(params, _tokens(4, 2)).compile().as_text()
+    whole = re.escape(f"f32[{','.join(map(str, stacked.shape))}]") + r"\{[^}]*\} (add|broadcast)\(.*"
+    ops = [m.group(0) for m in re.finditer(whole, hlo)]
+    assert ops and not [op for op in ops if "while/body" in op], ops
+
+
+@pytest.mark.parametrize("dtype, tol", [("float32", 1e-6), ("bfloat16", 1e-2)])
+def test_accumulated_gradients_are_the_big_batch_gradients(grad_fns, dtype, tol):
+    """4 micro-batches of 2 rows give the loss and gradients of one batch of 8 rows. With bfloat16 weights the
+    gradients (and so their accumulator) are bfloat16: the sums agree within its rounding (2^-8 relative a
+    term, a few terms a weight); float32 ones to float32's."""
+    tokens = _tokens(4, 2)
+    params, accumulated = grad_fns(dtype, 4, 2)
+    _, big = grad_fns(dtype, 1, 8)
+    (loss, _), g = accumulated(params, tokens)
+    (ref_loss, _), ref = big(params, {k: v.reshape(1, 8, -1) for k, v in tokens.items()})
+    flat = lambda t: np.concatenate([np.ravel(np.asarray(x, np.float32)) for x in jax.tree.leaves(t)])  # noqa: E731
+    g, ref = flat(g), flat(ref)
+    rel = np.linalg.norm(g - ref) / np.linalg.norm(ref)
+    print(f"{dtype}: loss {float(loss):.6f} vs {float(ref_loss):.6f}, gradient relative difference {rel:.3g}")
+    assert float(loss) == pytest.approx(float(ref_loss), rel=tol) and rel <= tol
+    assert {x.dtype for x in jax.tree.leaves(accumulated(params, tokens)[1])} == {np.dtype(dtype)}

@@ -96,7 +96,10 @@ def layer_view(layer_params: dict, lay: Layout, i: int) -> dict:
     for key, sub in layer_params.items():
         group = group_of(lay, key)
         if _has(lay, group, i):
-            p["mlp" if key == "dense_mlp" else key] = jax.tree.map(lambda a: a[index(lay, group, i)], sub)
+            # lax.index_in_dim, not a[i]: a slice with explicit strides, whose gradient JAX (0.10.2) can add into a
+            # slice of an accumulator ref (train/step.py's micro-batches); a[i]'s slice has none and fails there
+            p["mlp" if key == "dense_mlp" else key] = jax.tree.map(
+                lambda a: jax.lax.index_in_dim(a, index(lay, group, i), keepdims=False), sub)
     return p
 
 
