@@ -16,8 +16,9 @@ Sections and what they report:
   maxtext     maxtext_base (1.1B) at 2 x 2,048 tokens: the preset as `jaxlm train maxtext_base` runs it (float32
               weights and Adam moments: its bytes against the chip's, it runs only where it fits), then bf16
               weights and moments with remat full and with remat minimal (`model.param_dtype=bfloat16
-              model.remat=minimal`), the loss in one chunk, 4 and 8 micro-batches a step, batch 4 (with and
-              without 4 micro-batches); the step's time by operation from a jax.profiler trace for three rows
+              model.remat=minimal`), the loss in one chunk, 4 and 8 micro-batches a step, batch 4, and the
+              maxtext_base_v5e preset by name (16 micro-batches of 2 x 2,048); the step's time by operation from
+              a jax.profiler trace for three rows
   gpt2        GPT-2 124M as the `openwebtext` preset trains it (128 sequences a micro-step, 16 micro-steps: more
               than one chip holds, so its bytes are reported), then batch 16 with bf16 weights and remat full,
               the splash kernel reading heads as [H, T] (model.splash_layout=seq_minor) and as [T, H]

@@ -433,7 +433,7 @@ MOE_TRAIN = {"model.param_dtype": "bfloat16", "model.compute_dtype": "bfloat16",
 # less of the MXU on the 128 experts' partial tiles (512 rows an expert on average); Mixtral: fewer, longer steps
 # over the contracted width.
 MOE_TILES = {"qwen3_moe": ("256,1024,1024", "128,2048,1024", "256,2048,1024"),
-             "mixtral": ("256,2048,1024", "1024,512,1024", "512,512,2048")}
+             "mixtral": ("1024,512,1024", "512,512,2048", "2048,512,512")}
 
 
 def _per_shape(text: str, every: list) -> dict:

@@ -263,7 +263,7 @@ class ModelConfig:
         "slices XLA:TPU does not compile it for")
     moe_matmul: Literal["auto", "ragged_dot", "megablox"] = _f(
         "auto", "the experts' grouped matmul: ragged_dot (jax.lax.ragged_dot, any platform), megablox (JAX's Pallas "
-        "grouped-matmul kernel for TPU; interpreted, slowly, elsewhere), auto = megablox on a TPU (1.1-1.4x "
+        "grouped-matmul kernel for TPU; interpreted, slowly, elsewhere), auto = megablox on a TPU (1.1-1.2x "
         "ragged_dot on a v5e, docs/performance.md), ragged_dot elsewhere")
     moe_tiles: str = _f(
         "", "megablox's largest tiles, rows,contracted,out (three multiples of 128, e.g. 512,1024,1024) for every "

@@ -111,7 +111,7 @@ def grouped_matmul(setting: str) -> str:
     """The grouped matmul model.moe_matmul names: ragged_dot (`jax.lax.ragged_dot`, any platform) or megablox
     (JAX's Pallas kernel for TPU; Pallas interpret mode on other platforms: exact but slow, for tests). auto is
     megablox where the program runs on a TPU (the active mesh's devices: an ahead-of-time compile for one
-    included), 1.10x and 1.41x ragged_dot on one v5e (benchmarks/tpu.py, section moe; docs/performance.md,
+    included), 1.10x and 1.18x ragged_dot on one v5e (benchmarks/tpu.py, section moe; docs/performance.md,
     "Mixtures of experts"), and ragged_dot elsewhere."""
     if setting != "auto":
         return setting
