@@ -416,3 +416,36 @@ def test_two_models_with_the_same_attention_shape_share_the_splash_kernel():
             assert_close(out, want)
         assert all(bool(jnp.isfinite(g).all()) for g in jax.tree.leaves(grads))
     assert splash._kernel.cache_info().hits > 0
+
+
+@pytest.mark.parametrize("heads,position,qk_norm,bias", [
+    ((4, 4), "rotary", False, False),  # MHA, rotary
+    ((4, 2), "rotary", True, True),  # GQA, QK-norm and q/k/v/o biases
+    ((4, 1), "learned", False, True),  # no rotary (GPT-2's learned positions), biases
+])
+def test_splash_heads_major_projections_equal_the_token_major_path(monkeypatch, heads, position, qk_norm, bias):
+    """With splash the q/k/v projections write the kernel's [B, N, T, H] and the output projection reads it back
+    (attention._splash_attention_with_kv); output and every gradient equal the [B, T, N, H] path's, which
+    transposes around the kernel, within float32 rounding."""
+    N, K = heads
+    cfg = ModelConfig(vocab_size=64, block_size=128, n_layers=1, n_heads=N, n_kv_heads=K, d_model=64,
+                      position=position, qk_norm=qk_norm, bias=bias, attention="splash", attention_block=128)
+    mesh = sharding.make_mesh(MeshConfig(), jax.devices()[:1])
+    p_attn = jax.tree.map(lambda a: a[0], P.init(param_specs(cfg), jax.random.key(0), mesh)["layers"]["attn"])
+    p_attn = {k: jax.tree.map(lambda a, i=i: a + 0.1 * jax.random.normal(jax.random.key(10 + i), a.shape, a.dtype), v)
+              for i, (k, v) in enumerate(p_attn.items())}  # nonzero biases, norm scales away from 1
+    x = jax.random.normal(jax.random.key(1), (2, 128, 64))
+    positions = jnp.broadcast_to(jnp.arange(128), (2, 128))
+    g = jax.random.normal(jax.random.key(2), (2, 128, 64))
+
+    def run(p, x):
+        out, k, v = attention.attention_with_kv(x, p, cfg, positions)
+        return jnp.sum(out * g), (out, k, v)
+
+    assert attention._splash_heads_major(x, p_attn, cfg, "global", None)
+    (_, got), got_grads = jax.value_and_grad(run, argnums=(0, 1), has_aux=True)(p_attn, x)
+    monkeypatch.setattr(attention, "_splash_heads_major", lambda *a: False)
+    (_, want), want_grads = jax.value_and_grad(run, argnums=(0, 1), has_aux=True)(p_attn, x)
+    for a, b in zip(jax.tree.leaves((got, got_grads)), jax.tree.leaves((want, want_grads))):
+        assert a.shape == b.shape
+        assert_close(a, b)

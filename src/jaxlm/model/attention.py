@@ -16,7 +16,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxlm import runtime, sharding
 from jaxlm.config import ConfigError
-from jaxlm.model import blockwise, kvcache, layers, ring, splash
+from jaxlm.model import blockwise, kvcache, layers, quant, ring, splash
 from jaxlm.params import ParamSpec, normal, zeros
 from jaxlm.sharding import constrain
 
@@ -322,12 +322,64 @@ def attention_with_kv(x_BTD, p, cfg, positions_BT, key=None, kind="global", segm
     """Self-attention over x for a layer of `kind` (reach_BT: `self_attention`; mrope_BT3: `position_qk`). Also
     returns the keys and values [B, T, K, H], which prefill stores in the cache."""
     with jax.named_scope("attention"):
+        if reach_BT is None and mrope_BT3 is None and key is None and _splash_heads_major(x_BTD, p, cfg, kind,
+                                                                                            segment_ids_BT):
+            return _splash_attention_with_kv(x_BTD, p, cfg, positions_BT, kind, segment_ids_BT)
         q_BTNH, k_BTKH, v_BTKH = project_qkv(x_BTD, p, cfg, positions_BT, kind, mrope_BT3)
         q_BTNH = constrain(q_BTNH, ("batch", "length", "heads", "head_dim"))
         out_BTNH = self_attention(q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, cfg, kind, key,
                                   p.get("sinks"), reach_BT)
         out_BTNH = checkpoint_name(out_BTNH, "context")
         return checkpoint_name(project_out(out_BTNH, p), "out_proj"), k_BTKH, v_BTKH
+
+
+def _splash_heads_major(x_BTD, p, cfg, kind: str, segment_ids_BT) -> bool:
+    """Whether this layer's uncached pass runs splash with the projections writing and reading the kernel's
+    heads-major layout: splash chosen, the sequence on one device, plain (not adapted or quantized) weights and no
+    temperature tuning."""
+    T = x_BTD.shape[1]
+    return (choose(cfg, T, x_BTD.dtype, segment_ids_BT is not None, mesh_platform()) == "splash"
+            and ring.context_devices() <= 1 and temperature(cfg, kind, jnp.zeros((1, 1))) is None
+            and all(isinstance(p[n], jax.Array) and not quant.applies(p[n]) for n in "qkvo"))
+
+
+def _project_heads_major(x_BTD, p, name: str):
+    """x times the projection p[name] [D, N, H], plus its bias [N, H]: [B, N, T, H], the matmul writing the heads-major
+    layout itself."""
+    out_BNTH = jnp.einsum("BTD,DNH->BNTH", x_BTD, p[name].astype(x_BTD.dtype), preferred_element_type=x_BTD.dtype)
+    bias = p.get(f"{name}_bias")
+    return out_BNTH if bias is None else out_BNTH + bias.astype(out_BNTH.dtype)[:, None, :]
+
+
+def _splash_attention_with_kv(x_BTD, p, cfg, positions_BT, kind: str, segment_ids_BT):
+    """`attention_with_kv` through splash in the kernel's layout: the q, k, v projections write [B, heads, T, H],
+    QK-norm and rotary turn them there, and the output projection reads the kernel's [B, N, T, H] output, so XLA
+    has no [B, T, N, H] <-> [B, N, T, H] copies to make around the kernel (docs/performance.md, "Attention"). The
+    same values as the [B, T, N, H] path (tests/test_attention.py)."""
+    q_BNTH, k_BKTH, v_BKTH = (_project_heads_major(x_BTD, p, name) for name in "qkv")
+    q_BNTH = checkpoint_name(q_BNTH, "query_proj")
+    k_BKTH = checkpoint_name(k_BKTH, "key_proj")
+    v_BKTH = checkpoint_name(v_BKTH, "value_proj")
+    if cfg.qk_norm:
+        q_BNTH = layers.norm(q_BNTH, p["q_norm"], cfg.norm, cfg.norm_eps, cfg.norm_plus_one)
+        k_BKTH = layers.norm(k_BKTH, p["k_norm"], cfg.norm, cfg.norm_eps, cfg.norm_plus_one)
+    rope = rope_of(cfg, kind)
+    if rope is not None:
+        q_BNTH = layers.rotary_heads_major(q_BNTH, positions_BT, rope)
+        k_BKTH = layers.rotary_heads_major(k_BKTH, positions_BT, rope)
+        if cfg.qk_l2_norm:
+            q_BNTH, k_BKTH = layers.rms_scale(q_BNTH, cfg.norm_eps), layers.rms_scale(k_BKTH, cfg.norm_eps)
+    q_BNTH = constrain(q_BNTH, ("batch", "heads", "length", "head_dim"))
+    window, chunk = limits(cfg, kind)
+    out_BNTH = splash.attention_heads_major(q_BNTH, k_BKTH, v_BKTH, segment_ids_BT, window, scale(cfg),
+                                            cfg.attn_logit_softcap, cfg.attention_block,
+                                            interpret=mesh_platform() != "tpu", chunk=chunk, sinks_N=p.get("sinks"),
+                                            layout=cfg.splash_layout)
+    out_BNTH = checkpoint_name(out_BNTH, "context")
+    out_BTD = jnp.einsum("BNTH,NHD->BTD", out_BNTH, p["o"].astype(out_BNTH.dtype), preferred_element_type=out_BNTH.dtype)
+    if "o_bias" in p:
+        out_BTD = out_BTD + p["o_bias"].astype(out_BTD.dtype)
+    return checkpoint_name(out_BTD, "out_proj"), k_BKTH.transpose(0, 2, 1, 3), v_BKTH.transpose(0, 2, 1, 3)
 
 
 def attention_with_logit_max(x_BTD, p, cfg, positions_BT, kind="global", segment_ids_BT=None):

@@ -342,14 +342,32 @@ def mrope_components(half: int, rope: Rope) -> np.ndarray:
     return component
 
 
-def _rotate(x_BTNH, positions_BT, rope: Rope, sign: float):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def rotary_heads_major(x_BNTH: jax.Array, positions_BT: jax.Array, rope: Rope) -> jax.Array:
+    """`rotary` of heads-major x [B, N, T, H] (the splash kernel's layout): the same values, turned in place."""
+    return _rotate(x_BNTH, positions_BT, rope, 1.0, heads_major=True)
+
+
+def _rotary_heads_major_fwd(x_BNTH, positions_BT, rope):
+    return _rotate(x_BNTH, positions_BT, rope, 1.0, heads_major=True), positions_BT
+
+
+def _rotary_heads_major_bwd(rope, positions_BT, g_BNTH):
+    return _rotate(g_BNTH, positions_BT, rope, -1.0, heads_major=True), None
+
+
+rotary_heads_major.defvjp(_rotary_heads_major_fwd, _rotary_heads_major_bwd)
+
+
+def _rotate(x_BTNH, positions_BT, rope: Rope, sign: float, heads_major: bool = False):
     H = x_BTNH.shape[-1]
     inv_freq = rope_frequencies(H, rope)
     angle_BTh = positions_BT[..., None].astype(jnp.float32) * inv_freq
     if positions_BT.ndim == 3:  # M-RoPE: each frequency pair takes its component's angle
         component_h = mrope_components(H // 2, rope)
         angle_BTh = jnp.take_along_axis(angle_BTh, jnp.asarray(component_h)[None, None, None, :], axis=2)[:, :, 0]
-    sin, cos = sign * jnp.sin(angle_BTh)[:, :, None, :], jnp.cos(angle_BTh)[:, :, None, :]
+    heads = 1 if heads_major else 2  # where the heads axis goes: x is [B, N, T, H] or [B, T, N, H]
+    sin, cos = sign * jnp.expand_dims(jnp.sin(angle_BTh), heads), jnp.expand_dims(jnp.cos(angle_BTh), heads)
     if rope.attention_factor != 1.0:
         sin, cos = sin * rope.attention_factor, cos * rope.attention_factor
     # Each half sliced before its cast: a float32 copy of the whole x (what XLA makes of a cast before the slices,

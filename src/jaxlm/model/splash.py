@@ -69,41 +69,65 @@ def attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, window=None, scale=None, s
     logit per query head) join the softmax denominators. Runs in Pallas interpret mode (any backend) when
     asked. `layout` (model.splash_layout): how the kernel holds each head's queries, keys and values, [T, H]
     (head_dim_minor) or [H, T] (seq_minor)."""
-    B, T, N, H = q_BTNH.shape
-    K = k_BTKH.shape[2]
+    heads_major = _heads_major_seq_minor if layout == "seq_minor" else lambda x: x.transpose(0, 2, 1, 3)
+    H = q_BTNH.shape[-1]
     scale = H ** -0.5 if scale is None else scale
+    q_BTNH = q_BTNH * jnp.asarray(scale, q_BTNH.dtype)
+    out_BNTH = _run(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, window, softcap, block_size, interpret, chunk, sinks_N,
+                    layout, heads_major, heads_axis=2)
+    return out_BNTH.transpose(0, 2, 1, 3).astype(q_BTNH.dtype)
+
+
+def attention_heads_major(q_BNTH, k_BKTH, v_BKTH, segment_ids_BT, window=None, scale=None, softcap=None,
+                          block_size=512, interpret=False, chunk=None, sinks_N=None,
+                          layout: str = "head_dim_minor") -> jax.Array:
+    """`attention` of heads-major queries [B, N, T, H], keys and values [B, K, T, H], the kernel's own layout:
+    out [B, N, T, H]. The projections write this layout and read it back (attention.attention_with_kv), so no
+    transposing copy of q, k, v or the output runs on either side of the kernel, forward or backward."""
+    H = q_BNTH.shape[-1]
+    scale = H ** -0.5 if scale is None else scale
+    q_BNTH = q_BNTH * jnp.asarray(scale, q_BNTH.dtype)
+    out_BNTH = _run(q_BNTH, k_BKTH, v_BKTH, segment_ids_BT, window, softcap, block_size, interpret, chunk, sinks_N,
+                    layout, lambda x: x, heads_axis=1)
+    return out_BNTH.astype(q_BNTH.dtype)
+
+
+def _run(q, k, v, segment_ids_BT, window, softcap, block_size, interpret, chunk, sinks_N, layout, heads_major,
+         heads_axis: int):
+    """The kernel over q, k, v (their heads on axis `heads_axis`; heads_major(x) makes x [B, heads, T, H]) under
+    shard_map over the batch and heads axes: out [B, N, T, H]."""
+    B, T, N, K = q.shape[0], q.shape[3 - heads_axis], q.shape[heads_axis], k.shape[heads_axis]
     has_segments, has_sinks = segment_ids_BT is not None, sinks_N is not None
 
-    def local(q_BTNH, k_BTKH, v_BTKH, *rest):
+    def local(q, k, v, *rest):
         seg, sinks = (rest[0] if has_segments else None), (rest[-1] if has_sinks else None)
-        kern = _kernel(q_BTNH.shape[2], T, window, softcap, block_size, interpret, chunk, layout)
-        heads_major = _heads_major_seq_minor if layout == "seq_minor" else lambda x: x.transpose(0, 2, 1, 3)
-        q_BNTH = heads_major(q_BTNH * jnp.asarray(scale, q_BTNH.dtype))
-        k_BKTH, v_BKTH = heads_major(k_BTKH), heads_major(v_BTKH)
+        kern = _kernel(q.shape[heads_axis], T, window, softcap, block_size, interpret, chunk, layout)
+        q_BNTH, k_BKTH, v_BKTH = heads_major(q), heads_major(k), heads_major(v)
         if seg is not None:
             ids = kernel_lib.SegmentIds(q=seg, kv=seg)
-            out_BNTH = jax.vmap(lambda q, k, v, s: kern(q, k, v, segment_ids=s, sinks=sinks))(
-                q_BNTH, k_BKTH, v_BKTH, ids)
-        else:
-            out_BNTH = jax.vmap(lambda q, k, v: kern(q, k, v, sinks=sinks))(q_BNTH, k_BKTH, v_BKTH)
-        return out_BNTH.transpose(0, 2, 1, 3).astype(q_BTNH.dtype)
+            return jax.vmap(lambda q, k, v, s: kern(q, k, v, segment_ids=s, sinks=sinks))(q_BNTH, k_BKTH, v_BKTH, ids)
+        return jax.vmap(lambda q, k, v: kern(q, k, v, sinks=sinks))(q_BNTH, k_BKTH, v_BKTH)
 
     with jax.named_scope("splash_attention"):
         seg = (segment_ids_BT.astype(jnp.int32),) if has_segments else ()
         seg += (sinks_N.astype(jnp.float32),) if has_sinks else ()
         ctx = sharding.active()
         if ctx is None:
-            return local(q_BTNH, k_BTKH, v_BTKH, *seg)
+            return local(q, k, v, *seg)
         mesh, rules = ctx
         batch, heads = _axes(mesh, rules, "batch", B), _axes(mesh, rules, "heads", N)
         kv_heads = _axes(mesh, rules, "kv_heads", K)
         if heads != kv_heads:  # both split the same way, or neither
             heads = kv_heads = None
-        q_spec, kv_spec = PartitionSpec(batch, None, heads, None), PartitionSpec(batch, None, kv_heads, None)
+
+        def spec(h):
+            return PartitionSpec(batch, h, None, None) if heads_axis == 1 else PartitionSpec(batch, None, h, None)
+
+        q_spec, kv_spec = spec(heads), spec(kv_heads)
         in_specs = ((q_spec, kv_spec, kv_spec) + ((PartitionSpec(batch, None),) if has_segments else ())
                     + ((PartitionSpec(heads),) if has_sinks else ()))
-        return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=q_spec,
-                             check_vma=False)(q_BTNH, k_BTKH, v_BTKH, *seg)
+        return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=PartitionSpec(batch, heads, None, None),
+                             check_vma=False)(q, k, v, *seg)
 
 
 def _heads_major_seq_minor(x_BTNH):
