@@ -47,11 +47,11 @@ def _bytes(rtype: str) -> int:
     return total
 
 
-def layout_ops(hlo: str, layers: int) -> list[dict]:
+def layout_ops(hlo: str, layers: int, every: bool = False) -> list[dict]:
     """Every copy or transpose that runs (not the ops inside fusions: the fusions themselves), each with `times`,
     how often a step runs it: `layers` times in a while loop whose carry stacks arrays of `layers` rows (the
     layers' scan; the optimized HLO keeps no trip counts), else once. Ops without metadata of their own take
-    the phase (forward, backward) of the loop around them."""
+    the phase (forward, backward) of the loop around them. every: all the ops that run, not only those."""
     comps = computations(hlo)
     fused, calls = set(), collections.defaultdict(list)  # calls: computation -> [(callee, trips, phase)]
     for name, lines in comps.items():
@@ -88,7 +88,7 @@ def layout_ops(hlo: str, layers: int) -> list[dict]:
             base = re.sub(r"[._]\d+$", "", iname)
             is_layout = op in ("copy", "transpose", "copy-start") or (
                 op == "fusion" and re.match(r"(copy|transpose)", base))
-            if not is_layout:
+            if not is_layout and not every:
                 continue
             op_name = (re.search(r'op_name="([^"]*)"', line) or [None, ""])[1]
             cycles = re.search(r'"estimated_cycles":"(\d+)"', line)
@@ -144,6 +144,9 @@ def main() -> None:
           f" arguments + outputs - aliased + temporaries {peak:.2f} GiB")
     ops = layout_ops(hlo, cfg.model.n_layers)
     big = [o for o in ops if o["bytes"] >= a.min_mib * 2**20]
+    every = layout_ops(hlo, cfg.model.n_layers, every=True)
+    total = sum(o["cycles"] * o["times"] for o in every)
+    print(f"every op the compiler estimates (not the custom calls: the splash kernels): ~{total / 1.5e6:.1f} ms")
     print("all copies/transposes:", summary(ops))
     print(f"those of >= {a.min_mib:g} MiB:", summary(big))
     print(f"the {a.top} largest synchronous ones (MiB, est. M cycles, runs per step):")
