@@ -418,22 +418,26 @@ def test_two_models_with_the_same_attention_shape_share_the_splash_kernel():
     assert splash._kernel.cache_info().hits > 0
 
 
-@pytest.mark.parametrize("heads,position,qk_norm,bias", [
-    ((4, 4), "rotary", False, False),  # MHA, rotary
-    ((4, 2), "rotary", True, True),  # GQA, QK-norm and q/k/v/o biases
-    ((4, 1), "learned", False, True),  # no rotary (GPT-2's learned positions), biases
+@pytest.mark.parametrize("heads,position,qk_norm,bias,split", [
+    ((4, 4), "rotary", False, False, False),  # MHA, rotary
+    ((4, 2), "rotary", True, True, False),  # GQA, QK-norm and q/k/v/o biases
+    ((4, 1), "learned", False, True, False),  # no rotary (GPT-2's learned positions), biases
+    ((4, 2), "rotary", False, False, True),  # batch over `data`, heads over `tensor` (the kernel under shard_map)
 ])
-def test_splash_heads_major_projections_equal_the_token_major_path(monkeypatch, heads, position, qk_norm, bias):
+def test_splash_heads_major_projections_equal_the_token_major_path(monkeypatch, heads, position, qk_norm, bias,
+                                                                   split):
     """With splash the q/k/v projections write the kernel's [B, N, T, H] and the output projection reads it back
     (attention._splash_attention_with_kv); output and every gradient equal the [B, T, N, H] path's, which
     transposes around the kernel, within float32 rounding."""
     N, K = heads
     cfg = ModelConfig(vocab_size=64, block_size=128, n_layers=1, n_heads=N, n_kv_heads=K, d_model=64,
                       position=position, qk_norm=qk_norm, bias=bias, attention="splash", attention_block=128)
-    mesh = sharding.make_mesh(MeshConfig(), jax.devices()[:1])
+    mesh = (sharding.make_mesh(MeshConfig(ici_data=2, ici_tensor=2), jax.devices()[:4]) if split
+            else sharding.make_mesh(MeshConfig(), jax.devices()[:1]))
     p_attn = jax.tree.map(lambda a: a[0], P.init(param_specs(cfg), jax.random.key(0), mesh)["layers"]["attn"])
-    p_attn = {k: jax.tree.map(lambda a, i=i: a + 0.1 * jax.random.normal(jax.random.key(10 + i), a.shape, a.dtype), v)
-              for i, (k, v) in enumerate(p_attn.items())}  # nonzero biases, norm scales away from 1
+    # nonzero biases, norm scales away from 1
+    p_attn = {k: jax.tree.map(lambda a, i=i: a + 0.1 * jax.random.normal(jax.random.key(10 + i), a.shape, a.dtype),
+                              v) for i, (k, v) in enumerate(p_attn.items())}
     x = jax.random.normal(jax.random.key(1), (2, 128, 64))
     positions = jnp.broadcast_to(jnp.arange(128), (2, 128))
     g = jax.random.normal(jax.random.key(2), (2, 128, 64))
@@ -442,10 +446,14 @@ def test_splash_heads_major_projections_equal_the_token_major_path(monkeypatch, 
         out, k, v = attention.attention_with_kv(x, p, cfg, positions)
         return jnp.sum(out * g), (out, k, v)
 
+    def grads():
+        with sharding.activation_sharding(mesh) if split else contextlib.nullcontext():
+            return jax.jit(jax.value_and_grad(run, argnums=(0, 1), has_aux=True))(p_attn, x)
+
     assert attention._splash_heads_major(x, p_attn, cfg, "global", None)
-    (_, got), got_grads = jax.value_and_grad(run, argnums=(0, 1), has_aux=True)(p_attn, x)
+    (_, got), got_grads = grads()
     monkeypatch.setattr(attention, "_splash_heads_major", lambda *a: False)
-    (_, want), want_grads = jax.value_and_grad(run, argnums=(0, 1), has_aux=True)(p_attn, x)
+    (_, want), want_grads = grads()
     for a, b in zip(jax.tree.leaves((got, got_grads)), jax.tree.leaves((want, want_grads))):
         assert a.shape == b.shape
         assert_close(a, b)

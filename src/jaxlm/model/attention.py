@@ -397,7 +397,8 @@ def _splash_attention_with_kv(x_BTD, p, cfg, positions_BT, kind: str, segment_id
                                             interpret=mesh_platform() != "tpu", chunk=chunk, sinks_N=p.get("sinks"),
                                             layout=cfg.splash_layout)
     out_BNTH = checkpoint_name(out_BNTH, "context")
-    out_BTD = jnp.einsum("BNTH,NHD->BTD", out_BNTH, p["o"].astype(out_BNTH.dtype), preferred_element_type=out_BNTH.dtype)
+    out_BTD = jnp.einsum("BNTH,NHD->BTD", out_BNTH, p["o"].astype(out_BNTH.dtype),
+                         preferred_element_type=out_BNTH.dtype)
     if "o_bias" in p:
         out_BTD = out_BTD + p["o_bias"].astype(out_BTD.dtype)
     return checkpoint_name(out_BTD, "out_proj"), k_BKTH.transpose(0, 2, 1, 3), v_BKTH.transpose(0, 2, 1, 3)
