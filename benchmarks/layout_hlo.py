@@ -138,10 +138,9 @@ def main() -> None:
     hlo = r.executable.as_text()
     if a.hlo:
         Path(a.hlo).write_text(hlo)
-    peak = (mem.temp_size_in_bytes + mem.argument_size_in_bytes + mem.output_size_in_bytes
-            - mem.alias_size_in_bytes) / 2**30
+    peak = getattr(mem, "peak_memory_in_bytes", 0) / 2**30
     print(f"{a.preset} {' '.join(a.overrides)} on {a.topology}: temporaries {mem.temp_size_in_bytes / 2**30:.2f} GiB,"
-          f" arguments + outputs - aliased + temporaries {peak:.2f} GiB")
+          f" the compiler's peak {peak:.2f} GiB")
     ops = layout_ops(hlo, cfg.model.n_layers)
     big = [o for o in ops if o["bytes"] >= a.min_mib * 2**20]
     every = layout_ops(hlo, cfg.model.n_layers, every=True)
