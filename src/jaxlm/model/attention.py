@@ -339,7 +339,7 @@ def _splash_heads_major(x_BTD, p, cfg, kind: str, segment_ids_BT) -> bool:
     temperature tuning."""
     T = x_BTD.shape[1]
     return (choose(cfg, T, x_BTD.dtype, segment_ids_BT is not None, mesh_platform()) == "splash"
-            and ring.context_devices() <= 1 and temperature(cfg, kind, jnp.zeros((1, 1))) is None
+            and ring.context_devices() <= 1 and not (cfg.attn_temperature_tuning and kind == "nope")
             and all(isinstance(p[n], jax.Array) and not quant.applies(p[n]) for n in "qkvo"))
 
 
