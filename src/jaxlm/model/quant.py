@@ -1,7 +1,7 @@
 """Quantized matmuls: int8 and fp8 training (forward and both backward matmuls) and int8 weight storage for
 inference, all entered through `layers.dot` (the one place the model multiplies by a weight). `model.quantization`:
-int8 (int8 x int8 -> int32 with absmax scales along the contracted axes, requantized for dx and dw, the incoming
-gradient rounded stochastically or not), fp8 (e4m3 forward, e5m2 gradients, per-tensor current scaling) or
+int8 (int8 x int8 -> int32 with absmax scales along the contracted axes; dx and dw multiply by the forward's int8
+operands, their scales folded into the incoming gradient, which alone is quantized, stochastically or not), fp8 (e4m3 forward, e5m2 gradients, per-tensor current scaling) or
 int8_weights (inference: int8 values and one float32 scale per output channel, `quantize_params`). One
 custom_vjp, no Flax (why not AQT or Qwix: docs/quantization.md).
 
