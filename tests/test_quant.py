@@ -126,6 +126,26 @@ def test_int8_backward_quantizes_only_the_gradient_with_one_hash():
     assert eqns.count("xor") == 5  # one lowbias32 hash: position and salt mixed in, three xorshifts
 
 
+def test_int8_remat_keeps_the_quantized_weights():
+    """Under a remat policy the recomputed forward would quantize every weight again; int8 training's policy
+    keeps the int8 weights and their scales instead (and nothing more), fp8's and float's do not."""
+    from jax._src.ad_checkpoint import saved_residuals
+
+    from jaxlm.config import ModelConfig
+    from jaxlm.model import transformer
+
+    x, w, _ = operands(4)
+    loss = lambda x, w: jnp.sum(quant.qdot(SPEC, x, w, quant.Recipe("int8")))  # noqa: E731 - names its int8 w
+    kept = {}
+    for mode in ("int8", "fp8", "none"):
+        f = jax.checkpoint(loss, policy=transformer.remat_policy(ModelConfig(quantization=mode, remat="full")))
+        kept[mode] = sorted((a.dtype.name, a.shape) for a, src in saved_residuals(f, jnp.asarray(x), jnp.asarray(w))
+                            if quant.QUANT_WEIGHT in src)
+    assert kept["int8"] == [("float32", (1,) + w.shape[1:]), ("int8", w.shape)]
+    assert kept["fp8"] == kept["none"] == []
+    assert transformer.remat_policy(ModelConfig(quantization="int8", remat="none")) is None
+
+
 def test_fp8_matches_e4m3_e5m2_reference():
     x, w, g = operands(2)
 

@@ -20,6 +20,8 @@ import threading
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 INT8_MAX = 127.0
 # Largest finite values: float8_e4m3fn has no infinities, so its range reaches 448; e5m2 keeps them.
@@ -328,25 +330,63 @@ def quantized_einsum(spec: str, x, w, x_fmt: str, w_fmt: str, x_noise=None, w_no
             * _scale_to_output(sw, w_s, y_s, contracted))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
+# The name int8 training gives each weight's int8 values and scales: the layers' remat policy keeps them
+# (transformer.remat_policy), so the backward's recomputed forward does not quantize the weights a second time.
+QUANT_WEIGHT = "quant_weight"
+
+
 def qdot(spec: str, x, w, recipe: Recipe) -> jax.Array:
     """Quantized einsum(spec, x, w) for training (float32 result); the backward matmuls are quantized too."""
+    if recipe.mode != "int8":
+        return _qdot_fp8(spec, x, w, recipe)
+    _, w_s, _, contracted = parse(spec)
+    # w's whole gradient is the custom VJP's dw (straight through the rounding): none flows through its scale
+    qw, sw = quantize(jax.lax.stop_gradient(w), _axes(w_s, contracted), "int8")
+    return _qdot_int8(spec, x, w, checkpoint_name(qw, QUANT_WEIGHT), checkpoint_name(sw, QUANT_WEIGHT), recipe)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
+def _qdot_fp8(spec: str, x, w, recipe: Recipe) -> jax.Array:
     return quantized_einsum(spec, x, w, recipe.fwd, recipe.fwd)
 
 
-def _qdot_fwd(spec, x, w, recipe):
-    if recipe.mode != "int8":
-        # fp8: keep the float operands (per-tensor scales: requantizing them for the backward is the same rounding).
-        return qdot(spec, x, w, recipe), (x, w)
-    # int8: keep the forward's int8 operands and their scales. The backward multiplies by these same int8
-    # values, the forward's scales folded into the incoming gradient before it is quantized, so it quantizes
-    # neither x nor w again (two absmax reductions and two rounding passes a matmul fewer).
+def _qdot_fp8_fwd(spec, x, w, recipe):
+    # The float operands are the residuals: with one scale per tensor, requantizing them for the backward is
+    # the forward's rounding.
+    return _qdot_fp8(spec, x, w, recipe), (x, w)
+
+
+def _qdot_fp8_bwd(spec, recipe, residuals, g):
+    x, w = residuals
+    x_s, w_s, y_s, _ = parse(spec)
+    dx = quantized_einsum(f"{y_s},{w_s}->{x_s}", g, w, recipe.grad, recipe.fwd)
+    dw = quantized_einsum(f"{x_s},{y_s}->{w_s}", x, g, recipe.fwd, recipe.grad)
+    return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+_qdot_fp8.defvjp(_qdot_fp8_fwd, _qdot_fp8_bwd)
+
+
+def _int8_forward(spec, x, qw, sw):
     x_s, w_s, y_s, contracted = parse(spec)
     qx, sx = quantize(x, _axes(x_s, contracted), "int8")
-    qw, sw = quantize(w, _axes(w_s, contracted), "int8")
     y = (jnp.einsum(spec, qx, qw, preferred_element_type=jnp.int32).astype(jnp.float32)
          * _scale_to_output(sx, x_s, y_s, contracted) * _scale_to_output(sw, w_s, y_s, contracted))
-    # empty arrays carry the operands' dtypes for the cotangents
+    return y, qx, sx
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 5))
+def _qdot_int8(spec: str, x, w, qw, sw, recipe: Recipe) -> jax.Array:
+    """int8 einsum of x and w, given w's int8 values qw and scales sw (quantize(w) along the contracted axes)."""
+    return _int8_forward(spec, x, qw, sw)[0]
+
+
+def _qdot_int8_fwd(spec, x, w, qw, sw, recipe):
+    # The residuals are the forward's int8 operands and their scales: the backward multiplies by these same
+    # int8 values, the forward's scales folded into the incoming gradient before it is quantized, so it
+    # quantizes neither x nor w again (two absmax reductions and two rounding passes a matmul fewer).
+    y, qx, sx = _int8_forward(spec, x, qw, sw)
+    # empty arrays carry the float operands' dtypes for the cotangents
     return y, (qx, sx, qw, sw, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
 
 
@@ -360,13 +400,8 @@ def _int8_grad_matmul(spec: str, g_folded, g_axes, other, g_first: bool, noise):
     return acc * _scale_to_output(sg, a_s if g_first else b_s, r_s, contracted)
 
 
-def _qdot_bwd(spec, recipe, residuals, g):
+def _qdot_int8_bwd(spec, recipe, residuals, g):
     x_s, w_s, y_s, contracted = parse(spec)
-    if recipe.mode != "int8":
-        x, w = residuals
-        dx = quantized_einsum(f"{y_s},{w_s}->{x_s}", g, w, recipe.grad, recipe.fwd)
-        dw = quantized_einsum(f"{x_s},{y_s}->{w_s}", x, g, recipe.fwd, recipe.grad)
-        return dx.astype(x.dtype), dw.astype(w.dtype)
     qx, sx, qw, sw, x_dtype, w_dtype = residuals
     # x ~= qx * sx and w ~= qw * sw, with sx and sw constant along the forward's contracted axes, so
     # dx = einsum(g, w) = einsum(g * sw, qw) and dw = einsum(x, g) = einsum(qx, g * sx) (the scales laid out
@@ -379,10 +414,11 @@ def _qdot_bwd(spec, recipe, residuals, g):
                            _axes(y_s, parse(dx_spec)[3]), qw, True, noise[0])
     dw = _int8_grad_matmul(dw_spec, g32 * _scale_to_output(sx, x_s, y_s, contracted),
                            _axes(y_s, parse(dw_spec)[3]), qx, False, noise[1])
-    return dx.astype(x_dtype.dtype), dw.astype(w_dtype.dtype)
+    return (dx.astype(x_dtype.dtype), dw.astype(w_dtype.dtype), np.zeros(qw.shape, jax.dtypes.float0),
+            jnp.zeros_like(sw))
 
 
-qdot.defvjp(_qdot_fwd, _qdot_bwd)
+_qdot_int8.defvjp(_qdot_int8_fwd, _qdot_int8_bwd)
 
 
 def applies(w, logits: bool = False) -> bool:
