@@ -68,13 +68,16 @@ def grads(recipe, x, w, g):
 def test_int8_gradients_match_reference_and_float_within_bound():
     x, w, g = operands(1)
     dx, dw = grads(quant.Recipe("int8", stochastic_rounding=False), x, w, g)
-    # dx = g w^T contracts N, H: g per token, w per input channel D. dw = x^T g contracts B, T.
-    gq_t, sg_t = np_int8(g, (2, 3))
-    wq, sw = np_int8(w, (1, 2))
-    np.testing.assert_allclose(dx, np.einsum("BTNH,DNH->BTD", gq_t, wq), rtol=1e-5, atol=1e-6)
-    xq, sx = np_int8(x, (0, 1))
-    gq_c, sg_c = np_int8(g, (0, 1))
-    np.testing.assert_allclose(dw, np.einsum("BTD,BTNH->DNH", xq, gq_c), rtol=1e-5, atol=1e-6)
+    # The backward multiplies by the forward's int8 operands (x per token, w per output channel N, H), their
+    # scales folded into g, which is quantized along each matmul's contracted axes: dx = g w^T contracts N, H
+    # (g * sw per token), dw = x^T g contracts B, T (g * sx per output channel). Neither x nor w is requantized.
+    xq, sx = np_int8(x, (2,))
+    wq, sw = np_int8(w, (0,))
+    gq_t, sg_t = np_int8(g * sw[None], (2, 3))  # sw [1, N, H] -> [1, 1, N, H]
+    np.testing.assert_allclose(dx, np.einsum("BTNH,DNH->BTD", gq_t, wq / sw), rtol=1e-5, atol=1e-6)
+    gq_c, sg_c = np_int8(g * sx[..., None], (0, 1))  # sx [B, T, 1] -> [B, T, 1, 1]
+    np.testing.assert_allclose(dw, np.einsum("BTD,BTNH->DNH", xq / sx, gq_c), rtol=1e-5, atol=1e-6)
+    sg_t, sg_c = sg_t / sw[None], sg_c / sx[..., None]  # g's rounding step in g's own units
 
     float_dx = np.einsum("BTNH,DNH->BTD", g.astype(np.float64), w)
     float_dw = np.einsum("BTD,BTNH->DNH", x.astype(np.float64), g)
@@ -102,6 +105,45 @@ def test_stochastic_rounding_is_unbiased():
     u = np.asarray(quant.uniform_noise(jnp.linspace(-1.0, 1.0, n), salt=0), np.float64)
     assert abs(u.mean() - 0.5) < 0.005 and abs(u.var() - 1 / 12) < 0.002 and abs(np.corrcoef(u[:-1], u[1:])[0, 1]) < 0.01
     assert not np.array_equal(quant.uniform_noise(x, 1), quant.uniform_noise(x, 2))
+    # The backward's pair (dx's and dw's noise from one hash's two halves): each unbiased, the two uncorrelated.
+    pair = quant.uniform_noise_pair(x, 1)
+    for u in pair:
+        q = np.asarray(quant.quantize(x, (0,), "int8", u)[0][1:], np.float64)
+        assert set(np.unique(q)) == {10.0, 11.0} and abs(q.mean() - 10.3) < 4 * np.sqrt(0.3 * 0.7 / n)
+    u, v = (np.asarray(a, np.float64) for a in quant.uniform_noise_pair(jnp.linspace(-1.0, 1.0, n), salt=0))
+    for a in (u, v):
+        assert abs(a.mean() - 0.5) < 0.005 and abs(a.var() - 1 / 12) < 0.002 and 0 < a.min() and a.max() < 1
+    assert abs(np.corrcoef(u, v)[0, 1]) < 0.01 and abs(np.corrcoef(u[:-1], u[1:])[0, 1]) < 0.01
+
+
+def test_int8_backward_quantizes_only_the_gradient_with_one_hash():
+    """The backward keeps the forward's int8 operands: of the step's absmax reductions, the forward's two (x, w)
+    and the gradient's two (for dx, for dw); one hash of the gradient serves both stochastic roundings."""
+    x, w, g = operands(3)
+    f = lambda x, w: jnp.sum(quant.qdot(SPEC, x, w, quant.Recipe("int8")) * g)  # noqa: E731
+    eqns = [e.primitive.name for e in jax.make_jaxpr(jax.grad(f, (0, 1)))(jnp.asarray(x), jnp.asarray(w)).eqns]
+    assert eqns.count("reduce_max") == 4
+    assert eqns.count("xor") == 5  # one lowbias32 hash: position and salt mixed in, three xorshifts
+
+
+def test_int8_remat_keeps_the_quantized_weights():
+    """Under a remat policy the recomputed forward would quantize every weight again; int8 training's policy
+    keeps the int8 weights and their scales instead (and nothing more), fp8's and float's do not."""
+    from jax._src.ad_checkpoint import saved_residuals
+
+    from jaxlm.config import ModelConfig
+    from jaxlm.model import transformer
+
+    x, w, _ = operands(4)
+    loss = lambda x, w: jnp.sum(quant.qdot(SPEC, x, w, quant.Recipe("int8")))  # noqa: E731 - names its int8 w
+    kept = {}
+    for mode in ("int8", "fp8", "none"):
+        f = jax.checkpoint(loss, policy=transformer.remat_policy(ModelConfig(quantization=mode, remat="full")))
+        kept[mode] = sorted((a.dtype.name, a.shape) for a, src in saved_residuals(f, jnp.asarray(x), jnp.asarray(w))
+                            if quant.QUANT_WEIGHT in src)
+    assert kept["int8"] == [("float32", (1,) + w.shape[1:]), ("int8", w.shape)]
+    assert kept["fp8"] == kept["none"] == []
+    assert transformer.remat_policy(ModelConfig(quantization="int8", remat="none")) is None
 
 
 def test_fp8_matches_e4m3_e5m2_reference():

@@ -1,7 +1,7 @@
 """Quantized matmuls: int8 and fp8 training (forward and both backward matmuls) and int8 weight storage for
 inference, all entered through `layers.dot` (the one place the model multiplies by a weight). `model.quantization`:
-int8 (int8 x int8 -> int32 with absmax scales along the contracted axes, requantized for dx and dw, the incoming
-gradient rounded stochastically or not), fp8 (e4m3 forward, e5m2 gradients, per-tensor current scaling) or
+int8 (int8 x int8 -> int32 with absmax scales along the contracted axes; dx and dw multiply by the forward's int8
+operands, their scales folded into the incoming gradient, which alone is quantized, stochastically or not), fp8 (e4m3 forward, e5m2 gradients, per-tensor current scaling) or
 int8_weights (inference: int8 values and one float32 scale per output channel, `quantize_params`). One
 custom_vjp, no Flax (why not AQT or Qwix: docs/quantization.md).
 
@@ -20,6 +20,8 @@ import threading
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 INT8_MAX = 127.0
 # Largest finite values: float8_e4m3fn has no infinities, so its range reaches 448; e5m2 keeps them.
@@ -242,8 +244,8 @@ def nbytes(params) -> int:
 # ---------------------------------------------------------------------------------------------------------
 # Quantizers.
 
-def uniform_noise(x: jax.Array, salt: int = 0) -> jax.Array:
-    """Uniform [0, 1) noise per element, hashed from the element's bits, its position and `salt`.
+def _hash32(x: jax.Array, salt: int) -> jax.Array:
+    """32 random bits per element (uint32), hashed from the element's bits, its position and `salt`.
 
     A hash instead of a PRNG key keeps `layers.dot` free of key plumbing and the run reproducible (same inputs,
     same noise), while the draws still change whenever the gradient does, i.e. every step and every layer.
@@ -257,8 +259,22 @@ def uniform_noise(x: jax.Array, salt: int = 0) -> jax.Array:
     h = h * jnp.uint32(0x7FEB352D)
     h = h ^ (h >> 15)
     h = h * jnp.uint32(0x846CA68B)
-    h = h ^ (h >> 16)
-    return (h >> 8).astype(jnp.float32) * (1.0 / (1 << 24))
+    return h ^ (h >> 16)
+
+
+def uniform_noise(x: jax.Array, salt: int = 0) -> jax.Array:
+    """Uniform [0, 1) noise per element (24 bits of `_hash32`'s)."""
+    return (_hash32(x, salt) >> 8).astype(jnp.float32) * (1.0 / (1 << 24))
+
+
+def uniform_noise_pair(x: jax.Array, salt: int = 0) -> tuple[jax.Array, jax.Array]:
+    """Two independent uniform noises per element of x from one hash: its high and its low 16 bits, each read
+    as (k + 1/2) / 2^16, whose mean is exactly 1/2. The backward pass rounds its incoming gradient twice (for dx
+    and for dw); one hash for both halves the hashing, which costs more than the rounding itself. floor(y + u)
+    with such u is unbiased up to 2^-17 of a step, the float32 resolution of y = x / scale in [64, 127]."""
+    h = _hash32(x, salt)
+    unit = lambda k: (k.astype(jnp.float32) + 0.5) * (1.0 / (1 << 16))  # noqa: E731
+    return unit(h >> 16), unit(h & jnp.uint32(0xFFFF))
 
 
 def quantize(x: jax.Array, axes: tuple[int, ...], fmt: str, noise: jax.Array | None = None):
@@ -314,29 +330,95 @@ def quantized_einsum(spec: str, x, w, x_fmt: str, w_fmt: str, x_noise=None, w_no
             * _scale_to_output(sw, w_s, y_s, contracted))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
+# The name int8 training gives each weight's int8 values and scales: the layers' remat policy keeps them
+# (transformer.remat_policy), so the backward's recomputed forward does not quantize the weights a second time.
+QUANT_WEIGHT = "quant_weight"
+
+
 def qdot(spec: str, x, w, recipe: Recipe) -> jax.Array:
     """Quantized einsum(spec, x, w) for training (float32 result); the backward matmuls are quantized too."""
+    if recipe.mode != "int8":
+        return _qdot_fp8(spec, x, w, recipe)
+    _, w_s, _, contracted = parse(spec)
+    # w's whole gradient is the custom VJP's dw (straight through the rounding): none flows through its scale
+    qw, sw = quantize(jax.lax.stop_gradient(w), _axes(w_s, contracted), "int8")
+    return _qdot_int8(spec, x, w, checkpoint_name(qw, QUANT_WEIGHT), checkpoint_name(sw, QUANT_WEIGHT), recipe)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
+def _qdot_fp8(spec: str, x, w, recipe: Recipe) -> jax.Array:
     return quantized_einsum(spec, x, w, recipe.fwd, recipe.fwd)
 
 
-def _qdot_fwd(spec, x, w, recipe):
-    # Keep the float operands: each backward matmul contracts other axes and so needs its own scales.
-    return qdot(spec, x, w, recipe), (x, w)
+def _qdot_fp8_fwd(spec, x, w, recipe):
+    # The float operands are the residuals: with one scale per tensor, requantizing them for the backward is
+    # the forward's rounding.
+    return _qdot_fp8(spec, x, w, recipe), (x, w)
 
 
-def _qdot_bwd(spec, recipe, residuals, g):
+def _qdot_fp8_bwd(spec, recipe, residuals, g):
     x, w = residuals
     x_s, w_s, y_s, _ = parse(spec)
-    stochastic = recipe.stochastic_rounding and recipe.grad == "int8"
-    dx = quantized_einsum(f"{y_s},{w_s}->{x_s}", g, w, recipe.grad, recipe.fwd,
-                          x_noise=uniform_noise(g, salt=1) if stochastic else None)
-    dw = quantized_einsum(f"{x_s},{y_s}->{w_s}", x, g, recipe.fwd, recipe.grad,
-                          w_noise=uniform_noise(g, salt=2) if stochastic else None)
+    dx = quantized_einsum(f"{y_s},{w_s}->{x_s}", g, w, recipe.grad, recipe.fwd)
+    dw = quantized_einsum(f"{x_s},{y_s}->{w_s}", x, g, recipe.fwd, recipe.grad)
     return dx.astype(x.dtype), dw.astype(w.dtype)
 
 
-qdot.defvjp(_qdot_fwd, _qdot_bwd)
+_qdot_fp8.defvjp(_qdot_fp8_fwd, _qdot_fp8_bwd)
+
+
+def _int8_forward(spec, x, qw, sw):
+    x_s, w_s, y_s, contracted = parse(spec)
+    qx, sx = quantize(x, _axes(x_s, contracted), "int8")
+    y = (jnp.einsum(spec, qx, qw, preferred_element_type=jnp.int32).astype(jnp.float32)
+         * _scale_to_output(sx, x_s, y_s, contracted) * _scale_to_output(sw, w_s, y_s, contracted))
+    return y, qx, sx
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 5))
+def _qdot_int8(spec: str, x, w, qw, sw, recipe: Recipe) -> jax.Array:
+    """int8 einsum of x and w, given w's int8 values qw and scales sw (quantize(w) along the contracted axes)."""
+    return _int8_forward(spec, x, qw, sw)[0]
+
+
+def _qdot_int8_fwd(spec, x, w, qw, sw, recipe):
+    # The residuals are the forward's int8 operands and their scales: the backward multiplies by these same
+    # int8 values, the forward's scales folded into the incoming gradient before it is quantized, so it
+    # quantizes neither x nor w again (two absmax reductions and two rounding passes a matmul fewer).
+    y, qx, sx = _int8_forward(spec, x, qw, sw)
+    # empty arrays carry the float operands' dtypes for the cotangents
+    return y, (qx, sx, qw, sw, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
+
+
+def _int8_grad_matmul(spec: str, g_folded, g_axes, other, g_first: bool, noise):
+    """einsum(spec) of the incoming gradient (its forward scales folded in, float32), quantized to int8 along
+    `g_axes`, with the other operand's int8 values; the gradient's scale laid out on the result."""
+    a_s, b_s, r_s, contracted = parse(spec)
+    qg, sg = quantize(g_folded, g_axes, "int8", noise)
+    operands = (qg, other) if g_first else (other, qg)
+    acc = jnp.einsum(spec, *operands, preferred_element_type=jnp.int32).astype(jnp.float32)
+    return acc * _scale_to_output(sg, a_s if g_first else b_s, r_s, contracted)
+
+
+def _qdot_int8_bwd(spec, recipe, residuals, g):
+    x_s, w_s, y_s, contracted = parse(spec)
+    qx, sx, qw, sw, x_dtype, w_dtype = residuals
+    # x ~= qx * sx and w ~= qw * sw, with sx and sw constant along the forward's contracted axes, so
+    # dx = einsum(g, w) = einsum(g * sw, qw) and dw = einsum(x, g) = einsum(qx, g * sx) (the scales laid out
+    # like y). Each folded gradient is quantized along the axes its matmul contracts: dx's along w's letters
+    # in y (one scale per row of x's layout), dw's along x's letters in y (one scale per column of w's).
+    noise = uniform_noise_pair(g, salt=1) if recipe.stochastic_rounding else (None, None)
+    g32 = g.astype(jnp.float32)
+    dx_spec, dw_spec = f"{y_s},{w_s}->{x_s}", f"{x_s},{y_s}->{w_s}"
+    dx = _int8_grad_matmul(dx_spec, g32 * _scale_to_output(sw, w_s, y_s, contracted),
+                           _axes(y_s, parse(dx_spec)[3]), qw, True, noise[0])
+    dw = _int8_grad_matmul(dw_spec, g32 * _scale_to_output(sx, x_s, y_s, contracted),
+                           _axes(y_s, parse(dw_spec)[3]), qx, False, noise[1])
+    return (dx.astype(x_dtype.dtype), dw.astype(w_dtype.dtype), np.zeros(qw.shape, jax.dtypes.float0),
+            jnp.zeros_like(sw))
+
+
+_qdot_int8.defvjp(_qdot_int8_fwd, _qdot_int8_bwd)
 
 
 def applies(w, logits: bool = False) -> bool:

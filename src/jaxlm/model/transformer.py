@@ -110,6 +110,18 @@ REMAT_POLICIES = {
 }
 
 
+def remat_policy(cfg: ModelConfig):
+    """The layers' checkpoint policy for model.remat (None for none). int8 training also keeps each layer's int8
+    weights (quant.QUANT_WEIGHT, 1 byte a block weight), so that the recomputed forward does not quantize them
+    again; the policies that offload to the host are left as they are."""
+    if cfg.remat == "none":
+        return None
+    policy = REMAT_POLICIES[cfg.remat]
+    if cfg.quantization == "int8" and not cfg.remat.startswith("offload"):
+        policy = _cp.save_from_both_policies(policy, _cp.save_only_these_names(quant.QUANT_WEIGHT))
+    return policy
+
+
 def block(x_BTD: jax.Array, p: dict, cfg: ModelConfig, positions_BT: jax.Array, key: jax.Array | None,
           kind: str = "global", segment_ids_BT: jax.Array | None = None, reach_BT: jax.Array | None = None,
           mrope_BT3: jax.Array | None = None):
@@ -259,7 +271,7 @@ def layer_stack(x_BTD: jax.Array, layer_params: dict, cfg: ModelConfig, position
             fn = lambda x, p, k: block(x, cast_matmul_weights(p, cfg), cfg, positions_BT, k,  # noqa: E731
                                        kind.attention, segment_ids_BT, reach_BT, mrope_BT3)
             if cfg.remat != "none":
-                fn = jax.checkpoint(fn, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not scanned)
+                fn = jax.checkpoint(fn, policy=remat_policy(cfg), prevent_cse=not scanned)
             bodies[kind, scanned] = fn
         return bodies[kind, scanned]
 
@@ -269,7 +281,7 @@ def layer_stack(x_BTD: jax.Array, layer_params: dict, cfg: ModelConfig, position
 
     keys = None if layer_keys is None else tuple(layer_keys[j::P] for j in range(P))
     x_BTD, stats = stack.run(cfg, layer_params, step, x_BTD, keys, scan=cfg.scan_layers, n_layers=n,
-                             remat=REMAT_POLICIES[cfg.remat] if cfg.remat != "none" else None)
+                             remat=remat_policy(cfg))
     return x_BTD, stack.in_layer_order(stats, n)
 
 
