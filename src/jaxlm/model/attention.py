@@ -359,17 +359,13 @@ def _add_head_bias(x_BNTH, bias_NH):
     return x_BNTH + bias_NH.astype(x_BNTH.dtype)[:, None, :]
 
 
-def _add_head_bias_fwd(x_BNTH, bias_NH):
-    return _add_head_bias(x_BNTH, bias_NH), bias_NH
-
-
 def _add_head_bias_bwd(bias_NH, g_BNTH):
     ones_BT = jnp.ones((g_BNTH.shape[0], g_BNTH.shape[2]), g_BNTH.dtype)
     g_NH = jnp.einsum("BNTH,BT->NH", g_BNTH, ones_BT, preferred_element_type=jnp.float32)
     return g_BNTH, g_NH.astype(bias_NH.dtype)
 
 
-_add_head_bias.defvjp(_add_head_bias_fwd, _add_head_bias_bwd)
+_add_head_bias.defvjp(lambda x_BNTH, bias_NH: (_add_head_bias(x_BNTH, bias_NH), bias_NH), _add_head_bias_bwd)
 
 
 def _splash_attention_with_kv(x_BTD, p, cfg, positions_BT, kind: str, segment_ids_BT):
@@ -377,10 +373,8 @@ def _splash_attention_with_kv(x_BTD, p, cfg, positions_BT, kind: str, segment_id
     QK-norm and rotary turn them there, and the output projection reads the kernel's [B, N, T, H] output, so XLA
     has no [B, T, N, H] <-> [B, N, T, H] copies to make around the kernel (docs/performance.md, "Attention"). The
     same values as the [B, T, N, H] path (tests/test_attention.py)."""
-    q_BNTH, k_BKTH, v_BKTH = (_project_heads_major(x_BTD, p, name) for name in "qkv")
-    q_BNTH = checkpoint_name(q_BNTH, "query_proj")
-    k_BKTH = checkpoint_name(k_BKTH, "key_proj")
-    v_BKTH = checkpoint_name(v_BKTH, "value_proj")
+    q_BNTH, k_BKTH, v_BKTH = (checkpoint_name(_project_heads_major(x_BTD, p, name), f"{proj}_proj")
+                              for name, proj in zip("qkv", ("query", "key", "value")))
     if cfg.qk_norm:
         q_BNTH = layers.norm(q_BNTH, p["q_norm"], cfg.norm, cfg.norm_eps, cfg.norm_plus_one)
         k_BKTH = layers.norm(k_BKTH, p["k_norm"], cfg.norm, cfg.norm_eps, cfg.norm_plus_one)

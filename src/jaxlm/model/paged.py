@@ -4,13 +4,10 @@ entry j's pool keeps a token's entry (*lead, last) as [*lead, R_j, NP, page, las
 position. `attention` reads a row's pages `rows` (prefill chunks: gathered per row), `flat` (a few queries per
 row: the rows' pages listed one after another, an online softmax per row) or by a TPU kernel, JAX's for decode
 (`kernel_decode`) or ours for any rows (`kernel_ragged`), as the pool's format says (PoolFormat; docs/serve.md).
-A packed pool (ours with packed_kv) keeps a token's key and value of a kv head as one entry "kv", (K, Hk + Hv):
-heads of 64 fill a TPU's 128 lanes with no padding; every reader here reads it.
-
-Shape legend: P rows (sequences) of a call, C tokens per row, T = tokens, R repeats of an entry, NP pages,
-M pages per row in the table, F pages listed flat, K kv heads, G query heads per kv head, N = K G, H head
-width, D width, S keys.
-"""
+A packed pool (ours with packed_kv) keeps a kv head's key and value as one entry "kv", (K, Hk + Hv), read so here.
+Shapes: P rows (sequences) of a call, C tokens per row, T = tokens, R repeats of an entry, NP pages, M pages per
+row in the table, F pages listed flat, K kv heads, G query heads per kv head, N = K G, H head width, D width,
+S keys."""
 
 from __future__ import annotations
 

@@ -1,19 +1,13 @@
 """Ragged paged attention: our Pallas TPU kernel over the paged KV pool (model/paged.py) for rows of any number of
-query tokens in one call (decode rows and causal prefill chunks, each row with its own positions and key length).
-A program takes several rows' query tiles; per row it copies only the pages below its length, a block of pages at a
-time, one DMA per page for all kv heads, double-buffered; every query head of a kv head and every query token of
-the tile is computed against that one load, the softmax carried across blocks in float32. By default a decode
-row's kv heads are computed together, a page at a time, two blocks read ahead (the fastest of the variants on a
-v5e, docs/serve.md); each can be turned off. It does the scale and the logit soft-cap; windows, chunks, sinks, int8
-pools, latent attention and meshes keep the flat path (docs/serve.md).
-A packed pool (`packed_kv`) holds a position's key and value of a kv head side by side in one vector, [k | v]: one
-DMA a page brings both, and heads of 64 fill the 128 lanes with no padding; the queries, zero over the values'
-lanes, dotted with it give the logits, and the probabilities times it give [p k | p v], whose value lanes the
-caller keeps.
-
-Shape legend: P rows, C query tokens a row, N query heads, K kv heads, G = N / K, H head width (the pool's,
-padded to lanes), A tokens a page, M pages a row's table, T query tiles a row, Q = G x (query tokens a tile).
-"""
+query tokens in one call (decode rows and causal prefill chunks, each with its own positions and key length). A
+program takes several rows' query tiles; per row it copies only the pages below its length, one DMA a page for all
+kv heads, blocks read ahead; every query of a kv head is computed against that one load, the softmax carried in
+float32. Defaults (the fastest variants on a v5e; each can be turned off): a decode row's kv heads together, a page
+at a time, two blocks ahead. A packed pool (`packed_kv`) holds a kv head's key and value side by side, [k | v]:
+queries zero over the values' lanes give the logits, probabilities give [p k | p v]. Scale and soft-cap here;
+windows, chunks, sinks, int8 pools, latent attention and meshes keep the flat path (docs/serve.md).
+Shapes: P rows, C query tokens a row, N query heads, K kv heads, G = N / K, H head width (the pool's, padded to
+lanes), A tokens a page, M pages a row's table, T query tiles a row, Q = G x (query tokens a tile)."""
 
 from __future__ import annotations
 
