@@ -32,20 +32,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from moe_hlo import QUIET, SIZES  # noqa: E402
+from moe_hlo import QUIET, SIZES, nbytes  # noqa: E402
 
 GROUPS = ("output layer", "mlp matmuls", "attention matmuls", "attention (XLA)", "attention kernel", "cache write",
           "logits gather/scatter", "async copies", "other")
-
-
-def nbytes(rtype: str) -> int:
-    n = 0
-    for dt, dims in re.findall(r"\b(" + "|".join(SIZES) + r")\[([\d,]*)\]", rtype):
-        k = SIZES[dt]
-        for d in filter(None, dims.split(",")):
-            k *= int(d)
-        n += k
-    return n
 
 
 def computations(hlo: str) -> dict[str, list[str]]:

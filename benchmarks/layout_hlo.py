@@ -21,7 +21,7 @@ import os
 import re
 from pathlib import Path
 
-SIZES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4}
+from moe_hlo import nbytes  # noqa: E402 - benchmarks/ is the script's folder
 
 
 def computations(hlo: str) -> dict[str, list[str]]:
@@ -35,16 +35,6 @@ def computations(hlo: str) -> dict[str, list[str]]:
         elif name and line.startswith("  "):
             out[name].append(line)
     return out
-
-
-def _bytes(rtype: str) -> int:
-    total = 0
-    for dt, dims in re.findall(r"\b(" + "|".join(SIZES) + r")\[([\d,]*)\]", rtype):
-        n = SIZES[dt]
-        for d in filter(None, dims.split(",")):
-            n *= int(d)
-        total += n
-    return total
 
 
 def layout_ops(hlo: str, layers: int, every: bool = False) -> list[dict]:
@@ -92,7 +82,7 @@ def layout_ops(hlo: str, layers: int, every: bool = False) -> list[dict]:
                 continue
             op_name = (re.search(r'op_name="([^"]*)"', line) or [None, ""])[1]
             cycles = re.search(r'"estimated_cycles":"(\d+)"', line)
-            out.append(dict(name=iname, op=op, bytes=_bytes(rtype), cycles=int(cycles[1]) if cycles else 0,
+            out.append(dict(name=iname, op=op, bytes=nbytes(rtype), cycles=int(cycles[1]) if cycles else 0,
                             times=times[name], phase="backward" if "transpose(" in op_name else (
                                 "forward" if op_name else phases[name]),
                             shape=re.sub(r"\{[^{}]*\}", "", rtype) if "{" in rtype else rtype,

@@ -25,6 +25,17 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 SIZES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4}
+
+
+def nbytes(rtype: str) -> int:
+    """The bytes of an HLO result type (a shape or a tuple of shapes: `bf16[8,128]{1,0}`, `(f32[4], s32[])`)."""
+    total = 0
+    for dt, dims in re.findall(r"\b(" + "|".join(SIZES) + r")\[([\d,]*)\]", rtype):
+        n = SIZES[dt]
+        for d in filter(None, dims.split(",")):
+            n *= int(d)
+        total += n
+    return total
 SCOPES = ("router", "dispatch", "experts", "combine", "shared_experts")
 # Ops that move no data of their own: views, tuples, the ends of asynchronous copies (their starts are counted).
 FAMILIES = ("sort", "gather", "scatter", "select", "convert", "copy", "transpose")
@@ -58,18 +69,13 @@ def ops_of(hlo: str, rows_at_least: int = 1 << 14) -> list[dict]:
         if not m or m[3] in QUIET:
             continue
         name, rtype, op = m.groups()
-        nbytes = 0
-        for dt, dims in re.findall(r"\b(" + "|".join(SIZES) + r")\[([\d,]*)\]", rtype):
-            n = SIZES[dt]
-            for d in filter(None, dims.split(",")):
-                n *= int(d)
-            nbytes += n
+        size = nbytes(rtype)
         op_name = (re.search(r'op_name="([^"]*)"', line) or [None, ""])[1]
         cycles = re.search(r'"estimated_cycles":"(\d+)"', line)
         target = re.search(r'custom_call_target="([^"]*)"', line)
         scope = next((s for s in SCOPES if f"({s})" in op_name or f"/{s}/" in op_name), "other")
         out.append(dict(name=name, op=op, kind=re.sub(r"\.\d+$", "", name) if op in ("fusion", "custom-call") else op,
-                        target=target[1] if target else "", bytes=nbytes, cycles=int(cycles[1]) if cycles else 0,
+                        target=target[1] if target else "", bytes=size, cycles=int(cycles[1]) if cycles else 0,
                         phase="backward" if "transpose(" in op_name else "forward", scope=scope,
                         f32_rows=bool(re.search(r"f32\[(\d+),", rtype)) and int(re.search(r"f32\[(\d+),", rtype)[1]) >=
                         rows_at_least,
