@@ -143,9 +143,10 @@ def test_the_paged_engine_through_the_ragged_kernel_gives_the_flat_paths_tokens(
     prompts = [rng.integers(0, 50, n).tolist() for n in (5, 13)]
     runs, pools = [], []
     CountingKernel.calls.clear()
-    for kernel in (None, CountingKernel(interpret=True, block_tokens=8),  # blocks of 2 pages
-                   CountingKernel(interpret=True, block_tokens=8, heads_batched=False, page_steps=False, prefetch=1),
-                   CountingKernel(interpret=True, block_tokens=8, packed_kv=True)):
+    for kernel in (None, CountingKernel(interpret=True, block_tokens=8, packed_kv=False),  # blocks of 2 pages
+                   CountingKernel(interpret=True, block_tokens=8, heads_batched=False, page_steps=False, prefetch=1,
+                                  packed_kv=False),
+                   CountingKernel(interpret=True, block_tokens=8)):  # packed by default: heads of 8
         e = Engine(params, cfg, ServeConfig(max_slots=2, max_queue=8, prefill_chunk=8, prefix_cache=0,
                                             decode_steps=1, page_size=4), 48,
                    cache_pages=16, page_format=paged.PoolFormat(kernel=kernel))
@@ -176,7 +177,7 @@ def test_the_attention_kernel_setting_picks_the_tpu_pools_kernel():
     # measured fastest on a v5e, each of which a setting turns off (all three: the kernel as first written)
     assert set(KERNEL_OPTIONS) == set(ragged_paged.Kernel._fields) - {"interpret"}
     assert paged.pool_format("tpu", "ragged").kernel == ragged_paged.Kernel(
-        heads_batched=True, page_steps=True, prefetch=2, block_tokens=512, row_bytes=1 << 20, packed_kv=False)
+        heads_batched=True, page_steps=True, prefetch=2, block_tokens=512, row_bytes=1 << 20, packed_kv=None)
     assert paged.pool_format("tpu", "ragged", "heads_batched=0, prefetch=3,block_tokens=256").kernel == \
         ragged_paged.Kernel(block_tokens=256, heads_batched=False, page_steps=True, prefetch=3)
     assert paged.pool_format("tpu", "ragged", "page_steps=1").kernel == ragged_paged.Kernel()
@@ -185,6 +186,7 @@ def test_the_attention_kernel_setting_picks_the_tpu_pools_kernel():
     assert paged.pool_format("tpu", "ragged", "packed_kv=1,page_steps=0").kernel == ragged_paged.Kernel(
         page_steps=False, packed_kv=True)
     assert paged.pool_format("tpu", "ragged", "packed_kv=1").kernel.heads_batched
+    assert paged.pool_format("tpu", "ragged", "packed_kv=0").kernel == ragged_paged.Kernel(packed_kv=False)
     ragged = ["serve.attention_kernel=ragged"]
     assert load("quickstart", [*ragged, "serve.attention_kernel_options=page_steps=1,row_bytes=4096"]
                 ).serve.attention_kernel_options == "page_steps=1,row_bytes=4096"
@@ -202,7 +204,8 @@ def test_the_attention_kernel_setting_picks_the_tpu_pools_kernel():
 def test_a_packed_pool_holds_keys_and_values_in_one_entry_or_says_why_it_cannot(monkeypatch):
     """packed_kv=1: the pool's one entry "kv" a token, a kv head's key and value of 64 side by side in 128 lanes
     (half the padded pool's bytes on a TPU, the same unpadded); an int8 pool, latent attention or heads wider than
-    64 are one line saying so."""
+    64 are one line saying so. By default a pool is packed where it can be and laid out apart where not; packed_kv=0
+    never packs."""
     from jaxlm import runtime
     from jaxlm.serve import cache_pages, packed
 
@@ -221,7 +224,8 @@ def test_a_packed_pool_holds_keys_and_values_in_one_entry_or_says_why_it_cannot(
         assert packed(ServeConfig(attention_kernel_options="packed_kv=1"))
         per_page = 128 * 3 * 2 * 128 * 2  # positions x layers x kv heads x lanes x bytes, keys and values packed
         assert cache_pages(cfg, ServeConfig(cache_gib=1, attention_kernel_options="packed_kv=1"), 64, False) == \
-            2**30 // per_page and cache_pages(cfg, ServeConfig(cache_gib=1), 64, False) == 2**30 // (2 * per_page)
+            2**30 // per_page and cache_pages(cfg, ServeConfig(cache_gib=1, attention_kernel_options="packed_kv=0"), 64,
+                                              False) == 2**30 // (2 * per_page)
     wide = ModelConfig(vocab_size=50, block_size=64, n_layers=1, n_heads=4, n_kv_heads=2, d_model=512)  # of 128
     latent = ModelConfig(vocab_size=50, block_size=64, n_layers=1, n_heads=4, n_kv_heads=4, d_model=64,
                          kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
@@ -230,6 +234,18 @@ def test_a_packed_pool_holds_keys_and_values_in_one_entry_or_says_why_it_cannot(
         with pytest.raises(ConfigError, match=f"packed_kv=1 packs .*{says}.*: drop packed_kv") as e:
             paged.init(model, 4, 16, quantize, fmt)
         assert "\n" not in str(e.value)
+        # by default (packed_kv unset, or 0) the same pools are laid out apart, as is every pool with packed_kv=0
+        for options in ("", "packed_kv=0"):
+            assert set(paged.init(model, 4, 16, quantize, paged.pool_format("tpu", "ragged", options)).kinds[0]) \
+                == ({"k", "v", "k_scale", "v_scale"} if quantize else {"k", "v"})
+    default, off = (paged.pool_format("tpu", "ragged", o) for o in ("", "packed_kv=0"))
+    assert set(paged.init(cfg, 4, 16, fmt=default).kinds[0]) == {"kv"}  # heads of 64: packed by default
+    assert set(paged.init(cfg, 4, 16, fmt=off).kinds[0]) == {"k", "v"}
+    with monkeypatch.context() as tpu:
+        tpu.setattr(runtime, "platform", lambda *_: "tpu")
+        assert cache_pages(cfg, ServeConfig(cache_gib=1), 64, False) == 2**30 // per_page
+        assert cache_pages(wide, ServeConfig(cache_gib=1), 64, False) == \
+            2**30 // (128 * paged.bytes_per_token(wide, lane=128))  # heads of 128: apart
 
 
 @pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu is not installed (pip install 'jaxlm[tpu]')")

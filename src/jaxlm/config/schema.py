@@ -350,9 +350,9 @@ class ServeConfig:
             "cache\"): block_tokens (keys a block reads, 512), row_bytes (queries a program takes, 1048576), "
             "heads_batched (a row's kv heads in one batched product, 1), page_steps (compute a page at a time, "
             "only the pages a row has, 1), prefetch (blocks read ahead, 2; heads_batched=0,page_steps=0,prefetch=1 "
-            "is the kernel as first written), packed_kv=1 (a kv head's key and value "
-            "in one vector of 128 lanes: no padding for heads of 64; heads of at most 64, no int8 cache, no latent "
-            "attention); '' = the defaults")
+            "is the kernel as first written), packed_kv (a kv head's key and value "
+            "in one vector of 128 lanes: no padding for heads of 64; by default wherever the model allows: heads of "
+            "at most 64, no int8 cache, no latent attention; 1 insists, 0 never); '' = the defaults")
     cache_gib: float = _f(0.0, "memory of the paged KV cache's pages, GiB; 0 = as much as gives every slot the "
                                "whole context, at most 4 GiB on a CPU and 80% of the free memory on an "
                                "accelerator", rule=at_least(0, "0 = automatic"))

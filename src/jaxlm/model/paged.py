@@ -75,9 +75,10 @@ def pool_format(platform: str, attention_kernel: str = "ragged", kernel_options:
     return PoolFormat(lanes(platform), paged_attention, TPU_PAGE)
 
 
-def packs(fmt: PoolFormat | None) -> bool:
-    """Whether a pool of format `fmt` packs keys and values in one entry (our kernel with packed_kv)."""
-    return fmt is not None and isinstance(fmt.kernel, ragged_paged.Kernel) and fmt.kernel.packed_kv
+def packs(fmt: PoolFormat | None) -> bool | None:
+    """Whether a pool of format `fmt` packs keys and values in one entry (our kernel with packed_kv): True, False,
+    or None where the model decides (packed where its pool can be: entry_specs)."""
+    return fmt.kernel.packed_kv if fmt is not None and isinstance(fmt.kernel, ragged_paged.Kernel) else False
 
 
 def page_size(setting: int, fmt: PoolFormat | None = None) -> int:
@@ -104,20 +105,21 @@ class PagedCache:
         return next(iter(self.kinds[0].values())).shape[-2]
 
 
-def entry_specs(cfg: ModelConfig, quantize: bool = False, packed: bool = False) -> tuple[dict, ...]:
+def entry_specs(cfg: ModelConfig, quantize: bool = False, packed: bool | None = False) -> tuple[dict, ...]:
     """Per pattern entry: {entry name: (trailing shape per token, dtype)}; `packed`, keys and values in one entry
-    "kv" (a ConfigError where it cannot be: an int8 pool, latent attention, keys and values of more than
-    PACKED_LANES together)."""
+    "kv" (True: a ConfigError where it cannot be: an int8 pool, latent attention, keys and values of more than
+    PACKED_LANES together; None: packed where it can be)."""
     K, Hk, Hv = kvcache.widths(cfg)
-    if packed:
+    if packed is not False:
         why = ("an int8 pool (decode.quantize_kv_cache) keeps its scales apart" if quantize else
                "latent attention's pool is one latent a token" if cfg.latent else
                f"this model's keys and values are {Hk} + {Hv} lanes wide, more than {PACKED_LANES} together (heads "
                f"of at most {PACKED_LANES // 2})" if Hk + Hv > PACKED_LANES else None)
-        if why:
+        if why and packed:
             raise ConfigError(f"serve.attention_kernel_options packed_kv=1 packs a kv head's key and value in one "
                               f"vector of {PACKED_LANES} lanes, and {why}: drop packed_kv")
-        return tuple({"kv": ((K, Hk + Hv), jnp.dtype(cfg.compute_dtype))} for _ in cfg.pattern)
+        if not why:
+            return tuple({"kv": ((K, Hk + Hv), jnp.dtype(cfg.compute_dtype))} for _ in cfg.pattern)
     if quantize:
         spec = {"k": ((K, Hk), jnp.int8), "v": ((K, Hv), jnp.int8), "k_scale": ((K,), jnp.float32),
                 "v_scale": ((K,), jnp.float32)}
@@ -148,7 +150,8 @@ def init(cfg: ModelConfig, pages: int, page_size: int, quantize: bool = False, f
                             for j, spec in enumerate(entry_specs(cfg, quantize, packs(fmt)))), fmt.kernel)
 
 
-def bytes_per_token(cfg: ModelConfig, quantize: bool = False, lane: int | None = None, packed: bool = False) -> int:
+def bytes_per_token(cfg: ModelConfig, quantize: bool = False, lane: int | None = None,
+                    packed: bool | None = False) -> int:
     """Pool bytes one token's entries take over all layers (vectors padded as init pads them to `lane`; None: as on
     this process's default devices, where the server sizes its pool; `packed`: keys and values in one entry)."""
     lane = lanes(runtime.platform()) if lane is None else lane

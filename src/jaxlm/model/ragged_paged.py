@@ -40,15 +40,15 @@ class Kernel(NamedTuple):
     `row_bytes` as BLOCK_TOKENS and ROW_BLOCK_BYTES; the variants as ragged_paged_attention's arguments,
     `heads_batched`, `page_steps`, `prefetch` (defaults HEADS_BATCHED, PAGE_STEPS, PREFETCH; False, False, 1: the
     kernel as first written); `packed_kv`, the pool's keys and values packed in one entry (model/paged.py lays the
-    pool out so and calls the kernel with v_pages None) (serve.attention_kernel_options sets all but `interpret`:
-    config.kernel_options)."""
+    pool out so and calls the kernel with v_pages None; None, the default: packed where the model's pool can be,
+    paged.entry_specs) (serve.attention_kernel_options sets all but `interpret`: config.kernel_options)."""
     interpret: bool = False
     block_tokens: int = BLOCK_TOKENS
     heads_batched: bool = HEADS_BATCHED
     page_steps: bool = PAGE_STEPS
     prefetch: int = PREFETCH
     row_bytes: int = ROW_BLOCK_BYTES
-    packed_kv: bool = False
+    packed_kv: bool | None = None
 
     def __call__(self, q_PCNH, k_pages, v_pages, end_P, ids_PM, q_pos_PC, *, scale: float, softcap=None):
         """ragged_paged_attention with this kernel's settings (v_pages None: a packed pool)."""

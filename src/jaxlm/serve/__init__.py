@@ -168,9 +168,10 @@ CPU_CACHE_GIB = 4.0  # the paged cache's memory on a CPU by default (vLLM's CPU 
 ACCELERATOR_CACHE_FRACTION = 0.8  # of an accelerator's free memory, by default
 
 
-def packed(sc) -> bool:
-    """Whether the pool of this process's default devices packs keys and values (serve.attention_kernel_options
-    packed_kv=1 with our kernel on a TPU): its bytes a token are then the packed entry's."""
+def packed(sc) -> bool | None:
+    """Whether the pool of this process's default devices packs keys and values (our kernel on a TPU: True with
+    serve.attention_kernel_options packed_kv=1, None by default, where the model's pool can be): its bytes a token
+    are then the packed entry's (paged.bytes_per_token)."""
     return paged.packs(paged.pool_format(runtime.platform(), sc.attention_kernel, sc.attention_kernel_options))
 
 
