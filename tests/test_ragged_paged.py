@@ -279,15 +279,15 @@ def test_ragged_kernel_compiles_for_a_tpu(P_, C, K, A_, dtype, softcap, variant)
 
 @pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu is not installed (pip install 'jaxlm[tpu]')")
 @pytest.mark.parametrize("rows,chunk,table_width,options", [
-    pytest.param(8, 512, 32, "", marks=pytest.mark.slow),  # 30-70 s each
-    pytest.param(8, 512, 32, "packed_kv=1", marks=pytest.mark.slow),
-    (64, 1, 128, ""), (64, 1, 128, "packed_kv=1")])
+    pytest.param(8, 512, 32, "packed_kv=0", marks=pytest.mark.slow),  # 30-70 s each
+    pytest.param(8, 512, 32, "", marks=pytest.mark.slow),
+    (64, 1, 128, "packed_kv=0"), (64, 1, 128, "")])
 def test_paged_steps_through_the_ragged_kernel_compiled_for_a_tpu_update_the_pool_in_place(rows, chunk,
                                                                                            table_width, options):
     """The engine's paged programs with serve.attention_kernel=ragged compiled for a TPU v5e from this host (heads
     of 64 in a pool of 128 lanes): a prompt chunk of 512 and a decode step of 64 rows run our kernel and need no
-    pool-sized temporaries (the pool's layers seen as one axis of pages is a view, not a copy); so do both over a
-    packed pool (packed_kv=1), half the padded pool's bytes."""
+    pool-sized temporaries (the pool's layers seen as one axis of pages is a view, not a copy), over a pool of keys
+    and values apart (packed_kv=0) and over a packed pool (the default for heads of 64), half its bytes."""
     from jax.sharding import SingleDeviceSharding
 
     from jaxlm.model import decode
@@ -312,8 +312,9 @@ def test_paged_steps_through_the_ragged_kernel_compiled_for_a_tpu_update_the_poo
                                             i32(rows, table_width), i32(rows), i32(rows), cfg).compile()
     memory = compiled.memory_analysis()
     pool = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))
-    assert pool == 8192 * 16 * paged.bytes_per_token(cfg, lane=128, packed=bool(options)) == (
-        8192 * 16 * 2 * 4 * 128 * (1 if options else 2) * 4)  # pages x page x layers x kv heads x lanes x float32
+    packed = options != "packed_kv=0"
+    assert pool == 8192 * 16 * paged.bytes_per_token(cfg, lane=128, packed=packed) == (
+        8192 * 16 * 2 * 4 * 128 * (1 if packed else 2) * 4)  # pages x page x layers x kv heads x lanes x float32
     assert memory.alias_size_in_bytes >= pool  # the pool in is the pool out
     # the kernel's default prefetch=2 raises its VMEM limit (PREFETCH_VMEM_BYTES), which leaves XLA's own fusions
     # less of it: the chunk of 512's temporaries over the packed pool are 35.8 MB then (under 27 MB with

@@ -74,7 +74,7 @@ def test_the_engine_on_one_mesh_then_another():
 
 def test_paged_programs_compiled_for_a_tpu_from_this_host_take_the_tpus_pool_format():
     """The engine's paged decode program compiled ahead of time for a TPU v5e from this CPU host: the pool of
-    paged.pool_format for the TPU mesh has 128 lanes (heads of 8 padded) and the decode steps run the Pallas
+    paged.pool_format for the TPU mesh has 128 lanes (heads of 8 packed and padded) and the decode steps run the Pallas
     kernel; then without the kernel (a test's format), then for this host's CPU (no padding, no kernel), each in
     the same process. Before, the pool's padding came from the host's backend while the program was traced (the
     TPU's pool had 8 lanes) and the kernel from a module setting, so the TPU program had no kernel and a program
@@ -88,8 +88,10 @@ def test_paged_programs_compiled_for_a_tpu_from_this_host_take_the_tpus_pool_for
     tpu_format = paged.pool_format(tpu.devices.flat[0].platform)  # serve.attention_kernel's default: ours
     assert tpu_format == paged.PoolFormat(128, ragged_paged.Kernel(), paged.TPU_PAGE)
     b, M, NP, A = 4, 4, 32, 16
-    for mesh, fmt, lanes, kernel in ((tpu, tpu_format, 128, True), (tpu, tpu_format._replace(kernel=None), 128, False),
-                                     (cpu, paged.pool_format(cpu.devices.flat[0].platform), 8, False)):
+    # keys and values of 8 lanes each: one packed entry "kv" in the kernel's pool (its default), apart in the others
+    for mesh, fmt, lanes, kernel, entry in ((tpu, tpu_format, 128, True, "kv"),
+                                            (tpu, tpu_format._replace(kernel=None), 128, False, "k"),
+                                            (cpu, paged.pool_format(cpu.devices.flat[0].platform), 8, False, "k")):
         layout = sharding.layout(mesh)
         replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
@@ -97,7 +99,7 @@ def test_paged_programs_compiled_for_a_tpu_from_this_host_take_the_tpus_pool_for
             return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), tree)
 
         pool = placed(jax.eval_shape(partial(programs.empty_pages, CFG, NP, A, False, fmt, layout)))
-        assert pool.kinds[0]["k"].shape == (2, 2, NP, A, lanes) and pool.kernel is fmt.kernel
+        assert pool.kinds[0][entry].shape == (2, 2, NP, A, lanes) and pool.kernel is fmt.kernel
         i32 = lambda *shape: placed(jax.ShapeDtypeStruct(shape, np.int32))  # noqa: E731
         f32 = lambda *shape: placed(jax.ShapeDtypeStruct(shape, np.float32))  # noqa: E731
         params = placed(P.abstract(param_specs(CFG)))
