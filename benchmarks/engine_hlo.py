@@ -7,6 +7,7 @@ layers, so that a chip run's step times can be read against what each program do
     ALLOW_MULTIPLE_LIBTPU_LOAD=1 PYTHONPATH=src python benchmarks/engine_hlo.py [--layers 2] [--hlo DIR]
     ... --rows 64 --prompt 128 --new 128 --steps 8     the serve row's workload (benchmarks/tpu.py --only serve)
     ... --kernel ragged|jax|flat                       the pool's page-attention kernel (serve.attention_kernel)
+    ... --options lanes_in_kernel=1                    the ragged kernel's settings (serve.attention_kernel_options)
     ... --call-rows 32                                 the engine's call over a bucket of fewer rows than slots
     ... --layers 16                                    the whole model (about a minute of compiles)
 
@@ -191,7 +192,7 @@ def build(a):
                                     arr((b,), np.float32), arr((b,), np.int32), arr((b,), np.float32))
 
     B, b = a.rows, a.call_rows or a.rows
-    fmt = paged.pool_format(device.platform, a.kernel)
+    fmt = paged.pool_format(device.platform, a.kernel, a.options)
     M = -(-S // fmt.page)
     layer_params = on(jax.eval_shape(lambda p: decode.layer_weights(p, cfg), params))
     pool = on(jax.eval_shape(lambda: paged.init(cfg, B * M, fmt.page, fmt=fmt)))
@@ -219,14 +220,15 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--steps", type=int, default=8, help="the engine's decode steps a call (serve.decode_steps)")
     ap.add_argument("--kernel", default="ragged", help="serve.attention_kernel")
+    ap.add_argument("--options", default="", help="serve.attention_kernel_options (with --kernel ragged)")
     ap.add_argument("--topology", default="v5e:1x1")
     ap.add_argument("--hlo", default=None, help="a folder to write both programs' optimized HLO into")
     a = ap.parse_args()
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     engine, gen, cfg, engine_s, gen_s = build(a)
     print(f"1B shape, {a.layers} layers, vocab {cfg.vocab_size}, {a.rows} rows, keys up to {a.prompt + a.new}, on "
-          f"{a.topology} (compiled in {engine_s:.0f} s and {gen_s:.0f} s); kernel {a.kernel}, engine call of "
-          f"{a.call_rows or a.rows} rows, {a.steps} steps")
+          f"{a.topology} (compiled in {engine_s:.0f} s and {gen_s:.0f} s); kernel {a.kernel} {a.options}, "
+          f"engine call of {a.call_rows or a.rows} rows, {a.steps} steps")
     figures = {"engine": summary(engine), "generate": summary(gen)}
     if a.hlo:
         Path(a.hlo).mkdir(parents=True, exist_ok=True)

@@ -120,6 +120,36 @@ def test_packed_kernel_gives_the_reference_attention_for_every_row_length(K, C, 
     assert not got[0].any() and not got[q_pos < 0].any()
 
 
+
+# (case of CASES, packed pool, kv heads batched): each on and off, decode rows and chunks, float32 and bfloat16
+@pytest.mark.parametrize("case,packed,heads_batched", [(0, False, True), (1, True, False), (2, True, True),
+                                                       (3, False, False)])
+def test_lanes_in_kernel_give_the_same_attention_at_the_heads_width(case, packed, heads_batched):
+    """lanes_in_kernel: the queries of 12 taken at their width (padded to the pool's lanes inside the kernel) and
+    the output written at the values' 12 lanes (from lane 0 of a pool of 16, from 12 of a packed pool of 32): the
+    reference's attention, as the kernel gives it with XLA padding and cutting around it, to the bit."""
+    K, C, softcap, dtype, tuning = CASES[case]
+    rng = np.random.default_rng(7 + case)
+    N, H, Pn = 8, 12, len(LENGTHS)
+    NP = Pn * M + 5
+    k = jnp.asarray(rng.normal(size=(K, NP, A, H)), dtype)
+    v = jnp.asarray(rng.normal(size=(K, NP, A, H)), dtype)
+    q = jnp.asarray(rng.normal(size=(Pn, C, N, H)), dtype)
+    ids = rng.permutation(NP)[:Pn * M].reshape(Pn, M).astype(np.int32)
+    q_pos = LENGTHS[:, None] - C + np.arange(C, dtype=np.int32)
+    q_pos = np.where(q_pos >= 0, q_pos, -1).astype(np.int32)
+    pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, 16 - H)))  # noqa: E731
+    pools, values = ((packed_pool(k, v, 32), None), (H, H)) if packed else ((pad(k), pad(v)), (0, H))
+    run = lambda inside: np.asarray(ragged_paged.ragged_paged_attention(  # noqa: E731
+        q, *pools, LENGTHS, ids, q_pos, scale=0.3, softcap=softcap, values=values, lanes_in_kernel=inside,
+        interpret=True, heads_batched=heads_batched, **tuning).astype(jnp.float32))
+    got, around = run(True), run(False)
+    assert got.shape == (Pn, C, N, H)
+    want = reference(q, k, v, LENGTHS, ids, q_pos, 0.3, softcap)
+    assert np.abs(want).max() > 0.5
+    np.testing.assert_allclose(got, want, atol=2e-5 if dtype == jnp.float32 else 2e-2, rtol=0)
+    np.testing.assert_array_equal(got, around)
+
 class CountingKernel(ragged_paged.Kernel):
     """The ragged kernel in interpret mode, recording the query tokens of each call it is traced for."""
     calls: list = []
@@ -249,8 +279,12 @@ def test_a_packed_pool_holds_keys_and_values_in_one_entry_or_says_why_it_cannot(
 
 
 @pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu is not installed (pip install 'jaxlm[tpu]')")
-@pytest.mark.parametrize("variant", [{}, FIRST, dict(prefetch=3), dict(packed=True), dict(FIRST, packed=True)],
-                         ids=["", "first", "prefetch3", "packed", "first-packed"])
+@pytest.mark.parametrize("variant", [{}, FIRST, dict(prefetch=3), dict(packed=True), dict(FIRST, packed=True),
+                                     dict(lanes_in_kernel=True, values=(0, 64)),
+                                     dict(packed=True, lanes_in_kernel=True, values=(64, 64)),
+                                     dict(FIRST, packed=True, lanes_in_kernel=True, values=(64, 64))],
+                         ids=["", "first", "prefetch3", "packed", "first-packed", "lanes", "packed-lanes",
+                              "first-packed-lanes"])
 @pytest.mark.parametrize("P_,C,K,A_,dtype,softcap", [(64, 1, 8, 128, jnp.bfloat16, None),
                                                      (2, 256, 8, 128, jnp.bfloat16, 50.0),
                                                      (8, 1, 1, 16, jnp.float32, 30.0)])

@@ -295,7 +295,7 @@ def validate_serve(s: ServeConfig) -> None:
 
 # serve.attention_kernel_options' keys and types: model/ragged_paged.py's Kernel's fields but `interpret`
 KERNEL_OPTIONS = {"block_tokens": int, "row_bytes": int, "heads_batched": bool, "page_steps": bool, "prefetch": int,
-                  "packed_kv": bool}
+                  "packed_kv": bool, "lanes_in_kernel": bool}
 
 
 def kernel_options(text: str) -> dict:
@@ -308,8 +308,9 @@ def kernel_options(text: str) -> dict:
         ok = value in ("0", "1") if kind is bool else value.isdigit() and int(value) >= 1
         if not eq or kind is None or not ok or key in out:
             raise ConfigError(f"serve.attention_kernel_options entry {entry!r} must be KEY=VALUE with KEY one of "
-                              f"{', '.join(KERNEL_OPTIONS)} (once each), an integer >= 1 or, for heads_batched, "
-                              "page_steps and packed_kv, 0 or 1 (e.g. heads_batched=1,block_tokens=256)")
+                              f"{', '.join(KERNEL_OPTIONS)} (once each), an integer >= 1 or, for the flags "
+                              "(heads_batched, page_steps, packed_kv, lanes_in_kernel), 0 or 1 (e.g. "
+                              "heads_batched=1,block_tokens=256)")
         out[key] = kind(int(value))
     return out
 

@@ -324,9 +324,8 @@ def kernel_ragged(kernel: ragged_paged.Kernel, q_PCNH, arrays: dict, r, table_PM
     ids_PM = jnp.clip(table_PM, 0, NP - 1).astype(jnp.int32) + r * NP
     pages = lambda x: x.reshape(K, R * NP, A, x.shape[-1])  # noqa: E731
     k, v = (pages(arrays["kv"]), None) if "kv" in arrays else (pages(arrays["k"]), pages(arrays["v"]))
-    out_PCNH = kernel(q_PCNH, k, v, end_P, ids_PM, q_pos_PC, scale=scale, softcap=softcap)
     start = q_PCNH.shape[-1] if v is None else 0
-    return out_PCNH[..., start:start + Hv]
+    return kernel(q_PCNH, k, v, end_P, ids_PM, q_pos_PC, scale=scale, softcap=softcap, values=(start, Hv))
 
 
 def kernel_decode(kernel, q_P1NH, arrays: dict, r, table_PM, end_P, scale: float, softcap) -> jax.Array:

@@ -41,7 +41,8 @@ class Kernel(NamedTuple):
     `heads_batched`, `page_steps`, `prefetch` (defaults HEADS_BATCHED, PAGE_STEPS, PREFETCH; False, False, 1: the
     kernel as first written); `packed_kv`, the pool's keys and values packed in one entry (model/paged.py lays the
     pool out so and calls the kernel with v_pages None; None, the default: packed where the model's pool can be,
-    paged.entry_specs) (serve.attention_kernel_options sets all but `interpret`: config.kernel_options)."""
+    paged.entry_specs); `lanes_in_kernel` as ragged_paged_attention's (serve.attention_kernel_options sets all but
+    `interpret`: config.kernel_options)."""
     interpret: bool = False
     block_tokens: int = BLOCK_TOKENS
     heads_batched: bool = HEADS_BATCHED
@@ -49,13 +50,16 @@ class Kernel(NamedTuple):
     prefetch: int = PREFETCH
     row_bytes: int = ROW_BLOCK_BYTES
     packed_kv: bool | None = None
+    lanes_in_kernel: bool = False
 
-    def __call__(self, q_PCNH, k_pages, v_pages, end_P, ids_PM, q_pos_PC, *, scale: float, softcap=None):
+    def __call__(self, q_PCNH, k_pages, v_pages, end_P, ids_PM, q_pos_PC, *, scale: float, softcap=None,
+                 values=None):
         """ragged_paged_attention with this kernel's settings (v_pages None: a packed pool)."""
         return ragged_paged_attention(q_PCNH, k_pages, v_pages, end_P, ids_PM, q_pos_PC, scale=scale,
                                       softcap=softcap, block_tokens=self.block_tokens, row_bytes=self.row_bytes,
                                       heads_batched=self.heads_batched, page_steps=self.page_steps,
-                                      prefetch=self.prefetch, interpret=self.interpret)
+                                      prefetch=self.prefetch, values=values, lanes_in_kernel=self.lanes_in_kernel,
+                                      interpret=self.interpret)
 
 
 def _tiles(C: int, G: int, tile_queries: int) -> tuple[int, int]:
@@ -129,14 +133,29 @@ def _online(m_ref, l_ref, acc_ref, h, q, k, v, ok, batched: bool, *, scale: floa
     m_ref[h] = m_new
 
 
+def _lanes(x, start: int, width: int, batched: bool, *, widen: bool):
+    """Lanes moved by a product with a 0/1 matrix, exact (each output lane one input lane times 1): widen, x [.., H]
+    into lanes start..start+H of `width` zeros; else x [.., W]'s lanes start..start+width. What Mosaic does
+    without lane slices or pads at an offset inside a vector; `batched`: x's leading axis (kv heads) too."""
+    rows, cols = x.shape[-1], width
+    r = jax.lax.broadcasted_iota(jnp.int32, (rows, cols), 0)
+    c = jax.lax.broadcasted_iota(jnp.int32, (rows, cols), 1)
+    sel = ((c == r + start) if widen else (r == c + start)).astype(x.dtype)
+    if batched:
+        sel = jnp.broadcast_to(sel, (x.shape[0], rows, cols))
+    dims = (((2,), (1,)), ((0,), (0,))) if batched else (((1,), (0,)), ((), ()))
+    exact = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None  # bfloat16 times 1 is exact as it is
+    return jax.lax.dot_general(x, sel, dims, precision=exact, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
 def _kernel(lens_ref, ids_ref, q_ref, pos_ref, *refs, scale: float, softcap, rows: int, tiles: int, M: int,
-            heads_batched: bool = False, page_steps: bool = False, packed: bool = False):
+            heads_batched: bool = False, page_steps: bool = False, packed: bool = False, lanes_out=None):
     """One program: `rows` rows' tile t of queries q_ref [rows, 1, K, Q, H] (positions pos_ref [rows, 1, Q, 1])
     over their pages; lens_ref [P T] (keys each row's tile reads) and ids_ref [P M] (pages) in SMEM. refs: the
     pools k_hbm and v_hbm, the output o_ref, the buffers kbuf and vbuf of S blocks (S - 1 read ahead; 2: the
     double buffer), the DMA semaphores and the softmax's state m_ref, l_ref and acc_ref; packed (a packed pool):
     no v_hbm nor vbuf, the values read from the keys' vectors. heads_batched and page_steps: as
-    ragged_paged_attention's."""
+    ragged_paged_attention's; queries narrower than the pool and lanes_out (start, width): lanes_in_kernel's."""
     if packed:
         k_hbm, o_ref, kbuf, sems, m_ref, l_ref, acc_ref = refs
         v_hbm = vbuf = None
@@ -149,7 +168,10 @@ def _kernel(lens_ref, ids_ref, q_ref, pos_ref, *refs, scale: float, softcap, row
     Q = q_ref.shape[3]
 
     def online(h, q, at, ok, batched):
-        """_online over the keys and values of kbuf[at] (and vbuf[at]), reshaped to [.., keys, width]."""
+        """_online over the keys and values of kbuf[at] (and vbuf[at]), reshaped to [.., keys, width]; queries
+        narrower than the keys (lanes_in_kernel) padded with zeros here."""
+        if q.shape[-1] < Hk:
+            q = _lanes(q, 0, Hk, batched, widen=True)
         k = kbuf[at]
         v = k if packed else vbuf[at]
         lead = (K,) if batched else ()
@@ -183,12 +205,17 @@ def _kernel(lens_ref, ids_ref, q_ref, pos_ref, *refs, scale: float, softcap, row
     def blocks_of(n):
         return jnp.maximum(jax.lax.div(n + BA - 1, BA), 1)  # a row of no keys still takes (and passes on) a step
 
+    def out(o, batched):
+        """The output o [.., Q, Hv] (float32) in o_ref's dtype, cut to lanes_out (start, width)."""
+        o = o.astype(o_ref.dtype)
+        return o if lanes_out is None else _lanes(o, *lanes_out, batched, widen=False)
+
     def finish(i):
         if heads_batched:
-            o_ref[i, 0] = (acc_ref[...] / jnp.maximum(l_ref[...], jnp.finfo(jnp.float32).tiny)).astype(o_ref.dtype)
+            o_ref[i, 0] = out(acc_ref[...] / jnp.maximum(l_ref[...], jnp.finfo(jnp.float32).tiny), True)
             return
         for h in range(K):
-            o_ref[i, 0, h] = (acc_ref[h] / jnp.maximum(l_ref[h], jnp.finfo(jnp.float32).tiny)).astype(o_ref.dtype)
+            o_ref[i, 0, h] = out(acc_ref[h] / jnp.maximum(l_ref[h], jnp.finfo(jnp.float32).tiny), False)
 
     def reset():
         m_ref[...] = jnp.full(m_ref.shape, NEG, jnp.float32)
@@ -277,12 +304,13 @@ def _pipeline(rows: int, S: int, length, blocks_of, start, wait, compute, finish
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "softcap", "block_tokens", "row_bytes", "tile_queries",
-                                             "heads_batched", "page_steps", "prefetch", "interpret"))
+                                             "heads_batched", "page_steps", "prefetch", "values", "lanes_in_kernel",
+                                             "interpret"))
 def ragged_paged_attention(q_PCNH, k_pages, v_pages, end_P, ids_PM, q_pos_PC, *, scale: float, softcap=None,
                            block_tokens: int = BLOCK_TOKENS, row_bytes: int = ROW_BLOCK_BYTES,
                            tile_queries: int = TILE_QUERIES, heads_batched: bool = HEADS_BATCHED,
-                           page_steps: bool = PAGE_STEPS, prefetch: int = PREFETCH, interpret: bool = False
-                           ) -> jax.Array:
+                           page_steps: bool = PAGE_STEPS, prefetch: int = PREFETCH, values=None,
+                           lanes_in_kernel: bool = False, interpret: bool = False) -> jax.Array:
     """Each row p's queries q_PCNH[p] (at positions q_pos_PC[p], causal) over its keys below end_P[p], found in
     pages ids_PM[p] of k_pages [K, pages, A, Hk] and v_pages [K, pages, A, Hv] (position s in page ids[s // A] at
     offset s % A); queries narrower than Hk are padded with zeros. v_pages None: k_pages is a packed pool, each
@@ -298,7 +326,10 @@ def ragged_paged_attention(q_PCNH, k_pages, v_pages, end_P, ids_PM, q_pos_PC, *,
     query rows keeps the loop over kv heads); `page_steps`, a block computed a page at a time, only the pages
     below the row's length, not the whole block; `prefetch`, blocks read ahead of the one computed (1:
     double-buffered; more: the next rows' pages in flight too, prefetch + 1 blocks of VMEM under a limit of
-    PREFETCH_VMEM_BYTES). Returns [P, C, N, Hv] in q's dtype."""
+    PREFETCH_VMEM_BYTES). `values` (start, width): the output's lanes the caller keeps (None: all Hv); and
+    `lanes_in_kernel`, the queries taken at their own width and the output written at `width`, padded and cut
+    inside the kernel by exact 0/1 products instead of by XLA around the call. Returns [P, C, N, width] in q's
+    dtype."""
     if prefetch < 1:
         raise ValueError(f"prefetch={prefetch} must be >= 1")
     P, C, N, H = q_PCNH.shape
@@ -312,8 +343,11 @@ def ragged_paged_attention(q_PCNH, k_pages, v_pages, end_P, ids_PM, q_pos_PC, *,
     rows = max(1, min(P, row_bytes // (K * Q * max(Hk, Hv) * jnp.dtype(dt).itemsize)))
     Pp = -(-P // rows) * rows
     # queries [Pp, T, K, G Ct, Hk] in (g, c) order; padding rows and tokens sit at position -1 and see nothing
-    q = jnp.pad(q_PCNH.astype(dt), ((0, Pp - P), (0, T * Ct - C), (0, 0), (0, Hk - H)))
-    q = q.reshape(Pp, T, Ct, K, G, Hk).transpose(0, 1, 3, 4, 2, 5).reshape(Pp, T, K, Q, Hk)
+    Hq = H if lanes_in_kernel else Hk  # the queries' lanes as the kernel takes them
+    q = jnp.pad(q_PCNH.astype(dt), ((0, Pp - P), (0, T * Ct - C), (0, 0), (0, Hq - H)))
+    q = q.reshape(Pp, T, Ct, K, G, Hq).transpose(0, 1, 3, 4, 2, 5).reshape(Pp, T, K, Q, Hq)
+    start, width = values or (0, Hv)
+    Ho = width if lanes_in_kernel else Hv  # the output's lanes as the kernel writes them
     pos_PTc = jnp.pad(q_pos_PC.astype(jnp.int32), ((0, Pp - P), (0, T * Ct - C)), constant_values=-1).reshape(
         Pp, T, Ct)
     pos = jnp.tile(pos_PTc, (1, 1, G))[..., None]  # [Pp, T, Q, 1]
@@ -323,8 +357,8 @@ def ragged_paged_attention(q_PCNH, k_pages, v_pages, end_P, ids_PM, q_pos_PC, *,
 
     heads_batched = heads_batched and K * Q * (A if page_steps else Bp * A) * 4 <= BATCHED_SCORE_BYTES
     vmem = dict(vmem_limit_bytes=PREFETCH_VMEM_BYTES) if prefetch > 1 else {}
-    variants = {k: v for k, v in dict(heads_batched=heads_batched, page_steps=page_steps, packed=packed).items()
-                if v}
+    variants = {k: v for k, v in dict(heads_batched=heads_batched, page_steps=page_steps, packed=packed,
+                                      lanes_out=(start, width) if lanes_in_kernel and values else None).items() if v}
     kernel = functools.partial(_kernel, scale=float(scale), softcap=None if softcap is None else float(softcap),
                                rows=rows, tiles=T, M=M, **variants)
     out = pl.pallas_call(
@@ -332,19 +366,19 @@ def ragged_paged_attention(q_PCNH, k_pages, v_pages, end_P, ids_PM, q_pos_PC, *,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
             grid=(Pp // rows, T),
-            in_specs=[pl.BlockSpec((rows, 1, K, Q, Hk), lambda b, t, *_: (b, t, 0, 0, 0)),
+            in_specs=[pl.BlockSpec((rows, 1, K, Q, Hq), lambda b, t, *_: (b, t, 0, 0, 0)),
                       pl.BlockSpec((rows, 1, Q, 1), lambda b, t, *_: (b, t, 0, 0)),
                       *[pl.BlockSpec(memory_space=pl.ANY)] * (1 if packed else 2)],
-            out_specs=pl.BlockSpec((rows, 1, K, Q, Hv), lambda b, t, *_: (b, t, 0, 0, 0)),
+            out_specs=pl.BlockSpec((rows, 1, K, Q, Ho), lambda b, t, *_: (b, t, 0, 0, 0)),
             scratch_shapes=[pltpu.VMEM((prefetch + 1, K, Bp, A, Hk), dt),
                             *([] if packed else [pltpu.VMEM((prefetch + 1, K, Bp, A, Hv), v_pages.dtype)]),
                             pltpu.SemaphoreType.DMA((1 if packed else 2, prefetch + 1)),
                             pltpu.VMEM((K, Q, 1), jnp.float32), pltpu.VMEM((K, Q, 1), jnp.float32),
                             pltpu.VMEM((K, Q, Hv), jnp.float32)]),
-        out_shape=jax.ShapeDtypeStruct((Pp, T, K, Q, Hv), q_PCNH.dtype),
+        out_shape=jax.ShapeDtypeStruct((Pp, T, K, Q, Ho), q_PCNH.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel"), **vmem),
         interpret=pltpu.InterpretParams() if interpret else False,
         name="ragged_paged_attention",
     )(lens_PT.reshape(-1), ids, q, pos, *((k_pages,) if packed else (k_pages, v_pages)))
-    out = out.reshape(Pp, T, K, G, Ct, Hv).transpose(0, 1, 4, 2, 3, 5).reshape(Pp, T * Ct, N, Hv)
-    return out[:P, :C]
+    out = out.reshape(Pp, T, K, G, Ct, Ho).transpose(0, 1, 4, 2, 3, 5).reshape(Pp, T * Ct, N, Ho)
+    return out[:P, :C, :, start:start + width] if Ho != width else out[:P, :C]
