@@ -42,6 +42,20 @@ def reference(q, k, v, end, ids, q_pos, scale, softcap):
     return np.einsum("pcngs,pnsh->pcngh", w, values).reshape(Pn, C, N, -1)
 
 
+def rows(seed: int, K: int, C: int, dtype, width: int):
+    """The LENGTHS rows' inputs: keys and values [K, pages, A, width] in pages scattered through a pool, 8 query
+    heads of 12 a token, C a row at its last C positions (those below 0: -1), and the rows' page tables."""
+    rng = np.random.default_rng(seed)
+    N, H, Pn = 8, 12, len(LENGTHS)
+    NP = Pn * M + 5
+    k = jnp.asarray(rng.normal(size=(K, NP, A, width)), dtype)
+    v = jnp.asarray(rng.normal(size=(K, NP, A, width)), dtype)
+    q = jnp.asarray(rng.normal(size=(Pn, C, N, H)), dtype)
+    ids = rng.permutation(NP)[:Pn * M].reshape(Pn, M).astype(np.int32)
+    q_pos = LENGTHS[:, None] - C + np.arange(C, dtype=np.int32)
+    return k, v, q, ids, np.where(q_pos >= 0, q_pos, -1).astype(np.int32)
+
+
 CASES = [
     (2, 1, None, jnp.float32, {}),  # decode rows, N = 8 query heads on 2 kv heads, one program
     (2, 1, 3.0, jnp.bfloat16, dict(block_tokens=16, row_bytes=8 * 2 * 4 * 16 * 2)),  # blocks of 2 pages, 8 rows
@@ -66,15 +80,8 @@ def test_ragged_kernel_gives_the_reference_attention_for_every_row_length(K, C, 
     (those below 0 padding: they see nothing and give zeros), queries of 12 wide padded to the pool's 16: the
     kernel's output, and each variant's, is the reference's within float32 rounding (bfloat16: the probabilities
     rounded to bfloat16 for the values' product)."""
-    rng = np.random.default_rng(K * 100 + C)
-    N, H, Hk, Pn = 8, 12, 16, len(LENGTHS)
-    NP = Pn * M + 5
-    k = jnp.asarray(rng.normal(size=(K, NP, A, Hk)), dtype)
-    v = jnp.asarray(rng.normal(size=(K, NP, A, Hk)), dtype)
-    q = jnp.asarray(rng.normal(size=(Pn, C, N, H)), dtype)
-    ids = rng.permutation(NP)[:Pn * M].reshape(Pn, M).astype(np.int32)
-    q_pos = LENGTHS[:, None] - C + np.arange(C, dtype=np.int32)
-    q_pos = np.where(q_pos >= 0, q_pos, -1).astype(np.int32)
+    N, Hk, Pn = 8, 16, len(LENGTHS)
+    k, v, q, ids, q_pos = rows(K * 100 + C, K, C, dtype, Hk)
     out = ragged_paged.ragged_paged_attention(q, k, v, LENGTHS, ids, q_pos, scale=0.3, softcap=softcap,
                                               interpret=True, **tuning)
     assert out.shape == (Pn, C, N, Hk) and out.dtype == dtype
@@ -100,15 +107,8 @@ def test_packed_kernel_gives_the_reference_attention_for_every_row_length(K, C, 
     """A packed pool (packed_kv: a kv head's key and value of 12 side by side in one vector, padded to 32) read by
     the kernel (v_pages None) for the 41 rows of 0..40 keys: the output's value lanes, 12..23, are the reference's
     attention over the separate keys and values, the rest zeros, with and without the variants."""
-    rng = np.random.default_rng(K * 100 + C)
     N, H, Pn = 8, 12, len(LENGTHS)
-    NP = Pn * M + 5
-    k = jnp.asarray(rng.normal(size=(K, NP, A, H)), dtype)
-    v = jnp.asarray(rng.normal(size=(K, NP, A, H)), dtype)
-    q = jnp.asarray(rng.normal(size=(Pn, C, N, H)), dtype)
-    ids = rng.permutation(NP)[:Pn * M].reshape(Pn, M).astype(np.int32)
-    q_pos = LENGTHS[:, None] - C + np.arange(C, dtype=np.int32)
-    q_pos = np.where(q_pos >= 0, q_pos, -1).astype(np.int32)
+    k, v, q, ids, q_pos = rows(K * 100 + C, K, C, dtype, H)
     out = ragged_paged.ragged_paged_attention(q, packed_pool(k, v, 32), None, LENGTHS, ids, q_pos, scale=0.3,
                                               softcap=softcap, interpret=True, **tuning)
     assert out.shape == (Pn, C, N, 32) and out.dtype == dtype
@@ -120,7 +120,6 @@ def test_packed_kernel_gives_the_reference_attention_for_every_row_length(K, C, 
     assert not got[0].any() and not got[q_pos < 0].any()
 
 
-
 # (case of CASES, packed pool, kv heads batched): each on and off, decode rows and chunks, float32 and bfloat16
 @pytest.mark.parametrize("case,packed,heads_batched", [(0, False, True), (1, True, False), (2, True, True),
                                                        (3, False, False)])
@@ -129,15 +128,8 @@ def test_lanes_in_kernel_give_the_same_attention_at_the_heads_width(case, packed
     the output written at the values' 12 lanes (from lane 0 of a pool of 16, from 12 of a packed pool of 32): the
     reference's attention, as the kernel gives it with XLA padding and cutting around it, to the bit."""
     K, C, softcap, dtype, tuning = CASES[case]
-    rng = np.random.default_rng(7 + case)
     N, H, Pn = 8, 12, len(LENGTHS)
-    NP = Pn * M + 5
-    k = jnp.asarray(rng.normal(size=(K, NP, A, H)), dtype)
-    v = jnp.asarray(rng.normal(size=(K, NP, A, H)), dtype)
-    q = jnp.asarray(rng.normal(size=(Pn, C, N, H)), dtype)
-    ids = rng.permutation(NP)[:Pn * M].reshape(Pn, M).astype(np.int32)
-    q_pos = LENGTHS[:, None] - C + np.arange(C, dtype=np.int32)
-    q_pos = np.where(q_pos >= 0, q_pos, -1).astype(np.int32)
+    k, v, q, ids, q_pos = rows(7 + case, K, C, dtype, H)
     pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, 16 - H)))  # noqa: E731
     pools, values = ((packed_pool(k, v, 32), None), (H, H)) if packed else ((pad(k), pad(v)), (0, H))
     run = lambda inside: np.asarray(ragged_paged.ragged_paged_attention(  # noqa: E731
