@@ -83,7 +83,7 @@ def remedies(run, devices_per_slice: int, need: int | None = None, argument_byte
         out.append(f"model.param_dtype=bfloat16 (weights and optimizer moments in bf16: the train state from "
                    f"{gib(state)} to about {gib(state / 2)})")
     if not lora.enabled(cfg):
-        out.append("for fine-tuning, lora.rank=16 lora.base_quantization=nf4 (adapters train over a frozen 4-bit "
+        out.append("lora.rank=16 lora.base_quantization=nf4 when fine-tuning (adapters train over a frozen 4-bit "
                    "base: docs/finetune.md)")
     elif cfg.lora.base_quantization == "none":
         out.append("lora.base_quantization=nf4 (the frozen base in 4 bits)")
