@@ -62,7 +62,7 @@ GPT2_ROWS = [
     # 147.2 in chunks of 512. Remat minimal recomputes no matmul (741 MFLOP a token against 855) and saves
     # activations instead (6.39 GiB); the compile prices its copies above the recompute (152.8 ms), but it puts
     # elementwise work at about half the chip's copy rate, and at half its estimate of them the order reverses
-    # (117.9 against 120.2). Batch 32: the optimizer's update shared by twice the tokens.
+    # (117.9 against 120.3). Batch 32: the optimizer's update shared by twice the tokens.
     ("batch 16, bf16, remat full, seq_minor, loss in one chunk",
      {**_GPT2_ONE_CHIP, "model.splash_layout": "seq_minor", "model.loss_chunk_tokens": 1024}),
     ("batch 16, bf16, remat minimal, seq_minor, loss in one chunk",
