@@ -2,7 +2,7 @@
 model and of GPT-2 124M as `jaxlm train` runs them, where the step's time goes, long context, int8 training,
 decoding and serving.
 
-    PYTHONPATH=src python benchmarks/tpu.py [--only maxtext,gpt2] [--json FILE]   # one v5e chip: 2,050 s at most
+    PYTHONPATH=src python benchmarks/tpu.py [--only maxtext,gpt2] [--json FILE]   # one v5e chip: 2,120 s at most
     PYTHONPATH=src python benchmarks/tpu.py --tiny                               # toy sizes, on a CPU in seconds
 
 Sections run as benchmarks/gpu.py's do (its runner): each in a process of its own (benchmarks/tpu_sections.py)
@@ -21,9 +21,14 @@ Sections and what they report:
               a jax.profiler trace for three rows
   gpt2        GPT-2 124M as the `openwebtext` preset trains it (128 sequences a micro-step, 16 micro-steps: more
               than one chip holds, so its bytes are reported), then batch 16 with bf16 weights and remat full,
-              the splash kernel reading heads as [H, T] (model.splash_layout=seq_minor) and as [T, H]
+              the splash kernel reading heads as [H, T] (model.splash_layout=seq_minor) and as [T, H], then [H, T]
+              with the loss in one chunk under remat full, remat minimal and at batch 32
+              (JAXLM_BENCH_GPT2_ROWS=0,3,4,5 runs only those rows)
   long        maxtext_base at 32,768 tokens a sequence, batch 1, bf16 weights, splash attention
   quant       int8 training against bf16 on maxtext_base's shape, 200 steps of a Markov corpus: speed and loss
+              (JAXLM_BENCH_QUANT_MODES chooses the modes, empty for none); JAXLM_BENCH_QUANT_ROWS=0,1,2 first times
+              those rows of tpu_sections.QUANT_ROWS: the whole maxtext_base_v5e step in int8 under remat policies
+              and batch sizes, beside the bf16 preset (row 0)
   lora        QLoRA (nf4 base) of llama3.1-8b at 1 x 2,048 (and 50 steps on real text), 8,192, 49,152 and 65,536
               tokens, LoRA of llama3.2-3b (bf16 base) at 4 x 2,048, random bases made on the chip: tokens/s, MFU,
               the chip's peak memory beside the compiler's prediction. JAXLM_BENCH_LORA_ROWS=0,2 runs only those
@@ -64,13 +69,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 import gpu  # noqa: E402
 
 SECTIONS_PY = Path(__file__).with_name("tpu_sections.py")
-# Seconds each section may take at full size (process start included), as gpu.py's BUDGET_S: 2,050 s in all, so a
-# machine whose commands stop at 10 minutes runs it in four or five (--only yardsticks,maxtext,gpt2: 380 s; long,
+# Seconds each section may take at full size (process start included), as gpu.py's BUDGET_S: 2,120 s in all, so a
+# machine whose commands stop at 10 minutes runs it in four or five (--only yardsticks,maxtext,gpt2: 450 s; long,
 # quant: 480 s; lora,vision: 350 s; decode,serve: 520 s, the llama3.1-8b int8 rows included; moe: 320 s).
 # Seen on a v5e (2026-12-06, second run): yardsticks 20 s, maxtext 105 (six rows), gpt2 74, long 46, quant 146 (two
 # modes), decode 88, serve 88; (2026-12-07) decode 146, serve 173 (two kernels, no 8B row), moe 209 (no traces),
 # lora row 0 with its 50 steps on text 122, row 1 with 50 steps 245, row 3 alone 229.
-BUDGET_S = {"yardsticks": 30, "maxtext": 260, "gpt2": 90, "long": 240, "quant": 240, "lora": 200, "vision": 150,
+BUDGET_S = {"yardsticks": 30, "maxtext": 260, "gpt2": 160, "long": 240, "quant": 240, "lora": 200, "vision": 150,
             "moe": 320, "decode": 230, "serve": 290}
 TOLERANCE_LOSS = 0.02  # int8 against bf16: final losses this close
 
@@ -99,7 +104,8 @@ def summary(f: dict, status: dict, wall: float, tiny: bool) -> list[str]:
         kv.update(matmul_bf16_tflops=gpu._tera(matmul), peak_bf16_spec_tflops=gpu._tera(peak),
                   hbm_copy_gbps=gpu._giga(y.get("hbm_copy")), hbm_spec_gbps=gpu._giga(y.get("hbm_spec")))
     tables: list[str] = []
-    for name, key in (("maxtext", "maxtext_runs"), ("gpt2", "gpt2_runs"), ("long", "long_runs")):
+    for name, key in (("maxtext", "maxtext_runs"), ("gpt2", "gpt2_runs"), ("long", "long_runs"),
+                      ("quant", "quant_rows")):
         rows = f.get(name, {}).get(key, [])
         if not rows:
             continue
@@ -115,6 +121,8 @@ def summary(f: dict, status: dict, wall: float, tiny: bool) -> list[str]:
                        f"{name}_best_mfu_maxtext": best.get("mfu_maxtext"),
                        f"{name}_best_mfu_causal": best.get("mfu_causal"),
                        f"{name}_best_mfu_maxtext_vs_matmul": best.get("mfu_maxtext_vs_matmul")})
+            if name == "quant" and first.get("tokens_per_s") and first["label"].startswith("maxtext_base_v5e preset"):
+                kv["quant_best_vs_bf16_preset"] = best["tokens_per_s"] / first["tokens_per_s"]
         tables += ["", f"{name} (MFU against the bf16 spec sheet; MaxText's count, then the causal count):"]
         tables += gpu._table(
             ["run", "batch x block", "tokens/s", "MFU maxtext", "MFU causal", "vs matmul", "GiB", "peak GiB",

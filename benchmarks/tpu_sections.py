@@ -58,6 +58,32 @@ GPT2_ROWS = [
     ("batch 16, bf16 weights and moments, remat full, splash seq_minor",
      {**_GPT2_ONE_CHIP, "model.splash_layout": "seq_minor"}),
     ("batch 16, bf16 weights and moments, remat full (splash head_dim_minor)", _GPT2_ONE_CHIP),
+    # The loss over each row's 1,024 positions in one chunk (4.14 GiB): 143.6 ms of the compile's estimate against
+    # 147.2 in chunks of 512. Remat minimal recomputes no matmul (741 MFLOP a token against 855) and saves
+    # activations instead (6.39 GiB); the compile prices its copies above the recompute (152.8 ms), but it puts
+    # elementwise work at about half the chip's copy rate, and at half its estimate of them the order reverses
+    # (117.9 against 120.3). Batch 32: the optimizer's update shared by twice the tokens.
+    ("batch 16, bf16, remat full, seq_minor, loss in one chunk",
+     {**_GPT2_ONE_CHIP, "model.splash_layout": "seq_minor", "model.loss_chunk_tokens": 1024}),
+    ("batch 16, bf16, remat minimal, seq_minor, loss in one chunk",
+     {**_GPT2_ONE_CHIP, "model.splash_layout": "seq_minor", "model.loss_chunk_tokens": 1024, "model.remat": "minimal"}),
+    ("batch 32, bf16, remat full, seq_minor, loss in one chunk",
+     {**_GPT2_ONE_CHIP, "model.splash_layout": "seq_minor", "model.loss_chunk_tokens": 1024,
+      "training.batch_size": 32}),
+]
+# int8 training of the whole maxtext_base_v5e step (bf16 weights and moments, the loss in one chunk, 2 x 2,048
+# tokens a micro-batch, 16 a step) against the preset itself; JAXLM_BENCH_QUANT_ROWS chooses rows (quant()).
+# Seen on a v5e (2026-12-07): the preset 20,016 tokens/s; int8 under remat full 24,749; remat minimal at batch 1 x
+# 32 22,629 (at batch 2 its int32 matmul results did not fit).
+_INT8 = {"model.quantization": "int8"}
+QUANT_ROWS = [
+    ("maxtext_base_v5e preset (bf16, remat minimal)", "maxtext_base_v5e"),
+    ("int8, remat full", {**_INT8, "model.remat": "full"}),
+    # remat minimal keeps each int8 matmul's bf16 result, not its int32 accumulator: batch 2 fits (v5e-1 compile:
+    # 13.22 GiB), no matmul recomputed (5.84 int8 GFLOP a token against remat full's 7.32)
+    ("int8, remat minimal", _INT8),
+    # the gradients rounded to nearest: the stochastic rounding's hash off (the quant modes' int8_nearest: its loss)
+    ("int8 with gradients rounded to nearest, remat minimal", {**_INT8, "model.quant_stochastic_rounding": False}),
 ]
 
 SIZES = {
@@ -73,7 +99,7 @@ SIZES = {
         gpt2_model={"model.n_layers": 2, "model.d_model": 64, "model.n_heads": 4, "model.vocab_size": 512,
                     "model.block_size": 64},
         maxtext_batch=2, maxtext_steps=2, profile_steps=1, gpt2_steps=2, long_block=256, long_steps=1,
-        quant_layers=2, quant_block=64, quant_batch=2, quant_steps=10,
+        quant_layers=2, quant_block=64, quant_batch=2, quant_steps=10, quant_rows="0,2",
         lora_model={"model.n_layers": 2, "model.d_model": 64, "model.n_heads": 4, "model.n_kv_heads": 2,
                     "model.head_dim": 16, "model.d_ff": 128, "model.vocab_size": 512},
         lora_block=64, lora_steps=2, lora_loss_steps=3, lora_rows="0,2,4", vision_block=64, vision_batch=2,
@@ -119,7 +145,8 @@ def train_row(ctx: Ctx, label: str, cfg, steps: int, profile: bool = False) -> d
     A = cfg.training.grad_accum
     row = dict(label=label, batch=B, block=T, grad_accum=A, tokens_per_step=A * B * T,
                flops_maxtext=flops.flops_per_token(cfg.model), flops_causal=flops.flops_per_token(cfg.model, True),
-               remat=cfg.model.remat, param_dtype=cfg.model.param_dtype, attention=cfg.model.attention)
+               remat=cfg.model.remat, param_dtype=cfg.model.param_dtype, attention=cfg.model.attention,
+               quantization=cfg.model.quantization)
     limit = (dev.memory_stats() or {}).get("bytes_limit")
     run, compiled, mem, secs = g.compile_step(cfg, B, dev)
     row.update(bytes=mem, compile_s=round(secs, 1), memory_limit_bytes=limit,
@@ -144,11 +171,13 @@ def train_row(ctx: Ctx, label: str, cfg, steps: int, profile: bool = False) -> d
     return row
 
 
-def rows(ctx: Ctx, key: str, preset: str, table: list, steps: int, extra: dict, profile: tuple = ()) -> None:
+def rows(ctx: Ctx, key: str, preset: str, table: list, steps: int, extra: dict, profile: tuple = (),
+         chosen: str | None = None) -> None:
     """Each row of `table` (label, settings) over the preset, while time is left; ctx.put(key=[rows]). A row whose
-    settings are a preset's name runs that preset (with `extra`) instead."""
+    settings are a preset's name runs that preset (with `extra`) instead. JAXLM_BENCH_<KEY>_ROWS (else `chosen`),
+    e.g. "0,3,4": only those rows."""
     out = []
-    chosen = os.environ.get(f"JAXLM_BENCH_{key.split('_')[0].upper()}_ROWS")  # e.g. "0,3,4": only those rows
+    chosen = os.environ.get(f"JAXLM_BENCH_{key.split('_')[0].upper()}_ROWS", chosen)
     for i, (label, settings) in enumerate(table):
         if chosen and str(i) not in chosen.split(","):
             continue
@@ -180,7 +209,8 @@ def maxtext(ctx: Ctx) -> None:
 def gpt2(ctx: Ctx) -> None:
     """GPT-2 124M as the `openwebtext` preset trains it (float32 weights, bf16 compute; 128 sequences a micro-step:
     `jaxlm compile openwebtext compile.topology=v5e-1` puts it at about 122 GiB, more than a chip holds), then
-    batch 16 with bf16 weights and remat full, the splash kernel reading heads as [H, T] and as [T, H]."""
+    batch 16 with bf16 weights and remat full, the splash kernel reading heads as [H, T] and as [T, H], then with
+    [H, T] and the loss in one chunk under remat full, remat minimal, and at batch 32 (GPT2_ROWS)."""
     rows(ctx, "gpt2_runs", "openwebtext", GPT2_ROWS, ctx.sizes["gpt2_steps"], {})
 
 
@@ -202,11 +232,16 @@ def long(ctx: Ctx) -> None:
 
 def quant(ctx: Ctx) -> None:
     """int8 training (model.quantization=int8) against bf16 on maxtext_base's shape with bf16 weights, on the same
-    Markov corpus and initialization: step throughput and the loss after quant_steps steps."""
+    Markov corpus and initialization: step throughput and the loss after quant_steps steps. First, where
+    JAXLM_BENCH_QUANT_ROWS chooses them (e.g. "0,1,2,3"; none by default at full size), the step throughput of
+    QUANT_ROWS, the whole maxtext_base_v5e step under int8's settings (quant_rows)."""
     import jax
     import numpy as np
 
     z = ctx.sizes
+    chosen = os.environ.get("JAXLM_BENCH_QUANT_ROWS", z.get("quant_rows"))
+    if chosen:
+        rows(ctx, "quant_rows", "maxtext_base_v5e", QUANT_ROWS, z["maxtext_steps"], {}, chosen=chosen)
     steps, B, T = z["quant_steps"], z["quant_batch"], z["quant_block"]
     extra = {"model.n_layers": z["quant_layers"], "model.block_size": T, "model.param_dtype": "bfloat16",
              "training.batch_size": B, "training.steps": steps, "optimizer.lr": 3e-4, "optimizer.min_lr": 3e-5,
@@ -217,7 +252,8 @@ def quant(ctx: Ctx) -> None:
     out = {}
     # int8_nearest: int8 with its gradients rounded to nearest (model.quant_stochastic_rounding=false), the cost of
     # the stochastic rounding's hash. JAXLM_BENCH_QUANT_MODES chooses (default all three).
-    modes = os.environ.get("JAXLM_BENCH_QUANT_MODES", "bfloat16,int8,int8_nearest").split(",")
+    # An empty JAXLM_BENCH_QUANT_MODES runs QUANT_ROWS alone.
+    modes = [m for m in os.environ.get("JAXLM_BENCH_QUANT_MODES", "bfloat16,int8,int8_nearest").split(",") if m]
     for mode in modes:
         if out and ctx.left() < 1.2 * max(r.get("seconds", 0) for r in out.values()) + 5:
             out[mode] = dict(note="skipped: time budget")

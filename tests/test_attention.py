@@ -4,6 +4,7 @@ choice, and training with blockwise attention."""
 import contextlib
 import dataclasses
 import io
+import re
 
 import jax
 import jax.ad_checkpoint
@@ -454,6 +455,40 @@ def test_splash_heads_major_projections_equal_the_token_major_path(monkeypatch, 
     (_, got), got_grads = grads()
     monkeypatch.setattr(attention, "_splash_heads_major", lambda *a: False)
     (_, want), want_grads = grads()
+    for a, b in zip(jax.tree.leaves((got, got_grads)), jax.tree.leaves((want, want_grads))):
+        assert a.shape == b.shape
+        assert_close(a, b)
+
+
+def test_splash_heads_major_projections_under_int8_training_equal_the_token_major_path(monkeypatch):
+    """int8 training's quantized q/k/v/o matmuls write and read the kernel's [B, N, T, H] too: each token's scale
+    spans the same contracted axes in either layout, so output and gradients equal the [B, T, N, H] path's
+    (gradients rounded to nearest: stochastic rounding's noise follows the gradient's layout)."""
+    from jaxlm.model import quant
+
+    cfg = ModelConfig(vocab_size=64, block_size=128, n_layers=1, n_heads=4, n_kv_heads=2, d_model=64,
+                      attention="splash", attention_block=128, quantization="int8")
+    mesh = sharding.make_mesh(MeshConfig(), jax.devices()[:1])
+    p_attn = jax.tree.map(lambda a: a[0], P.init(param_specs(cfg), jax.random.key(0), mesh)["layers"]["attn"])
+    x = jax.random.normal(jax.random.key(1), (2, 128, 64))
+    positions = jnp.broadcast_to(jnp.arange(128), (2, 128))
+    g = jax.random.normal(jax.random.key(2), (2, 128, 64))
+
+    recipe = quant.Recipe("int8", stochastic_rounding=False)
+
+    def run(p, x):
+        with quant.recipe_scope(recipe):
+            out, _, _ = attention.attention_with_kv(x, p, cfg, positions)
+        return jnp.sum(out * g), out
+
+    with quant.recipe_scope(recipe):
+        assert attention._splash_heads_major(x, p_attn, cfg, "global", None)
+    grads = jax.jit(jax.value_and_grad(run, argnums=(0, 1), has_aux=True))
+    (_, got), got_grads = grads(p_attn, x)
+    lowered = jax.jit(run).lower(p_attn, x).as_text()
+    assert len(re.findall(r"tensor<[0-9x]+xi8>, tensor<[0-9x]+xi8>\) -> tensor<[0-9x]+xi32>", lowered)) == 4
+    monkeypatch.setattr(attention, "_splash_heads_major", lambda *a: False)
+    (_, want), want_grads = grads(p_attn, x)
     for a, b in zip(jax.tree.leaves((got, got_grads)), jax.tree.leaves((want, want_grads))):
         assert a.shape == b.shape
         assert_close(a, b)

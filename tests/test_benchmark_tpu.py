@@ -53,6 +53,11 @@ def test_every_section_runs_at_tiny_sizes_on_cpu(tmp_path):
     (vlm,) = figures["vision"]["vision_runs"]
     assert vlm["images_per_row"] == 1 and vlm["tokens_per_s"] > 0 and float(kv["vision_4b_tokens_per_s"]) > 0
     assert kv["quant_int8_loss_within_0.02"] == "true" and float(kv["quant_int8_speed_vs_bf16"]) > 0
+    # the quant section's step rows the tiny sizes choose (QUANT_ROWS 0 and 2): the bf16 preset, int8 remat minimal
+    qrows = figures["quant"]["quant_rows"]
+    assert [(r["quantization"], r["remat"], r["grad_accum"]) for r in qrows] == [("none", "minimal", 16),
+                                                                               ("int8", "minimal", 16)]
+    assert all(r["tokens_per_s"] > 0 for r in qrows) and float(kv["quant_best_vs_bf16_preset"]) > 0
     # mixtures of experts: both dispatches train alike from one initialization (bf16 rounding apart); the dense row
     # of equal active parameters has the MoE rows' active count and FLOPs per token
     moe_rows = {(r["shape"], r["dispatch"]): r for r in figures["moe"]["moe_runs"]}

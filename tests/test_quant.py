@@ -146,6 +146,36 @@ def test_int8_remat_keeps_the_quantized_weights():
     assert transformer.remat_policy(ModelConfig(quantization="int8", remat="none")) is None
 
 
+def test_int8_remat_minimal_keeps_matmul_results_at_compute_dtype():
+    """remat minimal keeps the matmuls' outputs: under int8 training that is each matmul's bf16 result (2 bytes
+    an element), not its int32 accumulator (4), which bf16 training's minimal does not pay either."""
+    from jax._src.ad_checkpoint import saved_residuals
+
+    from jaxlm.config import ModelConfig
+    from jaxlm.model import layers, transformer
+
+    x, w, _ = operands(5)
+    x, w = jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16)
+
+    def loss(x, w):  # the backward of silu needs the matmul's result
+        with quant.recipe_scope(quant.Recipe("int8")):
+            return jnp.sum(jax.nn.silu(layers.dot(SPEC, x, w)).astype(jnp.float32))
+
+    def kept(remat):
+        f = jax.checkpoint(loss, policy=transformer.remat_policy(ModelConfig(quantization="int8", remat=remat)))
+        return sorted((a.dtype.name, a.shape) for a, src in saved_residuals(f, x, w) if "argument" not in src)
+
+    y, sw = (x.shape[0], x.shape[1]) + w.shape[1:], (1,) + w.shape[1:]
+    assert kept("minimal") == [("bfloat16", y), ("float32", sw), ("int8", w.shape)]  # the result, the int8 weight
+    assert kept("save_dots") == kept("minimal")
+    assert kept("full") == [("float32", sw), ("int8", w.shape)]
+    # bf16 training's minimal keeps the same bf16 result
+    f = jax.checkpoint(lambda x, w: jnp.sum(jax.nn.silu(layers.dot(SPEC, x, w)).astype(jnp.float32)),
+                       policy=transformer.remat_policy(ModelConfig(remat="minimal")))
+    assert [(a.dtype.name, a.shape) for a, src in saved_residuals(f, x, w) if "argument" not in src] == [
+        ("bfloat16", (y[0] * y[1], y[2] * y[3]))]  # as one 2-D matmul
+
+
 def test_fp8_matches_e4m3_e5m2_reference():
     x, w, g = operands(2)
 

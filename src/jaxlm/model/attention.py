@@ -16,7 +16,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxlm import runtime, sharding
 from jaxlm.config import ConfigError
-from jaxlm.model import blockwise, kvcache, layers, quant, ring, splash
+from jaxlm.model import blockwise, kvcache, layers, ring, splash
 from jaxlm.params import ParamSpec, normal, zeros
 from jaxlm.sharding import constrain
 
@@ -335,18 +335,18 @@ def attention_with_kv(x_BTD, p, cfg, positions_BT, key=None, kind="global", segm
 
 def _splash_heads_major(x_BTD, p, cfg, kind: str, segment_ids_BT) -> bool:
     """Whether this layer's uncached pass runs splash with the projections writing and reading the kernel's
-    heads-major layout: splash chosen, the sequence on one device, plain (not adapted or quantized) weights and no
-    temperature tuning."""
+    heads-major layout: splash chosen, the sequence on one device, array weights (not adapted or stored
+    quantized; int8 and fp8 training's quantized matmuls take any layout, layers.dot) and no temperature tuning."""
     T = x_BTD.shape[1]
     return (choose(cfg, T, x_BTD.dtype, segment_ids_BT is not None, mesh_platform()) == "splash"
             and ring.context_devices() <= 1 and not (cfg.attn_temperature_tuning and kind == "nope")
-            and all(isinstance(p[n], jax.Array) and not quant.applies(p[n]) for n in "qkvo"))
+            and all(isinstance(p[n], jax.Array) for n in "qkvo"))
 
 
 def _project_heads_major(x_BTD, p, name: str):
     """x times the projection p[name] [D, N, H], plus its bias [N, H]: [B, N, T, H], the matmul writing the heads-major
     layout itself."""
-    out_BNTH = jnp.einsum("BTD,DNH->BNTH", x_BTD, p[name].astype(x_BTD.dtype), preferred_element_type=x_BTD.dtype)
+    out_BNTH = layers.dot("BTD,DNH->BNTH", x_BTD, p[name])
     bias = p.get(f"{name}_bias")
     return out_BNTH if bias is None else _add_head_bias(out_BNTH, bias)
 
@@ -391,8 +391,7 @@ def _splash_attention_with_kv(x_BTD, p, cfg, positions_BT, kind: str, segment_id
                                             interpret=mesh_platform() != "tpu", chunk=chunk, sinks_N=p.get("sinks"),
                                             layout=cfg.splash_layout)
     out_BNTH = checkpoint_name(out_BNTH, "context")
-    out_BTD = jnp.einsum("BNTH,NHD->BTD", out_BNTH, p["o"].astype(out_BNTH.dtype),
-                         preferred_element_type=out_BNTH.dtype)
+    out_BTD = layers.dot("BNTH,NHD->BTD", out_BNTH, p["o"])
     if "o_bias" in p:
         out_BTD = out_BTD + p["o_bias"].astype(out_BTD.dtype)
     return checkpoint_name(out_BTD, "out_proj"), k_BKTH.transpose(0, 2, 1, 3), v_BKTH.transpose(0, 2, 1, 3)

@@ -129,7 +129,8 @@ def dot(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
     if isinstance(w, quant.NF4Weight):  # QLoRA's frozen base: dequantized here, one layer at a time
         w = quant.dequantize_nf4(w, x.dtype)
     if quant.applies(w):
-        return quant.dot(spec, x, w).astype(x.dtype)
+        # named at the compute dtype: remat minimal keeps this under int8 training, not the int32 accumulator
+        return checkpoint_name(quant.dot(spec, x, w).astype(x.dtype), quant.QUANT_OUT)
     lhs, rest = spec.split(",")
     rhs, out = rest.split("->")
     contracted = "".join(c for c in lhs if c in rhs and c not in out)

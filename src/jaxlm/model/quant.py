@@ -333,6 +333,9 @@ def quantized_einsum(spec: str, x, w, x_fmt: str, w_fmt: str, x_noise=None, w_no
 # The name int8 training gives each weight's int8 values and scales: the layers' remat policy keeps them
 # (transformer.remat_policy), so the backward's recomputed forward does not quantize the weights a second time.
 QUANT_WEIGHT = "quant_weight"
+# The name of a quantized matmul's result at the compute dtype (layers.dot): under int8 training, the remat
+# policies that keep matmul outputs keep this (2 bytes an element) in place of the int32 accumulator (4).
+QUANT_OUT = "quant_out"
 
 
 def qdot(spec: str, x, w, recipe: Recipe) -> jax.Array:
