@@ -106,9 +106,9 @@ def test_the_models_multi_token_prediction_module_drafts_in_the_engine():
     params, cfg = make(0, **test_speculative.DEEPSEEK)
     rng, max_tokens, seqs = seven_sequences()
 
-    def engine(d, slots=3, pages=14):
-        return Engine(params, cfg, ServeConfig(max_slots=slots, max_queue=16, prefill_chunk=8, prefix_cache=2,
-                                               decode_steps=4, page_size=4), 48, cache_pages=pages, draft=d)
+    def engine(d):
+        return Engine(params, cfg, ServeConfig(max_slots=3, max_queue=16, prefill_chunk=8, prefix_cache=2,
+                                               decode_steps=4, page_size=4), 48, cache_pages=14, draft=d)
 
     want = run(engine(None), seqs())
     stop = want[2][0][6]
@@ -122,10 +122,11 @@ def test_the_models_multi_token_prediction_module_drafts_in_the_engine():
             np.testing.assert_allclose(lg, lw, rtol=0, atol=1e-4)
 
     prompt = rng.integers(0, 50, 11).tolist()  # two chunks of prefill, then 36 tokens over 9+ calls
-    e = engine(Draft(None, None, 1), slots=1, pages=12)
+    e = engine(Draft(None, None, 1))  # alone in the engine (the programs of the run above, compiled once)
     (tokens, _, _), = run(e, [Sequence(prompt, 36, 0.0, 0, 1.0, 0, 0, (), None, logprobs=False)])
     text = prompt + tokens
-    greedy = np.argmax(np.asarray(mtp_logits(params, np.asarray([text]), cfg))[0, 0], -1)
+    module_logits = jax.jit(mtp_logits, static_argnums=2)(params, np.asarray([text]), cfg)  # compiled: seconds less
+    greedy = np.argmax(np.asarray(module_logits)[0, 0], -1)
     proposed = kept = 0
     at = len(prompt)  # a pass from the pending token at `at` proposes the module's token after it
     while at - len(prompt) + 1 < len(tokens):

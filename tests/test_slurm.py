@@ -98,46 +98,26 @@ def task_pid(job: str, task: int) -> int:
     raise AssertionError(f"no process of task {task} in job {job}")
 
 
-@pytest.mark.slow
-@pytest.mark.in_ci  # issue 30: the Slurm jobs run in CI
-def test_two_nodes_match_one_process_and_a_requeued_job_resumes_exactly(cluster, char_data, tmp_path):
-    out = tmp_path / "slurm"
-    args = common(char_data)
-    whole = submit(cluster, out, "whole", ["train", *args, "training.steps=12", f"run_dir={tmp_path / 'whole'}"],
-                   "--requeues", "0")
-    # One process with 8 devices, here, while the job runs.
-    train.train(config_lib.load(args[0], [*args[1:], "training.steps=12", f"run_dir={tmp_path / 'one'}"]),
-                jax.devices(), log=lambda s: None)
-    info = cluster.wait(whole, 600)
-    text = output(out, "whole", whole)
-    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", text
-    # Each task joined the job as its own process, on its own node, with 4 devices and the coordinator on n1.
-    for task, node in ((0, "n1"), (1, "n2")):
-        assert re.search(rf"process {task} of 2 \(Slurm job {whole} step 0 task {task} on node {node} \(restart 0\)\): "
-                         r"coordinator 127\.0\.0\.1:\d+, 4 local cpu device\(s\)", text), text
-    a, one = train.losses_by_step(tmp_path / "whole"), train.losses_by_step(tmp_path / "one")
-    assert sorted(a) == sorted(one) == list(range(1, 13)) and a[12] < a[1]
-    np.testing.assert_allclose([a[s] for s in range(1, 13)], [one[s] for s in range(1, 13)], rtol=1e-5)
-
-    # The task on n2 dies after step 6 (checkpoint at 4): srun ends the other, the job is requeued once, and the
-    # rerun resumes from step 4 and repeats the uninterrupted job's losses exactly.
-    run_dir = tmp_path / "lost"
-    lost = submit(cluster, out, "lost", ["train", *args, "training.steps=12", f"run_dir={run_dir}"], "--requeues", "1")
-    wait_for_step(cluster, lost, run_dir, 6)
-    os.kill(task_pid(lost, 1), signal.SIGKILL)
-    info = cluster.wait(lost, 600)
-    text = output(out, "lost", lost)
-    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", text
-    assert re.search(r"jaxlm: failed with status \d+; requeueing job \d+ \(restart 1 of 1\)", text), text
-    assert "(restart 1)): coordinator" in text and "jaxlm: finished" in text, text
-    assert re.search(r"resum\w* .*step (4|8)\b", text, re.IGNORECASE), text
-    b = train.losses_by_step(run_dir)
-    assert [b[s] for s in range(1, 13)] == [a[s] for s in range(1, 13)]
+@pytest.fixture(scope="module")
+def requeued(cluster, char_data, tmp_path_factory):
+    """A 2-node job of 12 steps (checkpoints every 4) whose task on n2 is killed after step 6: srun ends the other
+    and the job is requeued once. Started before the module's other jobs, which then run while Slurm holds the
+    requeued job back (cred_expire, 90 s: tests/slurm_cluster.py); test_two_nodes_... waits for its rerun.
+    (out, run_dir, job id)."""
+    base = tmp_path_factory.mktemp("requeued")
+    out, run_dir = base / "slurm", base / "lost"
+    job = submit(cluster, out, "lost", ["train", *common(char_data), "training.steps=12", f"run_dir={run_dir}"],
+                 "--requeues", "1")
+    wait_for_step(cluster, job, run_dir, 6)
+    os.kill(task_pid(job, 1), signal.SIGKILL)
+    return out, run_dir, job
 
 
+# The signal test runs first: its job and the uninterrupted job of the test after it run during the requeued job's
+# wait (the `requeued` fixture starts it), rather than one after the other.
 @pytest.mark.slow
 @pytest.mark.in_ci
-def test_signal_before_the_time_limit_saves_a_checkpoint(cluster, char_data, tmp_path):
+def test_signal_before_the_time_limit_saves_a_checkpoint(cluster, requeued, char_data, tmp_path):
     out, run_dir = tmp_path / "slurm", tmp_path / "run"
     job = submit(cluster, out, "limit", ["train", *common(char_data), "training.steps=100000", f"run_dir={run_dir}"],
                  "--requeues", "0", "--time", "30", "--signal-seconds", "120")
@@ -156,6 +136,40 @@ def test_signal_before_the_time_limit_saves_a_checkpoint(cluster, char_data, tmp
     assert ckpt.verify(run_dir / "checkpoints" / str(step)) is None
     assert max(train.losses_by_step(run_dir)) == step
     assert f"jaxlm: stopped for preemption after step {step} (its checkpoint is saved); no requeue left" in text, text
+
+
+@pytest.mark.slow
+@pytest.mark.in_ci  # issue 30: the Slurm jobs run in CI
+def test_two_nodes_match_one_process_and_a_requeued_job_resumes_exactly(cluster, requeued, char_data, tmp_path):
+    out = tmp_path / "slurm"
+    args = common(char_data)
+    whole = submit(cluster, out, "whole", ["train", *args, "training.steps=12", f"run_dir={tmp_path / 'whole'}"],
+                   "--requeues", "0")
+    # One process with 8 devices, here, while the job runs.
+    train.train(config_lib.load(args[0], [*args[1:], "training.steps=12", f"run_dir={tmp_path / 'one'}"]),
+                jax.devices(), log=lambda s: None)
+    info = cluster.wait(whole, 600)
+    text = output(out, "whole", whole)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", text
+    # Each task joined the job as its own process, on its own node, with 4 devices and the coordinator on n1.
+    for task, node in ((0, "n1"), (1, "n2")):
+        assert re.search(rf"process {task} of 2 \(Slurm job {whole} step 0 task {task} on node {node} \(restart 0\)\): "
+                         r"coordinator 127\.0\.0\.1:\d+, 4 local cpu device\(s\)", text), text
+    a, one = train.losses_by_step(tmp_path / "whole"), train.losses_by_step(tmp_path / "one")
+    assert sorted(a) == sorted(one) == list(range(1, 13)) and a[12] < a[1]
+    np.testing.assert_allclose([a[s] for s in range(1, 13)], [one[s] for s in range(1, 13)], rtol=1e-5)
+
+    # The job whose task on n2 died after step 6 (checkpoint at 4; the `requeued` fixture) was requeued once, and
+    # its rerun resumes from step 4 and repeats the uninterrupted job's losses exactly.
+    lost_out, run_dir, lost = requeued
+    info = cluster.wait(lost, 600)
+    text = output(lost_out, "lost", lost)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", text
+    assert re.search(r"jaxlm: failed with status \d+; requeueing job \d+ \(restart 1 of 1\)", text), text
+    assert "(restart 1)): coordinator" in text and "jaxlm: finished" in text, text
+    assert re.search(r"resum\w* .*step (4|8)\b", text, re.IGNORECASE), text
+    b = train.losses_by_step(run_dir)
+    assert [b[s] for s in range(1, 13)] == [a[s] for s in range(1, 13)]
 
 
 def test_settings_from_slurm_environment():

@@ -57,23 +57,6 @@ def test_the_models_multi_token_prediction_module_drafts():
     are exactly those that the module's greedy tokens over the final text (mtp_logits) give, so the module's cache
     held the right entries at every pass; a model without modules is refused in one line."""
     params, cfg = make(0, vocab_size=12, **DEEPSEEK)
-    seq = np.asarray([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 3, 2, 1, 0, 5, 6, 7, 1, 2]], np.int32)
-    T = seq.shape[1]
-    want = np.asarray(mtp_logits(params, seq, cfg))[0, 0]
-    table, zero = np.arange(2, dtype=np.int32)[None], np.zeros((1,), np.int32)
-    _, h_BTD, _ = decode.paged_forward(params, paged.init(cfg, 2, 16), seq, zero, zero + T, table, cfg,
-                                       hidden=True)
-    weights, pool = mtp_weights(params, cfg), mtp_pool(cfg, 2, 16)
-    half = T // 2  # a chunk, then position by position
-    logits, _, pool = paged_mtp(params, weights, pool, seq[:, 1:half + 1], h_BTD[:, :half], zero,
-                                zero + half, table, cfg)
-    got = [np.asarray(logits[0])]
-    for t in range(half, T - 1):
-        logits, _, pool = paged_mtp(params, weights, pool, seq[:, t + 1:t + 2], h_BTD[:, t:t + 1],
-                                    zero + t, zero + t + 1, table, cfg)
-        got.append(np.asarray(logits[0]))
-    np.testing.assert_allclose(np.stack(got), want[half - 1:T - 1], atol=1e-4)
-
     prompts = [[1, 2, 3], [5], list(range(1, 11)) * 2]
     for k in (None, 3):  # None: the default for the module, one proposal per pass
         d = DecodeConfig(max_new_tokens=60, temperature=0.0, draft_tokens=k)
@@ -81,15 +64,43 @@ def test_the_models_multi_token_prediction_module_drafts():
         got = speculative.generate_speculative(params, cfg, None, None, prompts, d)
         assert got.tokens == want_tokens and got.proposed > 0
         if k is None:
-            proposed = kept = 0
-            for prompt, new in zip(prompts, want_tokens):
-                text = prompt + new
-                greedy = np.argmax(np.asarray(mtp_logits(params, np.asarray([text]), cfg))[0, 0], -1)
-                at = len(prompt)  # a pass from the pending token at `at`: the module's token after it is proposed
-                while at - len(prompt) + 1 < len(new):
-                    ok = int(greedy[at - 1] == text[at + 1])
-                    proposed, kept, at = proposed + 1, kept + ok, at + 1 + ok
-            assert (got.proposed, got.accepted) == (proposed, kept) and 0 < kept < proposed
+            ones = got, want_tokens
+    # The training forward's module logits of every text at once (one program: the forward is causal and the
+    # experts dropless, so the zeros after a shorter text change none of its positions): the sequence below, then
+    # each prompt with its greedy tokens.
+    seq = np.asarray([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 3, 2, 1, 0, 5, 6, 7, 1, 2]], np.int32)
+    T = seq.shape[1]
+    texts = [seq[0].tolist()] + [prompt + new for prompt, new in zip(prompts, ones[1])]
+    padded = np.zeros((len(texts), max(map(len, texts))), np.int32)
+    for i, text in enumerate(texts):
+        padded[i, :len(text)] = text
+    module_logits = np.asarray(jax.jit(mtp_logits, static_argnums=2)(params, padded, cfg))[0]
+
+    want = module_logits[0, :T]
+    table, zero = np.arange(2, dtype=np.int32)[None], np.zeros((1,), np.int32)
+    _, h_BTD, _ = jax.jit(decode.paged_forward, static_argnums=6, static_argnames="hidden")(
+        params, paged.init(cfg, 2, 16), seq, zero, zero + T, table, cfg, hidden=True)
+    weights, pool = mtp_weights(params, cfg), mtp_pool(cfg, 2, 16)
+    half = T // 2  # a chunk, then position by position (compiled, as the engine runs it)
+    step = jax.jit(paged_mtp, static_argnums=8)
+    logits, _, pool = step(params, weights, pool, seq[:, 1:half + 1], h_BTD[:, :half], zero, zero + half, table, cfg)
+    got = [np.asarray(logits[0])]
+    for t in range(half, T - 1):
+        logits, _, pool = step(params, weights, pool, seq[:, t + 1:t + 2], h_BTD[:, t:t + 1], zero + t,
+                               zero + t + 1, table, cfg)
+        got.append(np.asarray(logits[0]))
+    np.testing.assert_allclose(np.stack(got), want[half - 1:T - 1], atol=1e-4)
+
+    got, want_tokens = ones
+    proposed = kept = 0
+    for i, (prompt, new) in enumerate(zip(prompts, want_tokens)):
+        text = prompt + new
+        greedy = np.argmax(module_logits[i + 1, :len(text)], -1)
+        at = len(prompt)  # a pass from the pending token at `at`: the module's token after it is proposed
+        while at - len(prompt) + 1 < len(new):
+            ok = int(greedy[at - 1] == text[at + 1])
+            proposed, kept, at = proposed + 1, kept + ok, at + 1 + ok
+    assert (got.proposed, got.accepted) == (proposed, kept) and 0 < kept < proposed
     with pytest.raises(ConfigError, match="no.*multi-token prediction|multi-token prediction.*none"):
         speculative.generate_speculative(*make(0), None, None, prompts, d)
 
