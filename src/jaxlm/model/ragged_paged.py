@@ -148,6 +148,20 @@ def _lanes(x, start: int, width: int, batched: bool, *, widen: bool):
     return jax.lax.dot_general(x, sel, dims, precision=exact, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
+def _finish(o_ref, l_ref, acc_ref, i, *, heads_batched: bool, lanes_out):
+    """Row i's output: the carried sum of values over the carried sum of probabilities, in o_ref's dtype, cut to
+    lanes_out (start, width) where given."""
+    def out(o, batched):
+        o = o.astype(o_ref.dtype)
+        return o if lanes_out is None else _lanes(o, *lanes_out, batched, widen=False)
+
+    if heads_batched:
+        o_ref[i, 0] = out(acc_ref[...] / jnp.maximum(l_ref[...], jnp.finfo(jnp.float32).tiny), True)
+        return
+    for h in range(acc_ref.shape[0]):
+        o_ref[i, 0, h] = out(acc_ref[h] / jnp.maximum(l_ref[h], jnp.finfo(jnp.float32).tiny), False)
+
+
 def _kernel(lens_ref, ids_ref, q_ref, pos_ref, *refs, scale: float, softcap, rows: int, tiles: int, M: int,
             heads_batched: bool = False, page_steps: bool = False, packed: bool = False, lanes_out=None):
     """One program: `rows` rows' tile t of queries q_ref [rows, 1, K, Q, H] (positions pos_ref [rows, 1, Q, 1])
@@ -205,17 +219,7 @@ def _kernel(lens_ref, ids_ref, q_ref, pos_ref, *refs, scale: float, softcap, row
     def blocks_of(n):
         return jnp.maximum(jax.lax.div(n + BA - 1, BA), 1)  # a row of no keys still takes (and passes on) a step
 
-    def out(o, batched):
-        """The output o [.., Q, Hv] (float32) in o_ref's dtype, cut to lanes_out (start, width)."""
-        o = o.astype(o_ref.dtype)
-        return o if lanes_out is None else _lanes(o, *lanes_out, batched, widen=False)
-
-    def finish(i):
-        if heads_batched:
-            o_ref[i, 0] = out(acc_ref[...] / jnp.maximum(l_ref[...], jnp.finfo(jnp.float32).tiny), True)
-            return
-        for h in range(K):
-            o_ref[i, 0, h] = out(acc_ref[h] / jnp.maximum(l_ref[h], jnp.finfo(jnp.float32).tiny), False)
+    finish = functools.partial(_finish, o_ref, l_ref, acc_ref, heads_batched=heads_batched, lanes_out=lanes_out)
 
     def reset():
         m_ref[...] = jnp.full(m_ref.shape, NEG, jnp.float32)
