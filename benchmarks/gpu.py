@@ -55,9 +55,10 @@ HOST_MEMORY_FRACTION = 0.8  # a section holding more of the host's memory is sto
 
 
 def run_sections(names: list[str], tiny: bool, scale: float, log, script: Path = SECTIONS_PY,
-                 budget_s: dict = BUDGET_S, tag: str = "gpu") -> tuple[dict, dict, float]:
+                 budget_s: dict = BUDGET_S, tag: str = "gpu", done=None) -> tuple[dict, dict, float]:
     """Run each section of `script` in its own process (benchmarks/tpu.py runs its own sections here too); returns
-    (figures by section, status by section, wall seconds)."""
+    (figures by section, status by section, wall seconds). `done(figures, status, wall)` is called after each
+    section (main writes --json then, so that a run stopped from outside keeps the sections it finished)."""
     budgets = {n: (TINY_BUDGET_S if tiny else budget_s[n]) * scale for n in names}
     start = time.time()
     end = start + sum(budgets.values())
@@ -92,6 +93,8 @@ def run_sections(names: list[str], tiny: bool, scale: float, log, script: Path =
                 state = "ok"
             status[name] = dict(state=state, seconds=round(seconds, 1), limit_s=round(limit, 1),
                                 peak_host_gib=round(peak / 2**30, 2) if peak else None)
+            if done is not None:
+                done(figures, status, time.time() - start)
     return figures, status, time.time() - start
 
 
@@ -341,14 +344,18 @@ def main(budget_s: dict = BUDGET_S, script: Path = SECTIONS_PY, summarize=None, 
         unknown = [n for n in names if n not in budget_s]
         if unknown:
             sys.exit(f"error: unknown section(s) {', '.join(unknown)}; sections: {', '.join(budget_s)}")
+    def write(figures, status, wall, partial=True):
+        if a.json:  # after each section (partial: later sections not run yet), then whole
+            Path(a.json).write_text(json.dumps({"figures": figures, "status": status, "derived": derive(figures),
+                                                "wall_s": wall, "partial": partial}, indent=1, default=str))
+
     figures, status, wall = run_sections(names, a.tiny, a.budget_scale,
-                                         lambda s: print(s, file=sys.stderr, flush=True), script, budget_s, tag)
+                                         lambda s: print(s, file=sys.stderr, flush=True), script, budget_s, tag,
+                                         write)
     lines = (summarize or summary)(figures, status, wall, a.tiny)
     print("\n".join(["", f"==== jaxlm {tag.upper()} benchmark summary (benchmarks/{tag}.py) ===="] + lines),
           flush=True)
-    if a.json:
-        Path(a.json).write_text(json.dumps({"figures": figures, "status": status, "derived": derive(figures),
-                                            "wall_s": wall}, indent=1, default=str))
+    write(figures, status, wall, partial=False)
 
 
 if __name__ == "__main__":

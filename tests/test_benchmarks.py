@@ -163,3 +163,23 @@ def test_stream_gaps_runs_each_kind_and_gets_its_answers():
     for line in lines.values():
         words = dict(w.split("=", 1) for w in line.split() if "=" in w and not w.startswith("answers"))
         assert float(words["worst_gap_ms"]) >= float(words["p99_gap_ms"]) > 0 and int(words["chunks"]) > 100
+
+
+def test_a_benchmark_run_writes_its_json_after_each_section(tmp_path):
+    """benchmarks/gpu.py's runner (benchmarks/tpu.py's too) hands each finished section's figures to `done`, so a
+    run stopped from outside (a chip call's time limit) keeps the sections it finished: here the second section
+    hangs past its budget and the first one's figures are already out."""
+    import gpu
+
+    script = tmp_path / "sections.py"
+    script.write_text("import json, sys, time\n"
+                      "name, results = sys.argv[1], sys.argv[sys.argv.index('--results') + 1]\n"
+                      "open(results, 'w').write(json.dumps({name + '_figure': 7}) + '\\n')\n"
+                      "time.sleep(60 if name == 'slow' else 0)\n")
+    seen = []
+    figures, status, _ = gpu.run_sections(["quick", "slow"], False, 1.0, lambda s: None, script,
+                                          {"quick": 2, "slow": 1}, "t",
+                                          lambda f, s, w: seen.append((json.loads(json.dumps(f)), dict(s))))
+    assert seen[0][0] == {"quick": {"quick_figure": 7}} and seen[0][1]["quick"]["state"] == "ok"
+    assert len(seen) == 2 and figures["slow"] == {"slow_figure": 7}
+    assert status["slow"]["state"].startswith("timed out")

@@ -295,7 +295,7 @@ def validate_serve(s: ServeConfig) -> None:
 
 # serve.attention_kernel_options' keys and types: model/ragged_paged.py's Kernel's fields but `interpret`
 KERNEL_OPTIONS = {"block_tokens": int, "row_bytes": int, "heads_batched": bool, "page_steps": bool, "prefetch": int,
-                  "packed_kv": bool, "lanes_in_kernel": bool}
+                  "packed_kv": bool, "lanes_in_kernel": bool, "write_kernel": bool}
 
 
 def kernel_options(text: str) -> dict:
@@ -309,7 +309,7 @@ def kernel_options(text: str) -> dict:
         if not eq or kind is None or not ok or key in out:
             raise ConfigError(f"serve.attention_kernel_options entry {entry!r} must be KEY=VALUE with KEY one of "
                               f"{', '.join(KERNEL_OPTIONS)} (once each), an integer >= 1 or, for the flags "
-                              "(heads_batched, page_steps, packed_kv, lanes_in_kernel), 0 or 1 (e.g. "
+                              "(heads_batched, page_steps, packed_kv, lanes_in_kernel, write_kernel), 0 or 1 (e.g. "
                               "heads_batched=1,block_tokens=256)")
         out[key] = kind(int(value))
     return out

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jaxlm import runtime, sharding
 from jaxlm.config import ConfigError, ModelConfig, kernel_options as parse_kernel_options
 from jaxlm.model import attention as attention_lib
-from jaxlm.model import kvcache, latent, layers, ragged_paged
+from jaxlm.model import kvcache, latent, layers, pool_write, ragged_paged
 
 PAGE_BLOCK_TOKENS = 1024  # keys a step of the flat path's loop reads (64 pages of 16: a few MB, cache-resident)
 # ... and at most this many per row of the call: a block is read whole, the pages past the rows' last padding, so
@@ -176,20 +176,39 @@ def entries(k_PCKH: jax.Array, v_PCKH: jax.Array, arrays: dict) -> dict:
     return {"k": k_PCKH, "v": v_PCKH}
 
 
-def write(arrays: dict, r, new: dict, page_PC: jax.Array, off_PC: jax.Array) -> dict:
+def write(arrays: dict, r, new: dict, page_PC: jax.Array, off_PC: jax.Array,
+          kernel: ragged_paged.Kernel | None = None) -> dict:
     """The pool of one pattern entry with repeat r's entries of tokens [P, C] written at their pages and offsets
     (vectors padded with zeros to the pool's width); a token whose page is out of range (the pool's page count) is
     dropped. Every lead index (kv head) is indexed, not sliced, so that each write is one contiguous vector: with
-    a slice over the heads XLA:TPU laid the pool out anew for a prompt's chunk, copying all of it."""
+    a slice over the heads XLA:TPU laid the pool out anew for a prompt's chunk, copying all of it. `kernel` (a
+    decode step's, C = 1, where its write_kernel is set): keys and values by model/pool_write.py's kernel."""
     out = {}
     for name, pool in arrays.items():
         lead = pool.ndim - 4  # [*lead, R, NP, page, last]
+        if kernel is not None and kernel.write_kernel and lead == 1 and page_PC.shape[1] == 1 and (
+                pool_write.fits(pool.shape, page_PC.size)):
+            out[name] = _write_by_kernel(pool, r, new[name], page_PC, off_PC, kernel.interpret)
+            continue
         value = jnp.moveaxis(new[name], tuple(range(2, 2 + lead)), tuple(range(lead)))  # [*lead, P, C, last]
         value = jnp.pad(value, [(0, 0)] * (value.ndim - 1) + [(0, pool.shape[-1] - value.shape[-1])])
         heads = tuple(jnp.arange(d).reshape((d,) + (1,) * (lead - i + 1)) for i, d in enumerate(pool.shape[:lead]))
         index = heads + (r, page_PC, off_PC, slice(None))
         out[name] = pool.at[index].set(value.astype(pool.dtype), mode="drop")
     return out
+
+
+def _write_by_kernel(pool, r, new_PCKL, page_PC, off_PC, interpret: bool) -> jax.Array:
+    """write's one entry by pool_write.write_tokens: the pool's layers seen as one axis of pages (repeat r's page i
+    is r NP + i; a page outside [0, NP) stays out of range)."""
+    K, R, NP, A, L = pool.shape
+    new_TKL = new_PCKL.reshape(-1, K, new_PCKL.shape[-1])
+    new_TKL = jnp.pad(new_TKL, ((0, 0), (0, 0), (0, L - new_TKL.shape[-1])))
+    page_T = page_PC.reshape(-1)
+    ids_T = jnp.where((page_T >= 0) & (page_T < NP), page_T + r * NP, -1)
+    out = pool_write.write_tokens(pool.reshape(K, R * NP, A, L), new_TKL, ids_T, off_PC.reshape(-1),
+                                  interpret=interpret)
+    return out.reshape(pool.shape)
 
 
 def _keys_entry(arrays: dict) -> jax.Array:
@@ -355,10 +374,11 @@ def attention(h_PCD, p, cfg: ModelConfig, arrays: dict, r, q_pos_PC, page_PC, of
     attn_mod = latent if cfg.latent else attention_lib
     with jax.named_scope("latent_attention" if cfg.latent else "attention"):
         q_PCNH, (k_PCKH, v_PCKH) = attn_mod.project_entries(h_PCD, p, cfg, q_pos_PC, kind)
-        arrays = write(arrays, r, entries(k_PCKH, v_PCKH, arrays), page_PC, off_PC)
         window, chunk = attention_lib.limits(cfg, kind)
         widths = kvcache.widths(cfg)[1:]
         kernel = decode_kernel(kernel, arrays, q_PCNH.shape[1], window, chunk, p.get("sinks"), cfg.latent)
+        ours = kernel if isinstance(kernel, ragged_paged.Kernel) else None
+        arrays = write(arrays, r, entries(k_PCKH, v_PCKH, arrays), page_PC, off_PC, ours)
         if isinstance(kernel, ragged_paged.Kernel):
             out_PCNH = kernel_ragged(kernel, q_PCNH, arrays, r, table_PM, end_P, q_pos_PC, attention_lib.scale(cfg),
                                      cfg.attn_logit_softcap, widths[1])

@@ -41,8 +41,9 @@ class Kernel(NamedTuple):
     `heads_batched`, `page_steps`, `prefetch` (defaults HEADS_BATCHED, PAGE_STEPS, PREFETCH; False, False, 1: the
     kernel as first written); `packed_kv`, the pool's keys and values packed in one entry (model/paged.py lays the
     pool out so and calls the kernel with v_pages None; None, the default: packed where the model's pool can be,
-    paged.entry_specs); `lanes_in_kernel` as ragged_paged_attention's (serve.attention_kernel_options sets all but
-    `interpret`: config.kernel_options)."""
+    paged.entry_specs); `lanes_in_kernel` as ragged_paged_attention's; `write_kernel`, a decode step's entries
+    written into the pool by model/pool_write.py's kernel instead of XLA's scatter (serve.attention_kernel_options
+    sets all but `interpret`: config.kernel_options)."""
     interpret: bool = False
     block_tokens: int = BLOCK_TOKENS
     heads_batched: bool = HEADS_BATCHED
@@ -51,6 +52,7 @@ class Kernel(NamedTuple):
     row_bytes: int = ROW_BLOCK_BYTES
     packed_kv: bool | None = None
     lanes_in_kernel: bool = False
+    write_kernel: bool = False
 
     def __call__(self, q_PCNH, k_pages, v_pages, end_P, ids_PM, q_pos_PC, *, scale: float, softcap=None,
                  values=None):
