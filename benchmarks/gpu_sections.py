@@ -544,20 +544,20 @@ def breakdown_of(data, index: dict, steps: int, top: int = 12) -> dict:
             for key, value in ev.stats:
                 stat_names.add(key)
                 if key == "hlo_category" and value:
-                    categories.setdefault(op_key(op_of(ev)), str(value))
+                    categories.setdefault(op_key(op_of(ev), True), str(value))
         for name, ns in self_times(ln.events).items():
             if not name.startswith(RUNTIME_EVENTS):
-                times[op_key(name)] += ns
-                texts.setdefault(op_key(name), name.lstrip("%").partition(" = ")[2])
+                times[op_key(name, True)] += ns
+                texts.setdefault(op_key(name, True), name.lstrip("%").partition(" = ")[2])
     total = sum(times.values())
     if not total:
         raise RuntimeError(f"no operation events in the trace (planes: {[p.name for p in planes]})")
     by_kind, by_scope, by_pass = collections.Counter(), collections.Counter(), collections.Counter()
     rows, others = [], []  # the top operations, and the top ones that are not matmuls (what tuning goes after)
-    for (name, typ), ns in times.most_common():
-        text = texts[name, typ]
+    for (name, typ, operands), ns in times.most_common():
+        text = texts[name, typ, operands]
         kind, scope, direction = (index.get(f"{name} {typ}") or index.get(name)
-                                  or (category_kind(categories.get((name, typ))) or trace_kind(name, text),
+                                  or (category_kind(categories.get((name, typ, operands))) or trace_kind(name, text),
                                       "unattributed", "?"))
         by_kind[kind] += ns
         by_scope[scope] += ns
@@ -572,12 +572,17 @@ def breakdown_of(data, index: dict, steps: int, top: int = 12) -> dict:
                 by_scope=ms(by_scope), by_pass=ms(by_pass), event_stats=sorted(stat_names)[:40])
 
 
-def op_key(event_name: str) -> tuple[str, str]:
+def op_key(event_name: str, operands: bool = False) -> tuple[str, ...]:
     """An operation of a trace as (instruction name, result type): a TPU's XLA Ops events are named by the whole
     instruction ("fusion.405 = bf16[...] fusion(...)"), and the programs of one trace (the serving engine's) reuse
-    names, which the result type mostly tells apart; a name alone (a GPU kernel, XLA:CPU's events) has no type."""
+    names, which the result type mostly tells apart; a name alone (a GPU kernel, XLA:CPU's events) has no type.
+    `operands`: the operands' types as a third item, which tells apart the programs' instructions of one name and
+    result (the engine's prefill and decode scatters into the same pool)."""
     op, _, text = event_name.lstrip("%").partition(" = ")
-    return op, result_type(text)
+    if not operands:
+        return op, result_type(text)
+    inside = re.sub(r"\{[^{}]*\}", "", text).partition("(")[2]
+    return op, result_type(text), " ".join(re.findall(r"\b[a-z]+\d*\[[\d,]*\]", inside))
 
 
 def trace_kind(name: str, text: str) -> str:

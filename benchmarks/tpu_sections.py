@@ -793,10 +793,12 @@ def serve_kernels(ctx: Ctx, kernels: str) -> None:
             ctx.put(**{f"serve_{tag}_note": f"error: {g.one_line(e)}"})
             continue
         prof = out.get("profile", {})
-        share = prof["by_kind"].get("Pallas kernel (TPU)", 0) / prof["ms_per_step"] if prof.get("ms_per_step") else None
+        ms = prof.get("ms_per_step")
+        share = prof["by_kind"].get("Pallas kernel (TPU)", 0) / ms if ms else None
+        attention = prof.get("by_scope", {}).get("attention kernel", 0) / ms if ms else None
         print(f"serve 1B {label}: {out['round']['output_tokens_per_s']:.1f} output tokens/s, "
-              + (f"Pallas kernels {share:.1%} of {prof['ms_per_step']:.0f} ms device time" if share is not None
-                 else "not profiled"), flush=True)
+              + (f"Pallas kernels {share:.1%} (attention {attention:.1%}) of {ms:.0f} ms device time"
+                 if share is not None else "not profiled"), flush=True)
         gc.collect()
 
 

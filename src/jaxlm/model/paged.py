@@ -181,14 +181,18 @@ def write(arrays: dict, r, new: dict, page_PC: jax.Array, off_PC: jax.Array,
     """The pool of one pattern entry with repeat r's entries of tokens [P, C] written at their pages and offsets
     (vectors padded with zeros to the pool's width); a token whose page is out of range (the pool's page count) is
     dropped. Every lead index (kv head) is indexed, not sliced, so that each write is one contiguous vector: with
-    a slice over the heads XLA:TPU laid the pool out anew for a prompt's chunk, copying all of it. `kernel` (a
-    decode step's, C = 1, where its write_kernel is set): keys and values by model/pool_write.py's kernel."""
+    a slice over the heads XLA:TPU laid the pool out anew for a prompt's chunk, copying all of it. `kernel` (where
+    its write_kernel is set; each row's tokens at consecutive positions, as attention's are): keys and values
+    written by model/pool_write.py's kernel."""
     out = {}
     for name, pool in arrays.items():
         lead = pool.ndim - 4  # [*lead, R, NP, page, last]
-        if kernel is not None and kernel.write_kernel and lead == 1 and page_PC.shape[1] == 1 and (
-                pool_write.fits(pool.shape, page_PC.size)):
-            out[name] = _write_by_kernel(pool, r, new[name], page_PC, off_PC, kernel.interpret)
+        if kernel is not None and kernel.write_kernel and lead == 1 and pool_write.fits(pool.shape,
+                                                                                         new[name].shape[-1]):
+            K, R, NP, A, L = pool.shape
+            pages_PC = jnp.where((page_PC >= 0) & (page_PC < NP), page_PC + r * NP, -1)  # the layers' pages as one
+            out[name] = pool_write.write_rows(pool.reshape(K, R * NP, A, L), new[name], pages_PC, off_PC,
+                                              interpret=kernel.interpret).reshape(pool.shape)
             continue
         value = jnp.moveaxis(new[name], tuple(range(2, 2 + lead)), tuple(range(lead)))  # [*lead, P, C, last]
         value = jnp.pad(value, [(0, 0)] * (value.ndim - 1) + [(0, pool.shape[-1] - value.shape[-1])])
@@ -196,19 +200,6 @@ def write(arrays: dict, r, new: dict, page_PC: jax.Array, off_PC: jax.Array,
         index = heads + (r, page_PC, off_PC, slice(None))
         out[name] = pool.at[index].set(value.astype(pool.dtype), mode="drop")
     return out
-
-
-def _write_by_kernel(pool, r, new_PCKL, page_PC, off_PC, interpret: bool) -> jax.Array:
-    """write's one entry by pool_write.write_tokens: the pool's layers seen as one axis of pages (repeat r's page i
-    is r NP + i; a page outside [0, NP) stays out of range)."""
-    K, R, NP, A, L = pool.shape
-    new_TKL = new_PCKL.reshape(-1, K, new_PCKL.shape[-1])
-    new_TKL = jnp.pad(new_TKL, ((0, 0), (0, 0), (0, L - new_TKL.shape[-1])))
-    page_T = page_PC.reshape(-1)
-    ids_T = jnp.where((page_T >= 0) & (page_T < NP), page_T + r * NP, -1)
-    out = pool_write.write_tokens(pool.reshape(K, R * NP, A, L), new_TKL, ids_T, off_PC.reshape(-1),
-                                  interpret=interpret)
-    return out.reshape(pool.shape)
 
 
 def _keys_entry(arrays: dict) -> jax.Array:
