@@ -1,16 +1,17 @@
 """The TPU tier's checks of our ragged paged-attention kernel (model/ragged_paged.py) and of the megablox grouped
 matmul behind model.moe_matmul=megablox, compiled for the chip (not interpreted): the kernel against a float64
 reference at the serving engine's shapes (pages of 128 positions, heads of 128 lanes, grouped queries, decode rows
-and a prefill chunk, soft-cap; its defaults and the kernel as first written), and a mixture-of-experts layer's
-values and gradients by megablox against ragged_dot on the chip."""
+and a prefill chunk, soft-cap; its defaults and the kernel as first written), the pool's write kernel against XLA's
+scatter, and a mixture-of-experts layer's values and gradients by megablox against ragged_dot on the chip."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxlm.model import moe, ragged_paged
+from jaxlm.model import moe, paged, ragged_paged
 from test_expert import SWIGLU, K as TOP_K, _layer
+from test_pool_write import rows_of
 from test_ragged_paged import FIRST, reference
 
 pytestmark = pytest.mark.tpu
@@ -45,6 +46,24 @@ def test_ragged_kernel_on_the_chip_gives_the_reference_attention(K, N, C, softca
     print(f"K={K} N={N} C={C} softcap={softcap} {variant or 'default'}: largest error {err:.3g}")
     assert np.abs(want).max() > 0.5 and err <= 2e-2
     assert not got[0].any() and not got[q_pos < 0].any()
+
+
+@pytest.mark.parametrize("C", [1, 21])
+def test_pool_write_kernel_on_the_chip_writes_as_the_scatter(C, tpu):
+    """The pool's write kernel (write_kernel=1) compiled for the chip: decode rows at every kind of offset and
+    chunks of 21 tokens spanning groups and pages, into a packed bf16 pool of pages of 128 (8 kv heads, keys and
+    values of 64 side by side), repeat 1 of 2: the pool equals XLA's scatter's to the bit."""
+    K, R, NP, A = 8, 2, 16, 128
+    rng = np.random.default_rng(C)
+    page, off = rows_of(C, NP, A, rng)
+    with jax.default_device(tpu):
+        arrays = {"kv": jnp.asarray(rng.normal(size=(K, R, NP, A, 128)), jnp.bfloat16)}
+        new = {"kv": jnp.asarray(rng.normal(size=(*page.shape, K, 128)), jnp.bfloat16)}
+        kernel = ragged_paged.Kernel(interpret=tpu.platform != "tpu", write_kernel=True)  # a dry run: CPU
+        got = jax.jit(lambda a, n, p, o: paged.write(a, 1, n, p, o, kernel))(arrays, new, page, off)["kv"]
+        want = jax.jit(lambda a, n, p, o: paged.write(a, 1, n, p, o))(arrays, new, page, off)["kv"]
+        assert got.devices() == {tpu}
+    assert bool((got == want).all()) and not bool((got == arrays["kv"]).all())
 
 
 def test_megablox_on_the_chip_equals_ragged_dot(tpu):
