@@ -148,7 +148,9 @@ def test_int8_remat_keeps_the_quantized_weights():
 
 def test_int8_remat_minimal_keeps_matmul_results_at_compute_dtype():
     """remat minimal keeps the matmuls' outputs: under int8 training that is each matmul's bf16 result (2 bytes
-    an element), not its int32 accumulator (4), which bf16 training's minimal does not pay either."""
+    an element), not its int32 accumulator (4), which bf16 training's minimal does not pay either; and the int8
+    input and its scales that the backward multiplies by (1 byte an element), so the recomputed forward does not
+    quantize the input again."""
     from jax._src.ad_checkpoint import saved_residuals
 
     from jaxlm.config import ModelConfig
@@ -166,7 +168,9 @@ def test_int8_remat_minimal_keeps_matmul_results_at_compute_dtype():
         return sorted((a.dtype.name, a.shape) for a, src in saved_residuals(f, x, w) if "argument" not in src)
 
     y, sw = (x.shape[0], x.shape[1]) + w.shape[1:], (1,) + w.shape[1:]
-    assert kept("minimal") == [("bfloat16", y), ("float32", sw), ("int8", w.shape)]  # the result, the int8 weight
+    sx = x.shape[:2] + (1,)
+    # the result, the int8 input and weight and their scales
+    assert kept("minimal") == [("bfloat16", y), ("float32", sw), ("float32", sx), ("int8", x.shape), ("int8", w.shape)]
     assert kept("save_dots") == kept("minimal")
     assert kept("full") == [("float32", sw), ("int8", w.shape)]
     # bf16 training's minimal keeps the same bf16 result

@@ -336,6 +336,9 @@ QUANT_WEIGHT = "quant_weight"
 # The name of a quantized matmul's result at the compute dtype (layers.dot): under int8 training, the remat
 # policies that keep matmul outputs keep this (2 bytes an element) in place of the int32 accumulator (4).
 QUANT_OUT = "quant_out"
+# The name of a quantized matmul's int8 input and its scales, the residuals its backward multiplies by: remat
+# minimal keeps them too, so the backward's recomputed forward does not quantize the input again.
+QUANT_IN = "quant_in"
 
 
 @jax.tree_util.register_dataclass
@@ -434,6 +437,7 @@ def _qdot_int8_fwd(spec, x, w, qw, sw, recipe):
     # int8 values, the forward's scales folded into the incoming gradient before it is quantized, so it
     # quantizes neither x nor w again (two absmax reductions and two rounding passes a matmul fewer).
     y, qx, sx = _int8_forward(spec, x, qw, sw)
+    qx, sx = checkpoint_name(qx, QUANT_IN), checkpoint_name(sx, QUANT_IN)
     # empty arrays carry the float operands' dtypes for the cotangents
     return y, (qx, sx, qw, sw, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
 
