@@ -41,8 +41,9 @@ def loss_and_grads(objective: objectives.Objective, params, batch: dict, cfg: Co
         lambda p, b, c, k: objective.loss(model_params(p, frozen, c, k), b, c, k))
     if frozen is None and vision_frozen(cfg):
         loss = tower_held(loss)
-    if frozen is None and cfg.model.quantization == "int8":
-        # the block weights' int8 values and scales made once a step, not once a micro-batch (quant.step_weights)
+    if frozen is None and cfg.model.quantization == "int8" and sharding.pipeline() is None:
+        # the block weights' int8 values and scales made once a step, not once a micro-batch (quant.step_weights;
+        # pipeline stages slice the weights by their specs, and quantize them where they multiply)
         made, per_micro = quant.step_weights(params, cfg.model), loss
         loss = lambda p, b, c, k: per_micro(quant.with_step_weights(p, made), b, c, k)  # noqa: E731
     with_normalizer = lambda b: b if normalizer is None else {**b, "normalizer": normalizer}  # noqa: E731
