@@ -53,6 +53,8 @@ MAXTEXT_ROWS = [
 # its gradient in the forward and the splash kernel read heads as [H, T]).
 _GPT2_ONE_CHIP = {"training.batch_size": 16, "training.grad_accum": 1, "model.param_dtype": "bfloat16",
                   "model.remat": "full"}
+_GPT2_MINIMAL = {**_GPT2_ONE_CHIP, "model.splash_layout": "seq_minor", "model.loss_chunk_tokens": 1024,
+                 "model.remat": "minimal"}  # row 4: 108,000 tokens/s, 46.85% on a v5e
 GPT2_ROWS = [
     ("preset (128 x 1,024 tokens a micro-step, 16 of them a step)", {}),
     ("batch 16, bf16 weights and moments, remat full, splash seq_minor",
@@ -63,27 +65,49 @@ GPT2_ROWS = [
     # activations instead (6.39 GiB); the compile prices its copies above the recompute (152.8 ms), but it puts
     # elementwise work at about half the chip's copy rate, and at half its estimate of them the order reverses
     # (117.9 against 120.3). Batch 32: the optimizer's update shared by twice the tokens.
+    # Seen on a v5e (2026-12-07): row 1 99,360 tokens/s (43.1% by MaxText's count), row 3 100,000 (43.4%), row 4
+    # 108,000 (46.85%, peak_bytes_in_use 8.96 GiB against the compile's 6.39), row 5 102,400 (44.4%).
     ("batch 16, bf16, remat full, seq_minor, loss in one chunk",
      {**_GPT2_ONE_CHIP, "model.splash_layout": "seq_minor", "model.loss_chunk_tokens": 1024}),
-    ("batch 16, bf16, remat minimal, seq_minor, loss in one chunk",
-     {**_GPT2_ONE_CHIP, "model.splash_layout": "seq_minor", "model.loss_chunk_tokens": 1024, "model.remat": "minimal"}),
+    ("batch 16, bf16, remat minimal, seq_minor, loss in one chunk", _GPT2_MINIMAL),
     ("batch 32, bf16, remat full, seq_minor, loss in one chunk",
      {**_GPT2_ONE_CHIP, "model.splash_layout": "seq_minor", "model.loss_chunk_tokens": 1024,
       "training.batch_size": 32}),
+    # Around row 4, the fastest measured. On the chip remat minimal ran at 0.99 of the compile's estimate and remat
+    # full at 1.14 (rows 4 and 3): XLA:TPU underprices these width-768 matmuls and overprices the copies, so rows
+    # are ranked by matmul FLOPs first. Batch 24 (the compile: 9.21 GiB, 151.6 ms per 16,384 tokens against 152.8).
+    ("batch 24, bf16, remat minimal, seq_minor, loss in one chunk",
+     {**_GPT2_MINIMAL, "training.batch_size": 24}),
+    # The splash kernel's tiles (all its block sizes; 512 above): its own time the compile does not estimate.
+    ("batch 16, bf16, remat minimal, seq_minor, loss in one chunk, splash tiles of 1,024",
+     {**_GPT2_MINIMAL, "model.attention_block": 1024}),
+    ("batch 16, bf16, remat minimal, seq_minor, loss in one chunk, splash tiles of 256",
+     {**_GPT2_MINIMAL, "model.attention_block": 256}),
+    # What `jaxlm train openwebtext` names on one v5e when it stops (preflight: bf16, remat minimal, the batch
+    # halved to 32; the compile, with its 64 micro-batches: 9.32 GiB), here without accumulation.
+    ("batch 32, bf16, remat minimal (the preflight's line)", {**_GPT2_ONE_CHIP, "model.remat": "minimal",
+                                                            "training.batch_size": 32}),
 ]
 # int8 training of the whole maxtext_base_v5e step (bf16 weights and moments, the loss in one chunk, 2 x 2,048
 # tokens a micro-batch, 16 a step) against the preset itself; JAXLM_BENCH_QUANT_ROWS chooses rows (quant()).
 # Seen on a v5e (2026-12-07): the preset 20,016 tokens/s; int8 under remat full 24,749; remat minimal at batch 1 x
-# 32 22,629 (at batch 2 its int32 matmul results did not fit).
+# 32 22,629 (at batch 2 its int32 matmul results did not fit); remat minimal at batch 2 x 16 keeping bf16 results
+# 25,784 (1.288x), as `jaxlm train maxtext_base_v5e model.quantization=int8` printed it.
 _INT8 = {"model.quantization": "int8"}
 QUANT_ROWS = [
     ("maxtext_base_v5e preset (bf16, remat minimal)", "maxtext_base_v5e"),
     ("int8, remat full", {**_INT8, "model.remat": "full"}),
     # remat minimal keeps each int8 matmul's bf16 result, not its int32 accumulator: batch 2 fits (v5e-1 compile:
-    # 13.22 GiB), no matmul recomputed (5.84 int8 GFLOP a token against remat full's 7.32)
+    # 13.22 GiB), no matmul recomputed (5.84 int8 GFLOP a token against remat full's 7.32). Since that chip run
+    # the weights are quantized once a step and remat minimal keeps the matmuls' int8 inputs: the compile's step
+    # at half its elementwise price 2,611.6 -> 2,313.1 ms (13.61 GiB), about 29,000 tokens/s, 1.45x, if the chip
+    # keeps the 0.97 of that figure it ran at.
     ("int8, remat minimal", _INT8),
     # the gradients rounded to nearest: the stochastic rounding's hash off (the quant modes' int8_nearest: its loss)
     ("int8 with gradients rounded to nearest, remat minimal", {**_INT8, "model.quant_stochastic_rounding": False}),
+    # the output projection int8 too: 3.12 bf16-equivalent GFLOP a token against 3.31, the compile's step at half
+    # its elementwise price 2,299.0 ms against 2,313.1 (13.77 GiB); its loss is not measured by these rows
+    ("int8 with the output projection int8 too, remat minimal", {**_INT8, "model.quant_logits": True}),
 ]
 
 SIZES = {
@@ -99,7 +123,8 @@ SIZES = {
         gpt2_model={"model.n_layers": 2, "model.d_model": 64, "model.n_heads": 4, "model.vocab_size": 512,
                     "model.block_size": 64, "training.batch_size": 8, "training.grad_accum": 1},  # the preset's
         # 128 x 16 micro-steps a step took 15 s a step at these widths
-        maxtext_batch=2, maxtext_steps=2, profile_steps=1, gpt2_steps=2, long_block=256, long_steps=1,
+        maxtext_batch=2, maxtext_steps=2, profile_steps=1, gpt2_steps=2, gpt2_rows="0,2,4,6,9", long_block=256,
+        long_steps=1,
         quant_layers=2, quant_block=64, quant_batch=2, quant_steps=10, quant_rows="0,2",
         lora_model={"model.n_layers": 2, "model.d_model": 64, "model.n_heads": 4, "model.n_kv_heads": 2,
                     "model.head_dim": 16, "model.d_ff": 128, "model.vocab_size": 512},
@@ -211,8 +236,10 @@ def gpt2(ctx: Ctx) -> None:
     """GPT-2 124M as the `openwebtext` preset trains it (float32 weights, bf16 compute; 128 sequences a micro-step:
     `jaxlm compile openwebtext compile.topology=v5e-1` puts it at about 122 GiB, more than a chip holds), then
     batch 16 with bf16 weights and remat full, the splash kernel reading heads as [H, T] and as [T, H], then with
-    [H, T] and the loss in one chunk under remat full, remat minimal, and at batch 32 (GPT2_ROWS)."""
-    rows(ctx, "gpt2_runs", "openwebtext", GPT2_ROWS, ctx.sizes["gpt2_steps"], {})
+    [H, T] and the loss in one chunk under remat full, remat minimal (profiled), and at batch 32, then around remat
+    minimal: batch 24, splash tiles of 1,024 and 256, and the preflight's line (GPT2_ROWS)."""
+    rows(ctx, "gpt2_runs", "openwebtext", GPT2_ROWS, ctx.sizes["gpt2_steps"], {}, profile=(4,),
+         chosen=ctx.sizes.get("gpt2_rows"))
 
 
 def long(ctx: Ctx) -> None:

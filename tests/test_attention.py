@@ -487,6 +487,12 @@ def test_splash_heads_major_projections_under_int8_training_equal_the_token_majo
     (_, got), got_grads = grads(p_attn, x)
     lowered = jax.jit(run).lower(p_attn, x).as_text()
     assert len(re.findall(r"tensor<[0-9x]+xi8>, tensor<[0-9x]+xi8>\) -> tensor<[0-9x]+xi32>", lowered)) == 4
+    # the weights quantized once a step (quant.step_weights) take the same path, to the same values
+    stepped = {**p_attn, **{n: quant.StepInt8(p_attn[n], *quant.quantize(p_attn[n], quant.BLOCK_WEIGHT_CONTRACTED[n],
+                                                                        "int8")) for n in "qkvo"}}
+    with quant.recipe_scope(recipe):
+        assert attention._splash_heads_major(x, stepped, cfg, "global", None)
+    assert_close(jax.jit(run)(stepped, x)[1], got)
     monkeypatch.setattr(attention, "_splash_heads_major", lambda *a: False)
     (_, want), want_grads = grads(p_attn, x)
     for a, b in zip(jax.tree.leaves((got, got_grads)), jax.tree.leaves((want, want_grads))):

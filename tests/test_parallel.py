@@ -183,6 +183,16 @@ def test_pipeline_moves_activations_not_weights(repeats, char_data):
     assert ("all-to-all" in found) == (repeats > 1), found
 
 
+def test_int8_training_steps_through_pipeline_stages(char_data):
+    """int8 training quantizes the block weights once a step (quant.step_weights) where the layers run as one stack;
+    pipeline stages slice the weights by their specs, so there the matmuls quantize them (the step's weights as
+    quant.StepInt8 nodes did not match the specs' tree, and the step failed to trace)."""
+    cfg = tiny_config(char_data, **{"model.vocab_size": 128, "model.n_layers": 4, "mesh.ici_data": 4,
+                                    "mesh.ici_stage": 2, "model.quantization": "int8", "training.grad_accum": 2})
+    lowered = step_lib.lower_train_step(run_lib.setup(cfg, jax.devices(), data=False)).as_text()
+    assert re.search(r"\(tensor<[0-9x]+xi8>, tensor<[0-9x]+xi8>\) -> tensor<[0-9x]+xi32>", lowered)
+
+
 def test_pipeline_setting_errors_are_one_line(char_data, tmp_path):
     with pytest.raises(ConfigError, match="training.pipeline_microbatches=3 must divide the batch of 16"):
         _losses(char_data, tmp_path, jax.devices(), steps=1, **{"training.batch_size": 16, "mesh.ici_data": 2,

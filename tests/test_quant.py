@@ -148,7 +148,9 @@ def test_int8_remat_keeps_the_quantized_weights():
 
 def test_int8_remat_minimal_keeps_matmul_results_at_compute_dtype():
     """remat minimal keeps the matmuls' outputs: under int8 training that is each matmul's bf16 result (2 bytes
-    an element), not its int32 accumulator (4), which bf16 training's minimal does not pay either."""
+    an element), not its int32 accumulator (4), which bf16 training's minimal does not pay either; and the int8
+    input and its scales that the backward multiplies by (1 byte an element), so the recomputed forward does not
+    quantize the input again."""
     from jax._src.ad_checkpoint import saved_residuals
 
     from jaxlm.config import ModelConfig
@@ -166,7 +168,9 @@ def test_int8_remat_minimal_keeps_matmul_results_at_compute_dtype():
         return sorted((a.dtype.name, a.shape) for a, src in saved_residuals(f, x, w) if "argument" not in src)
 
     y, sw = (x.shape[0], x.shape[1]) + w.shape[1:], (1,) + w.shape[1:]
-    assert kept("minimal") == [("bfloat16", y), ("float32", sw), ("int8", w.shape)]  # the result, the int8 weight
+    sx = x.shape[:2] + (1,)
+    # the result, the int8 input and weight and their scales
+    assert kept("minimal") == [("bfloat16", y), ("float32", sw), ("float32", sx), ("int8", x.shape), ("int8", w.shape)]
     assert kept("save_dots") == kept("minimal")
     assert kept("full") == [("float32", sw), ("int8", w.shape)]
     # bf16 training's minimal keeps the same bf16 result
@@ -174,6 +178,47 @@ def test_int8_remat_minimal_keeps_matmul_results_at_compute_dtype():
                        policy=transformer.remat_policy(ModelConfig(remat="minimal")))
     assert [(a.dtype.name, a.shape) for a, src in saved_residuals(f, x, w) if "argument" not in src] == [
         ("bfloat16", (y[0] * y[1], y[2] * y[3]))]  # as one 2-D matmul
+
+
+def test_int8_step_weights_quantize_each_weight_once_a_step(char_data, monkeypatch):
+    """int8 training quantizes the block weights once a step, before the micro-batches (quant.step_weights): a
+    matmul given a StepInt8 quantizes x alone, with the numbers of quantizing w where it multiplies; the step's
+    quantizing of the weights sits outside the micro-batch loop; and its loss and gradients are those of the step
+    that quantizes every weight in every micro-batch."""
+    from jaxlm.train import objectives
+
+    x, w, _ = operands(6)
+    x, w = jnp.asarray(x), jnp.asarray(w)
+    made = quant.StepInt8(w, *quant.quantize(w, (0,), "int8"))
+    int8 = quant.Recipe("int8")
+    f = lambda w: quant.qdot(SPEC, x, w, int8)  # noqa: E731
+    reduce_max = lambda w: str(jax.make_jaxpr(f)(w)).count("reduce_max")  # noqa: E731 - the custom VJP's too
+    assert (reduce_max(w), reduce_max(made)) == (2, 1)
+    np.testing.assert_array_equal(np.asarray(f(made)), np.asarray(f(w)))
+    # a weight contracted along other axes than its step's quantization is quantized where it multiplies
+    np.testing.assert_array_equal(np.asarray(quant.qdot("BTNH,DNH->BTD", jnp.ones((3, 16, 4, 8)), made, int8)),
+                                  np.asarray(quant.qdot("BTNH,DNH->BTD", jnp.ones((3, 16, 4, 8)), w, int8)))
+
+    cfg = tiny_config(char_data, **{"model.quantization": "int8", "model.vocab_size": 65, "model.remat": "minimal",
+                                    "training.grad_accum": 2, "training.batch_size": 2, "checkpoint.enabled": False})
+    run = run_lib.setup(cfg, jax.devices()[:1])
+    params = state_lib.init_state(run, 0)["params"]
+    tokens = np.random.default_rng(0).integers(0, 65, (2, 2, 33)).astype(np.int32)
+    batch = {"inputs": tokens[..., :-1], "targets": tokens[..., 1:]}
+
+    def step():  # a new function each time: jit and make_jaxpr cache their traces by the function
+        return lambda p, b: step_lib.loss_and_grads(objectives.get("next_token"), p, b, run.cfg, jax.random.key(0))
+
+    n_weights = len(jax.tree.leaves(quant.step_weights(params, cfg.model))) // 2
+    outer = lambda: [e.primitive.name for e in jax.make_jaxpr(step())(params, batch).eqns]  # noqa: E731
+    assert n_weights == 6 and outer().count("reduce_max") == n_weights  # q, k, v, o, up, down; once each
+    (loss, _), grads = jax.jit(step())(params, batch)
+    monkeypatch.setattr(quant, "step_weights", lambda params, model_cfg: {})  # each matmul quantizes its weight
+    assert outer().count("reduce_max") == 0
+    (ref_loss, _), ref = jax.jit(step())(params, batch)
+    assert float(loss) == float(ref_loss)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
 
 
 def test_fp8_matches_e4m3_e5m2_reference():

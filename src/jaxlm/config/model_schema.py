@@ -153,7 +153,7 @@ class ModelConfig:
     compute_dtype: DType = _f("float32", "dtype of activations and matmul operands (softmax and loss stay float32)")
     remat: RematPolicy = _f("none", "activation rematerialization: none, full, minimal (save matmuls without a "
                                     "batch dim; under int8 training their bf16 results, not the int32 "
-                                    "accumulators), save_dots, save_qkv_proj / save_out_proj / save_qkv_out_proj / "
+                                    "accumulators, and their int8 inputs), save_dots, save_qkv_proj / save_out_proj / save_qkv_out_proj / "
                                     "save_attention (keep those named activations, recompute the rest), "
                                     "offload_qkv_proj / offload_attention (move them to host memory; TPU and GPU), "
                                     "offload_layer_inputs (full remat, each layer's input kept in host memory); "

@@ -16,7 +16,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxlm import runtime, sharding
 from jaxlm.config import ConfigError
-from jaxlm.model import blockwise, kvcache, layers, ring, splash
+from jaxlm.model import blockwise, kvcache, layers, quant, ring, splash
 from jaxlm.params import ParamSpec, normal, zeros
 from jaxlm.sharding import constrain
 
@@ -340,7 +340,7 @@ def _splash_heads_major(x_BTD, p, cfg, kind: str, segment_ids_BT) -> bool:
     T = x_BTD.shape[1]
     return (choose(cfg, T, x_BTD.dtype, segment_ids_BT is not None, mesh_platform()) == "splash"
             and ring.context_devices() <= 1 and not (cfg.attn_temperature_tuning and kind == "nope")
-            and all(isinstance(p[n], jax.Array) for n in "qkvo"))
+            and all(isinstance(p[n], (jax.Array, quant.StepInt8)) for n in "qkvo"))
 
 
 def _project_heads_major(x_BTD, p, name: str):

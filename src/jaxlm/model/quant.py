@@ -336,6 +336,49 @@ QUANT_WEIGHT = "quant_weight"
 # The name of a quantized matmul's result at the compute dtype (layers.dot): under int8 training, the remat
 # policies that keep matmul outputs keep this (2 bytes an element) in place of the int32 accumulator (4).
 QUANT_OUT = "quant_out"
+# The name of a quantized matmul's int8 input and its scales, the residuals its backward multiplies by: remat
+# minimal keeps them too, so the backward's recomputed forward does not quantize the input again.
+QUANT_IN = "quant_in"
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class StepInt8:
+    """A block weight under int8 training with its int8 values and scales (quantize along the axes its forward
+    matmul contracts), made once a step before the micro-batches (step_weights): each micro-batch's forward
+    multiplies by these instead of quantizing the weight again. The gradient flows to `w` alone (the custom VJP's
+    dw, straight through the rounding)."""
+
+    w: jax.Array
+    value: jax.Array
+    scale: jax.Array
+
+
+def step_weights(params: dict, model_cfg) -> dict:
+    """{group: {name: (values, scales)}} of every block weight int8 training multiplies through `qdot` (those
+    quantize_params stores as int8, the experts' left float), stacked over the layers as the weights are: made
+    once a step, the gradient stopped. A step of 16 micro-batches otherwise quantized each weight 16 times, and
+    the layers' scan copied every micro-batch's int8 weights into a stack for the backward pass."""
+    out = {}
+    for group in ("attn", "mlp", "dense_mlp"):
+        if group not in params["layers"]:
+            continue
+        weights = params["layers"][group]
+        experts = "router" in weights
+        out[group] = {name: quantize(jax.lax.stop_gradient(w), tuple(a + 1 for a in BLOCK_WEIGHT_CONTRACTED[name]),
+                                     "int8")
+                      for name, w in weights.items()
+                      if name in BLOCK_WEIGHT_CONTRACTED and not (experts and name in EXPERTS)
+                      and isinstance(w, jax.Array)}
+    return out
+
+
+def with_step_weights(params: dict, made: dict) -> dict:
+    """params with the weights of step_weights' `made` as StepInt8 (the gradient still flows to each weight)."""
+    layers = dict(params["layers"])
+    for group, named in made.items():
+        layers[group] = {**layers[group], **{name: StepInt8(layers[group][name], *vs) for name, vs in named.items()}}
+    return {**params, "layers": layers}
 
 
 def qdot(spec: str, x, w, recipe: Recipe) -> jax.Array:
@@ -343,8 +386,13 @@ def qdot(spec: str, x, w, recipe: Recipe) -> jax.Array:
     if recipe.mode != "int8":
         return _qdot_fp8(spec, x, w, recipe)
     _, w_s, _, contracted = parse(spec)
+    axes = _axes(w_s, contracted)
+    if isinstance(w, StepInt8):
+        if w.scale.shape == tuple(1 if i in axes else n for i, n in enumerate(w.w.shape)):
+            return _qdot_int8(spec, x, w.w, w.value, w.scale, recipe)
+        w = w.w  # contracted along other axes than its step's quantization: quantized here
     # w's whole gradient is the custom VJP's dw (straight through the rounding): none flows through its scale
-    qw, sw = quantize(jax.lax.stop_gradient(w), _axes(w_s, contracted), "int8")
+    qw, sw = quantize(jax.lax.stop_gradient(w), axes, "int8")
     return _qdot_int8(spec, x, w, checkpoint_name(qw, QUANT_WEIGHT), checkpoint_name(sw, QUANT_WEIGHT), recipe)
 
 
@@ -389,6 +437,7 @@ def _qdot_int8_fwd(spec, x, w, qw, sw, recipe):
     # int8 values, the forward's scales folded into the incoming gradient before it is quantized, so it
     # quantizes neither x nor w again (two absmax reductions and two rounding passes a matmul fewer).
     y, qx, sx = _int8_forward(spec, x, qw, sw)
+    qx, sx = checkpoint_name(qx, QUANT_IN), checkpoint_name(sx, QUANT_IN)
     # empty arrays carry the float operands' dtypes for the cotangents
     return y, (qx, sx, qw, sw, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
 

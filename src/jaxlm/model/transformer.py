@@ -123,15 +123,16 @@ def remat_policy(cfg: ModelConfig):
     """The layers' checkpoint policy for model.remat (None for none). int8 training also keeps each layer's int8
     weights (quant.QUANT_WEIGHT, 1 byte a block weight), so that the recomputed forward does not quantize them
     again, and the policies that keep matmul outputs (minimal, save_dots) keep each int8 matmul's result at the
-    compute dtype (quant.QUANT_OUT, 2 bytes an element) in place of its int32 accumulator (4); the policies that
-    offload to the host are left as they are."""
+    compute dtype (quant.QUANT_OUT, 2 bytes an element) in place of its int32 accumulator (4), and its int8 input
+    and scales (quant.QUANT_IN, 1 byte an element), so that the recomputed forward does not quantize the input
+    again; the policies that offload to the host are left as they are."""
     if cfg.remat == "none":
         return None
     policy = REMAT_POLICIES[cfg.remat]
     if cfg.quantization == "int8" and not cfg.remat.startswith("offload"):
         names = [quant.QUANT_WEIGHT]
         if cfg.remat in ("minimal", "save_dots"):
-            policy, names = _no_int32_dots(policy), [*names, quant.QUANT_OUT]
+            policy, names = _no_int32_dots(policy), [*names, quant.QUANT_OUT, quant.QUANT_IN]
         policy = _cp.save_from_both_policies(policy, _cp.save_only_these_names(*names))
     return policy
 

@@ -19,7 +19,7 @@ from jaxlm.train.run import Run, batch_keys, vision_frozen
 from jaxlm.train.state import model_params, shardings_of
 from jaxlm.config import Config, ConfigError
 from jaxlm.data import tokenizer as tokenizer_lib
-from jaxlm.model import ring, transformer
+from jaxlm.model import quant, ring, transformer
 
 
 # Running average of the loss for spike detection: an exponential average over about the last 100 steps.
@@ -41,6 +41,11 @@ def loss_and_grads(objective: objectives.Objective, params, batch: dict, cfg: Co
         lambda p, b, c, k: objective.loss(model_params(p, frozen, c, k), b, c, k))
     if frozen is None and vision_frozen(cfg):
         loss = tower_held(loss)
+    if frozen is None and cfg.model.quantization == "int8" and sharding.pipeline() is None:
+        # the block weights' int8 values and scales made once a step, not once a micro-batch (quant.step_weights;
+        # pipeline stages slice the weights by their specs, and quantize them where they multiply)
+        made, per_micro = quant.step_weights(params, cfg.model), loss
+        loss = lambda p, b, c, k: per_micro(quant.with_step_weights(p, made), b, c, k)  # noqa: E731
     with_normalizer = lambda b: b if normalizer is None else {**b, "normalizer": normalizer}  # noqa: E731
 
     if A == 1:
