@@ -647,8 +647,9 @@ def int8_model(ctx: Ctx):
     """(params, ModelConfig): llama3.1-8b's shape (tiny sizes: SIZES' lora_model) with its weights in the layout
     decode.quantize_weights=int8 serves (quant.serving_params: every layer's matmul weights and the output
     projection int8 with a float32 scale per output channel; norms and the embedding bf16), random and made on the
-    chip leaf by leaf (small leaves together: made_in_chunks): an 8B model in bf16 (16 GB) does not fit beside it. int8 values uniform over [-128, 127]
-    with scales near 0.02 / 74 (weights of standard deviation about 0.02, as the initializer's), norms 1."""
+    chip leaf by leaf (small leaves together: made_in_chunks): an 8B model in bf16 (16 GB) does not fit beside it.
+    int8 values uniform over [-128, 127] with scales near 0.02 / 74 (weights of standard deviation about 0.02, as
+    the initializer's), norms 1."""
     import jax
     import jax.numpy as jnp
 
