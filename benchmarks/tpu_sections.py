@@ -16,6 +16,7 @@ parameters), decode (generate at batch 1 and 64, batch 64's call profiled), serv
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import re
 import statistics
@@ -345,9 +346,38 @@ def random_frozen(abstract: dict, seed: int = 0) -> dict:
             lo, hi = (5e-5, 1e-4) if "absmax_scale" in name else (0.03, 0.06) if "absmax_mean" in name else (-.05, .05)
             make = lambda k: (jax.random.uniform(k, a.shape, jnp.float32, lo, hi)  # noqa: E731
                               .astype(jnp.bfloat16).astype(a.dtype))
-        return jax.jit(make, out_shardings=a.sharding)(key)
+        return make
 
-    return jax.tree.unflatten(tree, [one(k, p, a) for k, (p, a) in zip(keys, flat)])
+    return jax.tree.unflatten(tree, made_in_chunks([(functools.partial(one(k, p, a), k), a) for k, (p, a) in
+                                                    zip(keys, flat)]))
+
+
+CHUNK_BYTES = 256 << 20  # leaves made together in one program up to this many bytes of output (made_in_chunks)
+
+
+def made_in_chunks(makers: list) -> list:
+    """The arrays of `makers`, (a function of no arguments, the abstract array it makes), in their order: leaves
+    made together in one program while their outputs stay under CHUNK_BYTES (a larger one alone), so that a
+    model's many small leaves cost one compile rather than one each and an 8B model's large ones are still made
+    one at a time. Each leaf is computed as it would be alone: the same values, bit for bit."""
+    import jax
+
+    out, chunk, size = [], [], 0
+
+    def flush():
+        fns, shardings = [f for f, _ in chunk], [a.sharding for _, a in chunk]
+        out.extend(jax.jit(lambda: [f() for f in fns], out_shardings=shardings)())
+
+    for fn, a in makers:
+        nbytes = int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
+        if chunk and size + nbytes > CHUNK_BYTES:
+            flush()
+            chunk, size = [], 0
+        chunk.append((fn, a))
+        size += nbytes
+    if chunk:
+        flush()
+    return out
 
 
 def lora_row(ctx: Ctx, label: str, cfg, steps: int, loss_steps: int = 0) -> dict:
@@ -644,8 +674,9 @@ def int8_model(ctx: Ctx):
     """(params, ModelConfig): llama3.1-8b's shape (tiny sizes: SIZES' lora_model) with its weights in the layout
     decode.quantize_weights=int8 serves (quant.serving_params: every layer's matmul weights and the output
     projection int8 with a float32 scale per output channel; norms and the embedding bf16), random and made on the
-    chip leaf by leaf: an 8B model in bf16 (16 GB) does not fit beside it. int8 values uniform over [-128, 127]
-    with scales near 0.02 / 74 (weights of standard deviation about 0.02, as the initializer's), norms 1."""
+    chip leaf by leaf (small leaves together: made_in_chunks): an 8B model in bf16 (16 GB) does not fit beside it.
+    int8 values uniform over [-128, 127] with scales near 0.02 / 74 (weights of standard deviation about 0.02, as
+    the initializer's), norms 1."""
     import jax
     import jax.numpy as jnp
 
@@ -671,9 +702,9 @@ def int8_model(ctx: Ctx):
             fn = lambda: jnp.ones(a.shape, a.dtype)  # noqa: E731
         else:
             fn = lambda: (0.02 * jax.random.normal(key, a.shape, jnp.float32)).astype(a.dtype)  # noqa: E731
-        return jax.jit(fn, out_shardings=one)()
+        return fn, jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one)
 
-    return jax.tree.unflatten(tree, [make(i, path, a) for i, (path, a) in enumerate(paths)]), cfg
+    return jax.tree.unflatten(tree, made_in_chunks([make(i, path, a) for i, (path, a) in enumerate(paths)])), cfg
 
 
 def hbm_copy(ctx: Ctx) -> float:

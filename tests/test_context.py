@@ -39,7 +39,7 @@ def _packed(rng, B: int) -> dict[str, np.ndarray]:
     return {"segment_ids": segments[None], "positions": positions[None], "weights": weights[None]}
 
 
-def _losses(char_data, tmp_path, devices, packed=False, steps=20, **overrides):
+def _losses(char_data, tmp_path, devices, packed=False, steps=14, **overrides):
     def batch_of(rng, run):
         batch = batch_lib.device_batch(run, "train", loader_lib.Windows(rng.integers(0, 100_000, size=(1, 4))))
         if packed:

@@ -98,7 +98,7 @@ COMMANDS = {
         (["max_new_tokens=20"], 0),
     "jaxlm serve RUN_DIR_OR_CONVERTED serve.port=8000 serve.max_slots=16": ([], "serve"),
     "jaxlm serve RUN_DIR_OR_CONVERTED serve.uds=/run/jaxlm.sock": ([], "serve"),
-    "jaxlm eval RUN_DIR_OR_CONVERTED --tasks mytask --include-path tasks/": (["--limit", "2", "serve.max_slots=2"], 0),
+    "jaxlm eval RUN_DIR_OR_CONVERTED --tasks mytask --include-path tasks/": (["--limit", "2", "serve.max_slots=4"], 0),
     "jaxlm compile shakespeare_char_cpu compile.topology=cpu-8 compile.output=step.jaxlm": (TRAIN, 0),
     "jaxlm train shakespeare_char_cpu compile.load=step.jaxlm": ([*TRAIN, *NO_SAVE], 0),
     "jaxlm prepare shakespeare_char --input path/to/input.txt": ([], 0),

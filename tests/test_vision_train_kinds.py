@@ -457,9 +457,9 @@ def test_a_tiny_qwen_vl_learns_to_name_the_drawn_shape(tmp_path):
              for name, pics in (("train", train), ("val", val))]
     vision_data.prepare_vision_chat(files[:1], tmp_path / "data", folder, val=files[1:], processor=processor("qwen2_5"),
                                     image_tokens=BUDGET)
-    cfg = config(tmp_path, "qwen2_5", **{"model.block_size": 40, "training.steps": 400, "training.batch_size": 16,
-                                         "training.eval_interval": 400, "optimizer.lr": 3e-3,
-                                         "optimizer.warmup_steps": 10, "checkpoint.interval": 400})
+    cfg = config(tmp_path, "qwen2_5", **{"model.block_size": 40, "training.steps": 250, "training.batch_size": 16,
+                                         "training.eval_interval": 250, "optimizer.lr": 3e-3,
+                                         "optimizer.warmup_steps": 10, "checkpoint.interval": 250})
     start = time.perf_counter()
     loop.train(cfg, devices=jax.devices()[:1], log=lambda s: None)
     seconds = time.perf_counter() - start
