@@ -48,17 +48,20 @@ def test_ragged_kernel_on_the_chip_gives_the_reference_attention(K, N, C, softca
     assert not got[0].any() and not got[q_pos < 0].any()
 
 
-@pytest.mark.parametrize("C", [1, 21])
-def test_pool_write_kernel_on_the_chip_writes_as_the_scatter(C, tpu):
-    """The pool's write kernel (write_kernel=1) compiled for the chip: decode rows at every kind of offset and
-    chunks of 21 tokens spanning groups and pages, into a packed bf16 pool of pages of 128 (8 kv heads, keys and
-    values of 64 side by side), repeat 1 of 2: the pool equals XLA's scatter's to the bit."""
+@pytest.mark.parametrize("C,dtype", [(1, "bfloat16"), (21, "bfloat16"), (1, "int8"), (21, "int8")])
+def test_pool_write_kernel_on_the_chip_writes_as_the_scatter(C, dtype, tpu):
+    """The pool's write kernel (write_kernel=1, the default) compiled for the chip: decode rows at every kind of
+    offset and chunks of 21 tokens spanning groups and pages, into a packed pool of pages of 128 (8 kv heads, keys
+    and values of 64 side by side), repeat 1 of 2, in bfloat16 and in int8 (a quantized cache's entries): the pool
+    equals XLA's scatter's to the bit."""
     K, R, NP, A = 8, 2, 16, 128
     rng = np.random.default_rng(C)
     page, off = rows_of(C, NP, A, rng)
+    draw = (lambda shape: rng.normal(size=shape)) if dtype == "bfloat16" else (
+        lambda shape: rng.integers(-127, 128, size=shape))
     with jax.default_device(tpu):
-        arrays = {"kv": jnp.asarray(rng.normal(size=(K, R, NP, A, 128)), jnp.bfloat16)}
-        new = {"kv": jnp.asarray(rng.normal(size=(*page.shape, K, 128)), jnp.bfloat16)}
+        arrays = {"kv": jnp.asarray(draw((K, R, NP, A, 128)), dtype)}
+        new = {"kv": jnp.asarray(draw((*page.shape, K, 128)), dtype)}
         kernel = ragged_paged.Kernel(interpret=tpu.platform != "tpu", write_kernel=True)  # a dry run: CPU
         got = jax.jit(lambda a, n, p, o: paged.write(a, 1, n, p, o, kernel))(arrays, new, page, off)["kv"]
         want = jax.jit(lambda a, n, p, o: paged.write(a, 1, n, p, o))(arrays, new, page, off)["kv"]

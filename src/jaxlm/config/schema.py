@@ -354,8 +354,8 @@ class ServeConfig:
             "in one vector of 128 lanes: no padding for heads of 64; by default wherever the model allows: heads of "
             "at most 64, no int8 cache, no latent attention; 1 insists, 0 never), lanes_in_kernel=1 (queries "
             "padded to the pool's lanes and the output cut to the values' inside the kernel, not by XLA around "
-            "it; 0), write_kernel=1 (the steps' keys and values written into the pool by a Pallas kernel, not XLA's "
-            "scatter; 0); '' = the defaults")
+            "it; 0), write_kernel (the steps' keys and values written into the pool by a Pallas kernel, not XLA's "
+            "scatter, where the pool's pages are whole groups of 8 positions; 1, 0 the scatter); '' = the defaults")
     cache_gib: float = _f(0.0, "memory of the paged KV cache's pages, GiB; 0 = as much as gives every slot the "
                                "whole context, at most 4 GiB on a CPU and 80% of the free memory on an "
                                "accelerator", rule=at_least(0, "0 = automatic"))

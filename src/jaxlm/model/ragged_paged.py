@@ -31,6 +31,9 @@ PREFETCH_VMEM_BYTES = 64 << 20
 # The variants' defaults: the fastest on a v5e (2026-12-07, the 1B shape's serve round: 7,946 output tokens/s against
 # 7,189 with all three off, the kernel as first written; docs/serve.md)
 HEADS_BATCHED, PAGE_STEPS, PREFETCH = True, True, 2
+# The pool written by model/pool_write.py's kernel, not XLA's scatter: 12,134 output tokens/s against 10,056 on the
+# same serve round (2026-12-07, one v5e, docs/serve.md)
+WRITE_KERNEL = True
 NEG = -0.7 * float(jnp.finfo(jnp.float32).max)  # a masked logit: finite, so that exp(NEG - NEG) is no NaN
 
 
@@ -42,7 +45,8 @@ class Kernel(NamedTuple):
     kernel as first written); `packed_kv`, the pool's keys and values packed in one entry (model/paged.py lays the
     pool out so and calls the kernel with v_pages None; None, the default: packed where the model's pool can be,
     paged.entry_specs); `lanes_in_kernel` as ragged_paged_attention's; `write_kernel`, the steps' entries written
-    into the pool by model/pool_write.py's kernel instead of XLA's scatter (serve.attention_kernel_options
+    into the pool by model/pool_write.py's kernel instead of XLA's scatter (WRITE_KERNEL; where the pool's shape
+    allows, pool_write.fits) (serve.attention_kernel_options
     sets all but `interpret`: config.kernel_options)."""
     interpret: bool = False
     block_tokens: int = BLOCK_TOKENS
@@ -52,7 +56,7 @@ class Kernel(NamedTuple):
     row_bytes: int = ROW_BLOCK_BYTES
     packed_kv: bool | None = None
     lanes_in_kernel: bool = False
-    write_kernel: bool = False
+    write_kernel: bool = WRITE_KERNEL
 
     def __call__(self, q_PCNH, k_pages, v_pages, end_P, ids_PM, q_pos_PC, *, scale: float, softcap=None,
                  values=None):
