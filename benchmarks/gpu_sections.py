@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import functools
 import glob
+import hashlib
 import json
 import math
 import os
@@ -938,7 +939,8 @@ def serve(ctx: Ctx, attention_kernel: str | None = None, kernel_options: str = "
 
 def engine_round(e, cfg, C: int, P0: int, N: int, seed: int) -> dict:
     """C greedy requests of P0 random prompt tokens and N new ones through the engine at once: the round's wall
-    time, output tokens and output tokens/s."""
+    time, output tokens, output tokens/s and each request's tokens as a short digest (`digests`: rounds of one
+    seed through two settings compare by them)."""
     from jaxlm.serve.requests import Sequence
 
     prompts = np.random.default_rng(seed).integers(0, cfg.vocab_size, (C, P0))
@@ -947,8 +949,10 @@ def engine_round(e, cfg, C: int, P0: int, N: int, seed: int) -> dict:
     if e.error:
         raise RuntimeError(f"engine: {e.error}")
     wall = time.perf_counter() - t
-    tokens = sum(len(x[1]) for ev in events for x in ev if x[0] == "tokens")
-    return dict(wall_s=wall, tokens=tokens, output_tokens_per_s=tokens / wall)
+    outputs = [[t for x in ev if x[0] == "tokens" for t in x[1]] for ev in events]
+    tokens = sum(map(len, outputs))
+    digests = [hashlib.sha1(np.asarray(o, np.int64).tobytes()).hexdigest()[:12] for o in outputs]
+    return dict(wall_s=wall, tokens=tokens, output_tokens_per_s=tokens / wall, digests=digests)
 
 
 @contextlib.contextmanager

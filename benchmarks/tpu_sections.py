@@ -839,9 +839,12 @@ def serve_kernels(ctx: Ctx, kernels: str) -> None:
     serve.attention_kernel's values, with the ragged kernel's settings if any: kernel_entries), in this process
     one after another: each prints its output tokens/s and, where the round was profiled, the Pallas kernels'
     share of the device's time (on the 1B shape the paged attention's alone), and writes serve_<tag>_rounds and
-    serve_<tag>_profile."""
+    serve_<tag>_profile; each entry after the first, the share of the requests whose greedy tokens equal the first
+    entry's (serve_<tag>_same_tokens_as_first: 1.0 where the two compute the same values, as the pool's writes by
+    kernel and by scatter do)."""
     import gc
 
+    first = None  # (label, digests) of the first entry that ran: each later one's greedy tokens are compared with its
     for tag, name, options in kernel_entries(kernels):
         label = " ".join([f"attention_kernel={name}", *options.split(",")]).strip()
         try:
@@ -850,6 +853,13 @@ def serve_kernels(ctx: Ctx, kernels: str) -> None:
             print(f"serve 1B {label}: error: {g.one_line(e)}", flush=True)
             ctx.put(**{f"serve_{tag}_note": f"error: {g.one_line(e)}"})
             continue
+        digests = out["round"]["digests"]
+        if first is None:
+            first = label, digests
+        else:  # the same seed's prompts: settings that compute the same values give the same tokens, request by request
+            same = sum(a == b for a, b in zip(digests, first[1])) / len(digests)
+            ctx.put(**{f"serve_{tag}_same_tokens_as_first": same})
+            print(f"serve 1B {label}: greedy tokens of {same:.0%} of the requests as {first[0]}'s", flush=True)
         prof = out.get("profile", {})
         ms = prof.get("ms_per_step")
         share = prof["by_kind"].get("Pallas kernel (TPU)", 0) / ms if ms else None

@@ -358,9 +358,14 @@ def pytest_collection_modifyitems(config, items):
     kept = [item for item in items if item.get_closest_marker("tpu") is not None]
     if len(kept) < len(items):
         config.hook.pytest_deselected(items=[item for item in items if item.get_closest_marker("tpu") is None])
-    # The commands run as processes of their own (test_tpu_cli) go first: once this process has opened the chip,
-    # no other can until it ends.
-    items[:] = sorted(kept, key=lambda item: item.module.__name__ != "test_tpu_cli")
+    # The commands run as processes of their own (test_tpu_cli) go first, then the tests reading the quickstart run
+    # (made by a process of its own), that fixture set up before any other of theirs: once this process has opened
+    # the chip, no other can until it ends. So any part of the tier runs as the whole does.
+    for item in kept:
+        if "tpu_quickstart_run" in item.fixturenames:
+            item.fixturenames.sort(key=lambda name: name != "tpu_quickstart_run")  # stable: the rest as declared
+    items[:] = sorted(kept, key=lambda item: (item.module.__name__ != "test_tpu_cli",
+                                              "tpu_quickstart_run" not in item.fixturenames))
 
 
 def chip_free_for_processes():

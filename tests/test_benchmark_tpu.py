@@ -268,7 +268,8 @@ def test_serve_kernel_entries_carry_the_ragged_kernels_settings_into_their_own_f
     def fake_serve(ctx, attention_kernel=None, kernel_options="", tag=None):
         calls.append((attention_kernel, kernel_options, tag))
         ctx.put(**{f"serve_{tag}_rounds": [dict(output_tokens_per_s=100.0 * len(calls))]}, serve_concurrency=4)
-        return dict(round=dict(output_tokens_per_s=100.0 * len(calls)))
+        digests = ["a", "b", "c", "d"] if len(calls) == 1 else ["a", "b", "x", "d"]  # one request's tokens differ
+        return dict(round=dict(output_tokens_per_s=100.0 * len(calls), digests=digests))
 
     monkeypatch.setattr(ts.g, "serve", fake_serve)
     ctx = gpu_sections.Ctx(str(tmp_path / "figures.jsonl"), deadline=0, tiny=True)
@@ -283,3 +284,5 @@ def test_serve_kernel_entries_carry_the_ragged_kernels_settings_into_their_own_f
     assert kv["serve_ragged_output_tokens_per_s"] == 100 and kv["serve_ragged_vs_generate_decode"] == 0.25
     assert kv["serve_ragged_heads_batched_1_page_steps_1_output_tokens_per_s"] == 200
     assert kv["serve_ragged_heads_batched_1_page_steps_1_vs_generate_decode"] == 0.5
+    assert kv["serve_ragged_heads_batched_1_page_steps_1_same_tokens_as_first"] == 0.75
+    assert "serve_ragged_same_tokens_as_first" not in kv  # the first entry is the reference
