@@ -94,7 +94,9 @@ def _describe_run(run: run_lib.Run, log: Callable[[str], None]):
         + ("; no weight gradients for the frozen base" if lora.enabled(cfg) else
            f"; {flops.flops_per_token(m_cfg):,.0f} by MaxText's count, the attention square whole")
         + ("; its forward pass again as the reference" if base_reference else "") + ") | peak "
-        f"{peak / 1e12:.3f} TFLOP/s per device ({peak_source})")
+        f"{peak / 1e12:.3f} TFLOP/s per device ({peak_source})"
+        + (f"; {m_cfg.quantization} matmuls run faster than that peak, so MFU can pass 100%"
+           if m_cfg.quantization in ("int8", "fp8") else ""))
     log(attention.describe(m_cfg, mesh.devices.flat[0].platform, mesh=mesh, rules=run.act_rules)
         + describe_loss(m_cfg))
     if run.dataset is not None:
