@@ -87,6 +87,16 @@ def users_environment(**extra) -> dict:
     return env
 
 
+def first_run_environment(**extra) -> dict:
+    """users_environment() with the persistent compilation cache of a user's first run: an empty folder of its own
+    (JAX_COMPILATION_CACHE_DIR, with JAX's own thresholds), inside the session's temporary cache so that it goes
+    with it. Without it, the processes started (the benchmark scripts) would read and write compile.cache_dir's
+    default, ~/.cache/jaxlm/xla: the home of whoever runs the suite, whose programs from earlier runs then load
+    where CI compiles."""
+    parent = os.environ.get("JAX_COMPILATION_CACHE_DIR") or None
+    return users_environment(JAX_COMPILATION_CACHE_DIR=tempfile.mkdtemp(prefix="first-run-", dir=parent), **extra)
+
+
 _OWN_XLA_FLAGS = os.environ.get("XLA_FLAGS", "")  # as pytest was started
 if not TPU_TIER:
     os.environ["XLA_FLAGS"] = f"{_OWN_XLA_FLAGS} {xla_flags(8)}".strip()
