@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import users_environment, xla_flags
+from conftest import first_run_environment, xla_flags
 from test_gpu_benchmark import event, trace
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -21,7 +21,7 @@ import tpu  # noqa: E402
 @pytest.mark.slow
 @pytest.mark.in_ci  # the script runs in CI at tiny sizes
 def test_every_section_runs_at_tiny_sizes_on_cpu(tmp_path):
-    env = users_environment(XLA_FLAGS=xla_flags(), PYTHONPATH=str(ROOT / "src"), JAX_PLATFORMS="cpu")
+    env = first_run_environment(XLA_FLAGS=xla_flags(), PYTHONPATH=str(ROOT / "src"), JAX_PLATFORMS="cpu")
     p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "tpu.py"), "--tiny", "--json",
                         str(tmp_path / "tpu.json")], capture_output=True, text=True, env=env, timeout=1200)
     assert p.returncode == 0, p.stderr[-3000:]

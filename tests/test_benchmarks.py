@@ -13,14 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from conftest import require, users_environment, xla_flags
+from conftest import first_run_environment, require, xla_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
 def run(script: str, *args: str) -> dict[str, str]:
-    env = users_environment(XLA_FLAGS=xla_flags(), PYTHONPATH=str(ROOT / "src"), JAX_PLATFORMS="cpu")
+    env = first_run_environment(XLA_FLAGS=xla_flags(), PYTHONPATH=str(ROOT / "src"), JAX_PLATFORMS="cpu")
     p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], capture_output=True, text=True,
                        env=env, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -60,7 +60,7 @@ def test_serve_benchmark_runs_on_a_unix_socket_without_torch(tmp_path):
     hidden.mkdir()
     for name in ("torch", "transformers"):
         (hidden / f"{name}.py").write_text(f"raise RuntimeError('{name} imported')\n")
-    env = users_environment(XLA_FLAGS=xla_flags(), PYTHONPATH=f"{hidden}:{ROOT / 'src'}", JAX_PLATFORMS="cpu")
+    env = first_run_environment(XLA_FLAGS=xla_flags(), PYTHONPATH=f"{hidden}:{ROOT / 'src'}", JAX_PLATFORMS="cpu")
     p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serve.py"), "--size", "tiny", "--parts",
                         "serve,engine", "--uds", "--requests", "8", "--model-dir", str(tmp_path / "model")],
                        capture_output=True, text=True, env=env, timeout=600)
@@ -120,7 +120,7 @@ def test_soak_runs_briefly_with_no_5xx_and_the_server_idle_after():
     good request answered 200, every bad one 400, each hostile kind its expected answer (the script exits 1
     otherwise, or when slots, queue or pages are not back to zero after); its memory checks need 2 minutes of load
     and are measured by hand (docs/serve.md, Soak)."""
-    env = users_environment(XLA_FLAGS=xla_flags(), PYTHONPATH=str(ROOT / "src"), JAX_PLATFORMS="cpu")
+    env = first_run_environment(XLA_FLAGS=xla_flags(), PYTHONPATH=str(ROOT / "src"), JAX_PLATFORMS="cpu")
     p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--seconds", "20", "--clients", "4",
                         "--each-hostile"], capture_output=True, text=True, env=env, timeout=600)
     assert p.returncode == 0 and "soak passed" in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]
@@ -150,7 +150,7 @@ def test_stream_gaps_runs_each_kind_and_gets_its_answers():
     """benchmarks/stream_gaps.py at phases of 12 s: a line per phase with its gaps, and the answers each kind
     is owed (413 past serve.max_tokenize_chars, 200 under it, 400 for the chat past the context, the long header
     cut off, the slowloris connections closed at serve.header_timeout_s)."""
-    env = users_environment(XLA_FLAGS=xla_flags(), PYTHONPATH=str(ROOT / "src"), JAX_PLATFORMS="cpu")
+    env = first_run_environment(XLA_FLAGS=xla_flags(), PYTHONPATH=str(ROOT / "src"), JAX_PLATFORMS="cpu")
     p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "stream_gaps.py"), "--phase-seconds", "12"],
                        capture_output=True, text=True, env=env, timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import users_environment, xla_flags
+from conftest import first_run_environment, xla_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -19,7 +19,7 @@ import gpu_sections  # noqa: E402
 
 
 def run_script(*args: str) -> tuple[dict[str, str], str]:
-    env = users_environment(XLA_FLAGS=xla_flags(), PYTHONPATH=str(ROOT / "src"), JAX_PLATFORMS="cpu")
+    env = first_run_environment(XLA_FLAGS=xla_flags(), PYTHONPATH=str(ROOT / "src"), JAX_PLATFORMS="cpu")
     p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu.py"), *args], capture_output=True, text=True,
                        env=env, timeout=1200)
     assert p.returncode == 0, p.stderr[-3000:]
