@@ -52,8 +52,9 @@ def test_ragged_kernel_on_the_chip_gives_the_reference_attention(K, N, C, softca
 def test_pool_write_kernel_on_the_chip_writes_as_the_scatter(C, dtype, tpu):
     """The pool's write kernel (write_kernel=1, the default) compiled for the chip: decode rows at every kind of
     offset and chunks of 21 tokens spanning groups and pages, into a packed pool of pages of 128 (8 kv heads, keys
-    and values of 64 side by side), repeat 1 of 2, in bfloat16 and in int8 (a quantized cache's entries): the pool
-    equals XLA's scatter's to the bit."""
+    and values of 64 side by side), repeat 1 of 2, in bfloat16 and in int8 (the kernel's lowering for an int8 pool:
+    the engine itself writes int8 pools, whose scales need the flat path, by the scatter): the pool equals XLA's
+    scatter's to the bit."""
     K, R, NP, A = 8, 2, 16, 128
     rng = np.random.default_rng(C)
     page, off = rows_of(C, NP, A, rng)

@@ -45,9 +45,8 @@ class Kernel(NamedTuple):
     kernel as first written); `packed_kv`, the pool's keys and values packed in one entry (model/paged.py lays the
     pool out so and calls the kernel with v_pages None; None, the default: packed where the model's pool can be,
     paged.entry_specs); `lanes_in_kernel` as ragged_paged_attention's; `write_kernel`, the steps' entries written
-    into the pool by model/pool_write.py's kernel instead of XLA's scatter (WRITE_KERNEL; where the pool's shape
-    allows, pool_write.fits) (serve.attention_kernel_options
-    sets all but `interpret`: config.kernel_options)."""
+    into the pool by model/pool_write.py's kernel instead of XLA's scatter (default WRITE_KERNEL; where the pool's
+    shape allows, pool_write.fits). serve.attention_kernel_options sets all but `interpret` (config.kernel_options)."""
     interpret: bool = False
     block_tokens: int = BLOCK_TOKENS
     heads_batched: bool = HEADS_BATCHED
