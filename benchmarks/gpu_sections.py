@@ -926,7 +926,7 @@ def serve(ctx: Ctx, attention_kernel: str | None = None, kernel_options: str = "
     try:
         for r in range(3):  # the first two compile (prefill into fresh slots, then into used ones)
             rounds.append(engine_round(e, cfg, C, P0, N, seed=r))
-            ctx.put(**{f"serve{tag}_rounds": rounds}, serve_concurrency=C, serve_prompt=P0, serve_new=N,
+            ctx.put(**{f"serve{tag}_rounds": lean(rounds)}, serve_concurrency=C, serve_prompt=P0, serve_new=N,
                     serve_decode_steps=e.decode_steps)
         out["round"] = rounds[-1]
         if ctx.left() > 2 * rounds[-1]["wall_s"] + 10:
@@ -939,8 +939,8 @@ def serve(ctx: Ctx, attention_kernel: str | None = None, kernel_options: str = "
 
 def engine_round(e, cfg, C: int, P0: int, N: int, seed: int) -> dict:
     """C greedy requests of P0 random prompt tokens and N new ones through the engine at once: the round's wall
-    time, output tokens, output tokens/s and each request's tokens as a short digest (`digests`: rounds of one
-    seed through two settings compare by them)."""
+    time, output tokens, output tokens/s, each request's tokens as a short digest (`digests`: rounds of one seed
+    through two settings compare by them) and the tokens themselves (`outputs`, left out of the figures: lean)."""
     from jaxlm.serve.requests import Sequence
 
     prompts = np.random.default_rng(seed).integers(0, cfg.vocab_size, (C, P0))
@@ -952,7 +952,23 @@ def engine_round(e, cfg, C: int, P0: int, N: int, seed: int) -> dict:
     outputs = [[t for x in ev if x[0] == "tokens" for t in x[1]] for ev in events]
     tokens = sum(map(len, outputs))
     digests = [hashlib.sha1(np.asarray(o, np.int64).tobytes()).hexdigest()[:12] for o in outputs]
-    return dict(wall_s=wall, tokens=tokens, output_tokens_per_s=tokens / wall, digests=digests)
+    return dict(wall_s=wall, tokens=tokens, output_tokens_per_s=tokens / wall, digests=digests, outputs=outputs)
+
+
+def lean(rounds: list[dict]) -> list[dict]:
+    """engine_round's rounds as the figures keep them: without each request's tokens."""
+    return [{k: v for k, v in r.items() if k != "outputs"} for r in rounds]
+
+
+def common_prefix(a: list[list[int]], b: list[list[int]]) -> float:
+    """The mean share of each request's tokens in `a` before its first that differs from the same request's in
+    `b` (1.0: all equal). Greedy decoding of random weights can part at any near-tie of the logits, so settings
+    whose values differ by a rounding part late on average, where a wrong computation parts at once."""
+    shares = []
+    for x, y in zip(a, b):
+        n = next((i for i, (s, t) in enumerate(zip(x, y)) if s != t), min(len(x), len(y)))
+        shares.append(n / max(len(x), 1))
+    return sum(shares) / max(len(shares), 1)
 
 
 @contextlib.contextmanager

@@ -55,7 +55,9 @@ Sections and what they report:
               is its defaults, ragged:heads_batched=0:page_steps=0:prefetch=1 the kernel as first written):
               serve_<tag>_output_tokens_per_s, serve_<tag>_vs_generate_decode, serve_<tag>_pallas_kernel_share (and
               _attention_kernel_share: the attention kernel's alone; after the first entry _same_tokens_as_first,
-              the share of requests whose greedy tokens equal the first entry's),
+              the share of requests whose greedy tokens equal the first entry's, and _common_prefix_as_first,
+              the mean share of a request's tokens before its first that differs: long where the values differ
+              by a rounding only),
               the tag the entry with `_` for `:` and `=`; each profiled round by kind, scope and top operations
               (named from the engine's programs' optimized HLO), to read against decode_b64_profile
 """
@@ -262,8 +264,9 @@ def serving(f: dict, kv: dict, tables: list) -> None:
             if p.get("ms_per_step"):  # all Pallas kernels (the pool's writes too, with write_kernel), attention's
                 kv[f"serve_{m[1]}_pallas_kernel_share"] = p["by_kind"].get("Pallas kernel (TPU)", 0) / p["ms_per_step"]
                 kv[f"serve_{m[1]}_attention_kernel_share"] = p["by_scope"].get("attention kernel", 0) / p["ms_per_step"]
-            if f"serve_{m[1]}_same_tokens_as_first" in s:  # the greedy tokens against the first entry's
-                kv[f"serve_{m[1]}_same_tokens_as_first"] = s[f"serve_{m[1]}_same_tokens_as_first"]
+            for name in ("same_tokens_as_first", "common_prefix_as_first"):  # the greedy tokens against the first's
+                if f"serve_{m[1]}_{name}" in s:
+                    kv[f"serve_{m[1]}_{name}"] = s[f"serve_{m[1]}_{name}"]
     profiles(d, s, kv, tables)
     copy = f.get("yardsticks", {}).get("hbm_copy") or d.get("decode8b_hbm_copy")
     one = d.get("decode8b_b1", {})

@@ -777,7 +777,7 @@ def serve_int8_8b(ctx: Ctx) -> None:
             stats = jax.devices()[0].memory_stats() or {}
             rounds.append(dict(g.engine_round(e, cfg, C, P0, N, seed=r), bytes_in_use=stats.get("bytes_in_use"),
                                peak_bytes_in_use=stats.get("peak_bytes_in_use")))
-            ctx.put(serve8b_rounds=rounds, serve8b_concurrency=C, serve8b_page_size=e.kv.page_size)
+            ctx.put(serve8b_rounds=g.lean(rounds), serve8b_concurrency=C, serve8b_page_size=e.kv.page_size)
     finally:
         e.stop()
 
@@ -841,7 +841,10 @@ def serve_kernels(ctx: Ctx, kernels: str) -> None:
     share of the device's time (on the 1B shape the paged attention's alone), and writes serve_<tag>_rounds and
     serve_<tag>_profile; each entry after the first, the share of the requests whose greedy tokens equal the first
     entry's (serve_<tag>_same_tokens_as_first: 1.0 where the two compute the same values, as the pool's writes by
-    kernel and by scatter do)."""
+    kernel and by scatter do) and the mean share of a request's tokens before its first that differs
+    (serve_<tag>_common_prefix_as_first: greedy decoding of random weights parts at any near-tie of the logits, so
+    a kernel whose values differ from the first's by a rounding keeps a long common prefix on average, where a wrong
+    one parts at the first tokens)."""
     import gc
 
     first = None  # (label, digests) of the first entry that ran: each later one's greedy tokens are compared with its
@@ -853,13 +856,15 @@ def serve_kernels(ctx: Ctx, kernels: str) -> None:
             print(f"serve 1B {label}: error: {g.one_line(e)}", flush=True)
             ctx.put(**{f"serve_{tag}_note": f"error: {g.one_line(e)}"})
             continue
-        digests = out["round"]["digests"]
+        digests, outputs = out["round"]["digests"], out["round"].get("outputs", [])
         if first is None:
-            first = label, digests
+            first = label, digests, outputs
         else:  # the same seed's prompts: settings that compute the same values give the same tokens, request by request
             same = sum(a == b for a, b in zip(digests, first[1])) / len(digests)
-            ctx.put(**{f"serve_{tag}_same_tokens_as_first": same})
-            print(f"serve 1B {label}: greedy tokens of {same:.0%} of the requests as {first[0]}'s", flush=True)
+            prefix = g.common_prefix(outputs, first[2])
+            ctx.put(**{f"serve_{tag}_same_tokens_as_first": same, f"serve_{tag}_common_prefix_as_first": prefix})
+            print(f"serve 1B {label}: greedy tokens of {same:.0%} of the requests as {first[0]}'s, "
+                  f"{prefix:.0%} of a request's tokens before the first that differs (mean)", flush=True)
         prof = out.get("profile", {})
         ms = prof.get("ms_per_step")
         share = prof["by_kind"].get("Pallas kernel (TPU)", 0) / ms if ms else None

@@ -269,7 +269,8 @@ def test_serve_kernel_entries_carry_the_ragged_kernels_settings_into_their_own_f
         calls.append((attention_kernel, kernel_options, tag))
         ctx.put(**{f"serve_{tag}_rounds": [dict(output_tokens_per_s=100.0 * len(calls))]}, serve_concurrency=4)
         digests = ["a", "b", "c", "d"] if len(calls) == 1 else ["a", "b", "x", "d"]  # one request's tokens differ
-        return dict(round=dict(output_tokens_per_s=100.0 * len(calls), digests=digests))
+        outputs = [[1, 2, 3, 4]] * 4 if len(calls) == 1 else [[1, 2, 3, 4]] * 2 + [[1, 9, 3, 4], [1, 2, 3, 4]]
+        return dict(round=dict(output_tokens_per_s=100.0 * len(calls), digests=digests, outputs=outputs))
 
     monkeypatch.setattr(ts.g, "serve", fake_serve)
     ctx = gpu_sections.Ctx(str(tmp_path / "figures.jsonl"), deadline=0, tiny=True)
@@ -285,4 +286,7 @@ def test_serve_kernel_entries_carry_the_ragged_kernels_settings_into_their_own_f
     assert kv["serve_ragged_heads_batched_1_page_steps_1_output_tokens_per_s"] == 200
     assert kv["serve_ragged_heads_batched_1_page_steps_1_vs_generate_decode"] == 0.5
     assert kv["serve_ragged_heads_batched_1_page_steps_1_same_tokens_as_first"] == 0.75
+    # three requests equal to the end, one parting at its second token: (1 + 1 + 1/4 + 1) / 4
+    assert kv["serve_ragged_heads_batched_1_page_steps_1_common_prefix_as_first"] == pytest.approx(13 / 16)
+    assert gpu_sections.common_prefix([[5, 6], [7]], [[5, 8], [3]]) == pytest.approx(0.25)
     assert "serve_ragged_same_tokens_as_first" not in kv  # the first entry is the reference

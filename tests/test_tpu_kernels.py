@@ -17,13 +17,19 @@ from test_ragged_paged import FIRST, reference
 pytestmark = pytest.mark.tpu
 
 
-@pytest.mark.parametrize("variant", [{}, FIRST], ids=["default", "first"])
+# WHOLE_BLOCKS: blocks of two pages computed whole (serve.attention_kernel_options=block_tokens=256,page_steps=0,
+# the setting that took attention's share of the 1B serve round from 23% to 17%: docs/serve.md)
+WHOLE_BLOCKS = dict(block_tokens=256, page_steps=False)
+
+
+@pytest.mark.parametrize("variant", [{}, FIRST, WHOLE_BLOCKS], ids=["default", "first", "whole_blocks"])
 @pytest.mark.parametrize("K,N,C,softcap", [(8, 32, 1, None), (2, 8, 1, 30.0), (2, 8, 64, None)])
 def test_ragged_kernel_on_the_chip_gives_the_reference_attention(K, N, C, softcap, variant, tpu):
     """Rows of 0 to 700 keys (page edges, one key past them, several blocks of 4 pages) in pages of 128 scattered
     through a pool of bf16 keys and values 128 wide, C queries a row at its last positions: the chip's output is
     the float64 reference's from the same bf16 inputs within bf16 rounding of the probabilities, with the kernel's
-    defaults (kv heads batched, a page at a time, two blocks read ahead) and as first written (all three off)."""
+    defaults (kv heads batched, a page at a time, two blocks read ahead), as first written (all three off) and with
+    blocks of two pages computed whole."""
     A, M = 128, 6
     lengths = np.array([0, 1, 2, 127, 128, 129, 255, 256, 300, 511, 512, 513, 640, 700], np.int32)
     rng = np.random.default_rng(K * 1000 + C)
