@@ -36,6 +36,7 @@ def test_every_section_runs_at_tiny_sizes_on_cpu(tmp_path):
     preset, fast, accum = (rows[list(rows)[i]] for i in (0, 1, 2))
     assert (preset["param_dtype"], preset["remat"]) == ("float32", "full")  # what `jaxlm train maxtext_base` runs
     assert (fast["param_dtype"], fast["remat"]) == ("bfloat16", "minimal")
+    assert [r["label"] for r in figures["gpt2"]["gpt2_runs"]] == [tpu_sections().GPT2_ROWS[i][0] for i in (0, 2, 4)]
     for r in [*rows.values(), *figures["gpt2"]["gpt2_runs"], *figures["long"]["long_runs"]]:
         assert r["tokens_per_s"] > 0 and r["bytes"] > 0 and r["flops_maxtext"] > r["flops_causal"] > 0, r
     assert fast["breakdown"]["source"].startswith("jax.profiler trace") and fast["breakdown"]["by_kind"]["matmul"] > 0
