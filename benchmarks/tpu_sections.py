@@ -124,9 +124,14 @@ SIZES = {
         gpt2_model={"model.n_layers": 2, "model.d_model": 64, "model.n_heads": 4, "model.vocab_size": 512,
                     "model.block_size": 64, "training.batch_size": 8, "training.grad_accum": 1},  # the preset's
         # 128 x 16 micro-steps a step took 15 s a step at these widths
-        maxtext_batch=2, maxtext_steps=2, profile_steps=1, gpt2_steps=2, gpt2_rows="0,2,4,6,9", long_block=256,
-        long_steps=1,
+        # maxtext rows: the preset, bf16 remat minimal, 4 micro-batches, the v5e preset by name (rows 1, 3, 5 and 6
+        # differ from these by values alone: remat full, the loss chunk, 8 micro-batches, batch 4); gpt2 rows: the
+        # preset, bf16 remat full, remat minimal (rows 6 and 9 differ from row 4 by values alone: batch 24; batch 32
+        # with the default loss chunk and splash layout)
+        maxtext_rows="0,2,4,7", maxtext_batch=2, maxtext_steps=2, profile_steps=1, gpt2_steps=2, gpt2_rows="0,2,4",
+        long_block=256, long_steps=1,
         quant_layers=2, quant_block=64, quant_batch=2, quant_steps=10, quant_rows="0,2",
+        quant_modes="bfloat16,int8",  # int8_nearest is int8's run with another setting
         lora_model={"model.n_layers": 2, "model.d_model": 64, "model.n_heads": 4, "model.n_kv_heads": 2,
                     "model.head_dim": 16, "model.d_ff": 128, "model.vocab_size": 512},
         lora_block=64, lora_steps=2, lora_loss_steps=3, lora_rows="0,2,4", vision_block=64, vision_batch=2,
@@ -230,7 +235,7 @@ def maxtext(ctx: Ctx) -> None:
     of the steps of remat minimal, 4 micro-batches and the v5e preset."""
     z = ctx.sizes
     rows(ctx, "maxtext_runs", "maxtext_base", MAXTEXT_ROWS, z["maxtext_steps"],
-         {"training.batch_size": z["maxtext_batch"]}, profile=(2, 4, 7))
+         {"training.batch_size": z["maxtext_batch"]}, profile=(2, 4, 7), chosen=z.get("maxtext_rows"))
 
 
 def gpt2(ctx: Ctx) -> None:
@@ -280,9 +285,10 @@ def quant(ctx: Ctx) -> None:
     ctx.put(quant_steps=steps, quant_entropy=entropy, quant_model=dict(layers=z["quant_layers"], block=T, batch=B))
     out = {}
     # int8_nearest: int8 with its gradients rounded to nearest (model.quant_stochastic_rounding=false), the cost of
-    # the stochastic rounding's hash. JAXLM_BENCH_QUANT_MODES chooses (default all three).
+    # the stochastic rounding's hash. JAXLM_BENCH_QUANT_MODES chooses (default all three; tiny sizes: bfloat16,int8).
     # An empty JAXLM_BENCH_QUANT_MODES runs QUANT_ROWS alone.
-    modes = [m for m in os.environ.get("JAXLM_BENCH_QUANT_MODES", "bfloat16,int8,int8_nearest").split(",") if m]
+    modes = [m for m in os.environ.get("JAXLM_BENCH_QUANT_MODES", z.get("quant_modes", "bfloat16,int8,int8_nearest"))
+             .split(",") if m]
     for mode in modes:
         if out and ctx.left() < 1.2 * max(r.get("seconds", 0) for r in out.values()) + 5:
             out[mode] = dict(note="skipped: time budget")

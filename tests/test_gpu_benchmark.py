@@ -31,9 +31,12 @@ def run_script(*args: str) -> tuple[dict[str, str], str]:
 @pytest.mark.slow
 @pytest.mark.in_ci  # the script runs in CI at tiny sizes
 def test_every_section_runs_at_tiny_sizes_on_cpu(tmp_path):
-    kv, text = run_script("--tiny", "--json", str(tmp_path / "gpu.json"))
-    states = {name: kv[f"section_{name}"] for name in gpu.BUDGET_S}
-    assert set(states.values()) == {"ok"}, states
+    # decode and serve run in tests/test_benchmark_tpu.py: benchmarks/tpu.py's decode and serve sections run these
+    # (gpu_sections.decode and .serve, at the same tiny sizes) and its summary prints them through gpu.py's
+    run = [name for name in gpu.BUDGET_S if name not in ("decode", "serve")]
+    kv, text = run_script("--tiny", "--only", ",".join(run), "--json", str(tmp_path / "gpu.json"))
+    states = {name: kv[f"section_{name}"] for name in run}
+    assert set(states.values()) == {"ok"} and "section_decode" not in kv, states
     assert kv["platform"] == "cpu" and kv["sizes"] == "tiny"
     assert float(kv["matmul_bf16_tflops"]) > 0 and float(kv["hbm_copy_gbps"]) > 0
     # training: the memory search reaches the cap of 4 sequences within 40 MiB, and the figures agree
@@ -59,13 +62,6 @@ def test_every_section_runs_at_tiny_sizes_on_cpu(tmp_path):
     assert len(runs["cpu_float32"]["losses"]) == 10 and runs["cpu_float32"]["losses"][-1] < runs["cpu_float32"]["losses"][0]
     assert kv["quant_fp8_loss_within_0.02"] == "true" and kv["quant_int8_loss_within_0.02"] == "true"
     assert "XLA upcasts" in kv["quant_note"]
-    # decoding and serving
-    assert float(kv["generate_b1_decode_tokens_per_s"]) > 0 and float(kv["generate_b4_decode_tokens_per_s"]) > 0
-    assert 0 < float(kv["decode_b1_mbu"])
-    assert float(kv["serve_c4_output_tokens_per_s"]) > 0 and "serve_note" not in kv
-    prof = figures["serve"]["serve_profile"]  # one round under the profiler: the engine's operations by kind
-    assert prof["ms_per_step"] > 0 and sum(prof["by_kind"].values()) > 0 and prof["output_tokens_per_s"] > 0
-    assert "serving engine, one round under the profiler" in text
 
 
 def test_a_section_over_its_time_limit_is_stopped_and_the_summary_still_printed():
