@@ -73,12 +73,16 @@ test-all: $(VENV)/.installed-test slurm browser
 # and libtpu: no venv (that JAX stays the one imported), the packages it lacks installed by pip into TPU_SITE
 # (tests/tpu_setup.py; TPU_PIP_ARGS gives pip its index where the machine has no network, docs/tpu.md), src/ on
 # the path, and one pytest process, since one program at a time can hold a chip. docs/tpu.md keeps the last run.
+# TPU_TESTS and TPU_PYTEST_ARGS choose a part of the tier (e.g. TPU_PYTEST_ARGS="-k grpo") where a machine's command
+# limit cuts the whole run in two.
 TPU_SITE ?= .tpu-site
 TPU_PIP_ARGS ?=
+TPU_TESTS ?= tests/test_tpu_*.py
+TPU_PYTEST_ARGS ?=
 test-tpu:
 	$(PYTHON) tests/tpu_setup.py $(TPU_SITE) $(TPU_PIP_ARGS)
 	PYTHONPATH="$(CURDIR)/src:$${PYTHONPATH:+$$PYTHONPATH:}$(abspath $(TPU_SITE))" JAXLM_TEST_TPU=1 PYTHONUNBUFFERED=1 \
-	$(PYTHON) -m pytest -p no:cacheprovider -p no:xdist -m tpu --durations=0 -rfE tests/test_tpu_*.py
+	$(PYTHON) -m pytest -p no:cacheprovider -p no:xdist -m tpu --durations=0 -rfE $(TPU_PYTEST_ARGS) $(TPU_TESTS)
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/train_throughput.py
