@@ -433,6 +433,19 @@ def server(folder: Path, settings: list[str], uds: bool = False):
             proc.wait(timeout=60)
 
 
+def tuned_settings(text: str) -> tuple[str, ...]:
+    """--tuned's comma-separated KEY=VALUE settings, a value keeping its own commas: a piece whose key names no
+    section (no '.' before its '=') continues the setting before it, as in
+    serve.attention_kernel_options=block_tokens=256,page_steps=0."""
+    out: list[str] = []
+    for piece in filter(None, (p.strip() for p in text.split(","))):
+        if out and "." not in piece.split("=", 1)[0]:
+            out[-1] += "," + piece
+        else:
+            out.append(piece)
+    return tuple(out)
+
+
 def serve_levels(folder: Path, size: str, n: int, settings: tuple[str, ...] = (), top_only: bool = False,
                  uds: bool = False) -> dict:
     """The server (default settings, and `settings` besides them; on a unix socket with uds) at each concurrency
@@ -631,11 +644,11 @@ def main(argv=None) -> dict:
         if "serve" in parts:  # first: the server's process takes the accelerator, which this one opens below (one
             # process at a time holds a TPU chip)
             report["serve"] = serve_levels(jx, a.size, a.requests, uds=uds)
+            if a.tuned:
+                tuned = serve_levels(jx, a.size, a.requests, tuned_settings(a.tuned), top_only=True, uds=uds)
+                report["serve_tuned"] = dict(settings=a.tuned, **tuned[top])
         if "uniform" in parts:
             report["uniform"] = dict(serve=serve_uniform(jx, a.size, uds), **SIZES[a.size]["uniform"])
-            if a.tuned:
-                tuned = serve_levels(jx, a.size, a.requests, tuple(a.tuned.split(",")), top_only=True, uds=uds)
-                report["serve_tuned"] = dict(settings=a.tuned, **tuned[top])
         model = api.load(jx)
         m = model.config.model
         mach = machine()

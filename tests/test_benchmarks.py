@@ -62,7 +62,8 @@ def test_serve_benchmark_runs_on_a_unix_socket_without_torch(tmp_path):
         (hidden / f"{name}.py").write_text(f"raise RuntimeError('{name} imported')\n")
     env = first_run_environment(XLA_FLAGS=xla_flags(), PYTHONPATH=f"{hidden}:{ROOT / 'src'}", JAX_PLATFORMS="cpu")
     p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serve.py"), "--size", "tiny", "--parts",
-                        "serve,engine", "--uds", "--requests", "8", "--model-dir", str(tmp_path / "model")],
+                        "serve,engine", "--uds", "--requests", "8", "--model-dir", str(tmp_path / "model"),
+                        "--tuned", "serve.decode_steps=4"],
                        capture_output=True, text=True, env=env, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     report = json.loads(p.stdout.splitlines()[-1])
@@ -74,6 +75,19 @@ def test_serve_benchmark_runs_on_a_unix_socket_without_torch(tmp_path):
     for level in report["serve"].values():
         assert level["output_tok_per_s"] > 0 and level["ttft_p50_ms"] > 0 and level["wall_s"] > 0
     assert report["engine"]["alone"]["output_tok_per_s"] > 0 and report["engine"]["alone"]["in_flight"] == 4
+    # --tuned with the serve part alone: the server with those settings at the top concurrency too
+    assert report["serve_tuned"]["requests"] == 8 and report["serve_tuned"]["settings"] == "serve.decode_steps=4"
+    assert s["roofline_frac_tuned"] > 0
+
+
+def test_tuned_settings_keep_the_commas_of_a_value():
+    import serve as serve_bench
+
+    assert serve_bench.tuned_settings("serve.attention_kernel_options=block_tokens=256,page_steps=0,"
+                                      "decode.quantize_kv_cache=true") == (
+        "serve.attention_kernel_options=block_tokens=256,page_steps=0", "decode.quantize_kv_cache=true")
+    assert serve_bench.tuned_settings("serve.decode_steps=4") == ("serve.decode_steps=4",)
+    assert serve_bench.tuned_settings("") == ()
 
 
 @pytest.mark.slow
