@@ -139,13 +139,18 @@ def test_moe_dispatch_matches_dense_loop_over_tokens():
     assert all(float(jnp.abs(v).sum()) > 0 for v in jax.tree.leaves(g))
 
 
-@pytest.mark.parametrize("weights_input", [False, True])
-def test_moe_dispatch_gradients_equal_a_dense_mixture(weights_input):
+@pytest.mark.parametrize("weights_input, bias", [(False, False), (True, False), (False, True)])
+def test_moe_dispatch_gradients_equal_a_dense_mixture(weights_input, bias):
     """The sorted dispatch's values and gradients (its permutations differentiated by gathers, not autodiff's
-    scatters) against every expert run on every token and mixed by the routing weights, differentiated by
-    autodiff: the inputs', the router's (through the weights) and each expert's, an idle one included."""
+    scatters; the routing weights applied to the experts' hidden rows and down bias) against every expert run on
+    every token and mixed by the routing weights, differentiated by autodiff: the inputs', the router's (through
+    the weights) and each expert's, an idle one included; with the experts' biases too."""
     E, K, D, F, M = 5, 2, 8, 12, 40
     p, x = _uneven_moe_layer(1, E, D, F, M)
+    if bias:
+        ks = jax.random.split(jax.random.key(3), 3)
+        p.update(up_bias=jax.random.normal(ks[0], (E, F)), gate_bias=jax.random.normal(ks[1], (E, F)),
+                 down_bias=jax.random.normal(ks[2], (E, D)))
     act, router = layers.Activation("silu", True), moe.Router(K, weights_input=weights_input)
     g_y = jax.random.normal(jax.random.key(2), x.shape)
 
@@ -155,9 +160,10 @@ def test_moe_dispatch_gradients_equal_a_dense_mixture(weights_input):
         chosen_MKE = jax.nn.one_hot(experts_MK, E)
         w_ME = jnp.einsum("MK,MKE->ME", weights_MK, chosen_MKE)
         y_MD = jnp.zeros((M, D))
+        b = (lambda name, e: p[name + "_bias"][e]) if bias else (lambda name, e: 0.0)
         for e in range(E):
             x_in = x_MD * w_ME[:, e:e + 1] if weights_input else x_MD
-            h = act(x_in @ p["up"][e], x_in @ p["gate"][e]) @ p["down"][e]
+            h = act(x_in @ p["up"][e] + b("up", e), x_in @ p["gate"][e] + b("gate", e)) @ p["down"][e] + b("down", e)
             y_MD += (chosen_MKE.sum(1)[:, e:e + 1] if weights_input else w_ME[:, e:e + 1]) * h
         return y_MD.reshape(x.shape)
 
@@ -169,6 +175,7 @@ def test_moe_dispatch_gradients_equal_a_dense_mixture(weights_input):
     np.testing.assert_allclose(y1, y0, rtol=1e-5, atol=1e-5)
     g0, g1 = g0(g_y), g1(g_y)
     assert float(jnp.abs(g1[1]["up"][3]).max()) == 0 and float(jnp.abs(g1[1]["router"]).max()) > 0
+    assert not bias or float(jnp.abs(g1[1]["down_bias"][0]).max()) > 0
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * float(jnp.abs(b).max()))
 
