@@ -180,6 +180,29 @@ def test_moe_dispatch_gradients_equal_a_dense_mixture(weights_input, bias):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * float(jnp.abs(b).max()))
 
 
+def test_remat_keeps_the_routing_so_the_backward_sorts_nothing_again():
+    """model.remat=full keeps each MoE layer's routing indices (moe.ROUTING): the compiled gradient of a
+    rematerialized layer runs the router's top-k and the dispatch's sort once, not again in the backward, with the
+    gradients of a remat that keeps nothing."""
+    from jaxlm.model import transformer
+
+    E, K, D, F, M = 5, 2, 8, 12, 40
+    p, x = _uneven_moe_layer(4, E, D, F, M)
+    act, router = layers.Activation("silu", True), moe.Router(K)
+    policy = transformer.remat_policy(ModelConfig(n_experts=E, experts_per_token=K, remat="full"))
+
+    def grad(policy):
+        layer = jax.checkpoint(lambda x, p: moe.moe(x, p, act, router)[0], policy=policy)
+        return jax.jit(jax.grad(lambda x, p: jnp.sum(layer(x, p) ** 2), argnums=(0, 1)))
+
+    kept, none = grad(policy), grad(jax.checkpoint_policies.nothing_saveable)
+    hlo = {name: f.lower(x, p).compile().as_text() for name, f in (("kept", kept), ("none", none))}
+    # on the CPU the top-k is a TopK custom call, the argsort a sort
+    assert {k: (t.count(" sort("), t.count('"TopK"')) for k, t in hlo.items()} == {"kept": (1, 1), "none": (2, 2)}
+    for a, b in zip(jax.tree.leaves(kept(x, p)), jax.tree.leaves(none(x, p))):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_load_balancing_loss_is_one_when_uniform_and_grows_when_skewed():
     E = 4
     uniform = jnp.tile(jnp.array([[2 / E] * E, [1 / E] * E]), (3, 1, 1))  # K=2 copies, equal probabilities

@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxlm import runtime, sharding
 from jaxlm.model import expert_parallel, layers
@@ -25,6 +26,10 @@ from jaxlm.params import ParamSpec, normal, zeros
 # The balancing bias's step rides in its gradient slot this much smaller, so that global-norm clipping and the
 # logged gradient norm do not see it (train/optim.py divides it back out; a power of two: exact both ways).
 BALANCE_SIGNAL = 2.0 ** -40
+# The name of a MoE layer's routing indices (the chosen experts, the dispatch's order, inverse and counts), which
+# every remat policy keeps (transformer.remat_policy): a few bytes a token copy, against the router's top-k and the
+# dispatch's sort recomputed in the backward.
+ROUTING = "moe_routing"
 
 
 class Router(NamedTuple):
@@ -85,7 +90,7 @@ def route(x_MD: jax.Array, p: dict, router: Router):
         choose_ME = choose_ME + jax.lax.stop_gradient(p["balance_bias"])
     if router.groups > 1:
         choose_ME = _best_groups(choose_ME, router.groups, router.topk_groups)
-    _, experts_MK = jax.lax.top_k(jax.lax.stop_gradient(choose_ME), router.k)
+    experts_MK = checkpoint_name(jax.lax.top_k(jax.lax.stop_gradient(choose_ME), router.k)[1], ROUTING)
     # The chosen scores by a one-hot product (exact: one nonzero term), whose gradient is a product too, where
     # take_along_axis's is a scatter of M * K values into [M, E].
     chosen_MKE = jax.nn.one_hot(experts_MK, scores_ME.shape[-1], dtype=scores_ME.dtype)
@@ -181,7 +186,7 @@ def _moe_one_device(x_BTD, p, act, router: Router, matmul: str, tiles=None):
         x_MD = x_BTD.reshape(B * T, D)
         stats_ME, experts_MK, weights_MK = route(x_MD, p, router)
     with jax.named_scope("dispatch"):
-        order_A, slot_A, group_sizes_E = sort_by_expert(experts_MK, E)
+        order_A, slot_A, group_sizes_E = (checkpoint_name(a, ROUTING) for a in sort_by_expert(experts_MK, E))
         if router.weights_input:  # each copy carries its token scaled by its weight
             xw_AD = (x_MD[:, None, :] * weights_MK[..., None].astype(x_MD.dtype)).reshape(B * T * k, D)
             x_AD, scale_A = permute(xw_AD, order_A, slot_A), None
