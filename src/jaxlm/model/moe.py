@@ -27,8 +27,8 @@ from jaxlm.params import ParamSpec, normal, zeros
 # logged gradient norm do not see it (train/optim.py divides it back out; a power of two: exact both ways).
 BALANCE_SIGNAL = 2.0 ** -40
 # The name of a MoE layer's routing indices (the chosen experts, the dispatch's order, inverse and counts), which
-# every remat policy keeps (transformer.remat_policy): a few bytes a token copy, against the router's top-k and the
-# dispatch's sort recomputed in the backward.
+# every remat policy but the offloading ones keeps (transformer.remat_policy): 12 bytes a token copy, against the
+# router's top-k and the dispatch's sort recomputed in the backward.
 ROUTING = "moe_routing"
 
 
