@@ -5,6 +5,7 @@ step times can be read against them (docs/performance.md, "Mixtures of experts")
 
     ALLOW_MULTIPLE_LIBTPU_LOAD=1 PYTHONPATH=src python benchmarks/moe_hlo.py --shape qwen3_moe --matmul megablox
     ... --remat         the forward recomputed in the backward, as model.remat=full does in the train step
+                        (transformer.remat_policy: the routing indices kept)
     ... --hlo FILE      also write the optimized HLO there
     ... --tiles 256,1024,1024   megablox's largest tiles (rows, contracted, out; model.moe_tiles) instead of
                                 layers.MEGABLOX_TILES
@@ -105,7 +106,7 @@ def compile_layer(shape: str, matmul: str, topology: str = "v5e-1", remat: bool 
 
     from jaxlm import sharding
     from jaxlm.config import CompileConfig, MeshConfig
-    from jaxlm.model import moe
+    from jaxlm.model import moe, transformer
     from jaxlm.train import aot
 
     cfg, router, act = layer(shape, block, batch)
@@ -123,8 +124,8 @@ def compile_layer(shape: str, matmul: str, topology: str = "v5e-1", remat: bool 
     def fwd(x, p):
         return moe.moe(x, p, act, router, matmul=matmul, tiles=tiles)
 
-    if remat:
-        fwd = jax.checkpoint(fwd)
+    if remat:  # the model's policy for model.remat (full): what the train step recomputes and what it keeps
+        fwd = jax.checkpoint(fwd, policy=transformer.remat_policy(m))
 
     def step(x, p, g_y, g_stats):
         with sharding.activation_sharding(mesh):

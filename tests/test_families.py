@@ -139,13 +139,18 @@ def test_moe_dispatch_matches_dense_loop_over_tokens():
     assert all(float(jnp.abs(v).sum()) > 0 for v in jax.tree.leaves(g))
 
 
-@pytest.mark.parametrize("weights_input", [False, True])
-def test_moe_dispatch_gradients_equal_a_dense_mixture(weights_input):
+@pytest.mark.parametrize("weights_input, bias", [(False, False), (True, False), (False, True)])
+def test_moe_dispatch_gradients_equal_a_dense_mixture(weights_input, bias):
     """The sorted dispatch's values and gradients (its permutations differentiated by gathers, not autodiff's
-    scatters) against every expert run on every token and mixed by the routing weights, differentiated by
-    autodiff: the inputs', the router's (through the weights) and each expert's, an idle one included."""
+    scatters; the routing weights applied to the experts' hidden rows and down bias) against every expert run on
+    every token and mixed by the routing weights, differentiated by autodiff: the inputs', the router's (through
+    the weights) and each expert's, an idle one included; with the experts' biases too."""
     E, K, D, F, M = 5, 2, 8, 12, 40
     p, x = _uneven_moe_layer(1, E, D, F, M)
+    if bias:
+        ks = jax.random.split(jax.random.key(3), 3)
+        p.update(up_bias=jax.random.normal(ks[0], (E, F)), gate_bias=jax.random.normal(ks[1], (E, F)),
+                 down_bias=jax.random.normal(ks[2], (E, D)))
     act, router = layers.Activation("silu", True), moe.Router(K, weights_input=weights_input)
     g_y = jax.random.normal(jax.random.key(2), x.shape)
 
@@ -155,9 +160,10 @@ def test_moe_dispatch_gradients_equal_a_dense_mixture(weights_input):
         chosen_MKE = jax.nn.one_hot(experts_MK, E)
         w_ME = jnp.einsum("MK,MKE->ME", weights_MK, chosen_MKE)
         y_MD = jnp.zeros((M, D))
+        b = (lambda name, e: p[name + "_bias"][e]) if bias else (lambda name, e: 0.0)
         for e in range(E):
             x_in = x_MD * w_ME[:, e:e + 1] if weights_input else x_MD
-            h = act(x_in @ p["up"][e], x_in @ p["gate"][e]) @ p["down"][e]
+            h = act(x_in @ p["up"][e] + b("up", e), x_in @ p["gate"][e] + b("gate", e)) @ p["down"][e] + b("down", e)
             y_MD += (chosen_MKE.sum(1)[:, e:e + 1] if weights_input else w_ME[:, e:e + 1]) * h
         return y_MD.reshape(x.shape)
 
@@ -169,8 +175,32 @@ def test_moe_dispatch_gradients_equal_a_dense_mixture(weights_input):
     np.testing.assert_allclose(y1, y0, rtol=1e-5, atol=1e-5)
     g0, g1 = g0(g_y), g1(g_y)
     assert float(jnp.abs(g1[1]["up"][3]).max()) == 0 and float(jnp.abs(g1[1]["router"]).max()) > 0
+    assert not bias or float(jnp.abs(g1[1]["down_bias"][0]).max()) > 0
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * float(jnp.abs(b).max()))
+
+
+def test_remat_keeps_the_routing_so_the_backward_sorts_nothing_again():
+    """model.remat=full keeps each MoE layer's routing indices (moe.ROUTING): the compiled gradient of a
+    rematerialized layer runs the router's top-k and the dispatch's sort once, not again in the backward, with the
+    gradients of a remat that keeps nothing."""
+    from jaxlm.model import transformer
+
+    E, K, D, F, M = 5, 2, 8, 12, 40
+    p, x = _uneven_moe_layer(4, E, D, F, M)
+    act, router = layers.Activation("silu", True), moe.Router(K)
+    policy = transformer.remat_policy(ModelConfig(n_experts=E, experts_per_token=K, remat="full"))
+
+    def grad(policy):
+        layer = jax.checkpoint(lambda x, p: moe.moe(x, p, act, router)[0], policy=policy)
+        return jax.jit(jax.grad(lambda x, p: jnp.sum(layer(x, p) ** 2), argnums=(0, 1)))
+
+    kept, none = grad(policy), grad(jax.checkpoint_policies.nothing_saveable)
+    hlo = {name: f.lower(x, p).compile().as_text() for name, f in (("kept", kept), ("none", none))}
+    # on the CPU the top-k is a TopK custom call, the argsort a sort
+    assert {k: (t.count(" sort("), t.count('"TopK"')) for k, t in hlo.items()} == {"kept": (1, 1), "none": (2, 2)}
+    for a, b in zip(jax.tree.leaves(kept(x, p)), jax.tree.leaves(none(x, p))):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_load_balancing_loss_is_one_when_uniform_and_grows_when_skewed():

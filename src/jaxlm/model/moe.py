@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxlm import runtime, sharding
 from jaxlm.model import expert_parallel, layers
@@ -25,6 +26,10 @@ from jaxlm.params import ParamSpec, normal, zeros
 # The balancing bias's step rides in its gradient slot this much smaller, so that global-norm clipping and the
 # logged gradient norm do not see it (train/optim.py divides it back out; a power of two: exact both ways).
 BALANCE_SIGNAL = 2.0 ** -40
+# The name of a MoE layer's routing indices (the chosen experts, the dispatch's order, inverse and counts), which
+# every remat policy but the offloading ones keeps (transformer.remat_policy): 12 bytes a token copy, against the
+# router's top-k and the dispatch's sort recomputed in the backward.
+ROUTING = "moe_routing"
 
 
 class Router(NamedTuple):
@@ -85,7 +90,7 @@ def route(x_MD: jax.Array, p: dict, router: Router):
         choose_ME = choose_ME + jax.lax.stop_gradient(p["balance_bias"])
     if router.groups > 1:
         choose_ME = _best_groups(choose_ME, router.groups, router.topk_groups)
-    _, experts_MK = jax.lax.top_k(jax.lax.stop_gradient(choose_ME), router.k)
+    experts_MK = checkpoint_name(jax.lax.top_k(jax.lax.stop_gradient(choose_ME), router.k)[1], ROUTING)
     # The chosen scores by a one-hot product (exact: one nonzero term), whose gradient is a product too, where
     # take_along_axis's is a scatter of M * K values into [M, E].
     chosen_MKE = jax.nn.one_hot(experts_MK, scores_ME.shape[-1], dtype=scores_ME.dtype)
@@ -120,10 +125,14 @@ def grouped_matmul(setting: str) -> str:
 
 
 def experts(x_AD: jax.Array, p: dict, group_sizes_E: jax.Array, act: layers.Activation,
-            matmul: str = "ragged_dot", filled: bool = False, tiles: tuple[int, int, int] | None = None) -> jax.Array:
+            matmul: str = "ragged_dot", filled: bool = False, tiles: tuple[int, int, int] | None = None,
+            scale_A: jax.Array | None = None) -> jax.Array:
     """The experts' MLPs on token copies sorted by expert, group_sizes_E[e] of them for expert e of p, by the
     grouped matmul `matmul` (ragged_dot or megablox). filled: the groups cover every row (the one-device
-    dropless dispatch), so megablox needs no mask for rows past them; tiles: megablox's (model.moe_tiles)."""
+    dropless dispatch), so megablox needs no mask for rows past them; tiles: megablox's (model.moe_tiles).
+    scale_A: each copy's output scaled by its router weight, applied to the hidden rows [A, F] before the down
+    projection (and to its bias), where the activation's fusion does it at no extra pass: the combine is then
+    a plain sum, and the weights' gradient a reduction in that fusion's backward instead of one over [A, D]."""
     if matmul == "megablox":
         ctx = sharding.active()
         dot = functools.partial(layers.megablox_dot, filled=filled, tiles=tiles,
@@ -131,14 +140,17 @@ def experts(x_AD: jax.Array, p: dict, group_sizes_E: jax.Array, act: layers.Acti
     else:
         dot = layers.ragged_dot
 
-    def proj(x, name):
+    def proj(x, name, scale=None):
         y = dot(x, p[name], group_sizes_E)
         if name + "_bias" in p:  # each row gets its own expert's bias
-            y = y + jnp.repeat(p[name + "_bias"], group_sizes_E, axis=0, total_repeat_length=x.shape[0]).astype(y.dtype)
+            b = jnp.repeat(p[name + "_bias"], group_sizes_E, axis=0, total_repeat_length=x.shape[0])
+            y = y + (b if scale is None else b * scale[:, None]).astype(y.dtype)
         return y
 
     h_AF = act(proj(x_AD, "up"), proj(x_AD, "gate") if act.glu else None)
-    return proj(h_AF, "down")
+    if scale_A is not None:
+        h_AF = (h_AF * scale_A[:, None]).astype(h_AF.dtype)
+    return proj(h_AF, "down", scale_A)
 
 
 def moe(x_BTD: jax.Array, p: dict, act: layers.Activation, router: Router, capacity_factor: float = 0.0,
@@ -174,20 +186,17 @@ def _moe_one_device(x_BTD, p, act, router: Router, matmul: str, tiles=None):
         x_MD = x_BTD.reshape(B * T, D)
         stats_ME, experts_MK, weights_MK = route(x_MD, p, router)
     with jax.named_scope("dispatch"):
-        order_A, slot_A, group_sizes_E = sort_by_expert(experts_MK, E)
+        order_A, slot_A, group_sizes_E = (checkpoint_name(a, ROUTING) for a in sort_by_expert(experts_MK, E))
         if router.weights_input:  # each copy carries its token scaled by its weight
             xw_AD = (x_MD[:, None, :] * weights_MK[..., None].astype(x_MD.dtype)).reshape(B * T * k, D)
-            x_AD = permute(xw_AD, order_A, slot_A)
-        else:
+            x_AD, scale_A = permute(xw_AD, order_A, slot_A), None
+        else:  # the weights in expert order scale the experts' hidden rows
             x_AD = copies(x_MD, order_A, slot_A, k)
+            scale_A = permute(weights_MK.reshape(B * T * k, 1), order_A, slot_A)[:, 0]
     with jax.named_scope("experts"):
-        y_AD = experts(x_AD, p, group_sizes_E, act, matmul, filled=True, tiles=tiles)
+        y_AD = experts(x_AD, p, group_sizes_E, act, matmul, filled=True, tiles=tiles, scale_A=scale_A)
     with jax.named_scope("combine"):
-        y_MKD = permute(y_AD, slot_A, order_A).reshape(B * T, k, D)
-        if router.weights_input:
-            y_MD = jnp.sum(y_MKD.astype(jnp.float32), axis=1)
-        else:  # one fused pass: the bf16 copies are read once, weighted and summed in float32
-            y_MD = jnp.sum(y_MKD.astype(jnp.float32) * weights_MK[..., None], axis=1)
+        y_MD = combine(y_AD, order_A, slot_A, k)
     stats_3E = jnp.stack([group_sizes_E.astype(jnp.float32) / (B * T), jnp.mean(stats_ME, axis=0),
                           jnp.zeros((E,), jnp.float32)])
     return y_MD.reshape(B, T, D).astype(x_BTD.dtype), stats_3E
@@ -228,24 +237,50 @@ def _permute_bwd(back_A, g_AD):
 permute.defvjp(_permute_fwd, _permute_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def copies(x_MD: jax.Array, order_A: jax.Array, slot_A: jax.Array, k: int) -> jax.Array:
-    """The k copies of each token in expert order, x_MD[order_A // k] (sort_by_expert's order_A and slot_A). The
-    gradient gathers each token's k copies back by slot_A and sums them in float32, where autodiff's would
-    scatter-add [A, D] rows into [M, D]."""
+def _spread(x_MD, order_A, k):
     return _rows(x_MD, order_A // k)
 
 
+def _gather_sum(g_AD, slot_A, k):
+    g_MkD = _rows(g_AD, slot_A).reshape(-1, k, g_AD.shape[-1])
+    return jnp.sum(g_MkD, axis=1, dtype=jnp.float32).astype(g_AD.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def copies(x_MD: jax.Array, order_A: jax.Array, slot_A: jax.Array, k: int) -> jax.Array:
+    """The k copies of each token in expert order, x_MD[order_A // k] (sort_by_expert's order_A and slot_A). The
+    gradient gathers each token's k copies back by slot_A and sums them in float32 (`combine`), where autodiff's
+    would scatter-add [A, D] rows into [M, D]."""
+    return _spread(x_MD, order_A, k)
+
+
 def _copies_fwd(x_MD, order_A, slot_A, k):
-    return _rows(x_MD, order_A // k), slot_A
+    return _spread(x_MD, order_A, k), slot_A
 
 
 def _copies_bwd(k, slot_A, g_AD):
-    g_MkD = _rows(g_AD, slot_A).reshape(-1, k, g_AD.shape[-1])
-    return jnp.sum(g_MkD, axis=1, dtype=jnp.float32).astype(g_AD.dtype), None, None
+    return _gather_sum(g_AD, slot_A, k), None, None
 
 
 copies.defvjp(_copies_fwd, _copies_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def combine(y_AD: jax.Array, order_A: jax.Array, slot_A: jax.Array, k: int) -> jax.Array:
+    """Each token's k copies (in expert order) gathered back by slot_A and summed in float32 [M, D]: the
+    transpose of `copies`, whose forward is this one's gradient (one gather of [M, D] rows into [A, D])."""
+    return _gather_sum(y_AD, slot_A, k)
+
+
+def _combine_fwd(y_AD, order_A, slot_A, k):
+    return _gather_sum(y_AD, slot_A, k), order_A
+
+
+def _combine_bwd(k, order_A, g_MD):
+    return _spread(g_MD, order_A, k), None, None
+
+
+combine.defvjp(_combine_fwd, _combine_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))

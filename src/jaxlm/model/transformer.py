@@ -125,16 +125,20 @@ def remat_policy(cfg: ModelConfig):
     again, and the policies that keep matmul outputs (minimal, save_dots) keep each int8 matmul's result at the
     compute dtype (quant.QUANT_OUT, 2 bytes an element) in place of its int32 accumulator (4), and its int8 input
     and scales (quant.QUANT_IN, 1 byte an element), so that the recomputed forward does not quantize the input
-    again; the policies that offload to the host are left as they are."""
+    again. A model with experts keeps each MoE layer's routing indices (moe.ROUTING: the chosen experts, the
+    dispatch's order and counts, about 12 bytes a token copy), so that the recomputed forward sorts nothing again.
+    The policies that offload to the host are left as they are."""
     if cfg.remat == "none":
         return None
     policy = REMAT_POLICIES[cfg.remat]
-    if cfg.quantization == "int8" and not cfg.remat.startswith("offload"):
-        names = [quant.QUANT_WEIGHT]
+    if cfg.remat.startswith("offload"):
+        return policy
+    names = [moe.ROUTING] if cfg.n_experts else []
+    if cfg.quantization == "int8":
+        names.append(quant.QUANT_WEIGHT)
         if cfg.remat in ("minimal", "save_dots"):
             policy, names = _no_int32_dots(policy), [*names, quant.QUANT_OUT, quant.QUANT_IN]
-        policy = _cp.save_from_both_policies(policy, _cp.save_only_these_names(*names))
-    return policy
+    return _cp.save_from_both_policies(policy, _cp.save_only_these_names(*names)) if names else policy
 
 
 def block(x_BTD: jax.Array, p: dict, cfg: ModelConfig, positions_BT: jax.Array, key: jax.Array | None,
