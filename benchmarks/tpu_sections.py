@@ -88,6 +88,14 @@ GPT2_ROWS = [
     # halved to 32; the compile, with its 64 micro-batches: 9.32 GiB), here without accumulation.
     ("batch 32, bf16, remat minimal (the preflight's line)", {**_GPT2_ONE_CHIP, "model.remat": "minimal",
                                                             "training.batch_size": 32}),
+    # The 12 layers unrolled (model.scan_layers=false): no copies of the saved activations into the scan's stacks
+    # and out of them, no slices of the stacked weights. The compile for v5e-1 from a CPU host (remat_hlo.py) puts
+    # row 7's step at 139.9 ms of estimate against 152.8 scanned (matmuls 78.6 against 83.0, the rest 61.3 against
+    # 69.8), 6.55 GiB against 6.39; its compile takes about 2.4x as long.
+    ("batch 16, bf16, remat minimal, seq_minor, loss in one chunk, splash tiles of 1,024, layers unrolled",
+     {**_GPT2_MINIMAL, "model.attention_block": 1024, "model.scan_layers": False}),
+    ("batch 16, bf16, remat minimal, seq_minor, loss in one chunk, layers unrolled",
+     {**_GPT2_MINIMAL, "model.scan_layers": False}),
 ]
 # int8 training of the whole maxtext_base_v5e step (bf16 weights and moments, the loss in one chunk, 2 x 2,048
 # tokens a micro-batch, 16 a step) against the preset itself; JAXLM_BENCH_QUANT_ROWS chooses rows (quant()).
@@ -243,7 +251,7 @@ def gpt2(ctx: Ctx) -> None:
     `jaxlm compile openwebtext compile.topology=v5e-1` puts it at about 122 GiB, more than a chip holds), then
     batch 16 with bf16 weights and remat full, the splash kernel reading heads as [H, T] and as [T, H], then with
     [H, T] and the loss in one chunk under remat full, remat minimal (profiled), and at batch 32, then around remat
-    minimal: batch 24, splash tiles of 1,024 and 256, and the preflight's line (GPT2_ROWS)."""
+    minimal: batch 24, splash tiles of 1,024 and 256, the preflight's line, and the layers unrolled (GPT2_ROWS)."""
     rows(ctx, "gpt2_runs", "openwebtext", GPT2_ROWS, ctx.sizes["gpt2_steps"], {}, profile=(4,),
          chosen=ctx.sizes.get("gpt2_rows"))
 
