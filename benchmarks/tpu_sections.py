@@ -47,6 +47,10 @@ MAXTEXT_ROWS = [
     # The named line (a preset name in place of settings: that preset as `jaxlm train` runs it): the above with 16
     # micro-batches a step, their gradients added in place (v5e-1 compile: 12.02 GiB).
     ("maxtext_base_v5e preset: bf16, remat minimal, loss in one chunk, 16 micro-batches a step", "maxtext_base_v5e"),
+    # The same with its 16 layers unrolled (model.scan_layers=false): the compile for v5e-1 from a CPU host
+    # (remat_hlo.py) estimates 3,087.8 ms a step against 3,509.4 scanned (matmuls 2,408.8 against 2,607.3, the rest
+    # 679.0 against 902.1), 13.92 GiB against 12.44; the compile takes 5.5x as long.
+    ("maxtext_base_v5e preset, layers unrolled", ("maxtext_base_v5e", {"model.scan_layers": False})),
 ]
 # GPT-2 on one chip (docs/performance.md, "GPT-2 on one chip"): at width 768 and heads of 64, recomputing a layer
 # costs less than saving its activations, whose copies through padded [.., T, 64] tiles dominate; the compile from
@@ -214,8 +218,8 @@ def train_row(ctx: Ctx, label: str, cfg, steps: int, profile: bool = False) -> d
 def rows(ctx: Ctx, key: str, preset: str, table: list, steps: int, extra: dict, profile: tuple = (),
          chosen: str | None = None) -> None:
     """Each row of `table` (label, settings) over the preset, while time is left; ctx.put(key=[rows]). A row whose
-    settings are a preset's name runs that preset (with `extra`) instead. JAXLM_BENCH_<KEY>_ROWS (else `chosen`),
-    e.g. "0,3,4": only those rows."""
+    settings are a preset's name runs that preset (with `extra`) instead, and a (name, settings) pair that preset
+    with those settings. JAXLM_BENCH_<KEY>_ROWS (else `chosen`), e.g. "0,3,4": only those rows."""
     out = []
     chosen = os.environ.get(f"JAXLM_BENCH_{key.split('_')[0].upper()}_ROWS", chosen)
     for i, (label, settings) in enumerate(table):
@@ -225,7 +229,8 @@ def rows(ctx: Ctx, key: str, preset: str, table: list, steps: int, extra: dict, 
             out.append(dict(label=label, note=f"skipped: time budget ({ctx.left():.0f} s left)"))
             continue
         try:
-            name, settings = (settings, {}) if isinstance(settings, str) else (preset, settings)
+            name, settings = ((settings, {}) if isinstance(settings, str) else settings if isinstance(settings, tuple)
+                              else (preset, settings))
             out.append(train_row(ctx, label, load(name, ctx, {**extra, **settings}), steps, profile=i in profile))
         except Exception as e:  # noqa: BLE001 - one row failing (out of memory, say) leaves the others
             full = re.search("RESOURCE_EXHAUSTED|[Oo]ut of memory", str(e))
@@ -239,8 +244,8 @@ def yardsticks(ctx: Ctx) -> None:
 
 def maxtext(ctx: Ctx) -> None:
     """maxtext_base (MaxText's default model, 1.1B) at 2 x 2,048 tokens: the preset, then bf16 weights, remat
-    minimal, the loss in one chunk, micro-batches, batch 4, and the maxtext_base_v5e preset; the time by operation
-    of the steps of remat minimal, 4 micro-batches and the v5e preset."""
+    minimal, the loss in one chunk, micro-batches, batch 4, and the maxtext_base_v5e preset, scanned and with its
+    layers unrolled; the time by operation of the steps of remat minimal, 4 micro-batches and the v5e preset."""
     z = ctx.sizes
     rows(ctx, "maxtext_runs", "maxtext_base", MAXTEXT_ROWS, z["maxtext_steps"],
          {"training.batch_size": z["maxtext_batch"]}, profile=(2, 4, 7), chosen=z.get("maxtext_rows"))
