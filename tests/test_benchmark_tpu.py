@@ -5,6 +5,7 @@ and Pallas calls in the HLO, a TPU trace's device plane, the MFU arithmetic of b
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -122,6 +123,24 @@ def test_moe_extra_rows_by_their_variables():
     assert every == [("qwen3_moe", "megablox_tiles_" + t.replace(",", "_")) for t in tpu_sections().MOE_TILES[
         "qwen3_moe"]] + [("qwen3_moe", "auto_accum4"), ("qwen3_moe", "dense_accum4")] + [
         ("mixtral", "megablox_tiles_" + t.replace(",", "_")) for t in tpu_sections().MOE_TILES["mixtral"]]
+
+
+def test_a_row_runs_its_preset_its_named_preset_or_a_preset_with_settings(tmp_path, monkeypatch):
+    """rows(): settings over the section's preset, a preset's name alone, or (name, settings); the unrolled rows."""
+    ts = tpu_sections()
+    loaded = []
+    monkeypatch.setattr(ts, "load", lambda name, ctx, settings: loaded.append((name, settings)) or name)
+    monkeypatch.setattr(ts, "train_row", lambda ctx, label, cfg, steps, profile=False: dict(label=label, cfg=cfg))
+    monkeypatch.delenv("JAXLM_BENCH_MAXTEXT_ROWS", raising=False)
+    ctx = gpu_sections.Ctx(str(tmp_path / "figures.jsonl"), deadline=time.time() + 600, tiny=True)
+    table = [("a", {"model.remat": "full"}), ("b", "maxtext_base_v5e"),
+             ("c", ("maxtext_base_v5e", {"model.scan_layers": False}))]
+    ts.rows(ctx, "maxtext_runs", "maxtext_base", table, 1, {"training.batch_size": 2})
+    assert loaded == [("maxtext_base", {"training.batch_size": 2, "model.remat": "full"}),
+                      ("maxtext_base_v5e", {"training.batch_size": 2}),
+                      ("maxtext_base_v5e", {"training.batch_size": 2, "model.scan_layers": False})]
+    assert ts.MAXTEXT_ROWS[8][1] == ("maxtext_base_v5e", {"model.scan_layers": False})
+    assert [r[1]["model.scan_layers"] for r in ts.GPT2_ROWS[10:]] == [False, False]
 
 
 def test_lora_rows_without_the_yardsticks_section():
