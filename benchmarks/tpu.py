@@ -42,7 +42,8 @@ Sections and what they report:
               JAXLM_BENCH_MOE_ROWS=1,4 runs only those of the six; JAXLM_BENCH_MOE_TILES=all adds megablox rows
               with each tiling of tpu_sections.MOE_TILES (or names them: 256,1024,1024/mixtral:512,512,2048),
               JAXLM_BENCH_MOE_ACCUM=4 rows of 4 micro-batches a step (Adam amortized): the MoE
-              at model.moe_matmul=auto (megablox on a TPU) and the dense model
+              at model.moe_matmul=auto (megablox on a TPU) and the dense model; JAXLM_BENCH_MOE_UNROLLED=1 the
+              same two with their layers unrolled (model.scan_layers=false)
   decode      generate at batch 1 and 64 (the 1B shape in bf16), batch 1's bytes per token over the HBM copy, batch
               64's call under the profiler (decode_b64_profile: by kind, scope and top operations); then
               llama3.1-8b's shape with int8 weights (decode.quantize_weights=int8's layout, random, made on the
@@ -208,9 +209,10 @@ def mixtures(rows: list[dict], peak, matmul, kv: dict, tables: list) -> None:
         name = f"moe_{r['shape']}_{r['dispatch']}"
         kv[f"{name}_tokens_per_s"], kv[f"{name}_mfu"], kv[f"{name}_mfu_vs_matmul"] = tps, r["mfu"], r["mfu_vs_matmul"]
         kv[f"{name}_predicted_peak_gib"] = r["predicted_peak_bytes"] / 2**30 if r.get("predicted_peak_bytes") else None
-        accum = r.get("grad_accum", 1)
-        dense = by.get((r["shape"], "dense" + (f"_accum{accum}" if accum > 1 else "")), {}).get("tokens_per_s")
-        if not r["dispatch"].startswith("dense") and tps and dense:  # against the dense row of as many micro-batches
+        # against the dense row of the same settings: auto_X against dense_X (micro-batches, unrolled layers)
+        partner = "dense_" + r["dispatch"][len("auto_"):] if r["dispatch"].startswith("auto_") else "dense"
+        dense = by.get((r["shape"], partner), {}).get("tokens_per_s")
+        if not r["dispatch"].startswith("dense") and tps and dense:
             kv[f"{name}_vs_dense"] = tps / dense
         mega = by.get((r["shape"], "megablox"), {}).get("tokens_per_s")
         if r["dispatch"].startswith("megablox_tiles") and tps and mega:  # a tiling against the default tiles

@@ -559,13 +559,15 @@ def _per_shape(text: str, every: list) -> dict:
     return out
 
 
-def moe_extras(tiles: str, accum: str) -> list[tuple[str, str, dict]]:
+def moe_extras(tiles: str, accum: str, unrolled: str = "") -> list[tuple[str, str, dict]]:
     """The moe section's extra rows, (shape key, dispatch, settings over the megablox row's): megablox with each
     tiling `tiles` names (JAXLM_BENCH_MOE_TILES: 'all' for MOE_TILES, or TM,TK,TN entries, '/'-separated, each
     optionally SHAPE:TM,TK,TN), then the MoE at model.moe_matmul=auto (megablox on a TPU, ragged_dot elsewhere:
     the default a user gets) and the dense model, both with training.grad_accum=N for each N `accum` names
     (JAXLM_BENCH_MOE_ACCUM, e.g. 4 or qwen3_moe:4): Adam's update over all the weights amortized over N
-    micro-batches, as a real MoE run at millions of tokens a step amortizes it."""
+    micro-batches, as a real MoE run at millions of tokens a step amortizes it; then, for each shape `unrolled`
+    names (JAXLM_BENCH_MOE_UNROLLED: 1 for every shape, or SHAPE:1), the MoE at auto and the dense model with
+    their layers unrolled (model.scan_layers=false: no copies of the stacked expert weights a layer)."""
     keys = [key for key, *_ in MOE_SHAPES]
     chosen = ({k: list(v) for k, v in MOE_TILES.items()} if tiles.strip() == "all" else _per_shape(tiles, keys))
     out = []
@@ -574,13 +576,16 @@ def moe_extras(tiles: str, accum: str) -> list[tuple[str, str, dict]]:
             out.append((key, "megablox_tiles_" + t.replace(",", "_"), {"model.moe_tiles": t}))
         for n in _per_shape(accum, keys).get(key, []):
             out += [(key, f"{d}_accum{n}", {"training.grad_accum": int(n)}) for d in ("auto", "dense")]
+        if _per_shape(unrolled, keys).get(key):
+            out += [(key, f"{d}_unrolled", {"model.scan_layers": False}) for d in ("auto", "dense")]
     return out
 
 
-def moe_configs(ctx: Ctx, tiles: str = "", accum: str = "") -> list[tuple[str, str, str, object]]:
+def moe_configs(ctx: Ctx, tiles: str = "", accum: str = "", unrolled: str = "") -> list[tuple[str, str, str, object]]:
     """The moe section's rows in order, (shape key, shape label, dispatch, config): each MOE_SHAPES shape with
     model.moe_matmul=ragged_dot, =megablox, and as the dense model of equal active parameters (same layers and
-    widths, no experts, d_ff = experts_per_token x the experts' width); then moe_extras(tiles, accum)'s rows.
+    widths, no experts, d_ff = experts_per_token x the experts' width); then moe_extras(tiles, accum, unrolled)'s
+    rows.
     JAXLM_BENCH_MOE_ROWS=0,3 indexes the six default rows (the extra rows run whenever their variables name them)."""
     from jaxlm import config as config_lib
 
@@ -597,7 +602,7 @@ def moe_configs(ctx: Ctx, tiles: str = "", accum: str = "") -> list[tuple[str, s
         for dispatch in MOE_DISPATCH:
             out.append((key, label, dispatch, config_lib.load(preset, {**over, **(
                 dense if dispatch == "dense" else {"model.moe_matmul": dispatch})})))
-        for k, dispatch, settings_x in moe_extras(tiles, accum):
+        for k, dispatch, settings_x in moe_extras(tiles, accum, unrolled):
             if k == key:
                 base = (dense if dispatch.startswith("dense") else
                         {"model.moe_matmul": "auto" if dispatch.startswith("auto") else "megablox"})
@@ -657,15 +662,16 @@ def moe(ctx: Ctx) -> None:
     its experts' grouped matmul by ragged_dot and by megablox (model.moe_matmul), from the same initialization and
     batches, so their losses differ by rounding only, and the dense model of equal active parameters beside them:
     tokens/s, FLOPs per token by the active parameters, the losses, the compiled step's memory. Then the extra rows
-    JAXLM_BENCH_MOE_TILES (megablox tilings) and JAXLM_BENCH_MOE_ACCUM (micro-batches a step) ask for
-    (moe_extras; untraced)."""
+    JAXLM_BENCH_MOE_TILES (megablox tilings), JAXLM_BENCH_MOE_ACCUM (micro-batches a step) and
+    JAXLM_BENCH_MOE_UNROLLED (the layers unrolled) ask for (moe_extras; untraced)."""
     import gc
 
     z = ctx.sizes
     # e.g. "0,1": only those rows of moe_configs; tiny: one shape in all three dispatches, the other by megablox
     chosen = os.environ.get("JAXLM_BENCH_MOE_ROWS", z.get("moe_rows"))
     configs = moe_configs(ctx, os.environ.get("JAXLM_BENCH_MOE_TILES", z.get("moe_tiles", "")),
-                          os.environ.get("JAXLM_BENCH_MOE_ACCUM", z.get("moe_accum", "")))
+                          os.environ.get("JAXLM_BENCH_MOE_ACCUM", z.get("moe_accum", "")),
+                          os.environ.get("JAXLM_BENCH_MOE_UNROLLED", z.get("moe_unrolled", "")))
     tokens, entropy = g.markov_tokens(configs[0][3].model.vocab_size, (z["moe_steps"] + 1) * max(
         c.training.batch_size * c.training.grad_accum for *_, c in configs),
                                       z["moe_block"] + 1)

@@ -123,6 +123,21 @@ def test_moe_extra_rows_by_their_variables():
     assert every == [("qwen3_moe", "megablox_tiles_" + t.replace(",", "_")) for t in tpu_sections().MOE_TILES[
         "qwen3_moe"]] + [("qwen3_moe", "auto_accum4"), ("qwen3_moe", "dense_accum4")] + [
         ("mixtral", "megablox_tiles_" + t.replace(",", "_")) for t in tpu_sections().MOE_TILES["mixtral"]]
+    assert extras("", "", "mixtral:1") == [("mixtral", "auto_unrolled", {"model.scan_layers": False}),
+                                           ("mixtral", "dense_unrolled", {"model.scan_layers": False})]
+    assert [(k, d) for k, d, _ in extras("", "2", "1")] == [
+        (k, d) for k in ("qwen3_moe", "mixtral") for d in ("auto_accum2", "dense_accum2", "auto_unrolled",
+                                                          "dense_unrolled")]
+    # each MoE row against the dense row of its own settings
+    rows = [dict(shape="mixtral", label="Mixtral", dispatch=d, tokens_per_s=t, flops_causal=1.0) for d, t in (
+        ("megablox", 60.0), ("dense", 100.0), ("auto_unrolled", 90.0), ("dense_unrolled", 120.0),
+        ("auto_accum2", 80.0), ("dense_accum2", 100.0))]
+    kv = {}
+    import tpu
+
+    tpu.mixtures(rows, None, None, kv, [])
+    assert kv["moe_mixtral_megablox_vs_dense"] == 0.6 and kv["moe_mixtral_auto_unrolled_vs_dense"] == 0.75
+    assert kv["moe_mixtral_auto_accum2_vs_dense"] == 0.8
 
 
 def test_a_row_runs_its_preset_its_named_preset_or_a_preset_with_settings(tmp_path, monkeypatch):
