@@ -229,8 +229,12 @@ def rows(ctx: Ctx, key: str, preset: str, table: list, steps: int, extra: dict, 
             out.append(dict(label=label, note=f"skipped: time budget ({ctx.left():.0f} s left)"))
             continue
         try:
-            name, settings = ((settings, {}) if isinstance(settings, str) else settings if isinstance(settings, tuple)
-                              else (preset, settings))
+            if isinstance(settings, str):  # a preset's name
+                name, settings = settings, {}
+            elif isinstance(settings, tuple):  # (a preset's name, settings over it)
+                name, settings = settings
+            else:
+                name = preset
             out.append(train_row(ctx, label, load(name, ctx, {**extra, **settings}), steps, profile=i in profile))
         except Exception as e:  # noqa: BLE001 - one row failing (out of memory, say) leaves the others
             full = re.search("RESOURCE_EXHAUSTED|[Oo]ut of memory", str(e))
@@ -872,7 +876,7 @@ def serve_kernels(ctx: Ctx, kernels: str) -> None:
     one parts at the first tokens)."""
     import gc
 
-    first = None  # (label, digests) of the first entry that ran: each later one's greedy tokens are compared with its
+    first = None  # (label, digests, tokens) of the first entry that ran, each later entry's reference
     for tag, name, options in kernel_entries(kernels):
         label = " ".join([f"attention_kernel={name}", *options.split(",")]).strip()
         try:
@@ -881,7 +885,7 @@ def serve_kernels(ctx: Ctx, kernels: str) -> None:
             print(f"serve 1B {label}: error: {g.one_line(e)}", flush=True)
             ctx.put(**{f"serve_{tag}_note": f"error: {g.one_line(e)}"})
             continue
-        digests, outputs = out["round"]["digests"], out["round"].get("outputs", [])
+        digests, outputs = out["round"]["digests"], out["round"]["outputs"]
         if first is None:
             first = label, digests, outputs
         else:  # the same seed's prompts: settings that compute the same values give the same tokens, request by request
